@@ -1,0 +1,29 @@
+"""torch_moe: Mixture-of-Experts layers and ops for PyTorch."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+
+def _requirements(name: str) -> list[str]:
+    lines = (HERE / name).read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith(("#", "-"))]
+
+
+setup(
+    name="torch_moe",
+    version="0.1.0",
+    description="Mixture-of-Experts layers, ops and kernels for PyTorch",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torch_moe", "torch_moe.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11", "triton>=3.6"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "expecttest>=0.2", "numpy"],
+        "lint": _requirements("requirements-lint.txt"),
+    },
+    license="BSD-3-Clause",
+)

@@ -1,0 +1,183 @@
+# Owner(s): ["module: moe"]
+"""Tests for torch_moe::grouped_mm and grouped_mm_wgrad against a naive per-row loop."""
+
+import torch
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe._ops.grouped_mm import grouped_mm_reference, grouped_mm_wgrad
+from torch_moe.ops import grouped_mm
+
+TOL = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+}
+
+
+def naive_grouped_mm(x, w, offs):
+    """Row by row in float64: out[r] = x[r] @ w[group of r]; zero past offs[-1]."""
+    out = torch.zeros(x.shape[0], w.shape[2], dtype=torch.float64)
+    ends = offs.tolist()
+    for r in range(x.shape[0]):
+        g = next((i for i, e in enumerate(ends) if r < e), None)
+        if g is not None:
+            out[r] = x[r].double() @ w[g].double()
+    return out
+
+
+def make_offs(sizes, tail=0):
+    """Group ends from group sizes; ``tail`` extra rows past the last group."""
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return ends, int(ends[-1]) + tail if len(sizes) else tail
+
+
+GROUPS = {
+    "even": [5, 5, 5, 5],
+    "empty_groups": [0, 7, 0, 0, 3, 0],
+    "one_group_all": [0, 0, 12, 0],
+    "single": [9],
+    "no_rows": [0, 0, 0],
+}
+
+
+class TestGroupedMM(TestCase):
+    @parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+    @parametrize("groups", list(GROUPS))
+    @parametrize("kn", [(16, 32), (7, 13)])
+    @parametrize("w_layout", ["EKN", "ENK_transposed"])
+    def test_forward_backward_matches_naive(self, dtype, groups, kn, w_layout):
+        k, n = kn
+        offs, m = make_offs(GROUPS[groups], tail=3)
+        num_groups = offs.shape[0]
+        x = torch.randn(k, m, dtype=dtype).t().requires_grad_()  # non-contiguous
+        if w_layout == "EKN":
+            w = torch.randn(num_groups, k, n, dtype=dtype, requires_grad=True)
+            w_leaf = w
+        else:
+            w_leaf = torch.randn(num_groups, n, k, dtype=dtype, requires_grad=True)
+            w = w_leaf.transpose(-2, -1)
+        out = grouped_mm(x, w, offs)
+        self.assertEqual(out.dtype, dtype)
+        self.assertEqual(out.shape, (m, n))
+        self.assertEqual(out.double(), naive_grouped_mm(x.detach(), w.detach(), offs), **TOL[dtype])
+        self.assertTrue((out[int(offs[-1]) if num_groups else 0 :] == 0).all())
+
+        grad = torch.randn(m, n, dtype=dtype)
+        out.backward(grad)
+        x64 = x.detach().double().requires_grad_()
+        w64 = w.detach().double().requires_grad_()
+        ref = naive_grouped_mm(x64, w64, offs)
+        if ref.requires_grad:
+            ref.backward(grad.double())
+        else:  # no row belongs to any group: every gradient is zero
+            x64.grad, w64.grad = torch.zeros_like(x64), torch.zeros_like(w64)
+        self.assertEqual(x.grad.double(), x64.grad, **TOL[dtype])
+        self.assertEqual(w_leaf.grad.shape, w_leaf.shape)
+        w_grad = w_leaf.grad if w_layout == "EKN" else w_leaf.grad.transpose(-2, -1)
+        self.assertEqual(w_grad.double(), w64.grad, **TOL[dtype])
+        self.assertTrue((x.grad[int(offs[-1]) if num_groups else 0 :] == 0).all())
+
+    @parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_zero_stride_grad(self, dtype):
+        # torch._grouped_mm's backward fails here: "Invalid strides/sizes, got [0, 0]".
+        offs, m = make_offs([3, 0, 4], tail=2)
+        x = torch.randn(m, 16, dtype=dtype, requires_grad=True)
+        w = torch.randn(3, 16, 8, dtype=dtype, requires_grad=True)
+        grouped_mm(x, w, offs).sum().backward()
+        ones = torch.ones(m, 8, dtype=torch.float64)
+        ones[7:] = 0
+        self.assertEqual(x.grad.double(), naive_grouped_mm(ones, w.detach().transpose(1, 2), offs), **TOL[dtype])
+        self.assertEqual(w.grad[1], torch.zeros(16, 8, dtype=dtype))
+
+    def test_matches_torch_grouped_mm_where_it_works(self):
+        offs, m = make_offs([4, 12, 0, 8])
+        x = torch.randn(m, 32, dtype=torch.bfloat16)
+        w = torch.randn(4, 64, 32, dtype=torch.bfloat16).transpose(-2, -1)
+        ours = grouped_mm(x, w, offs)
+        theirs = torch._grouped_mm(x, w, offs=offs)
+        self.assertEqual(ours, theirs, atol=1e-2, rtol=1e-2)
+
+    def test_wgrad_matches_naive(self):
+        offs, m = make_offs([3, 0, 6, 2], tail=4)
+        x = torch.randn(m, 5, dtype=torch.float64)
+        dy = torch.randn(m, 9, dtype=torch.float64)
+        out = grouped_mm_wgrad(x, dy, offs)
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            ref = sum((torch.outer(x[r], dy[r]) for r in range(start, end)), torch.zeros(5, 9, dtype=torch.float64))
+            self.assertEqual(out[g], ref)
+            start = end
+
+    def test_gradcheck(self):
+        offs, m = make_offs([2, 0, 3], tail=1)
+        x = torch.randn(m, 3, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(3, 3, 4, dtype=torch.float64, requires_grad=True)
+        self.assertTrue(torch.autograd.gradcheck(grouped_mm, (x, w, offs)))
+
+    def test_reference_agrees(self):
+        offs, m = make_offs([4, 0, 5], tail=2)
+        x = torch.randn(m, 6)
+        w = torch.randn(3, 6, 5)
+        self.assertEqual(grouped_mm(x, w, offs), grouped_mm_reference(x, w, offs))
+
+    def test_opcheck(self):
+        offs, m = make_offs([4, 0, 5], tail=2)
+        for dtype in [torch.float32, torch.bfloat16]:
+            x = torch.randn(m, 24, dtype=dtype, requires_grad=True)
+            w = torch.randn(3, 24, 8, dtype=dtype, requires_grad=True)
+            torch.library.opcheck(torch.ops.torch_moe.grouped_mm.default, (x, w, offs))
+            torch.library.opcheck(
+                torch.ops.torch_moe.grouped_mm_wgrad.default, (x.detach(), torch.randn(m, 8, dtype=dtype), offs)
+            )
+
+    def test_compile_fp32(self):
+        # torch._grouped_mm's meta kernel rejects fp32; ours traces in any dtype.
+        offs, m = make_offs([4, 0, 5], tail=2)
+        x = torch.randn(m, 6, requires_grad=True)
+        w = torch.randn(3, 6, 5, requires_grad=True)
+        compiled = torch.compile(grouped_mm, fullgraph=True, backend="aot_eager")
+        self.assertEqual(compiled(x, w, offs), grouped_mm(x, w, offs))
+
+    def test_bad_offs(self):
+        x = torch.randn(10, 4)
+        w = torch.randn(3, 4, 5)
+        with self.assertRaisesRegex(ValueError, r"offs must be non-decreasing .* got offs=\[4, 2, 9\]"):
+            grouped_mm(x, w, torch.tensor([4, 2, 9], dtype=torch.int32))
+        with self.assertRaisesRegex(ValueError, r"offs\[-1\] <= M \(10\), got offs=\[4, 6, 11\]"):
+            grouped_mm(x, w, torch.tensor([4, 6, 11], dtype=torch.int32))
+        with self.assertRaisesRegex(ValueError, r"got offs=\[-1, 6, 7\]"):
+            grouped_mm(x, w, torch.tensor([-1, 6, 7], dtype=torch.int32))
+        with self.assertRaisesRegex(ValueError, r"expected offs to be 1D int32, got 1D torch.int64"):
+            grouped_mm(x, w, torch.tensor([4, 6, 7]))
+        with self.assertRaisesRegex(ValueError, r"expected offs to have one entry per group \(3\), got 2"):
+            grouped_mm(x, w, torch.tensor([4, 6], dtype=torch.int32))
+        with self.assertRaisesRegex(ValueError, r"offs must be non-decreasing"):
+            grouped_mm_wgrad(x, torch.randn(10, 2), torch.tensor([4, 2, 9], dtype=torch.int32))
+
+    def test_bad_operands(self):
+        offs = torch.tensor([2, 4], dtype=torch.int32)
+        with self.assertRaisesRegex(ValueError, r"x is \[M, K=4\] but w is \[E, K=5, N=3\]"):
+            grouped_mm(torch.randn(4, 4), torch.randn(2, 5, 3), offs)
+        with self.assertRaisesRegex(ValueError, r"share a dtype .* got torch.float32 and torch.bfloat16"):
+            grouped_mm(torch.randn(4, 4), torch.randn(2, 4, 3, dtype=torch.bfloat16), offs)
+        with self.assertRaisesRegex(ValueError, r"expected x to be 2D \[M, K\], got 3D"):
+            grouped_mm(torch.randn(1, 4, 4), torch.randn(2, 4, 3), offs)
+        with self.assertRaisesRegex(ValueError, r"expected w to be 3D \[E, K, N\], got 2D"):
+            grouped_mm(torch.randn(4, 4), torch.randn(4, 3), offs)
+        with self.assertRaisesRegex(ValueError, r"share a dtype .* got torch.int64"):
+            grouped_mm(torch.ones(4, 4, dtype=torch.int64), torch.ones(2, 4, 3, dtype=torch.int64), offs)
+        with self.assertRaisesRegex(ValueError, r"x \[M, K\] and dy \[M, N\] with the same M, got \[4, 4\] and \[5, 3\]"):
+            grouped_mm_wgrad(torch.randn(4, 4), torch.randn(5, 3), offs)
+
+
+instantiate_parametrized_tests(TestGroupedMM)
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,188 @@
+# Owner(s): ["module: moe"]
+"""Tests for permute_indices / permute / unpermute against naive per-token loops."""
+
+import naive
+import torch
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe import ops
+
+
+def _ids(num_tokens, num_experts, k, skew="uniform", seed=0):
+    """Distinct expert ids per token: uniform, or skewed onto expert 0, or leaving experts empty."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    if skew == "one_expert":  # every token's first choice is expert 0
+        scores[:, 0] = 2
+    elif skew == "empty_experts":  # only the first max(k, E/2) experts ever get a token
+        scores[:, max(k, num_experts // 2) :] = -1
+    return scores.argsort(dim=1, descending=True)[:, :k]
+
+
+CASES = [
+    # (T, E, K, skew)
+    (0, 4, 2, "uniform"),
+    (9, 1, 1, "uniform"),
+    (13, 4, 4, "uniform"),  # K == E
+    (31, 8, 2, "empty_experts"),
+    (17, 6, 3, "one_expert"),
+    (40, 8, 1, "one_expert"),
+]
+
+
+class TestPermute(TestCase):
+    @parametrize("case", CASES)
+    @parametrize("align_capacity", [(1, None), (4, None), (1, 3), (8, 5), (1, 0)])
+    def test_matches_naive(self, case, align_capacity):
+        num_tokens, num_experts, k, skew = case
+        align, capacity = align_capacity
+        dim = 7  # odd
+        ids = _ids(num_tokens, num_experts, k, skew)
+        x = torch.randn(dim, num_tokens, dtype=torch.float64).t()  # non-contiguous
+        x_perm, perm = ops.permute(x, ids, num_experts, align=align, capacity=capacity)
+        rows, ends, dropped = naive.dispatch(ids, num_experts, align, capacity)
+
+        self.assertEqual(perm.offs.tolist(), ends)
+        self.assertEqual(perm.offs.dtype, torch.int32)
+        self.assertEqual(int(perm.num_dropped), dropped)
+        self.assertGreaterEqual(x_perm.shape[0], len(rows))
+        expected = torch.zeros(x_perm.shape, dtype=torch.float64)
+        for r, src in enumerate(rows):
+            if src is not None:
+                expected[r] = x[src[0]]
+        self.assertEqual(x_perm, expected, atol=0, rtol=0)  # a gather is exact
+
+        # combine: sum_k w * y[row], dropped slots contribute nothing
+        y = torch.randn(x_perm.shape[0], 5, dtype=torch.float64)
+        w = torch.rand(num_tokens, k, dtype=torch.float64)
+        out = ops.unpermute(y, w, perm)
+        ref = torch.zeros(num_tokens, 5, dtype=torch.float64)
+        for r, src in enumerate(rows):
+            if src is not None:
+                ref[src[0]] += w[src] * y[r]
+        self.assertEqual(out, ref)
+
+    def test_no_padding_rows_when_dropless(self):
+        ids = _ids(50, 8, 2)
+        x_perm, perm = ops.permute(torch.randn(50, 3), ids, 8)
+        self.assertEqual(x_perm.shape[0], 100)
+        self.assertEqual(int(perm.offs[-1]), 100)
+        self.assertTrue((perm.row_to_slot >= 0).all())
+
+    def test_static_row_bound(self):
+        ids = _ids(10, 4, 2)
+        self.assertEqual(ops.permute_indices(ids, 4, align=16).row_to_slot.shape[0], 20 + 4 * 15)
+        self.assertEqual(ops.permute_indices(ids, 4, capacity=3).row_to_slot.shape[0], 12)
+        self.assertEqual(ops.permute_indices(ids, 4, capacity=30).row_to_slot.shape[0], 20)
+
+    def test_round_trip_is_identity_with_unit_weights(self):
+        ids = _ids(23, 5, 2, "one_expert")
+        x = torch.randn(23, 6)
+        x_perm, perm = ops.permute(x, ids, 5, align=4)
+        out = ops.unpermute(x_perm, torch.full((23, 2), 0.5), perm)
+        self.assertEqual(out, x)
+
+    @parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_low_precision_combine_accumulates_in_fp32(self, dtype):
+        ids = _ids(64, 8, 4)
+        y = torch.randn(256, 33).to(dtype)
+        w = torch.rand(64, 4)
+        perm = ops.permute_indices(ids, 8)
+        out = ops.unpermute(y, w, perm)
+        self.assertEqual(out.dtype, dtype)
+        # fp32 accumulation and one rounding at the end: bitwise the fp32 result, rounded
+        self.assertEqual(out, ops.unpermute(y.float(), w, perm).to(dtype), atol=0, rtol=0)
+        self.assertEqual(out, ops.unpermute(y.double(), w.double(), perm).to(dtype))
+
+    def test_deterministic(self):
+        ids = _ids(300, 8, 4, "one_expert")
+        x = torch.randn(300, 64, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.rand(300, 4, requires_grad=True)
+        results = []
+        for _ in range(2):
+            x.grad = w.grad = None
+            x_perm, perm = ops.permute(x, ids, 8, align=16)
+            out = ops.unpermute(x_perm * 3, w, perm)
+            out.float().square().sum().backward()
+            results.append((out, x.grad, w.grad))
+        for a, b in zip(*results):
+            self.assertEqual(a, b, atol=0, rtol=0)
+
+    @parametrize("capacity", [None, 2])
+    def test_gradcheck(self, capacity):
+        ids = _ids(7, 4, 2, "one_expert")
+        x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+        w = torch.rand(7, 2, dtype=torch.float64, requires_grad=True)
+        perm = ops.permute_indices(ids, 4, align=2, capacity=capacity)
+
+        def fn(x, w):
+            x_perm = torch.ops.torch_moe.permute(x, perm.row_to_slot, perm.slot_to_row, w)
+            y = x_perm.sin()
+            return ops.unpermute(y, w, perm)
+
+        self.assertTrue(torch.autograd.gradcheck(fn, (x, w)))
+        self.assertTrue(torch.autograd.gradgradcheck(lambda x: fn(x, w.detach()), (x,)))
+
+    def test_zero_stride_grad(self):
+        ids = _ids(9, 3, 2)
+        x = torch.randn(9, 4, requires_grad=True)
+        x_perm, perm = ops.permute(x, ids, 3, align=4)
+        ops.unpermute(x_perm, None, perm).sum().backward()
+        self.assertEqual(x.grad, torch.full((9, 4), 2.0))
+
+    def test_opcheck(self):
+        ids = _ids(12, 4, 2, "one_expert")
+        for align, cap in [(1, None), (4, 2)]:
+            torch.library.opcheck(torch.ops.torch_moe.permute_indices.default, (ids, 4, align, cap))
+            perm = ops.permute_indices(ids, 4, align=align, capacity=cap)
+            x = torch.randn(12, 5, requires_grad=True)
+            w = torch.rand(12, 2, requires_grad=True)
+            y = torch.randn(perm.row_to_slot.shape[0], 5, requires_grad=True)
+            torch.library.opcheck(torch.ops.torch_moe.permute.default, (x, perm.row_to_slot, perm.slot_to_row, w))
+            torch.library.opcheck(torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, w))
+            torch.library.opcheck(torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, None))
+
+    def test_compile_fullgraph(self):
+        ids = _ids(16, 4, 2)
+        x = torch.randn(16, 8)
+        w = torch.rand(16, 2)
+
+        def fn(x, ids, w):
+            x_perm, perm = ops.permute(x, ids, 4, align=4)
+            return ops.unpermute(x_perm * 2, w, perm)
+
+        self.assertEqual(torch.compile(fn, fullgraph=True, backend="aot_eager")(x, ids, w), fn(x, ids, w))
+
+    def test_bad_inputs(self):
+        ids = _ids(4, 4, 2)
+        with self.assertRaisesRegex(ValueError, r"align must be >= 1, got -2"):
+            ops.permute_indices(ids, 4, align=-2)
+        with self.assertRaisesRegex(ValueError, r"align must be >= 1, got 0"):
+            ops.permute_indices(ids, 4, align=0)
+        with self.assertRaisesRegex(ValueError, r"capacity must be >= 0 or None, got -1"):
+            ops.permute_indices(ids, 4, capacity=-1)
+        with self.assertRaisesRegex(ValueError, r"expert_ids to be a 2D int32/int64 tensor \[T, K\], got 2D torch.float32"):
+            ops.permute_indices(ids.float(), 4)
+        with self.assertRaisesRegex(ValueError, r"num_experts must be >= 1, got 0"):
+            ops.permute_indices(ids, 0)
+        with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=3\)"):
+            ops.permute_indices(ids, 3)
+        with self.assertRaisesRegex(ValueError, r"permute: expected x to have 4 rows, got 5"):
+            ops.permute(torch.randn(5, 3), ids, 4)
+        perm = ops.permute_indices(ids, 4)
+        with self.assertRaisesRegex(ValueError, r"unpermute: expected y to have 8 rows, got 7"):
+            ops.unpermute(torch.randn(7, 3), None, perm)
+        with self.assertRaisesRegex(ValueError, r"weights to be a floating-point tensor of shape \[4, 2\], got \[4, 3\]"):
+            ops.unpermute(torch.randn(8, 3), torch.rand(4, 3), perm)
+
+
+instantiate_parametrized_tests(TestPermute)
+
+if __name__ == "__main__":
+    run_tests()

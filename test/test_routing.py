@@ -1,0 +1,176 @@
+# Owner(s): ["module: moe"]
+"""Tests for torch_moe::topk_route against a naive per-token float64 loop."""
+
+import math
+
+import naive
+import torch
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe.ops import topk_route
+
+CONFIGS = {
+    "mixtral": dict(score_func="softmax", route_norm=True),
+    "qwen3_no_norm": dict(score_func="softmax"),
+    "gpt_oss": dict(score_func="softmax_topk"),
+    "sigmoid_scaled": dict(score_func="sigmoid", route_norm=True, route_scale=2.5),
+    "deepseek_v3": dict(
+        score_func="sigmoid",
+        bias=True,
+        num_expert_groups=4,
+        num_limited_groups=2,
+        route_norm=True,
+        route_scale=2.5,
+    ),
+    "softmax_groups_bias": dict(score_func="softmax", bias=True, num_expert_groups=8, num_limited_groups=3),
+}
+
+
+def _route_args(cfg, num_experts, seed=0):
+    cfg = dict(cfg)
+    bias = None
+    if cfg.pop("bias", False):
+        g = torch.Generator().manual_seed(seed + 1)
+        bias = torch.randn(num_experts, generator=g, dtype=torch.float64) * 0.1
+    return cfg, bias
+
+
+class TestTopKRoute(TestCase):
+    @parametrize("name", list(CONFIGS))
+    @parametrize("shape", [(0, 16, 2), (37, 16, 1), (64, 16, 4), (5, 16, 16), (19, 16, 6)])
+    def test_matches_naive(self, name, shape):
+        num_tokens, num_experts, k = shape
+        cfg, bias = _route_args(CONFIGS[name], num_experts)
+        if cfg.get("num_limited_groups"):  # k may not exceed the experts left by the group limit
+            k = min(k, cfg["num_limited_groups"] * num_experts // cfg["num_expert_groups"])
+        logits = torch.randn(num_tokens, num_experts, dtype=torch.float64)
+        w, ids, counts = topk_route(logits, k, expert_bias=bias, **cfg)
+        ref_w, ref_ids, ref_counts = naive.route(logits, k, expert_bias=bias, **cfg)
+        self.assertEqual(ids, ref_ids)
+        self.assertEqual(counts, ref_counts)
+        self.assertEqual(w, ref_w, atol=1e-12, rtol=1e-12)
+        self.assertEqual(w.dtype, torch.float64)
+
+    @parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_low_precision_logits_route_in_fp32(self, dtype):
+        # distinct values per row (exact in bf16) so that no tie decides the comparison
+        logits = (torch.stack([torch.randperm(8) for _ in range(50)]) / 4 - 1).to(dtype)
+        w, ids, _ = topk_route(logits, 2, route_norm=True)
+        ref_w, ref_ids, _ = naive.route(logits.double(), 2, route_norm=True)
+        self.assertEqual(w.dtype, torch.float32)
+        self.assertEqual(ids, ref_ids)
+        self.assertEqual(w, ref_w.float(), atol=1e-6, rtol=1e-5)
+
+    def test_single_expert(self):
+        w, ids, counts = topk_route(torch.randn(5, 1), 1)
+        self.assertEqual(ids, torch.zeros(5, 1, dtype=torch.int64))
+        self.assertEqual(w, torch.ones(5, 1))
+        self.assertEqual(counts, torch.tensor([5]))
+
+    def test_bias_changes_choice_not_weights(self):
+        logits = torch.randn(32, 8, dtype=torch.float64)
+        bias = torch.zeros(8, dtype=torch.float64)
+        bias[3] = 100.0
+        w, ids, counts = topk_route(logits, 2, score_func="sigmoid", expert_bias=bias)
+        self.assertTrue((ids[:, 0] == 3).all())
+        self.assertEqual(counts[3], 32)
+        self.assertEqual(w[:, 0], torch.sigmoid(logits[:, 3]))
+
+    def test_group_limit_restricts_choice(self):
+        # Group 0 (experts 0..3) carries huge logits: with one group kept every choice is there.
+        logits = torch.randn(20, 16, dtype=torch.float64)
+        logits[:, :4] += 50
+        _, ids, _ = topk_route(
+            logits, 3, score_func="sigmoid", num_expert_groups=4, num_limited_groups=1
+        )
+        self.assertTrue((ids < 4).all())
+
+    def test_minus_inf_excludes_expert(self):
+        logits = torch.randn(10, 4)
+        logits[:, 0] = -math.inf
+        w, ids, _ = topk_route(logits, 3)
+        self.assertFalse((ids == 0).any())
+        self.assertTrue(torch.isfinite(w).all())
+
+    @parametrize("score_func", ["softmax", "sigmoid", "softmax_topk"])
+    @parametrize("route_norm", [False, True])
+    def test_gradcheck(self, score_func, route_norm):
+        logits = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+        bias = torch.randn(8, dtype=torch.float64)
+
+        def fn(lg):
+            return topk_route(
+                lg, 3, score_func=score_func, expert_bias=bias, route_norm=route_norm, route_scale=1.5
+            )[0]
+
+        self.assertTrue(torch.autograd.gradcheck(fn, (logits,)))
+
+    def test_grad_matches_naive_autograd(self):
+        logits = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+        w, ids, _ = topk_route(logits, 2, route_norm=True)
+        g = torch.randn_like(w)
+        (w * g).sum().backward()
+        ref = logits.detach().clone().requires_grad_()
+        probs = torch.softmax(ref, -1).gather(1, ids)
+        ((probs / probs.sum(-1, keepdim=True)) * g).sum().backward()
+        self.assertEqual(logits.grad, ref.grad)
+
+    def test_opcheck(self):
+        bias = torch.randn(16)
+        for args in [
+            (torch.randn(11, 16, requires_grad=True), 4, "softmax", None, None, None, True, 1.0),
+            (torch.randn(11, 16, requires_grad=True), 4, "sigmoid", bias, 4, 2, True, 2.5),
+            (torch.randn(3, 16, requires_grad=True), 2, "softmax_topk", None, None, None, False, 1.0),
+        ]:
+            torch.library.opcheck(torch.ops.torch_moe.topk_route.default, args)
+
+    def test_schema(self):
+        self.assertExpectedInline(
+            str(torch.ops.torch_moe.topk_route.default._schema),
+            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1.) -> (Tensor, Tensor, Tensor)""",
+        )
+
+    def test_bad_inputs(self):
+        x = torch.randn(4, 8)
+        cases = [
+            (dict(k=9), r"k \(9\) must be in \[1, num_experts=8\]"),
+            (dict(k=0), r"k \(0\) must be in \[1, num_experts=8\]"),
+            (dict(k=2, num_expert_groups=3, num_limited_groups=1), r"num_experts \(8\) must be divisible by num_expert_groups \(3\)"),
+            (dict(k=2, num_expert_groups=4, num_limited_groups=5), r"num_limited_groups \(5\) must be in \[1, num_expert_groups=4\]"),
+            (dict(k=5, num_expert_groups=4, num_limited_groups=2), r"leaves 4 experts, fewer than k \(5\)"),
+            (dict(k=2, num_limited_groups=2), r"num_limited_groups \(2\) needs num_expert_groups"),
+            (dict(k=2, score_func="relu"), r"unknown score_func 'relu'"),
+            (dict(k=2, expert_bias=torch.zeros(7)), r"expert_bias to be a floating-point tensor of shape \[8\], got \[7\]"),
+            (dict(k=2, route_scale=math.inf), r"route_scale must be finite, got inf"),
+        ]
+        for kwargs, msg in cases:
+            k = kwargs.pop("k")
+            with self.assertRaisesRegex(ValueError, msg):
+                topk_route(x, k, **kwargs)
+        with self.assertRaisesRegex(ValueError, r"logits to be a 2D floating-point tensor \[T, E\], got 3D torch.float32"):
+            topk_route(torch.randn(2, 3, 8), 2)
+        with self.assertRaisesRegex(ValueError, r"got 2D torch.int64"):
+            topk_route(torch.ones(2, 8, dtype=torch.int64), 2)
+
+    def test_nan_and_posinf_logits_raise(self):
+        for bad in [math.nan, math.inf]:
+            x = torch.randn(4, 8)
+            x[2, 5] = bad
+            with self.assertRaisesRegex(RuntimeError, "logits contain NaN or \\+inf"):
+                topk_route(x, 2)
+        x = torch.randn(4, 8)
+        x[1] = -math.inf
+        with self.assertRaisesRegex(RuntimeError, "row with no finite logit"):
+            topk_route(x, 2)
+
+
+instantiate_parametrized_tests(TestTopKRoute)
+
+if __name__ == "__main__":
+    run_tests()

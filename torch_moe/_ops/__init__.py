@@ -1,0 +1,7 @@
+"""torch_moe custom ops (namespace ``torch_moe::``), one op family per file.
+
+Importing this package registers every op with the dispatcher; the data flows one way:
+routing -> permute -> grouped_mm / grouped_swiglu -> unpermute.
+"""
+
+from torch_moe._ops import grouped_mm, grouped_swiglu, permute, routing  # noqa: F401

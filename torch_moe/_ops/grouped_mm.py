@@ -1,0 +1,304 @@
+"""Grouped GEMM: ``torch_moe::grouped_mm`` (x @ w[g] per group) and
+``torch_moe::grouped_mm_wgrad`` (x[g]^T @ dy[g] per group, the 2D x 2D weight gradient).
+
+Legend: M rows, K reduction dim, N output dim, E groups (experts).
+
+``offs`` [E] int32 holds group ENDS: group g owns rows ``offs[g-1]:offs[g]`` (with
+``offs[-1]`` the first row past the last group, so ``offs[-1] <= M``). Empty groups are
+allowed. Output rows at or past ``offs[-1]`` are zero, in the forward and in dX.
+
+Why not just ``torch._grouped_mm`` (measured on torch 2.13, DESIGN.md §6): its backward
+fails on zero-stride gradients (``out.sum().backward()``), it needs K and N to be
+multiples of 16 bytes, leaves dX rows past ``offs[-1]`` uninitialized, accepts
+non-monotone ``offs``, and its meta kernel only accepts bf16. Dispatch here:
+
+* CPU: a loop of ``mm`` over the groups, laid out for the fast BLAS path (below).
+  ``offs`` is read on the host (free on CPU).
+* CUDA: ``torch._grouped_mm`` for bf16 with 16-byte aligned K and N on sm_90+ (the
+  padded rows are zeroed on device); the persistent Triton kernel
+  (``torch_moe._triton.grouped_mm``) for the rest; no host sync on either path.
+* anything else: the host loop.
+
+NB (CPU half precision): on CPUs without native bf16/fp16 GEMMs (no AVX512-BF16 /
+AMX, e.g. this AVX2 machine) oneDNN emulates them at ~17 GFLOP/s with one operand
+transposed and ~0.8 GFLOP/s with both row-major, while fp32 runs at ~100 GFLOP/s.
+There, each group is upcast to fp32, multiplied, and rounded once into the output:
+the same function (fp32 accumulation, one rounding), ~4x faster. With native support
+we keep half precision and only fix the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "grouped_mm",
+    "grouped_mm_reference",
+    "grouped_mm_wgrad",
+    "mm_into",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------------------
+# checks shared by the real and the fake kernels
+
+
+def _check_offs(name: str, offs: Tensor, num_groups: int | None, device: torch.device) -> None:
+    if offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(f"{name}: expected offs to be 1D int32, got {offs.dim()}D {offs.dtype}")
+    if num_groups is not None and offs.shape[0] != num_groups:
+        raise ValueError(
+            f"{name}: expected offs to have one entry per group ({num_groups}), got {offs.shape[0]}"
+        )
+    if offs.device != device:
+        raise ValueError(f"{name}: offs is on {offs.device} but the operands are on {device}")
+
+
+def _check_mm_inputs(x: Tensor, w: Tensor, offs: Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"grouped_mm: expected x to be 2D [M, K], got {x.dim()}D")
+    if w.dim() != 3:
+        raise ValueError(f"grouped_mm: expected w to be 3D [E, K, N], got {w.dim()}D")
+    if x.dtype not in _DTYPES or w.dtype != x.dtype:
+        raise ValueError(
+            f"grouped_mm: expected x and w to share a dtype in {_DTYPES}, got {x.dtype} and {w.dtype}"
+        )
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"grouped_mm: x is [M, K={x.shape[1]}] but w is [E, K={w.shape[1]}, N={w.shape[2]}]"
+        )
+    if w.device != x.device:
+        raise ValueError(f"grouped_mm: w is on {w.device} but x is on {x.device}")
+    _check_offs("grouped_mm", offs, w.shape[0], x.device)
+
+
+def _check_wgrad_inputs(x: Tensor, dy: Tensor, offs: Tensor) -> None:
+    if x.dim() != 2 or dy.dim() != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(
+            "grouped_mm_wgrad: expected x [M, K] and dy [M, N] with the same M, got "
+            f"{list(x.shape)} and {list(dy.shape)}"
+        )
+    if x.dtype not in _DTYPES or dy.dtype != x.dtype:
+        raise ValueError(
+            f"grouped_mm_wgrad: expected x and dy to share a dtype in {_DTYPES}, got "
+            f"{x.dtype} and {dy.dtype}"
+        )
+    if dy.device != x.device:
+        raise ValueError(f"grouped_mm_wgrad: dy is on {dy.device} but x is on {x.device}")
+    _check_offs("grouped_mm_wgrad", offs, None, x.device)
+
+
+def check_offs_values(name: str, offs: Tensor, num_rows: int) -> list[int] | None:
+    """Validate offs values: non-decreasing, 0 <= offs[0], offs[-1] <= num_rows.
+
+    On CPU the values are read and returned (the message shows them); on other
+    devices the check is a ``torch._assert_async`` (no host sync) and None is returned.
+    """
+    if offs.device.type != "cpu":
+        ok = (offs[1:] >= offs[:-1]).all() & (offs[:1] >= 0).all() & (offs[-1:] <= num_rows).all()
+        torch._assert_async(
+            ok, f"{name}: offs must be non-decreasing group ends in [0, M={num_rows}]"
+        )
+        return None
+    ends = offs.tolist()
+    bad = any(b < a for a, b in itertools.pairwise(ends))
+    bad = bad or bool(ends and (ends[0] < 0 or ends[-1] > num_rows))
+    if bad:
+        shown = ends if len(ends) <= 16 else [*ends[:8], "...", *ends[-8:]]
+        raise ValueError(
+            f"{name}: offs must be non-decreasing group ends with 0 <= offs[0] and "
+            f"offs[-1] <= M ({num_rows}), got offs={shown}"
+        )
+    return ends
+
+
+# --------------------------------------------------------------------------------------
+# reference (the oracle)
+
+
+def grouped_mm_reference(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """out[rows of g] = x[rows of g] @ w[g]; rows past offs[-1] are zero."""
+    _check_mm_inputs(x, w, offs)
+    check_offs_values("grouped_mm", offs, x.shape[0])
+    out = x.new_zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# CPU kernels
+
+
+@functools.cache
+def _cpu_native_half(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` natively (else we upcast to fp32)."""
+    cpu = getattr(torch, "cpu", None)
+    amx = bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    if dtype == torch.bfloat16:
+        return amx or bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return bool(getattr(cpu, "_is_amx_fp16_supported", lambda: False)())
+
+
+def _transposed(t: Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
+
+
+def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool = False) -> None:
+    """``out (+)= a @ b`` with fp32 accumulation, choosing the fast CPU path (module NB)."""
+    if a.dtype in (torch.float16, torch.bfloat16) and a.device.type == "cpu":
+        if not _cpu_native_half(a.dtype):
+            prod = torch.mm(a.float(), b.float())
+            if accumulate:
+                prod += out
+            out.copy_(prod)
+            return
+        if _transposed(a) == _transposed(b):  # both row-major (or both column-major): slow path
+            b = b.t().contiguous().t()
+            if _transposed(a):
+                a = a.contiguous()
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int]) -> Tensor:
+    out = x.new_empty((x.shape[0], w.shape[2]))
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            mm_into(x[start:end], w[g], out[start:end])
+        start = end
+    out[start:].zero_()
+    return out
+
+
+def _grouped_mm_wgrad_cpu(x: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
+    out = x.new_empty((len(ends), x.shape[1], dy.shape[1]))
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            mm_into(x[start:end].t(), dy[start:end], out[g])
+        else:
+            out[g].zero_()
+        start = end
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# CUDA kernels
+
+
+def _torch_grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
+    """Where ``torch._grouped_mm`` is correct and fast (see module docstring)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    k, n = w.shape[1], w.shape[2]
+    return (k * x.element_size()) % 16 == 0 and (n * x.element_size()) % 16 == 0
+
+
+def _zero_tail_(out: Tensor, offs: Tensor) -> Tensor:
+    """Zero rows at or past offs[-1] without a host sync."""
+    if offs.numel() == 0:
+        return out.zero_()
+    tail = torch.arange(out.shape[0], device=out.device) >= offs[-1]
+    return out.masked_fill_(tail.unsqueeze(1), 0)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# the ops
+
+
+@torch.library.custom_op("torch_moe::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check_mm_inputs(x, w, offs)
+    ends = check_offs_values("grouped_mm", offs, x.shape[0])
+    return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist())
+
+
+@grouped_mm.register_kernel("cuda")
+def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check_mm_inputs(x, w, offs)
+    check_offs_values("grouped_mm", offs, x.shape[0])
+    if _torch_grouped_mm_ok(x, w):
+        out = torch._grouped_mm(x, w, offs=offs)
+        return _zero_tail_(out, offs)
+    if x.dtype != torch.float64 and _triton_available():
+        from torch_moe._triton.grouped_mm import grouped_mm as triton_grouped_mm
+
+        return triton_grouped_mm(x, w, offs)
+    return _grouped_mm_cpu(x, w, offs.tolist())
+
+
+@grouped_mm.register_fake
+def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check_mm_inputs(x, w, offs)
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("torch_moe::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+    """out[g] = x[rows of g]^T @ dy[rows of g]: [E, K, N], zero for empty groups."""
+    _check_wgrad_inputs(x, dy, offs)
+    ends = check_offs_values("grouped_mm_wgrad", offs, x.shape[0])
+    return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist())
+
+
+@grouped_mm_wgrad.register_kernel("cuda")
+def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+    _check_wgrad_inputs(x, dy, offs)
+    check_offs_values("grouped_mm_wgrad", offs, x.shape[0])
+    if x.dtype != torch.float64 and _triton_available():
+        from torch_moe._triton.grouped_mm import grouped_mm_wgrad as triton_wgrad
+
+        return triton_wgrad(x, dy, offs)
+    return _grouped_mm_wgrad_cpu(x, dy, offs.tolist())
+
+
+@grouped_mm_wgrad.register_fake
+def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+    _check_wgrad_inputs(x, dy, offs)
+    return x.new_empty((offs.shape[0], x.shape[1], dy.shape[1]))
+
+
+def _nonzero_strides(t: Tensor) -> Tensor:
+    # NB: ``out.sum().backward()`` hands us an expanded gradient with zero strides.
+    return t if all(s != 0 for s in t.stride()) else t.contiguous()
+
+
+def _setup_mm(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    x, w, offs = ctx.saved_tensors
+    grad = _nonzero_strides(grad)
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grouped_mm(grad, w.transpose(-2, -1), offs)
+    if ctx.needs_input_grad[1]:
+        grad_w = grouped_mm_wgrad(x, grad, offs)
+    return grad_x, grad_w, None
+
+
+grouped_mm.register_autograd(_mm_backward, setup_context=_setup_mm)

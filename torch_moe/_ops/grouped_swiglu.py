@@ -1,0 +1,226 @@
+"""Grouped SwiGLU expert MLP: ``torch_moe::grouped_swiglu`` and its backward.
+
+Legend: M permuted rows, D model dim, F expert hidden dim, E experts.
+
+    h_M2F = x_MD @ w13[g]^T            one GEMM for gate and up (w13 [E, 2F, D],
+                                       gate rows first, then up: HF ``gate_up_proj``)
+    a_MF  = silu(h[:, :F]) * h[:, F:]  in fp32, rounded to the input dtype
+    y_MD  = a_MF @ w2[g]^T             (w2 [E, D, F]: HF ``down_proj``)
+
+Memory: forward saves only the permuted input ``x`` and the pre-activation ``h``
+[M, 2F] (returned as the op's second output so autograd can keep it); ``a`` is
+recomputed in the backward. On CPU both passes run group by group, so the [*, F]
+and [*, 2F] temporaries (a, dA, dH) only ever hold one expert's rows. On other
+devices the backward is composed from ``grouped_mm`` / ``grouped_mm_wgrad`` over all
+rows at once (fewer, larger launches).
+
+Backward (s = sigmoid(gate)):
+    dA    = dY @ w2[g]                 dW2[g]  = dY[g]^T @ a[g]
+    dGate = dA * up * s * (1 + gate * (1 - s))
+    dUp   = dA * silu(gate)
+    dX    = dH @ w13[g]                dW13[g] = dH[g]^T @ x[g]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torch_moe._ops.grouped_mm import (
+    _nonzero_strides,
+    check_offs_values,
+    grouped_mm,
+    grouped_mm_wgrad,
+    mm_into,
+)
+
+__all__ = ["grouped_swiglu", "grouped_swiglu_backward", "swiglu_reference"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_inputs(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            "grouped_swiglu: expected x [M, D], w13 [E, 2F, D], w2 [E, D, F], got "
+            f"{x.dim()}D, {w13.dim()}D, {w2.dim()}D"
+        )
+    num_experts, two_f, dim = w13.shape
+    if two_f % 2 != 0:
+        raise ValueError(
+            f"grouped_swiglu: w13 must be [E, 2F, D] with an even 2F, got {list(w13.shape)}"
+        )
+    if dim != x.shape[1]:
+        raise ValueError(f"grouped_swiglu: x is [M, D={x.shape[1]}] but w13 is [E, 2F, D={dim}]")
+    expected = [num_experts, dim, two_f // 2]
+    if list(w2.shape) != expected:
+        raise ValueError(
+            f"grouped_swiglu: w2 must be [E, D, F] = {expected} to match w13 {list(w13.shape)}, "
+            f"got {list(w2.shape)}"
+        )
+    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(
+            f"grouped_swiglu: expected x, w13, w2 to share a dtype in {_DTYPES}, got "
+            f"{x.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if w13.device != x.device or w2.device != x.device:
+        raise ValueError(
+            f"grouped_swiglu: x, w13, w2 must be on one device, got {x.device}, {w13.device}, {w2.device}"
+        )
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != num_experts:
+        raise ValueError(
+            f"grouped_swiglu: expected offs to be 1D int32 with E={num_experts} entries, got "
+            f"{offs.dim()}D {offs.dtype} with {offs.numel()}"
+        )
+    if offs.device != x.device:
+        raise ValueError(f"grouped_swiglu: offs is on {offs.device} but x is on {x.device}")
+
+
+def _act(h: Tensor) -> Tensor:
+    """silu(gate) * up in fp32 (fp64 for fp64), rounded to h's dtype."""
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(h.dtype)
+
+
+def _act_backward(h: Tensor, grad_a: Tensor) -> tuple[Tensor, Tensor]:
+    """Recompute a from h and return (a, dH) with dH in h's dtype."""
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    ga = grad_a.to(acc)
+    grad_h = torch.cat([ga * up * sig * (1 + gate * (1 - sig)), ga * silu], dim=-1)
+    return (silu * up).to(h.dtype), grad_h.to(h.dtype)
+
+
+def swiglu_reference(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> Tensor:
+    """Per-expert loop in plain PyTorch: the oracle."""
+    _check_inputs(x, w13, w2, offs)
+    check_offs_values("grouped_swiglu", offs, x.shape[0])
+    y = x.new_zeros(x.shape)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        y[start:end] = _act(x[start:end] @ w13[g].t()) @ w2[g].t()
+        start = end
+    return y
+
+
+@torch.library.custom_op("torch_moe::grouped_swiglu", mutates_args=())
+def grouped_swiglu(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """Returns (y [M, D], h [M, 2F]); h is the pre-activation saved for the backward."""
+    _check_inputs(x, w13, w2, offs)
+    check_offs_values("grouped_swiglu", offs, x.shape[0])
+    h = grouped_mm(x, w13.transpose(-2, -1), offs)
+    return grouped_mm(_act(h), w2.transpose(-2, -1), offs), h
+
+
+@grouped_swiglu.register_kernel("cpu")
+def _(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, w13, w2, offs)
+    ends = check_offs_values("grouped_swiglu", offs, x.shape[0]) or []
+    h = x.new_empty((x.shape[0], w13.shape[1]))
+    y = x.new_empty(x.shape)
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            mm_into(x[start:end], w13[g].t(), h[start:end])
+            mm_into(_act(h[start:end]), w2[g].t(), y[start:end])
+        start = end
+    h[start:].zero_()
+    y[start:].zero_()
+    return y, h
+
+
+@grouped_swiglu.register_fake
+def _(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, w13, w2, offs)
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], w13.shape[1]))
+
+
+@torch.library.custom_op("torch_moe::grouped_swiglu_backward", mutates_args=())
+def grouped_swiglu_backward(
+    grad_y: Tensor,
+    grad_h: Tensor | None,
+    x: Tensor,
+    h: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (dX, dW13, dW2); ``grad_h`` is an optional gradient flowing into h."""
+    grad_a = grouped_mm(grad_y, w2, offs)
+    a, dh = _act_backward(h, grad_a)
+    if grad_h is not None:
+        dh = dh + grad_h
+    dw2 = grouped_mm_wgrad(grad_y, a, offs)
+    dx = grouped_mm(dh, w13, offs)
+    dw13 = grouped_mm_wgrad(dh, x, offs)
+    return dx, dw13, dw2
+
+
+@grouped_swiglu_backward.register_kernel("cpu")
+def _(
+    grad_y: Tensor,
+    grad_h: Tensor | None,
+    x: Tensor,
+    h: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    ends = offs.tolist()
+    dx = x.new_empty(x.shape)
+    dw13 = w13.new_empty(w13.shape)
+    dw2 = w2.new_empty(w2.shape)
+    start = 0
+    for g, end in enumerate(ends):
+        if end == start:
+            dw13[g].zero_()
+            dw2[g].zero_()
+            continue
+        gy = grad_y[start:end]
+        grad_a = x.new_empty((end - start, w2.shape[2]))
+        mm_into(gy, w2[g], grad_a)
+        a, dh = _act_backward(h[start:end], grad_a)
+        del grad_a
+        if grad_h is not None:
+            dh += grad_h[start:end]
+        mm_into(gy.t(), a, dw2[g])
+        del a
+        mm_into(dh, w13[g], dx[start:end])
+        mm_into(dh.t(), x[start:end], dw13[g])
+        start = end
+    dx[start:].zero_()
+    return dx, dw13, dw2
+
+
+@grouped_swiglu_backward.register_fake
+def _(
+    grad_y: Tensor,
+    grad_h: Tensor | None,
+    x: Tensor,
+    h: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_inputs(x, w13, w2, offs)
+    return x.new_empty(x.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape)
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w13, w2, offs = inputs
+    _y, h = output
+    ctx.save_for_backward(x, h, w13, w2, offs)
+
+
+def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]
+    x, h, w13, w2, offs = ctx.saved_tensors
+    if grad_y is None:
+        grad_y = torch.zeros_like(x)
+    dx, dw13, dw2 = grouped_swiglu_backward(_nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs)
+    return dx, dw13, dw2, None
+
+
+grouped_swiglu.register_autograd(_backward, setup_context=_setup)

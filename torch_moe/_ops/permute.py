@@ -1,0 +1,303 @@
+"""Local token dispatch and combine: ``torch_moe::permute_indices``, ``permute``,
+``unpermute`` and ``weighted_row_dot``.
+
+Legend: T tokens, K top-k, E experts, D model dim, N = T*K assignments ("slots";
+slot ``s = t*K + k`` is token t's k-th choice), M rows of the permuted buffer.
+
+Layout of the permuted buffer: the N slots are stably sorted by expert, so expert e's
+rows are contiguous and, inside an expert, in token order. With ``align > 1`` every
+expert's block is padded with zero rows to a multiple of ``align`` (16 for FP8, 32 for
+MXFP8, 128 for blockwise GEMMs). ``offs`` [E] int32 holds the group ENDS that
+``grouped_mm`` takes: expert e owns rows ``offs[e-1]:offs[e]`` (``offs[-1]`` is the
+first row past the last group). Rows at or past ``offs[-1]`` are zero.
+
+Capacity and drop policy: with ``capacity=C`` each expert keeps at most C assignments,
+the first C in token order (earlier tokens win, as in Switch Transformer); the rest
+are dropped: they get no row, contribute 0 to the combine, and are counted in
+``num_dropped``.
+
+NB (no host sync): M is a static upper bound, never read from the data, so none of
+these ops synchronizes with the device and all of them trace under torch.compile with
+static shapes:
+
+* dropless, ``align == 1``: M = N exactly (no padding rows);
+* dropless, ``align > 1``: M = N + E*(align-1);
+* ``capacity=C``: M = min(E*round_up(C, align), N + E*(align-1)).
+
+The maps are two int64 index tensors: ``row_to_slot`` [M] (-1 for padding rows) and
+``slot_to_row`` [T, K] (-1 for dropped slots). Every op here is a gather: the backward
+of ``permute`` is ``unpermute`` and vice versa, so both directions are deterministic
+(no atomics, no index_add) and accumulate the K contributions of a token in fp32 in the
+fixed order k = 0..K-1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "permute",
+    "permute_indices",
+    "permute_indices_reference",
+    "permute_rows_reference",
+    "unpermute",
+    "unpermute_rows_reference",
+    "weighted_row_dot",
+]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _num_rows(
+    num_tokens: int, top_k: int, num_experts: int, align: int, capacity: int | None
+) -> int:
+    bound = num_tokens * top_k + num_experts * (align - 1)
+    if capacity is None:
+        return bound
+    return min(num_experts * (-(-capacity // align) * align), bound)
+
+
+def _check_index_inputs(
+    expert_ids: Tensor, num_experts: int, align: int, capacity: int | None
+) -> None:
+    if expert_ids.dim() != 2 or expert_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            "permute_indices: expected expert_ids to be a 2D int32/int64 tensor [T, K], "
+            f"got {expert_ids.dim()}D {expert_ids.dtype}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"permute_indices: num_experts must be >= 1, got {num_experts}")
+    if align < 1:
+        raise ValueError(f"permute_indices: align must be >= 1, got {align}")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"permute_indices: capacity must be >= 0 or None, got {capacity}")
+
+
+def permute_indices_reference(
+    expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Plain-PyTorch sort of the assignments by expert (oracle and kernel)."""
+    _check_index_inputs(expert_ids, num_experts, align, capacity)
+    num_tokens, top_k = expert_ids.shape
+    n = num_tokens * top_k
+    dev = expert_ids.device
+    flat_N = expert_ids.reshape(-1).long()
+    torch._assert_async(
+        ((flat_N >= 0) & (flat_N < num_experts)).all(),
+        f"permute_indices: expert_ids must lie in [0, num_experts={num_experts})",
+    )
+    order_N = torch.argsort(flat_N, stable=True)  # slots sorted by expert
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
+    sorted_e_N = flat_N[order_N]
+    kept_E = counts_E if capacity is None else counts_E.clamp(max=capacity)
+    padded_E = kept_E if align == 1 else (kept_E + align - 1) // align * align
+    ends_E = padded_E.cumsum(0)
+    offs = ends_E.to(torch.int32)
+    num_dropped = n - kept_E.sum()
+    m = _num_rows(num_tokens, top_k, num_experts, align, capacity)
+
+    if capacity is None and align == 1:
+        # Fast path: the sorted order is the row order.
+        slot_to_row = torch.empty_like(order_N)
+        slot_to_row[order_N] = torch.arange(n, device=dev)
+        return order_N, slot_to_row.view(num_tokens, top_k), offs, num_dropped
+
+    rank_N = torch.arange(n, device=dev) - (counts_E.cumsum(0) - counts_E)[sorted_e_N]
+    row_N = (ends_E - padded_E)[sorted_e_N] + rank_N
+    if capacity is not None:
+        row_N = torch.where(rank_N < capacity, row_N, -1)
+    slot_to_row = torch.empty_like(order_N)
+    slot_to_row[order_N] = row_N
+    # Dropped slots scatter into a dump row m that is sliced off: no boolean indexing.
+    row_to_slot = torch.full((m + 1,), -1, dtype=torch.int64, device=dev)
+    row_to_slot.scatter_(0, torch.where(row_N >= 0, row_N, m), order_N)
+    return row_to_slot[:m], slot_to_row.view(num_tokens, top_k), offs, num_dropped
+
+
+@torch.library.custom_op("torch_moe::permute_indices", mutates_args=())
+def permute_indices(
+    expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return permute_indices_reference(expert_ids, num_experts, align, capacity)
+
+
+@permute_indices.register_fake
+def _(
+    expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_index_inputs(expert_ids, num_experts, align, capacity)
+    num_tokens, top_k = expert_ids.shape
+    m = _num_rows(num_tokens, top_k, num_experts, align, capacity)
+    return (
+        expert_ids.new_empty((m,), dtype=torch.int64),
+        expert_ids.new_empty((num_tokens, top_k), dtype=torch.int64),
+        expert_ids.new_empty((num_experts,), dtype=torch.int32),
+        expert_ids.new_empty((), dtype=torch.int64),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# permute / unpermute: a pair of gathers, each the other's adjoint.
+
+
+def _check_maps(
+    name: str, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None
+) -> None:
+    if row_to_slot.dim() != 1 or row_to_slot.dtype != torch.int64:
+        raise ValueError(
+            f"{name}: expected row_to_slot to be a 1D int64 tensor, got "
+            f"{row_to_slot.dim()}D {row_to_slot.dtype}"
+        )
+    if slot_to_row.dim() != 2 or slot_to_row.dtype != torch.int64:
+        raise ValueError(
+            f"{name}: expected slot_to_row to be a 2D int64 tensor [T, K], got "
+            f"{slot_to_row.dim()}D {slot_to_row.dtype}"
+        )
+    if weights is not None and (
+        weights.shape != slot_to_row.shape or not weights.is_floating_point()
+    ):
+        raise ValueError(
+            f"{name}: expected weights to be a floating-point tensor of shape "
+            f"{list(slot_to_row.shape)}, got {list(weights.shape)} {weights.dtype}"
+        )
+
+
+def _check_rows(name: str, arg: str, t: Tensor, rows: int | None) -> None:
+    if t.dim() != 2 or not t.is_floating_point():
+        raise ValueError(
+            f"{name}: expected {arg} to be a 2D floating-point tensor, got {t.dim()}D {t.dtype}"
+        )
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name}: expected {arg} to have {rows} rows, got {t.shape[0]}")
+
+
+def permute_rows_reference(
+    x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    """out[r] = w[s] * x[s // K] for s = row_to_slot[r]; 0 where s == -1."""
+    _check_maps("permute", row_to_slot, slot_to_row, weights)
+    _check_rows("permute", "x", x, slot_to_row.shape[0])
+    top_k = slot_to_row.shape[1]
+    if x.shape[0] == 0:  # T == 0: only padding rows
+        return x.new_zeros((row_to_slot.shape[0], x.shape[1]))
+    valid_M = row_to_slot >= 0
+    slot_M = row_to_slot.clamp(min=0)
+    out = x.index_select(0, torch.div(slot_M, top_k, rounding_mode="floor"))
+    if weights is not None:
+        w_M = weights.reshape(-1).to(_acc_dtype(x.dtype)).index_select(0, slot_M)
+        out = (out.to(w_M.dtype) * w_M.unsqueeze(1)).to(x.dtype)
+    return out.masked_fill_(~valid_M.unsqueeze(1), 0)
+
+
+def unpermute_rows_reference(
+    y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    """out[t] = sum_k w[t, k] * y[slot_to_row[t, k]] in fp32, k = 0..K-1 in order."""
+    _check_maps("unpermute", row_to_slot, slot_to_row, weights)
+    _check_rows("unpermute", "y", y, row_to_slot.shape[0])
+    num_tokens, top_k = slot_to_row.shape
+    acc = torch.zeros((num_tokens, y.shape[1]), dtype=_acc_dtype(y.dtype), device=y.device)
+    if y.shape[0] == 0:  # no rows (capacity 0): every slot was dropped
+        return acc.to(y.dtype)
+    valid_TK = slot_to_row >= 0
+    rows_TK = slot_to_row.clamp(min=0)
+    for k in range(top_k):
+        y_k = y.index_select(0, rows_TK[:, k]).to(acc.dtype)
+        if weights is not None:
+            y_k = y_k * weights[:, k : k + 1].to(acc.dtype)
+        acc += torch.where(valid_TK[:, k : k + 1], y_k, 0)
+    return acc.to(y.dtype)
+
+
+@torch.library.custom_op("torch_moe::permute", mutates_args=())
+def permute(
+    x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
+
+
+@permute.register_fake
+def _(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None) -> Tensor:
+    _check_maps("permute", row_to_slot, slot_to_row, weights)
+    _check_rows("permute", "x", x, slot_to_row.shape[0])
+    return x.new_empty((row_to_slot.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("torch_moe::unpermute", mutates_args=())
+def unpermute(
+    y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
+
+
+@unpermute.register_fake
+def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None) -> Tensor:
+    _check_maps("unpermute", row_to_slot, slot_to_row, weights)
+    _check_rows("unpermute", "y", y, row_to_slot.shape[0])
+    return y.new_empty((slot_to_row.shape[0], y.shape[1]))
+
+
+@torch.library.custom_op("torch_moe::weighted_row_dot", mutates_args=())
+def weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
+    """out[t, k] = <rows[slot_to_row[t, k]], tokens[t]> in fp32 (0 for dropped slots).
+
+    The gradient of the combine/dispatch weights.
+    """
+    acc = _acc_dtype(rows.dtype)
+    valid_TK = slot_to_row >= 0
+    rows_TK = slot_to_row.clamp(min=0)
+    tok = tokens.to(acc)
+    out = torch.zeros(slot_to_row.shape, dtype=acc, device=rows.device)
+    if rows.shape[0] == 0:
+        return out
+    for k in range(slot_to_row.shape[1]):
+        out[:, k] = (rows.index_select(0, rows_TK[:, k]).to(acc) * tok).sum(-1)
+    return out.masked_fill_(~valid_TK, 0)
+
+
+@weighted_row_dot.register_fake
+def _(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
+    if rows.shape[1] != tokens.shape[1] or tokens.shape[0] != slot_to_row.shape[0]:
+        raise ValueError(
+            "weighted_row_dot: rows, tokens and slot_to_row disagree: "
+            f"{list(rows.shape)}, {list(tokens.shape)}, {list(slot_to_row.shape)}"
+        )
+    return rows.new_empty(slot_to_row.shape, dtype=_acc_dtype(rows.dtype))
+
+
+def _setup_permute(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, row_to_slot, slot_to_row, weights = inputs
+    ctx.save_for_backward(x if weights is not None else None, row_to_slot, slot_to_row, weights)
+
+
+def _permute_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    x, row_to_slot, slot_to_row, weights = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = unpermute(grad, slot_to_row, row_to_slot, weights)
+    if weights is not None and ctx.needs_input_grad[3]:
+        grad_w = weighted_row_dot(grad, x, slot_to_row).to(weights.dtype)
+    return grad_x, None, None, grad_w
+
+
+def _setup_unpermute(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    y, slot_to_row, row_to_slot, weights = inputs
+    ctx.save_for_backward(y if weights is not None else None, slot_to_row, row_to_slot, weights)
+
+
+def _unpermute_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    y, slot_to_row, row_to_slot, weights = ctx.saved_tensors
+    grad_y = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_y = permute(grad, row_to_slot, slot_to_row, weights)
+    if weights is not None and ctx.needs_input_grad[3]:
+        grad_w = weighted_row_dot(y, grad, slot_to_row).to(weights.dtype)
+    return grad_y, None, None, grad_w
+
+
+permute.register_autograd(_permute_backward, setup_context=_setup_permute)
+unpermute.register_autograd(_unpermute_backward, setup_context=_setup_unpermute)

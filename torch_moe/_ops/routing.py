@@ -1,0 +1,283 @@
+"""Top-k token routing: ``torch_moe::topk_route`` and its backward.
+
+Legend: T tokens, E experts, K top-k, G expert groups, L limited (kept) groups.
+
+Semantics (DESIGN.md §3), all math in fp32 (fp64 when the logits are fp64):
+
+* ``score_func="softmax"``: scores = softmax(logits) over all E experts, then top-k
+  (Mixtral, Qwen2/3-MoE).
+* ``score_func="sigmoid"``: scores = sigmoid(logits), then top-k (DeepSeek-V3).
+* ``score_func="softmax_topk"``: top-k on the logits, then softmax over the K chosen
+  logits (GPT-OSS).
+* ``expert_bias`` [E] is added to the selection scores only: it changes which experts
+  are chosen, never the weights (aux-loss-free balancing, DeepSeek-V3).
+* Group-limited routing: experts form G contiguous groups of E/G; a group's score is
+  the sum of its top-2 selection scores (top-1 when a group holds one expert); the
+  best L groups are kept and every other expert is masked to -inf before the top-k.
+* weights = unbiased scores of the chosen experts; ``route_norm`` divides them by
+  their sum (+1e-20); finally they are multiplied by ``route_scale``.
+
+NB: expert ids come from ``torch.topk`` (sorted, descending), so ties break exactly
+as in the HF transformers / DeepSeek reference implementations that also call topk.
+
+NaN/Inf rule: logits may hold ``-inf`` (an expert that may not be chosen) but no NaN
+and no ``+inf``, and every row needs at least one finite logit; otherwise the op raises
+a RuntimeError. The check is ``torch._assert_async``: immediate on CPU, without a
+host sync on CUDA (where it surfaces as a device-side assert).
+
+Gradients flow to ``logits`` through the weights only (ids and counts are integer
+outputs); the backward is analytic (``torch_moe::topk_route_backward``), so it needs
+only the logits and the chosen ids.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["SCORE_FUNCS", "topk_route", "topk_route_reference"]
+
+SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
+
+
+def _check_inputs(
+    logits: Tensor,
+    k: int,
+    score_func: str,
+    expert_bias: Tensor | None,
+    num_expert_groups: int | None,
+    num_limited_groups: int | None,
+    route_scale: float,
+) -> None:
+    """Shape/dtype/config checks shared by the real and the fake kernel."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            "topk_route: expected logits to be a 2D floating-point tensor [T, E], "
+            f"got {logits.dim()}D {logits.dtype}"
+        )
+    num_experts = logits.shape[1]
+    if num_experts < 1:
+        raise ValueError(
+            f"topk_route: logits must have at least one expert column, got E={num_experts}"
+        )
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"topk_route: k ({k}) must be in [1, num_experts={num_experts}]")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(
+            f"topk_route: unknown score_func {score_func!r}; expected one of {SCORE_FUNCS}"
+        )
+    if not math.isfinite(route_scale):
+        raise ValueError(f"topk_route: route_scale must be finite, got {route_scale}")
+    if expert_bias is not None:
+        if expert_bias.shape != (num_experts,) or not expert_bias.is_floating_point():
+            raise ValueError(
+                f"topk_route: expected expert_bias to be a floating-point tensor of shape "
+                f"[{num_experts}], got {list(expert_bias.shape)} {expert_bias.dtype}"
+            )
+        if expert_bias.device != logits.device:
+            raise ValueError(
+                f"topk_route: expert_bias is on {expert_bias.device} but logits are on {logits.device}"
+            )
+    if num_expert_groups is None:
+        if num_limited_groups is not None:
+            raise ValueError(
+                f"topk_route: num_limited_groups ({num_limited_groups}) needs num_expert_groups"
+            )
+        return
+    if num_expert_groups < 1 or num_experts % num_expert_groups != 0:
+        raise ValueError(
+            f"topk_route: num_experts ({num_experts}) must be divisible by "
+            f"num_expert_groups ({num_expert_groups})"
+        )
+    if num_limited_groups is None or not 1 <= num_limited_groups <= num_expert_groups:
+        raise ValueError(
+            f"topk_route: num_limited_groups ({num_limited_groups}) must be in "
+            f"[1, num_expert_groups={num_expert_groups}]"
+        )
+    left = num_limited_groups * (num_experts // num_expert_groups)
+    if left < k:
+        raise ValueError(
+            f"topk_route: num_limited_groups ({num_limited_groups}) x experts per group "
+            f"({num_experts // num_expert_groups}) leaves {left} experts, fewer than k ({k})"
+        )
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check_values(logits: Tensor) -> None:
+    finite = torch.isfinite(logits)
+    ok = ~(torch.isnan(logits) | (logits == math.inf)).any() & finite.any(-1).all()
+    torch._assert_async(
+        ok,
+        "topk_route: logits contain NaN or +inf, or a row with no finite logit "
+        "(-inf is allowed to exclude an expert)",
+    )
+
+
+def _chosen_scores(lf: Tensor, expert_ids: Tensor, score_func: str) -> Tensor:
+    """Unbiased scores [T, K] of the chosen experts (before norm and scale)."""
+    if score_func == "softmax":
+        return torch.softmax(lf, dim=-1).gather(1, expert_ids)
+    if score_func == "sigmoid":
+        return torch.sigmoid(lf.gather(1, expert_ids))
+    return torch.softmax(lf.gather(1, expert_ids), dim=-1)
+
+
+def topk_route_reference(
+    logits: Tensor,
+    k: int,
+    score_func: str = "softmax",
+    expert_bias: Tensor | None = None,
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+    route_norm: bool = False,
+    route_scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain-PyTorch routing: the oracle and the kernel on every device."""
+    _check_inputs(
+        logits, k, score_func, expert_bias, num_expert_groups, num_limited_groups, route_scale
+    )
+    _check_values(logits)
+    num_tokens, num_experts = logits.shape
+    lf = logits.to(_compute_dtype(logits))
+    if score_func == "softmax":
+        sel_TE = torch.softmax(lf, dim=-1)
+    elif score_func == "sigmoid":
+        sel_TE = torch.sigmoid(lf)
+    else:
+        sel_TE = lf
+    if expert_bias is not None:
+        sel_TE = sel_TE + expert_bias.to(sel_TE.dtype)
+    if num_expert_groups is not None and num_limited_groups is not None:
+        per_group = num_experts // num_expert_groups
+        sel_TGS = sel_TE.view(num_tokens, num_expert_groups, per_group)
+        group_score_TG = sel_TGS.topk(min(2, per_group), dim=-1).values.sum(-1)
+        keep_TL = group_score_TG.topk(num_limited_groups, dim=-1).indices
+        drop_TG = torch.ones_like(group_score_TG, dtype=torch.bool).scatter(1, keep_TL, False)
+        sel_TE = sel_TGS.masked_fill(drop_TG.unsqueeze(-1), -math.inf).view(num_tokens, num_experts)
+    expert_ids_TK = sel_TE.topk(k, dim=-1).indices
+    weights_TK = _chosen_scores(lf, expert_ids_TK, score_func)
+    if route_norm:
+        weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+    if route_scale != 1.0:
+        weights_TK = weights_TK * route_scale
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
+    counts_E.scatter_add_(0, expert_ids_TK.flatten(), torch.ones_like(expert_ids_TK.flatten()))
+    return weights_TK, expert_ids_TK, counts_E
+
+
+@torch.library.custom_op("torch_moe::topk_route", mutates_args=())
+def topk_route(
+    logits: Tensor,
+    k: int,
+    score_func: str = "softmax",
+    expert_bias: Tensor | None = None,
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+    route_norm: bool = False,
+    route_scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    weights, ids, counts = topk_route_reference(
+        logits,
+        k,
+        score_func,
+        expert_bias,
+        num_expert_groups,
+        num_limited_groups,
+        route_norm,
+        route_scale,
+    )
+    return weights, ids, counts
+
+
+@topk_route.register_fake
+def _(
+    logits: Tensor,
+    k: int,
+    score_func: str = "softmax",
+    expert_bias: Tensor | None = None,
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+    route_norm: bool = False,
+    route_scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_inputs(
+        logits, k, score_func, expert_bias, num_expert_groups, num_limited_groups, route_scale
+    )
+    num_tokens, num_experts = logits.shape
+    weights = logits.new_empty((num_tokens, k), dtype=_compute_dtype(logits))
+    ids = logits.new_empty((num_tokens, k), dtype=torch.int64)
+    counts = logits.new_empty((num_experts,), dtype=torch.int64)
+    return weights, ids, counts
+
+
+@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
+def topk_route_backward(
+    grad_weights: Tensor,
+    logits: Tensor,
+    expert_ids: Tensor,
+    score_func: str,
+    route_norm: bool,
+    route_scale: float,
+) -> Tensor:
+    """d(weights)/d(logits)^T applied to ``grad_weights`` [T, K] -> [T, E]."""
+    lf = logits.to(_compute_dtype(logits))
+    g_TK = grad_weights.to(lf.dtype) * route_scale
+    chosen_TK = _chosen_scores(lf, expert_ids, score_func)
+    if route_norm:
+        # w_i = s_i / D with D = sum(s) + eps:  dL/ds_j = g_j / D - sum_i(g_i s_i) / D^2
+        denom = chosen_TK.sum(-1, keepdim=True) + 1e-20
+        g_TK = (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True) / denom) / denom
+    grad_TE = torch.zeros_like(lf)
+    if score_func == "softmax":
+        probs_TE = torch.softmax(lf, dim=-1)
+        grad_TE.scatter_(1, expert_ids, g_TK)  # ids are distinct within a row
+        grad_TE = probs_TE * (grad_TE - (grad_TE * probs_TE).sum(-1, keepdim=True))
+    elif score_func == "sigmoid":
+        grad_TE.scatter_(1, expert_ids, g_TK * chosen_TK * (1 - chosen_TK))
+    else:
+        g_TK = chosen_TK * (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True))
+        grad_TE.scatter_(1, expert_ids, g_TK)
+    return grad_TE.to(logits.dtype)
+
+
+@topk_route_backward.register_fake
+def _(
+    grad_weights: Tensor,
+    logits: Tensor,
+    expert_ids: Tensor,
+    score_func: str,
+    route_norm: bool,
+    route_scale: float,
+) -> Tensor:
+    if grad_weights.shape != expert_ids.shape or expert_ids.shape[0] != logits.shape[0]:
+        raise ValueError(
+            "topk_route_backward: grad_weights, expert_ids and logits disagree: "
+            f"{list(grad_weights.shape)}, {list(expert_ids.shape)}, {list(logits.shape)}"
+        )
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    logits, _k, score_func, _bias, _g, _l, route_norm, route_scale = inputs
+    _w, ids, _counts = output
+    ctx.save_for_backward(logits, ids)
+    ctx.cfg = (score_func, route_norm, route_scale)
+
+
+def _backward(ctx, grad_weights, _grad_ids, _grad_counts):  # type: ignore[no-untyped-def]
+    logits, ids = ctx.saved_tensors
+    grad_logits = None
+    if ctx.needs_input_grad[0]:
+        if grad_weights is None:
+            grad_logits = torch.zeros_like(logits)
+        else:
+            grad_logits = topk_route_backward(grad_weights.contiguous(), logits, ids, *ctx.cfg)
+    return grad_logits, None, None, None, None, None, None, None
+
+
+topk_route.register_autograd(_backward, setup_context=_setup_context)
