@@ -101,7 +101,12 @@ def expert_swiglu(x_row: Tensor, w13_e: Tensor, w2_e: Tensor) -> Tensor:
 
 
 def moe(
-    x: Tensor, weights: Tensor, expert_ids: Tensor, w13: Tensor, w2: Tensor, capacity: int | None = None
+    x: Tensor,
+    weights: Tensor,
+    expert_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    capacity: int | None = None,
 ) -> Tensor:
     """out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t]), dropping past capacity in token order."""
     num_tokens, top_k = expert_ids.shape

@@ -93,7 +93,9 @@ class TestGroupedMM(TestCase):
         grouped_mm(x, w, offs).sum().backward()
         ones = torch.ones(m, 8, dtype=torch.float64)
         ones[7:] = 0
-        self.assertEqual(x.grad.double(), naive_grouped_mm(ones, w.detach().transpose(1, 2), offs), **TOL[dtype])
+        self.assertEqual(
+            x.grad.double(), naive_grouped_mm(ones, w.detach().transpose(1, 2), offs), **TOL[dtype]
+        )
         self.assertEqual(w.grad[1], torch.zeros(16, 8, dtype=dtype))
 
     def test_matches_torch_grouped_mm_where_it_works(self):
@@ -111,7 +113,10 @@ class TestGroupedMM(TestCase):
         out = grouped_mm_wgrad(x, dy, offs)
         start = 0
         for g, end in enumerate(offs.tolist()):
-            ref = sum((torch.outer(x[r], dy[r]) for r in range(start, end)), torch.zeros(5, 9, dtype=torch.float64))
+            ref = sum(
+                (torch.outer(x[r], dy[r]) for r in range(start, end)),
+                torch.zeros(5, 9, dtype=torch.float64),
+            )
             self.assertEqual(out[g], ref)
             start = end
 
@@ -134,7 +139,8 @@ class TestGroupedMM(TestCase):
             w = torch.randn(3, 24, 8, dtype=dtype, requires_grad=True)
             torch.library.opcheck(torch.ops.torch_moe.grouped_mm.default, (x, w, offs))
             torch.library.opcheck(
-                torch.ops.torch_moe.grouped_mm_wgrad.default, (x.detach(), torch.randn(m, 8, dtype=dtype), offs)
+                torch.ops.torch_moe.grouped_mm_wgrad.default,
+                (x.detach(), torch.randn(m, 8, dtype=dtype), offs),
             )
 
     def test_compile_fp32(self):
@@ -148,15 +154,21 @@ class TestGroupedMM(TestCase):
     def test_bad_offs(self):
         x = torch.randn(10, 4)
         w = torch.randn(3, 4, 5)
-        with self.assertRaisesRegex(ValueError, r"offs must be non-decreasing .* got offs=\[4, 2, 9\]"):
+        with self.assertRaisesRegex(
+            ValueError, r"offs must be non-decreasing .* got offs=\[4, 2, 9\]"
+        ):
             grouped_mm(x, w, torch.tensor([4, 2, 9], dtype=torch.int32))
         with self.assertRaisesRegex(ValueError, r"offs\[-1\] <= M \(10\), got offs=\[4, 6, 11\]"):
             grouped_mm(x, w, torch.tensor([4, 6, 11], dtype=torch.int32))
         with self.assertRaisesRegex(ValueError, r"got offs=\[-1, 6, 7\]"):
             grouped_mm(x, w, torch.tensor([-1, 6, 7], dtype=torch.int32))
-        with self.assertRaisesRegex(ValueError, r"expected offs to be 1D int32, got 1D torch.int64"):
+        with self.assertRaisesRegex(
+            ValueError, r"expected offs to be 1D int32, got 1D torch.int64"
+        ):
             grouped_mm(x, w, torch.tensor([4, 6, 7]))
-        with self.assertRaisesRegex(ValueError, r"expected offs to have one entry per group \(3\), got 2"):
+        with self.assertRaisesRegex(
+            ValueError, r"expected offs to have one entry per group \(3\), got 2"
+        ):
             grouped_mm(x, w, torch.tensor([4, 6], dtype=torch.int32))
         with self.assertRaisesRegex(ValueError, r"offs must be non-decreasing"):
             grouped_mm_wgrad(x, torch.randn(10, 2), torch.tensor([4, 2, 9], dtype=torch.int32))
@@ -165,15 +177,21 @@ class TestGroupedMM(TestCase):
         offs = torch.tensor([2, 4], dtype=torch.int32)
         with self.assertRaisesRegex(ValueError, r"x is \[M, K=4\] but w is \[E, K=5, N=3\]"):
             grouped_mm(torch.randn(4, 4), torch.randn(2, 5, 3), offs)
-        with self.assertRaisesRegex(ValueError, r"share a dtype .* got torch.float32 and torch.bfloat16"):
+        with self.assertRaisesRegex(
+            ValueError, r"share a dtype .* got torch.float32 and torch.bfloat16"
+        ):
             grouped_mm(torch.randn(4, 4), torch.randn(2, 4, 3, dtype=torch.bfloat16), offs)
         with self.assertRaisesRegex(ValueError, r"expected x to be 2D \[M, K\], got 3D"):
             grouped_mm(torch.randn(1, 4, 4), torch.randn(2, 4, 3), offs)
         with self.assertRaisesRegex(ValueError, r"expected w to be 3D \[E, K, N\], got 2D"):
             grouped_mm(torch.randn(4, 4), torch.randn(4, 3), offs)
         with self.assertRaisesRegex(ValueError, r"share a dtype .* got torch.int64"):
-            grouped_mm(torch.ones(4, 4, dtype=torch.int64), torch.ones(2, 4, 3, dtype=torch.int64), offs)
-        with self.assertRaisesRegex(ValueError, r"x \[M, K\] and dy \[M, N\] with the same M, got \[4, 4\] and \[5, 3\]"):
+            grouped_mm(
+                torch.ones(4, 4, dtype=torch.int64), torch.ones(2, 4, 3, dtype=torch.int64), offs
+            )
+        with self.assertRaisesRegex(
+            ValueError, r"x \[M, K\] and dy \[M, N\] with the same M, got \[4, 4\] and \[5, 3\]"
+        ):
             grouped_mm_wgrad(torch.randn(4, 4), torch.randn(5, 3), offs)
 
 

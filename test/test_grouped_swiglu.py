@@ -10,7 +10,7 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
-import torch_moe  # noqa: F401
+import torch_moe
 from torch_moe._ops.grouped_swiglu import swiglu_reference
 from torch_moe.nn.functional import grouped_swiglu
 
@@ -55,7 +55,9 @@ class TestGroupedSwiGLU(TestCase):
         x, w13, w2, offs = _inputs(sizes, dim, hidden, dtype, tail=2)
         y = grouped_swiglu(x, w13, w2, offs)
         self.assertEqual(y.dtype, dtype)
-        self.assertEqual(y.double(), _naive(x.detach(), w13.detach(), w2.detach(), offs), **TOL[dtype])
+        self.assertEqual(
+            y.double(), _naive(x.detach(), w13.detach(), w2.detach(), offs), **TOL[dtype]
+        )
         self.assertTrue((y[int(offs[-1]) :] == 0).all())
 
     @parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -106,7 +108,9 @@ class TestGroupedSwiGLU(TestCase):
         activations = sorted(tuple(t.shape) for t in saved if t.dim() == 2)
         self.assertEqual(activations, [(16, 16), (16, 24)])  # x [M, D] and h [M, 2F]
         weights = [t for t in saved if t.dim() == 3]
-        self.assertTrue(all(any(w is p or w.data_ptr() == p.data_ptr() for p in (w13, w2)) for w in weights))
+        self.assertTrue(
+            all(any(w is p or w.data_ptr() == p.data_ptr() for p in (w13, w2)) for w in weights)
+        )
 
     def test_opcheck(self):
         x, w13, w2, offs = _inputs([3, 0, 4], 8, 4, torch.float32, tail=1)
@@ -124,17 +128,26 @@ class TestGroupedSwiGLU(TestCase):
 
     def test_bad_inputs(self):
         x, w13, w2, offs = _inputs([2, 3], 8, 4, torch.float32)
-        with self.assertRaisesRegex(ValueError, r"w2 must be \[E, D, F\] = \[2, 8, 4\] to match w13 \[2, 8, 8\], got \[2, 8, 5\]"):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"w2 must be \[E, D, F\] = \[2, 8, 4\] to match w13 \[2, 8, 8\], got \[2, 8, 5\]",
+        ):
             grouped_swiglu(x, w13, torch.randn(2, 8, 5), offs)
         with self.assertRaisesRegex(ValueError, r"x is \[M, D=7\] but w13 is \[E, 2F, D=8\]"):
             grouped_swiglu(torch.randn(5, 7), w13, w2, offs)
         with self.assertRaisesRegex(ValueError, r"even 2F, got \[2, 7, 8\]"):
             grouped_swiglu(x, torch.randn(2, 7, 8), w2, offs)
-        with self.assertRaisesRegex(ValueError, r"share a dtype .* got torch.float32, torch.bfloat16, torch.float32"):
+        with self.assertRaisesRegex(
+            ValueError, r"share a dtype .* got torch.float32, torch.bfloat16, torch.float32"
+        ):
             grouped_swiglu(x, w13.bfloat16(), w2, offs)
-        with self.assertRaisesRegex(ValueError, r"offs to be 1D int32 with E=2 entries, got 1D torch.int64 with 2"):
+        with self.assertRaisesRegex(
+            ValueError, r"offs to be 1D int32 with E=2 entries, got 1D torch.int64 with 2"
+        ):
             grouped_swiglu(x, w13, w2, offs.long())
-        with self.assertRaisesRegex(ValueError, r"offs must be non-decreasing .* got offs=\[3, 2\]"):
+        with self.assertRaisesRegex(
+            ValueError, r"offs must be non-decreasing .* got offs=\[3, 2\]"
+        ):
             grouped_swiglu(x, w13, w2, torch.tensor([3, 2], dtype=torch.int32))
 
 

@@ -144,9 +144,15 @@ class TestPermute(TestCase):
             x = torch.randn(12, 5, requires_grad=True)
             w = torch.rand(12, 2, requires_grad=True)
             y = torch.randn(perm.row_to_slot.shape[0], 5, requires_grad=True)
-            torch.library.opcheck(torch.ops.torch_moe.permute.default, (x, perm.row_to_slot, perm.slot_to_row, w))
-            torch.library.opcheck(torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, w))
-            torch.library.opcheck(torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, None))
+            torch.library.opcheck(
+                torch.ops.torch_moe.permute.default, (x, perm.row_to_slot, perm.slot_to_row, w)
+            )
+            torch.library.opcheck(
+                torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, w)
+            )
+            torch.library.opcheck(
+                torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, None)
+            )
 
     def test_compile_fullgraph(self):
         ids = _ids(16, 4, 2)
@@ -157,7 +163,9 @@ class TestPermute(TestCase):
             x_perm, perm = ops.permute(x, ids, 4, align=4)
             return ops.unpermute(x_perm * 2, w, perm)
 
-        self.assertEqual(torch.compile(fn, fullgraph=True, backend="aot_eager")(x, ids, w), fn(x, ids, w))
+        self.assertEqual(
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(x, ids, w), fn(x, ids, w)
+        )
 
     def test_bad_inputs(self):
         ids = _ids(4, 4, 2)
@@ -167,7 +175,9 @@ class TestPermute(TestCase):
             ops.permute_indices(ids, 4, align=0)
         with self.assertRaisesRegex(ValueError, r"capacity must be >= 0 or None, got -1"):
             ops.permute_indices(ids, 4, capacity=-1)
-        with self.assertRaisesRegex(ValueError, r"expert_ids to be a 2D int32/int64 tensor \[T, K\], got 2D torch.float32"):
+        with self.assertRaisesRegex(
+            ValueError, r"expert_ids to be a 2D int32/int64 tensor \[T, K\], got 2D torch.float32"
+        ):
             ops.permute_indices(ids.float(), 4)
         with self.assertRaisesRegex(ValueError, r"num_experts must be >= 1, got 0"):
             ops.permute_indices(ids, 0)
@@ -178,7 +188,9 @@ class TestPermute(TestCase):
         perm = ops.permute_indices(ids, 4)
         with self.assertRaisesRegex(ValueError, r"unpermute: expected y to have 8 rows, got 7"):
             ops.unpermute(torch.randn(7, 3), None, perm)
-        with self.assertRaisesRegex(ValueError, r"weights to be a floating-point tensor of shape \[4, 2\], got \[4, 3\]"):
+        with self.assertRaisesRegex(
+            ValueError, r"weights to be a floating-point tensor of shape \[4, 2\], got \[4, 3\]"
+        ):
             ops.unpermute(torch.randn(8, 3), torch.rand(4, 3), perm)
 
 

@@ -28,7 +28,9 @@ CONFIGS = {
         route_norm=True,
         route_scale=2.5,
     ),
-    "softmax_groups_bias": dict(score_func="softmax", bias=True, num_expert_groups=8, num_limited_groups=3),
+    "softmax_groups_bias": dict(
+        score_func="softmax", bias=True, num_expert_groups=8, num_limited_groups=3
+    ),
 }
 
 
@@ -106,7 +108,12 @@ class TestTopKRoute(TestCase):
 
         def fn(lg):
             return topk_route(
-                lg, 3, score_func=score_func, expert_bias=bias, route_norm=route_norm, route_scale=1.5
+                lg,
+                3,
+                score_func=score_func,
+                expert_bias=bias,
+                route_norm=route_norm,
+                route_scale=1.5,
             )[0]
 
         self.assertTrue(torch.autograd.gradcheck(fn, (logits,)))
@@ -126,7 +133,16 @@ class TestTopKRoute(TestCase):
         for args in [
             (torch.randn(11, 16, requires_grad=True), 4, "softmax", None, None, None, True, 1.0),
             (torch.randn(11, 16, requires_grad=True), 4, "sigmoid", bias, 4, 2, True, 2.5),
-            (torch.randn(3, 16, requires_grad=True), 2, "softmax_topk", None, None, None, False, 1.0),
+            (
+                torch.randn(3, 16, requires_grad=True),
+                2,
+                "softmax_topk",
+                None,
+                None,
+                None,
+                False,
+                1.0,
+            ),
         ]:
             torch.library.opcheck(torch.ops.torch_moe.topk_route.default, args)
 
@@ -141,19 +157,33 @@ class TestTopKRoute(TestCase):
         cases = [
             (dict(k=9), r"k \(9\) must be in \[1, num_experts=8\]"),
             (dict(k=0), r"k \(0\) must be in \[1, num_experts=8\]"),
-            (dict(k=2, num_expert_groups=3, num_limited_groups=1), r"num_experts \(8\) must be divisible by num_expert_groups \(3\)"),
-            (dict(k=2, num_expert_groups=4, num_limited_groups=5), r"num_limited_groups \(5\) must be in \[1, num_expert_groups=4\]"),
-            (dict(k=5, num_expert_groups=4, num_limited_groups=2), r"leaves 4 experts, fewer than k \(5\)"),
+            (
+                dict(k=2, num_expert_groups=3, num_limited_groups=1),
+                r"num_experts \(8\) must be divisible by num_expert_groups \(3\)",
+            ),
+            (
+                dict(k=2, num_expert_groups=4, num_limited_groups=5),
+                r"num_limited_groups \(5\) must be in \[1, num_expert_groups=4\]",
+            ),
+            (
+                dict(k=5, num_expert_groups=4, num_limited_groups=2),
+                r"leaves 4 experts, fewer than k \(5\)",
+            ),
             (dict(k=2, num_limited_groups=2), r"num_limited_groups \(2\) needs num_expert_groups"),
             (dict(k=2, score_func="relu"), r"unknown score_func 'relu'"),
-            (dict(k=2, expert_bias=torch.zeros(7)), r"expert_bias to be a floating-point tensor of shape \[8\], got \[7\]"),
+            (
+                dict(k=2, expert_bias=torch.zeros(7)),
+                r"expert_bias to be a floating-point tensor of shape \[8\], got \[7\]",
+            ),
             (dict(k=2, route_scale=math.inf), r"route_scale must be finite, got inf"),
         ]
         for kwargs, msg in cases:
             k = kwargs.pop("k")
             with self.assertRaisesRegex(ValueError, msg):
                 topk_route(x, k, **kwargs)
-        with self.assertRaisesRegex(ValueError, r"logits to be a 2D floating-point tensor \[T, E\], got 3D torch.float32"):
+        with self.assertRaisesRegex(
+            ValueError, r"logits to be a 2D floating-point tensor \[T, E\], got 3D torch.float32"
+        ):
             topk_route(torch.randn(2, 3, 8), 2)
         with self.assertRaisesRegex(ValueError, r"got 2D torch.int64"):
             topk_route(torch.ones(2, 8, dtype=torch.int64), 2)

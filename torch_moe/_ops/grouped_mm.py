@@ -36,9 +36,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "cpu_compute_dtype",
     "grouped_mm",
     "grouped_mm_reference",
     "grouped_mm_wgrad",
+    "mm_cpu",
     "mm_into",
 ]
 
@@ -152,23 +154,32 @@ def _transposed(t: Tensor) -> bool:
     return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
 
 
-def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool = False) -> None:
-    """``out (+)= a @ b`` with fp32 accumulation, choosing the fast CPU path (module NB)."""
-    if a.dtype in (torch.float16, torch.bfloat16) and a.device.type == "cpu":
-        if not _cpu_native_half(a.dtype):
-            prod = torch.mm(a.float(), b.float())
-            if accumulate:
-                prod += out
-            out.copy_(prod)
+def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype CPU GEMMs run in: fp32 for half types this CPU only emulates (module NB)."""
+    if dtype in (torch.float16, torch.bfloat16) and not _cpu_native_half(dtype):
+        return torch.float32
+    return dtype
+
+
+def mm_cpu(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` in ``cpu_compute_dtype``; the product stays in that dtype."""
+    cdt = cpu_compute_dtype(a.dtype)
+    a, b = a.to(cdt), b.to(cdt)
+    if cdt in (torch.float16, torch.bfloat16) and _transposed(a) == _transposed(b):
+        # both row-major (or both column-major) takes oneDNN's slow half-precision path
+        b = b.t().contiguous().t()
+        if _transposed(a):
+            a = a.contiguous()
+    return torch.mm(a, b)
+
+
+def mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """``out = a @ b`` with fp32 accumulation and one rounding into ``out``'s dtype."""
+    if cpu_compute_dtype(a.dtype) == out.dtype and a.dtype == out.dtype and b.dtype == out.dtype:
+        if out.dtype not in (torch.float16, torch.bfloat16) or _transposed(a) != _transposed(b):
+            torch.mm(a, b, out=out)
             return
-        if _transposed(a) == _transposed(b):  # both row-major (or both column-major): slow path
-            b = b.t().contiguous().t()
-            if _transposed(a):
-                a = a.contiguous()
-    if accumulate:
-        out.addmm_(a, b)
-    else:
-        torch.mm(a, b, out=out)
+    out.copy_(mm_cpu(a, b))
 
 
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int]) -> Tensor:

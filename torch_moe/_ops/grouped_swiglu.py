@@ -10,7 +10,10 @@ Legend: M permuted rows, D model dim, F expert hidden dim, E experts.
 Memory: forward saves only the permuted input ``x`` and the pre-activation ``h``
 [M, 2F] (returned as the op's second output so autograd can keep it); ``a`` is
 recomputed in the backward. On CPU both passes run group by group, so the [*, F]
-and [*, 2F] temporaries (a, dA, dH) only ever hold one expert's rows. On other
+and [*, 2F] temporaries (a, dA, dH) only ever hold one expert's rows, and on CPUs
+that upcast half-precision GEMMs to fp32 (see grouped_mm.py) those temporaries stay
+in fp32 between the GEMMs: fewer conversions and one rounding less than the composed
+path, which rounds ``a`` to the input dtype as a GPU does. On other
 devices the backward is composed from ``grouped_mm`` / ``grouped_mm_wgrad`` over all
 rows at once (fewer, larger launches).
 
@@ -29,8 +32,10 @@ from torch import Tensor
 from torch_moe._ops.grouped_mm import (
     _nonzero_strides,
     check_offs_values,
+    cpu_compute_dtype,
     grouped_mm,
     grouped_mm_wgrad,
+    mm_cpu,
     mm_into,
 )
 
@@ -76,22 +81,22 @@ def _check_inputs(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> None:
         raise ValueError(f"grouped_swiglu: offs is on {offs.device} but x is on {x.device}")
 
 
-def _act(h: Tensor) -> Tensor:
-    """silu(gate) * up in fp32 (fp64 for fp64), rounded to h's dtype."""
+def _act(h: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """silu(gate) * up computed in fp32 (fp64 for fp64), returned in ``out_dtype``."""
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     gate, up = h.to(acc).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(h.dtype)
+    return (torch.nn.functional.silu(gate) * up).to(out_dtype)
 
 
-def _act_backward(h: Tensor, grad_a: Tensor) -> tuple[Tensor, Tensor]:
-    """Recompute a from h and return (a, dH) with dH in h's dtype."""
+def _act_backward(h: Tensor, grad_a: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Recompute a from h; return (a, dH), both in ``out_dtype``."""
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     gate, up = h.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     silu = gate * sig
     ga = grad_a.to(acc)
     grad_h = torch.cat([ga * up * sig * (1 + gate * (1 - sig)), ga * silu], dim=-1)
-    return (silu * up).to(h.dtype), grad_h.to(h.dtype)
+    return (silu * up).to(out_dtype), grad_h.to(out_dtype)
 
 
 def swiglu_reference(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> Tensor:
@@ -101,7 +106,7 @@ def swiglu_reference(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> Tensor
     y = x.new_zeros(x.shape)
     start = 0
     for g, end in enumerate(offs.tolist()):
-        y[start:end] = _act(x[start:end] @ w13[g].t()) @ w2[g].t()
+        y[start:end] = _act(x[start:end] @ w13[g].t(), x.dtype) @ w2[g].t()
         start = end
     return y
 
@@ -112,20 +117,21 @@ def grouped_swiglu(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Te
     _check_inputs(x, w13, w2, offs)
     check_offs_values("grouped_swiglu", offs, x.shape[0])
     h = grouped_mm(x, w13.transpose(-2, -1), offs)
-    return grouped_mm(_act(h), w2.transpose(-2, -1), offs), h
+    return grouped_mm(_act(h, h.dtype), w2.transpose(-2, -1), offs), h
 
 
 @grouped_swiglu.register_kernel("cpu")
 def _(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     _check_inputs(x, w13, w2, offs)
     ends = check_offs_values("grouped_swiglu", offs, x.shape[0]) or []
+    cdt = cpu_compute_dtype(x.dtype)
     h = x.new_empty((x.shape[0], w13.shape[1]))
     y = x.new_empty(x.shape)
     start = 0
     for g, end in enumerate(ends):
         if end > start:
             mm_into(x[start:end], w13[g].t(), h[start:end])
-            mm_into(_act(h[start:end]), w2[g].t(), y[start:end])
+            mm_into(_act(h[start:end], cdt), w2[g].t(), y[start:end])
         start = end
     h[start:].zero_()
     y[start:].zero_()
@@ -150,7 +156,7 @@ def grouped_swiglu_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dX, dW13, dW2); ``grad_h`` is an optional gradient flowing into h."""
     grad_a = grouped_mm(grad_y, w2, offs)
-    a, dh = _act_backward(h, grad_a)
+    a, dh = _act_backward(h, grad_a, h.dtype)
     if grad_h is not None:
         dh = dh + grad_h
     dw2 = grouped_mm_wgrad(grad_y, a, offs)
@@ -170,6 +176,7 @@ def _(
     offs: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     ends = offs.tolist()
+    cdt = cpu_compute_dtype(x.dtype)
     dx = x.new_empty(x.shape)
     dw13 = w13.new_empty(w13.shape)
     dw2 = w2.new_empty(w2.shape)
@@ -179,11 +186,8 @@ def _(
             dw13[g].zero_()
             dw2[g].zero_()
             continue
-        gy = grad_y[start:end]
-        grad_a = x.new_empty((end - start, w2.shape[2]))
-        mm_into(gy, w2[g], grad_a)
-        a, dh = _act_backward(h[start:end], grad_a)
-        del grad_a
+        gy = grad_y[start:end].to(cdt)  # converted once, used twice
+        a, dh = _act_backward(h[start:end], mm_cpu(gy, w2[g]), cdt)
         if grad_h is not None:
             dh += grad_h[start:end]
         mm_into(gy.t(), a, dw2[g])

@@ -69,6 +69,12 @@ __all__ = [
 # Kernels
 # --------------------------------------------------------------------------------------
 
+# NB: the kernels avoid triton.language helpers that are themselves @triton.jit functions
+# (tl.cdiv, tl.zeros, tl.sum, ...: see [n for n in dir(tl) if isinstance(getattr(tl, n),
+# triton.JITFunction)]). The launchers run these kernels in the interpreter for CPU tensors
+# even when triton was imported without TRITON_INTERPRET=1 (_interpreted), and such helpers
+# then raise "Cannot call @triton.jit'd outside of the scope of a kernel".
+
 
 @triton.jit
 def _grouped_mm_fwd_kernel(
@@ -229,23 +235,33 @@ class _Config:
     num_stages: int
 
 
-# Autotune-free defaults for sm_90 (H100 / H200), keyed by operand kind (16-bit, fp32 as
-# tf32, fp32 as IEEE). Each is checked free of register spills by compile_for_sm90 in
-# test/test_triton_grouped_mm.py (triton 3.9, both w layouts).
+# Autotune-free defaults for sm_90 (H100 / H200), keyed by (operands, vectorized):
+# operands is "16bit" (fp16 / bf16), "tf32" or "ieee" (fp32); vectorized says every loaded
+# operand has a contiguous, 16-element-multiple, 16-byte-aligned last dim (_vectorized),
+# so that Triton streams tiles through shared memory with cp.async. Otherwise each element
+# is its own masked load staged in registers, and the big tiles spill: those shapes get
+# smaller K steps or no pipelining. Every entry is checked spill-free for both w layouts by
+# compile_for_sm90 in test/test_triton_grouped_mm.py (triton 3.9, ptxas for sm_90a).
 # - 16-bit forward: two warpgroups of wgmma on a 128 x 128 fp32 accumulator, 3-stage
-#   cp.async pipeline in 96 KiB of shared memory (~140-190 registers). 128 x 256 spills
-#   (192 bytes) when w is contiguous [E, K, N], and wastes more rows on small groups.
+#   pipeline in 96 KiB of shared memory (~140-190 registers). 128 x 256 spills (192 bytes)
+#   when w is a contiguous [E, K, N], and wastes more rows on small groups.
 # - fp32 IEEE runs on FMA units, not tensor cores: 64 x 64 tiles stay under 255 registers.
-_FWD_CONFIG = {
-    "16bit": _Config(128, 128, 64, num_warps=8, num_stages=3),
-    "tf32": _Config(128, 128, 32, num_warps=8, num_stages=3),
-    "ieee": _Config(64, 64, 32, num_warps=4, num_stages=3),
+_FWD_CONFIGS = {
+    ("16bit", True): _Config(128, 128, 64, num_warps=8, num_stages=3),
+    ("tf32", True): _Config(128, 128, 32, num_warps=8, num_stages=3),
+    ("ieee", True): _Config(64, 64, 32, num_warps=4, num_stages=3),
+    ("16bit", False): _Config(128, 128, 16, num_warps=8, num_stages=3),
+    ("tf32", False): _Config(128, 128, 32, num_warps=8, num_stages=1),
+    ("ieee", False): _Config(128, 128, 32, num_warps=8, num_stages=1),
 }
-# wgrad: a 128 (K) x 128 (N) dw tile, BLOCK_M rows reduced per step.
-_WGRAD_CONFIG = {
-    "16bit": _Config(64, 128, 128, num_warps=8, num_stages=3),
-    "tf32": _Config(32, 128, 128, num_warps=8, num_stages=3),
-    "ieee": _Config(32, 128, 128, num_warps=8, num_stages=3),
+# wgrad: a BLOCK_K x BLOCK_N tile of dw, BLOCK_M rows reduced per step.
+_WGRAD_CONFIGS = {
+    ("16bit", True): _Config(64, 128, 128, num_warps=8, num_stages=3),
+    ("tf32", True): _Config(32, 128, 128, num_warps=8, num_stages=3),
+    ("ieee", True): _Config(32, 128, 128, num_warps=8, num_stages=3),
+    ("16bit", False): _Config(32, 64, 64, num_warps=4, num_stages=3),
+    ("tf32", False): _Config(32, 64, 64, num_warps=4, num_stages=3),
+    ("ieee", False): _Config(32, 64, 64, num_warps=4, num_stages=3),
 }
 # The interpreter runs programs one after the other in numpy: small blocks keep tests fast,
 # and a few programs (3: not a divisor of typical tile counts) exercise the persistent walk.
@@ -303,8 +319,27 @@ def _input_precision(dtype: torch.dtype, allow_tf32: bool | None = None) -> str:
     return "ieee" if dtype == torch.float32 and not allow_tf32 else "tf32"
 
 
-def _config_key(dtype: torch.dtype, precision: str) -> str:
-    return precision if dtype == torch.float32 else "16bit"
+def _vectorized(t: torch.Tensor) -> bool:
+    # Last dim contiguous with a 16-multiple extent (its load mask is then constant over 16
+    # elements), other strides 16-multiples, base 16-byte aligned. Meta tensors (used by
+    # compile_for_sm90) count as aligned. A False only picks a slower config.
+    return (
+        t.stride(-1) == 1
+        and t.shape[-1] % 16 == 0
+        and all(s % 16 == 0 for s in t.stride()[:-1])
+        and (t.device.type == "meta" or t.data_ptr() % 16 == 0)
+    )
+
+
+def _fwd_config(x: torch.Tensor, w: torch.Tensor, precision: str) -> _Config:
+    operands = precision if x.dtype == torch.float32 else "16bit"
+    w_ok = _vectorized(w) or _vectorized(w.transpose(-2, -1))  # [E, K, N] or [E, N, K]
+    return _FWD_CONFIGS[(operands, _vectorized(x) and w_ok)]
+
+
+def _wgrad_config(x: torch.Tensor, dy: torch.Tensor, precision: str) -> _Config:
+    operands = precision if x.dtype == torch.float32 else "16bit"
+    return _WGRAD_CONFIGS[(operands, _vectorized(x) and _vectorized(dy))]
 
 
 def _fmt(t: torch.Tensor) -> str:
@@ -389,7 +424,7 @@ def grouped_mm(
         return out
     interpret = _use_interpreter(x)
     precision = _input_precision(x.dtype)
-    cfg = _INTERPRET_CONFIG if interpret else _FWD_CONFIG[_config_key(x.dtype, precision)]
+    cfg = _INTERPRET_CONFIG if interpret else _fwd_config(x, w, precision)
     # Each of the E groups and the padding rows add at most one partial row-block.
     max_tiles = (triton.cdiv(M, cfg.block_m) + E + 1) * triton.cdiv(N, cfg.block_n)
     grid = (min(_max_programs(x, interpret), max_tiles),)
@@ -459,7 +494,7 @@ def grouped_mm_wgrad(
         return out
     interpret = _use_interpreter(x)
     precision = _input_precision(x.dtype)
-    cfg = _INTERPRET_CONFIG if interpret else _WGRAD_CONFIG[_config_key(x.dtype, precision)]
+    cfg = _INTERPRET_CONFIG if interpret else _wgrad_config(x, dy, precision)
     tiles = E * triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n)
     grid = (min(_max_programs(x, interpret), tiles),)
     kernel = _interpreted(_grouped_mm_wgrad_kernel) if interpret else _grouped_mm_wgrad_kernel
@@ -486,6 +521,7 @@ class Sm90Kernel:
     """A kernel compiled for sm_90a, with ptxas's resource report."""
 
     name: str
+    config: _Config  # the launcher's config for these arguments
     compiled: Any  # triton.compiler.CompiledKernel
     n_regs: int  # registers per thread
     spill_stores: int  # bytes
@@ -545,10 +581,12 @@ def _ptxas_report(ptx: str, arch: str) -> str:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        # The same flags Triton's nvidia backend passes (make_cubin), plus -v.
-        cmd = [path, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", src,
-               "-o", os.path.join(tmp, "kernel.cubin")]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        # The flags Triton 3.9's nvidia backend passes (make_cubin), plus -v; older ptxas
+        # may not know --regAllocOptLevel.
+        cmd = [path, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "kernel.cubin")]
+        proc = subprocess.run([*cmd, "--regAllocOptLevel=2"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return proc.stdout + proc.stderr
 
 
@@ -579,22 +617,22 @@ def compile_for_sm90(
     from triton.compiler import ASTSource
 
     precision = _input_precision(dtype, allow_tf32)
-    key = _config_key(dtype, precision)
     meta = functools.partial(torch.empty, device="meta")
     offs = meta(E, dtype=torch.int32)
     x = meta(M, K, dtype=dtype)
     if kernel == "grouped_mm":
         fn: Any = _grouped_mm_fwd_kernel
-        cfg = _FWD_CONFIG[key]
         if transposed_w:
             w = meta(E, N, K, dtype=dtype).transpose(-2, -1)
         else:
             w = meta(E, K, N, dtype=dtype)
+        cfg = _fwd_config(x, w, precision)
         args = _fwd_args(x, w, meta(M, N, dtype=dtype), offs)
     elif kernel == "grouped_mm_wgrad":
         fn = _grouped_mm_wgrad_kernel
-        cfg = _WGRAD_CONFIG[key]
-        args = _wgrad_args(x, meta(M, N, dtype=dtype), meta(E, K, N, dtype=dtype), offs)
+        dy = meta(M, N, dtype=dtype)
+        cfg = _wgrad_config(x, dy, precision)
+        args = _wgrad_args(x, dy, meta(E, K, N, dtype=dtype), offs)
     else:
         raise ValueError(
             f"{fn_name}: expected kernel 'grouped_mm' or 'grouped_mm_wgrad', got {kernel!r}"
@@ -636,6 +674,7 @@ def compile_for_sm90(
         raise RuntimeError(f"{fn_name}: could not parse the ptxas report:\n{log}")
     return Sm90Kernel(
         name=kernel,
+        config=cfg,
         compiled=compiled,
         n_regs=int(regs.group(1)),
         spill_stores=int(spills.group(1)),
