@@ -83,6 +83,35 @@ class TestGroupedSwiGLU(TestCase):
         x, w13, w2, offs = _inputs([2, 0, 3], 4, 3, torch.float64, tail=1)
         self.assertTrue(torch.autograd.gradcheck(grouped_swiglu, (x, w13, w2, offs)))
 
+    def test_row_weights(self):
+        x, w13, w2, offs = _inputs([2, 0, 3], 4, 3, torch.float64, tail=1)
+        rw = torch.rand(x.shape[0], dtype=torch.float64, requires_grad=True)
+        y = grouped_swiglu(x, w13, w2, offs, row_weights=rw)
+        ref = _naive(x.detach(), w13.detach(), w2.detach(), offs) * rw.detach().unsqueeze(1)
+        self.assertEqual(y, ref)
+        self.assertTrue(torch.autograd.gradcheck(grouped_swiglu, (x, w13, w2, offs, rw)))
+        grad = torch.randn_like(y)
+        got = torch.autograd.grad(grouped_swiglu(x, w13, w2, offs, rw), (x, w13, w2, rw), grad)
+        want = torch.autograd.grad(swiglu_reference(x, w13, w2, offs, rw), (x, w13, w2, rw), grad)
+        self.assertEqual(got, want)
+
+    def test_row_weights_low_precision(self):
+        x, w13, w2, offs = _inputs([5, 0, 7], 8, 6, torch.bfloat16, tail=2)
+        rw = torch.rand(x.shape[0], requires_grad=True)
+        y = grouped_swiglu(x, w13, w2, offs, row_weights=rw)
+        y.backward(torch.ones_like(y))
+        ref_in = [t.detach().double().requires_grad_() for t in (x, w13, w2, rw)]
+        swiglu_reference(*ref_in[:3], offs, ref_in[3]).backward(
+            torch.ones(y.shape, dtype=torch.float64)
+        )
+        self.assertEqual(
+            y.double(),
+            swiglu_reference(*[t.detach() for t in ref_in[:3]], offs, ref_in[3].detach()),
+            **TOL[torch.bfloat16],
+        )
+        self.assertEqual(rw.grad.dtype, torch.float32)
+        self.assertEqual(rw.grad.double(), ref_in[3].grad, atol=0.1, rtol=0.03)
+
     def test_generic_path_matches_cpu_kernel(self):
         # The composed (non-CPU) implementation is what CUDA runs: check it here too.
         x, w13, w2, offs = _inputs([3, 0, 5], 8, 6, torch.float32, tail=2)
@@ -91,6 +120,14 @@ class TestGroupedSwiGLU(TestCase):
         composed = torch_moe._ops.grouped_swiglu.grouped_swiglu._init_fn(x, w13, w2, offs)
         self.assertEqual(fused, composed)
         bwd_args = (grad, None, x.detach(), fused[1], w13.detach(), w2.detach(), offs)
+        fused_bwd = torch.ops.torch_moe.grouped_swiglu_backward.default(*bwd_args)
+        composed_bwd = torch_moe._ops.grouped_swiglu.grouped_swiglu_backward._init_fn(*bwd_args)
+        self.assertEqual(fused_bwd, composed_bwd)
+        rw = torch.rand(x.shape[0])
+        fused = torch.ops.torch_moe.grouped_swiglu.default(x, w13, w2, offs, rw)
+        composed = torch_moe._ops.grouped_swiglu.grouped_swiglu._init_fn(x, w13, w2, offs, rw)
+        self.assertEqual(fused, composed)
+        bwd_args = (*bwd_args, rw)
         fused_bwd = torch.ops.torch_moe.grouped_swiglu_backward.default(*bwd_args)
         composed_bwd = torch_moe._ops.grouped_swiglu.grouped_swiglu_backward._init_fn(*bwd_args)
         self.assertEqual(fused_bwd, composed_bwd)
@@ -115,6 +152,8 @@ class TestGroupedSwiGLU(TestCase):
     def test_opcheck(self):
         x, w13, w2, offs = _inputs([3, 0, 4], 8, 4, torch.float32, tail=1)
         torch.library.opcheck(torch.ops.torch_moe.grouped_swiglu.default, (x, w13, w2, offs))
+        rw = torch.rand(x.shape[0], requires_grad=True)
+        torch.library.opcheck(torch.ops.torch_moe.grouped_swiglu.default, (x, w13, w2, offs, rw))
         y, h = torch.ops.torch_moe.grouped_swiglu.default(x, w13, w2, offs)
         torch.library.opcheck(
             torch.ops.torch_moe.grouped_swiglu_backward.default,

@@ -44,7 +44,9 @@ __all__ = ["grouped_swiglu", "grouped_swiglu_backward", "swiglu_reference"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_inputs(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> None:
+def _check_inputs(
+    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             "grouped_swiglu: expected x [M, D], w13 [E, 2F, D], w2 [E, D, F], got "
@@ -79,50 +81,84 @@ def _check_inputs(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> None:
         )
     if offs.device != x.device:
         raise ValueError(f"grouped_swiglu: offs is on {offs.device} but x is on {x.device}")
+    if row_weights is not None and (
+        row_weights.shape != (x.shape[0],)
+        or not row_weights.is_floating_point()
+        or row_weights.device != x.device
+    ):
+        raise ValueError(
+            f"grouped_swiglu: expected row_weights to be a floating-point tensor [M={x.shape[0]}] "
+            f"on {x.device}, got {list(row_weights.shape)} {row_weights.dtype} on {row_weights.device}"
+        )
 
 
-def _act(h: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """silu(gate) * up computed in fp32 (fp64 for fp64), returned in ``out_dtype``."""
+def _act(h: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None = None) -> Tensor:
+    """silu(gate) * up (* row_weights) in fp32 (fp64 for fp64), returned in ``out_dtype``."""
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     gate, up = h.to(acc).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(out_dtype)
+    a = torch.nn.functional.silu(gate) * up
+    if row_weights is not None:
+        a = a * row_weights.to(acc).unsqueeze(1)
+    return a.to(out_dtype)
 
 
-def _act_backward(h: Tensor, grad_a: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Recompute a from h; return (a, dH), both in ``out_dtype``."""
+def _act_backward(
+    h: Tensor, grad_a: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Recompute a from h; return (a * row_weights, dH, d row_weights).
+
+    ``grad_a`` is the gradient of the unweighted activation ``a`` when ``row_weights`` is
+    given (dY @ W2), so that d row_weights = <grad_a, a> needs no saved expert output.
+    """
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     gate, up = h.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     silu = gate * sig
+    a = silu * up
     ga = grad_a.to(acc)
+    grad_rw = None
+    if row_weights is not None:
+        rw = row_weights.to(acc).unsqueeze(1)
+        grad_rw = (ga * a).sum(-1)
+        ga = ga * rw
+        a = a * rw
     grad_h = torch.cat([ga * up * sig * (1 + gate * (1 - sig)), ga * silu], dim=-1)
-    return (silu * up).to(out_dtype), grad_h.to(out_dtype)
+    return a.to(out_dtype), grad_h.to(out_dtype), grad_rw
 
 
-def swiglu_reference(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> Tensor:
+def swiglu_reference(
+    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+) -> Tensor:
     """Per-expert loop in plain PyTorch: the oracle."""
-    _check_inputs(x, w13, w2, offs)
+    _check_inputs(x, w13, w2, offs, row_weights)
     check_offs_values("grouped_swiglu", offs, x.shape[0])
     y = x.new_zeros(x.shape)
     start = 0
     for g, end in enumerate(offs.tolist()):
-        y[start:end] = _act(x[start:end] @ w13[g].t(), x.dtype) @ w2[g].t()
+        y_g = _act(x[start:end] @ w13[g].t(), x.dtype) @ w2[g].t()
+        if row_weights is not None:
+            y_g = y_g * row_weights[start:end].unsqueeze(1).to(x.dtype)
+        y[start:end] = y_g
         start = end
     return y
 
 
 @torch.library.custom_op("torch_moe::grouped_swiglu", mutates_args=())
-def grouped_swiglu(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+def grouped_swiglu(
+    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Returns (y [M, D], h [M, 2F]); h is the pre-activation saved for the backward."""
-    _check_inputs(x, w13, w2, offs)
+    _check_inputs(x, w13, w2, offs, row_weights)
     check_offs_values("grouped_swiglu", offs, x.shape[0])
     h = grouped_mm(x, w13.transpose(-2, -1), offs)
-    return grouped_mm(_act(h, h.dtype), w2.transpose(-2, -1), offs), h
+    return grouped_mm(_act(h, h.dtype, row_weights), w2.transpose(-2, -1), offs), h
 
 
 @grouped_swiglu.register_kernel("cpu")
-def _(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs)
+def _(
+    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, w13, w2, offs, row_weights)
     ends = check_offs_values("grouped_swiglu", offs, x.shape[0]) or []
     cdt = cpu_compute_dtype(x.dtype)
     h = x.new_empty((x.shape[0], w13.shape[1]))
@@ -131,7 +167,8 @@ def _(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]
     for g, end in enumerate(ends):
         if end > start:
             mm_into(x[start:end], w13[g].t(), h[start:end])
-            mm_into(_act(h[start:end], cdt), w2[g].t(), y[start:end])
+            rw = None if row_weights is None else row_weights[start:end]
+            mm_into(_act(h[start:end], cdt, rw), w2[g].t(), y[start:end])
         start = end
     h[start:].zero_()
     y[start:].zero_()
@@ -139,8 +176,10 @@ def _(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]
 
 
 @grouped_swiglu.register_fake
-def _(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs)
+def _(
+    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, w13, w2, offs, row_weights)
     return x.new_empty(x.shape), x.new_empty((x.shape[0], w13.shape[1]))
 
 
@@ -153,16 +192,20 @@ def grouped_swiglu_backward(
     w13: Tensor,
     w2: Tensor,
     offs: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dX, dW13, dW2); ``grad_h`` is an optional gradient flowing into h."""
+    row_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dX, dW13, dW2, d row_weights); ``grad_h`` is an optional gradient into h.
+
+    d row_weights is an empty tensor when ``row_weights`` is None.
+    """
     grad_a = grouped_mm(grad_y, w2, offs)
-    a, dh = _act_backward(h, grad_a, h.dtype)
+    a, dh, grad_rw = _act_backward(h, grad_a, h.dtype, row_weights)
     if grad_h is not None:
         dh = dh + grad_h
     dw2 = grouped_mm_wgrad(grad_y, a, offs)
     dx = grouped_mm(dh, w13, offs)
     dw13 = grouped_mm_wgrad(dh, x, offs)
-    return dx, dw13, dw2
+    return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
 
 
 @grouped_swiglu_backward.register_kernel("cpu")
@@ -174,12 +217,14 @@ def _(
     w13: Tensor,
     w2: Tensor,
     offs: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
+    row_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
     cdt = cpu_compute_dtype(x.dtype)
     dx = x.new_empty(x.shape)
     dw13 = w13.new_empty(w13.shape)
     dw2 = w2.new_empty(w2.shape)
+    grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=torch.float32)
     start = 0
     for g, end in enumerate(ends):
         if end == start:
@@ -187,7 +232,10 @@ def _(
             dw2[g].zero_()
             continue
         gy = grad_y[start:end].to(cdt)  # converted once, used twice
-        a, dh = _act_backward(h[start:end], mm_cpu(gy, w2[g]), cdt)
+        rw = None if row_weights is None else row_weights[start:end]
+        a, dh, grad_rw_g = _act_backward(h[start:end], mm_cpu(gy, w2[g]), cdt, rw)
+        if grad_rw is not None and grad_rw_g is not None:
+            grad_rw[start:end] = grad_rw_g
         if grad_h is not None:
             dh += grad_h[start:end]
         mm_into(gy.t(), a, dw2[g])
@@ -196,7 +244,7 @@ def _(
         mm_into(dh.t(), x[start:end], dw13[g])
         start = end
     dx[start:].zero_()
-    return dx, dw13, dw2
+    return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
 
 
 @grouped_swiglu_backward.register_fake
@@ -208,23 +256,33 @@ def _(
     w13: Tensor,
     w2: Tensor,
     offs: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs)
-    return x.new_empty(x.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape)
+    row_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_inputs(x, w13, w2, offs, row_weights)
+    grad_rw = x.new_empty((0,)) if row_weights is None else torch.empty_like(row_weights)
+    return x.new_empty(x.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape), grad_rw
+
+
+def _grad_rw_or_empty(grad_rw: Tensor | None, row_weights: Tensor | None, like: Tensor) -> Tensor:
+    if grad_rw is None or row_weights is None:
+        return like.new_empty((0,), dtype=torch.float32)
+    return grad_rw.to(row_weights.dtype)
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, w13, w2, offs = inputs
+    x, w13, w2, offs, row_weights = inputs
     _y, h = output
-    ctx.save_for_backward(x, h, w13, w2, offs)
+    ctx.save_for_backward(x, h, w13, w2, offs, row_weights)
 
 
 def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]
-    x, h, w13, w2, offs = ctx.saved_tensors
+    x, h, w13, w2, offs, row_weights = ctx.saved_tensors
     if grad_y is None:
         grad_y = torch.zeros_like(x)
-    dx, dw13, dw2 = grouped_swiglu_backward(_nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs)
-    return dx, dw13, dw2, None
+    dx, dw13, dw2, grad_rw = grouped_swiglu_backward(
+        _nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs, row_weights
+    )
+    return dx, dw13, dw2, None, grad_rw if row_weights is not None else None
 
 
 grouped_swiglu.register_autograd(_backward, setup_context=_setup)

@@ -5,14 +5,17 @@ Legend: M permuted rows, D model dim, F expert hidden dim, E experts.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from torch_moe._ops import grouped_swiglu as _swiglu
 
-__all__ = ["grouped_swiglu"]
+__all__ = ["grouped_swiglu", "router_z_loss", "sequence_aux_loss", "switch_aux_loss"]
 
 
-def grouped_swiglu(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> Tensor:
+def grouped_swiglu(
+    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+) -> Tensor:
     r"""SwiGLU expert MLP over expert-sorted rows.
 
     ``y[rows of e] = (silu(x W_gate^T) * (x W_up^T)) W_down^T`` with the weights of expert e.
@@ -22,9 +25,72 @@ def grouped_swiglu(x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor) -> Tensor:
         w13: [E, 2F, D] gate rows first, then up rows (HF ``gate_up_proj``).
         w2: [E, D, F] down projection (HF ``down_proj``).
         offs: [E] int32 group ends; rows at or past ``offs[-1]`` give zero.
+        row_weights: optional [M] per-row output scale (the routing weight of each
+            permuted row). Folding the combine weights in here means neither this op
+            nor :func:`torch_moe.ops.unpermute` has to save the [M, D] expert output:
+            their gradient is ``<dY @ W2, a>``, from tensors the backward has anyway.
 
     Gate and up are one GEMM. The backward keeps only ``x`` and the [M, 2F]
-    pre-activation and recomputes the activation. Differentiable in x, w13 and w2.
+    pre-activation and recomputes the activation. Differentiable in x, w13, w2 and
+    row_weights.
     """
-    y, _h = _swiglu.grouped_swiglu(x, w13, w2, offs)
+    y, _h = _swiglu.grouped_swiglu(x, w13, w2, offs, row_weights)
     return y
+
+
+def _router_probs(logits: Tensor, score_func: str) -> Tensor:
+    """Router probabilities over all E experts (sigmoid scores are normalized per token)."""
+    logits = logits.float() if logits.dtype != torch.float64 else logits
+    if score_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+        return scores / scores.sum(-1, keepdim=True)
+    return torch.softmax(logits, dim=-1)
+
+
+def switch_aux_loss(
+    logits: Tensor, tokens_per_expert: Tensor, top_k: int, *, score_func: str = "softmax"
+) -> Tensor:
+    r"""Switch Transformer / GShard load-balancing loss ``E * sum_e f_e * P_e``.
+
+    ``f_e = tokens_per_expert[e] / (T * K)`` is the fraction of routed assignments and
+    ``P_e`` the mean router probability of expert e; the loss is 1.0 when both are
+    uniform. Differentiable in ``logits`` [T, E] (f is a count). fp32.
+    """
+    num_tokens, num_experts = logits.shape
+    if num_tokens == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    frac = tokens_per_expert.to(torch.float32) / (num_tokens * top_k)
+    return num_experts * (frac * _router_probs(logits, score_func).mean(0)).sum()
+
+
+def sequence_aux_loss(
+    logits: Tensor, expert_ids: Tensor, top_k: int, seq_len: int, *, score_func: str = "sigmoid"
+) -> Tensor:
+    r"""DeepSeek-V3's sequence-wise balance loss (without its alpha), averaged over sequences.
+
+    Tokens are ``[B * seq_len]`` rows of ``logits`` [T, E]; per sequence
+    ``f_i = E / (K * S) * #{t : i in topk(t)}``, ``P_i = mean_t s'_{t,i}`` with ``s'`` the
+    scores normalized over experts, loss ``sum_i f_i * P_i`` (1.0 when balanced).
+    """
+    num_tokens, num_experts = logits.shape
+    if num_tokens == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    if seq_len < 1 or num_tokens % seq_len != 0:
+        raise ValueError(
+            f"sequence_aux_loss: T ({num_tokens}) must be a multiple of seq_len ({seq_len})"
+        )
+    batch = num_tokens // seq_len
+    probs_BSE = _router_probs(logits, score_func).view(batch, seq_len, num_experts)
+    ids = expert_ids.reshape(batch, seq_len * top_k)
+    counts_BE = torch.zeros(batch, num_experts, dtype=torch.float32, device=logits.device)
+    counts_BE.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    frac_BE = counts_BE * (num_experts / (top_k * seq_len))
+    return (frac_BE * probs_BSE.mean(1)).sum(1).mean()
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    r"""ST-MoE router z-loss ``mean_t logsumexp(logits_t)^2`` (fp32): keeps logits small."""
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    lf = logits.float() if logits.dtype != torch.float64 else logits
+    return torch.logsumexp(lf, dim=-1).square().mean()

@@ -1,0 +1,581 @@
+"""The MoE layer: ``TopKRouter`` -> permute -> ``GroupedExperts`` -> unpermute (+ ``SharedExperts``).
+
+Legend: T tokens, D dim, F expert hidden dim, Fs shared hidden dim, E experts, K top-k,
+M permuted rows (T*K when dropless).
+
+Parameter names and shapes are a public contract, stacked like HF transformers 5.x so
+that state dicts interoperate (see ``hf_state_dict_to_moe``):
+
+=============================  ============  =========================================
+torch_moe                      shape         HF transformers 5.x
+=============================  ============  =========================================
+``router.weight``              [E, D]        ``gate.weight``
+``router.bias``                [E]           (router_bias=True only)
+``router.expert_bias``         [E] buffer    ``gate.e_score_correction_bias`` (DS-V3)
+``experts.w13``                [E, 2F, D]    ``experts.gate_up_proj`` (gate rows first)
+``experts.w2``                 [E, D, F]     ``experts.down_proj``
+``shared_experts.w13``         [2Fs, D]      cat(``shared_expert(s).gate_proj.weight``,
+                                             ``shared_expert(s).up_proj.weight``)
+``shared_experts.w2``          [D, Fs]       ``shared_expert(s).down_proj.weight``
+``shared_experts.gate``        [1, D]        ``shared_expert_gate.weight`` (Qwen2-MoE)
+=============================  ============  =========================================
+
+What the forward saves for the backward (per token, expert dtype b bytes, the router in
+fp32): the layer input [D] (b bytes each, for the router and shared-expert weight
+gradients), the router logits [E] (fp32) and ids [K], and, per routed copy, the
+permuted input [D] and the gate/up pre-activation [2F] plus one fp32 routing weight:
+``D*b + E*4 + K*(8 + 4 + (D + 2F)*b)`` bytes. The combine weights are folded into the
+expert op (``row_weights``), so neither the expert outputs [K, D] nor the activation
+[K, F] are kept; a torchtitan-style layer keeps the gathered input and both GEMM
+outputs, and HF's per-expert loop more (see benchmarks/bench_moe_layer.py).
+
+Load balancing (all optional, all in fp32):
+
+* ``aux_loss="switch"``: Switch/GShard ``E * sum_e f_e * P_e`` (f: fraction of routed
+  assignments, P: mean router probability), ``aux_loss="sequence"``: DeepSeek-V3's
+  sequence-wise version (per sequence of a [B, S, D] input, then averaged over B);
+  ``z_loss_coeff``: router z-loss ``mean(logsumexp(logits)^2)``. Their gradients
+  (times the coefficient and ``aux_loss_scale``) are injected in the backward through
+  the layer output, so nothing has to be added to the training loss: that works
+  unchanged with activation checkpointing (the recomputed forward re-attaches them)
+  and with gradient accumulation (set ``aux_loss_scale`` to the factor the main loss
+  is scaled by, e.g. 1/num_microbatches). Detached values for logging are in
+  ``last_losses`` after each forward.
+* Aux-loss-free balancing (``expert_bias=True``): call ``update_expert_bias(rate)``
+  after ``optimizer.step()``; it moves the bias by ``rate * sign(mean_load - load)``
+  (mean-centred), loads summed over data-parallel ranks when torch.distributed is
+  initialized.
+* ``tokens_per_expert``: routed assignments per expert accumulated since the last
+  ``update_expert_bias`` / ``reset_load_stats`` (not counted again when activation
+  checkpointing recomputes a forward); ``load_stats()`` summarizes it for logging.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torch_moe import ops
+from torch_moe._ops import routing as _routing
+from torch_moe.nn.functional import (
+    grouped_swiglu,
+    router_z_loss,
+    sequence_aux_loss,
+    switch_aux_loss,
+)
+
+__all__ = [
+    "PRESETS",
+    "GroupedExperts",
+    "MoE",
+    "SharedExperts",
+    "TopKRouter",
+    "hf_state_dict_to_moe",
+]
+
+
+# Published configurations (HF transformers configs of the named checkpoints).
+PRESETS: dict[str, dict[str, Any]] = {
+    # Mixtral-8x7B: softmax over 8, top-2, renormalized.
+    "mixtral": dict(
+        dim=4096, hidden_dim=14336, num_experts=8, top_k=2, score_func="softmax", route_norm=True
+    ),
+    # Qwen1.5-MoE-A2.7B: softmax over 60, top-4, not renormalized, sigmoid-gated shared expert.
+    "qwen2-moe": dict(
+        dim=2048,
+        hidden_dim=1408,
+        num_experts=60,
+        top_k=4,
+        score_func="softmax",
+        route_norm=False,
+        shared_hidden_dim=5632,
+        shared_gate=True,
+    ),
+    # Qwen3-30B-A3B: softmax over 128, top-8, renormalized (norm_topk_prob=True).
+    "qwen3-moe": dict(
+        dim=2048, hidden_dim=768, num_experts=128, top_k=8, score_func="softmax", route_norm=True
+    ),
+    # DeepSeek-V3: sigmoid, 8 groups / 4 kept, correction bias, x2.5, one shared expert.
+    "deepseek-v3": dict(
+        dim=7168,
+        hidden_dim=2048,
+        num_experts=256,
+        top_k=8,
+        score_func="sigmoid",
+        num_expert_groups=8,
+        num_limited_groups=4,
+        route_norm=True,
+        route_scale=2.5,
+        expert_bias=True,
+        shared_hidden_dim=2048,
+    ),
+}
+
+_AUX_LOSSES = (None, "switch", "sequence")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
+
+
+class _RouterLogits(torch.autograd.Function):
+    """logits = x @ W^T (+ b) in fp32, saving x in its own dtype (half the bytes of x.float())."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, bias = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(grad.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad @ weight.float()).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = (grad.t() @ x.float()).to(weight.dtype)
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_b = grad.sum(0).to(bias.dtype)
+        return grad_x, grad_w, grad_b
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in the backward, d(aux)/d(aux) = ``scale`` flows into ``aux``."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class TopKRouter(nn.Module):
+    """Linear router + top-k selection (``torch_moe.ops.topk_route``), math in fp32.
+
+    ``forward(x [T, D]) -> (weights [T, K] fp32, expert_ids [T, K], tokens_per_expert [E],
+    logits [T, E] fp32)``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+        expert_bias: bool = False,
+        router_bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        # the routing op's own checks, on a meta tensor: fail at construction, not at step 1
+        _routing._check_inputs(
+            torch.empty(0, num_experts, device="meta"),
+            top_k,
+            score_func,
+            torch.empty(num_experts, device="meta") if expert_bias else None,
+            num_expert_groups,
+            num_limited_groups,
+            route_scale,
+        )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
+        self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=dtype))
+        self.bias = (
+            nn.Parameter(torch.empty(num_experts, device=device, dtype=dtype))
+            if router_bias
+            else None
+        )
+        self.expert_bias: Tensor | None
+        if expert_bias:
+            self.register_buffer(
+                "expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32)
+            )
+        else:
+            self.expert_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        logits = _RouterLogits.apply(x, self.weight, self.bias)
+        weights, ids, counts = ops.topk_route(
+            logits,
+            self.top_k,
+            score_func=self.score_func,
+            expert_bias=self.expert_bias,
+            num_expert_groups=self.num_expert_groups,
+            num_limited_groups=self.num_limited_groups,
+            route_norm=self.route_norm,
+            route_scale=self.route_scale,
+        )
+        return weights, ids, counts, logits
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stacked as ``w13`` [E, 2F, D] and ``w2`` [E, D, F].
+
+    ``forward(x_perm [M, D], offs [E], row_weights [M] | None) -> [M, D]`` runs every
+    expert in one ``grouped_swiglu`` call, in the parameter dtype or the autocast dtype.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * hidden_dim, dim, device=device, dtype=dtype)
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, dim, hidden_dim, device=device, dtype=dtype)
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default bound 1/sqrt(fan_in), per expert
+        nn.init.uniform_(self.w13, -(self.w13.shape[2] ** -0.5), self.w13.shape[2] ** -0.5)
+        nn.init.uniform_(self.w2, -(self.w2.shape[2] ** -0.5), self.w2.shape[2] ** -0.5)
+
+    def forward(self, x: Tensor, offs: Tensor, row_weights: Tensor | None = None) -> Tensor:
+        dt = _expert_dtype(x, self.w13)
+        return grouped_swiglu(x.to(dt), self.w13.to(dt), self.w2.to(dt), offs, row_weights)
+
+
+class SharedExperts(nn.Module):
+    """A dense SwiGLU MLP every token goes through, optionally scaled by sigmoid(x @ gate^T)."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        *,
+        gate: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(2 * hidden_dim, dim, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(dim, hidden_dim, device=device, dtype=dtype))
+        self.gate = nn.Parameter(torch.empty(1, dim, device=device, dtype=dtype)) if gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.w13, -(self.w13.shape[1] ** -0.5), self.w13.shape[1] ** -0.5)
+        nn.init.uniform_(self.w2, -(self.w2.shape[1] ** -0.5), self.w2.shape[1] ** -0.5)
+        if self.gate is not None:
+            nn.init.uniform_(self.gate, -(self.gate.shape[1] ** -0.5), self.gate.shape[1] ** -0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        out = F.linear(F.silu(gate) * up, self.w2)
+        if self.gate is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate))
+        return out
+
+
+def _expert_dtype(x: Tensor, param: Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return param.dtype
+
+
+def _recomputing() -> bool:
+    """True inside a backward pass, i.e. when activation checkpointing recomputes a forward."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    r"""Mixture-of-Experts feed-forward layer (dropless by default).
+
+    Args:
+        dim: model dim D.  hidden_dim: expert hidden dim F.
+        num_experts: E.  top_k: experts per token K.
+        score_func, route_norm, route_scale, num_expert_groups, num_limited_groups:
+            routing, see :func:`torch_moe.ops.topk_route`.
+        expert_bias: keep an [E] selection bias buffer for aux-loss-free balancing.
+        router_bias: give the router linear a bias.
+        shared_hidden_dim: hidden dim of an always-on shared SwiGLU expert (0: none).
+        shared_gate: scale the shared expert by ``sigmoid(x @ gate^T)`` (Qwen2-MoE).
+        capacity_factor: keep at most ``ceil(capacity_factor * T * K / E)`` assignments
+            per expert (earliest tokens first), dropping the rest; None: dropless.
+        aux_loss: ``"switch"``, ``"sequence"`` (DeepSeek-V3) or None.
+        aux_loss_coeff, z_loss_coeff: loss coefficients (see the module docstring).
+
+    ``forward(x [..., D]) -> [..., D]``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+        expert_bias: bool = False,
+        router_bias: bool = False,
+        shared_hidden_dim: int = 0,
+        shared_gate: bool = False,
+        capacity_factor: float | None = None,
+        aux_loss: str | None = None,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]:
+            _check_positive(name, value)
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k must be in [1, num_experts={num_experts}], got {top_k!r}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {capacity_factor}")
+        if shared_hidden_dim < 0:
+            raise ValueError(f"MoE: shared_hidden_dim must be >= 0, got {shared_hidden_dim}")
+        if shared_gate and shared_hidden_dim == 0:
+            raise ValueError("MoE: shared_gate=True needs shared_hidden_dim > 0")
+        if aux_loss not in _AUX_LOSSES:
+            raise ValueError(f"MoE: aux_loss must be one of {_AUX_LOSSES}, got {aux_loss!r}")
+        if aux_loss_coeff < 0 or z_loss_coeff < 0:
+            raise ValueError(
+                f"MoE: loss coefficients must be >= 0, got aux_loss_coeff={aux_loss_coeff}, "
+                f"z_loss_coeff={z_loss_coeff}"
+            )
+        self.dim, self.hidden_dim, self.num_experts, self.top_k = (
+            dim,
+            hidden_dim,
+            num_experts,
+            top_k,
+        )
+        self.capacity_factor = capacity_factor
+        self.aux_loss, self.aux_loss_coeff, self.z_loss_coeff = (
+            aux_loss,
+            aux_loss_coeff,
+            z_loss_coeff,
+        )
+        self.aux_loss_scale = 1.0
+        self.router = TopKRouter(
+            dim,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            route_norm=route_norm,
+            route_scale=route_scale,
+            num_expert_groups=num_expert_groups,
+            num_limited_groups=num_limited_groups,
+            expert_bias=expert_bias,
+            router_bias=router_bias,
+            device=device,
+            dtype=dtype,
+        )
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, device=device, dtype=dtype)
+        self.shared_experts = (
+            SharedExperts(dim, shared_hidden_dim, gate=shared_gate, device=device, dtype=dtype)
+            if shared_hidden_dim > 0
+            else None
+        )
+        self.register_buffer(
+            "tokens_per_expert",
+            torch.zeros(num_experts, dtype=torch.int64, device=device),
+            persistent=False,
+        )
+        self.last_losses: dict[str, Tensor] = {}
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> MoE:
+        """The MoE block of a published model (``PRESETS``), with any argument overridden.
+
+        Default sizes are the published ones (DeepSeek-V3's experts are 3.8G parameters:
+        pass ``device="meta"`` to inspect, or smaller ``dim``/``hidden_dim``/``num_experts``).
+        """
+        if name not in PRESETS:
+            raise ValueError(
+                f"MoE.from_preset: unknown preset {name!r}; valid presets: {sorted(PRESETS)}"
+            )
+        return cls(**{**PRESETS[name], **overrides})
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+        self.reset_load_stats()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(
+                f"MoE: expected the input's last dim to be dim={self.dim}, got {list(x.shape)}"
+            )
+        shape = x.shape
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.experts.w13.dtype)
+        x_TD = x.reshape(-1, self.dim)
+        num_tokens = x_TD.shape[0]
+        weights_TK, ids_TK, counts_E, logits_TE = self.router(x_TD)
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        perm = ops.permute_indices(ids_TK, self.num_experts, capacity=capacity)
+        x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
+        # the routing weight of each permuted row (0 for padding rows), folded into the experts
+        row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot.clamp(min=0))
+        if capacity is not None:
+            row_w = torch.where(perm.row_to_slot >= 0, row_w, 0)
+        y_perm = self.experts(x_perm, perm.offs, row_w)
+        out = ops.unpermute(y_perm, None, perm)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_TD.to(out.dtype))
+
+        if self.training and not _recomputing():
+            with torch.no_grad():
+                self.tokens_per_expert += counts_E
+        out = self._attach_losses(out, logits_TE, ids_TK, counts_E, shape)
+        return out.view(*shape[:-1], self.dim)
+
+    def _attach_losses(
+        self, out: Tensor, logits: Tensor, ids: Tensor, counts: Tensor, shape: torch.Size
+    ) -> Tensor:
+        losses: dict[str, Tensor] = {}
+        total = None
+        score_func = self.router.score_func
+        if self.aux_loss is not None and self.aux_loss_coeff > 0:
+            if self.aux_loss == "switch":
+                loss = switch_aux_loss(logits, counts, self.top_k, score_func=score_func)
+            else:
+                seq_len = shape[-2] if len(shape) >= 3 else logits.shape[0]
+                loss = sequence_aux_loss(logits, ids, self.top_k, seq_len, score_func=score_func)
+            losses["aux_loss"] = loss.detach()
+            total = self.aux_loss_coeff * loss
+        if self.z_loss_coeff > 0:
+            z = router_z_loss(logits)
+            losses["z_loss"] = z.detach()
+            total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
+        self.last_losses = losses
+        if total is None or not torch.is_grad_enabled():
+            return out
+        return _AttachAuxLoss.apply(out, total, self.aux_loss_scale)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float = 1e-3, group: Any = None) -> Tensor:
+        """Aux-loss-free balancing step; call after ``optimizer.step()``.
+
+        ``bias += rate * sign(mean_load - load)``, then mean-centred; the load is
+        ``tokens_per_expert`` summed over ``group`` (default: all ranks) when
+        torch.distributed is initialized. Resets the counts and returns the load used.
+        """
+        if self.router.expert_bias is None:
+            raise RuntimeError(
+                "MoE.update_expert_bias: this layer was built with expert_bias=False"
+            )
+        load = self.tokens_per_expert.to(torch.float32)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load, group=group)
+        bias = self.router.expert_bias
+        bias += rate * torch.sign(load.mean() - load)
+        bias -= bias.mean()
+        self.reset_load_stats()
+        return load
+
+    def reset_load_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+
+    def load_stats(self) -> dict[str, Any]:
+        """Tokens per expert since the last reset and the max/mean load imbalance."""
+        load = self.tokens_per_expert.to(torch.float32)
+        mean = load.mean()
+        return {
+            "tokens_per_expert": self.tokens_per_expert.tolist(),
+            "imbalance": float(load.max() / mean) if mean > 0 else float("nan"),
+        }
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments that define the parameters' meaning (for checkpoints)."""
+        r = self.router
+        return dict(
+            dim=self.dim,
+            hidden_dim=self.hidden_dim,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            score_func=r.score_func,
+            route_norm=r.route_norm,
+            route_scale=r.route_scale,
+            num_expert_groups=r.num_expert_groups,
+            num_limited_groups=r.num_limited_groups,
+            expert_bias=r.expert_bias is not None,
+            router_bias=r.bias is not None,
+            shared_hidden_dim=0 if self.shared_experts is None else self.shared_experts.w2.shape[1],
+            shared_gate=self.shared_experts is not None and self.shared_experts.gate is not None,
+            capacity_factor=self.capacity_factor,
+        )
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return ", ".join(
+            f"{k}={v}" for k, v in c.items() if v not in (None, False, 0) or k == "top_k"
+        )
+
+
+def hf_state_dict_to_moe(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map the state dict of an HF transformers 5.x MoE block onto ``MoE``'s names.
+
+    Handles Mixtral / Qwen3-MoE (``gate``, ``experts``), Qwen2-MoE (``shared_expert``,
+    ``shared_expert_gate``) and DeepSeek-V3 (``gate.e_score_correction_bias``,
+    ``shared_experts``). Keys are relative to the block (strip the layer prefix first).
+    """
+    out: dict[str, Tensor] = {}
+    shared: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        if key == "gate.weight":
+            out["router.weight"] = value
+        elif key == "gate.e_score_correction_bias":
+            out["router.expert_bias"] = value
+        elif key == "experts.gate_up_proj":
+            out["experts.w13"] = value
+        elif key == "experts.down_proj":
+            out["experts.w2"] = value
+        elif key == "shared_expert_gate.weight":
+            out["shared_experts.gate"] = value
+        elif key.startswith(("shared_expert.", "shared_experts.")):
+            shared[key.split(".", 1)[1]] = value
+        else:
+            raise KeyError(f"hf_state_dict_to_moe: unexpected key {key!r}")
+    if shared:
+        out["shared_experts.w13"] = torch.cat(
+            [shared["gate_proj.weight"], shared["up_proj.weight"]], 0
+        )
+        out["shared_experts.w2"] = shared["down_proj.weight"]
+    return out
