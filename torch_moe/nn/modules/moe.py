@@ -333,6 +333,8 @@ class MoE(nn.Module):
     ``forward(x [..., D]) -> [..., D]``.
     """
 
+    tokens_per_expert: Tensor
+
     def __init__(
         self,
         dim: int,
