@@ -22,7 +22,13 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "expecttest>=0.2", "numpy"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "expecttest>=0.2",
+            "numpy",
+            "transformers==5.23.0",
+        ],
         "lint": _requirements("requirements-lint.txt"),
     },
     license="BSD-3-Clause",

@@ -124,3 +124,115 @@ def moe(
                 e = int(expert_ids[t, j])
                 out[t] += float(weights[t, j]) * expert_swiglu(x[t], w13[e], w2[e])
     return out
+
+
+def _capacity(config: dict, num_tokens: int) -> int | None:
+    """ceil(capacity_factor * T * K / E) assignments per expert (DESIGN.md §3), None: dropless."""
+    factor = config.get("capacity_factor")
+    if factor is None:
+        return None
+    return math.ceil(factor * num_tokens * config["top_k"] / config["num_experts"])
+
+
+def _route_kwargs(config: dict) -> dict:
+    return {
+        key: config.get(key, default)
+        for key, default in [
+            ("score_func", "softmax"),
+            ("num_expert_groups", None),
+            ("num_limited_groups", None),
+            ("route_norm", False),
+            ("route_scale", 1.0),
+        ]
+    }
+
+
+def moe_layer(x: Tensor, state: dict[str, Tensor], config: dict) -> tuple[Tensor, Tensor, int]:
+    """The whole MoE layer, token by token, in float64.
+
+    ``state`` holds the layer's parameters and buffers under ``torch_moe.nn.MoE``'s names
+    (``moe.state_dict()``), ``config`` its constructor arguments (``moe.config``). Router
+    logits one dot product at a time, routing by :func:`route`, experts by
+    :func:`expert_swiglu` with assignments past the capacity dropped in token order
+    (:func:`moe`), plus the shared expert, optionally scaled by ``sigmoid(x . gate)``.
+    Returns ``(out [..., D], expert_ids [T, K], number of dropped assignments)``.
+    """
+    dim, num_experts, top_k = config["dim"], config["num_experts"], config["top_k"]
+    x_TD = x.reshape(-1, dim).double()
+    num_tokens = x_TD.shape[0]
+    weight, bias = state["router.weight"].double(), state.get("router.bias")
+    logits = torch.zeros(num_tokens, num_experts, dtype=torch.float64)
+    for t in range(num_tokens):
+        for e in range(num_experts):
+            logits[t, e] = float(weight[e] @ x_TD[t]) + (0.0 if bias is None else float(bias[e]))
+    weights, ids, _ = route(
+        logits, top_k, expert_bias=state.get("router.expert_bias"), **_route_kwargs(config)
+    )
+    capacity = _capacity(config, num_tokens)
+    out = moe(x_TD, weights, ids, state["experts.w13"], state["experts.w2"], capacity)
+    _, _, dropped = dispatch(ids, num_experts, capacity=capacity)
+    if "shared_experts.w13" in state:
+        for t in range(num_tokens):
+            shared = expert_swiglu(x_TD[t], state["shared_experts.w13"], state["shared_experts.w2"])
+            if "shared_experts.gate" in state:
+                g = float(state["shared_experts.gate"][0].double() @ x_TD[t])
+                shared = shared / (1.0 + math.exp(-g))
+            out[t] += shared
+    return out.reshape(*x.shape[:-1], dim), ids, dropped
+
+
+def moe_layer_autograd(x: Tensor, params: dict[str, Tensor], config: dict) -> Tensor:
+    """:func:`moe_layer` in plain differentiable torch ops, one token at a time.
+
+    For gradients: autograd through this loop is the reference for the layer's backward.
+    The experts are chosen by :func:`route` on the detached logits (selection has no
+    gradient); the weights are recomputed from the logits with torch ops. ``params`` as
+    in :func:`moe_layer` (may require grad; all float64).
+    """
+    dim, num_experts, top_k = config["dim"], config["num_experts"], config["top_k"]
+    kw = _route_kwargs(config)
+    x_TD = x.reshape(-1, dim)
+    num_tokens = x_TD.shape[0]
+    capacity = _capacity(config, num_tokens)
+    used = [0] * num_experts
+    rows = []
+    for t in range(num_tokens):
+        x_t = x_TD[t]
+        logits = params["router.weight"] @ x_t
+        if "router.bias" in params:
+            logits = logits + params["router.bias"]
+        _, ids, _ = route(
+            logits.detach()[None], top_k, expert_bias=params.get("router.expert_bias"), **kw
+        )
+        chosen = ids[0].tolist()
+        if kw["score_func"] == "softmax":
+            w = torch.softmax(logits, 0)[chosen]
+        elif kw["score_func"] == "sigmoid":
+            w = torch.sigmoid(logits[chosen])
+        else:
+            w = torch.softmax(logits[chosen], 0)
+        if kw["route_norm"]:
+            w = w / (w.sum() + 1e-20)
+        w = w * kw["route_scale"]
+        y = torch.zeros_like(x_t)
+        for j, e in enumerate(chosen):
+            used[e] += 1
+            if capacity is not None and used[e] > capacity:
+                continue
+            y = y + w[j] * _swiglu_autograd(x_t, params["experts.w13"][e], params["experts.w2"][e])
+        if "shared_experts.w13" in params:
+            shared = _swiglu_autograd(
+                x_t, params["shared_experts.w13"], params["shared_experts.w2"]
+            )
+            if "shared_experts.gate" in params:
+                shared = shared * torch.sigmoid(params["shared_experts.gate"][0] @ x_t)
+            y = y + shared
+        rows.append(y)
+    out = torch.stack(rows) if rows else x_TD * 0
+    return out.reshape(x.shape)
+
+
+def _swiglu_autograd(x_row: Tensor, w13_e: Tensor, w2_e: Tensor) -> Tensor:
+    hidden = w13_e.shape[0] // 2
+    h = w13_e @ x_row
+    return w2_e @ (torch.nn.functional.silu(h[:hidden]) * h[hidden:])

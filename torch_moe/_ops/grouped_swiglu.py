@@ -224,7 +224,8 @@ def _(
     dx = x.new_empty(x.shape)
     dw13 = w13.new_empty(w13.shape)
     dw2 = w2.new_empty(w2.shape)
-    grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=torch.float32)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # as _act_backward
+    grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
     start = 0
     for g, end in enumerate(ends):
         if end == start:

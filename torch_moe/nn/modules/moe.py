@@ -23,8 +23,10 @@ torch_moe                      shape         HF transformers 5.x
 What the forward saves for the backward (per token, expert dtype b bytes, the router in
 fp32): the layer input [D] (b bytes each, for the router and shared-expert weight
 gradients), the router logits [E] (fp32) and ids [K], and, per routed copy, the
-permuted input [D] and the gate/up pre-activation [2F] plus one fp32 routing weight:
-``D*b + E*4 + K*(8 + 4 + (D + 2F)*b)`` bytes. The combine weights are folded into the
+permuted input [D] and the gate/up pre-activation [2F], one fp32 routing weight and
+the two int64 dispatch maps (row_to_slot, slot_to_row):
+``D*b + E*4 + K*(8 + 4 + 16 + (D + 2F)*b)`` bytes, plus E*4 bytes of group offsets per
+call (and one more int64 index per routed copy with a capacity). The combine weights are folded into the
 expert op (``row_weights``), so neither the expert outputs [K, D] nor the activation
 [K, F] are kept; a torchtitan-style layer keeps the gathered input and both GEMM
 outputs, and HF's per-expert loop more (see benchmarks/bench_moe_layer.py).
@@ -45,7 +47,8 @@ Load balancing (all optional, all in fp32):
   after ``optimizer.step()``; it moves the bias by ``rate * sign(mean_load - load)``
   (mean-centred), loads summed over data-parallel ranks when torch.distributed is
   initialized.
-* ``tokens_per_expert``: routed assignments per expert accumulated since the last
+* ``tokens_per_expert`` / ``dropped_assignments``: routed assignments per expert
+  (before any capacity drop) and the assignments the capacity dropped, accumulated since the last
   ``update_expert_bias`` / ``reset_load_stats`` (not counted again when activation
   checkpointing recomputes a forward); ``load_stats()`` summarizes it for logging.
 """
@@ -123,24 +126,31 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
 
 
+def _router_dtype(x: Tensor) -> torch.dtype:
+    """fp32 for the router math; fp64 for an fp64 layer, as in topk_route (never a downcast)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class _RouterLogits(torch.autograd.Function):
-    """logits = x @ W^T (+ b) in fp32, saving x in its own dtype (half the bytes of x.float())."""
+    """logits = x @ W^T (+ b) in fp32 (fp64 for fp64 x), saving x in its own dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight, bias)
+        acc = _router_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            return F.linear(x.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, bias = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
+        acc = _router_dtype(x)
         with torch.autocast(grad.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                grad_x = (grad @ weight.float()).to(x.dtype)
+                grad_x = (grad.to(acc) @ weight.to(acc)).to(x.dtype)
             if ctx.needs_input_grad[1]:
-                grad_w = (grad.t() @ x.float()).to(weight.dtype)
+                grad_w = (grad.to(acc).t() @ x.to(acc)).to(weight.dtype)
             if bias is not None and ctx.needs_input_grad[2]:
                 grad_b = grad.sum(0).to(bias.dtype)
         return grad_x, grad_w, grad_b
@@ -334,6 +344,7 @@ class MoE(nn.Module):
     """
 
     tokens_per_expert: Tensor
+    dropped_assignments: Tensor
 
     def __init__(
         self,
@@ -410,6 +421,11 @@ class MoE(nn.Module):
             else None
         )
         self.register_buffer(
+            "dropped_assignments",
+            torch.zeros((), dtype=torch.int64, device=device),
+            persistent=False,
+        )
+        self.register_buffer(
             "tokens_per_expert",
             torch.zeros(num_experts, dtype=torch.int64, device=device),
             persistent=False,
@@ -452,9 +468,12 @@ class MoE(nn.Module):
             capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
         perm = ops.permute_indices(ids_TK, self.num_experts, capacity=capacity)
         x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
-        # the routing weight of each permuted row (0 for padding rows), folded into the experts
-        row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot.clamp(min=0))
-        if capacity is not None:
+        # the routing weight of each permuted row, folded into the experts; with a capacity,
+        # rows past the kept assignments are padding (row_to_slot == -1) and get weight 0
+        if capacity is None:
+            row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot)
+        else:
+            row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot.clamp(min=0))
             row_w = torch.where(perm.row_to_slot >= 0, row_w, 0)
         y_perm = self.experts(x_perm, perm.offs, row_w)
         out = ops.unpermute(y_perm, None, perm)
@@ -464,6 +483,7 @@ class MoE(nn.Module):
         if self.training and not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += counts_E
+                self.dropped_assignments += perm.num_dropped
         out = self._attach_losses(out, logits_TE, ids_TK, counts_E, shape)
         return out.view(*shape[:-1], self.dim)
 
@@ -513,13 +533,16 @@ class MoE(nn.Module):
 
     def reset_load_stats(self) -> None:
         self.tokens_per_expert.zero_()
+        self.dropped_assignments.zero_()
 
     def load_stats(self) -> dict[str, Any]:
-        """Tokens per expert since the last reset and the max/mean load imbalance."""
+        """Tokens per expert (routed, before any capacity drop) since the last reset, the
+        max/mean load imbalance, and the assignments dropped by the capacity limit."""
         load = self.tokens_per_expert.to(torch.float32)
         mean = load.mean()
         return {
             "tokens_per_expert": self.tokens_per_expert.tolist(),
+            "dropped_assignments": int(self.dropped_assignments),
             "imbalance": float(load.max() / mean) if mean > 0 else float("nan"),
         }
 

@@ -1,0 +1,828 @@
+# Owner(s): ["module: moe"]
+"""Tests for torch_moe.nn.MoE: HF transformers equivalence, the naive per-token oracle,
+load-balancing losses, aux-loss-free bias, autocast, torch.compile, saved activations.
+
+Legend: T tokens, D dim, F expert hidden dim, E experts, K top-k.
+"""
+
+import copy
+import importlib.metadata
+import math
+import unittest
+
+import naive
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+from torch.testing import FileCheck
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+from torch.utils.checkpoint import checkpoint
+
+import torch_moe  # noqa: F401
+from torch_moe import ops
+from torch_moe.nn import PRESETS, MoE, hf_state_dict_to_moe
+from torch_moe.nn.functional import router_z_loss, sequence_aux_loss, switch_aux_loss
+
+try:  # imported lazily in the HF tests: importing the model code takes seconds
+    HAS_TRANSFORMERS = importlib.metadata.version("transformers").split(".")[0] == "5"
+except importlib.metadata.PackageNotFoundError:
+    HAS_TRANSFORMERS = False
+
+F64 = torch.float64
+EXACT = dict(atol=0, rtol=0)
+# float64 vs the float64 oracles: only summation order differs
+TIGHT = dict(atol=1e-12, rtol=1e-10)
+
+BASE = dict(dim=8, hidden_dim=6, num_experts=4, top_k=2)
+
+
+def _randomize(moe: MoE, seed: int = 0, bias_scale: float = 0.1) -> MoE:
+    """Random values for every parameter and a random (fp32-exact) expert_bias."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            std = 1.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.5
+            if name == "router.weight":
+                std = 1.5 / math.sqrt(p.shape[-1])  # logits ~ N(0, 1.5^2): routing far from uniform
+            p.copy_(torch.randn(p.shape, generator=g, dtype=F64) * std)
+        if moe.router.expert_bias is not None:
+            b = torch.randn(moe.num_experts, generator=g) * bias_scale
+            moe.router.expert_bias.copy_(b)
+    return moe
+
+
+def _x(shape, dtype=F64, seed=1, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=F64).to(dtype).requires_grad_(requires_grad)
+
+
+def _grads(module):
+    return {n: p.grad for n, p in module.named_parameters()}
+
+
+# --------------------------------------------------------------------------------------
+# 1. equivalence with HF transformers 5.x MoE blocks
+
+D_HF, F_HF = 16, 12
+
+
+def _hf_case(name):
+    """(HF block, preset name, from_preset overrides) for one published architecture."""
+    common = dict(hidden_size=D_HF, experts_implementation="eager")
+    if name == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import (
+            MixtralConfig,
+            MixtralSparseMoeBlock,
+        )
+
+        cfg = MixtralConfig(
+            intermediate_size=F_HF, num_local_experts=6, num_experts_per_tok=2, **common
+        )
+        return MixtralSparseMoeBlock(cfg), "mixtral", dict(num_experts=6, top_k=2)
+    if name == "qwen2-moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import (
+            Qwen2MoeConfig,
+            Qwen2MoeSparseMoeBlock,
+        )
+
+        cfg = Qwen2MoeConfig(
+            moe_intermediate_size=F_HF,
+            shared_expert_intermediate_size=20,
+            num_experts=6,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            **common,
+        )
+        overrides = dict(num_experts=6, top_k=3, shared_hidden_dim=20)
+        return Qwen2MoeSparseMoeBlock(cfg), "qwen2-moe", overrides
+    if name in ("qwen3-moe", "qwen3-moe-no-norm"):
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+            Qwen3MoeConfig,
+            Qwen3MoeSparseMoeBlock,
+        )
+
+        norm = name == "qwen3-moe"
+        cfg = Qwen3MoeConfig(
+            moe_intermediate_size=F_HF,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=norm,
+            **common,
+        )
+        return (
+            Qwen3MoeSparseMoeBlock(cfg),
+            "qwen3-moe",
+            dict(num_experts=8, top_k=3, route_norm=norm),
+        )
+    assert name == "deepseek-v3"
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Config,
+        DeepseekV3MoE,
+    )
+
+    cfg = DeepseekV3Config(
+        moe_intermediate_size=F_HF,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        n_shared_experts=2,
+        norm_topk_prob=True,
+        **common,
+    )
+    overrides = dict(
+        num_experts=16,
+        top_k=3,
+        num_expert_groups=4,
+        num_limited_groups=2,
+        shared_hidden_dim=2 * F_HF,
+    )
+    return DeepseekV3MoE(cfg), "deepseek-v3", overrides
+
+
+HF_CASES = ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-no-norm", "deepseek-v3"]
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
+@instantiate_parametrized_tests
+class TestMoEHuggingFace(TestCase):
+    # NB (tolerances): the HF blocks run their routers in fp32 even in a float64 model
+    # (Mixtral: softmax(logits.float()); Qwen2/3: softmax(dtype=float); DeepSeek-V3: the
+    # whole gate on x.float() and W.float()), so their routing weights carry fp32
+    # rounding (~6e-8 relative) while torch_moe routes a float64 layer in float64. The
+    # experts are float64 on both sides. Outputs are O(1): atol/rtol 1e-6 is ~10x the
+    # fp32 rounding; gradients through the fp32 softmax/sigmoid backward get 1e-5.
+    FWD_TOL = dict(atol=1e-6, rtol=1e-6)
+    GRAD_TOL = dict(atol=1e-5, rtol=1e-5)
+
+    def _pair(self, name):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        block, preset, overrides = _hf_case(name)
+        # the eager per-expert loop (the reference), not grouped_mm / batched_mm kernels
+        self.assertEqual(block.experts.config._experts_implementation, "eager")
+        sentinel = object()
+        self.assertIs(ALL_EXPERTS_FUNCTIONS.get_interface("eager", sentinel), sentinel)
+        block = block.to(F64).eval()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            # HF inits some of these to zeros or leaves them uninitialized
+            for n, p in block.named_parameters():
+                std = 0.4 if n == "gate.weight" else 1.0 / math.sqrt(p.shape[-1])
+                p.copy_(torch.randn(p.shape, generator=g, dtype=F64) * std)
+            if name == "deepseek-v3":
+                # fp32-exact values: torch_moe keeps expert_bias in fp32
+                bias = (torch.randn(16, generator=g) * 0.05).double()
+                block.gate.e_score_correction_bias.copy_(bias)
+        moe = MoE.from_preset(preset, dim=D_HF, hidden_dim=F_HF, dtype=F64, **overrides)
+        moe.load_state_dict(hf_state_dict_to_moe(block.state_dict()), strict=True)
+        return block, moe.eval()
+
+    @parametrize("name", HF_CASES)
+    def test_matches_hf_forward_backward(self, name):
+        block, moe = self._pair(name)
+        x_hf = _x((2, 5, D_HF), seed=3)
+        x = x_hf.detach().clone().requires_grad_()
+        out_hf, out = block(x_hf), moe(x)
+        self.assertEqual(out.shape, out_hf.shape)
+        self.assertEqual(out, out_hf, **self.FWD_TOL)
+        grad_out = _x(out.shape, seed=4, requires_grad=False)
+        out_hf.backward(grad_out)
+        out.backward(grad_out)
+        self.assertEqual(x.grad, x_hf.grad, **self.GRAD_TOL)
+        hf_grads = hf_state_dict_to_moe(_grads(block))
+        grads = _grads(moe)
+        self.assertEqual(sorted(hf_grads), sorted(grads))  # every parameter has a match
+        for n in grads:
+            # the shared expert does not depend on the routing: float64 on both sides
+            tol = TIGHT if n.startswith("shared_experts.") else self.GRAD_TOL
+            self.assertEqual(grads[n], hf_grads[n], **tol, msg=n)
+
+    def test_deepseek_bias_and_groups_matter(self):
+        # otherwise the DeepSeek-V3 comparison would not exercise them
+        block, moe = self._pair("deepseek-v3")
+        x = _x((10, D_HF), requires_grad=False, seed=3)
+        with torch.no_grad():
+            _, ids, _, logits = moe.router(x)
+            _, ids_no_bias, _ = ops.topk_route(
+                logits,
+                3,
+                score_func="sigmoid",
+                num_expert_groups=4,
+                num_limited_groups=2,
+                route_norm=True,
+                route_scale=2.5,
+            )
+            _, ids_no_groups, _ = ops.topk_route(
+                logits, 3, score_func="sigmoid", expert_bias=moe.router.expert_bias
+            )
+            _, _, hf_ids = block.gate(x)
+        self.assertNotEqual(ids, ids_no_bias)
+        self.assertNotEqual(ids, ids_no_groups)
+        self.assertEqual(ids.sort(-1).values, hf_ids.sort(-1).values)  # HF: topk(sorted=False)
+
+
+# --------------------------------------------------------------------------------------
+# 2. the naive per-token float64 oracle (test/naive.py)
+
+TINY_PRESETS = {
+    "mixtral": dict(dim=8, hidden_dim=6, num_experts=4),
+    "qwen2-moe": dict(dim=8, hidden_dim=6, num_experts=6, top_k=3, shared_hidden_dim=10),
+    "qwen3-moe": dict(dim=8, hidden_dim=6, num_experts=8, top_k=3),
+    # keeps the preset's 8 groups / 4 kept: 2 experts per group
+    "deepseek-v3": dict(dim=8, hidden_dim=6, num_experts=16, top_k=3, shared_hidden_dim=6),
+}
+
+OPTIONS = {
+    "plain": dict(),
+    "route_norm": dict(route_norm=True),
+    "router_bias": dict(router_bias=True),
+    "expert_bias": dict(expert_bias=True),
+    "capacity_drops": dict(capacity_factor=0.5),
+    "capacity_1.25": dict(capacity_factor=1.25),
+    "shared": dict(shared_hidden_dim=5),
+    "shared_gate": dict(shared_hidden_dim=5, shared_gate=True),
+    "softmax_topk": dict(score_func="softmax_topk"),
+    "sigmoid_groups": dict(
+        score_func="sigmoid",
+        num_expert_groups=2,
+        num_limited_groups=1,
+        route_norm=True,
+        route_scale=2.5,
+    ),
+    "k_equals_e": dict(top_k=4),
+    "one_expert": dict(num_experts=1, top_k=1),
+    "everything": dict(
+        score_func="sigmoid",
+        num_expert_groups=2,
+        num_limited_groups=1,
+        route_norm=True,
+        expert_bias=True,
+        router_bias=True,
+        capacity_factor=0.75,
+        shared_hidden_dim=5,
+        shared_gate=True,
+    ),
+}
+
+SHAPES = {"2d": (11, 8), "3d": (2, 5, 8)}
+
+
+@instantiate_parametrized_tests
+class TestMoENaive(TestCase):
+    def _check(self, moe, x, expect_drops=None):
+        """Forward vs naive.moe_layer, and input/param grads vs autograd of the naive loop."""
+        out = moe(x)
+        ref, _, dropped = naive.moe_layer(x.detach(), moe.state_dict(), moe.config)
+        self.assertEqual(out.shape, x.shape)
+        self.assertEqual(out, ref, **TIGHT)
+        if expect_drops is not None:
+            self.assertEqual(dropped > 0, expect_drops)
+        grad_out = _x(out.shape, seed=7, requires_grad=False)
+        out.backward(grad_out)
+        params = {n: p.detach().clone().requires_grad_() for n, p in moe.named_parameters()}
+        state = {**params, **{n: b for n, b in moe.named_buffers() if n == "router.expert_bias"}}
+        x_ref = x.detach().clone().requires_grad_()
+        out_ref = naive.moe_layer_autograd(x_ref, state, moe.config)
+        self.assertEqual(out_ref, ref, **TIGHT)  # the two oracles agree
+        out_ref.backward(grad_out)
+        self.assertEqual(x.grad, x_ref.grad, **TIGHT)
+        for n, p in moe.named_parameters():
+            self.assertEqual(p.grad, params[n].grad, **TIGHT, msg=n)
+
+    @parametrize("preset", list(TINY_PRESETS))
+    @parametrize("shape", list(SHAPES))
+    def test_preset_matches_naive(self, preset, shape):
+        self.assertEqual(set(TINY_PRESETS), set(PRESETS))  # a new preset needs a line here
+        moe = _randomize(MoE.from_preset(preset, dtype=F64, **TINY_PRESETS[preset]))
+        self._check(moe, _x(SHAPES[shape]))
+
+    @parametrize("option", list(OPTIONS))
+    @parametrize("shape", list(SHAPES))
+    def test_option_matches_naive(self, option, shape):
+        moe = _randomize(MoE(**{**BASE, **OPTIONS[option]}, dtype=F64))
+        factor = OPTIONS[option].get("capacity_factor")
+        self._check(moe, _x(SHAPES[shape]), expect_drops=True if (factor or 1) < 1 else None)
+
+    def test_training_mode_matches_naive(self):
+        # train() only adds counting; values are the same
+        moe = _randomize(MoE(**BASE, capacity_factor=0.75, shared_hidden_dim=5, dtype=F64))
+        self._check(moe.train(), _x((2, 5, 8)), expect_drops=True)
+
+    @parametrize("shape", [(0, 8), (2, 0, 8)])
+    @parametrize("aux_loss", ["switch", "sequence"])
+    def test_empty_input(self, shape, aux_loss):
+        moe = _randomize(
+            MoE(
+                **BASE,
+                shared_hidden_dim=5,
+                shared_gate=True,
+                capacity_factor=1.0,
+                aux_loss=aux_loss,
+                aux_loss_coeff=0.1,
+                z_loss_coeff=0.1,
+                dtype=F64,
+            )
+        ).train()
+        x = _x(shape)
+        out = moe(x)
+        self.assertEqual(out, torch.zeros(shape, dtype=F64))
+        out.sum().backward()
+        self.assertEqual(x.grad, torch.zeros(shape, dtype=F64))
+        for n, p in moe.named_parameters():
+            self.assertTrue(p.grad is None or not p.grad.any(), msg=n)
+        self.assertEqual(moe.tokens_per_expert, torch.zeros(4, dtype=torch.int64))
+        self.assertEqual(
+            moe.last_losses, {"aux_loss": torch.tensor(0.0), "z_loss": torch.tensor(0.0)}
+        )
+
+    def test_gradcheck(self):
+        moe = _randomize(
+            MoE(
+                dim=3,
+                hidden_dim=2,
+                num_experts=3,
+                top_k=2,
+                route_norm=True,
+                router_bias=True,
+                expert_bias=True,
+                capacity_factor=0.75,
+                shared_hidden_dim=2,
+                shared_gate=True,
+                dtype=F64,
+            )
+        )
+        names = [n for n, _ in moe.named_parameters()]
+        x = _x((5, 3))
+        self.assertGreater(naive.moe_layer(x.detach(), moe.state_dict(), moe.config)[2], 0)
+        inputs = (x, *(p.detach().clone().requires_grad_() for p in moe.parameters()))
+
+        def fn(x, *params):
+            return torch.func.functional_call(moe, dict(zip(names, params)), (x,))
+
+        self.assertTrue(torch.autograd.gradcheck(fn, inputs))
+
+
+# --------------------------------------------------------------------------------------
+# 3. load-balancing losses
+
+LN2, LN3 = math.log(2.0), math.log(3.0)
+
+
+@instantiate_parametrized_tests
+class TestMoELosses(TestCase):
+    def test_switch_aux_loss_by_hand(self):
+        # probs: token 0 [1/2, 1/2], token 1 [3/4, 1/4] -> P = [5/8, 3/8]
+        logits = torch.tensor([[0.0, 0.0], [LN3, 0.0]])
+        # f = [1, 0]: E * f . P = 2 * 5/8
+        self.assertEqual(switch_aux_loss(logits, torch.tensor([2, 0]), 1), torch.tensor(1.25))
+        # f = [0, 1]: 2 * 3/8
+        self.assertEqual(switch_aux_loss(logits, torch.tensor([0, 2]), 1), torch.tensor(0.75))
+        # E=4, K=2: probs [1/2, 1/4, 1/8, 1/8] and [1/4] * 4 -> P = [3/8, 1/4, 3/16, 3/16];
+        # counts [2, 1, 1, 0] -> f = [1/2, 1/4, 1/4, 0]; 4 * (3/16 + 1/16 + 3/64) = 19/16
+        logits = torch.tensor([[2 * LN2, LN2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+        loss = switch_aux_loss(logits, torch.tensor([2, 1, 1, 0]), 2)
+        self.assertEqual(loss, torch.tensor(19 / 16))
+        # sigmoid scores are normalized per token: [3/4, 1/2] -> [3/5, 2/5]; [1/2, 1/2]
+        logits = torch.tensor([[LN3, 0.0], [0.0, 0.0]])
+        loss = switch_aux_loss(logits, torch.tensor([2, 0]), 1, score_func="sigmoid")
+        self.assertEqual(loss, torch.tensor(2 * (3 / 5 + 1 / 2) / 2))
+
+    def test_sequence_aux_loss_by_hand(self):
+        # B=2, S=2, E=2, K=1, sigmoid scores normalized per token
+        logits = torch.tensor(
+            [
+                [LN3, 0.0],  # s' = [3/5, 2/5]
+                [0.0, 0.0],  # s' = [1/2, 1/2]
+                [0.0, LN3],  # s' = [2/5, 3/5]
+                [-LN3, LN3],  # s' = [1/4, 3/4]
+            ]
+        )
+        ids = torch.tensor([[0], [0], [1], [0]])
+        # seq 0: f = E/(K*S) * [2, 0] = [2, 0], P = [11/20, 9/20] -> 11/10
+        # seq 1: f = [1, 1], P = [13/40, 27/40] -> 1
+        loss = sequence_aux_loss(logits, ids, 1, 2)
+        self.assertEqual(loss, torch.tensor((1.1 + 1.0) / 2))
+        # one sequence of 4: f = 2/4 * [3, 1] = [3/2, 1/2], P = [7/4, 9/4] / 4
+        loss = sequence_aux_loss(logits, ids, 1, 4)
+        self.assertEqual(loss, torch.tensor((1.5 * 1.75 + 0.5 * 2.25) / 4))
+
+    def test_router_z_loss_by_hand(self):
+        # logsumexp: [0, 0] -> ln 2; [ln 3, 0] -> ln 4
+        logits = torch.tensor([[0.0, 0.0], [LN3, 0.0]])
+        self.assertEqual(router_z_loss(logits), torch.tensor((LN2**2 + (2 * LN2) ** 2) / 2))
+
+    def test_balanced_is_one(self):
+        logits = torch.zeros(8, 4)
+        ids = torch.arange(16).remainder(4).view(8, 2)
+        counts = torch.full((4,), 4)
+        self.assertEqual(switch_aux_loss(logits, counts, 2), torch.tensor(1.0))
+        self.assertEqual(
+            switch_aux_loss(logits, counts, 2, score_func="sigmoid"), torch.tensor(1.0)
+        )
+        self.assertEqual(sequence_aux_loss(logits, ids, 2, 4), torch.tensor(1.0))
+        # balanced counts give 1 whatever the probabilities (sum_e P_e = 1)
+        self.assertEqual(switch_aux_loss(torch.randn(8, 4), counts, 2), torch.tensor(1.0))
+
+    @parametrize("aux_loss", ["switch", "sequence"])
+    @parametrize("scale", [1.0, 0.25])
+    def test_injected_gradient(self, aux_loss, scale):
+        c, z = 0.3, 0.05
+        kw = dict(**BASE, score_func="sigmoid", route_norm=True, shared_hidden_dim=5, dtype=F64)
+        moe = _randomize(MoE(**kw, aux_loss=aux_loss, aux_loss_coeff=c, z_loss_coeff=z))
+        moe.aux_loss_scale = scale
+        plain = copy.deepcopy(moe)
+        plain.aux_loss_coeff = plain.z_loss_coeff = 0.0
+        x = _x((2, 6, 8))
+        x_plain = x.detach().clone().requires_grad_()
+        grad_out = _x((2, 6, 8), seed=5, requires_grad=False)
+        out, out_plain = moe(x), plain(x_plain)
+        self.assertEqual(out, out_plain, **EXACT)  # the losses do not change the output
+        out.backward(grad_out)
+        out_plain.backward(grad_out)
+        self.assertEqual(plain.last_losses, {})
+
+        # the losses computed separately from the same logits
+        w = moe.router.weight.detach().clone().requires_grad_()
+        x_sep = x.detach().clone().requires_grad_()
+        logits = x_sep.reshape(-1, 8) @ w.t()
+        _, ids, counts = ops.topk_route(logits.detach(), 2, score_func="sigmoid", route_norm=True)
+        if aux_loss == "switch":
+            aux = switch_aux_loss(logits, counts, 2, score_func="sigmoid")
+        else:
+            aux = sequence_aux_loss(logits, ids, 2, 6, score_func="sigmoid")
+        zl = router_z_loss(logits)
+        self.assertEqual(moe.last_losses["aux_loss"], aux.detach(), **TIGHT)
+        self.assertEqual(moe.last_losses["z_loss"], zl.detach(), **TIGHT)
+        d_w, d_x = torch.autograd.grad(c * aux + z * zl, [w, x_sep])
+
+        grads, grads_plain = _grads(moe), _grads(plain)
+        self.assertEqual(
+            grads["router.weight"] - grads_plain["router.weight"], scale * d_w, **TIGHT
+        )
+        self.assertEqual(x.grad - x_plain.grad, scale * d_x, **TIGHT)
+        for n in grads:
+            if n != "router.weight":
+                self.assertEqual(grads[n], grads_plain[n], **EXACT, msg=n)
+
+    def test_last_losses(self):
+        moe = _randomize(MoE(**BASE, aux_loss="switch", aux_loss_coeff=0.1, dtype=F64))
+        x = _x((6, 8))
+        moe(x)
+        self.assertEqual(sorted(moe.last_losses), ["aux_loss"])
+        self.assertFalse(moe.last_losses["aux_loss"].requires_grad)
+        moe.z_loss_coeff = 0.01
+        with torch.no_grad():
+            moe(x)  # computed for logging without grad too
+        self.assertEqual(sorted(moe.last_losses), ["aux_loss", "z_loss"])
+        logits = x.detach() @ moe.router.weight.detach().t()
+        self.assertEqual(moe.last_losses["z_loss"], router_z_loss(logits), **TIGHT)
+
+
+# --------------------------------------------------------------------------------------
+# 4. aux-loss-free balancing: expert_bias, tokens_per_expert, load_stats
+
+
+def _one_hot_router(moe: MoE) -> MoE:
+    """Router weight 10*I: the one-hot input e_i picks expert i first."""
+    with torch.no_grad():
+        moe.router.weight.copy_(10 * torch.eye(moe.num_experts, moe.dim))
+    return moe
+
+
+class TestMoEExpertBias(TestCase):
+    def test_update_expert_bias_by_hand(self):
+        moe = MoE(**BASE, expert_bias=True)
+        moe.router.expert_bias.copy_(torch.tensor([0.3, 0.0, 0.0, 0.0]))
+        moe.tokens_per_expert.copy_(torch.tensor([4, 2, 2, 0]))
+        load = moe.update_expert_bias(0.1)
+        self.assertEqual(load, torch.tensor([4.0, 2.0, 2.0, 0.0]))
+        # mean load 2: sign(mean - load) = [-1, 0, 0, 1] -> [0.2, 0, 0, 0.1], minus its mean 0.075
+        self.assertEqual(moe.router.expert_bias, torch.tensor([0.125, -0.075, -0.075, 0.025]))
+        self.assertEqual(moe.tokens_per_expert, torch.zeros(4, dtype=torch.int64))
+
+    def test_update_after_training_forwards(self):
+        moe = _randomize(MoE(**BASE, expert_bias=True, dtype=torch.float32)).train()
+        x = _x((16, 8), dtype=torch.float32, requires_grad=False)
+        bias0 = moe.router.expert_bias.clone()
+        _, _, counts, _ = moe.router(x)
+        moe(x)
+        moe(x)
+        self.assertEqual(moe.tokens_per_expert, 2 * counts)
+        with torch.no_grad():
+            moe.eval()(x)  # eval forwards are not counted
+        self.assertEqual(moe.tokens_per_expert, 2 * counts)
+        load = (2 * counts).float()
+        expected = bias0 + 0.01 * torch.sign(load.mean() - load)
+        moe.update_expert_bias(0.01)
+        self.assertEqual(moe.router.expert_bias, expected - expected.mean())
+        self.assertEqual(moe.tokens_per_expert.sum(), 0)
+
+    def test_bias_changes_choice_not_weights(self):
+        moe = _randomize(MoE(**BASE, expert_bias=True, dtype=F64))
+        x = _x((12, 8), requires_grad=False)
+        with torch.no_grad():
+            w0, ids0, _, logits = moe.router(x)
+            moe.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0]))
+            w1, ids1, counts1, logits1 = moe.router(x)
+        self.assertEqual(logits1, logits, **EXACT)
+        self.assertNotEqual(ids1, ids0)
+        self.assertEqual(ids1[:, 0], torch.full((12,), 3))  # always chosen first
+        self.assertEqual(counts1[3], 12)
+        # the weights are the unbiased softmax scores of the chosen experts
+        self.assertEqual(w1, torch.softmax(logits, -1).gather(1, ids1), **TIGHT)
+        self.assertEqual(w0, torch.softmax(logits, -1).gather(1, ids0), **TIGHT)
+
+    def test_update_without_bias_raises(self):
+        with self.assertRaisesRegex(RuntimeError, "built with expert_bias=False"):
+            MoE(**BASE).update_expert_bias(0.1)
+
+    def test_load_stats(self):
+        moe = _one_hot_router(MoE(dim=4, hidden_dim=3, num_experts=4, top_k=1)).train()
+        x = torch.eye(4)[[0, 0, 0, 3]]
+        moe(x)
+        stats = moe.load_stats()
+        self.assertEqual(stats["tokens_per_expert"], [3, 0, 0, 1])
+        self.assertEqual(stats["imbalance"], 3.0)  # max 3 / mean 1
+        moe.reset_load_stats()
+        self.assertTrue(math.isnan(moe.load_stats()["imbalance"]))
+
+    def test_checkpoint_counts_once_and_matches(self):
+        kw = dict(**BASE, expert_bias=True, shared_hidden_dim=5, shared_gate=True)
+        kw.update(aux_loss="switch", aux_loss_coeff=0.1, z_loss_coeff=0.01)
+        moe = _randomize(MoE(**kw, dtype=torch.float32)).train()
+        x = _x((2, 6, 8), dtype=torch.float32)
+        grad_out = _x((2, 6, 8), dtype=torch.float32, seed=5, requires_grad=False)
+        out = moe(x)
+        out.backward(grad_out)
+        counts, grads, x_grad = moe.tokens_per_expert.clone(), _grads(moe), x.grad
+        self.assertEqual(counts.sum(), 2 * 6 * 2)
+
+        moe.zero_grad(set_to_none=True)
+        moe.reset_load_stats()
+        x_ckpt = x.detach().clone().requires_grad_()
+        out_ckpt = checkpoint(moe, x_ckpt, use_reentrant=False)
+        out_ckpt.backward(grad_out)
+        self.assertEqual(moe.tokens_per_expert, counts)  # the recompute is not counted again
+        self.assertEqual(out_ckpt, out, **EXACT)
+        self.assertEqual(x_ckpt.grad, x_grad, **EXACT)
+        for n, g in _grads(moe).items():
+            self.assertEqual(g, grads[n], **EXACT, msg=n)  # incl. the re-attached aux losses
+
+    def test_dropped_assignments_counted(self):
+        moe = MoE(8, 6, 4, 2, capacity_factor=0.5)
+        x = _x((10, 8), dtype=torch.float32)
+        _, ids, _, _ = moe.router(x)
+        capacity = math.ceil(0.5 * 10 * 2 / 4)
+        expected = int(ops.permute_indices(ids, 4, capacity=capacity).num_dropped)
+        self.assertGreater(expected, 0)
+        moe(x)
+        moe(x)
+        stats = moe.load_stats()
+        self.assertEqual(stats["dropped_assignments"], 2 * expected)
+        self.assertEqual(sum(stats["tokens_per_expert"]), 2 * 10 * 2)  # routed, before drops
+        moe.eval()
+        moe(x)  # eval forwards are not counted
+        self.assertEqual(moe.load_stats()["dropped_assignments"], 2 * expected)
+
+
+# --------------------------------------------------------------------------------------
+# 5. autocast
+
+
+class TestMoEAutocast(TestCase):
+    def test_bf16_autocast(self):
+        kw = dict(**BASE, shared_hidden_dim=5, shared_gate=True, route_norm=True)
+        moe = _randomize(MoE(**kw, dtype=torch.float32))
+        x = _x((3, 7, 8), dtype=torch.float32)
+        seen = {}
+        moe.router.register_forward_hook(lambda m, i, o: seen.__setitem__("router", o))
+        moe.experts.register_forward_hook(lambda m, i, o: seen.__setitem__("experts", o))
+        with torch.no_grad():
+            ref = moe(x)
+            ref_w, ref_ids, _, ref_logits = seen["router"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(x)
+        weights, ids, _, logits = seen["router"]
+        self.assertEqual(logits.dtype, torch.float32)
+        self.assertEqual(weights.dtype, torch.float32)
+        # the router saw the fp32 input: bitwise the fp32 routing
+        self.assertEqual(logits, ref_logits, **EXACT)
+        self.assertEqual(weights, ref_w, **EXACT)
+        self.assertEqual(ids, ref_ids)
+        self.assertEqual(seen["experts"].dtype, torch.bfloat16)
+        self.assertEqual(out.dtype, torch.bfloat16)
+        self.assertEqual(out.float(), ref, atol=2e-2, rtol=2e-2)
+        out.float().square().sum().backward()
+        for n, p in moe.named_parameters():
+            self.assertEqual(p.grad.dtype, torch.float32, msg=n)
+            self.assertTrue(p.grad.isfinite().all(), msg=n)
+        self.assertEqual(x.grad.dtype, torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# 6. torch.compile, 7. determinism
+
+
+def _fwd_bwd(module, x, grad_out):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = module(x)
+    out.backward(grad_out)
+    return out.detach(), x.grad, _grads(getattr(module, "_orig_mod", module))
+
+
+COMPILE_KW = dict(
+    **BASE,
+    route_norm=True,
+    shared_hidden_dim=5,
+    shared_gate=True,
+    aux_loss="switch",
+    aux_loss_coeff=0.1,
+    z_loss_coeff=0.01,
+)
+
+
+class TestMoECompile(TestCase):
+    def _compare(self, backend, tol):
+        """Forward + backward of torch.compile(fullgraph=True) vs eager; returns the code."""
+        torch._dynamo.reset()
+        moe = _randomize(MoE(**COMPILE_KW, dtype=torch.float32)).train()
+        x = _x((2, 6, 8), dtype=torch.float32)
+        grad_out = _x((2, 6, 8), dtype=torch.float32, seed=5, requires_grad=False)
+        out, x_grad, grads = _fwd_bwd(moe, x, grad_out)
+        counts = moe.tokens_per_expert.clone()
+        compiled = torch.compile(moe, fullgraph=True, backend=backend)
+        (c_out, c_x_grad, c_grads), code = run_and_get_code(lambda: _fwd_bwd(compiled, x, grad_out))
+        self.assertEqual(c_out, out, **tol)
+        self.assertEqual(c_x_grad, x_grad, **tol)
+        for n in grads:
+            self.assertEqual(c_grads[n], grads[n], **tol, msg=n)
+        self.assertEqual(moe.tokens_per_expert, 2 * counts)  # the buffer update is traced
+        self.assertEqual(sorted(moe.last_losses), ["aux_loss", "z_loss"])
+        return code
+
+    def test_compile_aot_eager(self):
+        self._compare("aot_eager", EXACT)  # the same kernels: bitwise
+
+    def test_compile_inductor(self):  # ~45 s with a cold inductor cache on 2 CPU cores
+        # inductor fuses the elementwise math around the ops (fp32 reassociation)
+        fwd, bwd = self._compare("inductor", dict(atol=1e-5, rtol=1e-5))
+        # the custom ops are called as they are (opaque to inductor), in this order
+        FileCheck().check("torch.ops.torch_moe.topk_route.default(").check(
+            "torch.ops.torch_moe.permute.default("
+        ).check("torch.ops.torch_moe.grouped_swiglu.default(").check(
+            "torch.ops.torch_moe.unpermute.default("
+        ).run(fwd)
+        FileCheck().check("torch.ops.torch_moe.grouped_swiglu_backward.default(").check(
+            "torch.ops.torch_moe.topk_route_backward.default("
+        ).run(bwd)
+
+
+class TestMoEDeterminism(TestCase):
+    def test_bitwise_repeatable(self):
+        for dtype in (torch.float32, torch.bfloat16):
+            kw = dict(**COMPILE_KW, capacity_factor=0.75, expert_bias=True)
+            moe = _randomize(MoE(**kw, dtype=dtype)).train()
+            x = _x((3, 8, 8), dtype=dtype)
+            grad_out = _x((3, 8, 8), dtype=dtype, seed=5, requires_grad=False)
+            out1, x_grad1, grads1 = _fwd_bwd(moe, x, grad_out)
+            out2, x_grad2, grads2 = _fwd_bwd(moe, x, grad_out)
+            self.assertEqual(out2, out1, **EXACT)
+            self.assertEqual(x_grad2, x_grad1, **EXACT)
+            for n in grads1:
+                self.assertEqual(grads2[n], grads1[n], **EXACT, msg=n)
+
+
+# --------------------------------------------------------------------------------------
+# 8. bad input
+
+
+class TestMoEErrors(TestCase):
+    def test_bad_sizes(self):
+        for name in ("dim", "hidden_dim", "num_experts"):
+            for bad in (0, -3):
+                with self.assertRaisesRegex(
+                    ValueError, rf"MoE: {name} must be a positive integer, got {bad}"
+                ):
+                    MoE(**{**BASE, name: bad})
+
+    def test_bad_top_k(self):
+        for bad in (0, 5):
+            with self.assertRaisesRegex(
+                ValueError, rf"top_k must be in \[1, num_experts=4\], got {bad}"
+            ):
+                MoE(**{**BASE, "top_k": bad})
+
+    def test_unknown_preset(self):
+        valid = r"\['deepseek-v3', 'mixtral', 'qwen2-moe', 'qwen3-moe'\]"
+        with self.assertRaisesRegex(ValueError, rf"unknown preset 'gpt-5'; valid presets: {valid}"):
+            MoE.from_preset("gpt-5", dim=8)
+
+    def test_bad_capacity_factor(self):
+        for bad in (0, -1.5):
+            with self.assertRaisesRegex(
+                ValueError, rf"capacity_factor must be > 0 or None, got {bad}"
+            ):
+                MoE(**BASE, capacity_factor=bad)
+
+    def test_bad_input_dim(self):
+        moe = MoE(**BASE)
+        with self.assertRaisesRegex(ValueError, r"input's last dim to be dim=8, got \[2, 3, 5\]"):
+            moe(torch.randn(2, 3, 5))
+
+    def test_shared_gate_without_shared_expert(self):
+        with self.assertRaisesRegex(ValueError, "shared_gate=True needs shared_hidden_dim > 0"):
+            MoE(**BASE, shared_gate=True)
+
+    def test_unknown_aux_loss(self):
+        with self.assertRaisesRegex(
+            ValueError, r"aux_loss must be one of \(None, 'switch', 'sequence'\), got 'gshard'"
+        ):
+            MoE(**BASE, aux_loss="gshard")
+
+    def test_bad_groups(self):
+        kw = dict(dim=8, hidden_dim=6, top_k=2)
+        with self.assertRaisesRegex(
+            ValueError, r"num_experts \(6\) must be divisible by num_expert_groups \(4\)"
+        ):
+            MoE(**kw, num_experts=6, num_expert_groups=4, num_limited_groups=2)
+        with self.assertRaisesRegex(
+            ValueError, r"num_limited_groups \(5\) must be in \[1, num_expert_groups=4\]"
+        ):
+            MoE(**kw, num_experts=8, num_expert_groups=4, num_limited_groups=5)
+        with self.assertRaisesRegex(ValueError, r"leaves 2 experts, fewer than k \(3\)"):
+            MoE(**{**kw, "top_k": 3}, num_experts=8, num_expert_groups=4, num_limited_groups=1)
+
+
+# --------------------------------------------------------------------------------------
+# 9. saved activations
+
+
+def _saved_bytes(module, x):
+    """Bytes of the distinct storages saved for backward by one forward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = (s.nbytes(), t.dtype, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(n for n, _, _ in seen.values()), sorted(seen.values(), key=str)
+
+
+class _PerExpertLoop(torch.nn.Module):
+    """The HF transformers (Mixtral) eager-experts pattern, sharing ``moe``'s weights."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return _per_expert_loop(self.moe, x)
+
+
+def _per_expert_loop(moe, x):
+    logits = F.linear(x, moe.router.weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_w, top_i = torch.topk(probs, moe.top_k, dim=-1)
+    top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        mask = F.one_hot(top_i, num_classes=moe.num_experts).permute(2, 1, 0)
+    for e in range(moe.num_experts):
+        pos, tok = torch.where(mask[e])
+        gate, up = F.linear(x[tok], moe.experts.w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, moe.experts.w2[e]) * top_w[tok, pos, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
+
+
+class TestMoESavedActivations(TestCase):
+    def test_saved_bytes_match_docstring(self):
+        T, D, Fh, E, K, b = 32, 16, 12, 4, 2, 2
+        moe = _randomize(
+            MoE(dim=D, hidden_dim=Fh, num_experts=E, top_k=K, route_norm=True, dtype=torch.bfloat16)
+        )
+        x = _x((T, D), dtype=torch.bfloat16)
+        nbytes, saved = _saved_bytes(moe, x)
+        # moe.py's docstring: D*b + E*4 + K*(8 + 4 + 16 + (D + 2F)*b) bytes per token,
+        # plus the experts' offs (E int32) per call
+        documented = T * (D * b + E * 4 + K * (8 + 4 + 16 + (D + 2 * Fh) * b)) + E * 4
+        self.assertEqual(nbytes, documented, msg=f"saved: {saved}")
+        loop_bytes, _ = _saved_bytes(_PerExpertLoop(moe), x)
+        self.assertLess(nbytes, loop_bytes)
+
+
+if __name__ == "__main__":
+    run_tests()
