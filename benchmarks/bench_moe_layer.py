@@ -16,6 +16,7 @@ written here with the same weights. Both run in one process, interleaved.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 
@@ -53,6 +54,11 @@ class PerExpertLoopMoE(nn.Module):
             h = F.linear(F.silu(gate) * up, experts.w2[e]) * top_w[tok, pos, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out
+
+
+def fwd_bwd(module: nn.Module, x: Tensor, grad: Tensor) -> None:
+    module.zero_grad(set_to_none=True)
+    module(x).backward(grad)
 
 
 def saved_bytes_per_token(module: nn.Module, x: Tensor) -> float:
@@ -104,13 +110,9 @@ def main() -> None:
         x = torch.randn(t, d, dtype=dtype, requires_grad=True)
         grad = torch.randn(t, d, dtype=dtype)
 
-        def run(m: nn.Module) -> None:
-            m.zero_grad(set_to_none=True)
-            m(x).backward(grad)
-
-        cands = {"ours": lambda: run(moe)}
+        cands = {"ours": functools.partial(fwd_bwd, moe, x, grad)}
         if not args.skip_peer:
-            cands["loop"] = lambda: run(loop)
+            cands["loop"] = functools.partial(fwd_bwd, loop, x, grad)
         times = interleaved(cands, args.reps)
         flops = 18 * t * k * d * f
         ours_saved = saved_bytes_per_token(moe, x) / 1024
