@@ -119,7 +119,7 @@ class TestGroupedSwiGLU(TestCase):
         fused = torch.ops.torch_moe.grouped_swiglu.default(x, w13, w2, offs)
         composed = torch_moe._ops.grouped_swiglu.grouped_swiglu._init_fn(x, w13, w2, offs)
         self.assertEqual(fused, composed)
-        bwd_args = (grad, None, x.detach(), fused[1], w13.detach(), w2.detach(), offs)
+        bwd_args = (grad, None, x.detach(), fused[1].detach(), w13.detach(), w2.detach(), offs)
         fused_bwd = torch.ops.torch_moe.grouped_swiglu_backward.default(*bwd_args)
         composed_bwd = torch_moe._ops.grouped_swiglu.grouped_swiglu_backward._init_fn(*bwd_args)
         self.assertEqual(fused_bwd, composed_bwd)
