@@ -96,9 +96,9 @@ def _act(h: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None = None) -
     """silu(gate) * up (* row_weights) in fp32 (fp64 for fp64), returned in ``out_dtype``."""
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     gate, up = h.to(acc).chunk(2, dim=-1)
-    a = torch.nn.functional.silu(gate) * up
+    a = torch.nn.functional.silu(gate).mul_(up)
     if row_weights is not None:
-        a = a * row_weights.to(acc).unsqueeze(1)
+        a.mul_(row_weights.to(acc).unsqueeze(1))
     return a.to(out_dtype)
 
 
