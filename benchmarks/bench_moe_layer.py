@@ -7,7 +7,9 @@ against the bf16 mm rate and against the fp32 mm rate, the hardware limit on a C
 without native bf16 where torch_moe upcasts), and saved-activation bytes per token
 (distinct tensors saved for backward, parameters excluded). The peer is the pattern of
 HF transformers' eager experts: a Python loop over experts with index/linear/index_add,
-written here with the same weights. Both run in one process, interleaved.
+written here with the same weights, in the same process right after torch_moe's
+layer (one timed call by default: in bf16 its backward takes oneDNN's slow row-major x
+row-major path on CPUs without native bf16, ~50x slower than our upcast GEMMs).
 
     python benchmarks/bench_moe_layer.py                  # the issue's three shapes, bf16
     python benchmarks/bench_moe_layer.py --tokens 512     # quicker
@@ -86,6 +88,13 @@ def main() -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-peer", action="store_true", help="skip the (slow) per-expert loop")
+    p.add_argument(
+        "--peer-reps",
+        type=int,
+        default=1,
+        help="timed calls of the per-expert loop, no warm-up (its bf16 backward runs oneDNN's "
+        "slow row-major x row-major path here: ~100 s a call at the default shapes)",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
@@ -110,10 +119,10 @@ def main() -> None:
         x = torch.randn(t, d, dtype=dtype, requires_grad=True)
         grad = torch.randn(t, d, dtype=dtype)
 
-        cands = {"ours": functools.partial(fwd_bwd, moe, x, grad)}
+        times = interleaved({"ours": functools.partial(fwd_bwd, moe, x, grad)}, args.reps)
         if not args.skip_peer:
-            cands["loop"] = functools.partial(fwd_bwd, loop, x, grad)
-        times = interleaved(cands, args.reps)
+            loop_fn = functools.partial(fwd_bwd, loop, x, grad)
+            times.update(interleaved({"loop": loop_fn}, args.peer_reps, warmup=False))
         flops = 18 * t * k * d * f
         ours_saved = saved_bytes_per_token(moe, x) / 1024
         row = (

@@ -39,9 +39,11 @@ from torch_moe.nn.functional import grouped_swiglu
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], reps: int, warmup: bool = True
+) -> dict[str, float]:
     """Median seconds per call, running each candidate once per round."""
-    for fn in fns.values():  # warm up
+    for fn in fns.values() if warmup else ():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):

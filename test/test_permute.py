@@ -100,6 +100,31 @@ class TestPermute(TestCase):
         self.assertEqual(out, ops.unpermute(y.float(), w, perm).to(dtype), atol=0, rtol=0)
         self.assertEqual(out, ops.unpermute(y.double(), w.double(), perm).to(dtype))
 
+    @parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+    def test_cpu_kernels_equal_references_bitwise(self, dtype):
+        from torch_moe._ops.permute import permute_rows_reference, unpermute_rows_reference
+
+        for align, cap in [(1, None), (4, None), (1, 2)]:  # fast path, then the -1 paths
+            ids = _ids(33, 6, 3, "one_expert")
+            perm = ops.permute_indices(ids, 6, align=align, capacity=cap)
+            x = torch.randn(33, 17).to(dtype)
+            w = torch.rand(33, 3)
+            y = torch.randn(perm.row_to_slot.shape[0], 17).to(dtype)
+            maps = (perm.row_to_slot, perm.slot_to_row)
+            for weights in (None, w):
+                self.assertEqual(
+                    torch.ops.torch_moe.permute(x, *maps, weights),
+                    permute_rows_reference(x, *maps, weights),
+                    atol=0,
+                    rtol=0,
+                )
+                self.assertEqual(
+                    ops.unpermute(y, weights, perm),
+                    unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, weights),
+                    atol=0,
+                    rtol=0,
+                )
+
     def test_deterministic(self):
         ids = _ids(300, 8, 4, "one_expert")
         x = torch.randn(300, 64, dtype=torch.bfloat16, requires_grad=True)
