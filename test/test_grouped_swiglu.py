@@ -1,6 +1,8 @@
 # Owner(s): ["module: moe"]
 """Tests for torch_moe.nn.functional.grouped_swiglu against a naive per-token loop."""
 
+import unittest.mock
+
 import naive
 import torch
 from torch.testing._internal.common_utils import (
@@ -71,6 +73,17 @@ class TestGroupedSwiGLU(TestCase):
         for ours, ref in zip((x.grad, w13.grad, w2.grad), ref_inputs):
             self.assertEqual(ours.double(), ref.grad, **TOL[dtype])
         self.assertTrue((x.grad[10:] == 0).all())
+
+    def test_cpu_backward_row_chunks(self):
+        # the CPU backward runs its elementwise part in row chunks: make them tiny
+        x, w13, w2, offs = _inputs([7, 0, 11, 4], 6, 5, torch.float64, tail=2)
+        rw = torch.rand(x.shape[0], dtype=torch.float64, requires_grad=True)
+        grad = torch.randn(x.shape, dtype=torch.float64)
+        inputs = (x, w13, w2, rw)
+        with unittest.mock.patch.object(torch_moe._ops.grouped_swiglu, "_ACT_CHUNK_ELEMS", 10):
+            got = torch.autograd.grad(grouped_swiglu(x, w13, w2, offs, rw), inputs, grad)
+        want = torch.autograd.grad(swiglu_reference(x, w13, w2, offs, rw), inputs, grad)
+        self.assertEqual(got, want)
 
     def test_zero_stride_grad(self):
         x, w13, w2, offs = _inputs([3, 4], 8, 4, torch.float32)

@@ -42,6 +42,7 @@ from torch_moe._ops.grouped_mm import (
 __all__ = ["grouped_swiglu", "grouped_swiglu_backward", "swiglu_reference"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ACT_CHUNK_ELEMS = 2**17  # CPU backward: rows x F elements per elementwise chunk
 
 
 def _check_inputs(
@@ -103,32 +104,34 @@ def _act(h: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None = None) -
 
 
 def _act_backward(
-    h: Tensor, grad_a: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Recompute a from h; return (a * row_weights, dH, d row_weights).
+    h: Tensor, grad_a: Tensor, row_weights: Tensor | None, out_a: Tensor, out_dh: Tensor
+) -> Tensor | None:
+    """Recompute a from h; write a * row_weights into ``out_a`` and dH into ``out_dh``.
 
-    ``grad_a`` is the gradient of the unweighted activation ``a`` when ``row_weights`` is
-    given (dY @ W2), so that d row_weights = <grad_a, a> needs no saved expert output.
-    Writes dH in place, half by half, with d silu(g)/dg = silu + sigmoid * (1 - silu).
+    Returns d row_weights. ``grad_a`` is the gradient of the unweighted activation ``a``
+    when ``row_weights`` is given (dY @ W2), so that d row_weights = <grad_a, a> needs
+    no saved expert output. Math in fp32 (fp64), one rounding into the outputs;
+    d silu(g)/dg = silu + sigmoid * (1 - silu).
     """
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     gate, up = h.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     silu = gate * sig
-    a = silu * up
     ga = grad_a.to(acc)
     grad_rw = None
     if row_weights is not None:
         rw = row_weights.to(acc).unsqueeze(1)
+        a = silu * up
         grad_rw = (ga * a).sum(-1)
+        torch.mul(a, rw, out=out_a)
         ga = ga * rw
-        a.mul_(rw)
-    grad_h = torch.empty(h.shape, dtype=acc, device=h.device)
-    grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+    else:
+        torch.mul(silu, up, out=out_a)
+    grad_gate, grad_up = out_dh.chunk(2, dim=-1)
     torch.mul(ga, silu, out=grad_up)
     dsilu = torch.rsub(silu, 1).mul_(sig).add_(silu)
-    torch.mul(ga, up, out=grad_gate).mul_(dsilu)
-    return a.to(out_dtype), grad_h.to(out_dtype), grad_rw
+    torch.mul(ga * up, dsilu, out=grad_gate)
+    return grad_rw
 
 
 def swiglu_reference(
@@ -204,7 +207,9 @@ def grouped_swiglu_backward(
     d row_weights is an empty tensor when ``row_weights`` is None.
     """
     grad_a = grouped_mm(grad_y, w2, offs)
-    a, dh, grad_rw = _act_backward(h, grad_a, h.dtype, row_weights)
+    a = h.new_empty((h.shape[0], h.shape[1] // 2))
+    dh = torch.empty_like(h)
+    grad_rw = _act_backward(h, grad_a, row_weights, a, dh)
     if grad_h is not None:
         dh = dh + grad_h
     dw2 = grouped_mm_wgrad(grad_y, a, offs)
@@ -231,6 +236,8 @@ def _(
     dw2 = w2.new_empty(w2.shape)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # as _act_backward
     grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
+    hidden = w2.shape[2]
+    rows = max(1, _ACT_CHUNK_ELEMS // max(1, hidden))
     start = 0
     for g, end in enumerate(ends):
         if end == start:
@@ -238,16 +245,29 @@ def _(
             dw2[g].zero_()
             continue
         gy = grad_y[start:end].to(cdt)  # converted once, used twice
-        rw = None if row_weights is None else row_weights[start:end]
-        a, dh, grad_rw_g = _act_backward(h[start:end], mm_cpu(gy, w2[g]), cdt, rw)
-        if grad_rw is not None and grad_rw_g is not None:
-            grad_rw[start:end] = grad_rw_g
+        grad_a = mm_cpu(gy, w2[g])
+        a = grad_a.new_empty(grad_a.shape, dtype=cdt)
+        dh = grad_a.new_empty((end - start, 2 * hidden), dtype=cdt)
+        # the elementwise part in row chunks: its fp32 temporaries stay small
+        for r0 in range(0, end - start, rows):
+            r = slice(r0, min(r0 + rows, end - start))
+            g_r = slice(start + r.start, start + r.stop)  # the same rows, counted from 0
+            rw = None if row_weights is None else row_weights[g_r]
+            grad_rw_r = _act_backward(h[g_r], grad_a[r], rw, a[r], dh[r])
+            if grad_rw is not None and grad_rw_r is not None:
+                grad_rw[g_r] = grad_rw_r
+        del grad_a
         if grad_h is not None:
             dh += grad_h[start:end]
         mm_into(gy.t(), a, dw2[g])
         del a
-        mm_into(dh, w13[g], dx[start:end])
-        mm_into(dh.t(), x[start:end], dw13[g])
+        # gate and up halves of w13 one at a time: half-size fp32 temporaries
+        dx_g = mm_cpu(dh[:, :hidden], w13[g][:hidden])
+        dx_g += mm_cpu(dh[:, hidden:], w13[g][hidden:])
+        dx[start:end] = dx_g
+        del dx_g
+        mm_into(dh[:, :hidden].t(), x[start:end], dw13[g][:hidden])
+        mm_into(dh[:, hidden:].t(), x[start:end], dw13[g][hidden:])
         start = end
     dx[start:].zero_()
     return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
