@@ -107,6 +107,13 @@ def main() -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-peer-swiglu", action="store_true", help="skip the slow bf16 peer")
+    p.add_argument(
+        "--peer-reps",
+        type=int,
+        default=1,
+        help="timed calls of the torch._grouped_mm peers, no warm-up (in bf16 their backward "
+        "takes oneDNN's slow row-major x row-major path on CPUs without native bf16)",
+    )
     p.add_argument("--measure-peak", choices=["ours", "peer"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure_peak:
@@ -198,7 +205,8 @@ def main() -> None:
     def gmm_peer():
         torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(g_mm)
 
-    r = interleaved({"ours": gmm_ours, "peer": gmm_peer}, max(2, args.reps // 2))
+    r = interleaved({"ours": gmm_ours}, args.reps)
+    r.update(interleaved({"peer": gmm_peer}, args.peer_reps, warmup=False))
     gmm_flops = 6 * m * d * f
     rows.append(("grouped_mm fwd+bwd", r["ours"], gmm_flops / rate, "torch._grouped_mm", r["peer"]))
     rows_fp32 = {"grouped_mm fwd+bwd": gmm_flops / rate32}
@@ -217,10 +225,9 @@ def main() -> None:
         a = torch.nn.functional.silu(gate) * up
         torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs).backward(g_y)
 
-    cands = {"ours": swiglu_ours}
+    r = interleaved({"ours": swiglu_ours}, args.reps)
     if not args.skip_peer_swiglu:
-        cands["peer"] = swiglu_peer
-    r = interleaved(cands, max(2, args.reps // 2))
+        r.update(interleaved({"peer": swiglu_peer}, args.peer_reps, warmup=False))
     sw_flops = 18 * m * d * f
     rows.append(
         ("grouped_swiglu fwd+bwd", r["ours"], sw_flops / rate, "_grouped_mm+silu", r.get("peer"))
