@@ -298,8 +298,9 @@ def weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tenso
     out = torch.zeros(slot_to_row.shape, dtype=acc, device=rows.device)
     if rows.shape[0] == 0:
         return out
-    for k in range(slot_to_row.shape[1]):
-        out[:, k] = (rows.index_select(0, rows_TK[:, k]).to(acc) * tok).sum(-1)
+    for k in range(slot_to_row.shape[1]):  # a batched dot product per k: no [T, D] temporary
+        rows_k = rows.index_select(0, rows_TK[:, k]).to(acc)
+        out[:, k] = torch.bmm(rows_k.unsqueeze(1), tok.unsqueeze(2)).view(-1)
     return out.masked_fill_(~valid_TK, 0)
 
 
