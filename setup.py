@@ -12,6 +12,9 @@ def _requirements(name: str) -> list[str]:
     return [ln.strip() for ln in lines if ln.strip() and not ln.startswith(("#", "-"))]
 
 
+# examples/train_moe_lm.py: progress bar and plots
+EXAMPLES = ["tqdm>=4.60", "matplotlib>=3.7"]
+
 setup(
     name="torch_moe",
     version="0.1.0",
@@ -28,7 +31,9 @@ setup(
             "expecttest>=0.2",
             "numpy",
             "transformers==5.23.0",
+            *EXAMPLES,
         ],
+        "examples": EXAMPLES,
         "lint": _requirements("requirements-lint.txt"),
     },
     license="BSD-3-Clause",
