@@ -266,8 +266,9 @@ def _(
         dx_g += mm_cpu(dh[:, hidden:], w13[g][hidden:])
         dx[start:end] = dx_g
         del dx_g
-        mm_into(dh[:, :hidden].t(), x[start:end], dw13[g][:hidden])
-        mm_into(dh[:, hidden:].t(), x[start:end], dw13[g][hidden:])
+        x_g = x[start:end].to(cdt)  # converted once for both halves
+        mm_into(dh[:, :hidden].t(), x_g, dw13[g][:hidden])
+        mm_into(dh[:, hidden:].t(), x_g, dw13[g][hidden:])
         start = end
     dx[start:].zero_()
     return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
