@@ -216,7 +216,10 @@ def _torch_grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     k, n = w.shape[1], w.shape[2]
-    return (k * x.element_size()) % 16 == 0 and (n * x.element_size()) % 16 == 0
+    if (k * x.element_size()) % 16 != 0 or (n * x.element_size()) % 16 != 0:
+        return False
+    # it takes row- or column-major operands only (one unit stride in the last two dims)
+    return x.stride(-1) == 1 and (w.stride(-1) == 1 or w.stride(-2) == 1)
 
 
 def _zero_tail_(out: Tensor, offs: Tensor) -> Tensor:
