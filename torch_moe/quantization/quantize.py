@@ -1,0 +1,384 @@
+"""Reference FP8 / MXFP8 quantize and dequantize (plain PyTorch, the oracle for kernels).
+
+Legend: M rows (tokens), K / N columns, E experts (groups), B block extent.
+
+Every quantizer returns ``(q, scale)`` with ``x ~= q.float() * scale`` (scale broadcast over
+its block); elements are ``torch.float8_e4m3fn`` (max 448). The math runs in fp32 and is the
+same that a GPU kernel implements:
+
+- FP8 (``quantize_fp8``): ``scale = amax / 448`` in fp32 per block, ``q = fp8(clamp(x /
+  scale, -448, 448))`` (round to nearest even, saturating). Blocks tile the last two dims;
+  ``-1`` means the whole dim: ``(-1, -1)`` tensorwise (per matrix: a 3D input has one scale
+  per leading index, e.g. per expert), ``(1, -1)`` rowwise, ``(-1, 1)`` columnwise,
+  ``(1, 128)`` / ``(128, 128)`` DeepSeek-V3 blocks. Dims that are not a multiple of the
+  block are padded internally with zeros: the last block is partial and the scale has
+  ``ceil(dim / block)`` entries along that dim.
+- MX (``quantize_mx``, OCP Microscaling v1.0): 32 consecutive elements along ``dim`` share an
+  E8M0 scale ``2^e``. ``scale_rule="floor"`` is the spec's rule, ``e = floor(log2(amax)) -
+  8`` (8 = emax of e4m3), so ``amax / 2^e`` lies in [256, 512) and values above 448 saturate;
+  ``"rceil"`` rounds the scale up, ``e = ceil(log2(amax / 448))``, so nothing clips. The two
+  differ exactly when the mantissa of amax is above 1.75 (``amax / 2^floor(log2 amax) >
+  1.75``). ``e`` is clamped to [-127, 127]. Scales come back as ``uint8`` biased exponents
+  (``e + 127``; 255, the E8M0 NaN, is never produced) or as fp32 powers of two
+  (``scale_dtype=torch.float32``; 2^-127 is an fp32 subnormal, exact). The blocked dim must
+  be a multiple of the block (rejected otherwise: pad the groups, e.g. ``permute(align=32)``).
+- Jagged (``quantize_jagged``, for wgrad where the reduction dim is the token dim): per
+  column, blocks of ``block`` rows along M restart at every group boundary given by
+  ``offs`` (group ends), so no block mixes rows of two experts; ``block=-1`` is one block
+  per group. Rows at or past ``offs[-1]`` form one more segment. Scales are [NB, N] with the
+  static bound ``NB = (M + (E + 1) * (B - 1)) // B`` (``E + 1`` for ``block=-1``); segment
+  ``s`` owns scale rows ``sum_{j<s} ceil(size_j / B)`` onwards; unused rows hold the
+  all-zero-block scale.
+
+NB: all-zero blocks get a finite scale: 1.0 for FP8 (an amax whose ``amax / 448`` underflows
+to 0 in fp32 also gets 1.0, so such values quantize to 0) and ``2^-127`` (uint8 0) for MX.
+Inputs must be finite (``inf`` / NaN are not checked: their blocks become NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from torch_moe._ops.grouped_mm import check_offs_values
+
+__all__ = [
+    "E4M3_EMAX",
+    "E8M0_BIAS",
+    "FP8_E4M3_MAX",
+    "MX_BLOCK",
+    "dequantize_fp8",
+    "dequantize_jagged",
+    "dequantize_mx",
+    "e8m0_to_float",
+    "jagged_block_index",
+    "mx_scale_exponent",
+    "quantize_fp8",
+    "quantize_jagged",
+    "quantize_mx",
+]
+
+FP8_E4M3_MAX = 448.0
+E4M3_EMAX = 8  # floor(log2(448))
+MX_BLOCK = 32
+E8M0_BIAS = 127
+_FP8 = torch.float8_e4m3fn
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_SCALE_RULES = ("floor", "rceil")
+
+
+# --------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _check_input(name: str, x: Tensor, min_dim: int = 2) -> None:
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{name}: expected x to be one of {_IN_DTYPES}, got {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name}: expected x to have at least {min_dim} dims, got {x.dim()}D")
+
+
+def _check_q(name: str, q: Tensor) -> None:
+    if q.dtype != _FP8:
+        raise TypeError(f"{name}: expected q to be {_FP8}, got {q.dtype}")
+
+
+def _fp8_scale(amax: Tensor) -> Tensor:
+    """fp32 scale ``amax / 448``; 1.0 where that is 0 (all-zero block or underflow)."""
+    scale = amax.float() / FP8_E4M3_MAX
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _to_fp8(x_scaled: Tensor) -> Tensor:
+    """Saturating cast: torch's float8_e4m3fn cast turns out-of-range values into NaN."""
+    return x_scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8)
+
+
+def _check_block(name: str, block: int, what: str = "block") -> None:
+    if not isinstance(block, int) or (block < 1 and block != -1):
+        raise ValueError(f"{name}: {what} must be a positive int or -1 (whole dim), got {block}")
+
+
+def _extent(block: int, size: int) -> int:
+    return max(size, 1) if block == -1 else block
+
+
+# --------------------------------------------------------------------------------------
+# FP8 with fp32 scales over 2D blocks
+
+
+def quantize_fp8(x: Tensor, block: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
+    r"""FP8 e4m3 with one fp32 scale per ``block`` of the last two dims (see module doc).
+
+    Args:
+        x: [..., R, C] float tensor (leading dims are batch dims, e.g. experts).
+        block: ``(rows, cols)`` of a block, ``-1`` = the whole dim. Non-multiples are padded.
+
+    Returns:
+        ``(q [..., R, C] float8_e4m3fn, scale [..., ceil(R/br), ceil(C/bc)] fp32)``.
+    """
+    _check_input("quantize_fp8", x)
+    br, bc = block
+    _check_block("quantize_fp8", br, "block[0]")
+    _check_block("quantize_fp8", bc, "block[1]")
+    *lead, r, c = x.shape
+    br, bc = _extent(br, r), _extent(bc, c)
+    nr, nc = -(-r // br), -(-c // bc)
+    xf = x.float()
+    padded = torch.nn.functional.pad(xf, (0, nc * bc - c, 0, nr * br - r))
+    blocks = padded.reshape(*lead, nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = _fp8_scale(amax)
+    q = _to_fp8(xf / _expand(scale, br, bc, r, c))
+    return q, scale
+
+
+def _expand(scale: Tensor, br: int, bc: int, r: int, c: int) -> Tensor:
+    return scale.repeat_interleave(br, dim=-2)[..., :r, :].repeat_interleave(bc, dim=-1)[..., :c]
+
+
+def dequantize_fp8(
+    q: Tensor, scale: Tensor, block: tuple[int, int] = (-1, -1), dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`quantize_fp8`: ``q * scale`` (exact in fp32), cast to ``dtype``."""
+    _check_q("dequantize_fp8", q)
+    if q.dim() < 2:
+        raise ValueError(f"dequantize_fp8: expected q to have at least 2 dims, got {q.dim()}D")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"dequantize_fp8: expected scale to be torch.float32, got {scale.dtype}")
+    *lead, r, c = q.shape
+    br, bc = _extent(block[0], r), _extent(block[1], c)
+    want = [*lead, -(-r // br), -(-c // bc)]
+    if list(scale.shape) != want:
+        raise ValueError(
+            f"dequantize_fp8: q {list(q.shape)} with block {tuple(block)} needs scale of shape "
+            f"{want}, got {list(scale.shape)}"
+        )
+    return (q.float() * _expand(scale, br, bc, r, c)).to(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# MX (E8M0 power-of-two scales over 1 x 32 blocks)
+
+
+def mx_scale_exponent(amax: Tensor, scale_rule: str = "floor") -> Tensor:
+    """Unbiased E8M0 exponent ``e`` (int32) of the MX scale ``2^e`` for a block's ``amax``.
+
+    ``"floor"``: ``floor(log2(amax)) - 8``; ``"rceil"``: ``ceil(log2(amax / 448))``; both
+    computed exactly from the fp32 bits (``frexp``), clamped to [-127, 127]; ``amax = 0``
+    gives -127.
+    """
+    if scale_rule not in _SCALE_RULES:
+        raise ValueError(
+            f"mx_scale_exponent: scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}"
+        )
+    a = amax.float()
+    mant, exp = torch.frexp(a)  # a = mant * 2^exp, mant in [0.5, 1)
+    e = exp.to(torch.int32) - 1 - E4M3_EMAX  # floor(log2 a) - 8
+    if scale_rule == "rceil":
+        # a / 2^e = 2 * mant * 256 > 448  <=>  mant > 0.875
+        e = e + (mant > 0.875).to(torch.int32)
+    e = torch.where(a > 0, e, torch.full_like(e, -E8M0_BIAS))
+    return e.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def e8m0_to_float(scale: Tensor) -> Tensor:
+    """uint8 E8M0 biased exponents -> exact fp32 powers of two (255 -> NaN)."""
+    if scale.dtype != torch.uint8:
+        raise TypeError(f"e8m0_to_float: expected uint8 biased exponents, got {scale.dtype}")
+    return _exp2_exact(scale.to(torch.int32) - E8M0_BIAS, nan=scale == 255)
+
+
+def _exp2_exact(e: Tensor, nan: Tensor | None = None) -> Tensor:
+    """2^e for integer e in [-127, 127] built from fp32 bits (2^-127 is subnormal)."""
+    bits = torch.where(e >= -126, (e + 127) << 23, torch.full_like(e, 1 << 22))
+    out = bits.to(torch.int32).view(torch.float32)
+    return out if nan is None else out.masked_fill(nan, math.nan)
+
+
+def _mx_scale(amax: Tensor, scale_rule: str) -> tuple[Tensor, Tensor]:
+    """(unbiased exponent int32, fp32 power-of-two scale)."""
+    e = mx_scale_exponent(amax, scale_rule)
+    return e, _exp2_exact(e)
+
+
+def _encode_scale(e: Tensor, scale_f: Tensor, scale_dtype: torch.dtype) -> Tensor:
+    return (e + E8M0_BIAS).to(torch.uint8) if scale_dtype == torch.uint8 else scale_f
+
+
+def _decode_scale(name: str, scale: Tensor) -> Tensor:
+    if scale.dtype == torch.uint8:
+        return e8m0_to_float(scale)
+    if scale.dtype == torch.float32:
+        return scale
+    raise TypeError(
+        f"{name}: expected scale as uint8 E8M0 exponents or float32 powers of two, got {scale.dtype}"
+    )
+
+
+def _check_scale_dtype(name: str, scale_dtype: torch.dtype) -> None:
+    if scale_dtype not in (torch.uint8, torch.float32):
+        raise ValueError(
+            f"{name}: scale_dtype must be torch.uint8 or torch.float32, got {scale_dtype}"
+        )
+
+
+def quantize_mx(
+    x: Tensor,
+    *,
+    dim: int = -1,
+    block: int = MX_BLOCK,
+    scale_rule: str = "floor",
+    scale_dtype: torch.dtype = torch.uint8,
+) -> tuple[Tensor, Tensor]:
+    r"""MXFP8 (e4m3 elements, E8M0 scales) with ``block`` consecutive elements along ``dim``.
+
+    Args:
+        x: float tensor, any rank >= 1; ``x.shape[dim]`` must be a multiple of ``block``.
+        scale_rule: ``"floor"`` (OCP spec) or ``"rceil"`` (no clipping), see module doc.
+        scale_dtype: ``torch.uint8`` (biased exponents) or ``torch.float32`` (powers of two).
+
+    Returns:
+        ``(q, scale)``: q like x in float8_e4m3fn; scale like x with ``dim`` divided by block.
+    """
+    _check_input("quantize_mx", x, min_dim=1)
+    _check_scale_dtype("quantize_mx", scale_dtype)
+    if scale_rule not in _SCALE_RULES:
+        raise ValueError(
+            f"quantize_mx: scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}"
+        )
+    if block < 1:
+        raise ValueError(f"quantize_mx: block must be positive, got {block}")
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    if size % block:
+        raise ValueError(
+            f"quantize_mx: dim {dim} has size {size}, not a multiple of the block ({block}); "
+            f"pad it (e.g. permute(align={block}))"
+        )
+    xf = x.float().movedim(dim, -1)
+    blocks = xf.reshape(*xf.shape[:-1], size // block, block)
+    e, scale_f = _mx_scale(blocks.abs().amax(dim=-1), scale_rule)
+    q = _to_fp8(blocks / scale_f.unsqueeze(-1)).reshape(xf.shape).movedim(-1, dim)
+    return q, _encode_scale(e, scale_f, scale_dtype).movedim(-1, dim)
+
+
+def dequantize_mx(
+    q: Tensor,
+    scale: Tensor,
+    *,
+    dim: int = -1,
+    block: int = MX_BLOCK,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Inverse of :func:`quantize_mx`; ``scale`` may be uint8 (E8M0) or fp32 powers of two."""
+    _check_q("dequantize_mx", q)
+    scale_f = _decode_scale("dequantize_mx", scale)
+    dim = dim % q.dim()
+    want = list(q.shape)
+    if want[dim] % block:
+        raise ValueError(
+            f"dequantize_mx: dim {dim} has size {want[dim]}, not a multiple of the block ({block})"
+        )
+    want[dim] //= block
+    if list(scale.shape) != want:
+        raise ValueError(
+            f"dequantize_mx: q {list(q.shape)} with block {block} along dim {dim} needs scale of "
+            f"shape {want}, got {list(scale.shape)}"
+        )
+    return (q.float() * scale_f.repeat_interleave(block, dim=dim)).to(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# jagged per-expert column quantization (wgrad: blocks along M never cross a group end)
+
+
+def jagged_block_index(offs: Tensor, num_rows: int, block: int) -> tuple[Tensor, int]:
+    """Scale row of every input row: ``(row_block [M] int64, NB)`` (layout in module doc)."""
+    _check_block("jagged_block_index", block)
+    if offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(
+            f"jagged_block_index: expected offs to be 1D int32, got {offs.dim()}D {offs.dtype}"
+        )
+    check_offs_values("quantize_jagged", offs, num_rows)
+    num_groups = offs.shape[0]
+    ends = torch.cat([offs.long(), offs.new_tensor([num_rows], dtype=torch.long)])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    sizes = ends - starts
+    if block == -1:
+        nblocks = (sizes > 0).long()
+        bound = num_groups + 1
+    else:
+        nblocks = (sizes + block - 1) // block
+        bound = (num_rows + (num_groups + 1) * (block - 1)) // block
+    first = torch.cumsum(nblocks, 0) - nblocks
+    rows = torch.arange(num_rows, device=offs.device)
+    seg = torch.searchsorted(ends[:-1], rows, right=True)
+    within = rows - starts[seg]
+    row_block = first[seg] + (torch.zeros_like(within) if block == -1 else within // block)
+    return row_block, bound
+
+
+def quantize_jagged(
+    x: Tensor,
+    offs: Tensor,
+    *,
+    block: int = 128,
+    fmt: str = "fp8",
+    scale_rule: str = "floor",
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    r"""Per-column quantization of x [M, N] with blocks along M restarting at group ends.
+
+    Args:
+        x: [M, N] float (rows sorted by group, as for ``grouped_mm``).
+        offs: [E] int32 group ends.
+        block: rows per block (partial blocks at group ends), -1 = one block per group.
+        fmt: ``"fp8"`` (fp32 scale amax/448) or ``"mx"`` (E8M0, ``scale_rule``).
+        scale_dtype: for ``"mx"``: uint8 or float32 (fp8 scales are always float32).
+
+    Returns ``(q [M, N] float8_e4m3fn, scale [NB, N])``, NB the static bound in the module doc.
+    """
+    _check_input("quantize_jagged", x)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_jagged: expected x to be 2D [M, N], got {x.dim()}D")
+    if fmt not in ("fp8", "mx"):
+        raise ValueError(f"quantize_jagged: fmt must be 'fp8' or 'mx', got {fmt!r}")
+    if fmt == "mx":
+        _check_scale_dtype("quantize_jagged", scale_dtype)
+        if scale_rule not in _SCALE_RULES:
+            raise ValueError(
+                f"quantize_jagged: scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}"
+            )
+    row_block, bound = jagged_block_index(offs, x.shape[0], block)
+    xf = x.float()
+    amax = xf.new_zeros(bound, x.shape[1])
+    index = row_block.unsqueeze(1).expand(-1, x.shape[1])
+    amax.scatter_reduce_(0, index, xf.abs(), "amax", include_self=True)
+    if fmt == "fp8":
+        scale_f = _fp8_scale(amax)
+        scale = scale_f
+    else:
+        e, scale_f = _mx_scale(amax, scale_rule)
+        scale = _encode_scale(e, scale_f, scale_dtype)
+    return _to_fp8(xf / scale_f[row_block]), scale
+
+
+def dequantize_jagged(
+    q: Tensor, scale: Tensor, offs: Tensor, *, block: int = 128, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`quantize_jagged` (uint8 scales are read as E8M0)."""
+    _check_q("dequantize_jagged", q)
+    if q.dim() != 2:
+        raise ValueError(f"dequantize_jagged: expected q to be 2D [M, N], got {q.dim()}D")
+    scale_f = _decode_scale("dequantize_jagged", scale)
+    row_block, bound = jagged_block_index(offs, q.shape[0], block)
+    want = [bound, q.shape[1]]
+    if list(scale.shape) != want:
+        raise ValueError(
+            f"dequantize_jagged: q {list(q.shape)} with block {block} and {offs.shape[0]} groups "
+            f"needs scale of shape {want}, got {list(scale.shape)}"
+        )
+    return (q.float() * scale_f[row_block]).to(dtype)

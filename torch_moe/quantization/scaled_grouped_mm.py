@@ -1,0 +1,133 @@
+"""Scaled (FP8 / MXFP8) grouped GEMM: CPU reference, an exact emulation of the GPU kernels.
+
+Legend: M rows (tokens, sorted by expert), K in features, N out features, E experts.
+
+Each GEMM quantizes its operands per the recipe, dequantizes them (exact in fp32) and runs
+an fp32 grouped GEMM, which is what a scaled GPU kernel computes up to fp32 accumulation
+order. GEMMs a recipe keeps in bf16 cast the operands to bf16 and use the bf16 grouped GEMM.
+
+NB: the weight is quantized twice (along K for forward, along N for dgrad) and the
+activations twice (along K for forward, along M in per-expert jagged blocks for wgrad), as
+the transposed reductions need scales along a different dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_moe._ops.grouped_mm import grouped_mm_wgrad
+from torch_moe.ops import grouped_mm
+from torch_moe.quantization import quantize as Q
+from torch_moe.quantization.recipes import GemmQuant, OperandQuant, Recipe, get_recipe
+
+__all__ = ["scaled_grouped_mm"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fq_lhs(a_mk: Tensor, op: OperandQuant) -> Tensor:
+    """Quantize-dequantize A [m, k] (reduction along the last dim) to fp32."""
+    if op.fmt == "mx":
+        q, s = Q.quantize_mx(a_mk, dim=-1, block=op.inner, scale_rule=op.scale_rule)
+        return Q.dequantize_mx(q, s, dim=-1, block=op.inner)
+    block = (op.outer, op.inner)
+    return Q.dequantize_fp8(*Q.quantize_fp8(a_mk, block), block)
+
+
+def _fq_rhs(b_ekn: Tensor, op: OperandQuant) -> Tensor:
+    """Quantize-dequantize B [E, k, n] (reduction along dim -2, per expert) to fp32."""
+    if op.fmt == "mx":
+        q, s = Q.quantize_mx(b_ekn, dim=-2, block=op.inner, scale_rule=op.scale_rule)
+        return Q.dequantize_mx(q, s, dim=-2, block=op.inner)
+    block = (op.inner, op.outer)
+    return Q.dequantize_fp8(*Q.quantize_fp8(b_ekn, block), block)
+
+
+def _fq_jagged(t_mc: Tensor, offs: Tensor, op: OperandQuant) -> Tensor:
+    """Quantize-dequantize a wgrad operand t [M, C] with blocks along M inside each group."""
+    if (op.outer, op.inner) == (-1, -1):  # one scale for the tensor: uniform across groups
+        return Q.dequantize_fp8(*Q.quantize_fp8(t_mc))
+    q, s = Q.quantize_jagged(t_mc, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule)
+    return Q.dequantize_jagged(q, s, offs, block=op.inner)
+
+
+def _bf16(t: Tensor) -> Tensor:
+    return t.to(torch.bfloat16).contiguous()
+
+
+def _forward(x: Tensor, w: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
+    if g.lhs is None or g.rhs is None:
+        return grouped_mm(_bf16(x), _bf16(w), offs).to(x.dtype)
+    return grouped_mm(_fq_lhs(x, g.lhs), _fq_rhs(w, g.rhs), offs).to(x.dtype)
+
+
+def _dgrad(dy: Tensor, w: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
+    w_enk = w.transpose(-2, -1)
+    if g.lhs is None or g.rhs is None:
+        return grouped_mm(_bf16(dy), _bf16(w_enk), offs)
+    return grouped_mm(_fq_lhs(dy, g.lhs), _fq_rhs(w_enk, g.rhs), offs)
+
+
+def _wgrad(x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
+    if g.lhs is None or g.rhs is None:
+        return grouped_mm_wgrad(_bf16(x), _bf16(dy), offs)
+    return grouped_mm_wgrad(_fq_jagged(x, offs, g.lhs), _fq_jagged(dy, offs, g.rhs), offs)
+
+
+class _ScaledGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor, recipe: Recipe) -> Tensor:
+        ctx.save_for_backward(x, w, offs)
+        ctx.recipe = recipe
+        return _forward(x, w, offs, recipe.forward)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w, offs = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _dgrad(dy, w, offs, recipe.dgrad).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(x, dy, offs, recipe.wgrad).to(w.dtype)
+        return dx, dw, None, None
+
+
+def scaled_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str | Recipe) -> Tensor:
+    r"""Grouped GEMM ``out[rows of g] = x[rows of g] @ w[g]`` in FP8 / MXFP8 per ``recipe``.
+
+    Args:
+        x: [M, K] rows sorted by group (fp32, bf16 or fp16).
+        w: [E, K, N] in x's dtype.
+        offs: [E] int32 group ENDS, as in :func:`torch_moe.ops.grouped_mm`.
+        recipe: a name from :data:`torch_moe.quantization.RECIPES` or a :class:`Recipe`.
+
+    Returns [M, N] in x's dtype (rows past ``offs[-1]`` zero). Differentiable in x (dgrad:
+    dY quantized along N, W along N) and w (wgrad: X and dY quantized along M in per-expert
+    jagged blocks). MX recipes need K and N multiples of 32; FP8 blocks pad partial blocks.
+    """
+    recipe = get_recipe(recipe)
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(
+            f"scaled_grouped_mm: expected x [M, K] and w [E, K, N], got {list(x.shape)} and "
+            f"{list(w.shape)}"
+        )
+    if x.dtype not in _DTYPES or w.dtype != x.dtype:
+        raise TypeError(
+            f"scaled_grouped_mm: expected x and w to share a dtype in {_DTYPES}, got {x.dtype} "
+            f"and {w.dtype}"
+        )
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"scaled_grouped_mm: x is [M, K={x.shape[1]}] but w is [E, K={w.shape[1]}, N={w.shape[2]}]"
+        )
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"scaled_grouped_mm: expected offs to be [E={w.shape[0]}] int32, got "
+            f"{list(offs.shape)} {offs.dtype}"
+        )
+    out = _ScaledGroupedMM.apply(x, w, offs, recipe)
+    return out
