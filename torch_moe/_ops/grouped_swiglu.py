@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.grouped_mm import (
     _nonzero_strides,
     check_offs_values,
@@ -95,7 +96,7 @@ def _check_inputs(
 
 def _act(h: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None = None) -> Tensor:
     """silu(gate) * up (* row_weights) in fp32 (fp64 for fp64), returned in ``out_dtype``."""
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(h.dtype)
     gate, up = h.to(acc).chunk(2, dim=-1)
     a = torch.nn.functional.silu(gate).mul_(up)
     if row_weights is not None:
@@ -113,7 +114,7 @@ def _act_backward(
     no saved expert output. Math in fp32 (fp64), one rounding into the outputs;
     d silu(g)/dg = silu + sigmoid * (1 - silu).
     """
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(h.dtype)
     gate, up = h.to(acc).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     silu = gate * sig
@@ -234,7 +235,7 @@ def _(
     dx = x.new_empty(x.shape)
     dw13 = w13.new_empty(w13.shape)
     dw2 = w2.new_empty(w2.shape)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # as _act_backward
+    acc = acc_dtype(x.dtype)  # as _act_backward
     grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
     hidden = w2.shape[2]
     rows = max(1, _ACT_CHUNK_ELEMS // max(1, hidden))

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torch_moe._ops._dtypes import acc_dtype
+
 __all__ = [
     "permute",
     "permute_indices",
@@ -45,10 +47,6 @@ __all__ = [
     "unpermute_rows_reference",
     "weighted_row_dot",
 ]
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _num_rows(
@@ -188,7 +186,7 @@ def permute_rows_reference(
     slot_M = row_to_slot.clamp(min=0)
     out = x.index_select(0, torch.div(slot_M, top_k, rounding_mode="floor"))
     if weights is not None:
-        w_M = weights.reshape(-1).to(_acc_dtype(x.dtype)).index_select(0, slot_M)
+        w_M = weights.reshape(-1).to(acc_dtype(x.dtype)).index_select(0, slot_M)
         out = (out.to(w_M.dtype) * w_M.unsqueeze(1)).to(x.dtype)
     return out.masked_fill_(~valid_M.unsqueeze(1), 0)
 
@@ -200,7 +198,7 @@ def unpermute_rows_reference(
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
     num_tokens, top_k = slot_to_row.shape
-    acc = torch.zeros((num_tokens, y.shape[1]), dtype=_acc_dtype(y.dtype), device=y.device)
+    acc = torch.zeros((num_tokens, y.shape[1]), dtype=acc_dtype(y.dtype), device=y.device)
     if y.shape[0] == 0:  # no rows (capacity 0): every slot was dropped
         return acc.to(y.dtype)
     valid_TK = slot_to_row >= 0
@@ -261,7 +259,7 @@ def _(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | Non
     tokens = row_to_slot if top_k == 1 else torch.div(row_to_slot, top_k, rounding_mode="floor")
     out = x.index_select(0, tokens)
     if weights is not None:  # computed in fp32 (fp64), rounded once into x's dtype
-        w_M = weights.reshape(-1).to(_acc_dtype(x.dtype)).index_select(0, row_to_slot)
+        w_M = weights.reshape(-1).to(acc_dtype(x.dtype)).index_select(0, row_to_slot)
         out.mul_(w_M.unsqueeze(1))
     return out
 
@@ -272,15 +270,15 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
         return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
-    acc_dtype = _acc_dtype(y.dtype)
-    w = None if weights is None else weights.to(acc_dtype)
-    acc = y.index_select(0, slot_to_row[:, 0]).to(acc_dtype)
+    acc_dt = acc_dtype(y.dtype)
+    w = None if weights is None else weights.to(acc_dt)
+    acc = y.index_select(0, slot_to_row[:, 0]).to(acc_dt)
     if w is not None:
         acc.mul_(w[:, :1])
     for k in range(1, slot_to_row.shape[1]):
         y_k = y.index_select(0, slot_to_row[:, k])
         if w is not None:
-            y_k = y_k.to(acc_dtype).mul_(w[:, k : k + 1])
+            y_k = y_k.to(acc_dt).mul_(w[:, k : k + 1])
         acc.add_(y_k)
     return acc.to(y.dtype)
 
@@ -291,7 +289,7 @@ def weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tenso
 
     The gradient of the combine/dispatch weights.
     """
-    acc = _acc_dtype(rows.dtype)
+    acc = acc_dtype(rows.dtype)
     valid_TK = slot_to_row >= 0
     rows_TK = slot_to_row.clamp(min=0)
     tok = tokens.to(acc)
@@ -311,7 +309,7 @@ def _(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
             "weighted_row_dot: rows, tokens and slot_to_row disagree: "
             f"{list(rows.shape)}, {list(tokens.shape)}, {list(slot_to_row.shape)}"
         )
-    return rows.new_empty(slot_to_row.shape, dtype=_acc_dtype(rows.dtype))
+    return rows.new_empty(slot_to_row.shape, dtype=acc_dtype(rows.dtype))
 
 
 def _setup_permute(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]

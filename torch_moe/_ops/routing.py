@@ -37,6 +37,8 @@ import math
 import torch
 from torch import Tensor
 
+from torch_moe._ops._dtypes import acc_dtype
+
 __all__ = ["SCORE_FUNCS", "topk_route", "topk_route_reference"]
 
 SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
@@ -104,10 +106,6 @@ def _check_inputs(
         )
 
 
-def _compute_dtype(logits: Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 def _check_values(logits: Tensor) -> None:
     # NaN < inf and inf < inf are both False: one comparison finds NaN and +inf
     ok = (logits < math.inf).all() & torch.isfinite(logits).any(-1).all()
@@ -143,7 +141,7 @@ def topk_route_reference(
     )
     _check_values(logits)
     num_tokens, num_experts = logits.shape
-    lf = logits.to(_compute_dtype(logits))
+    lf = logits.to(acc_dtype(logits.dtype))
     if score_func == "softmax":
         sel_TE = torch.softmax(lf, dim=-1)
     elif score_func == "sigmoid":
@@ -209,7 +207,7 @@ def _(
         logits, k, score_func, expert_bias, num_expert_groups, num_limited_groups, route_scale
     )
     num_tokens, num_experts = logits.shape
-    weights = logits.new_empty((num_tokens, k), dtype=_compute_dtype(logits))
+    weights = logits.new_empty((num_tokens, k), dtype=acc_dtype(logits.dtype))
     ids = logits.new_empty((num_tokens, k), dtype=torch.int64)
     counts = logits.new_empty((num_experts,), dtype=torch.int64)
     return weights, ids, counts
@@ -225,7 +223,7 @@ def topk_route_backward(
     route_scale: float,
 ) -> Tensor:
     """d(weights)/d(logits)^T applied to ``grad_weights`` [T, K] -> [T, E]."""
-    lf = logits.to(_compute_dtype(logits))
+    lf = logits.to(acc_dtype(logits.dtype))
     g_TK = grad_weights.to(lf.dtype) * route_scale
     chosen_TK = _chosen_scores(lf, expert_ids, score_func)
     if route_norm:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops import grouped_swiglu as _swiglu
+from torch_moe._ops._dtypes import acc_dtype
 
 __all__ = ["grouped_swiglu", "router_z_loss", "sequence_aux_loss", "switch_aux_loss"]
 
@@ -40,7 +41,7 @@ def grouped_swiglu(
 
 def _router_probs(logits: Tensor, score_func: str) -> Tensor:
     """Router probabilities over all E experts (sigmoid scores are normalized per token)."""
-    logits = logits.float() if logits.dtype != torch.float64 else logits
+    logits = logits.to(acc_dtype(logits.dtype))
     if score_func == "sigmoid":
         scores = torch.sigmoid(logits)
         return scores / scores.sum(-1, keepdim=True)
@@ -92,5 +93,5 @@ def router_z_loss(logits: Tensor) -> Tensor:
     r"""ST-MoE router z-loss ``mean_t logsumexp(logits_t)^2`` (fp32): keeps logits small."""
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)
-    lf = logits.float() if logits.dtype != torch.float64 else logits
+    lf = logits.to(acc_dtype(logits.dtype))
     return torch.logsumexp(lf, dim=-1).square().mean()

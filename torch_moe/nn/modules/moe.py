@@ -64,6 +64,7 @@ from torch import Tensor, nn
 
 from torch_moe import ops
 from torch_moe._ops import routing as _routing
+from torch_moe._ops._dtypes import acc_dtype
 from torch_moe.nn.functional import (
     grouped_swiglu,
     router_z_loss,
@@ -126,18 +127,13 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
 
 
-def _router_dtype(x: Tensor) -> torch.dtype:
-    """fp32 for the router math; fp64 for an fp64 layer, as in topk_route (never a downcast)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 class _RouterLogits(torch.autograd.Function):
     """logits = x @ W^T (+ b) in fp32 (fp64 for fp64 x), saving x in its own dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight, bias)
-        acc = _router_dtype(x)
+        acc = acc_dtype(x.dtype)  # fp64 for an fp64 layer: gradcheck needs it
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
 
@@ -145,7 +141,7 @@ class _RouterLogits(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, bias = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
-        acc = _router_dtype(x)
+        acc = acc_dtype(x.dtype)
         with torch.autocast(grad.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 grad_x = (grad.to(acc) @ weight.to(acc)).to(x.dtype)
