@@ -154,6 +154,11 @@ def _transposed(t: Tensor) -> bool:
     return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
 
 
+def _slow_half_layout(a: Tensor, b: Tensor) -> bool:
+    """Half operands both row-major (or both column-major): oneDNN's slow path (module NB)."""
+    return a.dtype in (torch.float16, torch.bfloat16) and _transposed(a) == _transposed(b)
+
+
 def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype CPU GEMMs run in: fp32 for half types this CPU only emulates (module NB)."""
     if dtype in (torch.float16, torch.bfloat16) and not _cpu_native_half(dtype):
@@ -165,8 +170,7 @@ def mm_cpu(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` in ``cpu_compute_dtype``; the product stays in that dtype."""
     cdt = cpu_compute_dtype(a.dtype)
     a, b = a.to(cdt), b.to(cdt)
-    if cdt in (torch.float16, torch.bfloat16) and _transposed(a) == _transposed(b):
-        # both row-major (or both column-major) takes oneDNN's slow half-precision path
+    if _slow_half_layout(a, b):
         b = b.t().contiguous().t()
         if _transposed(a):
             a = a.contiguous()
@@ -175,11 +179,11 @@ def mm_cpu(a: Tensor, b: Tensor) -> Tensor:
 
 def mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
     """``out = a @ b`` with fp32 accumulation and one rounding into ``out``'s dtype."""
-    if cpu_compute_dtype(a.dtype) == out.dtype and a.dtype == out.dtype and b.dtype == out.dtype:
-        if out.dtype not in (torch.float16, torch.bfloat16) or _transposed(a) != _transposed(b):
-            torch.mm(a, b, out=out)
-            return
-    out.copy_(mm_cpu(a, b))
+    same = a.dtype == b.dtype == out.dtype == cpu_compute_dtype(out.dtype)
+    if same and not _slow_half_layout(a, b):
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(mm_cpu(a, b))
 
 
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int]) -> Tensor:
