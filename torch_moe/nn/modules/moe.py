@@ -51,6 +51,15 @@ Load balancing (all optional, all in fp32):
   (before any capacity drop) and the assignments the capacity dropped, accumulated since the last
   ``update_expert_bias`` / ``reset_load_stats`` (not counted again when activation
   checkpointing recomputes a forward); ``load_stats()`` summarizes it for logging.
+
+Low precision (``precision=``, see :mod:`torch_moe.quantization`): ``"bf16"`` (the default)
+runs the experts in the parameter or autocast dtype through ``grouped_swiglu``. A recipe
+runs them as ``scaled_grouped_mm(x, w13^T)`` -> SwiGLU (fp32 math, the routing weight
+folded into the activation, as ``grouped_swiglu`` does) -> ``scaled_grouped_mm(a, w2^T)``:
+every GEMM of the forward and the backward quantized per the recipe (on CPU an exact
+emulation). The router, the combine and the shared experts are unchanged. That path saves
+the permuted input x, the pre-activation h [M, 2F] and the weighted activation a [M, F]
+per routed row (``grouped_swiglu`` recomputes a).
 """
 
 from __future__ import annotations
@@ -65,12 +74,14 @@ from torch import Tensor, nn
 from torch_moe import ops
 from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops.grouped_swiglu import _act_backward
 from torch_moe.nn.functional import (
     grouped_swiglu,
     router_z_loss,
     sequence_aux_loss,
     switch_aux_loss,
 )
+from torch_moe.quantization import RECIPES, Recipe, get_recipe, scaled_grouped_mm
 
 __all__ = [
     "PRESETS",
@@ -120,6 +131,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _AUX_LOSSES = (None, "switch", "sequence")
+# rows per expert group on CUDA with a recipe: torch._scaled_grouped_mm wants 16-row groups
+_SCALED_GROUP_ALIGN = 16
+
+
+def _resolve_precision(precision: str | Recipe) -> Recipe | None:
+    """``"bf16"`` -> None (``grouped_swiglu``); a recipe name or :class:`Recipe` -> the recipe."""
+    if isinstance(precision, str) and precision == "bf16":
+        return None
+    try:
+        return get_recipe(precision)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"MoE: precision must be 'bf16' or a low-precision recipe: {e}") from e
+
+
+def _precision_name(recipe: Recipe | None) -> str:
+    return "bf16" if recipe is None else recipe.name
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -243,7 +270,9 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts stacked as ``w13`` [E, 2F, D] and ``w2`` [E, D, F].
 
     ``forward(x_perm [M, D], offs [E], row_weights [M] | None) -> [M, D]`` runs every
-    expert in one ``grouped_swiglu`` call, in the parameter dtype or the autocast dtype.
+    expert in one ``grouped_swiglu`` call, in the parameter dtype or the autocast dtype;
+    with a low-precision ``precision`` (see :class:`MoE`) as two ``scaled_grouped_mm``
+    calls around the SwiGLU, their operands in that dtype before quantization.
     """
 
     def __init__(
@@ -252,10 +281,12 @@ class GroupedExperts(nn.Module):
         hidden_dim: int,
         num_experts: int,
         *,
+        precision: str | Recipe = "bf16",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        self.recipe = _resolve_precision(precision)
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * hidden_dim, dim, device=device, dtype=dtype)
         )
@@ -269,9 +300,53 @@ class GroupedExperts(nn.Module):
         nn.init.uniform_(self.w13, -(self.w13.shape[2] ** -0.5), self.w13.shape[2] ** -0.5)
         nn.init.uniform_(self.w2, -(self.w2.shape[2] ** -0.5), self.w2.shape[2] ** -0.5)
 
+    @property
+    def precision(self) -> str:
+        """``"bf16"`` or the recipe's name."""
+        return _precision_name(self.recipe)
+
     def forward(self, x: Tensor, offs: Tensor, row_weights: Tensor | None = None) -> Tensor:
         dt = _expert_dtype(x, self.w13)
-        return grouped_swiglu(x.to(dt), self.w13.to(dt), self.w2.to(dt), offs, row_weights)
+        x, w13, w2 = x.to(dt), self.w13.to(dt), self.w2.to(dt)
+        if self.recipe is None:
+            return grouped_swiglu(x, w13, w2, offs, row_weights)
+        # the recipe decides every GEMM's numerics: autocast must not recast inside
+        with torch.autocast(x.device.type, enabled=False):
+            h_M2F = scaled_grouped_mm(x, w13.transpose(-2, -1), offs, self.recipe)
+            a_MF = _SwiGLUAct.apply(h_M2F, row_weights)
+            return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
+
+    def extra_repr(self) -> str:
+        e, two_f, d = self.w13.shape
+        return f"dim={d}, hidden_dim={two_f // 2}, num_experts={e}, precision={self.precision}"
+
+
+class _SwiGLUAct(torch.autograd.Function):
+    """``a = silu(h[:, :F]) * h[:, F:] * row_weights`` in fp32, returned in h's dtype.
+
+    Saves only h (and the weights): the backward recomputes the activation, as
+    ``grouped_swiglu``'s does (the same ``_act_backward``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, row_weights: Tensor | None) -> Tensor:
+        ctx.save_for_backward(h, row_weights)
+        acc = acc_dtype(h.dtype)
+        gate, up = h.to(acc).chunk(2, dim=-1)
+        a = F.silu(gate).mul_(up)
+        if row_weights is not None:
+            a.mul_(row_weights.to(acc).unsqueeze(1))
+        return a.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_a: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        h, row_weights = ctx.saved_tensors
+        dh = torch.empty_like(h)
+        a = h.new_empty((h.shape[0], h.shape[1] // 2))  # written by _act_backward, unused
+        grad_rw = _act_backward(h, grad_a, row_weights, a, dh)
+        if grad_rw is not None and row_weights is not None and ctx.needs_input_grad[1]:
+            return dh, grad_rw.to(row_weights.dtype)
+        return dh, None
 
 
 class SharedExperts(nn.Module):
@@ -335,6 +410,17 @@ class MoE(nn.Module):
             per expert (earliest tokens first), dropping the rest; None: dropless.
         aux_loss: ``"switch"``, ``"sequence"`` (DeepSeek-V3) or None.
         aux_loss_coeff, z_loss_coeff: loss coefficients (see the module docstring).
+        precision: how the routed experts' GEMMs run. ``"bf16"`` (default): in the
+            parameter dtype, or the autocast dtype under autocast (``grouped_swiglu``).
+            A recipe name (``"fp8_tensorwise"``, ``"fp8_rowwise"``, ``"fp8_blockwise"``,
+            ``"mxfp8"``, ``"mxfp8_rceil"``; :data:`torch_moe.quantization.RECIPES`) or a
+            :class:`~torch_moe.quantization.Recipe`: forward, dgrad and wgrad of both expert
+            GEMMs in FP8/MXFP8 via ``scaled_grouped_mm``, operands quantized from the
+            parameter/autocast dtype. Per-GEMM override: keep some GEMMs in bf16 with e.g.
+            ``precision=get_recipe("fp8_blockwise").with_overrides(wgrad="bf16")``. The
+            router (fp32), the combine (fp32) and the shared experts (module or autocast
+            dtype) never quantize. On CUDA a recipe pads each expert's rows to a multiple
+            of 16 (``torch._scaled_grouped_mm``'s group alignment).
 
     ``forward(x [..., D]) -> [..., D]``.
     """
@@ -362,6 +448,7 @@ class MoE(nn.Module):
         aux_loss: str | None = None,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
+        precision: str | Recipe = "bf16",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -410,7 +497,9 @@ class MoE(nn.Module):
             device=device,
             dtype=dtype,
         )
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts, device=device, dtype=dtype)
+        self.experts = GroupedExperts(
+            dim, hidden_dim, num_experts, precision=precision, device=device, dtype=dtype
+        )
         self.shared_experts = (
             SharedExperts(dim, shared_hidden_dim, gate=shared_gate, device=device, dtype=dtype)
             if shared_hidden_dim > 0
@@ -462,11 +551,14 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
-        perm = ops.permute_indices(ids_TK, self.num_experts, capacity=capacity)
+        align = 1
+        if self.experts.recipe is not None and x_TD.device.type == "cuda":
+            align = _SCALED_GROUP_ALIGN
+        perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
         x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
-        # the routing weight of each permuted row, folded into the experts; with a capacity,
-        # rows past the kept assignments are padding (row_to_slot == -1) and get weight 0
-        if capacity is None:
+        # the routing weight of each permuted row, folded into the experts; with a capacity
+        # or an alignment, padding rows (row_to_slot == -1) get weight 0
+        if capacity is None and align == 1:
             row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot)
         else:
             row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot.clamp(min=0))
@@ -561,12 +653,22 @@ class MoE(nn.Module):
             shared_hidden_dim=0 if self.shared_experts is None else self.shared_experts.w2.shape[1],
             shared_gate=self.shared_experts is not None and self.shared_experts.gate is not None,
             capacity_factor=self.capacity_factor,
+            precision=self._precision_arg(),
         )
 
+    def _precision_arg(self) -> str | Recipe:
+        """The ``precision`` argument that rebuilds this layer: a name when it is one."""
+        recipe = self.experts.recipe
+        if recipe is None or RECIPES.get(recipe.name) == recipe:
+            return _precision_name(recipe)
+        return recipe  # e.g. a recipe with per-GEMM overrides
+
     def extra_repr(self) -> str:
-        c = self.config
+        c = {**self.config, "precision": self.experts.precision}
         return ", ".join(
-            f"{k}={v}" for k, v in c.items() if v not in (None, False, 0) or k == "top_k"
+            f"{k}={v}"
+            for k, v in c.items()
+            if (v not in (None, False, 0) or k == "top_k") and (k, v) != ("precision", "bf16")
         )
 
 
