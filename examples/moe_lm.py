@@ -4,7 +4,8 @@ Legend: B batch, S sequence, D dim, H heads, Dh head dim, V vocab (256 bytes).
 
 ``MoELM`` is pre-norm: ``x = x + attn(norm(x)); x = x + moe(norm(x))`` in every block,
 causal attention through ``F.scaled_dot_product_attention``, RoPE or learned positions,
-``torch_moe.nn.MoE`` as the FFN, tied or untied embeddings.
+``torch_moe.nn.MoE`` as the FFN (optionally FP8/MXFP8 experts: ``LMConfig.moe_precision``),
+tied or untied embeddings.
 
 ``make_corpus(seed, num_bytes)`` writes English-like paragraphs from a seeded template
 grammar: a recurring character per paragraph (pronouns agree), transitive and
@@ -190,6 +191,9 @@ class LMConfig:
     pos: str = "rope"  # "rope" | "learned"
     tie_embeddings: bool = True
     moe: dict[str, Any] | None = None  # MoE(**moe)
+    # MoE(precision=...): "bf16" (the parameter/autocast dtype) or an FP8/MXFP8 recipe name;
+    # kept out of ``moe`` because it does not change the parameters' meaning (free on resume)
+    moe_precision: str = "bf16"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,7 +290,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.heads, cfg.seq_len, cfg.pos == "rope")
         self.moe_norm = nn.RMSNorm(cfg.dim)
-        self.moe = MoE(**(cfg.moe or {}))
+        self.moe = MoE(**(cfg.moe or {}), precision=cfg.moe_precision)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))

@@ -51,9 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_lm import ByteLoader, LMConfig, MoELM, make_corpus, moe_kwargs
 
 from torch_moe.nn import PRESETS
+from torch_moe.quantization import RECIPES
 
 # --precision: name -> autocast dtype (None: plain fp32). The one place to add recipes.
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+# A low-precision recipe keeps fp32 master weights under bf16 autocast (as "bf16") and runs
+# the MoE experts' GEMMs per the recipe: MoE(precision=name), a CPU emulation on CPU.
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    **{name: torch.bfloat16 for name in RECIPES},
+}
 BALANCE = ("none", "aux", "bias")
 # run-config fields that must match on --resume (model shape/meaning and the data order);
 # the value is the flag that sets it, for the error message
@@ -110,7 +117,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     t.add_argument("--clip", type=float, default=1.0, help="grad-norm clip (0: off)")
     t.add_argument("--seed", type=int, default=0, help="init and data-order seed")
-    t.add_argument("--precision", default="fp32", choices=list(PRECISIONS), help="autocast")
+    t.add_argument(
+        "--precision",
+        default="fp32",
+        choices=list(PRECISIONS),
+        help="fp32, bf16 autocast, or bf16 autocast with FP8/MXFP8 MoE experts (a recipe)",
+    )
     t.add_argument("--balance", default="bias", choices=BALANCE, help="load balancing")
     t.add_argument("--aux-coeff", type=float, default=1e-2, help="--balance aux coefficient")
     t.add_argument("--bias-rate", type=float, default=1e-3, help="--balance bias update rate")
@@ -165,6 +177,7 @@ def model_config(args: argparse.Namespace) -> LMConfig:
         pos=args.pos,
         tie_embeddings=args.tie_embeddings,
         moe=moe,
+        moe_precision=args.precision if args.precision in RECIPES else "bf16",
     )
 
 
@@ -284,7 +297,7 @@ def load_model(out: str | Path) -> tuple[MoELM, dict[str, Any]]:
     """The model saved in ``out`` (its ``--out``) and the run config, e.g. for sampling."""
     ckpt = find_checkpoint(Path(out))
     run = read_run_config(ckpt)
-    model = MoELM(LMConfig(**{k: run[k] for k in LMConfig.__dataclass_fields__}))
+    model = MoELM(LMConfig(**{k: run[k] for k in LMConfig.__dataclass_fields__ if k in run}))
     msd = model.state_dict()
     with _single_process_dcp():
         dcp.load({"model": msd}, checkpoint_id=ckpt, no_dist=True)

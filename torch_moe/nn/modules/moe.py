@@ -145,6 +145,11 @@ def _resolve_precision(precision: str | Recipe) -> Recipe | None:
         raise ValueError(f"MoE: precision must be 'bf16' or a low-precision recipe: {e}") from e
 
 
+def _group_align(recipe: Recipe | None, device: torch.device) -> int:
+    """Rows per expert group that the experts' GEMMs need (``permute_indices(align=)``)."""
+    return _SCALED_GROUP_ALIGN if recipe is not None and device.type == "cuda" else 1
+
+
 def _precision_name(recipe: Recipe | None) -> str:
     return "bf16" if recipe is None else recipe.name
 
@@ -551,9 +556,7 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
-        align = 1
-        if self.experts.recipe is not None and x_TD.device.type == "cuda":
-            align = _SCALED_GROUP_ALIGN
+        align = _group_align(self.experts.recipe, x_TD.device)
         perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
         x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
         # the routing weight of each permuted row, folded into the experts; with a capacity

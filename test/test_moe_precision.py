@@ -1,0 +1,284 @@
+# Owner(s): ["module: moe"]
+"""Tests for ``MoE(precision=...)``: the routed experts in FP8 / MXFP8 (CPU emulation) against
+the fp32 layer on the same weights, per-GEMM overrides, configuration and bad input, the
+training example's ``--precision``, and (CUDA only) the GPU kernels against the emulation.
+
+Legend: T tokens, D dim, F expert hidden dim, E experts, K top-k.
+"""
+
+import contextlib
+import io
+import json
+import shutil
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe.nn import GroupedExperts, MoE
+from torch_moe.nn.modules import moe as moe_module
+from torch_moe.quantization import RECIPES, Recipe, get_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import train_moe_lm
+
+EXACT = dict(atol=0, rtol=0)
+# D and F multiples of 128: full 1x128 / 128x128 blocks and 32-element MX blocks
+T, D, F, E, K = 128, 128, 128, 4, 2
+
+# Minimum SQNR (dB) of the whole layer against the fp32 layer, measured on the data of
+# test_sqnr_vs_fp32 (2026-11, CPU emulation) and rounded down by 0.4-1 dB. Two quantized
+# GEMMs with SwiGLU in between compound: each scaled_grouped_mm alone is ~28 dB on Gaussian
+# data (test_quantization.py), the layer's output and gradients measured 23.5-24.3 dB (FP8)
+# and 22.4-23.6 dB (MXFP8, power-of-two scales). The router weight's gradient, a row sum of
+# dY W2 * a (both carrying quantization error), measured 21.0-23.0 dB.
+#                   out, dX, dW13, dW2 | d router.weight
+SQNR_MIN_DB = {
+    "fp8_tensorwise": (23.0, 22.5),
+    "fp8_rowwise": (23.0, 21.5),
+    "fp8_blockwise": (23.0, 20.5),
+    "mxfp8": (22.0, 21.5),
+    "mxfp8_rceil": (22.5, 22.0),
+}
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """10 log10(|ref|^2 / |ref - out|^2) in dB (inf when equal)."""
+    ref, out = ref.double(), out.double()
+    return float(10 * torch.log10(ref.square().sum() / (ref - out).square().sum()))
+
+
+def _layers(*precisions, dtype=torch.float32, seed=0, **kw):
+    """One MoE per precision, all with the same (seeded) weights."""
+    torch.manual_seed(seed)
+    ref = MoE(D, F, E, K, route_norm=True, dtype=dtype, **kw)
+    with torch.no_grad():
+        ref.router.weight.mul_(1.5)  # routing far from uniform
+    out = []
+    for p in precisions:
+        m = MoE(D, F, E, K, route_norm=True, dtype=dtype, precision=p, **kw)
+        m.load_state_dict(ref.state_dict())
+        out.append(m)
+    return out
+
+
+def _data(dtype=torch.float32, seed=1, num_tokens=T):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, D, generator=g).to(dtype)
+    grad_out = torch.randn(num_tokens, D, generator=g).to(dtype)
+    return x, grad_out
+
+
+def _fwd_bwd(moe, x, grad_out):
+    """{"out", "x", <param name>: grad}."""
+    moe.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = moe(x)
+    out.backward(grad_out)
+    return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+
+
+@instantiate_parametrized_tests
+class TestMoEPrecision(TestCase):
+    @parametrize("name", list(RECIPES))
+    def test_sqnr_vs_fp32(self, name):
+        ref, low = _layers("bf16", name)
+        x, grad_out = _data()
+        want, got = _fwd_bwd(ref, x, grad_out), _fwd_bwd(low, x, grad_out)
+        self.assertEqual(sorted(got), ["experts.w13", "experts.w2", "out", "router.weight", "x"])
+        min_db, router_db = SQNR_MIN_DB[name]
+        for key in got:
+            db = sqnr(want[key], got[key])
+            floor = router_db if key == "router.weight" else min_db
+            self.assertGreaterEqual(db, floor, f"{name} {key}: {db:.2f} dB")
+            self.assertLess(db, 40.0, f"{name} {key}: {db:.2f} dB, not quantized?")
+
+    def test_router_and_shared_experts_untouched(self):
+        kw = dict(shared_hidden_dim=64, shared_gate=True)
+        ref, low = _layers("bf16", "fp8_blockwise", **kw)
+        seen = []
+        for m in (ref, low):
+            m.router.register_forward_hook(lambda mod, i, o: seen.append(o))
+        x, grad_out = _data()
+        want, got = _fwd_bwd(ref, x, grad_out), _fwd_bwd(low, x, grad_out)
+        for a, b in zip(seen[0], seen[1]):  # weights, ids, counts, logits: the same routing
+            self.assertEqual(a, b, **EXACT)
+        # the shared expert's gradients depend only on x and dY: bitwise those of fp32
+        for key in ("shared_experts.w13", "shared_experts.w2", "shared_experts.gate"):
+            self.assertEqual(got[key], want[key], **EXACT, msg=key)
+        self.assertNotEqual(got["experts.w13"], want["experts.w13"])
+
+    def test_bf16_override_matches_bf16(self):
+        """All three GEMMs overridden to bf16 == the ``"bf16"`` path up to rounding order."""
+        recipe = get_recipe("fp8_blockwise").with_overrides(
+            forward="bf16", dgrad="bf16", wgrad="bf16"
+        )
+        ref, low = _layers("bf16", recipe, dtype=torch.bfloat16)
+        x, grad_out = _data(torch.bfloat16)
+        want, got = _fwd_bwd(ref, x, grad_out), _fwd_bwd(low, x, grad_out)
+        for key in want:
+            # measured 48.5-52.3 dB: grouped_swiglu keeps the activation in fp32 on CPU
+            self.assertGreaterEqual(sqnr(want[key], got[key]), 45.0, key)
+
+    @parametrize("name", list(RECIPES))
+    def test_wgrad_override_changes_only_weight_grads(self, name):
+        recipe = get_recipe(name)
+        ref, low, mixed = _layers("bf16", recipe, recipe.with_overrides(wgrad="bf16"))
+        x, grad_out = _data()
+        want, q, m = (_fwd_bwd(layer, x, grad_out) for layer in (ref, low, mixed))
+        # forward and dgrad are the same GEMMs; the router's gradient uses dgrad only
+        for key in ("out", "x", "router.weight"):
+            self.assertEqual(m[key], q[key], **EXACT, msg=key)
+        for key in ("experts.w13", "experts.w2"):
+            self.assertNotEqual(m[key], q[key])
+            # a bf16 wgrad is closer to fp32 than a quantized one
+            self.assertGreater(sqnr(want[key], m[key]), sqnr(want[key], q[key]) + 1.0, key)
+
+    def test_default_is_grouped_swiglu(self):
+        (explicit,) = _layers("bf16")
+        default = MoE(D, F, E, K, route_norm=True)
+        default.load_state_dict(explicit.state_dict())
+        self.assertIsNone(default.experts.recipe)
+        x, grad_out = _data()
+        with mock.patch.object(moe_module, "scaled_grouped_mm", side_effect=AssertionError):
+            got = _fwd_bwd(default, x, grad_out)
+        for key, value in _fwd_bwd(explicit, x, grad_out).items():
+            self.assertEqual(got[key], value, **EXACT, msg=key)
+
+    @parametrize("name", ["fp8_blockwise", "mxfp8"])
+    def test_aligned_groups(self, name):
+        """The 16-row groups used on CUDA give the unpadded result (zero padding rows)."""
+        (moe,) = _layers(name)
+        x, grad_out = _data(num_tokens=37)
+        want = _fwd_bwd(moe, x, grad_out)
+        offs = []
+        moe.experts.register_forward_hook(lambda mod, i, o: offs.append(i[1]))
+        with mock.patch.object(moe_module, "_group_align", return_value=16):
+            got = _fwd_bwd(moe, x, grad_out)
+        self.assertEqual(offs[-1].remainder(16), torch.zeros(E, dtype=torch.int32))
+        self.assertGreater(int(offs[-1][-1]), 37 * K)  # padding rows were added
+        for key in want:
+            self.assertEqual(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+
+    def test_bf16_autocast(self):
+        """fp32 master weights under bf16 autocast: the recipe quantizes bf16 operands."""
+        ref, low = _layers("bf16", "fp8_blockwise")
+        x, grad_out = _data()
+        want = _fwd_bwd(ref, x, grad_out)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = _fwd_bwd(low, x, grad_out)
+        self.assertEqual(got["out"].dtype, torch.bfloat16)
+        for key in got:
+            if key != "out":
+                self.assertEqual(got[key].dtype, torch.float32, msg=key)
+            floor = 20.0 if key == "router.weight" else 22.5  # bf16 rounding on top
+            self.assertGreaterEqual(sqnr(want[key], got[key]), floor, key)
+
+    def test_config_and_repr(self):
+        moe = MoE(D, F, E, K, precision="mxfp8")
+        self.assertEqual(moe.config["precision"], "mxfp8")
+        self.assertEqual(moe.experts.precision, "mxfp8")
+        self.assertIn("precision=mxfp8", repr(moe))
+        self.assertIs(MoE(**moe.config).experts.recipe, RECIPES["mxfp8"])
+        default = MoE(D, F, E, K)
+        self.assertEqual(default.config["precision"], "bf16")
+        self.assertNotIn("precision", default.extra_repr())
+        # a recipe with overrides has no registered name: config keeps the object
+        recipe = get_recipe("fp8_blockwise").with_overrides(wgrad="bf16")
+        moe = MoE(D, F, E, K, precision=recipe)
+        self.assertIsInstance(moe.config["precision"], Recipe)
+        self.assertEqual(MoE(**moe.config).experts.recipe, recipe)
+        self.assertIn("precision=fp8_blockwise[wgrad=bf16]", moe.extra_repr())
+        experts = GroupedExperts(D, F, E, precision="fp8_rowwise")
+        self.assertIs(experts.recipe, RECIPES["fp8_rowwise"])
+        self.assertIn("precision=fp8_rowwise", repr(experts))
+
+    def test_bad_precision(self):
+        supported = r"supported: \['fp8_blockwise', 'fp8_rowwise', 'fp8_tensorwise', 'mxfp8'"
+        for bad in ("fp4", "BF16", torch.bfloat16):
+            with self.assertRaisesRegex(
+                ValueError,
+                rf"MoE: precision must be 'bf16' or a low-precision recipe: unknown "
+                rf"low-precision recipe {bad!r}; {supported}",
+            ):
+                MoE(D, F, E, K, precision=bad)
+        with self.assertRaisesRegex(ValueError, "unknown low-precision recipe 'fp4'"):
+            GroupedExperts(D, F, E, precision="fp4")
+
+
+TINY = [
+    "--dim", "32", "--layers", "2", "--heads", "2", "--hidden-dim", "32",
+    "--experts", "4", "--top-k", "2", "--seq-len", "32", "--batch-size", "4",
+    "--corpus-bytes", "20000", "--eval-batches", "1", "--sample-bytes", "0",
+    "--warmup", "2", "--no-progress", "--threads", "1", "--steps", "12", "--ckpt-every", "0",
+]  # fmt: skip
+
+
+class TestTrainPrecision(TestCase):
+    def setUp(self):
+        super().setUp()
+        self.threads = torch.get_num_threads()
+        self.tmp = Path(tempfile.mkdtemp())
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        torch.set_num_threads(self.threads)
+        super().tearDown()
+
+    def train(self, precision):
+        out = self.tmp / precision
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = train_moe_lm.main([*TINY, "--out", str(out), "--precision", precision])
+        with open(out / "metrics.jsonl") as f:
+            return result, [json.loads(line)["loss"] for line in f]
+
+    def test_fp8_blockwise_tracks_bf16(self):
+        _, bf16 = self.train("bf16")
+        result, fp8 = self.train("fp8_blockwise")
+        self.assertEqual(len(fp8), 12)
+        self.assertLess(fp8[-1], fp8[0] - 0.5)  # it learns
+        for step, (a, b) in enumerate(zip(bf16, fp8), 1):
+            self.assertLess(abs(b - a) / a, 0.02, f"step {step}: bf16 {a:.4f} fp8 {b:.4f}")
+        model, run = train_moe_lm.load_model(result["out"])
+        self.assertEqual(run["precision"], "fp8_blockwise")
+        self.assertEqual(model.moe_layers()[0].experts.precision, "fp8_blockwise")
+
+    def test_bad_precision_flag(self):
+        with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+            train_moe_lm.parse_args(["--precision", "fp4"])
+        self.assertRegex(err.getvalue(), r"--precision: invalid choice: 'fp4'.*'mxfp8'")
+
+
+@unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
+@instantiate_parametrized_tests
+class TestMoEPrecisionCUDA(TestCase):
+    @parametrize("name", list(RECIPES))
+    def test_matches_cpu_emulation(self, name):
+        """The GPU kernels compute the emulated function: bf16 layer, CUDA vs CPU."""
+        (cpu,) = _layers(name, dtype=torch.bfloat16)
+        gpu = MoE(**cpu.config, dtype=torch.bfloat16, device="cuda")
+        gpu.load_state_dict(cpu.state_dict())
+        offs = []
+        gpu.experts.register_forward_hook(lambda mod, i, o: offs.append(i[1]))
+        x, grad_out = _data(torch.bfloat16, num_tokens=256)
+        want = _fwd_bwd(cpu, x, grad_out)
+        got = _fwd_bwd(gpu, x.cuda(), grad_out.cuda())
+        self.assertEqual(offs[0].remainder(16).cpu(), torch.zeros(E, dtype=torch.int32))
+        for key in want:
+            self.assertEqual(got[key].device.type, "cuda", msg=key)
+            db = sqnr(want[key], got[key].cpu())
+            self.assertGreaterEqual(db, 30.0, f"{name} {key}: {db:.2f} dB")
+
+
+if __name__ == "__main__":
+    run_tests()
