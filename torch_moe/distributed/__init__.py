@@ -1,5 +1,6 @@
-"""Distributed MoE: expert placement (more to come: expert parallel dispatch/combine)."""
+"""Distributed MoE: expert parallelism (``ExpertParallel``) and expert placement."""
 
+from torch_moe.distributed.expert_parallel import ExpertParallel
 from torch_moe.distributed.placement import (
     ExpertPlacement,
     balancedness,
@@ -11,6 +12,7 @@ from torch_moe.distributed.placement import (
 )
 
 __all__ = [
+    "ExpertParallel",
     "ExpertPlacement",
     "balancedness",
     "identity_placement",

@@ -1,0 +1,227 @@
+# Owner(s): ["module: moe"]
+"""Tests for expert parallelism (torch_moe.distributed.ExpertParallel) on gloo.
+
+Every equality test builds the full MoE with one seed on every rank, keeps an
+unparallelized copy as the reference, runs all ranks' tokens through the copy in one
+process and compares each rank's outputs and gradients with its share.
+"""
+
+import copy
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_utils import run_tests
+
+from torch_moe.distributed import ExpertParallel
+from torch_moe.nn import MoE
+
+DIM, HIDDEN = 16, 32
+
+
+def make_moe(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    cfg = dict(dim=DIM, hidden_dim=HIDDEN, num_experts=8, top_k=2)
+    cfg.update(kwargs)
+    return MoE(**cfg)
+
+
+class EPTestBase(MultiProcessTestCase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def init_pg(self, timeout=None):
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(self.file_name, self.world_size),
+            rank=self.rank,
+            world_size=self.world_size,
+            **kwargs,
+        )
+        return init_device_mesh("cpu", (self.world_size,))
+
+    def check_matches_single_process(self, mesh, tokens_per_rank, setup=None, **cfg):
+        """Each rank's output and input gradient, its expert-weight gradient shard and the
+        router/shared gradients summed over ranks equal one process on all tokens."""
+        R, r = self.world_size, self.rank
+        moe = make_moe(**cfg)
+        if setup is not None:
+            setup(moe)
+        ref = copy.deepcopy(moe)
+        parallelize_module(moe, mesh, ExpertParallel())
+
+        gen = torch.Generator().manual_seed(1)
+        x_all = torch.randn(sum(tokens_per_rank), DIM, generator=gen)
+        g_all = torch.randn(sum(tokens_per_rank), DIM, generator=gen)
+        start = sum(tokens_per_rank[:r])
+        rows = slice(start, start + tokens_per_rank[r])
+
+        x_ref = x_all.clone().requires_grad_()
+        out_ref = ref(x_ref)
+        (out_ref * g_all).sum().backward()
+
+        x = x_all[rows].clone().requires_grad_()
+        out = moe(x)
+        (out * g_all[rows]).sum().backward()
+
+        self.assertEqual(out, out_ref[rows])
+        self.assertEqual(x.grad, x_ref.grad[rows])
+        El = moe.num_experts // R
+        for name in ("w13", "w2"):
+            p = getattr(moe.experts, name)
+            self.assertIsInstance(p, DTensor)
+            self.assertEqual(p.placements, (Shard(0),))
+            self.assertIsInstance(p.grad, DTensor)
+            self.assertEqual(p.grad.placements, (Shard(0),))
+            shard = slice(r * El, (r + 1) * El)
+            self.assertEqual(p.to_local(), getattr(ref.experts, name)[shard])
+            self.assertEqual(p.grad.to_local(), getattr(ref.experts, name).grad[shard])
+        # replicated parameters: plain tensors; their gradients are per-rank partial sums
+        for name, p in moe.named_parameters():
+            if name.startswith("experts."):
+                continue
+            self.assertNotIsInstance(p, DTensor)
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            self.assertEqual(grad, ref.get_parameter(name).grad, msg=name)
+        # load statistics are local: the all-reduced counts are the global ones
+        counts = moe.tokens_per_expert.clone()
+        dist.all_reduce(counts)
+        self.assertEqual(counts, ref.tokens_per_expert)
+        return moe, ref
+
+
+def force_onto_last_rank(world_size):
+    def setup(moe):
+        # every token picks among the experts of the last rank (the bias only selects)
+        El = moe.num_experts // world_size
+        moe.router.expert_bias[-El:] = 10.0
+
+    return setup
+
+
+def deepseek_setup(moe):
+    torch.manual_seed(5)
+    moe.router.expert_bias.copy_(torch.randn(moe.num_experts) * 0.1)
+
+
+DEEPSEEK = dict(
+    score_func="sigmoid",
+    num_expert_groups=4,
+    num_limited_groups=2,
+    route_norm=True,
+    route_scale=2.5,
+    expert_bias=True,
+    shared_hidden_dim=24,
+)
+
+
+class TestExpertParallel2(EPTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    def test_matches_single_process_and_faults(self):
+        # a short timeout: the last check makes one rank skip a collective
+        mesh = self.init_pg(timeout=datetime.timedelta(seconds=3))
+        # uneven token counts
+        self.check_matches_single_process(mesh, [7, 12])
+        # a rank with zero tokens
+        self.check_matches_single_process(mesh, [0, 9])
+        self.check_matches_single_process(mesh, [9, 0], shared_hidden_dim=8, shared_gate=True)
+        # all tokens routed to the last rank's experts
+        moe, _ = self.check_matches_single_process(
+            mesh, [6, 10], setup=force_onto_last_rank(2), expert_bias=True
+        )
+        self.assertEqual(int(moe.tokens_per_expert[:4].sum()), 0)
+        # DeepSeek-V3 style: sigmoid, groups, expert bias, shared expert; update_expert_bias
+        # sums the local loads over the ranks, so it equals the single-process update
+        moe, ref = self.check_matches_single_process(
+            mesh, [5, 11], setup=deepseek_setup, **DEEPSEEK
+        )
+        moe.update_expert_bias(0.01)
+        ref.update_expert_bias(0.01, group=dist.new_group([self.rank]))
+        self.assertEqual(moe.router.expert_bias, ref.router.expert_bias)
+
+        self.check_local_losses_and_dtypes(mesh)
+        # last: the faults (the timeout leaves the process group unusable)
+        self.check_faults(mesh)
+
+    def check_local_losses_and_dtypes(self, mesh):
+        # aux and z losses are computed on this rank's tokens (local, as under DP)
+        moe = make_moe(aux_loss="switch", aux_loss_coeff=0.01, z_loss_coeff=0.001)
+        local = copy.deepcopy(moe)
+        parallelize_module(moe, mesh, ExpertParallel())
+        torch.manual_seed(10 + self.rank)
+        x = torch.randn(2, 5 + self.rank, DIM)  # a [B, S, D] input
+        out = moe(x)
+        out_local = local(x)  # the unparallelized layer on this rank's tokens only
+        self.assertEqual(out, out_local)
+        self.assertEqual(moe.last_losses, local.last_losses)
+        # bf16 parameters: same result as the unparallelized layer on this rank's tokens
+        moe16 = make_moe(dtype=torch.bfloat16)
+        local16 = copy.deepcopy(moe16)
+        parallelize_module(moe16, mesh, ExpertParallel())
+        self.assertEqual(moe16(x.bfloat16()), local16(x.bfloat16()))
+
+    def check_faults(self, mesh):
+        # num_experts not divisible by the EP degree: an error before any collective
+        with CommDebugMode() as comm:
+            with self.assertRaisesRegex(
+                ValueError, r"num_experts \(3\) must be divisible by the expert-parallel degree"
+            ):
+                parallelize_module(make_moe(num_experts=3, top_k=1), mesh, ExpertParallel())
+        self.assertEqual(comm.get_total_counts(), 0)
+        with self.assertRaisesRegex(NotImplementedError, "capacity_factor=1.5"):
+            parallelize_module(make_moe(capacity_factor=1.5), mesh, ExpertParallel())
+        with self.assertRaisesRegex(ValueError, "1-D device mesh"):
+            mesh2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+            parallelize_module(make_moe(), mesh2, ExpertParallel())
+        # ranks built with different configs: every rank raises, naming rank 1 and the fields
+        bad = make_moe(top_k=2 + self.rank, shared_hidden_dim=8 * self.rank)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"config differs .* rank 1: shared_hidden_dim=8 \(rank 0: 0\), top_k=3 \(rank 0: 2\)",
+        ):
+            parallelize_module(bad, mesh, ExpertParallel())
+        moe = make_moe()
+        parallelize_module(moe, mesh, ExpertParallel())
+        with self.assertRaisesRegex(ValueError, "already parallelized"):
+            parallelize_module(moe, mesh, ExpertParallel())
+        # a collective that times out: rank 1 skips the forward
+        if self.rank == 0:
+            with self.assertRaisesRegex(
+                RuntimeError,
+                r"ExpertParallel: counts all_to_all_single failed on rank 0 "
+                r"\(expert-parallel rank 0 of 2.*Timed out",
+            ):
+                moe(torch.randn(4, DIM))
+        else:
+            time.sleep(6)
+
+
+class TestExpertParallel4(EPTestBase):
+    @property
+    def world_size(self):
+        return 4
+
+    def test_matches_single_process(self):
+        mesh = self.init_pg()
+        self.check_matches_single_process(mesh, [3, 0, 8, 5])
+        self.check_matches_single_process(
+            mesh, [4, 7, 0, 2], setup=force_onto_last_rank(4), expert_bias=True
+        )
+        self.check_matches_single_process(mesh, [6, 1, 3, 0], setup=deepseek_setup, **DEEPSEEK)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_tests()
