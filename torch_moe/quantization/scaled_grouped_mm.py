@@ -6,6 +6,12 @@ Each GEMM quantizes its operands per the recipe, dequantizes them (exact in fp32
 an fp32 grouped GEMM, which is what a scaled GPU kernel computes up to fp32 accumulation
 order. GEMMs a recipe keeps in bf16 cast the operands to bf16 and use the bf16 grouped GEMM.
 
+On CUDA the same function runs on FP8 tensor cores: the Triton quantize kernels
+(:mod:`torch_moe._triton.quantize`) write each operand K-major with its scales, and the
+Triton scaled grouped GEMMs (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales
+per K block inside the main loop (blockwise, MX) or once in the epilogue (rowwise,
+tensorwise, per-group wgrad). They equal the emulation up to fp32 summation order.
+
 NB: the weight is quantized twice (along K for forward, along N for dgrad) and the
 activations twice (along K for forward, along M in per-expert jagged blocks for wgrad), as
 the transposed reductions need scales along a different dim.
@@ -19,6 +25,8 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops.grouped_mm import grouped_mm_wgrad
+from torch_moe._triton import quantize as TQ
+from torch_moe._triton import scaled_grouped_mm as TK
 from torch_moe.ops import grouped_mm
 from torch_moe.quantization import quantize as Q
 from torch_moe.quantization.recipes import GemmQuant, OperandQuant, Recipe, get_recipe
@@ -77,12 +85,103 @@ def _wgrad(x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
     return grouped_mm_wgrad(_fq_jagged(x, offs, g.lhs), _fq_jagged(dy, offs, g.rhs), offs)
 
 
+# --------------------------------------------------------------------------------------
+# kernel path (CUDA; the same functions run on CPU tensors in Triton's interpreter)
+
+
+def _fits(block: tuple[int, int], shape: tuple[int, ...]) -> bool:
+    r = shape[-2] if block[0] == -1 else block[0]
+    c = shape[-1] if block[1] == -1 else block[1]
+    return (1 << max(r - 1, 0).bit_length()) * (1 << max(c - 1, 0).bit_length()) <= (
+        TQ.MAX_BLOCK_ELEMS
+    )
+
+
+def _quantize_kmajor(t: Tensor, op: OperandQuant, out: Tensor, along_rows: bool) -> Tensor:
+    """Quantize t [..., R, C] into ``out`` (any layout); reduction along rows or columns."""
+    block = (op.inner, op.outer) if along_rows else (op.outer, op.inner)
+    if op.fmt == "mx":
+        mx_block = (op.inner, 1) if along_rows else (1, op.inner)
+        _, scale = TQ.quantize_blocks(t, mx_block, fmt="mx", scale_rule=op.scale_rule, out=out)
+        return scale
+    if _fits(block, tuple(t.shape)):
+        _, scale = TQ.quantize_blocks(t, block, out=out)
+        return scale
+    q, scale = Q.quantize_fp8(t, block)  # whole-tensor or long blocks: torch ops
+    out.copy_(q)
+    return scale
+
+
+def _kernel_gemm(
+    a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
+    """FP8 forward / dgrad: a [M, k] @ b [E, k, n] per group, both quantized K-major."""
+    assert g.lhs is not None and g.rhs is not None
+    M, k = a.shape
+    E, _, n = b.shape
+    qa = torch.empty((M, k), dtype=torch.float8_e4m3fn, device=a.device)
+    sa = _quantize_kmajor(a, g.lhs, qa, along_rows=False)
+    qb = torch.empty((E, n, k), dtype=torch.float8_e4m3fn, device=a.device).transpose(-2, -1)
+    sb = _quantize_kmajor(b, g.rhs, qb, along_rows=True)
+    if g.rhs.fmt == "fp8" and g.rhs.outer == -1 and g.rhs.inner == -1:
+        sb = sb.reshape(E, 1, 1)
+    sa = sa.float().reshape(-1, sa.shape[-1])
+    return TK.scaled_grouped_mm(
+        qa, qb, sa, sb.float(), offs, block_k=g.lhs.inner, block_n=g.rhs.outer, out_dtype=out_dtype
+    )
+
+
+def _quantize_jagged_mmajor(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
+    out = torch.empty(t.shape[::-1], dtype=torch.float8_e4m3fn, device=t.device).t()
+    if (op.outer, op.inner) == (-1, -1):
+        q, scale = Q.quantize_fp8(t)
+        out.copy_(q)
+        return out, scale
+    return TQ.quantize_jagged(
+        t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule, out=out
+    )
+
+
+def _kernel_wgrad(
+    x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
+    """FP8 wgrad: x_g^T dy_g per group, both quantized M-major in jagged per-group blocks."""
+    assert g.lhs is not None and g.rhs is not None
+    qx, sx = _quantize_jagged_mmajor(x, offs, g.lhs)
+    qdy, sdy = _quantize_jagged_mmajor(dy, offs, g.rhs)
+    tensorwise = (g.lhs.outer, g.lhs.inner) == (-1, -1)
+    block = -1 if tensorwise else g.lhs.inner
+    gfb = (
+        torch.zeros(offs.shape[0] + 1, dtype=torch.int32, device=x.device)
+        if tensorwise
+        else TQ.jagged_block_table(offs, x.shape[0], block)[2]
+    )
+    return TK.scaled_grouped_mm_wgrad(
+        qx, qdy, sx.float(), sdy.float(), offs, gfb, block, out_dtype=out_dtype
+    )
+
+
+def _kernels_support(g: GemmQuant) -> bool:
+    """Whether the Triton kernels run GEMM ``g`` (else: the emulation, on any device)."""
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:
+        return False
+    if lhs.inner != rhs.inner or lhs.fmt != rhs.fmt:  # both operands' K blocks must agree
+        return False
+    if (lhs.outer, lhs.inner) == (-1, -1) != (rhs.outer, rhs.inner):
+        return False
+    return lhs.inner in (-1, 32, 128) and rhs.outer in (-1, 1, 128)
+
+
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor, recipe: Recipe) -> Tensor:
         ctx.save_for_backward(x, w, offs)
         ctx.recipe = recipe
-        return _forward(x, w, offs, recipe.forward)
+        g = recipe.forward
+        if x.is_cuda and _kernels_support(g):
+            return _kernel_gemm(x, w, offs, g, x.dtype)
+        return _forward(x, w, offs, g)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
@@ -90,9 +189,17 @@ class _ScaledGroupedMM(torch.autograd.Function):
         recipe: Recipe = ctx.recipe
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _dgrad(dy, w, offs, recipe.dgrad).to(x.dtype)
+            g = recipe.dgrad
+            if dy.is_cuda and _kernels_support(g):
+                dx = _kernel_gemm(dy, w.transpose(-2, -1), offs, g, x.dtype)
+            else:
+                dx = _dgrad(dy, w, offs, g).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(x, dy, offs, recipe.wgrad).to(w.dtype)
+            g = recipe.wgrad
+            if dy.is_cuda and _kernels_support(g):
+                dw = _kernel_wgrad(x, dy, offs, g, w.dtype)
+            else:
+                dw = _wgrad(x, dy, offs, g).to(w.dtype)
         return dx, dw, None, None
 
 

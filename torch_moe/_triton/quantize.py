@@ -1,0 +1,389 @@
+"""Triton FP8 / MXFP8 quantize kernels (the GPU side of :mod:`torch_moe.quantization.quantize`).
+
+Legend: B batch (experts), R rows, C columns, M tokens, N columns, G block extent.
+
+Two kernels, each the same function as its plain-PyTorch reference, bit for bit:
+
+- ``quantize_blocks(x [B, R, C] or [R, C], block=(SR, SC), fmt)``: one scale per SR x SC
+  block of the last two dims (zero-padded partial blocks). FP8 rowwise is ``(1, C)``,
+  columnwise ``(R, 1)``, activations ``(1, 128)``, weights ``(128, 128)``; MX is ``(1, 32)``
+  along the last dim or ``(32, 1)`` along the rows, with E8M0 scales (``"floor"`` or
+  ``"rceil"``). The output ``q`` is written into any layout the caller allocates (``out=``):
+  the scaled GEMMs want their operands K-major (the reduction dim contiguous), the layout
+  Hopper's FP8 ``wgmma`` reads.
+- ``quantize_jagged(x [M, N], offs, block=G)``: per column, blocks of G rows restarting at
+  every group end (the wgrad operands), G = -1 one block per group; same scale layout as
+  the reference (:func:`torch_moe.quantization.quantize.jagged_block_index`). The block
+  table (first and last row of every scale row) is built with a few tiny device ops, no
+  host sync.
+
+Each program owns whole blocks: it reduces |x| over its blocks (two passes over the rows
+for jagged blocks longer than one tile), computes the scale exactly as the reference
+(``amax / 448`` with IEEE division, or the E8M0 exponent from the fp32 bits) and writes q.
+
+Rounding to e4m3: compiled kernels use the hardware's round-to-nearest-even conversion.
+Triton 3.9's interpreter rounds fp32 -> e4m3 wrongly when the mantissa carries into the
+exponent (31.5 -> 16), so interpreted kernels (``EMULATE_CVT``) first round to the e4m3 grid
+in fp32 (exact: the grid spacing is a power of two) and the conversion is then exact.
+
+NB: like the reference, inputs must be finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_moe._triton.grouped_mm import _interpreted, _use_interpreter
+
+__all__ = ["MAX_BLOCK_ELEMS", "jagged_block_table", "quantize_blocks", "quantize_jagged"]
+
+_FMT_CODES = {"fp8": 0, "mx_floor": 1, "mx_rceil": 2}
+_FP8 = torch.float8_e4m3fn
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# One program reduces a whole block in registers; whole-tensor and long columnwise blocks
+# (tensorwise scales, columnwise over many rows) go through the reference's torch ops.
+MAX_BLOCK_ELEMS = 16384
+
+
+# --------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------
+# NB: no calls to @triton.jit helpers (tl.max, tl.cdiv, ...): see the note in
+# torch_moe/_triton/grouped_mm.py. Reductions call the builtin tl.reduce with the standard
+# combine function, which the interpreter maps to numpy.
+
+
+@triton.jit
+def _quantize_blocks_kernel(
+    x_ptr,  # *T [B, R, C]
+    q_ptr,  # *fp8 [B, R, C], any strides
+    s_ptr,  # *fp32 or *u8 [B, ceil(R/SR), ceil(C/SC)], any strides
+    R,
+    C,
+    stride_xb,
+    stride_xr,
+    stride_xc,
+    stride_qb,
+    stride_qr,
+    stride_qc,
+    stride_sb,
+    stride_sr,
+    stride_sc,
+    SR: tl.constexpr,  # block rows
+    SC: tl.constexpr,  # block cols
+    TILE_R: tl.constexpr,  # multiple of SR
+    TILE_C: tl.constexpr,  # multiple of SC
+    FMT: tl.constexpr,  # 0 fp8 (fp32 scale), 1 MX floor, 2 MX rceil
+    SCALE_U8: tl.constexpr,  # MX: store biased exponents instead of fp32 powers of two
+    EMULATE_CVT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    tiles_c = (C + TILE_C - 1) // TILE_C
+    r0 = (pid // tiles_c) * TILE_R
+    c0 = (pid % tiles_c) * TILE_C
+    rows = r0 + tl.arange(0, TILE_R)
+    cols = c0 + tl.arange(0, TILE_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x_ptrs = (
+        x_ptr + b * stride_xb + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :] * stride_xc
+    )
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+    # amax of every SR x SC block of the tile: [TILE_R // SR, TILE_C // SC]
+    x4 = tl.reshape(tl.abs(x), (TILE_R // SR, SR, TILE_C // SC, SC))
+    amax = tl.reduce(x4, 3, tl.standard._elementwise_max)
+    amax = tl.reduce(amax, 1, tl.standard._elementwise_max)
+    if FMT == 0:
+        scale = tl.math.div_rn(amax, 448.0)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        s_out = scale
+    else:
+        bits = amax.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        e = biased - 135  # floor(log2(amax)) - 8
+        if FMT == 2:
+            e += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.where(biased == 0, -127, e)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        scale = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
+        if SCALE_U8:
+            s_out = (e + 127).to(tl.uint8)
+        else:
+            s_out = scale
+    br = r0 // SR + tl.arange(0, TILE_R // SR)
+    bc = c0 // SC + tl.arange(0, TILE_C // SC)
+    s_mask = (br < (R + SR - 1) // SR)[:, None] & (bc < (C + SC - 1) // SC)[None, :]
+    s_ptrs = s_ptr + b * stride_sb + br[:, None] * stride_sr + bc[None, :] * stride_sc
+    tl.store(s_ptrs, s_out, mask=s_mask)
+
+    scale4 = tl.reshape(scale, (TILE_R // SR, 1, TILE_C // SC, 1))
+    y4 = tl.reshape(x, (TILE_R // SR, SR, TILE_C // SC, SC))
+    y = tl.reshape(tl.math.div_rn(y4, scale4), (TILE_R, TILE_C))
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if EMULATE_CVT:  # round to the e4m3 grid in fp32 (see the module docstring)
+        ybits = y.to(tl.int32, bitcast=True)
+        ulp_e = tl.maximum(((ybits >> 23) & 0xFF) - 127, -6) - 3
+        ulp = ((ulp_e + 127) << 23).to(tl.float32, bitcast=True)
+        t = y / ulp
+        rt = (t + 12582912.0) - 12582912.0  # round half to even for |t| < 2^22
+        y = tl.where(rt == 0.0, t * 0.0, rt) * ulp  # keep the sign of zero
+    q_ptrs = (
+        q_ptr + b * stride_qb + rows.to(tl.int64)[:, None] * stride_qr + cols[None, :] * stride_qc
+    )
+    tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_jagged_kernel(
+    x_ptr,  # *T [M, N]
+    q_ptr,  # *fp8 [M, N], any strides
+    s_ptr,  # *fp32 or *u8 [NB, N]
+    first_ptr,  # *i32 [NB]: first row of every scale row (block)
+    last_ptr,  # *i32 [NB]: one past its last row (== first for unused scale rows)
+    N,
+    stride_xm,
+    stride_xn,
+    stride_qm,
+    stride_qn,
+    stride_sb,
+    stride_sn,
+    TILE_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    FMT: tl.constexpr,
+    SCALE_U8: tl.constexpr,
+    EMULATE_CVT: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    col_mask = cols < N
+    start = tl.load(first_ptr + blk)
+    end = tl.load(last_ptr + blk)
+    arange_m = tl.arange(0, TILE_M)
+
+    amax = tl.full((TILE_N,), 0.0, dtype=tl.float32)
+    for m0 in tl.range(start, end, TILE_M):
+        rows = m0 + arange_m
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn
+        x = tl.abs(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32))
+        amax = tl.maximum(amax, tl.reduce(x, 0, tl.standard._elementwise_max))
+    if FMT == 0:
+        scale = tl.math.div_rn(amax, 448.0)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        s_out = scale
+    else:
+        bits = amax.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        e = biased - 135
+        if FMT == 2:
+            e += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.where(biased == 0, -127, e)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        scale = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
+        if SCALE_U8:
+            s_out = (e + 127).to(tl.uint8)
+        else:
+            s_out = scale
+    tl.store(s_ptr + blk.to(tl.int64) * stride_sb + cols * stride_sn, s_out, mask=col_mask)
+
+    for m0 in tl.range(start, end, TILE_M):
+        rows = m0 + arange_m
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(x, scale[None, :])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if EMULATE_CVT:
+            ybits = y.to(tl.int32, bitcast=True)
+            ulp_e = tl.maximum(((ybits >> 23) & 0xFF) - 127, -6) - 3
+            ulp = ((ulp_e + 127) << 23).to(tl.float32, bitcast=True)
+            t = y / ulp
+            rt = (t + 12582912.0) - 12582912.0
+            y = tl.where(rt == 0.0, t * 0.0, rt) * ulp
+        q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :] * stride_qn
+        tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------
+
+
+def _fmt_code(fmt: str, scale_rule: str) -> int:
+    key = "fp8" if fmt == "fp8" else f"mx_{scale_rule}"
+    if key not in _FMT_CODES:
+        raise ValueError(
+            f"quantize: fmt must be 'fp8' or 'mx' and scale_rule 'floor' or 'rceil', got "
+            f"fmt={fmt!r}, scale_rule={scale_rule!r}"
+        )
+    return _FMT_CODES[key]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _tile(extent: int, block: int, budget: int) -> int:
+    """A power-of-two tile extent that holds whole blocks: ``block`` times a power of two."""
+    if block >= extent:
+        return block
+    return block * max(1, min(_pow2(-(-extent // block)), budget // block))
+
+
+def _check_x(fn: str, x: torch.Tensor, dims: tuple[int, ...]) -> None:
+    if x.dtype not in _IN_DTYPES or x.dim() not in dims:
+        raise ValueError(
+            f"{fn}: expected x to be {' or '.join(f'{d}D' for d in dims)} float32, bfloat16 or "
+            f"float16, got {x.dim()}D {x.dtype}"
+        )
+
+
+def quantize_blocks(
+    x: torch.Tensor,
+    block: tuple[int, int],
+    *,
+    fmt: str = "fp8",
+    scale_rule: str = "floor",
+    scale_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` with one scale per ``block = (rows, cols)`` of x's last two dims.
+
+    Equals :func:`torch_moe.quantization.quantize.quantize_fp8` (``fmt="fp8"``, block dims
+    may be -1 = whole dim) and :func:`~torch_moe.quantization.quantize.quantize_mx` with
+    ``dim=-1`` (block ``(1, G)``) or ``dim=-2`` (block ``(G, 1)``), bit for bit. ``out``
+    (float8_e4m3fn, x's shape, any strides) receives q, e.g. a K-major layout for a GEMM.
+    """
+    fn = "quantize_blocks"
+    _check_x(fn, x, (2, 3))
+    code = _fmt_code(fmt, scale_rule)
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    nb, r, c = x3.shape
+    sr = max(r, 1) if block[0] == -1 else block[0]
+    sc = max(c, 1) if block[1] == -1 else block[1]
+    if sr < 1 or sc < 1:
+        raise ValueError(f"{fn}: block must be positive or -1, got {block}")
+    if code and (r % sr or c % sc):
+        raise ValueError(
+            f"{fn}: MX blocks must tile x exactly, got x {list(x.shape)} and block {block}"
+        )
+    # Partial blocks are zero-padded: a block extent rounds up to a power of two.
+    psr, psc = _pow2(sr), _pow2(sc)
+    if psr * psc > MAX_BLOCK_ELEMS:
+        raise ValueError(
+            f"{fn}: a block of {sr} x {sc} elements is too large for one program (at most "
+            f"{MAX_BLOCK_ELEMS}); quantize it with the reference (torch ops)"
+        )
+    if (psr != sr and -(-r // sr) > 1) or (psc != sc and -(-c // sc) > 1):
+        raise ValueError(
+            f"{fn}: blocks that are not powers of two must span the whole dim, got block "
+            f"{block} for x {list(x.shape)}"
+        )
+    if out is None:
+        out = torch.empty(x.shape, dtype=_FP8, device=x.device)
+    if out.shape != x.shape or out.dtype != _FP8 or out.device != x.device:
+        raise ValueError(
+            f"{fn}: expected out to be float8_e4m3fn of shape {list(x.shape)} on {x.device}, "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    s_dtype = torch.uint8 if code and scale_dtype == torch.uint8 else torch.float32
+    scale = torch.empty((nb, -(-r // sr), -(-c // sc)), dtype=s_dtype, device=x.device)
+    q3 = out if out.dim() == 3 else out.unsqueeze(0)
+    if x.numel() == 0:
+        return out, scale if x.dim() == 3 else scale.squeeze(0)
+    interpret = _use_interpreter(x)
+    budget = 1024 if interpret else 4096  # elements per program
+    tile_c = _tile(c, psc, max(budget // psr, psc))
+    tile_r = _tile(r, psr, max(budget // tile_c, psr))
+    grid = (triton.cdiv(r, tile_r) * triton.cdiv(c, tile_c), nb)
+    kernel = _interpreted(_quantize_blocks_kernel) if interpret else _quantize_blocks_kernel
+    kernel[grid](
+        x3, q3, scale, r, c,
+        *x3.stride(), *q3.stride(), *scale.stride(),
+        SR=psr, SC=psc, TILE_R=tile_r, TILE_C=tile_c, FMT=code,
+        SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret,
+        num_warps=4,
+    )  # fmt: skip
+    return out, scale if x.dim() == 3 else scale.squeeze(0)
+
+
+def jagged_block_table(
+    offs: torch.Tensor, num_rows: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(first [NB], last [NB], group_first_block [E + 1])`` int32, on offs's device.
+
+    Scale row j covers rows ``[first[j], last[j])`` (empty for unused rows); group g's blocks
+    are scale rows ``group_first_block[g]`` onwards (g = E: the rows past ``offs[-1]``). NB is
+    the static bound of :func:`torch_moe.quantization.quantize.jagged_block_index`.
+    """
+    num_groups = offs.shape[0]
+    ends = torch.cat([offs.long().clamp(0, num_rows), offs.new_full((1,), num_rows).long()])
+    ends = torch.cummax(ends, 0).values
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    sizes = ends - starts
+    if block == -1:
+        nblocks = (sizes > 0).long()
+        bound = num_groups + 1
+        step = num_rows + 1
+    else:
+        nblocks = (sizes + block - 1) // block
+        bound = (num_rows + (num_groups + 1) * (block - 1)) // block
+        step = block
+    first_block = torch.cumsum(nblocks, 0) - nblocks
+    j = torch.arange(bound, device=offs.device)
+    seg = torch.searchsorted(first_block + nblocks, j, right=True).clamp(max=num_groups)
+    first = starts[seg] + (j - first_block[seg]) * step
+    used = j < (first_block + nblocks)[-1]
+    first = torch.where(used, first, 0)
+    last = torch.where(used, torch.minimum(first + step, ends[seg]), 0)
+    return first.int(), last.int(), first_block.int()
+
+
+def quantize_jagged(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    block: int = 128,
+    fmt: str = "fp8",
+    scale_rule: str = "floor",
+    scale_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-column quantization of x [M, N] in blocks of ``block`` rows inside each group.
+
+    Equals :func:`torch_moe.quantization.quantize.quantize_jagged` bit for bit. ``out``
+    (float8_e4m3fn [M, N], any strides) receives q, e.g. ``empty(N, M).t()`` (M-major).
+    """
+    fn = "quantize_jagged"
+    _check_x(fn, x, (2,))
+    code = _fmt_code(fmt, scale_rule)
+    if not isinstance(block, int) or (block < 1 and block != -1):
+        raise ValueError(f"{fn}: block must be a positive int or -1, got {block!r}")
+    m, n = x.shape
+    if out is None:
+        out = torch.empty(x.shape, dtype=_FP8, device=x.device)
+    if out.shape != x.shape or out.dtype != _FP8:
+        raise ValueError(f"{fn}: expected out to be float8_e4m3fn {list(x.shape)}, got {out.dtype}")
+    first, last, _ = jagged_block_table(offs, m, block)
+    s_dtype = torch.uint8 if code and scale_dtype == torch.uint8 else torch.float32
+    scale = torch.empty((first.shape[0], n), dtype=s_dtype, device=x.device)
+    if scale.numel() == 0:
+        return out, scale
+    interpret = _use_interpreter(x)
+    tile_n = 16 if interpret else 64
+    tile_m = 32 if interpret else 128
+    if block != -1:
+        tile_m = min(tile_m, _pow2(block)) if interpret else _pow2(block)
+    grid = (first.shape[0], triton.cdiv(n, tile_n))
+    kernel = _interpreted(_quantize_jagged_kernel) if interpret else _quantize_jagged_kernel
+    kernel[grid](
+        x, out, scale, first, last, n,
+        *x.stride(), *out.stride(), *scale.stride(),
+        TILE_M=tile_m, TILE_N=tile_n, FMT=code,
+        SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret,
+        num_warps=4,
+    )  # fmt: skip
+    return out, scale

@@ -1,0 +1,370 @@
+"""Persistent Triton grouped GEMMs on FP8 operands with block scales (FP8 blockwise, MXFP8).
+
+Legend: M rows (sorted by group), K in features, N out features, E groups (experts).
+
+Same layout and group contract as :mod:`torch_moe._triton.grouped_mm` (``offs`` = int32
+group ends read on the device; rows past ``offs[-1]`` of the output are zero), on operands
+quantized by :mod:`torch_moe._triton.quantize`:
+
+    scaled_grouped_mm(a_MK, b_EKN, sa, sb, offs)     -> out_MN
+        a = qa * sa with sa [M or 1, KS]: one scale per row and K block (or per tensor)
+        b = qb * sb with sb [E, KS, NS]: one scale per K block and N block (or per matrix)
+    scaled_grouped_mm_wgrad(a_MK, b_MN, sa, sb, offs) -> out_EKN = a_g^T b_g per group
+        sa [NB, K], sb [NB, N]: per column, jagged blocks of rows inside each group
+        (:func:`torch_moe._triton.quantize.jagged_block_table`)
+
+How scales enter (``SCALE_K`` / ``SCALE_M``, the extent of a scale block along the reduction):
+when blocks split the reduction (128 for DeepSeek-style blocks, 32 for MX), the kernel steps
+one scale block per iteration, takes the FP8 product of that block on the tensor cores
+(fp32 result) and adds it to the fp32 accumulator multiplied by the row and column scales:
+the "promotion" DeepGEMM does, so the dequantization costs [BLOCK_M, BLOCK_N] FMAs per
+block instead of touching the operands. When one scale covers the whole reduction (rowwise,
+tensorwise, per-group wgrad) the scales multiply the accumulator once, in the epilogue.
+Per-tensor scales are read through zero strides.
+
+Operand layout: Hopper's FP8 ``wgmma`` reads both operands K-major (the reduction dim
+contiguous), so the launchers in :mod:`torch_moe.quantization.scaled_grouped_mm` have the
+quantize kernels write q in that layout (w as [E, N, K], dY and X transposed for wgrad).
+Any strides work; other layouts only run slower.
+
+On CPU tensors (and under ``TRITON_INTERPRET=1``) the kernels run in Triton's interpreter,
+with fp32 operands upcast before ``tl.dot`` and an fp32 output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_moe._triton.grouped_mm import _interpreted, _max_programs, _use_interpreter
+
+__all__ = ["scaled_grouped_mm", "scaled_grouped_mm_wgrad"]
+
+
+@triton.jit
+def _scaled_gmm_fwd_kernel(
+    a_ptr,  # *fp8 [M, K]
+    b_ptr,  # *fp8 [E, K, N]
+    sa_ptr,  # *f32 [M, KS] (row stride 0: one scale for all rows)
+    sb_ptr,  # *f32 [E, KS, NS] (stride 0 where a scale spans the dim)
+    out_ptr,  # *T [M, N]
+    offs_ptr,  # *i32 [E] group ends
+    M,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_sam,
+    stride_sak,
+    stride_sbe,
+    stride_sbk,
+    stride_sbn,
+    stride_om,
+    stride_on,
+    SCALE_K: tl.constexpr,  # K extent of a scale block (== BLOCK_K), 0: one over all of K
+    SCALE_N: tl.constexpr,  # N extent of b's scale block
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    arange_k = tl.arange(0, BLOCK_K)
+
+    # The persistent walk over groups of torch_moe/_triton/grouped_mm.py's forward kernel.
+    tile_base = 0
+    start = 0
+    b_g_ptr = b_ptr  # b[g]
+    sb_g_ptr = sb_ptr  # sb[g]
+    for g in tl.range(0, E):
+        end = tl.load(offs_ptr + g)
+        end = tl.minimum(tl.maximum(end, start), M)
+        tiles_g = ((end - start + BLOCK_M - 1) // BLOCK_M) * tiles_n
+        first = (pid + num_progs - tile_base % num_progs) % num_progs
+        for t in tl.range(first, tiles_g, num_progs):
+            rows = start + (t // tiles_n) * BLOCK_M + arange_m
+            cols = (t % tiles_n) * BLOCK_N + arange_n
+            row_mask = rows < end
+            col_mask = cols < N
+            rows64 = rows.to(tl.int64)
+            a_ptrs = a_ptr + rows64[:, None] * stride_am + arange_k[None, :] * stride_ak
+            b_ptrs = b_g_ptr + arange_k[:, None] * stride_bk + cols[None, :] * stride_bn
+            sa_ptrs = sa_ptr + rows64 * stride_sam
+            sb_ptrs = sb_g_ptr + (cols // SCALE_N) * stride_sbn
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                k_mask = arange_k < K - k0
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if DOT_FP32:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                if SCALE_K > 0:
+                    kb = k0 // SCALE_K
+                    sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_mask, other=0.0)
+                    sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_mask, other=0.0)
+                    part = tl.dot(a, b, input_precision="ieee")
+                    acc += part * sa[:, None] * sb[None, :]
+                else:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            if SCALE_K == 0:
+                sa = tl.load(sa_ptrs, mask=row_mask, other=0.0)
+                sb = tl.load(sb_ptrs, mask=col_mask, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
+            o_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_on
+            tl.store(
+                o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
+            )
+        tile_base += tiles_g
+        start = end
+        b_g_ptr += stride_be
+        sb_g_ptr += stride_sbe
+
+    tiles_tail = ((M - start + BLOCK_M - 1) // BLOCK_M) * tiles_n
+    first = (pid + num_progs - tile_base % num_progs) % num_progs
+    zeros = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=out_ptr.dtype.element_ty)
+    for t in tl.range(first, tiles_tail, num_progs):
+        rows = start + (t // tiles_n) * BLOCK_M + arange_m
+        cols = (t % tiles_n) * BLOCK_N + arange_n
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(o_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _scaled_gmm_wgrad_kernel(
+    a_ptr,  # *fp8 [M, K]: read as a^T (M-major storage is the fast layout)
+    b_ptr,  # *fp8 [M, N]
+    sa_ptr,  # *f32 [NB, K]
+    sb_ptr,  # *f32 [NB, N]
+    out_ptr,  # *T [E, K, N]
+    offs_ptr,  # *i32 [E] group ends
+    gfb_ptr,  # *i32 [E + 1]: first scale row (block) of every group
+    M,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_ak,
+    stride_bm,
+    stride_bn,
+    stride_sab,
+    stride_sak,
+    stride_sbb,
+    stride_sbn,
+    stride_oe,
+    stride_ok,
+    stride_on,
+    SCALE_M: tl.constexpr,  # rows per scale block (== BLOCK_M), 0: one block per group
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_per_group = ((K + BLOCK_K - 1) // BLOCK_K) * tiles_n
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    arange_k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(pid, E * tiles_per_group, num_progs):
+        g = tile // tiles_per_group
+        tile_kn = tile % tiles_per_group
+        ks = (tile_kn // tiles_n) * BLOCK_K + arange_k
+        ns = (tile_kn % tiles_n) * BLOCK_N + arange_n
+        k_mask = ks < K
+        n_mask = ns < N
+        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+        start = tl.minimum(tl.maximum(start, 0), M)
+        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), start), M)
+        blk = tl.load(gfb_ptr + g).to(tl.int64)
+        rows0 = start.to(tl.int64) + arange_m
+        a_ptrs = a_ptr + ks[:, None] * stride_ak + rows0[None, :] * stride_am
+        b_ptrs = b_ptr + rows0[:, None] * stride_bm + ns[None, :] * stride_bn
+        sa_ptrs = sa_ptr + ks * stride_sak
+        sb_ptrs = sb_ptr + ns * stride_sbn
+        acc = tl.full((BLOCK_K, BLOCK_N), 0.0, dtype=tl.float32)
+        for m0 in tl.range(start, end, BLOCK_M):
+            m_mask = arange_m < end - m0
+            a = tl.load(a_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if SCALE_M > 0:
+                sa = tl.load(sa_ptrs + blk * stride_sab, mask=k_mask, other=0.0)
+                sb = tl.load(sb_ptrs + blk * stride_sbb, mask=n_mask, other=0.0)
+                part = tl.dot(a, b, input_precision="ieee")
+                acc += part * sa[:, None] * sb[None, :]
+                blk += 1
+            else:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            a_ptrs += BLOCK_M * stride_am
+            b_ptrs += BLOCK_M * stride_bm
+        if SCALE_M == 0:
+            sa = tl.load(sa_ptrs + blk * stride_sab, mask=k_mask, other=0.0)
+            sb = tl.load(sb_ptrs + blk * stride_sbb, mask=n_mask, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        o_ptrs = out_ptr + g.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
+        o_ptrs += ns[None, :] * stride_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# Configs and launchers
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _fwd_config(scale_k: int, interpret: bool) -> _Config:
+    """Forward / dgrad tiles. sm_90: 128 x 128 fp32 accumulator over two warpgroups; a
+    K step of 128 FP8 bytes (one 128-wide scale block, or 32 for MX) per stage."""
+    if interpret:
+        return _Config(16, 16, scale_k or 32, num_warps=1, num_stages=1)
+    if scale_k == 32:
+        return _Config(128, 128, 32, num_warps=8, num_stages=6)
+    return _Config(128, 128, scale_k or 128, num_warps=8, num_stages=4)
+
+
+def _wgrad_config(scale_m: int, interpret: bool) -> _Config:
+    if interpret:
+        return _Config(scale_m or 16, 16, 16, num_warps=1, num_stages=1)
+    if scale_m == 32:
+        return _Config(32, 128, 128, num_warps=8, num_stages=6)
+    return _Config(scale_m or 128, 128, 128, num_warps=8, num_stages=3)
+
+
+def _block_extent(fn: str, name: str, value: int, size: int) -> int:
+    """A scale block's extent along a dim: 0 for one scale over the whole dim."""
+    if value == -1 or value >= size:
+        return 0
+    if value < 1:
+        raise ValueError(f"{fn}: {name} must be a positive block extent or -1, got {value}")
+    return value
+
+
+def _out_buffer(interpret: bool, shape: tuple[int, ...], dtype: torch.dtype, device: Any):
+    # The interpreter's f32 -> bf16 store truncates: interpreted kernels write fp32.
+    return torch.empty(shape, dtype=torch.float32 if interpret else dtype, device=device)
+
+
+def scaled_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sa: torch.Tensor,
+    sb: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    block_k: int,
+    block_n: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``out[rows of g] = (qa * sa)[rows of g] @ (qb * sb)[g]`` with FP8 a [M, K], b [E, K, N].
+
+    A scale block spans ``block_k`` elements of K in both operands (-1: all of K) and
+    ``block_n`` columns of b (-1: all of N). sa: fp32 [M, ceil(K / block_k)] or [1, 1] (per
+    tensor); sb: fp32 [E, ceil(K / block_k), ceil(N / block_n)]. Rows past ``offs[-1]`` are
+    zero.
+    """
+    fn = "scaled_grouped_mm"
+    M, K = a.shape
+    E, _, N = b.shape
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{fn}: expected float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
+    scale_k = _block_extent(fn, "block_k", block_k, K)
+    scale_n = _block_extent(fn, "block_n", block_n, N)
+    ks = triton.cdiv(K, scale_k) if scale_k else 1
+    ns = triton.cdiv(N, scale_n) if scale_n else 1
+    if sa.shape[1] != ks or sa.shape[0] not in (1, M) or list(sb.shape) != [E, ks, ns]:
+        raise ValueError(
+            f"{fn}: blocks ({block_k}, {block_n}) need sa [{M} or 1, {ks}] and sb [{E}, {ks}, "
+            f"{ns}], got {list(sa.shape)} and {list(sb.shape)}"
+        )
+    interpret = _use_interpreter(a)
+    out = _out_buffer(interpret, (M, N), out_dtype, a.device)
+    if M == 0 or N == 0:
+        return out.to(out_dtype)
+    cfg = _fwd_config(scale_k, interpret)
+    if scale_k and cfg.block_k != scale_k:
+        raise ValueError(f"{fn}: K scale blocks of {scale_k} are not supported (32 or 128)")
+    max_tiles = (triton.cdiv(M, cfg.block_m) + E + 1) * triton.cdiv(N, cfg.block_n)
+    grid = (min(_max_programs(a, interpret), max_tiles),)
+    kernel = _interpreted(_scaled_gmm_fwd_kernel) if interpret else _scaled_gmm_fwd_kernel
+    kernel[grid](
+        a, b, sa, sb, out, offs, M, N, K, E,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        0 if sa.shape[0] == 1 else sa.stride(0), sa.stride(1),
+        sb.stride(0), sb.stride(1), 0 if sb.shape[2] == 1 else sb.stride(2),
+        out.stride(0), out.stride(1),
+        SCALE_K=scale_k, SCALE_N=scale_n or 1, DOT_FP32=interpret,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out.to(out_dtype)
+
+
+def scaled_grouped_mm_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sa: torch.Tensor,
+    sb: torch.Tensor,
+    offs: torch.Tensor,
+    group_first_block: torch.Tensor,
+    block: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``out[g] = (qa * sa)[rows of g]^T @ (qb * sb)[rows of g]``, FP8 a [M, K], b [M, N].
+
+    sa [NB, K], sb [NB, N]: jagged scales of ``block`` rows (-1: one block per group; a
+    [1, 1] scale is per tensor), laid out by ``jagged_block_table`` (``group_first_block``).
+    """
+    fn = "scaled_grouped_mm_wgrad"
+    M, K = a.shape
+    N = b.shape[1]
+    E = offs.shape[0]
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{fn}: expected float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
+    if block not in (-1, 32, 128):
+        raise ValueError(f"{fn}: block must be 32, 128 or -1 (per group), got {block}")
+    interpret = _use_interpreter(a)
+    scale_m = 0 if block == -1 else block
+    out = _out_buffer(interpret, (E, K, N), out_dtype, a.device)
+    if K == 0 or N == 0:
+        return out.to(out_dtype)
+    cfg = _wgrad_config(scale_m, interpret)
+    tiles = E * triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n)
+    grid = (min(_max_programs(a, interpret), tiles),)
+    per_tensor = sa.shape[0] == 1 and sa.shape[1] == 1
+    kernel = _interpreted(_scaled_gmm_wgrad_kernel) if interpret else _scaled_gmm_wgrad_kernel
+    kernel[grid](
+        a, b, sa, sb, out, offs, group_first_block, M, N, K, E,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        *((0, 0) if per_tensor else sa.stride()), *((0, 0) if per_tensor else sb.stride()),
+        out.stride(0), out.stride(1), out.stride(2),
+        SCALE_M=scale_m, DOT_FP32=interpret,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out.to(out_dtype)
