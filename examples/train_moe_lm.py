@@ -4,6 +4,7 @@
     python examples/train_moe_lm.py --balance aux        # Switch aux loss
     python examples/train_moe_lm.py --preset deepseek-v3 --experts 16 --top-k 4
     python examples/train_moe_lm.py --steps 600 --resume # continue the last run to step 600
+    torchrun --nproc-per-node 2 examples/train_moe_lm.py --ep 2   # expert + data parallel
 
 The model and corpus live in ``moe_lm.py`` next to this file: a pre-norm decoder with
 the MoE layer as the FFN of every block, trained on a synthetic English-like corpus
@@ -15,6 +16,18 @@ Load balancing (``--balance``): ``none``; ``aux``: the Switch loss ``E * sum_e f
 through ``MoE(aux_loss="switch")``, its gradient injected by the layer; ``bias``:
 aux-loss-free balancing (DeepSeek-V3), ``update_expert_bias(rate)`` after every
 optimizer step. The logged imbalance is max/mean tokens per expert, averaged over layers.
+
+Expert parallelism (``--ep N`` under ``torchrun --nproc-per-node N``, gloo on CPU, NCCL on
+CUDA): every MoE layer is parallelized with ``torch_moe.distributed.ExpertParallel`` over
+all N ranks, which are also the data-parallel ranks. ``--batch-size`` is the global batch:
+every rank draws the same global batch and trains on its own ``batch_size / N`` rows, the
+loss of each rank is divided by N, the replicated (dense) gradients are summed over the
+ranks and the expert gradients are already complete, so a run gives the loss curve of the
+``--ep 1`` run with the same seed (up to fp32 rounding). Gradient clipping uses the norm
+over all ranks' expert shards. Rank 0 prints and writes the metrics and the plot; the
+DCP checkpoint holds the expert weights as DTensor shards and loads at any ``--ep``.
+``--balance aux`` uses each rank's own aux loss (as data parallelism does), so only
+``none`` and ``bias`` reproduce the ``--ep 1`` curve exactly.
 
 NB: checkpoints are replaced, not overwritten. A save writes ``checkpoint.tmp/``, then
 renames ``checkpoint/`` to ``checkpoint.prev/``, ``checkpoint.tmp/`` to ``checkpoint/``
@@ -43,13 +56,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_lm import ByteLoader, LMConfig, MoELM, make_corpus, moe_kwargs
 
+from torch_moe.distributed import ExpertParallel
 from torch_moe.nn import PRESETS
 from torch_moe.quantization import RECIPES
 
@@ -126,7 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--balance", default="bias", choices=BALANCE, help="load balancing")
     t.add_argument("--aux-coeff", type=float, default=1e-2, help="--balance aux coefficient")
     t.add_argument("--bias-rate", type=float, default=1e-3, help="--balance bias update rate")
-    t.add_argument("--ep", type=int, default=1, help="expert-parallel degree (only 1 for now)")
+    t.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree (= torchrun processes)"
+    )
     t.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ..."
     )
@@ -147,15 +167,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--sample-bytes", type=int, default=160, help="bytes to sample at the end")
     d.add_argument("--no-progress", action="store_true", help="no tqdm bar (it goes to stderr)")
     args = p.parse_args(argv)
-    if args.ep != 1:
-        p.error(
-            f"--ep {args.ep}: expert parallelism arrives with torchrun in a later issue; "
-            "only --ep 1 is supported for now"
-        )
     positive = ("dim", "layers", "heads", "hidden_dim", "experts", "top_k", "steps")
     for name in (*positive, "batch_size", "grad_accum", "seq_len", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ep != world:
+        p.error(
+            f"--ep {args.ep} must equal the number of processes (WORLD_SIZE={world}): "
+            f"launch with torchrun --nproc-per-node {args.ep}"
+        )
+    for name, value in (("--batch-size", args.batch_size), ("--experts", args.experts)):
+        if value % args.ep:
+            p.error(f"{name} ({value}) must be divisible by --ep ({args.ep})")
     return args
 
 
@@ -189,6 +213,54 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+# ----------------------------------------------------------------------------- --ep N
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def init_expert_parallel(model: MoELM, args: argparse.Namespace, device: torch.device) -> None:
+    """Every MoE layer's experts sharded over all ranks (``ExpertParallel``)."""
+    mesh = init_device_mesh(device.type, (args.ep,), mesh_dim_names=("ep",))
+    for moe in model.moe_layers():
+        parallelize_module(moe, mesh, ExpertParallel())
+
+
+def local_rows(args: argparse.Namespace) -> slice:
+    """This rank's rows of the global batch."""
+    b = args.batch_size // args.ep
+    r = dist.get_rank() if args.ep > 1 else 0
+    return slice(r * b, (r + 1) * b)
+
+
+def sync_dense_grads(model: nn.Module) -> None:
+    """Sum the replicated parameters' gradients over the ranks (one flat all-reduce); the
+    expert (DTensor) gradients already hold every rank's contribution."""
+    grads = [
+        p.grad for p in model.parameters() if p.grad is not None and not isinstance(p, DTensor)
+    ]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(new.view_as(g))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """``clip_grad_norm_`` whose norm also covers the expert shards on the other ranks."""
+    sharded = [p.grad for p in params if p.grad is not None and isinstance(p.grad, DTensor)]
+    if not sharded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    dense = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    local = [g.to_local() for g in sharded]
+    sq_sharded = torch.nn.utils.get_total_norm(local).square()
+    dist.all_reduce(sq_sharded)
+    total = (torch.nn.utils.get_total_norm(dense).square() + sq_sharded).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(dense + local, coef)
+    return total
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -213,7 +285,11 @@ def save_checkpoint(
 ) -> Path:
     """Atomically replace ``out/checkpoint`` (see the NB in the module docstring)."""
     final, tmp, prev = out / "checkpoint", out / "checkpoint.tmp", out / "checkpoint.prev"
-    shutil.rmtree(tmp, ignore_errors=True)
+    rank0 = is_rank0()  # --ep N: every rank writes its shards, rank 0 the rest
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
     try:
         msd, osd = get_state_dict(model, opt)
         with _single_process_dcp():
@@ -222,19 +298,24 @@ def save_checkpoint(
                 checkpoint_id=tmp,
                 no_dist=not dist.is_initialized(),
             )
-        with open(tmp / "config.json", "w") as f:
-            json.dump(run, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        if rank0:
+            with open(tmp / "config.json", "w") as f:
+                json.dump(run, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
+    if rank0:
+        if final.exists():
+            shutil.rmtree(prev, ignore_errors=True)
+            os.rename(final, prev)
+        os.rename(tmp, final)
+        _fsync_dir(out)
         shutil.rmtree(prev, ignore_errors=True)
-        os.rename(final, prev)
-    os.rename(tmp, final)
-    _fsync_dir(out)
-    shutil.rmtree(prev, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
     return final
 
 
@@ -378,15 +459,21 @@ def train_step(model, opt, loader, lr: float, args, autocast, device) -> float:
     for group in opt.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
+    rows = local_rows(args)  # --ep N: this rank's share of the global batch
     for _ in range(args.grad_accum):
-        x, y = (t.to(device) for t in loader.next_batch())
+        x, y = (t[rows].to(device) for t in loader.next_batch())
         with autocast():
             logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        (loss / args.grad_accum).backward()  # the aux loss rides along (MoE.aux_loss_scale)
+        # the aux loss rides along (MoE.aux_loss_scale); / ep: the mean over the ranks
+        (loss / (args.grad_accum * args.ep)).backward()
         loss_sum += loss.detach()
+    if args.ep > 1:
+        sync_dense_grads(model)
+        dist.all_reduce(loss_sum)
+        loss_sum /= args.ep
     if args.clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        clip_grad_norm(list(model.parameters()), args.clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return (loss_sum / args.grad_accum).item()
@@ -394,7 +481,13 @@ def train_step(model, opt, loader, lr: float, args, autocast, device) -> float:
 
 def balance_step(moes: list, args) -> list[dict[str, Any]]:
     """Each layer's load over the step (``load_stats``); then the bias update or a reset."""
-    stats = [moe.load_stats() for moe in moes]
+    stats = []
+    for moe in moes:  # --ep N: log the load over all ranks (the counts are per rank)
+        local = moe.tokens_per_expert.clone()
+        if dist.is_initialized():
+            dist.all_reduce(moe.tokens_per_expert)
+        stats.append(moe.load_stats())
+        moe.tokens_per_expert.copy_(local)
     for moe in moes:
         if args.balance == "bias":
             moe.update_expert_bias(args.bias_rate)  # also resets the counts
@@ -406,6 +499,13 @@ def balance_step(moes: list, args) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.ep > 1:  # under torchrun: rank, world size and rendezvous from the environment
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank0 = is_rank0()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -427,12 +527,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     split = len(corpus) * 95 // 100
     loader = ByteLoader(corpus[:split], args.seq_len, args.batch_size, args.seed)
     model = MoELM(cfg).to(device)
+    total, active = model.num_params()
+    if args.ep > 1:
+        init_expert_parallel(model, args, device)
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
     )
     moes = model.moe_layers()
     for moe in moes:
-        moe.aux_loss_scale = 1.0 / args.grad_accum
+        moe.aux_loss_scale = 1.0 / (args.grad_accum * args.ep)
 
     step = 0
     metrics_path = out / "metrics.jsonl"
@@ -445,11 +548,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _set_rng_state(train["rng"])
     records = _read_metrics(metrics_path, step) if ckpt is not None else []
     out.mkdir(parents=True, exist_ok=True)
-    with open(metrics_path, "w") as f:  # drop lines logged after the checkpoint
-        f.writelines(json.dumps(r) + "\n" for r in records)
-
-    total, active = model.num_params()
-    print(
+    if rank0:  # --ep N: rank 0 prints and writes the metrics and the plot
+        with open(metrics_path, "w") as f:  # drop lines logged after the checkpoint
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    log = print if rank0 else (lambda *a, **k: None)
+    log(
         f"MoE LM: {total / 1e6:.2f}M params ({active / 1e6:.2f}M active/token), "
         f"{cfg.layers} layers x MoE({', '.join(f'{k}={v}' for k, v in cfg.moe.items())}); "
         f"corpus {len(corpus) / 1e3:.0f} KB; {args.precision} on {device}"
@@ -464,11 +567,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     last_step = args.steps if not args.stop_after else min(args.steps, step + args.stop_after)
     tokens_per_step = args.batch_size * args.grad_accum * args.seq_len
     bar = tqdm(
-        total=args.steps, initial=step, disable=args.no_progress, dynamic_ncols=True, leave=False
+        total=args.steps,
+        initial=step,
+        disable=args.no_progress or not rank0,
+        dynamic_ncols=True,
+        leave=False,
     )
     t_start, steps_run = time.perf_counter(), 0
     model.train()
-    with open(metrics_path, "a") as mf:
+    with open(metrics_path if rank0 else os.devnull, "a") as mf:
         while step < last_step:
             t0 = time.perf_counter()
             lr = lr_at(step, args)
@@ -519,14 +626,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_s": train_s,
         "out": str(out),
     }
-    if records:
+    if records and rank0:
         write_plot(
             records,
             out / "train.png",
             f"{cfg.layers}x MoE E={args.experts} K={args.top_k} preset={args.preset} "
             f"balance={args.balance} {args.precision}, {tokens_per_step} tokens/step",
         )
-    print(
+    log(
         f"step {step}: loss {result['first_loss']:.3f} -> {result['last_loss']:.3f} "
         f"(mean of first/last {n} steps), val loss {val_loss:.3f}, "
         f"{result['tokens_per_s']:.0f} tokens/s, imbalance {result['last_imbalance']:.2f} "
@@ -535,8 +642,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.sample_bytes > 0:
         model.eval()
         text = model.generate(b"One day, ", args.sample_bytes, seed=args.seed)
-        print("sample: One day, " + text.decode("ascii", errors="replace").replace("\n", " "))
-    print(f"wrote {metrics_path}, {out / 'train.png'}, {out / 'checkpoint'}")
+        log("sample: One day, " + text.decode("ascii", errors="replace").replace("\n", " "))
+    log(f"wrote {metrics_path}, {out / 'train.png'}, {out / 'checkpoint'}")
+    if args.ep > 1:
+        dist.destroy_process_group()
     return result
 
 
@@ -550,12 +659,17 @@ def evaluate(model: MoELM, data: bytes, args: argparse.Namespace, autocast, devi
     n = min((len(buf) - 1) // args.seq_len, args.eval_batches * args.batch_size)
     rows = torch.arange(n)[:, None] * args.seq_len + torch.arange(args.seq_len + 1)
     total = 0.0
+    mine = local_rows(args)
     for chunk in buf[rows].to(device).split(args.batch_size):
+        chunk = chunk[
+            mine.start * len(chunk) // args.batch_size : mine.stop * len(chunk) // args.batch_size
+        ]
         with autocast():
             logits = model(chunk[:, :-1])
-        total += F.cross_entropy(
-            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
-        ).item()
+        loss = F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+        if args.ep > 1:
+            dist.all_reduce(loss)
+        total += loss.item()
     model.train()
     return total / (n * args.seq_len)
 

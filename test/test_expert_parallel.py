@@ -6,9 +6,17 @@ unparallelized copy as the reference, runs all ranks' tokens through the copy in
 process and compares each rank's outputs and gradients with its share.
 """
 
+import contextlib
 import copy
 import datetime
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,12 +25,13 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.common_distributed import MultiProcessTestCase
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_moe.distributed import ExpertParallel
 from torch_moe.nn import MoE
 
 DIM, HIDDEN = 16, 32
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def make_moe(seed=0, **kwargs):
@@ -221,6 +230,45 @@ class TestExpertParallel4(EPTestBase):
         )
         self.check_matches_single_process(mesh, [6, 1, 3, 0], setup=deepseek_setup, **DEEPSEEK)
         dist.destroy_process_group()
+
+
+class TestTrainExampleEP(TestCase):
+    def test_torchrun_ep2_matches_ep1(self):
+        """``torchrun --nproc-per-node 2 train_moe_lm.py --ep 2`` gives the loss curve of the
+        in-process --ep 1 run on the same global batch; its DCP checkpoint (expert shards)
+        loads in one process with the --ep 1 run's weights."""
+        sys.path.insert(0, str(EXAMPLES))
+        import train_moe_lm
+
+        tiny = [
+            "--dim", "32", "--layers", "2", "--heads", "2", "--hidden-dim", "32",
+            "--experts", "4", "--top-k", "2", "--seq-len", "16", "--batch-size", "4",
+            "--corpus-bytes", "20000", "--eval-batches", "1", "--sample-bytes", "4",
+            "--warmup", "2", "--no-progress", "--threads", "1", "--steps", "4",
+            "--ckpt-every", "2", "--balance", "bias", "--bias-rate", "0.01",
+        ]  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+            env["OMP_NUM_THREADS"] = "1"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+            cmd += [str(EXAMPLES / "train_moe_lm.py"), *tiny, "--ep", "2", "--out", f"{tmp}/ep2"]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+            self.assertEqual(proc.returncode, 0, msg=proc.stdout[-2000:] + proc.stderr[-3000:])
+            with contextlib.redirect_stdout(io.StringIO()):
+                r1 = train_moe_lm.main([*tiny, "--ep", "1", "--out", f"{tmp}/ep1"])
+            curves = {}
+            for name in ("ep1", "ep2"):
+                with open(f"{tmp}/{name}/metrics.jsonl") as f:
+                    curves[name] = [json.loads(line) for line in f]
+            self.assertEqual([r["step"] for r in curves["ep2"]], [1, 2, 3, 4])
+            for a, b in zip(curves["ep1"], curves["ep2"]):
+                self.assertEqual(a["loss"], b["loss"], atol=1e-5, rtol=1e-5)
+                self.assertEqual(a["tokens_per_expert"], b["tokens_per_expert"])
+            self.assertIn(f"val loss {r1['val_loss']:.3f}", proc.stdout)
+            m1, _ = train_moe_lm.load_model(f"{tmp}/ep1")
+            m2, run2 = train_moe_lm.load_model(f"{tmp}/ep2")
+            self.assertEqual(run2["ep"], 2)
+            self.assertEqual(m2.state_dict(), m1.state_dict(), atol=1e-5, rtol=1e-4)
 
 
 if __name__ == "__main__":

@@ -166,10 +166,11 @@ class TestTrainMoELM(TestCase):
             sorted(p.name for p in out.iterdir() if "checkpoint" in p.name), ["checkpoint"]
         )
 
-    def test_expert_parallel_not_yet(self):
+    def test_expert_parallel_needs_torchrun(self):
+        # --ep N runs under torchrun (test/test_expert_parallel.py); without it: a usage error
         with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
             train_moe_lm.main(["--ep", "2"])
-        self.assertIn("expert parallelism arrives with torchrun in a later issue", err.getvalue())
+        self.assertIn("--ep 2 must equal the number of processes (WORLD_SIZE=1)", err.getvalue())
 
     def test_presets_build(self):
         for preset in ("mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3"):
