@@ -301,6 +301,9 @@ def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, w13, w2, offs, row_weights = inputs
     _y, h = output
     ctx.save_for_backward(x, h, w13, w2, offs, row_weights)
+    # NB: an unused output's gradient arrives as None, not as materialized zeros: those
+    # would be plain tensors even when the outputs are DTensors (mixed-type backward).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]

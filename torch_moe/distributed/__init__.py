@@ -1,5 +1,6 @@
 """Distributed MoE: expert parallelism (``ExpertParallel``) and expert placement."""
 
+from torch_moe.distributed import sharding  # noqa: F401  (registers the DTensor sharding rules)
 from torch_moe.distributed.expert_parallel import ExpertParallel
 from torch_moe.distributed.placement import (
     ExpertPlacement,
