@@ -57,7 +57,7 @@ class EPTestBase(MultiProcessTestCase):
         )
         return init_device_mesh("cpu", (self.world_size,))
 
-    def check_matches_single_process(self, mesh, tokens_per_rank, setup=None, **cfg):
+    def check_matches_single_process(self, mesh, tokens_per_rank, setup=None, style=None, **cfg):
         """Each rank's output and input gradient, its expert-weight gradient shard and the
         router/shared gradients summed over ranks equal one process on all tokens."""
         R, r = self.world_size, self.rank
@@ -65,7 +65,7 @@ class EPTestBase(MultiProcessTestCase):
         if setup is not None:
             setup(moe)
         ref = copy.deepcopy(moe)
-        parallelize_module(moe, mesh, ExpertParallel())
+        parallelize_module(moe, mesh, ExpertParallel() if style is None else style)
 
         gen = torch.Generator().manual_seed(1)
         x_all = torch.randn(sum(tokens_per_rank), DIM, generator=gen)
@@ -160,9 +160,37 @@ class TestExpertParallel2(EPTestBase):
         ref.update_expert_bias(0.01, group=dist.new_group([self.rank]))
         self.assertEqual(moe.router.expert_bias, ref.router.expert_bias)
 
+        # chunked dispatch/combine with the shared experts overlapping the first dispatch
+        moe, _ = self.check_matches_single_process(
+            mesh, [9, 4], style=ExpertParallel(num_chunks=2), shared_hidden_dim=8
+        )
+        self.assertEqual(moe.experts.forward.shared.num_overlapped, 1)
+        self.check_matches_single_process(
+            mesh, [0, 7], setup=deepseek_setup, style=ExpertParallel(num_chunks=4), **DEEPSEEK
+        )
+
+        self.check_fp8_dispatch(mesh)
         self.check_local_losses_and_dtypes(mesh)
         # last: the faults (the timeout leaves the process group unusable)
         self.check_faults(mesh)
+
+    def check_fp8_dispatch(self, mesh):
+        """FP8 dispatch (1x128 blocks) against plain EP: close (SQNR), not equal."""
+        base = make_moe(shared_hidden_dim=8)
+        torch.manual_seed(20 + self.rank)
+        x = torch.randn(12, DIM)
+        results = []
+        for style in (ExpertParallel(), ExpertParallel(dispatch_dtype=torch.float8_e4m3fn)):
+            moe = copy.deepcopy(base)
+            parallelize_module(moe, mesh, style)
+            xg = x.clone().requires_grad_()
+            out = moe(xg)
+            (out * x).sum().backward()
+            results.append((out, xg.grad, moe.experts.w13.grad.to_local()))
+        for plain, fp8 in zip(*results):
+            self.assertNotEqual(plain, fp8)
+            sqnr = 10 * torch.log10(plain.pow(2).sum() / (plain - fp8).pow(2).sum())
+            self.assertGreater(sqnr.item(), 25.0)
 
     def check_local_losses_and_dtypes(self, mesh):
         # aux and z losses are computed on this rank's tokens (local, as under DP)
@@ -201,6 +229,19 @@ class TestExpertParallel2(EPTestBase):
             r"config differs .* rank 1: shared_hidden_dim=8 \(rank 0: 0\), top_k=3 \(rank 0: 2\)",
         ):
             parallelize_module(bad, mesh, ExpertParallel())
+        # options: bad values at construction, bad fits at parallelize time (no collective)
+        with self.assertRaisesRegex(ValueError, "num_chunks must be a positive int, got 0"):
+            ExpertParallel(num_chunks=0)
+        with self.assertRaisesRegex(ValueError, "dispatch_dtype must be None or .*float16"):
+            ExpertParallel(dispatch_dtype=torch.float16)
+        with self.assertRaisesRegex(ValueError, "node_size must be None or a positive int"):
+            ExpertParallel(node_size=0)
+        with CommDebugMode() as comm:
+            with self.assertRaisesRegex(ValueError, r"num_chunks \(5\) must be at most .* = 4"):
+                parallelize_module(make_moe(), mesh, ExpertParallel(num_chunks=5))
+            with self.assertRaisesRegex(ValueError, r"node_size \(3\) must divide .* \(2\)"):
+                parallelize_module(make_moe(), mesh, ExpertParallel(node_size=3))
+        self.assertEqual(comm.get_total_counts(), 0)
         moe = make_moe()
         parallelize_module(moe, mesh, ExpertParallel())
         with self.assertRaisesRegex(ValueError, "already parallelized"):
@@ -229,6 +270,15 @@ class TestExpertParallel4(EPTestBase):
             mesh, [4, 7, 0, 2], setup=force_onto_last_rank(4), expert_bias=True
         )
         self.check_matches_single_process(mesh, [6, 1, 3, 0], setup=deepseek_setup, **DEEPSEEK)
+        # hierarchical all-to-all over 2 nodes of 2 ranks, plain and chunked
+        self.check_matches_single_process(mesh, [5, 2, 0, 9], style=ExpertParallel(node_size=2))
+        moe, _ = self.check_matches_single_process(
+            mesh,
+            [3, 8, 4, 1],
+            style=ExpertParallel(num_chunks=2, node_size=2),
+            shared_hidden_dim=8,
+        )
+        self.assertEqual(moe.experts.forward.shared.num_overlapped, 1)
         dist.destroy_process_group()
 
 

@@ -71,10 +71,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torch_moe.distributed.hierarchical import hierarchical_all_to_all_single
+from torch_moe.quantization import dequantize_fp8, quantize_fp8
+
 __all__ = ["ExpertParallel"]
 
 _T = TypeVar("_T")
 _EXPERT_PARAMS = ("w13", "w2")
+_FP8_BLOCK = (1, 128)  # dispatch quantization: one scale per 128 values of a row
+_DISPATCH_DTYPES = (None, torch.float8_e4m3fn)
 
 
 @dataclass
@@ -97,9 +102,34 @@ class _EPGroup:
             ) from e
 
 
+class _Pending:
+    """An all-to-all in flight: ``wait()`` returns its output (after the collective is done)."""
+
+    def __init__(
+        self,
+        out: Tensor,
+        work: Any = None,
+        ep: _EPGroup | None = None,
+        op: str = "",
+        keep_alive: Tensor | None = None,
+    ) -> None:
+        self.out, self.work, self.ep, self.op = out, work, ep, op
+        self.keep_alive = keep_alive  # the input buffer, until the collective is done
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            work, self.work = self.work, None
+            assert self.ep is not None
+            self.ep.call(f"{self.op} all_to_all_single (wait)", work.wait)
+            self.keep_alive = None
+        return self.out
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with autograd; the backward sends the gradients back the same
-    way (splits swapped). Both directions report failures through ``_EPGroup.call``."""
+    way (splits swapped, synchronously). With ``pending`` the forward collective is only
+    issued (``async_op=True``) and ``pending.wait()`` completes it; the output must not be
+    read before. Both directions report failures through ``_EPGroup.call``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -109,15 +139,27 @@ class _AllToAll(torch.autograd.Function):
         in_splits: list[int],
         ep: _EPGroup,
         op: str,
+        pending: list[_Pending] | None,
     ) -> Tensor:
         ctx.splits, ctx.ep, ctx.op = (out_splits, in_splits), ep, op
-        return _all_to_all(x, out_splits, in_splits, ep, op)
+        if pending is None:
+            return _all_to_all(x, out_splits, in_splits, ep, op)
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        work = ep.call(
+            f"{op} all_to_all_single",
+            lambda: dist.all_to_all_single(
+                out, x, out_splits, in_splits, group=ep.group, async_op=True
+            ),
+        )
+        pending.append(_Pending(out, work, ep, op, keep_alive=x))
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         out_splits, in_splits = ctx.splits
         grad_x = _all_to_all(grad, in_splits, out_splits, ctx.ep, f"{ctx.op} backward")
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def _all_to_all(
@@ -130,6 +172,30 @@ def _all_to_all(
         lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=ep.group),
     )
     return out
+
+
+class _FP8AllToAll(torch.autograd.Function):
+    """Dispatch in FP8: rows quantized in 1x128 blocks (e4m3, one fp32 scale per block),
+    the fp8 bytes and the scales sent, dequantized to the input dtype on arrival. The
+    backward sends the gradient in its own dtype and passes it straight through the
+    quantization (as if it were the identity)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], ep: _EPGroup, op: str
+    ) -> Tensor:
+        ctx.splits, ctx.ep, ctx.op = (out_splits, in_splits), ep, op
+        q, scale = quantize_fp8(x, _FP8_BLOCK)
+        # gloo has no float8 type: the bytes travel as uint8
+        q_recv = _all_to_all(q.view(torch.uint8), out_splits, in_splits, ep, f"{op} (fp8)")
+        s_recv = _all_to_all(scale, out_splits, in_splits, ep, f"{op} (fp8 scales)")
+        return dequantize_fp8(q_recv.view(q.dtype), s_recv, _FP8_BLOCK, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        grad_x = _all_to_all(grad, in_splits, out_splits, ctx.ep, f"{ctx.op} backward")
+        return grad_x, None, None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -147,9 +213,30 @@ class _GatherRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+def _regroup_index(counts: Tensor, order: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """Rows stored as consecutive blocks of ``counts[b]`` rows, re-laid out with the blocks
+    in ``order`` (new position -> old block): the gather index and its inverse, built on
+    the device without a sync."""
+    start = counts.cumsum(0) - counts
+    counts_new, start_new = counts[order], start[order]
+    shift = torch.repeat_interleave(
+        start_new - (counts_new.cumsum(0) - counts_new), counts_new, output_size=num_rows
+    )
+    index = torch.arange(num_rows, device=counts.device) + shift
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(num_rows, device=counts.device)
+    return index, inverse
+
+
+def _transpose_order(rows: int, cols: int, device: torch.device) -> Tensor:
+    """Block order that turns a row-major [rows, cols] block layout column-major."""
+    return torch.arange(rows * cols, device=device).view(rows, cols).t().reshape(-1)
+
+
 @contextmanager
-def _local_expert_params(experts: nn.Module) -> Iterator[None]:
-    """Present the DTensor expert parameters to the module's forward as their local shards.
+def _local_expert_params(experts: nn.Module, chunk: slice | None = None) -> Iterator[None]:
+    """Present the DTensor expert parameters to the module's forward as their local shards
+    (or the experts ``chunk`` of them).
 
     NB: ``to_local()`` is differentiable (its backward wraps the gradient back into a
     ``Shard(0)`` DTensor), so the gradients land in the DTensor parameters. The entries are
@@ -160,71 +247,178 @@ def _local_expert_params(experts: nn.Module) -> Iterator[None]:
     try:
         for name, p in saved.items():
             if isinstance(p, DTensor):
-                experts._parameters[name] = p.to_local()  # type: ignore[assignment]
+                local = p.to_local()
+                experts._parameters[name] = local if chunk is None else local[chunk]  # type: ignore[assignment]
         yield
     finally:
         experts._parameters.update(saved)
 
 
+class _SharedOverlap:
+    """Runs the shared experts while the first dispatch is in flight (``num_chunks > 1``).
+
+    A router pre-hook notes the layer input x [T, D]; the expert forward computes the shared
+    experts on it right after issuing the first all-to-all and keeps the result; the
+    layer's own call of the shared experts, which comes later in the same forward, gets it
+    back. NB: the result is handed out only once, only within that forward (a layer
+    forward hook drops it) and only for an input of the expected shape and dtype;
+    otherwise the shared experts run as usual.
+    """
+
+    def __init__(self, moe: Any) -> None:
+        self.shared = moe.shared_experts
+        self.shared_forward = self.shared.forward
+        self.x: Tensor | None = None
+        self.result: Tensor | None = None
+        self.num_overlapped = 0  # forwards whose shared experts ran during the dispatch
+        moe.router.register_forward_pre_hook(self._note_input)
+        moe.register_forward_hook(self._clear)
+        self.shared.forward = self._forward
+
+    def _note_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.x, self.result = args[0], None
+
+    def _clear(self, *args: Any) -> None:
+        self.x = self.result = None
+
+    def run(self, dtype: torch.dtype) -> None:
+        if self.x is not None:
+            self.result = self.shared_forward(self.x.to(dtype))
+
+    def _forward(self, x: Tensor) -> Tensor:
+        result, self.result = self.result, None
+        if result is not None and x.shape[:-1] == result.shape[:-1] and x.dtype == result.dtype:
+            self.num_overlapped += 1
+            return result
+        return self.shared_forward(x)
+
+
 class _ExpertParallelForward:
     """Replaces ``moe.experts.forward``: dispatch -> local experts -> combine."""
 
-    def __init__(self, experts: nn.Module, ep: _EPGroup, num_experts: int) -> None:
+    def __init__(self, moe: Any, ep: _EPGroup, num_experts: int, style: ExpertParallel) -> None:
+        experts: nn.Module = moe.experts
         self.local_forward = experts.forward  # the module's own (bound) forward
         self.experts = experts
         self.ep = ep
         self.num_experts = num_experts
+        self.num_chunks = style.num_chunks
+        self.dispatch_dtype = style.dispatch_dtype
+        self.node_size = style.node_size
+        self.shared = (
+            _SharedOverlap(moe)
+            if style.num_chunks > 1 and getattr(moe, "shared_experts", None) is not None
+            else None
+        )
+
+    def _exchange(
+        self,
+        x: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        op: str,
+        pending: list[_Pending] | None = None,
+        fp8: bool = False,
+    ) -> Tensor:
+        """One autograd all-to-all of rows (issued only, with ``pending``)."""
+        ep = self.ep
+        if fp8 and x.is_floating_point():
+            out = _FP8AllToAll.apply(x, out_splits, in_splits, ep, op)
+        elif self.node_size is not None:
+            node_size = self.node_size
+            out = ep.call(
+                f"{op} hierarchical_all_to_all_single",
+                lambda: hierarchical_all_to_all_single(
+                    x, out_splits, in_splits, ep.group, node_size
+                ),
+            )
+        else:
+            return _AllToAll.apply(x, out_splits, in_splits, ep, op, pending)
+        if pending is not None:
+            pending.append(_Pending(out))
+        return out
 
     def __call__(self, x: Tensor, offs: Tensor, row_weights: Tensor | None = None) -> Tensor:
-        ep, E = self.ep, self.num_experts
+        ep, E, C = self.ep, self.num_experts, self.num_chunks
         R = ep.size
         El = E // R
-        M = x.shape[0]
-        # 1. counts exchange: send_E[e] rows for expert e, recv_RL[s, l] rows from rank s
+        M, dev = x.shape[0], x.device
+        bounds = [(c * El // C, (c + 1) * El // C) for c in range(C)]  # local experts per chunk
+        # 1. counts exchange: send_RL[r, l] rows for expert r*El + l, recv_RL[s, l] from rank s
         send_E = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
         recv_RL = _all_to_all(send_E, [El] * R, [El] * R, ep, "counts").view(R, El)
-        # 2. the one host sync: split lists for the two all-to-alls
-        sizes = torch.cat([send_E.view(R, El).sum(1), recv_RL.sum(1)]).tolist()
-        send_splits, recv_splits = sizes[:R], sizes[R:]
-        used, N = sum(send_splits), sum(recv_splits)  # used < M: alignment/capacity padding
-        # 3. dispatch
-        x_recv = _AllToAll.apply(x[:used], recv_splits, send_splits, ep, "dispatch")
-        w_recv = None
-        if row_weights is not None:
-            w_recv = _AllToAll.apply(
-                row_weights[:used], recv_splits, send_splits, ep, "dispatch (routing weights)"
+        send_RL = send_E.view(R, El)
+        # 2. the one host sync: every chunk's split lists
+        sizes = torch.stack(
+            [send_RL[:, l0:l1].sum(1) for l0, l1 in bounds]
+            + [recv_RL[:, l0:l1].sum(1) for l0, l1 in bounds]
+        ).tolist()
+        send_splits, recv_splits = sizes[:C], sizes[C:]
+        used = sum(map(sum, send_splits))  # used < M: alignment/capacity padding rows
+        x, w = x[:used], None if row_weights is None else row_weights[:used]
+        if C > 1:  # rows chunk-major: for each chunk, for each rank, its experts' rows
+            first_R1 = torch.arange(R, device=dev)[:, None] * El
+            order = torch.cat(
+                [(first_R1 + torch.arange(l0, l1, device=dev)).reshape(-1) for l0, l1 in bounds]
             )
-        offs_local = recv_RL.sum(0).cumsum(0).to(offs.dtype)
-        reorder = R > 1 and El > 1  # rows arrive (source rank, expert)-major
-        if reorder:
-            index, inverse = _expert_major_index(recv_RL, N)
-            x_recv = _GatherRows.apply(x_recv, index, inverse)
-            if w_recv is not None:
-                w_recv = _GatherRows.apply(w_recv, index, inverse)
-        # 4. the local experts, the module's own forward on the local shards
-        with _local_expert_params(self.experts):
-            y = self.local_forward(x_recv, offs_local, w_recv)
-        # 5. combine
-        if reorder:
-            y = _GatherRows.apply(y, inverse, index)
-        y = _AllToAll.apply(y, send_splits, recv_splits, ep, "combine")
+            chunk_index, chunk_inverse = _regroup_index(send_E, order, used)
+            x = _GatherRows.apply(x, chunk_index, chunk_inverse)
+            if w is not None:
+                w = _GatherRows.apply(w, chunk_index, chunk_inverse)
+        x_chunks = x.split([sum(s) for s in send_splits])
+        w_chunks = [None] * C if w is None else w.split([sum(s) for s in send_splits])
+        overlap = C > 1  # chunks are issued asynchronously, one ahead
+
+        # 3. dispatch (chunk c+1 is issued before chunk c's experts run when overlapping)
+        def dispatch(c: int) -> tuple[_Pending, _Pending | None]:
+            pending: list[_Pending] = []
+            fp8 = self.dispatch_dtype is not None
+            self._exchange(x_chunks[c], recv_splits[c], send_splits[c], "dispatch", pending, fp8)
+            wc = w_chunks[c]
+            if wc is not None:
+                op = "dispatch (routing weights)"
+                self._exchange(wc, recv_splits[c], send_splits[c], op, pending)
+            return pending[0], pending[1] if len(pending) > 1 else None
+
+        inflight = [dispatch(0)]
+        if self.shared is not None:
+            dev_type = dev.type
+            autocast = torch.is_autocast_enabled(dev_type)
+            self.shared.run(torch.get_autocast_dtype(dev_type) if autocast else x.dtype)
+        combined: list[_Pending] = []
+        for c, (l0, l1) in enumerate(bounds):
+            if overlap and c + 1 < C:
+                inflight.append(dispatch(c + 1))
+            x_pending, w_pending = inflight[c]
+            x_recv = x_pending.wait()
+            w_recv = None if w_pending is None else w_pending.wait()
+            counts_RL = recv_RL[:, l0:l1]
+            N = sum(recv_splits[c])
+            # rows arrive (source rank, expert)-major; the experts want them expert-major
+            reorder = R > 1 and l1 - l0 > 1
+            if reorder:
+                index, inverse = _regroup_index(
+                    counts_RL.reshape(-1), _transpose_order(R, l1 - l0, dev), N
+                )
+                x_recv = _GatherRows.apply(x_recv, index, inverse)
+                if w_recv is not None:
+                    w_recv = _GatherRows.apply(w_recv, index, inverse)
+            offs_local = counts_RL.sum(0).cumsum(0).to(offs.dtype)
+            # 4. the local experts: the module's own forward on the local shards
+            with _local_expert_params(self.experts, None if C == 1 else slice(l0, l1)):
+                y = self.local_forward(x_recv, offs_local, w_recv)
+            # 5. combine
+            if reorder:
+                y = _GatherRows.apply(y, inverse, index)
+            pending: list[_Pending] | None = [] if overlap else None
+            y = self._exchange(y, send_splits[c], recv_splits[c], "combine", pending)
+            combined.append(pending[0] if pending else _Pending(y))
+        y = torch.cat([p.wait() for p in combined]) if C > 1 else combined[0].wait()
+        if C > 1:
+            y = _GatherRows.apply(y, chunk_inverse, chunk_index)
         if used < M:
             y = torch.cat([y, y.new_zeros((M - used, *y.shape[1:]))])
         return y
-
-
-def _expert_major_index(recv_RL: Tensor, N: int) -> tuple[Tensor, Tensor]:
-    """The gather index from (source rank, expert)-major rows to (expert, source rank)-major
-    rows, and its inverse; built on the device from the [R, El] counts."""
-    start_RL = (recv_RL.reshape(-1).cumsum(0) - recv_RL.reshape(-1)).view_as(recv_RL)
-    counts_LR, start_LR = recv_RL.t().reshape(-1), start_RL.t().reshape(-1)
-    # row i of block b (in expert-major order) comes from start_LR[b] + i
-    block_start = counts_LR.cumsum(0) - counts_LR
-    shift = torch.repeat_interleave(start_LR - block_start, counts_LR, output_size=N)
-    index = torch.arange(N, device=recv_RL.device) + shift
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(N, device=recv_RL.device)
-    return index, inverse
 
 
 def _config_fingerprint(moe: Any) -> dict[str, Any]:
@@ -274,12 +468,50 @@ class ExpertParallel(ParallelStyle):
         y = moe(x_local)                                 # this rank's tokens
 
     Args:
+        num_chunks: C >= 1. With C > 1 the local experts are split into C groups and the
+            dispatch -> experts -> combine pipeline runs per group: group c+1's dispatch
+            is issued asynchronously before group c's experts run, each combine is issued
+            asynchronously and waited at the end, and the shared experts run while the
+            first dispatch is in flight. Same results as C = 1 (every expert sees the
+            same rows in the same order). Needs C <= E / R.
+        dispatch_dtype: None (send rows in their dtype) or ``torch.float8_e4m3fn``: rows
+            are quantized in 1x128 blocks (``quantize_fp8``) before the dispatch
+            all-to-all, sent as fp8 bytes plus fp32 scales and dequantized after; the
+            routing weights, the combine and the whole backward stay in the original dtype.
+        node_size: None (one flat all-to-all) or L, the ranks per node: dispatch and
+            combine use ``hierarchical_all_to_all_single`` over (node, local) (the EP
+            group's ranks taken node-major), same results. Must divide the EP degree.
         src_data_rank: the rank whose full expert weights are scattered to the shards
             (default 0); None keeps each rank's own slice (no communication).
     """
 
-    def __init__(self, *, src_data_rank: int | None = 0) -> None:
+    def __init__(
+        self,
+        *,
+        num_chunks: int = 1,
+        dispatch_dtype: torch.dtype | None = None,
+        node_size: int | None = None,
+        src_data_rank: int | None = 0,
+    ) -> None:
         super().__init__()
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(
+                f"ExpertParallel: num_chunks must be a positive int, got {num_chunks!r}"
+            )
+        if dispatch_dtype not in _DISPATCH_DTYPES:
+            raise ValueError(
+                f"ExpertParallel: dispatch_dtype must be None or torch.float8_e4m3fn, "
+                f"got {dispatch_dtype!r}"
+            )
+        if node_size is not None and (
+            isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1
+        ):
+            raise ValueError(
+                f"ExpertParallel: node_size must be None or a positive int, got {node_size!r}"
+            )
+        self.num_chunks = num_chunks
+        self.dispatch_dtype = dispatch_dtype
+        self.node_size = node_size
         self.src_data_rank = src_data_rank
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -303,6 +535,17 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(
                 f"ExpertParallel: num_experts ({num_experts}) must be divisible by the "
                 f"expert-parallel degree ({R}); change num_experts or the mesh size"
+            )
+        if self.num_chunks > num_experts // R:
+            raise ValueError(
+                f"ExpertParallel: num_chunks ({self.num_chunks}) must be at most the number of "
+                f"local experts, num_experts // EP degree = {num_experts} // {R} = "
+                f"{num_experts // R}"
+            )
+        if self.node_size is not None and R % self.node_size != 0:
+            raise ValueError(
+                f"ExpertParallel: node_size ({self.node_size}) must divide the expert-parallel "
+                f"degree ({R})"
             )
         if getattr(module, "capacity_factor", None) is not None:
             raise NotImplementedError(
@@ -330,5 +573,5 @@ class ExpertParallel(ParallelStyle):
                 ),
             )
             experts.register_parameter(name, nn.Parameter(dp, requires_grad=p.requires_grad))
-        experts.forward = _ExpertParallelForward(experts, ep, num_experts)
+        experts.forward = _ExpertParallelForward(module, ep, num_experts, self)
         return module
