@@ -246,12 +246,13 @@ class TestExpertParallel2(EPTestBase):
         parallelize_module(moe, mesh, ExpertParallel())
         with self.assertRaisesRegex(ValueError, "already parallelized"):
             parallelize_module(moe, mesh, ExpertParallel())
-        # a collective that times out: rank 1 skips the forward
+        # a collective that times out: rank 1 skips the forward. Rank 0 sees the 3 s timeout
+        # (torch 2.13 here) or, where the backend waits longer, rank 1 leaving (torch 2.11)
         if self.rank == 0:
             with self.assertRaisesRegex(
                 RuntimeError,
                 r"ExpertParallel: counts all_to_all_single failed on rank 0 "
-                r"\(expert-parallel rank 0 of 2.*Timed out",
+                r"\(expert-parallel rank 0 of 2.*(Timed out|Connection closed)",
             ):
                 moe(torch.randn(4, DIM))
         else:
