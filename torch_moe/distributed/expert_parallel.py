@@ -52,7 +52,30 @@ experts, M permuted rows of this rank (T*K dropless), N rows received by this ra
   collective; ranks whose ``moe.config`` differ (a hash compared with
   ``all_gather_object``) raise ``ValueError`` on every rank naming the ranks and fields; a
   collective that fails or times out (the process group's ``timeout``) raises
-  ``RuntimeError`` naming the rank and the operation, in the forward and the backward.
+  ``RuntimeError`` naming the rank and the operation, in the forward and the backward
+  (the hierarchical path's backward reports the backend's own error).
+
+Options (``ExpertParallel(...)``, all giving the results of the plain path except FP8):
+
+* ``num_chunks=C``: the local experts are split into C contiguous groups and steps 3-5
+  run per group; group c+1's dispatch (``async_op=True``) is issued before group c's
+  experts run, combines are issued asynchronously and waited at the end, and the shared
+  experts run right after the first dispatch is issued (``_SharedOverlap``). Every expert
+  still sees all its rows in the same order, so outputs and gradients are bitwise those
+  of C = 1. The sender reorders its rows chunk-major (one gather), and each chunk's
+  expert call slices the local weights, whose gradient is then accumulated over C
+  slices. The backward all-to-alls are synchronous.
+* ``dispatch_dtype=torch.float8_e4m3fn``: the dispatched rows travel as e4m3 with one
+  fp32 scale per 1x128 block (``torch_moe.quantization.quantize_fp8``), about half the
+  bytes of bf16 and a quarter of fp32; the routing weights, the combine and every
+  backward all-to-all stay in the original dtype (the gradient passes the quantization
+  straight through).
+* ``node_size=L``: dispatch and combine use ``hierarchical_all_to_all_single`` (intra-node,
+  then across nodes; the EP ranks taken node-major), bitwise the flat result.
+
+Measured here (2 CPU ranks, gloo, and one H200 with NCCL at EP=1): plain and chunked EP
+equal one process bitwise; FP8 dispatch gives 38-47 dB SQNR on the layer output and
+28-44 dB on the gradients against plain EP.
 """
 
 from __future__ import annotations
