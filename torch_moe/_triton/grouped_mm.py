@@ -60,6 +60,7 @@ import triton.language as tl
 __all__ = [
     "Sm90Kernel",
     "compile_for_sm90",
+    "compile_jit_for_sm90",
     "grouped_mm",
     "grouped_mm_wgrad",
 ]
@@ -269,7 +270,14 @@ _INTERPRET_CONFIG = _Config(16, 16, 16, num_warps=1, num_stages=1)
 _INTERPRET_PROGRAMS = 3
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_TL_DTYPE = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -543,7 +551,7 @@ def _specialize(value: Any) -> tuple[str, Any, bool]:
     # equal to 1 become constexprs, pointers and ints divisible by 16 get tt.divisibility.
     # Returns (signature type, constexpr value or None, divisible by 16).
     if isinstance(value, torch.Tensor):
-        ty = "*i32" if value.dtype == torch.int32 else "*" + _TL_DTYPE[value.dtype]
+        ty = "*" + _TL_DTYPE[value.dtype]
         return ty, None, True  # fresh allocations are 16-byte aligned
     if isinstance(value, int):
         if value == 1:
@@ -613,8 +621,6 @@ def compile_for_sm90(
     fn_name = "compile_for_sm90"
     if dtype not in _DTYPES:
         raise ValueError(f"{fn_name}: expected dtype float16, bfloat16 or float32, got {dtype}")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     precision = _input_precision(dtype, allow_tf32)
     meta = functools.partial(torch.empty, device="meta")
@@ -637,19 +643,6 @@ def compile_for_sm90(
         raise ValueError(
             f"{fn_name}: expected kernel 'grouped_mm' or 'grouped_mm_wgrad', got {kernel!r}"
         )
-    if not isinstance(fn, triton.runtime.JITFunction):  # imported under TRITON_INTERPRET=1
-        fn = triton.runtime.JITFunction(fn.fn)
-
-    signature: dict[str, str] = {}
-    constexprs: dict[str, Any] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
-        ty, const, div16 = _specialize(value)
-        signature[name] = ty
-        if ty == "constexpr":
-            constexprs[name] = const
-        elif div16:
-            attrs[(i,)] = [["tt.divisibility", 16]]
     meta_params = {
         "INPUT_PRECISION": precision,
         "DOT_FP32": False,
@@ -657,23 +650,46 @@ def compile_for_sm90(
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
     }
-    for name, value in meta_params.items():
-        signature[name] = "constexpr"
-        constexprs[name] = value
+    return compile_jit_for_sm90(kernel, fn, args, meta_params, cfg)
 
+
+def compile_jit_for_sm90(
+    name: str, fn: Any, args: list, meta_params: dict[str, Any], cfg: Any, cc: int = 90
+) -> Sm90Kernel:
+    """AOT-compile the @triton.jit ``fn`` for ``args`` (meta tensors and ints, specialized as
+    the JIT would) and constexprs ``meta_params`` with ``cfg.num_warps`` / ``num_stages`` for
+    compute capability ``cc`` (90: sm_90a, 100: sm_100a), and read ptxas's resource report."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(fn, triton.runtime.JITFunction):  # imported under TRITON_INTERPRET=1
+        fn = triton.runtime.JITFunction(fn.fn)
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, (arg_name, value) in enumerate(zip(fn.arg_names, args)):
+        ty, const, div16 = _specialize(value)
+        signature[arg_name] = ty
+        if ty == "constexpr":
+            constexprs[arg_name] = const
+        elif div16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for arg_name, value in meta_params.items():
+        signature[arg_name] = "constexpr"
+        constexprs[arg_name] = value
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         src,
-        target=GPUTarget("cuda", 90, 32),
+        target=GPUTarget("cuda", cc, 32),
         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
     )
-    log = _ptxas_report(compiled.asm["ptx"], "sm_90a")
+    log = _ptxas_report(compiled.asm["ptx"], f"sm_{cc}a")
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if regs is None or spills is None:
-        raise RuntimeError(f"{fn_name}: could not parse the ptxas report:\n{log}")
+        raise RuntimeError(f"compile_jit_for_sm90: could not parse the ptxas report:\n{log}")
     return Sm90Kernel(
-        name=kernel,
+        name=name,
         config=cfg,
         compiled=compiled,
         n_regs=int(regs.group(1)),

@@ -31,13 +31,22 @@ NB: like the reference, inputs must be finite.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from torch_moe._triton.grouped_mm import _interpreted, _use_interpreter
 
-__all__ = ["MAX_BLOCK_ELEMS", "jagged_block_table", "quantize_blocks", "quantize_jagged"]
+__all__ = [
+    "MAX_BLOCK_ELEMS",
+    "compile_for_sm90",
+    "jagged_block_table",
+    "quantize_blocks",
+    "quantize_jagged",
+]
 
 _FMT_CODES = {"fp8": 0, "mx_floor": 1, "mx_rceil": 2}
 _FP8 = torch.float8_e4m3fn
@@ -155,6 +164,7 @@ def _quantize_jagged_kernel(
     FMT: tl.constexpr,
     SCALE_U8: tl.constexpr,
     EMULATE_CVT: tl.constexpr,
+    SLOTS: tl.constexpr,  # write block j to rows [j * TILE_M, (j + 1) * TILE_M), zero-padded
 ):
     blk = tl.program_id(0)
     cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
@@ -189,7 +199,8 @@ def _quantize_jagged_kernel(
             s_out = scale
     tl.store(s_ptr + blk.to(tl.int64) * stride_sb + cols * stride_sn, s_out, mask=col_mask)
 
-    for m0 in tl.range(start, end, TILE_M):
+    # SLOTS: one tile per block (TILE_M == block rows); rows past the block's end are zeros.
+    for m0 in tl.range(start, start + TILE_M if SLOTS else end, TILE_M):
         rows = m0 + arange_m
         mask = (rows < end)[:, None] & col_mask[None, :]
         x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn
@@ -203,8 +214,13 @@ def _quantize_jagged_kernel(
             t = y / ulp
             rt = (t + 12582912.0) - 12582912.0
             y = tl.where(rt == 0.0, t * 0.0, rt) * ulp
-        q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :] * stride_qn
-        tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
+        if SLOTS:
+            q_rows = blk.to(tl.int64) * TILE_M + arange_m
+            q_ptrs = q_ptr + q_rows[:, None] * stride_qm + cols[None, :] * stride_qn
+            tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=col_mask[None, :])
+        else:
+            q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :] * stride_qn
+            tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -214,7 +230,7 @@ def _quantize_jagged_kernel(
 
 def _fmt_code(fmt: str, scale_rule: str) -> int:
     key = "fp8" if fmt == "fp8" else f"mx_{scale_rule}"
-    if key not in _FMT_CODES:
+    if fmt not in ("fp8", "mx") or key not in _FMT_CODES:
         raise ValueError(
             f"quantize: fmt must be 'fp8' or 'mx' and scale_rule 'floor' or 'rceil', got "
             f"fmt={fmt!r}, scale_rule={scale_rule!r}"
@@ -294,19 +310,21 @@ def quantize_blocks(
     q3 = out if out.dim() == 3 else out.unsqueeze(0)
     if x.numel() == 0:
         return out, scale if x.dim() == 3 else scale.squeeze(0)
-    interpret = _use_interpreter(x)
+    interpret = _use_interpreter(x) and x.device.type != "meta"
     budget = 1024 if interpret else 4096  # elements per program
     tile_c = _tile(c, psc, max(budget // psr, psc))
     tile_r = _tile(r, psr, max(budget // tile_c, psr))
     grid = (triton.cdiv(r, tile_r) * triton.cdiv(c, tile_c), nb)
     kernel = _interpreted(_quantize_blocks_kernel) if interpret else _quantize_blocks_kernel
-    kernel[grid](
-        x3, q3, scale, r, c,
-        *x3.stride(), *q3.stride(), *scale.stride(),
+    args = [x3, q3, scale, r, c, *x3.stride(), *q3.stride(), *scale.stride()]
+    meta = dict(
         SR=psr, SC=psc, TILE_R=tile_r, TILE_C=tile_c, FMT=code,
         SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret,
-        num_warps=4,
     )  # fmt: skip
+    if _COMPILE_ONLY:
+        _COMPILE_ONLY.append((_quantize_blocks_kernel, args, meta))
+        return out, scale
+    kernel[grid](*args, **meta, num_warps=4)
     return out, scale if x.dim() == 3 else scale.squeeze(0)
 
 
@@ -351,23 +369,34 @@ def quantize_jagged(
     scale_rule: str = "floor",
     scale_dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    slots: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-column quantization of x [M, N] in blocks of ``block`` rows inside each group.
 
     Equals :func:`torch_moe.quantization.quantize.quantize_jagged` bit for bit. ``out``
     (float8_e4m3fn [M, N], any strides) receives q, e.g. ``empty(N, M).t()`` (M-major).
+
+    ``slots=True`` (block 32 or 128) writes block j of the scale layout to rows
+    ``[j * block, (j + 1) * block)`` of ``out`` [NB * block, N] instead, zero-padded: every
+    block then starts on an aligned row, which the wgrad GEMM needs for wide loads along M.
     """
     fn = "quantize_jagged"
     _check_x(fn, x, (2,))
     code = _fmt_code(fmt, scale_rule)
     if not isinstance(block, int) or (block < 1 and block != -1):
         raise ValueError(f"{fn}: block must be a positive int or -1, got {block!r}")
+    if slots and block not in (32, 128):
+        raise ValueError(f"{fn}: slots=True needs block 32 or 128, got {block}")
     m, n = x.shape
-    if out is None:
-        out = torch.empty(x.shape, dtype=_FP8, device=x.device)
-    if out.shape != x.shape or out.dtype != _FP8:
-        raise ValueError(f"{fn}: expected out to be float8_e4m3fn {list(x.shape)}, got {out.dtype}")
     first, last, _ = jagged_block_table(offs, m, block)
+    q_shape = (first.shape[0] * block, n) if slots else (m, n)
+    if out is None:
+        out = torch.empty(q_shape, dtype=_FP8, device=x.device)
+    if tuple(out.shape) != q_shape or out.dtype != _FP8:
+        raise ValueError(
+            f"{fn}: expected out to be float8_e4m3fn {list(q_shape)}, got {out.dtype} "
+            f"{list(out.shape)}"
+        )
     s_dtype = torch.uint8 if code and scale_dtype == torch.uint8 else torch.float32
     scale = torch.empty((first.shape[0], n), dtype=s_dtype, device=x.device)
     if scale.numel() == 0:
@@ -376,14 +405,67 @@ def quantize_jagged(
     tile_n = 16 if interpret else 64
     tile_m = 32 if interpret else 128
     if block != -1:
-        tile_m = min(tile_m, _pow2(block)) if interpret else _pow2(block)
+        tile_m = min(tile_m, _pow2(block)) if interpret and not slots else _pow2(block)
     grid = (first.shape[0], triton.cdiv(n, tile_n))
     kernel = _interpreted(_quantize_jagged_kernel) if interpret else _quantize_jagged_kernel
-    kernel[grid](
-        x, out, scale, first, last, n,
-        *x.stride(), *out.stride(), *scale.stride(),
+    args = [x, out, scale, first, last, n, *x.stride(), *out.stride(), *scale.stride()]
+    meta = dict(
         TILE_M=tile_m, TILE_N=tile_n, FMT=code,
-        SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret,
-        num_warps=4,
+        SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret, SLOTS=slots,
     )  # fmt: skip
+    if _COMPILE_ONLY:
+        _COMPILE_ONLY.append((_quantize_jagged_kernel, args, meta))
+        return out, scale
+    kernel[grid](*args, **meta, num_warps=4)
     return out, scale
+
+
+# compile_for_sm90 runs the launchers on meta tensors with this list non-empty: they then
+# append (kernel, args, constexprs) instead of launching.
+_COMPILE_ONLY: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaunchConfig:
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def compile_for_sm90(kernel: str, *, fmt: str = "fp8", block: Any = (1, 128), M: int = 16384,
+                     N: int = 7168, E: int = 32, slots: bool = False, cc: int = 90) -> Any:  # fmt: skip
+    """AOT-compile the ``"blocks"`` or ``"jagged"`` quantize kernel as the launcher would run it
+    on a bf16 [M, N] input (``block``: a pair for blocks, an int for jagged), without a GPU.
+    Returns :class:`torch_moe._triton.grouped_mm.Sm90Kernel` (PTX, registers, spills)."""
+    from torch_moe._triton.grouped_mm import compile_jit_for_sm90
+
+    x = torch.empty(M, N, dtype=torch.bfloat16, device="meta")
+    _COMPILE_ONLY.append(None)
+    try:
+        if kernel == "blocks":
+            quantize_blocks(x, block, fmt=fmt)
+        elif kernel == "jagged":
+            offs = torch.empty(E, dtype=torch.int32, device="meta")
+            _compile_jagged(x, offs, block, fmt, slots)
+        else:
+            raise ValueError(
+                f"compile_for_sm90: kernel must be 'blocks' or 'jagged', got {kernel!r}"
+            )
+        _, (fn, args, meta) = _COMPILE_ONLY[:2]
+    finally:
+        _COMPILE_ONLY.clear()
+    meta["EMULATE_CVT"] = False
+    return compile_jit_for_sm90(f"quantize_{kernel}", fn, args, meta, _LaunchConfig(), cc=cc)
+
+
+def _compile_jagged(x: torch.Tensor, offs: torch.Tensor, block: int, fmt: str, slots: bool) -> None:
+    # jagged_block_table needs real values: build the launch arguments on meta tensors here.
+    m, n = x.shape
+    nb = (m + (offs.shape[0] + 1) * (max(block, 1) - 1)) // max(block, 1)
+    q_rows = nb * block if slots else m
+    out = torch.empty(n, q_rows, dtype=_FP8, device="meta").t()
+    scale = torch.empty(nb, n, dtype=torch.float32, device="meta")
+    first = torch.empty(nb, dtype=torch.int32, device="meta")
+    args = [x, out, scale, first, first, n, *x.stride(), *out.stride(), *scale.stride()]
+    meta = dict(TILE_M=_pow2(block) if block > 0 else 128, TILE_N=64, FMT=_fmt_code(fmt, "floor"),
+                SCALE_U8=False, EMULATE_CVT=False, SLOTS=slots)  # fmt: skip
+    _COMPILE_ONLY.append((_quantize_jagged_kernel, args, meta))

@@ -34,6 +34,7 @@ with fp32 operands upcast before ``tl.dot`` and an fp32 output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ import triton.language as tl
 
 from torch_moe._triton.grouped_mm import _interpreted, _max_programs, _use_interpreter
 
-__all__ = ["scaled_grouped_mm", "scaled_grouped_mm_wgrad"]
+__all__ = ["compile_for_sm90", "scaled_grouped_mm", "scaled_grouped_mm_wgrad"]
 
 
 @triton.jit
@@ -192,30 +193,43 @@ def _scaled_gmm_wgrad_kernel(
         start = tl.minimum(tl.maximum(start, 0), M)
         end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), start), M)
         blk = tl.load(gfb_ptr + g).to(tl.int64)
-        rows0 = start.to(tl.int64) + arange_m
-        a_ptrs = a_ptr + ks[:, None] * stride_ak + rows0[None, :] * stride_am
-        b_ptrs = b_ptr + rows0[:, None] * stride_bm + ns[None, :] * stride_bn
         sa_ptrs = sa_ptr + ks * stride_sak
         sb_ptrs = sb_ptr + ns * stride_sbn
         acc = tl.full((BLOCK_K, BLOCK_N), 0.0, dtype=tl.float32)
-        for m0 in tl.range(start, end, BLOCK_M):
-            m_mask = arange_m < end - m0
-            a = tl.load(a_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if SCALE_M > 0:
-                sa = tl.load(sa_ptrs + blk * stride_sab, mask=k_mask, other=0.0)
-                sb = tl.load(sb_ptrs + blk * stride_sbb, mask=n_mask, other=0.0)
+        if SCALE_M > 0:
+            # Slot layout (quantize_jagged(slots=True)): scale block j is rows
+            # [j * SCALE_M, (j + 1) * SCALE_M) of a and b, zero-padded, so every step is an
+            # aligned, unmasked tile along M.
+            blk_end = tl.load(gfb_ptr + g + 1)
+            rows0 = blk * SCALE_M + arange_m
+            a_ptrs = a_ptr + ks[:, None] * stride_ak + rows0[None, :] * stride_am
+            b_ptrs = b_ptr + rows0[:, None] * stride_bm + ns[None, :] * stride_bn
+            for j in tl.range(blk, blk_end):
+                a = tl.load(a_ptrs, mask=k_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+                if DOT_FP32:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                sa = tl.load(sa_ptrs + j * stride_sab, mask=k_mask, other=0.0)
+                sb = tl.load(sb_ptrs + j * stride_sbb, mask=n_mask, other=0.0)
                 part = tl.dot(a, b, input_precision="ieee")
                 acc += part * sa[:, None] * sb[None, :]
-                blk += 1
-            else:
+                a_ptrs += SCALE_M * stride_am
+                b_ptrs += SCALE_M * stride_bm
+        else:
+            rows0 = start.to(tl.int64) + arange_m
+            a_ptrs = a_ptr + ks[:, None] * stride_ak + rows0[None, :] * stride_am
+            b_ptrs = b_ptr + rows0[:, None] * stride_bm + ns[None, :] * stride_bn
+            for m0 in tl.range(start, end, BLOCK_M):
+                m_mask = arange_m < end - m0
+                a = tl.load(a_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+                if DOT_FP32:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
                 acc = tl.dot(a, b, acc, input_precision="ieee")
-            a_ptrs += BLOCK_M * stride_am
-            b_ptrs += BLOCK_M * stride_bm
-        if SCALE_M == 0:
+                a_ptrs += BLOCK_M * stride_am
+                b_ptrs += BLOCK_M * stride_bm
             sa = tl.load(sa_ptrs + blk * stride_sab, mask=k_mask, other=0.0)
             sb = tl.load(sb_ptrs + blk * stride_sbb, mask=n_mask, other=0.0)
             acc = acc * sa[:, None] * sb[None, :]
@@ -253,7 +267,9 @@ def _wgrad_config(scale_m: int, interpret: bool) -> _Config:
         return _Config(scale_m or 16, 16, 16, num_warps=1, num_stages=1)
     if scale_m == 32:
         return _Config(32, 128, 128, num_warps=8, num_stages=6)
-    return _Config(scale_m or 128, 128, 128, num_warps=8, num_stages=3)
+    if scale_m == 0:  # token-order operands, masked along M: a short M step stays spill-free
+        return _Config(32, 128, 128, num_warps=8, num_stages=3)
+    return _Config(128, 128, 128, num_warps=8, num_stages=3)
 
 
 def _block_extent(fn: str, name: str, value: int, size: int) -> int:
@@ -312,17 +328,27 @@ def scaled_grouped_mm(
     max_tiles = (triton.cdiv(M, cfg.block_m) + E + 1) * triton.cdiv(N, cfg.block_n)
     grid = (min(_max_programs(a, interpret), max_tiles),)
     kernel = _interpreted(_scaled_gmm_fwd_kernel) if interpret else _scaled_gmm_fwd_kernel
-    kernel[grid](
+    args, meta = _fwd_args(a, b, sa, sb, out, offs, scale_k, scale_n, cfg, interpret)
+    kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.to(out_dtype)
+
+
+def _fwd_args(a, b, sa, sb, out, offs, scale_k, scale_n, cfg, interpret) -> tuple[list, dict]:  # type: ignore[no-untyped-def]
+    # Runtime arguments and constexprs of _scaled_gmm_fwd_kernel (shared with compile_for_sm90).
+    M, K = a.shape
+    E, _, N = b.shape
+    args = [
         a, b, sa, sb, out, offs, M, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         0 if sa.shape[0] == 1 else sa.stride(0), sa.stride(1),
         sb.stride(0), sb.stride(1), 0 if sb.shape[2] == 1 else sb.stride(2),
         out.stride(0), out.stride(1),
+    ]  # fmt: skip
+    meta = dict(
         SCALE_K=scale_k, SCALE_N=scale_n or 1, DOT_FP32=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out.to(out_dtype)
+    return args, meta
 
 
 def scaled_grouped_mm_wgrad(
@@ -339,9 +365,11 @@ def scaled_grouped_mm_wgrad(
 
     sa [NB, K], sb [NB, N]: jagged scales of ``block`` rows (-1: one block per group; a
     [1, 1] scale is per tensor), laid out by ``jagged_block_table`` (``group_first_block``).
+    For block 32 / 128, a and b are in the slot layout of ``quantize_jagged(slots=True)``
+    ([NB * block, K] and [NB * block, N]); otherwise in token order [M, K] and [M, N].
     """
     fn = "scaled_grouped_mm_wgrad"
-    M, K = a.shape
+    K = a.shape[1]
     N = b.shape[1]
     E = offs.shape[0]
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
@@ -356,15 +384,80 @@ def scaled_grouped_mm_wgrad(
     cfg = _wgrad_config(scale_m, interpret)
     tiles = E * triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n)
     grid = (min(_max_programs(a, interpret), tiles),)
-    per_tensor = sa.shape[0] == 1 and sa.shape[1] == 1
     kernel = _interpreted(_scaled_gmm_wgrad_kernel) if interpret else _scaled_gmm_wgrad_kernel
-    kernel[grid](
-        a, b, sa, sb, out, offs, group_first_block, M, N, K, E,
+    args, meta = _wgrad_args(a, b, sa, sb, out, offs, group_first_block, scale_m, cfg, interpret)
+    kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.to(out_dtype)
+
+
+def _wgrad_args(a, b, sa, sb, out, offs, gfb, scale_m, cfg, interpret) -> tuple[list, dict]:  # type: ignore[no-untyped-def]
+    # Runtime arguments and constexprs of _scaled_gmm_wgrad_kernel (shared with
+    # compile_for_sm90).
+    M, K = a.shape
+    N = b.shape[1]
+    E = offs.shape[0]
+    per_tensor = sa.shape[0] == 1 and sa.shape[1] == 1
+    args = [
+        a, b, sa, sb, out, offs, gfb, M, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         *((0, 0) if per_tensor else sa.stride()), *((0, 0) if per_tensor else sb.stride()),
         out.stride(0), out.stride(1), out.stride(2),
+    ]  # fmt: skip
+    meta = dict(
         SCALE_M=scale_m, DOT_FP32=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out.to(out_dtype)
+    return args, meta
+
+
+# Scale layouts of each recipe kind, as (block_k, block_n) of the forward GEMM.
+_KINDS = {"blockwise": (128, 128), "mx": (32, 1), "rowwise": (-1, 1), "tensorwise": (-1, -1)}
+
+
+def compile_for_sm90(
+    kernel: str,
+    kind: str,
+    *,
+    M: int = 16384,
+    K: int = 7168,
+    N: int = 4096,
+    E: int = 32,
+    cc: int = 90,
+) -> Any:
+    """AOT-compile the ``"forward"`` or ``"wgrad"`` kernel for recipe ``kind`` (``"blockwise"``,
+    ``"mx"``, ``"rowwise"``, ``"tensorwise"``) at the given sizes with the launcher's config,
+    K-major operands as the launchers lay them out; no GPU needed. Returns
+    :class:`torch_moe._triton.grouped_mm.Sm90Kernel` (PTX, registers, spills)."""
+    from torch_moe._triton.grouped_mm import compile_jit_for_sm90
+
+    if kind not in _KINDS:
+        raise ValueError(f"compile_for_sm90: kind must be one of {sorted(_KINDS)}, got {kind!r}")
+    meta_t = functools.partial(torch.empty, device="meta")
+    fp8 = torch.float8_e4m3fn
+    block_k, block_n = _KINDS[kind]
+    offs = meta_t(E, dtype=torch.int32)
+    if kernel == "forward":
+        scale_k = _block_extent("compile", "block_k", block_k, K)
+        scale_n = _block_extent("compile", "block_n", block_n, N)
+        ks = triton.cdiv(K, scale_k) if scale_k else 1
+        ns = triton.cdiv(N, scale_n) if scale_n else 1
+        a = meta_t(M, K, dtype=fp8)
+        b = meta_t(E, N, K, dtype=fp8).transpose(-2, -1)
+        sa = meta_t(1 if kind == "tensorwise" else M, ks)
+        sb = meta_t(E, ks, ns)
+        cfg = _fwd_config(scale_k, interpret=False)
+        args, meta = _fwd_args(a, b, sa, sb, meta_t(M, N, dtype=torch.bfloat16), offs,
+                               scale_k, scale_n, cfg, False)  # fmt: skip
+        fn = _scaled_gmm_fwd_kernel
+    elif kernel == "wgrad":
+        scale_m = 0 if block_k == -1 else block_k
+        nb = 1 if kind == "tensorwise" else (M + (E + 1) * max(scale_m - 1, 1)) // max(scale_m, 1)
+        a = meta_t(K, M, dtype=fp8).t()
+        b = meta_t(N, M, dtype=fp8).t()
+        cfg = _wgrad_config(scale_m, interpret=False)
+        args, meta = _wgrad_args(a, b, meta_t(nb, K), meta_t(nb, N), meta_t(E, K, N), offs,
+                                 meta_t(E + 1, dtype=torch.int32), scale_m, cfg, False)  # fmt: skip
+        fn = _scaled_gmm_wgrad_kernel
+    else:
+        raise ValueError(f"compile_for_sm90: kernel must be 'forward' or 'wgrad', got {kernel!r}")
+    return compile_jit_for_sm90(f"scaled_{kernel}_{kind}", fn, args, meta, cfg, cc=cc)

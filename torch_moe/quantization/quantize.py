@@ -87,7 +87,9 @@ def _check_q(name: str, q: Tensor) -> None:
 
 def _fp8_scale(amax: Tensor) -> Tensor:
     """fp32 scale ``amax / 448``; 1.0 where that is 0 (all-zero block or underflow)."""
-    scale = amax.float() / FP8_E4M3_MAX
+    # NB: divide by a tensor, not a Python scalar: CUDA multiplies by the reciprocal of a
+    # scalar divisor, which is not the IEEE quotient the kernels and the CPU compute.
+    scale = amax.float() / amax.new_full((), FP8_E4M3_MAX, dtype=torch.float32)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 

@@ -132,13 +132,20 @@ def _kernel_gemm(
 
 
 def _quantize_jagged_mmajor(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
-    out = torch.empty(t.shape[::-1], dtype=torch.float8_e4m3fn, device=t.device).t()
+    """Wgrad operand, M-major: per-tensor or per-group scales in token order; 32 / 128-row
+    blocks in the slot layout (every block on an aligned row, see quantize_jagged)."""
     if (op.outer, op.inner) == (-1, -1):
         q, scale = Q.quantize_fp8(t)
+        out = torch.empty(t.shape[::-1], dtype=torch.float8_e4m3fn, device=t.device).t()
         out.copy_(q)
         return out, scale
+    if op.inner == -1:
+        out = torch.empty(t.shape[::-1], dtype=torch.float8_e4m3fn, device=t.device).t()
+        return TQ.quantize_jagged(t, offs, block=-1, fmt=op.fmt, scale_rule=op.scale_rule, out=out)
+    nb = TQ.jagged_block_table(offs, t.shape[0], op.inner)[0].shape[0]
+    out = torch.empty((t.shape[1], nb * op.inner), dtype=torch.float8_e4m3fn, device=t.device).t()
     return TQ.quantize_jagged(
-        t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule, out=out
+        t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule, out=out, slots=True
     )
 
 

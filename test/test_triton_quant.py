@@ -1,0 +1,248 @@
+# Owner(s): ["module: moe"]
+"""Tests for the Triton FP8 / MXFP8 kernels: quantize (torch_moe._triton.quantize) and scaled
+grouped GEMMs (torch_moe._triton.scaled_grouped_mm), against the plain-PyTorch references.
+
+On CPU the kernels run in Triton's interpreter (small shapes); the CUDA class runs them
+compiled; the static checks compile them for sm_90a without a GPU (wgmma, registers, spills).
+"""
+
+import importlib
+import unittest
+
+import torch
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe._triton import quantize as TQ
+from torch_moe._triton import scaled_grouped_mm as TK
+from torch_moe.quantization import RECIPES, scaled_grouped_mm
+from torch_moe.quantization import quantize as Q
+
+S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def make_offs(sizes, device="cpu"):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def hard_input(m, n, device="cpu", dtype=torch.float32, seed=0):
+    """Gaussian rows over six decades, plus an all-zero row, a subnormal-amax block and
+    exact e4m3 boundary values (round-half-even ties at 448 / 2^k scale)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g) * torch.logspace(-3, 3, n)
+    x[1] = 0
+    if n >= 32 and (device != "cpu" or dtype == torch.float32):
+        # (Triton's interpreter flushes bf16 subnormals to zero when it loads them)
+        x[2, :32] = 2.0**-130
+        x[3, :8] = torch.tensor([448.0, -448.0, 464.0, 240.0, 17.0, 0.5, 2.0**-9, 3 * 2.0**-10])
+    return x.to(dtype).to(device)
+
+
+class _QuantizeChecks:
+    device = "cpu"
+
+    def _assert_same(self, got, ref):
+        for a, b in zip(got, ref):
+            self.assertEqual(a.shape, b.shape)
+            self.assertTrue(torch.equal(_bits(a).cpu(), _bits(b).cpu()))
+
+    def check_blocks(self, m, n, dtype):
+        x = hard_input(m, n, self.device, dtype)
+        for block in [(1, 128), (128, 128), (1, -1), (-1, 1), (16, 16)]:
+            with self.subTest(block=block):
+                self._assert_same(TQ.quantize_blocks(x, block), Q.quantize_fp8(x, block))
+        for rule in ["floor", "rceil"]:
+            for sd in [torch.uint8, torch.float32]:
+                with self.subTest(rule=rule, scale_dtype=sd):
+                    got = TQ.quantize_blocks(x, (1, 32), fmt="mx", scale_rule=rule, scale_dtype=sd)
+                    ref = Q.quantize_mx(x, dim=-1, scale_rule=rule, scale_dtype=sd)
+                    self._assert_same(got, ref)
+                    xr = x[: m // 32 * 32]  # MX along rows: whole 32-row blocks
+                    got = TQ.quantize_blocks(xr, (32, 1), fmt="mx", scale_rule=rule, scale_dtype=sd)
+                    ref = Q.quantize_mx(xr, dim=-2, scale_rule=rule, scale_dtype=sd)
+                    self._assert_same(got, ref)
+
+    def check_weights_kmajor(self, e, k, n):
+        w = hard_input(e * k, n, self.device, torch.bfloat16).reshape(e, k, n)
+        for block in [(128, 128), (-1, 1)]:
+            out = torch.empty(e, n, k, dtype=FP8, device=self.device).transpose(1, 2)
+            got = TQ.quantize_blocks(w, block, out=out)
+            self.assertIs(got[0], out)
+            self._assert_same(got, Q.quantize_fp8(w, block))
+
+    def check_jagged(self, sizes, n):
+        offs = make_offs(sizes, self.device)
+        m = int(offs[-1]) + 7  # rows past offs[-1]: one more segment
+        x = hard_input(m, n, self.device)
+        for block in [128, 32, -1]:
+            for fmt in ["fp8", "mx"]:
+                with self.subTest(block=block, fmt=fmt):
+                    out = torch.empty(n, m, dtype=FP8, device=self.device).t()
+                    got = TQ.quantize_jagged(x, offs, block=block, fmt=fmt, out=out)
+                    ref = Q.quantize_jagged(x, offs, block=block, fmt=fmt)
+                    self._assert_same(got, ref)
+                    if block == -1:
+                        continue
+                    # slot layout: block j's rows at [j * block, ...), zero-padded
+                    q, s = TQ.quantize_jagged(x, offs, block=block, fmt=fmt, slots=True)
+                    self.assertTrue(torch.equal(s.cpu(), ref[1].cpu()))
+                    rows, _ = Q.jagged_block_index(offs.cpu(), m, block)
+                    first = torch.full((s.shape[0],), m, dtype=torch.long)
+                    first.scatter_reduce_(0, rows, torch.arange(m), "amin")
+                    slot_row = rows * block + (torch.arange(m) - first[rows])
+                    self.assertTrue(torch.equal(_bits(q.cpu())[slot_row], _bits(ref[0].cpu())))
+                    pad = torch.ones(q.shape[0], dtype=torch.bool)
+                    pad[slot_row] = False
+                    self.assertTrue(
+                        torch.equal(q.cpu()[pad].float(), torch.zeros(int(pad.sum()), n))
+                    )
+
+    def check_gemms(self, sizes, k, n, tol):
+        g = torch.Generator().manual_seed(1)
+        offs = make_offs(sizes, self.device)
+        m = int(offs[-1]) + 5
+        x = torch.randn(m, k, generator=g).to(self.device)
+        w = torch.randn(len(sizes), n, k, generator=g).to(self.device).transpose(1, 2)
+        dy = torch.randn(m, n, generator=g).to(self.device)
+        for name, r in RECIPES.items():
+            with self.subTest(recipe=name):
+                for gq in (r.forward, r.dgrad, r.wgrad):
+                    self.assertTrue(S._kernels_support(gq))
+                out = S._kernel_gemm(x, w, offs, r.forward, torch.float32)
+                self.assertEqual(out, S._forward(x, w, offs, r.forward), atol=tol, rtol=tol)
+                self.assertTrue(torch.equal(out[int(offs[-1]) :].cpu(), torch.zeros(5, n)))
+                dx = S._kernel_gemm(dy, w.transpose(-2, -1), offs, r.dgrad, torch.float32)
+                self.assertEqual(dx, S._dgrad(dy, w, offs, r.dgrad), atol=tol, rtol=tol)
+                dw = S._kernel_wgrad(x, dy, offs, r.wgrad, torch.float32)
+                self.assertEqual(dw, S._wgrad(x, dy, offs, r.wgrad), atol=tol * 10, rtol=tol)
+
+
+class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
+    """Interpreted kernels, bit for bit against the references (fp32 and bf16 inputs)."""
+
+    def test_blocks(self):
+        self.check_blocks(37, 160, torch.float32)
+
+    def test_blocks_bf16(self):
+        self.check_blocks(33, 64, torch.bfloat16)
+
+    def test_weights_kmajor(self):
+        self.check_weights_kmajor(2, 256, 48)
+
+    def test_jagged(self):
+        self.check_jagged([0, 50, 0, 80, 170], 24)
+
+    def test_gemms_match_emulation(self):
+        # every recipe, partial K blocks (K=160), an empty group, rows past offs[-1]
+        self.check_gemms([20, 0, 37, 9], 160, 64, tol=2e-5)
+
+    def test_bad_input(self):
+        x = torch.randn(8, 64)
+        with self.assertRaisesRegex(ValueError, "MX blocks must tile x exactly"):
+            TQ.quantize_blocks(x[:, :40], (1, 32), fmt="mx")
+        with self.assertRaisesRegex(ValueError, "fmt must be 'fp8' or 'mx'"):
+            TQ.quantize_blocks(x, (1, 32), fmt="nvfp4")
+        with self.assertRaisesRegex(ValueError, "too large for one program"):
+            TQ.quantize_blocks(torch.randn(300, 64), (-1, -1))
+        with self.assertRaisesRegex(ValueError, "expected x to be 2D or 3D"):
+            TQ.quantize_blocks(torch.randn(2, 2, 2, 2), (1, 1))
+        with self.assertRaisesRegex(ValueError, "slots=True needs block 32 or 128"):
+            TQ.quantize_jagged(x, make_offs([8]), block=-1, slots=True)
+        q = torch.zeros(8, 64, dtype=FP8)
+        offs = make_offs([8])
+        with self.assertRaisesRegex(ValueError, r"need sa \[8 or 1, 1\]"):
+            TK.scaled_grouped_mm(q, q.reshape(1, 64, 8), torch.ones(8, 2), torch.ones(1, 1, 1),
+                                 offs, block_k=128, block_n=128)  # fmt: skip
+        with self.assertRaisesRegex(ValueError, "expected float8_e4m3fn operands"):
+            TK.scaled_grouped_mm(x, q.reshape(1, 64, 8), torch.ones(8, 1), torch.ones(1, 1, 1),
+                                 offs, block_k=-1, block_n=-1)  # fmt: skip
+
+
+@unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
+class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
+    """Compiled kernels on the GPU: the same checks at sizes that fill several programs."""
+
+    device = "cuda"
+
+    def test_blocks_cuda(self):
+        self.check_blocks(515, 1024, torch.bfloat16)
+        self.check_blocks(300, 448, torch.float32)
+
+    def test_weights_kmajor_cuda(self):
+        self.check_weights_kmajor(4, 512, 384)
+
+    def test_jagged_cuda(self):
+        self.check_jagged([0, 500, 0, 129, 1700, 3], 200)
+
+    def test_gemms_match_emulation_cuda(self):
+        self.check_gemms([300, 0, 517, 129, 1], 704, 384, tol=1e-4)
+
+    def test_autograd_cuda_vs_cpu(self):
+        g = torch.Generator().manual_seed(3)
+        offs = make_offs([96, 0, 160, 256])
+        x = torch.randn(520, 512, generator=g)
+        w = torch.randn(4, 256, 512, generator=g).transpose(1, 2) / 16
+        dy = torch.randn(520, 256, generator=g)
+        for name in RECIPES:
+            with self.subTest(recipe=name):
+                outs = []
+                for dev in ("cpu", "cuda"):
+                    xd = x.detach().to(dev).requires_grad_()
+                    wd = w.detach().to(dev).requires_grad_()
+                    out = scaled_grouped_mm(xd, wd, offs.to(dev), name)
+                    out.backward(dy.to(dev))
+                    outs.append([out.detach().cpu(), xd.grad.cpu(), wd.grad.cpu()])
+                for a, b in zip(*outs):
+                    self.assertEqual(b, a, atol=1e-3, rtol=1e-3)
+
+
+class TestStaticSm90(TestCase):
+    """Every FP8 kernel AOT-compiles for sm_90a without a GPU: the GEMMs issue FP8 wgmma
+    (e4m3 operands) and nothing spills. Registers are reported (printed with -v)."""
+
+    def _report(self, k):
+        print(f"\n{k.name}: {k.n_regs} registers, {k.n_spills} spill bytes, {k.shared} B smem")
+
+    @parametrize("kind", ["blockwise", "mx", "rowwise", "tensorwise"])
+    @parametrize("kernel", ["forward", "wgrad"])
+    def test_scaled_gemm_sm90(self, kernel, kind):
+        k = TK.compile_for_sm90(kernel, kind)
+        self._report(k)
+        ptx = k.asm["ptx"]
+        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3")
+        self.assertEqual(k.n_spills, 0)
+
+    @parametrize(
+        "kw",
+        [
+            dict(kernel="blocks", block=(1, 128)),
+            dict(kernel="blocks", block=(128, 128)),
+            dict(kernel="blocks", block=(1, 32), fmt="mx"),
+            dict(kernel="blocks", block=(1, -1)),
+            dict(kernel="jagged", block=128, slots=True),
+            dict(kernel="jagged", block=32, fmt="mx", slots=True),
+            dict(kernel="jagged", block=-1),
+        ],
+        name_fn=lambda kw: "_".join(str(v) for v in kw.values()).replace(" ", ""),
+    )
+    def test_quantize_sm90(self, kw):
+        k = TQ.compile_for_sm90(**kw)
+        self._report(k)
+        self.assertIn("cvt.rn.satfinite.e4m3x2.f32", k.asm["ptx"])
+        self.assertEqual(k.n_spills, 0)
+
+
+instantiate_parametrized_tests(TestStaticSm90)
+
+if __name__ == "__main__":
+    run_tests()
