@@ -93,6 +93,7 @@ class TestEPSharding(DTensorTestBase):
     def test_grouped_gemms(self):
         self.check_grouped_mm()
         self.check_grouped_swiglu()
+        self.check_bad_inputs()
 
     # ------------------------------------------------------------------ checks
 
@@ -129,6 +130,16 @@ class TestEPSharding(DTensorTestBase):
                     loss.backward()
                 self.assertEqual(comm.get_total_counts(), 0)
                 self.assert_dt(d_logits.grad, placement, ref_logits.grad)
+
+        # expert-sharded logits are all-gathered first: softmax and top-k span all experts
+        d_logits = distribute_tensor(logits, mesh, [Shard(1)])
+        for score_func in ("softmax", "sigmoid"):
+            ref = ops.topk_route(logits, K, score_func)
+            outs, comm = self.run_op(ops.topk_route, d_logits, K, score_func)
+            self.assertEqual(comm.get_total_counts(), 1)
+            self.assertEqual(comm.get_comm_counts()[c10d.all_gather_into_tensor], 1)
+            for out, expected in zip(outs, ref):
+                self.assert_dt(out, R, expected)
 
         # topk_route_backward with a Partial incoming gradient stays Partial
         ids = ops.topk_route(logits, K)[1]
@@ -343,6 +354,27 @@ class TestEPSharding(DTensorTestBase):
             self.assertEqual(comm.get_total_counts(), 0)
             for out, expected in zip(outs, ref):
                 self.assert_dt(out, P, expected)
+
+    def check_bad_inputs(self):
+        """Bad DTensor inputs fail in sharding propagation (the op's fake kernel) with the
+        op's own message, before any collective."""
+        offs = self.dt(torch.tensor([2, 5], dtype=torch.int32), R)
+        x, w = self.dt(_randn(5, 3, seed=0), R), self.dt(_randn(2, 4, 6, seed=1), Shard(2))
+        logits = self.dt(_randn(T, E, seed=2), Shard(0))
+        ids = self.dt(torch.zeros(T, K, dtype=torch.int64), R)
+        cases = [
+            (ops.grouped_mm, (x, w, offs), r"grouped_mm: x is \[M, K=3\] but w is \[E, K=4, N=6\]"),
+            (
+                ops.topk_route,
+                (logits, E + 1),
+                rf"topk_route: k \({E + 1}\) must be in \[1, num_experts={E}\]",
+            ),
+            (ops.permute_indices, (ids, E, 0), r"permute_indices: align must be >= 1, got 0"),
+        ]
+        for fn, args, msg in cases:
+            with CommDebugMode() as comm, self.assertRaisesRegex(RuntimeError, msg):
+                fn(*args)
+            self.assertEqual(comm.get_total_counts(), 0)
 
 
 if __name__ == "__main__":
