@@ -287,7 +287,7 @@ class TestTrainExampleEP(TestCase):
     def test_torchrun_ep2_matches_ep1(self):
         """``torchrun --nproc-per-node 2 train_moe_lm.py --ep 2`` gives the loss curve of the
         in-process --ep 1 run on the same global batch; its DCP checkpoint (expert shards)
-        loads in one process with the --ep 1 run's weights."""
+        loads in one process with the --ep 1 run's weights and resumes at --ep 1."""
         sys.path.insert(0, str(EXAMPLES))
         import train_moe_lm
 
@@ -307,19 +307,24 @@ class TestTrainExampleEP(TestCase):
             self.assertEqual(proc.returncode, 0, msg=proc.stdout[-2000:] + proc.stderr[-3000:])
             with contextlib.redirect_stdout(io.StringIO()):
                 r1 = train_moe_lm.main([*tiny, "--ep", "1", "--out", f"{tmp}/ep1"])
-            curves = {}
-            for name in ("ep1", "ep2"):
-                with open(f"{tmp}/{name}/metrics.jsonl") as f:
-                    curves[name] = [json.loads(line) for line in f]
-            self.assertEqual([r["step"] for r in curves["ep2"]], [1, 2, 3, 4])
-            for a, b in zip(curves["ep1"], curves["ep2"]):
-                self.assertEqual(a["loss"], b["loss"], atol=1e-5, rtol=1e-5)
-                self.assertEqual(a["tokens_per_expert"], b["tokens_per_expert"])
             self.assertIn(f"val loss {r1['val_loss']:.3f}", proc.stdout)
             m1, _ = train_moe_lm.load_model(f"{tmp}/ep1")
             m2, run2 = train_moe_lm.load_model(f"{tmp}/ep2")
             self.assertEqual(run2["ep"], 2)
             self.assertEqual(m2.state_dict(), m1.state_dict(), atol=1e-5, rtol=1e-4)
+            # the --ep 2 checkpoint (expert shards and their optimizer state) resumes at --ep 1
+            for name in ("ep1", "ep2"):
+                with contextlib.redirect_stdout(io.StringIO()):
+                    resume = ["--steps", "6", "--ep", "1", "--resume", "--out", f"{tmp}/{name}"]
+                    train_moe_lm.main([*tiny, *resume])
+            curves = {}
+            for name in ("ep1", "ep2"):
+                with open(f"{tmp}/{name}/metrics.jsonl") as f:
+                    curves[name] = [json.loads(line) for line in f]
+            self.assertEqual([r["step"] for r in curves["ep2"]], [1, 2, 3, 4, 5, 6])
+            for a, b in zip(curves["ep1"], curves["ep2"], strict=True):
+                self.assertEqual(a["loss"], b["loss"], atol=1e-5, rtol=1e-5)
+                self.assertEqual(a["tokens_per_expert"], b["tokens_per_expert"])
 
 
 if __name__ == "__main__":
