@@ -88,6 +88,7 @@ class TestEPSharding(DTensorTestBase):
         self.check_permute_indices()
         self.check_permute_unpermute()
         self.check_weighted_row_dot()
+        self.check_layer_pipeline()
 
     @with_comms
     def test_grouped_gemms(self):
@@ -227,6 +228,35 @@ class TestEPSharding(DTensorTestBase):
         (out * distribute_tensor(g, mesh, [Shard(0)])).sum().backward()
         self.assertEqual(d_y.grad.full_tensor(), ref_y.grad)
         self.assert_dt(w_0.grad, Shard(0), ref_w.grad)
+
+    def check_layer_pipeline(self):
+        """A whole MoE layer on token-sharded DTensors, op by op: route -> permute_indices ->
+        permute -> grouped_swiglu -> unpermute, forward and backward, equal to the plain ops.
+        The rules imply exactly two all-gathers in the forward (the expert ids and the
+        tokens, since the permuted layout is global); the combine writes token-sharded
+        outputs without communication."""
+        x, wr = _randn(T, D, seed=30), _randn(E, D, seed=31)
+        w13, w2 = _randn(E, 2 * F, D, seed=32), _randn(E, D, F, seed=33)
+        g = _randn(T, D, seed=34)
+
+        def layer(x, wr, w13, w2):
+            weights, ids, _counts = ops.topk_route(x @ wr.T, K)
+            r2s, s2r, offs, _ = ops.permute_indices(ids, E)
+            y, _h = ops.grouped_swiglu(ops.permute(x, r2s, s2r), w13, w2, offs)
+            return ops.unpermute(y, s2r, r2s, weights)
+
+        leaves = [t.clone().requires_grad_() for t in (x, wr, w13, w2)]
+        ref = layer(*leaves)
+        (ref * g).sum().backward()
+        d = [self.dt(t, p, grad=True) for t, p in zip((x, wr, w13, w2), (Shard(0), R, R, R))]
+        out, comm = self.run_op(layer, *d)
+        self.assertEqual(comm.get_comm_counts()[c10d.all_gather_into_tensor], 2)
+        self.assertEqual(comm.get_total_counts(), 2)
+        self.assert_dt(out, Shard(0), ref)
+        (out * self.dt(g, Shard(0))).sum().backward()
+        self.assert_dt(d[0].grad, Shard(0), leaves[0].grad)
+        for leaf, ref_leaf in zip(d[1:], leaves[1:]):
+            self.assertEqual(leaf.grad.full_tensor(), ref_leaf.grad)
 
     def check_weighted_row_dot(self):
         ids = torch.randint(0, E, (T, K), generator=_gen(9))
