@@ -78,8 +78,17 @@ class EPTestBase(MultiProcessTestCase):
         (out_ref * g_all).sum().backward()
 
         x = x_all[rows].clone().requires_grad_()
-        out = moe(x)
-        (out * g_all[rows]).sum().backward()
+        with CommDebugMode() as fwd_comm:
+            out = moe(x)
+        with CommDebugMode() as bwd_comm:
+            (out * g_all[rows]).sum().backward()
+        if style is None or style.node_size is None:
+            # forward: the counts, then per chunk the rows, their routing weights and the
+            # combine; backward: the reverse of the last three per chunk; nothing else
+            C = 1 if style is None else style.num_chunks
+            a2a = torch.ops.c10d.alltoall_base_
+            self.assertEqual(fwd_comm.get_comm_counts(), {a2a: 1 + 3 * C})
+            self.assertEqual(bwd_comm.get_comm_counts(), {a2a: 3 * C})
 
         self.assertEqual(out, out_ref[rows])
         self.assertEqual(x.grad, x_ref.grad[rows])
