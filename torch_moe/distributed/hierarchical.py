@@ -102,6 +102,12 @@ def _node_groups(
     if cached is not None and _alive(cached[0]) and _alive(cached[1]):
         return cached
     ranks = dist.get_process_group_ranks(group)
+    if ranks != sorted(ranks):
+        # new_group orders a subgroup's ranks by global rank; the stages index peers by
+        # their position in the group, so the two orders must agree
+        raise NotImplementedError(
+            f"{_NAME}: the group's ranks must be in increasing global-rank order, got {ranks}"
+        )
     whole_world = len(ranks) == dist.get_world_size()
     num_nodes = len(ranks) // node_size
     node, local = divmod(dist.get_rank(group), node_size)
@@ -109,10 +115,19 @@ def _node_groups(
     by_local = [[ranks[m * node_size + i] for m in range(num_nodes)] for i in range(node_size)]
     intra: ProcessGroup | None = None
     inter: ProcessGroup | None = None
+    # a subgroup of one rank is None (no collective); one that is the whole group is group
     if node_size > 1:  # intra-node first, cross-node second, on every rank
-        intra = _new_subgroup(by_node, by_node[node], whole_world, "moe_a2a_intra_node")
+        intra = (
+            group
+            if node_size == len(ranks)
+            else _new_subgroup(by_node, by_node[node], whole_world, "moe_a2a_intra_node")
+        )
     if num_nodes > 1:
-        inter = _new_subgroup(by_local, by_local[local], whole_world, "moe_a2a_inter_node")
+        inter = (
+            group
+            if num_nodes == len(ranks)
+            else _new_subgroup(by_local, by_local[local], whole_world, "moe_a2a_inter_node")
+        )
     _SUBGROUPS[key] = (intra, inter)
     return intra, inter
 
