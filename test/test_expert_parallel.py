@@ -305,7 +305,7 @@ class TestTrainExampleEP(TestCase):
             "--experts", "4", "--top-k", "2", "--seq-len", "16", "--batch-size", "4",
             "--corpus-bytes", "20000", "--eval-batches", "1", "--sample-bytes", "4",
             "--warmup", "2", "--no-progress", "--threads", "1", "--steps", "4",
-            "--ckpt-every", "2", "--balance", "bias", "--bias-rate", "0.01",
+            "--ckpt-every", "2", "--balance", "bias", "--bias-rate", "0.01", "--device", "cpu",
         ]  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
