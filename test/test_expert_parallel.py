@@ -217,6 +217,18 @@ class TestExpertParallel2(EPTestBase):
         local16 = copy.deepcopy(moe16)
         parallelize_module(moe16, mesh, ExpertParallel())
         self.assertEqual(moe16(x.bfloat16()), local16(x.bfloat16()))
+        # fp32 parameters under bf16 autocast (rows sent in bf16), chunked: the same too
+        moe32 = make_moe(shared_hidden_dim=8)
+        local32 = copy.deepcopy(moe32)
+        parallelize_module(moe32, mesh, ExpertParallel(num_chunks=2))
+        xg, xg_local = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, out_local = moe32(xg), local32(xg_local)
+        self.assertEqual(out.dtype, torch.bfloat16)
+        self.assertEqual(out, out_local)
+        out.float().pow(2).sum().backward()
+        out_local.float().pow(2).sum().backward()
+        self.assertEqual(xg.grad, xg_local.grad)
 
     def check_faults(self, mesh):
         # num_experts not divisible by the EP degree: an error before any collective

@@ -379,6 +379,10 @@ class _ExpertParallelForward:
         send_splits, recv_splits = sizes[:C], sizes[C:]
         used = sum(map(sum, send_splits))  # used < M: alignment/capacity padding rows
         x, w = x[:used], None if row_weights is None else row_weights[:used]
+        if torch.is_autocast_enabled(dev.type) and x.is_floating_point():
+            # the experts compute in the autocast dtype: cast before sending, not after
+            # (the same values, and the backward sends gradients in that dtype too)
+            x = x.to(torch.get_autocast_dtype(dev.type))
         if C > 1:  # rows chunk-major: for each chunk, for each rank, its experts' rows
             first_R1 = torch.arange(R, device=dev)[:, None] * El
             order = torch.cat(
