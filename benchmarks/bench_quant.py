@@ -54,7 +54,8 @@ def bench_ms(fn: Callable[[], object], device: str) -> float:
 
 
 def balanced_offs(m: int, e: int, device: str) -> torch.Tensor:
-    per = (m // e) // 128 * 128
+    align = 128 if device == "cuda" else 16
+    per = (m // e) // align * align
     return (torch.arange(1, e + 1, device=device) * per).to(torch.int32)
 
 
@@ -89,7 +90,7 @@ def quant_rows(x: torch.Tensor, offs: torch.Tensor, device: str) -> list[list[st
         ms = bench_ms(fn, device)
         moved = bytes_in + m * n + scale_bytes
         gbs = moved / ms / 1e6
-        rows.append([name, f"{ms:.3f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.2f}"])
+        rows.append([name, f"{ms:.3f}", f"{gbs:.3g}", f"{gbs / copy_gbs:.2f}"])
     return rows
 
 
@@ -114,7 +115,7 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
 
             ref_ms = bench_ms(lambda xf=xf, wf=wf: grouped_mm(xf, wf, offs), device)
             ref_name = "fp32 torch_moe grouped_mm"
-        rows.append([shape, gemm, ref_name, f"{ref_ms:.3f}", f"{flops / ref_ms / 1e9:.0f}", "1.00"])
+        rows.append([shape, gemm, ref_name, f"{ref_ms:.3f}", f"{flops / ref_ms / 1e9:.3g}", "1.00"])
         for name in recipes:
             g = RECIPES[name].forward
             if device == "cuda":
@@ -131,25 +132,79 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
 
                 k_ms = bench_ms(kernel, device)
                 rows.append([shape, gemm, f"{name} kernel", f"{k_ms:.3f}",
-                             f"{flops / k_ms / 1e9:.0f}", f"{ref_ms / k_ms:.2f}"])  # fmt: skip
+                             f"{flops / k_ms / 1e9:.3g}", f"{ref_ms / k_ms:.2f}"])  # fmt: skip
                 e2e = lambda g=g, x=x, w=w: S._kernel_gemm(x, w, offs, g, dt)  # noqa: E731
             else:
                 e2e = lambda g=g, x=x, w=w: S._forward(x, w, offs, g)  # noqa: E731
             e_ms = bench_ms(e2e, device)
             rows.append([shape, gemm, f"{name} e2e", f"{e_ms:.3f}",
-                         f"{flops / e_ms / 1e9:.0f}", f"{ref_ms / e_ms:.2f}"])  # fmt: skip
+                         f"{flops / e_ms / 1e9:.3g}", f"{ref_ms / e_ms:.2f}"])  # fmt: skip
     if device == "cuda":  # wgrad of w13: dW [E, D, 2F] = x_g^T dy_g
         x = torch.randn(m, d, device=device, dtype=dt)
         dy = torch.randn(m, 2 * f, device=device, dtype=dt)
         flops = 2 * int(offs[-1]) * d * 2 * f
         ref_ms = bench_ms(lambda: torch._grouped_mm(x.t(), dy, offs=offs), device)
         rows.append([shape, "w13 wgrad", "bf16 torch._grouped_mm", f"{ref_ms:.3f}",
-                     f"{flops / ref_ms / 1e9:.0f}", "1.00"])  # fmt: skip
+                     f"{flops / ref_ms / 1e9:.3g}", "1.00"])  # fmt: skip
         for name in recipes:
             g = RECIPES[name].wgrad
             e_ms = bench_ms(lambda g=g: S._kernel_wgrad(x, dy, offs, g, dt), device)
             rows.append([shape, "w13 wgrad", f"{name} e2e", f"{e_ms:.3f}",
-                         f"{flops / e_ms / 1e9:.0f}", f"{ref_ms / e_ms:.2f}"])  # fmt: skip
+                         f"{flops / e_ms / 1e9:.3g}", f"{ref_ms / e_ms:.2f}"])  # fmt: skip
+    return rows
+
+
+def tune_rows() -> list[list[str]]:
+    """Sweep the launch configs of the FP8 kernels at the DeepSeek-V3-like w13 forward."""
+    dev = "cuda"
+    m, d, f, e = SHAPES["dsv3"]
+    k, n = d, 2 * f
+    offs = balanced_offs(m, e, dev)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16).transpose(-2, -1)
+    flops = 2 * int(offs[-1]) * k * n
+    rows = []
+    sweeps = {
+        "fp8_blockwise": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
+                          (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (64, 128, 128, 4, 4),
+                          (64, 256, 128, 4, 3), (128, 64, 128, 4, 4)],
+        "mxfp8": [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4),
+                  (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (64, 256, 64, 8, 3)],
+    }  # fmt: skip
+    default = TK._fwd_config
+    for name, cfgs in sweeps.items():
+        g = RECIPES[name].forward
+        qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+        sa = S._quantize_kmajor(x, g.lhs, qa, along_rows=False).float()
+        qb = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=dev).transpose(1, 2)
+        sb = S._quantize_kmajor(w, g.rhs, qb, along_rows=True).float()
+        for c in cfgs:
+            TK._fwd_config = lambda scale_k, interpret, c=c: TK._Config(*c)  # type: ignore[misc]
+            try:
+                ms = bench_ms(lambda g=g, sa=sa, sb=sb, qa=qa, qb=qb: TK.scaled_grouped_mm(
+                    qa, qb, sa, sb, offs, block_k=g.lhs.inner, block_n=g.rhs.outer), dev)  # fmt: skip
+                rows.append([name, str(c), f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"])
+            except Exception as exc:  # a config that does not fit (shared memory) is a row too
+                rows.append([name, str(c), "failed", type(exc).__name__])
+            finally:
+                TK._fwd_config = default
+    xq = torch.randn(65536, 7168, device=dev, dtype=torch.bfloat16)
+    moved = xq.numel() * 3
+    for budget, warps in [(2048, 4), (4096, 4), (8192, 4), (8192, 8), (16384, 8)]:
+        TQ.BLOCKS_BUDGET, TQ.BLOCKS_WARPS = budget, warps
+        ms = bench_ms(lambda: TQ.quantize_blocks(xq, (1, 128)), dev)
+        rows.append(["quantize 1x128", f"budget {budget} warps {warps}", f"{ms:.3f}",
+                     f"{moved / ms / 1e6:.0f} GB/s"])  # fmt: skip
+    TQ.BLOCKS_BUDGET, TQ.BLOCKS_WARPS = 4096, 4
+    offs_q = balanced_offs(65536, 32, dev)
+    nb = TQ.jagged_block_table(offs_q, 65536, 128)[0].shape[0]
+    slot = torch.empty(7168, nb * 128, dtype=torch.float8_e4m3fn, device=dev).t()
+    for tile_n, warps in [(32, 4), (64, 4), (64, 8), (128, 8), (256, 8)]:
+        TQ.JAGGED_TILE_N, TQ.JAGGED_WARPS = tile_n, warps
+        ms = bench_ms(lambda: TQ.quantize_jagged(xq, offs_q, block=128, out=slot, slots=True), dev)
+        rows.append(["quantize jagged 128 slots", f"tile_n {tile_n} warps {warps}", f"{ms:.3f}",
+                     f"{moved / ms / 1e6:.0f} GB/s"])  # fmt: skip
+    TQ.JAGGED_TILE_N, TQ.JAGGED_WARPS = 64, 4
     return rows
 
 
@@ -168,6 +223,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--recipes", nargs="+", default=RECIPE_NAMES, choices=RECIPE_NAMES)
     p.add_argument("--quant-rows", type=int, default=65536, help="rows of the quantize input")
     p.add_argument("--out", type=Path, default=None, help="write the tables as markdown here")
+    p.add_argument("--tune", action="store_true", help="also sweep kernel configs (cuda)")
     args = p.parse_args(argv)
     dev = args.device
     import triton
@@ -191,6 +247,9 @@ def main(argv: list[str] | None = None) -> str:
         "Grouped GEMMs (TFLOP/s over the rows in groups; ratio = reference time / time):",
         table(["shape", "gemm", "impl", "ms", "TFLOP/s", "speedup"], g_rows),
     ])  # fmt: skip
+    if args.tune and dev == "cuda":
+        out += "\n\nConfig sweep (dsv3 w13 forward; quantize bf16 [65536, 7168]):\n\n"
+        out += table(["kernel", "config", "ms", "rate"], tune_rows())
     if args.out is not None:
         args.out.write_text(out + "\n")
     print(out)

@@ -25,6 +25,13 @@ from torch_moe.quantization import quantize as Q
 
 S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
 FP8 = torch.float8_e4m3fn
+# CUDA kernels vs the CPU emulation; the emulation's own error vs fp32 is ~28 dB.
+MIN_KERNEL_VS_EMULATION_DB = 40.0
+
+
+def sqnr(ref, out):
+    ref, out = ref.double().cpu(), out.double().cpu()
+    return (10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum())).item()
 
 
 def _bits(t):
@@ -107,6 +114,15 @@ class _QuantizeChecks:
                         torch.equal(q.cpu()[pad].float(), torch.zeros(int(pad.sum()), n))
                     )
 
+    def _assert_close(self, got, ref, tol):
+        if self.device == "cuda":
+            # Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (DeepSeek-V3
+            # measured ~14 for long K; blockwise recipes promote every 128): against the exact
+            # emulation, ask for an error 10x below the FP8 quantization noise (~28 dB).
+            self.assertGreater(sqnr(ref, got), MIN_KERNEL_VS_EMULATION_DB)
+        else:
+            self.assertEqual(got, ref, atol=tol, rtol=tol)
+
     def check_gemms(self, sizes, k, n, tol):
         g = torch.Generator().manual_seed(1)
         offs = make_offs(sizes, self.device)
@@ -119,12 +135,12 @@ class _QuantizeChecks:
                 for gq in (r.forward, r.dgrad, r.wgrad):
                     self.assertTrue(S._kernels_support(gq))
                 out = S._kernel_gemm(x, w, offs, r.forward, torch.float32)
-                self.assertEqual(out, S._forward(x, w, offs, r.forward), atol=tol, rtol=tol)
+                self._assert_close(out, S._forward(x, w, offs, r.forward), tol)
                 self.assertTrue(torch.equal(out[int(offs[-1]) :].cpu(), torch.zeros(5, n)))
                 dx = S._kernel_gemm(dy, w.transpose(-2, -1), offs, r.dgrad, torch.float32)
-                self.assertEqual(dx, S._dgrad(dy, w, offs, r.dgrad), atol=tol, rtol=tol)
+                self._assert_close(dx, S._dgrad(dy, w, offs, r.dgrad), tol)
                 dw = S._kernel_wgrad(x, dy, offs, r.wgrad, torch.float32)
-                self.assertEqual(dw, S._wgrad(x, dy, offs, r.wgrad), atol=tol * 10, rtol=tol)
+                self._assert_close(dw, S._wgrad(x, dy, offs, r.wgrad), tol * 10)
 
 
 class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
@@ -146,6 +162,16 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
         # every recipe, partial K blocks (K=160), an empty group, rows past offs[-1]
         self.check_gemms([20, 0, 37, 9], 160, 64, tol=2e-5)
 
+    def test_tensorwise_given_scale(self):
+        # whole-matrix blocks larger than one program: torch amax, then the kernel's one pass
+        from unittest import mock
+
+        with mock.patch.object(TQ, "MAX_BLOCK_ELEMS", 64):
+            for shape in [(37, 300), (3, 40, 50)]:
+                x = hard_input(shape[-2] * (shape[0] if len(shape) == 3 else 1), shape[-1])
+                x = x.reshape(shape)
+                self._assert_same(TQ.quantize_blocks(x, (-1, -1)), Q.quantize_fp8(x))
+
     def test_bad_input(self):
         x = torch.randn(8, 64)
         with self.assertRaisesRegex(ValueError, "MX blocks must tile x exactly"):
@@ -153,7 +179,7 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
         with self.assertRaisesRegex(ValueError, "fmt must be 'fp8' or 'mx'"):
             TQ.quantize_blocks(x, (1, 32), fmt="nvfp4")
         with self.assertRaisesRegex(ValueError, "too large for one program"):
-            TQ.quantize_blocks(torch.randn(300, 64), (-1, -1))
+            TQ.quantize_blocks(torch.randn(20000, 2), (-1, 1))  # columnwise over 20000 rows
         with self.assertRaisesRegex(ValueError, "expected x to be 2D or 3D"):
             TQ.quantize_blocks(torch.randn(2, 2, 2, 2), (1, 1))
         with self.assertRaisesRegex(ValueError, "slots=True needs block 32 or 128"):
@@ -203,7 +229,7 @@ class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
                     out.backward(dy.to(dev))
                     outs.append([out.detach().cpu(), xd.grad.cpu(), wd.grad.cpu()])
                 for a, b in zip(*outs):
-                    self.assertEqual(b, a, atol=1e-3, rtol=1e-3)
+                    self.assertGreater(sqnr(a, b), MIN_KERNEL_VS_EMULATION_DB)
 
 
 class TestStaticSm90(TestCase):
@@ -219,7 +245,9 @@ class TestStaticSm90(TestCase):
         k = TK.compile_for_sm90(kernel, kind)
         self._report(k)
         ptx = k.asm["ptx"]
-        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3")
+        # MX dequantizes to bf16 in the loop (exact); the FP8 recipes run FP8 wgmma
+        ops = r"k16\.f32\.bf16\.bf16" if kind == "mx" else r"k32\.f32\.e4m3\.e4m3"
+        self.assertRegex(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n\d+" + ops)
         self.assertEqual(k.n_spills, 0)
 
     @parametrize(

@@ -51,6 +51,7 @@ import os
 import re
 import subprocess
 import tempfile
+import types
 from typing import Any, Literal
 
 import torch
@@ -301,11 +302,25 @@ def _interpreted(kernel: Any) -> Any:
     # Triton picks interpreter vs compiler when @triton.jit runs (at import), so a module
     # imported without TRITON_INTERPRET=1 holds JITFunctions. Wrap the same Python function
     # for the interpreter on demand: CPU tensors then work whatever the import order was.
+    # @triton.jit helpers the kernel calls are looked up in its globals: rebind them to
+    # interpreted copies too (one level: helpers call only triton.language).
     from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(kernel, InterpretedFunction):
         return kernel
-    return InterpretedFunction(kernel.fn)
+    fn = kernel.fn
+    helpers = {
+        name: InterpretedFunction(value.fn)
+        for name, value in fn.__globals__.items()
+        if isinstance(value, triton.runtime.JITFunction) and value is not kernel
+    }
+    if helpers:
+        rebound = types.FunctionType(
+            fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__
+        )
+        rebound.__module__, rebound.__qualname__ = fn.__module__, fn.__qualname__
+        fn = rebound
+    return InterpretedFunction(fn)
 
 
 @functools.cache

@@ -54,14 +54,57 @@ _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # One program reduces a whole block in registers; whole-tensor and long columnwise blocks
 # (tensorwise scales, columnwise over many rows) go through the reference's torch ops.
 MAX_BLOCK_ELEMS = 16384
+# Elements per program and warps of the blocks kernel on the GPU (H200: see bench_quant.py).
+BLOCKS_BUDGET = 4096
+BLOCKS_WARPS = 4
+JAGGED_TILE_N = 64
+JAGGED_WARPS = 4
 
 
 # --------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------
-# NB: no calls to @triton.jit helpers (tl.max, tl.cdiv, ...): see the note in
-# torch_moe/_triton/grouped_mm.py. Reductions call the builtin tl.reduce with the standard
-# combine function, which the interpreter maps to numpy.
+# NB: no calls to triton.language's own @triton.jit helpers (tl.max, tl.cdiv, ...): see the
+# note in torch_moe/_triton/grouped_mm.py (this module's helpers are rebound by _interpreted).
+# Reductions call the builtin tl.reduce with the standard combine function, which the
+# interpreter maps to numpy.
+
+
+@triton.jit
+def _block_scale(amax, FMT: tl.constexpr, SCALE_U8: tl.constexpr):
+    """(fp32 scale, stored scale) of blocks with max |x| ``amax`` (see the references)."""
+    if FMT == 0:
+        scale = tl.math.div_rn(amax, 448.0)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        s_out = scale
+    else:
+        bits = amax.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        e = biased - 135  # floor(log2(amax)) - 8
+        if FMT == 2:
+            e += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.where(biased == 0, -127, e)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        scale = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
+        if SCALE_U8:
+            s_out = (e + 127).to(tl.uint8)
+        else:
+            s_out = scale
+    return scale, s_out
+
+
+@triton.jit
+def _to_e4m3(y, EMULATE_CVT: tl.constexpr):
+    """Saturating round-to-nearest-even fp32 -> e4m3 (see the module docstring)."""
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if EMULATE_CVT:  # round to the e4m3 grid in fp32 first: the conversion is then exact
+        ybits = y.to(tl.int32, bitcast=True)
+        ulp_e = tl.maximum(((ybits >> 23) & 0xFF) - 127, -6) - 3
+        ulp = ((ulp_e + 127) << 23).to(tl.float32, bitcast=True)
+        t = y / ulp
+        rt = (t + 12582912.0) - 12582912.0  # round half to even for |t| < 2^22
+        y = tl.where(rt == 0.0, t * 0.0, rt) * ulp  # keep the sign of zero
+    return y.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -87,6 +130,7 @@ def _quantize_blocks_kernel(
     FMT: tl.constexpr,  # 0 fp8 (fp32 scale), 1 MX floor, 2 MX rceil
     SCALE_U8: tl.constexpr,  # MX: store biased exponents instead of fp32 powers of two
     EMULATE_CVT: tl.constexpr,
+    GIVEN_SCALE: tl.constexpr,  # read one fp32 scale per batch from s_ptr (tensorwise)
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -101,48 +145,28 @@ def _quantize_blocks_kernel(
     )
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
 
-    # amax of every SR x SC block of the tile: [TILE_R // SR, TILE_C // SC]
-    x4 = tl.reshape(tl.abs(x), (TILE_R // SR, SR, TILE_C // SC, SC))
-    amax = tl.reduce(x4, 3, tl.standard._elementwise_max)
-    amax = tl.reduce(amax, 1, tl.standard._elementwise_max)
-    if FMT == 0:
-        scale = tl.math.div_rn(amax, 448.0)
-        scale = tl.where(scale > 0.0, scale, 1.0)
-        s_out = scale
+    if GIVEN_SCALE:
+        y = tl.math.div_rn(x, tl.load(s_ptr + b * stride_sb))
     else:
-        bits = amax.to(tl.int32, bitcast=True)
-        biased = (bits >> 23) & 0xFF
-        e = biased - 135  # floor(log2(amax)) - 8
-        if FMT == 2:
-            e += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        e = tl.where(biased == 0, -127, e)
-        e = tl.minimum(tl.maximum(e, -127), 127)
-        scale = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
-        if SCALE_U8:
-            s_out = (e + 127).to(tl.uint8)
-        else:
-            s_out = scale
-    br = r0 // SR + tl.arange(0, TILE_R // SR)
-    bc = c0 // SC + tl.arange(0, TILE_C // SC)
-    s_mask = (br < (R + SR - 1) // SR)[:, None] & (bc < (C + SC - 1) // SC)[None, :]
-    s_ptrs = s_ptr + b * stride_sb + br[:, None] * stride_sr + bc[None, :] * stride_sc
-    tl.store(s_ptrs, s_out, mask=s_mask)
+        # amax of every SR x SC block of the tile: [TILE_R // SR, TILE_C // SC]
+        x4 = tl.reshape(tl.abs(x), (TILE_R // SR, SR, TILE_C // SC, SC))
+        amax = tl.reduce(x4, 3, tl.standard._elementwise_max)
+        amax = tl.reduce(amax, 1, tl.standard._elementwise_max)
+        scale, s_out = _block_scale(amax, FMT, SCALE_U8)
+        br = r0 // SR + tl.arange(0, TILE_R // SR)
+        bc = c0 // SC + tl.arange(0, TILE_C // SC)
+        s_mask = (br < (R + SR - 1) // SR)[:, None] & (bc < (C + SC - 1) // SC)[None, :]
+        s_ptrs = s_ptr + b * stride_sb + br[:, None] * stride_sr + bc[None, :] * stride_sc
+        tl.store(s_ptrs, s_out, mask=s_mask)
 
-    scale4 = tl.reshape(scale, (TILE_R // SR, 1, TILE_C // SC, 1))
-    y4 = tl.reshape(x, (TILE_R // SR, SR, TILE_C // SC, SC))
-    y = tl.reshape(tl.math.div_rn(y4, scale4), (TILE_R, TILE_C))
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    if EMULATE_CVT:  # round to the e4m3 grid in fp32 (see the module docstring)
-        ybits = y.to(tl.int32, bitcast=True)
-        ulp_e = tl.maximum(((ybits >> 23) & 0xFF) - 127, -6) - 3
-        ulp = ((ulp_e + 127) << 23).to(tl.float32, bitcast=True)
-        t = y / ulp
-        rt = (t + 12582912.0) - 12582912.0  # round half to even for |t| < 2^22
-        y = tl.where(rt == 0.0, t * 0.0, rt) * ulp  # keep the sign of zero
+        scale4 = tl.reshape(scale, (TILE_R // SR, 1, TILE_C // SC, 1))
+        y4 = tl.reshape(x, (TILE_R // SR, SR, TILE_C // SC, SC))
+        y = tl.reshape(tl.math.div_rn(y4, scale4), (TILE_R, TILE_C))
+    y = _to_e4m3(y, EMULATE_CVT)
     q_ptrs = (
         q_ptr + b * stride_qb + rows.to(tl.int64)[:, None] * stride_qr + cols[None, :] * stride_qc
     )
-    tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptrs, y, mask=mask)
 
 
 @triton.jit
@@ -180,23 +204,7 @@ def _quantize_jagged_kernel(
         x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn
         x = tl.abs(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32))
         amax = tl.maximum(amax, tl.reduce(x, 0, tl.standard._elementwise_max))
-    if FMT == 0:
-        scale = tl.math.div_rn(amax, 448.0)
-        scale = tl.where(scale > 0.0, scale, 1.0)
-        s_out = scale
-    else:
-        bits = amax.to(tl.int32, bitcast=True)
-        biased = (bits >> 23) & 0xFF
-        e = biased - 135
-        if FMT == 2:
-            e += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        e = tl.where(biased == 0, -127, e)
-        e = tl.minimum(tl.maximum(e, -127), 127)
-        scale = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
-        if SCALE_U8:
-            s_out = (e + 127).to(tl.uint8)
-        else:
-            s_out = scale
+    scale, s_out = _block_scale(amax, FMT, SCALE_U8)
     tl.store(s_ptr + blk.to(tl.int64) * stride_sb + cols * stride_sn, s_out, mask=col_mask)
 
     # SLOTS: one tile per block (TILE_M == block rows); rows past the block's end are zeros.
@@ -206,21 +214,14 @@ def _quantize_jagged_kernel(
         x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn
         x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         y = tl.math.div_rn(x, scale[None, :])
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        if EMULATE_CVT:
-            ybits = y.to(tl.int32, bitcast=True)
-            ulp_e = tl.maximum(((ybits >> 23) & 0xFF) - 127, -6) - 3
-            ulp = ((ulp_e + 127) << 23).to(tl.float32, bitcast=True)
-            t = y / ulp
-            rt = (t + 12582912.0) - 12582912.0
-            y = tl.where(rt == 0.0, t * 0.0, rt) * ulp
+        y = _to_e4m3(y, EMULATE_CVT)
         if SLOTS:
             q_rows = blk.to(tl.int64) * TILE_M + arange_m
             q_ptrs = q_ptr + q_rows[:, None] * stride_qm + cols[None, :] * stride_qn
-            tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=col_mask[None, :])
+            tl.store(q_ptrs, y, mask=col_mask[None, :])
         else:
             q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :] * stride_qn
-            tl.store(q_ptrs, y.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptrs, y, mask=mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -288,7 +289,13 @@ def quantize_blocks(
         )
     # Partial blocks are zero-padded: a block extent rounds up to a power of two.
     psr, psc = _pow2(sr), _pow2(sc)
-    if psr * psc > MAX_BLOCK_ELEMS:
+    given_scale = psr * psc > MAX_BLOCK_ELEMS and sr >= r and sc >= c and not code
+    if given_scale:  # one scale per matrix: amax with torch, then one pass of the kernel
+        amax = x3.abs().amax(dim=(-2, -1), keepdim=True).float()
+        given = amax / amax.new_full((), 448.0)
+        given = torch.where(given > 0, given, torch.ones_like(given))
+        psr, psc = 1, 1
+    elif psr * psc > MAX_BLOCK_ELEMS:
         raise ValueError(
             f"{fn}: a block of {sr} x {sc} elements is too large for one program (at most "
             f"{MAX_BLOCK_ELEMS}); quantize it with the reference (torch ops)"
@@ -306,25 +313,31 @@ def quantize_blocks(
             f"got {out.dtype} {list(out.shape)} on {out.device}"
         )
     s_dtype = torch.uint8 if code and scale_dtype == torch.uint8 else torch.float32
-    scale = torch.empty((nb, -(-r // sr), -(-c // sc)), dtype=s_dtype, device=x.device)
+    if given_scale:
+        scale = given
+    else:
+        scale = torch.empty((nb, -(-r // sr), -(-c // sc)), dtype=s_dtype, device=x.device)
     q3 = out if out.dim() == 3 else out.unsqueeze(0)
     if x.numel() == 0:
         return out, scale if x.dim() == 3 else scale.squeeze(0)
     interpret = _use_interpreter(x) and x.device.type != "meta"
-    budget = 1024 if interpret else 4096  # elements per program
+    budget = 1024 if interpret else BLOCKS_BUDGET  # elements per program
     tile_c = _tile(c, psc, max(budget // psr, psc))
     tile_r = _tile(r, psr, max(budget // tile_c, psr))
+    if given_scale:
+        tile_c = min(_pow2(c), 128 if interpret else 256)
+        tile_r = max(1, budget // tile_c)
     grid = (triton.cdiv(r, tile_r) * triton.cdiv(c, tile_c), nb)
     kernel = _interpreted(_quantize_blocks_kernel) if interpret else _quantize_blocks_kernel
     args = [x3, q3, scale, r, c, *x3.stride(), *q3.stride(), *scale.stride()]
     meta = dict(
         SR=psr, SC=psc, TILE_R=tile_r, TILE_C=tile_c, FMT=code,
-        SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret,
+        SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret, GIVEN_SCALE=given_scale,
     )  # fmt: skip
     if _COMPILE_ONLY:
         _COMPILE_ONLY.append((_quantize_blocks_kernel, args, meta))
         return out, scale
-    kernel[grid](*args, **meta, num_warps=4)
+    kernel[grid](*args, **meta, num_warps=BLOCKS_WARPS)
     return out, scale if x.dim() == 3 else scale.squeeze(0)
 
 
@@ -402,7 +415,7 @@ def quantize_jagged(
     if scale.numel() == 0:
         return out, scale
     interpret = _use_interpreter(x)
-    tile_n = 16 if interpret else 64
+    tile_n = 16 if interpret else JAGGED_TILE_N
     tile_m = 32 if interpret else 128
     if block != -1:
         tile_m = min(tile_m, _pow2(block)) if interpret and not slots else _pow2(block)
@@ -416,7 +429,7 @@ def quantize_jagged(
     if _COMPILE_ONLY:
         _COMPILE_ONLY.append((_quantize_jagged_kernel, args, meta))
         return out, scale
-    kernel[grid](*args, **meta, num_warps=4)
+    kernel[grid](*args, **meta, num_warps=JAGGED_WARPS)
     return out, scale
 
 

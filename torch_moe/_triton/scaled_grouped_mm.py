@@ -14,13 +14,17 @@ quantized by :mod:`torch_moe._triton.quantize`:
         (:func:`torch_moe._triton.quantize.jagged_block_table`)
 
 How scales enter (``SCALE_K`` / ``SCALE_M``, the extent of a scale block along the reduction):
-when blocks split the reduction (128 for DeepSeek-style blocks, 32 for MX), the kernel steps
+when 128-wide blocks split the reduction (DeepSeek-style blocks), the kernel steps
 one scale block per iteration, takes the FP8 product of that block on the tensor cores
 (fp32 result) and adds it to the fp32 accumulator multiplied by the row and column scales:
 the "promotion" DeepGEMM does, so the dequantization costs [BLOCK_M, BLOCK_N] FMAs per
 block instead of touching the operands. When one scale covers the whole reduction (rowwise,
 tensorwise, per-group wgrad) the scales multiply the accumulator once, in the epilogue.
-Per-tensor scales are read through zero strides.
+Per-tensor scales are read through zero strides. MX blocks (32 along the reduction, E8M0
+scales) are too short to promote per block (the tensor cores would wait on every 32-wide
+product: measured 0.3x of bf16 on the H200), so the kernel dequantizes them in the loop:
+``q * 2^e`` is exact in bf16 (8 exponent bits, e4m3's 3 mantissa bits), and the tile runs on
+the bf16 tensor cores, the path Hopper has for MX (no native MX MMA before sm_100).
 
 Operand layout: Hopper's FP8 ``wgmma`` reads both operands K-major (the reduction dim
 contiguous), so the launchers in :mod:`torch_moe.quantization.scaled_grouped_mm` have the
@@ -72,6 +76,7 @@ def _scaled_gmm_fwd_kernel(
     stride_on,
     SCALE_K: tl.constexpr,  # K extent of a scale block (== BLOCK_K), 0: one over all of K
     SCALE_N: tl.constexpr,  # N extent of b's scale block
+    MX: tl.constexpr,  # 32-element power-of-two scales: dequantize to bf16 in the loop
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -109,16 +114,41 @@ def _scaled_gmm_fwd_kernel(
                 k_mask = arange_k < K - k0
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if DOT_FP32:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                if SCALE_K > 0:
+                if MX:
+                    # (q * 2^e) is exact in bf16: dequantize in registers, bf16 tensor cores
+                    kbs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                    kb_mask = kbs < (K + 31) // 32
+                    sa = tl.load(
+                        sa_ptrs[:, None] + kbs[None, :] * stride_sak,
+                        mask=row_mask[:, None] & kb_mask[None, :],
+                        other=0.0,
+                    )
+                    sb = tl.load(
+                        sb_ptrs[None, :] + kbs[:, None] * stride_sbk,
+                        mask=kb_mask[:, None] & col_mask[None, :],
+                        other=0.0,
+                    )
+                    a3 = tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
+                    b3 = tl.reshape(b.to(tl.float32), (BLOCK_K // 32, 32, BLOCK_N))
+                    a_f = tl.reshape(a3 * sa[:, :, None], (BLOCK_M, BLOCK_K))
+                    b_f = tl.reshape(b3 * sb[:, None, :], (BLOCK_K, BLOCK_N))
+                    if DOT_FP32:
+                        acc = tl.dot(a_f, b_f, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a_f.to(tl.bfloat16), b_f.to(tl.bfloat16), acc)
+                elif SCALE_K > 0:
+                    if DOT_FP32:
+                        a = a.to(tl.float32)
+                        b = b.to(tl.float32)
                     kb = k0 // SCALE_K
                     sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_mask, other=0.0)
                     sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_mask, other=0.0)
                     part = tl.dot(a, b, input_precision="ieee")
                     acc += part * sa[:, None] * sb[None, :]
                 else:
+                    if DOT_FP32:
+                        a = a.to(tl.float32)
+                        b = b.to(tl.float32)
                     acc = tl.dot(a, b, acc, input_precision="ieee")
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
@@ -170,6 +200,7 @@ def _scaled_gmm_wgrad_kernel(
     stride_ok,
     stride_on,
     SCALE_M: tl.constexpr,  # rows per scale block (== BLOCK_M), 0: one block per group
+    MX: tl.constexpr,  # 32-row power-of-two scales: dequantize to bf16 in the loop
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -196,7 +227,45 @@ def _scaled_gmm_wgrad_kernel(
         sa_ptrs = sa_ptr + ks * stride_sak
         sb_ptrs = sb_ptr + ns * stride_sbn
         acc = tl.full((BLOCK_K, BLOCK_N), 0.0, dtype=tl.float32)
-        if SCALE_M > 0:
+        if MX:
+            # BLOCK_M // 32 slots per step; slots past the group's last are masked by a zero
+            # scale (their rows hold the next group's finite values, or are past M).
+            blk_end = tl.load(gfb_ptr + g + 1)
+            arange_s = tl.arange(0, BLOCK_M // 32)
+            for j in tl.range(blk, blk_end, BLOCK_M // 32):
+                rows = j * 32 + arange_m
+                in_m = rows < M
+                slot = j + arange_s
+                s_mask = slot < blk_end
+                a = tl.load(
+                    a_ptr + ks[:, None] * stride_ak + rows[None, :] * stride_am,
+                    mask=k_mask[:, None] & in_m[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    b_ptr + rows[:, None] * stride_bm + ns[None, :] * stride_bn,
+                    mask=in_m[:, None] & n_mask[None, :],
+                    other=0.0,
+                )
+                sa = tl.load(
+                    sa_ptrs[:, None] + slot[None, :] * stride_sab,
+                    mask=k_mask[:, None] & s_mask[None, :],
+                    other=0.0,
+                )
+                sb = tl.load(
+                    sb_ptrs[None, :] + slot[:, None] * stride_sbb,
+                    mask=s_mask[:, None] & n_mask[None, :],
+                    other=0.0,
+                )
+                a3 = tl.reshape(a.to(tl.float32), (BLOCK_K, BLOCK_M // 32, 32))
+                b3 = tl.reshape(b.to(tl.float32), (BLOCK_M // 32, 32, BLOCK_N))
+                a_f = tl.reshape(a3 * sa[:, :, None], (BLOCK_K, BLOCK_M))
+                b_f = tl.reshape(b3 * sb[:, None, :], (BLOCK_M, BLOCK_N))
+                if DOT_FP32:
+                    acc = tl.dot(a_f, b_f, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_f.to(tl.bfloat16), b_f.to(tl.bfloat16), acc)
+        elif SCALE_M > 0:
             # Slot layout (quantize_jagged(slots=True)): scale block j is rows
             # [j * SCALE_M, (j + 1) * SCALE_M) of a and b, zero-padded, so every step is an
             # aligned, unmasked tile along M.
@@ -255,18 +324,20 @@ class _Config:
 def _fwd_config(scale_k: int, interpret: bool) -> _Config:
     """Forward / dgrad tiles. sm_90: 128 x 128 fp32 accumulator over two warpgroups; a
     K step of 128 FP8 bytes (one 128-wide scale block, or 32 for MX) per stage."""
+    if scale_k == 32:  # MX: 64-wide K steps of two scale blocks, dequantized to bf16
+        # H200 sweep (bench_quant.py --tune, DeepSeek-V3 w13): 128x256 tiles 307 TFLOP/s,
+        # 128x128 218 (K step 64) / 273 (K step 128)
+        return _Config(16, 16, 64, 1, 1) if interpret else _Config(128, 256, 64, 8, 3)
     if interpret:
         return _Config(16, 16, scale_k or 32, num_warps=1, num_stages=1)
-    if scale_k == 32:
-        return _Config(128, 128, 32, num_warps=8, num_stages=6)
     return _Config(128, 128, scale_k or 128, num_warps=8, num_stages=4)
 
 
 def _wgrad_config(scale_m: int, interpret: bool) -> _Config:
+    if scale_m == 32:  # MX: two 32-row slots per step, dequantized to bf16
+        return _Config(64, 16, 16, 1, 1) if interpret else _Config(64, 128, 128, 8, 3)
     if interpret:
         return _Config(scale_m or 16, 16, 16, num_warps=1, num_stages=1)
-    if scale_m == 32:
-        return _Config(32, 128, 128, num_warps=8, num_stages=6)
     if scale_m == 0:  # token-order operands, masked along M: a short M step stays spill-free
         return _Config(32, 128, 128, num_warps=8, num_stages=3)
     return _Config(128, 128, 128, num_warps=8, num_stages=3)
@@ -323,7 +394,7 @@ def scaled_grouped_mm(
     if M == 0 or N == 0:
         return out.to(out_dtype)
     cfg = _fwd_config(scale_k, interpret)
-    if scale_k and cfg.block_k != scale_k:
+    if scale_k not in (0, 32, cfg.block_k):
         raise ValueError(f"{fn}: K scale blocks of {scale_k} are not supported (32 or 128)")
     max_tiles = (triton.cdiv(M, cfg.block_m) + E + 1) * triton.cdiv(N, cfg.block_n)
     grid = (min(_max_programs(a, interpret), max_tiles),)
@@ -345,7 +416,7 @@ def _fwd_args(a, b, sa, sb, out, offs, scale_k, scale_n, cfg, interpret) -> tupl
         out.stride(0), out.stride(1),
     ]  # fmt: skip
     meta = dict(
-        SCALE_K=scale_k, SCALE_N=scale_n or 1, DOT_FP32=interpret,
+        SCALE_K=scale_k, SCALE_N=scale_n or 1, MX=scale_k == 32, DOT_FP32=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
     )  # fmt: skip
     return args, meta
@@ -404,7 +475,7 @@ def _wgrad_args(a, b, sa, sb, out, offs, gfb, scale_m, cfg, interpret) -> tuple[
         out.stride(0), out.stride(1), out.stride(2),
     ]  # fmt: skip
     meta = dict(
-        SCALE_M=scale_m, DOT_FP32=interpret,
+        SCALE_M=scale_m, MX=scale_m == 32, DOT_FP32=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
     )  # fmt: skip
     return args, meta

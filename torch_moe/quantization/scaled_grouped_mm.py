@@ -90,6 +90,8 @@ def _wgrad(x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
 
 
 def _fits(block: tuple[int, int], shape: tuple[int, ...]) -> bool:
+    if block == (-1, -1):  # per tensor: the kernel reads a scale computed with torch ops
+        return True
     r = shape[-2] if block[0] == -1 else block[0]
     c = shape[-1] if block[1] == -1 else block[1]
     return (1 << max(r - 1, 0).bit_length()) * (1 << max(c - 1, 0).bit_length()) <= (
@@ -107,7 +109,7 @@ def _quantize_kmajor(t: Tensor, op: OperandQuant, out: Tensor, along_rows: bool)
     if _fits(block, tuple(t.shape)):
         _, scale = TQ.quantize_blocks(t, block, out=out)
         return scale
-    q, scale = Q.quantize_fp8(t, block)  # whole-tensor or long blocks: torch ops
+    q, scale = Q.quantize_fp8(t, block)  # blocks too long for one program: torch ops
     out.copy_(q)
     return scale
 
