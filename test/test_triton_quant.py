@@ -194,6 +194,65 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
                                  offs, block_k=-1, block_n=-1)  # fmt: skip
 
 
+def _op_cases(device="cpu"):
+    """(op, args, reference result) for every quantize / dequantize custom op."""
+    x = hard_input(64, 96, device)
+    offs = make_offs([0, 17, 23], device)
+    q, s = Q.quantize_fp8(x, (1, 32))
+    qm, sm = Q.quantize_mx(x, dim=-2)
+    qj, sj = Q.quantize_jagged(x, offs, block=32, fmt="mx", scale_dtype=torch.uint8)
+    ops = torch.ops.torch_moe
+    return [
+        (ops.quantize_fp8.default, (x, [1, 32]), (q, s)),
+        (ops.quantize_fp8.default, (x.reshape(2, 32, 96), [-1, -1]),
+         Q.quantize_fp8(x.reshape(2, 32, 96))),
+        (ops.quantize_mx.default, (x, -2, 32, "floor"), (qm, sm)),
+        (ops.quantize_mx.default, (x, -1, 32, "rceil"), Q.quantize_mx(x, scale_rule="rceil")),
+        (ops.quantize_jagged.default, (x, offs, 32, "mx", "floor"), (qj, sj)),
+        (ops.quantize_jagged.default, (x, offs, -1, "fp8", "floor"),
+         Q.quantize_jagged(x, offs, block=-1)),
+        (ops.dequantize_fp8.default, (q, s, [1, 32], torch.bfloat16),
+         Q.dequantize_fp8(q, s, (1, 32), torch.bfloat16)),
+        (ops.dequantize_mx.default, (qm, sm, -2, 32, torch.float32), Q.dequantize_mx(qm, sm, dim=-2)),
+        (ops.dequantize_jagged.default, (qj, sj, offs, 32, torch.float32),
+         Q.dequantize_jagged(qj, sj, offs, block=32)),
+    ]  # fmt: skip
+
+
+class TestQuantizeOps(TestCase):
+    """torch.ops.torch_moe.(de)quantize_*: schema, fake kernels (opcheck), torch.compile."""
+
+    def test_ops_equal_references(self):
+        for op, args, ref in _op_cases():
+            with self.subTest(op=str(op)):
+                got = op(*args)
+                for a, b in zip(got if isinstance(got, tuple) else (got,),
+                                ref if isinstance(ref, tuple) else (ref,)):  # fmt: skip
+                    self.assertTrue(torch.equal(_bits(a), _bits(b)))
+
+    def test_opcheck(self):
+        for op, args, _ in _op_cases():
+            with self.subTest(op=str(op)):
+                utils = (
+                    "test_faketensor",
+                    "test_autograd_registration",
+                    "test_aot_dispatch_dynamic",
+                )
+                if not any(isinstance(a, torch.Tensor) and a.dtype == FP8 for a in args):
+                    utils += ("test_schema",)  # (its input check multiplies: no fp8 kernel)
+                torch.library.opcheck(op, args, test_utils=utils)
+
+    def test_compile_fullgraph(self):
+        def f(x):
+            q, s = torch.ops.torch_moe.quantize_fp8(x, [1, 128])
+            return torch.ops.torch_moe.dequantize_fp8(q, s, [1, 128], torch.float32)
+
+        x = torch.randn(8, 256)
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+        self.assertTrue(torch.equal(got, f(x)))
+
+
 @unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
 class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
     """Compiled kernels on the GPU: the same checks at sizes that fill several programs."""
@@ -212,6 +271,14 @@ class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
 
     def test_gemms_match_emulation_cuda(self):
         self.check_gemms([300, 0, 517, 129, 1], 704, 384, tol=1e-4)
+
+    def test_ops_cuda_equal_cpu(self):
+        for (op, args, _), (_, args_cuda, _) in zip(_op_cases(), _op_cases("cuda")):
+            with self.subTest(op=str(op)):
+                got, ref = op(*args_cuda), op(*args)
+                for a, b in zip(got if isinstance(got, tuple) else (got,),
+                                ref if isinstance(ref, tuple) else (ref,)):  # fmt: skip
+                    self.assertTrue(torch.equal(_bits(a).cpu(), _bits(b)))
 
     def test_autograd_cuda_vs_cpu(self):
         g = torch.Generator().manual_seed(3)

@@ -4,6 +4,7 @@ The CPU path is an exact emulation (quantize -> dequantize -> fp32 GEMM) of what
 kernels compute; see :mod:`torch_moe.quantization.quantize` for the numerics.
 """
 
+from torch_moe.quantization import ops as _ops  # noqa: F401  (registers torch_moe::quantize_*)
 from torch_moe.quantization.quantize import (
     E4M3_EMAX,
     E8M0_BIAS,
