@@ -41,6 +41,12 @@ the mean nodes per token (``nodes_per_token``) and the rows that cross nodes.
 
     python benchmarks/bench_ep.py
     python benchmarks/bench_ep.py --reps 5 --tokens 1024      # quicker
+    python benchmarks/bench_ep.py --malloc glibc              # glibc's default malloc
+
+NB: with glibc's default malloc every buffer over 32 MB is a fresh mmap, and touching it
+page-faults; on the shared VM this was measured to make a 33 MB clone 6x slower (47 vs
+7 ms), which swamps what packing costs. ``--malloc no-mmap`` (the default) keeps freed
+blocks in the heap, as a caching allocator does on a GPU.
 """
 
 from __future__ import annotations
@@ -408,14 +414,26 @@ def main() -> None:
     parser.add_argument("--skip-overlap", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument(
+        "--malloc",
+        choices=["no-mmap", "glibc"],
+        default="no-mmap",
+        help="no-mmap: the workers' glibc malloc keeps large blocks instead of mapping and "
+        "unmapping them per tensor (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), so a "
+        "fresh [T*K, D] buffer does not page-fault on every call; glibc: its defaults",
+    )
     args = parser.parse_args()
+    if args.malloc == "no-mmap":  # read by each spawned worker at its start
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**32))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**36))
 
     results = {world: run_world(world, args) for world in args.worlds}
 
     print(
         f"# torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs, gloo, {args.threads} thread(s) per process, {args.dtype}, "
-        f"median of {args.reps} interleaved rounds (slowest rank per round)"
+        f"median of {args.reps} interleaved rounds (slowest rank per round), "
+        f"malloc {args.malloc}"
     )
     print()
     print("Node-limited routing (E=64, K=8, sigmoid, T=4096; experts contiguous by node;")

@@ -137,6 +137,10 @@ class TestHierarchicalAllToAll(MultiProcessTestCase):
             hierarchical_all_to_all_single(x, out_splits, splits, node_size=2)
         with self.assertRaisesRegex(ValueError, r"one entry per rank of the group \(4\)"):
             hierarchical_all_to_all_single(x, [4], [4], node_size=2)
+        # a group whose ranks are not in global-rank order (stages index peers by position)
+        reversed_group = dist.new_group([3, 2, 1, 0], sort_ranks=False)
+        with self.assertRaisesRegex(NotImplementedError, r"increasing global-rank order"):
+            hierarchical_all_to_all_single(x, splits, splits, reversed_group, node_size=2)
         # the group still works after the errors
         out = hierarchical_all_to_all_single(x, splits, splits, node_size=2)
         self.assertEqual(out, flat_a2a(x, splits, splits, dist.group.WORLD), atol=0, rtol=0)
