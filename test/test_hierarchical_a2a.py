@@ -74,6 +74,14 @@ class TestHierarchicalAllToAll(MultiProcessTestCase):
         self.assertEqual(out_hier.shape, (sum(out_splits), *row_shape), msg=msg)
         self.assertEqual(out_hier, out_flat, atol=0, rtol=0, msg=msg)
         self.assertEqual(x_hier.grad, x_flat.grad, atol=0, rtol=0, msg=msg)
+        # the split matrix handed in (no all_gather): the same exchange
+        x_mat = x.clone().requires_grad_()
+        out_mat = hierarchical_all_to_all_single(
+            x_mat, out_splits, in_splits, group, node_size, split_matrix=splits
+        )
+        out_mat.backward(grad)
+        self.assertEqual(out_mat, out_flat, atol=0, rtol=0, msg=msg)
+        self.assertEqual(x_mat.grad, x_flat.grad, atol=0, rtol=0, msg=msg)
         # rows really come from where the split matrix says: row i of the chunk from rank s
         # is rank s's row (offset of rank me in s's input + i); checked on ids, not values
         ids = torch.arange(sum(in_splits), dtype=torch.float64) + 1000 * dist.get_rank()
@@ -137,6 +145,16 @@ class TestHierarchicalAllToAll(MultiProcessTestCase):
             hierarchical_all_to_all_single(x, out_splits, splits, node_size=2)
         with self.assertRaisesRegex(ValueError, r"one entry per rank of the group \(4\)"):
             hierarchical_all_to_all_single(x, [4], [4], node_size=2)
+        # a split matrix that does not fit (the same on every rank, so every rank raises)
+        with self.assertRaisesRegex(ValueError, r"split_matrix must be 4 x 4 \(the group size\)"):
+            hierarchical_all_to_all_single(x, splits, splits, node_size=2, split_matrix=[[1] * 4])
+        with self.assertRaisesRegex(
+            ValueError,
+            r"split_matrix row \d \[2, 2, 2, 2\] and column \d \[2, 2, 2, 2\] must equal",
+        ):
+            hierarchical_all_to_all_single(
+                x, splits, splits, node_size=2, split_matrix=[[2] * 4] * 4
+            )
         # a group whose ranks are not in global-rank order (stages index peers by position)
         reversed_group = dist.new_group([3, 2, 1, 0], sort_ranks=False)
         with self.assertRaisesRegex(NotImplementedError, r"increasing global-rank order"):

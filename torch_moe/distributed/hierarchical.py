@@ -32,7 +32,10 @@ collective on top of the two exchanges (the flat all-to-all needs none, the call
 already knows its output splits). The gathered output splits let every rank check
 that ``output_split_sizes`` agree with what the other ranks send, and the flag lets a
 rank with bad splits make *every* rank raise instead of leaving the others waiting in
-a collective. The backward reuses the matrix (transposed), so it gathers nothing.
+a collective. The backward reuses the matrix (transposed), so it gathers nothing. A
+caller that already has the matrix (an expert-parallel layer that all-gathers its
+per-expert counts once, then dispatches rows and weights and combines with the
+transpose) passes it as ``split_matrix`` and skips the gather.
 
 Subgroups: the intra-node and the cross-node group of this rank are created on the
 first call for a (group, node_size) and cached. When ``group`` spans the world, every
@@ -234,12 +237,45 @@ def _split_error(
     return None
 
 
+def _checked_matrix(
+    split_matrix: Sequence[Sequence[int]],
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    rank: int,
+    error: str | None,
+) -> tuple[tuple[int, ...], ...]:
+    """``split_matrix`` as a tuple of tuples, checked against this rank's splits."""
+    if error is not None:
+        raise ValueError(f"{_NAME}: {error}")
+    size = len(input_split_sizes)
+    splits = tuple(tuple(int(n) for n in row) for row in split_matrix)
+    if len(splits) != size or any(len(row) != size for row in splits):
+        raise ValueError(
+            f"{_NAME}: split_matrix must be {size} x {size} (the group size), "
+            f"got {[len(row) for row in splits]} entries per row"
+        )
+    if any(n < 0 for row in splits for n in row):
+        raise ValueError(f"{_NAME}: split_matrix must be non-negative, got {splits}")
+    column = [splits[s][rank] for s in range(size)]
+    if list(splits[rank]) != [int(n) for n in input_split_sizes] or column != [
+        int(n) for n in output_split_sizes
+    ]:
+        raise ValueError(
+            f"{_NAME}: split_matrix row {rank} {list(splits[rank])} and column {rank} "
+            f"{column} must equal input_split_sizes {list(input_split_sizes)} and "
+            f"output_split_sizes {list(output_split_sizes)}"
+        )
+    return splits
+
+
 def hierarchical_all_to_all_single(
     x: Tensor,
     output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int],
     group: ProcessGroup | None = None,
     node_size: int = 1,
+    *,
+    split_matrix: Sequence[Sequence[int]] | None = None,
 ) -> Tensor:
     r"""All-to-all of rows with uneven splits, intra-node first, then across nodes.
 
@@ -259,13 +295,20 @@ def hierarchical_all_to_all_single(
             node-major: group rank r is on node ``r // node_size``.
         node_size: L, ranks per node; must divide the group size. ``node_size=1`` or
             the group size degenerate to one real exchange plus bookkeeping.
+        split_matrix: optional R x R host ints, ``split_matrix[s][d]`` rows from group
+            rank s to group rank d, when the caller already has it (e.g. from one
+            ``all_gather`` of per-expert counts, reused for the dispatch and, transposed,
+            the combine): skips this call's ``all_gather``. It must be the same on every
+            rank; it is checked against this rank's splits only (a mismatch raises on
+            this rank alone, so the others may be left waiting in a collective).
 
     Returns:
         [sum(output_split_sizes), ...] the rows received, in source-rank order.
 
-    Every rank of the group must call this with the same ``node_size``. Costs one
-    ``all_gather`` of the split sizes (R*(2R+1) int64) on top of the two exchanges, see
-    the module notes; bad splits on any rank raise ValueError on every rank.
+    Every rank of the group must call this with the same ``node_size``. Without
+    ``split_matrix`` it costs one ``all_gather`` of the split sizes (R*(2R+1) int64) on
+    top of the two exchanges, see the module notes, and bad splits on any rank raise
+    ValueError on every rank.
     """
     if group is None:
         group = dist.group.WORLD
@@ -280,9 +323,17 @@ def hierarchical_all_to_all_single(
             "ranks are grouped node-major into size // node_size nodes"
         )
 
+    error = _split_error(x, output_split_sizes, input_split_sizes, size)
+    if split_matrix is not None:
+        splits = _checked_matrix(
+            split_matrix, output_split_sizes, input_split_sizes, dist.get_rank(group), error
+        )
+        intra, inter = _node_groups(group, node_size)
+        plan = _Plan(splits, dist.get_rank(group), node_size, intra, inter)
+        return _HierarchicalAllToAll.apply(x, plan)
+
     # Gather [ok, input splits, output splits] of every rank: the split matrix for the
     # bookkeeping, and a consistency check that every rank reaches together.
-    error = _split_error(x, output_split_sizes, input_split_sizes, size)
     if error is None:
         row = [1, *(int(n) for n in input_split_sizes), *(int(n) for n in output_split_sizes)]
     else:
