@@ -8,7 +8,9 @@ rows rank s sends to rank d (the R x R split matrix).
 ``dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group)``
 (rows for rank d are ``x``'s d-th chunk; the output holds the chunks received from
 ranks 0..R-1 in rank order), but moves the data in two stages, as Tutel's 2D
-all-to-all and DeepEP's normal mode do:
+all-to-all does (DeepEP's normal mode makes the same two hops in the other order,
+across nodes to the same local index first, then inside the node, which also lets it
+send a token once per destination node; see :func:`nodes_per_token`):
 
 1. Intra-node: rank (n, l) sends to its node peer (n, l') everything it has for the
    ranks with local index l' on *all* nodes (x's chunks reordered from [n'][l'] to
@@ -22,7 +24,9 @@ all-to-all and DeepEP's normal mode do:
 Across nodes that is one message per (node pair, local index), N*(N-1)*L in all,
 instead of one per (rank pair), R*(R-L); each message is L times larger on average.
 It pays where cross-node messages are latency-bound (many ranks per node, small
-per-rank chunks); on a single host it costs an extra copy and an extra collective.
+per-rank chunks); on a single host it only adds work: two row reorders, a second
+exchange and the split gather (2.2-3.1x the flat time at 2 x 2 with gloo on one
+machine, benchmarks/results/ep_cpu_202611.md).
 
 NB: split bookkeeping. Stage 1's receive sizes and stage 2's sizes depend on rows that
 other ranks of the node send to other ranks, so every rank needs the full R x R split
@@ -50,8 +54,8 @@ the same program on a symmetric mesh). A DeviceMesh with ("node", "local") dims 
 give the same groups, but creating them needs every rank of the world in one call
 and a mesh rather than the ProcessGroup this function takes. Every rank creates its
 intra-node group first and its cross-node group second, so the creation order is the
-same everywhere (no deadlock). Stages over a group of one rank (N == 1 or L == 1)
-skip the collective.
+same everywhere (no deadlock). A stage over a group of one rank (N == 1 or L == 1)
+skips its collective; one that spans the whole group uses ``group`` itself.
 
 :func:`nodes_per_token` counts the distinct nodes each token's experts live on when
 experts are placed contiguously by node (expert e on node ``e // experts_per_node``),
