@@ -1,7 +1,9 @@
-"""Distributed MoE: expert parallelism (``ExpertParallel``) and expert placement."""
+"""Distributed MoE: expert parallelism (``ExpertParallel``), the hierarchical all-to-all,
+DTensor sharding rules for the torch_moe ops, and expert placement."""
 
 from torch_moe.distributed import sharding  # noqa: F401  (registers the DTensor sharding rules)
 from torch_moe.distributed.expert_parallel import ExpertParallel
+from torch_moe.distributed.hierarchical import hierarchical_all_to_all_single, nodes_per_token
 from torch_moe.distributed.placement import (
     ExpertPlacement,
     balancedness,
@@ -16,7 +18,9 @@ __all__ = [
     "ExpertParallel",
     "ExpertPlacement",
     "balancedness",
+    "hierarchical_all_to_all_single",
     "identity_placement",
+    "nodes_per_token",
     "plan_placement",
     "remap_expert_weights",
     "remap_indices",
