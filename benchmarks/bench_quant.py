@@ -208,6 +208,41 @@ def tune_rows() -> list[list[str]]:
     return rows
 
 
+def tune_tile_rows() -> list[list[str]]:
+    """Sweep the quantize kernel's tile shape and warps on a bf16 [65536, 7168] input."""
+    dev = "cuda"
+    xq = torch.randn(65536, 7168, device=dev, dtype=torch.bfloat16)
+    rows = []
+    copy_ms = bench_ms(lambda: xq.clone(), dev)
+    rows.append(["copy", "-", f"{copy_ms:.3f}", "1.00"])
+    cases = {
+        (1, 128): [None, (32, 128), (16, 256), (8, 512), (4, 1024), (2, 2048), (1, 4096)],
+        (1, 32): [None, (32, 128), (16, 256), (8, 512), (4, 1024), (1, 4096)],
+        (128, 128): [None, (128, 256)],
+    }
+    for block, tiles in cases.items():
+        kw = dict(fmt="mx", scale_dtype=torch.uint8) if block == (1, 32) else {}
+        for tile in tiles:
+            for warps in (4, 8):
+                TQ.BLOCKS_TILES.clear()
+                if tile is not None:
+                    TQ.BLOCKS_TILES[block] = tile
+                TQ.BLOCKS_WARPS = warps
+                try:
+                    ms = bench_ms(
+                        lambda kw=kw, block=block: TQ.quantize_blocks(xq, block, **kw), dev
+                    )
+                    rows.append([f"{block}", f"tile {tile or 'budget'} warps {warps}",
+                                 f"{ms:.3f}", f"{copy_ms * 0.75 / ms:.2f}"])  # fmt: skip
+                except Exception as exc:
+                    rows.append(
+                        [f"{block}", f"tile {tile} warps {warps}", "failed", type(exc).__name__]
+                    )
+    TQ.BLOCKS_TILES.clear()
+    TQ.BLOCKS_WARPS = 4
+    return rows
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -224,9 +259,17 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--quant-rows", type=int, default=65536, help="rows of the quantize input")
     p.add_argument("--out", type=Path, default=None, help="write the tables as markdown here")
     p.add_argument("--tune", action="store_true", help="also sweep kernel configs (cuda)")
+    p.add_argument("--tune-tiles", action="store_true", help="only sweep quantize tiles (cuda)")
     args = p.parse_args(argv)
     dev = args.device
     import triton
+
+    if args.tune_tiles:
+        out = table(["block", "config", "ms", "x copy (bytes in+out)"], tune_tile_rows())
+        print(out)
+        if args.out is not None:
+            args.out.write_text(out + "\n")
+        return out
 
     env = f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}"
     if dev == "cuda":

@@ -57,6 +57,8 @@ MAX_BLOCK_ELEMS = 16384
 # Elements per program and warps of the blocks kernel on the GPU (H200: see bench_quant.py).
 BLOCKS_BUDGET = 4096
 BLOCKS_WARPS = 4
+# (block rows, block cols) -> (tile rows, tile cols) measured faster than the budget's tile
+BLOCKS_TILES: dict[tuple[int, int], tuple[int, int]] = {}
 JAGGED_TILE_N = 64
 JAGGED_WARPS = 4
 
@@ -327,6 +329,8 @@ def quantize_blocks(
     if given_scale:
         tile_c = min(_pow2(c), 128 if interpret else 256)
         tile_r = max(1, budget // tile_c)
+    elif not interpret and (psr, psc) in BLOCKS_TILES:
+        tile_r, tile_c = BLOCKS_TILES[(psr, psc)]
     grid = (triton.cdiv(r, tile_r) * triton.cdiv(c, tile_c), nb)
     kernel = _interpreted(_quantize_blocks_kernel) if interpret else _quantize_blocks_kernel
     args = [x3, q3, scale, r, c, *x3.stride(), *q3.stride(), *scale.stride()]
