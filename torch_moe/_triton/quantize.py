@@ -44,8 +44,10 @@ __all__ = [
     "MAX_BLOCK_ELEMS",
     "compile_for_sm90",
     "jagged_block_table",
+    "jagged_num_blocks",
     "quantize_blocks",
     "quantize_jagged",
+    "supports",
 ]
 
 _FMT_CODES = {"fp8": 0, "mx_floor": 1, "mx_rceil": 2}
@@ -245,11 +247,49 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def supports(x: torch.Tensor, block: tuple[int, int], fmt: str = "fp8") -> bool:
+    """Whether :func:`quantize_blocks` takes x with ``block`` (else use the reference's ops):
+    2D / 3D float input, and a block that fits one program (power-of-two extents, or the
+    whole dim), or an FP8 block spanning the whole matrix (per-tensor scale)."""
+    if x.dim() not in (2, 3) or x.dtype not in _IN_DTYPES:
+        return False
+    r, c = x.shape[-2:]
+    sr = max(r, 1) if block[0] == -1 else block[0]
+    sc = max(c, 1) if block[1] == -1 else block[1]
+    if sr >= r and sc >= c and fmt == "fp8":
+        return True
+    shape_ok = (_pow2(sr) == sr or sr >= r) and (_pow2(sc) == sc or sc >= c)
+    return shape_ok and _pow2(sr) * _pow2(sc) <= MAX_BLOCK_ELEMS
+
+
+def jagged_num_blocks(num_rows: int, num_groups: int, block: int) -> int:
+    """Static bound on the scale rows of a jagged quantization (see jagged_block_table)."""
+    if block == -1:
+        return num_groups + 1
+    return (num_rows + (num_groups + 1) * (block - 1)) // block
+
+
 def _tile(extent: int, block: int, budget: int) -> int:
     """A power-of-two tile extent that holds whole blocks: ``block`` times a power of two."""
     if block >= extent:
         return block
     return block * max(1, min(_pow2(-(-extent // block)), budget // block))
+
+
+@dataclasses.dataclass
+class _Launch:
+    """One kernel launch as a launcher plans it: run it, or AOT-compile it (compile_for_sm90)."""
+
+    kernel: Any  # the @triton.jit kernel
+    grid: tuple[int, ...]
+    args: list
+    meta: dict[str, Any]
+    num_warps: int
+    interpret: bool
+
+    def run(self) -> None:
+        kernel = _interpreted(self.kernel) if self.interpret else self.kernel
+        kernel[self.grid](*self.args, **self.meta, num_warps=self.num_warps)
 
 
 def _check_x(fn: str, x: torch.Tensor, dims: tuple[int, ...]) -> None:
@@ -276,6 +316,21 @@ def quantize_blocks(
     ``dim=-1`` (block ``(1, G)``) or ``dim=-2`` (block ``(G, 1)``), bit for bit. ``out``
     (float8_e4m3fn, x's shape, any strides) receives q, e.g. a K-major layout for a GEMM.
     """
+    out, scale, launch = _plan_blocks(x, block, fmt, scale_rule, scale_dtype, out)
+    if launch is not None:
+        launch.run()
+    return out, scale
+
+
+def _plan_blocks(
+    x: torch.Tensor,
+    block: tuple[int, int],
+    fmt: str,
+    scale_rule: str,
+    scale_dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, _Launch | None]:
+    """quantize_blocks' checks, outputs and launch (None: nothing to launch)."""
     fn = "quantize_blocks"
     _check_x(fn, x, (2, 3))
     code = _fmt_code(fmt, scale_rule)
@@ -320,8 +375,9 @@ def quantize_blocks(
     else:
         scale = torch.empty((nb, -(-r // sr), -(-c // sc)), dtype=s_dtype, device=x.device)
     q3 = out if out.dim() == 3 else out.unsqueeze(0)
+    scale_ret = scale if x.dim() == 3 else scale.squeeze(0)
     if x.numel() == 0:
-        return out, scale if x.dim() == 3 else scale.squeeze(0)
+        return out, scale_ret, None
     interpret = _use_interpreter(x) and x.device.type != "meta"
     budget = 1024 if interpret else BLOCKS_BUDGET  # elements per program
     tile_c = _tile(c, psc, max(budget // psr, psc))
@@ -332,17 +388,13 @@ def quantize_blocks(
     elif not interpret and (psr, psc) in BLOCKS_TILES:
         tile_r, tile_c = BLOCKS_TILES[(psr, psc)]
     grid = (triton.cdiv(r, tile_r) * triton.cdiv(c, tile_c), nb)
-    kernel = _interpreted(_quantize_blocks_kernel) if interpret else _quantize_blocks_kernel
     args = [x3, q3, scale, r, c, *x3.stride(), *q3.stride(), *scale.stride()]
     meta = dict(
         SR=psr, SC=psc, TILE_R=tile_r, TILE_C=tile_c, FMT=code,
         SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret, GIVEN_SCALE=given_scale,
     )  # fmt: skip
-    if _COMPILE_ONLY:
-        _COMPILE_ONLY.append((_quantize_blocks_kernel, args, meta))
-        return out, scale
-    kernel[grid](*args, **meta, num_warps=BLOCKS_WARPS)
-    return out, scale if x.dim() == 3 else scale.squeeze(0)
+    launch = _Launch(_quantize_blocks_kernel, grid, args, meta, BLOCKS_WARPS, interpret)
+    return out, scale_ret, launch
 
 
 def jagged_block_table(
@@ -359,13 +411,12 @@ def jagged_block_table(
     ends = torch.cummax(ends, 0).values
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     sizes = ends - starts
+    bound = jagged_num_blocks(num_rows, num_groups, block)
     if block == -1:
         nblocks = (sizes > 0).long()
-        bound = num_groups + 1
         step = num_rows + 1
     else:
         nblocks = (sizes + block - 1) // block
-        bound = (num_rows + (num_groups + 1) * (block - 1)) // block
         step = block
     first_block = torch.cumsum(nblocks, 0) - nblocks
     j = torch.arange(bound, device=offs.device)
@@ -397,6 +448,23 @@ def quantize_jagged(
     ``[j * block, (j + 1) * block)`` of ``out`` [NB * block, N] instead, zero-padded: every
     block then starts on an aligned row, which the wgrad GEMM needs for wide loads along M.
     """
+    out, scale, launch = _plan_jagged(x, offs, block, fmt, scale_rule, scale_dtype, out, slots)
+    if launch is not None:
+        launch.run()
+    return out, scale
+
+
+def _plan_jagged(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    block: int,
+    fmt: str,
+    scale_rule: str,
+    scale_dtype: torch.dtype,
+    out: torch.Tensor | None,
+    slots: bool,
+) -> tuple[torch.Tensor, torch.Tensor, _Launch | None]:
+    """quantize_jagged's checks, outputs and launch (None: nothing to launch)."""
     fn = "quantize_jagged"
     _check_x(fn, x, (2,))
     code = _fmt_code(fmt, scale_rule)
@@ -417,29 +485,19 @@ def quantize_jagged(
     s_dtype = torch.uint8 if code and scale_dtype == torch.uint8 else torch.float32
     scale = torch.empty((first.shape[0], n), dtype=s_dtype, device=x.device)
     if scale.numel() == 0:
-        return out, scale
-    interpret = _use_interpreter(x)
+        return out, scale, None
+    interpret = _use_interpreter(x) and x.device.type != "meta"
     tile_n = 16 if interpret else JAGGED_TILE_N
     tile_m = 32 if interpret else 128
     if block != -1:
         tile_m = min(tile_m, _pow2(block)) if interpret and not slots else _pow2(block)
     grid = (first.shape[0], triton.cdiv(n, tile_n))
-    kernel = _interpreted(_quantize_jagged_kernel) if interpret else _quantize_jagged_kernel
     args = [x, out, scale, first, last, n, *x.stride(), *out.stride(), *scale.stride()]
     meta = dict(
         TILE_M=tile_m, TILE_N=tile_n, FMT=code,
         SCALE_U8=s_dtype == torch.uint8, EMULATE_CVT=interpret, SLOTS=slots,
     )  # fmt: skip
-    if _COMPILE_ONLY:
-        _COMPILE_ONLY.append((_quantize_jagged_kernel, args, meta))
-        return out, scale
-    kernel[grid](*args, **meta, num_warps=JAGGED_WARPS)
-    return out, scale
-
-
-# compile_for_sm90 runs the launchers on meta tensors with this list non-empty: they then
-# append (kernel, args, constexprs) instead of launching.
-_COMPILE_ONLY: list = []
+    return out, scale, _Launch(_quantize_jagged_kernel, grid, args, meta, JAGGED_WARPS, interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,33 +514,18 @@ def compile_for_sm90(kernel: str, *, fmt: str = "fp8", block: Any = (1, 128), M:
     from torch_moe._triton.grouped_mm import compile_jit_for_sm90
 
     x = torch.empty(M, N, dtype=torch.bfloat16, device="meta")
-    _COMPILE_ONLY.append(None)
-    try:
-        if kernel == "blocks":
-            quantize_blocks(x, block, fmt=fmt)
-        elif kernel == "jagged":
-            offs = torch.empty(E, dtype=torch.int32, device="meta")
-            _compile_jagged(x, offs, block, fmt, slots)
-        else:
-            raise ValueError(
-                f"compile_for_sm90: kernel must be 'blocks' or 'jagged', got {kernel!r}"
-            )
-        _, (fn, args, meta) = _COMPILE_ONLY[:2]
-    finally:
-        _COMPILE_ONLY.clear()
-    meta["EMULATE_CVT"] = False
-    return compile_jit_for_sm90(f"quantize_{kernel}", fn, args, meta, _LaunchConfig(), cc=cc)
-
-
-def _compile_jagged(x: torch.Tensor, offs: torch.Tensor, block: int, fmt: str, slots: bool) -> None:
-    # jagged_block_table needs real values: build the launch arguments on meta tensors here.
-    m, n = x.shape
-    nb = (m + (offs.shape[0] + 1) * (max(block, 1) - 1)) // max(block, 1)
-    q_rows = nb * block if slots else m
-    out = torch.empty(n, q_rows, dtype=_FP8, device="meta").t()
-    scale = torch.empty(nb, n, dtype=torch.float32, device="meta")
-    first = torch.empty(nb, dtype=torch.int32, device="meta")
-    args = [x, out, scale, first, first, n, *x.stride(), *out.stride(), *scale.stride()]
-    meta = dict(TILE_M=_pow2(block) if block > 0 else 128, TILE_N=64, FMT=_fmt_code(fmt, "floor"),
-                SCALE_U8=False, EMULATE_CVT=False, SLOTS=slots)  # fmt: skip
-    _COMPILE_ONLY.append((_quantize_jagged_kernel, args, meta))
+    if kernel == "blocks":
+        _, _, launch = _plan_blocks(x, block, fmt, "floor", torch.float32, None)
+    elif kernel == "jagged":
+        offs = torch.empty(E, dtype=torch.int32, device="meta")
+        nb = jagged_block_table(offs, M, block)[0].shape[0]
+        q_rows = nb * block if slots else M
+        out = torch.empty(N, q_rows, dtype=_FP8, device="meta").t()  # M-major, as the GEMM's
+        _, _, launch = _plan_jagged(x, offs, block, fmt, "floor", torch.float32, out, slots)
+    else:
+        raise ValueError(f"compile_for_sm90: kernel must be 'blocks' or 'jagged', got {kernel!r}")
+    assert launch is not None
+    cfg = _LaunchConfig(num_warps=launch.num_warps)
+    return compile_jit_for_sm90(
+        f"quantize_{kernel}", launch.kernel, launch.args, launch.meta, cfg, cc=cc
+    )

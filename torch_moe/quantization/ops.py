@@ -28,26 +28,6 @@ __all__: list[str] = []
 _FP8 = torch.float8_e4m3fn
 
 
-def _extent(block: int, size: int) -> int:
-    return max(size, 1) if block == -1 else block
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _triton_fits(x: Tensor, block: tuple[int, int]) -> bool:
-    if x.dim() not in (2, 3) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    r, c = x.shape[-2:]
-    if block == (-1, -1):
-        return True
-    br, bc = _extent(block[0], r), _extent(block[1], c)
-    return _pow2(br) * _pow2(bc) <= TQ.MAX_BLOCK_ELEMS and (
-        (_pow2(br) == br or br >= r) and (_pow2(bc) == bc or bc >= c)
-    )
-
-
 # --------------------------------------------------------------------------------------
 # quantize_fp8
 
@@ -60,7 +40,7 @@ def quantize_fp8(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
 @quantize_fp8.register_kernel("cuda")
 def _(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
     blk = (block[0], block[1])
-    if _triton_fits(x, blk):
+    if TQ.supports(x, blk):
         return TQ.quantize_blocks(x, blk)
     return Q.quantize_fp8(x, blk)
 
@@ -71,7 +51,7 @@ def _(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
     if len(block) != 2:
         raise ValueError(f"quantize_fp8: block must be (rows, cols), got {block}")
     *lead, r, c = x.shape
-    br, bc = _extent(block[0], r), _extent(block[1], c)
+    br, bc = Q._extent(block[0], r), Q._extent(block[1], c)
     return x.new_empty(x.shape, dtype=_FP8), x.new_empty(
         (*lead, -(-r // br), -(-c // bc)), dtype=torch.float32
     )
@@ -91,7 +71,7 @@ def quantize_mx(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tenso
 def _(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
     d = dim % x.dim() if x.dim() else dim
     blk = (1, block) if d == x.dim() - 1 else (block, 1)
-    if d >= x.dim() - 2 and _triton_fits(x, blk) and x.shape[d] % block == 0:
+    if d >= x.dim() - 2 and TQ.supports(x, blk, "mx") and x.shape[d] % block == 0:
         return TQ.quantize_blocks(x, blk, fmt="mx", scale_rule=scale_rule, scale_dtype=torch.uint8)
     return Q.quantize_mx(x, dim=dim, block=block, scale_rule=scale_rule)
 
@@ -111,12 +91,6 @@ def _(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]
 
 # --------------------------------------------------------------------------------------
 # quantize_jagged
-
-
-def _jagged_rows(num_rows: int, num_groups: int, block: int) -> int:
-    if block == -1:
-        return num_groups + 1
-    return (num_rows + (num_groups + 1) * (block - 1)) // block
 
 
 def _jagged_scale_dtype(fmt: str) -> torch.dtype:
@@ -144,7 +118,7 @@ def _(x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str) -> tuple[T
     Q._check_input("quantize_jagged", x)
     if fmt not in ("fp8", "mx"):
         raise ValueError(f"quantize_jagged: fmt must be 'fp8' or 'mx', got {fmt!r}")
-    nb = _jagged_rows(x.shape[0], offs.shape[0], block)
+    nb = TQ.jagged_num_blocks(x.shape[0], offs.shape[0], block)
     return x.new_empty(x.shape, dtype=_FP8), x.new_empty(
         (nb, x.shape[1]), dtype=_jagged_scale_dtype(fmt)
     )

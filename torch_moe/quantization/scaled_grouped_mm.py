@@ -89,16 +89,6 @@ def _wgrad(x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
 # kernel path (CUDA; the same functions run on CPU tensors in Triton's interpreter)
 
 
-def _fits(block: tuple[int, int], shape: tuple[int, ...]) -> bool:
-    if block == (-1, -1):  # per tensor: the kernel reads a scale computed with torch ops
-        return True
-    r = shape[-2] if block[0] == -1 else block[0]
-    c = shape[-1] if block[1] == -1 else block[1]
-    return (1 << max(r - 1, 0).bit_length()) * (1 << max(c - 1, 0).bit_length()) <= (
-        TQ.MAX_BLOCK_ELEMS
-    )
-
-
 def _quantize_kmajor(t: Tensor, op: OperandQuant, out: Tensor, along_rows: bool) -> Tensor:
     """Quantize t [..., R, C] into ``out`` (any layout); reduction along rows or columns."""
     block = (op.inner, op.outer) if along_rows else (op.outer, op.inner)
@@ -106,7 +96,7 @@ def _quantize_kmajor(t: Tensor, op: OperandQuant, out: Tensor, along_rows: bool)
         mx_block = (op.inner, 1) if along_rows else (1, op.inner)
         _, scale = TQ.quantize_blocks(t, mx_block, fmt="mx", scale_rule=op.scale_rule, out=out)
         return scale
-    if _fits(block, tuple(t.shape)):
+    if TQ.supports(t, block):
         _, scale = TQ.quantize_blocks(t, block, out=out)
         return scale
     q, scale = Q.quantize_fp8(t, block)  # blocks too long for one program: torch ops
