@@ -51,6 +51,39 @@ __all__ = ["compile_for_sm90", "scaled_grouped_mm", "scaled_grouped_mm_wgrad"]
 
 
 @triton.jit
+def _chain_dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ b on the tensor cores (the interpreter: fp32 operands)."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _promote_dot(a, b, sa, sb, acc, DOT_FP32: tl.constexpr):
+    """acc + (a @ b) * sa[:, None] * sb[None, :]: one scale block's product, promoted."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return acc + tl.dot(a, b, input_precision="ieee") * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _mx_dot(a, b, sa, sb, acc, R: tl.constexpr, RED: tl.constexpr, C: tl.constexpr,
+            DOT_FP32: tl.constexpr):  # fmt: skip
+    """acc + dequant(a) @ dequant(b) for MX operands: a [R, RED] with scales sa [R, RED // 32],
+    b [RED, C] with sb [RED // 32, C]. ``q * 2^e`` is exact in bf16, so the product runs on the
+    bf16 tensor cores (the interpreter: fp32)."""
+    a3 = tl.reshape(a.to(tl.float32), (R, RED // 32, 32))
+    b3 = tl.reshape(b.to(tl.float32), (RED // 32, 32, C))
+    a_f = tl.reshape(a3 * sa[:, :, None], (R, RED))
+    b_f = tl.reshape(b3 * sb[:, None, :], (RED, C))
+    if DOT_FP32:
+        return tl.dot(a_f, b_f, acc, input_precision="ieee")
+    return tl.dot(a_f.to(tl.bfloat16), b_f.to(tl.bfloat16), acc)
+
+
+@triton.jit
 def _scaled_gmm_fwd_kernel(
     a_ptr,  # *fp8 [M, K]
     b_ptr,  # *fp8 [E, K, N]
@@ -115,7 +148,6 @@ def _scaled_gmm_fwd_kernel(
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                 if MX:
-                    # (q * 2^e) is exact in bf16: dequantize in registers, bf16 tensor cores
                     kbs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
                     kb_mask = kbs < (K + 31) // 32
                     sa = tl.load(
@@ -128,28 +160,14 @@ def _scaled_gmm_fwd_kernel(
                         mask=kb_mask[:, None] & col_mask[None, :],
                         other=0.0,
                     )
-                    a3 = tl.reshape(a.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
-                    b3 = tl.reshape(b.to(tl.float32), (BLOCK_K // 32, 32, BLOCK_N))
-                    a_f = tl.reshape(a3 * sa[:, :, None], (BLOCK_M, BLOCK_K))
-                    b_f = tl.reshape(b3 * sb[:, None, :], (BLOCK_K, BLOCK_N))
-                    if DOT_FP32:
-                        acc = tl.dot(a_f, b_f, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a_f.to(tl.bfloat16), b_f.to(tl.bfloat16), acc)
+                    acc = _mx_dot(a, b, sa, sb, acc, BLOCK_M, BLOCK_K, BLOCK_N, DOT_FP32)
                 elif SCALE_K > 0:
-                    if DOT_FP32:
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
                     kb = k0 // SCALE_K
                     sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_mask, other=0.0)
                     sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_mask, other=0.0)
-                    part = tl.dot(a, b, input_precision="ieee")
-                    acc += part * sa[:, None] * sb[None, :]
+                    acc = _promote_dot(a, b, sa, sb, acc, DOT_FP32)
                 else:
-                    if DOT_FP32:
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                    acc = _chain_dot(a, b, acc, DOT_FP32)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
             if SCALE_K == 0:
@@ -257,14 +275,7 @@ def _scaled_gmm_wgrad_kernel(
                     mask=s_mask[:, None] & n_mask[None, :],
                     other=0.0,
                 )
-                a3 = tl.reshape(a.to(tl.float32), (BLOCK_K, BLOCK_M // 32, 32))
-                b3 = tl.reshape(b.to(tl.float32), (BLOCK_M // 32, 32, BLOCK_N))
-                a_f = tl.reshape(a3 * sa[:, :, None], (BLOCK_K, BLOCK_M))
-                b_f = tl.reshape(b3 * sb[:, None, :], (BLOCK_M, BLOCK_N))
-                if DOT_FP32:
-                    acc = tl.dot(a_f, b_f, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a_f.to(tl.bfloat16), b_f.to(tl.bfloat16), acc)
+                acc = _mx_dot(a, b, sa, sb, acc, BLOCK_K, BLOCK_M, BLOCK_N, DOT_FP32)
         elif SCALE_M > 0:
             # Slot layout (quantize_jagged(slots=True)): scale block j is rows
             # [j * SCALE_M, (j + 1) * SCALE_M) of a and b, zero-padded, so every step is an
@@ -276,13 +287,9 @@ def _scaled_gmm_wgrad_kernel(
             for j in tl.range(blk, blk_end):
                 a = tl.load(a_ptrs, mask=k_mask[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-                if DOT_FP32:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
                 sa = tl.load(sa_ptrs + j * stride_sab, mask=k_mask, other=0.0)
                 sb = tl.load(sb_ptrs + j * stride_sbb, mask=n_mask, other=0.0)
-                part = tl.dot(a, b, input_precision="ieee")
-                acc += part * sa[:, None] * sb[None, :]
+                acc = _promote_dot(a, b, sa, sb, acc, DOT_FP32)
                 a_ptrs += SCALE_M * stride_am
                 b_ptrs += SCALE_M * stride_bm
         else:
@@ -293,10 +300,7 @@ def _scaled_gmm_wgrad_kernel(
                 m_mask = arange_m < end - m0
                 a = tl.load(a_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-                if DOT_FP32:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision="ieee")
+                acc = _chain_dot(a, b, acc, DOT_FP32)
                 a_ptrs += BLOCK_M * stride_am
                 b_ptrs += BLOCK_M * stride_bm
             sa = tl.load(sa_ptrs + blk * stride_sab, mask=k_mask, other=0.0)
@@ -322,8 +326,8 @@ class _Config:
 
 
 def _fwd_config(scale_k: int, interpret: bool) -> _Config:
-    """Forward / dgrad tiles. sm_90: 128 x 128 fp32 accumulator over two warpgroups; a
-    K step of 128 FP8 bytes (one 128-wide scale block, or 32 for MX) per stage."""
+    """Forward / dgrad tiles. sm_90: 128 x 128 fp32 accumulator over two warpgroups and a
+    K step of one 128-wide scale block per stage; MX: see below."""
     if scale_k == 32:  # MX: 64-wide K steps of two scale blocks, dequantized to bf16
         # H200 sweep (bench_quant.py --tune, DeepSeek-V3 w13): 128x256 tiles 307 TFLOP/s,
         # 128x128 218 (K step 64) / 273 (K step 128)
