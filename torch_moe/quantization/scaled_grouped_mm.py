@@ -114,27 +114,21 @@ def _kernel_gemm(
     qa = torch.empty((M, k), dtype=torch.float8_e4m3fn, device=a.device)
     sa = _quantize_kmajor(a, g.lhs, qa, along_rows=False)
     qb = torch.empty((E, n, k), dtype=torch.float8_e4m3fn, device=a.device).transpose(-2, -1)
-    sb = _quantize_kmajor(b, g.rhs, qb, along_rows=True)
-    if g.rhs.fmt == "fp8" and g.rhs.outer == -1 and g.rhs.inner == -1:
-        sb = sb.reshape(E, 1, 1)
-    sa = sa.float().reshape(-1, sa.shape[-1])
+    sb = _quantize_kmajor(b, g.rhs, qb, along_rows=True)  # fp32, [E, KS, NS]
     return TK.scaled_grouped_mm(
-        qa, qb, sa, sb.float(), offs, block_k=g.lhs.inner, block_n=g.rhs.outer, out_dtype=out_dtype
+        qa, qb, sa, sb, offs, block_k=g.lhs.inner, block_n=g.rhs.outer, out_dtype=out_dtype
     )
 
 
 def _quantize_jagged_mmajor(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
     """Wgrad operand, M-major: per-tensor or per-group scales in token order; 32 / 128-row
     blocks in the slot layout (every block on an aligned row, see quantize_jagged)."""
-    if (op.outer, op.inner) == (-1, -1):
-        q, scale = Q.quantize_fp8(t)
+    if op.inner == -1:  # token order
         out = torch.empty(t.shape[::-1], dtype=torch.float8_e4m3fn, device=t.device).t()
-        out.copy_(q)
-        return out, scale
-    if op.inner == -1:
-        out = torch.empty(t.shape[::-1], dtype=torch.float8_e4m3fn, device=t.device).t()
+        if op.outer == -1:  # one scale for the tensor
+            return TQ.quantize_blocks(t, (-1, -1), out=out)
         return TQ.quantize_jagged(t, offs, block=-1, fmt=op.fmt, scale_rule=op.scale_rule, out=out)
-    nb = TQ.jagged_block_table(offs, t.shape[0], op.inner)[0].shape[0]
+    nb = TQ.jagged_num_blocks(t.shape[0], offs.shape[0], op.inner)
     out = torch.empty((t.shape[1], nb * op.inner), dtype=torch.float8_e4m3fn, device=t.device).t()
     return TQ.quantize_jagged(
         t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule, out=out, slots=True
@@ -155,9 +149,7 @@ def _kernel_wgrad(
         if tensorwise
         else TQ.jagged_block_table(offs, x.shape[0], block)[2]
     )
-    return TK.scaled_grouped_mm_wgrad(
-        qx, qdy, sx.float(), sdy.float(), offs, gfb, block, out_dtype=out_dtype
-    )
+    return TK.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, gfb, block, out_dtype=out_dtype)
 
 
 def _kernels_support(g: GemmQuant) -> bool:
