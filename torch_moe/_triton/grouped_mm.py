@@ -78,6 +78,38 @@ __all__ = [
 # then raise "Cannot call @triton.jit'd outside of the scope of a kernel".
 
 
+# Pieces shared with the scaled (FP8) kernels in torch_moe/_triton/scaled_grouped_mm.py.
+
+
+@triton.jit
+def _group_bounds(offs_ptr, g, M):
+    """Rows ``[start, end)`` of group g, clamped into [0, M] (see NB in the module docstring)."""
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    start = tl.minimum(tl.maximum(start, 0), M)
+    end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), start), M)
+    return start, end
+
+
+@triton.jit
+def _zero_tail(
+    out_ptr, start, M, N, tile_base, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Zeros in the padding rows [start, M) of a persistent forward's output, continuing its
+    flat tile numbering after the ``tile_base`` tiles of the groups."""
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_tail = ((M - start + BLOCK_M - 1) // BLOCK_M) * tiles_n
+    first = (pid + num_progs - tile_base % num_progs) % num_progs
+    zeros = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=out_ptr.dtype.element_ty)
+    for t in tl.range(first, tiles_tail, num_progs):
+        rows = start + (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(o_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
 @triton.jit
 def _grouped_mm_fwd_kernel(
     x_ptr,  # *T [M, K]: rows sorted by group
@@ -148,14 +180,7 @@ def _grouped_mm_fwd_kernel(
         w_g_ptr += stride_we
 
     # Padding rows [start, M): zeros, continuing the same flat tile numbering.
-    tiles_tail = ((M - start + BLOCK_M - 1) // BLOCK_M) * tiles_n
-    first = (pid + num_progs - tile_base % num_progs) % num_progs
-    zeros = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=out_ptr.dtype.element_ty)
-    for t in tl.range(first, tiles_tail, num_progs):
-        rows = start + (t // tiles_n) * BLOCK_M + arange_m
-        cols = (t % tiles_n) * BLOCK_N + arange_n
-        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-        tl.store(o_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
+    _zero_tail(out_ptr, start, M, N, tile_base, stride_om, stride_on, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -198,10 +223,7 @@ def _grouped_mm_wgrad_kernel(
         ns = (tile_kn % tiles_n) * BLOCK_N + arange_n
         k_mask = ks < K
         n_mask = ns < N
-        # Rows of group g, clamped into [0, M] (see NB in the module docstring).
-        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-        start = tl.minimum(tl.maximum(start, 0), M)
-        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), start), M)
+        start, end = _group_bounds(offs_ptr, g, M)
         # x is read transposed: a [BLOCK_K, BLOCK_M] tile of x^T.
         rows0 = start.to(tl.int64) + arange_m
         a_ptrs = x_ptr + ks[:, None] * stride_xk + rows0[None, :] * stride_xm

@@ -45,7 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_moe._triton.grouped_mm import _interpreted, _max_programs, _use_interpreter
+from torch_moe._triton.grouped_mm import (
+    _group_bounds,
+    _interpreted,
+    _max_programs,
+    _use_interpreter,
+    _zero_tail,
+)
 
 __all__ = ["compile_for_sm90", "scaled_grouped_mm", "scaled_grouped_mm_wgrad"]
 
@@ -183,14 +189,7 @@ def _scaled_gmm_fwd_kernel(
         b_g_ptr += stride_be
         sb_g_ptr += stride_sbe
 
-    tiles_tail = ((M - start + BLOCK_M - 1) // BLOCK_M) * tiles_n
-    first = (pid + num_progs - tile_base % num_progs) % num_progs
-    zeros = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=out_ptr.dtype.element_ty)
-    for t in tl.range(first, tiles_tail, num_progs):
-        rows = start + (t // tiles_n) * BLOCK_M + arange_m
-        cols = (t % tiles_n) * BLOCK_N + arange_n
-        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-        tl.store(o_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
+    _zero_tail(out_ptr, start, M, N, tile_base, stride_om, stride_on, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -238,9 +237,7 @@ def _scaled_gmm_wgrad_kernel(
         ns = (tile_kn % tiles_n) * BLOCK_N + arange_n
         k_mask = ks < K
         n_mask = ns < N
-        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-        start = tl.minimum(tl.maximum(start, 0), M)
-        end = tl.minimum(tl.maximum(tl.load(offs_ptr + g), start), M)
+        start, end = _group_bounds(offs_ptr, g, M)
         blk = tl.load(gfb_ptr + g).to(tl.int64)
         sa_ptrs = sa_ptr + ks * stride_sak
         sb_ptrs = sb_ptr + ns * stride_sbn
