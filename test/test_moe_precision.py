@@ -1,19 +1,12 @@
 # Owner(s): ["module: moe"]
 """Tests for ``MoE(precision=...)``: the routed experts in FP8 / MXFP8 (CPU emulation) against
-the fp32 layer on the same weights, per-GEMM overrides, configuration and bad input, the
-training example's ``--precision``, and (CUDA only) the GPU kernels against the emulation.
+the fp32 layer on the same weights, per-GEMM overrides, configuration and bad input, and (CUDA only) the GPU kernels against the
+emulation. The training example's ``--precision`` is tested in test_train.py.
 
 Legend: T tokens, D dim, F expert hidden dim, E experts, K top-k.
 """
 
-import contextlib
-import io
-import json
-import shutil
-import sys
-import tempfile
 import unittest
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -28,9 +21,6 @@ import torch_moe  # noqa: F401
 from torch_moe.nn import GroupedExperts, MoE
 from torch_moe.nn.modules import moe as moe_module
 from torch_moe.quantization import RECIPES, Recipe, get_recipe
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import train_moe_lm
 
 EXACT = dict(atol=0, rtol=0)
 # D and F multiples of 128: full 1x128 / 128x128 blocks and 32-element MX blocks
@@ -214,49 +204,6 @@ class TestMoEPrecision(TestCase):
                 MoE(D, F, E, K, precision=bad)
         with self.assertRaisesRegex(ValueError, "unknown low-precision recipe 'fp4'"):
             GroupedExperts(D, F, E, precision="fp4")
-
-
-TINY = [
-    "--dim", "32", "--layers", "2", "--heads", "2", "--hidden-dim", "32",
-    "--experts", "4", "--top-k", "2", "--seq-len", "32", "--batch-size", "4",
-    "--corpus-bytes", "20000", "--eval-batches", "1", "--sample-bytes", "0",
-    "--warmup", "2", "--no-progress", "--threads", "1", "--steps", "12", "--ckpt-every", "0",
-]  # fmt: skip
-
-
-class TestTrainPrecision(TestCase):
-    def setUp(self):
-        super().setUp()
-        self.threads = torch.get_num_threads()
-        self.tmp = Path(tempfile.mkdtemp())
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        torch.set_num_threads(self.threads)
-        super().tearDown()
-
-    def train(self, precision):
-        out = self.tmp / precision
-        with contextlib.redirect_stdout(io.StringIO()):
-            result = train_moe_lm.main([*TINY, "--out", str(out), "--precision", precision])
-        with open(out / "metrics.jsonl") as f:
-            return result, [json.loads(line)["loss"] for line in f]
-
-    def test_fp8_blockwise_tracks_bf16(self):
-        _, bf16 = self.train("bf16")
-        result, fp8 = self.train("fp8_blockwise")
-        self.assertEqual(len(fp8), 12)
-        self.assertLess(fp8[-1], fp8[0] - 0.5)  # it learns
-        for step, (a, b) in enumerate(zip(bf16, fp8), 1):
-            self.assertLess(abs(b - a) / a, 0.02, f"step {step}: bf16 {a:.4f} fp8 {b:.4f}")
-        model, run = train_moe_lm.load_model(result["out"])
-        self.assertEqual(run["precision"], "fp8_blockwise")
-        self.assertEqual(model.moe_layers()[0].experts.precision, "fp8_blockwise")
-
-    def test_bad_precision_flag(self):
-        with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
-            train_moe_lm.parse_args(["--precision", "fp4"])
-        self.assertRegex(err.getvalue(), r"--precision: invalid choice: 'fp4'.*'mxfp8'")
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")

@@ -166,6 +166,28 @@ class TestTrainMoELM(TestCase):
             sorted(p.name for p in out.iterdir() if "checkpoint" in p.name), ["checkpoint"]
         )
 
+    def test_fp8_blockwise_tracks_bf16(self):
+        def losses(precision):
+            args = ["--steps", "12", "--ckpt-every", "0", "--precision", precision]
+            result = self.train(precision, *args)
+            with open(Path(result["out"]) / "metrics.jsonl") as f:
+                return result, [json.loads(line)["loss"] for line in f]
+
+        _, bf16 = losses("bf16")
+        result, fp8 = losses("fp8_blockwise")
+        self.assertEqual(len(fp8), 12)
+        self.assertLess(fp8[-1], fp8[0] - 0.5)  # it learns
+        for step, (a, b) in enumerate(zip(bf16, fp8), 1):
+            self.assertLess(abs(b - a) / a, 0.02, f"step {step}: bf16 {a:.4f} fp8 {b:.4f}")
+        model, run = train_moe_lm.load_model(result["out"])
+        self.assertEqual(run["precision"], "fp8_blockwise")
+        self.assertEqual(model.moe_layers()[0].experts.precision, "fp8_blockwise")
+
+    def test_bad_precision_flag(self):
+        with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+            train_moe_lm.parse_args(["--precision", "fp4"])
+        self.assertRegex(err.getvalue(), r"--precision: invalid choice: 'fp4'.*'mxfp8'")
+
     def test_expert_parallel_needs_torchrun(self):
         # --ep N runs under torchrun (test/test_expert_parallel.py); without it: a usage error
         with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
