@@ -242,6 +242,22 @@ class TestQuantizeOps(TestCase):
                     utils += ("test_schema",)  # (its input check multiplies: no fp8 kernel)
                 torch.library.opcheck(op, args, test_utils=utils)
 
+    def test_bad_input(self):
+        ops = torch.ops.torch_moe
+        x = torch.randn(8, 40)
+        with self.assertRaisesRegex(ValueError, r"dim 1 has size 40, not a multiple of the block"):
+            ops.quantize_mx(x, -1, 32, "floor")
+        with self.assertRaisesRegex(ValueError, "fmt must be 'fp8' or 'mx', got 'nvfp4'"):
+            ops.quantize_jagged(x, make_offs([8]), 32, "nvfp4", "floor")
+        with self.assertRaisesRegex(TypeError, "expected x to be one of"):
+            ops.quantize_fp8(x.int(), [1, 32])
+        with self.assertRaisesRegex(ValueError, r"needs scale of shape \[8, 2\], got \[8, 3\]"):
+            q, _ = ops.quantize_fp8(x, [1, 32])
+            ops.dequantize_fp8(q, torch.ones(8, 3), [1, 32], torch.float32)
+        with torch._subclasses.fake_tensor.FakeTensorMode():  # the fake kernels check too
+            with self.assertRaisesRegex(ValueError, "block must be \\(rows, cols\\)"):
+                ops.quantize_fp8(torch.empty(8, 40), [1, 32, 1])
+
     def test_compile_fullgraph(self):
         def f(x):
             q, s = torch.ops.torch_moe.quantize_fp8(x, [1, 128])
