@@ -167,6 +167,9 @@ class TestEPCompose(DTensorTestBase):
         net1 = Net(seed=5)
         sd1 = net1.state_dict()
         dcp.load(sd1, checkpoint_id=self.temp_dir, no_dist=True)
+        # with_temp_dir removes the directory on every rank as it leaves: nobody may leave
+        # before all ranks have read it (a rank that did failed another's read in CI)
+        dist.barrier()
         net1.load_state_dict(sd1)
         for key, expected in ref_sd.items():
             got = net1.state_dict()[key]
