@@ -19,6 +19,9 @@ after a barrier; a round's time is the slowest rank's; median of ``--reps`` roun
       only when torch_moe.distributed.expert_parallel exists);
     * ``EP exch.``: ``EP`` without the permute and unpermute, which the unparallelized
       layer runs as well (what expert parallelism adds to a layer's forward);
+    * ``EP (a2a)``, ``EP exch. (a2a)``: the same with ``ExpertParallel(exchange=
+      "all_to_all")`` (one ``all_to_all_single`` per direction and two row reorders)
+      where the default is the segment exchange (``"p2p"``, no reorder);
     * ``own (hier)``, ``EP (hier)``, ``EP exch. (hier)``: the same with
       :func:`hierarchical_all_to_all_single` (world 4 as 2 nodes x 2 ranks; EP's with
       ``ExpertParallel(node_size=2)`` when it has that option).
@@ -181,6 +184,8 @@ def bench_dispatch(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, 
     eps = {}
     if style_args is not None:
         eps["EP"] = ep_dispatch_combine(args.dim, E, args.k, dtype)
+        if "exchange" in style_args:  # the default is "p2p"; the all-to-all + reorder peer
+            eps["EP (a2a)"] = ep_dispatch_combine(args.dim, E, args.k, dtype, exchange="all_to_all")
         if world == 4 and "node_size" in style_args:
             eps["EP (hier)"] = ep_dispatch_combine(args.dim, E, args.k, dtype, node_size=2)
     own = OwnDispatch(E)
@@ -483,7 +488,8 @@ def main() -> None:
     )
     print("Cells: ms (overhead = ms / raw - 1).")
     print()
-    names = ["own", "EP", "EP exch.", "own (hier)", "EP (hier)", "EP exch. (hier)"]
+    names = ["own", "EP", "EP exch.", "EP (a2a)", "EP exch. (a2a)"]
+    names += ["own (hier)", "EP (hier)", "EP exch. (hier)"]
     names = [
         n for n in names if any(n in t for w in args.worlds for *_, t in results[w]["dispatch"])
     ]

@@ -82,11 +82,16 @@ class EPTestBase(MultiProcessTestCase):
             out = moe(x)
         with CommDebugMode() as bwd_comm:
             (out * g_all[rows]).sum().backward()
-        if style is None or style.node_size is None:
+        a2a = torch.ops.c10d.alltoall_base_
+        if style is None or style.exchange == "p2p":
+            # forward: the counts all-to-all; the rows move point-to-point (CommDebugMode
+            # does not see send/recv), see test_exchange.py for their messages
+            self.assertEqual(fwd_comm.get_comm_counts(), {a2a: 1})
+            self.assertEqual(bwd_comm.get_comm_counts(), {})
+        elif style.node_size is None:
             # forward: the counts, then per chunk the rows, their routing weights and the
             # combine; backward: the reverse of the last three per chunk; nothing else
-            C = 1 if style is None else style.num_chunks
-            a2a = torch.ops.c10d.alltoall_base_
+            C = style.num_chunks
             self.assertEqual(fwd_comm.get_comm_counts(), {a2a: 1 + 3 * C})
             self.assertEqual(bwd_comm.get_comm_counts(), {a2a: 3 * C})
 
@@ -169,14 +174,21 @@ class TestExpertParallel2(EPTestBase):
         ref.update_expert_bias(0.01, group=dist.new_group([self.rank]))
         self.assertEqual(moe.router.expert_bias, ref.router.expert_bias)
 
-        # chunked dispatch/combine with the shared experts overlapping the first dispatch
-        moe, _ = self.check_matches_single_process(
-            mesh, [9, 4], style=ExpertParallel(num_chunks=2), shared_hidden_dim=8
-        )
-        self.assertEqual(moe.experts.forward.shared.num_overlapped, 1)
-        self.check_matches_single_process(
-            mesh, [0, 7], setup=deepseek_setup, style=ExpertParallel(num_chunks=4), **DEEPSEEK
-        )
+        # chunked dispatch/combine with the shared experts overlapping the first dispatch,
+        # with either exchange
+        for exchange in ("p2p", "all_to_all"):
+            moe, _ = self.check_matches_single_process(
+                mesh,
+                [9, 4],
+                style=ExpertParallel(num_chunks=2, exchange=exchange),
+                shared_hidden_dim=8,
+            )
+            self.assertEqual(moe.experts.forward.shared.num_overlapped, 1)
+            style = ExpertParallel(num_chunks=4, exchange=exchange)
+            self.check_matches_single_process(
+                mesh, [0, 7], setup=deepseek_setup, style=style, **DEEPSEEK
+            )
+        self.check_matches_single_process(mesh, [7, 3], style=ExpertParallel(exchange="all_to_all"))
 
         self.check_fp8_dispatch(mesh)
         self.check_local_losses_and_dtypes(mesh)
@@ -189,14 +201,20 @@ class TestExpertParallel2(EPTestBase):
         torch.manual_seed(20 + self.rank)
         x = torch.randn(12, DIM)
         results = []
-        for style in (ExpertParallel(), ExpertParallel(dispatch_dtype=torch.float8_e4m3fn)):
+        fp8 = torch.float8_e4m3fn
+        for style in (
+            ExpertParallel(),
+            ExpertParallel(dispatch_dtype=fp8),
+            ExpertParallel(dispatch_dtype=fp8, exchange="all_to_all", num_chunks=2),
+        ):
             moe = copy.deepcopy(base)
             parallelize_module(moe, mesh, style)
             xg = x.clone().requires_grad_()
             out = moe(xg)
             (out * x).sum().backward()
             results.append((out, xg.grad, moe.experts.w13.grad.to_local()))
-        for plain, fp8 in zip(*results):
+        for plain, fp8, fp8_a2a in zip(*results, strict=True):
+            self.assertEqual(fp8_a2a, fp8)  # per-row blocks: the exchange does not matter
             self.assertNotEqual(plain, fp8)
             sqnr = 10 * torch.log10(plain.pow(2).sum() / (plain - fp8).pow(2).sum())
             self.assertGreater(sqnr.item(), 25.0)
@@ -257,6 +275,16 @@ class TestExpertParallel2(EPTestBase):
             ExpertParallel(dispatch_dtype=torch.float16)
         with self.assertRaisesRegex(ValueError, "node_size must be None or a positive int"):
             ExpertParallel(node_size=0)
+        with self.assertRaisesRegex(ValueError, "exchange must be None, 'p2p' or 'all_to_all'"):
+            ExpertParallel(exchange="nccl")
+        with self.assertRaisesRegex(ValueError, "node_size=2 needs exchange='all_to_all'"):
+            ExpertParallel(node_size=2, exchange="p2p")
+        # ranks built with different styles: they would expect different messages
+        style = ExpertParallel(exchange="all_to_all" if self.rank else "p2p")
+        with self.assertRaisesRegex(
+            ValueError, r"rank 1: ExpertParallel.exchange='all_to_all' \(rank 0: 'p2p'\)"
+        ):
+            parallelize_module(make_moe(), mesh, style)
         with CommDebugMode() as comm:
             with self.assertRaisesRegex(ValueError, r"num_chunks \(5\) must be at most .* = 4"):
                 parallelize_module(make_moe(), mesh, ExpertParallel(num_chunks=5))

@@ -1,7 +1,9 @@
-"""Distributed MoE: expert parallelism (``ExpertParallel``), the hierarchical all-to-all,
-DTensor sharding rules for the torch_moe ops, and expert placement."""
+"""Distributed MoE: expert parallelism (``ExpertParallel``), the segment and the
+hierarchical all-to-all, DTensor sharding rules for the torch_moe ops, and expert
+placement."""
 
 from torch_moe.distributed import sharding  # noqa: F401  (registers the DTensor sharding rules)
+from torch_moe.distributed.exchange import SegmentWork, all_to_all_segments
 from torch_moe.distributed.expert_parallel import ExpertParallel
 from torch_moe.distributed.hierarchical import hierarchical_all_to_all_single, nodes_per_token
 from torch_moe.distributed.placement import (
@@ -17,6 +19,8 @@ from torch_moe.distributed.placement import (
 __all__ = [
     "ExpertParallel",
     "ExpertPlacement",
+    "SegmentWork",
+    "all_to_all_segments",
     "balancedness",
     "hierarchical_all_to_all_single",
     "identity_placement",

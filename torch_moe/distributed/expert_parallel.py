@@ -24,18 +24,22 @@ experts, M permuted rows of this rank (T*K dropless), N rows received by this ra
 
   1. counts exchange: ``all_to_all_single`` of the [E] per-expert row counts, so each
      rank learns the [R, El] rows it will receive;
-  2. one host sync: the send/receive split lists (gloo and NCCL take host lists) come from
-     one ``.tolist()`` of the local and received counts (this is the only sync; the
-     permutation indices are built on the device from the counts);
+  2. one host sync: the segment tables (or split lists) the transport takes on the host
+     come from one ``.tolist()`` of the local and received counts (the only sync);
   3. dispatch: the permuted rows are already sorted by global expert, hence by
-     destination rank; an autograd ``all_to_all_single`` moves them (and their fp32
-     routing weights) to the owners, which reorder them from (source rank, expert) to
-     (expert, source rank) order with a gather;
+     destination rank and, within it, by the owner's local expert. With the default
+     ``exchange="p2p"`` each (destination rank, expert) block travels as one segment of
+     ``all_to_all_segments`` (point-to-point, autograd) straight into the owner's
+     expert-major buffer, with the fp32 routing weights alongside; with
+     ``exchange="all_to_all"`` one autograd ``all_to_all_single`` moves them and the
+     owner reorders them from (source rank, expert) to (expert, source rank) order with
+     a gather;
   4. the local experts: the module's own forward (whatever its ``precision``) on the
      local shards ``w13.to_local()`` / ``w2.to_local()``, so the gradients flow back to
      the DTensor parameters as ``Shard(0)`` gradients;
-  5. combine: the inverse gather and the inverse all-to-all bring each row's output home,
-     and the layer's ``unpermute`` sums the K rows of each token in fp32 in a fixed order
+  5. combine: the same segments in reverse (or the inverse gather and the inverse
+     all-to-all) bring each row's output home in the layer's permuted order, and the
+     layer's ``unpermute`` sums the K rows of each token in fp32 in a fixed order
      (deterministic).
 
   Within one expert the rows arrive ordered by source rank and then by token, so the
@@ -58,20 +62,27 @@ experts, M permuted rows of this rank (T*K dropless), N rows received by this ra
 Options (``ExpertParallel(...)``, all giving the results of the plain path except FP8):
 
 * ``num_chunks=C``: the local experts are split into C contiguous groups and steps 3-5
-  run per group; group c+1's dispatch (``async_op=True``) is issued before group c's
-  experts run, combines are issued asynchronously and waited at the end, and the shared
-  experts run right after the first dispatch is issued (``_SharedOverlap``). Every expert
-  still sees all its rows in the same order, so outputs and gradients are bitwise those
-  of C = 1. The sender reorders its rows chunk-major (one gather), and each chunk's
-  expert call slices the local weights, whose gradient is then accumulated over C
-  slices. The backward all-to-alls are synchronous.
+  run per group; the later groups' dispatches are in flight (``async_op=True``) while
+  group c's experts run (p2p: all issued at once; all_to_all: one ahead), each combine is
+  issued as soon as its group is done and waited at the end, and the shared experts run
+  right after the first dispatch is issued (``_SharedOverlap``). Every expert still sees
+  all its rows in the same order, so outputs and gradients are bitwise those of C = 1.
+  Each chunk's expert call slices the local weights, whose gradient is then accumulated
+  over C slices; the all_to_all exchange also reorders the sender's rows chunk-major (one
+  gather). The backward exchanges are synchronous.
+* ``exchange``: ``"p2p"`` (the default) or ``"all_to_all"``, see step 3. The segment
+  exchange copies no row outside the transport but sends R*El messages per direction
+  instead of R; with gloo on 2 CPU cores it removed most of what expert parallelism added
+  over a bare all-to-all of the same bytes (benchmarks/results/ep_cpu_202611.md). NB:
+  ``CommDebugMode`` does not count point-to-point messages, only the counts all-to-all.
 * ``dispatch_dtype=torch.float8_e4m3fn``: the dispatched rows travel as e4m3 with one
   fp32 scale per 1x128 block (``torch_moe.quantization.quantize_fp8``), about half the
   bytes of bf16 and a quarter of fp32; the routing weights, the combine and every
   backward all-to-all stay in the original dtype (the gradient passes the quantization
   straight through).
 * ``node_size=L``: dispatch and combine use ``hierarchical_all_to_all_single`` (intra-node,
-  then across nodes; the EP ranks taken node-major), bitwise the flat result.
+  then across nodes; the EP ranks taken node-major), bitwise the flat result; this is an
+  all_to_all exchange (``exchange="p2p"`` with ``node_size`` raises).
 
 Measured here (2 CPU ranks, gloo, and one H200 with NCCL at EP=1): plain and chunked EP
 equal one process bitwise; FP8 dispatch gives 38-47 dB SQNR on the layer output and
@@ -94,6 +105,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torch_moe.distributed.exchange import SegmentWork, all_to_all_segments
 from torch_moe.distributed.hierarchical import hierarchical_all_to_all_single
 from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
@@ -103,6 +115,7 @@ _T = TypeVar("_T")
 _EXPERT_PARAMS = ("w13", "w2")
 _FP8_BLOCK = (1, 128)  # dispatch quantization: one scale per 128 values of a row
 _DISPATCH_DTYPES = (None, torch.float8_e4m3fn)
+_EXCHANGES = (None, "p2p", "all_to_all")
 
 
 @dataclass
@@ -316,6 +329,209 @@ class _SharedOverlap:
         return self.shared_forward(x)
 
 
+class _SegmentPlan:
+    """The segment tables of one forward (``exchange="p2p"``), from the one host sync.
+
+    Rows leave this rank in the layer's permuted order (sorted by global expert, so the rows
+    for rank d's local expert l are the block of expert ``e = d*El + l``) and arrive
+    expert-major: chunk c's receive buffer holds its local experts ``[l0, l1)`` one after
+    the other, each expert's rows ordered by source rank, as the unparallelized layer
+    orders them. Chunk c sends rank d one segment per expert of the chunk; the combine
+    sends the same segments back.
+    """
+
+    def __init__(
+        self, send_E: list[int], recv_RL: list[list[int]], bounds: list[tuple[int, int]]
+    ) -> None:
+        R, El = len(recv_RL), len(recv_RL[0])
+        start = [0]
+        for n in send_E:
+            start.append(start[-1] + n)
+        self.used = start[-1]  # rows of x sent (the rest is alignment/capacity padding)
+        self.num_local = El
+        self.sent: list[list[list[tuple[int, int]]]] = []  # [c][d]: segments of x
+        self.received: list[list[list[tuple[int, int]]]] = []  # [c][s]: of chunk c's buffer
+        self.rows: list[int] = []  # [c]: rows chunk c receives
+        for l0, l1 in bounds:
+            self.sent.append(
+                [[(start[d * El + j], send_E[d * El + j]) for j in range(l0, l1)] for d in range(R)]
+            )
+            received: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+            row = 0
+            for j in range(l0, l1):  # local expert j, then by source rank
+                for s in range(R):
+                    received[s].append((row, recv_RL[s][j]))
+                    row += recv_RL[s][j]
+            self.received.append(received)
+            self.rows.append(row)
+        # chunk c's messages use tags [3*l0, 3*l1) (+ a base per direction): one per expert
+        # segment and tensor (at most three: rows or fp8 rows and scales, routing weights)
+        self.first_tag = [_TAGS_PER_SEGMENT * l0 for l0, _ in bounds]
+
+
+_TAGS_PER_SEGMENT = 3
+_SEGMENT_OPS = ("dispatch", "combine", "dispatch backward", "combine backward")
+
+
+class _SegmentExchange:
+    """One direction of every chunk's segment exchange: ``issue(c, ...)`` starts chunk c
+    (asynchronously), ``wait(c)`` completes it. The combine and the backward of the
+    dispatch send the received segments back (``reverse``)."""
+
+    def __init__(self, plan: _SegmentPlan, ep: _EPGroup, op: str, reverse: bool) -> None:
+        self.plan, self.ep, self.op, self.reverse = plan, ep, op, reverse
+        self.first_tag = _SEGMENT_OPS.index(op) * _TAGS_PER_SEGMENT * plan.num_local
+        self.inflight: dict[int, tuple[SegmentWork, list[Tensor]]] = {}
+
+    def issue(self, c: int, outputs: list[Tensor], inputs: list[Tensor]) -> None:
+        plan, ep = self.plan, self.ep
+        sent, received = plan.sent[c], plan.received[c]
+        out_segs, in_segs = (sent, received) if self.reverse else (received, sent)
+        inputs = [t.contiguous() for t in inputs]
+        tag = self.first_tag + plan.first_tag[c]
+        work = ep.call(
+            f"{self.op} all_to_all_segments",
+            lambda: all_to_all_segments(
+                outputs, inputs, out_segs, in_segs, ep.group, tag=tag, async_op=True
+            ),
+        )
+        assert work is not None  # async_op=True
+        self.inflight[c] = (work, inputs)  # the inputs stay alive until the sends are done
+
+    def wait(self, c: int) -> None:
+        entry = self.inflight.pop(c, None)
+        if entry is not None:
+            self.ep.call(f"{self.op} all_to_all_segments (wait)", entry[0].wait)
+
+    def wait_all(self) -> None:
+        for c in list(self.inflight):
+            self.wait(c)
+
+
+class _Dispatch:
+    """Every chunk's dispatch (rows and routing weights) as segments; see _SegmentDispatch."""
+
+    def __init__(self, plan: _SegmentPlan, ep: _EPGroup, fp8: bool) -> None:
+        self.plan, self.ep, self.fp8 = plan, ep, fp8
+        self.exchange = _SegmentExchange(plan, ep, "dispatch", reverse=False)
+        self.finish: dict[int, Callable[[], object]] = {}
+
+    def issue(self, x: Tensor, w: Tensor | None) -> tuple[Tensor, ...]:
+        """Issue every chunk; return chunk c's rows [N_c, D] (then weights [N_c])."""
+        rows = self.plan.rows
+        # the gradients' shapes and dtypes, without keeping x or w alive
+        self.x_like, self.x_shape = x.new_empty(0), x.shape
+        self.w_like = None if w is None else w.new_empty(0)
+        xs = [x.new_empty((n, *x.shape[1:])) for n in rows]
+        ws = [] if w is None else [w.new_empty(n) for n in rows]
+        if self.fp8:  # one quantization of all rows, e4m3 bytes (gloo: as uint8) + scales
+            q, scale = quantize_fp8(x, _FP8_BLOCK)
+            q = q.view(torch.uint8)
+        for c, n in enumerate(rows):
+            outs, ins = [xs[c]], [x]
+            if self.fp8:
+                q_c, scale_c = q.new_empty((n, *q.shape[1:])), scale.new_empty(n, scale.shape[1])
+                outs, ins = [q_c, scale_c], [q, scale]
+                self.finish[c] = functools.partial(self._dequantize, xs[c], q_c, scale_c)
+            if w is not None:
+                outs, ins = [*outs, ws[c]], [*ins, w]
+            self.exchange.issue(c, outs, ins)
+        return (*xs, *ws)
+
+    @staticmethod
+    def _dequantize(out: Tensor, q: Tensor, scale: Tensor) -> None:
+        out.copy_(dequantize_fp8(q.view(torch.float8_e4m3fn), scale, _FP8_BLOCK, dtype=out.dtype))
+
+    def wait(self, c: int) -> None:
+        """Complete chunk c's dispatch: its rows and weights are valid afterwards."""
+        self.exchange.wait(c)
+        finish = self.finish.pop(c, None)
+        if finish is not None:
+            with torch.no_grad():  # fills the (not yet used) output of _SegmentDispatch
+                finish()
+
+    def backward(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor, Tensor | None]:
+        """Send every chunk's gradient segments back (in the gradient's dtype): every row
+        of x went to exactly one segment, so the gradient of x is fully written."""
+        C, x_shape = len(self.plan.rows), self.x_shape
+        back = _SegmentExchange(self.plan, self.ep, "dispatch backward", reverse=True)
+        grad_x = self.x_like.new_empty(x_shape)
+        grad_w = None if self.w_like is None else self.w_like.new_empty(x_shape[0])
+        for c, n in enumerate(self.plan.rows):
+            outs = [grad_x] if grad_w is None else [grad_x, grad_w]
+            ins = [_or_zeros(grads[c], (n, *x_shape[1:]), grad_x)]
+            if grad_w is not None:
+                ins.append(_or_zeros(grads[C + c], (n,), grad_w))
+            back.issue(c, outs, ins)
+        back.wait_all()
+        return grad_x, grad_w
+
+
+def _or_zeros(grad: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    return like.new_zeros(shape) if grad is None else grad
+
+
+class _SegmentDispatch(torch.autograd.Function):
+    """Dispatch as segments (``exchange="p2p"``): returns every chunk's received rows
+    [N_c, D] (then its routing weights [N_c]), rows expert-major. The exchanges are only
+    issued: ``dispatch.wait(c)`` must come before chunk c's outputs are read. The
+    backward sends each gradient segment back to its source (synchronously); FP8
+    dispatch passes it straight through the quantization."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, dispatch: _Dispatch, x: Tensor, w: Tensor | None
+    ) -> tuple[Tensor, ...]:
+        ctx.dispatch = dispatch
+        return dispatch.issue(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad_x, grad_w = ctx.dispatch.backward(grads)
+        return None, grad_x, grad_w
+
+
+class _Combine:
+    """Every chunk's combine as segments (the dispatch's segments in reverse) into one
+    [used, D] output in the layer's permuted row order; see _SegmentCombine."""
+
+    def __init__(self, plan: _SegmentPlan, ep: _EPGroup) -> None:
+        self.plan, self.ep = plan, ep
+        self.exchange = _SegmentExchange(plan, ep, "combine", reverse=True)
+        self.out: Tensor | None = None
+
+    def issue(self, c: int, y: Tensor) -> None:
+        if self.out is None:
+            self.out = y.new_empty((self.plan.used, *y.shape[1:]))
+        self.exchange.issue(c, [self.out], [y.detach()])
+
+    def backward(self, grad: Tensor) -> list[Tensor]:
+        back = _SegmentExchange(self.plan, self.ep, "combine backward", reverse=False)
+        grads = [grad.new_empty((n, *grad.shape[1:])) for n in self.plan.rows]
+        for c, g in enumerate(grads):
+            back.issue(c, [g], [grad])
+        back.wait_all()
+        return grads
+
+
+class _SegmentCombine(torch.autograd.Function):
+    """The combine's output once every chunk's segments have arrived. NB: each chunk's
+    combine was issued as soon as its experts were done (``combine.issue``), before this
+    function sees the chunk outputs ``ys`` as its inputs; the forward only waits. The
+    backward sends the output gradient's segments to the experts' ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, combine: _Combine, *ys: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.combine = combine
+        combine.exchange.wait_all()
+        assert combine.out is not None  # every chunk was issued
+        return combine.out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (None, *ctx.combine.backward(grad.contiguous()))
+
+
 class _ExpertParallelForward:
     """Replaces ``moe.experts.forward``: dispatch -> local experts -> combine."""
 
@@ -328,6 +544,7 @@ class _ExpertParallelForward:
         self.num_chunks = style.num_chunks
         self.dispatch_dtype = style.dispatch_dtype
         self.node_size = style.node_size
+        self.exchange = style.exchange
         self.shared = (
             _SharedOverlap(moe)
             if style.num_chunks > 1 and getattr(moe, "shared_experts", None) is not None
@@ -365,11 +582,84 @@ class _ExpertParallelForward:
         ep, E, C = self.ep, self.num_experts, self.num_chunks
         R = ep.size
         El = E // R
-        M, dev = x.shape[0], x.device
+        M = x.shape[0]
         bounds = [(c * El // C, (c + 1) * El // C) for c in range(C)]  # local experts per chunk
         # 1. counts exchange: send_RL[r, l] rows for expert r*El + l, recv_RL[s, l] from rank s
         send_E = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
         recv_RL = _all_to_all(send_E, [El] * R, [El] * R, ep, "counts").view(R, El)
+        run = self._segments if self.exchange == "p2p" else self._all_to_all
+        y = run(x, offs, row_weights, send_E, recv_RL, bounds)
+        used = y.shape[0]
+        if used < M:  # alignment/capacity padding rows of the layer: zero outputs
+            y = torch.cat([y, y.new_zeros((M - used, *y.shape[1:]))])
+        return y
+
+    def _send_dtype(self, x: Tensor) -> Tensor:
+        dev_type = x.device.type
+        if torch.is_autocast_enabled(dev_type) and x.is_floating_point():
+            # the experts compute in the autocast dtype: cast before sending, not after
+            # (the same values, and the backward sends gradients in that dtype too)
+            x = x.to(torch.get_autocast_dtype(dev_type))
+        return x
+
+    def _run_shared(self, x: Tensor) -> None:
+        """The shared experts while the first dispatch is in flight (num_chunks > 1)."""
+        if self.shared is not None:
+            dev_type = x.device.type
+            autocast = torch.is_autocast_enabled(dev_type)
+            self.shared.run(torch.get_autocast_dtype(dev_type) if autocast else x.dtype)
+
+    def _local_experts(self, x: Tensor, offs: Tensor, w: Tensor | None, l0: int, l1: int) -> Tensor:
+        """The module's own forward on the local experts [l0, l1) (all of them when C = 1)."""
+        with _local_expert_params(self.experts, None if self.num_chunks == 1 else slice(l0, l1)):
+            return self.local_forward(x, offs, w)
+
+    def _segments(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        w: Tensor | None,
+        send_E: Tensor,
+        recv_RL: Tensor,
+        bounds: list[tuple[int, int]],
+    ) -> Tensor:
+        """Steps 2-5 with ``exchange="p2p"``: rows land expert-major (no reorder)."""
+        E, (R, El), C = self.num_experts, recv_RL.shape, len(bounds)
+        # 2. the one host sync: the segment tables of every chunk
+        counts = torch.cat([send_E, recv_RL.reshape(-1)]).tolist()
+        recv = [counts[E + s * El : E + (s + 1) * El] for s in range(R)]
+        plan = _SegmentPlan(counts[:E], recv, bounds)
+        x = self._send_dtype(x[: plan.used])
+        w = None if w is None else w[: plan.used]
+        # 3. dispatch: every chunk issued at once, chunk c waited before its experts run
+        dispatch = _Dispatch(plan, self.ep, fp8=self.dispatch_dtype is not None)
+        received = _SegmentDispatch.apply(dispatch, x, w)
+        self._run_shared(x)
+        combine = _Combine(plan, self.ep)
+        ys = []
+        for c, (l0, l1) in enumerate(bounds):
+            dispatch.wait(c)
+            offs_local = recv_RL[:, l0:l1].sum(0).cumsum(0).to(offs.dtype)
+            w_c = None if w is None else received[C + c]
+            # 4. the local experts; 5. their rows go home as soon as they are done
+            y = self._local_experts(received[c], offs_local, w_c, l0, l1)
+            combine.issue(c, y)
+            ys.append(y)
+        return _SegmentCombine.apply(combine, *ys)
+
+    def _all_to_all(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        row_weights: Tensor | None,
+        send_E: Tensor,
+        recv_RL: Tensor,
+        bounds: list[tuple[int, int]],
+    ) -> Tensor:
+        """Steps 2-5 with ``exchange="all_to_all"``: source-major rows, reordered."""
+        C = len(bounds)
+        R, El = recv_RL.shape
+        dev = x.device
         send_RL = send_E.view(R, El)
         # 2. the one host sync: every chunk's split lists
         sizes = torch.stack(
@@ -377,12 +667,9 @@ class _ExpertParallelForward:
             + [recv_RL[:, l0:l1].sum(1) for l0, l1 in bounds]
         ).tolist()
         send_splits, recv_splits = sizes[:C], sizes[C:]
-        used = sum(map(sum, send_splits))  # used < M: alignment/capacity padding rows
-        x, w = x[:used], None if row_weights is None else row_weights[:used]
-        if torch.is_autocast_enabled(dev.type) and x.is_floating_point():
-            # the experts compute in the autocast dtype: cast before sending, not after
-            # (the same values, and the backward sends gradients in that dtype too)
-            x = x.to(torch.get_autocast_dtype(dev.type))
+        used = sum(map(sum, send_splits))
+        x = self._send_dtype(x[:used])
+        w = None if row_weights is None else row_weights[:used]
         if C > 1:  # rows chunk-major: for each chunk, for each rank, its experts' rows
             first_R1 = torch.arange(R, device=dev)[:, None] * El
             order = torch.cat(
@@ -408,10 +695,7 @@ class _ExpertParallelForward:
             return pending[0], pending[1] if len(pending) > 1 else None
 
         inflight = [dispatch(0)]
-        if self.shared is not None:
-            dev_type = dev.type
-            autocast = torch.is_autocast_enabled(dev_type)
-            self.shared.run(torch.get_autocast_dtype(dev_type) if autocast else x.dtype)
+        self._run_shared(x)
         combined: list[_Pending] = []
         for c, (l0, l1) in enumerate(bounds):
             if overlap and c + 1 < C:
@@ -432,8 +716,7 @@ class _ExpertParallelForward:
                     w_recv = _GatherRows.apply(w_recv, index, inverse)
             offs_local = counts_RL.sum(0).cumsum(0).to(offs.dtype)
             # 4. the local experts: the module's own forward on the local shards
-            with _local_expert_params(self.experts, None if C == 1 else slice(l0, l1)):
-                y = self.local_forward(x_recv, offs_local, w_recv)
+            y = self._local_experts(x_recv, offs_local, w_recv, l0, l1)
             # 5. combine
             if reorder:
                 y = _GatherRows.apply(y, inverse, index)
@@ -443,21 +726,22 @@ class _ExpertParallelForward:
         y = torch.cat([p.wait() for p in combined]) if C > 1 else combined[0].wait()
         if C > 1:
             y = _GatherRows.apply(y, chunk_inverse, chunk_index)
-        if used < M:
-            y = torch.cat([y, y.new_zeros((M - used, *y.shape[1:]))])
         return y
 
 
-def _config_fingerprint(moe: Any) -> dict[str, Any]:
+def _config_fingerprint(moe: Any, style: ExpertParallel) -> dict[str, Any]:
     fields = dict(moe.config)
     experts = moe.experts
     fields["precision"] = getattr(experts, "precision", "bf16")
     fields["param_dtype"] = str(experts.w13.dtype)
+    # the style decides which messages a rank sends and expects
+    for name in ("num_chunks", "dispatch_dtype", "node_size", "exchange"):
+        fields[f"ExpertParallel.{name}"] = str(getattr(style, name))
     return fields
 
 
-def _check_same_config(moe: Any, ep: _EPGroup) -> None:
-    fields = _config_fingerprint(moe)
+def _check_same_config(moe: Any, ep: _EPGroup, style: ExpertParallel) -> None:
+    fields = _config_fingerprint(moe, style)
     digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()
     gathered: list[Any] = [None] * ep.size
     ep.call(
@@ -510,6 +794,12 @@ class ExpertParallel(ParallelStyle):
             group's ranks taken node-major), same results. Must divide the EP degree.
         src_data_rank: the rank whose full expert weights are scattered to the shards
             (default 0); None keeps each rank's own slice (no communication).
+        exchange: how rows move, same results either way. ``"p2p"`` (the default without
+            ``node_size``): one point-to-point segment per (rank, expert) with
+            ``all_to_all_segments``, so rows arrive expert-major and go back in the
+            sender's order without any reorder. ``"all_to_all"`` (the default, and the
+            only choice, with ``node_size``): one ``all_to_all_single`` per direction
+            (R messages instead of R*El), rows reordered on arrival and before the combine.
     """
 
     def __init__(
@@ -519,8 +809,18 @@ class ExpertParallel(ParallelStyle):
         dispatch_dtype: torch.dtype | None = None,
         node_size: int | None = None,
         src_data_rank: int | None = 0,
+        exchange: str | None = None,
     ) -> None:
         super().__init__()
+        if exchange not in _EXCHANGES:
+            raise ValueError(
+                f"ExpertParallel: exchange must be None, 'p2p' or 'all_to_all', got {exchange!r}"
+            )
+        if exchange == "p2p" and node_size is not None:
+            raise ValueError(
+                f"ExpertParallel: node_size={node_size} needs exchange='all_to_all' (the "
+                "hierarchical all-to-all), got exchange='p2p'"
+            )
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ValueError(
                 f"ExpertParallel: num_chunks must be a positive int, got {num_chunks!r}"
@@ -540,6 +840,7 @@ class ExpertParallel(ParallelStyle):
         self.dispatch_dtype = dispatch_dtype
         self.node_size = node_size
         self.src_data_rank = src_data_rank
+        self.exchange = exchange or ("p2p" if node_size is None else "all_to_all")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         experts = getattr(module, "experts", None)
@@ -586,7 +887,7 @@ class ExpertParallel(ParallelStyle):
             rank=device_mesh.get_local_rank(),
             global_ranks=device_mesh.mesh.flatten().tolist(),
         )
-        _check_same_config(module, ep)
+        _check_same_config(module, ep, self)
         for name in _EXPERT_PARAMS:
             p: Tensor = getattr(experts, name)
             dp = ep.call(
