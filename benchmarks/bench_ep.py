@@ -35,8 +35,10 @@ after a barrier; a round's time is the slowest rank's; median of ``--reps`` roun
     run; (ii) when ExpertParallel has ``num_chunks``, the whole parallelized MoE layer
     forward with ``num_chunks=C`` versus ``num_chunks=1``. Speedup = sequential /
     chunked (target >= 1.3x). Printed next to the parts timed alone (the
-    grouped SwiGLU, the two exchanges) and the bound of perfect overlap, sequential /
-    max(sequential - exchanges, exchanges).
+    grouped SwiGLU, the two exchanges), each candidate's process CPU time, and two bounds:
+    perfect overlap, sequential / max(sequential - exchanges, exchanges), and the CPU
+    bound, sequential / its CPU time (gloo moves bytes with CPU copies on the cores the
+    ranks compute on: with every core busy, hiding the exchange cannot beat the CPU time).
 (d) placement balancedness on Zipf(1.2) routing: benchmarks/bench_placement.py.
 
 Also prints, for node-limited routing (``topk_route`` with one expert group per node),
@@ -78,19 +80,26 @@ from torch_moe.nn.functional import grouped_swiglu
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def timed_rounds(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median over rounds of the slowest rank's seconds, candidates interleaved."""
+def timed_rounds(
+    fns: dict[str, Callable[[], object]], reps: int, cpu: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Median over rounds of the slowest rank's seconds, candidates interleaved. With
+    ``cpu``, also fills it with the median of the largest per-rank process CPU seconds
+    (all threads: the caller's and the backend's)."""
     for fn in fns.values():  # warm-up
         fn()
-    times = torch.zeros(len(fns), reps, dtype=torch.float64)
+    times = torch.zeros(2, len(fns), reps, dtype=torch.float64)
     for r in range(reps):
         for i, fn in enumerate(fns.values()):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[i, r] = time.perf_counter() - t0
+            times[0, i, r] = time.perf_counter() - t0
+            times[1, i, r] = time.process_time() - c0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: statistics.median(times[i].tolist()) for i, name in enumerate(fns)}
+    if cpu is not None:
+        cpu.update({name: statistics.median(times[1, i].tolist()) for i, name in enumerate(fns)})
+    return {name: statistics.median(times[0, i].tolist()) for i, name in enumerate(fns)}
 
 
 def a2a(x: Tensor, out_splits: list[int], in_splits: list[int], **kw: Any) -> Tensor:
@@ -342,8 +351,9 @@ def bench_overlap(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, A
             for c, moe in layers.items():
                 torch.testing.assert_close(moe(x), ref)
                 fns[f"EP C={c}"] = functools.partial(moe, x)
-        t = timed_rounds(fns, args.reps)
-    out["overlap"] = (T, D, F, t)
+        cpu: dict[str, float] = {}
+        t = timed_rounds(fns, args.reps, cpu)
+    out["overlap"] = (T, D, F, t, cpu)
 
 
 def routing_stats(args: argparse.Namespace) -> list[tuple[int, int, str, float, float, float]]:
@@ -468,19 +478,36 @@ def main() -> None:
     for world in args.worlds:
         if "overlap" not in results[world]:
             continue
-        T, D, F, t = results[world]["overlap"]
+        T, D, F, t, cpu = results[world]["overlap"]
         print()
         print(
             f"(c) overlap, world {world}: T={T} tokens per rank, D={D}, F={F}, "
             f"E={args.experts}, K={args.k}; own chunked loop (token chunks, async_op=True; "
-            "peer: sequential) and ExpertParallel(num_chunks=C) layer forward (peer: C=1)"
+            "peer: sequential) and ExpertParallel(num_chunks=C) layer forward (peer: C=1). "
+            "CPU: process CPU time of the busiest rank (all its threads); with every core "
+            "taken by a rank, no overlap finishes a rank before its CPU time, so "
+            "peer ms / peer CPU ms bounds the speedup any overlap can reach"
         )
         print()
-        print("| candidate | ms | speedup (peer / candidate) |")
-        print("|---|---|---|")
+        print("| candidate | ms | CPU ms | CPU / ms | speedup (peer / candidate) |")
+        print("|---|---|---|---|---|")
         for name, sec in t.items():
             peer = "EP C=1" if name.startswith("EP") else "sequential"
-            print(f"| {name} | {sec * 1e3:.2f} | {t[peer] / sec:.2f} |")
+            print(
+                f"| {name} | {sec * 1e3:.2f} | {cpu[name] * 1e3:.2f} | {cpu[name] / sec:.2f} "
+                f"| {t[peer] / sec:.2f} |"
+            )
+        exchanges = t["a2a only"]
+        perfect = t["sequential"] / max(t["sequential"] - exchanges, exchanges)
+        print()
+        print(
+            f"Bounds on the speedup: perfect overlap of the exchanges, sequential / "
+            f"max(sequential - a2a only, a2a only) = {perfect:.2f}; CPU-bound, sequential / "
+            f"its CPU = {t['sequential'] / cpu['sequential']:.2f}, EP C=1 / its CPU = "
+            f"{t['EP C=1'] / cpu['EP C=1']:.2f}"
+            if "EP C=1" in t
+            else f"Bound of perfect overlap: {perfect:.2f}"
+        )
     print()
     print(
         f"(a) dispatch + combine (forward, identity experts) vs the raw all_to_all_single of "
