@@ -8,7 +8,10 @@ Shapes (balanced groups, every group a multiple of 128 rows):
 - Llama4-like: D=5120, F=8192, 16 experts, top-1.
 For each, the two expert GEMMs (``x @ w13^T``: K=D, N=2F; ``h @ w2^T``: K=F, N=D) forward,
 and the wgrad of the first. "kernel" times the scaled GEMM on operands quantized ahead;
-"e2e" includes quantizing both operands (what ``scaled_grouped_mm`` does per call).
+"e2e" includes quantizing both operands (what ``scaled_grouped_mm`` does per call). For
+rowwise and tensorwise on Hopper, ``torch._scaled_grouped_mm`` on the same operands
+("torch._scaled_grouped_mm", and "torch e2e" with the quantization) is the path that
+``scaled_grouped_mm`` takes for bf16 inputs; the Triton kernel rows are its peer.
 
 Quantize kernels move bf16 in and FP8 + scales out; GB/s counts those bytes, against a
 device-to-device copy of the same bf16 tensor (bytes read + written) measured in the run.
@@ -134,6 +137,20 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
                 rows.append([shape, gemm, f"{name} kernel", f"{k_ms:.3f}",
                              f"{flops / k_ms / 1e9:.3g}", f"{ref_ms / k_ms:.2f}"])  # fmt: skip
                 e2e = lambda g=g, x=x, w=w: S._kernel_gemm(x, w, offs, g, dt)  # noqa: E731
+                if S._torch_supports(g, x, w, dt):  # rowwise / tensorwise: torch's own op
+                    ops = S._torch_operands(x, w, g)
+                    t_ms = bench_ms(
+                        lambda ops=ops: torch._scaled_grouped_mm(
+                            *ops, offs=offs, out_dtype=torch.bfloat16
+                        ),
+                        device,
+                    )
+                    rows.append([shape, gemm, f"{name} torch._scaled_grouped_mm", f"{t_ms:.3f}",
+                                 f"{flops / t_ms / 1e9:.3g}", f"{ref_ms / t_ms:.2f}"])  # fmt: skip
+                    t_e2e = lambda g=g, x=x, w=w: S._torch_gemm(x, w, offs, g)  # noqa: E731
+                    t_ms = bench_ms(t_e2e, device)
+                    rows.append([shape, gemm, f"{name} torch e2e", f"{t_ms:.3f}",
+                                 f"{flops / t_ms / 1e9:.3g}", f"{ref_ms / t_ms:.2f}"])  # fmt: skip
             else:
                 e2e = lambda g=g, x=x, w=w: S._forward(x, w, offs, g)  # noqa: E731
             e_ms = bench_ms(e2e, device)

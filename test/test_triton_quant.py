@@ -143,8 +143,57 @@ class _QuantizeChecks:
                 self._assert_close(dw, S._wgrad(x, dy, offs, r.wgrad), tol * 10)
 
 
+def emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs):
+    """What ``torch._scaled_grouped_mm`` computes, in fp32: per group g,
+    (qa * sa[:, None])[rows of g] @ (qb[g] * sb[g][None, :])."""
+    a = qa.float() * sa[:, None]
+    b = qb.float() * sb[:, None, :]
+    out = torch.zeros(a.shape[0], b.shape[2])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+
 class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
     """Interpreted kernels, bit for bit against the references (fp32 and bf16 inputs)."""
+
+    def test_torch_scaled_grouped_mm_operands(self):
+        """The rowwise / tensorwise path through ``torch._scaled_grouped_mm`` (Hopper): its
+        operands, built here by the interpreted kernels, pass torch's meta kernel (dtypes,
+        row-/column-major strides, scale shapes), and what that op computes with them
+        (emulated) equals the recipe's emulation."""
+        g = torch.Generator().manual_seed(4)
+        offs = make_offs([40, 0, 71, 17])
+        x = torch.randn(130, 64, generator=g).bfloat16()
+        w = (torch.randn(4, 48, 64, generator=g) / 8).bfloat16().transpose(1, 2)  # [E, K, N]
+        for name in ("fp8_rowwise", "fp8_tensorwise"):
+            r = RECIPES[name]
+            for gq, a, b in (
+                (r.forward, x, w),
+                (r.dgrad, torch.randn(130, 48).bfloat16(), w.transpose(1, 2)),
+            ):
+                with self.subTest(recipe=name, k=a.shape[1]):
+                    self.assertFalse(S._torch_supports(gq, a, b, torch.bfloat16))  # CPU
+                    qa, qb, sa, sb = S._torch_operands(a, b, gq)
+                    meta = [t.to("meta") for t in (qa, qb, sa, sb)]
+                    self.assertEqual(meta[1].stride(), qb.stride())  # column-major kept
+                    out = torch._scaled_grouped_mm(
+                        *meta, offs=offs.to("meta"), out_dtype=torch.bfloat16
+                    )
+                    self.assertEqual((out.shape, out.dtype), ((130, b.shape[2]), torch.bfloat16))
+                    got = emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs)
+                    ref = S._forward(a.float(), b.float(), offs, gq)
+                    self.assertEqual(
+                        got[: int(offs[-1])], ref[: int(offs[-1])], atol=1e-4, rtol=1e-5
+                    )
+        # not for: other recipes, fp32 outputs, K or N not a multiple of 16
+        bw = RECIPES["fp8_blockwise"].forward
+        rw = RECIPES["fp8_rowwise"].forward
+        self.assertFalse(S._torch_supports(bw, x, w, torch.bfloat16))
+        self.assertFalse(S._torch_supports(rw, x, w, torch.float32))
+        self.assertFalse(S._torch_supports(rw, x[:, :40], w[:, :40], torch.bfloat16))
 
     def test_blocks(self):
         self.check_blocks(37, 160, torch.float32)
@@ -287,6 +336,33 @@ class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
 
     def test_gemms_match_emulation_cuda(self):
         self.check_gemms([300, 0, 517, 129, 1], 704, 384, tol=1e-4)
+
+    def test_torch_scaled_grouped_mm_cuda(self):
+        """bf16 rowwise / tensorwise forward and dgrad run on torch._scaled_grouped_mm on
+        Hopper: against the emulation, rows past the last group zero."""
+        if torch.cuda.get_device_capability() != (9, 0):
+            self.skipTest("torch._scaled_grouped_mm path: sm_90 only")
+        g = torch.Generator().manual_seed(5)
+        offs = make_offs([300, 0, 517, 129, 1], "cuda")
+        m = int(offs[-1]) + 5
+        x = torch.randn(m, 704, generator=g).bfloat16().cuda()
+        w = (torch.randn(5, 384, 704, generator=g) / 16).bfloat16().cuda().transpose(1, 2)
+        dy = torch.randn(m, 384, generator=g).bfloat16().cuda()
+        for name in ("fp8_rowwise", "fp8_tensorwise"):
+            r = RECIPES[name]
+            with self.subTest(recipe=name):
+                self.assertTrue(S._torch_supports(r.forward, x, w, torch.bfloat16))
+                out = S._torch_gemm(x, w, offs, r.forward)
+                self._assert_close(
+                    out.float(), S._forward(x.float(), w.float(), offs, r.forward), 0
+                )
+                self.assertTrue(
+                    torch.equal(out[int(offs[-1]) :].cpu(), torch.zeros(5, 384).bfloat16())
+                )
+                w_t = w.transpose(1, 2)
+                dx = S._torch_gemm(dy, w_t, offs, r.dgrad)
+                ref = S._dgrad(dy.float(), w.float(), offs, r.dgrad)
+                self._assert_close(dx.float(), ref, 0)
 
     def test_ops_cuda_equal_cpu(self):
         for (op, args, _), (_, args_cuda, _) in zip(_op_cases(), _op_cases("cuda")):

@@ -11,6 +11,10 @@ On CUDA the same function runs on FP8 tensor cores: the Triton quantize kernels
 Triton scaled grouped GEMMs (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales
 per K block inside the main loop (blockwise, MX) or once in the epilogue (rowwise,
 tensorwise, per-group wgrad). They equal the emulation up to fp32 summation order.
+Rowwise and tensorwise forward / dgrad with bf16 operands on Hopper go to torch's own
+``torch._scaled_grouped_mm`` instead (``_torch_supports``: the hardware and the torch
+version support that recipe there); its call is checked against torch's meta kernel on
+CPU (dtypes, strides, scale shapes).
 
 NB: the weight is quantized twice (along K for forward, along N for dgrad) and the
 activations twice (along K for forward, along M in per-expert jagged blocks for wgrad), as
@@ -120,6 +124,53 @@ def _kernel_gemm(
     )
 
 
+_PER_ROW = ((1, -1), (-1, -1))  # (outer, inner) of a rowwise / tensorwise FP8 operand
+
+
+def _torch_supports(g: GemmQuant, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether forward / dgrad GEMM ``g`` of a [M, k] @ b [E, k, n] runs on
+    ``torch._scaled_grouped_mm`` (CUTLASS, Hopper): FP8 with one scale per row of a and per
+    column of b (a tensorwise scale is that scale repeated), bf16 output, k and n multiples
+    of 16 (its TMA needs 16-byte strides). Groups need no alignment: a is row-major."""
+    lhs, rhs = g.lhs, g.rhs
+    return (
+        lhs is not None
+        and rhs is not None
+        and lhs.fmt == rhs.fmt == "fp8"
+        and (lhs.outer, lhs.inner) in _PER_ROW
+        and (rhs.outer, rhs.inner) in _PER_ROW
+        and out_dtype == torch.bfloat16
+        and a.shape[1] % 16 == 0
+        and b.shape[2] % 16 == 0
+        and a.is_cuda
+        and hasattr(torch, "_scaled_grouped_mm")
+        and torch.cuda.get_device_capability(a.device) == (9, 0)
+    )
+
+
+def _torch_operands(a: Tensor, b: Tensor, g: GemmQuant) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``torch._scaled_grouped_mm``'s operands: a [M, k] e4m3 row-major with fp32 scales
+    [M], b [E, k, n] e4m3 column-major with fp32 scales [E, n] (dequantized = q * scale)."""
+    assert g.lhs is not None and g.rhs is not None
+    M, k = a.shape
+    E, _, n = b.shape
+    qa = torch.empty((M, k), dtype=torch.float8_e4m3fn, device=a.device)
+    sa = _quantize_kmajor(a, g.lhs, qa, along_rows=False).reshape(-1).expand(M).contiguous()
+    qb = torch.empty((E, n, k), dtype=torch.float8_e4m3fn, device=a.device).transpose(-2, -1)
+    sb = _quantize_kmajor(b, g.rhs, qb, along_rows=True).reshape(E, -1).expand(E, n).contiguous()
+    return qa, qb, sa, sb
+
+
+def _torch_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
+    """FP8 rowwise / tensorwise forward or dgrad on ``torch._scaled_grouped_mm``; bf16 out."""
+    qa, qb, sa, sb = _torch_operands(a, b, g)
+    out = torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+    M = a.shape[0]
+    # rows past the last group are not written: zero them as the other paths do
+    past_end = torch.arange(M, device=a.device) >= offs[-1]
+    return out.masked_fill_(past_end[:, None], 0)
+
+
 def _quantize_jagged_mmajor(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
     """Wgrad operand, M-major: per-tensor or per-group scales in token order; 32 / 128-row
     blocks in the slot layout (every block on an aligned row, see quantize_jagged)."""
@@ -170,6 +221,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         ctx.save_for_backward(x, w, offs)
         ctx.recipe = recipe
         g = recipe.forward
+        if _torch_supports(g, x, w, x.dtype):
+            return _torch_gemm(x, w, offs, g)
         if x.is_cuda and _kernels_support(g):
             return _kernel_gemm(x, w, offs, g, x.dtype)
         return _forward(x, w, offs, g)
@@ -181,8 +234,11 @@ class _ScaledGroupedMM(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             g = recipe.dgrad
-            if dy.is_cuda and _kernels_support(g):
-                dx = _kernel_gemm(dy, w.transpose(-2, -1), offs, g, x.dtype)
+            w_t = w.transpose(-2, -1)
+            if _torch_supports(g, dy, w_t, x.dtype):
+                dx = _torch_gemm(dy, w_t, offs, g)
+            elif dy.is_cuda and _kernels_support(g):
+                dx = _kernel_gemm(dy, w_t, offs, g, x.dtype)
             else:
                 dx = _dgrad(dy, w, offs, g).to(x.dtype)
         if ctx.needs_input_grad[1]:
