@@ -40,6 +40,8 @@ after a barrier; a round's time is the slowest rank's; median of ``--reps`` roun
     bound, sequential / its CPU time (gloo moves bytes with CPU copies on the cores the
     ranks compute on: with every core busy, hiding the exchange cannot beat the CPU time).
 (d) placement balancedness on Zipf(1.2) routing: benchmarks/bench_placement.py.
+(e) the transport's cost per message (world 2): 1 and 8 MB each way in 1, 8 or 64
+    point-to-point messages; the segment exchange sends R*El messages per direction.
 
 Also prints, for node-limited routing (``topk_route`` with one expert group per node),
 the mean nodes per token (``nodes_per_token``) and the rows that cross nodes.
@@ -242,6 +244,29 @@ def bench_dispatch(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, 
         out.setdefault("dispatch", []).append((world, tokens, nbytes, t))
 
 
+def bench_messages(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """The transport's cost per message: the same bytes to the other rank (world 2) in 1,
+    8 and 64 point-to-point messages (``batch_isend_irecv``), each rank sending and
+    receiving; the segment exchange sends one message per (rank, expert)."""
+    if dist.get_world_size() != 2:
+        return
+    peer = 1 - dist.get_rank()
+    for nbytes in (1 << 20, 8 << 20):
+        x = torch.randn(nbytes // 4)
+        y = torch.empty_like(x)
+
+        def send(n: int, x: Tensor = x, y: Tensor = y) -> None:
+            k = x.numel() // n
+            ops = [dist.P2POp(dist.irecv, y[i * k : (i + 1) * k], peer, tag=i) for i in range(n)]
+            ops += [dist.P2POp(dist.isend, x[i * k : (i + 1) * k], peer, tag=i) for i in range(n)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        fns = {n: functools.partial(send, n) for n in (1, 8, 64)}
+        t = timed_rounds({str(n): fn for n, fn in fns.items()}, args.reps)
+        out.setdefault("messages", []).append((nbytes, t))
+
+
 def bench_hierarchical(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, Any]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 4:
@@ -396,6 +421,7 @@ def worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queu
     try:
         dtype = DTYPES[args.dtype]
         out: dict[str, Any] = {}
+        bench_messages(args, out)
         bench_dispatch(args, dtype, out)
         bench_hierarchical(args, dtype, out)
         if not args.skip_overlap:
@@ -458,6 +484,26 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for n, k, lim, npt, rr, rn in routing_stats(args):
         print(f"| {n} | {k} | {lim} | {npt:.2f} | {rr:.2f} | {rn:.2f} |")
+
+    for world in args.worlds:
+        if "messages" not in results[world]:
+            continue
+        print()
+        print(
+            f"(e) per-message cost, world {world}: the same bytes each way in 1, 8 or 64 "
+            "point-to-point messages (batch_isend_irecv)"
+        )
+        print()
+        print(
+            "| MB each way | 1 message ms | 8 messages ms | 64 messages ms | ms per extra message |"
+        )
+        print("|---|---|---|---|---|")
+        for nbytes, t in results[world]["messages"]:
+            per = (t["64"] - t["1"]) / 63
+            print(
+                f"| {nbytes / 2**20:.0f} | {t['1'] * 1e3:.2f} | {t['8'] * 1e3:.2f} "
+                f"| {t['64'] * 1e3:.2f} | {per * 1e3:.3f} |"
+            )
 
     for world in args.worlds:
         if "hier" not in results[world]:

@@ -20,10 +20,11 @@ them expert-major, so the receiver gathers every row once after the dispatch and
 more before the combine (and the backward does both again). Sent as one segment per
 (destination, expert), the rows land expert-major directly and the combine sends each
 expert's output rows straight back into the sender's row order: no row is copied outside
-the transport. Measured with gloo on 2 CPU cores (T*K*D fp32 rows, E=16, K=4, there and
-back): ``all_to_all_single`` + the two reorders took 1.5-2.4x the bare
-``all_to_all_single``; the segment exchange 0.88-1.35x, the most where the segments are
-small (benchmarks/results/ep_cpu_202611.md).
+the transport. Measured with gloo on 2 CPU cores, 2 and 4 ranks (ExpertParallel's
+exchange, T*K*D fp32 rows out and back, E=16, K=4; benchmarks/results/ep_cpu_202611.md):
+at 2048-8192 tokens per rank the segment exchange took 0.91-1.11x a bare
+``all_to_all_single`` of the same bytes, the all-to-all + reorders 1.42-1.53x; at 512
+tokens both took 1.4-1.9x, latency-bound (about 0.14 ms per gloo message there).
 
 The cost is more messages: R*El per direction instead of R. Each is a ``P2POp`` of one
 ``dist.batch_isend_irecv`` call (one NCCL group, so one kernel launch on GPU; gloo posts
