@@ -381,6 +381,14 @@ def bench_overlap(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, A
     out["overlap"] = (T, D, F, t, cpu)
 
 
+def print_table_head(title: str, columns: list[str]) -> None:
+    print()
+    print(title)
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+
+
 def routing_stats(args: argparse.Namespace) -> list[tuple[int, int, str, float, float, float]]:
     """Nodes per token and cross-node rows per token with and without node-limited routing."""
     rows = []
@@ -488,16 +496,11 @@ def main() -> None:
     for world in args.worlds:
         if "messages" not in results[world]:
             continue
-        print()
-        print(
+        print_table_head(
             f"(e) per-message cost, world {world}: the same bytes each way in 1, 8 or 64 "
-            "point-to-point messages (batch_isend_irecv)"
+            "point-to-point messages (batch_isend_irecv)",
+            ["MB each way", *(f"{n} message(s) ms" for n in (1, 8, 64)), "ms per extra message"],
         )
-        print()
-        print(
-            "| MB each way | 1 message ms | 8 messages ms | 64 messages ms | ms per extra message |"
-        )
-        print("|---|---|---|---|---|")
         for nbytes, t in results[world]["messages"]:
             per = (t["64"] - t["1"]) / 63
             print(
@@ -508,13 +511,10 @@ def main() -> None:
     for world in args.worlds:
         if "hier" not in results[world]:
             continue
-        print()
-        print(
-            f"(b) hierarchical (2 nodes x 2) vs flat all_to_all_single, world {world}, D={args.dim}"
+        print_table_head(
+            f"(b) hierarchical (2 nodes x 2) vs flat all_to_all_single, world {world}, D={args.dim}",
+            ["rows per rank pair", "MB sent per rank", "flat ms", "hierarchical ms", "hier / flat"],
         )
-        print()
-        print("| rows per rank pair | MB sent per rank | flat ms | hierarchical ms | hier / flat |")
-        print("|---|---|---|---|---|")
         for rows, nbytes, t in results[world]["hier"]:
             print(
                 f"| {rows} | {nbytes / 1e6:.2f} | {t['flat'] * 1e3:.2f} "
@@ -525,18 +525,15 @@ def main() -> None:
         if "overlap" not in results[world]:
             continue
         T, D, F, t, cpu = results[world]["overlap"]
-        print()
-        print(
+        print_table_head(
             f"(c) overlap, world {world}: T={T} tokens per rank, D={D}, F={F}, "
             f"E={args.experts}, K={args.k}; own chunked loop (token chunks, async_op=True; "
             "peer: sequential) and ExpertParallel(num_chunks=C) layer forward (peer: C=1). "
             "CPU: process CPU time of the busiest rank (all its threads); with every core "
             "taken by a rank, no overlap finishes a rank before its CPU time, so "
-            "peer ms / peer CPU ms bounds the speedup any overlap can reach"
+            "peer ms / peer CPU ms bounds the speedup any overlap can reach",
+            ["candidate", "ms", "CPU ms", "CPU / ms", "speedup (peer / candidate)"],
         )
-        print()
-        print("| candidate | ms | CPU ms | CPU / ms | speedup (peer / candidate) |")
-        print("|---|---|---|---|---|")
         for name, sec in t.items():
             peer = "EP C=1" if name.startswith("EP") else "sequential"
             print(

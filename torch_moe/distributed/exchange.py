@@ -146,35 +146,18 @@ def all_to_all_segments(
                 y[dst : dst + length].copy_(x[src : src + length])
     # receives first: a receive posted before its message arrives lets the transport
     # write straight into the output
-    recvs, sends = [], []
-    for peer in range(size):
-        if peer == rank:
-            continue
-        for i, (start, length) in enumerate(out_segments[peer]):
-            if length:
-                recvs += [
-                    dist.P2POp(
-                        dist.irecv,
-                        y[start : start + length],
-                        group=group,
-                        tag=tag + i * n + j,
-                        group_peer=peer,
-                    )
-                    for j, y in enumerate(outputs)
-                ]
-        for i, (start, length) in enumerate(in_segments[peer]):
-            if length:
-                sends += [
-                    dist.P2POp(
-                        dist.isend,
-                        x[start : start + length],
-                        group=group,
-                        tag=tag + i * n + j,
-                        group_peer=peer,
-                    )
-                    for j, x in enumerate(inputs)
-                ]
-    ops = recvs + sends
+    ops = [
+        dist.P2POp(op, t[start : start + length], group=group, tag=tag + i * n + j, group_peer=peer)
+        for op, segments, tensors in (
+            (dist.irecv, out_segments, outputs),
+            (dist.isend, in_segments, inputs),
+        )
+        for peer in range(size)
+        if peer != rank
+        for i, (start, length) in enumerate(segments[peer])
+        if length
+        for j, t in enumerate(tensors)
+    ]
     work = SegmentWork(dist.batch_isend_irecv(ops) if ops else [])
     if async_op:
         return work
