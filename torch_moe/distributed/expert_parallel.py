@@ -96,7 +96,7 @@ import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -395,8 +395,8 @@ class _SegmentExchange:
                 outputs, inputs, out_segs, in_segs, ep.group, tag=tag, async_op=True
             ),
         )
-        assert work is not None  # async_op=True
-        self.inflight[c] = (work, inputs)  # the inputs stay alive until the sends are done
+        # (async_op=True: a SegmentWork); the inputs stay alive until the sends are done
+        self.inflight[c] = (cast(SegmentWork, work), inputs)
 
     def wait(self, c: int) -> None:
         entry = self.inflight.pop(c, None)
@@ -524,8 +524,7 @@ class _SegmentCombine(torch.autograd.Function):
     def forward(ctx: Any, combine: _Combine, *ys: Tensor) -> Tensor:  # type: ignore[override]
         ctx.combine = combine
         combine.exchange.wait_all()
-        assert combine.out is not None  # every chunk was issued
-        return combine.out
+        return cast(Tensor, combine.out)  # set by the first chunk's issue (C >= 1)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -800,6 +799,9 @@ class ExpertParallel(ParallelStyle):
             sender's order without any reorder. ``"all_to_all"`` (the default, and the
             only choice, with ``node_size``): one ``all_to_all_single`` per direction
             (R messages instead of R*El), rows reordered on arrival and before the combine.
+            With gloo on CPU p2p was the faster from 2048 tokens per rank and as fast
+            below; with NCCL neither is measured yet (many small messages in one NCCL
+            group against one all-to-all kernel and two gathers at HBM speed).
     """
 
     def __init__(
