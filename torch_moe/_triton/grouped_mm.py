@@ -91,6 +91,19 @@ def _group_bounds(offs_ptr, g, M):
 
 
 @triton.jit
+def _wgrad_tile(tile, tiles_per_group, tiles_n, arange_k, arange_n, K, N,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """A wgrad kernel's flat tile index = (g, tile_k, tile_n), tile_n fastest (programs
+    running at the same time share group g's rows in L2) -> g, the tile's K rows and N
+    columns of the output, and their masks."""
+    g = tile // tiles_per_group
+    tile_kn = tile % tiles_per_group
+    ks = (tile_kn // tiles_n) * BLOCK_K + arange_k
+    ns = (tile_kn % tiles_n) * BLOCK_N + arange_n
+    return g, ks, ns, ks < K, ns < N
+
+
+@triton.jit
 def _zero_tail(
     out_ptr, start, M, N, tile_base, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -214,15 +227,10 @@ def _grouped_mm_wgrad_kernel(
     arange_n = tl.arange(0, BLOCK_N)
     arange_k = tl.arange(0, BLOCK_K)
 
-    # Flat tile index = (g, tile_k, tile_n), tile_n fastest: programs running at the same
-    # time share group g's rows of x and dy in L2.
     for tile in tl.range(pid, E * tiles_per_group, num_progs):
-        g = tile // tiles_per_group
-        tile_kn = tile % tiles_per_group
-        ks = (tile_kn // tiles_n) * BLOCK_K + arange_k
-        ns = (tile_kn % tiles_n) * BLOCK_N + arange_n
-        k_mask = ks < K
-        n_mask = ns < N
+        g, ks, ns, k_mask, n_mask = _wgrad_tile(
+            tile, tiles_per_group, tiles_n, arange_k, arange_n, K, N, BLOCK_K, BLOCK_N
+        )
         start, end = _group_bounds(offs_ptr, g, M)
         # x is read transposed: a [BLOCK_K, BLOCK_M] tile of x^T.
         rows0 = start.to(tl.int64) + arange_m

@@ -50,6 +50,7 @@ from torch_moe._triton.grouped_mm import (
     _interpreted,
     _max_programs,
     _use_interpreter,
+    _wgrad_tile,
     _zero_tail,
 )
 
@@ -87,6 +88,23 @@ def _mx_dot(a, b, sa, sb, acc, R: tl.constexpr, RED: tl.constexpr, C: tl.constex
     if DOT_FP32:
         return tl.dot(a_f, b_f, acc, input_precision="ieee")
     return tl.dot(a_f.to(tl.bfloat16), b_f.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def _mx_scales(sa_ptrs, sb_ptrs, blocks, block_mask, a_mask, b_mask, stride_sa, stride_sb):
+    """The MX scales of one step: sa [len(sa_ptrs), len(blocks)] and sb [len(blocks),
+    len(sb_ptrs)] for the reduction-dim scale blocks ``blocks`` (masked loads, 0 outside)."""
+    sa = tl.load(
+        sa_ptrs[:, None] + blocks[None, :] * stride_sa,
+        mask=a_mask[:, None] & block_mask[None, :],
+        other=0.0,
+    )
+    sb = tl.load(
+        sb_ptrs[None, :] + blocks[:, None] * stride_sb,
+        mask=block_mask[:, None] & b_mask[None, :],
+        other=0.0,
+    )
+    return sa, sb
 
 
 @triton.jit
@@ -156,15 +174,8 @@ def _scaled_gmm_fwd_kernel(
                 if MX:
                     kbs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
                     kb_mask = kbs < (K + 31) // 32
-                    sa = tl.load(
-                        sa_ptrs[:, None] + kbs[None, :] * stride_sak,
-                        mask=row_mask[:, None] & kb_mask[None, :],
-                        other=0.0,
-                    )
-                    sb = tl.load(
-                        sb_ptrs[None, :] + kbs[:, None] * stride_sbk,
-                        mask=kb_mask[:, None] & col_mask[None, :],
-                        other=0.0,
+                    sa, sb = _mx_scales(
+                        sa_ptrs, sb_ptrs, kbs, kb_mask, row_mask, col_mask, stride_sak, stride_sbk
                     )
                     acc = _mx_dot(a, b, sa, sb, acc, BLOCK_M, BLOCK_K, BLOCK_N, DOT_FP32)
                 elif SCALE_K > 0:
@@ -231,12 +242,9 @@ def _scaled_gmm_wgrad_kernel(
     arange_n = tl.arange(0, BLOCK_N)
     arange_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(pid, E * tiles_per_group, num_progs):
-        g = tile // tiles_per_group
-        tile_kn = tile % tiles_per_group
-        ks = (tile_kn // tiles_n) * BLOCK_K + arange_k
-        ns = (tile_kn % tiles_n) * BLOCK_N + arange_n
-        k_mask = ks < K
-        n_mask = ns < N
+        g, ks, ns, k_mask, n_mask = _wgrad_tile(
+            tile, tiles_per_group, tiles_n, arange_k, arange_n, K, N, BLOCK_K, BLOCK_N
+        )
         start, end = _group_bounds(offs_ptr, g, M)
         blk = tl.load(gfb_ptr + g).to(tl.int64)
         sa_ptrs = sa_ptr + ks * stride_sak
@@ -262,15 +270,8 @@ def _scaled_gmm_wgrad_kernel(
                     mask=in_m[:, None] & n_mask[None, :],
                     other=0.0,
                 )
-                sa = tl.load(
-                    sa_ptrs[:, None] + slot[None, :] * stride_sab,
-                    mask=k_mask[:, None] & s_mask[None, :],
-                    other=0.0,
-                )
-                sb = tl.load(
-                    sb_ptrs[None, :] + slot[:, None] * stride_sbb,
-                    mask=s_mask[:, None] & n_mask[None, :],
-                    other=0.0,
+                sa, sb = _mx_scales(
+                    sa_ptrs, sb_ptrs, slot, s_mask, k_mask, n_mask, stride_sab, stride_sbb
                 )
                 acc = _mx_dot(a, b, sa, sb, acc, BLOCK_K, BLOCK_M, BLOCK_N, DOT_FP32)
         elif SCALE_M > 0:
