@@ -20,6 +20,7 @@ from torch.testing._internal.common_utils import (
 import torch_moe  # noqa: F401
 from torch_moe._triton import quantize as TQ
 from torch_moe._triton import scaled_grouped_mm as TK
+from torch_moe.ops import grouped_mm
 from torch_moe.quantization import RECIPES, scaled_grouped_mm
 from torch_moe.quantization import quantize as Q
 
@@ -146,14 +147,7 @@ class _QuantizeChecks:
 def emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs):
     """What ``torch._scaled_grouped_mm`` computes, in fp32: per group g,
     (qa * sa[:, None])[rows of g] @ (qb[g] * sb[g][None, :])."""
-    a = qa.float() * sa[:, None]
-    b = qb.float() * sb[:, None, :]
-    out = torch.zeros(a.shape[0], b.shape[2])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        out[start:end] = a[start:end] @ b[g]
-        start = end
-    return out
+    return grouped_mm(qa.float() * sa[:, None], qb.float() * sb[:, None, :], offs)
 
 
 class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
