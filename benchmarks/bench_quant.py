@@ -104,7 +104,13 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
     torch.manual_seed(0)
     dt = torch.bfloat16
     offs = balanced_offs(m, e, device)
-    rows = []
+    rows: list[list[str]] = []
+
+    def add(gemm: str, name: str, ms: float, flops: int, ref_ms: float) -> None:
+        """One row: ms, TFLOP/s (flops / ms / 1e9) and the speedup over the peer ref_ms."""
+        rows.append([shape, gemm, name, f"{ms:.3f}", f"{flops / ms / 1e9:.3g}",
+                     f"{ref_ms / ms:.2f}"])  # fmt: skip
+
     for gemm, (k, n) in {"w13 fwd": (d, 2 * f), "w2 fwd": (f, d)}.items():
         x = torch.randn(m, k, device=device, dtype=dt)
         w = torch.randn(e, n, k, device=device, dtype=dt).transpose(-2, -1)  # [E, K, N] view
@@ -118,7 +124,7 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
 
             ref_ms = bench_ms(lambda xf=xf, wf=wf: grouped_mm(xf, wf, offs), device)
             ref_name = "fp32 torch_moe grouped_mm"
-        rows.append([shape, gemm, ref_name, f"{ref_ms:.3f}", f"{flops / ref_ms / 1e9:.3g}", "1.00"])
+        add(gemm, ref_name, ref_ms, flops, ref_ms)
         for name in recipes:
             g = RECIPES[name].forward
             if device == "cuda":
@@ -134,8 +140,7 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
                     )
 
                 k_ms = bench_ms(kernel, device)
-                rows.append([shape, gemm, f"{name} kernel", f"{k_ms:.3f}",
-                             f"{flops / k_ms / 1e9:.3g}", f"{ref_ms / k_ms:.2f}"])  # fmt: skip
+                add(gemm, f"{name} kernel", k_ms, flops, ref_ms)
                 e2e = lambda g=g, x=x, w=w: S._kernel_gemm(x, w, offs, g, dt)  # noqa: E731
                 if S._torch_supports(g, x, w, dt):  # rowwise / tensorwise: torch's own op
                     ops = S._torch_operands(x, w, g)
@@ -145,29 +150,24 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
                         ),
                         device,
                     )
-                    rows.append([shape, gemm, f"{name} torch._scaled_grouped_mm", f"{t_ms:.3f}",
-                                 f"{flops / t_ms / 1e9:.3g}", f"{ref_ms / t_ms:.2f}"])  # fmt: skip
+                    add(gemm, f"{name} torch._scaled_grouped_mm", t_ms, flops, ref_ms)
                     t_e2e = lambda g=g, x=x, w=w: S._torch_gemm(x, w, offs, g)  # noqa: E731
                     t_ms = bench_ms(t_e2e, device)
-                    rows.append([shape, gemm, f"{name} torch e2e", f"{t_ms:.3f}",
-                                 f"{flops / t_ms / 1e9:.3g}", f"{ref_ms / t_ms:.2f}"])  # fmt: skip
+                    add(gemm, f"{name} torch e2e", t_ms, flops, ref_ms)
             else:
                 e2e = lambda g=g, x=x, w=w: S._forward(x, w, offs, g)  # noqa: E731
             e_ms = bench_ms(e2e, device)
-            rows.append([shape, gemm, f"{name} e2e", f"{e_ms:.3f}",
-                         f"{flops / e_ms / 1e9:.3g}", f"{ref_ms / e_ms:.2f}"])  # fmt: skip
+            add(gemm, f"{name} e2e", e_ms, flops, ref_ms)
     if device == "cuda":  # wgrad of w13: dW [E, D, 2F] = x_g^T dy_g
         x = torch.randn(m, d, device=device, dtype=dt)
         dy = torch.randn(m, 2 * f, device=device, dtype=dt)
         flops = 2 * int(offs[-1]) * d * 2 * f
         ref_ms = bench_ms(lambda: torch._grouped_mm(x.t(), dy, offs=offs), device)
-        rows.append([shape, "w13 wgrad", "bf16 torch._grouped_mm", f"{ref_ms:.3f}",
-                     f"{flops / ref_ms / 1e9:.3g}", "1.00"])  # fmt: skip
+        add("w13 wgrad", "bf16 torch._grouped_mm", ref_ms, flops, ref_ms)
         for name in recipes:
             g = RECIPES[name].wgrad
             e_ms = bench_ms(lambda g=g: S._kernel_wgrad(x, dy, offs, g, dt), device)
-            rows.append([shape, "w13 wgrad", f"{name} e2e", f"{e_ms:.3f}",
-                         f"{flops / e_ms / 1e9:.3g}", f"{ref_ms / e_ms:.2f}"])  # fmt: skip
+            add("w13 wgrad", f"{name} e2e", e_ms, flops, ref_ms)
     return rows
 
 
