@@ -177,23 +177,20 @@ class TestEPSharding(DTensorTestBase):
         d_s2r = distribute_tensor(slot_to_row, mesh, [R])
         d_w = distribute_tensor(w, mesh, [R])
 
-        # permute: R, feature-sharded, Partial; with and without weights; no communication
-        for weights in (None, w):
-            ref = ops.permute(x, row_to_slot, slot_to_row, weights)
-            for placement in (R, Shard(1), P):
-                dw = None if weights is None else d_w
-                out, comm = self.run_op(ops.permute, self.dt(x, placement), d_r2s, d_s2r, dw)
-                self.assertEqual(comm.get_total_counts(), 0)
-                self.assert_dt(out, placement, ref)
-
-        # unpermute: R, feature-sharded, Partial; no communication
-        for weights in (None, w):
-            ref = ops.unpermute(y, slot_to_row, row_to_slot, weights)
-            for placement in (R, Shard(1), P):
-                dw = None if weights is None else d_w
-                out, comm = self.run_op(ops.unpermute, self.dt(y, placement), d_s2r, d_r2s, dw)
-                self.assertEqual(comm.get_total_counts(), 0)
-                self.assert_dt(out, placement, ref)
+        # permute and unpermute: R, feature-sharded, Partial; with and without weights; no
+        # communication
+        cases = (
+            (ops.permute, x, (row_to_slot, slot_to_row), (d_r2s, d_s2r)),
+            (ops.unpermute, y, (slot_to_row, row_to_slot), (d_s2r, d_r2s)),
+        )
+        for op, data, index, d_index in cases:
+            for weights in (None, w):
+                ref = op(data, *index, weights)
+                for placement in (R, Shard(1), P):
+                    dw = None if weights is None else d_w
+                    out, comm = self.run_op(op, self.dt(data, placement), *d_index, dw)
+                    self.assertEqual(comm.get_total_counts(), 0)
+                    self.assert_dt(out, placement, ref)
 
         # unpermute into token-sharded outputs: no communication
         ref = ops.unpermute(y, slot_to_row, row_to_slot, w)
