@@ -82,12 +82,16 @@ def quant_rows(x: torch.Tensor, offs: torch.Tensor, device: str) -> list[list[st
             ("mx 32x1 (K-major out)", lambda: TQ.quantize_blocks(x, (32, 1), fmt="mx", scale_dtype=torch.uint8, out=out_t), m * n // 32),
             ("jagged fp8 128 (slots)", lambda: TQ.quantize_jagged(x, offs, block=128, out=slot, slots=True), nb * n * 4),
             ("jagged fp8 per group", lambda: TQ.quantize_jagged(x, offs, block=-1, out=out_t), offs.numel() * n * 4),
-            ("reference 1x128 (torch ops)", lambda: Q.quantize_fp8(x, (1, 128)), m * n // 128 * 4),
+            ("reference 1x128 (torch ops)", lambda: Q.quantize_fp8_reference(x, (1, 128)), m * n // 128 * 4),
         ]  # fmt: skip
     else:
         cases = [
-            ("reference fp8 1x128", lambda: Q.quantize_fp8(x, (1, 128)), m * n // 128 * 4),
-            ("reference mx 1x32", lambda: Q.quantize_mx(x), m * n // 32),
+            (
+                "reference fp8 1x128",
+                lambda: Q.quantize_fp8_reference(x, (1, 128)),
+                m * n // 128 * 4,
+            ),
+            ("reference mx 1x32", lambda: Q.quantize_mx_reference(x), m * n // 32),
         ]
     for name, fn, scale_bytes in cases:
         ms = bench_ms(fn, device)
@@ -142,8 +146,8 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
                 k_ms = bench_ms(kernel, device)
                 add(gemm, f"{name} kernel", k_ms, flops, ref_ms)
                 e2e = lambda g=g, x=x, w=w: S._kernel_gemm(x, w, offs, g, dt)  # noqa: E731
-                if S._torch_supports(g, x, w, dt):  # rowwise / tensorwise: torch's own op
-                    ops = S._torch_operands(x, w, g)
+                if S._select(g, x, w, dt) == "torch":  # rowwise / tensorwise: torch's own op
+                    ops = S.torch_scaled_operands(x, w, g)
                     t_ms = bench_ms(
                         lambda ops=ops: torch._scaled_grouped_mm(
                             *ops, offs=offs, out_dtype=torch.bfloat16
@@ -155,7 +159,7 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
                     t_ms = bench_ms(t_e2e, device)
                     add(gemm, f"{name} torch e2e", t_ms, flops, ref_ms)
             else:
-                e2e = lambda g=g, x=x, w=w: S._forward(x, w, offs, g)  # noqa: E731
+                e2e = lambda g=g, x=x, w=w: S._emulate_gemm(x, w, offs, g, x.dtype)  # noqa: E731
             e_ms = bench_ms(e2e, device)
             add(gemm, f"{name} e2e", e_ms, flops, ref_ms)
     if device == "cuda":  # wgrad of w13: dW [E, D, 2F] = x_g^T dy_g

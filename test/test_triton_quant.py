@@ -68,16 +68,16 @@ class _QuantizeChecks:
         x = hard_input(m, n, self.device, dtype)
         for block in [(1, 128), (128, 128), (1, -1), (-1, 1), (16, 16)]:
             with self.subTest(block=block):
-                self._assert_same(TQ.quantize_blocks(x, block), Q.quantize_fp8(x, block))
+                self._assert_same(TQ.quantize_blocks(x, block), Q.quantize_fp8_reference(x, block))
         for rule in ["floor", "rceil"]:
             for sd in [torch.uint8, torch.float32]:
                 with self.subTest(rule=rule, scale_dtype=sd):
                     got = TQ.quantize_blocks(x, (1, 32), fmt="mx", scale_rule=rule, scale_dtype=sd)
-                    ref = Q.quantize_mx(x, dim=-1, scale_rule=rule, scale_dtype=sd)
+                    ref = Q.quantize_mx_reference(x, dim=-1, scale_rule=rule, scale_dtype=sd)
                     self._assert_same(got, ref)
                     xr = x[: m // 32 * 32]  # MX along rows: whole 32-row blocks
                     got = TQ.quantize_blocks(xr, (32, 1), fmt="mx", scale_rule=rule, scale_dtype=sd)
-                    ref = Q.quantize_mx(xr, dim=-2, scale_rule=rule, scale_dtype=sd)
+                    ref = Q.quantize_mx_reference(xr, dim=-2, scale_rule=rule, scale_dtype=sd)
                     self._assert_same(got, ref)
 
     def check_weights_kmajor(self, e, k, n):
@@ -86,7 +86,7 @@ class _QuantizeChecks:
             out = torch.empty(e, n, k, dtype=FP8, device=self.device).transpose(1, 2)
             got = TQ.quantize_blocks(w, block, out=out)
             self.assertIs(got[0], out)
-            self._assert_same(got, Q.quantize_fp8(w, block))
+            self._assert_same(got, Q.quantize_fp8_reference(w, block))
 
     def check_jagged(self, sizes, n):
         offs = make_offs(sizes, self.device)
@@ -97,7 +97,7 @@ class _QuantizeChecks:
                 with self.subTest(block=block, fmt=fmt):
                     out = torch.empty(n, m, dtype=FP8, device=self.device).t()
                     got = TQ.quantize_jagged(x, offs, block=block, fmt=fmt, out=out)
-                    ref = Q.quantize_jagged(x, offs, block=block, fmt=fmt)
+                    ref = Q.quantize_jagged_reference(x, offs, block=block, fmt=fmt)
                     self._assert_same(got, ref)
                     if block == -1:
                         continue
@@ -134,14 +134,18 @@ class _QuantizeChecks:
         for name, r in RECIPES.items():
             with self.subTest(recipe=name):
                 for gq in (r.forward, r.dgrad, r.wgrad):
-                    self.assertTrue(S._kernels_support(gq))
+                    self.assertTrue(S._triton_takes(gq))
                 out = S._kernel_gemm(x, w, offs, r.forward, torch.float32)
-                self._assert_close(out, S._forward(x, w, offs, r.forward), tol)
+                self._assert_close(out, S._emulate_gemm(x, w, offs, r.forward, torch.float32), tol)
                 self.assertTrue(torch.equal(out[int(offs[-1]) :].cpu(), torch.zeros(5, n)))
                 dx = S._kernel_gemm(dy, w.transpose(-2, -1), offs, r.dgrad, torch.float32)
-                self._assert_close(dx, S._dgrad(dy, w, offs, r.dgrad), tol)
+                self._assert_close(
+                    dx, S._emulate_gemm(dy, w.transpose(-2, -1), offs, r.dgrad, torch.float32), tol
+                )
                 dw = S._kernel_wgrad(x, dy, offs, r.wgrad, torch.float32)
-                self._assert_close(dw, S._wgrad(x, dy, offs, r.wgrad), tol * 10)
+                self._assert_close(
+                    dw, S._emulate_wgrad(x, dy, offs, r.wgrad, torch.float32), tol * 10
+                )
 
 
 def emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs):
@@ -169,8 +173,12 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
                 (r.dgrad, torch.randn(130, 48).bfloat16(), w.transpose(1, 2)),
             ):
                 with self.subTest(recipe=name, k=a.shape[1]):
-                    self.assertFalse(S._torch_supports(gq, a, b, torch.bfloat16))  # CPU
-                    qa, qb, sa, sb = S._torch_operands(a, b, gq)
+                    k, n = a.shape[1], b.shape[2]
+                    self.assertEqual(
+                        S.gemm_kernel(gq, k, n, torch.bfloat16, "cuda", (9, 0)), "torch"
+                    )
+                    self.assertEqual(S.gemm_kernel(gq, k, n, torch.bfloat16, "cpu"), "emulate")
+                    qa, qb, sa, sb = S.torch_scaled_operands(a, b, gq)
                     meta = [t.to("meta") for t in (qa, qb, sa, sb)]
                     self.assertEqual(meta[1].stride(), qb.stride())  # column-major kept
                     out = torch._scaled_grouped_mm(
@@ -178,16 +186,23 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
                     )
                     self.assertEqual((out.shape, out.dtype), ((130, b.shape[2]), torch.bfloat16))
                     got = emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs)
-                    ref = S._forward(a.float(), b.float(), offs, gq)
+                    ref = S._emulate_gemm(a.float(), b.float(), offs, gq, torch.float32)
                     self.assertEqual(
                         got[: int(offs[-1])], ref[: int(offs[-1])], atol=1e-4, rtol=1e-5
                     )
         # not for: other recipes, fp32 outputs, K or N not a multiple of 16
         bw = RECIPES["fp8_blockwise"].forward
         rw = RECIPES["fp8_rowwise"].forward
-        self.assertFalse(S._torch_supports(bw, x, w, torch.bfloat16))
-        self.assertFalse(S._torch_supports(rw, x, w, torch.float32))
-        self.assertFalse(S._torch_supports(rw, x[:, :40], w[:, :40], torch.bfloat16))
+        hopper = ("cuda", (9, 0))
+        self.assertEqual(S.gemm_kernel(bw, 64, 48, torch.bfloat16, *hopper), "triton")
+        self.assertEqual(S.gemm_kernel(rw, 64, 48, torch.float32, *hopper), "triton")
+        self.assertEqual(S.gemm_kernel(rw, 40, 48, torch.bfloat16, *hopper), "triton")
+        self.assertEqual(S.gemm_kernel(rw, 64, 40, torch.bfloat16, *hopper), "triton")
+        self.assertEqual(S.gemm_kernel(rw, 64, 48, torch.bfloat16, "cuda", (10, 0)), "triton")
+        self.assertEqual(
+            S.gemm_kernel(rw, 64, 48, torch.bfloat16, *hopper, has_torch_scaled_grouped_mm=False),
+            "triton",
+        )
 
     def test_blocks(self):
         self.check_blocks(37, 160, torch.float32)
@@ -213,7 +228,7 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
             for shape in [(37, 300), (3, 40, 50)]:
                 x = hard_input(shape[-2] * (shape[0] if len(shape) == 3 else 1), shape[-1])
                 x = x.reshape(shape)
-                self._assert_same(TQ.quantize_blocks(x, (-1, -1)), Q.quantize_fp8(x))
+                self._assert_same(TQ.quantize_blocks(x, (-1, -1)), Q.quantize_fp8_reference(x))
 
     def test_bad_input(self):
         x = torch.randn(8, 64)
@@ -241,24 +256,24 @@ def _op_cases(device="cpu"):
     """(op, args, reference result) for every quantize / dequantize custom op."""
     x = hard_input(64, 96, device)
     offs = make_offs([0, 17, 23], device)
-    q, s = Q.quantize_fp8(x, (1, 32))
-    qm, sm = Q.quantize_mx(x, dim=-2)
-    qj, sj = Q.quantize_jagged(x, offs, block=32, fmt="mx", scale_dtype=torch.uint8)
+    q, s = Q.quantize_fp8_reference(x, (1, 32))
+    qm, sm = Q.quantize_mx_reference(x, dim=-2)
+    qj, sj = Q.quantize_jagged_reference(x, offs, block=32, fmt="mx", scale_dtype=torch.uint8)
     ops = torch.ops.torch_moe
     return [
         (ops.quantize_fp8.default, (x, [1, 32]), (q, s)),
         (ops.quantize_fp8.default, (x.reshape(2, 32, 96), [-1, -1]),
-         Q.quantize_fp8(x.reshape(2, 32, 96))),
+         Q.quantize_fp8_reference(x.reshape(2, 32, 96))),
         (ops.quantize_mx.default, (x, -2, 32, "floor"), (qm, sm)),
-        (ops.quantize_mx.default, (x, -1, 32, "rceil"), Q.quantize_mx(x, scale_rule="rceil")),
+        (ops.quantize_mx.default, (x, -1, 32, "rceil"), Q.quantize_mx_reference(x, scale_rule="rceil")),
         (ops.quantize_jagged.default, (x, offs, 32, "mx", "floor"), (qj, sj)),
         (ops.quantize_jagged.default, (x, offs, -1, "fp8", "floor"),
-         Q.quantize_jagged(x, offs, block=-1)),
+         Q.quantize_jagged_reference(x, offs, block=-1)),
         (ops.dequantize_fp8.default, (q, s, [1, 32], torch.bfloat16),
-         Q.dequantize_fp8(q, s, (1, 32), torch.bfloat16)),
-        (ops.dequantize_mx.default, (qm, sm, -2, 32, torch.float32), Q.dequantize_mx(qm, sm, dim=-2)),
+         Q.dequantize_fp8_reference(q, s, (1, 32), torch.bfloat16)),
+        (ops.dequantize_mx.default, (qm, sm, -2, 32, torch.float32), Q.dequantize_mx_reference(qm, sm, dim=-2)),
         (ops.dequantize_jagged.default, (qj, sj, offs, 32, torch.float32),
-         Q.dequantize_jagged(qj, sj, offs, block=32)),
+         Q.dequantize_jagged_reference(qj, sj, offs, block=32)),
     ]  # fmt: skip
 
 
@@ -345,17 +360,21 @@ class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
         for name in ("fp8_rowwise", "fp8_tensorwise"):
             r = RECIPES[name]
             with self.subTest(recipe=name):
-                self.assertTrue(S._torch_supports(r.forward, x, w, torch.bfloat16))
+                self.assertEqual(S._select(r.forward, x, w, torch.bfloat16), "torch")
                 out = S._torch_gemm(x, w, offs, r.forward)
                 self._assert_close(
-                    out.float(), S._forward(x.float(), w.float(), offs, r.forward), 0
+                    out.float(),
+                    S._emulate_gemm(x.float(), w.float(), offs, r.forward, torch.float32),
+                    0,
                 )
                 self.assertTrue(
                     torch.equal(out[int(offs[-1]) :].cpu(), torch.zeros(5, 384).bfloat16())
                 )
                 w_t = w.transpose(1, 2)
                 dx = S._torch_gemm(dy, w_t, offs, r.dgrad)
-                ref = S._dgrad(dy.float(), w.float(), offs, r.dgrad)
+                ref = S._emulate_gemm(
+                    dy.float(), w.float().transpose(-2, -1), offs, r.dgrad, torch.float32
+                )
                 self._assert_close(dx.float(), ref, 0)
 
     def test_ops_cuda_equal_cpu(self):

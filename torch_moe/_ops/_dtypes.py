@@ -1,10 +1,22 @@
-"""Dtype policy shared by the torch_moe ops."""
+"""Dtype policy shared by every torch_moe op, kernel and quantizer: the one home of the
+dtype lists (no module keeps its own copy).
+
+* ``FLOAT_DTYPES``: what the reference ops (and so the CPU kernels) take: fp16, bf16, fp32
+  and fp64 (fp64 for ``gradcheck``).
+* ``KERNEL_DTYPES``: what the Triton kernels take (no fp64 on tensor cores); also the
+  high-precision inputs of the FP8 / MX grouped GEMMs.
+* ``FP8``: the element type of every FP8 / MX quantized operand (e4m3).
+"""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["acc_dtype"]
+__all__ = ["FLOAT_DTYPES", "FP8", "KERNEL_DTYPES", "acc_dtype"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -35,23 +35,28 @@ import itertools
 import torch
 from torch import Tensor
 
+from torch_moe._ops._dtypes import FLOAT_DTYPES
+
 __all__ = [
+    "check_offs",
+    "check_offs_values",
     "cpu_compute_dtype",
     "grouped_mm",
     "grouped_mm_reference",
     "grouped_mm_wgrad",
     "mm_cpu",
     "mm_into",
+    "zero_tail_",
 ]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 
 
 # --------------------------------------------------------------------------------------
 # checks shared by the real and the fake kernels
 
 
-def _check_offs(name: str, offs: Tensor, num_groups: int | None, device: torch.device) -> None:
+def check_offs(name: str, offs: Tensor, num_groups: int | None, device: torch.device) -> None:
     if offs.dim() != 1 or offs.dtype != torch.int32:
         raise ValueError(f"{name}: expected offs to be 1D int32, got {offs.dim()}D {offs.dtype}")
     if num_groups is not None and offs.shape[0] != num_groups:
@@ -77,7 +82,7 @@ def _check_mm_inputs(x: Tensor, w: Tensor, offs: Tensor) -> None:
         )
     if w.device != x.device:
         raise ValueError(f"grouped_mm: w is on {w.device} but x is on {x.device}")
-    _check_offs("grouped_mm", offs, w.shape[0], x.device)
+    check_offs("grouped_mm", offs, w.shape[0], x.device)
 
 
 def _check_wgrad_inputs(x: Tensor, dy: Tensor, offs: Tensor) -> None:
@@ -93,7 +98,7 @@ def _check_wgrad_inputs(x: Tensor, dy: Tensor, offs: Tensor) -> None:
         )
     if dy.device != x.device:
         raise ValueError(f"grouped_mm_wgrad: dy is on {dy.device} but x is on {x.device}")
-    _check_offs("grouped_mm_wgrad", offs, None, x.device)
+    check_offs("grouped_mm_wgrad", offs, None, x.device)
 
 
 def check_offs_values(name: str, offs: Tensor, num_rows: int) -> list[int] | None:
@@ -226,7 +231,7 @@ def _torch_grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
     return x.stride(-1) == 1 and (w.stride(-1) == 1 or w.stride(-2) == 1)
 
 
-def _zero_tail_(out: Tensor, offs: Tensor) -> Tensor:
+def zero_tail_(out: Tensor, offs: Tensor) -> Tensor:
     """Zero rows at or past offs[-1] without a host sync."""
     if offs.numel() == 0:
         return out.zero_()
@@ -259,7 +264,7 @@ def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     check_offs_values("grouped_mm", offs, x.shape[0])
     if _torch_grouped_mm_ok(x, w):
         out = torch._grouped_mm(x, w, offs=offs)
-        return _zero_tail_(out, offs)
+        return zero_tail_(out, offs)
     if x.dtype != torch.float64 and _triton_available():
         from torch_moe._triton.grouped_mm import grouped_mm as triton_grouped_mm
 

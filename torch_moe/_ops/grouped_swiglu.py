@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
 from torch_moe._ops.grouped_mm import (
     _nonzero_strides,
     check_offs_values,
@@ -40,9 +40,15 @@ from torch_moe._ops.grouped_mm import (
     mm_into,
 )
 
-__all__ = ["grouped_swiglu", "grouped_swiglu_backward", "swiglu_reference"]
+__all__ = [
+    "grouped_swiglu",
+    "grouped_swiglu_backward",
+    "swiglu",
+    "swiglu_backward",
+    "swiglu_reference",
+]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 _ACT_CHUNK_ELEMS = 2**17  # CPU backward: rows x F elements per elementwise chunk
 
 
@@ -317,3 +323,75 @@ def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]
 
 
 grouped_swiglu.register_autograd(_backward, setup_context=_setup)
+
+
+# --------------------------------------------------------------------------------------
+# the activation alone: torch_moe::swiglu (the FP8 / MX experts run it between two scaled
+# GEMMs; grouped_swiglu fuses it between its two GEMMs)
+
+
+def _check_act(h: Tensor, row_weights: Tensor | None) -> None:
+    if h.dim() != 2 or h.shape[1] % 2 != 0 or h.dtype not in _DTYPES:
+        raise ValueError(
+            f"swiglu: expected h [M, 2F] (gate columns, then up) in one of {_DTYPES}, got "
+            f"{list(h.shape)} {h.dtype}"
+        )
+    if row_weights is not None and (
+        row_weights.shape != (h.shape[0],)
+        or not row_weights.is_floating_point()
+        or row_weights.device != h.device
+    ):
+        raise ValueError(
+            f"swiglu: expected row_weights to be a floating-point tensor [M={h.shape[0]}] on "
+            f"{h.device}, got {list(row_weights.shape)} {row_weights.dtype} on {row_weights.device}"
+        )
+
+
+@torch.library.custom_op("torch_moe::swiglu", mutates_args=())
+def swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+    """``a = silu(h[:, :F]) * h[:, F:] (* row_weights)`` [M, F] in fp32, in h's dtype.
+
+    Differentiable in h and row_weights; the backward saves only h (and the weights) and
+    recomputes the activation, as grouped_swiglu's does.
+    """
+    _check_act(h, row_weights)
+    return _act(h, h.dtype, row_weights)
+
+
+@swiglu.register_fake
+def _(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+    _check_act(h, row_weights)
+    return h.new_empty((h.shape[0], h.shape[1] // 2))
+
+
+@torch.library.custom_op("torch_moe::swiglu_backward", mutates_args=())
+def swiglu_backward(
+    grad_a: Tensor, h: Tensor, row_weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Returns (dH [M, 2F], d row_weights [M], empty when ``row_weights`` is None)."""
+    _check_act(h, row_weights)
+    dh = torch.empty_like(h)
+    a = h.new_empty((h.shape[0], h.shape[1] // 2))  # written by _act_backward, unused
+    grad_rw = _act_backward(h, grad_a, row_weights, a, dh)
+    return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
+
+
+@swiglu_backward.register_fake
+def _(grad_a: Tensor, h: Tensor, row_weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    _check_act(h, row_weights)
+    grad_rw = h.new_empty((0,)) if row_weights is None else torch.empty_like(row_weights)
+    return torch.empty_like(h), grad_rw
+
+
+def _setup_act(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    h, row_weights = inputs
+    ctx.save_for_backward(h, row_weights)
+
+
+def _act_backward_op(ctx, grad_a):  # type: ignore[no-untyped-def]
+    h, row_weights = ctx.saved_tensors
+    dh, grad_rw = swiglu_backward(_nonzero_strides(grad_a), h, row_weights)
+    return dh, grad_rw if row_weights is not None and ctx.needs_input_grad[1] else None
+
+
+swiglu.register_autograd(_act_backward_op, setup_context=_setup_act)

@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_moe._ops._dtypes import KERNEL_DTYPES
+
 __all__ = [
     "Sm90Kernel",
     "compile_for_sm90",
@@ -300,7 +302,7 @@ _WGRAD_CONFIGS = {
 _INTERPRET_CONFIG = _Config(16, 16, 16, num_warps=1, num_stages=1)
 _INTERPRET_PROGRAMS = 3
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = KERNEL_DTYPES
 _TL_DTYPE = {
     torch.float16: "fp16",
     torch.bfloat16: "bf16",

@@ -38,13 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_moe._ops._dtypes import KERNEL_DTYPES
 from torch_moe._triton.grouped_mm import _interpreted, _use_interpreter
+from torch_moe.quantization.quantize import jagged_num_blocks
 
 __all__ = [
     "MAX_BLOCK_ELEMS",
     "compile_for_sm90",
     "jagged_block_table",
-    "jagged_num_blocks",
     "quantize_blocks",
     "quantize_jagged",
     "supports",
@@ -52,7 +53,7 @@ __all__ = [
 
 _FMT_CODES = {"fp8": 0, "mx_floor": 1, "mx_rceil": 2}
 _FP8 = torch.float8_e4m3fn
-_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_IN_DTYPES = KERNEL_DTYPES
 # One program reduces a whole block in registers; whole-tensor and long columnwise blocks
 # (tensorwise scales, columnwise over many rows) go through the reference's torch ops.
 MAX_BLOCK_ELEMS = 16384
@@ -260,13 +261,6 @@ def supports(x: torch.Tensor, block: tuple[int, int], fmt: str = "fp8") -> bool:
         return True
     shape_ok = (_pow2(sr) == sr or sr >= r) and (_pow2(sc) == sc or sc >= c)
     return shape_ok and _pow2(sr) * _pow2(sc) <= MAX_BLOCK_ELEMS
-
-
-def jagged_num_blocks(num_rows: int, num_groups: int, block: int) -> int:
-    """Static bound on the scale rows of a jagged quantization (see jagged_block_table)."""
-    if block == -1:
-        return num_groups + 1
-    return (num_rows + (num_groups + 1) * (block - 1)) // block
 
 
 def _tile(extent: int, block: int, budget: int) -> int:

@@ -1,5 +1,10 @@
 """Reference FP8 / MXFP8 quantize and dequantize (plain PyTorch, the oracle for kernels).
 
+Every function here is a ``*_reference``: the oracle and the kernel the custom ops
+(:mod:`torch_moe.quantization.ops`) run on CPU. Library code calls the ops (the public
+``torch_moe.quantization.quantize_fp8`` and friends), which dispatch to the Triton kernels
+on CUDA; only tests and the ops' CPU kernels call these directly.
+
 Legend: M rows (tokens), K / N columns, E experts (groups), B block extent.
 
 Every quantizer returns ``(q, scale)`` with ``x ~= q.float() * scale`` (scale broadcast over
@@ -38,10 +43,12 @@ Inputs must be finite (``inf`` / NaN are not checked: their blocks become NaN).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from torch_moe._ops._dtypes import FLOAT_DTYPES
 from torch_moe._ops.grouped_mm import check_offs_values
 
 __all__ = [
@@ -49,15 +56,22 @@ __all__ = [
     "E8M0_BIAS",
     "FP8_E4M3_MAX",
     "MX_BLOCK",
-    "dequantize_fp8",
-    "dequantize_jagged",
-    "dequantize_mx",
+    "check_dequantize_fp8",
+    "check_dequantize_jagged",
+    "check_dequantize_mx",
+    "check_quantize_fp8",
+    "check_quantize_jagged",
+    "check_quantize_mx",
+    "dequantize_fp8_reference",
+    "dequantize_jagged_reference",
+    "dequantize_mx_reference",
     "e8m0_to_float",
     "jagged_block_index",
+    "jagged_num_blocks",
     "mx_scale_exponent",
-    "quantize_fp8",
-    "quantize_jagged",
-    "quantize_mx",
+    "quantize_fp8_reference",
+    "quantize_jagged_reference",
+    "quantize_mx_reference",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -65,7 +79,7 @@ E4M3_EMAX = 8  # floor(log2(448))
 MX_BLOCK = 32
 E8M0_BIAS = 127
 _FP8 = torch.float8_e4m3fn
-_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_IN_DTYPES = FLOAT_DTYPES
 _SCALE_RULES = ("floor", "rceil")
 
 
@@ -111,7 +125,19 @@ def _extent(block: int, size: int) -> int:
 # FP8 with fp32 scales over 2D blocks
 
 
-def quantize_fp8(x: Tensor, block: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
+def check_quantize_fp8(x: Tensor, block: Sequence[int]) -> list[int]:
+    """quantize_fp8's input checks (shared with the fake kernel); returns the scale shape."""
+    _check_input("quantize_fp8", x)
+    if len(block) != 2:
+        raise ValueError(f"quantize_fp8: block must be (rows, cols), got {tuple(block)}")
+    _check_block("quantize_fp8", block[0], "block[0]")
+    _check_block("quantize_fp8", block[1], "block[1]")
+    *lead, r, c = x.shape
+    br, bc = _extent(block[0], r), _extent(block[1], c)
+    return [*lead, -(-r // br), -(-c // bc)]
+
+
+def quantize_fp8_reference(x: Tensor, block: tuple[int, int] = (-1, -1)) -> tuple[Tensor, Tensor]:
     r"""FP8 e4m3 with one fp32 scale per ``block`` of the last two dims (see module doc).
 
     Args:
@@ -121,13 +147,9 @@ def quantize_fp8(x: Tensor, block: tuple[int, int] = (-1, -1)) -> tuple[Tensor, 
     Returns:
         ``(q [..., R, C] float8_e4m3fn, scale [..., ceil(R/br), ceil(C/bc)] fp32)``.
     """
-    _check_input("quantize_fp8", x)
-    br, bc = block
-    _check_block("quantize_fp8", br, "block[0]")
-    _check_block("quantize_fp8", bc, "block[1]")
-    *lead, r, c = x.shape
-    br, bc = _extent(br, r), _extent(bc, c)
-    nr, nc = -(-r // br), -(-c // bc)
+    *lead, nr, nc = check_quantize_fp8(x, block)
+    r, c = x.shape[-2:]
+    br, bc = _extent(block[0], r), _extent(block[1], c)
     xf = x.float()
     padded = torch.nn.functional.pad(xf, (0, nc * bc - c, 0, nr * br - r))
     blocks = padded.reshape(*lead, nr, br, nc, bc)
@@ -141,15 +163,15 @@ def _expand(scale: Tensor, br: int, bc: int, r: int, c: int) -> Tensor:
     return scale.repeat_interleave(br, dim=-2)[..., :r, :].repeat_interleave(bc, dim=-1)[..., :c]
 
 
-def dequantize_fp8(
-    q: Tensor, scale: Tensor, block: tuple[int, int] = (-1, -1), dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """Inverse of :func:`quantize_fp8`: ``q * scale`` (exact in fp32), cast to ``dtype``."""
+def check_dequantize_fp8(q: Tensor, scale: Tensor, block: Sequence[int]) -> None:
+    """dequantize_fp8's input checks (shared with the fake kernel)."""
     _check_q("dequantize_fp8", q)
     if q.dim() < 2:
         raise ValueError(f"dequantize_fp8: expected q to have at least 2 dims, got {q.dim()}D")
     if scale.dtype != torch.float32:
         raise TypeError(f"dequantize_fp8: expected scale to be torch.float32, got {scale.dtype}")
+    if len(block) != 2:
+        raise ValueError(f"dequantize_fp8: block must be (rows, cols), got {tuple(block)}")
     *lead, r, c = q.shape
     br, bc = _extent(block[0], r), _extent(block[1], c)
     want = [*lead, -(-r // br), -(-c // bc)]
@@ -158,6 +180,15 @@ def dequantize_fp8(
             f"dequantize_fp8: q {list(q.shape)} with block {tuple(block)} needs scale of shape "
             f"{want}, got {list(scale.shape)}"
         )
+
+
+def dequantize_fp8_reference(
+    q: Tensor, scale: Tensor, block: tuple[int, int] = (-1, -1), dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`quantize_fp8_reference`: ``q * scale`` (exact in fp32), cast to ``dtype``."""
+    check_dequantize_fp8(q, scale, block)
+    r, c = q.shape[-2:]
+    br, bc = _extent(block[0], r), _extent(block[1], c)
     return (q.float() * _expand(scale, br, bc, r, c)).to(dtype)
 
 
@@ -227,7 +258,30 @@ def _check_scale_dtype(name: str, scale_dtype: torch.dtype) -> None:
         )
 
 
-def quantize_mx(
+def check_quantize_mx(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[int, list[int]]:
+    """quantize_mx's input checks (shared with the fake kernel): (dim >= 0, scale shape)."""
+    _check_input("quantize_mx", x, min_dim=1)
+    if scale_rule not in _SCALE_RULES:
+        raise ValueError(
+            f"quantize_mx: scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}"
+        )
+    if block < 1:
+        raise ValueError(f"quantize_mx: block must be positive, got {block}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"quantize_mx: dim {dim} is out of range for a {x.dim()}D x")
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    if size % block:
+        raise ValueError(
+            f"quantize_mx: dim {dim} has size {size}, not a multiple of the block ({block}); "
+            f"pad it (e.g. permute(align={block}))"
+        )
+    shape = list(x.shape)
+    shape[dim] //= block
+    return dim, shape
+
+
+def quantize_mx_reference(
     x: Tensor,
     *,
     dim: int = -1,
@@ -245,21 +299,9 @@ def quantize_mx(
     Returns:
         ``(q, scale)``: q like x in float8_e4m3fn; scale like x with ``dim`` divided by block.
     """
-    _check_input("quantize_mx", x, min_dim=1)
     _check_scale_dtype("quantize_mx", scale_dtype)
-    if scale_rule not in _SCALE_RULES:
-        raise ValueError(
-            f"quantize_mx: scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}"
-        )
-    if block < 1:
-        raise ValueError(f"quantize_mx: block must be positive, got {block}")
-    dim = dim % x.dim()
+    dim, _ = check_quantize_mx(x, dim, block, scale_rule)
     size = x.shape[dim]
-    if size % block:
-        raise ValueError(
-            f"quantize_mx: dim {dim} has size {size}, not a multiple of the block ({block}); "
-            f"pad it (e.g. permute(align={block}))"
-        )
     xf = x.float().movedim(dim, -1)
     blocks = xf.reshape(*xf.shape[:-1], size // block, block)
     e, scale_f = _mx_scale(blocks.abs().amax(dim=-1), scale_rule)
@@ -267,17 +309,18 @@ def quantize_mx(
     return q, _encode_scale(e, scale_f, scale_dtype).movedim(-1, dim)
 
 
-def dequantize_mx(
-    q: Tensor,
-    scale: Tensor,
-    *,
-    dim: int = -1,
-    block: int = MX_BLOCK,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """Inverse of :func:`quantize_mx`; ``scale`` may be uint8 (E8M0) or fp32 powers of two."""
+def check_dequantize_mx(q: Tensor, scale: Tensor, dim: int, block: int) -> int:
+    """dequantize_mx's input checks (shared with the fake kernel); returns dim >= 0."""
     _check_q("dequantize_mx", q)
-    scale_f = _decode_scale("dequantize_mx", scale)
+    if scale.dtype not in (torch.uint8, torch.float32):
+        raise TypeError(
+            "dequantize_mx: expected scale as uint8 E8M0 exponents or float32 powers of two, "
+            f"got {scale.dtype}"
+        )
+    if block < 1:
+        raise ValueError(f"dequantize_mx: block must be positive, got {block}")
+    if not -q.dim() <= dim < q.dim():
+        raise ValueError(f"dequantize_mx: dim {dim} is out of range for a {q.dim()}D q")
     dim = dim % q.dim()
     want = list(q.shape)
     if want[dim] % block:
@@ -290,6 +333,20 @@ def dequantize_mx(
             f"dequantize_mx: q {list(q.shape)} with block {block} along dim {dim} needs scale of "
             f"shape {want}, got {list(scale.shape)}"
         )
+    return dim
+
+
+def dequantize_mx_reference(
+    q: Tensor,
+    scale: Tensor,
+    *,
+    dim: int = -1,
+    block: int = MX_BLOCK,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Inverse of :func:`quantize_mx_reference`; ``scale`` may be uint8 (E8M0) or fp32 powers of two."""
+    dim = check_dequantize_mx(q, scale, dim, block)
+    scale_f = _decode_scale("dequantize_mx", scale)
     return (q.float() * scale_f.repeat_interleave(block, dim=dim)).to(dtype)
 
 
@@ -297,24 +354,32 @@ def dequantize_mx(
 # jagged per-expert column quantization (wgrad: blocks along M never cross a group end)
 
 
+def jagged_num_blocks(num_rows: int, num_groups: int, block: int) -> int:
+    """Static bound NB on the scale rows of a jagged quantization (see the module doc)."""
+    if block == -1:
+        return num_groups + 1
+    return (num_rows + (num_groups + 1) * (block - 1)) // block
+
+
+def _check_jagged_offs(name: str, offs: Tensor, block: int) -> None:
+    _check_block(name, block)
+    if offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(f"{name}: expected offs to be 1D int32, got {offs.dim()}D {offs.dtype}")
+
+
 def jagged_block_index(offs: Tensor, num_rows: int, block: int) -> tuple[Tensor, int]:
     """Scale row of every input row: ``(row_block [M] int64, NB)`` (layout in module doc)."""
-    _check_block("jagged_block_index", block)
-    if offs.dim() != 1 or offs.dtype != torch.int32:
-        raise ValueError(
-            f"jagged_block_index: expected offs to be 1D int32, got {offs.dim()}D {offs.dtype}"
-        )
+    _check_jagged_offs("jagged_block_index", offs, block)
     check_offs_values("quantize_jagged", offs, num_rows)
     num_groups = offs.shape[0]
     ends = torch.cat([offs.long(), offs.new_tensor([num_rows], dtype=torch.long)])
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     sizes = ends - starts
+    bound = jagged_num_blocks(num_rows, num_groups, block)
     if block == -1:
         nblocks = (sizes > 0).long()
-        bound = num_groups + 1
     else:
         nblocks = (sizes + block - 1) // block
-        bound = (num_rows + (num_groups + 1) * (block - 1)) // block
     first = torch.cumsum(nblocks, 0) - nblocks
     rows = torch.arange(num_rows, device=offs.device)
     seg = torch.searchsorted(ends[:-1], rows, right=True)
@@ -323,7 +388,25 @@ def jagged_block_index(offs: Tensor, num_rows: int, block: int) -> tuple[Tensor,
     return row_block, bound
 
 
-def quantize_jagged(
+def check_quantize_jagged(x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str) -> int:
+    """quantize_jagged's input checks but the offs values (shared with the fake kernel);
+    returns the scale rows NB."""
+    _check_input("quantize_jagged", x)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_jagged: expected x to be 2D [M, N], got {x.dim()}D")
+    if fmt not in ("fp8", "mx"):
+        raise ValueError(f"quantize_jagged: fmt must be 'fp8' or 'mx', got {fmt!r}")
+    if fmt == "mx" and scale_rule not in _SCALE_RULES:
+        raise ValueError(
+            f"quantize_jagged: scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}"
+        )
+    _check_jagged_offs("quantize_jagged", offs, block)
+    if offs.device != x.device:
+        raise ValueError(f"quantize_jagged: offs is on {offs.device} but x is on {x.device}")
+    return jagged_num_blocks(x.shape[0], offs.shape[0], block)
+
+
+def quantize_jagged_reference(
     x: Tensor,
     offs: Tensor,
     *,
@@ -343,17 +426,9 @@ def quantize_jagged(
 
     Returns ``(q [M, N] float8_e4m3fn, scale [NB, N])``, NB the static bound in the module doc.
     """
-    _check_input("quantize_jagged", x)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_jagged: expected x to be 2D [M, N], got {x.dim()}D")
-    if fmt not in ("fp8", "mx"):
-        raise ValueError(f"quantize_jagged: fmt must be 'fp8' or 'mx', got {fmt!r}")
+    check_quantize_jagged(x, offs, block, fmt, scale_rule)
     if fmt == "mx":
         _check_scale_dtype("quantize_jagged", scale_dtype)
-        if scale_rule not in _SCALE_RULES:
-            raise ValueError(
-                f"quantize_jagged: scale_rule must be one of {_SCALE_RULES}, got {scale_rule!r}"
-            )
     row_block, bound = jagged_block_index(offs, x.shape[0], block)
     xf = x.float()
     amax = xf.new_zeros(bound, x.shape[1])
@@ -368,19 +443,30 @@ def quantize_jagged(
     return _to_fp8(xf / scale_f[row_block]), scale
 
 
-def dequantize_jagged(
-    q: Tensor, scale: Tensor, offs: Tensor, *, block: int = 128, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """Inverse of :func:`quantize_jagged` (uint8 scales are read as E8M0)."""
+def check_dequantize_jagged(q: Tensor, scale: Tensor, offs: Tensor, block: int) -> None:
+    """dequantize_jagged's input checks but the offs values (shared with the fake kernel)."""
     _check_q("dequantize_jagged", q)
     if q.dim() != 2:
         raise ValueError(f"dequantize_jagged: expected q to be 2D [M, N], got {q.dim()}D")
-    scale_f = _decode_scale("dequantize_jagged", scale)
-    row_block, bound = jagged_block_index(offs, q.shape[0], block)
-    want = [bound, q.shape[1]]
+    if scale.dtype not in (torch.uint8, torch.float32):
+        raise TypeError(
+            "dequantize_jagged: expected scale as uint8 E8M0 exponents or float32 powers of two, "
+            f"got {scale.dtype}"
+        )
+    _check_jagged_offs("dequantize_jagged", offs, block)
+    want = [jagged_num_blocks(q.shape[0], offs.shape[0], block), q.shape[1]]
     if list(scale.shape) != want:
         raise ValueError(
             f"dequantize_jagged: q {list(q.shape)} with block {block} and {offs.shape[0]} groups "
             f"needs scale of shape {want}, got {list(scale.shape)}"
         )
+
+
+def dequantize_jagged_reference(
+    q: Tensor, scale: Tensor, offs: Tensor, *, block: int = 128, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`quantize_jagged_reference` (uint8 scales are read as E8M0)."""
+    check_dequantize_jagged(q, scale, offs, block)
+    scale_f = _decode_scale("dequantize_jagged", scale)
+    row_block, _ = jagged_block_index(offs, q.shape[0], block)
     return (q.float() * scale_f[row_block]).to(dtype)

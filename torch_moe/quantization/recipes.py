@@ -13,11 +13,19 @@ For wgrad the inner blocks restart at every expert's group boundary (jagged, see
 :func:`torch_moe.quantization.quantize.quantize_jagged`); a whole-tensor scale (-1, -1) is
 uniform, so it never mixes the scales of two experts either. A :class:`GemmQuant` with no
 operands (:data:`BF16`) runs that GEMM in bf16.
+
+Recipes cross the op boundary as strings (a custom op's schema takes no Python objects):
+the name of a registered recipe (``"fp8_rowwise"``), or for any other recipe its ``spec``,
+``"forward=<gemm>;dgrad=<gemm>;wgrad=<gemm>"`` with ``<gemm>`` = ``bf16`` or
+``<lhs>*<rhs>`` and an operand written ``fp8:<outer>x<inner>`` or
+``mx:<outer>x<inner>:<scale_rule>``, e.g. ``fp8:1x128*fp8:128x128``. :func:`get_recipe`
+reads both; :meth:`Recipe.op_arg` writes the shorter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 __all__ = [
@@ -62,6 +70,12 @@ class OperandQuant:
                 f"OperandQuant: scale_rule must be 'floor' or 'rceil', got {self.scale_rule!r}"
             )
 
+    @property
+    def spec(self) -> str:
+        """``fp8:<outer>x<inner>`` or ``mx:<outer>x<inner>:<scale_rule>`` (module doc)."""
+        blocks = f"{self.fmt}:{self.outer}x{self.inner}"
+        return f"{blocks}:{self.scale_rule}" if self.fmt == "mx" else blocks
+
 
 @dataclass(frozen=True)
 class GemmQuant:
@@ -77,6 +91,13 @@ class GemmQuant:
     @property
     def is_bf16(self) -> bool:
         return self.lhs is None
+
+    @property
+    def spec(self) -> str:
+        """``bf16`` or ``<lhs>*<rhs>`` (module doc)."""
+        if self.lhs is None or self.rhs is None:
+            return "bf16"
+        return f"{self.lhs.spec}*{self.rhs.spec}"
 
 
 BF16 = GemmQuant()
@@ -99,6 +120,16 @@ class Recipe:
                     f"Recipe {self.name!r}: wgrad operands are quantized per column in jagged "
                     f"per-expert blocks (outer=1) or per tensor (-1, -1), got {op}"
                 )
+
+    @property
+    def spec(self) -> str:
+        """The recipe as a string :func:`get_recipe` reads back (module doc)."""
+        return ";".join(f"{g}={getattr(self, g).spec}" for g in _GEMMS)
+
+    def op_arg(self) -> str:
+        """How the recipe is passed to the ``torch_moe::`` ops: its name when it is a
+        registered recipe, else its spec."""
+        return self.name if RECIPES.get(self.name) == self else self.spec
 
     def with_overrides(self, **gemms: GemmQuant | str) -> Recipe:
         """Replace GEMMs by name, e.g. ``recipe.with_overrides(wgrad="bf16")``."""
@@ -153,9 +184,52 @@ RECIPES: dict[str, Recipe] = {
 
 
 def get_recipe(name: str | Recipe) -> Recipe:
-    """The recipe called ``name`` (a :class:`Recipe` is returned as is)."""
+    """The recipe called ``name``, or written as a spec (module doc); a :class:`Recipe` is
+    returned as is."""
     if isinstance(name, Recipe):
         return name
-    if name not in RECIPES:
-        raise ValueError(f"unknown low-precision recipe {name!r}; supported: {sorted(RECIPES)}")
-    return RECIPES[name]
+    if isinstance(name, str) and name in RECIPES:
+        return RECIPES[name]
+    if isinstance(name, str) and "=" in name:
+        return _parse_spec(name)
+    raise ValueError(f"unknown low-precision recipe {name!r}; supported: {sorted(RECIPES)}")
+
+
+def _parse_operand(text: str, spec: str) -> OperandQuant:
+    parts = text.split(":")
+    try:
+        outer, inner = (int(v) for v in parts[1].split("x"))
+        if parts[0] == "fp8" and len(parts) == 2:
+            return OperandQuant("fp8", outer, inner)
+        if parts[0] == "mx" and len(parts) == 3:
+            return OperandQuant("mx", outer, inner, parts[2])
+    except (IndexError, ValueError) as e:
+        raise ValueError(f"bad operand {text!r} in the recipe spec {spec!r}: {e}") from e
+    raise ValueError(
+        f"bad operand {text!r} in the recipe spec {spec!r}: expected fp8:<outer>x<inner> or "
+        "mx:<outer>x<inner>:<scale_rule>"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_spec(spec: str) -> Recipe:
+    gemms: dict[str, GemmQuant] = {}
+    for item in spec.split(";"):
+        gemm, _, text = item.partition("=")
+        if gemm not in _GEMMS or gemm in gemms:
+            raise ValueError(
+                f"bad recipe spec {spec!r}: expected forward=...;dgrad=...;wgrad=..., got {item!r}"
+            )
+        if text == "bf16":
+            gemms[gemm] = BF16
+        else:
+            lhs, star, rhs = text.partition("*")
+            if not star:
+                raise ValueError(f"bad recipe spec {spec!r}: {gemm} must be bf16 or <lhs>*<rhs>")
+            gemms[gemm] = GemmQuant(_parse_operand(lhs, spec), _parse_operand(rhs, spec))
+    if set(gemms) != set(_GEMMS):
+        raise ValueError(f"bad recipe spec {spec!r}: needs forward, dgrad and wgrad")
+    for recipe in RECIPES.values():  # keep the registered name when the spec is one
+        if (recipe.forward, recipe.dgrad, recipe.wgrad) == tuple(gemms[g] for g in _GEMMS):
+            return recipe
+    return Recipe(spec, **gemms)

@@ -1,210 +1,564 @@
-"""Scaled (FP8 / MXFP8) grouped GEMM: CPU reference, an exact emulation of the GPU kernels.
+"""Scaled (FP8 / MXFP8) grouped GEMMs as custom ops.
 
-Legend: M rows (tokens, sorted by expert), K in features, N out features, E experts.
+Legend: M rows (tokens, sorted by expert), K in features, N out features, E experts,
+KS / NS scale blocks along K / N, NB jagged scale rows (wgrad).
 
-Each GEMM quantizes its operands per the recipe, dequantizes them (exact in fp32) and runs
-an fp32 grouped GEMM, which is what a scaled GPU kernel computes up to fp32 accumulation
-order. GEMMs a recipe keeps in bf16 cast the operands to bf16 and use the bf16 grouped GEMM.
+Two layers of ops, so that the compiler can see as much as it can use:
 
-On CUDA the same function runs on FP8 tensor cores: the Triton quantize kernels
-(:mod:`torch_moe._triton.quantize`) write each operand K-major with its scales, and the
-Triton scaled grouped GEMMs (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales
-per K block inside the main loop (blockwise, MX) or once in the epilogue (rowwise,
-tensorwise, per-group wgrad). They equal the emulation up to fp32 summation order.
-Rowwise and tensorwise forward / dgrad with bf16 operands on Hopper go to torch's own
-``torch._scaled_grouped_mm`` instead (``_torch_supports``: the hardware and the torch
-version support that recipe there); its call is checked against torch's meta kernel on
-CPU (dtypes, strides, scale shapes).
+* Over quantized operands (no autograd: quantization is not differentiated through):
+
+  - ``torch_moe::scaled_grouped_mm(a, b, scale_a, scale_b, offs, block_k, block_n,
+    out_dtype)``: ``out[rows of g] = (a * scale_a)[rows of g] @ (b * scale_b)[g]`` with a
+    [M, K] and b [E, K, N] in e4m3 (any strides), scale_a [M or 1, KS] (per row and K block,
+    or per tensor), scale_b [E, KS, NS]; a scale block spans ``block_k`` elements of K in
+    both operands and ``block_n`` columns of b (-1: the whole dim). Scales are fp32, or
+    uint8 E8M0 exponents for MX (``block_k=32``, ``block_n=1``). This is the shape of
+    ``torch._scaled_grouped_mm`` with block scales.
+  - ``torch_moe::scaled_grouped_mm_wgrad(a, b, scale_a, scale_b, offs, block, out_dtype)``:
+    ``out[g] = (a * scale_a)[rows of g]^T @ (b * scale_b)[rows of g]`` [E, K, N] with a [M, K]
+    and b [M, N] in token order and jagged per-column scales [NB, K] / [NB, N]
+    (:func:`~torch_moe.quantization.quantize_jagged` with ``block``) or [1, 1] per tensor.
+
+* Over high-precision operands, one op per GEMM of a linear layer, the recipe passed by
+  name or spec (:meth:`Recipe.op_arg`):
+
+  - ``torch_moe::quantized_grouped_mm(x, w, offs, recipe)`` (forward, with autograd),
+  - ``torch_moe::quantized_grouped_mm_dgrad(dy, w, offs, recipe)``,
+  - ``torch_moe::quantized_grouped_mm_wgrad(x, dy, offs, recipe)``,
+
+  each quantizing its operands per the recipe's GEMM and multiplying. The backward of
+  ``quantized_grouped_mm`` calls the other two. :func:`scaled_grouped_mm` is the public
+  entry point.
+
+Numerics. Each GEMM quantizes its operands per the recipe, then multiplies the dequantized
+values (exact in fp32) with fp32 accumulation. The CPU kernels are that emulation,
+literally (quantize ops -> dequantize -> fp32 ``grouped_mm``); GEMMs a recipe keeps in bf16
+cast the operands to bf16. On CUDA the same function runs on FP8 tensor cores: Triton
+quantize kernels write each operand K-major with its scales and the Triton scaled grouped
+GEMMs (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main
+loop (blockwise, MX) or once in the epilogue (rowwise, tensorwise, per-group wgrad); rowwise
+and tensorwise forward / dgrad with bf16 operands on Hopper go to ``torch._scaled_grouped_mm``.
+Which kernel runs is decided by :func:`gemm_kernel`, a plain function of the recipe, the
+shapes and the device (tested on CPU). All equal the emulation up to fp32 summation order.
 
 NB: the weight is quantized twice (along K for forward, along N for dgrad) and the
 activations twice (along K for forward, along M in per-expert jagged blocks for wgrad), as
 the transposed reductions need scales along a different dim.
+
+With :func:`torch_moe._inductor.enable`, ``quantized_grouped_mm`` decomposes into the
+quantize ops and ``scaled_grouped_mm`` (for the GEMMs :func:`decomposable` accepts), so the
+compiler's passes can fuse the quantization into its producers.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from torch_moe._ops.grouped_mm import grouped_mm_wgrad
-from torch_moe._triton import quantize as TQ
-from torch_moe._triton import scaled_grouped_mm as TK
-from torch_moe.ops import grouped_mm
+from torch_moe._ops._dtypes import FP8, KERNEL_DTYPES
+from torch_moe._ops.grouped_mm import (
+    check_offs,
+    check_offs_values,
+    grouped_mm,
+    grouped_mm_reference,
+    grouped_mm_wgrad,
+    zero_tail_,
+)
 from torch_moe.quantization import quantize as Q
+from torch_moe.quantization.ops import (
+    dequantize_fp8,
+    dequantize_jagged,
+    dequantize_mx,
+    quantize_fp8,
+    quantize_jagged,
+    quantize_mx,
+)
 from torch_moe.quantization.recipes import GemmQuant, OperandQuant, Recipe, get_recipe
 
-__all__ = ["scaled_grouped_mm"]
+__all__ = [
+    "decomposable",
+    "gemm_kernel",
+    "quantize_lhs",
+    "quantize_rhs",
+    "quantize_wgrad_operand",
+    "scaled_grouped_mm",
+    "scaled_grouped_mm_reference",
+    "scaled_grouped_mm_wgrad_reference",
+    "wgrad_kernel",
+]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SCALE_DTYPES = (torch.float32, torch.uint8)
 
 
-def _fq_lhs(a_mk: Tensor, op: OperandQuant) -> Tensor:
+# --------------------------------------------------------------------------------------
+# checks shared by the real and the fake kernels
+
+
+def _block_count(fn: str, name: str, block: int, size: int) -> int:
+    if not isinstance(block, int) or (block < 1 and block != -1):
+        raise ValueError(f"{fn}: {name} must be a positive int or -1 (whole dim), got {block}")
+    return 1 if block == -1 else -(-size // block)
+
+
+def _check_scaled(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block_k: int,
+    block_n: int,
+    out_dtype: torch.dtype,
+) -> None:
+    fn = "scaled_grouped_mm"
+    if a.dim() != 2 or b.dim() != 3 or a.dtype != FP8 or b.dtype != FP8:
+        raise ValueError(
+            f"{fn}: expected a [M, K] and b [E, K, N] in {FP8}, got {a.dim()}D {a.dtype} and "
+            f"{b.dim()}D {b.dtype}"
+        )
+    (M, K), (E, Kb, N) = a.shape, b.shape
+    if Kb != K:
+        raise ValueError(f"{fn}: a is [M, K={K}] but b is [E, K={Kb}, N={N}]")
+    if scale_a.dtype not in _SCALE_DTYPES or scale_b.dtype != scale_a.dtype:
+        raise ValueError(
+            f"{fn}: expected fp32 (or uint8 E8M0) scales of one dtype, got {scale_a.dtype} and "
+            f"{scale_b.dtype}"
+        )
+    ks = _block_count(fn, "block_k", block_k, K)
+    ns = _block_count(fn, "block_n", block_n, N)
+    if scale_a.dim() != 2 or scale_a.shape[0] not in (1, M) or scale_a.shape[1] != ks:
+        raise ValueError(
+            f"{fn}: block_k={block_k} needs scale_a [M={M} or 1, {ks}], got {list(scale_a.shape)}"
+        )
+    if list(scale_b.shape) != [E, ks, ns]:
+        raise ValueError(
+            f"{fn}: blocks ({block_k}, {block_n}) need scale_b [{E}, {ks}, {ns}], got "
+            f"{list(scale_b.shape)}"
+        )
+    if out_dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{fn}: out_dtype must be one of {KERNEL_DTYPES}, got {out_dtype}")
+    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.device != a.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but a is on {a.device}")
+    check_offs(fn, offs, E, a.device)
+
+
+def _check_scaled_wgrad(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> None:
+    fn = "scaled_grouped_mm_wgrad"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.dtype != FP8:
+        raise ValueError(
+            f"{fn}: expected a [M, K] and b [M, N] in {FP8} with the same M, got "
+            f"{list(a.shape)} {a.dtype} and {list(b.shape)} {b.dtype}"
+        )
+    if b.dtype != FP8:
+        raise ValueError(f"{fn}: expected b in {FP8}, got {b.dtype}")
+    if scale_a.dtype not in _SCALE_DTYPES or scale_b.dtype != scale_a.dtype:
+        raise ValueError(
+            f"{fn}: expected fp32 (or uint8 E8M0) scales of one dtype, got {scale_a.dtype} and "
+            f"{scale_b.dtype}"
+        )
+    check_offs(fn, offs, None, a.device)
+    if not isinstance(block, int) or (block < 1 and block != -1):
+        raise ValueError(f"{fn}: block must be a positive int or -1 (per group), got {block}")
+    (M, K), N = a.shape, b.shape[1]
+    per_tensor = list(scale_a.shape) == [1, 1] and list(scale_b.shape) == [1, 1]
+    nb = Q.jagged_num_blocks(M, offs.shape[0], block)
+    if not per_tensor and (list(scale_a.shape) != [nb, K] or list(scale_b.shape) != [nb, N]):
+        raise ValueError(
+            f"{fn}: block {block} over M={M} rows in {offs.shape[0]} groups needs scales "
+            f"[{nb}, {K}] and [{nb}, {N}] (or [1, 1] per tensor), got {list(scale_a.shape)} "
+            f"and {list(scale_b.shape)}"
+        )
+    if out_dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{fn}: out_dtype must be one of {KERNEL_DTYPES}, got {out_dtype}")
+
+
+# --------------------------------------------------------------------------------------
+# scaled_grouped_mm: the op over quantized operands
+
+
+def _fp32_scales(scale: Tensor) -> Tensor:
+    return Q.e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale
+
+
+def _expand(scale: Tensor, dim: int, block: int, size: int) -> Tensor:
+    """Repeat ``scale`` along ``dim`` so that each entry covers its block of ``size``."""
+    if block == -1:
+        return scale
+    return scale.repeat_interleave(block, dim=dim).narrow(dim, 0, size)
+
+
+def _dequantize_operands(
+    a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, block_k: int, block_n: int
+) -> tuple[Tensor, Tensor]:
+    K, N = a.shape[1], b.shape[2]
+    sa = _expand(_fp32_scales(scale_a), 1, block_k, K)
+    sb = _expand(_expand(_fp32_scales(scale_b), 1, block_k, K), 2, block_n, N)
+    return a.float() * sa, b.float() * sb
+
+
+def scaled_grouped_mm_reference(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block_k: int,
+    block_n: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The oracle: dequantize both operands (exact in fp32), per-group loop of fp32 mm."""
+    _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
+    a_f, b_f = _dequantize_operands(a, b, scale_a, scale_b, block_k, block_n)
+    return grouped_mm_reference(a_f, b_f, offs).to(out_dtype)
+
+
+@torch.library.custom_op("torch_moe::scaled_grouped_mm", mutates_args=())
+def _scaled_grouped_mm(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block_k: int,
+    block_n: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
+    a_f, b_f = _dequantize_operands(a, b, scale_a, scale_b, block_k, block_n)
+    return grouped_mm(a_f, b_f, offs).to(out_dtype)
+
+
+@_scaled_grouped_mm.register_kernel("cuda")
+def _(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block_k: int,
+    block_n: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    from torch_moe._triton import scaled_grouped_mm as TK
+
+    _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
+    check_offs_values("scaled_grouped_mm", offs, a.shape[0])
+    sa, sb = _fp32_scales(scale_a), _fp32_scales(scale_b)
+    return TK.scaled_grouped_mm(
+        a, b, sa, sb, offs, block_k=block_k, block_n=block_n, out_dtype=out_dtype
+    )
+
+
+@_scaled_grouped_mm.register_fake
+def _(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block_k: int,
+    block_n: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# scaled_grouped_mm_wgrad: the op over quantized wgrad operands
+
+
+def _dequantize_wgrad_operand(q: Tensor, scale: Tensor, offs: Tensor, block: int) -> Tensor:
+    if list(scale.shape) == [1, 1]:  # per tensor
+        return q.float() * _fp32_scales(scale)
+    return dequantize_jagged(q, scale, offs, block=block)
+
+
+def scaled_grouped_mm_wgrad_reference(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The oracle: dequantize both jagged operands, per-group loop of fp32 mm."""
+    _check_scaled_wgrad(a, b, scale_a, scale_b, offs, block, out_dtype)
+    a_f = _dequantize_wgrad_operand(a, scale_a, offs, block)
+    b_f = _dequantize_wgrad_operand(b, scale_b, offs, block)
+    out = a_f.new_zeros((offs.shape[0], a.shape[1], b.shape[1]))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[g] = a_f[start:end].t() @ b_f[start:end]
+        start = end
+    return out.to(out_dtype)
+
+
+@torch.library.custom_op("torch_moe::scaled_grouped_mm_wgrad", mutates_args=())
+def _scaled_grouped_mm_wgrad(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    _check_scaled_wgrad(a, b, scale_a, scale_b, offs, block, out_dtype)
+    a_f = _dequantize_wgrad_operand(a, scale_a, offs, block)
+    b_f = _dequantize_wgrad_operand(b, scale_b, offs, block)
+    return grouped_mm_wgrad(a_f, b_f, offs).to(out_dtype)
+
+
+@_scaled_grouped_mm_wgrad.register_kernel("cuda")
+def _(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    from torch_moe._triton import quantize as TQ
+    from torch_moe._triton import scaled_grouped_mm as TK
+
+    _check_scaled_wgrad(a, b, scale_a, scale_b, offs, block, out_dtype)
+    check_offs_values("scaled_grouped_mm_wgrad", offs, a.shape[0])
+    sa, sb = _fp32_scales(scale_a), _fp32_scales(scale_b)
+    per_tensor = list(sa.shape) == [1, 1]
+    if per_tensor or block == -1:
+        gfb = (
+            torch.zeros(offs.shape[0] + 1, dtype=torch.int32, device=a.device)
+            if per_tensor
+            else TQ.jagged_block_table(offs, a.shape[0], block)[2]
+        )
+        return TK.scaled_grouped_mm_wgrad(a, b, sa, sb, offs, gfb, -1, out_dtype=out_dtype)
+    # the kernel reads 32 / 128-row blocks from aligned slots (quantize_jagged(slots=True))
+    first, last, gfb = TQ.jagged_block_table(offs, a.shape[0], block)
+    index = jagged_slot_index(first, last, block)
+    a_s, b_s = gather_rows(a, index), gather_rows(b, index)
+    return TK.scaled_grouped_mm_wgrad(a_s, b_s, sa, sb, offs, gfb, block, out_dtype=out_dtype)
+
+
+@_scaled_grouped_mm_wgrad.register_fake
+def _(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    _check_scaled_wgrad(a, b, scale_a, scale_b, offs, block, out_dtype)
+    return a.new_empty((offs.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
+
+
+def jagged_slot_index(first: Tensor, last: Tensor, block: int) -> Tensor:
+    """Row of the token-order operand held by each row of the slot layout (-1: padding):
+    slot row ``j * block + i`` holds row ``first[j] + i`` when that is before ``last[j]``."""
+    rows = first.long()[:, None] + torch.arange(block, device=first.device)
+    return torch.where(rows < last.long()[:, None], rows, -1).reshape(-1)
+
+
+def gather_rows(t: Tensor, index: Tensor) -> Tensor:
+    """``t[index]`` with zero rows where ``index == -1`` (any dtype, e4m3 included)."""
+    rows = t.view(torch.uint8) if t.dtype == FP8 else t
+    out = rows.index_select(0, index.clamp(min=0))
+    out = out.masked_fill_((index < 0).unsqueeze(1), 0)
+    return out.view(t.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# operand quantization per the recipe (the ops above take what these return)
+
+
+def quantize_lhs(a: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
+    """A [M, k] quantized along k (its rows): ``(q [M, k], scale [M or 1, KS])``."""
+    if op.fmt == "mx":
+        return quantize_mx(a, dim=-1, block=op.inner, scale_rule=op.scale_rule)
+    return quantize_fp8(a, (op.outer, op.inner))
+
+
+def quantize_rhs(b: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
+    """B [E, k, n] quantized along k, laid out K-major (what FP8 tensor cores read):
+    ``(q [E, k, n] with unit stride along k, scale [E, KS, NS])``."""
+    b_t = b.transpose(-2, -1)  # [E, n, k]: quantizing its rows is quantizing b's columns
+    if op.fmt == "mx":
+        q, s = quantize_mx(b_t, dim=-1, block=op.inner, scale_rule=op.scale_rule)
+    else:
+        q, s = quantize_fp8(b_t, (op.outer, op.inner))
+    return q.transpose(-2, -1), s.transpose(-2, -1)
+
+
+def quantize_wgrad_operand(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
+    """A wgrad operand t [M, C] quantized along M in per-expert jagged blocks (a [1, 1]
+    scale for a per-tensor operand): ``(q [M, C], scale [NB, C] or [1, 1])``."""
+    if (op.outer, op.inner) == (-1, -1):  # one scale for the tensor: uniform across groups
+        return quantize_fp8(t)
+    return quantize_jagged(t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule)
+
+
+def decomposable(g: GemmQuant) -> bool:
+    """Whether GEMM ``g`` is expressible as quantize ops + ``scaled_grouped_mm``: both
+    operands quantized in one format with the same K blocks, and A's scales per row (or
+    per tensor)."""
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None or lhs.fmt != rhs.fmt or lhs.inner != rhs.inner:
+        return False
+    return lhs.outer == 1 or (lhs.outer, lhs.inner) == (-1, -1)
+
+
+def decomposable_wgrad(g: GemmQuant) -> bool:
+    """Whether wgrad GEMM ``g`` is expressible as quantize ops + ``scaled_grouped_mm_wgrad``."""
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None or lhs.fmt != rhs.fmt:
+        return False
+    tensorwise = (-1, -1)
+    if (lhs.outer, lhs.inner) == tensorwise or (rhs.outer, rhs.inner) == tensorwise:
+        return (lhs.outer, lhs.inner) == (rhs.outer, rhs.inner) and lhs.fmt == "fp8"
+    return lhs.inner == rhs.inner
+
+
+def _scaled_gemm(
+    a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
+    """a [M, k] @ b [E, k, n] per group through quantize ops + ``scaled_grouped_mm``."""
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:
+        raise ValueError(f"quantized_grouped_mm: {g} runs in bf16, not scaled")
+    qa, sa = quantize_lhs(a, lhs)
+    qb, sb = quantize_rhs(b, rhs)
+    return torch.ops.torch_moe.scaled_grouped_mm(
+        qa, qb, sa, sb, offs, lhs.inner, rhs.outer, out_dtype
+    )
+
+
+def _scaled_wgrad(
+    x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:
+        raise ValueError(f"quantized_grouped_mm_wgrad: {g} runs in bf16, not scaled")
+    qx, sx = quantize_wgrad_operand(x, offs, lhs)
+    qdy, sdy = quantize_wgrad_operand(dy, offs, rhs)
+    return torch.ops.torch_moe.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, lhs.inner, out_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# the emulation (CPU kernels of the high-precision ops)
+
+
+def _fq_lhs(a: Tensor, op: OperandQuant) -> Tensor:
     """Quantize-dequantize A [m, k] (reduction along the last dim) to fp32."""
     if op.fmt == "mx":
-        q, s = Q.quantize_mx(a_mk, dim=-1, block=op.inner, scale_rule=op.scale_rule)
-        return Q.dequantize_mx(q, s, dim=-1, block=op.inner)
+        q, s = quantize_mx(a, dim=-1, block=op.inner, scale_rule=op.scale_rule)
+        return dequantize_mx(q, s, dim=-1, block=op.inner)
     block = (op.outer, op.inner)
-    return Q.dequantize_fp8(*Q.quantize_fp8(a_mk, block), block)
+    return dequantize_fp8(*quantize_fp8(a, block), block)
 
 
-def _fq_rhs(b_ekn: Tensor, op: OperandQuant) -> Tensor:
+def _fq_rhs(b: Tensor, op: OperandQuant) -> Tensor:
     """Quantize-dequantize B [E, k, n] (reduction along dim -2, per expert) to fp32."""
     if op.fmt == "mx":
-        q, s = Q.quantize_mx(b_ekn, dim=-2, block=op.inner, scale_rule=op.scale_rule)
-        return Q.dequantize_mx(q, s, dim=-2, block=op.inner)
+        q, s = quantize_mx(b, dim=-2, block=op.inner, scale_rule=op.scale_rule)
+        return dequantize_mx(q, s, dim=-2, block=op.inner)
     block = (op.inner, op.outer)
-    return Q.dequantize_fp8(*Q.quantize_fp8(b_ekn, block), block)
+    return dequantize_fp8(*quantize_fp8(b, block), block)
 
 
-def _fq_jagged(t_mc: Tensor, offs: Tensor, op: OperandQuant) -> Tensor:
-    """Quantize-dequantize a wgrad operand t [M, C] with blocks along M inside each group."""
-    if (op.outer, op.inner) == (-1, -1):  # one scale for the tensor: uniform across groups
-        return Q.dequantize_fp8(*Q.quantize_fp8(t_mc))
-    q, s = Q.quantize_jagged(t_mc, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule)
-    return Q.dequantize_jagged(q, s, offs, block=op.inner)
+def _fq_wgrad(t: Tensor, offs: Tensor, op: OperandQuant) -> Tensor:
+    """Quantize-dequantize a wgrad operand t [M, C] (blocks along M inside each group)."""
+    q, s = quantize_wgrad_operand(t, offs, op)
+    return _dequantize_wgrad_operand(q, s, offs, op.inner)
 
 
 def _bf16(t: Tensor) -> Tensor:
     return t.to(torch.bfloat16).contiguous()
 
 
-def _forward(x: Tensor, w: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
+def _emulate_gemm(
+    a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
     if g.lhs is None or g.rhs is None:
-        return grouped_mm(_bf16(x), _bf16(w), offs).to(x.dtype)
-    return grouped_mm(_fq_lhs(x, g.lhs), _fq_rhs(w, g.rhs), offs).to(x.dtype)
+        return grouped_mm(_bf16(a), _bf16(b), offs).to(out_dtype)
+    return grouped_mm(_fq_lhs(a, g.lhs), _fq_rhs(b, g.rhs), offs).to(out_dtype)
 
 
-def _dgrad(dy: Tensor, w: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
-    w_enk = w.transpose(-2, -1)
+def _emulate_wgrad(
+    x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
     if g.lhs is None or g.rhs is None:
-        return grouped_mm(_bf16(dy), _bf16(w_enk), offs)
-    return grouped_mm(_fq_lhs(dy, g.lhs), _fq_rhs(w_enk, g.rhs), offs)
-
-
-def _wgrad(x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
-    if g.lhs is None or g.rhs is None:
-        return grouped_mm_wgrad(_bf16(x), _bf16(dy), offs)
-    return grouped_mm_wgrad(_fq_jagged(x, offs, g.lhs), _fq_jagged(dy, offs, g.rhs), offs)
+        return grouped_mm_wgrad(_bf16(x), _bf16(dy), offs).to(out_dtype)
+    return grouped_mm_wgrad(_fq_wgrad(x, offs, g.lhs), _fq_wgrad(dy, offs, g.rhs), offs).to(
+        out_dtype
+    )
 
 
 # --------------------------------------------------------------------------------------
-# kernel path (CUDA; the same functions run on CPU tensors in Triton's interpreter)
+# kernel selection (device-agnostic, tested on CPU) and the CUDA paths
 
-
-def _quantize_kmajor(t: Tensor, op: OperandQuant, out: Tensor, along_rows: bool) -> Tensor:
-    """Quantize t [..., R, C] into ``out`` (any layout); reduction along rows or columns."""
-    block = (op.inner, op.outer) if along_rows else (op.outer, op.inner)
-    if op.fmt == "mx":
-        mx_block = (op.inner, 1) if along_rows else (1, op.inner)
-        _, scale = TQ.quantize_blocks(t, mx_block, fmt="mx", scale_rule=op.scale_rule, out=out)
-        return scale
-    if TQ.supports(t, block):
-        _, scale = TQ.quantize_blocks(t, block, out=out)
-        return scale
-    q, scale = Q.quantize_fp8(t, block)  # blocks too long for one program: torch ops
-    out.copy_(q)
-    return scale
-
-
-def _kernel_gemm(
-    a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
-) -> Tensor:
-    """FP8 forward / dgrad: a [M, k] @ b [E, k, n] per group, both quantized K-major."""
-    assert g.lhs is not None and g.rhs is not None
-    M, k = a.shape
-    E, _, n = b.shape
-    qa = torch.empty((M, k), dtype=torch.float8_e4m3fn, device=a.device)
-    sa = _quantize_kmajor(a, g.lhs, qa, along_rows=False)
-    qb = torch.empty((E, n, k), dtype=torch.float8_e4m3fn, device=a.device).transpose(-2, -1)
-    sb = _quantize_kmajor(b, g.rhs, qb, along_rows=True)  # fp32, [E, KS, NS]
-    return TK.scaled_grouped_mm(
-        qa, qb, sa, sb, offs, block_k=g.lhs.inner, block_n=g.rhs.outer, out_dtype=out_dtype
-    )
-
-
+Kernel = Literal["torch", "triton", "emulate"]
 _PER_ROW = ((1, -1), (-1, -1))  # (outer, inner) of a rowwise / tensorwise FP8 operand
 
 
-def _torch_supports(g: GemmQuant, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether forward / dgrad GEMM ``g`` of a [M, k] @ b [E, k, n] runs on
-    ``torch._scaled_grouped_mm`` (CUTLASS, Hopper): FP8 with one scale per row of a and per
-    column of b (a tensorwise scale is that scale repeated), bf16 output, k and n multiples
-    of 16 (its TMA needs 16-byte strides). Groups need no alignment: a is row-major."""
+def gemm_kernel(
+    g: GemmQuant,
+    k: int,
+    n: int,
+    out_dtype: torch.dtype,
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+    has_torch_scaled_grouped_mm: bool = True,
+) -> Kernel:
+    """Which kernel runs forward / dgrad GEMM ``g`` of a [M, k] @ b [E, k, n] on a device:
+
+    * ``"torch"``: ``torch._scaled_grouped_mm`` (CUTLASS, Hopper only): FP8 with one scale
+      per row of a and per column of b (a tensorwise scale is that scale repeated), bf16
+      output, k and n multiples of 16 (its TMA needs 16-byte strides);
+    * ``"triton"``: the Triton scaled grouped GEMM (CUDA): both operands in one format with
+      the same K blocks of 32, 128 or all of K, B's N blocks of 1, 128 or all of N;
+    * ``"emulate"``: quantize -> dequantize -> grouped GEMM (CPU, bf16 GEMMs of a recipe,
+      and any layout the kernels do not take).
+    """
     lhs, rhs = g.lhs, g.rhs
-    return (
-        lhs is not None
-        and rhs is not None
-        and lhs.fmt == rhs.fmt == "fp8"
+    if device_type != "cuda" or lhs is None or rhs is None:
+        return "emulate"
+    if (
+        lhs.fmt == rhs.fmt == "fp8"
         and (lhs.outer, lhs.inner) in _PER_ROW
         and (rhs.outer, rhs.inner) in _PER_ROW
         and out_dtype == torch.bfloat16
-        and a.shape[1] % 16 == 0
-        and b.shape[2] % 16 == 0
-        and a.is_cuda
-        and hasattr(torch, "_scaled_grouped_mm")
-        and torch.cuda.get_device_capability(a.device) == (9, 0)
-    )
+        and k % 16 == 0
+        and n % 16 == 0
+        and has_torch_scaled_grouped_mm
+        and capability == (9, 0)
+    ):
+        return "torch"
+    return "triton" if _triton_takes(g) else "emulate"
 
 
-def _torch_operands(a: Tensor, b: Tensor, g: GemmQuant) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``torch._scaled_grouped_mm``'s operands: a [M, k] e4m3 row-major with fp32 scales
-    [M], b [E, k, n] e4m3 column-major with fp32 scales [E, n] (dequantized = q * scale)."""
-    assert g.lhs is not None and g.rhs is not None
-    M, k = a.shape
-    E, _, n = b.shape
-    qa = torch.empty((M, k), dtype=torch.float8_e4m3fn, device=a.device)
-    sa = _quantize_kmajor(a, g.lhs, qa, along_rows=False).reshape(-1).expand(M).contiguous()
-    qb = torch.empty((E, n, k), dtype=torch.float8_e4m3fn, device=a.device).transpose(-2, -1)
-    sb = _quantize_kmajor(b, g.rhs, qb, along_rows=True).reshape(E, -1).expand(E, n).contiguous()
-    return qa, qb, sa, sb
+def wgrad_kernel(g: GemmQuant, device_type: str) -> Kernel:
+    """Which kernel runs wgrad GEMM ``g``: the Triton scaled wgrad on CUDA for the operand
+    rules of :func:`gemm_kernel` along M (jagged blocks of 32, 128 or a whole group, or per
+    tensor), else the emulation."""
+    return "triton" if device_type == "cuda" and _triton_takes(g) else "emulate"
 
 
-def _torch_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
-    """FP8 rowwise / tensorwise forward or dgrad on ``torch._scaled_grouped_mm``; bf16 out."""
-    qa, qb, sa, sb = _torch_operands(a, b, g)
-    out = torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
-    M = a.shape[0]
-    # rows past the last group are not written: zero them as the other paths do
-    past_end = torch.arange(M, device=a.device) >= offs[-1]
-    return out.masked_fill_(past_end[:, None], 0)
-
-
-def _quantize_jagged_mmajor(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
-    """Wgrad operand, M-major: per-tensor or per-group scales in token order; 32 / 128-row
-    blocks in the slot layout (every block on an aligned row, see quantize_jagged)."""
-    if op.inner == -1:  # token order
-        out = torch.empty(t.shape[::-1], dtype=torch.float8_e4m3fn, device=t.device).t()
-        if op.outer == -1:  # one scale for the tensor
-            return TQ.quantize_blocks(t, (-1, -1), out=out)
-        return TQ.quantize_jagged(t, offs, block=-1, fmt=op.fmt, scale_rule=op.scale_rule, out=out)
-    nb = TQ.jagged_num_blocks(t.shape[0], offs.shape[0], op.inner)
-    out = torch.empty((t.shape[1], nb * op.inner), dtype=torch.float8_e4m3fn, device=t.device).t()
-    return TQ.quantize_jagged(
-        t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule, out=out, slots=True
-    )
-
-
-def _kernel_wgrad(
-    x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
-) -> Tensor:
-    """FP8 wgrad: x_g^T dy_g per group, both quantized M-major in jagged per-group blocks."""
-    assert g.lhs is not None and g.rhs is not None
-    qx, sx = _quantize_jagged_mmajor(x, offs, g.lhs)
-    qdy, sdy = _quantize_jagged_mmajor(dy, offs, g.rhs)
-    tensorwise = (g.lhs.outer, g.lhs.inner) == (-1, -1)
-    block = -1 if tensorwise else g.lhs.inner
-    gfb = (
-        torch.zeros(offs.shape[0] + 1, dtype=torch.int32, device=x.device)
-        if tensorwise
-        else TQ.jagged_block_table(offs, x.shape[0], block)[2]
-    )
-    return TK.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, gfb, block, out_dtype=out_dtype)
-
-
-def _kernels_support(g: GemmQuant) -> bool:
-    """Whether the Triton kernels run GEMM ``g`` (else: the emulation, on any device)."""
+def _triton_takes(g: GemmQuant) -> bool:
     lhs, rhs = g.lhs, g.rhs
     if lhs is None or rhs is None:
         return False
@@ -215,39 +569,262 @@ def _kernels_support(g: GemmQuant) -> bool:
     return lhs.inner in (-1, 32, 128) and rhs.outer in (-1, 1, 128)
 
 
-class _ScaledGroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor, recipe: Recipe) -> Tensor:
-        ctx.save_for_backward(x, w, offs)
-        ctx.recipe = recipe
-        g = recipe.forward
-        if _torch_supports(g, x, w, x.dtype):
-            return _torch_gemm(x, w, offs, g)
-        if x.is_cuda and _kernels_support(g):
-            return _kernel_gemm(x, w, offs, g, x.dtype)
-        return _forward(x, w, offs, g)
+def _select(g: GemmQuant, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Kernel:
+    dev = a.device
+    capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    has_torch = hasattr(torch, "_scaled_grouped_mm")
+    return gemm_kernel(g, a.shape[1], b.shape[2], out_dtype, dev.type, capability, has_torch)
 
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w, offs = ctx.saved_tensors
-        recipe: Recipe = ctx.recipe
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            g = recipe.dgrad
-            w_t = w.transpose(-2, -1)
-            if _torch_supports(g, dy, w_t, x.dtype):
-                dx = _torch_gemm(dy, w_t, offs, g)
-            elif dy.is_cuda and _kernels_support(g):
-                dx = _kernel_gemm(dy, w_t, offs, g, x.dtype)
-            else:
-                dx = _dgrad(dy, w, offs, g).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            g = recipe.wgrad
-            if dy.is_cuda and _kernels_support(g):
-                dw = _kernel_wgrad(x, dy, offs, g, w.dtype)
-            else:
-                dw = _wgrad(x, dy, offs, g).to(w.dtype)
-        return dx, dw, None, None
+
+def _quantize_kmajor(t: Tensor, op: OperandQuant, out: Tensor, along_rows: bool) -> Tensor:
+    """Quantize t [..., R, C] into ``out`` (any layout) with the Triton kernel; reduction
+    along rows or columns. Returns the fp32 scales."""
+    from torch_moe._triton import quantize as TQ
+
+    block = (op.inner, op.outer) if along_rows else (op.outer, op.inner)
+    if op.fmt == "mx":
+        mx_block = (op.inner, 1) if along_rows else (1, op.inner)
+        _, scale = TQ.quantize_blocks(t, mx_block, fmt="mx", scale_rule=op.scale_rule, out=out)
+        return scale
+    if TQ.supports(t, block):
+        _, scale = TQ.quantize_blocks(t, block, out=out)
+        return scale
+    q, scale = quantize_fp8(t, block)  # blocks too long for one program: torch ops
+    out.copy_(q)
+    return scale
+
+
+def _kernel_operands(
+    a: Tensor, b: Tensor, lhs: OperandQuant, rhs: OperandQuant
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both operands quantized K-major by the Triton kernels: (qa, qb, sa, sb)."""
+    M, k = a.shape
+    E, _, n = b.shape
+    qa = torch.empty((M, k), dtype=FP8, device=a.device)
+    sa = _quantize_kmajor(a, lhs, qa, along_rows=False)
+    qb = torch.empty((E, n, k), dtype=FP8, device=a.device).transpose(-2, -1)
+    sb = _quantize_kmajor(b, rhs, qb, along_rows=True)  # fp32, [E, KS, NS]
+    return qa, qb, sa, sb
+
+
+def _kernel_gemm(
+    a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
+    """FP8 forward / dgrad on the Triton scaled grouped GEMM."""
+    from torch_moe._triton import scaled_grouped_mm as TK
+
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:
+        raise ValueError(f"quantized_grouped_mm: {g} runs in bf16, not on the FP8 kernels")
+    qa, qb, sa, sb = _kernel_operands(a, b, lhs, rhs)
+    return TK.scaled_grouped_mm(
+        qa, qb, sa, sb, offs, block_k=lhs.inner, block_n=rhs.outer, out_dtype=out_dtype
+    )
+
+
+def torch_scaled_operands(
+    a: Tensor, b: Tensor, g: GemmQuant
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``torch._scaled_grouped_mm``'s operands: a [M, k] e4m3 row-major with fp32 scales
+    [M], b [E, k, n] e4m3 column-major with fp32 scales [E, n] (dequantized = q * scale);
+    rowwise and tensorwise scales alike."""
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:
+        raise ValueError(f"torch_scaled_operands: {g} runs in bf16")
+    M = a.shape[0]
+    E, _, n = b.shape
+    qa, qb, sa, sb = _kernel_operands(a, b, lhs, rhs)  # (interpreted on CPU tensors)
+    sa = sa.reshape(-1).expand(M).contiguous()
+    sb = sb.reshape(E, -1).expand(E, n).contiguous()
+    return qa, qb, sa, sb
+
+
+def _torch_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
+    """FP8 rowwise / tensorwise forward or dgrad on ``torch._scaled_grouped_mm``; bf16 out."""
+    qa, qb, sa, sb = torch_scaled_operands(a, b, g)
+    out = torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+    return zero_tail_(out, offs)  # rows past the last group are not written
+
+
+def _quantize_jagged_mmajor(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
+    """Wgrad operand, M-major, by the Triton kernels: per-tensor or per-group scales in
+    token order; 32 / 128-row blocks in the slot layout (every block on an aligned row)."""
+    from torch_moe._triton import quantize as TQ
+
+    if op.inner == -1:  # token order
+        out = torch.empty(t.shape[::-1], dtype=FP8, device=t.device).t()
+        if op.outer == -1:  # one scale for the tensor
+            return TQ.quantize_blocks(t, (-1, -1), out=out)
+        return TQ.quantize_jagged(t, offs, block=-1, fmt=op.fmt, scale_rule=op.scale_rule, out=out)
+    nb = Q.jagged_num_blocks(t.shape[0], offs.shape[0], op.inner)
+    out = torch.empty((t.shape[1], nb * op.inner), dtype=FP8, device=t.device).t()
+    return TQ.quantize_jagged(
+        t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule, out=out, slots=True
+    )
+
+
+def _kernel_wgrad(
+    x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
+) -> Tensor:
+    """FP8 wgrad: x_g^T dy_g per group, both quantized M-major in jagged per-group blocks."""
+    from torch_moe._triton import quantize as TQ
+    from torch_moe._triton import scaled_grouped_mm as TK
+
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:
+        raise ValueError(f"quantized_grouped_mm_wgrad: {g} runs in bf16, not on the FP8 kernels")
+    qx, sx = _quantize_jagged_mmajor(x, offs, lhs)
+    qdy, sdy = _quantize_jagged_mmajor(dy, offs, rhs)
+    tensorwise = (lhs.outer, lhs.inner) == (-1, -1)
+    block = -1 if tensorwise else lhs.inner
+    gfb = (
+        torch.zeros(offs.shape[0] + 1, dtype=torch.int32, device=x.device)
+        if tensorwise
+        else TQ.jagged_block_table(offs, x.shape[0], block)[2]
+    )
+    return TK.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, gfb, block, out_dtype=out_dtype)
+
+
+def _run_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype) -> Tensor:
+    kernel = _select(g, a, b, out_dtype)
+    if kernel == "torch":
+        return _torch_gemm(a, b, offs, g)
+    if kernel == "triton":
+        return _kernel_gemm(a, b, offs, g, out_dtype)
+    return _emulate_gemm(a, b, offs, g, out_dtype)
+
+
+def _run_wgrad(x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype) -> Tensor:
+    if wgrad_kernel(g, x.device.type) == "triton":
+        return _kernel_wgrad(x, dy, offs, g, out_dtype)
+    return _emulate_wgrad(x, dy, offs, g, out_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# the high-precision ops: forward (with autograd), dgrad, wgrad
+
+
+def _check_inputs(fn: str, x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Recipe:
+    """Shared by the real and the fake kernels of the three ops (w [E, K, N] for forward and
+    wgrad's output, [E, K, N] for dgrad, whose x is dy [M, N])."""
+    try:
+        r = get_recipe(recipe)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{fn}: {e}") from e
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(
+            f"{fn}: expected x [M, K] and w [E, K, N], got {list(x.shape)} and {list(w.shape)}"
+        )
+    if x.dtype not in KERNEL_DTYPES or w.dtype != x.dtype:
+        raise TypeError(
+            f"{fn}: expected x and w to share a dtype in {KERNEL_DTYPES}, got {x.dtype} and "
+            f"{w.dtype}"
+        )
+    if w.device != x.device:
+        raise ValueError(f"{fn}: w is on {w.device} but x is on {x.device}")
+    check_offs(fn, offs, w.shape[0], x.device)
+    return r
+
+
+def _check_gemm(fn: str, x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Recipe:
+    r = _check_inputs(fn, x, w, offs, recipe)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"{fn}: x is [M, K={x.shape[1]}] but w is [E, K={w.shape[1]}, N={w.shape[2]}]"
+        )
+    return r
+
+
+def _check_dgrad(fn: str, dy: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Recipe:
+    r = _check_inputs(fn, dy, w, offs, recipe)
+    if w.shape[2] != dy.shape[1]:
+        raise ValueError(
+            f"{fn}: dy is [M, N={dy.shape[1]}] but w is [E, K={w.shape[1]}, N={w.shape[2]}]"
+        )
+    return r
+
+
+def _check_wgrad(fn: str, x: Tensor, dy: Tensor, offs: Tensor, recipe: str) -> Recipe:
+    try:
+        r = get_recipe(recipe)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{fn}: {e}") from e
+    if x.dim() != 2 or dy.dim() != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(
+            f"{fn}: expected x [M, K] and dy [M, N] with the same M, got {list(x.shape)} and "
+            f"{list(dy.shape)}"
+        )
+    if x.dtype not in KERNEL_DTYPES or dy.dtype != x.dtype:
+        raise TypeError(
+            f"{fn}: expected x and dy to share a dtype in {KERNEL_DTYPES}, got {x.dtype} and "
+            f"{dy.dtype}"
+        )
+    if dy.device != x.device:
+        raise ValueError(f"{fn}: dy is on {dy.device} but x is on {x.device}")
+    check_offs(fn, offs, None, x.device)
+    return r
+
+
+@torch.library.custom_op("torch_moe::quantized_grouped_mm", mutates_args=())
+def quantized_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    """Forward GEMM of ``recipe``: ``x [M, K] @ w[g] [K, N]`` per group, in x's dtype."""
+    r = _check_gemm("quantized_grouped_mm", x, w, offs, recipe)
+    check_offs_values("quantized_grouped_mm", offs, x.shape[0])
+    return _run_gemm(x, w, offs, r.forward, x.dtype)
+
+
+@quantized_grouped_mm.register_fake
+def _(x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    _check_gemm("quantized_grouped_mm", x, w, offs, recipe)
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("torch_moe::quantized_grouped_mm_dgrad", mutates_args=())
+def quantized_grouped_mm_dgrad(dy: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    """Dgrad GEMM of ``recipe``: ``dy [M, N] @ w[g]^T [N, K]`` per group, in dy's dtype."""
+    r = _check_dgrad("quantized_grouped_mm_dgrad", dy, w, offs, recipe)
+    check_offs_values("quantized_grouped_mm_dgrad", offs, dy.shape[0])
+    return _run_gemm(dy, w.transpose(-2, -1), offs, r.dgrad, dy.dtype)
+
+
+@quantized_grouped_mm_dgrad.register_fake
+def _(dy: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    _check_dgrad("quantized_grouped_mm_dgrad", dy, w, offs, recipe)
+    return dy.new_empty((dy.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("torch_moe::quantized_grouped_mm_wgrad", mutates_args=())
+def quantized_grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    """Wgrad GEMM of ``recipe``: ``x[g]^T @ dy[g]`` per group [E, K, N], in x's dtype."""
+    r = _check_wgrad("quantized_grouped_mm_wgrad", x, dy, offs, recipe)
+    check_offs_values("quantized_grouped_mm_wgrad", offs, x.shape[0])
+    return _run_wgrad(x, dy, offs, r.wgrad, x.dtype)
+
+
+@quantized_grouped_mm_wgrad.register_fake
+def _(x: Tensor, dy: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    _check_wgrad("quantized_grouped_mm_wgrad", x, dy, offs, recipe)
+    return x.new_empty((offs.shape[0], x.shape[1], dy.shape[1]))
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w, offs, recipe = inputs
+    ctx.save_for_backward(x, w, offs)
+    ctx.recipe = recipe
+
+
+def _backward(ctx, dy):  # type: ignore[no-untyped-def]
+    x, w, offs = ctx.saved_tensors
+    dy = dy if all(s != 0 for s in dy.stride()) else dy.contiguous()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = quantized_grouped_mm_dgrad(dy.to(x.dtype), w, offs, ctx.recipe)
+    if ctx.needs_input_grad[1]:
+        dw = quantized_grouped_mm_wgrad(x, dy.to(x.dtype), offs, ctx.recipe)
+    return dx, dw, None, None
+
+
+quantized_grouped_mm.register_autograd(_backward, setup_context=_setup)
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str | Recipe) -> Tensor:
@@ -257,31 +834,12 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str | Recipe) 
         x: [M, K] rows sorted by group (fp32, bf16 or fp16).
         w: [E, K, N] in x's dtype.
         offs: [E] int32 group ENDS, as in :func:`torch_moe.ops.grouped_mm`.
-        recipe: a name from :data:`torch_moe.quantization.RECIPES` or a :class:`Recipe`.
+        recipe: a name from :data:`torch_moe.quantization.RECIPES`, a recipe spec or a
+            :class:`Recipe`.
 
     Returns [M, N] in x's dtype (rows past ``offs[-1]`` zero). Differentiable in x (dgrad:
     dY quantized along N, W along N) and w (wgrad: X and dY quantized along M in per-expert
     jagged blocks). MX recipes need K and N multiples of 32; FP8 blocks pad partial blocks.
+    Runs ``torch.ops.torch_moe.quantized_grouped_mm`` (and its dgrad / wgrad ops).
     """
-    recipe = get_recipe(recipe)
-    if x.dim() != 2 or w.dim() != 3:
-        raise ValueError(
-            f"scaled_grouped_mm: expected x [M, K] and w [E, K, N], got {list(x.shape)} and "
-            f"{list(w.shape)}"
-        )
-    if x.dtype not in _DTYPES or w.dtype != x.dtype:
-        raise TypeError(
-            f"scaled_grouped_mm: expected x and w to share a dtype in {_DTYPES}, got {x.dtype} "
-            f"and {w.dtype}"
-        )
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"scaled_grouped_mm: x is [M, K={x.shape[1]}] but w is [E, K={w.shape[1]}, N={w.shape[2]}]"
-        )
-    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"scaled_grouped_mm: expected offs to be [E={w.shape[0]}] int32, got "
-            f"{list(offs.shape)} {offs.dtype}"
-        )
-    out = _ScaledGroupedMM.apply(x, w, offs, recipe)
-    return out
+    return torch.ops.torch_moe.quantized_grouped_mm(x, w, offs, get_recipe(recipe).op_arg())

@@ -74,7 +74,7 @@ from torch import Tensor, nn
 from torch_moe import ops
 from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
-from torch_moe._ops.grouped_swiglu import _act_backward
+from torch_moe._ops.grouped_swiglu import swiglu
 from torch_moe.nn.functional import (
     grouped_swiglu,
     router_z_loss,
@@ -318,40 +318,12 @@ class GroupedExperts(nn.Module):
         # the recipe decides every GEMM's numerics: autocast must not recast inside
         with torch.autocast(x.device.type, enabled=False):
             h_M2F = scaled_grouped_mm(x, w13.transpose(-2, -1), offs, self.recipe)
-            a_MF = _SwiGLUAct.apply(h_M2F, row_weights)
+            a_MF = swiglu(h_M2F, row_weights)
             return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
 
     def extra_repr(self) -> str:
         e, two_f, d = self.w13.shape
         return f"dim={d}, hidden_dim={two_f // 2}, num_experts={e}, precision={self.precision}"
-
-
-class _SwiGLUAct(torch.autograd.Function):
-    """``a = silu(h[:, :F]) * h[:, F:] * row_weights`` in fp32, returned in h's dtype.
-
-    Saves only h (and the weights): the backward recomputes the activation, as
-    ``grouped_swiglu``'s does (the same ``_act_backward``).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, row_weights: Tensor | None) -> Tensor:
-        ctx.save_for_backward(h, row_weights)
-        acc = acc_dtype(h.dtype)
-        gate, up = h.to(acc).chunk(2, dim=-1)
-        a = F.silu(gate).mul_(up)
-        if row_weights is not None:
-            a.mul_(row_weights.to(acc).unsqueeze(1))
-        return a.to(h.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad_a: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        h, row_weights = ctx.saved_tensors
-        dh = torch.empty_like(h)
-        a = h.new_empty((h.shape[0], h.shape[1] // 2))  # written by _act_backward, unused
-        grad_rw = _act_backward(h, grad_a, row_weights, a, dh)
-        if grad_rw is not None and row_weights is not None and ctx.needs_input_grad[1]:
-            return dh, grad_rw.to(row_weights.dtype)
-        return dh, None
 
 
 class SharedExperts(nn.Module):
@@ -432,6 +404,8 @@ class MoE(nn.Module):
 
     tokens_per_expert: Tensor
     dropped_assignments: Tensor
+    last_aux_loss: Tensor
+    last_z_loss: Tensor
 
     def __init__(
         self,
@@ -520,7 +494,14 @@ class MoE(nn.Module):
             torch.zeros(num_experts, dtype=torch.int64, device=device),
             persistent=False,
         )
-        self.last_losses: dict[str, Tensor] = {}
+        # the detached loss values of the last forward, for logging (``last_losses``);
+        # updated in place, so that the forward has no Python side effects (it runs under
+        # activation checkpointing inside torch.compile)
+        loss_dtype = acc_dtype(dtype or torch.get_default_dtype())
+        for name in ("last_aux_loss", "last_z_loss"):
+            self.register_buffer(
+                name, torch.zeros((), dtype=loss_dtype, device=device), persistent=False
+            )
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> MoE:
@@ -573,15 +554,14 @@ class MoE(nn.Module):
 
         if self.training and not _recomputing():
             with torch.no_grad():
-                self.tokens_per_expert += counts_E
-                self.dropped_assignments += perm.num_dropped
+                self.tokens_per_expert.add_(counts_E)
+                self.dropped_assignments.add_(perm.num_dropped)
         out = self._attach_losses(out, logits_TE, ids_TK, counts_E, shape)
         return out.view(*shape[:-1], self.dim)
 
     def _attach_losses(
         self, out: Tensor, logits: Tensor, ids: Tensor, counts: Tensor, shape: torch.Size
     ) -> Tensor:
-        losses: dict[str, Tensor] = {}
         total = None
         score_func = self.router.score_func
         if self.aux_loss is not None and self.aux_loss_coeff > 0:
@@ -590,16 +570,28 @@ class MoE(nn.Module):
             else:
                 seq_len = shape[-2] if len(shape) >= 3 else logits.shape[0]
                 loss = sequence_aux_loss(logits, ids, self.top_k, seq_len, score_func=score_func)
-            losses["aux_loss"] = loss.detach()
+            with torch.no_grad():
+                self.last_aux_loss.copy_(loss)
             total = self.aux_loss_coeff * loss
         if self.z_loss_coeff > 0:
             z = router_z_loss(logits)
-            losses["z_loss"] = z.detach()
+            with torch.no_grad():
+                self.last_z_loss.copy_(z)
             total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
-        self.last_losses = losses
         if total is None or not torch.is_grad_enabled():
             return out
         return _AttachAuxLoss.apply(out, total, self.aux_loss_scale)
+
+    @property
+    def last_losses(self) -> dict[str, Tensor]:
+        """The aux / z losses of the last forward (detached copies, for logging), by name;
+        only the losses this layer computes (a coefficient > 0)."""
+        losses = {}
+        if self.aux_loss is not None and self.aux_loss_coeff > 0:
+            losses["aux_loss"] = self.last_aux_loss.clone()
+        if self.z_loss_coeff > 0:
+            losses["z_loss"] = self.last_z_loss.clone()
+        return losses
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = 1e-3, group: Any = None) -> Tensor:
