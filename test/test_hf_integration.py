@@ -1,0 +1,620 @@
+# Owner(s): ["module: moe"]
+"""Tests for torch_moe.integrations.transformers: the "torch_moe" experts implementation of
+HF transformers, set_precision, and the to_torch_moe / from_torch_moe converters.
+
+Every model is a tiny random-weight config built in code (never downloaded). The oracles:
+transformers' own "eager" experts (its per-expert loop) in fp32 and its "grouped_mm"
+experts in bf16 for whole models; a float64 per-assignment loop (``_ToyExperts.forward``)
+for each layout flag; the unconverted HF model for ``to_torch_moe``; one process for EP=2.
+"""
+
+import copy
+import importlib.metadata
+import io
+import os
+import unittest
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+try:
+    HAS_TRANSFORMERS = importlib.metadata.version("transformers").split(".")[0] == "5"
+except importlib.metadata.PackageNotFoundError:
+    HAS_TRANSFORMERS = False
+
+F32_EPS = torch.finfo(torch.float32).eps
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+# --------------------------------------------------------------------------------------
+# tiny models
+
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+TINY = {
+    "mixtral": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+    ),
+    "deepseek_v3": dict(
+        head_dim=4,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        intermediate_size=48,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        n_shared_experts=1,
+    ),
+    "gpt_oss": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2),
+}
+FAMILIES = list(TINY)
+CONVERTIBLE = ["mixtral", "qwen3_moe", "deepseek_v3", "olmoe"]
+
+
+def _quiet_hf():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def tiny_model(family, dtype=torch.float32, impl="eager", seed=0):
+    """A 2-layer random model of ``family``. Every parameter is redrawn (HF zero-inits the
+    routers, which would make routing ties), routers with a large spread so that bf16
+    rounding does not flip a top-k choice."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_hf()
+    cfg = AutoConfig.for_model(family, **{**_COMMON, **TINY[family]})
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation=impl)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * r if "norm" in name else 0.5 * r)
+            else:  # fan-in scaling; routers 3x wider so that top-k margins are large
+                wide = name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+                p.copy_(r * (3.0 if wide else 1.0) * min(p.shape[-2:]) ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    return model.to(dtype).eval()
+
+
+def _ids(seed=1, shape=(2, 8)):
+    return torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, ids, impl=None):
+    """(logits, {name: grad}) of ``sum(logits * g)`` for a fixed random g."""
+    if impl is not None:
+        model.set_experts_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    g = torch.randn(logits.shape, generator=torch.Generator().manual_seed(7)).to(logits.dtype)
+    (logits.float() * g.float()).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().clone(), grads
+
+
+def _rel_close(test, actual, expected, ulps, eps, msg=""):
+    """|actual - expected| <= ulps * eps * max|expected|: errors of reordered fp sums scale
+    with the tensor's magnitude, not each element's."""
+    scale = expected.abs().max().float().item()
+    test.assertEqual(
+        actual.float(), expected.float(), atol=ulps * eps * max(scale, 1e-30), rtol=0, msg=msg
+    )
+
+
+class _OneThread:
+    """Ops this small are dominated by waking intra-op threads (2-5x slower on a busy
+    2-core machine): run the class on one thread, restoring the setting after it."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    @classmethod
+    def tearDownClass(cls):
+        torch.set_num_threads(cls._threads)
+        super().tearDownClass()
+
+
+# --------------------------------------------------------------------------------------
+# a configurable experts module: every layout flag, with a float64 per-assignment oracle
+
+
+def _toy_experts_class(flags, activation):
+    from transformers.integrations.moe import use_experts_implementation
+
+    class _ToyExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            E, D, Fh = config.num_experts, config.hidden_size, config.intermediate_size
+            self.num_experts = E
+            n = 2 * Fh if flags.get("has_gate", True) else Fh
+            up = "gate_up_proj" if flags.get("has_gate", True) else "up_proj"
+            t = flags.get("is_transposed", False)
+            setattr(self, up, torch.nn.Parameter(torch.randn((E, D, n) if t else (E, n, D))))
+            self.down_proj = torch.nn.Parameter(torch.randn((E, Fh, D) if t else (E, D, Fh)))
+            if flags.get("has_bias", False):
+                setattr(self, up + "_bias", torch.nn.Parameter(torch.randn(E, n)))
+                self.down_proj_bias = torch.nn.Parameter(torch.randn(E, D))
+            if flags.get("has_post_expert_norm", False):
+                self.post_expert_norm = torch.nn.RMSNorm(D, eps=1e-6)
+                with torch.no_grad():
+                    self.post_expert_norm.weight.uniform_(0.5, 1.5)
+            self.act_fn = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda h: F.relu(h) ** 2,
+                           "clamped": F.silu}[activation]  # fmt: skip
+
+        if activation == "clamped":  # GPT-OSS: interleaved, clamped, (up + 1) * glu
+
+            def _apply_gate(self, gate_up):
+                if flags.get("is_concatenated", True):
+                    gate, up = gate_up.chunk(2, dim=-1)
+                else:
+                    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+                gate = gate.clamp(max=1.5)
+                up = up.clamp(min=-1.5, max=1.5)
+                return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+        def forward(self, x, ids, w):
+            # the oracle: one assignment at a time (sentinel ids >= E are skipped)
+            gated = flags.get("has_gate", True)
+            up_w = self.gate_up_proj if gated else self.up_proj
+            out = torch.zeros_like(x)
+            for t in range(x.shape[0]):
+                for k in range(ids.shape[1]):
+                    e = int(ids[t, k])
+                    if e >= self.num_experts:
+                        continue
+                    W1 = up_w[e] if flags.get("is_transposed", False) else up_w[e].t()
+                    h = x[t] @ W1
+                    if flags.get("has_bias", False):
+                        h = h + (self.gate_up_proj_bias if gated else self.up_proj_bias)[e]
+                    a = self._apply_gate(h) if gated else self.act_fn(h)
+                    W2 = (
+                        self.down_proj[e]
+                        if flags.get("is_transposed", False)
+                        else self.down_proj[e].t()
+                    )
+                    y = a @ W2
+                    if flags.get("has_bias", False):
+                        y = y + self.down_proj_bias[e]
+                    if flags.get("has_post_expert_norm", False):
+                        y = self.post_expert_norm(y)
+                    out[t] = out[t] + y * w[t, k]
+            return out
+
+    return use_experts_implementation(_ToyExperts, **flags)
+
+
+class _ToyConfig:
+    def __init__(self):
+        self.num_experts, self.hidden_size, self.intermediate_size = 4, 8, 6
+        self._experts_implementation = "eager"
+
+
+LAYOUTS = {
+    "default": ({}, "silu"),
+    "transposed": ({"is_transposed": True}, "silu"),
+    "bias": ({"has_bias": True}, "silu"),
+    "gelu": ({}, "gelu"),
+    "gpt_oss": ({"is_concatenated": False, "is_transposed": True, "has_bias": True}, "clamped"),
+    "no_gate_relu2": ({"has_gate": False}, "relu2"),
+    "post_norm": ({"has_post_expert_norm": True}, "silu"),
+    "post_norm_bias": ({"has_post_expert_norm": True, "has_bias": True}, "silu"),
+}
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
+@instantiate_parametrized_tests
+class TestExpertsBackend(_OneThread, TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        import torch_moe.integrations.transformers  # noqa: F401  (registers "torch_moe")
+
+    def test_registered(self):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        import torch_moe.integrations.transformers as tmt
+        from torch_moe.quantization import RECIPES
+
+        self.assertIs(ALL_EXPERTS_FUNCTIONS["torch_moe"], tmt.experts_forward)
+        for name in RECIPES:
+            self.assertIn(f"torch_moe_{name}", ALL_EXPERTS_FUNCTIONS)
+        model = tiny_model("mixtral", impl="torch_moe")
+        self.assertEqual(model.config._experts_implementation, "torch_moe")
+
+    @parametrize("layout", list(LAYOUTS))
+    def test_layout_flags_match_float64_loop(self, layout):
+        """Every flag combination the decorator declares, against a per-assignment loop."""
+        import torch_moe.integrations.transformers as tmt
+
+        flags, act = LAYOUTS[layout]
+        torch.manual_seed(0)
+        experts = _toy_experts_class(flags, act)(_ToyConfig()).double()
+        expected_path = "fused" if layout in ("default", "transposed") else "composed"
+        self.assertEqual(tmt.experts_layout(experts).path, expected_path)
+        T, K = 12, 2
+        x = torch.randn(T, 8, dtype=torch.float64)
+        # expert 3 gets no token (an empty group); each token has K distinct experts
+        ids = torch.stack([torch.randperm(3)[:K] for _ in range(T)])
+        w = torch.rand(T, K, dtype=torch.float64)
+        results = {}
+        for impl in ("eager", "torch_moe"):
+            experts.config._experts_implementation = impl
+            experts.zero_grad(set_to_none=True)
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = experts(xi, ids, wi)
+            out.backward(torch.cos(torch.arange(out.numel(), dtype=torch.float64)).view_as(out))
+            grads = {n: p.grad for n, p in experts.named_parameters()}
+            results[impl] = (out.detach(), xi.grad, wi.grad, grads)
+        (o0, x0, w0, g0), (o1, x1, w1, g1) = results["eager"], results["torch_moe"]
+        # float64 on both sides, sums reordered: 1e-12 is ~5000 ulp at these O(10) values
+        tol = dict(atol=1e-12, rtol=1e-12)
+        self.assertEqual(o1, o0, **tol)
+        self.assertEqual(x1, x0, **tol)
+        self.assertEqual(w1, w0, **tol)
+        self.assertEqual(sorted(g1), sorted(g0))
+        for n in g0:
+            self.assertEqual(g1[n], g0[n], **tol, msg=n)
+
+    def test_expert_parallel_sentinels(self):
+        """transformers' EP marks non-local assignments with ids >= E and weight 0."""
+        torch.manual_seed(0)
+        experts = _toy_experts_class({"has_bias": True}, "silu")(_ToyConfig()).double()
+        experts._is_expert_parallel = True
+        T, K = 10, 2
+        x = torch.randn(T, 8, dtype=torch.float64)
+        ids = torch.stack([torch.randperm(4)[:K] for _ in range(T)])
+        ids[::3, 1] = 4  # sentinel
+        w = torch.rand(T, K, dtype=torch.float64).masked_fill(ids >= 4, 0.0)
+        outs = {}
+        for impl in ("eager", "torch_moe"):
+            experts.config._experts_implementation = impl
+            experts.zero_grad(set_to_none=True)
+            wi = w.clone().requires_grad_()
+            out = experts(x, ids, wi)
+            out.sum().backward()
+            outs[impl] = (out.detach(), wi.grad, experts.down_proj_bias.grad.clone())
+        for a, b in zip(outs["torch_moe"], outs["eager"]):
+            self.assertEqual(a, b, atol=1e-12, rtol=1e-12)
+        self.assertEqual(
+            outs["torch_moe"][1][ids >= 4], torch.zeros(int((ids >= 4).sum()), dtype=torch.float64)
+        )
+
+    @parametrize("family", FAMILIES)
+    def test_model_matches_eager_fp32(self, family):
+        """Logits and every parameter gradient of the whole model, fp32."""
+        import torch_moe.integrations.transformers as tmt
+
+        model = tiny_model(family)
+        ids = _ids()
+        ref, ref_g = _run(model, ids, "eager")
+        out, out_g = _run(model, ids, "torch_moe")
+        paths = {tmt.experts_layout(m).path for _, m in tmt.experts_modules(model)}
+        self.assertEqual(paths, {"composed" if family == "gpt_oss" else "fused"})
+        # NB (tolerance): the same fp32 math with reordered sums (grouped GEMMs, the fp32
+        # combine, the routing weight folded before the down GEMM instead of after) through
+        # two layers: measured <= 11 ulp of each tensor's max; 64 ulp bound
+        _rel_close(self, out, ref, 64, F32_EPS)
+        self.assertEqual(sorted(out_g), sorted(ref_g))
+        for n in ref_g:
+            _rel_close(self, out_g[n], ref_g[n], 64, F32_EPS, msg=n)
+
+    @parametrize("family", FAMILIES)
+    def test_model_matches_grouped_mm_bf16(self, family):
+        model = tiny_model(family, dtype=torch.bfloat16)
+        ids = _ids()
+        truth, truth_g = _run(copy.deepcopy(model).float(), ids, "eager")
+        ref, ref_g = _run(model, ids, "grouped_mm")
+        out, out_g = _run(model, ids, "torch_moe")
+        self.assertEqual(sorted(out_g), sorted(ref_g))
+        # NB (tolerance): bf16 rounding through attention, norms and two MoE layers moves
+        # grouped_mm's logits and gradients by up to ~8% of a tensor's max from the fp32
+        # model (same weights), and torch_moe rounds differently (SwiGLU in fp32 with the
+        # routing weight folded in, one rounding per expert op; fp32 combine). Stated
+        # tolerance, per tensor: |torch_moe - grouped_mm| <= 3 * |grouped_mm - fp32| + 1 bf16
+        # ulp of the tensor's max, and torch_moe no less accurate than grouped_mm:
+        # |torch_moe - fp32| <= 2 * |grouped_mm - fp32| + 1 ulp (measured ratio <= 1.51).
+        for n, (a, r, t) in {"logits": (out, ref, truth)}.items() | {
+            n: (out_g[n], ref_g[n], truth_g[n]) for n in ref_g
+        }.items():
+            a, r, t = a.float(), r.float(), t.float()
+            ulp = BF16_EPS * t.abs().max().item()
+            err_ref = (r - t).abs().max().item()
+            self.assertLessEqual((a - r).abs().max().item(), 3 * err_ref + ulp, msg=n)
+            self.assertLessEqual((a - t).abs().max().item(), 2 * err_ref + ulp, msg=n)
+
+    @parametrize("family", ["mixtral", "gpt_oss"])
+    def test_generate_greedy(self, family):
+        model = tiny_model(family)
+        prompt = _ids(seed=3, shape=(2, 5))
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        model.set_experts_implementation("eager")
+        ref = model.generate(prompt, **kw)
+        model.set_experts_implementation("torch_moe")
+        out = model.generate(prompt, **kw)
+        self.assertEqual(out, ref)
+        self.assertEqual(out.shape, (2, 11))
+
+    @parametrize("family", ["mixtral", "gpt_oss"])
+    def test_compile_fullgraph(self, family):
+        """The sparse-MoE block (fused path: Mixtral; composed with recompute: GPT-OSS)
+        under torch.compile(fullgraph=True), forward and backward."""
+        model = tiny_model(family, impl="torch_moe")
+        block = model.model.layers[0].mlp
+        x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+
+        def run(fn):
+            block.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            out = fn(xi)
+            out = out[0] if isinstance(out, tuple) else out
+            out.square().sum().backward()
+            return out.detach(), xi.grad, {n: p.grad for n, p in block.named_parameters()}
+
+        torch._dynamo.reset()
+        ref = run(block)
+        got = run(torch.compile(block, fullgraph=True, backend="aot_eager"))
+        self.assertEqual(got[0], ref[0], atol=0, rtol=0)
+        self.assertEqual(got[1], ref[1], atol=0, rtol=0)
+        for n in ref[2]:
+            self.assertEqual(got[2][n], ref[2][n], atol=0, rtol=0, msg=n)
+
+    def test_precision(self):
+        """set_precision runs the experts' GEMMs through scaled_grouped_mm per recipe."""
+        import torch_moe.integrations.transformers as tmt
+
+        model = tiny_model("qwen3_moe")
+        ids = _ids()
+        full, _ = _run(model, ids, "torch_moe")
+        self.assertEqual(tmt.set_precision(model, "fp8_rowwise"), 2)
+        fp8, fp8_g = _run(model, ids)
+        self.assertEqual(model.config._experts_implementation, "torch_moe")
+        # the registered implementation of the recipe computes the same, bitwise
+        tmt.set_precision(model, "bf16")
+        named, named_g = _run(model, ids, tmt.implementation_name("fp8_rowwise"))
+        self.assertEqual(named, fp8, atol=0, rtol=0)
+        for n in fp8_g:
+            self.assertEqual(named_g[n], fp8_g[n], atol=0, rtol=0, msg=n)
+        # FP8 e4m3 (3 mantissa bits, 2^-4 relative rounding) on both GEMMs: not the fp32
+        # result, but within a few e4m3 roundings of it
+        self.assertNotEqual(fp8, full)
+        _rel_close(self, fp8, full, 4, 2.0**-4)
+        # the same recipe inside torch_moe.nn.MoE (to_torch_moe) agrees
+        conv = tmt.to_torch_moe(copy.deepcopy(model), precision="fp8_rowwise")
+        _rel_close(self, _run(conv, ids)[0], fp8, 64, F32_EPS)
+
+    def test_bad_input(self):
+        import torch_moe.integrations.transformers as tmt
+
+        with self.assertRaisesRegex(TypeError, r"Linear has no layout flag\(s\) \['has_gate'"):
+            tmt.experts_forward(torch.nn.Linear(2, 2), torch.zeros(1, 2), None, None)
+        experts = _toy_experts_class({}, "silu")(_ToyConfig())
+        experts.gate_up_proj.data = experts.gate_up_proj.data.to(torch.float8_e4m3fn)
+        with self.assertRaisesRegex(ValueError, r"gate_up_proj has dtype torch.float8_e4m3fn"):
+            tmt.experts_layout(experts)
+        experts = _toy_experts_class({"has_bias": True}, "silu")(_ToyConfig())
+        del experts.down_proj_bias
+        with self.assertRaisesRegex(ValueError, r"has_bias=True but 'down_proj_bias'"):
+            tmt.experts_layout(experts)
+        with self.assertRaisesRegex(ValueError, r"unknown low-precision recipe 'fp7'"):
+            tmt.set_precision(tiny_model("mixtral"), "fp7")
+        with self.assertRaisesRegex(ValueError, r"set_precision: Linear has no transformers"):
+            tmt.set_precision(torch.nn.Linear(2, 2), "fp8_rowwise")
+
+    def test_version_warning_once(self):
+        import torch_moe.integrations.transformers as tmt
+
+        self.assertTrue(tmt.check_transformers_version())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertFalse(tmt.check_transformers_version("4.57.1"))
+            self.assertFalse(tmt.check_transformers_version("4.57.1"))
+            self.assertFalse(tmt.check_transformers_version("5.24.0"))
+        msgs = [str(w.message) for w in caught]
+        self.assertEqual(len(msgs), 2, msg=msgs)
+        self.assertRegex(msgs[0], r"tested with transformers >=5\.23\.0,<5\.24\.0; found 4\.57\.1")
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
+@instantiate_parametrized_tests
+class TestConvert(_OneThread, TestCase):
+    @parametrize("family", CONVERTIBLE)
+    def test_to_torch_moe_matches(self, family):
+        import torch_moe.integrations.transformers as tmt
+
+        model = tiny_model(family)
+        ids = _ids()
+        ref, ref_g = _run(model, ids, "eager")
+        gate = model.model.layers[1].mlp.gate.weight
+        tmt.to_torch_moe(model)
+        blocks = tmt.torch_moe_blocks(model)
+        self.assertEqual(len(blocks), 1 if family == "deepseek_v3" else 2)
+        self.assertIs(blocks[-1][1].moe.router.weight, gate)  # shared, not copied
+        out, out_g = _run(model, ids)
+        _rel_close(self, out, ref, 64, F32_EPS)
+
+        def hf_name(n):  # torch_moe names back to HF's, for the comparison
+            n = n.replace("mlp.moe.router.weight", "mlp.gate.weight")
+            n = n.replace("mlp.moe.experts.w13", "mlp.experts.gate_up_proj")
+            n = n.replace("mlp.moe.experts.w2", "mlp.experts.down_proj")
+            return n.replace("mlp.moe.shared_experts.w2", "mlp.shared_experts.down_proj.weight")
+
+        got = {hf_name(n): g for n, g in out_g.items()}
+        for n, g in got.items():
+            if n.endswith("shared_experts.w13"):
+                ref_w13 = torch.cat(
+                    [ref_g[n.replace("moe.shared_experts.w13", f"shared_experts.{p}_proj.weight")]
+                     for p in ("gate", "up")]
+                )  # fmt: skip
+                _rel_close(self, g, ref_w13, 64, F32_EPS, msg=n)
+            else:
+                _rel_close(self, g, ref_g[n], 64, F32_EPS, msg=n)
+        self.assertEqual(len(got), len(ref_g) - (1 if family == "deepseek_v3" else 0))
+        stats = blocks[0][1].moe.load_stats()
+        self.assertEqual(stats["tokens_per_expert"], [0] * len(stats["tokens_per_expert"]))
+
+    @parametrize("family", CONVERTIBLE)
+    def test_round_trip_bitwise(self, family):
+        import torch_moe.integrations.transformers as tmt
+
+        model = tiny_model(family)
+        ids = _ids()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ref = model(ids).logits
+        tmt.from_torch_moe(tmt.to_torch_moe(model))
+        self.assertEqual(tmt.torch_moe_blocks(model), [])
+        after = model.state_dict()
+        self.assertEqual(sorted(after), sorted(before))
+        for k in before:
+            self.assertEqual(after[k].dtype, before[k].dtype, msg=k)
+            self.assertTrue(torch.equal(after[k], before[k]), msg=k)
+        self.assertEqual(model(ids).logits, ref, atol=0, rtol=0)
+
+    def test_training_stats_and_expert_bias(self):
+        import torch_moe.integrations.transformers as tmt
+
+        model = tiny_model("deepseek_v3").train()
+        tmt.to_torch_moe(model)
+        moe = tmt.torch_moe_blocks(model)[0][1].moe
+        model(_ids()).logits.sum().backward()
+        self.assertEqual(sum(moe.load_stats()["tokens_per_expert"]), 16 * 2)
+        bias = moe.router.expert_bias.clone()
+        moe.update_expert_bias(1e-2)
+        self.assertNotEqual(moe.router.expert_bias, bias)
+
+    def test_refused(self):
+        import torch_moe.integrations.transformers as tmt
+
+        with self.assertRaisesRegex(
+            NotImplementedError, r"GptOssMLP.experts \(GptOssExperts\) has is_concatenated=False"
+        ):
+            tmt.to_torch_moe(tiny_model("gpt_oss"))
+        model = tiny_model("mixtral")
+        with self.assertRaisesRegex(TypeError, r"unexpected option\(s\) \['capacity'\]"):
+            tmt.to_torch_moe(model, capacity=2)
+        model.config.output_router_logits = True
+        with self.assertRaisesRegex(NotImplementedError, r"output_router_logits=True"):
+            tmt.to_torch_moe(model)
+        model.config.output_router_logits = False
+        model.model.layers[0].mlp.jitter_noise = 0.1
+        with self.assertRaisesRegex(NotImplementedError, r"router_jitter_noise=0.1"):
+            tmt.to_torch_moe(model)
+        # nothing was replaced by the failed calls
+        self.assertEqual(tmt.torch_moe_blocks(model), [])
+
+    def test_wrong_family_checkpoint_refused(self):
+        import torch_moe.integrations.transformers as tmt
+
+        mixtral = tmt.to_torch_moe(tiny_model("mixtral"))
+        buf = io.BytesIO()
+        torch.save(mixtral.state_dict(), buf)
+        buf.seek(0)
+        sd = torch.load(buf, weights_only=False)
+        # an OLMoE with Mixtral's sizes: same tensor names and shapes, other block
+        olmoe = tiny_model("olmoe")
+        olmoe.model.embed_tokens, olmoe.lm_head = mixtral.model.embed_tokens, mixtral.lm_head
+        tmt.to_torch_moe(olmoe)
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"model.layers.0.mlp._extra_state: the checkpoint holds a torch_moe-converted "
+            r"'MixtralSparseMoeBlock' block, this model's block is a converted "
+            r"'OlmoeSparseMoeBlock'",
+        ):
+            olmoe.load_state_dict(sd, strict=False)
+        # the right family loads
+        again = tmt.to_torch_moe(tiny_model("mixtral", seed=5))
+        again.load_state_dict(sd)
+        self.assertEqual(again(_ids()).logits, mixtral(_ids()).logits, atol=0, rtol=0)
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
+class TestConvertedExpertParallel(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        # fork, not spawn: the children inherit torch and the imported model code (a
+        # spawned child spends seconds importing them); each child runs one thread
+        tiny_model("qwen3_moe")
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    def test_ep2_matches_one_process(self):
+        """EP=2 on gloo over a converted Qwen3-MoE: each rank's logits and gradients equal
+        one process running both ranks' sequences."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        import torch_moe.integrations.transformers as tmt
+        from torch_moe.distributed import ExpertParallel
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(self.file_name, self.world_size),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = tmt.to_torch_moe(tiny_model("qwen3_moe"))
+        ref = copy.deepcopy(model)
+        for _, block in tmt.torch_moe_blocks(model):
+            parallelize_module(block.moe, mesh, ExpertParallel())
+        ids = _ids(shape=(4, 8))
+        mine = slice(2 * self.rank, 2 * self.rank + 2)
+        g = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(7))
+        out_ref = ref(ids).logits
+        (out_ref * g).sum().backward()
+        out = model(ids[mine]).logits
+        (out * g[mine]).sum().backward()
+        # gloo EP reorders no sums within a token: same fp32 math as one process
+        _rel_close(self, out, out_ref[mine].detach(), 64, F32_EPS)
+        ref_params = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            grad = p.grad
+            if hasattr(grad, "to_local"):  # expert weights: this rank's shard
+                E = ref_params[n].shape[0]
+                rows = slice(self.rank * E // 2, (self.rank + 1) * E // 2)
+                _rel_close(self, grad.to_local(), ref_params[n].grad[rows], 64, F32_EPS, msg=n)
+            else:  # replicated: this rank's partial sum
+                dist.all_reduce(grad)
+                _rel_close(self, grad, ref_params[n].grad, 64, F32_EPS, msg=n)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_tests()

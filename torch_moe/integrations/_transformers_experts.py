@@ -1,0 +1,332 @@
+"""torch_moe as an HF transformers ``ExpertsInterface`` backend: the experts forward.
+
+Legend: T tokens, D model dim (the experts' input and output), F expert hidden dim,
+N = 2F (gated) or F (ungated) up-projection width, E experts, K top-k, M permuted rows
+(T*K when dropless, plus per-expert padding on CUDA with a recipe).
+
+Design
+------
+transformers 5.x calls ``experts_forward(experts, hidden_states_TD, top_k_index_TK,
+top_k_weights_TK)`` for every module decorated with ``@use_experts_implementation``; the
+routing is the model's own and arrives in ``top_k_index`` / ``top_k_weights``. The layout
+flags the decorator sets on the module (``has_gate``, ``is_concatenated``,
+``is_transposed``, ``has_bias``, ``has_post_expert_norm``) say how the weights are stored;
+this backend reads them on every call (cheap, and under ``torch.compile`` they are
+constants) and picks one of two paths:
+
+* fused: a gated experts module with transformers' default gate
+  (``act_fn(gate) * up`` on concatenated ``[gate; up]`` rows) and a SiLU ``act_fn``, no
+  biases and no post-expert norm (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE and most of
+  the 64 families). ``torch_moe.ops.permute`` -> ``grouped_swiglu(x, w13, w2, offs,
+  row_weights)`` -> ``torch_moe.ops.unpermute`` (fp32 combine). The routing weight of each
+  row is folded into the op, whose backward keeps only the permuted input [M, D] and the
+  pre-activation [M, 2F]: neither the [M, D] expert output nor the [M, F] activation is
+  saved.
+* composed: everything else. ``torch_moe.ops.grouped_mm`` for the up projection (either
+  weight orientation), the per-row up bias, then the module's OWN ``_apply_gate`` (gated:
+  interleaved or concatenated halves, GPT-OSS's clamped ``(up + 1) * glu``, clamped or
+  soft-capped SwiGLU, GELU gates) or ``act_fn`` (ungated), times the routing weight, under
+  ``torch.utils.checkpoint`` so that only the [M, N] pre-activation is kept and the
+  activation is recomputed in the backward; ``grouped_mm`` for the down projection; the
+  down bias enters as ``sum_k w[t, k] * b[e(t, k)]`` per token (``_ExpertBiasCombine``,
+  which saves no [T*K, D] tensor either). A post-expert norm is nonlinear, so there the
+  routing weights go into the combine (``unpermute(y, weights)``) instead. Saved per row:
+  x [D], h [N] and the weighted activation [F] (the down GEMM's wgrad input).
+
+Both paths run in the autocast dtype under autocast, otherwise in the weights' dtype (as
+transformers' ``grouped_mm`` casts the input to the weights' dtype), and return the input
+dtype. With a low-precision recipe (``set_precision`` / the ``"torch_moe_<recipe>"``
+implementations) the composed path runs both GEMMs through
+``torch_moe.quantization.scaled_grouped_mm`` (forward, dgrad and wgrad quantized per the
+recipe; an exact emulation on CPU); biases, the activation and the combine stay in the
+compute dtype.
+
+Expert-parallel sentinels: when transformers' own expert parallelism marks the module
+(``_is_expert_parallel``), ids >= E are routed to a virtual expert E whose rows lie past
+``offs[E-1]``: the grouped GEMMs skip them (zero rows) and their weights are masked to 0,
+so they cost no GEMM and receive no gradient, as in transformers' ``grouped_mm``.
+
+Nothing here synchronizes with the device and everything traces under
+``torch.compile(fullgraph=True)``. HF modules are typed ``Any``: their attributes (flags,
+weights, ``act_fn``) come from the model's config, not from a class torch_moe knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from torch_moe import ops
+from torch_moe.nn.functional import grouped_swiglu
+from torch_moe.quantization import Recipe, scaled_grouped_mm
+
+__all__ = ["RECIPE_ATTR", "ExpertsLayout", "experts_forward", "experts_layout"]
+
+# attribute of an experts module holding its low-precision Recipe (None: compute dtype)
+RECIPE_ATTR = "_torch_moe_recipe"
+LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias", "has_post_expert_norm")
+# torch._scaled_grouped_mm on CUDA wants every group's rows padded to a multiple of 16
+_SCALED_GROUP_ALIGN = 16
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How one HF experts module stores its weights, and which path this backend takes."""
+
+    has_gate: bool
+    is_concatenated: bool
+    is_transposed: bool
+    has_bias: bool
+    has_post_expert_norm: bool
+    up_name: str  # "gate_up_proj" (gated) or "up_proj"
+    default_gate: bool  # transformers' _default_apply_gate: act_fn(gate) * up on [gate; up]
+    silu: bool  # act_fn is SiLU
+    fused: bool  # grouped_swiglu applies
+
+    @property
+    def path(self) -> str:
+        return "fused" if self.fused else "composed"
+
+
+def _is_silu(act: Any) -> bool:
+    if act is F.silu:
+        return True
+    if not isinstance(act, nn.Module):
+        return False
+    if isinstance(act, nn.SiLU):
+        return True
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:  # pragma: no cover - transformers is what calls this backend
+        return False
+    return type(act) is SiLUActivation
+
+
+def _default_gate(experts: Any) -> bool:
+    from transformers.integrations.moe import _default_apply_gate
+
+    return getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+
+
+def experts_layout(experts: Any) -> ExpertsLayout:
+    """Read and check an HF experts module's layout flags and weights.
+
+    Raises ``TypeError`` / ``ValueError`` naming the flag or weight that this backend
+    cannot run (a module without the ``@use_experts_implementation`` flags, a missing
+    weight or bias, quantized (non-float) weights, inconsistent shapes).
+    """
+    name = type(experts).__name__
+    missing = [f for f in LAYOUT_FLAGS if not hasattr(experts, f)]
+    if missing:
+        raise TypeError(
+            f"torch_moe experts backend: {name} has no layout flag(s) {missing}; it is not a "
+            "transformers experts module decorated with @use_experts_implementation"
+        )
+    flags = {f: bool(getattr(experts, f)) for f in LAYOUT_FLAGS}
+    up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    weights = {}
+    for wname in (up_name, "down_proj"):
+        w = getattr(experts, wname, None)
+        if not isinstance(w, Tensor) or w.dim() != 3:
+            raise ValueError(
+                f"torch_moe experts backend: {name} (has_gate={flags['has_gate']}) needs a 3D "
+                f"expert weight {wname!r} [E, out, in] (or [E, in, out] with is_transposed=True), "
+                f"got {type(w).__name__ if not isinstance(w, Tensor) else list(w.shape)}"
+            )
+        if w.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"torch_moe experts backend: {name}.{wname} has dtype {w.dtype}; quantized "
+                f"expert weights are not supported (expected one of {_FLOAT_DTYPES}); use "
+                "set_precision() to run the experts' GEMMs in FP8/MX instead"
+            )
+        weights[wname] = w if flags["is_transposed"] else w.transpose(-2, -1)  # [E, in, out]
+    up, down = weights[up_name], weights["down_proj"]
+    num_experts, dim, width = up.shape
+    if down.shape[0] != num_experts or down.shape[2] != dim:
+        raise ValueError(
+            f"torch_moe experts backend: {name} (is_transposed={flags['is_transposed']}): "
+            f"{up_name} {list(getattr(experts, up_name).shape)} and down_proj "
+            f"{list(experts.down_proj.shape)} do not describe E experts of D -> N -> D"
+        )
+    if flags["has_bias"]:
+        for wname, size in ((f"{up_name}_bias", width), ("down_proj_bias", dim)):
+            b = getattr(experts, wname, None)
+            if not isinstance(b, Tensor) or list(b.shape) != [num_experts, size]:
+                raise ValueError(
+                    f"torch_moe experts backend: {name} has has_bias=True but {wname!r} is not "
+                    f"an [E={num_experts}, {size}] tensor"
+                )
+    if flags["has_post_expert_norm"] and not callable(getattr(experts, "post_expert_norm", None)):
+        raise ValueError(
+            f"torch_moe experts backend: {name} has has_post_expert_norm=True but no "
+            "post_expert_norm module"
+        )
+    default_gate = flags["has_gate"] and _default_gate(experts)
+    silu = _is_silu(getattr(experts, "act_fn", None))
+    fused = (
+        default_gate
+        and silu
+        and flags["is_concatenated"]
+        and not flags["has_bias"]
+        and not flags["has_post_expert_norm"]
+        and width == 2 * down.shape[1]
+    )
+    return ExpertsLayout(
+        **flags, up_name=up_name, default_gate=default_gate, silu=silu, fused=fused
+    )
+
+
+def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weight.dtype
+
+
+def _gemm(x: Tensor, w_EKN: Tensor, offs: Tensor, recipe: Recipe | None) -> Tensor:
+    if recipe is None:
+        return ops.grouped_mm(x, w_EKN, offs)
+    with torch.autocast(x.device.type, enabled=False):  # the recipe decides the numerics
+        return scaled_grouped_mm(x, w_EKN, offs, recipe)
+
+
+def _gate_times_weight(experts: Any, has_gate: bool, h: Tensor, rw_M: Tensor) -> Tensor:
+    """The module's own activation (``_apply_gate`` or ``act_fn``) times the row weight."""
+    a = experts._apply_gate(h) if has_gate else experts.act_fn(h)
+    return (a * rw_M.unsqueeze(-1)).to(h.dtype)
+
+
+class _ExpertBiasCombine(torch.autograd.Function):
+    """``out[t] = sum_k w[t, k] * b[ids[t, k]]`` in fp32 (fp64 for fp64), saving no [T, K, D].
+
+    ids >= E (expert-parallel sentinels) contribute 0 and get a 0 weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, bias_ED: Tensor, ids_TK: Tensor, w_TK: Tensor) -> Tensor:  # type: ignore[override]
+        acc = torch.float64 if bias_ED.dtype == torch.float64 else torch.float32
+        num_experts = bias_ED.shape[0]
+        valid = ids_TK < num_experts
+        ids = torch.where(valid, ids_TK, 0)
+        w = torch.where(valid, w_TK.to(acc), 0)
+        ctx.save_for_backward(bias_ED, ids, w)
+        ctx.w_dtype = w_TK.dtype
+        out = torch.zeros(ids.shape[0], bias_ED.shape[1], dtype=acc, device=bias_ED.device)
+        for k in range(ids.shape[1]):
+            out.addcmul_(bias_ED.index_select(0, ids[:, k]).to(acc), w[:, k : k + 1])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_TD: Tensor) -> tuple[Tensor | None, None, Tensor | None]:  # type: ignore[override]
+        bias_ED, ids, w = ctx.saved_tensors
+        g = grad_TD.to(w.dtype)
+        grad_b = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_b = torch.zeros(bias_ED.shape, dtype=w.dtype, device=bias_ED.device)
+            for k in range(ids.shape[1]):
+                grad_b.index_add_(0, ids[:, k], g * w[:, k : k + 1])
+            grad_b = grad_b.to(bias_ED.dtype)
+        if ctx.needs_input_grad[2]:
+            cols = [
+                (g * bias_ED.index_select(0, ids[:, k]).to(w.dtype)).sum(-1)
+                for k in range(ids.shape[1])
+            ]
+            grad_w = torch.where(w != 0, torch.stack(cols, -1), 0).to(ctx.w_dtype)
+        return grad_b, None, grad_w
+
+
+def experts_forward(
+    self: Any,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    recipe: Recipe | None = None,
+) -> Tensor:
+    """The ``"torch_moe"`` experts implementation: ``[T, D], [T, K], [T, K] -> [T, D]``.
+
+    ``recipe`` (the ``"torch_moe_<recipe>"`` implementations) overrides the module's own
+    ``_torch_moe_recipe`` attribute (set by ``set_precision``).
+    """
+    layout = experts_layout(self)
+    if recipe is None:
+        recipe = getattr(self, RECIPE_ATTR, None)
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2:
+        raise ValueError(
+            "torch_moe experts backend: expected hidden_states [T, D] and top_k_index [T, K], "
+            f"got {list(hidden_states.shape)} and {list(top_k_index.shape)}"
+        )
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"torch_moe experts backend: top_k_weights {list(top_k_weights.shape)} must have "
+            f"top_k_index's shape {list(top_k_index.shape)}"
+        )
+    num_experts = int(self.num_experts)
+    w_up = getattr(self, layout.up_name)
+    w_down = self.down_proj
+    dt = _compute_dtype(hidden_states, w_up)
+    # [E, in, out] views: grouped_mm takes any strides
+    up_EDN = (w_up if layout.is_transposed else w_up.transpose(-2, -1)).to(dt)
+    down_EFD = (w_down if layout.is_transposed else w_down.transpose(-2, -1)).to(dt)
+
+    sentinel = bool(getattr(self, "_is_expert_parallel", False))
+    ids_TK = top_k_index.clamp(max=num_experts) if sentinel else top_k_index
+    groups = num_experts + 1 if sentinel else num_experts
+    align = _SCALED_GROUP_ALIGN if recipe is not None and hidden_states.is_cuda else 1
+    x_perm, perm = ops.permute(hidden_states.to(dt), ids_TK, groups, align=align)
+    offs = perm.offs[:num_experts] if sentinel else perm.offs
+    weights_TK = top_k_weights
+    if sentinel:
+        weights_TK = torch.where(ids_TK < num_experts, weights_TK, 0)
+
+    # the routing weight of every permuted row (0 for padding rows)
+    w_flat = weights_TK.reshape(-1)
+    if align == 1:
+        rw_M = w_flat.index_select(0, perm.row_to_slot)
+    else:
+        rw_M = w_flat.index_select(0, perm.row_to_slot.clamp(min=0))
+        rw_M = torch.where(perm.row_to_slot >= 0, rw_M, 0)
+
+    if layout.fused and recipe is None:
+        y_MD = grouped_swiglu(
+            x_perm, up_EDN.transpose(-2, -1), down_EFD.transpose(-2, -1), offs, rw_M
+        )
+        out = ops.unpermute(y_MD, None, perm)
+        return out.to(hidden_states.dtype)
+
+    h_MN = _gemm(x_perm, up_EDN, offs, recipe)
+    row_expert_M = None
+    if layout.has_bias:
+        # expert of each row; padding / sentinel rows read expert E-1's bias (their GEMM
+        # rows are zero and their weight is 0, so they contribute nothing)
+        ids_flat = ids_TK.reshape(-1)
+        row_expert_M = ids_flat.index_select(0, perm.row_to_slot.clamp(min=0)).clamp(
+            max=num_experts - 1
+        )
+        up_bias = getattr(self, f"{layout.up_name}_bias").to(dt)
+        h_MN = h_MN + up_bias.index_select(0, row_expert_M)
+    # the weight goes after a nonlinear post-expert norm, otherwise into the activation
+    fold = not layout.has_post_expert_norm
+    rw_act = rw_M if fold else torch.ones_like(rw_M)
+    if torch.is_grad_enabled() and (h_MN.requires_grad or rw_act.requires_grad):
+        a_MF = checkpoint(
+            _gate_times_weight, self, layout.has_gate, h_MN, rw_act, use_reentrant=False
+        )
+    else:
+        a_MF = _gate_times_weight(self, layout.has_gate, h_MN, rw_act)
+    y_MD = _gemm(a_MF.to(dt), down_EFD, offs, recipe)
+    if fold:
+        out = ops.unpermute(y_MD, None, perm)
+        if layout.has_bias:
+            bias = _ExpertBiasCombine.apply(self.down_proj_bias, ids_TK, weights_TK)
+            out = (out.to(bias.dtype) + bias).to(dt)
+        return out.to(hidden_states.dtype)
+    if layout.has_bias and row_expert_M is not None:
+        y_MD = y_MD + self.down_proj_bias.to(dt).index_select(0, row_expert_M)
+    y_MD = self.post_expert_norm(y_MD)
+    out = ops.unpermute(y_MD, weights_TK, perm)
+    return out.to(hidden_states.dtype)
