@@ -327,10 +327,15 @@ def _convert_block(block: Any, cfg: dict[str, Any], options: dict[str, Any]) -> 
         moe.shared_experts.w2 = mlp.down_proj.weight
         if kind == "gated_shared":
             moe.shared_experts.gate = block.shared_expert_gate.weight
-    moe.tokens_per_expert = torch.zeros(cfg["num_experts"], dtype=torch.int64, device=device)
-    moe.dropped_assignments = torch.zeros((), dtype=torch.int64, device=device)
-    leftover = [n for n, t in [*moe.named_parameters(), *moe.named_buffers()] if t.is_meta]
-    if leftover:  # pragma: no cover - a new MoE tensor this converter does not know
+    # the MoE's own state (load counters, last losses) starts at zero, as in MoE.__init__
+    # (test_hf_integration checks the converted buffers against a freshly built MoE)
+    for bname, buf in list(moe.named_buffers()):
+        if buf.is_meta:
+            owner_name, _, leaf = bname.rpartition(".")
+            owner = moe.get_submodule(owner_name) if owner_name else moe
+            setattr(owner, leaf, torch.zeros_like(buf, device=device))
+    leftover = [n for n, t in moe.named_parameters() if t.is_meta]
+    if leftover:  # pragma: no cover - a new MoE parameter this converter does not know
         raise RuntimeError(f"to_torch_moe: no HF tensor for {leftover}")
     moe.train(block.training)
     return TorchMoEBlock(moe, type(block), experts.config, kind, bias_dtype)
