@@ -236,3 +236,70 @@ def _swiglu_autograd(x_row: Tensor, w13_e: Tensor, w2_e: Tensor) -> Tensor:
     hidden = w13_e.shape[0] // 2
     h = w13_e @ x_row
     return w2_e @ (torch.nn.functional.silu(h[:hidden]) * h[hidden:])
+
+
+# --------------------------------------------------------------------------------------
+# quantized operands: dequantization and grouped GEMMs written from the format's definition
+# (element (i, j) times the scale of its block, found by integer division), in float64
+
+
+def scale_value(scale: Tensor) -> Tensor:
+    """Scales as float64: uint8 E8M0 biased exponents are 2**(e - 127)."""
+    if scale.dtype == torch.uint8:
+        return torch.pow(2.0, scale.double() - 127)
+    return scale.double()
+
+
+def dequantize_blocks(q: Tensor, scale: Tensor, block_rows: int, block_cols: int) -> Tensor:
+    """q [R, C] e4m3 with one scale per block_rows x block_cols block (-1: the whole dim)."""
+    rows, cols = q.shape
+    br = rows if block_rows == -1 else block_rows
+    bc = cols if block_cols == -1 else block_cols
+    row_block = torch.arange(rows) // max(br, 1)  # the block of every row and column
+    col_block = torch.arange(cols) // max(bc, 1)
+    return q.double() * scale_value(scale)[row_block][:, col_block]
+
+
+def jagged_scale_rows(offs: Tensor, num_rows: int, block: int) -> list[int]:
+    """The scale row of every row of a jagged (per-group, blocks of ``block`` rows along M)
+    quantization: groups in order, each group's blocks numbered on from the previous
+    group's; rows past the last group form one more group."""
+    ends = [int(e) for e in offs] + [num_rows]
+    out, start, first = [], 0, 0
+    for end in ends:
+        size = end - start
+        for r in range(size):
+            out.append(first + (0 if block == -1 else r // block))
+        if size:
+            first += 1 if block == -1 else -(-size // block)
+        start = end
+    return out
+
+
+def dequantize_jagged(q: Tensor, scale: Tensor, offs: Tensor, block: int) -> Tensor:
+    """q [M, C] with jagged per-column scales [NB, C], or one scale [1, 1]."""
+    s = scale_value(scale)
+    if list(scale.shape) == [1, 1]:
+        return q.double() * float(s[0, 0])
+    rows = jagged_scale_rows(offs, q.shape[0], block)
+    return torch.stack([q[r].double() * s[rows[r]] for r in range(q.shape[0])])
+
+
+def grouped_mm64(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """out[rows of g] = a[rows of g] @ b[g] in float64; rows past the last group zero."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(int(e) for e in offs):
+        out[start:end] = a[start:end].double() @ b[g].double()
+        start = end
+    return out
+
+
+def grouped_mm_wgrad64(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """out[g] = a[rows of g]^T @ b[rows of g] in float64."""
+    out = torch.zeros(offs.shape[0], a.shape[1], b.shape[1], dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(int(e) for e in offs):
+        out[g] = a[start:end].double().t() @ b[start:end].double()
+        start = end
+    return out

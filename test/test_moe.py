@@ -339,7 +339,8 @@ class TestMoENaive(TestCase):
             self.assertTrue(p.grad is None or not p.grad.any(), msg=n)
         self.assertEqual(moe.tokens_per_expert, torch.zeros(4, dtype=torch.int64))
         self.assertEqual(
-            moe.last_losses, {"aux_loss": torch.tensor(0.0), "z_loss": torch.tensor(0.0)}
+            moe.last_losses,
+            {"aux_loss": torch.tensor(0.0, dtype=F64), "z_loss": torch.tensor(0.0, dtype=F64)},
         )
 
     def test_gradcheck(self):

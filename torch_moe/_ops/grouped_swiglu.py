@@ -39,6 +39,7 @@ from torch_moe._ops.grouped_mm import (
     mm_cpu,
     mm_into,
 )
+from torch_moe._ops.permute import gather_rows
 
 __all__ = [
     "grouped_swiglu",
@@ -53,7 +54,12 @@ _ACT_CHUNK_ELEMS = 2**17  # CPU backward: rows x F elements per elementwise chun
 
 
 def _check_inputs(
-    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
 ) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
@@ -89,13 +95,25 @@ def _check_inputs(
         )
     if offs.device != x.device:
         raise ValueError(f"grouped_swiglu: offs is on {offs.device} but x is on {x.device}")
+    rows = x.shape[0]
+    if gather_index is not None:
+        if gather_index.dim() != 1 or gather_index.dtype != torch.int64:
+            raise ValueError(
+                "grouped_swiglu: expected gather_index to be a 1D int64 tensor [M], got "
+                f"{gather_index.dim()}D {gather_index.dtype}"
+            )
+        if gather_index.device != x.device:
+            raise ValueError(
+                f"grouped_swiglu: gather_index is on {gather_index.device} but x is on {x.device}"
+            )
+        rows = gather_index.shape[0]
     if row_weights is not None and (
-        row_weights.shape != (x.shape[0],)
+        row_weights.shape != (rows,)
         or not row_weights.is_floating_point()
         or row_weights.device != x.device
     ):
         raise ValueError(
-            f"grouped_swiglu: expected row_weights to be a floating-point tensor [M={x.shape[0]}] "
+            f"grouped_swiglu: expected row_weights to be a floating-point tensor [M={rows}] "
             f"on {x.device}, got {list(row_weights.shape)} {row_weights.dtype} on {row_weights.device}"
         )
 
@@ -158,30 +176,61 @@ def swiglu_reference(
     return y
 
 
+def _num_rows(x: Tensor, gather_index: Tensor | None) -> int:
+    return x.shape[0] if gather_index is None else gather_index.shape[0]
+
+
+def _rows(x: Tensor, gather_index: Tensor | None, start: int, end: int) -> Tensor:
+    """Rows [start, end) of the expert-sorted input: x's own, or gathered from the tokens."""
+    if gather_index is None:
+        return x[start:end]
+    return gather_rows(x, gather_index[start:end])
+
+
 @torch.library.custom_op("torch_moe::grouped_swiglu", mutates_args=())
 def grouped_swiglu(
-    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Returns (y [M, D], h [M, 2F]); h is the pre-activation saved for the backward."""
-    _check_inputs(x, w13, w2, offs, row_weights)
-    check_offs_values("grouped_swiglu", offs, x.shape[0])
+    """Returns (y [M, D], h [M, 2F]); h is the pre-activation saved for the backward.
+
+    With ``gather_index`` [M] int64, x is [T, D] (tokens) and row r of the expert-sorted
+    input is ``x[gather_index[r]]`` (zero for -1): the permute's gather fused into the
+    GEMM's loads (on CPU one group's rows at a time), so the [M, D] permuted input is
+    never materialized. Autograd through x is not supported then (the compiler pass that
+    produces this form differentiates the unfused graph).
+    """
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index))
+    if gather_index is not None:
+        x = gather_rows(x, gather_index)
     h = grouped_mm(x, w13.transpose(-2, -1), offs)
     return grouped_mm(_act(h, h.dtype, row_weights), w2.transpose(-2, -1), offs), h
 
 
 @grouped_swiglu.register_kernel("cpu")
 def _(
-    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs, row_weights)
-    ends = check_offs_values("grouped_swiglu", offs, x.shape[0]) or []
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    rows = _num_rows(x, gather_index)
+    ends = check_offs_values("grouped_swiglu", offs, rows) or []
     cdt = cpu_compute_dtype(x.dtype)
-    h = x.new_empty((x.shape[0], w13.shape[1]))
-    y = x.new_empty(x.shape)
+    h = x.new_empty((rows, w13.shape[1]))
+    y = x.new_empty((rows, x.shape[1]))
     start = 0
     for g, end in enumerate(ends):
         if end > start:
-            mm_into(x[start:end], w13[g].t(), h[start:end])
+            mm_into(_rows(x, gather_index, start, end), w13[g].t(), h[start:end])
             rw = None if row_weights is None else row_weights[start:end]
             mm_into(_act(h[start:end], cdt, rw), w2[g].t(), y[start:end])
         start = end
@@ -192,10 +241,16 @@ def _(
 
 @grouped_swiglu.register_fake
 def _(
-    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs, row_weights)
-    return x.new_empty(x.shape), x.new_empty((x.shape[0], w13.shape[1]))
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    rows = _num_rows(x, gather_index)
+    return x.new_empty((rows, x.shape[1])), x.new_empty((rows, w13.shape[1]))
 
 
 @torch.library.custom_op("torch_moe::grouped_swiglu_backward", mutates_args=())
@@ -208,11 +263,16 @@ def grouped_swiglu_backward(
     w2: Tensor,
     offs: Tensor,
     row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dX, dW13, dW2, d row_weights); ``grad_h`` is an optional gradient into h.
 
-    d row_weights is an empty tensor when ``row_weights`` is None.
+    d row_weights is an empty tensor when ``row_weights`` is None. With ``gather_index``
+    (x holds the tokens, see ``grouped_swiglu``) dX is the [M, D] gradient of the gathered
+    rows, which the caller sums per token (``unpermute``).
     """
+    if gather_index is not None:
+        x = gather_rows(x, gather_index)
     grad_a = grouped_mm(grad_y, w2, offs)
     a = h.new_empty((h.shape[0], h.shape[1] // 2))
     dh = torch.empty_like(h)
@@ -235,10 +295,11 @@ def _(
     w2: Tensor,
     offs: Tensor,
     row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
     cdt = cpu_compute_dtype(x.dtype)
-    dx = x.new_empty(x.shape)
+    dx = x.new_empty((h.shape[0], x.shape[1]))
     dw13 = w13.new_empty(w13.shape)
     dw2 = w2.new_empty(w2.shape)
     acc = acc_dtype(x.dtype)  # as _act_backward
@@ -273,7 +334,7 @@ def _(
         dx_g += mm_cpu(dh[:, hidden:], w13[g][hidden:])
         dx[start:end] = dx_g
         del dx_g
-        x_g = x[start:end].to(cdt)  # converted once for both halves
+        x_g = _rows(x, gather_index, start, end).to(cdt)  # converted once for both halves
         mm_into(dh[:, :hidden].t(), x_g, dw13[g][:hidden])
         mm_into(dh[:, hidden:].t(), x_g, dw13[g][hidden:])
         start = end
@@ -291,10 +352,12 @@ def _(
     w2: Tensor,
     offs: Tensor,
     row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs, row_weights)
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
     grad_rw = x.new_empty((0,)) if row_weights is None else torch.empty_like(row_weights)
-    return x.new_empty(x.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape), grad_rw
+    dx = x.new_empty((h.shape[0], x.shape[1]))
+    return dx, w13.new_empty(w13.shape), w2.new_empty(w2.shape), grad_rw
 
 
 def _grad_rw_or_empty(grad_rw: Tensor | None, row_weights: Tensor | None, like: Tensor) -> Tensor:
@@ -304,22 +367,29 @@ def _grad_rw_or_empty(grad_rw: Tensor | None, row_weights: Tensor | None, like: 
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, w13, w2, offs, row_weights = inputs
+    x, w13, w2, offs, row_weights, gather_index = inputs
     _y, h = output
-    ctx.save_for_backward(x, h, w13, w2, offs, row_weights)
+    ctx.save_for_backward(x, h, w13, w2, offs, row_weights, gather_index)
     # NB: an unused output's gradient arrives as None, not as materialized zeros: those
     # would be plain tensors even when the outputs are DTensors (mixed-type backward).
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]
-    x, h, w13, w2, offs, row_weights = ctx.saved_tensors
+    x, h, w13, w2, offs, row_weights, gather_index = ctx.saved_tensors
+    if gather_index is not None and ctx.needs_input_grad[0]:
+        raise NotImplementedError(
+            "grouped_swiglu: autograd through x with gather_index is not supported; use "
+            "torch_moe.ops.permute + grouped_swiglu (torch_moe._inductor fuses the gather "
+            "when compiling)"
+        )
     if grad_y is None:
-        grad_y = torch.zeros_like(x)
+        grad_y = h.new_zeros((h.shape[0], x.shape[1]))
     dx, dw13, dw2, grad_rw = grouped_swiglu_backward(
-        _nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs, row_weights
+        _nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs, row_weights, gather_index
     )
-    return dx, dw13, dw2, None, grad_rw if row_weights is not None else None
+    dx = None if gather_index is not None else dx
+    return dx, dw13, dw2, None, grad_rw if row_weights is not None else None, None
 
 
 grouped_swiglu.register_autograd(_backward, setup_context=_setup)

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch_moe._ops._dtypes import acc_dtype
 
 __all__ = [
+    "gather_rows",
     "permute",
     "permute_indices",
     "permute_indices_reference",
@@ -47,6 +48,15 @@ __all__ = [
     "unpermute_rows_reference",
     "weighted_row_dot",
 ]
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[index]`` with zero rows where ``index == -1`` (any dtype, float8 included): the
+    row gather of ``permute`` given each row's token (``row_to_slot // K``, -1 stays -1)."""
+    if x.dtype.itemsize == 1 and x.is_floating_point():  # float8: no masked_fill kernel
+        return gather_rows(x.view(torch.uint8), index).view(x.dtype)
+    out = x.index_select(0, index.clamp(min=0))
+    return out.masked_fill_((index < 0).unsqueeze(1), 0)
 
 
 def _num_rows(

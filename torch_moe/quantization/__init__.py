@@ -7,6 +7,7 @@ dequantize -> fp32 GEMM) of what the GPU kernels compute; see
 :mod:`torch_moe.quantization.quantize` for the numerics.
 """
 
+from torch_moe.quantization import fused as _fused  # noqa: F401  (registers the fused ops)
 from torch_moe.quantization.ops import (
     dequantize_fp8,
     dequantize_jagged,

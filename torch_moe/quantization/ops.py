@@ -48,7 +48,8 @@ __all__ = [
 @torch.library.custom_op("torch_moe::quantize_fp8", mutates_args=())
 def _quantize_fp8(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
     Q.check_quantize_fp8(x, block)
-    return Q.quantize_fp8_reference(x, (block[0], block[1]))
+    q, scale = Q.quantize_fp8_reference(x, (block[0], block[1]))
+    return q.contiguous(), scale.contiguous()  # the fake kernel's layout, for any input
 
 
 @_quantize_fp8.register_kernel("cuda")
@@ -59,7 +60,8 @@ def _(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
     blk = (block[0], block[1])
     if TQ.supports(x, blk):
         return TQ.quantize_blocks(x, blk)
-    return Q.quantize_fp8_reference(x, blk)
+    q, scale = Q.quantize_fp8_reference(x, blk)
+    return q.contiguous(), scale.contiguous()
 
 
 @_quantize_fp8.register_fake
@@ -142,9 +144,10 @@ def _jagged_scale_dtype(fmt: str) -> torch.dtype:
 def _quantize_jagged(
     x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str
 ) -> tuple[Tensor, Tensor]:
-    return Q.quantize_jagged_reference(
+    q, scale = Q.quantize_jagged_reference(
         x, offs, block=block, fmt=fmt, scale_rule=scale_rule, scale_dtype=_jagged_scale_dtype(fmt)
     )
+    return q.contiguous(), scale.contiguous()
 
 
 @_quantize_jagged.register_kernel("cuda")

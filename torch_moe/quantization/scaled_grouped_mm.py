@@ -66,6 +66,7 @@ from torch_moe._ops.grouped_mm import (
     grouped_mm_wgrad,
     zero_tail_,
 )
+from torch_moe._ops.permute import gather_rows
 from torch_moe.quantization import quantize as Q
 from torch_moe.quantization.ops import (
     dequantize_fp8,
@@ -240,7 +241,7 @@ def _scaled_grouped_mm(
 
 
 @_scaled_grouped_mm.register_kernel("cuda")
-def _(
+def _scaled_grouped_mm_cuda(
     a: Tensor,
     b: Tensor,
     scale_a: Tensor,
@@ -323,7 +324,7 @@ def _scaled_grouped_mm_wgrad(
 
 
 @_scaled_grouped_mm_wgrad.register_kernel("cuda")
-def _(
+def _scaled_grouped_mm_wgrad_cuda(
     a: Tensor,
     b: Tensor,
     scale_a: Tensor,
@@ -372,14 +373,6 @@ def jagged_slot_index(first: Tensor, last: Tensor, block: int) -> Tensor:
     slot row ``j * block + i`` holds row ``first[j] + i`` when that is before ``last[j]``."""
     rows = first.long()[:, None] + torch.arange(block, device=first.device)
     return torch.where(rows < last.long()[:, None], rows, -1).reshape(-1)
-
-
-def gather_rows(t: Tensor, index: Tensor) -> Tensor:
-    """``t[index]`` with zero rows where ``index == -1`` (any dtype, e4m3 included)."""
-    rows = t.view(torch.uint8) if t.dtype == FP8 else t
-    out = rows.index_select(0, index.clamp(min=0))
-    out = out.masked_fill_((index < 0).unsqueeze(1), 0)
-    return out.view(t.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -495,6 +488,8 @@ def _emulate_gemm(
 ) -> Tensor:
     if g.lhs is None or g.rhs is None:
         return grouped_mm(_bf16(a), _bf16(b), offs).to(out_dtype)
+    if decomposable(g):  # literally the decomposition: compiled == eager, bit for bit
+        return _scaled_gemm(a, b, offs, g, out_dtype)
     return grouped_mm(_fq_lhs(a, g.lhs), _fq_rhs(b, g.rhs), offs).to(out_dtype)
 
 
@@ -503,6 +498,8 @@ def _emulate_wgrad(
 ) -> Tensor:
     if g.lhs is None or g.rhs is None:
         return grouped_mm_wgrad(_bf16(x), _bf16(dy), offs).to(out_dtype)
+    if decomposable_wgrad(g):
+        return _scaled_wgrad(x, dy, offs, g, out_dtype)
     return grouped_mm_wgrad(_fq_wgrad(x, offs, g.lhs), _fq_wgrad(dy, offs, g.rhs), offs).to(
         out_dtype
     )

@@ -1,0 +1,120 @@
+"""torch.compile of the MoE layer end to end: fullgraph for every precision, under autocast,
+with activation checkpointing and the aux losses; bounded recompiles; compiled == eager.
+
+The protocol of every test: >= 20 training steps (fewer for the variants) with fresh
+inputs (so the routing changes) over four token counts, compiled with
+``fullgraph=True`` and the ``aot_eager`` backend (the same kernels as eager, so outputs,
+input gradients, parameter gradients and the load statistics must be bitwise equal),
+counting compiled frames: one recompile (the first new token count makes the token dim
+dynamic) and no graph break. No dynamo config is set.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+from torch.utils.checkpoint import checkpoint
+
+from torch_moe.nn import MoE
+from torch_moe.quantization import RECIPES
+
+TOKENS = (16, 24, 40, 9)  # four token counts, cycled
+D = F = 32  # multiples of 32 (MX blocks) in every GEMM
+EXACT = dict(atol=0, rtol=0)
+
+
+def _layer(precision, **kw):
+    torch.manual_seed(0)
+    moe = MoE(
+        D,
+        F,
+        4,
+        2,
+        precision=precision,
+        shared_hidden_dim=16,
+        aux_loss="switch",
+        aux_loss_coeff=0.01,
+        z_loss_coeff=1e-3,
+        **kw,
+    )
+    return moe.train()
+
+
+def _step(fn, module, x, grad_out, autocast, dynamic=False):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    if dynamic:  # one compile instead of two: the variants test the layer, not guards
+        torch._dynamo.mark_dynamic(x, 0)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = fn(x)
+    out.backward(grad_out.to(out.dtype))
+    grads = {n: p.grad for n, p in module.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+class TestMoECompile(TestCase):
+    def _check(self, precision, *, steps=20, autocast=False, ckpt=False, dynamic=False, **kw):
+        torch._dynamo.reset()
+        counters.clear()
+        eager = _layer(precision, **kw)
+        moe = copy.deepcopy(eager)
+        backend = CompileCounterWithBackend("aot_eager")
+
+        def run(m):
+            return (lambda x: checkpoint(m, x, use_reentrant=False)) if ckpt else m
+
+        compiled = torch.compile(run(moe), fullgraph=True, backend=backend)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            num_tokens = TOKENS[step % len(TOKENS)]
+            x = torch.randn(num_tokens, D, generator=gen)
+            grad_out = torch.randn(num_tokens, D, generator=gen)
+            ref = _step(run(eager), eager, x, grad_out, autocast)
+            got = _step(compiled, moe, x, grad_out, autocast, dynamic)
+            self.assertEqual(got[0], ref[0], **EXACT, msg=f"step {step}: output")
+            self.assertEqual(got[1], ref[1], **EXACT, msg=f"step {step}: input grad")
+            for name in ref[2]:
+                self.assertEqual(got[2][name], ref[2][name], **EXACT, msg=f"step {step}: {name}")
+        self.assertEqual(moe.tokens_per_expert, eager.tokens_per_expert)
+        self.assertEqual(moe.last_losses, eager.last_losses, **EXACT)
+        self.assertEqual(dict(counters["graph_break"]), {})
+        self.assertLessEqual(backend.frame_count, 1 if dynamic else 2, msg="recompiles")
+
+    @parametrize("precision", ["bf16", *RECIPES])
+    def test_fullgraph(self, precision):
+        self._check(precision, expert_bias=True)
+
+    @parametrize("precision", ["bf16", "fp8_rowwise"])
+    def test_fullgraph_autocast(self, precision):
+        self._check(precision, steps=8, autocast=True, dynamic=True)
+
+    @parametrize("precision", ["bf16", "mxfp8"])
+    def test_fullgraph_activation_checkpointing(self, precision):
+        self._check(precision, steps=8, ckpt=True, dynamic=True)
+
+    def test_fullgraph_capacity_and_group_limited_routing(self):
+        self._check(
+            "fp8_blockwise",
+            steps=8,
+            dynamic=True,
+            capacity_factor=0.75,
+            score_func="sigmoid",
+            num_expert_groups=2,
+            num_limited_groups=1,
+            route_norm=True,
+        )
+
+
+instantiate_parametrized_tests(TestMoECompile)
+
+if __name__ == "__main__":
+    run_tests()

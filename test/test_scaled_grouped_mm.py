@@ -1,0 +1,412 @@
+"""The scaled grouped GEMM ops (torch_moe::scaled_grouped_mm, scaled_grouped_mm_wgrad,
+quantized_grouped_mm and its dgrad / wgrad), the SwiGLU activation op, recipe specs, and
+``import torch_moe`` without Triton.
+
+Oracles: test/naive.py dequantizes every operand from the format's definition (element
+times the scale of its block, found by integer division) and multiplies in float64; the
+tolerance is the fp32 accumulation bound of test/tolerances.py, so a wrong block, a
+shifted row or a 1% scale error fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+
+import naive
+import tolerances
+import torch
+from torch.library import opcheck
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe.quantization import (
+    RECIPES,
+    get_recipe,
+    quantize_fp8_reference,
+    quantize_jagged_reference,
+    quantize_mx_reference,
+)
+
+S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+ops = torch.ops.torch_moe
+F32 = torch.float32
+
+# groups with an empty one, a one-row one and one spanning three 128-row blocks
+SIZES = [300, 0, 1, 77, 45]
+
+
+def make_offs(sizes):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _quantize_ref(t, op, along_rows):
+    """Reference quantization of t's last two dims, blocks along rows (B) or columns (A)."""
+    if op.fmt == "mx":
+        dim = -2 if along_rows else -1
+        return quantize_mx_reference(t, dim=dim, block=op.inner, scale_rule=op.scale_rule)
+    block = (op.inner, op.outer) if along_rows else (op.outer, op.inner)
+    return quantize_fp8_reference(t, block)
+
+
+def _operands(gemm, m, k, n, e, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(4).exp()
+    b = torch.randn(e, k, n, generator=g) / k**0.5
+    qa, sa = _quantize_ref(a, gemm.lhs, along_rows=False)
+    qb, sb = _quantize_ref(b, gemm.rhs, along_rows=True)
+    return a, b, qa, sa, qb, sb
+
+
+def _exact_and_bound(qa, sa, qb, sb, offs, gemm, out_dtype):
+    lhs, rhs = gemm.lhs, gemm.rhs
+    a64 = naive.dequantize_blocks(qa, sa, lhs.outer, lhs.inner)
+    b64 = torch.stack(
+        [naive.dequantize_blocks(qb[i], sb[i], rhs.inner, rhs.outer) for i in range(qb.shape[0])]
+    )
+    exact = naive.grouped_mm64(a64, b64, offs)
+    products = naive.grouped_mm64(a64.abs(), b64.abs(), offs)
+    return exact, tolerances.gemm_bound(products, qa.shape[1], exact, F32, out_dtype)
+
+
+class TestRecipeSpec(TestCase):
+    def test_round_trip(self):
+        for name, r in RECIPES.items():
+            self.assertIs(get_recipe(r.spec), r)
+            self.assertEqual(r.op_arg(), name)
+        custom = RECIPES["fp8_blockwise"].with_overrides(wgrad="bf16")
+        self.assertEqual(
+            custom.op_arg(),
+            "forward=fp8:1x128*fp8:128x128;dgrad=fp8:1x128*fp8:128x128;wgrad=bf16",
+        )
+        back = get_recipe(custom.op_arg())
+        self.assertEqual(
+            (back.forward, back.dgrad, back.wgrad), (custom.forward, custom.dgrad, custom.wgrad)
+        )
+        self.assertEqual(
+            RECIPES["mxfp8_rceil"].spec.split(";")[0], "forward=mx:1x32:rceil*mx:1x32:rceil"
+        )
+
+    def test_bad_specs(self):
+        for spec, msg in [
+            ("forward=fp8:1x-1*fp8:1x-1", "needs forward, dgrad and wgrad"),
+            ("forward=bf16;dgrad=bf16;wgrad=fp8:1*fp8:1x1", "bad operand 'fp8:1'"),
+            ("forward=bf16;dgrad=bf16;wgrad=fp8:1x1", "must be bf16 or <lhs>\\*<rhs>"),
+            ("fwd=bf16;dgrad=bf16;wgrad=bf16", "expected forward=...;dgrad=...;wgrad=..."),
+            ("forward=bf16;dgrad=bf16;wgrad=int4:1x32*int4:1x32", "bad operand 'int4:1x32'"),
+        ]:
+            with self.assertRaisesRegex(ValueError, msg):
+                get_recipe(spec)
+        with self.assertRaisesRegex(ValueError, "unknown low-precision recipe 'fp4'"):
+            get_recipe("fp4")
+
+
+class TestScaledGroupedMM(TestCase):
+    @parametrize("recipe", list(RECIPES))
+    @parametrize("gemm", ["forward", "dgrad"])
+    def test_matches_naive_dequantization(self, recipe, gemm):
+        g = getattr(RECIPES[recipe], gemm)
+        offs = make_offs(SIZES)
+        m, k, n = int(offs[-1]) + 3, 64, 96
+        _, _, qa, sa, qb, sb = _operands(g, m, k, n, len(SIZES), seed=1)
+        for out_dtype in (F32, torch.bfloat16):
+            got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, out_dtype)
+            self.assertEqual(got.dtype, out_dtype)
+            exact, bound = _exact_and_bound(qa, sa, qb, sb, offs, g, out_dtype)
+            tolerances.assert_within(self, got, exact, bound, f"{recipe} {gemm} {out_dtype}")
+            self.assertTrue(torch.equal(got[-3:], torch.zeros(3, n, dtype=out_dtype)))
+
+    @parametrize("recipe", list(RECIPES))
+    def test_wgrad_matches_naive_dequantization(self, recipe):
+        g = RECIPES[recipe].wgrad
+        offs = make_offs(SIZES)
+        m, k, n = int(offs[-1]) + 5, 32, 64
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
+        dy = torch.randn(m, n, generator=gen)
+        ops_ = []
+        for t in (x, dy):
+            if (g.lhs.outer, g.lhs.inner) == (-1, -1):
+                ops_.append(quantize_fp8_reference(t))
+            else:
+                ops_.append(
+                    quantize_jagged_reference(
+                        t, offs, block=g.lhs.inner, fmt=g.lhs.fmt, scale_rule=g.lhs.scale_rule,
+                        scale_dtype=torch.uint8 if g.lhs.fmt == "mx" else F32,
+                    )
+                )  # fmt: skip
+        (qx, sx), (qdy, sdy) = ops_
+        if g.lhs.inner not in (-1,) and (g.lhs.outer, g.lhs.inner) != (-1, -1):
+            # the property the test needs: a group over three blocks, an empty and a one-row one
+            self.assertGreaterEqual(max(SIZES) // g.lhs.inner, 2)
+        self.assertIn(0, SIZES)
+        self.assertIn(1, SIZES)
+        got = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, g.lhs.inner, F32)
+        x64 = naive.dequantize_jagged(qx, sx, offs, g.lhs.inner)
+        dy64 = naive.dequantize_jagged(qdy, sdy, offs, g.lhs.inner)
+        exact = naive.grouped_mm_wgrad64(x64, dy64, offs)
+        products = naive.grouped_mm_wgrad64(x64.abs(), dy64.abs(), offs)
+        bound = tolerances.gemm_bound(products, max(SIZES), exact, F32, F32)
+        tolerances.assert_within(self, got, exact, bound, recipe)
+
+    @parametrize("recipe", list(RECIPES))
+    def test_quantized_ops_equal_their_decomposition(self, recipe):
+        """quantized_grouped_mm (+ dgrad, wgrad) == the quantize ops + scaled_grouped_mm
+        (_wgrad), bit for bit on CPU: the decomposition the compiler passes rewrite is exact."""
+        r = RECIPES[recipe]
+        offs = make_offs([7, 0, 33, 1])
+        gen = torch.Generator().manual_seed(3)
+        m, k, n = int(offs[-1]) + 2, 64, 96
+        x = torch.randn(m, k, generator=gen)
+        w = torch.randn(4, k, n, generator=gen) / 8
+        dy = torch.randn(m, n, generator=gen)
+        for name, g, a, b in (
+            ("forward", r.forward, x, w),
+            ("dgrad", r.dgrad, dy, w.transpose(-2, -1)),
+        ):
+            self.assertTrue(S.decomposable(g), msg=name)
+            qa, sa = S.quantize_lhs(a, g.lhs)
+            qb, sb = S.quantize_rhs(b, g.rhs)
+            self.assertEqual(qb.stride(-2), 1, msg="B K-major")
+            ref = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, F32)
+            if name == "forward":
+                got = ops.quantized_grouped_mm(x, w, offs, recipe)
+            else:
+                got = ops.quantized_grouped_mm_dgrad(dy, w, offs, recipe)
+            self.assertEqual(got, ref, atol=0, rtol=0, msg=name)
+        self.assertTrue(S.decomposable_wgrad(r.wgrad))
+        qx, sx = S.quantize_wgrad_operand(x, offs, r.wgrad.lhs)
+        qdy, sdy = S.quantize_wgrad_operand(dy, offs, r.wgrad.rhs)
+        ref = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, r.wgrad.lhs.inner, F32)
+        got = ops.quantized_grouped_mm_wgrad(x, dy, offs, recipe)
+        self.assertEqual(got, ref, atol=0, rtol=0)
+
+    def test_cuda_kernels_interpreted(self):
+        """The CUDA kernels of the two ops over quantized operands (Triton's interpreter on
+        CPU tensors; the wgrad one re-lays token-order operands into aligned slots) equal
+        the naive dequantization within the fp32 accumulation bound."""
+        offs = make_offs([20, 0, 1, 9])
+        m = int(offs[-1]) + 2
+        for name in ("fp8_blockwise", "fp8_rowwise", "mxfp8"):
+            g = RECIPES[name].forward
+            _, _, qa, sa, qb, sb = _operands(g, m, 128, 32, 4, seed=4)
+            with self.subTest(recipe=name, op="scaled_grouped_mm"):
+                got = S._scaled_grouped_mm_cuda(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, F32)
+                exact, bound = _exact_and_bound(qa, sa, qb, sb, offs, g, F32)
+                tolerances.assert_within(self, got, exact, bound, name)
+        offs = make_offs([70, 0, 1, 40])  # 70 rows: three 32-row blocks
+        m = int(offs[-1]) + 3
+        gen = torch.Generator().manual_seed(5)
+        x, dy = torch.randn(m, 16, generator=gen), torch.randn(m, 16, generator=gen)
+        for name in ("fp8_rowwise", "mxfp8", "fp8_tensorwise"):
+            g = RECIPES[name].wgrad
+            with self.subTest(recipe=name, op="scaled_grouped_mm_wgrad"):
+                (qx, sx), (qdy, sdy) = (S.quantize_wgrad_operand(t, offs, g.lhs) for t in (x, dy))
+                got = S._scaled_grouped_mm_wgrad_cuda(qx, qdy, sx, sdy, offs, g.lhs.inner, F32)
+                x64 = naive.dequantize_jagged(qx, sx, offs, g.lhs.inner)
+                dy64 = naive.dequantize_jagged(qdy, sdy, offs, g.lhs.inner)
+                exact = naive.grouped_mm_wgrad64(x64, dy64, offs)
+                products = naive.grouped_mm_wgrad64(x64.abs(), dy64.abs(), offs)
+                bound = tolerances.gemm_bound(products, 70, exact, F32, F32)
+                tolerances.assert_within(self, got, exact, bound, name)
+
+    def test_autograd_calls_dgrad_and_wgrad(self):
+        r = "fp8_blockwise"
+        offs = make_offs([5, 0, 12])
+        x = torch.randn(19, 128, requires_grad=True)
+        w = (torch.randn(3, 128, 64) / 11).requires_grad_()
+        dy = torch.randn(19, 64)
+        ops.quantized_grouped_mm(x, w, offs, r).backward(dy)
+        self.assertEqual(
+            x.grad, ops.quantized_grouped_mm_dgrad(dy, w.detach(), offs, r), atol=0, rtol=0
+        )
+        self.assertEqual(
+            w.grad, ops.quantized_grouped_mm_wgrad(x.detach(), dy, offs, r), atol=0, rtol=0
+        )
+
+    def test_opcheck(self):
+        offs = make_offs([6, 0, 9])
+        x = torch.randn(17, 64)
+        w = torch.randn(3, 64, 32) / 8
+        dy = torch.randn(17, 32)
+        for name in ("fp8_rowwise", "mxfp8"):
+            r = RECIPES[name]
+            qa, sa = S.quantize_lhs(x, r.forward.lhs)
+            qb, sb = S.quantize_rhs(w, r.forward.rhs)
+            qx, sx = S.quantize_wgrad_operand(x, offs, r.wgrad.lhs)
+            qdy, sdy = S.quantize_wgrad_operand(dy, offs, r.wgrad.rhs)
+            blk = r.forward.lhs.inner
+            cases = [
+                (ops.scaled_grouped_mm.default, (qa, qb, sa, sb, offs, blk, r.forward.rhs.outer, F32)),
+                (ops.scaled_grouped_mm_wgrad.default, (qx, qdy, sx, sdy, offs, r.wgrad.lhs.inner, F32)),
+                (ops.quantized_grouped_mm.default, (x.requires_grad_(), w.requires_grad_(), offs, name)),
+                (ops.quantized_grouped_mm_dgrad.default, (dy, w.detach(), offs, name)),
+                (ops.quantized_grouped_mm_wgrad.default, (x.detach(), dy, offs, name)),
+            ]  # fmt: skip
+            for op, args in cases:
+                fp8_args = any(
+                    isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args
+                )
+                # SchemaCheckMode compares inputs by arithmetic that CPU float8 lacks; the
+                # quantization rounds, so the gradient is checked against the dgrad / wgrad
+                # ops (test_autograd_calls_dgrad_and_wgrad), not by finite differences
+                utils = ["test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"]
+                if not fp8_args:
+                    utils.append("test_schema")
+                with self.subTest(recipe=name, op=str(op)):
+                    opcheck(op, args, test_utils=utils)
+                x, w = x.detach(), w.detach()
+
+    def test_schemas(self):
+        self.assertExpectedInline(
+            str(ops.scaled_grouped_mm.default._schema),
+            """torch_moe::scaled_grouped_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor offs, SymInt block_k, SymInt block_n, ScalarType out_dtype) -> Tensor""",
+        )
+        self.assertExpectedInline(
+            str(ops.scaled_grouped_mm_wgrad.default._schema),
+            """torch_moe::scaled_grouped_mm_wgrad(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor offs, SymInt block, ScalarType out_dtype) -> Tensor""",
+        )
+        self.assertExpectedInline(
+            str(ops.quantized_grouped_mm.default._schema),
+            """torch_moe::quantized_grouped_mm(Tensor x, Tensor w, Tensor offs, str recipe) -> Tensor""",
+        )
+        self.assertExpectedInline(
+            str(ops.quantized_grouped_mm_dgrad.default._schema),
+            """torch_moe::quantized_grouped_mm_dgrad(Tensor dy, Tensor w, Tensor offs, str recipe) -> Tensor""",
+        )
+        self.assertExpectedInline(
+            str(ops.quantized_grouped_mm_wgrad.default._schema),
+            """torch_moe::quantized_grouped_mm_wgrad(Tensor x, Tensor dy, Tensor offs, str recipe) -> Tensor""",
+        )
+
+
+def _raises_same_eager_and_compiled(test, fn, args, exc, msg):
+    """``fn(*args)`` raises ``exc`` matching ``msg`` eagerly, and the compiled (fullgraph)
+    function raises an error with the same message (at trace time from a fake kernel, or at
+    run time from the kernel)."""
+    with test.assertRaisesRegex(exc, msg):
+        fn(*args)
+    torch._dynamo.reset()
+    with test.assertRaisesRegex(Exception, msg):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+
+
+class TestScaledGroupedMMErrors(TestCase):
+    def test_bad_quantized_operands(self):
+        offs = make_offs([3, 5])
+        qa, sa = quantize_fp8_reference(torch.randn(8, 32), (1, -1))
+        qb, sb = quantize_fp8_reference(torch.randn(2, 32, 16), (-1, 1))
+        f = ops.scaled_grouped_mm
+        for args, msg in [
+            ((qa.float(), qb, sa, sb, offs, -1, 1, F32), r"expected a \[M, K\] and b \[E, K, N\] in torch.float8_e4m3fn, got 2D torch.float32"),
+            ((qa, qb[:, :16], sa, sb, offs, -1, 1, F32), r"a is \[M, K=32\] but b is \[E, K=16, N=16\]"),
+            ((qa, qb, sa[:5], sb, offs, -1, 1, F32), r"block_k=-1 needs scale_a \[M=8 or 1, 1\], got \[5, 1\]"),
+            ((qa, qb, sa, sb, offs, -1, -1, F32), r"blocks \(-1, -1\) need scale_b \[2, 1, 1\], got \[2, 1, 16\]"),
+            ((qa, qb, sa, sb, offs, 0, 1, F32), "block_k must be a positive int or -1"),
+            ((qa, qb, sa, sb, offs[:1], -1, 1, F32), r"expected offs to have one entry per group \(2\), got 1"),
+            ((qa, qb, sa, sb, offs, -1, 1, torch.int32), "out_dtype must be one of"),
+        ]:  # fmt: skip
+            with self.subTest(msg=msg):
+                _raises_same_eager_and_compiled(self, f, args, ValueError, msg)
+
+    def test_bad_high_precision_operands(self):
+        offs = make_offs([3, 5])
+        x, w = torch.randn(8, 32), torch.randn(2, 32, 16)
+        f = ops.quantized_grouped_mm
+        for args, exc, msg in [
+            ((x, w, offs, "fp4"), ValueError, "quantized_grouped_mm: unknown low-precision recipe 'fp4'"),
+            ((x, w[:, :8], offs, "fp8_rowwise"), ValueError, r"x is \[M, K=32\] but w is \[E, K=8, N=16\]"),
+            ((x.double(), w.double(), offs, "fp8_rowwise"), TypeError, "expected x and w to share a dtype in"),
+            ((x, w, offs.long(), "fp8_rowwise"), ValueError, "expected offs to be 1D int32, got 1D torch.int64"),
+        ]:  # fmt: skip
+            with self.subTest(msg=msg):
+                _raises_same_eager_and_compiled(self, f, args, exc, msg)
+
+    def test_bad_offs_values_same_message_compiled(self):
+        """Data-dependent: the kernel checks the values at run time, eager and compiled."""
+        x, w = torch.randn(8, 32), torch.randn(2, 32, 16)
+        msg = r"offs must be non-decreasing group ends with 0 <= offs\[0\] and offs\[-1\] <= M \(8\), got offs=\[6, 3\]"
+        bad = torch.tensor([6, 3], dtype=torch.int32)
+        _raises_same_eager_and_compiled(
+            self, ops.quantized_grouped_mm, (x, w, bad, "fp8_rowwise"), ValueError, msg
+        )
+        too_far = torch.tensor([6, 9], dtype=torch.int32)
+        _raises_same_eager_and_compiled(
+            self,
+            ops.quantized_grouped_mm,
+            (x, w, too_far, "mxfp8"),
+            ValueError,
+            r"got offs=\[6, 9\]",
+        )
+
+
+class TestSwiGLU(TestCase):
+    def test_matches_formula_and_gradcheck(self):
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(9, 10, dtype=torch.float64, generator=gen, requires_grad=True)
+        rw = torch.rand(9, dtype=torch.float64, generator=gen, requires_grad=True)
+        gate, up = h.detach()[:, :5], h.detach()[:, 5:]
+        expected = gate / (1 + torch.exp(-gate)) * up * rw.detach()[:, None]
+        self.assertEqual(ops.swiglu(h, rw), expected, atol=1e-15, rtol=1e-14)
+        self.assertTrue(torch.autograd.gradcheck(lambda h, rw: ops.swiglu(h, rw), (h, rw)))
+        self.assertTrue(torch.autograd.gradcheck(lambda h: ops.swiglu(h), (h,)))
+        opcheck(ops.swiglu.default, (h, rw))
+        opcheck(
+            ops.swiglu_backward.default,
+            (torch.randn(9, 5, dtype=torch.float64), h.detach(), rw.detach()),
+        )
+
+    def test_schemas_and_errors(self):
+        self.assertExpectedInline(
+            str(ops.swiglu.default._schema),
+            """torch_moe::swiglu(Tensor h, Tensor? row_weights=None) -> Tensor""",
+        )
+        self.assertExpectedInline(
+            str(ops.swiglu_backward.default._schema),
+            """torch_moe::swiglu_backward(Tensor grad_a, Tensor h, Tensor? row_weights=None) -> (Tensor, Tensor)""",
+        )
+        with self.assertRaisesRegex(ValueError, r"swiglu: expected h \[M, 2F\]"):
+            ops.swiglu(torch.randn(4, 5))
+        with self.assertRaisesRegex(
+            ValueError, r"expected row_weights to be a floating-point tensor \[M=4\]"
+        ):
+            ops.swiglu(torch.randn(4, 6), torch.ones(3))
+
+
+class TestImportWithoutTriton(TestCase):
+    def test_import_and_run_without_triton(self):
+        """With triton unimportable, torch_moe imports and the CPU paths (every precision)
+        run: Triton is imported only inside CUDA kernels."""
+        code = textwrap.dedent(
+            """
+            import sys
+            sys.modules["triton"] = None  # import triton -> ImportError
+            import torch, torch_moe, torch_moe.distributed
+            from torch_moe.nn import MoE
+            for p in ("bf16", "fp8_blockwise", "mxfp8"):
+                moe = MoE(32, 32, 4, 2, precision=p)
+                x = torch.randn(6, 32, requires_grad=True)
+                moe(x).sum().backward()
+                assert x.grad.isfinite().all(), p
+            assert not any(m.startswith("torch_moe._triton") for m in sys.modules)
+            print("ok")
+            """
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        self.assertEqual(out.returncode, 0, msg=out.stderr[-3000:])
+        self.assertEqual(out.stdout.strip(), "ok")
+
+
+instantiate_parametrized_tests(TestScaledGroupedMM)
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,35 @@
+"""Configuration of torch_moe's compiler passes (a torch-style config module).
+
+Each flag turns one rewrite of :mod:`torch_moe._inductor.passes` on or off, e.g.
+``torch_moe._inductor.config.fuse_gather = False`` or, for one block,
+``with torch_moe._inductor.config.patch(cache_weight_quantization=False): ...``. The values
+are part of the passes' ``uuid()``, so Inductor's FX graph cache never serves code built
+under other settings.
+"""
+
+import sys
+
+# Rewrite quantized_grouped_mm (and its dgrad / wgrad) into the quantize ops and
+# scaled_grouped_mm(_wgrad) when the recipe's GEMM is expressible so: exposes the
+# quantizations to the fusions below.
+decompose_scaled_gemms: bool = True
+
+# permute -> grouped_swiglu  ==>  grouped_swiglu(x, ..., gather_index=...): the permuted
+# [M, D] activation is neither materialized in the forward nor saved for the backward.
+fuse_gather: bool = True
+
+# quantize(permute(x)) ==> permute_quantize(x) (quantize the T tokens, gather e4m3 rows),
+# quantize_jagged(permute(x)) ==> permute_quantize_jagged(x), and the same for the
+# SwiGLU activation (swiglu_quantize / swiglu_quantize_jagged). Covers the combine's
+# backward (dY = permute(grad) quantized for dgrad and wgrad).
+fuse_quantize: bool = True
+
+# quantize(w) of an expert weight (a 3D graph input, through views and casts) ==> a cached
+# quantization, recomputed only when the weight's version counter changes (once per
+# optimizer step, not once per micro-batch and GEMM).
+cache_weight_quantization: bool = True
+
+
+from torch.utils._config_module import install_config_module  # noqa: E402
+
+install_config_module(sys.modules[__name__])

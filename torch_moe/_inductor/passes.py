@@ -1,0 +1,343 @@
+"""torch_moe's graph passes over Inductor's joint (forward + backward) and post-grad graphs.
+
+Legend: T tokens, K top-k, D dim, F expert hidden dim, M expert-sorted rows, E experts.
+
+The MoE layer's graph is a chain of ``torch_moe::`` ops: ``permute`` gathers token rows
+into expert order, the experts run (``grouped_swiglu``, or two ``quantized_grouped_mm``
+around ``swiglu`` with a low-precision recipe), ``unpermute`` combines. Each op is opaque
+to Inductor, so by default every intermediate is materialized and the ones the backward
+reads are saved. The passes rewrite that chain, in this order, each one exact (bit for
+bit the unfused graph on CPU, where the rewritten ops' kernels are compositions of the
+originals):
+
+1. ``decompose_scaled_gemms``: ``quantized_grouped_mm(x, w, offs, recipe)`` (and its dgrad
+   and wgrad ops in the backward) become the quantize ops and ``scaled_grouped_mm``
+   (``_wgrad``) over quantized operands, for the GEMMs ``decomposable`` accepts (see
+   :mod:`torch_moe.quantization.scaled_grouped_mm`; others stay whole: never a wrong
+   result).
+2. ``cache_weight_quantization``: a quantization of an expert weight (a 3D graph input,
+   through views and casts) becomes ``quantize_*_cached(weight, ...)``, recomputed only when
+   the weight's version counter moves, i.e. once per optimizer step.
+3. ``fuse_quantize``: ``quantize(permute(x))`` -> ``permute_quantize(x)`` (row-local blocks
+   commute with the row gather: the T token rows are quantized once, e4m3 rows gathered),
+   ``quantize_jagged(permute(x))`` -> ``permute_quantize_jagged(x)``, and
+   ``quantize(swiglu(h))`` -> ``swiglu_quantize(h)`` (+ ``_jagged``). This covers the
+   activations into both expert GEMMs and, in the backward, the output gradient the
+   combine's backward permutes (dgrad and wgrad of the second GEMM). The high-precision
+   [M, D] and [M, F] tensors then have no users: they are neither materialized in the
+   forward nor saved.
+4. ``fuse_gather``: ``grouped_swiglu(permute(x), ...)`` -> ``grouped_swiglu(x, ...,
+   gather_index=row_to_slot // K)`` and the same for ``grouped_swiglu_backward``: the
+   permuted [M, D] input is no longer saved for the backward (x, which the router's
+   backward saves anyway, and an int64 index [M] are).
+
+``MoEGraphPass`` runs them as one ``CustomGraphPass`` whose ``uuid()`` hashes this
+package's sources and its config, so Inductor's FX graph cache misses whenever a pass or
+a lowering changes (a plain callable would make the cache bypass, a pass without its
+source in the key would be served stale code).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import operator
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from torch_moe._inductor import config
+from torch_moe._inductor._fx import insert_traced, is_op, val
+from torch_moe.quantization import get_recipe
+from torch_moe.quantization.scaled_grouped_mm import (
+    _scaled_gemm,
+    _scaled_wgrad,
+    decomposable,
+    decomposable_wgrad,
+)
+
+__all__ = [
+    "MoEGraphPass",
+    "cache_weight_quantization",
+    "decompose_scaled_gemms",
+    "fuse_gather",
+    "fuse_quantize",
+    "run_passes",
+]
+
+_ops = torch.ops.torch_moe
+aten = torch.ops.aten
+
+
+def _call(op: Any, *tensors: Any, tail: Any) -> Any:
+    """``op(*tensors, *tail)``: a replacement with its non-tensor arguments bound."""
+    return op(*tensors, *tail)
+
+
+def _replace(graph: fx.Graph, node: fx.Node, fn: Callable[..., Any], inputs: list[fx.Node]) -> None:
+    """Replace ``node`` by the traced ``fn(*inputs)`` (same output structure)."""
+    new = insert_traced(graph, node, fn, inputs)
+    if isinstance(new, (tuple, list)):  # a multi-output op: its users are getitems
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise RuntimeError(f"torch_moe._inductor: unexpected user {user} of {node}")
+            index: Any = user.args[1]
+            user.replace_all_uses_with(new[index])
+            graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+# --------------------------------------------------------------------------------------
+# 1. decompose the high-precision scaled GEMM ops
+
+
+def decompose_scaled_gemms(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if is_op(node, _ops.quantized_grouped_mm):
+            x, w, offs, recipe = node.args
+            g = get_recipe(recipe).forward
+            if decomposable(g):
+                dt = val(x).dtype
+                fn = functools.partial(_gemm, g=g, out_dtype=dt, transpose_b=False)
+                _replace(graph, node, fn, [x, w, offs])
+                count += 1
+        elif is_op(node, _ops.quantized_grouped_mm_dgrad):
+            dy, w, offs, recipe = node.args
+            g = get_recipe(recipe).dgrad
+            if decomposable(g):
+                dt = val(dy).dtype
+                fn = functools.partial(_gemm, g=g, out_dtype=dt, transpose_b=True)
+                _replace(graph, node, fn, [dy, w, offs])
+                count += 1
+        elif is_op(node, _ops.quantized_grouped_mm_wgrad):
+            x, dy, offs, recipe = node.args
+            g = get_recipe(recipe).wgrad
+            if decomposable_wgrad(g):
+                dt = val(x).dtype
+                fn = functools.partial(_wgrad, g=g, out_dtype=dt)
+                _replace(graph, node, fn, [x, dy, offs])
+                count += 1
+    return count
+
+
+def _gemm(a, b, offs, *, g, out_dtype, transpose_b):  # type: ignore[no-untyped-def]
+    return _scaled_gemm(a, b.transpose(-2, -1) if transpose_b else b, offs, g, out_dtype)
+
+
+def _wgrad(x, dy, offs, *, g, out_dtype):  # type: ignore[no-untyped-def]
+    return _scaled_wgrad(x, dy, offs, g, out_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# 2. the weights' quantization, cached per version of the weight
+
+_PASS_THROUGH = (
+    aten.transpose.int,
+    aten.permute.default,
+    aten.t.default,
+    aten.view.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+)
+
+
+def _graph_input_source(node: Any) -> fx.Node | None:
+    """The graph input ``node`` is a view or cast of (through ``_PASS_THROUGH``), or None."""
+    while isinstance(node, fx.Node):
+        if node.op == "placeholder":
+            return node
+        if node.op != "call_function" or node.target not in _PASS_THROUGH:
+            return None
+        node = node.args[0]
+    return None
+
+
+def cache_weight_quantization(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if not (is_op(node, _ops.quantize_fp8) or is_op(node, _ops.quantize_mx)):
+            continue
+        x = node.args[0]
+        source = _graph_input_source(x)
+        if source is None or val(x).dim() != 3:  # expert weights are [E, *, *] inputs
+            continue
+        if is_op(node, _ops.quantize_fp8):
+            fn = functools.partial(_call, _ops.quantize_fp8_cached, tail=node.args[1:2])
+        else:
+            fn = functools.partial(_call, _ops.quantize_mx_cached, tail=node.args[1:4])
+        _replace(graph, node, fn, [source, x])
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------
+# 3. quantization fused into its producer (permute, swiglu)
+
+
+def _no_weights(permute: fx.Node) -> bool:
+    weights = permute.args[3] if len(permute.args) > 3 else permute.kwargs.get("weights")
+    return weights is None
+
+
+def _row_local(node: fx.Node) -> tuple[Any, ...] | None:
+    """(fmt, block, scale_rule) when ``node`` quantizes blocks along rows, else None."""
+    if is_op(node, _ops.quantize_fp8):
+        block: Any = node.args[1]
+        return ("fp8", block[1], "floor") if block[0] == 1 else None
+    if is_op(node, _ops.quantize_mx):
+        _, dim, mx_block, rule = node.args
+        return ("mx", mx_block, rule) if dim in (-1, 1) else None
+    return None
+
+
+def fuse_quantize(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if not (
+            is_op(node, _ops.quantize_fp8)
+            or is_op(node, _ops.quantize_mx)
+            or is_op(node, _ops.quantize_jagged)
+        ):
+            continue
+        src = node.args[0]
+        if is_op(src, _ops.permute) and _no_weights(src):
+            x, r2s, s2r = src.args[:3]
+            if is_op(node, _ops.quantize_jagged):
+                _, offs, block, fmt, rule = node.args
+                fn = functools.partial(_call, _ops.permute_quantize_jagged, tail=(block, fmt, rule))
+                _replace(graph, node, fn, [x, r2s, s2r, offs])
+                count += 1
+            elif (spec := _row_local(node)) is not None:
+                fn = functools.partial(_call, _ops.permute_quantize, tail=spec)
+                _replace(graph, node, fn, [x, r2s, s2r])
+                count += 1
+        elif is_op(src, _ops.swiglu):
+            h = src.args[0]
+            rw = src.args[1] if len(src.args) > 1 else src.kwargs.get("row_weights")
+            if not isinstance(rw, fx.Node):  # no routing weights: bind None
+                rw = None
+            inputs = [h] if rw is None else [h, rw]
+            if is_op(node, _ops.quantize_jagged):
+                _, offs, block, fmt, rule = node.args
+                fn = functools.partial(
+                    _swiglu_jagged, with_weights=rw is not None, tail=(block, fmt, rule)
+                )
+                _replace(graph, node, fn, [*inputs, offs])
+                count += 1
+            elif (spec := _row_local(node)) is not None:
+                fn = functools.partial(_swiglu_rows, with_weights=rw is not None, tail=spec)
+                _replace(graph, node, fn, inputs)
+                count += 1
+    return count
+
+
+def _swiglu_rows(h: Any, *rest: Any, with_weights: bool, tail: Any) -> Any:
+    rw = rest[0] if with_weights else None
+    return _ops.swiglu_quantize(h, rw, *tail)
+
+
+def _swiglu_jagged(h: Any, *rest: Any, with_weights: bool, tail: Any) -> Any:
+    rw, offs = (rest[0], rest[1]) if with_weights else (None, rest[0])
+    return _ops.swiglu_quantize_jagged(h, rw, offs, *tail)
+
+
+# --------------------------------------------------------------------------------------
+# 4. the permute's gather fused into grouped_swiglu (forward and backward)
+
+
+def _token_of_row(row_to_slot: Any, *, top_k: int) -> Any:
+    return torch.div(row_to_slot, top_k, rounding_mode="floor")  # -1 (padding) stays -1
+
+
+def fuse_gather(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if not is_op(node, _ops.grouped_swiglu) or len(node.args) > 5 or node.kwargs:
+            continue
+        x_perm = node.args[0]
+        if not (is_op(x_perm, _ops.permute) and _no_weights(x_perm)):
+            continue
+        x, r2s, s2r = x_perm.args[:3]
+        top_k = val(s2r).shape[1]
+        index = insert_traced(graph, node, functools.partial(_token_of_row, top_k=top_k), [r2s])
+        args = list(node.args) + [None] * (5 - len(node.args))
+        node.args = (x, *args[1:5], index)
+        # the backward reads the saved permuted input: it gathers from x too
+        for user in list(x_perm.users):
+            if is_op(user, _ops.grouped_swiglu_backward) and user.args[2] is x_perm:
+                bargs = list(user.args) + [None] * (8 - len(user.args))
+                bargs[2] = x
+                user.args = (*bargs[:8], index)
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------
+# all passes as one CustomGraphPass
+
+
+def run_passes(graph: fx.Graph) -> dict[str, int]:
+    """Run the enabled passes in order on ``graph``; returns the rewrites per pass."""
+    counts = {}
+    for name, fn in (
+        ("decompose_scaled_gemms", decompose_scaled_gemms),
+        ("cache_weight_quantization", cache_weight_quantization),
+        ("fuse_quantize", fuse_quantize),
+        ("fuse_gather", fuse_gather),
+    ):
+        if getattr(config, name):
+            counts[name] = fn(graph)
+    if any(counts.values()):
+        graph.eliminate_dead_code()
+        graph.lint()
+    for name, n in counts.items():
+        _COUNTERS[name] += n
+    return counts
+
+
+_COUNTERS: dict[str, int] = {
+    "decompose_scaled_gemms": 0,
+    "cache_weight_quantization": 0,
+    "fuse_quantize": 0,
+    "fuse_gather": 0,
+}
+
+
+def counters() -> dict[str, int]:
+    """Rewrites made by each pass since the process started (or :func:`reset_counters`)."""
+    return dict(_COUNTERS)
+
+
+def reset_counters() -> None:
+    for name in _COUNTERS:
+        _COUNTERS[name] = 0
+
+
+_SOURCES = tuple(
+    os.path.join(os.path.dirname(__file__), name)
+    for name in ("passes.py", "_fx.py", "config.py", "lowering.py")
+)
+
+
+class MoEGraphPass(CustomGraphPass):
+    """torch_moe's passes (module docstring) as an Inductor ``CustomGraphPass``.
+
+    ``uuid()`` hashes the sources of the passes and of the lowerings and the config values,
+    so a change to any of them changes Inductor's FX graph cache key.
+    """
+
+    def __call__(self, graph: fx.Graph) -> None:
+        run_passes(graph)
+
+    def uuid(self) -> bytes:
+        settings = repr(sorted(config.get_config_copy().items()))  # type: ignore[attr-defined]
+        digest = get_hash_for_files(_SOURCES)
+        return hashlib.sha256(digest + settings.encode()).digest()
