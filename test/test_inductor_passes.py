@@ -1,0 +1,302 @@
+"""torch_moe._inductor: the graph passes, the weight-quantization cache, the FX graph cache
+key, and the generated code.
+
+Most tests run the passes on AOTAutograd's joint graph through a small backend (the passes,
+then the default partitioner, then the graphs run as they are): cheap, and the compiled
+results must equal eager bit for bit, since every fused op's CPU kernel is a composition of
+the ops it replaces. The saved tensors (the forward graph's extra outputs) show what the
+fusions keep out of memory. Two tests compile with Inductor itself and FileCheck the code.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from unittest import mock
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.utils import fresh_cache, run_and_get_code
+from torch.testing import FileCheck
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe._inductor as TI
+from torch_moe._inductor import passes as P
+from torch_moe.nn import MoE
+from torch_moe.quantization import RECIPES, GemmQuant, OperandQuant, Recipe
+from torch_moe.quantization.fused import clear_weight_cache, weight_cache_stats
+
+D = F = 32
+E, K = 4, 2
+EXACT = dict(atol=0, rtol=0)
+
+
+def _backend(record: dict):
+    """aot_autograd backend: torch_moe's passes on the joint graph, the default partitioner,
+    graphs run as traced; records the pass counts and the forward's saved tensors."""
+
+    def partition(joint, inputs, **kw):
+        record["counts"] = P.run_passes(joint.graph)
+        joint.recompile()
+        return min_cut_rematerialization_partition(joint, inputs, **kw)
+
+    def fw(gm, example_inputs):
+        outputs = gm.graph.output_node().args[0]
+        record["saved"] = [
+            o.meta["val"] for o in outputs if isinstance(o, torch.fx.Node) and "val" in o.meta
+        ]
+        return make_boxed_func(gm)
+
+    return aot_autograd(
+        fw_compiler=fw, bw_compiler=lambda gm, _: make_boxed_func(gm), partition_fn=partition
+    )
+
+
+def _layer(precision):
+    torch.manual_seed(0)
+    return MoE(D, F, E, K, precision=precision, shared_hidden_dim=16).train()
+
+
+def _run(module, x, grad_out):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = module(x)
+    out.backward(grad_out)
+    params = getattr(module, "_orig_mod", module).named_parameters()
+    return out.detach(), x.grad, {n: p.grad for n, p in params}
+
+
+def _assert_same(test, got, ref, **tol):
+    test.assertEqual(got[0], ref[0], **tol, msg="output")
+    test.assertEqual(got[1], ref[1], **tol, msg="input grad")
+    for name in ref[2]:
+        test.assertEqual(got[2][name], ref[2][name], **tol, msg=name)
+
+
+def _compare_steps(test, precision, token_counts=(16, 24, 9), **recipe):
+    """Compiled (passes) vs eager over a few steps; returns the last record."""
+    torch._dynamo.reset()
+    eager = _layer(recipe.get("recipe", precision))
+    moe = copy.deepcopy(eager)
+    record: dict = {}
+    compiled = torch.compile(moe, backend=_backend(record), fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    for num_tokens in token_counts:
+        x = torch.randn(num_tokens, D, generator=gen)
+        grad_out = torch.randn(num_tokens, D, generator=gen)
+        _assert_same(test, _run(compiled, x, grad_out), _run(eager, x, grad_out), **EXACT)
+    return record
+
+
+def _float_rows(saved, rows):
+    """Saved floating-point (not e4m3) tensors with ``rows`` rows: shapes."""
+    return [
+        tuple(t.shape)
+        for t in saved
+        if t.dim() == 2 and t.shape[0] == rows and t.is_floating_point() and t.itemsize > 1
+    ]
+
+
+class TestPasses(TestCase):
+    def test_gather_fused_into_grouped_swiglu(self):
+        record = _compare_steps(self, "bf16", token_counts=(20,))
+        self.assertEqual(record["counts"]["fuse_gather"], 1)
+        # saved with M = 32 rows: only the pre-activation h [M, 2F]; not the permuted x [M, D]
+        self.assertEqual(_float_rows(record["saved"], 20 * K), [(20 * K, 2 * F)])
+
+    def test_gather_fusion_off(self):
+        with TI.config.patch(fuse_gather=False):
+            record = _compare_steps(self, "bf16", token_counts=(20,))
+        self.assertNotIn("fuse_gather", record["counts"])  # the pass did not run
+        self.assertIn((20 * K, D), _float_rows(record["saved"], 20 * K))
+
+    @parametrize("recipe", list(RECIPES))
+    def test_scaled_gemm_fusions(self, recipe):
+        record = _compare_steps(self, recipe, token_counts=(20,))
+        counts = record["counts"]
+        self.assertEqual(counts["decompose_scaled_gemms"], 6)  # 2 x (forward, dgrad, wgrad)
+        self.assertEqual(counts["cache_weight_quantization"], 4)  # 2 x (forward, dgrad)
+        rows = 20 * K
+        if recipe == "fp8_tensorwise":
+            # one amax over all rows: not row-local, nothing to fuse (and nothing wrong)
+            self.assertEqual(counts["fuse_quantize"], 0)
+        else:
+            # x and a into the forward GEMMs, x / a / dY (twice) into the wgrads and dgrad
+            self.assertEqual(counts["fuse_quantize"], 6)
+            # only h [M, 2F] is saved in high precision: not x_perm [M, D], not a [M, F]
+            self.assertEqual(_float_rows(record["saved"], rows), [(rows, 2 * F)])
+
+    def test_not_decomposable_stays_whole(self):
+        """A recipe whose activation blocks span rows (128 x 128) is not expressible as
+        scaled_grouped_mm over row scales: the op stays whole, and the result is eager's."""
+        op = OperandQuant("fp8", 128, 128)
+        square = Recipe(
+            "square", GemmQuant(op, op), GemmQuant(op, op), RECIPES["fp8_rowwise"].wgrad
+        )
+        record = _compare_steps(self, "square", token_counts=(20,), recipe=square)
+        self.assertEqual(record["counts"]["decompose_scaled_gemms"], 2)  # the two wgrads only
+        # the jagged wgrad operands that come from a permute or the SwiGLU: x, a, dY
+        self.assertEqual(record["counts"]["fuse_quantize"], 3)
+
+    def test_uuid_tracks_config_and_sources(self):
+        p = TI.MoEGraphPass()
+        base = p.uuid()
+        self.assertEqual(TI.MoEGraphPass().uuid(), base)
+        with TI.config.patch(fuse_quantize=False):
+            self.assertNotEqual(p.uuid(), base)
+        with tempfile.TemporaryDirectory() as d:
+            extra = os.path.join(d, "lowering_v2.py")
+            with open(extra, "w") as f:
+                f.write("# changed\n")
+            with mock.patch.object(P, "_SOURCES", (*P._SOURCES, extra)):
+                self.assertNotEqual(p.uuid(), base)
+
+    def test_enable_disable_keep_other_passes(self):
+        import torch._inductor.config as inductor_config
+
+        other = mock.MagicMock()
+        with inductor_config.patch(joint_custom_post_pass=other, post_grad_custom_pre_pass=None):
+            TI.enable()
+            self.assertEqual(inductor_config.joint_custom_post_pass[0], other)
+            self.assertIsInstance(inductor_config.joint_custom_post_pass[1], TI.MoEGraphPass)
+            self.assertIsInstance(inductor_config.post_grad_custom_pre_pass, TI.MoEGraphPass)
+            TI.enable()  # idempotent
+            self.assertEqual(len(inductor_config.joint_custom_post_pass), 2)
+            TI.disable()
+            self.assertIs(inductor_config.joint_custom_post_pass, other)
+            self.assertIsNone(inductor_config.post_grad_custom_pre_pass)
+            with TI.enabled():
+                self.assertIsInstance(inductor_config.post_grad_custom_pre_pass, TI.MoEGraphPass)
+            self.assertIsNone(inductor_config.post_grad_custom_pre_pass)
+
+
+class TestWeightCache(TestCase):
+    def test_once_per_optimizer_step(self):
+        """Gradient accumulation over 2 micro-batches, 2 optimizer steps: each expert weight
+        is quantized (forward and dgrad layouts) once per step, and every result equals
+        eager, which quantizes on every call."""
+        torch._dynamo.reset()
+        clear_weight_cache()
+        eager = _layer("fp8_rowwise")
+        moe = copy.deepcopy(eager)
+        compiled = torch.compile(moe, backend=_backend({}), fullgraph=True)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, moe)]
+        gen = torch.Generator().manual_seed(2)
+        for step in range(2):
+            for m in (eager, moe):
+                m.zero_grad(set_to_none=True)
+            for _micro in range(2):
+                x = torch.randn(16, D, generator=gen)
+                x_ref, x_got = (x.clone().requires_grad_() for _ in range(2))
+                ref = eager(x_ref)
+                got = compiled(x_got)
+                self.assertEqual(got, ref, **EXACT)
+                ref.square().sum().backward()
+                got.square().sum().backward()
+                self.assertEqual(x_got.grad, x_ref.grad, **EXACT)
+            for (n, p), q in zip(moe.named_parameters(), eager.parameters()):
+                self.assertEqual(p.grad, q.grad, **EXACT, msg=f"step {step}: {n}")
+            for opt in opts:
+                opt.step()
+            stats = weight_cache_stats()
+            # 2 weights x 2 layouts: quantized on the first micro-batch, reused on the second
+            self.assertEqual(stats, {"misses": 4 * (step + 1), "hits": 4 * (step + 1)})
+
+    def test_cached_op_tracks_versions(self):
+        clear_weight_cache()
+        w = torch.randn(2, 8, 64)
+        ops = torch.ops.torch_moe
+        q1, s1 = ops.quantize_fp8_cached(w, w.transpose(-2, -1), [1, 32])
+        q2, _ = ops.quantize_fp8_cached(w, w.transpose(-2, -1), [1, 32])
+        self.assertIs(q1, q2)
+        ref = ops.quantize_fp8(w.transpose(-2, -1), [1, 32])
+        self.assertEqual(q1.view(torch.uint8), ref[0].view(torch.uint8), **EXACT)
+        with torch.no_grad():
+            w.mul_(2)  # in place: the version counter moves
+        q3, s3 = ops.quantize_fp8_cached(w, w.transpose(-2, -1), [1, 32])
+        self.assertEqual(s3, 2 * s1, **EXACT)
+        # another layout of the same source is another entry
+        ops.quantize_mx_cached(w, w, -1, 32, "floor")
+        self.assertEqual(weight_cache_stats(), {"hits": 1, "misses": 3})
+        del w, q1, q2, q3
+        self.assertEqual(
+            len(__import__("torch_moe.quantization.fused").quantization.fused._WEIGHT_CACHE), 0
+        )
+
+
+def _tiny(x, w, offs):
+    return torch.ops.torch_moe.grouped_mm(x, w, offs)
+
+
+class TestInductor(TestCase):
+    def test_fx_graph_cache_key(self):
+        """With the passes the FX graph cache hits on a repeat compile and misses after a
+        pass or lowering source changes; a plain callable pass makes it bypass."""
+        x, w = torch.randn(10, 16), torch.randn(2, 16, 8)
+        offs = torch.tensor([4, 10], dtype=torch.int32)
+        with fresh_cache(), mock.patch.dict(os.environ, {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}):
+            import torch._inductor.config as inductor_config
+
+            def compile_once(opts):
+                torch._dynamo.reset()
+                counters.clear()
+                fn = torch.compile(_tiny, options=opts)
+                out, (code,) = run_and_get_code(fn, x, w, offs)
+                self.assertEqual(out, _tiny(x, w, offs))
+                return dict(counters["inductor"]), code
+
+            with inductor_config.patch(fx_graph_cache=True):
+                first, code = compile_once(TI.options())
+                FileCheck().check("torch.ops.torch_moe.grouped_mm.default(").run(code)
+                second, _ = compile_once(TI.options())
+                self.assertEqual(first.get("fxgraph_cache_miss"), 1)
+                self.assertEqual(second.get("fxgraph_cache_hit"), 1)
+                with tempfile.TemporaryDirectory() as d:
+                    changed = os.path.join(d, "passes_v2.py")
+                    with open(changed, "w") as f:
+                        f.write("# a changed pass\n")
+                    with mock.patch.object(P, "_SOURCES", (*P._SOURCES, changed)):
+                        third, _ = compile_once(TI.options())
+                self.assertEqual(third.get("fxgraph_cache_miss"), 1)
+                plain = {"post_grad_custom_pre_pass": lambda graph: None}
+                fourth, _ = compile_once(plain)
+                self.assertEqual(fourth.get("fxgraph_cache_bypass"), 1)
+
+    def test_generated_code_fp8(self):
+        """Inductor with the passes: the forward quantizes the tokens once (permute_quantize)
+        and the activation with the SwiGLU, reads cached weights; the backward quantizes dY
+        straight from the combine's gradient. ~15 s on 2 cores."""
+        torch._dynamo.reset()
+        clear_weight_cache()
+        eager = _layer("fp8_rowwise")
+        moe = copy.deepcopy(eager)
+        compiled = torch.compile(moe, fullgraph=True, options=TI.options())
+        x = torch.randn(16, D)
+        grad_out = torch.randn(16, D)
+        got, (fwd, bwd) = run_and_get_code(lambda: _run(compiled, x, grad_out))
+        _assert_same(self, got, _run(eager, x, grad_out), atol=1e-5, rtol=1e-5)
+        ops = "torch.ops.torch_moe."
+        FileCheck().check(f"{ops}permute_quantize.default(").check(
+            f"{ops}quantize_fp8_cached.default("
+        ).check(f"{ops}scaled_grouped_mm.default(").check(f"{ops}swiglu_quantize.default(").check(
+            f"{ops}unpermute.default("
+        ).run(fwd)
+        FileCheck().check_not(f"{ops}permute.default(").check_not(f"{ops}swiglu.default(").run(fwd)
+        FileCheck().check(f"{ops}permute_quantize.default(tangents").run(bwd)
+        for op in ("permute_quantize_jagged", "swiglu_quantize_jagged", "scaled_grouped_mm_wgrad"):
+            FileCheck().check(f"{ops}{op}.default(").run(bwd)
+
+
+instantiate_parametrized_tests(TestPasses)
+
+if __name__ == "__main__":
+    run_tests()
