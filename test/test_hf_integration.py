@@ -339,22 +339,24 @@ class TestExpertsBackend(_OneThread, TestCase):
         truth, truth_g = _run(copy.deepcopy(model).float(), ids, "eager")
         ref, ref_g = _run(model, ids, "grouped_mm")
         out, out_g = _run(model, ids, "torch_moe")
-        self.assertEqual(sorted(out_g), sorted(ref_g))
         # NB (tolerance): bf16 rounding through attention, norms and two MoE layers moves
-        # grouped_mm's logits and gradients by up to ~8% of a tensor's max from the fp32
-        # model (same weights), and torch_moe rounds differently (SwiGLU in fp32 with the
+        # grouped_mm's logits and gradients by 2-17% (relative L2) from the fp32 model with
+        # the same weights, and torch_moe rounds differently (SwiGLU in fp32 with the
         # routing weight folded in, one rounding per expert op; fp32 combine). Stated
-        # tolerance, per tensor: |torch_moe - grouped_mm| <= 3 * |grouped_mm - fp32| + 1 bf16
-        # ulp of the tensor's max, and torch_moe no less accurate than grouped_mm:
-        # |torch_moe - fp32| <= 2 * |grouped_mm - fp32| + 1 ulp (measured ratio <= 1.51).
-        for n, (a, r, t) in {"logits": (out, ref, truth)}.items() | {
-            n: (out_g[n], ref_g[n], truth_g[n]) for n in ref_g
-        }.items():
+        # tolerance, judged against the fp32 model: per tensor, torch_moe's relative L2
+        # error <= 4x grouped_mm's + 2 bf16 eps (a wrong gradient is O(1) off), and summed
+        # over all tensors <= 1.5x grouped_mm's (measured 0.31-1.04x).
+        self.assertEqual(sorted(out_g), sorted(ref_g))
+        tensors = [("logits", out, ref, truth)] + [
+            (n, out_g[n], ref_g[n], truth_g[n]) for n in ref_g
+        ]
+        err_tm = err_gm = 0.0
+        for n, a, r, t in tensors:
             a, r, t = a.float(), r.float(), t.float()
-            ulp = BF16_EPS * t.abs().max().item()
-            err_ref = (r - t).abs().max().item()
-            self.assertLessEqual((a - r).abs().max().item(), 3 * err_ref + ulp, msg=n)
-            self.assertLessEqual((a - t).abs().max().item(), 2 * err_ref + ulp, msg=n)
+            e_tm, e_gm = ((a - t).norm() / t.norm()).item(), ((r - t).norm() / t.norm()).item()
+            self.assertLessEqual(e_tm, 4 * e_gm + 2 * BF16_EPS, msg=n)
+            err_tm, err_gm = err_tm + e_tm, err_gm + e_gm
+        self.assertLessEqual(err_tm, 1.5 * err_gm)
 
     @parametrize("family", ["mixtral", "gpt_oss"])
     def test_generate_greedy(self, family):
