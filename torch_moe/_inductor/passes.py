@@ -253,6 +253,14 @@ def _swiglu_jagged(h: Any, *rest: Any, with_weights: bool, tail: Any) -> Any:
 # 4. the permute's gather fused into grouped_swiglu (forward and backward)
 
 
+def _set_args(node: fx.Node, args: tuple[Any, ...]) -> None:
+    """New arguments for a node, and the eager input values Inductor checks strides against
+    (recorded at tracing, they would describe the old arguments)."""
+    node.args = args
+    if "eager_input_vals" in node.meta:
+        node.meta["eager_input_vals"] = (tuple(val(a) for a in args), {})
+
+
 def _token_of_row(row_to_slot: Any, *, top_k: int) -> Any:
     return torch.div(row_to_slot, top_k, rounding_mode="floor")  # -1 (padding) stays -1
 
@@ -269,13 +277,13 @@ def fuse_gather(graph: fx.Graph) -> int:
         top_k = val(s2r).shape[1]
         index = insert_traced(graph, node, functools.partial(_token_of_row, top_k=top_k), [r2s])
         args = list(node.args) + [None] * (5 - len(node.args))
-        node.args = (x, *args[1:5], index)
+        _set_args(node, (x, *args[1:5], index))
         # the backward reads the saved permuted input: it gathers from x too
         for user in list(x_perm.users):
             if is_op(user, _ops.grouped_swiglu_backward) and user.args[2] is x_perm:
                 bargs = list(user.args) + [None] * (8 - len(user.args))
                 bargs[2] = x
-                user.args = (*bargs[:8], index)
+                _set_args(user, (*bargs[:8], index))
         count += 1
     return count
 

@@ -1,0 +1,127 @@
+"""Does torch.compile pay for the MoE layer, and what do torch_moe's compiler passes save?
+
+For each layer shape and precision, forward + backward of one MoE layer three ways, in one
+run: eager, ``torch.compile`` (Inductor, every torch_moe op an extern call), and
+``torch.compile`` with ``torch_moe._inductor``'s passes. Reported per way: the median time
+over the GEMM floor (routed-expert FLOPs 18*T*K*D*F over the best large-GEMM rate measured
+in the same run for the parameter dtype, as bench_moe_layer.py), and the peak of the CPU
+memory allocated during the step (from the profiler's allocation events; the parameters,
+inputs and the gradients' previous values are outside it). The permuted activation is
+T*K*D elements: the passes should take at least that off the peak.
+
+    python benchmarks/bench_compile.py                          # 3 shapes x bf16, fp8_rowwise
+    python benchmarks/bench_compile.py --tokens 512 --reps 3    # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+from bench_ops import DTYPES, gemm_rate, interleaved
+from torch.profiler import ProfilerActivity, profile
+
+import torch_moe._inductor as TI
+from torch_moe.nn import MoE
+
+SHAPES = [(1792, 8, 2), (384, 32, 6), (256, 64, 8)]  # (F, E, K), as bench_moe_layer.py
+
+
+def cpu_isa() -> str:
+    """AVX2 / AVX512-BF16 / AMX, from the CPU flags."""
+    try:
+        flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    isa = [name for flag, name in [("avx2", "AVX2"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")] if flag in flags]  # fmt: skip
+    return " ".join(isa) or "no AVX2"
+
+
+def step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    module.zero_grad(set_to_none=True)
+    module(x).backward(grad)
+
+
+def peak_bytes(fn) -> int:  # type: ignore[no-untyped-def]
+    """Peak of the CPU memory allocated while ``fn`` runs (allocations minus frees, in
+    the order the profiler recorded them)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    sizes = [
+        e.nbytes() for e in sorted(events, key=lambda e: e.start_ns()) if e.name() == "[memory]"
+    ]
+    live = peak = 0
+    for nbytes in sizes:  # + an allocation, - a free
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--precisions", default="bf16,fp8_rowwise")
+    p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    dtype = DTYPES[args.dtype]
+    t, d = args.tokens, args.dim
+    rate = gemm_rate(dtype, 2048 if dtype != torch.float32 else 4096, 3)
+    rate32 = gemm_rate(torch.float32, 4096, 3)
+    floor_rate = max(rate, rate32)  # the faster math is the machine's floor
+    print(
+        f"# torch {torch.__version__}, {platform.machine()} {cpu_isa()}, {os.cpu_count()} CPUs, "
+        f"threads={torch.get_num_threads()}; large mm {rate / 1e9:.0f} GFLOP/s {args.dtype}, "
+        f"{rate32 / 1e9:.0f} GFLOP/s fp32 (floor: {floor_rate / 1e9:.0f}); T={t}, D={d}, "
+        f"params {args.dtype}, median of {args.reps}; {' '.join(sys.argv[1:])}\n"
+    )
+    header = (
+        "| F, E, K | precision | eager x floor | compiled x floor | +passes x floor | "
+        "eager peak MiB | compiled peak MiB | +passes peak MiB | T*K*D MiB | passes saved MiB |"
+    )
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|", flush=True)
+    mib = 2.0**20
+    for si in (int(i) for i in args.shapes.split(",")):
+        f, e, k = SHAPES[si]
+        for precision in args.precisions.split(","):
+            torch.manual_seed(0)
+            torch._dynamo.reset()
+            eager = MoE(d, f, e, k, route_norm=True, precision=precision, dtype=dtype)
+            plain = torch.compile(copy.deepcopy(eager), fullgraph=True)
+            fused = torch.compile(copy.deepcopy(eager), fullgraph=True, options=TI.options())
+            x = torch.randn(t, d, dtype=dtype, requires_grad=True)
+            grad = torch.randn(t, d, dtype=dtype)
+            fns = {
+                name: functools.partial(step, m, x, grad)
+                for name, m in (("eager", eager), ("compiled", plain), ("passes", fused))
+            }
+            for fn in fns.values():  # compile, and warm the weight cache
+                fn()
+            times = interleaved(fns, args.reps)
+            peaks = {name: peak_bytes(fn) / mib for name, fn in fns.items()}
+            flops = 18 * t * k * d * f
+            perm = t * k * d * torch.empty((), dtype=dtype).element_size() / mib
+            ratios = {name: times[name] * floor_rate / flops for name in fns}
+            print(
+                f"| {f}, {e}, {k} | {precision} | {ratios['eager']:.2f} | "
+                f"{ratios['compiled']:.2f} | {ratios['passes']:.2f} | {peaks['eager']:.0f} | "
+                f"{peaks['compiled']:.0f} | {peaks['passes']:.0f} | {perm:.0f} | "
+                f"{peaks['compiled'] - peaks['passes']:.0f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
