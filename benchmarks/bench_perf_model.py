@@ -1,0 +1,776 @@
+"""How well does torch_moe.perf predict a MoE layer step on this machine, and does its
+advisor pick the fastest strategy?
+
+Measures a sweep of ``torch_moe.nn.MoE`` forward + backward steps across sparsity regimes
+(E 4..256, K 1..8, tokens per expert 2..4096, fine- and coarse-grained experts at equal
+active parameters, bf16, fp32 and four FP8 recipes in their exact CPU emulation, shared
+experts, capacity factors, Zipf-skewed routing) in one process, and expert-parallel steps
+(``ExpertParallel`` over gloo, EP 2 and 4, p2p and all_to_all exchange, 1 and 2 chunks,
+FP8 dispatch, hierarchical) in spawned process groups; calibrates ``torch_moe.perf`` on
+this machine first (``calibrate(threads=(1,))``, the link inside each process group);
+then compares every measured step with ``predict`` and prints the errors per regime,
+the peak memory (from the profiler's allocator events) and saved activations against the
+model, and the advisor's pick in each group of strategies measured on the same workload.
+
+Timing protocol (a shared 2-vCPU VM whose CPU time moves by up to 2x for seconds at a
+time when another tenant shares the core): every rank runs one torch thread; one process:
+the thread's CPU time of a step, rounds interleaved over all configurations, each round
+started through a gate that waits for an undisturbed core (torch_moe.perf's calibration
+gate), the minimum over rounds; process groups: the slowest rank's wall time after a
+barrier, the minimum over interleaved rounds. The median over rounds is printed too, as
+the noise seen.
+
+Routing: when D >= E the router is set so that a token's logits are ``log p_e`` plus Gumbel
+noise: top-K then samples K distinct experts in proportion to p (uniform or Zipf), the
+distribution the model's ``routing_skew`` describes; otherwise the random router's
+measured loads are passed to the model.
+
+    python benchmarks/bench_perf_model.py                       # everything (~15 min)
+    python benchmarks/bench_perf_model.py --rounds 3 --skip-ep  # quicker
+    python benchmarks/bench_perf_model.py --out benchmarks/results/perf_model_cpu_202612.md \\
+        --png benchmarks/results/perf_model_cpu_202612
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_moe  # noqa: F401
+from torch_moe.nn import MoE
+from torch_moe.perf import Hardware, MoEWorkload, advise, calibrate, cpu_isa, predict
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class Config:
+    name: str
+    tokens: int
+    dim: int
+    hidden: int
+    experts: int
+    top_k: int
+    precision: str = "bf16"
+    shared: int = 0
+    capacity: float | None = None
+    skew: float = 0.0
+    dtype: str = "bf16"
+    regime: str = ""
+    # expert parallelism (world > 1)
+    world: int = 1
+    num_chunks: int = 1
+    exchange: str = "p2p"
+    fp8_dispatch: bool = False
+    node_size: int = 0
+    # results
+    measured: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dtype == "fp32" else torch.bfloat16
+
+    @property
+    def tokens_per_expert(self) -> float:
+        return self.tokens * self.top_k * self.world / self.experts
+
+    def label(self) -> str:
+        parts = [f"T={self.tokens} D={self.dim} F={self.hidden} E={self.experts} K={self.top_k}"]
+        if self.precision != "bf16" or self.dtype != "bf16":
+            parts.append(self.precision if self.dtype == "bf16" else self.dtype)
+        if self.shared:
+            parts.append(f"Fs={self.shared}")
+        if self.capacity is not None:
+            parts.append(f"cf={self.capacity:g}")
+        if self.skew:
+            parts.append(f"zipf{self.skew:g}")
+        if self.world > 1:
+            ep = f"EP{self.world} {self.exchange} C={self.num_chunks}"
+            ep += " fp8-disp" if self.fp8_dispatch else ""
+            ep += f" hier{self.node_size}" if self.node_size else ""
+            parts.append(ep)
+        return " ".join(parts)
+
+
+def single_process_configs() -> list[Config]:
+    c: list[Config] = []
+    # granularity at equal active parameters (K*F = 1024, D = 512, T = 2048)
+    for e, k, f in [
+        (8, 1, 1024),
+        (16, 2, 512),
+        (32, 4, 256),
+        (64, 8, 128),
+        (128, 8, 128),
+        (256, 8, 128),
+    ]:
+        c.append(Config(f"gran-E{e}K{k}", 2048, 512, f, e, k, regime="granularity"))
+    # tokens per expert 2 .. 4096
+    for t in (16, 128, 512, 2048, 8192):
+        c.append(Config(f"tpe-T{t}", t, 256, 256, 16, 2, regime="tokens/expert"))
+    c.append(Config("tpe-E4T8192", 8192, 256, 256, 4, 2, regime="tokens/expert"))
+    c.append(Config("tpe-E256K1", 512, 256, 64, 256, 1, regime="tokens/expert"))
+    c.append(Config("tpe-E128K8", 2048, 256, 64, 128, 8, regime="tokens/expert"))
+    # K and D
+    for k in (1, 4, 8):
+        c.append(Config(f"k-K{k}", 1024, 256, 256, 32, k, regime="top-k"))
+    for d in (128, 512, 1024):
+        c.append(Config(f"d-D{d}", 1024, d, 512, 16, 2, regime="dim"))
+    # precision (cases: the same workload in bf16 and the recipes)
+    for p in ("fp8_rowwise", "fp8_blockwise", "mxfp8", "fp8_tensorwise"):
+        c.append(Config(f"prec1-{p}", 2048, 256, 256, 16, 2, precision=p, regime="fp8"))
+    for p in ("bf16", "fp8_rowwise", "fp8_blockwise", "mxfp8"):
+        c.append(
+            Config(
+                f"prec2-{p}",
+                1024,
+                512,
+                512,
+                8,
+                2,
+                precision=p,
+                regime="fp8" if p != "bf16" else "bf16",
+            )
+        )
+    for p in ("bf16", "fp8_rowwise", "fp8_blockwise", "mxfp8"):
+        c.append(
+            Config(
+                f"prec3-{p}",
+                512,
+                256,
+                128,
+                64,
+                4,
+                precision=p,
+                regime="fp8" if p != "bf16" else "bf16",
+            )
+        )
+    # shared experts, fp32
+    c.append(Config("shared-1", 2048, 256, 256, 16, 2, shared=512, regime="shared"))
+    c.append(Config("shared-2", 1024, 512, 128, 64, 6, shared=256, regime="shared"))
+    c.append(Config("fp32-1", 1024, 256, 256, 16, 2, dtype="fp32", precision="bf16", regime="fp32"))
+    # skewed routing, capacity vs dropless
+    for cf in (None, 1.0, 1.25):
+        tag = "dropless" if cf is None else f"cf{cf:g}"
+        c.append(
+            Config(
+                f"cap1-{tag}", 2048, 256, 256, 16, 2, capacity=cf, skew=1.2, regime="skew/capacity"
+            )
+        )
+    for cf in (None, 1.0, 1.25):
+        tag = "dropless" if cf is None else f"cf{cf:g}"
+        c.append(
+            Config(
+                f"cap2-{tag}", 1024, 256, 512, 32, 4, capacity=cf, skew=1.0, regime="skew/capacity"
+            )
+        )
+    c.append(Config("zipf-1.5", 2048, 256, 128, 64, 4, skew=1.5, regime="skew/capacity"))
+    return c
+
+
+def ep_configs(world: int) -> list[Config]:
+    c: list[Config] = []
+    if world == 2:
+        shapes = {
+            "a": (1024, 256, 256, 16, 2),
+            "b": (512, 256, 128, 64, 4),
+            "c": (2048, 512, 512, 8, 2),
+        }
+    else:
+        shapes = {"a": (512, 256, 256, 16, 2), "b": (256, 256, 128, 64, 4)}
+    for s, (t, d, f, e, k) in shapes.items():
+        for ex in ("p2p", "all_to_all"):
+            for ch in (1, 2):
+                c.append(
+                    Config(
+                        f"ep{world}{s}-{ex}-C{ch}",
+                        t,
+                        d,
+                        f,
+                        e,
+                        k,
+                        world=world,
+                        exchange=ex,
+                        num_chunks=ch,
+                        regime=f"EP{world}",
+                    )
+                )
+    t, d, f, e, k = shapes["a"]
+    if world == 2:
+        c.append(
+            Config(
+                f"ep{world}a-p2p-fp8",
+                t,
+                d,
+                f,
+                e,
+                k,
+                world=world,
+                fp8_dispatch=True,
+                regime=f"EP{world}",
+            )
+        )
+    else:
+        c.append(
+            Config(
+                f"ep{world}a-hier",
+                t,
+                d,
+                f,
+                e,
+                k,
+                world=world,
+                exchange="all_to_all",
+                node_size=2,
+                regime=f"EP{world}",
+            )
+        )
+    return c
+
+
+# advisor cases: (name, config names, advise() keyword arguments)
+def advisor_cases() -> list[tuple[str, list[str], dict[str, Any]]]:
+    precs = ["bf16", "fp8_rowwise", "fp8_blockwise", "mxfp8"]
+    cases = [
+        (
+            "precision T=2048 E=16",
+            ["tpe-T2048", *[f"prec1-{p}" for p in precs[1:]], "prec1-fp8_tensorwise"],
+            dict(precisions=[*precs, "fp8_tensorwise"]),
+        ),
+        ("precision T=1024 E=8", [f"prec2-{p}" for p in precs], dict(precisions=precs)),
+        ("precision T=512 E=64", [f"prec3-{p}" for p in precs], dict(precisions=precs)),
+        (
+            "capacity zipf1.2",
+            ["cap1-dropless", "cap1-cf1", "cap1-cf1.25"],
+            dict(allow_drop=True, precisions=["bf16"]),
+        ),
+        (
+            "capacity zipf1.0",
+            ["cap2-dropless", "cap2-cf1", "cap2-cf1.25"],
+            dict(allow_drop=True, precisions=["bf16"]),
+        ),
+    ]
+    for world, shapes in ((2, "abc"), (4, "ab")):
+        for s in shapes:
+            names = [f"ep{world}{s}-{ex}-C{ch}" for ex in ("p2p", "all_to_all") for ch in (1, 2)]
+            cases.append((f"EP{world} shape {s}", names, dict(precisions=["bf16"])))
+    cases.append(
+        (
+            "EP degree, global T=2048 E=16",
+            ["tpe-T2048", "ep2a-p2p-C1", "ep4a-p2p-C1"],
+            dict(precisions=["bf16"], split_tokens=True),
+        )
+    )
+    cases.append(
+        (
+            "EP degree, global T=1024 E=64",
+            ["prec3-bf16", "ep2b-p2p-C1", "ep4b-p2p-C1"],
+            dict(precisions=["bf16"], split_tokens=True),
+        )
+    )
+    return cases
+
+
+# --------------------------------------------------------------------------------------
+# building and timing one layer
+
+
+def zipf(e: int, s: float) -> torch.Tensor:
+    return torch.arange(1, e + 1, dtype=torch.float64) ** (-s)
+
+
+def build(cfg: Config, seed: int) -> tuple[MoE, torch.Tensor, torch.Tensor, bool]:
+    """The layer, its input and output gradient; Gumbel-controlled routing when D >= E."""
+    torch.manual_seed(seed)
+    dtype = cfg.torch_dtype
+    moe = MoE(
+        cfg.dim,
+        cfg.hidden,
+        cfg.experts,
+        cfg.top_k,
+        route_norm=True,
+        shared_hidden_dim=cfg.shared,
+        capacity_factor=cfg.capacity,
+        precision=cfg.precision,
+        dtype=dtype,
+    )
+    x = torch.randn(cfg.tokens, cfg.dim, dtype=dtype) * 0.5
+    controlled = cfg.dim >= cfg.experts
+    if controlled:
+        with torch.no_grad():
+            moe.router.weight.zero_()
+            moe.router.weight[:, : cfg.experts] = torch.eye(cfg.experts, dtype=dtype)
+        g = torch.Generator().manual_seed(seed + 1)
+        gumbel = -torch.log(
+            -torch.log(torch.rand(cfg.tokens, cfg.experts, generator=g, dtype=torch.float64))
+        )
+        x[:, : cfg.experts] = (zipf(cfg.experts, cfg.skew).log() + gumbel).to(dtype)
+    x.requires_grad_(True)
+    grad = torch.randn(cfg.tokens, cfg.dim, dtype=dtype)
+    return moe, x, grad, controlled
+
+
+def step_fn(moe: MoE, x: torch.Tensor, grad: torch.Tensor):
+    def step() -> None:
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        moe(x).backward(grad)
+
+    return step
+
+
+def peak_memory(fn) -> float:
+    """Peak bytes allocated above the start while ``fn`` runs (profiler allocator events)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    total = peak = 0
+    for e in events:
+        total += e.nbytes()
+        peak = max(peak, total)
+    return float(peak)
+
+
+def saved_bytes(moe: MoE, x: torch.Tensor) -> float:
+    params = {
+        (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+        for p in moe.parameters()
+    }
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe(x)
+    return float(sum(seen.values()))
+
+
+def resident_bytes(moe: MoE, x: torch.Tensor) -> float:
+    n = 0
+    for p in moe.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        n += t.numel() * t.element_size()
+    return float(n + 2 * x.numel() * x.element_size())  # + input and output gradient
+
+
+def workload_of(
+    cfg: Config, moe: MoE, controlled: bool, tokens_per_expert: torch.Tensor | None
+) -> MoEWorkload:
+    skew: Any = cfg.skew
+    if not controlled and tokens_per_expert is not None:
+        skew = tokens_per_expert.double().clamp_min(1e-3)
+    return MoEWorkload(
+        cfg.tokens,
+        cfg.dim,
+        cfg.hidden,
+        cfg.experts,
+        cfg.top_k,
+        shared_hidden_dim=cfg.shared,
+        dtype=cfg.torch_dtype,
+        precision=cfg.precision,
+        ep=cfg.world,
+        nodes=max(1, cfg.world // cfg.node_size) if cfg.node_size else 1,
+        num_chunks=cfg.num_chunks,
+        exchange=cfg.exchange,
+        capacity_factor=cfg.capacity,
+        routing_skew=skew,
+        dispatch_dtype=FP8 if cfg.fp8_dispatch else None,
+        hierarchical=bool(cfg.node_size),
+    )
+
+
+def measure_single(configs: list[Config], rounds: int) -> dict[str, MoEWorkload]:
+    from torch_moe.perf._calibrate import _Gate
+
+    gate = _Gate(max_wait=1.0, total_wait=120.0)
+    steps = {}
+    workloads = {}
+    for i, cfg in enumerate(configs):
+        moe, x, grad, controlled = build(cfg, seed=i)
+        moe.train()
+        step = step_fn(moe, x, grad)
+        moe.reset_load_stats()
+        step()
+        loads = moe.tokens_per_expert.clone()
+        step()
+        workloads[cfg.name] = workload_of(cfg, moe, controlled, loads)
+        cfg.measured["saved"] = saved_bytes(moe, x)
+        cfg.measured["peak"] = resident_bytes(moe, x) + peak_memory(step)
+        steps[cfg.name] = step
+    times: dict[str, list[float]] = {c.name: [] for c in configs}
+    for r in range(rounds):
+        order = list(configs)
+        random.Random(r).shuffle(order)
+        for cfg in order:
+            gate.wait()
+            t0 = time.thread_time()
+            steps[cfg.name]()
+            times[cfg.name].append(time.thread_time() - t0)
+        print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    for cfg in configs:
+        cfg.measured["time"] = min(times[cfg.name])
+        cfg.measured["median"] = statistics.median(times[cfg.name])
+    return workloads
+
+
+# --------------------------------------------------------------------------------------
+# expert parallelism (spawned process groups)
+
+
+def _ep_worker(rank: int, world: int, port: int, rounds: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torch_moe.distributed import ExpertParallel
+
+    hw = calibrate(threads=(1,))  # the compute part from the cache; the link measured here
+    mesh = init_device_mesh("cpu", (world,))
+    configs = ep_configs(world)
+    steps, info = {}, {}
+    for i, cfg in enumerate(configs):
+        moe, x, grad, controlled = build(cfg, seed=100 * i + rank)
+        style = ExpertParallel(
+            num_chunks=cfg.num_chunks,
+            exchange=cfg.exchange,
+            dispatch_dtype=FP8 if cfg.fp8_dispatch else None,
+            node_size=cfg.node_size or None,
+        )
+        parallelize_module(moe, mesh, style)
+        step = step_fn(moe, x, grad)
+        step()
+        step()
+        saved = saved_bytes(moe, x)
+        peak = resident_bytes(moe, x) + peak_memory(step)
+        stats = torch.tensor([saved, peak], dtype=torch.float64)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        info[cfg.name] = dict(saved=float(stats[0]), peak=float(stats[1]), controlled=controlled)
+        steps[cfg.name] = step
+    times = torch.zeros(len(configs), rounds, dtype=torch.float64)
+    for r in range(rounds):
+        for i, cfg in enumerate(configs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[cfg.name]()
+            times[i, r] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        res = {
+            cfg.name: dict(
+                time=float(times[i].min()), median=float(times[i].median()), **info[cfg.name]
+            )
+            for i, cfg in enumerate(configs)
+        }
+        link = dataclasses.asdict(hw.intra_link)
+        with open(out_path, "w") as f:
+            json.dump(dict(results=res, link=link), f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_ep(world: int, rounds: int) -> tuple[list[Config], dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ep.json")
+        port = 29600 + world + random.randint(0, 300)
+        mp.spawn(_ep_worker, args=(world, port, rounds, out), nprocs=world, join=True)
+        with open(out) as f:
+            data = json.load(f)
+    configs = ep_configs(world)
+    for cfg in configs:
+        r = data["results"][cfg.name]
+        cfg.measured.update(time=r["time"], median=r["median"], saved=r["saved"], peak=r["peak"])
+    return configs, data["link"]
+
+
+# --------------------------------------------------------------------------------------
+# reporting
+
+
+def err(pred: float, meas: float) -> float:
+    return pred / meas - 1
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return math.nan
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary_rows(rows: list[dict[str, Any]], key: str) -> list[str]:
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["regime"], []).append(abs(r[key]))
+        groups.setdefault("all", []).append(abs(r[key]))
+    out = ["| regime | n | median abs err | p90 abs err | max abs err |", "|---|---|---|---|---|"]
+    for g, v in groups.items():
+        out.append(
+            f"| {g} | {len(v)} | {statistics.median(v):.1%} | {quantile(v, 0.9):.1%} | {max(v):.1%} |"
+        )
+    return out
+
+
+def scatter_png(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2))
+    regimes = sorted({r["regime"] for r in rows})
+    cmap = plt.get_cmap("tab10")
+    for i, g in enumerate(regimes):
+        pts = [r for r in rows if r["regime"] == g]
+        axes[0].scatter(
+            [r["meas"] * 1e3 for r in pts],
+            [r["pred"] * 1e3 for r in pts],
+            label=g,
+            color=cmap(i % 10),
+            s=28,
+        )
+        axes[1].scatter(
+            [r["meas_mem"] / 2**20 for r in pts],
+            [r["pred_mem"] / 2**20 for r in pts],
+            label=g,
+            color=cmap(i % 10),
+            s=28,
+        )
+    for ax, what in ((axes[0], "step time (ms)"), (axes[1], "peak memory (MiB)")):
+        lo = min(min(ax.get_xlim()), min(ax.get_ylim()))
+        hi = max(max(ax.get_xlim()), max(ax.get_ylim()))
+        xs = [lo, hi]
+        ax.plot(xs, xs, "k-", lw=0.8)
+        ax.plot(xs, [v * 1.1 for v in xs], "k:", lw=0.6)
+        ax.plot(xs, [v / 1.1 for v in xs], "k:", lw=0.6)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {what}")
+        ax.set_ylabel(f"predicted {what}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_title("torch_moe.perf: predicted vs measured step (fwd+bwd)")
+    axes[1].set_title("peak memory (dotted: +-10%)")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per configuration")
+    p.add_argument("--ep-rounds", type=int, default=9)
+    p.add_argument("--skip-ep", action="store_true")
+    p.add_argument("--recalibrate", action="store_true", help="ignore the calibration cache")
+    p.add_argument("--out", help="write the markdown report here")
+    p.add_argument("--png", help="prefix of the PNG files (scatter)")
+    p.add_argument("--json", help="dump every row (for the regime study)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    head = (
+        f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"CPU {Hardware.__module__ and ''}{_cpu_name()} [{cpu_isa()}], {os.cpu_count()} CPUs, "
+        f"1 torch thread per process"
+    )
+    print(head, flush=True)
+    t0 = time.time()
+    hw = calibrate(threads=(1,), refresh=args.recalibrate)
+    print(
+        f"# calibrate: {time.time() - t0:.1f} s ({hw.sources['gemm']}); bf16 NT mm "
+        f"{hw.gemm_rate['bf16'] / 1e9:.0f} GFLOP/s, fp32 {hw.gemm_rate['fp32'] / 1e9:.0f}; "
+        f"copy {hw.mem_bandwidth / 1e9:.1f} GB/s; overhead bf16 fwd+bwd "
+        f"{hw.overhead(1, 'bf16.fwdbwd')[0] * 1e3:.2f} ms + "
+        f"{hw.overhead(1, 'bf16.fwdbwd')[1] * 1e6:.0f} us per group",
+        flush=True,
+    )
+
+    configs = single_process_configs()
+    print(
+        f"# measuring {len(configs)} single-process configurations x {args.rounds} rounds",
+        flush=True,
+    )
+    workloads = measure_single(configs, args.rounds)
+    hws: dict[int, Hardware] = {1: hw}
+    all_configs = list(configs)
+    links: dict[int, Any] = {}
+    if not args.skip_ep:
+        for world in (2, 4):
+            t1 = time.time()
+            eps, link = measure_ep(world, args.ep_rounds)
+            print(f"# EP world {world}: {time.time() - t1:.0f} s; link {link}", flush=True)
+            from torch_moe.perf import Link
+
+            links[world] = Link(**link)
+            hws[world] = hw.replace(intra_link=links[world], inter_link=links[world])
+            for cfg in eps:
+                controlled = cfg.dim >= cfg.experts
+                workloads[cfg.name] = workload_of(cfg, None, controlled, None)  # type: ignore[arg-type]
+            all_configs += eps
+
+    rows = []
+    for cfg in all_configs:
+        w = workloads[cfg.name]
+        pr = predict(w, hws[cfg.world], ranks_on_host=cfg.world)
+        rows.append(
+            dict(
+                name=cfg.name,
+                label=cfg.label(),
+                regime=cfg.regime,
+                world=cfg.world,
+                tpe=cfg.tokens_per_expert,
+                meas=cfg.measured["time"],
+                median=cfg.measured["median"],
+                pred=pr.time,
+                err=err(pr.time, cfg.measured["time"]),
+                meas_mem=cfg.measured["peak"],
+                pred_mem=pr.memory["peak"],
+                mem_err=err(pr.memory["peak"], cfg.measured["peak"]),
+                meas_saved=cfg.measured["saved"],
+                pred_saved=pr.memory["activations"],
+                saved_err=err(pr.memory["activations"], cfg.measured["saved"])
+                if cfg.measured["saved"]
+                else 0.0,
+                breakdown={k: v for k, v in pr.breakdown.items()},
+            )
+        )
+
+    lines = [head, ""]
+    lines.append("## Every configuration (time: min over rounds; noise = median / min)\n")
+    lines.append(
+        "| config | tok/expert | measured ms | noise | predicted ms | error | peak MiB meas | pred | error | saved KiB meas | pred |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['tpe']:.0f} | {r['meas'] * 1e3:.2f} | {r['median'] / r['meas']:.2f} | "
+            f"{r['pred'] * 1e3:.2f} | {r['err']:+.1%} | {r['meas_mem'] / 2**20:.1f} | "
+            f"{r['pred_mem'] / 2**20:.1f} | {r['mem_err']:+.1%} | {r['meas_saved'] / 1024:.0f} | "
+            f"{r['pred_saved'] / 1024:.0f} |"
+        )
+
+    # advisor
+    lines.append("\n## Advisor: pick vs the best measured strategy\n")
+    lines.append("| case | measured best | advisor pick | pick's measured / best | within 5% |")
+    lines.append("|---|---|---|---|---|")
+    by_name = {c.name: c for c in all_configs}
+    hits = total = 0
+    for case, names, kw in advisor_cases():
+        if any(n not in by_name for n in names):
+            continue
+        cands = [by_name[n] for n in names]
+        best = min(cands, key=lambda c: c.measured["time"])
+        pick = _advisor_pick(cands, workloads, hws, kw)
+        ratio = pick.measured["time"] / best.measured["time"]
+        ok = ratio <= 1.05
+        hits += ok
+        total += 1
+        lines.append(
+            f"| {case} | {best.label()} | {pick.label()} | {ratio:.3f} | {'yes' if ok else 'no'} |"
+        )
+    lines.append(f"\nAdvisor within 5% of the measured best: {hits} of {total} cases.")
+
+    lines.append("\n## Errors per regime: step time (target: median <= 10%, p90 <= 25%)\n")
+    lines += summary_rows(rows, "err")
+    lines.append("\n## Errors per regime: peak memory (target: within 5%)\n")
+    lines += summary_rows(rows, "mem_err")
+    text = "\n".join(lines)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.png:
+        scatter_png(rows, args.png + "_scatter.png")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(rows=rows, links={k: dataclasses.asdict(v) for k, v in links.items()}),
+                f,
+                indent=1,
+            )
+    print(text)
+
+
+def _advisor_pick(
+    cands: list[Config],
+    workloads: dict[str, MoEWorkload],
+    hws: dict[int, Hardware],
+    kw: dict[str, Any],
+) -> Config:
+    """Run advise() over exactly the measured strategies of one case; map its pick back."""
+    base = workloads[cands[0].name]
+    split = kw.get("split_tokens", False)
+    worlds = sorted({c.world for c in cands})
+    hw = hws[max(worlds)]
+    if split:
+        hw = hw.replace(host_links={w: hws[w].intra_link for w in worlds if w > 1})
+        base = base.replace(
+            tokens=cands[0].tokens * cands[0].world, ep=1, num_chunks=1, exchange="p2p"
+        )
+    space: dict[str, list[Any]] = {
+        "ep": sorted({c.world for c in cands}),
+        "num_chunks": sorted({c.num_chunks for c in cands}),
+        "exchange": sorted({c.exchange for c in cands}),
+        "precision": sorted({c.precision for c in cands}),
+        "dispatch_dtype": [None],
+        "hierarchical": [False],
+        "num_redundant": [0],
+    }
+    caps = sorted({c.capacity for c in cands}, key=lambda v: -1 if v is None else v)
+    if any(c is not None for c in caps):
+        space["capacity_factor"] = caps
+    advice = advise(
+        base,
+        hw,
+        world_size=max(worlds),
+        gpus_per_node=max(worlds),
+        space=space,
+        memory_limit=math.inf,
+        **kw,
+    )
+    for cand in advice.candidates:
+        s = cand.strategy
+        for c in cands:
+            if (
+                (s.ep, s.num_chunks, s.exchange, s.precision, s.capacity_factor)
+                == (c.world, c.num_chunks, c.exchange, c.precision, c.capacity)
+                and s.dispatch_dtype is None
+                and not s.hierarchical
+                and s.num_redundant == 0
+            ):
+                return c
+    raise RuntimeError("advisor picked nothing among the measured strategies")
+
+
+def _cpu_name() -> str:
+    from torch_moe.perf._calibrate import _cpu_model
+
+    return _cpu_model()
+
+
+if __name__ == "__main__":
+    main()

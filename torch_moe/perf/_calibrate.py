@@ -1,0 +1,869 @@
+"""``calibrate()``: measure this machine's rates for the performance model (CPU hosts).
+
+Legend: m, k, n GEMM dims (see :mod:`torch_moe.perf._hardware`); T tokens, D dim,
+F hidden dim, E experts, K top-k.
+
+What is measured, per thread count (1 and all cores by default), every figure the minimum
+over interleaved repetitions of the thread's CPU time (with one thread; the wall clock
+with more), the least disturbed run on a shared host:
+
+* GEMMs: ``torch_moe._ops.grouped_mm.mm_into`` (the per-group primitive of the CPU grouped
+  GEMMs and of the SwiGLU kernels, including its fp32 upcast on CPUs without native bf16)
+  on a grid of m (rows: 1..4096) x k x n (16..4096) for bf16 and fp32 operands and the
+  three layouts (NT forward, NN dgrad, TN wgrad, whose k is the rows). Grid points above
+  ``_FLOP_CAP`` are extrapolated from their smaller neighbour at a constant rate.
+* Elementwise kernels, each at four log-spaced sizes: the library's own routing
+  (``ops.topk_route`` forward / backward), sort (``ops.permute_indices``), permute and
+  unpermute (forward / backward), the SwiGLU activation of the grouped kernels (forward /
+  backward, ``torch_moe._ops.grouped_swiglu._act`` / ``_act_backward``), the dense SwiGLU of
+  the shared expert, casts, adds, copies, and quantize + dequantize of every operand kind
+  the recipes use (``torch_moe.quantization.quantize_*`` / ``dequantize_*``).
+* Overheads: the layer itself (``torch_moe.nn.MoE``, D = F = 32, two rows per expert,
+  deterministic routing) forward and forward + backward with 1 and 16 experts, per
+  precision, plus the extra of a shared expert and of a capacity: fixed seconds and
+  seconds per expert group, the host-side cost no rate above captures.
+* Memory bandwidth: a 64 MB copy.
+* Links, when ``torch.distributed`` is initialized with more than one rank (collective:
+  every rank must call ``calibrate``): the per-message latency (point-to-point messages
+  to every peer, 1 vs 16 per peer), the all-to-all bandwidth (``all_to_all_single`` of
+  1-32 MB per rank) and the latency of a small all-to-all, each the slowest rank's time.
+
+Cached per process and on disk under ``$XDG_CACHE_HOME/torch_moe/perf`` (default
+``~/.cache``), keyed by the CPU model and ISA, the core count, the thread counts, the
+torch version and a hash of the library sources whose speed is measured; links are
+measured per call (they belong to the process group, not the machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_moe.perf._hardware import LAYOUTS, GemmTable, Hardware, Link, RateTable
+
+__all__ = ["calibrate", "cpu_isa", "machine_fingerprint"]
+
+_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+_COLS = (16, 64, 256, 1024, 4096)
+_ROWS_QUICK = (1, 64)
+_COLS_QUICK = (16, 256)
+_FLOP_CAP = 1.1e9  # larger grid calls are extrapolated (their rate is the saturated one)
+_PROBE_DIM = 32  # D = F of the overhead probes (MX needs multiples of 32)
+_PROBE_EXPERTS = 16
+_PROCESS_CACHE: dict[str, Hardware] = {}
+_LINK_CACHE: dict[tuple[int, str], Link] = {}
+
+
+# --------------------------------------------------------------------------------------
+# machine identity
+
+
+def cpu_isa() -> str:
+    """The GEMM-relevant ISA of this CPU from /proc/cpuinfo flags: e.g. ``AVX512-BF16+AMX``."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return platform.machine()
+    parts = []
+    if "avx512f" in flags:
+        parts.append("AVX512")
+    elif "avx2" in flags:
+        parts.append("AVX2")
+    if "avx512_bf16" in flags:
+        parts.append("AVX512-BF16")
+    if "amx_bf16" in flags:
+        parts.append("AMX")
+    return "+".join(parts) or platform.machine()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _sources_hash() -> str:
+    """Hash of the library files whose speed the calibration measures."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in sorted(
+        [
+            *(p.relative_to(root) for p in (root / "_ops").glob("*.py")),
+            *(p.relative_to(root) for p in (root / "quantization").glob("*.py")),
+            Path("nn/modules/moe.py"),
+            Path("perf/_calibrate.py"),
+        ]
+    ):
+        try:
+            h.update(str(rel).encode() + (root / rel).read_bytes())
+        except OSError:
+            continue
+    return h.hexdigest()[:16]
+
+
+def machine_fingerprint() -> dict[str, str]:
+    """What the measurements belong to (the on-disk cache key)."""
+    return {
+        "cpu": _cpu_model(),
+        "isa": cpu_isa(),
+        "cores": str(_cores()),
+        "torch": torch.__version__,
+        "sources": _sources_hash(),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# timing
+
+
+def _clock() -> Callable[[], float]:
+    """The thread's CPU clock with one torch thread (it excludes the time other processes
+    hold the core), else the wall clock."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+class _Gate:
+    """Waits, briefly, for an undisturbed core before a batch of measurements.
+
+    On a shared VM the CPU time of the same call moves by up to 2x for seconds at a time
+    (measured here: a bf16 mm loop 1.05 ms or 2.0 ms, a copy 0.60 or 0.75 ms, as another
+    tenant's thread shares the physical core), and by 3-5x while other processes keep
+    more threads runnable than there are cores. The gate waits while the kernel reports
+    more runnable threads than cores (``procs_running`` of /proc/stat, this one included)
+    or a 0.1 ms probe (fp32 mm) is more than 25% above its best so far, sleeping 0.1 s at
+    a time, for at most ``max_wait`` seconds per batch and ``total_wait`` in all; the
+    minimum over repetitions and passes then removes what is left.
+    """
+
+    def __init__(self, max_wait: float = 0.3, total_wait: float = 8.0) -> None:
+        self.best = math.inf
+        self.max_wait = max_wait
+        self.left = total_wait
+        self.a = torch.randn(128, 128)
+        self.b = torch.randn(128, 128)
+
+    def _probe(self) -> float:
+        clock = _clock()
+        t0 = clock()
+        for _ in range(8):
+            torch.mm(self.a, self.b)
+        return clock() - t0
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        deadline = start + min(self.max_wait, self.left)
+        while True:
+            t = min(self._probe(), self._probe())
+            self.best = min(self.best, t)
+            quiet = _runnable() <= _cores()
+            if (quiet and t <= 1.25 * self.best) or time.perf_counter() > deadline:
+                break
+            time.sleep(0.1)
+        self.left = max(0.0, self.left - (time.perf_counter() - start))
+
+
+_GATE = _Gate()
+
+
+def _runnable() -> int:
+    """Threads the kernel reports runnable right now (0 where /proc/stat is missing)."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("procs_running"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _min_times(fns: list[Callable[[], object]], reps: int, warm: bool = True) -> list[float]:
+    """Seconds per call of each fn: the minimum over ``reps`` interleaved rounds after a
+    warm-up, the batch started through the gate (noise on a shared machine only ever adds
+    time, so the minimum estimates the machine's own cost)."""
+    clock = _clock()
+    for fn in fns if warm else ():
+        fn()
+    _GATE.wait()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            times[i].append(clock() - t0)
+    return [min(ts) for ts in times]
+
+
+def _reps_for(seconds: float, budget: float = 0.01, lo: int = 2, hi: int = 8) -> int:
+    return int(min(hi, max(lo, budget / max(seconds, 1e-7))))
+
+
+class _Mins(dict):
+    """key -> the minimum seconds seen over the passes."""
+
+    def put(self, key: tuple, value: float) -> None:
+        self[key] = min(value, self.get(key, math.inf))
+
+
+# --------------------------------------------------------------------------------------
+# GEMMs
+
+
+def _gemm_operands(
+    layout: str, m: int, k: int, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = torch.empty(m, n, dtype=dtype)
+
+    def full(*shape: int) -> torch.Tensor:  # values do not matter; randn would cost more
+        return torch.full(shape, 0.01, dtype=dtype)
+
+    if layout == "NT":  # x [m, k] @ w[n, k]^T
+        return full(m, k), full(n, k).t(), out
+    if layout == "NN":  # dy [m, k] @ w [k, n]
+        return full(m, k), full(k, n), out
+    # TN: x [k, m] (k = rows of the group) transposed @ dy [k, n]
+    return full(k, m).t(), full(k, n), out
+
+
+def _gemm_axes(layout: str, quick: bool) -> tuple[tuple[int, ...], ...]:
+    rows, cols = (_ROWS_QUICK, _COLS_QUICK) if quick else (_ROWS, _COLS)
+    return (cols, rows, cols) if layout == "TN" else (rows, cols, cols)
+
+
+def _measure_gemms(
+    mins: _Mins, t: int, layout: str, key: str, dtype: torch.dtype, quick: bool
+) -> None:
+    from torch_moe._ops.grouped_mm import mm_into
+
+    ms, ks, ns = _gemm_axes(layout, quick)
+    todo = [
+        (i, j, kk)
+        for i, m in enumerate(ms)
+        for j, k in enumerate(ks)
+        for kk, n in enumerate(ns)
+        if 2.0 * m * k * n <= _FLOP_CAP
+    ]
+    for idx in range(0, len(todo), 8):
+        batch = todo[idx : idx + 8]
+        fns: list[Callable[[], object]] = []
+        for i, j, kk in batch:
+            a, b, out = _gemm_operands(layout, ms[i], ks[j], ns[kk], dtype)
+            fns.append(functools.partial(mm_into, a, b, out))
+        first = _min_times(fns, 1)
+        for ijk, sec in zip(batch, _min_times(fns, _reps_for(max(first)), warm=False)):
+            mins.put(("gemm", t, key, layout, *ijk), sec)
+
+
+def _gemm_table(mins: _Mins, t: int, layout: str, key: str, quick: bool) -> GemmTable:
+    axes = _gemm_axes(layout, quick)
+    grid = {k[4:]: v for k, v in mins.items() if k[:4] == ("gemm", t, key, layout)}
+    seconds = [
+        _capped(grid, (i, j, kk), axes)
+        for i in range(len(axes[0]))
+        for j in range(len(axes[1]))
+        for kk in range(len(axes[2]))
+    ]
+    ms, ks, ns = axes
+    return GemmTable(
+        tuple(float(x) for x in ms),
+        tuple(float(x) for x in ks),
+        tuple(float(x) for x in ns),
+        tuple(seconds),
+    )
+
+
+def _capped(
+    grid: dict[tuple, float],
+    key: tuple[int, int, int],
+    axes: tuple[tuple[int, ...], ...],
+) -> float:
+    if key in grid:
+        return grid[key]
+    # step down the largest dim until a measured point, scale by the FLOP ratio
+    idx = list(key)
+    scale = 1.0
+    while tuple(idx) not in grid:
+        d = max(range(3), key=lambda a: axes[a][idx[a]] if idx[a] > 0 else -1)
+        scale *= axes[d][idx[d]] / axes[d][idx[d] - 1]
+        idx[d] -= 1
+    return grid[tuple(idx)] * scale
+
+
+# --------------------------------------------------------------------------------------
+# elementwise kernels
+
+
+def _call_permute(
+    make: Callable[[int, str, bool], Callable[[], object]], which: str, backward: bool, n: int
+) -> Callable[[], object]:
+    return make(n, which, backward)
+
+
+def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[], object]]]:
+    """kernel name -> (element count -> a closure running one call)."""
+    import torch.nn.functional as F
+
+    from torch_moe import ops
+    from torch_moe import quantization as Q
+    from torch_moe._ops.grouped_swiglu import _act, _act_backward
+
+    bf16 = torch.bfloat16
+    f: dict[str, Callable[[int], Callable[[], object]]] = {}
+
+    def cast(src: torch.dtype, dst: torch.dtype) -> Callable[[int], Callable[[], object]]:
+        def make(n: int) -> Callable[[], object]:
+            x = torch.randn(n, dtype=src)
+            return lambda: x.to(dst)
+
+        return make
+
+    f["cast.bf16_fp32"] = cast(bf16, torch.float32)
+    f["cast.fp32_bf16"] = cast(torch.float32, bf16)
+
+    def add(n: int) -> Callable[[], object]:
+        a, b = torch.randn(n, dtype=bf16), torch.randn(n, dtype=bf16)
+        return lambda: a + b
+
+    f["add"] = add
+
+    def copy(n: int) -> Callable[[], object]:  # n bytes
+        src = torch.ones(n, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
+    f["copy"] = copy
+
+    num_experts, k = 64, 4
+
+    def route(n: int, backward: bool) -> Callable[[], object]:
+        t = max(1, n // num_experts)
+        logits = torch.randn(t, num_experts, requires_grad=True)
+        if not backward:
+            return lambda: ops.topk_route(logits.detach(), k)
+        w, _, _ = ops.topk_route(logits, k)
+        g = torch.randn_like(w)
+        return lambda: torch.autograd.grad(w, logits, g, retain_graph=True)
+
+    f["route.fwd"] = lambda n: route(n, False)
+    f["route.bwd"] = lambda n: route(n, True)
+
+    def sort(n: int) -> Callable[[], object]:
+        t = max(1, n // k)
+        ids = torch.randint(0, num_experts, (t, k))
+        return lambda: ops.permute_indices(ids, num_experts)
+
+    f["sort"] = sort
+
+    dim = 256
+
+    def permute(n: int, which: str, backward: bool) -> Callable[[], object]:
+        t = max(1, n // (2 * dim))
+        ids = torch.randint(0, num_experts, (t, 2))
+        perm = ops.permute_indices(ids, num_experts)
+        if which == "permute":
+            x = torch.randn(t, dim, dtype=bf16, requires_grad=True)
+
+            def fwd() -> torch.Tensor:
+                return torch.ops.torch_moe.permute(x, perm.row_to_slot, perm.slot_to_row)
+
+        else:
+            x = torch.randn(t * 2, dim, dtype=bf16, requires_grad=True)
+
+            def fwd() -> torch.Tensor:
+                return ops.unpermute(x, None, perm)
+
+        if not backward:
+            return lambda: fwd().detach()
+        y = fwd()
+        g = torch.randn_like(y)
+        return lambda: torch.autograd.grad(y, x, g, retain_graph=True)
+
+    for which in ("permute", "unpermute"):
+        f[f"{which}.fwd"] = functools.partial(_call_permute, permute, which, False)
+        f[f"{which}.bwd"] = functools.partial(_call_permute, permute, which, True)
+
+    hidden = 256
+
+    def act(n: int, backward: bool) -> Callable[[], object]:
+        rows = max(1, n // hidden)
+        h = torch.randn(rows, 2 * hidden, dtype=bf16)
+        rw = torch.rand(rows)
+        if not backward:
+            return lambda: _act(h, cdt, rw)
+        ga = torch.randn(rows, hidden, dtype=cdt)
+        out_a = torch.empty(rows, hidden, dtype=cdt)
+        out_dh = torch.empty(rows, 2 * hidden, dtype=cdt)
+        return lambda: _act_backward(h, ga, rw, out_a, out_dh)
+
+    f["act.fwd"] = lambda n: act(n, False)
+    f["act.bwd"] = lambda n: act(n, True)
+
+    def dense_act(n: int, backward: bool) -> Callable[[], object]:
+        rows = max(1, n // hidden)
+        h = torch.randn(rows, 2 * hidden, dtype=bf16, requires_grad=True)
+
+        def fwd() -> torch.Tensor:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        if not backward:
+            return lambda: fwd().detach()
+        y = fwd()
+        g = torch.randn_like(y)
+        return lambda: torch.autograd.grad(y, h, g, retain_graph=True)
+
+    f["dense_act.fwd"] = lambda n: dense_act(n, False)
+    f["dense_act.bwd"] = lambda n: dense_act(n, True)
+
+    cols = 256
+
+    def quant(kind: str) -> Callable[[int], Callable[[], object]]:
+        def make(n: int) -> Callable[[], object]:
+            rows = max(128, (n // cols) // 128 * 128)
+            x = torch.randn(rows, cols, dtype=bf16)
+            if kind == "q.fp8_tensor":
+                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (-1, -1)), (-1, -1))
+            if kind == "q.fp8_row":
+                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (1, -1)), (1, -1))
+            if kind == "q.fp8_col":
+                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (-1, 1)), (-1, 1))
+            if kind == "q.fp8_1x128":
+                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (1, 128)), (1, 128))
+            if kind == "q.fp8_128x128":
+                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (128, 128)), (128, 128))
+            if kind == "q.mx_row":
+                return lambda: Q.dequantize_mx(
+                    *Q.quantize_mx(x, dim=-1, block=32), dim=-1, block=32
+                )
+            if kind == "q.mx_col":
+                return lambda: Q.dequantize_mx(
+                    *Q.quantize_mx(x, dim=-2, block=32), dim=-2, block=32
+                )
+            offs = torch.linspace(0, rows, 9)[1:].round().to(torch.int32)
+            if kind == "qj.fp8_group":
+                return lambda: Q.dequantize_jagged(
+                    *Q.quantize_jagged(x, offs, block=-1, fmt="fp8"), offs, block=-1
+                )
+            if kind == "qj.fp8_128":
+                return lambda: Q.dequantize_jagged(
+                    *Q.quantize_jagged(x, offs, block=128, fmt="fp8"), offs, block=128
+                )
+            if kind == "qj.mx_32":
+                return lambda: Q.dequantize_jagged(
+                    *Q.quantize_jagged(x, offs, block=32, fmt="mx"), offs, block=32
+                )
+            raise ValueError(f"unknown quantize kind {kind!r}")
+
+        return make
+
+    for kind in (
+        "q.fp8_tensor",
+        "q.fp8_row",
+        "q.fp8_col",
+        "q.fp8_1x128",
+        "q.fp8_128x128",
+        "q.mx_row",
+        "q.mx_col",
+        "qj.fp8_group",
+        "qj.fp8_128",
+        "qj.mx_32",
+    ):
+        f[kind] = quant(kind)
+    return f
+
+
+_KERNEL_SIZES = (2**6, 2**10, 2**14, 2**18, 2**20)
+_COPY_SIZES = (2**10, 2**16, 2**20, 2**24)
+
+
+def _kernel_sizes(name: str, quick: bool) -> tuple[int, ...]:
+    sizes = _COPY_SIZES if name == "copy" else _KERNEL_SIZES
+    return (sizes[0], sizes[1]) if quick else sizes
+
+
+def _measure_kernels(mins: _Mins, t: int, cdt: torch.dtype, quick: bool) -> None:
+    with torch.enable_grad():
+        for name, make in _kernel_factories(cdt).items():
+            sizes = _kernel_sizes(name, quick)
+            fns = [make(n) for n in sizes]
+            first = _min_times(fns, 1)
+            reps = _reps_for(max(first), budget=0.02)
+            for n, sec in zip(sizes, _min_times(fns, reps, warm=False)):
+                mins.put(("kernel", t, name, n), sec)
+
+
+def _kernel_tables(mins: _Mins, t: int, quick: bool) -> dict[str, RateTable]:
+    names = sorted({k[2] for k in mins if k[:2] == ("kernel", t)})
+    return {
+        f"{t}/{name}": RateTable(
+            tuple(float(n) for n in _kernel_sizes(name, quick)),
+            tuple(mins[("kernel", t, name, n)] for n in _kernel_sizes(name, quick)),
+        )
+        for name in names
+    }
+
+
+# --------------------------------------------------------------------------------------
+# overheads: the layer at negligible sizes
+
+
+def _probe_layer(precision: str, num_experts: int, *, shared: bool, capacity: bool) -> Any:
+    from torch_moe.nn import MoE
+
+    d = _PROBE_DIM
+    moe = MoE(
+        d,
+        d,
+        num_experts,
+        1,
+        shared_hidden_dim=d if shared else 0,
+        capacity_factor=1.0 if capacity else None,
+        precision=precision,
+        dtype=torch.bfloat16,
+    )
+    with torch.no_grad():  # token t -> expert t % E: two rows per expert
+        moe.router.weight.zero_()
+        moe.router.weight[:, :num_experts] = 8 * torch.eye(num_experts)
+    tokens = 2 * num_experts
+    x = torch.zeros(tokens, d, dtype=torch.bfloat16)
+    x[torch.arange(tokens), torch.arange(tokens) % num_experts] = 1
+    x.requires_grad_(True)
+    grad = torch.randn(tokens, d, dtype=torch.bfloat16)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            moe(x)
+
+    def fwdbwd() -> None:
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        moe(x).backward(grad)
+
+    return fwd, fwdbwd
+
+
+def _probe_variants(quick: bool) -> list[tuple[str, int, bool, bool]]:
+    from torch_moe.quantization import RECIPES
+
+    precisions = ["bf16"] if quick else ["bf16", *sorted(RECIPES)]
+    out = [(p, e, False, False) for p in precisions for e in (1, _PROBE_EXPERTS)]
+    out += [
+        ("bf16", 1, True, False),
+        ("bf16", 1, False, True),
+        ("bf16", _PROBE_EXPERTS, False, True),
+    ]
+    return out
+
+
+def _measure_overheads(mins: _Mins, t: int, quick: bool) -> None:
+    with torch.enable_grad():
+        variants = _probe_variants(quick)
+        for idx in range(0, len(variants), 4):
+            batch = variants[idx : idx + 4]
+            fns = []
+            for p, e, shared, cap in batch:
+                fns.extend(_probe_layer(p, e, shared=shared, capacity=cap))
+            secs = _min_times(fns, 3)
+            for j, v in enumerate(batch):
+                for i, mode in enumerate(("fwd", "fwdbwd")):
+                    mins.put(("probe", t, *v, mode), secs[2 * j + i])
+
+
+def _overheads(mins: _Mins, t: int, quick: bool) -> dict[str, tuple[float, float]]:
+    out: dict[str, tuple[float, float]] = {}
+    precisions = sorted({k[2] for k in mins if k[:2] == ("probe", t)})
+    g = _PROBE_EXPERTS - 1
+    for mode in ("fwd", "fwdbwd"):
+
+        def probe(
+            p: str, e: int, shared: bool = False, cap: bool = False, mode: str = mode
+        ) -> float:
+            return mins[("probe", t, p, e, shared, cap, mode)]
+
+        for p in precisions:
+            per_group = max(0.0, (probe(p, _PROBE_EXPERTS) - probe(p, 1)) / g)
+            out[f"{t}/{p}.{mode}"] = (max(0.0, probe(p, 1) - per_group), per_group)
+        base1, base_e = probe("bf16", 1), probe("bf16", _PROBE_EXPERTS)
+        out[f"{t}/shared.{mode}"] = (max(0.0, probe("bf16", 1, shared=True) - base1), 0.0)
+        cap1, cap_e = probe("bf16", 1, cap=True), probe("bf16", _PROBE_EXPERTS, cap=True)
+        out[f"{t}/capacity.{mode}"] = (
+            max(0.0, cap1 - base1),
+            max(0.0, ((cap_e - cap1) - (base_e - base1)) / g),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# links (inside a process group)
+
+
+def _group_time(fn: Callable[[], object], reps: int, group: Any) -> float:
+    """Median over rounds of the slowest rank's seconds (barrier before each round)."""
+    import torch.distributed as dist
+
+    fn()
+    times = torch.zeros(reps, dtype=torch.float64)
+    for r in range(reps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        times[r] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return float(times.median())
+
+
+def _measure_link(group: Any) -> Link:
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    peers = [p for p in range(world) if p != rank]
+    granks = [dist.get_global_rank(group, p) if group is not None else p for p in peers]
+
+    def messages(n: int, nbytes: int) -> Callable[[], object]:
+        send = [torch.empty(nbytes // 4 or 1, dtype=torch.float32) for _ in range(n)]
+        recv = [torch.empty_like(s) for s in send]
+
+        def run() -> None:
+            ops_ = []
+            for g in granks:
+                for s, r in zip(send, recv):
+                    ops_.append(dist.P2POp(dist.irecv, r, g, group=group))
+                    ops_.append(dist.P2POp(dist.isend, s, g, group=group))
+            for w in dist.batch_isend_irecv(ops_):
+                w.wait()
+
+        return run
+
+    t1 = _group_time(messages(1, 256), 9, group)
+    t16 = _group_time(messages(16, 256), 9, group)
+    latency = max(0.0, (t16 - t1) / (15 * len(peers)))
+
+    def a2a(nbytes: int) -> Callable[[], object]:
+        per = max(1, nbytes // 4 // world)
+        x = torch.randn(per * world)
+        y = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(y, x, group=group)
+
+    coll = _group_time(a2a(world * 8 * 4), 9, group)
+    rates = []
+    for nbytes in (2**20, 2**23, 2**25):
+        t = _group_time(a2a(nbytes), 5, group)
+        rates.append(nbytes * (world - 1) / world / max(t - coll, 1e-9))
+    bandwidth = statistics.median(rates)
+    backend = dist.get_backend(group)
+    return Link(
+        bandwidth,
+        latency,
+        coll,
+        f"measured: {backend}, world {world} (all_to_all_single 1-32 MB; p2p 1 vs 16 "
+        "messages per peer)",
+    )
+
+
+# --------------------------------------------------------------------------------------
+# entry point
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torch_moe" / "perf"
+
+
+def _copy_bandwidth() -> float:
+    src = torch.ones(64 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t = _min_times([lambda: dst.copy_(src)], 5)[0]
+    return 2 * src.numel() / t
+
+
+def _memory_capacity() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return 0.0
+
+
+def _measure_compute(threads: tuple[int, ...], quick: bool, passes: int, budget: float) -> Hardware:
+    from torch_moe._ops.grouped_mm import cpu_compute_dtype
+
+    cores = _cores()
+    old = torch.get_num_threads()
+    cdt = cpu_compute_dtype(torch.bfloat16)
+    mins = _Mins()
+    start = time.perf_counter()
+    _GATE.left = 0.15 * budget
+    try:
+        for done in range(passes):
+            for t in threads:
+                torch.set_num_threads(t)
+                # the overhead probes are short and noise-sensitive: sampled after every
+                # table, so their minimum spans the whole pass
+                for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                    for layout in LAYOUTS:
+                        _measure_gemms(mins, t, layout, key, dtype, quick)
+                        if not quick:
+                            _measure_overheads(mins, t, quick)
+                _measure_kernels(mins, t, cdt, quick)
+                _measure_overheads(mins, t, quick)
+            elapsed = time.perf_counter() - start
+            if elapsed / (done + 1) * (done + 2) > budget:
+                break  # another pass would not fit the budget
+        torch.set_num_threads(max(threads))
+        bandwidth = _copy_bandwidth()
+    finally:
+        torch.set_num_threads(old)
+    gemm_tables = {
+        f"{t}/{key}/{layout}": _gemm_table(mins, t, layout, key, quick)
+        for t in threads
+        for key in ("bf16", "fp32")
+        for layout in LAYOUTS
+    }
+    kernel_tables: dict[str, RateTable] = {}
+    overheads: dict[str, tuple[float, float]] = {}
+    for t in threads:
+        kernel_tables.update(_kernel_tables(mins, t, quick))
+        overheads.update(_overheads(mins, t, quick))
+    top = max(threads)
+    gemm_rate = {key: gemm_tables[f"{top}/{key}/NT"].rate() for key in ("bf16", "fp32")}
+    local = Link(
+        bandwidth / 2,
+        0.0,
+        0.0,
+        "default: half the copy bandwidth, no latency (no process group was measured)",
+    )
+    return Hardware(
+        name=f"cpu:{_cpu_model()} [{cpu_isa()}]",
+        kind="cpu",
+        gemm_rate=gemm_rate,
+        mem_bandwidth=bandwidth,
+        memory_capacity=_memory_capacity(),
+        intra_link=local,
+        inter_link=local,
+        gemm_tables=gemm_tables,
+        kernel_tables=kernel_tables,
+        overheads=overheads,
+        gpus_per_node=cores,
+        host_cores=cores,
+        threads=tuple(threads),
+        comm_compute_share=1.0,
+        sources={
+            "gemm": f"measured: mm_into grid, threads {list(threads)}"
+            + (" (quick)" if quick else "")
+            + f", min over {done + 1} pass(es)",
+            "kernels": "measured: the library's elementwise kernels",
+            "overheads": "measured: MoE layer at D=F=32, 1 and 16 experts, 2 rows each",
+            "mem_bandwidth": "measured: 64 MB copy",
+            "comm_compute_share": "default: gloo copies on the compute cores (1.0)",
+        },
+        fingerprint=machine_fingerprint(),
+    )
+
+
+def calibrate(
+    *,
+    threads: tuple[int, ...] | None = None,
+    quick: bool = False,
+    passes: int = 2,
+    budget_s: float = 55.0,
+    cache: bool = True,
+    refresh: bool = False,
+    group: Any = None,
+) -> Hardware:
+    """Measure this machine (see the module docstring) and return its :class:`Hardware`.
+
+    Args:
+        threads: torch thread counts to measure (default: this process's
+            ``torch.get_num_threads()``). A rank of an R-rank job on this host runs with
+            ``cores // R`` threads: to predict EP on this host from one process, measure
+            those too, e.g. ``threads=(1, 2)`` on 2 cores (twice the time).
+        quick: a coarse grid and fewer kernels (a few seconds; for tests and smoke runs).
+        passes: measure everything this many times (seconds apart) and keep each
+            figure's minimum, as long as the next pass fits ``budget_s``.
+        budget_s: wall-clock budget of the compute measurements (the link adds ~3 s).
+        cache: reuse a measurement of this machine (per process, then on disk).
+        refresh: measure again even when cached.
+        group: the process group whose link to measure (default: the world group when
+            ``torch.distributed`` is initialized with more than one rank; collective).
+
+    Takes up to ``budget_s`` (55 s) the first time on 2 cores (``quick``: a few seconds);
+    later calls in the process or on the machine read the cache.
+    """
+    if threads is None:
+        threads = (torch.get_num_threads(),)
+    if not threads or any(not isinstance(t, int) or t < 1 for t in threads):
+        raise ValueError(f"calibrate: threads must be positive integers, got {threads!r}")
+    threads = tuple(sorted(set(threads)))
+    fp = machine_fingerprint()
+    key = hashlib.sha256(repr((sorted(fp.items()), threads, quick, passes)).encode()).hexdigest()[
+        :20
+    ]
+    hw = None if refresh or not cache else _PROCESS_CACHE.get(key)
+    path = _cache_dir() / f"{key}.json"
+    if hw is None and cache and not refresh and path.exists():
+        try:
+            hw = Hardware.from_json(path.read_text())
+        except (ValueError, KeyError, TypeError):
+            hw = None
+    if hw is None:
+        hw = _measure_compute(threads, quick, passes, budget_s)
+        if cache:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(hw.to_json())
+                tmp.replace(path)
+            except OSError:
+                pass
+    if cache:
+        _PROCESS_CACHE[key] = hw
+    link = _group_link(group)
+    if link is not None:
+        hw = dataclasses.replace(
+            hw, intra_link=link, inter_link=link, sources={**hw.sources, "links": link.source}
+        )
+    return hw
+
+
+def _group_link(group: Any) -> Link | None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size(group) < 2:
+        return None
+    world = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    cached = _LINK_CACHE.get((world, backend))
+    if cached is None:
+        cached = _measure_link(group)
+        _LINK_CACHE[(world, backend)] = cached
+    return cached
