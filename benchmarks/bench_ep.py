@@ -180,11 +180,19 @@ def make_ep_moe(
 def ep_dispatch_combine(
     dim: int, num_experts: int, k: int, dtype: torch.dtype, **style: Any
 ) -> Any:
-    """ExpertParallel's experts forward (counts exchange, dispatch, reorder, combine) with
-    the layer's local experts replaced by the identity: NB this reaches into its private
-    ``_ExpertParallelForward.local_forward``, it has no public dispatch/combine."""
-    fwd = make_ep_moe(dim, 16, num_experts, k, dtype, **style).experts.forward
-    fwd.local_forward = lambda x, offs, row_weights=None: x  # no expert compute
+    """ExpertParallel's counts exchange, dispatch and combine (``moe.dispatcher``, the
+    schedule ``MoE.forward`` runs) with no expert compute in between."""
+    dispatcher = make_ep_moe(dim, 16, num_experts, k, dtype, **style).dispatcher
+
+    def fwd(x: Tensor, offs: Tensor, row_weights: Tensor | None = None) -> Tensor:
+        counts = dispatcher.plan(offs)
+        y = None
+        for chunk in dispatcher.chunks:
+            x_c, _w_c, _offs_c = dispatcher.dispatch(x, row_weights, counts, chunk)
+            part = dispatcher.combine(x_c, counts, chunk, x.shape[0])
+            y = part if y is None else y + part
+        return y
+
     return fwd
 
 

@@ -490,7 +490,10 @@ def balance_step(moes: list, args) -> list[dict[str, Any]]:
         moe.tokens_per_expert.copy_(local)
     for moe in moes:
         if args.balance == "bias":
-            moe.update_expert_bias(args.bias_rate)  # also resets the counts
+            # the load summed over the ranks that route tokens through this layer (all of
+            # them here: --ep N is also the data-parallel degree)
+            group = dist.group.WORLD if dist.is_initialized() else None
+            moe.update_expert_bias(args.bias_rate, group=group)  # also resets the counts
         else:
             moe.reset_load_stats()
     return stats

@@ -18,17 +18,25 @@ import tempfile
 import time
 import unittest
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest,
+    MultiProcessTestCase,
+)
 from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_moe.distributed import ExpertParallel
+from torch_moe.distributed import ExpertParallel, ExpertParallelDispatcher
+from torch_moe.distributed import dispatch as dispatch_module
 from torch_moe.nn import MoE
 
 DIM, HIDDEN = 16, 32
@@ -42,23 +50,13 @@ def make_moe(seed=0, **kwargs):
     return MoE(**cfg)
 
 
-class EPTestBase(MultiProcessTestCase):
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
+class _Checks:
+    """Scenario helpers shared by the EP=2 and EP=4 classes (self.rank, self.world_size)."""
 
-    def init_pg(self, timeout=None):
-        kwargs = {} if timeout is None else {"timeout": timeout}
-        dist.init_process_group(
-            "gloo",
-            store=dist.FileStore(self.file_name, self.world_size),
-            rank=self.rank,
-            world_size=self.world_size,
-            **kwargs,
-        )
+    def mesh(self):
         return init_device_mesh("cpu", (self.world_size,))
 
-    def check_matches_single_process(self, mesh, tokens_per_rank, setup=None, style=None, **cfg):
+    def check_matches_single_process(self, tokens_per_rank, setup=None, style=None, **cfg):
         """Each rank's output and input gradient, its expert-weight gradient shard and the
         router/shared gradients summed over ranks equal one process on all tokens."""
         R, r = self.world_size, self.rank
@@ -66,7 +64,8 @@ class EPTestBase(MultiProcessTestCase):
         if setup is not None:
             setup(moe)
         ref = copy.deepcopy(moe)
-        parallelize_module(moe, mesh, ExpertParallel() if style is None else style)
+        style = ExpertParallel() if style is None else style
+        parallelize_module(moe, self.mesh(), style)
 
         gen = torch.Generator().manual_seed(1)
         x_all = torch.randn(sum(tokens_per_rank), DIM, generator=gen)
@@ -79,23 +78,22 @@ class EPTestBase(MultiProcessTestCase):
         (out_ref * g_all).sum().backward()
 
         x = x_all[rows].clone().requires_grad_()
-        with CommDebugMode() as fwd_comm:
+        with OpCounter() as fwd_ops:
             out = moe(x)
-        with CommDebugMode() as bwd_comm:
+        with OpCounter() as bwd_ops:
             (out * g_all[rows]).sum().backward()
-        a2a = torch.ops.c10d.alltoall_base_
-        if style is None or style.exchange == "p2p":
-            # forward: the counts all-to-all; the rows move point-to-point (CommDebugMode
-            # does not see send/recv), see test_exchange.py for their messages
-            self.assertEqual(fwd_comm.get_comm_counts(), {a2a: 1})
-            self.assertEqual(bwd_comm.get_comm_counts(), {})
-        elif style.node_size is None:
-            # forward: the counts, then per chunk the rows, their routing weights and the
-            # combine; backward: the reverse of the last three per chunk; nothing else
-            C = style.num_chunks
-            self.assertEqual(fwd_comm.get_comm_counts(), {a2a: 1 + 3 * C})
-            self.assertEqual(bwd_comm.get_comm_counts(), {a2a: 3 * C})
+        # forward: one all-to-all of the counts (a functional collective), then per chunk
+        # one dispatch and one combine op; backward: their reverses, nothing else. The rows
+        # move inside those ops (point-to-point or all_to_all_single).
+        C = style.num_chunks
+        self.assertEqual(
+            fwd_ops.counts, {"all_to_all_single": 1, "ep_dispatch": C, "ep_combine": C}
+        )
+        self.assertEqual(bwd_ops.counts, {"ep_dispatch_backward": C, "ep_combine_backward": C})
 
+        # the same rows through the same expert GEMMs; the router's and the shared experts'
+        # GEMMs see this rank's T rows instead of all ranks' (BLAS may round a row
+        # differently for another M): fp32 tolerance, not bitwise
         self.assertEqual(out, out_ref[rows])
         self.assertEqual(x.grad, x_ref.grad[rows])
         El = moe.num_experts // R
@@ -121,6 +119,51 @@ class EPTestBase(MultiProcessTestCase):
         dist.all_reduce(counts)
         self.assertEqual(counts, ref.tokens_per_expert)
         return moe, ref
+
+    def check_compiled_equals_eager(self, style_kw, steps=10, **cfg):
+        """torch.compile(fullgraph=True) of an EP layer (aot_eager: the same kernels) over
+        ``steps`` steps with changing routing and token counts: outputs and every gradient
+        bitwise equal to eager EP, at most one recompile, no graph break."""
+        torch._dynamo.reset()
+        counters.clear()
+        eager = make_moe(**cfg)
+        moe = copy.deepcopy(eager)
+        for m in (eager, moe):
+            parallelize_module(m, self.mesh(), ExpertParallel(**style_kw))
+        backend = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(moe, fullgraph=True, backend=backend)
+        gen = torch.Generator().manual_seed(7 + self.rank)
+        for step in range(steps):
+            num_tokens = (5, 11, 3, 8)[step % 4] + self.rank
+            x = torch.randn(num_tokens, DIM, generator=gen)
+            xs = [x.clone().requires_grad_() for _ in range(2)]
+            got, ref = compiled(xs[0]), eager(xs[1])
+            self.assertEqual(got, ref, atol=0, rtol=0, msg=f"step {step}")
+            got.pow(2).sum().backward()
+            ref.pow(2).sum().backward()
+            self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0, msg=f"step {step}")
+            for (name, p), q in zip(moe.named_parameters(), eager.parameters(), strict=True):
+                self.assertEqual(p.grad, q.grad, atol=0, rtol=0, msg=f"step {step}: {name}")
+            moe.zero_grad()
+            eager.zero_grad()
+        self.assertEqual(dict(counters["graph_break"]), {})
+        self.assertLessEqual(backend.frame_count, 2, msg="at most one recompile")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch_moe expert-parallel ops (ep_*) and the functional collectives
+    dispatched inside the block (CommDebugMode's module tracking does not follow a
+    submodule called once per chunk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[1]
+        if name.startswith("ep_") or name == "all_to_all_single":
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def force_onto_last_rank(world_size):
@@ -148,55 +191,78 @@ DEEPSEEK = dict(
 )
 
 
-class TestExpertParallel2(EPTestBase):
-    @property
-    def world_size(self):
-        return 2
+class _EPClass(_Checks, MultiProcContinuousTest):
+    """One gloo process group for all the tests of a class (one scenario per test)."""
 
-    def test_matches_single_process_and_faults(self):
-        # a short timeout: the last check makes one rank skip a collective
-        mesh = self.init_pg(timeout=datetime.timedelta(seconds=3))
-        # uneven token counts
-        self.check_matches_single_process(mesh, [7, 12])
-        # a rank with zero tokens
-        self.check_matches_single_process(mesh, [0, 9])
-        self.check_matches_single_process(mesh, [9, 0], shared_hidden_dim=8, shared_gate=True)
-        # all tokens routed to the last rank's experts
+    timeout = datetime.timedelta(seconds=120)
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+
+class TestExpertParallel2(_EPClass):
+    world_size = 2
+
+    def test_uneven_tokens(self):
+        self.check_matches_single_process([7, 12])
+
+    def test_rank_without_tokens(self):
+        self.check_matches_single_process([0, 9])
+        self.check_matches_single_process([9, 0], shared_hidden_dim=8, shared_gate=True)
+
+    def test_all_tokens_on_the_last_rank(self):
         moe, _ = self.check_matches_single_process(
-            mesh, [6, 10], setup=force_onto_last_rank(2), expert_bias=True
+            [6, 10], setup=force_onto_last_rank(2), expert_bias=True
         )
         self.assertEqual(int(moe.tokens_per_expert[:4].sum()), 0)
-        # DeepSeek-V3 style: sigmoid, groups, expert bias, shared expert; update_expert_bias
-        # sums the local loads over the ranks, so it equals the single-process update
-        moe, ref = self.check_matches_single_process(
-            mesh, [5, 11], setup=deepseek_setup, **DEEPSEEK
-        )
-        moe.update_expert_bias(0.01)
-        ref.update_expert_bias(0.01, group=dist.new_group([self.rank]))
+
+    def test_deepseek_v3_and_bias_update(self):
+        """Sigmoid, groups, expert bias, a shared expert; update_expert_bias over the group
+        of the ranks that route tokens equals the single-process update."""
+        moe, ref = self.check_matches_single_process([5, 11], setup=deepseek_setup, **DEEPSEEK)
+        moe.update_expert_bias(0.01, group=dist.group.WORLD)
+        ref.update_expert_bias(0.01)  # one process: its own load (no collective)
         self.assertEqual(moe.router.expert_bias, ref.router.expert_bias)
 
-        # chunked dispatch/combine with the shared experts overlapping the first dispatch,
-        # with either exchange
-        for exchange in ("p2p", "all_to_all"):
-            moe, _ = self.check_matches_single_process(
-                mesh,
-                [9, 4],
-                style=ExpertParallel(num_chunks=2, exchange=exchange),
-                shared_hidden_dim=8,
-            )
-            self.assertEqual(moe.experts.forward.shared.num_overlapped, 1)
-            style = ExpertParallel(num_chunks=4, exchange=exchange)
-            self.check_matches_single_process(
-                mesh, [0, 7], setup=deepseek_setup, style=style, **DEEPSEEK
-            )
-        self.check_matches_single_process(mesh, [7, 3], style=ExpertParallel(exchange="all_to_all"))
+    def test_bias_update_without_group_is_local(self):
+        """group=None never reduces over the world implicitly (pipeline stages hold other
+        layers): each rank moves its bias by its own load."""
+        moe = make_moe(expert_bias=True)
+        parallelize_module(moe, self.mesh(), ExpertParallel())
+        moe(torch.randn(6 + 5 * self.rank, DIM))
+        local = moe.tokens_per_expert.clone().float()
+        with CommDebugMode() as comm:
+            load = moe.update_expert_bias(0.01)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(load, local)
 
-        self.check_fp8_dispatch(mesh)
-        self.check_local_losses_and_dtypes(mesh)
-        # last: the faults (the timeout leaves the process group unusable)
-        self.check_faults(mesh)
+    def test_chunks_p2p(self):
+        self.check_matches_single_process(
+            [9, 4], style=ExpertParallel(num_chunks=2), shared_hidden_dim=8
+        )
+        style = ExpertParallel(num_chunks=4)
+        self.check_matches_single_process([0, 7], setup=deepseek_setup, style=style, **DEEPSEEK)
 
-    def check_fp8_dispatch(self, mesh):
+    def test_chunks_all_to_all(self):
+        style = ExpertParallel(num_chunks=2, exchange="all_to_all")
+        self.check_matches_single_process([9, 4], style=style, shared_hidden_dim=8)
+        style = ExpertParallel(num_chunks=4, exchange="all_to_all")
+        self.check_matches_single_process([0, 7], setup=deepseek_setup, style=style, **DEEPSEEK)
+
+    def test_all_to_all(self):
+        self.check_matches_single_process([7, 3], style=ExpertParallel(exchange="all_to_all"))
+
+    def test_low_precision_experts(self):
+        self.check_matches_single_process([8, 5], precision="fp8_rowwise")
+        style = ExpertParallel(num_chunks=2)
+        self.check_matches_single_process([3, 9], style=style, precision="fp8_blockwise")
+
+    def test_fp8_dispatch(self):
         """FP8 dispatch (1x128 blocks) against plain EP: close (SQNR), not equal."""
         base = make_moe(shared_hidden_dim=8)
         torch.manual_seed(20 + self.rank)
@@ -209,37 +275,35 @@ class TestExpertParallel2(EPTestBase):
             ExpertParallel(dispatch_dtype=fp8, exchange="all_to_all", num_chunks=2),
         ):
             moe = copy.deepcopy(base)
-            parallelize_module(moe, mesh, style)
+            parallelize_module(moe, self.mesh(), style)
             xg = x.clone().requires_grad_()
             out = moe(xg)
             (out * x).sum().backward()
             results.append((out, xg.grad, moe.experts.w13.grad.to_local()))
-        for plain, fp8, fp8_a2a in zip(*results, strict=True):
-            self.assertEqual(fp8_a2a, fp8)  # per-row blocks: the exchange does not matter
-            self.assertNotEqual(plain, fp8)
-            sqnr = 10 * torch.log10(plain.pow(2).sum() / (plain - fp8).pow(2).sum())
+        for plain, fp8_p2p, fp8_a2a in zip(*results, strict=True):
+            self.assertEqual(fp8_a2a, fp8_p2p)  # per-row blocks: the exchange does not matter
+            self.assertNotEqual(plain, fp8_p2p)
+            sqnr = 10 * torch.log10(plain.pow(2).sum() / (plain - fp8_p2p).pow(2).sum())
             self.assertGreater(sqnr.item(), 25.0)
 
-    def check_local_losses_and_dtypes(self, mesh):
+    def test_local_losses_and_dtypes(self):
         # aux and z losses are computed on this rank's tokens (local, as under DP)
         moe = make_moe(aux_loss="switch", aux_loss_coeff=0.01, z_loss_coeff=0.001)
         local = copy.deepcopy(moe)
-        parallelize_module(moe, mesh, ExpertParallel())
+        parallelize_module(moe, self.mesh(), ExpertParallel())
         torch.manual_seed(10 + self.rank)
         x = torch.randn(2, 5 + self.rank, DIM)  # a [B, S, D] input
-        out = moe(x)
-        out_local = local(x)  # the unparallelized layer on this rank's tokens only
-        self.assertEqual(out, out_local)
+        self.assertEqual(moe(x), local(x))  # the unparallelized layer on this rank's tokens
         self.assertEqual(moe.last_losses, local.last_losses)
         # bf16 parameters: same result as the unparallelized layer on this rank's tokens
         moe16 = make_moe(dtype=torch.bfloat16)
         local16 = copy.deepcopy(moe16)
-        parallelize_module(moe16, mesh, ExpertParallel())
+        parallelize_module(moe16, self.mesh(), ExpertParallel())
         self.assertEqual(moe16(x.bfloat16()), local16(x.bfloat16()))
         # fp32 parameters under bf16 autocast (rows sent in bf16), chunked: the same too
         moe32 = make_moe(shared_hidden_dim=8)
         local32 = copy.deepcopy(moe32)
-        parallelize_module(moe32, mesh, ExpertParallel(num_chunks=2))
+        parallelize_module(moe32, self.mesh(), ExpertParallel(num_chunks=2))
         xg, xg_local = x.clone().requires_grad_(), x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out, out_local = moe32(xg), local32(xg_local)
@@ -249,7 +313,32 @@ class TestExpertParallel2(EPTestBase):
         out_local.float().pow(2).sum().backward()
         self.assertEqual(xg.grad, xg_local.grad)
 
-    def check_faults(self, mesh):
+    def test_conventional_style(self):
+        """No method replaced on any module, no hook installed; the dispatcher is a
+        submodule the layer calls, and the expert weights are Shard(0) DTensors."""
+        moe = make_moe(shared_hidden_dim=8)
+        parallelize_module(moe, self.mesh(), ExpertParallel(num_chunks=2))
+        for name, m in moe.named_modules():
+            self.assertNotIn("forward", vars(m), msg=name)
+            for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
+                self.assertEqual(len(getattr(m, hooks)), 0, msg=f"{name}.{hooks}")
+        self.assertIsInstance(moe.dispatcher, ExpertParallelDispatcher)
+        self.assertEqual(moe.dispatcher.chunks, [(0, 2), (2, 4)])
+        self.assertIn("ExpertParallelDispatcher(world=2, num_experts=8, chunks=2", repr(moe))
+        self.assertEqual(moe.experts.w13.placements, (Shard(0),))
+
+    def test_compile_fullgraph_p2p(self):
+        self.check_compiled_equals_eager({}, shared_hidden_dim=8)
+
+    def test_compile_fullgraph_all_to_all_chunks(self):
+        self.check_compiled_equals_eager(
+            {"exchange": "all_to_all", "num_chunks": 2},
+            shared_hidden_dim=8,
+            precision="fp8_rowwise",
+        )
+
+    def test_config_errors(self):
+        mesh = self.mesh()
         # num_experts not divisible by the EP degree: an error before any collective
         with CommDebugMode() as comm:
             with self.assertRaisesRegex(
@@ -296,41 +385,89 @@ class TestExpertParallel2(EPTestBase):
         parallelize_module(moe, mesh, ExpertParallel())
         with self.assertRaisesRegex(ValueError, "already parallelized"):
             parallelize_module(moe, mesh, ExpertParallel())
-        # a collective that times out: rank 1 skips the forward. Rank 0 sees the 3 s timeout
-        # (torch 2.13 here) or, where the backend waits longer, rank 1 leaving (torch 2.11)
+
+
+class TestExpertParallel4(_EPClass):
+    world_size = 4
+
+    def test_uneven_and_empty(self):
+        self.check_matches_single_process([3, 0, 8, 5])
+
+    def test_all_tokens_on_the_last_rank(self):
+        self.check_matches_single_process(
+            [4, 7, 0, 2], setup=force_onto_last_rank(4), expert_bias=True
+        )
+
+    def test_deepseek_v3(self):
+        self.check_matches_single_process([6, 1, 3, 0], setup=deepseek_setup, **DEEPSEEK)
+
+    def test_hierarchical(self):
+        """The hierarchical all-to-all over 2 nodes of 2 ranks, plain and chunked."""
+        self.check_matches_single_process([5, 2, 0, 9], style=ExpertParallel(node_size=2))
+        style = ExpertParallel(num_chunks=2, node_size=2)
+        self.check_matches_single_process([3, 8, 4, 1], style=style, shared_hidden_dim=8)
+
+    def test_compile_fullgraph_chunks(self):
+        self.check_compiled_equals_eager({"num_chunks": 2}, shared_hidden_dim=8)
+
+
+class TestExpertParallelFaults(MultiProcessTestCase):
+    """Faults that leave the process group unusable: a process group per test."""
+
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def init_pg(self, timeout):
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(self.file_name, self.world_size),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timeout,
+        )
+        return init_device_mesh("cpu", (self.world_size,))
+
+    def test_timeout_names_rank_and_op(self):
+        mesh = self.init_pg(datetime.timedelta(seconds=3))
+        moe = make_moe()
+        parallelize_module(moe, mesh, ExpertParallel())
+        # rank 1 skips the forward: rank 0 times out in the counts all-to-all (3 s), or sees
+        # rank 1 leave where the backend waits longer
         if self.rank == 0:
-            with self.assertRaisesRegex(
-                RuntimeError,
-                r"ExpertParallel: counts all_to_all_single failed on rank 0 "
-                r"\(expert-parallel rank 0 of 2.*(Timed out|Connection closed)",
-            ):
+            with self.assertRaisesRegex(RuntimeError, r"(Timed out|Connection closed|timeout)"):
                 moe(torch.randn(4, DIM))
         else:
             time.sleep(6)
 
-
-class TestExpertParallel4(EPTestBase):
-    @property
-    def world_size(self):
-        return 4
-
-    def test_matches_single_process(self):
-        mesh = self.init_pg()
-        self.check_matches_single_process(mesh, [3, 0, 8, 5])
-        self.check_matches_single_process(
-            mesh, [4, 7, 0, 2], setup=force_onto_last_rank(4), expert_bias=True
-        )
-        self.check_matches_single_process(mesh, [6, 1, 3, 0], setup=deepseek_setup, **DEEPSEEK)
-        # hierarchical all-to-all over 2 nodes of 2 ranks, plain and chunked
-        self.check_matches_single_process(mesh, [5, 2, 0, 9], style=ExpertParallel(node_size=2))
-        moe, _ = self.check_matches_single_process(
-            mesh,
-            [3, 8, 4, 1],
-            style=ExpertParallel(num_chunks=2, node_size=2),
-            shared_hidden_dim=8,
-        )
-        self.assertEqual(moe.experts.forward.shared.num_overlapped, 1)
-        dist.destroy_process_group()
+    def test_rank_raising_mid_dispatch_errors_everywhere(self):
+        """Rank 1 raises inside the dispatch (after the counts exchange, before sending):
+        rank 0 gets a RuntimeError naming the dispatch within the timeout, never a hang."""
+        mesh = self.init_pg(datetime.timedelta(seconds=3))
+        moe = make_moe()
+        parallelize_module(moe, mesh, ExpertParallel())
+        x = torch.randn(8, DIM)
+        if self.rank == 1:
+            with (
+                mock.patch.object(
+                    dispatch_module, "_to_owners", side_effect=RuntimeError("injected fault")
+                ),
+                self.assertRaisesRegex(RuntimeError, "injected fault"),
+            ):
+                moe(x)
+        else:
+            start = time.monotonic()
+            with self.assertRaisesRegex(
+                RuntimeError,
+                r"ExpertParallel: dispatch all_to_all_segments failed on rank 0 \(expert-parallel "
+                r"rank 0 of 2",
+            ):
+                moe(x)
+            self.assertLess(time.monotonic() - start, 30)
 
 
 @unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
@@ -348,6 +485,7 @@ class TestExpertParallelCUDA(TestCase):
                     ExpertParallel(),
                     ExpertParallel(num_chunks=2),
                     ExpertParallel(exchange="all_to_all", num_chunks=2),
+                    ExpertParallel(exchange="all_to_all", node_size=1),
                     ExpertParallel(dispatch_dtype=fp8),
                 ]
                 for style in styles:

@@ -4,7 +4,7 @@ placement."""
 
 from torch_moe.distributed import sharding  # noqa: F401  (registers the DTensor sharding rules)
 from torch_moe.distributed.exchange import SegmentWork, all_to_all_segments
-from torch_moe.distributed.expert_parallel import ExpertParallel
+from torch_moe.distributed.expert_parallel import ExpertParallel, ExpertParallelDispatcher
 from torch_moe.distributed.hierarchical import hierarchical_all_to_all_single, nodes_per_token
 from torch_moe.distributed.placement import (
     ExpertPlacement,
@@ -18,6 +18,7 @@ from torch_moe.distributed.placement import (
 
 __all__ = [
     "ExpertParallel",
+    "ExpertParallelDispatcher",
     "ExpertPlacement",
     "SegmentWork",
     "all_to_all_segments",

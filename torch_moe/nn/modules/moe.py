@@ -45,8 +45,8 @@ Load balancing (all optional, all in fp32):
   ``last_losses`` after each forward.
 * Aux-loss-free balancing (``expert_bias=True``): call ``update_expert_bias(rate)``
   after ``optimizer.step()``; it moves the bias by ``rate * sign(mean_load - load)``
-  (mean-centred), loads summed over data-parallel ranks when torch.distributed is
-  initialized.
+  (mean-centred), loads summed over the process group passed as ``group`` (the ranks
+  whose tokens the layer routes; none by default).
 * ``tokens_per_expert`` / ``dropped_assignments``: routed assignments per expert
   (before any capacity drop) and the assignments the capacity dropped, accumulated since the last
   ``update_expert_bias`` / ``reset_load_stats`` (not counted again when activation
@@ -65,11 +65,12 @@ per routed row (``grouped_swiglu`` recomputes a).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from torch_moe import ops
 from torch_moe._ops import routing as _routing
@@ -310,9 +311,24 @@ class GroupedExperts(nn.Module):
         """``"bf16"`` or the recipe's name."""
         return _precision_name(self.recipe)
 
-    def forward(self, x: Tensor, offs: Tensor, row_weights: Tensor | None = None) -> Tensor:
-        dt = _expert_dtype(x, self.w13)
-        x, w13, w2 = x.to(dt), self.w13.to(dt), self.w2.to(dt)
+    def forward(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        row_weights: Tensor | None = None,
+        expert_range: tuple[int, int] | None = None,
+    ) -> Tensor:
+        """``x`` [M, D] rows sorted by expert with group ends ``offs``; ``expert_range``
+        (l0, l1): the rows are for experts l0..l1-1 of the weights this rank holds (the
+        local shard when the weights are expert-parallel DTensors)."""
+        w13: Tensor = self.w13
+        w2: Tensor = self.w2
+        if isinstance(w13, DTensor):  # expert-parallel: this rank's experts (differentiable)
+            w13, w2 = w13.to_local(), cast(DTensor, w2).to_local()
+        if expert_range is not None:
+            w13, w2 = w13[expert_range[0] : expert_range[1]], w2[expert_range[0] : expert_range[1]]
+        dt = _expert_dtype(x, w13)
+        x, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)
         if self.recipe is None:
             return grouped_swiglu(x, w13, w2, offs, row_weights)
         # the recipe decides every GEMM's numerics: autocast must not recast inside
@@ -484,6 +500,10 @@ class MoE(nn.Module):
             if shared_hidden_dim > 0
             else None
         )
+        # expert parallelism installs a dispatcher (torch_moe.distributed.ExpertParallel):
+        # it moves the permuted rows to the experts' ranks and back, chunk by chunk
+        self.dispatcher: nn.Module | None
+        self.register_module("dispatcher", None)
         self.register_buffer(
             "dropped_assignments",
             torch.zeros((), dtype=torch.int64, device=device),
@@ -547,10 +567,10 @@ class MoE(nn.Module):
         else:
             row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot.clamp(min=0))
             row_w = torch.where(perm.row_to_slot >= 0, row_w, 0)
-        y_perm = self.experts(x_perm, perm.offs, row_w)
+        y_perm, shared = self._experts(x_TD, x_perm, perm.offs, row_w)
         out = ops.unpermute(y_perm, None, perm)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x_TD.to(out.dtype))
+        if shared is not None:
+            out = out + shared
 
         if self.training and not _recomputing():
             with torch.no_grad():
@@ -558,6 +578,38 @@ class MoE(nn.Module):
                 self.dropped_assignments.add_(perm.num_dropped)
         out = self._attach_losses(out, logits_TE, ids_TK, counts_E, shape)
         return out.view(*shape[:-1], self.dim)
+
+    def _experts(
+        self, x_TD: Tensor, x_perm: Tensor, offs: Tensor, row_w: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """The routed experts' rows [M, D] and the shared experts' output [T, D] (or None).
+
+        Expert-parallel schedule (``self.dispatcher``): the counts exchange, then per chunk
+        of local experts dispatch -> experts -> combine; the shared experts run after the
+        first chunk's dispatch, where a compiled graph overlaps them with the exchanges
+        still in flight (``torch_moe._inductor``). Every expert sees the same rows in the
+        same order as without chunks, so the result does not depend on the chunking.
+        """
+        shared_dtype = x_TD.dtype
+        if torch.is_autocast_enabled(x_TD.device.type):
+            shared_dtype = torch.get_autocast_dtype(x_TD.device.type)
+        dispatcher = self.dispatcher
+        if dispatcher is None:  # the same order as below: the same backward accumulation
+            shared = None
+            if self.shared_experts is not None:
+                shared = self.shared_experts(x_TD.to(shared_dtype))
+            return self.experts(x_perm, offs, row_w), shared
+        counts = dispatcher.plan(offs)  # type: ignore[operator]
+        y_perm: Tensor | None = None  # type: ignore[no-redef]
+        shared = None
+        for c, chunk in enumerate(dispatcher.chunks):  # type: ignore[arg-type]
+            x_c, w_c, offs_c = dispatcher.dispatch(x_perm, row_w, counts, chunk)  # type: ignore[operator]
+            if c == 0 and self.shared_experts is not None:
+                shared = self.shared_experts(x_TD.to(shared_dtype))
+            y_c = self.experts(x_c, offs_c, w_c, expert_range=chunk)
+            part = dispatcher.combine(y_c, counts, chunk, x_perm.shape[0])  # type: ignore[operator]
+            y_perm = part if y_perm is None else y_perm + part
+        return cast(Tensor, y_perm), shared
 
     def _attach_losses(
         self, out: Tensor, logits: Tensor, ids: Tensor, counts: Tensor, shape: torch.Size
@@ -598,15 +650,19 @@ class MoE(nn.Module):
         """Aux-loss-free balancing step; call after ``optimizer.step()``.
 
         ``bias += rate * sign(mean_load - load)``, then mean-centred; the load is
-        ``tokens_per_expert`` summed over ``group`` (default: all ranks) when
-        torch.distributed is initialized. Resets the counts and returns the load used.
+        ``tokens_per_expert`` summed over ``group``: pass the process group of every rank
+        whose tokens this layer routes (data-parallel x expert-parallel ranks of this
+        layer; under pipeline parallelism, not the other stages), so that the bias stays
+        identical on those ranks. ``group=None``: this rank's own load (no collective;
+        never the default world group implicitly). Resets the counts and returns the
+        load used.
         """
         if self.router.expert_bias is None:
             raise RuntimeError(
                 "MoE.update_expert_bias: this layer was built with expert_bias=False"
             )
         load = self.tokens_per_expert.to(torch.float32)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if group is not None:
             torch.distributed.all_reduce(load, group=group)
         bias = self.router.expert_bias
         bias += rate * torch.sign(load.mean() - load)

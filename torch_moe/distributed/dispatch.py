@@ -1,0 +1,522 @@
+"""Expert-parallel token dispatch and combine as custom ops (``torch_moe::ep_dispatch``,
+``ep_combine`` and their backward ops), so that Dynamo captures them and Inductor calls them
+as extern kernels.
+
+Legend: R expert-parallel ranks, E experts, El = E / R local experts, M rows of this rank's
+permuted buffer (sorted by global expert), N rows this rank receives for a chunk of its
+local experts, D model dim.
+
+``counts`` (int64 [E + R*El], on the host) is the plan of one forward: this rank's rows per
+global expert (``send_E``, the group sizes of its permuted buffer), then the rows each
+source rank sends for each of this rank's local experts (``recv_RL``). The layer gets it
+from one all-to-all of ``send_E`` (``torch.distributed._functional_collectives``, traced
+like any collective) and one copy to the host; every op below reads its segment tables
+from it, so no op synchronizes with the device again.
+
+* ``ep_dispatch(x [M, D], row_weights [M]?, counts, ..., chunk [l0, l1)) -> (x_recv [N, D],
+  w_recv [N])``: the rows of this rank's tokens for the local experts l0..l1-1 of every
+  rank go to their owner; the owner's rows arrive expert-major (local expert l0's rows from
+  rank 0, rank 1, ..., then expert l0 + 1's, ...), i.e. in the order the unparallelized
+  layer holds them for those experts. N is data-dependent: the fake kernel gives it an
+  unbacked SymInt, shared by both outputs. With ``fp8`` the rows travel as e4m3 with one
+  fp32 scale per 1x128 block (``quantize_fp8``) and are dequantized on arrival.
+* ``ep_combine(y [N, D], counts, ..., chunk, num_rows=M) -> [M, D]``: the experts' output
+  rows go back to their senders, into the rows they came from; rows of other chunks and
+  alignment padding are zero (a layer with C chunks adds the C results).
+* ``ep_dispatch_backward`` / ``ep_combine_backward``: the same exchanges in the other
+  direction, in the gradient's dtype (FP8 dispatch passes the gradient straight through
+  the quantization); registered as the ops' autograd.
+
+How rows move (``exchange``): ``"p2p"`` sends each (rank, expert) block as one segment of
+:func:`~torch_moe.distributed.exchange.all_to_all_segments` (point-to-point), straight into
+its place: no row is reordered outside the transport. ``"all_to_all"`` uses one
+``all_to_all_single`` per direction (``node_size > 0``: the hierarchical one) and reorders
+the received rows from source-major to expert-major with one gather. Both give the same
+bits.
+
+Faults: a failing or timed-out collective raises ``RuntimeError`` naming the operation, the
+rank and the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from torch_moe.distributed.exchange import all_to_all_segments
+from torch_moe.distributed.hierarchical import hierarchical_all_to_all_single
+from torch_moe.quantization import dequantize_fp8, quantize_fp8
+
+__all__ = ["EXCHANGES", "ChunkPlan", "chunk_offsets", "chunk_plan"]
+
+EXCHANGES = ("p2p", "all_to_all")
+_FP8_BLOCK = (1, 128)  # FP8 dispatch: one scale per 128 values of a row
+# p2p tags: one range per direction and chunk, one tag per (expert segment, tensor)
+_DIRECTIONS = ("dispatch", "combine", "dispatch backward", "combine backward")
+_TENSORS_PER_SEGMENT = 3  # at most: e4m3 rows (or rows), their scales, routing weights
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The segment tables of one chunk of local experts [l0, l1) (host ints).
+
+    ``sent[d]``: (start, length) row segments of this rank's permuted buffer for rank d's
+    experts l0..l1-1; ``received[s]``: (start, length) segments of the expert-major receive
+    buffer that rank s fills; ``rows``: N, the rows received; ``send_rows``: the rows sent.
+    ``send_splits`` / ``recv_splits``: per-rank totals (the all-to-all split sizes).
+    """
+
+    sent: list[list[tuple[int, int]]]
+    received: list[list[tuple[int, int]]]
+    rows: int
+    send_rows: int
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_counts: list[list[int]]  # [s][j]: rows from rank s for local expert l0 + j
+
+
+def chunk_plan(counts: Sequence[int], num_experts: int, world: int, l0: int, l1: int) -> ChunkPlan:
+    """The segment tables of chunk [l0, l1) from the plan ``counts`` (module doc)."""
+    El = num_experts // world
+    send_E = list(counts[:num_experts])
+    recv = [list(counts[num_experts + s * El : num_experts + (s + 1) * El]) for s in range(world)]
+    start = [0]
+    for n in send_E:
+        start.append(start[-1] + n)
+    sent = [[(start[d * El + j], send_E[d * El + j]) for j in range(l0, l1)] for d in range(world)]
+    received: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    row = 0
+    for j in range(l0, l1):  # expert-major: local expert j, then by source rank
+        for s in range(world):
+            received[s].append((row, recv[s][j]))
+            row += recv[s][j]
+    return ChunkPlan(
+        sent=sent,
+        received=received,
+        rows=row,
+        send_rows=sum(n for segs in sent for _, n in segs),
+        send_splits=[sum(n for _, n in segs) for segs in sent],
+        recv_splits=[sum(recv[s][l0:l1]) for s in range(world)],
+        recv_counts=[r[l0:l1] for r in recv],
+    )
+
+
+def chunk_offsets(counts: Tensor, num_experts: int, world: int, l0: int, l1: int) -> Tensor:
+    """int32 group ends of the expert-major receive buffer of chunk [l0, l1) (traceable)."""
+    recv_RL = counts[num_experts:].view(world, num_experts // world)
+    return recv_RL[:, l0:l1].sum(0).cumsum(0).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------
+# the exchanges (run inside the op kernels)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    plan: ChunkPlan
+    l0: int
+    exchange: str
+    node_size: int
+
+    def call(self, op: str, fn):  # type: ignore[no-untyped-def]
+        """Run a collective; a failure or a timeout names this rank and the operation."""
+        try:
+            return fn()
+        except RuntimeError as e:
+            ranks = dist.get_process_group_ranks(self.group)
+            raise RuntimeError(
+                f"ExpertParallel: {op} failed on rank {dist.get_rank()} (expert-parallel rank "
+                f"{self.rank} of {self.world}, group ranks {ranks}): {e}"
+            ) from e
+
+
+def _setup(
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    l0: int,
+    l1: int,
+    exchange: str,
+    node_size: int,
+) -> _Setup:
+    group = _resolve_process_group(group_name)  # type: ignore[arg-type]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = chunk_plan(counts.tolist(), num_experts, world, l0, l1)
+    return _Setup(group, world, rank, plan, l0, exchange, node_size)
+
+
+def _expert_major_index(plan: ChunkPlan, device: torch.device) -> Tensor:
+    """Gather index from source-major (rank s's rows for l0.., then rank s+1's) to
+    expert-major order of the received rows."""
+    world = len(plan.recv_counts)
+    starts: list[list[int]] = []
+    row = 0
+    for s in range(world):  # where rank s's block for expert j starts, source-major
+        starts.append([])
+        for n in plan.recv_counts[s]:
+            starts[s].append(row)
+            row += n
+    index = [
+        starts[s][j] + i
+        for j in range(len(plan.recv_counts[0]) if world else 0)
+        for s in range(world)
+        for i in range(plan.recv_counts[s][j])
+    ]
+    return torch.tensor(index, dtype=torch.int64, device=device)
+
+
+def _send_index(plan: ChunkPlan, device: torch.device) -> Tensor:
+    """Rows of the permuted buffer this chunk sends, destination-major."""
+    index = [start + i for segs in plan.sent for start, n in segs for i in range(n)]
+    return torch.tensor(index, dtype=torch.int64, device=device)
+
+
+def _to_owners(setup: _Setup, tensors: list[Tensor], op: str, tag: int) -> list[Tensor]:
+    """Rows of this rank's permuted buffer (``tensors``, [M, ...]) for the chunk's experts go
+    to their owners; returns the received rows [N, ...], expert-major."""
+    plan = setup.plan
+    outs = [t.new_empty((plan.rows, *t.shape[1:])) for t in tensors]
+    if setup.exchange == "p2p":
+        ins = [t.contiguous() for t in tensors]
+        setup.call(
+            f"{op} all_to_all_segments",
+            lambda: all_to_all_segments(outs, ins, plan.received, plan.sent, setup.group, tag=tag),
+        )
+        return outs
+    index = _send_index(plan, tensors[0].device)
+    reorder = _expert_major_index(plan, tensors[0].device)
+    result = []
+    for t in tensors:
+        rows = t.index_select(0, index).contiguous()
+        got = _all_to_all(setup, rows, plan.recv_splits, plan.send_splits, op)
+        result.append(got.index_select(0, reorder))
+    return result
+
+
+def _to_senders(
+    setup: _Setup, tensors: list[Tensor], num_rows: int, op: str, tag: int
+) -> list[Tensor]:
+    """The reverse: expert-major rows [N, ...] go back to the rows they came from; returns
+    [num_rows, ...] with the chunk's rows filled and the others zero."""
+    plan = setup.plan
+    outs = [t.new_zeros((num_rows, *t.shape[1:])) for t in tensors]
+    if setup.exchange == "p2p":
+        ins = [t.contiguous() for t in tensors]
+        setup.call(
+            f"{op} all_to_all_segments",
+            lambda: all_to_all_segments(outs, ins, plan.sent, plan.received, setup.group, tag=tag),
+        )
+        return outs
+    index = _send_index(plan, tensors[0].device)
+    reorder = _expert_major_index(plan, tensors[0].device)
+    inverse = torch.empty_like(reorder)
+    inverse[reorder] = torch.arange(reorder.numel(), device=reorder.device)
+    for t, out in zip(tensors, outs, strict=True):
+        rows = t.index_select(0, inverse).contiguous()  # back to source-major
+        got = _all_to_all(setup, rows, plan.send_splits, plan.recv_splits, op)
+        out.index_copy_(0, index, got)
+    return outs
+
+
+def _all_to_all(
+    setup: _Setup, x: Tensor, out_splits: list[int], in_splits: list[int], op: str
+) -> Tensor:
+    if setup.node_size > 0:
+        node_size = setup.node_size
+        return setup.call(
+            f"{op} hierarchical_all_to_all_single",
+            lambda: hierarchical_all_to_all_single(
+                x, out_splits, in_splits, setup.group, node_size
+            ),
+        )
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    setup.call(
+        f"{op} all_to_all_single",
+        lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=setup.group),
+    )
+    return out
+
+
+def _tag(direction: str, setup: _Setup, num_experts: int) -> int:
+    El = num_experts // setup.world
+    return (_DIRECTIONS.index(direction) * El + setup.l0) * _TENSORS_PER_SEGMENT * El
+
+
+def _wire(t: Tensor) -> Tensor:
+    """Tensors as the transport takes them (gloo has no float8: e4m3 bytes as uint8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+# --------------------------------------------------------------------------------------
+# the ops
+
+
+def _check(
+    name: str,
+    x: Tensor,
+    counts: Tensor,
+    num_experts: int,
+    l0: int,
+    l1: int,
+    exchange: str,
+    node_size: int,
+) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected rows [M, D], got {x.dim()}D {list(x.shape)}")
+    if counts.dim() != 1 or counts.dtype != torch.int64 or counts.device.type != "cpu":
+        raise ValueError(
+            f"{name}: expected counts to be a 1D int64 CPU tensor (the plan), got "
+            f"{counts.dim()}D {counts.dtype} on {counts.device}"
+        )
+    if not 0 <= l0 < l1 or exchange not in EXCHANGES or node_size < 0:
+        raise ValueError(
+            f"{name}: bad chunk [{l0}, {l1}), exchange {exchange!r} or node_size {node_size}"
+        )
+    if exchange == "p2p" and node_size > 0:
+        raise ValueError(f"{name}: node_size={node_size} needs exchange='all_to_all'")
+
+
+@torch.library.custom_op("torch_moe::ep_dispatch", mutates_args=())
+def ep_dispatch(
+    x: Tensor,
+    row_weights: Tensor | None,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    fp8: bool,
+) -> tuple[Tensor, Tensor]:
+    """Returns (x_recv [N, D], w_recv [N] (empty without row_weights)); module doc."""
+    _check("ep_dispatch", x, counts, num_experts, chunk_start, chunk_end, exchange, node_size)
+    s = _setup(counts, group_name, num_experts, chunk_start, chunk_end, exchange, node_size)
+    tag = _tag("dispatch", s, num_experts)
+    if fp8 and x.is_floating_point():
+        q, scale = quantize_fp8(x, _FP8_BLOCK)
+        sends = [_wire(q), scale]
+    else:
+        sends = [x]
+    if row_weights is not None:
+        sends.append(row_weights)
+    got = _to_owners(s, sends, "dispatch", tag)
+    if fp8 and x.is_floating_point():
+        q_recv = got[0].view(torch.float8_e4m3fn)
+        x_recv = dequantize_fp8(q_recv, got[1], _FP8_BLOCK, x.dtype)
+        got = [x_recv, *got[2:]]
+    w_recv = got[1] if row_weights is not None else x.new_empty((0,))
+    return got[0], w_recv
+
+
+@ep_dispatch.register_fake
+def _(
+    x: Tensor,
+    row_weights: Tensor | None,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    fp8: bool,
+) -> tuple[Tensor, Tensor]:
+    _check("ep_dispatch", x, counts, num_experts, chunk_start, chunk_end, exchange, node_size)
+    rows = torch.library.get_ctx().new_dynamic_size()  # N: known only from the counts
+    w = x.new_empty((0,)) if row_weights is None else row_weights.new_empty((rows,))
+    return x.new_empty((rows, x.shape[1])), w
+
+
+@torch.library.custom_op("torch_moe::ep_dispatch_backward", mutates_args=())
+def ep_dispatch_backward(
+    grad_x: Tensor,
+    grad_w: Tensor | None,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    num_rows: int,
+) -> tuple[Tensor, Tensor]:
+    """The gradients of x [M, D] and the row weights [M] (empty without)."""
+    name = "ep_dispatch_backward"
+    _check(name, grad_x, counts, num_experts, chunk_start, chunk_end, exchange, node_size)
+    s = _setup(counts, group_name, num_experts, chunk_start, chunk_end, exchange, node_size)
+    tensors = [grad_x] if grad_w is None else [grad_x, grad_w]
+    got = _to_senders(
+        s, tensors, num_rows, "dispatch backward", _tag("dispatch backward", s, num_experts)
+    )
+    return got[0], got[1] if grad_w is not None else grad_x.new_empty((0,))
+
+
+@ep_dispatch_backward.register_fake
+def _(
+    grad_x: Tensor,
+    grad_w: Tensor | None,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    num_rows: int,
+) -> tuple[Tensor, Tensor]:
+    _check(
+        "ep_dispatch_backward",
+        grad_x,
+        counts,
+        num_experts,
+        chunk_start,
+        chunk_end,
+        exchange,
+        node_size,
+    )
+    w = grad_x.new_empty((0,)) if grad_w is None else grad_w.new_empty((num_rows,))
+    return grad_x.new_empty((num_rows, grad_x.shape[1])), w
+
+
+@torch.library.custom_op("torch_moe::ep_combine", mutates_args=())
+def ep_combine(
+    y: Tensor,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    num_rows: int,
+) -> Tensor:
+    """The experts' rows back to their senders: [num_rows, D] (module doc)."""
+    _check("ep_combine", y, counts, num_experts, chunk_start, chunk_end, exchange, node_size)
+    s = _setup(counts, group_name, num_experts, chunk_start, chunk_end, exchange, node_size)
+    return _to_senders(s, [y], num_rows, "combine", _tag("combine", s, num_experts))[0]
+
+
+@ep_combine.register_fake
+def _(
+    y: Tensor,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    num_rows: int,
+) -> Tensor:
+    _check("ep_combine", y, counts, num_experts, chunk_start, chunk_end, exchange, node_size)
+    return y.new_empty((num_rows, y.shape[1]))
+
+
+@torch.library.custom_op("torch_moe::ep_combine_backward", mutates_args=())
+def ep_combine_backward(
+    grad: Tensor,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    num_recv: int,
+) -> Tensor:
+    """The gradient of the experts' rows [N, D]: the combine's exchange reversed."""
+    _check(
+        "ep_combine_backward",
+        grad,
+        counts,
+        num_experts,
+        chunk_start,
+        chunk_end,
+        exchange,
+        node_size,
+    )
+    s = _setup(counts, group_name, num_experts, chunk_start, chunk_end, exchange, node_size)
+    return _to_owners(s, [grad], "combine backward", _tag("combine backward", s, num_experts))[0]
+
+
+@ep_combine_backward.register_fake
+def _(
+    grad: Tensor,
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    num_recv: int,
+) -> Tensor:
+    _check(
+        "ep_combine_backward",
+        grad,
+        counts,
+        num_experts,
+        chunk_start,
+        chunk_end,
+        exchange,
+        node_size,
+    )
+    return grad.new_empty((num_recv, grad.shape[1]))
+
+
+# --------------------------------------------------------------------------------------
+# autograd
+
+
+def _setup_dispatch(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, row_weights, counts, *config = inputs
+    ctx.save_for_backward(counts)
+    ctx.config = config
+    ctx.num_rows = x.shape[0]
+    ctx.has_weights = row_weights is not None
+    ctx.set_materialize_grads(False)
+
+
+def _dispatch_backward(ctx, grad_x, grad_w):  # type: ignore[no-untyped-def]
+    (counts,) = ctx.saved_tensors
+    group_name, num_experts, l0, l1, exchange, node_size, _fp8 = ctx.config
+    if grad_x is None:  # only the weights' gradient flows (or none)
+        return None, None, None, None, None, None, None, None, None, None
+    if ctx.has_weights and grad_w is None:
+        grad_w = grad_x.new_zeros((grad_x.shape[0],), dtype=torch.float32)
+    gx, gw = ep_dispatch_backward(
+        grad_x.contiguous(),
+        grad_w.contiguous() if ctx.has_weights else None,
+        counts, group_name, num_experts, l0, l1, exchange, node_size, ctx.num_rows,
+    )  # fmt: skip
+    return gx, gw if ctx.has_weights else None, None, None, None, None, None, None, None, None
+
+
+def _setup_combine(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    y, counts, *config = inputs
+    ctx.save_for_backward(counts)
+    ctx.config = config
+    ctx.num_recv = y.shape[0]
+
+
+def _combine_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    (counts,) = ctx.saved_tensors
+    group_name, num_experts, l0, l1, exchange, node_size, _num_rows = ctx.config
+    gy = ep_combine_backward(
+        grad.contiguous(), counts, group_name, num_experts, l0, l1, exchange, node_size,
+        ctx.num_recv,
+    )  # fmt: skip
+    return gy, None, None, None, None, None, None, None, None
+
+
+ep_dispatch.register_autograd(_dispatch_backward, setup_context=_setup_dispatch)
+ep_combine.register_autograd(_combine_backward, setup_context=_setup_combine)
