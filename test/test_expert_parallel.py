@@ -22,12 +22,15 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.testing import FileCheck
 from torch.testing._internal.common_distributed import (
     MultiProcContinuousTest,
     MultiProcessTestCase,
@@ -35,6 +38,7 @@ from torch.testing._internal.common_distributed import (
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torch_moe._inductor import ep_overlap
 from torch_moe.distributed import ExpertParallel, ExpertParallelDispatcher
 from torch_moe.distributed import dispatch as dispatch_module
 from torch_moe.nn import MoE
@@ -336,6 +340,58 @@ class TestExpertParallel2(_EPClass):
             shared_hidden_dim=8,
             precision="fp8_rowwise",
         )
+
+    def test_compile_overlap_schedule(self):
+        """The EP overlap pass on the post-grad graphs: chunk 1's dispatch is issued before
+        chunk 0's experts run and chunk 0's combine waited after chunk 1's experts (forward),
+        the combines' backwards issued up front (backward); values bitwise equal to eager
+        chunking (the same exchanges and kernels)."""
+        torch._dynamo.reset()
+        eager = make_moe(shared_hidden_dim=8)
+        moe = copy.deepcopy(eager)
+        for m in (eager, moe):
+            parallelize_module(m, self.mesh(), ExpertParallel(num_chunks=2))
+        codes = []
+
+        def compile_graph(gm, example_inputs):
+            split, _ = ep_overlap.run(gm.graph)
+            self.assertEqual(split, 4)  # two chunks x (dispatch, combine) or their backwards
+            gm.recompile()
+            codes.append(gm.code)
+            return make_boxed_func(gm)
+
+        backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)
+        compiled = torch.compile(moe, fullgraph=True, backend=backend)
+        gen = torch.Generator().manual_seed(3 + self.rank)
+        for step in range(3):
+            x = torch.randn(9 + 2 * step, DIM, generator=gen)
+            xs = [x.clone().requires_grad_() for _ in range(2)]
+            got, ref = compiled(xs[0]), eager(xs[1])
+            self.assertEqual(got, ref, atol=0, rtol=0)
+            got.pow(2).sum().backward()
+            ref.pow(2).sum().backward()
+            self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0)
+            for p, q in zip(moe.parameters(), eager.parameters(), strict=True):
+                self.assertEqual(p.grad, q.grad, atol=0, rtol=0)
+            moe.zero_grad()
+            eager.zero_grad()
+        fwd, bwd = codes[0], codes[1]
+        start = "torch.ops.torch_moe.ep_start.default("
+        wait = "torch.ops.torch_moe.ep_wait.default("
+        FileCheck().check(start).check("'dispatch'").check(start).check("'dispatch'").check(
+            wait
+        ).check("grouped_swiglu.default(").check(start).check("'combine'").check(wait).check(
+            "grouped_swiglu.default("
+        ).check(start).check("'combine'").check(wait).check(wait).check("unpermute.default(").run(
+            fwd
+        )
+        FileCheck().check(start).check("'combine backward'").check(start).check(
+            "'combine backward'"
+        ).check(wait).check("grouped_swiglu_backward.default(").check(start).check(
+            "'dispatch backward'"
+        ).check(wait).check("grouped_swiglu_backward.default(").check(start).check(
+            "'dispatch backward'"
+        ).check(wait).check(wait).check("unpermute.default(").run(bwd)
 
     def test_config_errors(self):
         mesh = self.mesh()

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch_moe._inductor import config
+from torch_moe._inductor.ep_overlap import EPOverlapPass
 from torch_moe._inductor.passes import (
     MoEGraphPass,
     counters,
@@ -30,6 +31,7 @@ from torch_moe._inductor.passes import (
 )
 
 __all__ = [
+    "EPOverlapPass",
     "MoEGraphPass",
     "config",
     "counters",
@@ -41,10 +43,16 @@ __all__ = [
     "run_passes",
 ]
 
-# the Inductor config entries the passes go into: the joint graph (training, before the
-# partitioner decides what to save) and the forward-only graph (inference)
-_HOOKS = ("joint_custom_post_pass", "post_grad_custom_pre_pass")
-_PASS = MoEGraphPass()
+# the Inductor config entries the passes go into: the fusions on the joint graph (training,
+# before the partitioner decides what to save) and the forward-only graph (inference); the
+# EP schedule after the partitioner, on the forward and backward graphs
+_PASSES = {
+    "joint_custom_post_pass": MoEGraphPass(),
+    "post_grad_custom_pre_pass": MoEGraphPass(),
+    "post_grad_custom_post_pass": EPOverlapPass(),
+}
+_HOOKS = tuple(_PASSES)
+_OURS = (MoEGraphPass, EPOverlapPass)
 
 
 def options() -> dict[str, Any]:
@@ -52,12 +60,12 @@ def options() -> dict[str, Any]:
     from torch_moe._inductor.lowering import register_lowerings
 
     register_lowerings()
-    return dict.fromkeys(_HOOKS, _PASS)
+    return dict(_PASSES)
 
 
 def _without_ours(value: Any) -> list[Any]:
     items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-    return [p for p in items if not isinstance(p, MoEGraphPass)]
+    return [p for p in items if not isinstance(p, _OURS)]
 
 
 def enable() -> None:
@@ -70,7 +78,8 @@ def enable() -> None:
     register_lowerings()
     for hook in _HOOKS:
         others = _without_ours(getattr(inductor_config, hook))
-        setattr(inductor_config, hook, [*others, _PASS] if others else _PASS)
+        ours = _PASSES[hook]
+        setattr(inductor_config, hook, [*others, ours] if others else ours)
 
 
 def disable() -> None:

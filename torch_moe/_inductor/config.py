@@ -29,6 +29,11 @@ fuse_quantize: bool = True
 # optimizer step, not once per micro-batch and GEMM).
 cache_weight_quantization: bool = True
 
+# expert parallelism: split every dispatch / combine (and their backwards) into an issue
+# and a wait, issue early, wait late (torch_moe._inductor.ep_overlap), so that chunk c+1's
+# exchange overlaps chunk c's experts (ExpertParallel(num_chunks=C)).
+ep_overlap: bool = True
+
 
 from torch.utils._config_module import install_config_module  # noqa: E402
 

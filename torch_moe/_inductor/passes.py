@@ -331,7 +331,7 @@ def reset_counters() -> None:
 
 _SOURCES = tuple(
     os.path.join(os.path.dirname(__file__), name)
-    for name in ("passes.py", "_fx.py", "config.py", "lowering.py")
+    for name in ("passes.py", "_fx.py", "config.py", "lowering.py", "ep_overlap.py")
 )
 
 

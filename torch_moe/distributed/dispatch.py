@@ -520,3 +520,138 @@ def _combine_backward(ctx, grad):  # type: ignore[no-untyped-def]
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_setup_dispatch)
 ep_combine.register_autograd(_combine_backward, setup_context=_setup_combine)
+
+
+# --------------------------------------------------------------------------------------
+# asynchronous halves: ep_start issues an exchange, ep_wait completes it
+#
+# The compiler's EP overlap pass (torch_moe._inductor.ep_overlap) splits each of the four
+# exchanges above into ep_start (returns a handle, an int64 [1] CPU tensor naming the
+# exchange in flight) and ep_wait (waits, finishes the exchange and returns its outputs),
+# so that a graph can issue chunk c+1's dispatch before chunk c's experts run and wait for
+# a combine only where its result is used. They are used in graphs after autograd (no
+# autograd of their own). The outputs are allocated by ep_start and first returned by
+# ep_wait, so no op output aliases an input.
+
+_DIRECTION_TO_OWNERS = {"dispatch": True, "combine backward": True}
+_INFLIGHT: dict[int, tuple[object, list[Tensor], object, list[Tensor]]] = {}
+_NEXT_HANDLE = [0]
+
+
+def _start_to_owners(setup: _Setup, tensors: list[Tensor], op: str, tag: int):  # type: ignore[no-untyped-def]
+    """Issue a to-owners exchange; returns (work or None, outputs, finish())."""
+    plan = setup.plan
+    if setup.exchange == "p2p":
+        outs = [t.new_empty((plan.rows, *t.shape[1:])) for t in tensors]
+        ins = [t.contiguous() for t in tensors]
+        work = setup.call(
+            f"{op} all_to_all_segments",
+            lambda: all_to_all_segments(
+                outs, ins, plan.received, plan.sent, setup.group, tag=tag, async_op=True
+            ),
+        )
+        return work, outs, lambda: outs, ins
+    return None, _to_owners(setup, tensors, op, tag), None, []  # a2a: done synchronously
+
+
+def _start_to_senders(setup: _Setup, tensors: list[Tensor], num_rows: int, op: str, tag: int):  # type: ignore[no-untyped-def]
+    plan = setup.plan
+    if setup.exchange == "p2p":
+        outs = [t.new_zeros((num_rows, *t.shape[1:])) for t in tensors]
+        ins = [t.contiguous() for t in tensors]
+        work = setup.call(
+            f"{op} all_to_all_segments",
+            lambda: all_to_all_segments(
+                outs, ins, plan.sent, plan.received, setup.group, tag=tag, async_op=True
+            ),
+        )
+        return work, outs, lambda: outs, ins
+    return None, _to_senders(setup, tensors, num_rows, op, tag), None, []
+
+
+@torch.library.custom_op("torch_moe::ep_start", mutates_args=())
+def ep_start(
+    tensors: list[Tensor],
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    direction: str,
+    fp8: bool,
+    num_rows: int,
+) -> Tensor:
+    """Issue one of the four exchanges (``direction``) of chunk [chunk_start, chunk_end);
+    ``tensors`` are its inputs (rows, then routing weights for a dispatch)."""
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"ep_start: direction must be one of {_DIRECTIONS}, got {direction!r}")
+    _check("ep_start", tensors[0], counts, num_experts, chunk_start, chunk_end, exchange, node_size)
+    s = _setup(counts, group_name, num_experts, chunk_start, chunk_end, exchange, node_size)
+    tag = _tag(direction, s, num_experts)
+    finish = None
+    if direction == "dispatch" and fp8 and tensors[0].is_floating_point():
+        q, scale = quantize_fp8(tensors[0], _FP8_BLOCK)
+        dtype = tensors[0].dtype
+        work, outs, _, keep = _start_to_owners(s, [_wire(q), scale, *tensors[1:]], direction, tag)
+
+        def finish():  # type: ignore[no-untyped-def]
+            x = dequantize_fp8(outs[0].view(torch.float8_e4m3fn), outs[1], _FP8_BLOCK, dtype)
+            return [x, *outs[2:]]
+
+    elif _DIRECTION_TO_OWNERS.get(direction, False):
+        work, outs, _, keep = _start_to_owners(s, list(tensors), direction, tag)
+    else:
+        work, outs, _, keep = _start_to_senders(s, list(tensors), num_rows, direction, tag)
+    handle = _NEXT_HANDLE[0]
+    _NEXT_HANDLE[0] += 1
+    _INFLIGHT[handle] = (work, outs, finish, keep)
+    return torch.tensor([handle], dtype=torch.int64)
+
+
+@ep_start.register_fake
+def _(
+    tensors: list[Tensor],
+    counts: Tensor,
+    group_name: str,
+    num_experts: int,
+    chunk_start: int,
+    chunk_end: int,
+    exchange: str,
+    node_size: int,
+    direction: str,
+    fp8: bool,
+    num_rows: int,
+) -> Tensor:
+    _check("ep_start", tensors[0], counts, num_experts, chunk_start, chunk_end, exchange, node_size)
+    return counts.new_empty((1,))
+
+
+@torch.library.custom_op("torch_moe::ep_wait", mutates_args=())
+def ep_wait(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -> list[Tensor]:
+    """Complete the exchange ``handle`` names; its outputs: [N, ...] per input (to the
+    owners; N from the plan) or [num_rows, ...] (back to the senders), shaped and typed like
+    ``like`` (the exchange's inputs)."""
+    entry = _INFLIGHT.pop(int(handle[0]), None)
+    if entry is None:
+        raise RuntimeError(f"ep_wait: no exchange in flight for handle {int(handle[0])}")
+    work, outs, finish, _keep = entry
+    if work is not None:
+        try:
+            work.wait()  # type: ignore[attr-defined]
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"ExpertParallel: {direction} all_to_all_segments (wait) failed on rank "
+                f"{dist.get_rank()}: {e}"
+            ) from e
+    return list(finish() if finish is not None else outs)  # type: ignore[operator]
+
+
+@ep_wait.register_fake
+def _(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -> list[Tensor]:
+    if _DIRECTION_TO_OWNERS.get(direction, False):
+        rows = torch.library.get_ctx().new_dynamic_size() if num_rows < 0 else num_rows
+    else:
+        rows = num_rows
+    return [t.new_empty((rows, *t.shape[1:])) for t in like]
