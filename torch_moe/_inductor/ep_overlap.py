@@ -113,7 +113,12 @@ def split_exchanges(graph: fx.Graph) -> int:
 
 def _inputs(node: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) or a)
+
+    def note(a: fx.Node) -> fx.Node:
+        found.append(a)
+        return a
+
+    fx.node.map_arg((node.args, node.kwargs), note)
     return found
 
 
