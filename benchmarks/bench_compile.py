@@ -31,6 +31,8 @@ import torch_moe._inductor as TI
 from torch_moe.nn import MoE
 
 SHAPES = [(1792, 8, 2), (384, 32, 6), (256, 64, 8)]  # (F, E, K), as bench_moe_layer.py
+# DeepSeek-V3-like (bench_quant.py): D=7168, F=2048, 32 local experts, top-8; --shapes dsv3
+DSV3 = (2048, 32, 8)
 
 
 def cpu_isa() -> str:
@@ -43,14 +45,33 @@ def cpu_isa() -> str:
     return " ".join(isa) or "no AVX2"
 
 
+DEVICE = "cpu"
+
+
 def step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
     module.zero_grad(set_to_none=True)
     module(x).backward(grad)
 
 
+def median_seconds(fns, reps: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Interleaved medians (bench_ops.interleaved) on CPU; triton.testing.do_bench on CUDA."""
+    if DEVICE != "cuda":
+        return interleaved(fns, reps)
+    import triton
+
+    return {name: triton.testing.do_bench(fn, rep=200 * reps) / 1e3 for name, fn in fns.items()}
+
+
 def peak_bytes(fn) -> int:  # type: ignore[no-untyped-def]
-    """Peak of the CPU memory allocated while ``fn`` runs (allocations minus frees, in
-    the order the profiler recorded them)."""
+    """Peak of the memory allocated while ``fn`` runs: on CPU from the profiler's allocation
+    events (allocations minus frees, in order), on CUDA from the caching allocator."""
+    if torch.cuda.is_available() and DEVICE == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
@@ -72,13 +93,22 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--precisions", default="bf16,fp8_rowwise")
-    p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
+    p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES, or dsv3")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
     dtype = DTYPES[args.dtype]
     t, d = args.tokens, args.dim
-    rate = gemm_rate(dtype, 2048 if dtype != torch.float32 else 4096, 3)
-    rate32 = gemm_rate(torch.float32, 4096, 3)
+    if DEVICE == "cuda":  # the floor: a large bf16 mm on the device (measured here)
+        import triton
+
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        rate = rate32 = 2 * 8192**3 / (triton.testing.do_bench(lambda: a @ a.t()) / 1e3)
+    else:
+        rate = gemm_rate(dtype, 2048 if dtype != torch.float32 else 4096, 3)
+        rate32 = gemm_rate(torch.float32, 4096, 3)
     floor_rate = max(rate, rate32)  # the faster math is the machine's floor
     print(
         f"# torch {torch.__version__}, {platform.machine()} {cpu_isa()}, {os.cpu_count()} CPUs, "
@@ -93,23 +123,25 @@ def main() -> None:
     print(header)
     print("|---" * (header.count("|") - 1) + "|", flush=True)
     mib = 2.0**20
-    for si in (int(i) for i in args.shapes.split(",")):
-        f, e, k = SHAPES[si]
+    for shape in args.shapes.split(","):
+        f, e, k = DSV3 if shape == "dsv3" else SHAPES[int(shape)]
         for precision in args.precisions.split(","):
             torch.manual_seed(0)
             torch._dynamo.reset()
-            eager = MoE(d, f, e, k, route_norm=True, precision=precision, dtype=dtype)
+            eager = MoE(
+                d, f, e, k, route_norm=True, precision=precision, dtype=dtype, device=DEVICE
+            )
             plain = torch.compile(copy.deepcopy(eager), fullgraph=True)
             fused = torch.compile(copy.deepcopy(eager), fullgraph=True, options=TI.options())
-            x = torch.randn(t, d, dtype=dtype, requires_grad=True)
-            grad = torch.randn(t, d, dtype=dtype)
+            x = torch.randn(t, d, dtype=dtype, device=DEVICE, requires_grad=True)
+            grad = torch.randn(t, d, dtype=dtype, device=DEVICE)
             fns = {
                 name: functools.partial(step, m, x, grad)
                 for name, m in (("eager", eager), ("compiled", plain), ("passes", fused))
             }
             for fn in fns.values():  # compile, and warm the weight cache
                 fn()
-            times = interleaved(fns, args.reps)
+            times = median_seconds(fns, args.reps)
             peaks = {name: peak_bytes(fn) / mib for name, fn in fns.items()}
             flops = 18 * t * k * d * f
             perm = t * k * d * torch.empty((), dtype=dtype).element_size() / mib

@@ -39,6 +39,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import is_op, val
+from torch_moe.distributed import dispatch as _dispatch  # noqa: F401  (registers the ep ops)
 
 __all__ = ["EPOverlapPass", "overlap_exchanges", "split_exchanges"]
 
