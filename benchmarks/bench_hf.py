@@ -22,6 +22,10 @@ in one process on the same weights and tokens. Per model and implementation:
 * step peak: the peak live bytes above the pre-step baseline during the whole step
   (model activations, logits and gradients included), from the same profiler.
 
+``--compile`` adds grouped_mm and torch_moe under ``torch.compile(fullgraph=True)``
+(inductor; "x torch_moe" still against torch_moe without compile). transformers' eager
+loop does not compile with ``fullgraph=True`` (data-dependent expert loop).
+
 "batched_mm" gathers one [N, D] weight matrix per (token, expert) pair: where that gather
 alone would exceed ``--batched-mm-gib`` it is skipped and the row says how much it needs.
 On CUDA (``--device cuda``) times use CUDA events and memory ``max_memory_allocated``, and
@@ -116,9 +120,10 @@ def batched_mm_gib(model: nn.Module, tokens: int) -> float:
     return tokens * k * per_pair * up.element_size() / 2**30
 
 
-def step(model: nn.Module, ids: torch.Tensor) -> None:
+def step(model: nn.Module, ids: torch.Tensor, call: Any = None) -> None:
+    """Forward, loss, backward; ``call``: a compiled ``model`` to run instead."""
     model.zero_grad(set_to_none=True)
-    logits = model(ids).logits
+    logits = (model if call is None else call)(ids).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
     loss.backward()
 
@@ -172,16 +177,16 @@ def experts_saved_bytes(model: nn.Module, ids: torch.Tensor, device: str) -> int
     return final - keep[0].numel() * keep[0].element_size()
 
 
-def step_peak_bytes(model: nn.Module, ids: torch.Tensor, device: str) -> int:
+def step_peak_bytes(model: nn.Module, ids: torch.Tensor, device: str, call: Any = None) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step(model, ids)
+        step(model, ids, call)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     model.zero_grad(set_to_none=True)
-    peak, _ = live_bytes_timeline(lambda: step(model, ids))
+    peak, _ = live_bytes_timeline(lambda: step(model, ids, call))
     return peak
 
 
@@ -207,22 +212,57 @@ def available(
 
 
 def time_steps(
-    model: nn.Module, ids: torch.Tensor, impls: list[str], rounds: int, device: str
+    model: nn.Module,
+    ids: torch.Tensor,
+    impls: list[str],
+    rounds: int,
+    device: str,
+    calls: dict[str, Any] | None = None,
 ) -> dict[str, float]:
+    """Median step time per implementation, interleaved; ``calls``: a compiled model per
+    implementation (its first call compiles: the warm-up)."""
+    calls = calls or {}
     clock = time.perf_counter if device == "cuda" else time.process_time
     for impl in impls:  # warm-up
         model.set_experts_implementation(impl)
-        step(model, ids)
+        step(model, ids, calls.get(impl))
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(rounds):
         for impl in impls:
             model.set_experts_implementation(impl)
             _sync(device)
             t0 = clock()
-            step(model, ids)
+            step(model, ids, calls.get(impl))
             _sync(device)
             times[impl].append(clock() - t0)
     return {impl: statistics.median(ts) for impl, ts in times.items()}
+
+
+def compiled_rows(
+    model: nn.Module,
+    ids: torch.Tensor,
+    label: str,
+    eager_torch_moe: float,
+    args: argparse.Namespace,
+) -> list[str]:
+    """grouped_mm and torch_moe under torch.compile(fullgraph=True), default (inductor)."""
+    impls = ["grouped_mm", "torch_moe"]
+    torch._dynamo.reset()
+    calls = {impl: torch.compile(model, fullgraph=True) for impl in impls}
+    t0 = time.perf_counter()
+    times = time_steps(model, ids, impls, args.rounds, args.device, calls)
+    wall = time.perf_counter() - t0
+    rows = []
+    for impl in impls:
+        model.set_experts_implementation(impl)
+        peak = step_peak_bytes(model, ids, args.device, calls[impl])
+        t = times[impl]
+        rows.append(
+            f"| {label} | {impl} + inductor | {t * 1e3:.0f} | {t / eager_torch_moe:.2f} | "
+            f"{ids.numel() / t:.0f} | | | {peak / 2**20:.0f} |"
+        )
+    print(f"# {label}: compiling and timing took {wall:.0f} s", file=sys.stderr, flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batched-mm-gib", type=float, default=2.0,
                    help="skip batched_mm where its per-layer weight gather exceeds this")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time grouped_mm and torch_moe under torch.compile(fullgraph=True) (inductor)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -292,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{ids.numel() / t:.0f} | {saved[impl] / 2**20:.1f} | "
                 f"{saved[impl] / best_other:.2f} | {peak[impl] / 2**20:.0f} |"
             )
+        if args.compile:
+            lines += compiled_rows(model, ids, label, times["torch_moe"], args)
         print("\n".join(lines[-len(impls) :]), file=sys.stderr, flush=True)
         del model
     print("\n".join(lines))

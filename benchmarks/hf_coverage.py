@@ -355,7 +355,9 @@ def check_experts(family: str, cls: type) -> dict[str, Any]:
         ]
     err = max(_ulps(a, b, F32_EPS) for a, b in zip(res["torch_moe"], res["eager"]))
     flags = [
-        f for f in tmt.LAYOUT_FLAGS if getattr(layout, f) != (f in ("has_gate", "is_concatenated"))
+        f"{f}={getattr(layout, f)}"
+        for f in tmt.LAYOUT_FLAGS
+        if getattr(layout, f) != (f in ("has_gate", "is_concatenated"))
     ]
     act_name = type(getattr(experts, "act_fn", None)).__name__
     if not layout.has_gate:
@@ -635,6 +637,41 @@ def table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def readme_table(rows: list[dict[str, Any]]) -> str:
+    """The compact table of the README's "HF transformers" section."""
+    out = [
+        "| family | experts: path (flags) | tiny model vs eager / grouped_mm | to_torch_moe |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        ex = row["experts"]
+        if not all(x.get("ok") for x in ex):
+            exp = "FAIL"
+        else:
+            exp = "; ".join(
+                x["path"] + (f" ({', '.join(x['flags'])})" if x["flags"] else "") for x in ex
+            )
+            exp = exp if len({x["path"] for x in ex}) > 1 or len(ex) == 1 else ex[0]["path"]
+        m = row["model"]
+        if "error" in m:
+            mod, conv = "not built generically (experts checked alone)", ""
+        else:
+            b = m["bf16"]
+            parts = ["fp32 ok" if m["fp32_ok"] else "fp32 FAIL"]
+            if isinstance(b, dict):
+                parts.append("bf16 ok" if b["ok"] else "bf16 FAIL")
+            else:
+                parts.append("bf16: HF model fails on CPU")
+            if m["generate"] == "equal":
+                parts.append("generate equal")
+            elif not m["generate"].startswith("n/a"):
+                parts.append("generate " + m["generate"])
+            mod = ", ".join(parts)
+            conv = "yes" if m["convert"].startswith("yes") else "no"
+        out.append(f"| {row['family']} | {exp} | {mod} | {conv} |")
+    return "\n".join(out) + "\n"
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
     n = len(rows)
     experts_ok = sum(all(x.get("ok") for x in r["experts"]) for r in rows)
@@ -678,6 +715,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", default="", help="comma-separated subset (default: all)")
     parser.add_argument("--out", default="", help="write the markdown report here")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (tiny ops)")
+    parser.add_argument("--readme", default="", help="write the README's compact table here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
@@ -701,6 +739,9 @@ def main(argv: list[str] | None = None) -> None:
             cmd = ["python benchmarks/hf_coverage.py", *(sys.argv[1:] if argv is None else argv)]
             f.write(REPORT_HEAD.format(cmd=" ".join(cmd)))
             f.write(text + REPORT_NOTES)
+    if args.readme:
+        with open(args.readme, "w") as f:
+            f.write(readme_table(rows))
     print()
     print(text)
 

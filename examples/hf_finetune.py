@@ -218,6 +218,25 @@ def write_plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) ->
     plt.close(fig)
 
 
+def compare_summary(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each implementation's losses against eager's: the largest relative difference over
+    the first 20 steps and over the run, and the final loss (mean of the last 10 steps)."""
+    ref = [r["loss"] for r in runs["eager"]]
+    lines = []
+    for impl, recs in runs.items():
+        loss = [r["loss"] for r in recs]
+        rel = [abs(a - b) / b for a, b in zip(loss, ref)]
+        final = sum(loss[-10:]) / len(loss[-10:])
+        line = f"{impl}: final loss {final:.4f}"
+        if impl != "eager":
+            line += (
+                f", vs eager: max relative loss difference {max(rel[:20]):.1e} over the first "
+                f"{min(20, len(rel))} steps, {max(rel):.1e} over all {len(rel)}"
+            )
+        lines.append(line)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     args = parse_args(argv)
     if args.threads:
@@ -235,10 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         print(f"{impl}: loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps), "
               f"median {tok_s:.0f} tokens/s, {time.perf_counter() - t0:.0f} s")  # fmt: skip
     if args.compare:
-        ref = [r["loss"] for r in runs["eager"]]
-        for impl in impls[1:]:
-            diff = max(abs(a["loss"] - b) / b for a, b in zip(runs[impl], ref))
-            print(f"{impl} vs eager: max relative loss difference {diff:.2e} over {len(ref)} steps")
+        for line in compare_summary(runs):
+            print(line)
         write_plot(runs, out / "compare.png", f"Qwen3-MoE (random, tiny), {args.precision}")
         print(f"wrote {out}/<implementation>/metrics.jsonl, train.png and {out}/compare.png")
     else:

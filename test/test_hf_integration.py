@@ -14,6 +14,7 @@ import importlib.metadata
 import io
 import os
 import unittest
+import unittest.mock
 import warnings
 
 import torch
@@ -432,6 +433,17 @@ class TestExpertsBackend(_OneThread, TestCase):
         del experts.down_proj_bias
         with self.assertRaisesRegex(ValueError, r"has_bias=True but 'down_proj_bias'"):
             tmt.experts_layout(experts)
+        # a layout flag of a newer transformers that this backend does not implement
+        from torch_moe.integrations import _transformers_experts as backend
+
+        experts = _toy_experts_class({}, "silu")(_ToyConfig())
+        self.assertEqual(backend.UNKNOWN_FLAGS, {})  # none in the tested version
+        experts.has_shared_experts = True
+        with unittest.mock.patch.dict(backend.UNKNOWN_FLAGS, {"has_shared_experts": False}):
+            with self.assertRaisesRegex(
+                NotImplementedError, r"_ToyExperts has the layout flag has_shared_experts=True"
+            ):
+                tmt.experts_forward(experts, torch.zeros(1, 8), None, None)
         with self.assertRaisesRegex(ValueError, r"unknown low-precision recipe 'fp7'"):
             tmt.set_precision(tiny_model("mixtral"), "fp7")
         with self.assertRaisesRegex(ValueError, r"set_precision: Linear has no transformers"):

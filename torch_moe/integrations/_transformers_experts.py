@@ -53,6 +53,7 @@ weights, ``act_fn``) come from the model's config, not from a class torch_moe kn
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,12 +115,32 @@ def _default_gate(experts: Any) -> bool:
     return getattr(type(experts), "_apply_gate", None) is _default_apply_gate
 
 
+def _unknown_flags() -> dict[str, Any]:
+    """Layout flags of the installed ``use_experts_implementation`` that this backend does
+    not implement, with their defaults (empty for the tested transformers versions)."""
+    try:
+        from transformers.integrations.moe import use_experts_implementation
+    except ImportError:  # pragma: no cover - transformers is what calls this backend
+        return {}
+    params = inspect.signature(use_experts_implementation).parameters
+    return {
+        n: p.default
+        for n, p in params.items()
+        if n not in (*LAYOUT_FLAGS, "experts_class", "experts_interface")
+    }
+
+
+UNKNOWN_FLAGS = _unknown_flags()
+
+
 def experts_layout(experts: Any) -> ExpertsLayout:
     """Read and check an HF experts module's layout flags and weights.
 
     Raises ``TypeError`` / ``ValueError`` naming the flag or weight that this backend
     cannot run (a module without the ``@use_experts_implementation`` flags, a missing
-    weight or bias, quantized (non-float) weights, inconsistent shapes).
+    weight or bias, quantized (non-float) weights, inconsistent shapes), and
+    ``NotImplementedError`` naming a layout flag newer than this backend set to a
+    non-default value.
     """
     name = type(experts).__name__
     missing = [f for f in LAYOUT_FLAGS if not hasattr(experts, f)]
@@ -128,6 +149,13 @@ def experts_layout(experts: Any) -> ExpertsLayout:
             f"torch_moe experts backend: {name} has no layout flag(s) {missing}; it is not a "
             "transformers experts module decorated with @use_experts_implementation"
         )
+    for flag, default in UNKNOWN_FLAGS.items():
+        value = getattr(experts, flag, default)
+        if value != default:
+            raise NotImplementedError(
+                f"torch_moe experts backend: {name} has the layout flag {flag}={value!r}, which "
+                f"this backend does not implement (it knows {list(LAYOUT_FLAGS)})"
+            )
     flags = {f: bool(getattr(experts, f)) for f in LAYOUT_FLAGS}
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     weights = {}
