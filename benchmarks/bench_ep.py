@@ -384,6 +384,15 @@ def bench_overlap(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, A
             for c, moe in layers.items():
                 torch.testing.assert_close(moe(x), ref)
                 fns[f"EP C={c}"] = functools.partial(moe, x)
+            # the same layers under torch.compile (Inductor) with torch_moe's passes: the EP
+            # overlap pass issues every chunk's dispatch up front and waits late
+            if args.compiled:
+                import torch_moe._inductor as TI
+
+                for c, moe in layers.items():
+                    compiled = torch.compile(moe, fullgraph=True, options=TI.options())
+                    torch.testing.assert_close(compiled(x), ref, rtol=1e-4, atol=1e-5)
+                    fns[f"EP C={c} compiled"] = functools.partial(compiled, x)
         cpu: dict[str, float] = {}
         t = timed_rounds(fns, args.reps, cpu)
     out["overlap"] = (T, D, F, t, cpu)
@@ -469,6 +478,12 @@ def main() -> None:
     parser.add_argument("--overlap-hidden", type=int, default=64)
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--skip-overlap", action="store_true")
+    parser.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="(c): also the ExpertParallel layers under torch.compile with torch_moe's passes",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument(

@@ -148,6 +148,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ep", type=int, default=1, help="expert-parallel degree (= torchrun processes)"
     )
     t.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "inductor", "aot_eager"],
+        help="torch.compile every MoE layer (fullgraph) with this backend",
+    )
+    t.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ..."
     )
     t.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
@@ -539,6 +545,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     moes = model.moe_layers()
     for moe in moes:
         moe.aux_loss_scale = 1.0 / (args.grad_accum * args.ep)
+        if args.compile != "none":  # in place: the module tree and state dict stay as they are
+            moe.compile(fullgraph=True, backend=args.compile)
 
     step = 0
     metrics_path = out / "metrics.jsonl"

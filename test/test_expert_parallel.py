@@ -616,6 +616,20 @@ class TestTrainExampleEP(TestCase):
             with contextlib.redirect_stdout(io.StringIO()):
                 r1 = train_moe_lm.main([*tiny, "--ep", "1", "--out", f"{tmp}/ep1"])
             self.assertIn(f"val loss {r1['val_loss']:.3f}", proc.stdout)
+            # --ep 2 --compile: every MoE layer compiled fullgraph (aot_eager: eager's
+            # kernels) gives the eager --ep 2 loss curve, bit for bit
+            compiled = [*cmd[:-1], f"{tmp}/ep2c", "--compile", "aot_eager"]
+            proc_c = subprocess.run(compiled, env=env, capture_output=True, text=True, timeout=300)
+            self.assertEqual(
+                proc_c.returncode, 0, msg=proc_c.stdout[-2000:] + proc_c.stderr[-3000:]
+            )
+            with (
+                open(f"{tmp}/ep2/metrics.jsonl") as f_eager,
+                open(f"{tmp}/ep2c/metrics.jsonl") as f_c,
+            ):
+                eager_curve = [json.loads(line)["loss"] for line in f_eager]
+                compiled_curve = [json.loads(line)["loss"] for line in f_c]
+            self.assertEqual(compiled_curve, eager_curve, atol=0, rtol=0)
             m1, _ = train_moe_lm.load_model(f"{tmp}/ep1")
             m2, run2 = train_moe_lm.load_model(f"{tmp}/ep2")
             self.assertEqual(run2["ep"], 2)
