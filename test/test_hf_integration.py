@@ -416,9 +416,13 @@ class TestExpertsBackend(_OneThread, TestCase):
         # result, but within a few e4m3 roundings of it
         self.assertNotEqual(fp8, full)
         _rel_close(self, fp8, full, 4, 2.0**-4)
-        # the same recipe inside torch_moe.nn.MoE (to_torch_moe) agrees
-        conv = tmt.to_torch_moe(copy.deepcopy(model), precision="fp8_rowwise")
+        # the same recipe inside torch_moe.nn.MoE (to_torch_moe carries it over) agrees
+        tmt.set_precision(model, "fp8_rowwise")
+        conv = tmt.to_torch_moe(copy.deepcopy(model))
+        self.assertEqual(tmt.torch_moe_blocks(conv)[0][1].moe.experts.precision, "fp8_rowwise")
         _rel_close(self, _run(conv, ids)[0], fp8, 64, F32_EPS)
+        tmt.from_torch_moe(conv)  # and back: the HF experts keep the recipe
+        self.assertEqual(_run(conv, ids, "torch_moe")[0], fp8, atol=0, rtol=0)
 
     def test_bad_input(self):
         import torch_moe.integrations.transformers as tmt

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torch_moe.integrations._transformers_experts import experts_layout
+from torch_moe.integrations._transformers_experts import RECIPE_ATTR, experts_layout
 from torch_moe.nn import MoE
+from torch_moe.quantization import RECIPES, Recipe
 
 __all__ = [
     "SUPPORTED_BLOCKS",
@@ -303,9 +304,21 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def _experts_recipe(experts: Any) -> Recipe | None:
+    """The low-precision recipe the "torch_moe" backend runs ``experts`` in, if any."""
+    recipe = getattr(experts, RECIPE_ATTR, None)
+    impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if isinstance(impl, str) and impl.startswith("torch_moe_") and impl[10:] in RECIPES:
+        recipe = RECIPES[impl[10:]]
+    return recipe
+
+
 def _convert_block(block: Any, cfg: dict[str, Any], options: dict[str, Any]) -> TorchMoEBlock:
     kind = SUPPORTED_BLOCKS[type(block).__name__]
     experts, gate = block.experts, block.gate
+    recipe = _experts_recipe(experts)
+    if "precision" not in options and recipe is not None:
+        options = {**options, "precision": recipe}  # keep what set_precision chose
     w13, w2 = experts.gate_up_proj, experts.down_proj
     device, dtype = w13.device, w13.dtype
     moe = MoE(**cfg, **options, device="meta", dtype=dtype)
@@ -345,7 +358,9 @@ def to_torch_moe(model: nn.Module, **moe_options: Any) -> nn.Module:
     """Replace every HF sparse-MoE block of ``model`` by a :class:`TorchMoEBlock` (in place).
 
     ``moe_options``: ``precision``, ``aux_loss``, ``aux_loss_coeff``, ``z_loss_coeff`` of
-    :class:`torch_moe.nn.MoE` (the defaults compute what the HF blocks compute). Every block
+    :class:`torch_moe.nn.MoE` (the defaults compute what the HF blocks compute; the
+    precision defaults to the recipe ``set_precision`` / a ``"torch_moe_<recipe>"``
+    implementation gave the experts, and ``from_torch_moe`` gives it back). Every block
     is checked before any is replaced; an unsupported one raises ``NotImplementedError``
     naming its class, router or layout flag. Returns ``model``.
     """
@@ -411,6 +426,8 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
             if shared.gate is not None:
                 sd["shared_expert_gate.weight"] = shared.gate
         block.load_state_dict(sd, strict=True, assign=True)
+        if moe.experts.recipe is not None:  # the "torch_moe" backend keeps running it
+            setattr(block.experts, RECIPE_ATTR, moe.experts.recipe)
         leftover = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
         if leftover:
             raise RuntimeError(f"from_torch_moe: {tb.family} has tensors with no value: {leftover}")
