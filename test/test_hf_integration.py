@@ -437,6 +437,14 @@ class TestExpertsBackend(_OneThread, TestCase):
         del experts.down_proj_bias
         with self.assertRaisesRegex(ValueError, r"has_bias=True but 'down_proj_bias'"):
             tmt.experts_layout(experts)
+        experts = _toy_experts_class({}, "silu")(_ToyConfig())
+        ids, w = torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+        with self.assertRaisesRegex(
+            ValueError, r"expected hidden_states \[T, D\] .* got \[1, 3, 8\]"
+        ):
+            tmt.experts_forward(experts, torch.zeros(1, 3, 8), ids, w)
+        with self.assertRaisesRegex(ValueError, r"top_k_weights \[3, 1\] must have top_k_index's"):
+            tmt.experts_forward(experts, torch.zeros(3, 8), ids, w[:, :1])
         # a layout flag of a newer transformers that this backend does not implement
         from torch_moe.integrations import _transformers_experts as backend
 
