@@ -12,7 +12,7 @@ Public surface: ``torch_moe.ops`` (routing, permute/unpermute, grouped GEMMs) an
 # and the interpreter can abort at exit ("terminate called without an active exception").
 # Importing it here, with torch_moe, puts it before init_process_group in the usual order
 # (import, init, train, destroy, exit). See upstream_patches/0002-distributed-gloo-exit.
-import torch._dynamo  # noqa: F401, I001
+import torch._dynamo  # noqa: F401
 
 from torch_moe import _ops, nn, ops  # noqa: F401  (registers the ops)
 
