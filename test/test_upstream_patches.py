@@ -1,13 +1,14 @@
-"""Fast checks of upstream_patches/: formats, the pinned version and the import overlay.
+"""Fast checks of upstream_patches/: formats, index lines, the checker's logic, the overlay.
 
-The full check (apply every patch, run each patch's test against stock and patched
-torch) is ``python upstream_patches/check.py``, run by .ci/run (~2 min here).
+The full check (apply every series, run each patch's test against stock and patched
+torch) is ``python upstream_patches/check.py``, run by .ci/run (about a minute).
 """
 
 import importlib.util
 import subprocess
 import sys
 import tempfile
+import unittest
 from pathlib import Path
 
 from torch.testing._internal.common_utils import TestCase, run_tests
@@ -24,6 +25,11 @@ def _load_checker():
 
 
 check = _load_checker()
+SITE = check.torch_site()
+
+
+def _first_patch(series_prefix):
+    return next(ROOT.glob(f"{series_prefix}*/0001-*.patch"))
 
 
 class TestUpstreamPatches(TestCase):
@@ -32,23 +38,90 @@ class TestUpstreamPatches(TestCase):
         self.assertRegex(version, r"^\d+\.\d+\.\d+$")
         self.assertRegex(commit, r"^[0-9a-f]{40}$")
 
-    def test_every_patch_is_well_formed(self):
-        series = sorted(p for p in ROOT.iterdir() if p.is_dir() and p.name[:4].isdigit())
-        self.assertTrue(series)
-        for folder in series:
-            for result in check.check_series(folder, Path(), format_only=True):
+    def test_every_series_is_well_formed(self):
+        folders = check.series_folders()
+        self.assertGreaterEqual(len(folders), 7)
+        for folder in folders:
+            results = check.check_series(folder, SITE, format_only=False)
+            self.assertTrue(results, folder.name)
+            for result in results:
                 self.assertTrue(result.ok, f"{result.name}: {result.problems}")
-                self.assertRegex(result.title, r"^\[\w+\] ")
+                if result.kind != "issue":
+                    self.assertRegex(result.title, r"^\[\w+\] ")
+                    self.assertTrue(result.test_classes, result.name)
+                    self.assertTrue(all(f.startswith("test/") for f in result.test_files))
 
-    def test_checker_flags_missing_test_plan(self):
-        patch = next(ROOT.glob("0001-*/0001-*.patch"))
+    def test_native_files_are_listed(self):
+        sources = check.read_upstream_sources()
+        natives = [
+            f for p in ROOT.glob("*/*.patch") for f in check.touched_files(p) if check.is_native(f)
+        ]
+        self.assertTrue(natives)
+        for rel in natives:
+            self.assertIn(rel, sources)
+
+    def test_checker_flags_missing_sections_and_test(self):
+        patch = _first_patch("0001-")
         with tempfile.TemporaryDirectory() as tmp:
             bad = Path(tmp) / "0001-bad.patch"
-            bad.write_text(patch.read_text().replace("Test Plan:", "Testing:"))
+            text = patch.read_text().replace("Test Plan:", "Testing:").replace("Summary:", "")
+            bad.write_text(text)
             result = check.Result(name="bad")
             check.check_format(bad, result)
         self.assertIn("commit message has no 'Test Plan:' section", result.problems)
-        self.assertIn("no test file tests/test_0001_*.py", result.problems)
+        self.assertIn("commit message has no 'Summary:' section", result.problems)
+
+    def test_checker_flags_a_diff_without_its_test(self):
+        patch = _first_patch("0004-")
+        text = patch.read_text()
+        head, diff = text.split("\ndiff --git ", 1)
+        kept = [d for d in ("diff --git " + diff).split("\ndiff --git ") if "b/test/" not in d]
+        with tempfile.TemporaryDirectory() as tmp:
+            bad = Path(tmp) / "0001-bad.patch"
+            bad.write_text(head + "\n" + "\ndiff --git ".join(kept))
+            result = check.Result(name="bad")
+            check.check_format(bad, result)
+        self.assertIn(
+            "no test in the diff (a test/**/*.py file at its upstream path)", result.problems
+        )
+
+    def test_checker_flags_a_foreign_pre_image(self):
+        patch = _first_patch("0004-")
+        text = patch.read_text()
+        real = check.pre_image_blobs(text)["torch/nn/functional.py"]
+        with tempfile.TemporaryDirectory() as tmp:
+            bad = Path(tmp) / "0001-bad.patch"
+            bad.write_text(text.replace(f"index {real}..", "index 1234567.."))
+            result = check.Result(name="bad")
+            check.check_format(bad, result, SITE)
+        self.assertTrue(
+            any("pre-image blob 1234567 is not the upstream blob" in p for p in result.problems),
+            result.problems,
+        )
+
+    def test_class_outcomes_include_device_instantiations(self):
+        outcomes = {
+            "TestFooCPU": [("a", "failed")],
+            "TestFooCUDA": [("a", "skipped")],
+            "TestFoobar": [("b", "passed")],
+        }
+        picked = check.class_outcomes(outcomes, ["TestFoo"])
+        self.assertEqual(sorted(o for _, o in picked), ["failed", "skipped"])
+        self.assertEqual(check.summarize(picked), "1 failed, 1 skipped")
+
+    @unittest.skipIf(
+        not (check.DEFAULT_UPSTREAM_SRC).is_dir(), "no upstream source cache on this machine"
+    )
+    def test_native_patch_applies_to_the_cached_upstream_file(self):
+        folder = next(ROOT.glob("0005-*"))
+        series = check.load_series(folder, SITE)
+        with tempfile.TemporaryDirectory() as tmp:
+            check.apply_series(series, SITE, check.DEFAULT_UPSTREAM_SRC, Path(tmp))
+        (result,) = series.results
+        self.assertTrue(result.ok, result.problems)
+        self.assertRegex(
+            result.status[0], r"^native: applies to upstream [0-9a-f]{12}, not compiled"
+        )
 
     def test_overlay_serves_patched_module(self):
         with tempfile.TemporaryDirectory() as tmp:
