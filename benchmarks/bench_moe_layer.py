@@ -2,7 +2,7 @@
 does it keep for the backward, next to the straightforward per-expert loop?
 
 For each shape: tokens/s, the time over the GEMM floor (routed-expert FLOPs
-18*T*K*D*F over the large-GEMM rate measured in the same run, DESIGN.md §7; printed
+18*T*K*D*F over the large-GEMM rate measured in the same run, docs/design.md §8; printed
 against the bf16 mm rate and against the fp32 mm rate, the hardware limit on a CPU
 without native bf16 where torch_moe upcasts), and saved-activation bytes per token
 (distinct tensors saved for backward, parameters excluded). The peer is the pattern of

@@ -6,7 +6,7 @@ in one process, interleaved round by round (median of ``--reps`` rounds), and pr
 * the floor of each op, measured in the same run: bytes moved over the measured copy
   bandwidth for data movement, FLOPs over the measured large-GEMM rate for GEMMs. Two
   GEMM floors are printed: the rate of a large ``torch.mm`` in the benchmark dtype (the
-  definition of DESIGN.md §7), and the fp32 rate (the hardware limit of a CPU without
+  definition of docs/design.md §8), and the fp32 rate (the hardware limit of a CPU without
   native bf16, where torch_moe upcasts, see torch_moe/_ops/grouped_mm.py);
 * a plain-torch peer: ``torch._grouped_mm`` with autograd, ``index_select`` /
   ``index_add_`` dispatch and combine, softmax + topk routing;

@@ -22,7 +22,7 @@ def route(
     route_norm: bool = False,
     route_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token routing in float64 (DESIGN.md §3). Returns weights, ids, counts."""
+    """Per-token routing in float64 (docs/design.md §4). Returns weights, ids, counts."""
     num_tokens, num_experts = logits.shape
     weights = torch.zeros(num_tokens, k, dtype=torch.float64)
     ids = torch.zeros(num_tokens, k, dtype=torch.int64)
@@ -127,7 +127,7 @@ def moe(
 
 
 def _capacity(config: dict, num_tokens: int) -> int | None:
-    """ceil(capacity_factor * T * K / E) assignments per expert (DESIGN.md §3), None: dropless."""
+    """ceil(capacity_factor * T * K / E) assignments per expert (docs/design.md §4), None: dropless."""
     factor = config.get("capacity_factor")
     if factor is None:
         return None

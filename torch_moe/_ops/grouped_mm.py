@@ -7,7 +7,7 @@ Legend: M rows, K reduction dim, N output dim, E groups (experts).
 ``offs[-1]`` the first row past the last group, so ``offs[-1] <= M``). Empty groups are
 allowed. Output rows at or past ``offs[-1]`` are zero, in the forward and in dX.
 
-Why not just ``torch._grouped_mm`` (measured on torch 2.13, DESIGN.md §6): its backward
+Why not just ``torch._grouped_mm`` (measured on torch 2.13, docs/design.md §9): its backward
 fails on zero-stride gradients (``out.sum().backward()``), it needs K and N to be
 multiples of 16 bytes, leaves dX rows past ``offs[-1]`` uninitialized, accepts
 non-monotone ``offs``, and its meta kernel only accepts bf16. Dispatch here:
@@ -20,11 +20,11 @@ non-monotone ``offs``, and its meta kernel only accepts bf16. Dispatch here:
 * anything else: the host loop.
 
 NB (CPU half precision): on CPUs without native bf16/fp16 GEMMs (no AVX512-BF16 /
-AMX, e.g. this AVX2 machine) oneDNN emulates them at ~17 GFLOP/s with one operand
-transposed and ~0.8 GFLOP/s with both row-major, while fp32 runs at ~100 GFLOP/s.
-There, each group is upcast to fp32, multiplied, and rounded once into the output:
-the same function (fp32 accumulation, one rounding), ~4x faster. With native support
-we keep half precision and only fix the layout.
+AMX) oneDNN emulates them, much slower than fp32 and slowest with both operands
+row-major (rates: benchmarks/results/ops_cpu_202611.md). There, each group is upcast to
+fp32, multiplied, and rounded once into the output: the same function (fp32
+accumulation, one rounding), and faster. With native support we keep half precision
+and only fix the layout.
 """
 
 from __future__ import annotations

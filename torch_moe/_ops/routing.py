@@ -2,7 +2,7 @@
 
 Legend: T tokens, E experts, K top-k, G expert groups, L limited (kept) groups.
 
-Semantics (DESIGN.md §3), all math in fp32 (fp64 when the logits are fp64):
+Semantics (docs/design.md §4), all math in fp32 (fp64 when the logits are fp64):
 
 * ``score_func="softmax"``: scores = softmax(logits) over all E experts, then top-k
   (Mixtral, Qwen2/3-MoE).

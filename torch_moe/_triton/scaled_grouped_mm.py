@@ -22,7 +22,7 @@ block instead of touching the operands. When one scale covers the whole reductio
 tensorwise, per-group wgrad) the scales multiply the accumulator once, in the epilogue.
 Per-tensor scales are read through zero strides. MX blocks (32 along the reduction, E8M0
 scales) are too short to promote per block (the tensor cores would wait on every 32-wide
-product: measured 0.3x of bf16 on the H200), so the kernel dequantizes them in the loop:
+product: benchmarks/results/quant_h200_202611.md), so the kernel dequantizes them in the loop:
 ``q * 2^e`` is exact in bf16 (8 exponent bits, e4m3's 3 mantissa bits), and the tile runs on
 the bf16 tensor cores, the path Hopper has for MX (no native MX MMA before sm_100).
 

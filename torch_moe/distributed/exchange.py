@@ -20,11 +20,8 @@ them expert-major, so the receiver gathers every row once after the dispatch and
 more before the combine (and the backward does both again). Sent as one segment per
 (destination, expert), the rows land expert-major directly and the combine sends each
 expert's output rows straight back into the sender's row order: no row is copied outside
-the transport. Measured with gloo on 2 CPU cores, 2 and 4 ranks (ExpertParallel's
-exchange, T*K*D fp32 rows out and back, E=16, K=4; benchmarks/results/ep_cpu_202611.md):
-at 2048-8192 tokens per rank the segment exchange took 0.91-1.19x a bare
-``all_to_all_single`` of the same bytes, the all-to-all + reorders 1.42-1.66x; at 512
-tokens both took 1.4-1.9x, latency-bound (0.13-0.19 ms per gloo message there).
+the transport. Both exchanges against a bare ``all_to_all_single`` of the same bytes (gloo,
+2 and 4 ranks): benchmarks/results/ep_cpu_202611.md.
 
 The cost is more messages: R*El per direction instead of R. Each is a ``P2POp`` of one
 ``dist.batch_isend_irecv`` call (one NCCL group, so one kernel launch on GPU; gloo posts

@@ -25,8 +25,8 @@ Across nodes that is one message per (node pair, local index), N*(N-1)*L in all,
 instead of one per (rank pair), R*(R-L); each message is L times larger on average.
 It pays where cross-node messages are latency-bound (many ranks per node, small
 per-rank chunks); on a single host it only adds work: two row reorders, a second
-exchange and the split gather (2.2-3.1x the flat time at 2 x 2 with gloo on one
-machine, benchmarks/results/ep_cpu_202611.md).
+exchange and the split gather (measured against the flat exchange on one machine:
+benchmarks/results/ep_cpu_202611.md).
 
 NB: split bookkeeping. Stage 1's receive sizes and stage 2's sizes depend on rows that
 other ranks of the node send to other ranks, so every rank needs the full R x R split
