@@ -415,6 +415,47 @@ class TestExpertParallel2(_EPClass):
             "'dispatch backward'"
         ).check(wait).check(wait).check("unpermute.default(").run(bwd)
 
+    def test_low_latency_inference(self):
+        """mode="low_latency" in inference: fixed-size buffers, one all-to-all of equal
+        splits per direction and no counts exchange; the outputs of the training exchange,
+        bit for bit (bf16 and FP8 experts, FP8 dispatch, an empty rank); a rank over its
+        token budget raises instead of dropping."""
+        tokens = [5, 0]
+        for precision, dispatch_dtype in (
+            ("bf16", None),
+            ("fp8_rowwise", None),
+            ("bf16", torch.float8_e4m3fn),
+        ):
+            base = make_moe(shared_hidden_dim=8, precision=precision).eval()
+            training, low = copy.deepcopy(base), copy.deepcopy(base)
+            style = dict(dispatch_dtype=dispatch_dtype)
+            parallelize_module(training, self.mesh(), ExpertParallel(**style))
+            parallelize_module(
+                low,
+                self.mesh(),
+                ExpertParallel(mode="low_latency", max_tokens_per_rank=8, **style),
+            )
+            for num_tokens in (7, tokens[self.rank]):
+                x = torch.randn(num_tokens, DIM)
+                with torch.inference_mode():
+                    ref = training(x)
+                    with OpCounter() as ops:
+                        got = low(x)
+                self.assertEqual(got, ref, atol=0, rtol=0, msg=precision)
+                # no ep_* op (no counts exchange, no host plan): three equal all-to-alls each way
+                self.assertEqual(
+                    ops.counts, {"all_to_all_single": 4 + (dispatch_dtype is not None)}
+                )
+        with (
+            torch.inference_mode(),
+            self.assertRaisesRegex(
+                ValueError, r"this rank has 9 tokens, more than max_tokens_per_rank=8"
+            ),
+        ):
+            low(torch.randn(9, DIM))
+        with self.assertRaisesRegex(ValueError, "needs max_tokens_per_rank"):
+            ExpertParallel(mode="low_latency")
+
     def test_config_errors(self):
         mesh = self.mesh()
         # num_experts not divisible by the EP degree: an error before any collective
@@ -484,6 +525,18 @@ class TestExpertParallel4(_EPClass):
         self.check_matches_single_process([5, 2, 0, 9], style=ExpertParallel(node_size=2))
         style = ExpertParallel(num_chunks=2, node_size=2)
         self.check_matches_single_process([3, 8, 4, 1], style=style, shared_hidden_dim=8)
+
+    def test_low_latency_inference(self):
+        base = make_moe(**DEEPSEEK).eval()
+        deepseek_setup(base)
+        training, low = copy.deepcopy(base), copy.deepcopy(base)
+        parallelize_module(training, self.mesh(), ExpertParallel())
+        parallelize_module(
+            low, self.mesh(), ExpertParallel(mode="low_latency", max_tokens_per_rank=6)
+        )
+        x = torch.randn((6, 2, 0, 5)[self.rank], DIM)
+        with torch.inference_mode():
+            self.assertEqual(low(x), training(x), atol=0, rtol=0)
 
     def test_compile_fullgraph_chunks(self):
         self.check_compiled_equals_eager({"num_chunks": 2}, shared_hidden_dim=8)

@@ -66,12 +66,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torch_moe.distributed import dispatch as _dispatch  # noqa: F401  (registers the ops)
 from torch_moe.distributed.dispatch import chunk_offsets
+from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
 __all__ = ["ExpertParallel", "ExpertParallelDispatcher"]
 
 Exchange = Literal["p2p", "all_to_all"]
+Mode = Literal["training", "low_latency"]
 _EXPERT_PARAMS = ("w13", "w2")
 _DISPATCH_DTYPES = (None, torch.float8_e4m3fn)
+_FP8_BLOCK = (1, 128)  # FP8 dispatch: one scale per 128 values of a row
 _ops = torch.ops.torch_moe
 
 
@@ -96,8 +99,12 @@ class ExpertParallelDispatcher(nn.Module):
         exchange: Exchange = "p2p",
         dispatch_dtype: torch.dtype | None = None,
         node_size: int | None = None,
+        mode: Mode = "training",
+        max_tokens_per_rank: int | None = None,
     ) -> None:
         super().__init__()
+        self.mode: Mode = mode
+        self.max_tokens_per_rank = max_tokens_per_rank
         self.group_name = group.group_name
         self.world = dist.get_world_size(group)
         self.num_experts = num_experts
@@ -142,8 +149,83 @@ class ExpertParallelDispatcher(nn.Module):
             self.node_size, num_rows,
         )  # fmt: skip
 
+    def run_low_latency(
+        self, experts: nn.Module, x: Tensor, ids_TK: Tensor, perm: Any, row_weights: Tensor
+    ) -> Tensor:
+        """Inference exchange with fixed-size buffers: no counts round trip, no host sync,
+        shapes from ``max_tokens_per_rank`` only (CUDA-graph capturable).
+
+        Every rank sends every other rank a buffer of B = max_tokens_per_rank * K rows (its
+        rows for that rank's experts first, unused slots marked -1) with one all-to-all of
+        equal splits, and gets the results back the same way. The owner sorts what it got
+        by local expert (stable: by source rank, then the sender's order, as the training
+        exchange delivers them), so every expert sees the same rows in the same order as in
+        training: the same outputs. Returns this rank's rows [M, D] in its permuted order.
+        """
+        T = x.shape[0]
+        K = ids_TK.shape[1]
+        cap = self.max_tokens_per_rank
+        if cap is None or T > cap:
+            raise ValueError(
+                f"ExpertParallel(mode='low_latency'): this rank has {T} tokens, more than "
+                f"max_tokens_per_rank={cap}; raise max_tokens_per_rank (nothing is dropped)"
+            )
+        R, El, E = self.world, self.num_local, self.num_experts
+        B = cap * K  # slots per destination rank
+        row_to_slot, offs = perm.row_to_slot, perm.offs
+        M = row_to_slot.shape[0]
+        dev = x.device
+        # each permuted row's expert, destination rank and slot there (no host sync)
+        rows = torch.arange(M, device=dev)
+        expert = torch.searchsorted(offs.to(torch.int64), rows, right=True)  # E: padding/tail
+        valid = (row_to_slot >= 0) & (expert < E)
+        dest = torch.where(valid, expert // El, 0)
+        ends = offs.to(torch.int64).view(R, El)[:, -1]
+        dest_start = torch.cat([ends.new_zeros(1), ends[:-1]])
+        slot = torch.where(valid, dest * B + rows - dest_start[dest], R * B)  # R*B: dump row
+        tokens = torch.where(valid, row_to_slot // K, 0)
+        local_expert = torch.where(valid, expert % El, -1).to(torch.int32)
+        send_e = local_expert.new_full((R * B + 1,), -1).index_copy_(0, slot, local_expert)
+        send_w = row_weights.new_zeros(R * B + 1).index_copy_(0, slot, row_weights)
+        splits = [B] * R
+        if self.fp8:  # the T tokens quantized once (1x128 blocks); e4m3 rows and scales travel
+            q, scale = quantize_fp8(x, _FP8_BLOCK)
+            send_q = self._scatter_rows(q.view(torch.uint8).index_select(0, tokens), slot, R * B)
+            send_s = self._scatter_rows(scale.index_select(0, tokens), slot, R * B)
+            recv_q = self._all_to_all(send_q, splits).view(torch.float8_e4m3fn)
+            recv_x = dequantize_fp8(recv_q, self._all_to_all(send_s, splits), _FP8_BLOCK, x.dtype)
+        else:
+            send_x = self._scatter_rows(x.index_select(0, tokens), slot, R * B)
+            recv_x = self._all_to_all(send_x, splits)
+        recv_e = self._all_to_all(send_e[: R * B], splits)
+        recv_w = self._all_to_all(send_w[: R * B], splits)
+        # by local expert (unused slots last: expert El); K = 1 per received row
+        key = torch.where(recv_e >= 0, recv_e, El).to(torch.int64)[:, None]
+        perm2 = torch.ops.torch_moe.permute_indices(key, El + 1, 1, None)
+        r2s, s2r, offs2 = perm2[0], perm2[1], perm2[2]
+        w_sorted = recv_w.index_select(0, r2s)
+        y_sorted = experts.forward_tokens(recv_x, r2s, s2r, offs2[:El], w_sorted)  # type: ignore[operator]
+        y_recv = torch.ops.torch_moe.unpermute(y_sorted, s2r, r2s, None)  # back to recv order
+        back = self._all_to_all(y_recv, splits)
+        y = back.index_select(0, torch.where(valid, slot, 0))
+        return torch.where(valid[:, None], y, 0)
+
+    @staticmethod
+    def _scatter_rows(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
+        """rows [M, ...] into a zero buffer [num_slots, ...] at ``slot`` (num_slots: dropped)."""
+        buf = rows.new_zeros((num_slots + 1, *rows.shape[1:]))
+        return buf.index_copy_(0, slot, rows)[:num_slots]
+
+    def _all_to_all(self, t: Tensor, splits: list[int]) -> Tensor:
+        """A functional all-to-all of equal splits (static shapes; traced by Dynamo)."""
+        wire = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        out = funcol.wait_tensor(funcol.all_to_all_single(wire, splits, splits, self.group_name))
+        return out.view(t.dtype)
+
     def extra_repr(self) -> str:
         opts = f"world={self.world}, num_experts={self.num_experts}, chunks={len(self.chunks)}"
+        if self.mode != "training":
+            opts += f", mode={self.mode!r}, max_tokens_per_rank={self.max_tokens_per_rank}"
         opts += f", exchange={self.exchange!r}"
         if self.fp8:
             opts += ", dispatch_dtype=torch.float8_e4m3fn"
@@ -170,7 +252,14 @@ def _config_fingerprint(moe: Any, style: ExpertParallel) -> dict[str, Any]:
     fields["precision"] = getattr(experts, "precision", "bf16")
     fields["param_dtype"] = str(experts.w13.dtype)
     # the style decides which messages a rank sends and expects
-    for name in ("num_chunks", "dispatch_dtype", "node_size", "exchange"):
+    for name in (
+        "num_chunks",
+        "dispatch_dtype",
+        "node_size",
+        "exchange",
+        "mode",
+        "max_tokens_per_rank",
+    ):
         fields[f"ExpertParallel.{name}"] = str(getattr(style, name))
     return fields
 
@@ -224,6 +313,13 @@ class ExpertParallel(ParallelStyle):
         src_data_rank: the rank whose full expert weights are scattered to the shards
             (default 0); None keeps each rank's own slice (no communication).
         exchange: ``"p2p"`` (the default without ``node_size``) or ``"all_to_all"``.
+        mode: ``"training"`` (the exchanges above, everywhere) or ``"low_latency"``: in eval
+            mode without autograd the layer exchanges fixed-size buffers of
+            ``max_tokens_per_rank * top_k`` rows per rank pair with one all-to-all per
+            direction (no counts exchange, no host sync: CUDA-graph capturable), the same
+            outputs; with autograd it runs the training exchange. A rank with more than
+            ``max_tokens_per_rank`` tokens raises (nothing is dropped).
+        max_tokens_per_rank: the static token bound of ``mode="low_latency"``.
     """
 
     def __init__(
@@ -234,8 +330,23 @@ class ExpertParallel(ParallelStyle):
         node_size: int | None = None,
         src_data_rank: int | None = 0,
         exchange: Exchange | None = None,
+        mode: Mode = "training",
+        max_tokens_per_rank: int | None = None,
     ) -> None:
         super().__init__()
+        if mode not in ("training", "low_latency"):
+            raise ValueError(
+                f"ExpertParallel: mode must be 'training' or 'low_latency', got {mode!r}"
+            )
+        if mode == "low_latency" and (
+            isinstance(max_tokens_per_rank, bool)
+            or not isinstance(max_tokens_per_rank, int)
+            or max_tokens_per_rank < 1
+        ):
+            raise ValueError(
+                "ExpertParallel(mode='low_latency') needs max_tokens_per_rank, a positive int "
+                f"(the buffers' static bound), got {max_tokens_per_rank!r}"
+            )
         if exchange not in (None, "p2p", "all_to_all"):
             raise ValueError(
                 f"ExpertParallel: exchange must be None, 'p2p' or 'all_to_all', got {exchange!r}"
@@ -265,6 +376,8 @@ class ExpertParallel(ParallelStyle):
         self.node_size = node_size
         self.src_data_rank = src_data_rank
         self.exchange: Exchange = exchange or ("p2p" if node_size is None else "all_to_all")
+        self.mode: Mode = mode
+        self.max_tokens_per_rank = max_tokens_per_rank
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> tuple[nn.Module, int]:
         experts = getattr(module, "experts", None)
@@ -337,5 +450,7 @@ class ExpertParallel(ParallelStyle):
             exchange=self.exchange,
             dispatch_dtype=self.dispatch_dtype,
             node_size=self.node_size,
+            mode=self.mode,
+            max_tokens_per_rank=self.max_tokens_per_rank,
         )
         return module

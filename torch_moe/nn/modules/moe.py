@@ -337,9 +337,75 @@ class GroupedExperts(nn.Module):
             a_MF = swiglu(h_M2F, row_weights)
             return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
 
+    def forward_tokens(
+        self, x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, offs: Tensor, row_weights: Tensor
+    ) -> Tensor:
+        """Inference (no autograd): the experts on the expert-sorted rows of the tokens
+        ``x`` [T, D] that ``row_to_slot`` / ``slot_to_row`` (``permute_indices``) describe,
+        without materializing the permuted input: the row gather happens inside
+        ``grouped_swiglu`` (``gather_index``), or with a recipe inside the activation's
+        quantization (``permute_quantize``: the T tokens quantized once, e4m3 rows gathered),
+        the weights' quantization cached until they change, the SwiGLU quantized in one op.
+        The same values as ``forward`` on ``permute(x)`` (bit for bit on CPU)."""
+        w13: Tensor = self.w13
+        w2: Tensor = self.w2
+        if isinstance(w13, DTensor):  # expert-parallel: this rank's experts
+            w13, w2 = w13.to_local(), cast(DTensor, w2).to_local()
+        dt = _expert_dtype(x, w13)
+        x = x.to(dt)
+        recipe = self.recipe
+        if recipe is None:
+            tokens = torch.div(row_to_slot, slot_to_row.shape[1], rounding_mode="floor")
+            y, _h = torch.ops.torch_moe.grouped_swiglu(
+                x, w13.to(dt), w2.to(dt), offs, row_weights, tokens
+            )
+            return y
+        g = recipe.forward
+        rows = _row_local_quantization(g)
+        if rows is None:  # not a fused layout: the training path on the gathered rows
+            x_perm = torch.ops.torch_moe.permute(x, row_to_slot, slot_to_row)
+            return self.forward(x_perm, offs, row_weights)
+        fmt, block, rule = rows
+        ops_ = torch.ops.torch_moe
+        with torch.autocast(x.device.type, enabled=False):
+            qx, sx = ops_.permute_quantize(x, row_to_slot, slot_to_row, fmt, block, rule)
+            q13, s13 = _quantize_weight_cached(_storage_owner(self.w13), w13.to(dt), g)
+            h = ops_.scaled_grouped_mm(qx, q13, sx, s13, offs, block, g.rhs.outer, dt)  # type: ignore[union-attr]
+            qa, sa = ops_.swiglu_quantize(h, row_weights, fmt, block, rule)
+            q2, s2 = _quantize_weight_cached(_storage_owner(self.w2), w2.to(dt), g)
+            return ops_.scaled_grouped_mm(qa, q2, sa, s2, offs, block, g.rhs.outer, dt)  # type: ignore[union-attr]
+
     def extra_repr(self) -> str:
         e, two_f, d = self.w13.shape
         return f"dim={d}, hidden_dim={two_f // 2}, num_experts={e}, precision={self.precision}"
+
+
+def _storage_owner(p: Tensor) -> Tensor:
+    """The tensor whose identity and version counter key a cached weight quantization: the
+    parameter, or for a DTensor parameter its local shard (the same object every call)."""
+    return cast(Tensor, p._local_tensor) if isinstance(p, DTensor) else p
+
+
+def _row_local_quantization(g: Any) -> tuple[str, int, str] | None:
+    """(fmt, block, scale_rule) when GEMM ``g`` quantizes A along its rows and is expressible
+    as scaled_grouped_mm (the fused inference path), else None."""
+    from torch_moe.quantization.scaled_grouped_mm import decomposable
+
+    lhs = g.lhs
+    if lhs is None or not decomposable(g) or lhs.outer != 1:
+        return None
+    return lhs.fmt, lhs.inner, lhs.scale_rule
+
+
+def _quantize_weight_cached(source: Tensor, w: Tensor, g: Any) -> tuple[Tensor, Tensor]:
+    """The expert weight w [E, N, K] (nn.Linear layout) as GEMM ``g``'s B = w^T [E, K, N],
+    quantized K-major, cached until ``source`` (the parameter) changes."""
+    rhs = g.rhs
+    if rhs.fmt == "mx":
+        q, s = torch.ops.torch_moe.quantize_mx_cached(source, w, -1, rhs.inner, rhs.scale_rule)
+    else:
+        q, s = torch.ops.torch_moe.quantize_fp8_cached(source, w, [rhs.outer, rhs.inner])
+    return q.transpose(-2, -1), s.transpose(-2, -1)
 
 
 class SharedExperts(nn.Module):
@@ -372,6 +438,15 @@ class SharedExperts(nn.Module):
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate))
         return out
+
+
+def _row_weights(weights_TK: Tensor, row_to_slot: Tensor, no_padding: bool) -> Tensor:
+    """The routing weight of each permuted row, folded into the experts; with a capacity or
+    an alignment, padding rows (row_to_slot == -1) get weight 0."""
+    if no_padding:
+        return weights_TK.reshape(-1).index_select(0, row_to_slot)
+    row_w = weights_TK.reshape(-1).index_select(0, row_to_slot.clamp(min=0))
+    return torch.where(row_to_slot >= 0, row_w, 0)
 
 
 def _expert_dtype(x: Tensor, param: Tensor) -> torch.dtype:
@@ -548,6 +623,8 @@ class MoE(nn.Module):
             raise ValueError(
                 f"MoE: expected the input's last dim to be dim={self.dim}, got {list(x.shape)}"
             )
+        if not self.training and not torch.is_grad_enabled():
+            return self._forward_inference(x)
         shape = x.shape
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.experts.w13.dtype)
@@ -560,13 +637,7 @@ class MoE(nn.Module):
         align = _group_align(self.experts.recipe, x_TD.device)
         perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
         x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
-        # the routing weight of each permuted row, folded into the experts; with a capacity
-        # or an alignment, padding rows (row_to_slot == -1) get weight 0
-        if capacity is None and align == 1:
-            row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot)
-        else:
-            row_w = weights_TK.reshape(-1).index_select(0, perm.row_to_slot.clamp(min=0))
-            row_w = torch.where(perm.row_to_slot >= 0, row_w, 0)
+        row_w = _row_weights(weights_TK, perm.row_to_slot, capacity is None and align == 1)
         y_perm, shared = self._experts(x_TD, x_perm, perm.offs, row_w)
         out = ops.unpermute(y_perm, None, perm)
         if shared is not None:
@@ -579,8 +650,69 @@ class MoE(nn.Module):
         out = self._attach_losses(out, logits_TE, ids_TK, counts_E, shape)
         return out.view(*shape[:-1], self.dim)
 
+    def _forward_inference(self, x: Tensor) -> Tensor:
+        """Eval mode without autograd (``torch.inference_mode()`` / ``no_grad``): the same
+        values as the training forward, but nothing is saved and nothing is computed for a
+        backward or for statistics (no aux losses, no load counts), the permute's gather is
+        fused into the experts, and with a low-precision recipe the weights are quantized
+        once per version. Every shape depends only on the input's shape (the permuted
+        buffer has its static bound, padding rows are -1 routes) and no op reads a device
+        value on the host, so the step can be captured in a CUDA graph. An expert-parallel
+        layer in ``mode="low_latency"`` exchanges fixed-size buffers (no counts round trip,
+        no host sync); in the default mode it runs the training exchange."""
+        shape = x.shape
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.experts.w13.dtype)
+        x_TD = x.reshape(-1, self.dim)
+        r = self.router
+        acc = acc_dtype(x_TD.dtype)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits = F.linear(
+                x_TD.to(acc), r.weight.to(acc), None if r.bias is None else r.bias.to(acc)
+            )
+        weights_TK, ids_TK, _ = ops.topk_route(
+            logits,
+            self.top_k,
+            score_func=r.score_func,
+            expert_bias=r.expert_bias,
+            num_expert_groups=r.num_expert_groups,
+            num_limited_groups=r.num_limited_groups,
+            route_norm=r.route_norm,
+            route_scale=r.route_scale,
+        )
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = math.ceil(
+                self.capacity_factor * x_TD.shape[0] * self.top_k / self.num_experts
+            )
+        align = _group_align(self.experts.recipe, x_TD.device)
+        perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
+        row_w = _row_weights(weights_TK, perm.row_to_slot, capacity is None and align == 1)
+        shared = None
+        if self.shared_experts is not None:
+            shared_dtype = x_TD.dtype
+            if torch.is_autocast_enabled(x_TD.device.type):
+                shared_dtype = torch.get_autocast_dtype(x_TD.device.type)
+            shared = self.shared_experts(x_TD.to(shared_dtype))
+        dispatcher = self.dispatcher
+        if dispatcher is None:
+            y_perm = self.experts.forward_tokens(
+                x_TD, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w
+            )
+        elif getattr(dispatcher, "mode", "training") == "low_latency":
+            y_perm = dispatcher.run_low_latency(  # type: ignore[operator]
+                self.experts, x_TD, ids_TK, perm, row_w
+            )
+        else:
+            x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
+            y_perm, _ = self._experts(x_TD, x_perm, perm.offs, row_w, with_shared=False)
+        out = ops.unpermute(y_perm, None, perm)
+        if shared is not None:
+            out = out + shared
+        return out.view(*shape[:-1], self.dim)
+
     def _experts(
-        self, x_TD: Tensor, x_perm: Tensor, offs: Tensor, row_w: Tensor
+        self, x_TD: Tensor, x_perm: Tensor, offs: Tensor, row_w: Tensor, with_shared: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         """The routed experts' rows [M, D] and the shared experts' output [T, D] (or None).
 
@@ -596,7 +728,7 @@ class MoE(nn.Module):
         dispatcher = self.dispatcher
         if dispatcher is None:  # the same order as below: the same backward accumulation
             shared = None
-            if self.shared_experts is not None:
+            if self.shared_experts is not None and with_shared:
                 shared = self.shared_experts(x_TD.to(shared_dtype))
             return self.experts(x_perm, offs, row_w), shared
         counts = dispatcher.plan(offs)  # type: ignore[operator]
@@ -604,7 +736,7 @@ class MoE(nn.Module):
         shared = None
         for c, chunk in enumerate(dispatcher.chunks):  # type: ignore[arg-type]
             x_c, w_c, offs_c = dispatcher.dispatch(x_perm, row_w, counts, chunk)  # type: ignore[operator]
-            if c == 0 and self.shared_experts is not None:
+            if c == 0 and self.shared_experts is not None and with_shared:
                 shared = self.shared_experts(x_TD.to(shared_dtype))
             y_c = self.experts(x_c, offs_c, w_c, expert_range=chunk)
             part = dispatcher.combine(y_c, counts, chunk, x_perm.shape[0])  # type: ignore[operator]

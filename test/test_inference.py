@@ -1,0 +1,153 @@
+"""The MoE layer's inference path (eval mode without autograd): the training forward's
+values, nothing saved, static shapes and no host reads of device values (so a CUDA graph
+can capture it), and the fused inference ops (gather inside the experts, cached weight
+quantization)."""
+
+from __future__ import annotations
+
+import copy
+import unittest
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+from torch_moe.nn import MoE
+from torch_moe.quantization import RECIPES
+from torch_moe.quantization.fused import clear_weight_cache, weight_cache_stats
+
+D, F, E, K = 32, 32, 8, 2
+EXACT = dict(atol=0, rtol=0)
+# ops that read a device value on the host (a sync on a GPU) or make a data-dependent shape
+_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::unique")
+
+
+def _layer(precision="bf16", **kw):
+    torch.manual_seed(0)
+    return MoE(D, F, E, K, precision=precision, **kw).eval()
+
+
+def _inference_step(layer):
+    """(state, x) -> layer(x) without autograd, the parameters as inputs (for make_fx)."""
+
+    def step(state, x):
+        with torch.no_grad():
+            return torch.func.functional_call(layer, state, (x,))
+
+    return step
+
+
+class TestInference(TestCase):
+    @parametrize("precision", ["bf16", *RECIPES])
+    def test_equals_training_forward(self, precision):
+        """inference_mode (the dedicated path) == the training forward, bit for bit, for
+        every precision, with a capacity, alignment-free routing options and shared
+        experts."""
+        for kw in ({}, {"capacity_factor": 0.75, "shared_hidden_dim": 16, "expert_bias": True}):
+            moe = _layer(precision, **kw)
+            x = torch.randn(3, 7, D)
+            with torch.enable_grad():
+                ref = moe(x)  # eval mode with autograd: the training forward
+            with torch.inference_mode():
+                got = moe(x)
+            self.assertEqual(got, ref, **EXACT, msg=str(kw))
+            with torch.no_grad():  # no_grad takes the same path
+                self.assertEqual(moe(x), ref, **EXACT)
+
+    def test_nothing_saved_no_stats(self):
+        moe = _layer(shared_hidden_dim=8, aux_loss="switch", aux_loss_coeff=0.1)
+        moe.train()
+        moe(torch.randn(5, D))  # training: counts
+        counts = moe.tokens_per_expert.clone()
+        moe.eval()
+        with torch.inference_mode():
+            out = moe(torch.randn(6, D))
+        self.assertFalse(out.requires_grad)
+        self.assertEqual(moe.tokens_per_expert, counts)  # inference does not count
+
+    def test_static_graph_without_host_reads(self):
+        """Traced symbolically, the inference step holds no op that reads a device value on
+        the host or makes a data-dependent shape, and every output size is a function of the
+        input sizes only (no unbacked SymInt): capturable in a CUDA graph."""
+        for precision in ("bf16", "fp8_rowwise"):
+            moe = _layer(precision, shared_hidden_dim=8, capacity_factor=1.5)
+
+            state = {**dict(moe.named_parameters()), **dict(moe.named_buffers())}
+            step = _inference_step(moe)
+            gm = make_fx(step, tracing_mode="symbolic")(state, torch.randn(2, 5, D))
+            ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            names = {op._schema.name for op in ops if hasattr(op, "_schema")}
+            self.assertIn(
+                "torch_moe::grouped_swiglu"
+                if precision == "bf16"
+                else "torch_moe::permute_quantize",
+                names,
+            )
+            for op in _SYNC_OPS:
+                self.assertNotIn(op, names, msg=precision)
+            out_node = gm.graph.output_node().args[0]
+            out_node = out_node[0] if isinstance(out_node, (list, tuple)) else out_node
+            free = set()
+            for size in out_node.meta["val"].shape:
+                if isinstance(size, torch.SymInt):
+                    free |= {str(sym) for sym in size.node.expr.free_symbols}
+            # sizes of the input only (s*), never an unbacked (data-dependent) u*
+            self.assertFalse(any(name.startswith("u") for name in free), msg=f"{precision}: {free}")
+            # the gather is fused: no permuted copy of the input
+            self.assertNotIn("torch_moe::permute", names)
+
+    def test_weights_quantized_once_per_version(self):
+        clear_weight_cache()
+        moe = _layer("fp8_blockwise")
+        with torch.inference_mode():
+            moe(torch.randn(4, D))
+            moe(torch.randn(9, D))
+        self.assertEqual(weight_cache_stats(), {"misses": 2, "hits": 2})  # w13, w2; reused
+        with torch.no_grad():
+            moe.experts.w13.mul_(0.5)  # the weight changes: requantized
+        with torch.inference_mode():
+            moe(torch.randn(4, D))
+        self.assertEqual(weight_cache_stats(), {"misses": 3, "hits": 3})
+
+    def test_compiles_fullgraph(self):
+        moe = _layer("fp8_rowwise", shared_hidden_dim=8)
+        compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend="aot_eager")
+        for num_tokens in (3, 8, 5):
+            x = torch.randn(num_tokens, D)
+            with torch.inference_mode():
+                self.assertEqual(compiled(x), moe(x), **EXACT)
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
+    def test_cuda_graph_capture_replay(self):
+        moe = _layer(shared_hidden_dim=8).cuda()
+        x = torch.randn(16, D, device="cuda")
+        with torch.inference_mode():
+            ref = moe(x)
+            static_x = x.clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                moe(static_x)  # warm up (Triton compiles) outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = moe(static_x)
+            for _ in range(2):
+                new = torch.randn_like(x)
+                static_x.copy_(new)
+                graph.replay()
+                self.assertEqual(static_out, moe(new), atol=1e-5, rtol=1e-5)
+            static_x.copy_(x)
+            graph.replay()
+            self.assertEqual(static_out, ref, atol=1e-5, rtol=1e-5)
+
+
+instantiate_parametrized_tests(TestInference)
+
+if __name__ == "__main__":
+    run_tests()
