@@ -5,8 +5,15 @@ quantization)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import os
+import subprocess
+import sys
+import tempfile
 import unittest
+from pathlib import Path
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -145,6 +152,45 @@ class TestInference(TestCase):
             static_x.copy_(x)
             graph.replay()
             self.assertEqual(static_out, ref, atol=1e-5, rtol=1e-5)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+class TestGenerateExample(TestCase):
+    def test_kv_cache_batched_and_ep2_low_latency(self):
+        """examples/generate.py on a (barely trained, so diverse) checkpoint of
+        train_moe_lm.py: batched prompts of different lengths with the KV cache give the
+        bytes of decoding each prompt alone without a cache; under torchrun --ep 2 (the
+        low-latency expert-parallel path) the same bytes."""
+        sys.path.insert(0, str(EXAMPLES))
+        import generate
+        import train_moe_lm
+
+        tiny = [
+            "--dim", "32", "--layers", "2", "--heads", "2", "--hidden-dim", "32",
+            "--experts", "4", "--top-k", "2", "--seq-len", "64", "--batch-size", "4",
+            "--steps", "2", "--warmup", "1", "--corpus-bytes", "20000", "--eval-batches", "1",
+            "--sample-bytes", "4", "--no-progress", "--threads", "1",
+        ]  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            with contextlib.redirect_stdout(io.StringIO()):
+                train_moe_lm.main([*tiny, "--out", tmp])
+                one = generate.main(
+                    ["--ckpt", tmp, "--max-new-bytes", "10", "--check", "--no-progress"]
+                )
+            self.assertTrue(one["checked"])
+            self.assertGreater(len(set(one["outputs"])), 2)  # the prompts differ in output
+            env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+            env["OMP_NUM_THREADS"] = "1"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+            cmd += [str(EXAMPLES / "generate.py"), "--ckpt", tmp, "--max-new-bytes", "10"]
+            cmd += ["--ep", "2", "--no-progress", "--threads", "1"]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            self.assertEqual(proc.returncode, 0, msg=proc.stdout[-2000:] + proc.stderr[-3000:])
+            for prompt, out in zip(generate.DEFAULT_PROMPTS, one["outputs"], strict=True):
+                line = f"{prompt!r} -> {out.decode(errors='replace')!r}"
+                self.assertIn(line, proc.stdout)
 
 
 instantiate_parametrized_tests(TestInference)
