@@ -39,8 +39,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_lm import MoELM, _apply_rope  # noqa: E402
-from train_moe_lm import load_model  # noqa: E402
+from moe_lm import MoELM, _apply_rope
+from train_moe_lm import load_model
 
 DEFAULT_PROMPTS = [
     "Anna saw the",
