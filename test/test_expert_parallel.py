@@ -456,6 +456,28 @@ class TestExpertParallel2(_EPClass):
         with self.assertRaisesRegex(ValueError, "needs max_tokens_per_rank"):
             ExpertParallel(mode="low_latency")
 
+    def test_two_microbatch_prefill(self):
+        """microbatches=2 (inference): the second micro-batch's dispatch in flight during
+        the first's experts, the first's combine during the second's; the one-batch
+        outputs (each expert GEMM sees half the rows: fp32 tolerance for the BLAS's
+        row-count-dependent rounding), with either exchange and FP8 experts."""
+        for precision, exchange in (("bf16", "p2p"), ("fp8_rowwise", "all_to_all")):
+            base = make_moe(shared_hidden_dim=8, precision=precision).eval()
+            one, two = copy.deepcopy(base), copy.deepcopy(base)
+            parallelize_module(one, self.mesh(), ExpertParallel(exchange=exchange))
+            parallelize_module(two, self.mesh(), ExpertParallel(exchange=exchange, microbatches=2))
+            for num_tokens in (9 + self.rank, 1, 0):
+                x = torch.randn(num_tokens, DIM)
+                with torch.inference_mode():
+                    with OpCounter() as ops:
+                        got = two(x)
+                    self.assertEqual(got, one(x), msg=f"{precision} {exchange} T={num_tokens}")
+                if num_tokens > 1:  # two plans, and each exchange split into issue and wait
+                    self.assertEqual(ops.counts["all_to_all_single"], 2)
+                    self.assertEqual(ops.counts["ep_start"], 4)
+        with self.assertRaisesRegex(ValueError, "microbatches must be 1 or 2, got 3"):
+            ExpertParallel(microbatches=3)
+
     def test_config_errors(self):
         mesh = self.mesh()
         # num_experts not divisible by the EP degree: an error before any collective

@@ -101,10 +101,12 @@ class ExpertParallelDispatcher(nn.Module):
         node_size: int | None = None,
         mode: Mode = "training",
         max_tokens_per_rank: int | None = None,
+        microbatches: int = 1,
     ) -> None:
         super().__init__()
         self.mode: Mode = mode
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.microbatches = microbatches
         self.group_name = group.group_name
         self.world = dist.get_world_size(group)
         self.num_experts = num_experts
@@ -148,6 +150,44 @@ class ExpertParallelDispatcher(nn.Module):
             y, counts, self.group_name, self.num_experts, l0, l1, self.exchange,
             self.node_size, num_rows,
         )  # fmt: skip
+
+    # the asynchronous halves (inference: no autograd), for the micro-batch schedule
+    def dispatch_start(
+        self, x: Tensor, row_weights: Tensor | None, counts: Tensor, chunk: tuple[int, int]
+    ) -> Tensor:
+        """Issue ``dispatch`` (returns a handle for :meth:`dispatch_wait`)."""
+        tensors = [x] if row_weights is None else [x, row_weights]
+        return _ops.ep_start(
+            tensors, counts, self.group_name, self.num_experts, *chunk, self.exchange,
+            self.node_size, "dispatch", self.fp8, -1,
+        )  # fmt: skip
+
+    def dispatch_wait(
+        self,
+        handle: Tensor,
+        x: Tensor,
+        row_weights: Tensor | None,
+        counts: Tensor,
+        chunk: tuple[int, int],
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Complete a :meth:`dispatch_start`: what :meth:`dispatch` returns."""
+        tensors = [x] if row_weights is None else [x, row_weights]
+        outs = _ops.ep_wait(handle, tensors, "dispatch", -1)
+        offs = chunk_offsets(counts, self.num_experts, self.world, *chunk)
+        return outs[0], (outs[1] if row_weights is not None else None), offs
+
+    def combine_start(
+        self, y: Tensor, counts: Tensor, chunk: tuple[int, int], num_rows: int
+    ) -> Tensor:
+        """Issue ``combine`` (returns a handle for :meth:`combine_wait`)."""
+        return _ops.ep_start(
+            [y], counts, self.group_name, self.num_experts, *chunk, self.exchange,
+            self.node_size, "combine", False, num_rows,
+        )  # fmt: skip
+
+    def combine_wait(self, handle: Tensor, y: Tensor, num_rows: int) -> Tensor:
+        """Complete a :meth:`combine_start`: what :meth:`combine` returns."""
+        return _ops.ep_wait(handle, [y], "combine", num_rows)[0]
 
     def run_low_latency(
         self, experts: nn.Module, x: Tensor, ids_TK: Tensor, perm: Any, row_weights: Tensor
@@ -226,6 +266,8 @@ class ExpertParallelDispatcher(nn.Module):
         opts = f"world={self.world}, num_experts={self.num_experts}, chunks={len(self.chunks)}"
         if self.mode != "training":
             opts += f", mode={self.mode!r}, max_tokens_per_rank={self.max_tokens_per_rank}"
+        if self.microbatches > 1:
+            opts += f", microbatches={self.microbatches}"
         opts += f", exchange={self.exchange!r}"
         if self.fp8:
             opts += ", dispatch_dtype=torch.float8_e4m3fn"
@@ -259,6 +301,7 @@ def _config_fingerprint(moe: Any, style: ExpertParallel) -> dict[str, Any]:
         "exchange",
         "mode",
         "max_tokens_per_rank",
+        "microbatches",
     ):
         fields[f"ExpertParallel.{name}"] = str(getattr(style, name))
     return fields
@@ -320,6 +363,10 @@ class ExpertParallel(ParallelStyle):
             outputs; with autograd it runs the training exchange. A rank with more than
             ``max_tokens_per_rank`` tokens raises (nothing is dropped).
         max_tokens_per_rank: the static token bound of ``mode="low_latency"``.
+        microbatches: 1, or 2 for prefill (inference, ``mode="training"``): the batch runs as
+            two micro-batches, the second's dispatch issued before the first's experts and
+            the first's combine before the second's experts, so each exchange overlaps the
+            other micro-batch's expert compute; the same outputs.
     """
 
     def __init__(
@@ -332,8 +379,11 @@ class ExpertParallel(ParallelStyle):
         exchange: Exchange | None = None,
         mode: Mode = "training",
         max_tokens_per_rank: int | None = None,
+        microbatches: int = 1,
     ) -> None:
         super().__init__()
+        if microbatches not in (1, 2):
+            raise ValueError(f"ExpertParallel: microbatches must be 1 or 2, got {microbatches!r}")
         if mode not in ("training", "low_latency"):
             raise ValueError(
                 f"ExpertParallel: mode must be 'training' or 'low_latency', got {mode!r}"
@@ -378,6 +428,7 @@ class ExpertParallel(ParallelStyle):
         self.exchange: Exchange = exchange or ("p2p" if node_size is None else "all_to_all")
         self.mode: Mode = mode
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.microbatches = microbatches
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> tuple[nn.Module, int]:
         experts = getattr(module, "experts", None)
@@ -452,5 +503,6 @@ class ExpertParallel(ParallelStyle):
             node_size=self.node_size,
             mode=self.mode,
             max_tokens_per_rank=self.max_tokens_per_rank,
+            microbatches=self.microbatches,
         )
         return module
