@@ -29,6 +29,7 @@ setup(
             "pytest>=8",
             "hypothesis>=6.100",
             "expecttest>=0.2",
+            "mutmut==3.8.1",  # benchmarks/run_mutation.sh (not run in CI)
             "numpy",
             "transformers==5.23.0",
             *EXAMPLES,

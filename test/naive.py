@@ -303,3 +303,103 @@ def grouped_mm_wgrad64(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         out[g] = a[start:end].double().t() @ b[start:end].double()
         start = end
     return out
+
+
+# --------------------------------------------------------------------------------------
+# low-precision emulation: float64 math, rounded to the working dtype at the points an
+# op's contract allows (for tolerances.assert_rounding_level)
+
+
+def _rnd(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.to(dtype).double()
+
+
+def swiglu_rounded(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    dtype: torch.dtype,
+    grad_y: Tensor | None = None,
+    row_weights: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Grouped SwiGLU, group by group, in float64 with the pre-activation h, the activation
+    a and every result rounded to ``dtype``; with ``grad_y`` also the backward (dA, the
+    pre-activation gradient dH and the results rounded likewise). Returns float64
+    ``{"y", "x", "w13", "w2"[, "row_weights"]}`` (gradients under the inputs' names)."""
+    hidden = w13.shape[1] // 2
+    x64, w13_64, w2_64 = x.double(), w13.double(), w2.double()
+    rw = None if row_weights is None else row_weights.double()
+    out = {"y": torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)}
+    if grad_y is not None:
+        out["x"] = torch.zeros_like(x64)
+        out["w13"] = torch.zeros_like(w13_64)
+        out["w2"] = torch.zeros_like(w2_64)
+        if rw is not None:
+            out["row_weights"] = torch.zeros_like(rw)
+    start = 0
+    for e, end in enumerate(int(v) for v in offs):
+        if end == start:
+            continue
+        xs = x64[start:end]
+        h = _rnd(xs @ w13_64[e].t(), dtype)
+        g, up = h[:, :hidden], h[:, hidden:]
+        s = torch.sigmoid(g)
+        act = g * s * up
+        r = None if rw is None else rw[start:end].unsqueeze(1)
+        a = _rnd(act if r is None else act * r, dtype)
+        out["y"][start:end] = _rnd(a @ w2_64[e].t(), dtype)
+        if grad_y is None:
+            start = end
+            continue
+        gy = grad_y[start:end].double()
+        da = _rnd(gy @ w2_64[e], dtype)
+        out["w2"][e] = _rnd(gy.t() @ a, dtype)
+        if r is not None:
+            out["row_weights"][start:end] = _rnd((da * act).sum(1), row_weights.dtype)
+            da = da * r
+        dgate = da * up * s * (1 + g * (1 - s))
+        dh = _rnd(torch.cat([dgate, da * g * s], 1), dtype)
+        out["x"][start:end] = _rnd(dh @ w13_64[e], dtype)
+        out["w13"][e] = _rnd(dh.t() @ xs, dtype)
+        start = end
+    return out
+
+
+def pipeline_autograd(
+    logits: Tensor,
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    k: int,
+    capacity: int | None = None,
+    **route_kw,
+) -> Tensor:
+    """route -> dispatch with capacity -> SwiGLU experts -> weighted combine, one token at
+    a time in differentiable torch ops (float64). The experts are chosen by :func:`route` on
+    the detached logits; assignments past ``capacity`` (per expert, in token order) are
+    dropped; the weights are recomputed from the logits so that gradients reach them."""
+    score_func = route_kw.get("score_func", "softmax")
+    _, ids, _ = route(logits.detach(), k, **route_kw)
+    used = [0] * logits.shape[1]
+    rows = []
+    for t in range(x.shape[0]):
+        chosen = ids[t].tolist()
+        lg = logits[t]
+        if score_func == "softmax":
+            w = torch.softmax(lg, 0)[chosen]
+        elif score_func == "sigmoid":
+            w = torch.sigmoid(lg[chosen])
+        else:
+            w = torch.softmax(lg[chosen], 0)
+        if route_kw.get("route_norm", False):
+            w = w / (w.sum() + 1e-20)
+        w = w * route_kw.get("route_scale", 1.0)
+        y = x[t] * 0
+        for j, e in enumerate(chosen):
+            used[e] += 1
+            if capacity is not None and used[e] > capacity:
+                continue
+            y = y + w[j] * _swiglu_autograd(x[t], w13[e], w2[e])
+        rows.append(y)
+    return torch.stack(rows) if rows else x * 0

@@ -1,10 +1,22 @@
 # Owner(s): ["module: moe"]
-"""Property-based tests (hypothesis): random shapes and routing distributions, the whole
-local MoE pipeline (route -> permute -> grouped_swiglu -> unpermute) against naive loops."""
+"""Property-based tests (hypothesis): the whole local MoE pipeline (route -> permute ->
+grouped_swiglu -> unpermute) on random problems against the naive float64 loops of
+test/naive.py, which choose the experts, drop past the capacity and combine on their own
+(nothing of the implementation's routing or dispatch is reused).
+
+The strategy draws every routing option (score function, expert bias, group-limited
+routing, renormalization, scale), a capacity (none, zero, tight, loose), ``align`` in
+{1, 16, 32, 128}, the dtype (fp64, fp32, bf16: tolerances from test/tolerances.py's error
+bounds for that dtype), and shapes with T = 0, E = 1 and K = E reachable (and pinned as
+explicit examples). The profile (test/conftest.py) sets the number of random examples:
+``dev`` 20, ``ci`` 200 (what .ci/run uses). Shrunk failures found so far are the explicit
+``@example`` cases at the end of the list, with what they caught.
+"""
 
 import naive
+import tolerances
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from torch.testing._internal.common_utils import TestCase, run_tests
 
@@ -12,25 +24,26 @@ import torch_moe  # noqa: F401
 from torch_moe import ops
 from torch_moe.nn.functional import grouped_swiglu
 
-SETTINGS = settings(
-    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@st.composite
-def moe_problems(draw):
-    num_experts = draw(st.integers(1, 8))
-    k = draw(st.integers(1, num_experts))
-    num_tokens = draw(st.integers(0, 24))
-    dim = draw(st.integers(1, 9))
-    hidden = draw(st.integers(1, 7))
-    # routing distribution: logits with an expert-popularity skew (0 uniform .. 8 one expert)
-    skew = draw(st.sampled_from([0.0, 1.0, 3.0, 8.0]))
-    seed = draw(st.integers(0, 2**16))
-    align = draw(st.sampled_from([1, 1, 2, 4]))
-    capacity = draw(st.sampled_from([None, None, 0, 1, 3]))
-    score_func = draw(st.sampled_from(["softmax", "sigmoid", "softmax_topk"]))
-    route_norm = draw(st.booleans())
+def _problem(
+    num_experts=4,
+    k=2,
+    num_tokens=6,
+    dim=3,
+    hidden=2,
+    skew=0.0,
+    seed=0,
+    align=1,
+    capacity=None,
+    score_func="softmax",
+    bias=False,
+    groups=None,
+    route_norm=False,
+    route_scale=1.0,
+    dtype="fp64",
+):
     return dict(
         num_experts=num_experts,
         k=k,
@@ -42,55 +55,174 @@ def moe_problems(draw):
         align=align,
         capacity=capacity,
         score_func=score_func,
+        bias=bias,
+        groups=groups,
         route_norm=route_norm,
+        route_scale=route_scale,
+        dtype=dtype,
     )
 
 
+@st.composite
+def moe_problems(draw, dtypes=tuple(DTYPES)):
+    num_experts = draw(st.integers(1, 8))
+    groups = None
+    max_k = num_experts
+    divisors = [g for g in range(2, num_experts + 1) if num_experts % g == 0]
+    if divisors and draw(st.booleans()):
+        num_groups = draw(st.sampled_from(divisors))
+        limited = draw(st.integers(1, num_groups))
+        groups = (num_groups, limited)
+        max_k = limited * (num_experts // num_groups)
+    k = draw(st.integers(1, max_k))
+    num_tokens = draw(st.integers(0, 24))
+    capacity = draw(
+        st.one_of(
+            st.none(),
+            st.just(0),
+            st.integers(1, max(1, num_tokens * k // num_experts)),  # drops (when T > 0)
+            st.integers(num_tokens * k, num_tokens * k + 3),  # never binding
+        )
+    )
+    return _problem(
+        num_experts=num_experts,
+        k=k,
+        num_tokens=num_tokens,
+        dim=draw(st.integers(1, 9)),
+        hidden=draw(st.integers(1, 7)),
+        # routing distribution: an expert-popularity skew (0 uniform .. 8 one expert)
+        skew=draw(st.sampled_from([0.0, 1.0, 3.0, 8.0])),
+        seed=draw(st.integers(0, 2**16)),
+        align=draw(st.sampled_from([1, 16, 32, 128])),
+        capacity=capacity,
+        score_func=draw(st.sampled_from(["softmax", "sigmoid", "softmax_topk"])),
+        bias=draw(st.booleans()),
+        groups=groups,
+        route_norm=draw(st.booleans()),
+        route_scale=draw(st.sampled_from([1.0, 2.5, 0.25])),
+        dtype=draw(st.sampled_from(dtypes)),
+    )
+
+
+def _route_kw(p, bias):
+    kw = dict(
+        score_func=p["score_func"],
+        expert_bias=bias,
+        route_norm=p["route_norm"],
+        route_scale=p["route_scale"],
+    )
+    if p["groups"] is not None:
+        kw.update(num_expert_groups=p["groups"][0], num_limited_groups=p["groups"][1])
+    return kw
+
+
 def _make(p):
+    """logits, x, w13, w2 in the problem's dtype, and the expert bias (fp32, or fp64 for
+    fp64 logits: the dtype the routing math runs in). Logits are distinct within a row in
+    the working dtype, so that no exact tie decides the choice."""
+    dtype = DTYPES[p["dtype"]]
     g = torch.Generator().manual_seed(p["seed"])
     e, d, f = p["num_experts"], p["dim"], p["hidden"]
     popularity = -p["skew"] * torch.arange(e, dtype=torch.float64)
-    logits = torch.randn(p["num_tokens"], e, generator=g, dtype=torch.float64) + popularity
-    x = torch.randn(p["num_tokens"], d, generator=g, dtype=torch.float64)
-    w13 = torch.randn(e, 2 * f, d, generator=g, dtype=torch.float64) / d**0.5
-    w2 = torch.randn(e, d, f, generator=g, dtype=torch.float64) / f**0.5
-    return logits, x, w13, w2
+    logits = (torch.randn(p["num_tokens"], e, generator=g, dtype=torch.float64) + popularity).to(
+        dtype
+    )
+    sorted_logits = logits.double().sort(1).values
+    assume(bool((sorted_logits[:, 1:] > sorted_logits[:, :-1]).all()))
+    x = torch.randn(p["num_tokens"], d, generator=g, dtype=torch.float64).to(dtype)
+    w13 = (torch.randn(e, 2 * f, d, generator=g, dtype=torch.float64) / d**0.5).to(dtype)
+    w2 = (torch.randn(e, d, f, generator=g, dtype=torch.float64) / f**0.5).to(dtype)
+    bias = None
+    if p["bias"]:
+        bias_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        bias = (torch.randn(e, generator=g, dtype=torch.float64) * 0.1).to(bias_dtype)
+    return logits, x, w13, w2, bias
+
+
+def _naive_out_and_bound(p, logits, x, w13, w2, bias):
+    """The float64 oracle (naive.route, naive.dispatch's capacity rule, one SwiGLU per
+    kept assignment, the weighted sum) and the elementwise error bound of the op's result
+    in the problem's dtype (tolerances.py: routing weights, SwiGLU, combine)."""
+    dtype = DTYPES[p["dtype"]]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    w, ids, counts = naive.route(logits.double(), p["k"], **_route_kw(p, bias))
+    dw = tolerances.routing_weight_bound(logits, w, acc)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    bound = torch.zeros(x.shape, dtype=torch.float64)
+    used = [0] * p["num_experts"]
+    for t in range(x.shape[0]):
+        ys, dys, kept = [], [], []
+        for j in range(p["k"]):
+            e = int(ids[t, j])
+            used[e] += 1
+            if p["capacity"] is not None and used[e] > p["capacity"]:
+                continue
+            y, dy = tolerances.swiglu_bound(x[t : t + 1], w13[e], w2[e], dtype, acc)
+            ys.append(y[0])
+            dys.append(dy[0])
+            kept.append(j)
+        if kept:
+            out[t], bound[t] = tolerances.combine_bound(
+                w[t, kept], dw[t, kept], torch.stack(ys), torch.stack(dys), dtype, acc
+            )
+    return w, dw, ids, counts, out, bound
+
+
+def _check_pipeline(test, p):
+    logits, x, w13, w2, bias = _make(p)
+    dtype = DTYPES[p["dtype"]]
+    weights, ids, counts = ops.topk_route(logits, p["k"], **_route_kw(p, bias))
+    ref_w, ref_dw, ref_ids, ref_counts, ref_out, bound = _naive_out_and_bound(
+        p, logits, x, w13, w2, bias
+    )
+    test.assertEqual(ids, ref_ids)
+    test.assertEqual(counts, ref_counts)
+    tolerances.assert_within(test, weights, ref_w, ref_dw, "routing weights")
+
+    x_perm, perm = ops.permute(x, ids, p["num_experts"], align=p["align"], capacity=p["capacity"])
+    rows, ends, dropped = naive.dispatch(ref_ids, p["num_experts"], p["align"], p["capacity"])
+    test.assertEqual(perm.offs.tolist(), ends)
+    test.assertEqual(int(perm.num_dropped), dropped)
+    # the permuted rows hold the naive dispatch's tokens, and zeros for padding
+    for r, slot in enumerate(rows):
+        want = x[slot[0]] if slot is not None else torch.zeros_like(x[0])
+        test.assertEqual(x_perm[r], want, atol=0, rtol=0)
+    out = ops.unpermute(grouped_swiglu(x_perm, w13, w2, perm.offs), weights, perm)
+    test.assertEqual(out.dtype, dtype)
+    tolerances.assert_within(test, out, ref_out, bound, f"pipeline {p['dtype']}")
+
+
+# explicit cases: the corners the strategy can reach, pinned
+CORNERS = [
+    _problem(num_tokens=0),  # T = 0
+    _problem(num_experts=1, k=1, capacity=2, align=16),  # E = 1
+    _problem(num_experts=4, k=4, score_func="sigmoid", route_norm=True),  # K = E
+    _problem(num_experts=8, k=3, groups=(4, 2), bias=True, score_func="sigmoid", route_scale=2.5),
+    _problem(num_tokens=20, capacity=3, align=32, dtype="bf16", skew=1.0),
+    _problem(num_tokens=9, k=1, capacity=0, align=128, dtype="fp32"),
+]
+
+
+def _with_examples(fn):
+    for p in CORNERS:
+        fn = example(p)(fn)
+    return fn
 
 
 class TestMoEPipelineProperties(TestCase):
-    @SETTINGS
+    @_with_examples
     @given(moe_problems())
     def test_pipeline_matches_naive(self, p):
-        logits, x, w13, w2 = _make(p)
-        weights, ids, counts = ops.topk_route(
-            logits, p["k"], score_func=p["score_func"], route_norm=p["route_norm"]
-        )
-        ref_w, ref_ids, ref_counts = naive.route(
-            logits, p["k"], score_func=p["score_func"], route_norm=p["route_norm"]
-        )
-        self.assertEqual(ids, ref_ids)
-        self.assertEqual(counts, ref_counts)
-        self.assertEqual(weights, ref_w)
+        _check_pipeline(self, p)
 
-        x_perm, perm = ops.permute(
-            x, ids, p["num_experts"], align=p["align"], capacity=p["capacity"]
-        )
-        _, ends, dropped = naive.dispatch(ids, p["num_experts"], p["align"], p["capacity"])
-        self.assertEqual(perm.offs.tolist(), ends)
-        self.assertEqual(int(perm.num_dropped), dropped)
-        out = ops.unpermute(grouped_swiglu(x_perm, w13, w2, perm.offs), weights, perm)
-        ref = naive.moe(x, ref_w, ref_ids, w13, w2, capacity=p["capacity"])
-        self.assertEqual(out, ref)
-
-    @SETTINGS
-    @given(moe_problems())
+    @_with_examples
+    @given(moe_problems(dtypes=("fp64",)))
     def test_pipeline_gradients_match_float64_autograd(self, p):
-        logits, x, w13, w2 = _make(p)
+        p = {**p, "dtype": "fp64"}
+        logits, x, w13, w2, bias = _make(p)
         leaves = [t.clone().requires_grad_() for t in (logits, x, w13, w2)]
         lg, xx, a, b = leaves
-        weights, ids, _ = ops.topk_route(
-            lg, p["k"], score_func=p["score_func"], route_norm=p["route_norm"]
-        )
+        weights, ids, _ = ops.topk_route(lg, p["k"], **_route_kw(p, bias))
         x_perm, perm = ops.permute(
             xx, ids, p["num_experts"], align=p["align"], capacity=p["capacity"]
         )
@@ -98,32 +230,15 @@ class TestMoEPipelineProperties(TestCase):
         grad = torch.randn(out.shape, dtype=torch.float64)
         got = torch.autograd.grad(out, leaves, grad, allow_unused=True)
 
-        # the same function written with plain autograd ops, one token at a time
+        # naive.pipeline_autograd routes and drops on its own (naive.route, token order)
         ref_leaves = [t.clone().requires_grad_() for t in (logits, x, w13, w2)]
-        lg, xx, a, b = ref_leaves
-        if p["score_func"] == "softmax":
-            w = torch.softmax(lg, -1).gather(1, ids)
-        elif p["score_func"] == "sigmoid":
-            w = torch.sigmoid(lg).gather(1, ids)
-        else:
-            w = torch.softmax(lg.gather(1, ids), -1)
-        if p["route_norm"]:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        rows_out = []
-        kept = perm.slot_to_row >= 0
-        for t in range(x.shape[0]):
-            acc = torch.zeros(x.shape[1], dtype=torch.float64)
-            for j in range(p["k"]):
-                if kept[t, j]:
-                    e = int(ids[t, j])
-                    h = a[e] @ xx[t]
-                    gate, up = h.chunk(2)
-                    acc = acc + w[t, j] * (b[e] @ (torch.nn.functional.silu(gate) * up))
-            rows_out.append(acc)
-        ref_out = (
-            torch.stack(rows_out) if rows_out else torch.zeros(0, x.shape[1], dtype=torch.float64)
+        ref_out = naive.pipeline_autograd(
+            *ref_leaves, p["k"], capacity=p["capacity"], **_route_kw(p, bias)
         )
-        self.assertEqual(out, ref_out)
+        # float64 throughout: every value is a sum of at most T*K + F + D products of
+        # O(1) terms, so the rounding is below 1e3 * 2^-53 * 400 ~ 5e-11
+        tight = dict(atol=1e-10, rtol=1e-10)
+        self.assertEqual(out, ref_out, **tight)
         if ref_out.requires_grad:
             want = torch.autograd.grad(ref_out, ref_leaves, grad, allow_unused=True)
         else:
@@ -131,8 +246,61 @@ class TestMoEPipelineProperties(TestCase):
         for g_got, g_want, leaf in zip(got, want, ref_leaves):
             zero = torch.zeros_like(leaf)
             self.assertEqual(
-                g_got if g_got is not None else zero, g_want if g_want is not None else zero
+                g_got if g_got is not None else zero,
+                g_want if g_want is not None else zero,
+                **tight,
             )
+
+
+class TestStrategyReach(TestCase):
+    """The strategy reaches what the module docstring claims (so a change to it cannot
+    silently stop drawing a corner): checked on a fixed sample of draws."""
+
+    def test_reaches_every_option(self):
+        seen = set()
+        drops = 0
+
+        @given(moe_problems())
+        def collect(p):
+            nonlocal drops
+            seen.update(
+                {
+                    ("T=0", p["num_tokens"] == 0),
+                    ("E=1", p["num_experts"] == 1),
+                    ("K=E", p["k"] == p["num_experts"]),
+                    ("groups", p["groups"] is not None),
+                    ("bias", p["bias"]),
+                    ("score", p["score_func"]),
+                    ("norm", p["route_norm"]),
+                    ("scale", p["route_scale"]),
+                    ("align", p["align"]),
+                    ("dtype", p["dtype"]),
+                    ("capacity", p["capacity"] is not None),
+                }
+            )
+            if p["capacity"] is not None and p["num_tokens"] * p["k"] > p["num_experts"] * max(
+                p["capacity"], 0
+            ):
+                drops += 1
+
+        from hypothesis import settings
+
+        settings(max_examples=400, derandomize=True, database=None)(collect)()
+        for key in [
+            ("T=0", True),
+            ("E=1", True),
+            ("K=E", True),
+            ("groups", True),
+            ("bias", True),
+            *[("score", s) for s in ("softmax", "sigmoid", "softmax_topk")],
+            ("norm", True),
+            ("scale", 2.5),
+            *[("align", a) for a in (1, 16, 32, 128)],
+            *[("dtype", d) for d in DTYPES],
+            ("capacity", True),
+        ]:
+            self.assertIn(key, seen)
+        self.assertGreater(drops, 0)
 
 
 if __name__ == "__main__":
