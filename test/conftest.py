@@ -23,7 +23,9 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 _COMMON = dict(
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+    # differing_executors: unittest makes a TestCase instance per run, and mutmut runs a
+    # test several times in one process
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
     derandomize=False,
     database=DirectoryBasedExampleDatabase(".hypothesis/examples"),
 )
