@@ -123,6 +123,31 @@ class TestUpstreamPatches(TestCase):
             result.status[0], r"^native: applies to upstream [0-9a-f]{12}, not compiled"
         )
 
+    def test_native_patch_without_or_with_a_wrong_upstream_copy(self):
+        folder = next(ROOT.glob("0005-*"))
+        (rel,) = [
+            f for f in check.touched_files(next(folder.glob("*.patch"))) if check.is_native(f)
+        ]
+        commit, _ = check.read_upstream_sources()[rel]
+        with tempfile.TemporaryDirectory() as tmp:
+            # no copy: said on the patch's line, a failure only when required
+            series = check.load_series(folder, SITE)
+            check.apply_series(series, SITE, Path(tmp) / "none", Path(tmp) / "a")
+            (result,) = series.results
+            self.assertTrue(result.ok, result.problems)
+            self.assertIn("NOT re-applied", result.status[0])
+            series = check.load_series(folder, SITE)
+            check.apply_series(series, SITE, Path(tmp) / "none", Path(tmp) / "b", True)
+            self.assertFalse(series.results[0].ok)
+            # a copy that is not the upstream blob: always a failure
+            wrong = Path(tmp) / "cache" / commit / rel
+            wrong.parent.mkdir(parents=True)
+            wrong.write_text("// not the upstream file\n")
+            series = check.load_series(folder, SITE)
+            check.apply_series(series, SITE, Path(tmp) / "cache", Path(tmp) / "c")
+            (result,) = series.results
+            self.assertTrue(any("is not blob" in p for p in result.problems), result.problems)
+
     def test_overlay_serves_patched_module(self):
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "torch").mkdir()

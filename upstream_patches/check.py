@@ -352,13 +352,25 @@ def load_series(folder: Path, site: Path | None) -> Series:
     return series
 
 
-def apply_series(series: Series, site: Path, upstream_src: Path, scratch: Path) -> None:
-    """Build the series' scratch tree and apply its patches; one snapshot per patch."""
+def apply_series(
+    series: Series,
+    site: Path,
+    upstream_src: Path,
+    scratch: Path,
+    require_upstream_src: bool = False,
+) -> None:
+    """Build the series' scratch tree and apply its patches; one snapshot per patch.
+
+    A native file whose upstream copy is not available is left out of the apply (its
+    pre-image blob was still checked against ``UPSTREAM_SOURCES`` by the format check):
+    the patch's line says so, and it is a failure only with ``require_upstream_src``. A
+    copy whose blob id differs is always a failure."""
     sources = read_upstream_sources()
     tree = scratch / series.folder.name / "tree"
     tree.mkdir(parents=True)
     git("init", "-q", cwd=tree)
     missing: dict[str, str] = {}  # native file -> why it is not in the tree
+    absent: set[str] = set()  # the subset with no copy at all (not a wrong copy)
     for patch in series.patches:
         for rel in touched_files(patch):
             if (tree / rel).exists() or rel in missing:
@@ -368,6 +380,7 @@ def apply_series(series: Series, site: Path, upstream_src: Path, scratch: Path) 
                 src = upstream_file(rel, commit, upstream_src)
                 if src is None:
                     missing[rel] = f"no copy of upstream {commit[:12]}:{rel} under {upstream_src}"
+                    absent.add(rel)
                     continue
                 if blob_id(src) != blob:
                     missing[rel] = f"{src} is not blob {blob[:12]} of upstream {commit[:12]}"
@@ -391,7 +404,15 @@ def apply_series(series: Series, site: Path, upstream_src: Path, scratch: Path) 
         git("apply", *args, str(patch.resolve()), cwd=tree)
         native = [f for f in files if f in sources]
         for rel in excluded:
-            result.problems.append(f"native file not checked: {missing[rel]}")
+            if rel in absent and not require_upstream_src:
+                commit = sources[rel][0][:12]
+                result.status.append(
+                    f"native: made against upstream {commit} (blob checked), NOT re-applied "
+                    "here: no copy of the file (see --upstream-src), not compiled"
+                )
+                result.notes.append(missing[rel])
+            else:
+                result.problems.append(f"native file not checked: {missing[rel]}")
         if native and not excluded:
             commits = sorted({sources[f][0][:12] for f in native})
             result.status.append(f"native: applies to upstream {', '.join(commits)}, not compiled")
@@ -505,6 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         help="native sources: <dir>/<commit>/<path>, or a PyTorch git checkout "
         f"(default: $TORCH_MOE_UPSTREAM_SRC or {DEFAULT_UPSTREAM_SRC})",
     )
+    parser.add_argument(
+        "--require-upstream-src",
+        action="store_true",
+        help="fail when a native patch cannot be re-applied (no copy of its upstream file)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--allow-version-mismatch", action="store_true")
     args = parser.parse_args(argv)
@@ -533,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tempfile.mkdtemp(prefix="upstream_patches_"))
         try:
             for series in all_series:
-                apply_series(series, site, args.upstream_src, scratch)
+                apply_series(series, site, args.upstream_src, scratch, args.require_upstream_src)
             check_tests(all_series, scratch, args.jobs)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
