@@ -310,6 +310,7 @@ _TL_DTYPE = {
     torch.float8_e4m3fn: "fp8e4nv",
     torch.uint8: "u8",
     torch.int32: "i32",
+    torch.int64: "i64",
 }
 
 

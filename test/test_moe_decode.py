@@ -1,0 +1,243 @@
+# Owner(s): ["module: moe"]
+"""Tests for the fused small-batch MoE expert kernels (torch_moe._triton.moe_decode).
+
+Without a GPU the kernels run in Triton's interpreter (CPU tensors select it) with fp32
+dots, so the numerics are checked here against a float64 per-expert SwiGLU with the
+first-order error bound of ``tolerances.swiglu_bound`` (fp32 accumulation, fp32
+intermediates). FP8 weights are checked against the same oracle over the dequantized
+weights (the kernel dequantizes in registers, so only the fp32 rounding of ``q * scale``
+adds). Kernel quality is checked statically: every config compiles for sm_90a without a
+GPU, with wgmma from 64-row tiles on and no register spills.
+
+Legend: T tokens, K top-k, E experts, D dim, F expert hidden dim, M padded rows.
+"""
+
+import unittest
+
+import torch
+from tolerances import assert_within, swiglu_bound
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+from torch_moe import ops
+from torch_moe._triton import moe_decode as MD
+from torch_moe._triton.grouped_mm import _ptxas_path
+from torch_moe.quantization import dequantize_fp8, quantize_fp8
+
+
+def inputs(T, K, E, D, F, *, skew=False, empty=(), seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * F, D, generator=gen) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, generator=gen) / F**0.5).to(dtype)
+    allowed = torch.tensor([e for e in range(E) if e not in empty])
+    if skew:  # most assignments on the first allowed expert
+        ids = torch.where(
+            torch.rand(T, K, generator=gen) < 0.8,
+            allowed[0],
+            allowed[torch.randint(0, allowed.numel(), (T, K), generator=gen)],
+        )
+    else:
+        ids = allowed[torch.randint(0, allowed.numel(), (T, K), generator=gen)]
+    weights = torch.rand(T, K, generator=gen)
+    return x, w13, w2, ids, weights
+
+
+def layout(ids, weights, E, block_m):
+    perm = ops.permute_indices(ids, E, align=block_m)
+    padded = torch.cat([weights.reshape(-1), weights.new_zeros(1)])  # row -1 reads the 0
+    return perm, padded[perm.row_to_slot]
+
+
+def oracle(x, w13, w2, perm, rw, K):
+    """(exact, bound) of every padded row's output in float64, expert by expert."""
+    M, D = perm.row_to_slot.shape[0], x.shape[1]
+    exact = torch.zeros(M, D, dtype=torch.float64)
+    bound = torch.zeros(M, D, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(perm.offs.tolist()):
+        rows = torch.arange(start, end)
+        slots = perm.row_to_slot[rows]
+        rows = rows[slots >= 0]
+        if rows.numel():
+            y, b = swiglu_bound(
+                x[perm.row_to_slot[rows] // K], w13[e], w2[e], torch.float32, torch.float32,
+                row_weights=rw[rows],
+            )  # fmt: skip
+            exact[rows], bound[rows] = y, b
+        start = end
+    return exact, bound
+
+
+@instantiate_parametrized_tests
+class TestMoEDecode(TestCase):
+    @parametrize(
+        "T,K,E,D,F,kw",
+        [
+            (1, 1, 4, 32, 48, {}),  # one token
+            (5, 2, 4, 32, 48, {}),
+            (7, 3, 6, 40, 24, {"empty": (1, 4)}),  # empty experts, odd-ish sizes
+            (13, 2, 4, 16, 16, {"skew": True}),  # one expert takes most rows
+            (3, 8, 16, 32, 16, {}),  # K = 8 of 16 experts (DeepSeek-like ratio)
+        ],
+    )
+    def test_matches_oracle(self, T, K, E, D, F, kw):
+        x, w13, w2, ids, weights = inputs(T, K, E, D, F, **kw)
+        cfg = MD.config_for(T * K, interpret=True)
+        perm, rw = layout(ids, weights, E, cfg.block_m)
+        y = MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs, rw, K)
+        exact, bound = oracle(x, w13, w2, perm, rw, K)
+        self.assertEqual(y.shape, (perm.row_to_slot.shape[0], D))
+        assert_within(self, y, exact, bound)
+        # padding rows are zeros, as the unfused path leaves them
+        self.assertEqual(y[perm.row_to_slot < 0].abs().sum().item(), 0.0)
+        # and the combined output equals the unfused layer's within the same bounds
+        ref, _ = torch.ops.torch_moe.grouped_swiglu(
+            x, w13, w2, perm.offs, rw, torch.where(perm.row_to_slot >= 0, perm.row_to_slot // K, -1)
+        )
+        out = ops.unpermute(y, None, perm)
+        out_ref = ops.unpermute(ref, None, perm)
+        self.assertEqual(out, out_ref, atol=1e-5, rtol=1e-5)
+
+    def test_fp16_inputs(self):
+        x, w13, w2, ids, weights = inputs(6, 2, 4, 32, 32, dtype=torch.float16)
+        cfg = MD.config_for(12, interpret=True)
+        perm, rw = layout(ids, weights, 4, cfg.block_m)
+        y = MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs, rw, 2)
+        self.assertEqual(y.dtype, torch.float16)
+        exact, bound = oracle(x.float(), w13.float(), w2.float(), perm, rw, 2)
+        # fp32 compute, one rounding of the output to fp16
+        bound = bound + exact.abs() * 2.0**-11 + 2.0**-24
+        assert_within(self, y, exact, bound)
+
+    def test_zero_tokens(self):
+        x, w13, w2, ids, weights = inputs(0, 2, 4, 16, 16)
+        perm, rw = layout(ids, weights, 4, 16)
+        y = MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs, rw, 2)
+        self.assertEqual(y.shape, (perm.row_to_slot.shape[0], 16))
+        self.assertEqual(y.abs().sum().item(), 0.0)
+
+    @parametrize("scale_mode", ["rowwise", "blockwise"])
+    def test_fp8_weights(self, scale_mode):
+        T, K, E, D, F = 6, 2, 4, 128, 128
+        x, w13, w2, ids, weights = inputs(T, K, E, D, F, empty=(2,))
+        block = [1, -1] if scale_mode == "rowwise" else [128, 128]
+        q13, s13 = quantize_fp8(w13, block)
+        q2, s2 = quantize_fp8(w2, block)
+        if scale_mode == "rowwise":
+            self.assertEqual(s13.shape, (E, 2 * F, 1))
+        cfg = MD.config_for(T * K, interpret=True)
+        perm, rw = layout(ids, weights, E, cfg.block_m)
+        y = MD.moe_decode(
+            x, q13, q2, perm.row_to_slot, perm.offs, rw, K,
+            w13_scale=s13, w2_scale=s2, scale_mode=scale_mode,
+        )  # fmt: skip
+        d13 = dequantize_fp8(q13, s13, block, torch.float32)
+        d2 = dequantize_fp8(q2, s2, block, torch.float32)
+        exact, bound = oracle(x, d13, d2, perm, rw, K)
+        assert_within(self, y, exact, bound)
+
+    def test_block_experts(self):
+        # groups of 16, 0, 32 and 16 rows over 80 padded rows: blocks 0 | 1 1 | 3 | past the end
+        offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32)
+        table = MD.block_experts(offs, 80, 16)
+        self.assertEqual(table.tolist(), [0, 2, 2, 3, -1])
+
+    def test_config_for(self):
+        bounds = sorted(MD.CONFIGS)
+        self.assertEqual(MD.config_for(1), MD.CONFIGS[bounds[0]])
+        self.assertEqual(MD.config_for(bounds[0] + 1), MD.CONFIGS[bounds[1]])
+        self.assertEqual(MD.config_for(1 << 40), MD.CONFIGS[bounds[-1]])
+        self.assertEqual(MD.config_for(10**6, interpret=True).block_m, 16)
+
+    def test_errors(self):
+        x, w13, w2, ids, weights = inputs(4, 2, 4, 32, 48)
+        perm, rw = layout(ids, weights, 4, 16)
+        args = (perm.row_to_slot, perm.offs, rw, 2)
+        with self.assertRaisesRegex(
+            ValueError, "scale_mode must be None, 'rowwise' or 'blockwise', got 'tensorwise'"
+        ):
+            MD.moe_decode(x, w13, w2, *args, scale_mode="tensorwise")
+        with self.assertRaisesRegex(ValueError, r"moe_decode: shapes disagree: x \(4, 32\)"):
+            MD.moe_decode(x, w13, w2[:, :16], *args)
+        with self.assertRaisesRegex(ValueError, r"offs must be int32 \[E=4\], got torch.int64"):
+            MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs.long(), rw, 2)
+        with self.assertRaisesRegex(ValueError, r"row_weights must be \[M="):
+            MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs, rw[1:], 2)
+        with self.assertRaisesRegex(ValueError, "top_k must be >= 1, got 0"):
+            MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs, rw, 0)
+        with self.assertRaisesRegex(ValueError, "FP8 .* need a scale_mode .* scale_mode='rowwise'"):
+            MD.moe_decode(x, w13, w2, *args, scale_mode="rowwise")
+
+
+@unittest.skipIf(not torch.cuda.is_available(), "needs a CUDA GPU")
+class TestMoEDecodeCUDA(TestCase):
+    """The compiled kernels on the GPU, bf16 tokens and weights (bf16 intermediate and
+    output, fp32 accumulation: the bound's dtype / acc), and FP8 rowwise weights."""
+
+    def test_bf16(self):
+        for T, K, E, D, F in [
+            (1, 8, 128, 2048, 768),
+            (16, 8, 128, 2048, 768),
+            (300, 2, 8, 512, 1024),
+        ]:
+            x, w13, w2, ids, weights = inputs(T, K, E, D, F, dtype=torch.bfloat16)
+            cfg = MD.config_for(T * K)
+            perm, rw = layout(ids, weights, E, cfg.block_m)
+            dev = [t.cuda() for t in (x, w13, w2, perm.row_to_slot, perm.offs, rw)]
+            y = MD.moe_decode(*dev, K).cpu()
+            exact, _ = oracle(x.float(), w13.float(), w2.float(), perm, rw, K)
+            bound = torch.zeros_like(exact)
+            start = 0
+            for e, end in enumerate(perm.offs.tolist()):
+                rows = torch.arange(start, end)
+                rows = rows[perm.row_to_slot[rows] >= 0]
+                if rows.numel():
+                    _, bound[rows] = swiglu_bound(
+                        x[perm.row_to_slot[rows] // K], w13[e], w2[e], torch.bfloat16,
+                        torch.float32, row_weights=rw[rows],
+                    )  # fmt: skip
+                start = end
+            assert_within(self, y, exact, bound, msg=f"T={T}")
+
+    def test_fp8_rowwise(self):
+        T, K, E, D, F = 16, 8, 64, 1024, 512
+        x, w13, w2, ids, weights = inputs(T, K, E, D, F)
+        q13, s13 = quantize_fp8(w13, [1, -1])
+        q2, s2 = quantize_fp8(w2, [1, -1])
+        perm, rw = layout(ids, weights, E, MD.config_for(T * K).block_m)
+        y = MD.moe_decode(
+            *[t.cuda() for t in (x, q13, q2, perm.row_to_slot, perm.offs, rw)], K,
+            w13_scale=s13.cuda(), w2_scale=s2.cuda(), scale_mode="rowwise",
+        ).cpu()  # fmt: skip
+        d13 = dequantize_fp8(q13, s13, [1, -1], torch.float32)
+        d2 = dequantize_fp8(q2, s2, [1, -1], torch.float32)
+        exact, bound = oracle(x, d13, d2, perm, rw, K)
+        assert_within(self, y, exact, bound)
+
+
+@unittest.skipIf(_ptxas_path() is None, "no ptxas for sm_90a in this triton install")
+@instantiate_parametrized_tests
+class TestMoEDecodeSm90(TestCase):
+    """Every config of both kernels AOT-compiles for sm_90a in every weight mode: no
+    spills, wgmma for the 64-row tiles (16-row tiles are below wgmma's M=64: mma.sync)."""
+
+    @parametrize("kernel", ["w13", "w2"])
+    @parametrize("scale_mode", [None, "rowwise", "blockwise"])
+    def test_compiles_without_spills(self, kernel, scale_mode):
+        for bound, cfg in sorted(MD.CONFIGS.items()):
+            k = MD.compile_for_sm90(kernel, min(bound, 4096), scale_mode=scale_mode)
+            ptx = k.compiled.asm["ptx"]
+            self.assertEqual(k.n_spills, 0, msg=f"{cfg}: {k.ptxas_log}")
+            if cfg.block_m >= 64:
+                self.assertIn("wgmma.mma_async", ptx, msg=str(cfg))
+            else:
+                self.assertIn("mma.sync", ptx, msg=str(cfg))
+
+
+if __name__ == "__main__":
+    run_tests()
