@@ -181,13 +181,20 @@ def moe_layer(x: Tensor, state: dict[str, Tensor], config: dict) -> tuple[Tensor
     return out.reshape(*x.shape[:-1], dim), ids, dropped
 
 
-def moe_layer_autograd(x: Tensor, params: dict[str, Tensor], config: dict) -> Tensor:
+def moe_layer_autograd(
+    x: Tensor, params: dict[str, Tensor], config: dict, lowp: torch.dtype | None = None
+) -> Tensor:
     """:func:`moe_layer` in plain differentiable torch ops, one token at a time.
 
     For gradients: autograd through this loop is the reference for the layer's backward.
     The experts are chosen by :func:`route` on the detached logits (selection has no
     gradient); the weights are recomputed from the logits with torch ops. ``params`` as
     in :func:`moe_layer` (may require grad; all float64).
+
+    ``lowp`` (e.g. bf16) emulates the routed experts under autocast: the expert's input and
+    weights, its pre-activation, activation and output are rounded to ``lowp`` (casts, so
+    that autograd rounds their gradients too), the weighted sum stays in float64 and the
+    layer's output is rounded to ``lowp``; the router stays in float64.
     """
     dim, num_experts, top_k = config["dim"], config["num_experts"], config["top_k"]
     kw = _route_kwargs(config)
@@ -219,7 +226,9 @@ def moe_layer_autograd(x: Tensor, params: dict[str, Tensor], config: dict) -> Te
             used[e] += 1
             if capacity is not None and used[e] > capacity:
                 continue
-            y = y + w[j] * _swiglu_autograd(x_t, params["experts.w13"][e], params["experts.w2"][e])
+            y = y + w[j] * _swiglu_autograd(
+                x_t, params["experts.w13"][e], params["experts.w2"][e], lowp
+            )
         if "shared_experts.w13" in params:
             shared = _swiglu_autograd(
                 x_t, params["shared_experts.w13"], params["shared_experts.w2"]
@@ -229,13 +238,20 @@ def moe_layer_autograd(x: Tensor, params: dict[str, Tensor], config: dict) -> Te
             y = y + shared
         rows.append(y)
     out = torch.stack(rows) if rows else x_TD * 0
+    if lowp is not None:
+        out = out.to(lowp).double()
     return out.reshape(x.shape)
 
 
-def _swiglu_autograd(x_row: Tensor, w13_e: Tensor, w2_e: Tensor) -> Tensor:
+def _swiglu_autograd(
+    x_row: Tensor, w13_e: Tensor, w2_e: Tensor, lowp: torch.dtype | None = None
+) -> Tensor:
+    def rnd(t: Tensor) -> Tensor:
+        return t if lowp is None else t.to(lowp).to(torch.float64)
+
     hidden = w13_e.shape[0] // 2
-    h = w13_e @ x_row
-    return w2_e @ (torch.nn.functional.silu(h[:hidden]) * h[hidden:])
+    h = rnd(rnd(w13_e) @ rnd(x_row))
+    return rnd(rnd(w2_e) @ rnd(torch.nn.functional.silu(h[:hidden]) * h[hidden:]))
 
 
 # --------------------------------------------------------------------------------------
