@@ -3,19 +3,28 @@
 Times routing, permute, unpermute, grouped_mm and grouped_swiglu (forward + backward)
 in one process, interleaved round by round (median of ``--reps`` rounds), and prints:
 
+* the machine: CPU model, ISA (AVX2 / AVX512 / AVX512-BF16 / AMX, from the CPU flags),
+  threads, load average before and after (the machine may be shared);
 * the floor of each op, measured in the same run: bytes moved over the measured copy
-  bandwidth for data movement, FLOPs over the measured large-GEMM rate for GEMMs. Two
-  GEMM floors are printed: the rate of a large ``torch.mm`` in the benchmark dtype (the
-  definition of docs/design.md §8), and the fp32 rate (the hardware limit of a CPU without
-  native bf16, where torch_moe upcasts, see torch_moe/_ops/grouped_mm.py);
+  bandwidth for data movement, FLOPs over the large-GEMM rate for GEMMs. Two GEMM rates
+  are measured, a large ``torch.mm`` in the benchmark dtype and in fp32, and the floor is
+  the one of the math torch_moe does on this machine (docs/design.md §8): the native
+  half-precision rate where the CPU multiplies bf16 natively, the fp32 rate where it
+  upcasts. For the GEMM ops the large mm runs inside the same rounds as the op;
+* which path each measured CPU decision took (``torch_moe._ops._cpu_probe``);
 * a plain-torch peer: ``torch._grouped_mm`` with autograd, ``index_select`` /
   ``index_add_`` dispatch and combine, softmax + topk routing;
+* with ``--baseline REV``: the CPU grouped_mm / grouped_swiglu ops of git revision REV,
+  loaded next to the current ones under another op namespace and timed in the same
+  rounds (before / after in one run);
 * peak memory of grouped_swiglu forward + backward above the inputs and weights (from
   the process's peak RSS, reset through /proc/self/clear_refs), next to the budget of
   gradients + output + the saved pre-activation, and next to the peer.
 
     python benchmarks/bench_ops.py                      # the issue's shapes, bf16
     python benchmarks/bench_ops.py --m 1024 --reps 3    # quicker
+    python benchmarks/bench_ops.py --baseline HEAD~3    # before / after
+    TORCH_MOE_CPU_PROBE=half_gemm=fp32 python benchmarks/bench_ops.py   # force a decision
 """
 
 from __future__ import annotations
@@ -28,15 +37,20 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
+from torch_moe._ops import _cpu_probe
+from torch_moe._ops.grouped_mm import cpu_compute_dtype
 from torch_moe.nn.functional import grouped_swiglu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def interleaved(
@@ -54,12 +68,25 @@ def interleaved(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def gemm_rate(dtype: torch.dtype, n: int, reps: int) -> float:
-    """FLOP/s of a large square mm, the fastest operand layout (A @ B^T)."""
+def square_mm(dtype: torch.dtype, n: int) -> Callable[[], object]:
+    """A large square mm in the fastest operand layout (A @ B^T): ``2 n^3`` FLOPs a call."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype).t()
-    sec = interleaved({"mm": lambda: torch.mm(a, b)}, reps)["mm"]
-    return 2 * n**3 / sec
+    return lambda: torch.mm(a, b)
+
+
+def gemm_rate(dtype: torch.dtype, n: int, reps: int) -> float:
+    """FLOP/s of a large square mm, the fastest operand layout (A @ B^T)."""
+    return 2 * n**3 / interleaved({"mm": square_mm(dtype, n)}, reps)["mm"]
+
+
+def floor_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the math torch_moe's CPU GEMMs do for ``dtype`` inputs on this machine."""
+    return cpu_compute_dtype(dtype)
+
+
+def floor_size(dtype: torch.dtype) -> int:
+    return 4096 if dtype == torch.float32 else 2048
 
 
 def copy_bandwidth(reps: int) -> float:
@@ -68,6 +95,82 @@ def copy_bandwidth(reps: int) -> float:
     dst = torch.empty_like(src)
     sec = interleaved({"copy": lambda: dst.copy_(src)}, reps)["copy"]
     return 2 * src.numel() / sec
+
+
+def machine_line() -> str:
+    """torch version, CPU model and ISA, threads and the load average, for every result."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = "/".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    return (
+        f"# torch {torch.__version__}, {model}, ISA {_cpu_probe.cpu_isa()}, {os.cpu_count()} "
+        f"CPUs, threads={torch.get_num_threads()}, load average {load} (1/5/15 min)"
+    )
+
+
+def floor_line(name: str, dtype: torch.dtype, rate: float, rate32: float) -> str:
+    native = floor_dtype(dtype) == dtype
+    which = f"{name} (native)" if native else "fp32 (this CPU upcasts " + name + ")"
+    return (
+        f"# large mm: {rate / 1e9:.1f} GFLOP/s in {name}, {rate32 / 1e9:.1f} GFLOP/s in fp32; "
+        f"the floor is the {which} rate"
+    )
+
+
+def print_decisions() -> None:
+    """Which path every measured CPU decision of this process took, and why."""
+    print("# CPU decisions (torch_moe._ops._cpu_probe):")
+    for key, how in _cpu_probe.decisions().items():
+        print(f"#   {key}: {how}")
+    forced = os.environ.get(_cpu_probe.ENV_FORCE)
+    if forced:
+        print(f"#   forced by {_cpu_probe.ENV_FORCE}={forced}")
+
+
+def load_baseline(rev: str) -> types.SimpleNamespace:
+    """The CPU ops ``grouped_mm`` / ``grouped_swiglu`` of git revision ``rev``, registered
+    under the op namespace ``torch_moe_base`` next to the current ones (their Python
+    modules taken from ``git show``; everything else they import is today's)."""
+    package = "_torch_moe_base_ops"
+    sys.modules.setdefault(package, types.ModuleType(package))
+    mods: dict[str, types.ModuleType] = {}
+    for name in ("_cpu_probe", "grouped_mm", "grouped_swiglu"):
+        path = f"torch_moe/_ops/{name}.py"
+        show = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True
+        )
+        if show.returncode != 0:
+            if name == "_cpu_probe":  # older revisions have none
+                continue
+            raise RuntimeError(f"--baseline {rev}: cannot read {path}: {show.stderr.strip()}")
+        src = show.stdout.replace('"torch_moe::', '"torch_moe_base::')
+        for other in ("_cpu_probe", "grouped_mm"):
+            src = src.replace(f"torch_moe._ops.{other} import", f"{package}.{other} import")
+            src = src.replace(
+                f"from torch_moe._ops import {other}\n", f"from {package} import {other}\n"
+            )
+        mod = types.ModuleType(f"{package}.{name}")
+        sys.modules[mod.__name__] = mod
+        setattr(sys.modules[package], name, mod)
+        exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
+        mods[name] = mod
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True
+    ).stdout.strip()
+    swiglu = mods["grouped_swiglu"].grouped_swiglu
+
+    def grouped_swiglu_base(x, w13, w2, offs, row_weights=None):  # type: ignore[no-untyped-def]
+        return swiglu(x, w13, w2, offs, row_weights)[0]
+
+    return types.SimpleNamespace(
+        rev=f"{rev} ({commit})",
+        grouped_mm=mods["grouped_mm"].grouped_mm,
+        grouped_swiglu=grouped_swiglu_base,
+    )
 
 
 def _rss(field: str) -> int | None:
@@ -106,16 +209,25 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--skip-peer-swiglu", action="store_true", help="skip the slow bf16 peer")
+    p.add_argument("--skip-peer-swiglu", action="store_true", help="skip the bf16 swiglu peer")
     p.add_argument(
         "--peer-reps",
         type=int,
-        default=1,
-        help="timed calls of the torch._grouped_mm peers, no warm-up (in bf16 their backward "
-        "takes oneDNN's slow row-major x row-major path on CPUs without native bf16)",
+        help="where this CPU only emulates the dtype: calls of the torch._grouped_mm peers, "
+        "timed apart without warm-up (their backward takes oneDNN's emulated row-major x "
+        "row-major path: minutes a call; default 1); with native support they run in the "
+        "same --reps rounds as torch_moe",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time the grouped_mm / grouped_swiglu ops of this git revision, same rounds",
+    )
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--measure-peak", choices=["ours", "peer"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.measure_peak:
         measure_peak(args)
         return
@@ -123,20 +235,48 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     m, d, f, e, k = args.m, args.dim, args.hidden, args.experts, args.top_k
     t = m // k
+    print(machine_line())
+    base = load_baseline(args.baseline) if args.baseline else None
 
-    rate = gemm_rate(dtype, 2048 if dtype != torch.float32 else 4096, 3)
-    rate32 = gemm_rate(torch.float32, 4096, 3)
+    cdt = floor_dtype(dtype)  # the math torch_moe's GEMMs do here (probes this machine)
+    native = cdt == dtype
+    peer_reps = args.peer_reps or 1
+    rate = gemm_rate(dtype, floor_size(dtype), 3)
+    rate32 = gemm_rate(torch.float32, floor_size(torch.float32), 3)
     bw = copy_bandwidth(args.reps)
     esize = torch.empty((), dtype=dtype).element_size()
-    print(
-        f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, threads={torch.get_num_threads()}"
-    )
-    print(
-        f"# large mm: {rate / 1e9:.1f} GFLOP/s in {args.dtype}, {rate32 / 1e9:.1f} GFLOP/s in fp32; copy: {bw / 1e9:.2f} GB/s"
-    )
-    print(f"# M={m} (T={t}, K={k}), D={d}, F={f}, E={e}, {args.dtype}, median of {args.reps}\n")
+    print(floor_line(args.dtype, dtype, rate, rate32) + f"; copy: {bw / 1e9:.2f} GB/s")
+    print(f"# M={m} (T={t}, K={k}), D={d}, F={f}, E={e}, {args.dtype}, median of {args.reps}")
+    if base is not None:
+        print(f"# baseline: grouped_mm / grouped_swiglu of {base.rev}")
+    print()
 
-    rows: list[tuple[str, float, float | None, str, float | None]] = []
+    # name, ours s, floor s, x bf16-mm, x fp32-mm, peer name, peer s, base s
+    Row = tuple[str, float, float, float | None, float | None, str, float | None, float | None]
+    rows: list[Row] = []
+    floor_mm = {"floor": square_mm(cdt, floor_size(cdt))}
+    mm_flops = 2 * floor_size(cdt) ** 3
+    other = torch.float32 if native and dtype != torch.float32 else None
+    if other is not None:
+        floor_mm["other"] = square_mm(other, floor_size(other))
+
+    def gemm_row(name: str, flops: int, fns: dict[str, Callable[[], object]], peer: str) -> Row:
+        """Ours (and the baseline) with the floor mm in the same rounds; the peer after."""
+        slow_peer = not native and "peer" in fns  # emulated bf16: timed apart, fewer calls
+        timed = {key: fn for key, fn in fns.items() if not (slow_peer and key == "peer")}
+        r = interleaved({**timed, **floor_mm}, args.reps)
+        if slow_peer:
+            r.update(interleaved({"peer": fns["peer"]}, peer_reps, warmup=peer_reps > 1))
+        floor_s = flops / (mm_flops / r["floor"])
+        x_dt = x_32 = None
+        if native:
+            x_dt = r["ours"] / floor_s
+            if other is not None:
+                x_32 = r["ours"] / (flops / (2 * floor_size(other) ** 3 / r["other"]))
+        else:  # upcast: the floor is the fp32 rate; the bf16 rate is the emulated one
+            x_32 = r["ours"] / floor_s
+            x_dt = r["ours"] / (flops / rate)
+        return (name, r["ours"], floor_s, x_dt, x_32, peer, r.get("peer"), r.get("base"))
 
     # ---------------- routing (fp32 logits [T, E]) ----------------
     logits = torch.randn(t, e, requires_grad=True)
@@ -155,7 +295,18 @@ def main() -> None:
 
     r = interleaved({"ours": route_ours, "peer": route_peer}, args.reps)
     route_bytes = 2 * (t * e * 4 + t * k * (4 + 8))  # fwd + bwd
-    rows.append(("topk_route fwd+bwd", r["ours"], route_bytes / bw, "softmax+topk", r["peer"]))
+    rows.append(
+        (
+            "topk_route fwd+bwd",
+            r["ours"],
+            route_bytes / bw,
+            None,
+            None,
+            "softmax+topk",
+            r["peer"],
+            None,
+        )
+    )
 
     # ---------------- permute / unpermute ----------------
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
@@ -189,8 +340,12 @@ def main() -> None:
         args.reps,
     )
     move = 2 * m * d * esize  # read + write the [M, D] buffer once
-    rows.append(("permute fwd+bwd", r["p"], 2 * move / bw, "index_select", r["pp"]))
-    rows.append(("unpermute fwd+bwd", r["u"], 2 * move / bw, "index_add", r["up"]))
+    rows.append(
+        ("permute fwd+bwd", r["p"], 2 * move / bw, None, None, "index_select", r["pp"], None)
+    )
+    rows.append(
+        ("unpermute fwd+bwd", r["u"], 2 * move / bw, None, None, "index_add", r["up"], None)
+    )
     perm_time = r["p"] + r["u"]
 
     # ---------------- grouped_mm ----------------
@@ -199,25 +354,32 @@ def main() -> None:
     w = (torch.randn(e, f, d, dtype=dtype) * 0.02).requires_grad_()
     g_mm = torch.randn(m, f, dtype=dtype)
 
-    def gmm_ours():
-        ops.grouped_mm(x, w.transpose(-2, -1), offs).backward(g_mm)
+    def fresh(fn: Callable[[], object], *leaves: torch.Tensor) -> Callable[[], object]:
+        """``fn`` after dropping the leaves' .grad: no gradient accumulation is timed."""
 
-    def gmm_peer():
-        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(g_mm)
+        def run() -> object:
+            for leaf in leaves:
+                leaf.grad = None
+            return fn()
 
-    r = interleaved({"ours": gmm_ours}, args.reps)
-    r.update(interleaved({"peer": gmm_peer}, args.peer_reps, warmup=False))
-    gmm_flops = 6 * m * d * f
-    rows.append(("grouped_mm fwd+bwd", r["ours"], gmm_flops / rate, "torch._grouped_mm", r["peer"]))
-    rows_fp32 = {"grouped_mm fwd+bwd": gmm_flops / rate32}
+        return run
+
+    fns: dict[str, Callable[[], object]] = {
+        "ours": fresh(lambda: ops.grouped_mm(x, w.transpose(-2, -1), offs).backward(g_mm), x, w),
+        "peer": fresh(
+            lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(g_mm), x, w
+        ),
+    }
+    if base is not None:
+        fns["base"] = fresh(
+            lambda: base.grouped_mm(x, w.transpose(-2, -1), offs).backward(g_mm), x, w
+        )
+    rows.append(gemm_row("grouped_mm fwd+bwd", 6 * m * d * f, fns, "torch._grouped_mm"))
 
     # ---------------- grouped_swiglu ----------------
     w13 = (torch.randn(e, 2 * f, d, dtype=dtype) * 0.02).requires_grad_()
     w2 = (torch.randn(e, d, f, dtype=dtype) * 0.02).requires_grad_()
     g_y = torch.randn(m, d, dtype=dtype)
-
-    def swiglu_ours():
-        grouped_swiglu(x, w13, w2, offs).backward(g_y)
 
     def swiglu_peer():  # the composition users write with torch._grouped_mm
         h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
@@ -225,27 +387,45 @@ def main() -> None:
         a = torch.nn.functional.silu(gate) * up
         torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs).backward(g_y)
 
-    r = interleaved({"ours": swiglu_ours}, args.reps)
+    fns = {"ours": fresh(lambda: grouped_swiglu(x, w13, w2, offs).backward(g_y), x, w13, w2)}
     if not args.skip_peer_swiglu:
-        r.update(interleaved({"peer": swiglu_peer}, args.peer_reps, warmup=False))
-    sw_flops = 18 * m * d * f
-    rows.append(
-        ("grouped_swiglu fwd+bwd", r["ours"], sw_flops / rate, "_grouped_mm+silu", r.get("peer"))
-    )
-    rows_fp32["grouped_swiglu fwd+bwd"] = sw_flops / rate32
+        fns["peer"] = fresh(swiglu_peer, x, w13, w2)
+    if base is not None:
+        fns["base"] = fresh(lambda: base.grouped_swiglu(x, w13, w2, offs).backward(g_y), x, w13, w2)
+    rows.append(gemm_row("grouped_swiglu fwd+bwd", 18 * m * d * f, fns, "_grouped_mm+silu"))
 
     # ---------------- table ----------------
-    print("| op | torch_moe ms | floor ms | x floor | x fp32 floor | peer | peer ms | peer/ours |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, ours, floor, peer_name, peer in rows:
-        fp32 = rows_fp32.get(name)
-        print(
-            f"| {name} | {ours * 1e3:.1f} | {floor * 1e3:.2f} | {ours / floor:.2f} | "
-            f"{f'{ours / fp32:.2f}' if fp32 else '-'} | {peer_name} | "
-            f"{f'{peer * 1e3:.1f}' if peer else '-'} | {f'{peer / ours:.2f}' if peer else '-'} |"
-        )
+    print_decisions()
+    print(machine_line())
+    print()
+    floor_dt = args.dtype if native else "fp32"
+    head = (
+        f"| op | torch_moe ms | floor ms | x floor | x {args.dtype} mm | x fp32 mm | peer | "
+        "peer ms | peer/ours |"
+    )
+    if base is not None:
+        head += " baseline ms | baseline/ours |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    for name, ours, floor, x_dt, x_32, peer_name, peer, base_s in rows:
+        cells = [
+            name,
+            f"{ours * 1e3:.1f}",
+            f"{floor * 1e3:.2f}",
+            f"{ours / floor:.2f}",
+            f"{x_dt:.2f}" if x_dt is not None else "-",
+            f"{x_32:.2f}" if x_32 is not None else "-",
+            peer_name,
+            f"{peer * 1e3:.1f}" if peer else "-",
+            f"{peer / ours:.2f}" if peer else "-",
+        ]
+        if base is not None:
+            cells += [f"{base_s * 1e3:.1f}", f"{base_s / ours:.2f}"] if base_s else ["-", "-"]
+        print("| " + " | ".join(cells) + " |")
     print(
-        f"\npermute + unpermute (fwd+bwd) / grouped_swiglu (fwd+bwd): {perm_time / rows[-1][1]:.3f}"
+        f"\nfloor of the GEMM rows: the {floor_dt} mm rate (the math torch_moe does on this "
+        f"CPU); permute + unpermute (fwd+bwd) / grouped_swiglu (fwd+bwd): "
+        f"{perm_time / rows[-1][1]:.3f}"
     )
 
     # ---------------- memory (each candidate in a fresh process) ----------------
@@ -258,6 +438,7 @@ def main() -> None:
     for who in ["ours"] + ([] if args.skip_peer_swiglu else ["peer"]):
         cmd = [sys.executable, __file__, "--measure-peak", who, "--m", str(m), "--dim", str(d)]
         cmd += ["--hidden", str(f), "--experts", str(e), "--dtype", args.dtype]
+        cmd += ["--threads", str(torch.get_num_threads())]
         # mmap every block >= 64 KiB so that a free returns it and RSS tracks live tensors
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
         out = subprocess.run(

@@ -12,29 +12,40 @@ fails on zero-stride gradients (``out.sum().backward()``), it needs K and N to b
 multiples of 16 bytes, leaves dX rows past ``offs[-1]`` uninitialized, accepts
 non-monotone ``offs``, and its meta kernel only accepts bf16. Dispatch here:
 
-* CPU: a loop of ``mm`` over the groups, laid out for the fast BLAS path (below).
-  ``offs`` is read on the host (free on CPU).
+* CPU: a loop of ``mm`` over the groups, or ``torch._grouped_mm`` where it is correct
+  and measured faster (NB below). ``offs`` is read on the host (free on CPU).
 * CUDA: ``torch._grouped_mm`` for bf16 with 16-byte aligned K and N on sm_90+ (the
   padded rows are zeroed on device); the persistent Triton kernel
   (``torch_moe._triton.grouped_mm``) for the rest; no host sync on either path.
 * anything else: the host loop.
 
-NB (CPU half precision): on CPUs without native bf16/fp16 GEMMs (no AVX512-BF16 /
-AMX) oneDNN emulates them, much slower than fp32 and slowest with both operands
-row-major (rates: benchmarks/results/ops_cpu_202611.md). There, each group is upcast to
-fp32, multiplied, and rounded once into the output: the same function (fp32
-accumulation, one rounding), and faster. With native support we keep half precision
-and only fix the layout.
+NB (CPU speed): the CPU kernels take no layout or dtype rule from one machine; each
+choice is measured on the running machine the first time it is needed
+(``torch_moe._ops._cpu_probe``, forceable for tests; rates of both machine classes in
+benchmarks/results/ops_cpu_202612.md):
+
+* dtype: CPUs without native bf16/fp16 GEMMs (AVX2) emulate them, several times slower
+  than fp32 and slowest with both operands row-major; there each group is upcast to
+  fp32, multiplied and rounded once into the output (the same function: fp32
+  accumulation, one rounding). With AVX512-BF16 / AMX the GEMMs run in half precision,
+  with no conversion at all.
+* layout: an operand is copied into the other layout before a GEMM only where the probe
+  found the copy and the multiply faster than the multiply as is (per dtype, layout pair
+  and shape class); never where the CPU has no slow layout.
+* kernel: ``torch._grouped_mm`` (one C++ loop over the groups, bitwise the same ``mm``
+  per group) instead of the Python loop where it is faster, and only where it is
+  correct: 16-byte aligned K, N and strides, offs validated here first, rows past
+  ``offs[-1]`` zeroed here.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
 from torch import Tensor
 
+from torch_moe._ops import _cpu_probe
 from torch_moe._ops._dtypes import FLOAT_DTYPES
 
 __all__ = [
@@ -50,6 +61,8 @@ __all__ = [
 ]
 
 _DTYPES = FLOAT_DTYPES
+_FULL = (torch.float32, torch.float64)  # always multiplied as they are
+_TORCH_GROUPED_MM_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # --------------------------------------------------------------------------------------
@@ -145,23 +158,28 @@ def grouped_mm_reference(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 # CPU kernels
 
 
-@functools.cache
 def _cpu_native_half(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` natively (else we upcast to fp32)."""
-    cpu = getattr(torch, "cpu", None)
-    amx = bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)())
-    if dtype == torch.bfloat16:
-        return amx or bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
-    return bool(getattr(cpu, "_is_amx_fp16_supported", lambda: False)())
+    """Whether this CPU multiplies ``dtype`` at least as fast as the fp32 upcast (measured)."""
+    return _cpu_probe.half_gemm(dtype) == "native"
 
 
 def _transposed(t: Tensor) -> bool:
-    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
+    return _cpu_probe.transposed(t)
 
 
-def _slow_half_layout(a: Tensor, b: Tensor) -> bool:
-    """Half operands both row-major (or both column-major): oneDNN's slow path (module NB)."""
-    return a.dtype in (torch.float16, torch.bfloat16) and _transposed(a) == _transposed(b)
+def _layout_choice(dtype: torch.dtype, a: Tensor, b: Tensor) -> str:
+    """``"as_is"``, ``"copy_a"`` or ``"copy_b"`` for ``a @ b`` computed in ``dtype``
+    (measured per layout pair and shape class; fp64, the gradcheck dtype, is never copied)."""
+    return "as_is" if dtype == torch.float64 else _cpu_probe.layout(dtype, a, b)
+
+
+def _operand(t: Tensor, dtype: torch.dtype, other_layout: bool) -> Tensor:
+    """``t`` in ``dtype``, in the other memory layout if asked: one pass either way."""
+    if not other_layout:
+        return t.to(dtype)
+    if _transposed(t):
+        return torch.empty(t.shape, dtype=dtype).copy_(t)
+    return torch.empty((t.shape[1], t.shape[0]), dtype=dtype).t().copy_(t)
 
 
 def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -174,24 +192,110 @@ def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def mm_cpu(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` in ``cpu_compute_dtype``; the product stays in that dtype."""
     cdt = cpu_compute_dtype(a.dtype)
-    a, b = a.to(cdt), b.to(cdt)
-    if _slow_half_layout(a, b):
-        b = b.t().contiguous().t()
-        if _transposed(a):
-            a = a.contiguous()
-    return torch.mm(a, b)
+    choice = _layout_choice(cdt, a, b)
+    return torch.mm(_operand(a, cdt, choice == "copy_a"), _operand(b, cdt, choice == "copy_b"))
 
 
 def mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
     """``out = a @ b`` with fp32 accumulation and one rounding into ``out``'s dtype."""
-    same = a.dtype == b.dtype == out.dtype == cpu_compute_dtype(out.dtype)
-    if same and not _slow_half_layout(a, b):
+    dtype = out.dtype
+    if a.dtype == b.dtype == dtype and (dtype in _FULL or _cpu_native_half(dtype)):
+        choice = _layout_choice(dtype, a, b)
+        if choice == "copy_a":
+            a = _operand(a, dtype, True)
+        elif choice == "copy_b":
+            b = _operand(b, dtype, True)
         torch.mm(a, b, out=out)
     else:
         out.copy_(mm_cpu(a, b))
 
 
-def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int]) -> Tensor:
+def _aligned(t: Tensor) -> bool:
+    """What ``torch._grouped_mm`` takes: row- or column-major in the last two dims, every
+    other stride and the data pointer 16-byte aligned."""
+    row_stride, col_stride = t.stride()[-2:]
+    if col_stride == 1:
+        lead = row_stride
+    elif row_stride == 1:
+        lead = col_stride
+    else:
+        return False
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in (lead, *t.stride()[:-2]))
+
+
+def _torch_grouped_mm_cpu_ok(a: Tensor, b: Tensor, ends: list[int], k: int, n: int) -> bool:
+    """Where ``torch._grouped_mm`` computes what the loop does (module NB): a dtype it takes
+    and that this CPU multiplies natively, at least one row, K and N (the reduction and
+    output columns) and every non-unit stride 16-byte aligned. Whether it is faster is
+    measured."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype not in _TORCH_GROUPED_MM_CPU_DTYPES:
+        return False
+    if not ends or ends[-1] == 0 or a.dtype != cpu_compute_dtype(a.dtype):
+        return False
+    if k * a.element_size() % 16 or n * a.element_size() % 16:
+        return False
+    return _aligned(a) and _aligned(b)
+
+
+def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
+    """``torch._grouped_mm(a, b, offs)`` (a [M, K] x b [E, K, N], or for ``wgrad``
+    a [K, M] x b [M, N]) instead of the loop: allowed and measured faster."""
+    if not ends or ends[-1] == 0:
+        return False
+    rows = max(1, ends[-1] // len(ends))
+    if wgrad:  # out[g] [K, N] = a[:, rows of g] @ b[rows of g]
+        m, k, n = a.shape[0], rows, b.shape[1]
+        ab = _cpu_probe.layout_of(a, b)
+        ok = _torch_grouped_mm_cpu_ok(a, b, ends, m, n)
+    else:  # out[rows of g] [rows, N] = a[rows of g] @ b[g]
+        m, k, n = rows, a.shape[1], b.shape[2]
+        ab = _cpu_probe.layout_of(a, b[0])
+        ok = _torch_grouped_mm_cpu_ok(a, b, ends, k, n)
+    if not ok:
+        return False
+    cls = _cpu_probe.shape_class(m, k, n)
+    dtype = a.dtype
+    return (
+        _cpu_probe.grouped_mm(dtype, ab, cls, lambda: _measure_grouped_mm(dtype, ab, cls, wgrad))
+        == "torch"
+    )
+
+
+def _measure_grouped_mm(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dict[str, float]:
+    """Seconds of ``torch._grouped_mm`` and of the loop on 8 groups of the shape class."""
+    groups = 8
+    small = 64 if cls.endswith("_small") else 256
+    dims = {d: (small if d == cls[0] else 256) for d in "mkn"}
+    rows = dims["k"] if wgrad else dims["m"]
+    ends = [rows * (g + 1) for g in range(groups)]
+    offs = torch.tensor(ends, dtype=torch.int32)
+    total = ends[-1]
+
+    def operand(shape: tuple[int, ...], col_major: bool) -> Tensor:
+        if not col_major:
+            return torch.randn(shape).to(dtype)
+        return torch.randn(*shape[:-2], shape[-1], shape[-2]).to(dtype).transpose(-2, -1)
+
+    if wgrad:  # a = x^T [K, M] with x [M, K], b = dy [M, N]
+        x = operand((total, dims["m"]), ab[0] == "n")
+        dy = operand((total, dims["n"]), ab[1] == "t")
+        return _cpu_probe.time_candidates(
+            {
+                "loop": lambda: _wgrad_loop(x, dy, ends),
+                "torch": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+            }
+        )
+    x = operand((total, dims["k"]), ab[0] == "t")
+    w = operand((groups, dims["k"], dims["n"]), ab[1] == "t")
+
+    def fused() -> Tensor:
+        return torch._grouped_mm(x, w, offs=offs)
+
+    return _cpu_probe.time_candidates({"loop": lambda: _mm_loop(x, w, ends), "torch": fused})
+
+
+def _mm_loop(x: Tensor, w: Tensor, ends: list[int]) -> Tensor:
     out = x.new_empty((x.shape[0], w.shape[2]))
     start = 0
     for g, end in enumerate(ends):
@@ -202,7 +306,7 @@ def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int]) -> Tensor:
     return out
 
 
-def _grouped_mm_wgrad_cpu(x: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
+def _wgrad_loop(x: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
     out = x.new_empty((len(ends), x.shape[1], dy.shape[1]))
     start = 0
     for g, end in enumerate(ends):
@@ -212,6 +316,24 @@ def _grouped_mm_wgrad_cpu(x: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
             out[g].zero_()
         start = end
     return out
+
+
+def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None = None) -> Tensor:
+    """Group ends ``ends`` (validated); ``offs``, their tensor, lets ``torch._grouped_mm``
+    run where it is allowed and faster."""
+    if offs is not None and _use_torch_grouped_mm(x, w, ends, wgrad=False):
+        out = torch._grouped_mm(x, w, offs=offs)
+        out[ends[-1] :].zero_()  # torch leaves these rows uninitialized
+        return out
+    return _mm_loop(x, w, ends)
+
+
+def _grouped_mm_wgrad_cpu(
+    x: Tensor, dy: Tensor, ends: list[int], offs: Tensor | None = None
+) -> Tensor:
+    if offs is not None and _use_torch_grouped_mm(x.t(), dy, ends, wgrad=True):
+        return torch._grouped_mm(x.t(), dy, offs=offs)  # empty groups come back zero
+    return _wgrad_loop(x, dy, ends)
 
 
 # --------------------------------------------------------------------------------------
@@ -255,7 +377,7 @@ def _triton_available() -> bool:
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check_mm_inputs(x, w, offs)
     ends = check_offs_values("grouped_mm", offs, x.shape[0])
-    return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist())
+    return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist(), offs)
 
 
 @grouped_mm.register_kernel("cuda")
@@ -283,7 +405,7 @@ def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     """out[g] = x[rows of g]^T @ dy[rows of g]: [E, K, N], zero for empty groups."""
     _check_wgrad_inputs(x, dy, offs)
     ends = check_offs_values("grouped_mm_wgrad", offs, x.shape[0])
-    return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist())
+    return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist(), offs)
 
 
 @grouped_mm_wgrad.register_kernel("cuda")

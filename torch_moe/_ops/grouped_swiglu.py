@@ -26,9 +26,12 @@ Backward (s = sigmoid(gate)):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
+from torch_moe._ops import _cpu_probe
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
 from torch_moe._ops.grouped_mm import (
     _nonzero_strides,
@@ -50,7 +53,9 @@ __all__ = [
 ]
 
 _DTYPES = FLOAT_DTYPES
-_ACT_CHUNK_ELEMS = 2**17  # CPU backward: rows x F elements per elementwise chunk
+# CPU kernels: elements (rows x F) per thread of one elementwise row chunk; None: measured
+# on this machine (``_cpu_probe`` act_chunk), an int forces it (tests)
+_ACT_CHUNK_ELEMS: int | None = None
 
 
 def _check_inputs(
@@ -212,6 +217,83 @@ def grouped_swiglu(
     return grouped_mm(_act(h, h.dtype, row_weights), w2.transpose(-2, -1), offs), h
 
 
+# --------------------------------------------------------------------------------------
+# CPU kernels: group by group, so that an expert's [rows, F] operands and the elementwise
+# work's fp32 temporaries (one row chunk) stay small; GEMMs in cpu_compute_dtype (bf16 where
+# the CPU multiplies it natively: then no conversion at all), layouts as measured.
+
+
+def _act_chunk_rows(dtype: torch.dtype, hidden: int) -> int:
+    """Rows per elementwise chunk: the measured per-thread chunk (elements) times the
+    threads, so that each thread's share of an op stays as large as measured."""
+    per_thread = _ACT_CHUNK_ELEMS
+    if per_thread is None:
+        per_thread = _cpu_probe.act_chunk(dtype, lambda: _measure_act_chunk(dtype))
+    return max(1, per_thread * torch.get_num_threads() // max(1, hidden))
+
+
+def _measure_act_chunk(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the elementwise backward over 2^19 elements per candidate chunk size."""
+    hidden, rows = 512, 1024
+    h = torch.randn(rows, 2 * hidden).to(dtype)
+    grad_a = torch.randn(rows, hidden).to(dtype)
+    rw = torch.rand(rows)
+    a, dh = torch.empty_like(grad_a), torch.empty_like(h)
+
+    def run(elems: int) -> None:
+        step = max(1, elems // hidden)
+        for r0 in range(0, rows, step):
+            r = slice(r0, r0 + step)
+            _act_backward_into(h[r], grad_a[r], rw[r], a[r], dh[r])
+
+    sizes = [2**15, 2**16, 2**17, 2**18]
+    return _cpu_probe.time_candidates({str(n): functools.partial(run, n) for n in sizes})
+
+
+def _act_into(h: Tensor, row_weights: Tensor | None, out: Tensor) -> None:
+    """``out = silu(gate) * up (* row_weights)``: ``_act``'s function (fp32 math, one
+    rounding into ``out``), without upcasting all of h."""
+    acc = acc_dtype(h.dtype)
+    gate, up = h.chunk(2, dim=-1)
+    a = out if out.dtype == acc else torch.empty(out.shape, dtype=acc)
+    a.copy_(gate)
+    torch.nn.functional.silu(a, inplace=True)
+    a.mul_(up)
+    if row_weights is not None:
+        a.mul_(row_weights.to(acc).unsqueeze(1))
+    if a is not out:
+        out.copy_(a)
+
+
+def _act_backward_into(
+    h: Tensor, grad_a: Tensor, row_weights: Tensor | None, out_a: Tensor, out_dh: Tensor
+) -> Tensor | None:
+    """``_act_backward``'s function for one row chunk, in fewer passes: dGate through
+    ``silu_backward`` (dA * up * s * (1 + gate * (1 - s)) in one fused op). Returns
+    d row_weights."""
+    acc = acc_dtype(h.dtype)
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    silu = gate * torch.sigmoid(gate)
+    ga = grad_a.to(acc, copy=True)
+    a = silu * up
+    grad_rw = None
+    if row_weights is not None:
+        rw = row_weights.to(acc).unsqueeze(1)
+        grad_rw = (ga * a).sum(-1)
+        a.mul_(rw)
+        ga.mul_(rw)
+    out_a.copy_(a)
+    del a
+    grad_gate, grad_up = out_dh.chunk(2, dim=-1)
+    grad_up.copy_(silu.mul_(ga))
+    grad_gate.copy_(torch.ops.aten.silu_backward(ga.mul_(up), gate))
+    return grad_rw
+
+
+def _group_sizes(ends: list[int]) -> list[int]:
+    return [end - start for start, end in zip([0, *ends[:-1]], ends)]
+
+
 @grouped_swiglu.register_kernel("cpu")
 def _(
     x: Tensor,
@@ -225,14 +307,23 @@ def _(
     rows = _num_rows(x, gather_index)
     ends = check_offs_values("grouped_swiglu", offs, rows) or []
     cdt = cpu_compute_dtype(x.dtype)
-    h = x.new_empty((rows, w13.shape[1]))
+    hidden = w2.shape[2]
+    h = x.new_empty((rows, 2 * hidden))
     y = x.new_empty((rows, x.shape[1]))
+    step = _act_chunk_rows(x.dtype, hidden)
+    # one expert's activation, reused by every group (no allocation per group)
+    a_buf = torch.empty((max(_group_sizes(ends), default=0), hidden), dtype=cdt)
     start = 0
     for g, end in enumerate(ends):
         if end > start:
-            mm_into(_rows(x, gather_index, start, end), w13[g].t(), h[start:end])
-            rw = None if row_weights is None else row_weights[start:end]
-            mm_into(_act(h[start:end], cdt, rw), w2[g].t(), y[start:end])
+            h_g = h[start:end]
+            mm_into(_rows(x, gather_index, start, end), w13[g].t(), h_g)
+            a = a_buf[: end - start]
+            for r0 in range(0, end - start, step):
+                r = slice(r0, r0 + step)
+                rw = None if row_weights is None else row_weights[start:end][r]
+                _act_into(h_g[r], rw, a[r])
+            mm_into(a, w2[g].t(), y[start:end])
         start = end
     h[start:].zero_()
     y[start:].zero_()
@@ -299,44 +390,57 @@ def _(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
     cdt = cpu_compute_dtype(x.dtype)
+    native = cdt == x.dtype  # GEMMs in the storage dtype: no conversion, whole-w13 GEMMs
     dx = x.new_empty((h.shape[0], x.shape[1]))
     dw13 = w13.new_empty(w13.shape)
     dw2 = w2.new_empty(w2.shape)
     acc = acc_dtype(x.dtype)  # as _act_backward
     grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
     hidden = w2.shape[2]
-    rows = max(1, _ACT_CHUNK_ELEMS // max(1, hidden))
+    step = _act_chunk_rows(x.dtype, hidden)
+    # one expert's [rows, F] / [rows, 2F] operands, reused by every group
+    most = max(_group_sizes(ends), default=0)
+    a_buf = torch.empty((most, hidden), dtype=cdt)
+    dh_buf = torch.empty((most, 2 * hidden), dtype=cdt)
+    ga_buf = torch.empty((most, hidden), dtype=cdt) if native else None
     start = 0
     for g, end in enumerate(ends):
         if end == start:
             dw13[g].zero_()
             dw2[g].zero_()
             continue
-        gy = grad_y[start:end].to(cdt)  # converted once, used twice
-        grad_a = mm_cpu(gy, w2[g])
-        a = grad_a.new_empty(grad_a.shape, dtype=cdt)
-        dh = grad_a.new_empty((end - start, 2 * hidden), dtype=cdt)
+        rows = end - start
+        gy = grad_y[start:end].to(cdt)  # converted once, used twice (a no-op when native)
+        if ga_buf is not None:
+            grad_a = ga_buf[:rows]
+            mm_into(gy, w2[g], grad_a)
+        else:
+            grad_a = mm_cpu(gy, w2[g])
+        a, dh = a_buf[:rows], dh_buf[:rows]
         # the elementwise part in row chunks: its fp32 temporaries stay small
-        for r0 in range(0, end - start, rows):
-            r = slice(r0, min(r0 + rows, end - start))
-            g_r = slice(start + r.start, start + r.stop)  # the same rows, counted from 0
+        for r0 in range(0, rows, step):
+            r = slice(r0, r0 + step)
+            g_r = slice(start + r0, min(start + r0 + step, end))  # the same rows, from 0
             rw = None if row_weights is None else row_weights[g_r]
-            grad_rw_r = _act_backward(h[g_r], grad_a[r], rw, a[r], dh[r])
+            grad_rw_r = _act_backward_into(h[g_r], grad_a[r], rw, a[r], dh[r])
             if grad_rw is not None and grad_rw_r is not None:
                 grad_rw[g_r] = grad_rw_r
         del grad_a
         if grad_h is not None:
             dh += grad_h[start:end]
         mm_into(gy.t(), a, dw2[g])
-        del a
-        # gate and up halves of w13 one at a time: half-size fp32 temporaries
-        dx_g = mm_cpu(dh[:, :hidden], w13[g][:hidden])
-        dx_g += mm_cpu(dh[:, hidden:], w13[g][hidden:])
-        dx[start:end] = dx_g
-        del dx_g
-        x_g = _rows(x, gather_index, start, end).to(cdt)  # converted once for both halves
-        mm_into(dh[:, :hidden].t(), x_g, dw13[g][:hidden])
-        mm_into(dh[:, hidden:].t(), x_g, dw13[g][hidden:])
+        x_g = _rows(x, gather_index, start, end).to(cdt)  # converted once for both GEMMs
+        if native:
+            mm_into(dh, w13[g], dx[start:end])
+            mm_into(dh.t(), x_g, dw13[g])
+        else:
+            # upcast: gate and up halves of w13 one at a time, half-size fp32 temporaries
+            dx_g = mm_cpu(dh[:, :hidden], w13[g][:hidden])
+            dx_g += mm_cpu(dh[:, hidden:], w13[g][hidden:])
+            dx[start:end] = dx_g
+            del dx_g
+            mm_into(dh[:, :hidden].t(), x_g, dw13[g][:hidden])
+            mm_into(dh[:, hidden:].t(), x_g, dw13[g][hidden:])
         start = end
     dx[start:].zero_()
     return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)

@@ -1,0 +1,341 @@
+# Owner(s): ["module: moe"]
+"""Tests for torch_moe._ops._cpu_probe, the measured CPU decisions: forcing, caching, the
+disk cache, the choice rule, that each probe returns one of its choices, and that every
+outcome of every decision (forced) gives the CPU kernels' specified results against the
+float64 oracles (naive.py) within bounds derived from the dtype's rounding
+(tolerances.py). No timing is asserted.
+"""
+
+import json
+import os
+import tempfile
+import unittest.mock
+
+import naive
+import tolerances
+import torch
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+from torch_moe._ops import _cpu_probe as P
+from torch_moe._ops import grouped_mm as grouped_mm_module
+from torch_moe._ops.grouped_mm import cpu_compute_dtype, grouped_mm_wgrad, mm_into
+from torch_moe._ops.grouped_swiglu import swiglu_reference
+from torch_moe.nn.functional import grouped_swiglu
+from torch_moe.ops import grouped_mm
+
+
+class TestCpuProbe(TestCase):
+    def setUp(self):
+        super().setUp()
+        self._env = {k: os.environ.pop(k) for k in (P.ENV_FORCE, P.ENV_CACHE) if k in os.environ}
+        P.reset()
+
+    def tearDown(self):
+        os.environ.pop(P.ENV_FORCE, None)
+        os.environ.pop(P.ENV_CACHE, None)
+        os.environ.update(self._env)
+        P.reset()
+        super().tearDown()
+
+    def test_force_kind_and_key(self):
+        with P.force(half_gemm="fp32"):
+            self.assertEqual(cpu_compute_dtype(torch.bfloat16), torch.float32)
+            self.assertEqual(cpu_compute_dtype(torch.float16), torch.float32)
+            with P.force({"half_gemm:bf16": "native"}):  # a full key beats a kind, inner wins
+                self.assertEqual(cpu_compute_dtype(torch.bfloat16), torch.bfloat16)
+                self.assertEqual(cpu_compute_dtype(torch.float16), torch.float32)
+            self.assertEqual(cpu_compute_dtype(torch.bfloat16), torch.float32)
+        with P.force(half_gemm="native"):
+            self.assertEqual(cpu_compute_dtype(torch.float16), torch.float16)
+        self.assertEqual(cpu_compute_dtype(torch.float32), torch.float32)  # never probed
+        self.assertEqual(P.decisions(), {})  # forced choices are not measured
+
+    def test_env_var(self):
+        os.environ[P.ENV_FORCE] = "half_gemm=fp32, layout:bf16:nn:m_small=copy_b"
+        P.reset()
+        self.assertEqual(cpu_compute_dtype(torch.bfloat16), torch.float32)
+        a, b = torch.randn(4, 256), torch.randn(256, 256)
+        self.assertEqual(P.layout(torch.bfloat16, a, b), "copy_b")
+        with P.force(half_gemm="native"):  # force() beats the environment
+            self.assertEqual(cpu_compute_dtype(torch.bfloat16), torch.bfloat16)
+
+    def test_bad_names(self):
+        os.environ[P.ENV_FORCE] = "half_gemm"
+        P.reset()
+        with self.assertRaisesRegex(
+            ValueError, r"TORCH_MOE_CPU_PROBE: expected .* got 'half_gemm'"
+        ):
+            cpu_compute_dtype(torch.bfloat16)
+        os.environ[P.ENV_FORCE] = "halfgemm=fp32"
+        P.reset()
+        with self.assertRaisesRegex(ValueError, r"unknown decision 'halfgemm'; kinds are"):
+            cpu_compute_dtype(torch.bfloat16)
+        os.environ.pop(P.ENV_FORCE)
+        P.reset()
+        with self.assertRaisesRegex(ValueError, r"force: unknown decision 'layuot'"):
+            with P.force(layuot="as_is"):
+                pass
+
+    def test_measured_once_then_cached(self):
+        calls = []
+
+        def measure():
+            calls.append(1)
+            return {"as_is": 1.0, "copy_b": 0.5}
+
+        for _ in range(3):
+            self.assertEqual(P.decide("layout:test", measure, default="as_is"), "copy_b")
+        self.assertEqual(len(calls), 1)
+        self.assertRegex(P.decisions()["layout:test"], r"copy_b \(measured: as_is 1000.00 ms")
+        with P.force(layout="as_is"):
+            self.assertEqual(P.decide("layout:test", measure, default="as_is"), "as_is")
+        P.reset()
+        P.decide("layout:test", measure, default="as_is")
+        self.assertEqual(len(calls), 2)
+
+    def test_pick_keeps_default_on_near_ties(self):
+        self.assertEqual(P.pick({"as_is": 1.0, "copy_b": 0.95}, "as_is", 0.1), "as_is")
+        self.assertEqual(P.pick({"as_is": 1.0, "copy_b": 0.85}, "as_is", 0.1), "copy_b")
+        self.assertEqual(
+            P.pick({"as_is": 1.0, "copy_a": 0.8, "copy_b": 0.7}, "as_is", 0.1), "copy_b"
+        )
+        self.assertEqual(P.pick({"fp32": 1.0, "native": 1.0}, "fp32", 0.0), "fp32")
+        self.assertEqual(P.pick({"fp32": 1.0, "native": 0.99}, "fp32", 0.0), "native")
+
+    def test_disk_cache(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "probe.json")
+            os.environ[P.ENV_CACHE] = path
+            P.decide("grouped_mm:test", lambda: {"loop": 1.0, "torch": 0.1}, default="loop")
+            with open(path) as f:
+                self.assertEqual(json.load(f), {P.machine_key(): {"grouped_mm:test": "torch"}})
+            P.reset()
+
+            def fail():
+                raise AssertionError("measured although the disk cache has the key")
+
+            self.assertEqual(P.decide("grouped_mm:test", fail, default="loop"), "torch")
+            self.assertEqual(P.decisions(), {"grouped_mm:test": "torch (disk)"})
+            with open(path, "w") as f:
+                f.write("not json")
+            P.reset()
+            self.assertEqual(
+                P.decide("grouped_mm:test", lambda: {"loop": 0.1, "torch": 1.0}, default="loop"),
+                "loop",
+            )
+
+    def test_act_chunk_picks_smallest_near_fastest(self):
+        times = {"32768": 1.05, "65536": 1.0, "131072": 0.98, "262144": 1.3}
+        self.assertEqual(P.act_chunk(torch.bfloat16, lambda: times), 32768)
+
+    def test_probes_return_a_choice(self):
+        # the real probes on this machine (no timing asserted): what they return is valid
+        self.assertIn(P.half_gemm(torch.bfloat16), ("native", "fp32"))
+        a, b = torch.randn(32, 256), torch.randn(256, 256)
+        self.assertIn(P.layout(torch.float32, a, b), ("as_is", "copy_a", "copy_b"))
+        self.assertEqual(P.layout(torch.float32, a, b.t().contiguous().t()), "as_is")  # NT
+        decided = P.decisions()
+        self.assertIn("half_gemm:bf16", decided)
+        self.assertIn("layout:fp32:nn:m_small", decided)
+        self.assertTrue(all("measured" in how for how in decided.values()))
+
+    def test_probe_restores_threads_and_dispatch_modes(self):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        threads = torch.get_num_threads()
+        a, b = torch.randn(200, 256), torch.randn(256, 256)
+        with FlopCounterMode(display=False) as counter:
+            P.layout(torch.float32, a, b)  # runs the probe: its GEMMs are not counted
+            torch.mm(a, b)
+        self.assertEqual(counter.get_total_flops(), 2 * 200 * 256 * 256)
+        self.assertEqual(torch.get_num_threads(), threads)
+
+    @parametrize(
+        "shape, cls",
+        [((64, 512, 512), "m_small"), ((512, 64, 512), "k_small"), ((512, 512, 200), "n_large")],
+    )
+    def test_shape_class(self, shape, cls):
+        self.assertEqual(P.shape_class(*shape), cls)
+
+    def test_layout_of(self):
+        a = torch.randn(8, 16)
+        self.assertEqual(P.layout_of(a, torch.randn(16, 4)), "nn")
+        self.assertEqual(P.layout_of(a.t(), torch.randn(4, 8).t()), "tt")
+        self.assertEqual(P.layout_of(a, torch.randn(4, 16).t()), "nt")
+
+    def test_cpu_isa(self):
+        self.assertIn(P.cpu_isa(), ("AMX", "AVX512-BF16", "AVX512", "AVX2", "other"))
+        with unittest.mock.patch.object(P, "_cpuinfo", return_value=("x", {"avx2", "fma"})):
+            self.assertEqual(P.cpu_isa(), "AVX2")
+        with unittest.mock.patch.object(
+            P, "_cpuinfo", return_value=("x", {"avx2", "avx512f", "avx512_bf16"})
+        ):
+            self.assertEqual(P.cpu_isa(), "AVX512-BF16")
+
+
+def assert_gemm_within(test, got, a, b, offs, msg, wgrad=False):
+    """``got`` within the rounding bound (tolerances.gemm_bound) of the grouped GEMM
+    ``a[g] @ b[g]`` (``wgrad``: ``a[g]^T @ b[g]``) in ``got``'s dtype, fp32 accumulation."""
+    ref = naive.grouped_mm_wgrad64 if wgrad else naive.grouped_mm64
+    exact = ref(a.detach(), b.detach(), offs)
+    products = ref(a.detach().abs(), b.detach().abs(), offs)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    n = int(sizes.max()) if wgrad else a.shape[1]
+    bound = tolerances.gemm_bound(products, max(n, 1), exact, torch.float32, got.dtype)
+    tolerances.assert_within(test, got, exact, bound, msg)
+
+
+def _offs(sizes):
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+class TestForcedDecisions(TestCase):
+    """Both (all) outcomes of every decision, forced, against the float64 oracles: the
+    kernels' results are specified, whichever path this machine measures faster."""
+
+    def setUp(self):
+        super().setUp()
+        torch.manual_seed(0)
+
+    @parametrize("dtype", [torch.bfloat16, torch.float32])
+    @parametrize("half_gemm", ["native", "fp32"])
+    @parametrize("layout", ["as_is", "copy_a", "copy_b"])
+    @parametrize("kernel", ["loop", "torch"])
+    @parametrize("kn", [(16, 32), (7, 13)])
+    def test_grouped_mm(self, dtype, half_gemm, layout, kernel, kn):
+        k, n = kn
+        offs = _offs([5, 0, 8, 3])
+        m = 19  # 3 rows past the last group
+        x = torch.randn(m, k, dtype=dtype, requires_grad=True)
+        w_leaf = torch.randn(4, n, k, dtype=dtype, requires_grad=True)
+        w = w_leaf.transpose(-2, -1)  # backward: dX row-major x row-major, dW col x row
+        grad = torch.randn(m, n, dtype=dtype)
+        spy = unittest.mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm)
+        with P.force(half_gemm=half_gemm, layout=layout, grouped_mm=kernel), spy as gmm:
+            out = grouped_mm(x, w, offs)
+            out.backward(grad)
+        # torch._grouped_mm runs where forced and allowed: K and N 16-byte aligned, the
+        # dtype multiplied natively (fp32 always is)
+        native = dtype == torch.float32 or half_gemm == "native"
+        self.assertEqual(gmm.called, kernel == "torch" and k == 16 and native)
+        assert_gemm_within(self, out, x, w, offs, "forward")
+        assert_gemm_within(self, x.grad, grad, w.detach().transpose(-2, -1), offs, "dX")
+        dw = w_leaf.grad.transpose(-2, -1)
+        assert_gemm_within(self, dw, x, grad, offs, "dW", wgrad=True)
+        self.assertTrue((out[16:] == 0).all())
+        self.assertTrue((x.grad[16:] == 0).all())  # torch._grouped_mm leaves these unset
+        self.assertTrue((w_leaf.grad[1] == 0).all())  # the empty group
+
+    def test_grouped_mm_torch_kernel_keeps_checks(self):
+        x = torch.randn(10, 16, requires_grad=True)
+        w = torch.randn(3, 16, 8)
+        with P.force(grouped_mm="torch"):
+            with self.assertRaisesRegex(
+                ValueError, r"offs must be non-decreasing .* got offs=\[4, 2, 9\]"
+            ):
+                grouped_mm(x, w, torch.tensor([4, 2, 9], dtype=torch.int32))
+            with self.assertRaisesRegex(
+                ValueError, r"offs\[-1\] <= M \(10\), got offs=\[4, 6, 11\]"
+            ):
+                grouped_mm(x, w, torch.tensor([4, 6, 11], dtype=torch.int32))
+            with self.assertRaisesRegex(ValueError, r"offs must be non-decreasing"):
+                grouped_mm_wgrad(x, torch.randn(10, 8), torch.tensor([4, 2, 9], dtype=torch.int32))
+            # a zero-stride incoming gradient (torch._grouped_mm's own backward rejects it)
+            offs = torch.tensor([3, 3, 7], dtype=torch.int32)
+            grouped_mm(x, w, offs).sum().backward()
+        ones = torch.ones(10, 8)
+        assert_gemm_within(self, x.grad, ones, w.transpose(1, 2), offs, "dX")
+
+    @parametrize("layout", ["as_is", "copy_a", "copy_b"])
+    @parametrize("ab", ["nn", "tn", "tt", "nt"])
+    def test_mm_into_layouts(self, layout, ab):
+        a = torch.randn(6, 5) if ab[0] == "n" else torch.randn(5, 6).t()
+        b = torch.randn(5, 7) if ab[1] == "n" else torch.randn(7, 5).t()
+        out = torch.empty(6, 7)
+        spy = unittest.mock.patch.object(
+            grouped_mm_module, "_operand", wraps=grouped_mm_module._operand
+        )
+        with P.force(layout=layout), spy as operand:
+            mm_into(a, b, out)
+        # the copy happens where forced; row-major x column-major is never copied
+        copied = [call.args[2] for call in operand.call_args_list]
+        self.assertEqual(any(copied), layout != "as_is" and ab != "nt")
+        offs = torch.tensor([6], dtype=torch.int32)
+        assert_gemm_within(self, out, a, b.unsqueeze(0), offs, "mm_into")
+
+    @parametrize("half_gemm", ["native", "fp32"])
+    @parametrize("act_chunk", ["8", "1048576"])  # elements per thread: many chunks, or one
+    @parametrize("gather", [False, True])
+    def test_grouped_swiglu(self, half_gemm, act_chunk, gather):
+        dtype = torch.bfloat16
+        offs = _offs([5, 0, 11, 4])
+        m, dim, hidden = 22, 16, 6  # 2 rows past the last group
+        tokens = torch.randn(15, dim, dtype=dtype)
+        index = torch.randint(-1, 15, (m,))  # -1: a zero row
+        x = naive_rows(tokens, index)
+        w13 = torch.randn(4, 2 * hidden, dim, dtype=dtype) * 0.5
+        w2 = torch.randn(4, dim, hidden, dtype=dtype) * 0.5
+        rw = torch.rand(m)
+        grad_y = torch.randn(m, dim, dtype=dtype)
+        op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
+        with P.force(half_gemm=half_gemm, act_chunk=act_chunk, layout="as_is"):
+            if gather:
+                y, h = op(tokens, w13, w2, offs, rw, index)
+                dx, dw13, dw2, drw = bwd(grad_y, None, tokens, h, w13, w2, offs, rw, index)
+            else:
+                y, h = op(x, w13, w2, offs, rw)
+                dx, dw13, dw2, drw = bwd(grad_y, None, x, h, w13, w2, offs, rw)
+        # forward: h is one GEMM, y within the SwiGLU rounding bound, both zero past the end
+        assert_gemm_within(self, h, x, w13.transpose(-2, -1), offs, "h")
+        exact = torch.zeros(m, dim, dtype=torch.float64)
+        bound = torch.zeros(m, dim, dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            exact[start:end], bound[start:end] = tolerances.swiglu_bound(
+                x[start:end], w13[e], w2[e], dtype, torch.float32, rw[start:end]
+            )
+            start = end
+        tolerances.assert_within(self, y, exact, bound, "y")
+        self.assertTrue((y[20:] == 0).all() and (h[20:] == 0).all())
+        # backward: at the rounding level of the emulation that rounds where the spec allows
+        args = (x, w13, w2, offs)
+        want = naive.swiglu_rounded(*args, torch.float64, grad_y, rw.double())
+        emulated = naive.swiglu_rounded(*args, dtype, grad_y, rw)
+        for name, got in {"x": dx, "w13": dw13, "w2": dw2, "row_weights": drw}.items():
+            tolerances.assert_rounding_level(self, got, want[name], emulated[name], msg=name)
+        self.assertTrue((dx[20:] == 0).all())
+        self.assertEqual(drw.dtype, torch.float32)
+
+    @parametrize("act_chunk", ["4", "1048576"])
+    def test_grouped_swiglu_act_chunk_float64(self, act_chunk):
+        # float64: every outcome agrees with the reference's autograd up to summation order
+        offs = _offs([7, 0, 11, 4])
+        x = torch.randn(24, 6, dtype=torch.float64, requires_grad=True)
+        w13 = torch.randn(4, 10, 6, dtype=torch.float64, requires_grad=True)
+        w2 = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
+        rw = torch.rand(24, dtype=torch.float64, requires_grad=True)
+        grad = torch.randn(24, 6, dtype=torch.float64)
+        inputs = (x, w13, w2, rw)
+        with P.force(act_chunk=act_chunk):
+            got = torch.autograd.grad(grouped_swiglu(x, w13, w2, offs, rw), inputs, grad)
+        want = torch.autograd.grad(swiglu_reference(x, w13, w2, offs, rw), inputs, grad)
+        self.assertEqual(got, want, atol=1e-12, rtol=1e-10)
+
+
+def naive_rows(tokens, index):
+    """Row r is tokens[index[r]], zero where index is -1 (the permute's gather)."""
+    return torch.stack(
+        [tokens[i] if i >= 0 else torch.zeros_like(tokens[0]) for i in index.tolist()]
+    )
+
+
+instantiate_parametrized_tests(TestCpuProbe)
+instantiate_parametrized_tests(TestForcedDecisions)
+
+if __name__ == "__main__":
+    run_tests()

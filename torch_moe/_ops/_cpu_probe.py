@@ -1,0 +1,468 @@
+"""Measured CPU decisions: which dtype, operand layout and kernel the CPU paths use.
+
+Design note. How fast a CPU multiplies half-precision matrices differs by orders of
+magnitude between x86 machine classes (rates: benchmarks/results/ops_cpu_202612.md).
+Without native bf16/fp16 GEMMs (AVX2) oneDNN emulates them, several times slower than
+fp32 and slowest with both operands row-major, so an fp32 upcast wins; with AVX512-BF16
+or AMX, bf16 runs several times faster than fp32 in about every layout, and an upcast or
+a per-call copy of a weight into "the fast layout" only adds work. So no constant
+measured on one machine decides: each choice is timed on the running machine the first
+time a kernel needs it.
+
+A probe times every candidate on small operands of the shape class at hand, on one
+thread (a few rounds, candidates interleaved within a round, the minimum over rounds,
+which other load on a shared machine inflates least), and keeps the default (native dtype, operands as they
+come) unless an alternative is faster by a margin, so that near-ties do not flip between
+runs. A probe takes a few milliseconds to a few tens (bounded by ``_PROBE_BUDGET_S``);
+its result is cached per process and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON
+file, on disk keyed by the machine (CPU model and flags, torch version, thread count).
+
+Decisions (key -> choices); ``<dt>`` is bf16 / fp16 / fp32 / fp64, ``<ab>`` the operand
+layouts of ``a @ b`` (n: row-major, t: column-major), ``<cls>`` the shape class: which of
+m, k, n is smallest and whether it is under 128 (``m_small``, ``k_large``...):
+
+=============================  ==========================  =================================
+key                            choices (default first)     used by
+=============================  ==========================  =================================
+``half_gemm:<dt>``             native, fp32                ``cpu_compute_dtype``
+``layout:<dt>:<ab>:<cls>``     as_is, copy_a, copy_b       ``mm_into`` / ``mm_cpu``
+``grouped_mm:<dt>:<ab>:<cls>`` loop, torch                 ``grouped_mm`` / ``_wgrad`` (CPU)
+``act_chunk:<dt>``             elements per row chunk      ``grouped_swiglu`` (CPU)
+=============================  ==========================  =================================
+
+Forcing (tests, experiments): :func:`force` (a context manager) or the environment
+variable ``TORCH_MOE_CPU_PROBE``, e.g. ``half_gemm=fp32,layout=copy_b``. A name without
+``:`` forces every key of that kind, a full key forces that key only; a forced choice is
+never measured. :func:`decisions` lists what was decided and how (measured, forced, disk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+__all__ = [
+    "ENV_CACHE",
+    "ENV_FORCE",
+    "KINDS",
+    "cpu_isa",
+    "decide",
+    "decisions",
+    "force",
+    "machine_key",
+    "reset",
+]
+
+ENV_FORCE = "TORCH_MOE_CPU_PROBE"
+ENV_CACHE = "TORCH_MOE_CPU_PROBE_CACHE"
+KINDS = ("half_gemm", "layout", "grouped_mm", "act_chunk")
+_PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
+_MAX_ROUNDS = 7
+
+_lock = threading.RLock()
+_cache: dict[str, tuple[str, str]] = {}  # key -> (choice, how)
+_forced: list[dict[str, str]] = []  # force() stack, innermost last
+_env_forced: dict[str, str] | None = None
+_memo: dict[tuple[object, ...], str] = {}  # hot-path lookups; cleared by force() and reset()
+
+
+# --------------------------------------------------------------------------------------
+# the machine
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(CPU model name, ISA flags) from /proc/cpuinfo, else platform's processor string."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("", platform.machine()):
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_isa() -> str:
+    """The widest GEMM-relevant x86 ISA of this CPU: AMX, AVX512-BF16, AVX512, AVX2 or other
+    (from the kernel's CPU flags; on other systems, from torch's CPU capability)."""
+    _, flags = _cpuinfo()
+    if not flags:
+        cpu = torch.backends.cpu.get_cpu_capability()
+        return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(cpu, cpu)
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    if "avx512f" in flags:
+        return "AVX512"
+    if "avx2" in flags:
+        return "AVX2"
+    return "other"
+
+
+def machine_key() -> str:
+    """What a measured decision depends on besides the shapes: CPU, torch, threads."""
+    model, flags = _cpuinfo()
+    digest = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    return f"{model}|{digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+# --------------------------------------------------------------------------------------
+# forcing
+
+
+def _parse(spec: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, choice = item.partition("=")
+        if not sep or not name.strip() or not choice.strip():
+            raise ValueError(
+                f"{ENV_FORCE}: expected comma-separated name=choice items, got {item!r} in {spec!r}"
+            )
+        _check_name(name.strip(), ENV_FORCE)
+        out[name.strip()] = choice.strip()
+    return out
+
+
+def _check_name(name: str, where: str) -> None:
+    if name.split(":")[0] not in KINDS:
+        raise ValueError(f"{where}: unknown decision {name!r}; kinds are {KINDS}")
+
+
+def _forced_choice(key: str) -> str | None:
+    global _env_forced
+    if _env_forced is None:
+        _env_forced = _parse(os.environ.get(ENV_FORCE, ""))
+    kind = key.split(":")[0]
+    for table in (*reversed(_forced), _env_forced):
+        for name in (key, kind):
+            if name in table:
+                return table[name]
+    return None
+
+
+@contextlib.contextmanager
+def force(choices: Mapping[str, str] | None = None, /, **kinds: str) -> Iterator[None]:
+    """Force decisions inside the block: ``force(half_gemm="fp32", layout="as_is")`` or
+    ``force({"layout:bf16:nn:m_small": "copy_b"})``; innermost wins, nothing is measured."""
+    table = {**(choices or {}), **kinds}
+    for name in table:
+        _check_name(name, "force")
+    with _lock:
+        _forced.append({k: str(v) for k, v in table.items()})
+        _memo.clear()
+    try:
+        yield
+    finally:
+        with _lock:
+            _forced.remove(_forced[-1])
+            _memo.clear()
+
+
+def reset(env: bool = True) -> None:
+    """Forget the measured decisions of this process (and re-read ``TORCH_MOE_CPU_PROBE``)."""
+    global _env_forced
+    with _lock:
+        _cache.clear()
+        _memo.clear()
+        if env:
+            _env_forced = None
+
+
+# --------------------------------------------------------------------------------------
+# measuring
+
+
+def _disk_load(key: str) -> str | None:
+    path = os.environ.get(ENV_CACHE)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            entry = json.load(f).get(machine_key(), {}).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entry if isinstance(entry, str) else None
+
+
+def _disk_store(key: str, choice: str) -> None:
+    path = os.environ.get(ENV_CACHE)
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    table.setdefault(machine_key(), {})[key] = choice
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Probes time one thread: on a shared machine a parallel region waits for its slowest
+    thread, so a multi-threaded timing swings with other processes' load (every call of a
+    round can stall for a scheduler slice), while a single thread's minimum over rounds
+    is stable; the ratios between candidates are what a decision needs."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def time_candidates(
+    candidates: Mapping[str, Callable[[], object]], budget_s: float = _PROBE_BUDGET_S
+) -> dict[str, float]:
+    """Min seconds per call of each candidate: one warm-up call each, then rounds (each
+    candidate once per round) until ``_MAX_ROUNDS`` or ``budget_s`` (at least two rounds)."""
+    for fn in candidates.values():
+        fn()
+    best = dict.fromkeys(candidates, float("inf"))
+    start = time.perf_counter()
+    for rnd in range(_MAX_ROUNDS):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        if rnd >= 1 and time.perf_counter() - start > budget_s:
+            break
+    return best
+
+
+def pick(times: Mapping[str, float], default: str, margin: float) -> str:
+    """The fastest candidate if it beats ``default`` by more than ``margin`` (a fraction),
+    else ``default``."""
+    best = min(times, key=lambda name: (times[name], name != default))
+    return best if times[best] < times[default] * (1 - margin) else default
+
+
+def decide(
+    key: str,
+    measure: Callable[[], Mapping[str, float]],
+    default: str,
+    margin: float = 0.1,
+    choose: Callable[[Mapping[str, float]], str] | None = None,
+) -> str:
+    """The choice for ``key``: forced, cached (process, then disk), or measured now.
+
+    ``measure()`` returns seconds per candidate (see :func:`time_candidates`); the choice
+    is ``choose(times)`` if given, else :func:`pick` with ``default`` and ``margin``.
+    """
+    forced = _forced_choice(key)
+    if forced is not None:
+        return forced
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit[0]
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            return hit[0]
+        choice = _disk_load(key)
+        how = "disk"
+        if choice is None:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            # plain tensors, timed as they run: no dispatch mode or autograd; one thread
+            with _disable_current_modes(), torch.no_grad(), _one_thread():
+                times = measure()
+            choice = choose(times) if choose is not None else pick(times, default, margin)
+            how = "measured: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
+            _disk_store(key, choice)
+        _cache[key] = (choice, how)
+        return choice
+
+
+def decisions() -> dict[str, str]:
+    """Every decision this process made so far: ``{key: "choice (how)"}``."""
+    return {key: f"{choice} ({how})" for key, (choice, how) in sorted(_cache.items())}
+
+
+# --------------------------------------------------------------------------------------
+# the GEMM probes
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return {
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float32: "fp32",
+        torch.float64: "fp64",
+    }.get(dtype, str(dtype).removeprefix("torch."))
+
+
+_SMALL = 128  # a GEMM dim under this is "small" (one expert's few rows)
+_PROBE_DIM = 512  # the other dims of a probe GEMM
+_PROBE_SMALL = {True: 64, False: 256}  # the smallest dim of a probe GEMM, per class
+_OPERAND_SETS = 3  # distinct operands cycled through, so that not every call hits in cache
+
+
+def transposed(t: torch.Tensor) -> bool:
+    """Column-major (unit stride down the rows) 2D operand."""
+    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
+
+
+def layout_of(a: torch.Tensor, b: torch.Tensor) -> str:
+    """``"nt"`` etc.: n for a row-major operand of ``a @ b``, t for a column-major one."""
+    return ("t" if transposed(a) else "n") + ("t" if transposed(b) else "n")
+
+
+def shape_class(m: int, k: int, n: int) -> str:
+    """Which of m, k, n is smallest and whether it is under ``_SMALL`` (128): ``"k_small"``,
+    ``"m_large"``..."""
+    dim, size = min(zip("mkn", (m, k, n)), key=lambda p: p[1])
+    return f"{dim}_small" if size < _SMALL else f"{dim}_large"
+
+
+def _probe_shape(cls: str) -> tuple[int, int, int]:
+    small = _PROBE_SMALL[cls.endswith("_small")]
+    return tuple(small if d == cls[0] else _PROBE_DIM for d in "mkn")  # type: ignore[return-value]
+
+
+def _operand(rows: int, cols: int, col_major: bool, dtype: torch.dtype) -> torch.Tensor:
+    if col_major:
+        return torch.randn(cols, rows).to(dtype).t()
+    return torch.randn(rows, cols).to(dtype)
+
+
+def _other_layout(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if transposed(t) else t.t().contiguous().t()
+
+
+def _measure_half_gemm(dtype: torch.dtype) -> dict[str, float]:
+    m, k, n = 128, _PROBE_DIM, _PROBE_DIM
+    sets = [
+        (_operand(m, k, False, dtype), _operand(k, n, True, dtype), torch.empty(m, n, dtype=dtype))
+        for _ in range(_OPERAND_SETS)
+    ]
+    it = {"native": 0, "fp32": 0}
+
+    def native() -> None:
+        a, b, out = sets[it["native"] % len(sets)]
+        it["native"] += 1
+        torch.mm(a, b, out=out)
+
+    def fp32() -> None:
+        a, b, out = sets[it["fp32"] % len(sets)]
+        it["fp32"] += 1
+        out.copy_(torch.mm(a.float(), b.float()))
+
+    return time_candidates({"native": native, "fp32": fp32})
+
+
+def half_gemm(dtype: torch.dtype) -> str:
+    hit = _memo.get((dtype,))
+    if hit is None:
+        hit = _memo[(dtype,)] = _half_gemm(dtype)
+    return hit
+
+
+def _half_gemm(dtype: torch.dtype) -> str:
+    """``"native"`` if this CPU multiplies ``dtype`` (bf16 / fp16) over 10% faster than the
+    fp32 upcast (conversions included), else ``"fp32"`` (also on a near-tie: a CPU whose
+    fp16 GEMMs are no faster than fp32 ones may not accumulate them in fp32)."""
+    return decide(
+        f"half_gemm:{_dt(dtype)}",
+        lambda: _measure_half_gemm(dtype),
+        default="fp32",
+        margin=0.1,
+    )
+
+
+def _measure_layout(dtype: torch.dtype, ab: str, cls: str) -> dict[str, float]:
+    m, k, n = _probe_shape(cls)
+    sets = [
+        (
+            _operand(m, k, ab[0] == "t", dtype),
+            _operand(k, n, ab[1] == "t", dtype),
+            torch.empty(m, n, dtype=dtype),
+        )
+        for _ in range(_OPERAND_SETS)
+    ]
+    count = [0]
+
+    def run(copy_a: bool, copy_b: bool) -> Callable[[], None]:
+        def fn() -> None:
+            a, b, out = sets[count[0] % len(sets)]
+            count[0] += 1
+            torch.mm(_other_layout(a) if copy_a else a, _other_layout(b) if copy_b else b, out=out)
+
+        return fn
+
+    return time_candidates(
+        {"as_is": run(False, False), "copy_a": run(True, False), "copy_b": run(False, True)}
+    )
+
+
+def layout(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> str:
+    """For ``a @ b`` in ``dtype``: ``"as_is"``, or ``"copy_a"`` / ``"copy_b"`` to copy that
+    operand into the other layout first, if the copy and the multiply together are faster
+    by over 10% (measured per layout pair and shape class). Row-major x column-major, the
+    layout every BLAS takes fastest, is never copied."""
+    (m, k), n = a.shape, b.shape[1]
+    ta, tb = transposed(a), transposed(b)
+    if not ta and tb:
+        return "as_is"
+    if m <= k and m <= n:
+        memo_key: tuple[object, ...] = (dtype, ta, tb, 0, m < _SMALL)
+    elif k <= n:
+        memo_key = (dtype, ta, tb, 1, k < _SMALL)
+    else:
+        memo_key = (dtype, ta, tb, 2, n < _SMALL)
+    hit = _memo.get(memo_key)
+    if hit is None:
+        hit = _memo[memo_key] = _layout(dtype, layout_of(a, b), shape_class(m, k, n))
+    return hit
+
+
+def _layout(dtype: torch.dtype, ab: str, cls: str) -> str:
+    return decide(
+        f"layout:{_dt(dtype)}:{ab}:{cls}",
+        lambda: _measure_layout(dtype, ab, cls),
+        default="as_is",
+        margin=0.1,
+    )
+
+
+def grouped_mm(
+    dtype: torch.dtype, ab: str, cls: str, measure: Callable[[], Mapping[str, float]]
+) -> str:
+    """``"torch"`` if ``torch._grouped_mm`` beats torch_moe's per-group loop by over 5% for
+    this dtype, layout pair and shape class (``measure`` times both), else ``"loop"``."""
+    return decide(f"grouped_mm:{_dt(dtype)}:{ab}:{cls}", measure, default="loop", margin=0.05)
+
+
+def act_chunk(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> int:
+    """Elements per row chunk of the elementwise SwiGLU work: the smallest candidate
+    within 10% of the fastest (``measure`` times candidates named by their size)."""
+
+    def choose(times: Mapping[str, float]) -> str:
+        fastest = min(times.values())
+        return min((name for name, t in times.items() if t <= fastest * 1.1), key=int)
+
+    return int(decide(f"act_chunk:{_dt(dtype)}", measure, default=str(2**16), choose=choose))
