@@ -12,6 +12,7 @@ GPU, with wgmma from 64-row tiles on and no register spills.
 Legend: T tokens, K top-k, E experts, D dim, F expert hidden dim, M padded rows.
 """
 
+import dataclasses
 import unittest
 
 import torch
@@ -147,6 +148,16 @@ class TestMoEDecode(TestCase):
         table = MD.block_experts(offs, 80, 16)
         self.assertEqual(table.tolist(), [0, 2, 2, 3, -1])
 
+    def test_config_tables(self):
+        # every table in the data file: bounds increasing, configs well formed; an
+        # untuned GPU gets the default table
+        for name in MD._read_config_file():
+            table = MD.load_configs(name)
+            for cfg in table.values():
+                self.assertIn(cfg.block_m, (16, 32, 64, 128))
+                self.assertEqual(cfg.block_n % 16 + cfg.block_k % 16, 0)
+        self.assertEqual(MD.load_configs("no such GPU"), MD.CONFIGS)
+
     def test_config_for(self):
         bounds = sorted(MD.CONFIGS)
         self.assertEqual(MD.config_for(1), MD.CONFIGS[bounds[0]])
@@ -170,6 +181,15 @@ class TestMoEDecode(TestCase):
             MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs, rw[1:], 2)
         with self.assertRaisesRegex(ValueError, "top_k must be >= 1, got 0"):
             MD.moe_decode(x, w13, w2, perm.row_to_slot, perm.offs, rw, 0)
+        with self.assertRaisesRegex(ValueError, "got x torch.float64, w13 torch.float64"):
+            MD.moe_decode(x.double(), w13.double(), w2.double(), *args)
+        with self.assertRaisesRegex(ValueError, "got x torch.float32, w13 torch.float16"):
+            MD.moe_decode(x, w13.half(), w2.half(), *args)
+        with self.assertRaisesRegex(RuntimeError, "must end on a multiple of BLOCK_M=16"):
+            unaligned = ops.permute_indices(ids, 4)
+            MD.moe_decode(
+                x, w13, w2, unaligned.row_to_slot, unaligned.offs, unaligned.row_to_slot.float(), 2
+            )
         with self.assertRaisesRegex(ValueError, "FP8 .* need a scale_mode .* scale_mode='rowwise'"):
             MD.moe_decode(x, w13, w2, *args, scale_mode="rowwise")
 
@@ -223,14 +243,15 @@ class TestMoEDecodeCUDA(TestCase):
 @unittest.skipIf(_ptxas_path() is None, "no ptxas for sm_90a in this triton install")
 @instantiate_parametrized_tests
 class TestMoEDecodeSm90(TestCase):
-    """Every config of both kernels AOT-compiles for sm_90a in every weight mode: no
+    """Every config (of every table) of both kernels AOT-compiles for sm_90a in every weight mode: no
     spills, wgmma for the 64-row tiles (16-row tiles are below wgmma's M=64: mma.sync)."""
 
     @parametrize("kernel", ["w13", "w2"])
     @parametrize("scale_mode", [None, "rowwise", "blockwise"])
     def test_compiles_without_spills(self, kernel, scale_mode):
-        for bound, cfg in sorted(MD.CONFIGS.items()):
-            k = MD.compile_for_sm90(kernel, min(bound, 4096), scale_mode=scale_mode)
+        configs = {c for name in MD._read_config_file() for c in MD.load_configs(name).values()}
+        for cfg in sorted(configs, key=dataclasses.astuple):
+            k = MD.compile_for_sm90(kernel, 64, scale_mode=scale_mode, config=cfg)
             ptx = k.compiled.asm["ptx"]
             self.assertEqual(k.n_spills, 0, msg=f"{cfg}: {k.ptxas_log}")
             if cfg.block_m >= 64:

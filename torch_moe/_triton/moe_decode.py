@@ -23,8 +23,10 @@ The K rows of a token are then summed in fp32 in a fixed order by ``torch_moe::u
 output row (rowwise, [E, N, 1]) or per 128 x 128 block ([E, N/128, D/128]), computed once;
 tiles are dequantized in registers before the dot (weight-only FP8: half the bytes read).
 
-Tile sizes depend on the batch: ``CONFIGS`` maps a bound on T*K to (BM, BN, BK, warps,
-stages), chosen by the smallest bound at or above the batch (``config_for``).
+Tile sizes depend on the batch: a table maps a bound on T*K to (BM, BN, BK, warps, stages),
+and the smallest bound at or above the batch is used (``config_for``). The tables are data,
+``moe_decode_configs.json``, one per GPU name plus a default; ``benchmarks/tune_moe_decode.py``
+measures one on a GPU and writes it there.
 
 On CPU tensors (and under ``TRITON_INTERPRET=1``) the kernels run in Triton's interpreter
 with fp32 dots (its bf16 ``tl.dot`` is wrong; test with fp32 / fp16 inputs).
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 from typing import Any
 
 import torch
@@ -42,7 +46,14 @@ import triton.language as tl
 
 from torch_moe._triton.grouped_mm import _input_precision, _interpreted, _use_interpreter
 
-__all__ = ["CONFIGS", "DecodeConfig", "compile_for_sm90", "config_for", "moe_decode"]
+__all__ = [
+    "CONFIGS",
+    "DecodeConfig",
+    "compile_for_sm90",
+    "config_for",
+    "load_configs",
+    "moe_decode",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,27 +65,53 @@ class DecodeConfig:
     num_stages: int
 
 
-# bound on T*K -> tiles. NB: defaults by reasoning (small BM for few rows per expert,
-# wgmma-sized tiles from 129 rows on), checked to compile for sm_90a without spills in every
-# scale mode (test_moe_decode.py), not yet timed on a GPU.
-CONFIGS: dict[int, DecodeConfig] = {
-    16: DecodeConfig(16, 64, 128, 4, 3),
-    128: DecodeConfig(16, 128, 64, 4, 3),
-    1 << 30: DecodeConfig(64, 128, 64, 8, 3),
-}
+_CONFIG_FILE = pathlib.Path(__file__).with_name("moe_decode_configs.json")
+
+
+def load_configs(device_name: str | None = None) -> dict[int, DecodeConfig]:
+    """The tile table (bound on T*K -> config) for GPU ``device_name`` from
+    ``moe_decode_configs.json`` (written by ``benchmarks/tune_moe_decode.py``), or its
+    ``"default"`` entry when that GPU was not tuned."""
+    table = _read_config_file()
+    entry = table.get(device_name or "", table["default"])
+    return {int(bound): DecodeConfig(*cfg) for bound, cfg in entry.items()}
+
+
+@functools.cache
+def _read_config_file() -> dict[str, dict[str, list[int]]]:
+    return {k: v for k, v in json.loads(_CONFIG_FILE.read_text()).items() if not k.startswith("_")}
+
+
+CONFIGS: dict[int, DecodeConfig] = load_configs()
 _INTERPRET_CONFIG = DecodeConfig(16, 16, 16, 1, 1)
 
 _SCALE_MODES = {None: 0, "rowwise": 1, "blockwise": 2}
 
 
-def config_for(rows: int, interpret: bool = False) -> DecodeConfig:
-    """The tile config for T*K = ``rows`` routed rows."""
+def config_for(
+    rows: int, interpret: bool = False, configs: dict[int, DecodeConfig] | None = None
+) -> DecodeConfig:
+    """The tile config for T*K = ``rows`` routed rows: the entry of ``configs`` (default:
+    the current GPU's table, else ``CONFIGS``) with the smallest bound >= rows."""
     if interpret:
         return _INTERPRET_CONFIG
-    for bound in sorted(CONFIGS):
+    if configs is None:
+        configs = _device_configs()
+    for bound in sorted(configs):
         if rows <= bound:
-            return CONFIGS[bound]
-    return CONFIGS[max(CONFIGS)]
+            return configs[bound]
+    return configs[max(configs)]
+
+
+def _device_configs() -> dict[int, DecodeConfig]:
+    if not torch.cuda.is_available():
+        return CONFIGS
+    return _configs_for_name(torch.cuda.get_device_name())
+
+
+@functools.cache
+def _configs_for_name(name: str) -> dict[int, DecodeConfig]:
+    return load_configs(name)
 
 
 @triton.jit
@@ -233,6 +270,12 @@ def _check(x, w13, w2, row_to_slot, offs, row_weights, top_k, w13_scale, w2_scal
             f"{fn}: FP8 (e4m3) weights need a scale_mode and a scale_mode needs FP8 weights, got "
             f"w13 {w13.dtype}, w2 {w2.dtype}, scale_mode={scale_mode!r}"
         )
+    dense = (torch.float16, torch.bfloat16, torch.float32)
+    if x.dtype not in dense or not (fp8 or w13.dtype == w2.dtype == x.dtype):
+        raise ValueError(
+            f"{fn}: the fused path takes x in {dense} with weights of x's dtype or float8_e4m3fn, "
+            f"got x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
+        )
     if fp8 and (w13_scale is None or w2_scale is None):
         raise ValueError(f"{fn}: scale_mode={scale_mode!r} needs w13_scale and w2_scale")
     if scale_mode == "blockwise" and (D % 128 or (two_f // 2) % 128):
@@ -263,7 +306,12 @@ def moe_decode(
     """
     _check(x, w13, w2, row_to_slot, offs, row_weights, top_k, w13_scale, w2_scale, scale_mode)
     interpret = _use_interpreter(x)
-    cfg = config or config_for(row_to_slot.shape[0], interpret)
+    cfg = config or config_for(x.shape[0] * top_k, interpret)
+    torch._assert_async(
+        (offs % cfg.block_m == 0).all(),
+        f"moe_decode: every group must end on a multiple of BLOCK_M={cfg.block_m} "
+        f"(permute_indices(align=config_for(T*K).block_m))",
+    )
     M = row_to_slot.shape[0]
     D = x.shape[1]
     F = w13.shape[1] // 2
@@ -309,7 +357,7 @@ def compile_for_sm90(
     (no GPU needed); returns the Sm90Kernel (PTX, registers, spills)."""
     from torch_moe._triton.grouped_mm import compile_jit_for_sm90
 
-    cfg = config or config_for(rows)
+    cfg = config or config_for(rows, configs=CONFIGS)
     meta = functools.partial(torch.empty, device="meta")
     M = -(-rows // cfg.block_m) * cfg.block_m + E * (cfg.block_m - 1)
     M = -(-M // cfg.block_m) * cfg.block_m

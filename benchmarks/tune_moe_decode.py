@@ -1,0 +1,146 @@
+"""Tune the tile configs of the fused decode kernels (torch_moe._triton.moe_decode) on this
+GPU and write them to ``torch_moe/_triton/moe_decode_configs.json`` under the GPU's name.
+
+For every batch (T = 1, 2, 4 ... --max-tokens tokens, T*K routed rows) each candidate
+config that compiles for sm_90a without register spills is timed on both kernels (CUDA
+events, median of interleaved rounds, bf16 weights, the expert shape given); the fastest
+wins, and consecutive batches with the same winner merge into one bound of the table.
+
+    python benchmarks/tune_moe_decode.py                       # Qwen3-30B-A3B-like experts
+    python benchmarks/tune_moe_decode.py --dim 7168 --hidden 2048 --experts 256
+    python benchmarks/tune_moe_decode.py --dry-run             # candidates and their spills (no GPU)
+
+Without --write the table is printed only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+
+import torch
+
+import torch_moe  # noqa: F401
+from torch_moe import ops
+
+CANDIDATES = [
+    (bm, bn, bk, warps, stages)
+    for bm, bn, bk, warps, stages in itertools.product(
+        (16, 32, 64), (64, 128), (64, 128), (4, 8), (2, 3, 4)
+    )
+    if not (bm == 16 and warps == 8)  # 16-row tiles: mma.sync, 4 warps fill them
+]
+
+
+def spill_free(configs, scale_mode=None):
+    """The candidates whose both kernels compile for sm_90a without spills."""
+    from torch_moe._triton import moe_decode as MD
+
+    ok = []
+    for c in configs:
+        cfg = MD.DecodeConfig(*c)
+        spills = [
+            MD.compile_for_sm90(k, 64, scale_mode=scale_mode, config=cfg).n_spills
+            for k in ("w13", "w2")
+        ]
+        print(f"  {c}: spills w13/w2 = {spills}")
+        if not any(spills):
+            ok.append(c)
+    return ok
+
+
+def _time(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+def tune_batch(T, w13, w2, K, candidates, rounds, reps):
+    """The fastest candidate (and its us) for T tokens."""
+    from torch_moe._triton import moe_decode as MD
+
+    E, _, D = w13.shape
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
+    ids = torch.randint(0, E, (T, K), device="cuda", generator=gen)
+    weights = torch.rand(T, K, device="cuda", generator=gen)
+    runs = {}
+    for c in candidates:
+        cfg = MD.DecodeConfig(*c)
+        perm = ops.permute_indices(ids, E, align=cfg.block_m)
+        rw = torch.cat([weights.reshape(-1), weights.new_zeros(1)])[perm.row_to_slot]
+        args = (x, w13, w2, perm.row_to_slot, perm.offs, rw, K)
+        runs[c] = (args, cfg)
+        MD.moe_decode(*args, config=cfg)  # compile
+    times: dict[tuple, list[float]] = {c: [] for c in candidates}
+    for _ in range(rounds):
+        for c, (args, cfg) in runs.items():
+            times[c].append(_time(lambda a=args, g=cfg: MD.moe_decode(*a, config=g), reps))
+    med = {c: statistics.median(v) for c, v in times.items()}
+    best = min(med, key=med.__getitem__)
+    return best, med[best]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--dry-run", action="store_true", help="list spill-free candidates only")
+    p.add_argument("--write", action="store_true", help="write the table to the JSON file")
+    args = p.parse_args()
+    print(f"# {len(CANDIDATES)} candidates; sm_90a static check:")
+    candidates = spill_free(CANDIDATES)
+    print(f"# {len(candidates)} compile without spills")
+    if args.dry_run:
+        return 0
+    if not torch.cuda.is_available():
+        print("tune_moe_decode: needs a CUDA GPU (use --dry-run for the static check)")
+        return 0
+    from torch_moe._triton import moe_decode as MD
+
+    E, D, F, K = args.experts, args.dim, args.hidden, args.top_k
+    w13 = (torch.randn(E, 2 * F, D, device="cuda") / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, device="cuda") / F**0.5).bfloat16()
+    name = torch.cuda.get_device_name()
+    print(f"# {name}; E={E} D={D} F={F} K={K}")
+    table: dict[int, list[int]] = {}
+    T = 1
+    while T <= args.max_tokens:
+        best, us = tune_batch(T, w13, w2, K, candidates, args.rounds, args.reps)
+        default = dataclasses.astuple(MD.config_for(T * K, configs=MD.CONFIGS))
+        print(f"T={T:5d} rows={T * K:6d}: {best} {us:8.1f} us (default {default})")
+        table[T * K] = list(best)
+        T *= 2
+    merged: dict[str, list[int]] = {}
+    bounds = sorted(table)
+    for i, bound in enumerate(bounds):  # keep a bound where the winner changes after it
+        last = i == len(bounds) - 1
+        if last or table[bounds[i + 1]] != table[bound]:
+            merged[str(1 << 30 if last else bound)] = table[bound]
+    print(json.dumps({name: merged}))
+    if args.write:
+        path = MD._CONFIG_FILE
+        data = json.loads(path.read_text())
+        data[name] = merged
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {name!r} to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
