@@ -380,12 +380,34 @@ def load_checkpoint(
     return state["train"]
 
 
+def check_model_matches(ckpt: Path, msd: dict[str, Any]) -> None:
+    """Raise naming the first tensor whose saved shape differs from the model that the
+    checkpoint's config.json builds (or that one of them lacks), before loading anything."""
+    try:
+        saved = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise RuntimeError(f"checkpoint {ckpt} is corrupted or incomplete: {e}") from e
+    for name, t in msd.items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            raise RuntimeError(
+                f"checkpoint {ckpt} has no tensor model.{name}, which its config builds"
+            )
+        size = getattr(meta, "size", None)
+        if size is not None and tuple(size) != tuple(t.shape):
+            raise RuntimeError(
+                f"checkpoint {ckpt} does not match its config.json: model.{name} is saved as "
+                f"{list(size)}, the config builds {list(t.shape)}"
+            )
+
+
 def load_model(out: str | Path) -> tuple[MoELM, dict[str, Any]]:
     """The model saved in ``out`` (its ``--out``) and the run config, e.g. for sampling."""
     ckpt = find_checkpoint(Path(out))
     run = read_run_config(ckpt)
     model = MoELM(LMConfig(**{k: run[k] for k in LMConfig.__dataclass_fields__ if k in run}))
     msd = model.state_dict()
+    check_model_matches(ckpt, msd)
     with _single_process_dcp():
         dcp.load({"model": msd}, checkpoint_id=ckpt, no_dist=True)
     model.load_state_dict(msd)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import os
 import subprocess
 import sys
@@ -191,6 +192,14 @@ class TestGenerateExample(TestCase):
             for prompt, out in zip(generate.DEFAULT_PROMPTS, one["outputs"], strict=True):
                 line = f"{prompt!r} -> {out.decode(errors='replace')!r}"
                 self.assertIn(line, proc.stdout)
+            # a checkpoint whose config.json builds another model: named, nothing loaded
+            ckpt = train_moe_lm.find_checkpoint(Path(tmp))
+            run = json.loads((ckpt / "config.json").read_text())
+            run["moe"]["hidden_dim"] = 48
+            (ckpt / "config.json").write_text(json.dumps(run))
+            msg = r"does not match its config.json: model.blocks.0.moe.experts.w13 is saved as \[4, 64, 32\], the config builds \[4, 96, 32\]"
+            with self.assertRaisesRegex(RuntimeError, msg):
+                generate.main(["--ckpt", tmp, "--max-new-bytes", "2", "--no-progress"])
 
 
 instantiate_parametrized_tests(TestInference)
