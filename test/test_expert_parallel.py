@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import unittest
 from pathlib import Path
 from unittest import mock
 
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing import FileCheck
+from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_distributed import (
     MultiProcContinuousTest,
     MultiProcessTestCase,
@@ -623,9 +623,11 @@ class TestExpertParallelFaults(MultiProcessTestCase):
             self.assertLess(time.monotonic() - start, 30)
 
 
-@unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
-class TestExpertParallelCUDA(TestCase):
-    def test_nccl_ep1_matches_layer_cuda(self):
+class TestExpertParallelDevice(TestCase):
+    """Device-generic (instantiate_device_type_tests): .ci/gpu runs it on cuda."""
+
+    @onlyCUDA
+    def test_nccl_ep1_matches_layer(self, device):
         """One GPU, NCCL, EP=1: every exchange runs its CUDA code path (the segments are
         local copies, the counts go through NCCL) and equals the unparallelized layer."""
         with tempfile.TemporaryDirectory() as tmp:
@@ -723,6 +725,8 @@ class TestTrainExampleEP(TestCase):
                 self.assertEqual(a["loss"], b["loss"], atol=1e-5, rtol=1e-5)
                 self.assertEqual(a["tokens_per_expert"], b["tokens_per_expert"])
 
+
+instantiate_device_type_tests(TestExpertParallelDevice, globals())
 
 if __name__ == "__main__":
     run_tests()

@@ -1,10 +1,13 @@
 # Owner(s): ["module: moe"]
 """Tests for torch_moe::grouped_mm and grouped_mm_wgrad against a naive per-row loop."""
 
-import unittest
-
 import tolerances
 import torch
+from torch.testing._internal.common_device_type import (
+    dtypes,
+    instantiate_device_type_tests,
+    onlyCUDA,
+)
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -212,30 +215,33 @@ class TestGroupedMM(TestCase):
             grouped_mm_wgrad(torch.randn(4, 4), torch.randn(5, 3), offs)
 
 
-@unittest.skipIf(not torch.cuda.is_available(), "needs a CUDA GPU")
-class TestGroupedMMCUDA(TestCase):
-    """The CUDA dispatch (torch._grouped_mm for aligned bf16, Triton otherwise) vs CPU."""
+class TestGroupedMMDevice(TestCase):
+    """Device-generic (instantiate_device_type_tests): the CUDA dispatch (torch._grouped_mm
+    for aligned bf16, Triton otherwise) within the same rounding bounds as the CPU path.
+    .ci/gpu runs this class on cuda (PYTORCH_TESTING_DEVICE_ONLY_FOR=cuda)."""
 
-    @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @onlyCUDA
+    @dtypes(torch.bfloat16, torch.float16, torch.float32)
     @parametrize("kn", [(64, 128), (17, 33)])
-    def test_cuda_matches_cpu(self, dtype, kn):
+    def test_forward_backward_within_bound(self, device, dtype, kn):
         k, n = kn
         offs, m = make_offs([40, 0, 130, 7], tail=5)
-        x = torch.randn(m, k, dtype=dtype, requires_grad=True)
-        w = torch.randn(4, n, k, dtype=dtype).transpose(-2, -1).requires_grad_()
+        x = torch.randn(m, k, dtype=dtype)
+        w = torch.randn(4, n, k, dtype=dtype).transpose(-2, -1)
         grad = torch.randn(m, n, dtype=dtype)
-        xc, wc = x.detach().cuda().requires_grad_(), w.detach().cuda().requires_grad_()
-        out = grouped_mm(xc, wc, offs.cuda())
-        out.backward(grad.cuda())
-        ref = grouped_mm(x, w, offs)
-        ref.backward(grad)
-        tol = dict(atol=5e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-3, rtol=1e-3)
-        self.assertEqual(out.cpu(), ref, **tol)
-        self.assertEqual(xc.grad.cpu(), x.grad, **tol)
-        self.assertEqual(wc.grad.cpu(), w.grad, **tol)
+        xc, wc = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        out = grouped_mm(xc, wc, offs.to(device))
+        out.backward(grad.to(device))
+        assert_gemm_close(self, out.cpu(), x, w, offs, "forward")
+        assert_gemm_close(self, xc.grad.cpu(), grad, w.transpose(-2, -1), offs, "dX")
+        assert_gemm_close(self, wc.grad.cpu(), x, grad, offs, "dW", wgrad=True)
         self.assertTrue((out[int(offs[-1]) :] == 0).all())
+        self.assertTrue((xc.grad[int(offs[-1]) :] == 0).all())
 
-    def test_cuda_swiglu_matches_cpu(self):
+    @onlyCUDA
+    def test_swiglu_within_bound(self, device):
+        from test_grouped_swiglu import assert_swiglu_close, assert_swiglu_grads_close
+
         from torch_moe.nn.functional import grouped_swiglu
 
         offs, m = make_offs([64, 0, 128, 16], tail=3)
@@ -243,18 +249,17 @@ class TestGroupedMMCUDA(TestCase):
         w13 = torch.randn(4, 96, 64, dtype=torch.bfloat16) * 0.1
         w2 = torch.randn(4, 64, 48, dtype=torch.bfloat16) * 0.1
         rw = torch.rand(m)
-        outs = []
-        for dev in ("cpu", "cuda"):
-            args = [t.detach().to(dev).requires_grad_() for t in (x, w13, w2, rw)]
-            y = grouped_swiglu(args[0], args[1], args[2], offs.to(dev), args[3])
-            y.float().square().sum().backward()
-            outs.append([y.cpu()] + [a.grad.cpu() for a in args])
-        for a, b in zip(*outs):
-            self.assertEqual(a.float(), b.float(), atol=0.1, rtol=0.05)
+        grad = torch.randn(m, 64, dtype=torch.bfloat16)
+        args = [t.to(device).requires_grad_() for t in (x, w13, w2, rw)]
+        y = grouped_swiglu(args[0], args[1], args[2], offs.to(device), args[3])
+        y.backward(grad.to(device))
+        assert_swiglu_close(self, y.cpu(), x, w13, w2, offs, rw)
+        grads = {name: a.grad.cpu() for name, a in zip(("x", "w13", "w2"), args)}
+        assert_swiglu_grads_close(self, grads, x, w13, w2, offs, grad, rw)
 
 
 instantiate_parametrized_tests(TestGroupedMM)
-instantiate_parametrized_tests(TestGroupedMMCUDA)
+instantiate_device_type_tests(TestGroupedMMDevice, globals())
 
 if __name__ == "__main__":
     run_tests()

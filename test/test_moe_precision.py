@@ -6,10 +6,10 @@ emulation. The training example's ``--precision`` is tested in test_train.py.
 Legend: T tokens, D dim, F expert hidden dim, E experts, K top-k.
 """
 
-import unittest
 from unittest import mock
 
 import torch
+from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -206,26 +206,29 @@ class TestMoEPrecision(TestCase):
             GroupedExperts(D, F, E, precision="fp4")
 
 
-@unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
-@instantiate_parametrized_tests
-class TestMoEPrecisionCUDA(TestCase):
+class TestMoEPrecisionDevice(TestCase):
+    """Device-generic (instantiate_device_type_tests): .ci/gpu runs it on cuda."""
+
+    @onlyCUDA
     @parametrize("name", list(RECIPES))
-    def test_matches_cpu_emulation(self, name):
+    def test_matches_cpu_emulation(self, device, name):
         """The GPU kernels compute the emulated function: bf16 layer, CUDA vs CPU."""
         (cpu,) = _layers(name, dtype=torch.bfloat16)
-        gpu = MoE(**cpu.config, dtype=torch.bfloat16, device="cuda")
+        gpu = MoE(**cpu.config, dtype=torch.bfloat16, device=device)
         gpu.load_state_dict(cpu.state_dict())
         offs = []
         gpu.experts.register_forward_hook(lambda mod, i, o: offs.append(i[1]))
         x, grad_out = _data(torch.bfloat16, num_tokens=256)
         want = _fwd_bwd(cpu, x, grad_out)
-        got = _fwd_bwd(gpu, x.cuda(), grad_out.cuda())
+        got = _fwd_bwd(gpu, x.to(device), grad_out.to(device))
         self.assertEqual(offs[0].remainder(16).cpu(), torch.zeros(E, dtype=torch.int32))
         for key in want:
             self.assertEqual(got[key].device.type, "cuda", msg=key)
             db = sqnr(want[key], got[key].cpu())
             self.assertGreaterEqual(db, 30.0, f"{name} {key}: {db:.2f} dB")
 
+
+instantiate_device_type_tests(TestMoEPrecisionDevice, globals())
 
 if __name__ == "__main__":
     run_tests()

@@ -7,9 +7,9 @@ compiled; the static checks compile them for sm_90a without a GPU (wgmma, regist
 """
 
 import importlib
-import unittest
 
 import torch
+from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -327,26 +327,33 @@ class TestQuantizeOps(TestCase):
         self.assertTrue(torch.equal(got, f(x)))
 
 
-@unittest.skipIf(not torch.cuda.is_available(), "needs CUDA")
-class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
-    """Compiled kernels on the GPU: the same checks at sizes that fill several programs."""
+class TestTritonQuantizeDevice(_QuantizeChecks, TestCase):
+    """Compiled kernels on the GPU: the same checks at sizes that fill several programs.
+    Device-generic (instantiate_device_type_tests): .ci/gpu runs it on cuda."""
 
-    device = "cuda"
+    @property
+    def device(self):
+        return self.device_type
 
-    def test_blocks_cuda(self):
+    @onlyCUDA
+    def test_blocks_cuda(self, device):
         self.check_blocks(515, 1024, torch.bfloat16)
         self.check_blocks(300, 448, torch.float32)
 
-    def test_weights_kmajor_cuda(self):
+    @onlyCUDA
+    def test_weights_kmajor_cuda(self, device):
         self.check_weights_kmajor(4, 512, 384)
 
-    def test_jagged_cuda(self):
+    @onlyCUDA
+    def test_jagged_cuda(self, device):
         self.check_jagged([0, 500, 0, 129, 1700, 3], 200)
 
-    def test_gemms_match_emulation_cuda(self):
+    @onlyCUDA
+    def test_gemms_match_emulation_cuda(self, device):
         self.check_gemms([300, 0, 517, 129, 1], 704, 384, tol=1e-4)
 
-    def test_torch_scaled_grouped_mm_cuda(self):
+    @onlyCUDA
+    def test_torch_scaled_grouped_mm_cuda(self, device):
         """bf16 rowwise / tensorwise forward and dgrad run on torch._scaled_grouped_mm on
         Hopper: against the emulation, rows past the last group zero."""
         if torch.cuda.get_device_capability() != (9, 0):
@@ -377,7 +384,8 @@ class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
                 )
                 self._assert_close(dx.float(), ref, 0)
 
-    def test_ops_cuda_equal_cpu(self):
+    @onlyCUDA
+    def test_ops_cuda_equal_cpu(self, device):
         for (op, args, _), (_, args_cuda, _) in zip(_op_cases(), _op_cases("cuda")):
             with self.subTest(op=str(op)):
                 got, ref = op(*args_cuda), op(*args)
@@ -385,7 +393,8 @@ class TestTritonQuantizeCUDA(_QuantizeChecks, TestCase):
                                 ref if isinstance(ref, tuple) else (ref,)):  # fmt: skip
                     self.assertTrue(torch.equal(_bits(a).cpu(), _bits(b)))
 
-    def test_autograd_cuda_vs_cpu(self):
+    @onlyCUDA
+    def test_autograd_cuda_vs_cpu(self, device):
         g = torch.Generator().manual_seed(3)
         offs = make_offs([96, 0, 160, 256])
         x = torch.randn(520, 512, generator=g)
@@ -443,6 +452,7 @@ class TestStaticSm90(TestCase):
 
 
 instantiate_parametrized_tests(TestStaticSm90)
+instantiate_device_type_tests(TestTritonQuantizeDevice, globals())
 
 if __name__ == "__main__":
     run_tests()

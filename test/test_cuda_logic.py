@@ -1,0 +1,117 @@
+# Owner(s): ["module: moe"]
+"""The decisions of the CUDA paths, tested on CPU: which kernel a grouped GEMM takes
+(torch._grouped_mm's conditions, the FP8 recipe's kernel per GEMM), the tail zeroing that
+follows torch._grouped_mm / torch._scaled_grouped_mm, and that each GEMM of the backward
+is quantized with its own recipe entry. The CUDA branches only launch what these choose.
+"""
+
+import importlib
+from unittest import mock
+
+import torch
+from test_grouped_mm import assert_gemm_close
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe._ops import grouped_mm as G
+from torch_moe.quantization import RECIPES, get_recipe
+
+S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+
+
+def _offs(sizes):
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+class TestCudaLogicOnCPU(TestCase):
+    def test_zero_tail(self):
+        out = torch.arange(1.0, 25.0).reshape(8, 3)
+        want = out.clone()
+        want[5:] = 0
+        self.assertIs(G.zero_tail_(out, _offs([2, 0, 3])), out)
+        self.assertEqual(out, want, atol=0, rtol=0)
+        # no group at all: every row is past the last group end
+        self.assertEqual(G.zero_tail_(torch.ones(4, 2), _offs([])), torch.zeros(4, 2))
+        # every row in a group: nothing zeroed
+        full = torch.ones(5, 2)
+        self.assertEqual(G.zero_tail_(full, _offs([5])), torch.ones(5, 2))
+
+    def test_torch_grouped_mm_conditions(self):
+        """torch._grouped_mm takes bf16 on sm_90+ with 16-byte aligned K and N and row- or
+        column-major operands; anything else goes to Triton."""
+
+        def ok(x, w, capability=(9, 0)):
+            with mock.patch.object(torch.cuda, "get_device_capability", return_value=capability):
+                return G._torch_grouped_mm_ok(x, w)
+
+        bf = torch.bfloat16
+        x, w = torch.zeros(8, 64, dtype=bf), torch.zeros(2, 64, 32, dtype=bf)
+        self.assertTrue(ok(x, w))
+        self.assertTrue(ok(x, torch.zeros(2, 32, 64, dtype=bf).transpose(1, 2)))  # [E, N, K]^T
+        self.assertTrue(ok(x, w, capability=(10, 0)))
+        self.assertFalse(ok(x, w, capability=(8, 0)))
+        self.assertFalse(ok(x.half(), w.half()))
+        self.assertFalse(ok(x.float(), w.float()))
+        self.assertFalse(ok(torch.zeros(8, 60, dtype=bf), torch.zeros(2, 60, 32, dtype=bf)))  # K
+        self.assertFalse(ok(x, torch.zeros(2, 64, 36, dtype=bf)))  # N*2 bytes not 16-aligned
+        self.assertTrue(ok(x, torch.zeros(2, 64, 40, dtype=bf)))  # N=40: 80 bytes
+        self.assertFalse(ok(torch.zeros(64, 8, dtype=bf).t()[:, :], w))  # x column-major
+        strided = torch.zeros(2, 64, 64, dtype=bf)[:, :, ::2]  # no unit stride in w
+        self.assertFalse(ok(x, strided))
+
+    @parametrize("recipe", list(RECIPES))
+    def test_kernel_per_gemm(self, recipe):
+        """The kernel of each GEMM follows that GEMM's own recipe entry (forward, dgrad,
+        wgrad), on Hopper and elsewhere; the CPU always emulates."""
+        r = RECIPES[recipe]
+        hopper = ("cuda", (9, 0))
+        for g in (r.forward, r.dgrad):
+            rowwise = all(
+                (op.fmt, op.outer, op.inner) in {("fp8", 1, -1), ("fp8", -1, -1)}
+                for op in (g.lhs, g.rhs)
+            )
+            want = "torch" if rowwise else "triton"
+            self.assertEqual(S.gemm_kernel(g, 128, 256, torch.bfloat16, *hopper), want)
+            self.assertEqual(S.gemm_kernel(g, 128, 256, torch.bfloat16, "cpu"), "emulate")
+            self.assertEqual(S.gemm_kernel(g, 128, 256, torch.float32, *hopper), "triton")
+        self.assertEqual(S.wgrad_kernel(r.wgrad, "cuda"), "triton")
+        self.assertEqual(S.wgrad_kernel(r.wgrad, "cpu"), "emulate")
+        bf16 = r.with_overrides(forward="bf16", dgrad="bf16", wgrad="bf16")
+        for g in (bf16.forward, bf16.dgrad):
+            self.assertEqual(S.gemm_kernel(g, 128, 256, torch.bfloat16, *hopper), "emulate")
+        self.assertEqual(S.wgrad_kernel(bf16.wgrad, "cuda"), "emulate")
+
+    @parametrize("gemm", ["dgrad", "wgrad"])
+    def test_backward_gemm_uses_its_own_recipe(self, gemm):
+        """A recipe whose dgrad (or wgrad) is bf16 and forward FP8: the backward GEMM is the
+        bf16 GEMM (bf16-representable values within its rounding bound), not the forward's
+        FP8 recipe, and the forward stays FP8."""
+        recipe = get_recipe("fp8_blockwise").with_overrides(**{gemm: "bf16"}).op_arg()
+        g = torch.Generator().manual_seed(0)
+        offs = _offs([7, 0, 12])
+        x = torch.randn(19, 128, generator=g)
+        w = torch.randn(3, 128, 64, generator=g) / 11
+        dy = torch.randn(19, 64, generator=g)
+        ops = torch.ops.torch_moe
+        bf = torch.bfloat16
+        if gemm == "dgrad":
+            got = ops.quantized_grouped_mm_dgrad(dy, w, offs, recipe)
+            assert_gemm_close(self, got.to(bf), dy.to(bf), w.to(bf).transpose(1, 2), offs, gemm)
+        else:
+            got = ops.quantized_grouped_mm_wgrad(x, dy, offs, recipe)
+            assert_gemm_close(self, got.to(bf), x.to(bf), dy.to(bf), offs, gemm, wgrad=True)
+        self.assertEqual(got, got.to(bf).float(), atol=0, rtol=0)  # bf16 values
+        fwd = ops.quantized_grouped_mm(x, w, offs, recipe)
+        with self.assertRaises(AssertionError):  # FP8: beyond the bf16 GEMM's bound
+            assert_gemm_close(self, fwd.to(bf), x.to(bf), w.to(bf), offs, "forward")
+
+
+instantiate_parametrized_tests(TestCudaLogicOnCPU)
+
+if __name__ == "__main__":
+    run_tests()
