@@ -1,7 +1,7 @@
 """torch_moe custom ops (namespace ``torch_moe::``), one op family per file.
 
 Importing this package registers every op with the dispatcher; the data flows one way:
-routing -> permute -> grouped_mm / grouped_swiglu -> unpermute.
+routing -> permute -> grouped_mm / grouped_swiglu / fused_experts -> unpermute.
 """
 
-from torch_moe._ops import grouped_mm, grouped_swiglu, permute, routing  # noqa: F401
+from torch_moe._ops import fused_experts, grouped_mm, grouped_swiglu, permute, routing  # noqa: F401

@@ -75,6 +75,7 @@ from torch.distributed.tensor import DTensor
 from torch_moe import ops
 from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops.fused_experts import DECODE_MAX_ROWS, decode_block_m
 from torch_moe._ops.grouped_swiglu import swiglu
 from torch_moe.nn.functional import (
     grouped_swiglu,
@@ -279,6 +280,13 @@ class GroupedExperts(nn.Module):
     expert in one ``grouped_swiglu`` call, in the parameter dtype or the autocast dtype;
     with a low-precision ``precision`` (see :class:`MoE`) as two ``scaled_grouped_mm``
     calls around the SwiGLU, their operands in that dtype before quantization.
+
+    ``fused_decode=True`` (an attribute too): in inference (``MoE`` in eval mode without
+    autograd, no expert parallelism, no recipe), batches of at most
+    ``DECODE_MAX_ROWS`` = 1024 routed rows run ``torch_moe::fused_experts``, on CUDA two
+    fused Triton kernels (the gather, SwiGLU and routing weight inside the GEMMs; see
+    ``torch_moe/_triton/moe_decode.py``), elsewhere the same ``grouped_swiglu``. Off by
+    default until GPU measurements (``benchmarks/bench_moe_decode.py``) pick the bound.
     """
 
     def __init__(
@@ -288,11 +296,13 @@ class GroupedExperts(nn.Module):
         num_experts: int,
         *,
         precision: str | Recipe = "bf16",
+        fused_decode: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.recipe = _resolve_precision(precision)
+        self.fused_decode = fused_decode
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * hidden_dim, dim, device=device, dtype=dtype)
         )
@@ -337,8 +347,21 @@ class GroupedExperts(nn.Module):
             a_MF = swiglu(h_M2F, row_weights)
             return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
 
+    def decode_block_m(self, rows: int, device: torch.device) -> int | None:
+        """The group alignment the fused decode kernels need for ``rows`` = T*K routed rows
+        when this module takes that path (``fused_decode``, no recipe), else None."""
+        if not self.fused_decode or self.recipe is not None or rows > DECODE_MAX_ROWS:
+            return None
+        return decode_block_m(rows, device)
+
     def forward_tokens(
-        self, x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, offs: Tensor, row_weights: Tensor
+        self,
+        x: Tensor,
+        row_to_slot: Tensor,
+        slot_to_row: Tensor,
+        offs: Tensor,
+        row_weights: Tensor,
+        block_m: int | None = None,
     ) -> Tensor:
         """Inference (no autograd): the experts on the expert-sorted rows of the tokens
         ``x`` [T, D] that ``row_to_slot`` / ``slot_to_row`` (``permute_indices``) describe,
@@ -346,7 +369,9 @@ class GroupedExperts(nn.Module):
         ``grouped_swiglu`` (``gather_index``), or with a recipe inside the activation's
         quantization (``permute_quantize``: the T tokens quantized once, e4m3 rows gathered),
         the weights' quantization cached until they change, the SwiGLU quantized in one op.
-        The same values as ``forward`` on ``permute(x)`` (bit for bit on CPU)."""
+        The same values as ``forward`` on ``permute(x)`` (bit for bit on CPU). With
+        ``block_m`` (from :meth:`decode_block_m`, the rows permuted with that alignment)
+        the fused decode kernels (``torch_moe::fused_experts``)."""
         w13: Tensor = self.w13
         w2: Tensor = self.w2
         if isinstance(w13, DTensor):  # expert-parallel: this rank's experts
@@ -354,6 +379,17 @@ class GroupedExperts(nn.Module):
         dt = _expert_dtype(x, w13)
         x = x.to(dt)
         recipe = self.recipe
+        if recipe is None and block_m is not None:
+            return torch.ops.torch_moe.fused_experts(
+                x,
+                w13.to(dt),
+                w2.to(dt),
+                row_to_slot,
+                offs,
+                row_weights,
+                slot_to_row.shape[1],
+                block_m,
+            )
         if recipe is None:
             tokens = torch.div(row_to_slot, slot_to_row.shape[1], rounding_mode="floor")
             y, _h = torch.ops.torch_moe.grouped_swiglu(
@@ -686,6 +722,10 @@ class MoE(nn.Module):
                 self.capacity_factor * x_TD.shape[0] * self.top_k / self.num_experts
             )
         align = _group_align(self.experts.recipe, x_TD.device)
+        block_m = None
+        if self.dispatcher is None and capacity is None:
+            block_m = self.experts.decode_block_m(ids_TK.numel(), x_TD.device)
+            align = align if block_m is None else block_m
         perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
         row_w = _row_weights(weights_TK, perm.row_to_slot, capacity is None and align == 1)
         shared = None
@@ -697,7 +737,7 @@ class MoE(nn.Module):
         dispatcher = self.dispatcher
         if dispatcher is None:
             y_perm = self.experts.forward_tokens(
-                x_TD, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w
+                x_TD, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w, block_m
             )
         elif getattr(dispatcher, "mode", "training") == "low_latency":
             y_perm = dispatcher.run_low_latency(  # type: ignore[operator]
