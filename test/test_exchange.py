@@ -1,6 +1,11 @@
 # Owner(s): ["module: moe"]
 """Tests for the segment all-to-all (torch_moe.distributed.exchange) on gloo.
 
+TestAllToAllSegmentsSimulated runs the same exchanges for every rank in one process, with
+torch.distributed's point-to-point layer replaced by a recorder that matches each send to
+its receive by (source, destination, tag) and moves the rows: fast, and in-process (so the
+mutation tests see it). TestAllToAllSegments runs them on gloo.
+
 One test method, 3 processes (one process-group spin-up, ~10 s here): every rank builds
 the whole seeded exchange (every rank's inputs and segment tables) and checks what it
 received against the rows the senders named, for several tensors at once, zero-length
@@ -8,10 +13,14 @@ segments, async and in-flight exchanges with disjoint tags, a subgroup whose gro
 differ from the global ranks, and the bad-input errors (raised before any message).
 """
 
+import collections
+import contextlib
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcessTestCase
-from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_moe.distributed.exchange import all_to_all_segments
 
@@ -56,6 +65,121 @@ def make_exchange(size, seed, rows=12, max_segments=4):
 def rank_input(s, seed, rows=12):
     g = torch.Generator().manual_seed(1000 * seed + s)
     return torch.randn(rows, 3, generator=g), torch.randint(0, 100, (rows,), generator=g)
+
+
+class _Recorder:
+    """torch.distributed's p2p layer for ranks simulated one after another in one process:
+    ``batch_isend_irecv`` records the ops of the current rank; :meth:`deliver` then matches
+    every send to exactly one receive (same source, destination and tag, same shape) and
+    copies the rows."""
+
+    P2POp = collections.namedtuple("P2POp", "op tensor group tag group_peer")
+
+    def __init__(self, size):
+        self.size, self.rank, self.posted = size, 0, []
+
+    def patches(self):
+        def p2p_op(op, tensor, group=None, tag=0, group_peer=None):
+            return self.P2POp(op, tensor, group, tag, group_peer)
+
+        return [
+            mock.patch.object(dist, "get_world_size", lambda group=None: self.size),
+            mock.patch.object(dist, "get_rank", lambda group=None: self.rank),
+            mock.patch.object(dist, "P2POp", p2p_op),
+            mock.patch.object(dist, "batch_isend_irecv", self.post),
+        ]
+
+    def post(self, ops):
+        self.posted += [(self.rank, op) for op in ops]
+        return [mock.Mock() for _ in ops]
+
+    def deliver(self, test):
+        sends, recvs = {}, {}
+        for rank, op in self.posted:
+            if op.op is dist.isend:
+                key, table = (rank, op.group_peer, op.tag), sends
+            else:
+                key, table = (op.group_peer, rank, op.tag), recvs
+            test.assertNotIn(key, table, f"(source, destination, tag) {key} used twice")
+            table[key] = op.tensor
+        test.assertEqual(sorted(sends), sorted(recvs), "unmatched sends or receives")
+        for key, src in sends.items():
+            test.assertEqual(recvs[key].shape, src.shape)
+            recvs[key].copy_(src)
+        self.posted = []
+
+
+class TestAllToAllSegmentsSimulated(TestCase):
+    SIZE = 3
+
+    def _exchange(self, rec, seed, async_op=False, tag=0, group=None):
+        """Every rank's call, then the delivery; returns (got, expected) per rank."""
+        size = rec.size
+        ins, outs, out_rows = make_exchange(size, seed)
+        results = []
+        for me in range(size):
+            rec.rank = me
+            x, idx = rank_input(me, seed)
+            y = torch.full((out_rows[me], 3), -1.0)
+            j = torch.full((out_rows[me],), -1)
+            work = all_to_all_segments(
+                [y, j], [x, idx], outs[me], ins[me], group, tag=tag, async_op=async_op
+            )
+            self.assertEqual(work is None, not async_op)
+            expected_y, expected_j = y.clone(), j.clone()
+            for s in range(size):
+                xs, idxs = rank_input(s, seed)
+                for (src, n), (dst, m) in zip(ins[s][me], outs[me][s], strict=True):
+                    self.assertEqual(n, m)
+                    expected_y[dst : dst + n] = xs[src : src + n]
+                    expected_j[dst : dst + n] = idxs[src : src + n]
+            results.append(((y, j), (expected_y, expected_j), work))
+        return results
+
+    def test_segments(self):
+        for size in (1, 2, 3):
+            rec = _Recorder(size)
+            with contextlib.ExitStack() as stack:
+                for p in rec.patches():
+                    stack.enter_context(p)
+                for seed in range(3):
+                    results = self._exchange(rec, seed, tag=7 * seed)
+                    rec.deliver(self)
+                    for got, expected, _ in results:
+                        self.assertEqual(got, expected)  # rows never named keep their -1
+                # async: nothing is delivered before the wait's caller reads
+                results = self._exchange(rec, 10, async_op=True, tag=100)
+                rec.deliver(self)
+                for got, expected, work in results:
+                    work.wait()
+                    self.assertEqual(got, expected)
+
+    def test_tags(self):
+        """Segment i of tensor j of one call carries tag + i * len(inputs) + j."""
+        rec = _Recorder(2)
+        x = torch.arange(8.0).reshape(4, 2)
+        ids = torch.arange(4)
+        with contextlib.ExitStack() as stack:
+            for p in rec.patches():
+                stack.enter_context(p)
+            rec.rank = 0
+            segs = [[], [(0, 1), (0, 0), (2, 2)]]
+            all_to_all_segments(
+                [x.clone(), ids.clone()], [x, ids], [[], []], segs, tag=40, async_op=True
+            )
+        tags = [(op.tag, op.group_peer, op.tensor.shape[0]) for _, op in rec.posted]
+        # the zero-length segment 1 is skipped but keeps its index in the tag
+        self.assertEqual(tags, [(40, 1, 1), (41, 1, 1), (44, 1, 2), (45, 1, 2)])
+
+    def test_bad_input(self):
+        rec = _Recorder(3)
+        with contextlib.ExitStack() as stack:
+            for p in rec.patches():
+                stack.enter_context(p)
+            for rank in range(3):
+                rec.rank = rank
+                check_bad_input(self, 3, rank)
+        self.assertEqual(rec.posted, [])  # nothing was sent
 
 
 class TestAllToAllSegments(MultiProcessTestCase):
@@ -108,34 +232,36 @@ class TestAllToAllSegments(MultiProcessTestCase):
         if self.rank != 1:
             work, got, expected = self.check(sub, [0, 2], 20)
             self.assertEqual(got, expected)
-        self.check_bad_input()
+        check_bad_input(self, self.world_size, self.rank)
         dist.destroy_process_group()
 
-    def check_bad_input(self):
-        x = torch.zeros(4, 2)
-        none = [[] for _ in range(self.world_size)]
-        with self.assertRaisesRegex(ValueError, "as many outputs as inputs .* 2 outputs and 1"):
-            all_to_all_segments([x, x], [x], none, none)
-        with self.assertRaisesRegex(
-            ValueError, r"in_segments must have one list per rank .*\(3\), got 2"
-        ):
-            all_to_all_segments([x], [x], none, none[:2])
-        with self.assertRaisesRegex(ValueError, "match its input in dtype.*torch.float64"):
-            all_to_all_segments([x.double()], [x], none, none)
-        with self.assertRaisesRegex(ValueError, "must be contiguous"):
-            square = torch.zeros(3, 3)
-            all_to_all_segments([square], [square.t()], none, none)
-        bad = [[], [(3, 2)], []]
-        with self.assertRaisesRegex(
-            ValueError, r"in_segments\[1\] .*\(start=3, length=2\) outside the 4 rows"
-        ):
-            all_to_all_segments([x], [x], none, bad)
-        mine = [[] for _ in range(self.world_size)]
-        mine[self.rank] = [(0, 2)]
-        theirs = [[] for _ in range(self.world_size)]
-        theirs[self.rank] = [(0, 1)]
-        with self.assertRaisesRegex(ValueError, f"rank {self.rank}'s segments for itself differ"):
-            all_to_all_segments([x], [x], theirs, mine)
+
+def check_bad_input(test, size, rank):
+    """The bad-input errors, raised before any message (``test``'s assertRaisesRegex)."""
+    x = torch.zeros(4, 2)
+    none = [[] for _ in range(size)]
+    with test.assertRaisesRegex(ValueError, "as many outputs as inputs .* 2 outputs and 1"):
+        all_to_all_segments([x, x], [x], none, none)
+    with test.assertRaisesRegex(
+        ValueError, r"in_segments must have one list per rank .*\(3\), got 2"
+    ):
+        all_to_all_segments([x], [x], none, none[:2])
+    with test.assertRaisesRegex(ValueError, "match its input in dtype.*torch.float64"):
+        all_to_all_segments([x.double()], [x], none, none)
+    with test.assertRaisesRegex(ValueError, "must be contiguous"):
+        square = torch.zeros(3, 3)
+        all_to_all_segments([square], [square.t()], none, none)
+    bad = [[], [(3, 2)], []]
+    with test.assertRaisesRegex(
+        ValueError, r"in_segments\[1\] .*\(start=3, length=2\) outside the 4 rows"
+    ):
+        all_to_all_segments([x], [x], none, bad)
+    mine = [[] for _ in range(size)]
+    mine[rank] = [(0, 2)]
+    theirs = [[] for _ in range(size)]
+    theirs[rank] = [(0, 1)]
+    with test.assertRaisesRegex(ValueError, f"rank {rank}'s segments for itself differ"):
+        all_to_all_segments([x], [x], theirs, mine)
 
 
 if __name__ == "__main__":
