@@ -31,8 +31,12 @@ experts' backward holds the most:
   fp32 temporaries (``r*2F*4 + 6*r*F*4``);
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (``M*2F*4 + 6*M*F*4`` of fp32
-  temporaries), dgrad / wgrad of the first GEMM; with the emulation each GEMM's operands
-  dequantized to fp32 (weights included: ``El*2F*D*4``) and its fp32 output.
+  temporaries), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
+  A, then B, dequantizes both, multiplies in fp32 and casts: ``max(qa*nA, nA + qb*nB,
+  9*nA + 13*nB, 5*(nA + nB) + (4 + b)*nOut)`` (9*nB for wgrad's jagged B) with q the
+  quantizer's transient bytes per element (17 for FP8, 13 for jagged FP8, 13.25-13.5 for
+  MX: measured, see ``_FQ_TRANSIENT``); weights are quantized whole every call, so
+  ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 The expected largest group is ``lam_max + sqrt(lam_max) * z_E`` rows (``z_E`` the expected
 maximum of E standard normals: the multinomial noise of the routing).
@@ -110,6 +114,74 @@ def _params(w: MoEWorkload) -> tuple[float, float]:
     return float(n), float(n * w.element_size)
 
 
+# Bytes per element an operand's quantize holds at its worst (the reference quantizers'
+# fp32 copy, padded copy, scaled and clamped values; then 1 byte of e4m3 is kept), in the
+# CPU emulation, which quantizes A, then B, then dequantizes both to fp32 (B [E, k, n]
+# with an expanded scale: 13 bytes per element at the worst, A and jagged operands 9),
+# runs the fp32 GEMM and casts its output. Measured with the profiler's allocator events
+# (``torch_moe.quantization.scaled_grouped_mm._emulate_gemm`` / ``_emulate_wgrad`` at
+# three shapes per recipe, within 1%); test_perf.py checks the layer's peak against it.
+# A GPU kernel writes e4m3 (1 byte) directly and reads it in the GEMM.
+_FQ_TRANSIENT = {"fp8": 17.0, "fp8_jagged": 13.0, "mx": 13.25, "mx_jagged": 13.5}
+
+
+def _operand_bytes(precision: str, cpu: bool) -> dict[str, tuple[float, float]]:
+    """Per GEMM: the transient bytes per element of quantizing its (lhs, rhs)."""
+    from torch_moe.perf._workload import recipe_operands
+
+    def transient(kind: str) -> float:
+        if not cpu:
+            return 1.0
+        fmt = "mx" if ".mx" in kind else "fp8"
+        jagged = kind.startswith("qj.") and kind != "qj.fp8_tensor"
+        return _FQ_TRANSIENT[fmt + ("_jagged" if jagged else "")]
+
+    return {g: (transient(lq), transient(rq)) for g, (lq, rq) in recipe_operands(precision).items()}
+
+
+def _gemm_phase(
+    q: tuple[float, float], n_a: float, n_b: float, n_out: float, b: int, cpu: bool, wgrad: bool
+) -> float:
+    """Peak bytes of one quantized GEMM (see ``_FQ_TRANSIENT``)."""
+    qa, qb = q
+    if not cpu:  # e4m3 operands and the output
+        return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
+    dequant = 9 * n_a + (9 if wgrad else 13) * n_b
+    return max(qa * n_a, n_a + qb * n_b, dequant, 5 * (n_a + n_b) + (4 + b) * n_out)
+
+
+def _whole_tensor_phases(w: MoEWorkload, cpu: bool, M: float, base: float, c: int) -> float:
+    """The backward phases of the experts computed over all M rows at once (recipes on a
+    CPU, every path on a GPU): dgrad / wgrad of the second GEMM, the SwiGLU backward,
+    dgrad / wgrad of the first GEMM, each on top of what is live then."""
+    D, F, El, b = w.dim, w.hidden_dim, w.local_experts, w.element_size
+    recipe = w.precision != "bf16"
+    w2, w13 = El * D * F, El * 2 * F * D
+    if recipe:
+        q = _operand_bytes(w.precision, cpu)
+        dgrad, wgrad = q["dgrad"], q["wgrad"]
+    else:  # bf16 on a GPU: grouped GEMMs straight from the operands
+        dgrad = wgrad = (0.0, 0.0)
+    emu = cpu and recipe
+    copy = b  # AccumulateGrad copies a transposed gradient into the parameter's layout
+    a_saved = M * F * b if recipe else 0.0
+    phases = [
+        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, False),
+        base + M * F * b + _gemm_phase(wgrad, M * F, M * D, w2, b, emu, True),
+        base + M * F * b + w2 * (b + copy),
+        # the SwiGLU backward over all M rows: its fp32 temporaries
+        base - a_saved + w2 * b + M * F * b + M * 3 * F * b + M * 2 * F * 4 + 6 * M * F * 4,
+    ]
+    after = base - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
+    phases += [
+        after + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu, False),
+        after + M * D * b + _gemm_phase(wgrad, M * D, M * 2 * F, w13, b, emu, True),
+        after + M * D * b + w13 * (b + copy),
+    ]
+    _ = c
+    return max(phases)
+
+
 def memory(
     w: MoEWorkload, hw: Hardware, local_rows: float, rows_recv: float, groups: list[float]
 ) -> dict[str, float]:
@@ -131,7 +203,6 @@ def memory(
     saved = saved_bytes(w, hw, rows_recv)
     align = _align(w, hw)
     M = float(_static_rows(w, align)) if w.ep == 1 else float(rows_recv)
-    M_local = float(_static_rows(w, align))
     comm = 0.0
     if w.ep > 1:  # send and receive buffers of the dispatch (rows + fp32 weights)
         row = D * (1 if w.dispatch_dtype is not None else b) + 4
@@ -142,15 +213,14 @@ def memory(
     y = T * D * b
     resident = weights + T * D * b * (2 if w.backward else 1)  # x (+ its output gradient)
     shared_grads = 3 * w.shared_hidden_dim * D * b if w.backward else 0.0
-    expert_w = El * 3 * F * D * b
     if not w.backward:
         # forward only: the permuted rows, h and y of the experts, and the combine
         act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
-        if w.precision != "bf16" and cpu:
-            act = M * (D + 2 * F + F + D) * b + max(
-                M * D * 4 + El * 2 * F * D * 5 + M * 2 * F * 4,
-                M * F * 4 + El * F * D * 5 + M * D * 4,
-            )
+        if w.precision != "bf16":
+            q = _operand_bytes(w.precision, cpu)
+            fwd1 = _gemm_phase(q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, False)
+            fwd2 = _gemm_phase(q["forward"], M * F, El * F * D, M * D, b, cpu, False)
+            act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
         dyn = act + T * D * (4 + b) + y + comm
         peak = resident + dyn
         return dict(
@@ -173,25 +243,7 @@ def memory(
         phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 6 * r * F * 4
         dyn = max(phase, shared_phase)
     else:
-        q = 5.0 if cpu and w.precision != "bf16" else 0.0  # fp32 dequantized + e4m3 copy
-        recipe = w.precision != "bf16"
-        w2, w13 = El * D * F, El * 2 * F * D
-        a_saved = M * F * b if recipe else 0.0
-        phases = []
-        # dgrad of the second GEMM: dY and W2 dequantized, fp32 output, cast
-        phases.append(base + q * (M * D + w2) + M * F * (4 + b) * (1 if cpu else 0) + M * F * b)
-        # wgrad of the second GEMM: a and dY dequantized, fp32 dW2, cast, accumulate copy
-        phases.append(base + M * F * b + q * (M * F + M * D) + w2 * (4 * (q > 0) + 2 * b))
-        # the SwiGLU backward over all M rows
-        phases.append(base + w2 * b + M * F * b + M * 3 * F * b + M * 2 * F * 4 + 6 * M * F * 4)
-        # dgrad and wgrad of the first GEMM (the second GEMM's saved a is freed)
-        after = base - a_saved + w2 * b + M * 2 * F * b
-        phases.append(after + q * (M * 2 * F + w13) + M * D * (4 * (q > 0) + b))
-        phases.append(after + M * D * b + q * (M * D + M * 2 * F) + w13 * (4 * (q > 0) + 2 * b))
-        dyn = max(*phases, shared_phase)
-        if not cpu:
-            dyn = max(dyn, base + M * D * b + expert_w)
-    _ = M_local
+        dyn = max(_whole_tensor_phases(w, cpu, M, base, c), shared_phase)
     peak = resident + dyn
     return dict(
         weights=weights,

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torch_moe.perf._hardware import Hardware, Link
-from torch_moe.perf._workload import MoEWorkload
+from torch_moe.perf._workload import MoEWorkload, recipe_operands
 
 __all__ = ["Prediction", "predict"]
 
@@ -128,22 +128,6 @@ class Prediction:
 
 # --------------------------------------------------------------------------------------
 # the cost context
-
-
-def _recipe_gemms(precision: str) -> dict[str, tuple[str, str]]:
-    """Per GEMM of a recipe: the quantize kinds (kernel-table names) of (lhs, rhs)."""
-    if precision == "fp8_tensorwise":
-        return {g: ("q.fp8_tensor", "q.fp8_tensor") for g in ("forward", "dgrad", "wgrad")}
-    if precision == "fp8_rowwise":
-        fwd = ("q.fp8_row", "q.fp8_col")
-        return {"forward": fwd, "dgrad": fwd, "wgrad": ("qj.fp8_group", "qj.fp8_group")}
-    if precision == "fp8_blockwise":
-        fwd = ("q.fp8_1x128", "q.fp8_128x128")
-        return {"forward": fwd, "dgrad": fwd, "wgrad": ("qj.fp8_128", "qj.fp8_128")}
-    if precision in ("mxfp8", "mxfp8_rceil"):
-        fwd = ("q.mx_row", "q.mx_col")
-        return {"forward": fwd, "dgrad": fwd, "wgrad": ("qj.mx_32", "qj.mx_32")}
-    raise ValueError(f"predict: no quantize model for precision {precision!r}")
 
 
 # bytes per element of each elementwise kernel (b: the layer dtype's size); the passes the
@@ -362,7 +346,7 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     D, F = w.dim, w.hidden_dim
     El = len(groups)
     M = sum(groups)
-    kinds = _recipe_gemms(w.precision)
+    kinds = recipe_operands(w.precision)
     gkey = "fp32" if c.cpu else None
 
     def gemm(

@@ -37,7 +37,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["MoEWorkload", "distinct_ranks_per_token", "inclusion_probabilities"]
+__all__ = [
+    "MoEWorkload",
+    "distinct_ranks_per_token",
+    "inclusion_probabilities",
+    "recipe_operands",
+]
 
 _EXCHANGES = ("p2p", "all_to_all")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -289,6 +294,24 @@ class MoEWorkload:
         Dropless; with a capacity each expert keeps at most ``R * capacity`` of them.
         """
         return _rank_rows(self)
+
+
+def recipe_operands(precision: str) -> dict[str, tuple[str, str]]:
+    """Per GEMM (forward, dgrad, wgrad) of a recipe: how its (lhs, rhs) operands are
+    quantized, as the kernel names of :mod:`torch_moe.perf._calibrate` (``q.*`` along the
+    reduction dim of A [m, k] or B [E, k, n], ``qj.*`` jagged along the rows of a group)."""
+    if precision == "fp8_tensorwise":
+        return {g: ("q.fp8_tensor", "q.fp8_tensor") for g in ("forward", "dgrad", "wgrad")}
+    if precision == "fp8_rowwise":
+        fwd = ("q.fp8_row", "q.fp8_col")
+        return {"forward": fwd, "dgrad": fwd, "wgrad": ("qj.fp8_group", "qj.fp8_group")}
+    if precision == "fp8_blockwise":
+        fwd = ("q.fp8_1x128", "q.fp8_128x128")
+        return {"forward": fwd, "dgrad": fwd, "wgrad": ("qj.fp8_128", "qj.fp8_128")}
+    if precision in ("mxfp8", "mxfp8_rceil"):
+        fwd = ("q.mx_row", "q.mx_col")
+        return {"forward": fwd, "dgrad": fwd, "wgrad": ("qj.mx_32", "qj.mx_32")}
+    raise ValueError(f"no quantize model for precision {precision!r}")
 
 
 # --------------------------------------------------------------------------------------
