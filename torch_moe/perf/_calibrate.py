@@ -26,9 +26,9 @@ with more), the least disturbed run on a shared host:
   seconds per expert group, the host-side cost no rate above captures.
 * Memory bandwidth: a 64 MB copy.
 * Links, when ``torch.distributed`` is initialized with more than one rank (collective:
-  every rank must call ``calibrate``): the per-message latency (point-to-point messages
-  to every peer, 1 vs 16 per peer), the all-to-all bandwidth (``all_to_all_single`` of
-  1-32 MB per rank) and the latency of a small all-to-all, each the slowest rank's time.
+  every rank must call ``calibrate``): the per-message latency (1 MB to every peer in 16
+  point-to-point messages against one), the all-to-all bandwidth (``all_to_all_single``
+  of 1-32 MB per rank) and the latency of a small all-to-all, each the slowest rank's time.
 
 Cached per process and on disk under ``$XDG_CACHE_HOME/torch_moe/perf`` (default
 ``~/.cache``), keyed by the CPU model and ISA, the core count, the thread counts, the
@@ -724,13 +724,15 @@ def _measure_link(group: Any) -> Link:
     granks = [dist.get_global_rank(group, p) if group is not None else p for p in peers]
 
     def messages(n: int, nbytes: int) -> Callable[[], object]:
-        send = [torch.empty(nbytes // 4 or 1, dtype=torch.float32) for _ in range(n)]
-        recv = [torch.empty_like(s) for s in send]
+        """``nbytes`` to and from every peer, in ``n`` point-to-point messages each way."""
+        per = max(1, nbytes // 4 // n)
+        send = {g: [torch.ones(per) for _ in range(n)] for g in granks}
+        recv = {g: [torch.empty(per) for _ in range(n)] for g in granks}
 
         def run() -> None:
             ops_ = []
             for g in granks:
-                for s, r in zip(send, recv):
+                for s, r in zip(send[g], recv[g]):
                     ops_.append(dist.P2POp(dist.irecv, r, g, group=group))
                     ops_.append(dist.P2POp(dist.isend, s, g, group=group))
             for w in dist.batch_isend_irecv(ops_):
@@ -738,8 +740,10 @@ def _measure_link(group: Any) -> Link:
 
         return run
 
-    t1 = _group_time(messages(1, 256), 9, group)
-    t16 = _group_time(messages(16, 256), 9, group)
+    # the cost of a message: the same 1 MB per peer in 16 messages instead of one (the
+    # segment exchange sends one message per (rank, expert) block)
+    t1 = _group_time(messages(1, 2**20), 9, group)
+    t16 = _group_time(messages(16, 2**20), 9, group)
     latency = max(0.0, (t16 - t1) / (15 * len(peers)))
 
     def a2a(nbytes: int) -> Callable[[], object]:
@@ -759,8 +763,8 @@ def _measure_link(group: Any) -> Link:
         bandwidth,
         latency,
         coll,
-        f"measured: {backend}, world {world} (all_to_all_single 1-32 MB; p2p 1 vs 16 "
-        "messages per peer)",
+        f"measured: {backend}, world {world} (all_to_all_single 1-32 MB; 1 MB per peer in 1 "
+        "vs 16 point-to-point messages)",
     )
 
 
