@@ -50,15 +50,19 @@ sys.exit(0 if ok else 3)
 """
 
 
-def run_once(world: int, timeout: float) -> list[int | None]:
+def run_once(world: int, timeout: float) -> tuple[list[int | None], str]:
+    """Exit codes (None: killed after ``timeout``) and, when a rank failed, the tail of its
+    stderr. stderr goes to files: a pipe nobody reads fills at 64 KiB and blocks the rank
+    (a hang of the harness, not of the job)."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        logs = [open(os.path.join(tmp, f"rank{rank}.err"), "w+b") for rank in range(world)]
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", WORKER, str(rank), str(world), store],
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+                stderr=logs[rank],
                 env=env,
             )
             for rank in range(world)
@@ -71,8 +75,16 @@ def run_once(world: int, timeout: float) -> list[int | None]:
                 codes.append(p.returncode)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
                 codes.append(None)
-        return codes
+        tail = ""
+        for rank, (code, log) in enumerate(zip(codes, logs)):
+            if code != 0:
+                log.seek(0)
+                text = log.read().decode(errors="replace").strip().splitlines()[-5:]
+                tail += f"  rank {rank} stderr: " + " | ".join(text) + "\n"
+            log.close()
+        return codes, tail
 
 
 def main() -> None:
@@ -87,12 +99,12 @@ def main() -> None:
         aborts = hangs = wrong = 0
         t0 = time.monotonic()
         for i in range(args.runs):
-            codes = run_once(world, args.timeout)
+            codes, tail = run_once(world, args.timeout)
             aborts += any(c not in (0, 3, None) for c in codes)
             hangs += any(c is None for c in codes)
             wrong += any(c == 3 for c in codes)
             if any(c != 0 for c in codes):
-                print(f"EP={world} run {i}: exit codes {codes}", flush=True)
+                print(f"EP={world} run {i}: exit codes {codes}\n{tail}", end="", flush=True)
         rows.append((world, aborts, hangs, wrong, time.monotonic() - t0))
     print("\n| EP | runs | aborts | hangs | wrong results | seconds |")
     print("|---|---|---|---|---|---|")
