@@ -5,6 +5,7 @@ import itertools
 import math
 
 import torch
+from test_grouped_mm import assert_gemm_close
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -13,7 +14,6 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_moe  # noqa: F401
-from torch_moe._ops.grouped_mm import grouped_mm_wgrad
 from torch_moe.ops import grouped_mm
 from torch_moe.quantization import (
     RECIPES,
@@ -30,6 +30,14 @@ from torch_moe.quantization import (
     scaled_grouped_mm,
 )
 
+# Accuracy figures, not the correctness test: correctness is exactness against the naive
+# dequantization (test_scaled_grouped_mm: the ops over quantized operands within the fp32
+# accumulation bound, and quantized_grouped_mm == its decomposition bit for bit; the
+# quantizers bit for bit against their definitions here and in test_triton_quant). The
+# floor below is derived, not measured: e4m3 keeps 4 significant bits, so quantizing one
+# operand has a relative RMS error of at most 2^-4 / sqrt(3) (uniform rounding error within
+# +-half an ulp of a 4-bit mantissa), two operands sqrt(2) times that, which is an SQNR of
+# at least 20 log10(sqrt(3) * 16 / sqrt(2)) = 25.8 dB; 26.0 would be above it, so 25.5.
 # Measured on Gaussian data (M=173 in 4 groups one empty, K=256, N=192, seed 0), dB:
 #                  out    dX     dW
 # fp8_tensorwise   28.5   28.5   28.6
@@ -37,7 +45,7 @@ from torch_moe.quantization import (
 # fp8_blockwise    28.6   28.6   29.1
 # mxfp8 (floor)    27.7   27.6   27.4   (floor clips blocks whose amax mantissa > 1.75)
 # mxfp8_rceil      28.5   28.5   28.6
-MIN_SQNR_DB = 26.0
+MIN_SQNR_DB = 25.5
 
 SIZES = [40, 0, 77, 51]  # not multiples of 32 or 128, one empty group
 
@@ -120,16 +128,20 @@ class TestScaledGroupedMM(TestCase):
             out.backward(dy)
             grads[r.name] = (out.detach(), xq.grad, wq.grad)
         bf = lambda t: t.bfloat16()  # noqa: E731
-        expect = {
-            "forward": grouped_mm(bf(x), bf(w), offs).float(),
-            "dgrad": grouped_mm(bf(dy), bf(w).transpose(1, 2).contiguous(), offs).float(),
-            "wgrad": grouped_mm_wgrad(bf(x), bf(dy), offs).float(),
+        # the overridden GEMM is a bf16 GEMM of the bf16-rounded operands: bf16 values,
+        # within the bf16 GEMM's rounding bound of the float64 loop (test_grouped_mm)
+        operands = {
+            "forward": (bf(x), bf(w), False),
+            "dgrad": (bf(dy), bf(w).transpose(1, 2), False),
+            "wgrad": (bf(x), bf(dy), True),
         }
         idx = {"forward": 0, "dgrad": 1, "wgrad": 2}
         for g, i in idx.items():
             got = grads[recipe.name][i]
             if g == gemm:
-                self.assertEqual(got, expect[g], atol=0, rtol=0)
+                a, b, wgrad = operands[g]
+                self.assertEqual(got, got.bfloat16().float(), atol=0, rtol=0)
+                assert_gemm_close(self, got.bfloat16(), a, b, offs, g, wgrad=wgrad)
             else:  # the other two GEMMs are untouched
                 self.assertEqual(got, grads[base.name][i], atol=0, rtol=0)
 
