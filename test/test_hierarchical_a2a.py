@@ -4,14 +4,17 @@ routing (torch_moe.distributed.hierarchical).
 
 The all-to-all tests run 4 gloo processes (2 nodes x 2 local ranks) and compare against
 the flat ``all_to_all_single`` bitwise, forward and backward; the same processes also
-cover 2-rank subgroups (a world-2 exchange) with node_size 1 and 2. Each test method
-costs one process-group spin-up (~10 s here), so each checks many cases.
+cover 2-rank subgroups (a world-2 exchange) with node_size 1 and 2. The class keeps one
+process group for all its tests (MultiProcContinuousTest): one spin-up, not one per test.
 """
+
+import datetime
+import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -36,22 +39,40 @@ def flat_a2a(x, out_splits, in_splits, group):
     return dist_fn.all_to_all_single(out, x, out_splits, in_splits, group=group)
 
 
-class TestHierarchicalAllToAll(MultiProcessTestCase):
-    @property
-    def world_size(self):
-        return 4
+class TestHierarchicalAllToAll(MultiProcContinuousTest):
+    """One gloo process group (4 ranks) for all the tests of the class."""
 
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
+    world_size = 4
+    timeout = datetime.timedelta(seconds=120)
 
-    def init_pg(self):
-        dist.init_process_group(
-            "gloo",
-            rank=self.rank,
-            world_size=self.world_size,
-            init_method=f"file://{self.file_name}",
-        )
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+    @classmethod
+    def _spawn_processes(cls, world_size):
+        # NB: always spawn (as test_expert_parallel's classes): workers forked from a process
+        # whose OpenMP threads already ran hang in their first parallel op.
+        ctx = torch.multiprocessing.get_context("spawn")
+        cls.processes, cls.task_queues, cls.completion_queues = [], [], []
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            cls.rdvz_file = f.name
+        for rank in range(world_size):
+            task_queue, completion_queue = ctx.Queue(), ctx.Queue()
+            process = ctx.Process(
+                target=cls._worker_loop,
+                name=f"process {rank}",
+                daemon=True,
+                args=(rank, world_size, cls.rdvz_file, task_queue, completion_queue),
+            )
+            process.start()
+            cls.processes.append(process)
+            cls.task_queues.append(task_queue)
+            cls.completion_queues.append(completion_queue)
 
     def check_matches_flat(self, splits, group, node_size, row_shape, dtype, seed):
         me = dist.get_rank(group)
@@ -97,7 +118,6 @@ class TestHierarchicalAllToAll(MultiProcessTestCase):
         self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
 
     def test_matches_flat(self):
-        self.init_pg()
         world = dist.group.WORLD
         cases = [
             (random_splits(4, seed=1), (8,), torch.float32),
@@ -117,7 +137,6 @@ class TestHierarchicalAllToAll(MultiProcessTestCase):
                 self.check_matches_flat(splits, pair, node_size, (6,), torch.float32, seed)
 
     def test_bad_input(self):
-        self.init_pg()
         x = torch.randn(4, 3)
         splits = [1, 1, 1, 1]
         # config errors: raised before any collective, on every rank
