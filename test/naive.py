@@ -419,3 +419,59 @@ def pipeline_autograd(
             y = y + w[j] * _swiglu_autograd(x[t], w13[e], w2[e])
         rows.append(y)
     return torch.stack(rows) if rows else x * 0
+
+
+# --------------------------------------------------------------------------------------
+# FP8 / MX quantization from the recipe's definition (for the quantized GEMM ops): every
+# element's block found by integer division, the block's amax by a scatter, then the
+# format's rule; returns the dequantized values in float64
+
+
+E4M3_MAX = 448.0
+
+
+def block_ids(rows: int, cols: int, block_rows: int, block_cols: int) -> Tensor:
+    """[rows, cols] id of every element's (block_rows x block_cols) block (-1: whole dim)."""
+    br = rows if block_rows == -1 else block_rows
+    bc = cols if block_cols == -1 else block_cols
+    col_blocks = -(-cols // max(bc, 1))
+    row_block = torch.arange(rows) // max(br, 1)
+    col_block = torch.arange(cols) // max(bc, 1)
+    return row_block[:, None] * col_blocks + col_block[None, :]
+
+
+def jagged_block_ids(offs: Tensor, rows: int, cols: int, block: int) -> Tensor:
+    """[rows, cols] block ids of a wgrad operand: ``block`` rows (-1: the whole group) of
+    one column, never crossing a group end (rows past the last group: one more group)."""
+    scale_row = torch.tensor(jagged_scale_rows(offs, rows, block), dtype=torch.int64)
+    return scale_row[:, None] * cols + torch.arange(cols)[None, :]
+
+
+def fake_quantize(x: Tensor, ids: Tensor, fmt: str, scale_rule: str = "floor") -> Tensor:
+    """Quantize x [R, C] to e4m3 with one scale per block (``ids``), dequantize, float64.
+
+    fp8: scale = amax / 448 in fp32 (1 for an all-zero block), q = e4m3(x / scale) saturated
+    at +-448. mx: scale = 2^e with e = floor(log2 amax) - 8 ("floor") or ceil(log2(amax /
+    448)) ("rceil"), clamped to [-127, 127] (-127 for amax = 0), q = e4m3(x / scale)
+    saturated."""
+    xf = x.float()
+    if x.numel() == 0:
+        return xf.double()
+    nb = int(ids.max()) + 1
+    amax = torch.zeros(nb).scatter_reduce(
+        0, ids.flatten(), xf.abs().flatten(), "amax", include_self=True
+    )
+    if fmt == "fp8":
+        scale = amax / torch.tensor(E4M3_MAX)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    else:
+        a = amax.double()
+        _, ex = torch.frexp(a)  # a = m 2^ex, m in [0.5, 1): floor(log2 a) = ex - 1
+        e = ex.long() - 1 - 8
+        if scale_rule == "rceil":
+            e = e + (a / torch.pow(2.0, e.double()) > E4M3_MAX).long()
+        e = torch.where(a > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
+        scale = torch.pow(2.0, e.double()).float()
+    s = scale[ids]
+    q = (xf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.double() * s.double()

@@ -4,6 +4,8 @@
 import itertools
 import math
 
+import naive
+import tolerances
 import torch
 from test_grouped_mm import assert_gemm_close
 from torch.testing._internal.common_utils import (
@@ -327,8 +329,80 @@ class TestQuantize(TestCase):
             quantize_jagged(x, offs.long(), block=2)
 
 
+# groups spanning >= 3 blocks of 128 rows (300) and of 32 rows (77), an empty and a one-row one
+JAGGED_SIZES = [300, 0, 1, 77, 45]
+
+
+def _operand64(t, op, along_rows, offs=None):
+    """An operand quantized from the recipe's definition (naive.fake_quantize): a [M, k]
+    (blocks outer x inner), b [k, n] of one expert (inner x outer), or a wgrad operand
+    [M, C] (per tensor, or ``inner`` rows of a column inside each group)."""
+    rows, cols = t.shape
+    if offs is not None:
+        if (op.outer, op.inner) == (-1, -1):
+            ids = torch.zeros(rows, cols, dtype=torch.int64)
+        else:
+            ids = naive.jagged_block_ids(offs, rows, cols, op.inner)
+    elif along_rows:
+        ids = naive.block_ids(rows, cols, op.inner, op.outer)
+    else:
+        ids = naive.block_ids(rows, cols, op.outer, op.inner)
+    return naive.fake_quantize(t, ids, op.fmt, op.scale_rule)
+
+
+class TestRecipeEmulation(TestCase):
+    """quantized_grouped_mm, _dgrad and _wgrad (the CPU emulation every kernel must equal)
+    against the recipe written out in the test: quantize per block (naive.fake_quantize),
+    dequantize, float64 GEMM per group; within the fp32 accumulation bound (tolerances.py),
+    so a wrong block, a block crossing a group end or a 1% scale error fails."""
+
+    @parametrize("recipe", list(RECIPES))
+    def test_ops_equal_the_recipe_definition(self, recipe):
+        r = RECIPES[recipe]
+        offs = make_offs(JAGGED_SIZES)
+        self.assertGreaterEqual(max(JAGGED_SIZES), 2 * 128 + 1)  # three 128-row blocks
+        self.assertGreaterEqual(77, 2 * 32 + 1)  # three 32-row blocks
+        self.assertIn(0, JAGGED_SIZES)
+        self.assertIn(1, JAGGED_SIZES)
+        g = torch.Generator().manual_seed(7)
+        m, k, n, e = int(offs[-1]) + 3, 64, 96, len(JAGGED_SIZES)
+        # rows over six binades: per-row and per-block scales differ from per-tensor ones
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(4).exp()
+        w = torch.randn(e, k, n, generator=g) / 8
+        dy = torch.randn(m, n, generator=g)
+        ops = torch.ops.torch_moe
+        f32 = torch.float32
+        cases = {
+            "forward": (
+                ops.quantized_grouped_mm(x, w, offs, recipe),
+                _operand64(x, r.forward.lhs, False),
+                torch.stack([_operand64(w[i], r.forward.rhs, True) for i in range(e)]),
+                k,
+            ),
+            "dgrad": (
+                ops.quantized_grouped_mm_dgrad(dy, w, offs, recipe),
+                _operand64(dy, r.dgrad.lhs, False),
+                torch.stack([_operand64(w[i].t(), r.dgrad.rhs, True) for i in range(e)]),
+                n,
+            ),
+        }
+        for name, (got, a64, b64, red) in cases.items():
+            exact = naive.grouped_mm64(a64, b64, offs)
+            products = naive.grouped_mm64(a64.abs(), b64.abs(), offs)
+            bound = tolerances.gemm_bound(products, red, exact, f32, f32)
+            tolerances.assert_within(self, got, exact, bound, f"{recipe} {name}")
+        got = ops.quantized_grouped_mm_wgrad(x, dy, offs, recipe)
+        x64 = _operand64(x, r.wgrad.lhs, False, offs)
+        dy64 = _operand64(dy, r.wgrad.rhs, False, offs)
+        exact = naive.grouped_mm_wgrad64(x64, dy64, offs)
+        products = naive.grouped_mm_wgrad64(x64.abs(), dy64.abs(), offs)
+        bound = tolerances.gemm_bound(products, max(JAGGED_SIZES), exact, f32, f32)
+        tolerances.assert_within(self, got, exact, bound, f"{recipe} wgrad")
+
+
 instantiate_parametrized_tests(TestScaledGroupedMM)
 instantiate_parametrized_tests(TestQuantize)
+instantiate_parametrized_tests(TestRecipeEmulation)
 
 if __name__ == "__main__":
     run_tests()

@@ -126,14 +126,15 @@ class _QuantizeChecks:
         else:
             self.assertEqual(got, ref, atol=tol, rtol=tol)
 
-    def check_gemms(self, sizes, k, n, tol):
+    def check_gemms(self, sizes, k, n, tol, recipes=tuple(RECIPES)):
         g = torch.Generator().manual_seed(1)
         offs = make_offs(sizes, self.device)
         m = int(offs[-1]) + 5
         x = torch.randn(m, k, generator=g).to(self.device)
         w = torch.randn(len(sizes), n, k, generator=g).to(self.device).transpose(1, 2)
         dy = torch.randn(m, n, generator=g).to(self.device)
-        for name, r in RECIPES.items():
+        for name in recipes:
+            r = RECIPES[name]
             with self.subTest(recipe=name):
                 for gq in (r.forward, r.dgrad, r.wgrad):
                     self.assertTrue(S._triton_takes(gq))
@@ -223,8 +224,11 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
         self.check_jagged([0, 50, 0, 80, 170], 24)
 
     def test_gemms_match_emulation(self):
-        # every recipe, partial K blocks (K=160), an empty group, rows past offs[-1]
-        self.check_gemms([20, 0, 37, 9], 160, 64, tol=2e-5)
+        # every GEMM kernel (mxfp8_rceil runs mxfp8's kernels: its rule is the quantizer's,
+        # bitwise-tested in test_blocks; the interpreter costs ~4 s a recipe), partial K
+        # blocks (K=160), an empty group, rows past offs[-1]
+        recipes = [name for name in RECIPES if name != "mxfp8_rceil"]
+        self.check_gemms([20, 0, 37, 9], 160, 64, tol=2e-5, recipes=recipes)
 
     def test_tensorwise_given_scale(self):
         # whole-matrix blocks larger than one program: torch amax, then the kernel's one pass
