@@ -20,6 +20,7 @@ from torch.testing._internal.common_utils import (
 import torch_moe  # noqa: F401
 from torch_moe._ops import grouped_mm as G
 from torch_moe.quantization import RECIPES, get_recipe
+from torch_moe.quantization.recipes import GemmQuant, OperandQuant
 
 S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
 
@@ -109,6 +110,51 @@ class TestCudaLogicOnCPU(TestCase):
         fwd = ops.quantized_grouped_mm(x, w, offs, recipe)
         with self.assertRaises(AssertionError):  # FP8: beyond the bf16 GEMM's bound
             assert_gemm_close(self, fwd.to(bf), x.to(bf), w.to(bf), offs, "forward")
+
+    def test_triton_takes(self):
+        """The Triton scaled GEMMs take both operands in one format with the same K blocks
+        of 32, 128 or all of K, B's N blocks of 1, 128 or all of N, and a per-tensor A only
+        with a per-tensor B; the table is that rule written out."""
+        fp8 = lambda outer, inner: OperandQuant("fp8", outer, inner)  # noqa: E731
+        mx = OperandQuant("mx", 1, 32)
+        cases = [
+            (fp8(1, 128), fp8(128, 128), True),  # blockwise
+            (fp8(1, -1), fp8(1, -1), True),  # rowwise
+            (fp8(-1, -1), fp8(-1, -1), True),  # tensorwise
+            (mx, mx, True),
+            (fp8(1, 32), fp8(1, 32), True),
+            (fp8(1, 128), fp8(-1, 128), True),  # B: all of N in one block
+            (fp8(1, 128), fp8(128, 32), False),  # K blocks differ
+            (fp8(1, 32), mx, False),  # formats differ
+            (mx, fp8(1, 32), False),
+            (fp8(-1, -1), fp8(1, -1), False),  # per-tensor A needs a per-tensor B
+            (fp8(1, -1), fp8(-1, -1), True),  # (B per tensor with A per row: fine)
+            (fp8(1, 64), fp8(1, 64), False),  # K block 64
+            (fp8(1, 128), fp8(64, 128), False),  # N block 64
+            (fp8(1, 128), fp8(32, 128), False),  # N block 32
+            (fp8(128, 128), fp8(1, 128), True),  # A's row blocks are per row anyway
+        ]
+        for lhs, rhs, want in cases:
+            with self.subTest(lhs=lhs, rhs=rhs):
+                g = GemmQuant(lhs, rhs)
+                self.assertEqual(S._triton_takes(g), want)
+                self.assertEqual(S.gemm_kernel(g, 128, 256, torch.float32, "cuda", (9, 0)),
+                                 "triton" if want else "emulate")  # fmt: skip
+                self.assertEqual(S.wgrad_kernel(g, "cuda"), "triton" if want else "emulate")
+        self.assertFalse(S._triton_takes(GemmQuant()))
+
+    def test_jagged_slot_index(self):
+        """Slot row j * block + i holds row first[j] + i while that is before last[j], else
+        -1 (padding): written out row by row."""
+        first = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+        last = torch.tensor([4, 4, 7, 13], dtype=torch.int32)  # block 1 empty
+        block = 4
+        want = []
+        for f, end in zip(first.tolist(), last.tolist()):
+            want += [f + i if f + i < end else -1 for i in range(block)]
+        got = S.jagged_slot_index(first, last, block)
+        self.assertEqual(got.tolist(), want)
+        self.assertEqual(got.dtype, torch.int64)
 
 
 instantiate_parametrized_tests(TestCudaLogicOnCPU)

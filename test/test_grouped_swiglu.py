@@ -101,6 +101,18 @@ class TestGroupedSwiGLU(TestCase):
         assert_swiglu_grads_close(self, grads, x, w13, w2, offs, grad)
         self.assertTrue((x.grad[10:] == 0).all())
 
+    @parametrize("dtype", [torch.float64, torch.float32])
+    def test_reference_matches_naive(self, dtype):
+        # swiglu_reference is the oracle other tests compare kernels with: itself against
+        # the per-token float64 loop, with and without row weights, rows past offs[-1] zero
+        x, w13, w2, offs = _inputs([4, 0, 6, 1], 8, 6, dtype, tail=2)
+        rw = torch.rand(x.shape[0], dtype=dtype)
+        for row_weights in (None, rw):
+            y = swiglu_reference(x.detach(), w13.detach(), w2.detach(), offs, row_weights)
+            self.assertEqual(y.dtype, dtype)
+            assert_swiglu_close(self, y, x, w13, w2, offs, row_weights)
+            self.assertTrue((y[int(offs[-1]) :] == 0).all())
+
     def test_cpu_backward_row_chunks(self):
         # the CPU backward runs its elementwise part in row chunks: make them tiny
         x, w13, w2, offs = _inputs([7, 0, 11, 4], 6, 5, torch.float64, tail=2)

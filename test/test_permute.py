@@ -12,6 +12,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
+from torch_moe._ops.permute import gather_rows
 
 
 def _ids(num_tokens, num_experts, k, skew="uniform", seed=0):
@@ -124,6 +125,17 @@ class TestPermute(TestCase):
                     atol=0,
                     rtol=0,
                 )
+
+    def test_gather_rows(self):
+        # x[index] with zero rows where index == -1, float8 included (written out row by row)
+        x = torch.arange(1.0, 13.0).reshape(4, 3)
+        index = torch.tensor([2, -1, 0, 2, -1, 3])
+        for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+            got = gather_rows(x.to(dtype), index)
+            self.assertEqual(got.dtype, dtype)
+            want = torch.stack([x[i] if i >= 0 else torch.zeros(3) for i in index.tolist()])
+            self.assertEqual(got.float(), want, atol=0, rtol=0)
+        self.assertEqual(gather_rows(x, torch.empty(0, dtype=torch.int64)).shape, (0, 3))
 
     def test_deterministic(self):
         ids = _ids(300, 8, 4, "one_expert")
