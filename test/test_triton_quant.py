@@ -211,6 +211,49 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
             "triton",
         )
 
+    def test_kernel_operands_equal_references(self):
+        """The operands the Triton GEMMs get (quantized K-major by the interpreted quantize
+        kernels: S._kernel_operands for forward / dgrad, S._quantize_jagged_mmajor for
+        wgrad) are bit for bit the reference quantizers' (S.quantize_lhs / quantize_rhs /
+        quantize_wgrad_operand), for every recipe; the wgrad slot layout maps back through
+        S.jagged_slot_index. Fast: no GEMM runs in the interpreter."""
+        g = torch.Generator().manual_seed(9)
+        offs = make_offs([40, 0, 1, 29])
+        m, k, n = 73, 160, 64
+        a = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)
+        b = torch.randn(4, k, n, generator=g)
+        fp32_scales = lambda s: Q.e8m0_to_float(s) if s.dtype == torch.uint8 else s  # noqa: E731
+        for name, r in RECIPES.items():
+            kk = k if r.forward.lhs.fmt == "fp8" else 128  # MX: K a multiple of 32
+            for gemm, (lhs_t, rhs_t) in (
+                ("forward", (a[:, :kk], b[:, :kk])),
+                ("dgrad", (a[:, :n], b[:, :kk].transpose(1, 2))),
+            ):
+                gq = getattr(r, gemm)
+                with self.subTest(recipe=name, gemm=gemm):
+                    qa, qb, sa, sb = S._kernel_operands(lhs_t, rhs_t, gq.lhs, gq.rhs)
+                    rqa, rsa = S.quantize_lhs(lhs_t, gq.lhs)
+                    rqb, rsb = S.quantize_rhs(rhs_t, gq.rhs)
+                    self.assertEqual(qb.stride(-2), 1, msg="B K-major")
+                    self.assertTrue(torch.equal(_bits(qa), _bits(rqa)))
+                    self.assertTrue(torch.equal(_bits(qb), _bits(rqb)))
+                    self.assertTrue(torch.equal(sa, fp32_scales(rsa).reshape(sa.shape)))
+                    self.assertTrue(torch.equal(sb, fp32_scales(rsb).reshape(sb.shape)))
+            for t in (a[:, :64],):
+                op = r.wgrad.lhs
+                with self.subTest(recipe=name, gemm="wgrad"):
+                    q, sc = S._quantize_jagged_mmajor(t, offs, op)
+                    rq, rs = S.quantize_wgrad_operand(t, offs, op)
+                    self.assertTrue(torch.equal(sc, fp32_scales(rs).reshape(sc.shape)))
+                    if op.inner == -1:  # token order
+                        self.assertTrue(torch.equal(_bits(q), _bits(rq)))
+                        continue
+                    first, last, _ = TQ.jagged_block_table(offs, m, op.inner)
+                    index = S.jagged_slot_index(first, last, op.inner)
+                    rows = index >= 0
+                    self.assertTrue(torch.equal(_bits(q)[rows], _bits(rq)[index[rows]]))
+                    self.assertTrue(torch.equal(_bits(q)[~rows], torch.zeros_like(_bits(q)[~rows])))
+
     def test_blocks(self):
         self.check_blocks(37, 160, torch.float32)
 
