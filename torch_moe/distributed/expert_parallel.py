@@ -228,15 +228,18 @@ class ExpertParallelDispatcher(nn.Module):
         send_e = local_expert.new_full((R * B + 1,), -1).index_copy_(0, slot, local_expert)
         send_w = row_weights.new_zeros(R * B + 1).index_copy_(0, slot, row_weights)
         splits = [B] * R
+        # each send slot's token (T: an unused slot, which reads an appended zero row): one
+        # gather of the send buffer, no zero-fill and scatter of [R*B, D]
+        send_tok = torch.full((R * B + 1,), T, dtype=torch.int64, device=dev)
+        send_tok = send_tok.index_copy_(0, slot, torch.where(valid, tokens, T))[: R * B]
         if self.fp8:  # the T tokens quantized once (1x128 blocks); e4m3 rows and scales travel
             q, scale = quantize_fp8(x, _FP8_BLOCK)
-            send_q = self._scatter_rows(q.view(torch.uint8).index_select(0, tokens), slot, R * B)
-            send_s = self._scatter_rows(scale.index_select(0, tokens), slot, R * B)
+            send_q = self._pad_row(q.view(torch.uint8)).index_select(0, send_tok)
+            send_s = self._pad_row(scale).index_select(0, send_tok)
             recv_q = self._all_to_all(send_q, splits).view(torch.float8_e4m3fn)
             recv_x = dequantize_fp8(recv_q, self._all_to_all(send_s, splits), _FP8_BLOCK, x.dtype)
         else:
-            send_x = self._scatter_rows(x.index_select(0, tokens), slot, R * B)
-            recv_x = self._all_to_all(send_x, splits)
+            recv_x = self._all_to_all(self._pad_row(x).index_select(0, send_tok), splits)
         recv_e = self._all_to_all(send_e[: R * B], splits)
         recv_w = self._all_to_all(send_w[: R * B], splits)
         # by local expert (unused slots last: expert El); K = 1 per received row
@@ -251,10 +254,9 @@ class ExpertParallelDispatcher(nn.Module):
         return torch.where(valid[:, None], y, 0)
 
     @staticmethod
-    def _scatter_rows(rows: Tensor, slot: Tensor, num_slots: int) -> Tensor:
-        """rows [M, ...] into a zero buffer [num_slots, ...] at ``slot`` (num_slots: dropped)."""
-        buf = rows.new_zeros((num_slots + 1, *rows.shape[1:]))
-        return buf.index_copy_(0, slot, rows)[:num_slots]
+    def _pad_row(t: Tensor) -> Tensor:
+        """t [T, ...] with a zero row appended (row T)."""
+        return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
 
     def _all_to_all(self, t: Tensor, splits: list[int]) -> Tensor:
         """A functional all-to-all of equal splits (static shapes; traced by Dynamo)."""
