@@ -202,10 +202,35 @@ def _expand(scale: Tensor, dim: int, block: int, size: int) -> Tensor:
 def _dequantize_operands(
     a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, block_k: int, block_n: int
 ) -> tuple[Tensor, Tensor]:
-    K, N = a.shape[1], b.shape[2]
-    sa = _expand(_fp32_scales(scale_a), 1, block_k, K)
-    sb = _expand(_expand(_fp32_scales(scale_b), 1, block_k, K), 2, block_n, N)
-    return a.float() * sa, b.float() * sb
+    # fp8 -> fp32 values exactly (Q._fp8_to_float: a table, not the slow CPU cast), then
+    # the scales in place: the same products as with a repeated scale, in a's and b's layouts
+
+    def scale_blocks_(t: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tensor:
+        """``t *= scale`` over the last two dims of t [..., R, C], scale [..., RS, CS]
+        covering blocks of ``block_r x block_c`` (-1: the whole dim): broadcast over each
+        block where the blocks tile t's memory, repeated to full size otherwise."""
+        *lead, r, c = t.shape
+        br, bc = (r if block_r == -1 else block_r), (c if block_c == -1 else block_c)
+        if r and c and r % br == 0 and c % bc == 0:
+            scale = scale.expand(*lead, r // br, c // bc)
+            if t.is_contiguous():
+                t.view(*lead, r // br, br, c // bc, bc).mul_(scale[..., :, None, :, None])
+                return t
+            tt = t.transpose(-2, -1)
+            if tt.is_contiguous():  # column-major: the same blocks, transposed
+                tt.view(*lead, c // bc, bc, r // br, br).mul_(
+                    scale.transpose(-2, -1)[..., :, None, :, None]
+                )
+                return t
+        if block_r not in (1, -1):
+            scale = _expand(scale, t.dim() - 2, block_r, r)
+        if block_c not in (1, -1):
+            scale = _expand(scale, t.dim() - 1, block_c, c)
+        return t.mul_(scale)
+
+    a_f = scale_blocks_(Q._fp8_to_float(a), _fp32_scales(scale_a), 1, block_k)
+    b_f = scale_blocks_(Q._fp8_to_float(b), _fp32_scales(scale_b), block_k, block_n)
+    return a_f, b_f
 
 
 def scaled_grouped_mm_reference(
