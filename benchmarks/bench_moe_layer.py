@@ -1,66 +1,93 @@
 """How close is one torch_moe MoE layer (forward + backward) to its GEMM floor, and what
-does it keep for the backward, next to the straightforward per-expert loop?
+does it keep for the backward, next to HF transformers' experts?
 
 For each shape: tokens/s, the time over the GEMM floor (routed-expert FLOPs
-18*T*K*D*F over the large-GEMM rate measured in the same run, docs/design.md §8; printed
-against the bf16 mm rate and against the fp32 mm rate, the hardware limit on a CPU
-without native bf16 where torch_moe upcasts), and saved-activation bytes per token
-(distinct tensors saved for backward, parameters excluded). The peer is the pattern of
-HF transformers' eager experts: a Python loop over experts with index/linear/index_add,
-written here with the same weights, in the same process right after torch_moe's
-layer (one timed call by default: in bf16 its backward takes oneDNN's slow row-major x
-row-major path on CPUs without native bf16, ~50x slower than our upcast GEMMs).
+18*T*K*D*F over the large-GEMM rate, docs/design.md §8: the native half-precision mm
+rate where this CPU multiplies bf16 natively, the fp32 mm rate where torch_moe upcasts;
+the floor mm runs in the same rounds as the layer; both rates are printed), and
+saved-activation bytes per token (distinct tensors saved for backward, parameters
+excluded). The peers are HF transformers' own Qwen3-MoE sparse block
+(``Qwen3MoeSparseMoeBlock``, same router math) with torch_moe's weights, run with its
+``eager`` experts (a per-expert Python loop) and its ``grouped_mm`` experts
+(``torch._grouped_mm``). Where this CPU only emulates bf16 they are timed apart, once,
+without warm-up (their backward takes oneDNN's emulated row-major x row-major path);
+otherwise in the same rounds as torch_moe. ``--baseline REV`` times the layer with the
+``grouped_swiglu`` of git revision REV in the same rounds too (before / after).
 
     python benchmarks/bench_moe_layer.py                  # the issue's three shapes, bf16
     python benchmarks/bench_moe_layer.py --tokens 512     # quicker
+    python benchmarks/bench_moe_layer.py --baseline HEAD~3 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
-import os
-import platform
+from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
-from bench_ops import DTYPES, gemm_rate, interleaved
+from bench_ops import (
+    DTYPES,
+    floor_dtype,
+    floor_line,
+    floor_size,
+    gemm_rate,
+    interleaved,
+    load_baseline,
+    machine_line,
+    print_decisions,
+    square_mm,
+)
 from torch import Tensor, nn
 
 import torch_moe  # noqa: F401
+import torch_moe.nn.modules.moe as moe_module
 from torch_moe.nn import MoE
 
 SHAPES = [(1792, 8, 2), (384, 32, 6), (256, 64, 8)]  # (F, E, K)
+TARGETS = {8: 1.15, 32: 1.3, 64: 1.4}  # x floor, by E (the issue's targets)
 
 
-class PerExpertLoopMoE(nn.Module):
-    """The HF transformers eager-experts pattern, sharing ``moe``'s weights."""
-
-    def __init__(self, moe: MoE) -> None:
-        super().__init__()
-        self.moe = moe
-
-    def forward(self, x: Tensor) -> Tensor:
-        router, experts = self.moe.router, self.moe.experts
-        logits = F.linear(x, router.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        top_w, top_i = torch.topk(probs, self.moe.top_k, dim=-1)
-        top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        with torch.no_grad():
-            mask = F.one_hot(top_i, num_classes=self.moe.num_experts).permute(2, 1, 0)
-            hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
-        for e in hit.flatten().tolist():
-            pos, tok = torch.where(mask[e])
-            gate, up = F.linear(x[tok], experts.w13[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, experts.w2[e]) * top_w[tok, pos, None]
-            out.index_add_(0, tok, h.to(out.dtype))
-        return out
+def hf_block(moe: MoE, impl: str) -> nn.Module | None:
+    """HF transformers' Qwen3-MoE sparse block sharing ``moe``'s weights (None without
+    transformers 5)."""
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except ImportError:
+        return None
+    e, two_f, d = moe.experts.w13.shape
+    config = Qwen3MoeConfig(
+        hidden_size=d,
+        moe_intermediate_size=two_f // 2,
+        num_experts=e,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=True,
+    )
+    config._experts_implementation = impl
+    block = Qwen3MoeSparseMoeBlock(config).to(moe.experts.w13.dtype)
+    block.gate.weight = moe.router.weight
+    block.experts.gate_up_proj = moe.experts.w13
+    block.experts.down_proj = moe.experts.w2
+    return block
 
 
 def fwd_bwd(module: nn.Module, x: Tensor, grad: Tensor) -> None:
     module.zero_grad(set_to_none=True)
+    x.grad = None
     module(x).backward(grad)
+
+
+@contextlib.contextmanager
+def swapped_swiglu(fn: Callable[..., Tensor]) -> Iterator[None]:
+    """MoE layers call ``fn`` as their ``grouped_swiglu`` inside the block."""
+    current = moe_module.grouped_swiglu
+    moe_module.grouped_swiglu = fn
+    try:
+        yield
+    finally:
+        moe_module.grouped_swiglu = current
 
 
 def saved_bytes_per_token(module: nn.Module, x: Tensor) -> float:
@@ -70,13 +97,13 @@ def saved_bytes_per_token(module: nn.Module, x: Tensor) -> float:
 
     def pack(t: Tensor) -> Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in params and storage.data_ptr() != x.data_ptr():
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x)
-    return sum(seen.values()) / x.shape[0]
+    return sum(seen.values()) / (x.numel() // x.shape[-1])
 
 
 def main() -> None:
@@ -86,58 +113,111 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--skip-peer", action="store_true", help="skip the (slow) per-expert loop")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--skip-peer", action="store_true", help="skip HF transformers' blocks")
     p.add_argument(
         "--peer-reps",
         type=int,
         default=1,
-        help="timed calls of the per-expert loop, no warm-up (its bf16 backward runs oneDNN's "
-        "slow row-major x row-major path here: ~100 s a call at the default shapes)",
+        help="where this CPU only emulates the dtype: timed calls of the HF blocks, apart, no "
+        "warm-up (~100 s a call at the default shapes on such a CPU)",
     )
+    p.add_argument("--baseline", metavar="REV", help="also time grouped_swiglu of git REV")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     t, d = args.tokens, args.dim
+    print(machine_line())
+    base = load_baseline(args.baseline) if args.baseline else None
 
-    rate = gemm_rate(dtype, 2048 if dtype != torch.float32 else 4096, 3)
-    rate32 = gemm_rate(torch.float32, 4096, 3)
-    print(
-        f"# torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"threads={torch.get_num_threads()}; large mm {rate / 1e9:.1f} GFLOP/s {args.dtype}, "
-        f"{rate32 / 1e9:.1f} GFLOP/s fp32; T={t}, D={d}, median of {args.reps}\n"
-    )
+    cdt = floor_dtype(dtype)
+    native = cdt == dtype
+    rate = gemm_rate(dtype, floor_size(dtype), 3)
+    rate32 = gemm_rate(torch.float32, floor_size(torch.float32), 3)
+    print(floor_line(args.dtype, dtype, rate, rate32))
+    print(f"# T={t}, D={d}, {args.dtype}, median of {args.reps}")
+    if base is not None:
+        print(f"# baseline: the layer with grouped_swiglu of {base.rev}")
+    floor_mm = square_mm(cdt, floor_size(cdt))
+    mm_flops = 2 * floor_size(cdt) ** 3
+
     header = (
-        "| F, E, K | torch_moe tok/s | x floor | x fp32 floor | saved KiB/tok | "
-        "loop tok/s | loop x floor | loop saved KiB/tok | saved ratio |"
+        "| F, E, K | torch_moe tok/s | x floor | target | x bf16 mm | x fp32 mm | saved KiB/tok | "
+        "HF eager x floor | HF grouped_mm x floor | best peer saved KiB/tok | saved ratio |"
     )
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
+    if base is not None:
+        header += " baseline x floor | baseline/ours |"
+    rows = []
     for f, e, k in SHAPES:
         moe = MoE(d, f, e, k, route_norm=True, dtype=dtype)
-        loop = PerExpertLoopMoE(moe)
         x = torch.randn(t, d, dtype=dtype, requires_grad=True)
         grad = torch.randn(t, d, dtype=dtype)
+        fns: dict[str, Callable[[], object]] = {
+            "ours": functools.partial(fwd_bwd, moe, x, grad),
+            "floor": floor_mm,
+        }
+        if base is not None:
 
-        times = interleaved({"ours": functools.partial(fwd_bwd, moe, x, grad)}, args.reps)
+            def run_base(moe: MoE = moe, x: Tensor = x, grad: Tensor = grad) -> None:
+                with swapped_swiglu(base.grouped_swiglu):
+                    fwd_bwd(moe, x, grad)
+
+            fns["base"] = run_base
+        peers: dict[str, nn.Module] = {}
         if not args.skip_peer:
-            loop_fn = functools.partial(fwd_bwd, loop, x, grad)
-            times.update(interleaved({"loop": loop_fn}, args.peer_reps, warmup=False))
+            for impl in ("eager", "grouped_mm"):
+                block = hf_block(moe, impl)
+                if block is not None:
+                    peers[impl] = block
+        x3, grad3 = x.view(1, t, d), grad.view(1, t, d)
+        peer_fns = {name: functools.partial(fwd_bwd, blk, x3, grad3) for name, blk in peers.items()}
+        if native:
+            fns.update(peer_fns)
+        times = interleaved(fns, args.reps)
+        if not native:
+            times.update(interleaved(peer_fns, args.peer_reps, warmup=False))
         flops = 18 * t * k * d * f
-        ours_saved = saved_bytes_per_token(moe, x) / 1024
-        row = (
-            f"| {f}, {e}, {k} | {t / times['ours']:.0f} | {times['ours'] * rate / flops:.2f} | "
-            f"{times['ours'] * rate32 / flops:.2f} | {ours_saved:.1f} | "
-        )
-        if "loop" in times:
-            loop_saved = saved_bytes_per_token(loop, x) / 1024
-            row += (
-                f"{t / times['loop']:.0f} | {times['loop'] * rate / flops:.2f} | {loop_saved:.1f} | "
-                f"{ours_saved / loop_saved:.2f} |"
-            )
-        else:
-            row += "- | - | - | - |"
-        print(row, flush=True)
+        floor_s = flops * times["floor"] / mm_flops
+        ours = times["ours"]
+        saved = saved_bytes_per_token(moe, x) / 1024
+        peer_saved = {name: saved_bytes_per_token(blk, x3) / 1024 for name, blk in peers.items()}
+        best_saved = min(peer_saved.values()) if peer_saved else None
+        x_bf16 = ours / (flops / rate) if not native else ours / floor_s
+        x_fp32 = ours / (flops / rate32) if native else ours / floor_s
+        row = [
+            f"{f}, {e}, {k}",
+            f"{t / ours:.0f}",
+            f"{ours / floor_s:.2f}",
+            f"{TARGETS.get(e, float('nan')):.2f}",
+            f"{x_bf16:.2f}",
+            f"{x_fp32:.2f}",
+            f"{saved:.1f}",
+        ]
+        for name in ("eager", "grouped_mm"):
+            row.append(f"{times[name] / floor_s:.2f}" if name in times else "-")
+        row.append(f"{best_saved:.1f}" if best_saved else "-")
+        row.append(f"{saved / best_saved:.2f}" if best_saved else "-")
+        if base is not None:
+            row += [f"{times['base'] / floor_s:.2f}", f"{times['base'] / ours:.2f}"]
+        rows.append(row)
+        print(f"# done F={f} E={e} K={k}", flush=True)
+
+    print()
+    print_decisions()
+    print(machine_line())
+    print()
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    floor_dt = args.dtype if native else "fp32"
+    print(
+        f"\nx floor: time / (18*T*K*D*F / the {floor_dt} mm rate of the same rounds), the math "
+        "torch_moe does on this CPU; saved ratio: torch_moe's saved bytes over the best peer's"
+    )
 
 
 if __name__ == "__main__":
