@@ -90,6 +90,12 @@ class TestOpSchemas(TestCase):
             """torch_moe::ep_wait(Tensor handle, Tensor[] like, str direction, SymInt num_rows) -> Tensor[]""",
         )
 
+    def test_schema_fused_experts(self):
+        self.assertExpectedInline(
+            schema("fused_experts"),
+            """torch_moe::fused_experts(Tensor x, Tensor w13, Tensor w2, Tensor row_to_slot, Tensor offs, Tensor row_weights, SymInt top_k, SymInt block_m) -> Tensor""",
+        )
+
     def test_schema_grouped_mm(self):
         self.assertExpectedInline(
             schema("grouped_mm"),
