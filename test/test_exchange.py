@@ -1,13 +1,12 @@
 # Owner(s): ["module: moe"]
-"""Tests for the segment all-to-all (torch_moe.distributed.exchange) on gloo.
+"""Tests for the segment all-to-all (torch_moe.distributed.exchange).
 
-TestAllToAllSegmentsSimulated runs the same exchanges for every rank in one process, with
+TestAllToAllSegmentsSimulated runs the exchanges for every rank in one process, with
 torch.distributed's point-to-point layer replaced by a recorder that matches each send to
 its receive by (source, destination, tag) and moves the rows: fast, and in-process (so the
-mutation tests see it). TestAllToAllSegments runs them on gloo.
-
-One test method, 3 processes (one process-group spin-up, ~10 s here): every rank builds
-the whole seeded exchange (every rank's inputs and segment tables) and checks what it
+mutation tests see it). On gloo, :func:`check_gloo` runs inside
+test_expert_parallel.TestExpertParallel4 (its 4 ranks are up already: no process-group
+spin-up of its own). Either way every rank builds the whole seeded exchange (every rank's inputs and segment tables) and checks what it
 received against the rows the senders named, for several tensors at once, zero-length
 segments, async and in-flight exchanges with disjoint tags, a subgroup whose group ranks
 differ from the global ranks, and the bad-input errors (raised before any message).
@@ -19,7 +18,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 from torch_moe.distributed.exchange import all_to_all_segments
@@ -182,58 +180,47 @@ class TestAllToAllSegmentsSimulated(TestCase):
         self.assertEqual(rec.posted, [])  # nothing was sent
 
 
-class TestAllToAllSegments(MultiProcessTestCase):
-    @property
-    def world_size(self):
-        return 3
+def _check_exchange(test, group, members, seed, async_op=False, tag=0):
+    me, size = members.index(dist.get_rank()), len(members)
+    ins, outs, out_rows = make_exchange(size, seed)
+    x, idx = rank_input(me, seed)
+    y = torch.full((out_rows[me], 3), -1.0)
+    j = torch.full((out_rows[me],), -1)
+    work = all_to_all_segments(
+        [y, j], [x, idx], outs[me], ins[me], group, tag=tag, async_op=async_op
+    )
+    expected_y, expected_j = y.clone(), j.clone()
+    for s in range(size):
+        xs, idxs = rank_input(s, seed)
+        for (src, n), (dst, m) in zip(ins[s][me], outs[me][s], strict=True):
+            test.assertEqual(n, m)
+            expected_y[dst : dst + n] = xs[src : src + n]
+            expected_j[dst : dst + n] = idxs[src : src + n]
+    return work, (y, j), (expected_y, expected_j)
 
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
 
-    def check(self, group, members, seed, async_op=False, tag=0):
-        me, size = members.index(dist.get_rank()), len(members)
-        ins, outs, out_rows = make_exchange(size, seed)
-        x, idx = rank_input(me, seed)
-        y = torch.full((out_rows[me], 3), -1.0)
-        j = torch.full((out_rows[me],), -1)
-        work = all_to_all_segments(
-            [y, j], [x, idx], outs[me], ins[me], group, tag=tag, async_op=async_op
-        )
-        expected_y, expected_j = y.clone(), j.clone()
-        for s in range(size):
-            xs, idxs = rank_input(s, seed)
-            for (src, n), (dst, m) in zip(ins[s][me], outs[me][s], strict=True):
-                self.assertEqual(n, m)
-                expected_y[dst : dst + n] = xs[src : src + n]
-                expected_j[dst : dst + n] = idxs[src : src + n]
-        return work, (y, j), (expected_y, expected_j)
-
-    def test_segments(self):
-        dist.init_process_group(
-            "gloo",
-            rank=self.rank,
-            world_size=self.world_size,
-            init_method=f"file://{self.file_name}",
-        )
-        world = list(range(self.world_size))
-        for seed in range(4):
-            work, got, expected = self.check(None, world, seed)
-            self.assertIsNone(work)
-            self.assertEqual(got, expected)  # rows never named keep their -1
-        # two exchanges in flight at once between the same ranks: disjoint tag ranges
-        first = self.check(None, world, 10, async_op=True, tag=0)
-        second = self.check(None, world, 11, async_op=True, tag=100)
-        for work, got, expected in (second, first):
-            work.wait()
-            self.assertEqual(got, expected)
-        # a subgroup of global ranks [0, 2]: group ranks 0 and 1
-        sub = dist.new_group([0, 2])
-        if self.rank != 1:
-            work, got, expected = self.check(sub, [0, 2], 20)
-            self.assertEqual(got, expected)
-        check_bad_input(self, self.world_size, self.rank)
-        dist.destroy_process_group()
+def check_gloo(test):
+    """The exchange over a real process group (every rank of the world runs this; run by
+    test_expert_parallel.TestExpertParallel4, whose 4 gloo ranks are already up): seeded
+    exchanges, two in flight at once with disjoint tags, a subgroup whose group ranks differ
+    from the global ranks, and the bad-input errors."""
+    world = list(range(dist.get_world_size()))
+    for seed in range(4):
+        work, got, expected = _check_exchange(test, None, world, seed)
+        test.assertIsNone(work)
+        test.assertEqual(got, expected)  # rows never named keep their -1
+    # two exchanges in flight at once between the same ranks: disjoint tag ranges
+    first = _check_exchange(test, None, world, 10, async_op=True, tag=0)
+    second = _check_exchange(test, None, world, 11, async_op=True, tag=100)
+    for work, got, expected in (second, first):
+        work.wait()
+        test.assertEqual(got, expected)
+    # a subgroup of global ranks [0, 2]: group ranks 0 and 1
+    sub = dist.new_group([0, 2])
+    if dist.get_rank() in (0, 2):
+        work, got, expected = _check_exchange(test, sub, [0, 2], 20)
+        test.assertEqual(got, expected)
+    check_bad_input(test, dist.get_world_size(), dist.get_rank())
 
 
 def check_bad_input(test, size, rank):

@@ -531,6 +531,13 @@ class TestExpertParallel2(_EPClass):
 class TestExpertParallel4(_EPClass):
     world_size = 4
 
+    def test_segment_exchange_gloo(self):
+        """torch_moe.distributed.exchange on gloo (test_exchange.check_gloo; test_exchange.py
+        also simulates it in one process), in this class's process group."""
+        import test_exchange
+
+        test_exchange.check_gloo(self)
+
     def test_uneven_and_empty(self):
         self.check_matches_single_process([3, 0, 8, 5])
 
