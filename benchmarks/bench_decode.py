@@ -1,0 +1,247 @@
+"""MoE experts latency vs batch size at decode and prefill sizes, against the weight-read
+floor and against peers.
+
+For a batch of T tokens (1, 2, 4 ... 512) already routed (top-K ids and weights drawn
+uniformly: every token's K experts distinct), each candidate computes the experts' combined
+output [T, D] in bf16 from the same tokens, weights and routing:
+
+* ``torch_moe``: the layer's inference path (``permute_indices``, ``GroupedExperts.
+  forward_tokens``: the row gather inside ``grouped_swiglu``, then ``unpermute``) under
+  ``torch.inference_mode()``;
+* ``training fwd``: the training forward (``permute``, ``GroupedExperts.forward``,
+  ``unpermute``) with autograd recording, as a model that is not in eval mode runs it;
+* ``HF eager`` / ``HF grouped_mm``: transformers' ``Qwen3MoeExperts`` with its ``eager``
+  (per-expert loop) and ``grouped_mm`` experts implementations, on the same weights;
+* ``vLLM-style``: written here after vLLM's fused-MoE data flow (block-aligned expert-sorted
+  rows, gather, one grouped GEMM per projection with SiLU-and-mul and the routing weight
+  between them, results written per (token, k) slot then summed over k), on
+  ``torch._grouped_mm``.
+
+Floors, measured in the same run: the **weight-read floor** is the bytes of the distinct
+experts' weights the batch touches (3*D*F per expert, bf16) over the read bandwidth of a
+large bf16 GEMV (``torch.mv`` over a matrix far larger than the caches): decode is bound by
+reading them once. The **FLOP floor** (large batches) is 6*T*K*D*F over the best large-GEMM
+rate of the machine (bf16, or fp32 after an upcast where bf16 GEMMs are slow: both are
+printed). Every candidate's time is printed as a ratio to the larger of the two floors.
+
+Shapes: ``qwen3`` = Qwen3-30B-A3B-like experts (D=2048, F=768, E=128, K=8), ``dsv3`` =
+DeepSeek-V3-like experts (D=7168, F=2048, K=8) with ``--dsv3-experts`` experts (default 32
+on CPU: 256 would need 22.5 GB of bf16 weights; with K=8 a batch of <= 4 tokens touches <= 32
+experts either way).
+
+Medians over ``--rounds`` rounds, candidates interleaved in each round (after a warm-up),
+wall time with the process's threads (``--threads``, default all).
+
+    python benchmarks/bench_decode.py                          # both shapes, T = 1 ... 512
+    python benchmarks/bench_decode.py --shapes qwen3 --tokens 1 4 16 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.nn.functional as F
+
+import torch_moe  # noqa: F401
+from torch_moe import ops
+from torch_moe._ops._cpu_probe import cpu_isa
+from torch_moe.nn import GroupedExperts
+
+SHAPES = {"qwen3": (2048, 768, 128, 8), "dsv3": (7168, 2048, 32, 8)}
+
+
+# ----------------------------------------------------------------------------- floors
+
+
+def _median_time(fn: Any, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemv_bandwidth(mib: int = 512) -> float:
+    """Bytes/s of a bf16 GEMV over a ``mib`` MiB matrix (read once per call)."""
+    cols = 4096
+    rows = mib * 2**20 // (2 * cols)
+    w = torch.randn(rows, cols).bfloat16()
+    v = torch.randn(cols).bfloat16()
+    return w.numel() * 2 / _median_time(lambda: torch.mv(w, v), 7)
+
+
+def gemm_rates(n: int = 2048) -> dict[str, float]:
+    """FLOP/s of an n^3 GEMM in bf16 and in fp32."""
+    rates = {}
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        rates[name] = 2 * n**3 / _median_time(lambda a=a, b=b: torch.mm(a, b), 5)
+    return rates
+
+
+# ----------------------------------------------------------------------------- candidates
+
+
+def routing(T: int, E: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    weights = torch.rand(T, K, generator=gen)
+    return ids, weights / weights.sum(1, keepdim=True)
+
+
+def torch_moe_inference(experts: GroupedExperts, x, ids, weights):
+    with torch.inference_mode():
+        perm = ops.permute_indices(ids, experts.w13.shape[0])
+        row_w = weights.reshape(-1).index_select(0, perm.row_to_slot)
+        y = experts.forward_tokens(x, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w)
+        return ops.unpermute(y, None, perm)
+
+
+def torch_moe_training(experts: GroupedExperts, x, ids, weights):
+    with torch.enable_grad():
+        x_perm, perm = ops.permute(x, ids, experts.w13.shape[0])
+        row_w = weights.reshape(-1).index_select(0, perm.row_to_slot)
+        return ops.unpermute(experts(x_perm, perm.offs, row_w), None, perm)
+
+
+def hf_experts(w13: torch.Tensor, w2: torch.Tensor, impl: str) -> Any:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeConfig, Qwen3MoeExperts
+
+    E, two_f, D = w13.shape
+    cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=two_f // 2, num_experts=E)
+    cfg._experts_implementation = impl
+    module = Qwen3MoeExperts(cfg)
+    module.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)  # shared storage
+    module.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    return module
+
+
+def hf_forward(module, x, ids, weights):
+    with torch.inference_mode():
+        return module(x, ids, weights.to(x.dtype))
+
+
+def vllm_style(w13_t, w2_t, x, ids, weights, block: int = 16):
+    """vLLM's fused-MoE data flow on torch._grouped_mm (w*_t: [E, K, N] views)."""
+    with torch.inference_mode():
+        T, K = ids.shape
+        E = w13_t.shape[0]
+        # moe_align_block_size: slots sorted by expert, each expert padded to `block` rows
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E)
+        padded = (counts + block - 1) // block * block
+        ends = padded.cumsum(0)
+        starts = ends - padded
+        rank = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[flat[order]]
+        row = starts[flat[order]] + rank
+        M = int(ends[-1])
+        slot_of_row = torch.full((M,), T * K, dtype=torch.int64)
+        slot_of_row[row] = order
+        x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        tok = torch.where(slot_of_row < T * K, slot_of_row // K, T)
+        h = torch._grouped_mm(x_pad[tok], w13_t, ends.to(torch.int32))
+        g, u = h.chunk(2, dim=-1)
+        w_pad = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
+        a = (F.silu(g.float()) * u.float() * w_pad[slot_of_row][:, None]).to(x.dtype)
+        y = torch._grouped_mm(a, w2_t, ends.to(torch.int32))
+        out = x.new_zeros(T * K + 1, x.shape[1])
+        out[slot_of_row] = y  # padding rows land in the dump slot T*K
+        return out[: T * K].view(T, K, -1).float().sum(1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def candidates(experts, hf, w_t, x, ids, weights) -> dict[str, Any]:
+    return {
+        "torch_moe": lambda: torch_moe_inference(experts, x, ids, weights),
+        "training fwd": lambda: torch_moe_training(experts, x, ids, weights),
+        "HF eager": lambda: hf_forward(hf["eager"], x, ids, weights),
+        "HF grouped_mm": lambda: hf_forward(hf["grouped_mm"], x, ids, weights),
+        "vLLM-style": lambda: vllm_style(*w_t, x, ids, weights),
+    }
+
+
+def bench_shape(name: str, args: argparse.Namespace, bw: float, rate: float) -> None:
+    D, F_, E, K = SHAPES[name]
+    if name == "dsv3":
+        E = args.dsv3_experts
+    gen = torch.Generator().manual_seed(0)
+    experts = GroupedExperts(D, F_, E).to(torch.bfloat16)
+    experts.requires_grad_(True)
+    w13, w2 = experts.w13.detach(), experts.w2.detach()
+    w13_t, w2_t = w13.transpose(-2, -1), w2.transpose(-2, -1)
+    hf = {impl: hf_experts(w13, w2, impl) for impl in ("eager", "grouped_mm")}
+    print(
+        f"\n## {name}: D={D} F={F_} E={E} K={K}, bf16 weights {3 * E * D * F_ * 2 / 2**30:.2f} GiB\n"
+    )
+    cols = ["torch_moe", "training fwd", "HF eager", "HF grouped_mm", "vLLM-style"]
+    print(
+        "| T | experts hit | floor ms | "
+        + " | ".join(f"{c} ms (x floor)" for c in cols)
+        + " | best peer / torch_moe |"
+    )
+    print("|---" * (4 + len(cols)) + "|")
+    for T in args.tokens:
+        x = torch.randn(T, D, generator=gen).bfloat16()
+        ids, weights = routing(T, E, K, gen)
+        cands = candidates(experts, hf, (w13_t, w2_t), x, ids, weights)
+        ref = cands["torch_moe"]().float()
+        for cname, fn in cands.items():  # same values (bf16 rounding apart)
+            err = ((fn().float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if err > 2e-2:
+                raise SystemExit(
+                    f"bench_decode: {cname} differs from torch_moe at T={T}: rel err {err:.3g}"
+                )
+        times: dict[str, list[float]] = {c: [] for c in cands}
+        for _ in range(args.rounds):
+            for cname, fn in cands.items():
+                t0 = time.perf_counter()
+                fn()
+                times[cname].append(time.perf_counter() - t0)
+        med = {c: statistics.median(v) for c, v in times.items()}
+        hit = int(torch.unique(ids).numel())
+        floor = max(hit * 3 * D * F_ * 2 / bw, 6 * T * K * D * F_ / rate)
+        best_peer = min(med[c] for c in cols[2:])
+        cells = " | ".join(f"{med[c] * 1e3:.2f} ({med[c] / floor:.2f})" for c in cols)
+        print(
+            f"| {T} | {hit} | {floor * 1e3:.2f} | {cells} | {best_peer / med['torch_moe']:.2f} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--dsv3-experts", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bw = gemv_bandwidth()
+    rates = gemm_rates()
+    rate = max(rates.values())
+    print(
+        f"# torch {torch.__version__}, {platform.machine()} {cpu_isa()}, {os.cpu_count()} CPUs, "
+        f"{torch.get_num_threads()} threads; bf16 GEMV read {bw / 1e9:.1f} GB/s; GEMM "
+        f"bf16 {rates['bf16'] / 1e9:.0f} / fp32 {rates['fp32'] / 1e9:.0f} GFLOP/s (floor: the "
+        f"{'bf16' if rates['bf16'] >= rates['fp32'] else 'fp32'} rate); medians of {args.rounds} rounds"
+    )
+    for name in args.shapes:
+        bench_shape(name, args, bw, rate)
+
+
+if __name__ == "__main__":
+    main()
