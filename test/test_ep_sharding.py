@@ -9,13 +9,11 @@ results match the single-tensor op to the default tolerances.
 """
 
 import torch
+from dist_utils import GlooContinuousTest
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.common_utils import run_tests
-from torch.testing._internal.distributed._tensor.common_dtensor import (
-    DTensorTestBase,
-    with_comms,
-)
 
 import torch_moe.distributed  # noqa: F401  (registers the sharding rules)
 from torch_moe.distributed.sharding import SHARDED_OPS
@@ -44,10 +42,10 @@ def _offs(num_rows, num_groups, seed):
     return ends.to(torch.int32)
 
 
-class TestEPSharding(DTensorTestBase):
-    @property
-    def world_size(self):
-        return 2
+class TestEPSharding(GlooContinuousTest):
+    """One gloo process group (2 ranks) for both tests."""
+
+    world_size = 2
 
     # ------------------------------------------------------------------ helpers
 
@@ -76,13 +74,12 @@ class TestEPSharding(DTensorTestBase):
     @property
     def mesh(self):
         if not hasattr(self, "_mesh"):
-            self._mesh = self.build_device_mesh()
+            self._mesh = init_device_mesh("cpu", (self.world_size,))
         return self._mesh
 
     # ------------------------------------------------------------------ tests
-    # (two process-group spins: each check below is a group of cases)
+    # (each check below is a group of cases)
 
-    @with_comms
     def test_routing_and_permute(self):
         self.check_routing()
         self.check_permute_indices()
@@ -90,7 +87,6 @@ class TestEPSharding(DTensorTestBase):
         self.check_weighted_row_dot()
         self.check_layer_pipeline()
 
-    @with_comms
     def test_grouped_gemms(self):
         self.check_grouped_mm()
         self.check_grouped_swiglu()

@@ -8,13 +8,10 @@ cover 2-rank subgroups (a world-2 exchange) with node_size 1 and 2. The class ke
 process group for all its tests (MultiProcContinuousTest): one spin-up, not one per test.
 """
 
-import datetime
-import tempfile
-
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-from torch.testing._internal.common_distributed import MultiProcContinuousTest
+from dist_utils import GlooContinuousTest
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -39,40 +36,10 @@ def flat_a2a(x, out_splits, in_splits, group):
     return dist_fn.all_to_all_single(out, x, out_splits, in_splits, group=group)
 
 
-class TestHierarchicalAllToAll(MultiProcContinuousTest):
+class TestHierarchicalAllToAll(GlooContinuousTest):
     """One gloo process group (4 ranks) for all the tests of the class."""
 
     world_size = 4
-    timeout = datetime.timedelta(seconds=120)
-
-    @classmethod
-    def backend_str(cls):
-        return "gloo"
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
-
-    @classmethod
-    def _spawn_processes(cls, world_size):
-        # NB: always spawn (as test_expert_parallel's classes): workers forked from a process
-        # whose OpenMP threads already ran hang in their first parallel op.
-        ctx = torch.multiprocessing.get_context("spawn")
-        cls.processes, cls.task_queues, cls.completion_queues = [], [], []
-        with tempfile.NamedTemporaryFile(delete=False) as f:
-            cls.rdvz_file = f.name
-        for rank in range(world_size):
-            task_queue, completion_queue = ctx.Queue(), ctx.Queue()
-            process = ctx.Process(
-                target=cls._worker_loop,
-                name=f"process {rank}",
-                daemon=True,
-                args=(rank, world_size, cls.rdvz_file, task_queue, completion_queue),
-            )
-            process.start()
-            cls.processes.append(process)
-            cls.task_queues.append(task_queue)
-            cls.completion_queues.append(completion_queue)
 
     def check_matches_flat(self, splits, group, node_size, row_shape, dtype, seed):
         me = dist.get_rank(group)
