@@ -723,7 +723,10 @@ def study(rows: list[dict[str, Any]], hw_cpu: Hardware, png_prefix: str) -> list
             tok.append(
                 dict(tokens_per_expert=t * 2 / 16, roofline=flops / r["meas"] / hw_cpu.rate("bf16"))
             )
-    measured = {"granularity": {"bf16, EP=1": gran}, "tokens": {"bf16 (D=F=256, E=16, K=2)": tok}}
+    measured = {
+        "granularity": {"bf16, one device": gran},
+        "tokens": {"bf16 (D=F=256, E=16, K=2)": tok},
+    }
     base_tok = MoEWorkload(2048, 256, 256, 16, 2)
     series["tokens"] = regime_series(
         base_tok, hw_cpu, precisions=("bf16", "fp8_blockwise"), tokens=(16, 128, 512, 2048, 8192)

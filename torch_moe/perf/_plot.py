@@ -22,13 +22,17 @@ from torch_moe.perf._workload import MoEWorkload
 __all__ = ["granularities", "regime_chart", "regime_series"]
 
 
-def granularities(base: MoEWorkload, max_experts: int = 1024) -> list[int]:
-    """g with E0*g <= max_experts, K0*g <= E0*g and F0 divisible by g."""
+def granularities(base: MoEWorkload, max_experts: int = 512, max_top_k: int = 32) -> list[int]:
+    """Powers of two g with E0*g <= max_experts, K0*g <= max_top_k, F0 / g >= 16 whole."""
     out = []
     g = 1
-    while base.num_experts * g <= max_experts and base.hidden_dim % g == 0:
-        if base.hidden_dim // g >= 16:
-            out.append(g)
+    while (
+        base.num_experts * g <= max_experts
+        and base.top_k * g <= max_top_k
+        and base.hidden_dim % g == 0
+        and base.hidden_dim // g >= 16
+    ):
+        out.append(g)
         g *= 2
     return out
 
@@ -51,9 +55,12 @@ def regime_series(
     out: dict[str, Any] = {"granularity": {}, "tokens": {}}
     gs = granularities(base)
     for prec in precisions:
-        for label, ws in (("EP=1", 1), (f"best of {world_size} ranks", world_size)):
-            if ws == 1 and label != "EP=1":
-                continue
+        lines = [("one device", 1)]
+        if world_size > 1:
+            lines.append(
+                (f"{world_size} ranks, advisor's best (with its gradient sync)", world_size)
+            )
+        for label, ws in lines:
             pts = []
             for g in gs:
                 w = base.replace(
@@ -64,7 +71,7 @@ def regime_series(
                 )
                 if ws == 1:
                     p = predict(w, hw)
-                    step, mem, desc = p.time, p.memory["peak_step"], "EP=1"
+                    step, mem, desc = p.time, p.memory["peak_step"], "one device"
                 else:
                     a = advise(w, hw, world_size=ws, gpus_per_node=gpus_per_node, precisions=[prec])
                     p = a.best.prediction
@@ -96,7 +103,7 @@ def regime_series(
                     memory=p.memory["peak_step"],
                 )
             )
-        out["tokens"][f"{prec}, EP=1"] = pts
+        out["tokens"][f"{prec}, one device"] = pts
     return out
 
 
