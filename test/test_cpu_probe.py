@@ -204,31 +204,34 @@ class TestForcedDecisions(TestCase):
 
     @parametrize("dtype", [torch.bfloat16, torch.float32])
     @parametrize("half_gemm", ["native", "fp32"])
-    @parametrize("layout", ["as_is", "copy_a", "copy_b"])
+    # every layout and every few-rows way once (groups of more and of fewer rows than
+    # FEW_ROWS take one and the other)
+    @parametrize("paths", [("as_is", "mm"), ("copy_a", "mv"), ("copy_b", "swap")])
     @parametrize("kernel", ["loop", "torch"])
-    @parametrize("kn", [(16, 32), (7, 13)])
-    def test_grouped_mm(self, dtype, half_gemm, layout, kernel, kn):
-        k, n = kn
-        offs = _offs([5, 0, 8, 3])
-        m = 19  # 3 rows past the last group
+    @parametrize("kn", [(32, 48), (7, 13)])
+    def test_grouped_mm(self, dtype, half_gemm, paths, kernel, kn):
+        (layout, few_rows), (k, n) = paths, kn
+        offs = _offs([20, 0, 17, 3])  # groups over and under FEW_ROWS rows
+        m = 43  # 3 rows past the last group
         x = torch.randn(m, k, dtype=dtype, requires_grad=True)
         w_leaf = torch.randn(4, n, k, dtype=dtype, requires_grad=True)
         w = w_leaf.transpose(-2, -1)  # backward: dX row-major x row-major, dW col x row
         grad = torch.randn(m, n, dtype=dtype)
         spy = unittest.mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm)
-        with P.force(half_gemm=half_gemm, layout=layout, grouped_mm=kernel), spy as gmm:
+        forced = dict(half_gemm=half_gemm, layout=layout, few_rows=few_rows, grouped_mm=kernel)
+        with P.force(**forced), spy as gmm:
             out = grouped_mm(x, w, offs)
             out.backward(grad)
         # torch._grouped_mm runs where forced and allowed: K and N 16-byte aligned, the
         # dtype multiplied natively (fp32 always is)
         native = dtype == torch.float32 or half_gemm == "native"
-        self.assertEqual(gmm.called, kernel == "torch" and k == 16 and native)
+        self.assertEqual(gmm.called, kernel == "torch" and k == 32 and native)
         assert_gemm_within(self, out, x, w, offs, "forward")
         assert_gemm_within(self, x.grad, grad, w.detach().transpose(-2, -1), offs, "dX")
         dw = w_leaf.grad.transpose(-2, -1)
         assert_gemm_within(self, dw, x, grad, offs, "dW", wgrad=True)
-        self.assertTrue((out[16:] == 0).all())
-        self.assertTrue((x.grad[16:] == 0).all())  # torch._grouped_mm leaves these unset
+        self.assertTrue((out[40:] == 0).all())
+        self.assertTrue((x.grad[40:] == 0).all())  # torch._grouped_mm leaves these unset
         self.assertTrue((w_leaf.grad[1] == 0).all())  # the empty group
 
     def test_grouped_mm_torch_kernel_keeps_checks(self):
@@ -254,9 +257,9 @@ class TestForcedDecisions(TestCase):
     @parametrize("layout", ["as_is", "copy_a", "copy_b"])
     @parametrize("ab", ["nn", "tn", "tt", "nt"])
     def test_mm_into_layouts(self, layout, ab):
-        a = torch.randn(6, 5) if ab[0] == "n" else torch.randn(5, 6).t()
+        a = torch.randn(20, 5) if ab[0] == "n" else torch.randn(5, 20).t()
         b = torch.randn(5, 7) if ab[1] == "n" else torch.randn(7, 5).t()
-        out = torch.empty(6, 7)
+        out = torch.empty(20, 7)
         spy = unittest.mock.patch.object(
             grouped_mm_module, "_operand", wraps=grouped_mm_module._operand
         )
@@ -265,16 +268,37 @@ class TestForcedDecisions(TestCase):
         # the copy happens where forced; row-major x column-major is never copied
         copied = [call.args[2] for call in operand.call_args_list]
         self.assertEqual(any(copied), layout != "as_is" and ab != "nt")
-        offs = torch.tensor([6], dtype=torch.int32)
+        offs = torch.tensor([20], dtype=torch.int32)
+        assert_gemm_within(self, out, a, b.unsqueeze(0), offs, "mm_into")
+
+    @parametrize("dtype", [torch.bfloat16, torch.float32])
+    @parametrize("how", ["mm", "mv", "swap"])
+    @parametrize("ab", ["nn", "nt"])
+    @parametrize("rows", [1, 3, 16])
+    def test_mm_into_few_rows(self, dtype, how, ab, rows):
+        a = torch.randn(rows, 40, dtype=dtype)
+        b = (
+            torch.randn(40, 24, dtype=dtype)
+            if ab[1] == "n"
+            else torch.randn(24, 40, dtype=dtype).t()
+        )
+        out = torch.empty(rows, 24, dtype=dtype)
+        spy = unittest.mock.patch.object(P, "few_rows_mm", wraps=P.few_rows_mm)
+        with P.force(few_rows=how), spy as few:
+            mm_into(a, b, out)
+        self.assertEqual(few.call_args.args[3], how)
+        offs = torch.tensor([rows], dtype=torch.int32)
         assert_gemm_within(self, out, a, b.unsqueeze(0), offs, "mm_into")
 
     @parametrize("half_gemm", ["native", "fp32"])
-    @parametrize("act_chunk", ["8", "1048576"])  # elements per thread: many chunks, or one
+    # act_chunk elements per thread: many chunks, or one; every few-rows way
+    @parametrize("paths", [("8", "mm"), ("1048576", "mv"), ("8", "swap")])
     @parametrize("gather", [False, True])
-    def test_grouped_swiglu(self, half_gemm, act_chunk, gather):
+    def test_grouped_swiglu(self, half_gemm, paths, gather):
+        act_chunk, few_rows = paths
         dtype = torch.bfloat16
-        offs = _offs([5, 0, 11, 4])
-        m, dim, hidden = 22, 16, 6  # 2 rows past the last group
+        offs = _offs([5, 0, 19, 4])  # groups under and over FEW_ROWS rows
+        m, dim, hidden = 30, 16, 6  # 2 rows past the last group
         tokens = torch.randn(15, dim, dtype=dtype)
         index = torch.randint(-1, 15, (m,))  # -1: a zero row
         x = naive_rows(tokens, index)
@@ -283,7 +307,8 @@ class TestForcedDecisions(TestCase):
         rw = torch.rand(m)
         grad_y = torch.randn(m, dim, dtype=dtype)
         op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
-        with P.force(half_gemm=half_gemm, act_chunk=act_chunk, layout="as_is"):
+        forced = dict(half_gemm=half_gemm, act_chunk=act_chunk, few_rows=few_rows, layout="as_is")
+        with P.force(**forced):
             if gather:
                 y, h = op(tokens, w13, w2, offs, rw, index)
                 dx, dw13, dw2, drw = bwd(grad_y, None, tokens, h, w13, w2, offs, rw, index)
@@ -301,14 +326,14 @@ class TestForcedDecisions(TestCase):
             )
             start = end
         tolerances.assert_within(self, y, exact, bound, "y")
-        self.assertTrue((y[20:] == 0).all() and (h[20:] == 0).all())
+        self.assertTrue((y[28:] == 0).all() and (h[28:] == 0).all())
         # backward: at the rounding level of the emulation that rounds where the spec allows
         args = (x, w13, w2, offs)
         want = naive.swiglu_rounded(*args, torch.float64, grad_y, rw.double())
         emulated = naive.swiglu_rounded(*args, dtype, grad_y, rw)
         for name, got in {"x": dx, "w13": dw13, "w2": dw2, "row_weights": drw}.items():
             tolerances.assert_rounding_level(self, got, want[name], emulated[name], msg=name)
-        self.assertTrue((dx[20:] == 0).all())
+        self.assertTrue((dx[28:] == 0).all())
         self.assertEqual(drw.dtype, torch.float32)
 
     @parametrize("act_chunk", ["4", "1048576"])

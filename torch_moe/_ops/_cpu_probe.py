@@ -26,6 +26,7 @@ key                            choices (default first)     used by
 =============================  ==========================  =================================
 ``half_gemm:<dt>``             native, fp32                ``cpu_compute_dtype``
 ``layout:<dt>:<ab>:<cls>``     as_is, copy_a, copy_b       ``mm_into`` / ``mm_cpu``
+``few_rows:<dt>:<ab>:m<r>``    mm, mv, swap                ``mm_into`` for m <= 16 rows
 ``grouped_mm:<dt>:<ab>:<cls>`` loop, torch                 ``grouped_mm`` / ``_wgrad`` (CPU)
 ``act_chunk:<dt>``             elements per row chunk      ``grouped_swiglu`` (CPU)
 =============================  ==========================  =================================
@@ -63,7 +64,7 @@ __all__ = [
 
 ENV_FORCE = "TORCH_MOE_CPU_PROBE"
 ENV_CACHE = "TORCH_MOE_CPU_PROBE_CACHE"
-KINDS = ("half_gemm", "layout", "grouped_mm", "act_chunk")
+KINDS = ("half_gemm", "layout", "few_rows", "grouped_mm", "act_chunk")
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
 
@@ -447,6 +448,65 @@ def _layout(dtype: torch.dtype, ab: str, cls: str) -> str:
         default="as_is",
         margin=0.1,
     )
+
+
+FEW_ROWS = 16  # up to this many rows (decode: a few tokens per expert) few_rows decides
+
+
+def _measure_few_rows(dtype: torch.dtype, ab: str, rows: int) -> dict[str, float]:
+    k = n = 1024
+    sets = [
+        (
+            _operand(rows, k, ab[0] == "t", dtype),
+            _operand(k, n, ab[1] == "t", dtype),
+            torch.empty(rows, n, dtype=dtype),
+        )
+        for _ in range(_OPERAND_SETS)
+    ]
+    count = [0]
+
+    def run(how: str) -> Callable[[], None]:
+        def fn() -> None:
+            a, b, out = sets[count[0] % len(sets)]
+            count[0] += 1
+            few_rows_mm(a, b, out, how)
+
+        return fn
+
+    return time_candidates({how: run(how) for how in ("mm", "mv", "swap")})
+
+
+def few_rows_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, how: str) -> None:
+    """``out = a @ b`` for a few rows of ``a``: one ``mm`` (``"mm"``), one matrix-vector
+    product per row over ``b``'s transpose (``"mv"``: the weight read as rows, no packing),
+    or ``(b^T @ a^T)^T`` (``"swap"``: the few rows as the GEMM's narrow side)."""
+    if how == "mv":
+        bt = b.t()
+        for r in range(a.shape[0]):
+            torch.mv(bt, a[r], out=out[r])
+    elif how == "swap":
+        out.copy_(torch.mm(b.t(), a.t()).t())
+    else:
+        torch.mm(a, b, out=out)
+
+
+def few_rows(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> str:
+    """How to multiply ``a`` [m <= FEW_ROWS, k] by ``b`` in ``dtype`` (see
+    :func:`few_rows_mm`): measured per layout pair and row count (rounded up to a power
+    of two); ``"mm"`` unless another way is over 10% faster."""
+    rows = 1 << max(0, a.shape[0] - 1).bit_length()
+    ta, tb = transposed(a), transposed(b)
+    memo_key = ("few_rows", dtype, ta, tb, rows)
+    hit = _memo.get(memo_key)
+    if hit is None:
+        ab = layout_of(a, b)
+        hit = _memo[memo_key] = decide(
+            f"few_rows:{_dt(dtype)}:{ab}:m{rows}",
+            lambda: _measure_few_rows(dtype, ab, rows),
+            default="mm",
+            margin=0.1,
+        )
+    return hit
 
 
 def grouped_mm(
