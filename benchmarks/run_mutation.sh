@@ -6,7 +6,11 @@
 #
 #   benchmarks/run_mutation.sh                 # HEAD, every mutant (results kept in the workdir)
 #   benchmarks/run_mutation.sh --worktree      # the working tree instead of HEAD
-#   benchmarks/run_mutation.sh NAME...         # re-run these mutants only (e.g. the survivors)
+#   benchmarks/run_mutation.sh NAME...         # re-run these mutants only (e.g. the survivors;
+#                                              # fnmatch patterns work: 'torch_moe._ops.permute.*')
+#   benchmarks/run_mutation.sh --sample 500    # a uniform random sample (--seed, default 0) of
+#                                              # the mutants: an unbiased estimate of the score
+#                                              # in about a tenth of the time
 #   benchmarks/run_mutation.sh --report        # print the summary of the last run
 #   mutmut show NAME  (in the workdir)         # the diff of one mutant
 #
@@ -20,16 +24,20 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 WORKDIR=${MUTATION_WORKDIR:-/tmp/torch_moe_mutation}
 JOBS=2
+SAMPLE=0
+SEED=0
 SOURCE=head
 REPORT_ONLY=0
 NAMES=()
 while [ $# -gt 0 ]; do
   case $1 in
     --jobs) JOBS=$2; shift 2 ;;
+    --sample) SAMPLE=$2; shift 2 ;;
+    --seed) SEED=$2; shift 2 ;;
     --workdir) WORKDIR=$2; shift 2 ;;
     --worktree) SOURCE=worktree; shift ;;
     --report) REPORT_ONLY=1; shift ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
     *) NAMES+=("$1"); shift ;;
   esac
 done
@@ -38,7 +46,7 @@ python -c "import mutmut" 2>/dev/null || { echo "mutmut missing: pip install -e 
 mkdir -p "$WORKDIR"
 if [ "$REPORT_ONLY" = 0 ]; then
   # refresh the sources and tests in the copy; keep mutants/ (mutmut's results) between runs
-  find "$WORKDIR" -mindepth 1 -maxdepth 1 ! -name mutants -exec rm -rf {} +
+  find "$WORKDIR" -mindepth 1 -maxdepth 1 ! -name mutants ! -name "mutants_*.txt" -exec rm -rf {} +
   if [ "$SOURCE" = head ]; then
     git -C "$REPO" archive HEAD | tar -x -C "$WORKDIR"
   else
@@ -52,6 +60,18 @@ source: $SOURCE ($(git -C "$REPO" rev-parse --short HEAD)), workdir: $WORKDIR, j
     cd "$WORKDIR"
     export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HYPOTHESIS_PROFILE=dev PYTHONHASHSEED=0
     start=$(date +%s)
+    if [ "$SAMPLE" != 0 ] && [ ${#NAMES[@]} = 0 ]; then
+      # generate every mutant (and the test statistics) by running the three of _dtypes.py,
+      # then draw the sample from the full list
+      nice -n 19 mutmut run --max-children "$JOBS" 'torch_moe._ops._dtypes.*' \
+        >mutmut_generate.log 2>&1 || { tail -c 3000 mutmut_generate.log; exit 1; }
+      mutmut results --all true 2>/dev/null | sed -E 's/^ *([^:]+):.*/\1/' >mutants_all.txt
+      python -c "import random, sys; names = open('mutants_all.txt').read().split(); \
+random.seed(int(sys.argv[2])); print('\n'.join(sorted(random.sample(names, \
+min(int(sys.argv[1]), len(names))))))" "$SAMPLE" "$SEED" >mutants_sample.txt
+      mapfile -t NAMES <mutants_sample.txt
+      echo "sample: ${#NAMES[@]} of $(wc -l <mutants_all.txt) mutants (seed $SEED)"
+    fi
     nice -n 19 mutmut run --max-children "$JOBS" "${NAMES[@]}" >mutmut_run.log 2>&1 || {
       tail -c 3000 mutmut_run.log; exit 1; }
     echo "mutmut run: $(( $(date +%s) - start )) s"
@@ -63,7 +83,10 @@ cd "$WORKDIR"
 mutmut results --all true >mutmut_results.txt 2>/dev/null || true
 python - <<'PY'
 import collections
+import os
 import re
+
+sample = set(open("mutants_sample.txt").read().split()) if os.path.exists("mutants_sample.txt") else None
 
 rows = collections.defaultdict(collections.Counter)
 survivors = []
@@ -72,6 +95,8 @@ for line in open("mutmut_results.txt"):
     if not m:
         continue
     name, status = m.groups()
+    if sample is not None and name not in sample:
+        continue
     module = name.split(".x_")[0].split(".xǁ")[0]
     rows[module][status] += 1
     if status in ("survived", "no tests", "timeout", "suspicious"):
