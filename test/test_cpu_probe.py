@@ -129,9 +129,9 @@ class TestCpuProbe(TestCase):
                 "loop",
             )
 
-    def test_act_chunk_picks_smallest_near_fastest(self):
+    def test_act_chunk_picks_largest_near_fastest(self):
         times = {"32768": 1.05, "65536": 1.0, "131072": 0.98, "262144": 1.3}
-        self.assertEqual(P.act_chunk(torch.bfloat16, lambda: times), 32768)
+        self.assertEqual(P.act_chunk(torch.bfloat16, lambda: times), 131072)
 
     def test_probes_return_a_choice(self):
         # the real probes on this machine (no timing asserted): what they return is valid
