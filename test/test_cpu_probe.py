@@ -80,6 +80,20 @@ class TestCpuProbe(TestCase):
         with self.assertRaisesRegex(ValueError, r"force: unknown decision 'layuot'"):
             with P.force(layuot="as_is"):
                 pass
+        with self.assertRaisesRegex(
+            ValueError, r"force: layout='copy' is not a choice of layout: \('as_is', "
+        ):
+            with P.force(layout="copy"):
+                pass
+        with self.assertRaisesRegex(ValueError, r"act_chunk='-4' .* a positive int"):
+            with P.force(act_chunk=-4):
+                pass
+        os.environ[P.ENV_FORCE] = "half_gemm:bf16=bf16"
+        P.reset()
+        with self.assertRaisesRegex(
+            ValueError, r"TORCH_MOE_CPU_PROBE: half_gemm:bf16='bf16' is not a choice"
+        ):
+            cpu_compute_dtype(torch.bfloat16)
 
     def test_measured_once_then_cached(self):
         calls = []

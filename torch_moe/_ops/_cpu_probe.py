@@ -10,26 +10,31 @@ measured on one machine decides: each choice is timed on the running machine the
 time a kernel needs it.
 
 A probe times every candidate on small operands of the shape class at hand, on one
-thread (a few rounds, candidates interleaved within a round, the minimum over rounds,
-which other load on a shared machine inflates least), and keeps the default (native dtype, operands as they
-come) unless an alternative is faster by a margin, so that near-ties do not flip between
-runs. A probe takes a few milliseconds to a few tens (bounded by ``_PROBE_BUDGET_S``);
-its result is cached per process and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON
-file, on disk keyed by the machine (CPU model and flags, torch version, thread count).
+thread (candidates interleaved within a round, the minimum over a few rounds: on a shared
+machine a multi-threaded timing swings with other processes' load, one thread's best
+round does not), and keeps the default unless an alternative is faster by a margin, so
+that near-ties do not flip between runs. A probe takes a few to a few tens of
+milliseconds (``_PROBE_BUDGET_S`` bounds its rounds); its result is cached per process
+and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the machine
+(CPU model and flags, torch version, thread count), which also makes it reproducible.
 
-Decisions (key -> choices); ``<dt>`` is bf16 / fp16 / fp32 / fp64, ``<ab>`` the operand
-layouts of ``a @ b`` (n: row-major, t: column-major), ``<cls>`` the shape class: which of
-m, k, n is smallest and whether it is under 128 (``m_small``, ``k_large``...):
+Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
+row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
+``<cls>``: which of m, k, n (a [m, k], b [k, n]) is smallest and whether it is under 128
+(``m_small``, ``k_large``...); ``<r>``: the rows rounded up to a power of two.
 
-=============================  ==========================  =================================
-key                            choices (default first)     used by
-=============================  ==========================  =================================
-``half_gemm:<dt>``             native, fp32                ``cpu_compute_dtype``
-``layout:<dt>:<ab>:<cls>``     as_is, copy_a, copy_b       ``mm_into`` / ``mm_cpu``
-``few_rows:<dt>:<ab>:m<r>``    mm, mv, swap                ``mm_into`` for m <= 16 rows
-``grouped_mm:<dt>:<ab>:<cls>`` loop, torch                 ``grouped_mm`` / ``_wgrad`` (CPU)
-``act_chunk:<dt>``             elements per row chunk      ``grouped_swiglu`` (CPU)
-=============================  ==========================  =================================
+==============================  ====================  ======  ==============================
+key                             choices               margin  used by
+==============================  ====================  ======  ==============================
+``half_gemm:<dt>``              **fp32**, native      10%     ``cpu_compute_dtype``
+``layout:<dt>:<ab>:<cls>``      **as_is**, copy_a/b   10%     ``mm_into``, ``mm_cpu``
+``few_rows:<dt>:<ab>:m<r>``     **mm**, mv, swap      10%     ``mm_into``, m <= 16 rows
+``grouped_mm:<dt>:<ab>:<cls>``  **loop**, torch       5%      ``grouped_mm`` (CPU kernels)
+``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
+==============================  ====================  ======  ==============================
+
+(default in bold: kept unless the other is faster by the margin; the act chunk is the
+largest candidate within 10% of the fastest.)
 
 Forcing (tests, experiments): :func:`force` (a context manager) or the environment
 variable ``TORCH_MOE_CPU_PROBE``, e.g. ``half_gemm=fp32,layout=copy_b``. A name without
@@ -133,14 +138,29 @@ def _parse(spec: str) -> dict[str, str]:
             raise ValueError(
                 f"{ENV_FORCE}: expected comma-separated name=choice items, got {item!r} in {spec!r}"
             )
-        _check_name(name.strip(), ENV_FORCE)
+        _check_name(name.strip(), ENV_FORCE, choice.strip())
         out[name.strip()] = choice.strip()
     return out
 
 
-def _check_name(name: str, where: str) -> None:
-    if name.split(":")[0] not in KINDS:
+_CHOICES = {
+    "half_gemm": ("fp32", "native"),
+    "layout": ("as_is", "copy_a", "copy_b"),
+    "few_rows": ("mm", "mv", "swap"),
+    "grouped_mm": ("loop", "torch"),
+}
+
+
+def _check_name(name: str, where: str, choice: str | None = None) -> None:
+    kind = name.split(":")[0]
+    if kind not in KINDS:
         raise ValueError(f"{where}: unknown decision {name!r}; kinds are {KINDS}")
+    if choice is None:
+        return
+    valid = choice in _CHOICES[kind] if kind in _CHOICES else choice.isdigit() and int(choice) > 0
+    if not valid:
+        expected = _CHOICES.get(kind, "a positive int (elements)")
+        raise ValueError(f"{where}: {name}={choice!r} is not a choice of {kind}: {expected}")
 
 
 def _forced_choice(key: str) -> str | None:
@@ -159,17 +179,17 @@ def _forced_choice(key: str) -> str | None:
 def force(choices: Mapping[str, str] | None = None, /, **kinds: str) -> Iterator[None]:
     """Force decisions inside the block: ``force(half_gemm="fp32", layout="as_is")`` or
     ``force({"layout:bf16:nn:m_small": "copy_b"})``; innermost wins, nothing is measured."""
-    table = {**(choices or {}), **kinds}
-    for name in table:
-        _check_name(name, "force")
+    table = {name: str(choice) for name, choice in {**(choices or {}), **kinds}.items()}
+    for name, choice in table.items():
+        _check_name(name, "force", choice)
     with _lock:
-        _forced.append({k: str(v) for k, v in table.items()})
+        _forced.append(table)
         _memo.clear()
     try:
         yield
     finally:
         with _lock:
-            _forced.remove(_forced[-1])
+            del _forced[next(i for i, t in enumerate(_forced) if t is table)]
             _memo.clear()
 
 
