@@ -14,6 +14,10 @@ with more), the least disturbed run on a shared host:
   grouped loop as the layer runs it (group sizes around m, activation rows sliced from one
   buffer, weights rotating out of cache; see ``_gemm_call``). Grid points above
   ``_FLOP_CAP`` are extrapolated from their smaller neighbour at a constant rate.
+* The grouped SwiGLU expert op itself (``torch_moe.nn.functional.grouped_swiglu``, bf16,
+  forward + backward) on a grid of rows per group (1..4096) x D x F
+  (64..4096), measured like the GEMMs (four groups, weights out of cache): the library's
+  bf16 experts as the black box they are, whatever their CPU kernel does inside.
 * Elementwise kernels, each at four log-spaced sizes: the library's own routing
   (``ops.topk_route`` forward / backward), sort (``ops.permute_indices``), permute and
   unpermute (forward / backward), the SwiGLU activation of the grouped kernels (forward /
@@ -323,6 +327,90 @@ def _gemm_call(layout: str, m: int, k: int, n: int, dtype: torch.dtype) -> Calla
                 mm_into(a[s : s + r], b, out[s : s + r])
 
     return call
+
+
+_SW_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+_SW_DIMS = (64, 256, 1024, 4096)
+_SW_ROWS_QUICK = (1, 64)
+_SW_DIMS_QUICK = (64, 256)
+_SW_FLOP_CAP = 1.5e9  # fwd + bwd FLOPs of one measured call (all its groups)
+
+
+def _swiglu_call(m: int, d: int, f: int, backward: bool) -> Callable[[], object]:
+    """The library's grouped SwiGLU op (``torch_moe.nn.functional.grouped_swiglu``) on
+    ``_GROUPS`` groups of about m rows (bf16, routing weights folded in), forward only under
+    ``no_grad`` or forward + backward, the expert weights rotating out of cache."""
+    from torch_moe.nn.functional import grouped_swiglu
+
+    dtype = torch.bfloat16
+    rows = _group_rows(m)
+    offs = torch.tensor([sum(rows[: i + 1]) for i in range(len(rows))], dtype=torch.int32)
+    n = sum(rows)
+    x = torch.full((n, d), 0.01, dtype=dtype, requires_grad=backward)
+    rw = torch.full((n,), 0.5, requires_grad=backward)
+    stack = len(rows) * 3 * f * d * 2
+    pool = int(min(16, max(2, -(-_COLD_BYTES // max(1, stack)))))
+    w13s = [
+        torch.full((len(rows), 2 * f, d), 0.01, dtype=dtype, requires_grad=backward)
+        for _ in range(pool)
+    ]
+    w2s = [
+        torch.full((len(rows), d, f), 0.01, dtype=dtype, requires_grad=backward)
+        for _ in range(pool)
+    ]
+    gy = torch.full((n, d), 0.01, dtype=dtype)
+    state = [0]
+
+    def call() -> None:
+        i = state[0] = (state[0] + 1) % pool
+        if not backward:
+            with torch.no_grad():
+                grouped_swiglu(x, w13s[i], w2s[i], offs, rw)
+            return
+        w13s[i].grad = w2s[i].grad = x.grad = rw.grad = None
+        with torch.enable_grad():
+            grouped_swiglu(x, w13s[i], w2s[i], offs, rw).backward(gy)
+
+    return call
+
+
+def _swiglu_axes(quick: bool) -> tuple[tuple[int, ...], ...]:
+    return (
+        (_SW_ROWS_QUICK, _SW_DIMS_QUICK, _SW_DIMS_QUICK)
+        if quick
+        else (_SW_ROWS, _SW_DIMS, _SW_DIMS)
+    )
+
+
+def _measure_swiglu(mins: _Mins, t: int, quick: bool) -> None:
+    ms, ds, fs = _swiglu_axes(quick)
+    for mode in ("fwdbwd",):  # forward-only steps use the per-GEMM model
+        todo = [
+            (i, j, kk)
+            for i, m in enumerate(ms)
+            for j, d in enumerate(ds)
+            for kk, f in enumerate(fs)
+            if 18.0 * m * d * f * _GROUPS <= _SW_FLOP_CAP
+        ]
+        for idx in range(0, len(todo), 6):
+            batch = todo[idx : idx + 6]
+            fns = [_swiglu_call(ms[i], ds[j], fs[kk], mode == "fwdbwd") for i, j, kk in batch]
+            first = _min_times(fns, 1)
+            for ijk, sec in zip(batch, _min_times(fns, _reps_for(max(first)), warm=False)):
+                mins.put(("swiglu", t, mode, *ijk), sec / _GROUPS)
+
+
+def _swiglu_table(mins: _Mins, t: int, mode: str, quick: bool) -> GemmTable:
+    axes = _swiglu_axes(quick)
+    grid = {k[3:]: v for k, v in mins.items() if k[:3] == ("swiglu", t, mode)}
+    seconds = [
+        _capped(grid, (i, j, kk), axes)
+        for i in range(len(axes[0]))
+        for j in range(len(axes[1]))
+        for kk in range(len(axes[2]))
+    ]
+    ms, ds, fs = (tuple(float(v) for v in a) for a in axes)
+    return GemmTable(ms, ds, fs, tuple(seconds))
 
 
 def _gemm_axes(layout: str, quick: bool) -> tuple[tuple[int, ...], ...]:
@@ -812,6 +900,8 @@ def _measure_compute(threads: tuple[int, ...], quick: bool, passes: int, budget:
                         _measure_gemms(mins, t, layout, key, dtype, quick)
                         if not quick:
                             _measure_overheads(mins, t, quick)
+                _measure_swiglu(mins, t, quick)
+                _measure_overheads(mins, t, quick)
                 _measure_kernels(mins, t, cdt, quick)
                 _measure_overheads(mins, t, quick)
             elapsed = time.perf_counter() - start
@@ -827,6 +917,8 @@ def _measure_compute(threads: tuple[int, ...], quick: bool, passes: int, budget:
         for key in ("bf16", "fp32")
         for layout in LAYOUTS
     }
+    for t in threads:
+        gemm_tables[f"{t}/bf16/swiglu.fwdbwd"] = _swiglu_table(mins, t, "fwdbwd", quick)
     kernel_tables: dict[str, RateTable] = {}
     overheads: dict[str, tuple[float, float]] = {}
     for t in threads:

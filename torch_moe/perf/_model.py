@@ -314,6 +314,30 @@ def _permute(c: _Ctx, rows: float, phase_bwd: bool) -> None:
 
 
 def _experts_bf16(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) -> None:
+    """bf16 experts. On a CPU with the measured grouped-SwiGLU table: the op's measured
+    seconds per group, split over the components in the proportions the per-GEMM model
+    gives them (the total is the measurement); otherwise the per-GEMM model itself."""
+    table = None
+    if c.cpu and c.key == "bf16":
+        mode = "fwdbwd" if phase_bwd else "fwd"
+        table = c.hw.gemm_table(c.threads, "bf16", f"swiglu.{mode}")
+    if table is None:
+        _experts_bf16_parts(c, comp, groups, phase_bwd)
+        return
+    parts = _Ctx(c.w, c.hw, c.host)
+    _experts_bf16_parts(parts, comp, groups, phase_bwd)
+    w = c.w
+    sec = 0.0
+    for lam in groups:
+        p = 1.0 - math.exp(-lam) if lam < 30 else 1.0
+        if p > 0:
+            sec += p * table.increment(lam / p, w.dim, w.hidden_dim)
+    total = sum(o.seconds for o in parts.ops) or 1.0
+    for o in parts.ops:
+        c.ops.append(Op(o.component, sec * c.slow * o.seconds / total, o.flops, o.bytes, o.phase))
+
+
+def _experts_bf16_parts(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) -> None:
     w = c.w
     D, F = w.dim, w.hidden_dim
     El = len(groups)
