@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 import torch
 from bench_ops import (
     DTYPES,
+    add_timing_args,
+    apply_timing_args,
     floor_dtype,
     floor_line,
     floor_size,
@@ -37,7 +39,6 @@ from bench_ops import (
     load_baseline,
     machine_line,
     print_decisions,
-    set_stat,
     square_mm,
 )
 from torch import Tensor, nn
@@ -124,12 +125,9 @@ def main() -> None:
         "warm-up (~100 s a call at the default shapes on such a CPU)",
     )
     p.add_argument("--baseline", metavar="REV", help="also time grouped_swiglu of git REV")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--stat", choices=["median", "min"], default="median", help="over rounds")
+    add_timing_args(p)
     args = p.parse_args()
-    set_stat(args.stat)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    timing = apply_timing_args(args)
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     t, d = args.tokens, args.dim
@@ -141,7 +139,7 @@ def main() -> None:
     rate = gemm_rate(dtype, floor_size(dtype), 3)
     rate32 = gemm_rate(torch.float32, floor_size(torch.float32), 3)
     print(floor_line(args.dtype, dtype, rate, rate32))
-    print(f"# T={t}, D={d}, {args.dtype}, {args.stat} of {args.reps}")
+    print(f"# T={t}, D={d}, {args.dtype}, {timing}")
     if base is not None:
         print(f"# baseline: the layer with grouped_swiglu of {base.rev}")
     floor_mm = square_mm(cdt, floor_size(cdt))

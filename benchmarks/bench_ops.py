@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 STAT: Callable[[list[float]], float] = statistics.median  # --stat min: the best round
+CLOCK: Callable[[], float] = time.perf_counter  # --clock cpu: time.process_time
 
 
 def interleaved(
@@ -65,17 +66,41 @@ def interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     return {name: STAT(ts) for name, ts in times.items()}
 
 
-def set_stat(name: str) -> None:
+def set_stat(name: str, clock: str = "wall") -> None:
     """``median`` (default) or ``min`` over rounds: on a shared machine the best round is
-    the one least disturbed by other processes' load."""
-    global STAT
+    the one least disturbed by other processes' load. ``clock="cpu"``: the process's CPU
+    time instead of wall time, which on one thread leaves out the time other processes
+    hold the core (with several threads it would count their spin-waits: refused)."""
+    global STAT, CLOCK
     STAT = min if name == "min" else statistics.median
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (CPU time sums every thread's spin-waits)")
+    CLOCK = time.process_time if clock == "cpu" else time.perf_counter
+
+
+def add_timing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--stat", choices=["median", "min"], default="median", help="over rounds")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: process CPU time (with --threads 1: robust to other processes' load)",
+    )
+
+
+def apply_timing_args(args: argparse.Namespace) -> str:
+    """Set threads, statistic and clock; returns their description for the header."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    set_stat(args.stat, args.clock)
+    return f"{args.stat} of {args.reps} rounds, {args.clock} clock"
 
 
 def square_mm(dtype: torch.dtype, n: int) -> Callable[[], object]:
@@ -238,13 +263,10 @@ def main() -> None:
         metavar="REV",
         help="also time the grouped_mm / grouped_swiglu ops of this git revision, same rounds",
     )
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--stat", choices=["median", "min"], default="median", help="over rounds")
+    add_timing_args(p)
     p.add_argument("--measure-peak", choices=["ours", "peer"], help=argparse.SUPPRESS)
     args = p.parse_args()
-    set_stat(args.stat)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    timing = apply_timing_args(args)
     if args.measure_peak:
         measure_peak(args)
         return
@@ -263,7 +285,7 @@ def main() -> None:
     bw = copy_bandwidth(args.reps)
     esize = torch.empty((), dtype=dtype).element_size()
     print(floor_line(args.dtype, dtype, rate, rate32) + f"; copy: {bw / 1e9:.2f} GB/s")
-    print(f"# M={m} (T={t}, K={k}), D={d}, F={f}, E={e}, {args.dtype}, {args.stat} of {args.reps}")
+    print(f"# M={m} (T={t}, K={k}), D={d}, F={f}, E={e}, {args.dtype}, {timing}")
     if base is not None:
         print(f"# baseline: grouped_mm / grouped_swiglu of {base.rev}")
     print()
