@@ -473,7 +473,12 @@ def _layout(dtype: torch.dtype, ab: str, cls: str) -> str:
 FEW_ROWS = 16  # up to this many rows (decode: a few tokens per expert) few_rows decides
 
 
-def _measure_few_rows(dtype: torch.dtype, ab: str, rows: int) -> dict[str, float]:
+MatMulInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _measure_few_rows(
+    dtype: torch.dtype, ab: str, rows: int, general: MatMulInto
+) -> dict[str, float]:
     k = n = 1024
     sets = [
         (
@@ -489,7 +494,10 @@ def _measure_few_rows(dtype: torch.dtype, ab: str, rows: int) -> dict[str, float
         def fn() -> None:
             a, b, out = sets[count[0] % len(sets)]
             count[0] += 1
-            few_rows_mm(a, b, out, how)
+            if how == "mm":
+                general(a, b, out)
+            else:
+                few_rows_mm(a, b, out, how)
 
         return fn
 
@@ -497,9 +505,9 @@ def _measure_few_rows(dtype: torch.dtype, ab: str, rows: int) -> dict[str, float
 
 
 def few_rows_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, how: str) -> None:
-    """``out = a @ b`` for a few rows of ``a``: one ``mm`` (``"mm"``), one matrix-vector
-    product per row over ``b``'s transpose (``"mv"``: the weight read as rows, no packing),
-    or ``(b^T @ a^T)^T`` (``"swap"``: the few rows as the GEMM's narrow side)."""
+    """``out = a @ b`` for a few rows of ``a``, in their dtype: one matrix-vector product
+    per row over ``b``'s transpose (``"mv"``: the weight read as it lies, no packing), or
+    ``(b^T @ a^T)^T`` (``"swap"``: the few rows as the GEMM's narrow side)."""
     if how == "mv":
         bt = b.t()
         for r in range(a.shape[0]):
@@ -507,13 +515,15 @@ def few_rows_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, how: str) -
     elif how == "swap":
         out.copy_(torch.mm(b.t(), a.t()).t())
     else:
-        torch.mm(a, b, out=out)
+        raise ValueError(f"few_rows_mm: how must be 'mv' or 'swap', got {how!r}")
 
 
-def few_rows(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> str:
-    """How to multiply ``a`` [m <= FEW_ROWS, k] by ``b`` in ``dtype`` (see
-    :func:`few_rows_mm`): measured per layout pair and row count (rounded up to a power
-    of two); ``"mm"`` unless another way is over 10% faster."""
+def few_rows(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, general: MatMulInto) -> str:
+    """How to multiply ``a`` [m <= FEW_ROWS, k] by ``b``, both in ``dtype``: ``"mm"``,
+    the ``general`` way (one GEMM in the compute dtype: native, or the fp32 upcast, which
+    for a few rows converts a whole weight per call), unless :func:`few_rows_mm`'s ``"mv"``
+    or ``"swap"`` in ``dtype`` itself is over 10% faster; measured per layout pair and row
+    count (rounded up to a power of two)."""
     rows = 1 << max(0, a.shape[0] - 1).bit_length()
     ta, tb = transposed(a), transposed(b)
     memo_key = ("few_rows", dtype, ta, tb, rows)
@@ -522,7 +532,7 @@ def few_rows(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> str:
         ab = layout_of(a, b)
         hit = _memo[memo_key] = decide(
             f"few_rows:{_dt(dtype)}:{ab}:m{rows}",
-            lambda: _measure_few_rows(dtype, ab, rows),
+            lambda: _measure_few_rows(dtype, ab, rows, general),
             default="mm",
             margin=0.1,
         )

@@ -32,8 +32,10 @@ benchmarks/results/ops_cpu_202612.md):
 * layout: an operand is copied into the other layout before a GEMM only where the probe
   found the copy and the multiply faster than the multiply as is (per dtype, layout pair
   and shape class); never where the CPU has no slow layout.
-* few rows (decode: a few tokens per expert): one ``mm``, one matrix-vector product per
-  row (the weight read as it lies, no packing), or the product transposed, as measured.
+* few rows (decode: a few tokens per expert): one GEMM as above, or in the storage dtype
+  one matrix-vector product per row (the weight read as it lies: no packing, and on an
+  upcasting CPU no conversion of a whole weight for one token) or the product
+  transposed, as measured.
 * kernel: ``torch._grouped_mm`` (one C++ loop over the groups, bitwise the same ``mm``
   per group) instead of the Python loop where it is faster, and only where it is
   correct: 16-byte aligned K, N and strides, offs validated here first, rows past
@@ -201,10 +203,18 @@ def mm_cpu(a: Tensor, b: Tensor) -> Tensor:
 def mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
     """``out = a @ b`` with fp32 accumulation and one rounding into ``out``'s dtype."""
     dtype = out.dtype
-    if a.dtype == b.dtype == dtype and (dtype in _FULL or _cpu_native_half(dtype)):
-        if 0 < a.shape[0] <= _cpu_probe.FEW_ROWS and dtype != torch.float64:  # decode
-            _cpu_probe.few_rows_mm(a, b, out, _cpu_probe.few_rows(dtype, a, b))
+    if a.dtype == b.dtype == dtype and 0 < a.shape[0] <= _cpu_probe.FEW_ROWS:  # decode
+        how = "mm" if dtype == torch.float64 else _cpu_probe.few_rows(dtype, a, b, _mm_into)
+        if how != "mm":
+            _cpu_probe.few_rows_mm(a, b, out, how)
             return
+    _mm_into(a, b, out)
+
+
+def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """mm_into with one GEMM in ``cpu_compute_dtype``, operand layouts as measured."""
+    dtype = out.dtype
+    if a.dtype == b.dtype == dtype and (dtype in _FULL or _cpu_native_half(dtype)):
         choice = _layout_choice(dtype, a, b)
         if choice == "copy_a":
             a = _operand(a, dtype, True)
