@@ -406,19 +406,25 @@ def workload_of(
     )
 
 
-def measure_single(
-    configs: list[Config], rounds: int, need: int, budget: float
-) -> dict[str, MoEWorkload]:
-    """Every config's step: the minimum thread CPU time over clean samples (the calibration
-    gate's probe, a small MoE layer step, within 12% of its best and no other runnable
-    process, before and after the step), rounds interleaved in a shuffled order, until each
-    config has ``need`` clean samples or ``rounds`` rounds and then ``budget`` seconds are
-    spent; configs short of clean samples fall back to all samples (flagged). Each sample
-    is the second of two back-to-back steps (warm: the first re-creates the oneDNN
-    primitives the other configs evicted; its time is kept as ``cold``)."""
-    from torch_moe.perf._calibrate import _GATE as gate  # the calibration's gate and its best
+def _normalized(times: list[float], probes: list[float], reference: float) -> float:
+    """The median over samples of ``t * min(1, reference / probe)``: each sample scaled to
+    the calibration's reference state of the host (see ``torch_moe.perf._calibrate._Mins``)."""
+    if not reference > 0:
+        return statistics.median(times)
+    return statistics.median(t * min(1.0, reference / p) for t, p in zip(times, probes))
 
-    gate.max_wait, gate.left = 10.0, math.inf
+
+def measure_single(configs: list[Config], rounds: int, reference: float) -> dict[str, MoEWorkload]:
+    """Every config's step: ``rounds`` samples of the thread's CPU time, rounds interleaved
+    in a shuffled order, each sample the second of two back-to-back steps (warm: the first
+    re-creates the oneDNN primitives the other configs evicted; its time is kept as
+    ``cold``) and started through the calibration's gate (up to 3 s of waiting for an
+    undisturbed core), the gate's probe (a small MoE layer step) timed right before and
+    after it. Reported: the minimum and the median of the raw samples, and the median of
+    the samples scaled to the calibration's reference state (``reference / probe``)."""
+    from torch_moe.perf._calibrate import _GATE as gate  # the calibration's gate
+
+    gate.max_wait, gate.left = 3.0, math.inf
     steps = {}
     workloads = {}
     for i, cfg in enumerate(configs):
@@ -433,42 +439,34 @@ def measure_single(
         cfg.measured["saved"] = saved_bytes(moe, x)
         cfg.measured["peak"] = resident_bytes(moe, x) + peak_memory(moe, x, grad)
         steps[cfg.name] = step
-    clean: dict[str, list[float]] = {c.name: [] for c in configs}
-    every: dict[str, list[float]] = {c.name: [] for c in configs}
+    times: dict[str, list[float]] = {c.name: [] for c in configs}
+    probes: dict[str, list[float]] = {c.name: [] for c in configs}
     cold: dict[str, list[float]] = {c.name: [] for c in configs}
     start = time.perf_counter()
-    r = 0
-    while True:
-        todo = [c for c in configs if len(clean[c.name]) < need]
-        if not todo or (r >= rounds and time.perf_counter() - start > budget):
-            break
-        random.Random(r).shuffle(todo)
-        for cfg in todo:
-            ok = gate.wait()
-            # the first step after other configs runs cold: oneDNN creates its (AMX) GEMM
-            # primitives again for every shape the other layers evicted from its cache
+    for r in range(rounds):
+        order = list(configs)
+        random.Random(r).shuffle(order)
+        for cfg in order:
+            gate.wait()
+            before = gate.last
             t0 = time.thread_time()
             steps[cfg.name]()
             cold[cfg.name].append(time.thread_time() - t0)
             t0 = time.thread_time()
             steps[cfg.name]()
-            dt = time.thread_time() - t0
-            every[cfg.name].append(dt)
-            if ok and gate.ok():
-                clean[cfg.name].append(dt)
-        r += 1
-        done = sum(len(v) >= need for v in clean.values())
+            times[cfg.name].append(time.thread_time() - t0)
+            probes[cfg.name].append(0.5 * (before + gate.probe()))
         print(
-            f"  round {r}: {done}/{len(configs)} configs with {need} clean samples, "
-            f"{time.perf_counter() - start:.0f} s",
+            f"  round {r + 1}/{rounds}: {time.perf_counter() - start:.0f} s",
             file=sys.stderr,
             flush=True,
         )
     for cfg in configs:
-        samples = clean[cfg.name] or every[cfg.name]
-        cfg.measured["time"] = min(samples)
-        cfg.measured["median"] = statistics.median(every[cfg.name])
-        cfg.measured["clean"] = len(clean[cfg.name])
+        t, p = times[cfg.name], probes[cfg.name]
+        cfg.measured["min"] = min(t)
+        cfg.measured["median"] = statistics.median(t)
+        cfg.measured["time"] = _normalized(t, p, reference)
+        cfg.measured["clean"] = sum(q <= 1.12 * reference for q in p)
         cfg.measured["cold"] = min(cold[cfg.name])
     return workloads
 
@@ -510,34 +508,37 @@ def _ep_worker(rank: int, world: int, port: int, rounds: int, out_path: str) -> 
         steps[cfg.name] = step
     from torch_moe.perf._calibrate import _Gate
 
-    gate = _Gate(max_wait=10.0, total_wait=math.inf)
+    gate = _Gate(max_wait=3.0, total_wait=math.inf)
     if rank == 0:
-        gate.settle(5.0)
+        gate.settle(3.0)
     dist.barrier()
     times = torch.zeros(len(configs), rounds, dtype=torch.float64)
-    clean = torch.zeros(len(configs), rounds, dtype=torch.float64)
+    probes = torch.zeros(len(configs), rounds, dtype=torch.float64)
     flag = torch.zeros(1)
     for r in range(rounds):
         for i, cfg in enumerate(configs):
             if rank == 0:  # wait for a quiet host (the other ranks wait in the broadcast)
-                flag[0] = float(gate.wait())
+                gate.wait()
             dist.broadcast(flag, 0)
             steps[cfg.name]()  # warm: see measure_single
             dist.barrier()
             t0 = time.perf_counter()
             steps[cfg.name]()
             times[i, r] = time.perf_counter() - t0
-            clean[i, r] = flag[0] if rank != 0 or gate.ok() else 0.0
+            dist.barrier()
+            if rank == 0:
+                probes[i, r] = 0.5 * (gate.last + gate.probe())
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.all_reduce(clean, op=dist.ReduceOp.MIN)
     if rank == 0:
         res = {}
+        ref = hw.reference_probe
         for i, cfg in enumerate(configs):
-            ok = times[i][clean[i] > 0]
+            t, p = times[i].tolist(), probes[i].tolist()
             res[cfg.name] = dict(
-                time=float((ok if ok.numel() else times[i]).min()),
-                median=float(times[i].median()),
-                clean=int(ok.numel()),
+                time=_normalized(t, p, ref),
+                min=min(t),
+                median=statistics.median(t),
+                clean=sum(q <= 1.12 * ref for q in p),
                 **info[cfg.name],
             )
         link = dataclasses.asdict(hw.intra_link)
@@ -558,7 +559,12 @@ def measure_ep(world: int, rounds: int) -> tuple[list[Config], dict[str, Any]]:
     for cfg in configs:
         r = data["results"][cfg.name]
         cfg.measured.update(
-            time=r["time"], median=r["median"], saved=r["saved"], peak=r["peak"], clean=r["clean"]
+            time=r["time"],
+            min=r["min"],
+            median=r["median"],
+            saved=r["saved"],
+            peak=r["peak"],
+            clean=r["clean"],
         )
     return configs, data["link"]
 
@@ -795,10 +801,8 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds at least")
-    p.add_argument("--need", type=int, default=5, help="clean samples wanted per configuration")
-    p.add_argument("--budget", type=float, default=1800, help="seconds to keep collecting them")
-    p.add_argument("--ep-rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (samples)")
+    p.add_argument("--ep-rounds", type=int, default=7)
     p.add_argument("--skip-ep", action="store_true")
     p.add_argument("--recalibrate", action="store_true", help="ignore the calibration cache")
     p.add_argument("--out", help="write the markdown report here")
@@ -855,7 +859,7 @@ def main() -> None:
                 hw = Hardware.from_json(f.read())
     else:
         print(f"# measuring {len(configs)} single-process configurations", flush=True)
-        for name, w in measure_single(configs, args.rounds, args.need, args.budget).items():
+        for name, w in measure_single(configs, args.rounds, hw.reference_probe).items():
             loads[name] = list(w.routing_skew) if isinstance(w.routing_skew, tuple) else None
         if not args.skip_ep:
             for world in (2, 4):
@@ -909,11 +913,13 @@ def main() -> None:
                 world=cfg.world,
                 tpe=cfg.tokens_per_expert,
                 meas=cfg.measured["time"],
+                raw_min=cfg.measured.get("min", cfg.measured["time"]),
                 median=cfg.measured["median"],
                 clean=cfg.measured.get("clean", 0),
                 cold=cfg.measured.get("cold", math.nan),
                 pred=pr.time,
                 err=err(pr.time, cfg.measured["time"]),
+                err_min=err(pr.time, cfg.measured.get("min", cfg.measured["time"])),
                 meas_mem=cfg.measured["peak"],
                 pred_mem=pr.memory["peak"],
                 mem_err=err(pr.memory["peak"], cfg.measured["peak"]),
@@ -947,21 +953,25 @@ def report(
     head: str,
 ) -> list[str]:
     lines = [head, ""]
+    lines.append("## Every configuration\n")
     lines.append(
-        "## Every configuration (time: min over clean samples; noise = median of all samples / min)\n"
+        "measured: the median of the samples scaled to the calibration's reference state; "
+        "raw min / raw median: unscaled; clean: samples whose probe was within 12% of the "
+        "reference; cold / warm: the first step after other configs over the measured one.\n"
     )
     lines.append(
-        "| config | tok/expert | clean | measured ms | noise | cold / warm | predicted ms | "
-        "error | peak MiB meas | pred | error | saved KiB meas | pred |"
+        "| config | tok/expert | clean | measured ms | raw min | raw median | cold / warm | "
+        "predicted ms | error | error vs raw min | peak MiB meas | pred | error | "
+        "saved KiB meas | pred |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['tpe']:.0f} | {r['clean']} | {r['meas'] * 1e3:.2f} | "
-            f"{r['median'] / r['meas']:.2f} | {r['cold'] / r['meas']:.2f} | "
-            f"{r['pred'] * 1e3:.2f} | {r['err']:+.1%} | "
-            f"{r['meas_mem'] / 2**20:.1f} | {r['pred_mem'] / 2**20:.1f} | {r['mem_err']:+.1%} | "
-            f"{r['meas_saved'] / 1024:.0f} | {r['pred_saved'] / 1024:.0f} |"
+            f"{r['raw_min'] * 1e3:.2f} | {r['median'] * 1e3:.2f} | "
+            f"{r['cold'] / r['raw_min']:.2f} | {r['pred'] * 1e3:.2f} | {r['err']:+.1%} | "
+            f"{r['err_min']:+.1%} | {r['meas_mem'] / 2**20:.1f} | {r['pred_mem'] / 2**20:.1f} | "
+            f"{r['mem_err']:+.1%} | {r['meas_saved'] / 1024:.0f} | {r['pred_saved'] / 1024:.0f} |"
         )
     lines.append("\n## Advisor: pick vs the best measured strategy\n")
     lines.append("| case | measured best | advisor pick | pick's measured / best | within 5% |")
@@ -984,6 +994,8 @@ def report(
     lines.append(f"\nAdvisor within 5% of the measured best: {hits} of {total} cases.")
     lines.append("\n## Errors per regime: step time (target: median <= 10%, p90 <= 25%)\n")
     lines += summary_rows(rows, "err")
+    lines.append("\nThe same against the raw minimum (no scaling):\n")
+    lines += summary_rows(rows, "err_min")
     lines.append("\n## Errors per regime: peak memory (target: within 5%)\n")
     lines += summary_rows(rows, "mem_err")
     return lines

@@ -3,9 +3,10 @@
 Legend: m, k, n GEMM dims (see :mod:`torch_moe.perf._hardware`); T tokens, D dim,
 F hidden dim, E experts, K top-k.
 
-What is measured, per thread count (1 and all cores by default), every figure the minimum
-over interleaved repetitions of the thread's CPU time (with one thread; the wall clock
-with more), the least disturbed run on a shared host:
+What is measured, per thread count (this process's by default), every figure the minimum
+over interleaved repetitions and passes of the thread's CPU time (with one thread; the
+wall clock with more), each batch started through a gate that waits for an undisturbed
+core and scaled by the gate probe's best over its value before the batch (``_Mins``):
 
 * GEMMs: ``torch_moe._ops.grouped_mm.mm_into`` (the per-group primitive of the CPU grouped
   GEMMs and of the SwiGLU kernels, including its fp32 upcast on CPUs without native bf16)
@@ -173,6 +174,7 @@ class _Gate:
 
     def __init__(self, max_wait: float = 0.5, total_wait: float = 8.0, slack: float = 1.12) -> None:
         self.best = math.inf
+        self.last = math.inf  # the probe before the latest batch (see _Mins)
         self.max_wait = max_wait
         self.left = total_wait
         self.slack = slack
@@ -224,8 +226,8 @@ class _Gate:
         deadline = start + min(self.max_wait, self.left)
         good = False
         while True:
-            good = min(self.probe(), self.probe()) <= self.slack * self.best
-            good = good and _runnable() <= _cores()
+            self.last = min(self.probe(), self.probe())
+            good = self.last <= self.slack * self.best and _runnable() <= _cores()
             if good or time.perf_counter() > deadline:
                 break
             time.sleep(0.2)
@@ -270,10 +272,26 @@ def _reps_for(seconds: float, budget: float = 0.01, lo: int = 2, hi: int = 8) ->
 
 
 class _Mins(dict):
-    """key -> the minimum seconds seen over the passes."""
+    """key -> the (seconds, probe seconds before the batch) samples over the passes.
+
+    :meth:`value` is the minimum of ``seconds * best / probe``: each sample scaled to the
+    probe's best state (``best``: the gate probe's minimum over the whole calibration),
+    which removes the part of a slow phase that the gate did not wait out, as far as the
+    probe (a small MoE layer step: GEMMs, elementwise ops, Python) slows like the figure.
+    """
 
     def put(self, key: tuple, value: float) -> None:
-        self[key] = min(value, self.get(key, math.inf))
+        self.setdefault(key, []).append((value, _GATE.last))
+
+    def value(self, key: tuple) -> float:
+        best = _GATE.best
+        return min(
+            t * min(1.0, best / p) if math.isfinite(p) and p > 0 else t for t, p in self[key]
+        )
+
+    def values_where(self, prefix: tuple) -> dict[tuple, float]:
+        n = len(prefix)
+        return {k[n:]: self.value(k) for k in self if k[:n] == prefix}
 
 
 # --------------------------------------------------------------------------------------
@@ -402,7 +420,7 @@ def _measure_swiglu(mins: _Mins, t: int, quick: bool) -> None:
 
 def _swiglu_table(mins: _Mins, t: int, mode: str, quick: bool) -> GemmTable:
     axes = _swiglu_axes(quick)
-    grid = {k[3:]: v for k, v in mins.items() if k[:3] == ("swiglu", t, mode)}
+    grid = mins.values_where(("swiglu", t, mode))
     seconds = [
         _capped(grid, (i, j, kk), axes)
         for i in range(len(axes[0]))
@@ -439,7 +457,7 @@ def _measure_gemms(
 
 def _gemm_table(mins: _Mins, t: int, layout: str, key: str, quick: bool) -> GemmTable:
     axes = _gemm_axes(layout, quick)
-    grid = {k[4:]: v for k, v in mins.items() if k[:4] == ("gemm", t, key, layout)}
+    grid = mins.values_where(("gemm", t, key, layout))
     seconds = [
         _capped(grid, (i, j, kk), axes)
         for i in range(len(axes[0]))
@@ -688,7 +706,7 @@ def _kernel_tables(mins: _Mins, t: int, quick: bool) -> dict[str, RateTable]:
     return {
         f"{t}/{name}": RateTable(
             tuple(float(n) for n in _kernel_sizes(name, quick)),
-            tuple(mins[("kernel", t, name, n)] for n in _kernel_sizes(name, quick)),
+            tuple(mins.value(("kernel", t, name, n)) for n in _kernel_sizes(name, quick)),
         )
         for name in names
     }
@@ -769,7 +787,7 @@ def _overheads(mins: _Mins, t: int, quick: bool) -> dict[str, tuple[float, float
         def probe(
             p: str, e: int, shared: bool = False, cap: bool = False, mode: str = mode
         ) -> float:
-            return mins[("probe", t, p, e, shared, cap, mode)]
+            return mins.value(("probe", t, p, e, shared, cap, mode))
 
         for p in precisions:
             per_group = max(0.0, (probe(p, _PROBE_EXPERTS) - probe(p, 1)) / g)
@@ -947,6 +965,7 @@ def _measure_compute(threads: tuple[int, ...], quick: bool, passes: int, budget:
         host_cores=cores,
         threads=tuple(threads),
         comm_compute_share=1.0,
+        reference_probe=_GATE.best,
         sources={
             "gemm": f"measured: mm_into grid, threads {list(threads)}"
             + (" (quick)" if quick else "")

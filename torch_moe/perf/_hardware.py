@@ -240,6 +240,8 @@ class Hardware:
         host_cores: CPU cores that the ranks on one host share (None for GPUs).
         threads: thread counts the CPU tables were measured with.
         comm_compute_share: fraction of communication time that occupies compute.
+        reference_probe: CPU: seconds of the calibration gate's probe (a small MoE layer
+            step) in the state every measured figure was scaled to (0: not recorded).
         sources: field -> where its numbers come from.
         fingerprint: the machine / versions the measurements belong to.
     """
@@ -262,6 +264,7 @@ class Hardware:
     host_cores: int | None = None
     threads: tuple[int, ...] = ()
     comm_compute_share: float = 0.0
+    reference_probe: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     fingerprint: dict[str, str] = field(default_factory=dict)
 

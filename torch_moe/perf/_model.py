@@ -27,7 +27,10 @@ Costs (each op's seconds):
   runs nothing: with ``lam_g`` expected rows, it runs with probability ``1 - exp(-lam_g)``
   on ``lam_g / (1 - exp(-lam_g))`` rows); a GPU runs one grouped kernel: its rows
   padded to the tile per group, at the measured or datasheet rate, or its operand bytes
-  over the memory bandwidth, whichever is slower (roofline).
+  over the memory bandwidth, whichever is slower (roofline). The bf16 experts of a
+  training step on a CPU use the measured grouped-SwiGLU op table instead (the same sum
+  over groups), split over the GEMM and activation components in the proportions of the
+  per-GEMM model above.
 * Elementwise ops (casts, routing, sort, permute, unpermute, activation, quantize): the
   measured kernel tables of the CPU per call, or bytes over bandwidth on a GPU.
 * Overheads: the measured fixed and per-group host cost (CPU), kernel launches (GPU).
