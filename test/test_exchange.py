@@ -230,19 +230,30 @@ def check_bad_input(test, size, rank):
     with test.assertRaisesRegex(ValueError, "as many outputs as inputs .* 2 outputs and 1"):
         all_to_all_segments([x, x], [x], none, none)
     with test.assertRaisesRegex(
-        ValueError, r"in_segments must have one list per rank .*\(3\), got 2"
+        ValueError, rf"in_segments must have one list per rank .*\({size}\), got 2"
     ):
         all_to_all_segments([x], [x], none, none[:2])
+    with test.assertRaisesRegex(
+        ValueError, rf"out_segments must have one list per rank .*\({size}\), got 1"
+    ):
+        all_to_all_segments([x], [x], none[:1], none)
+    with test.assertRaisesRegex(ValueError, r"match its input in .* row shape.*\(4, 3\)"):
+        all_to_all_segments([torch.zeros(4, 3)], [x], none, none)
     with test.assertRaisesRegex(ValueError, "match its input in dtype.*torch.float64"):
         all_to_all_segments([x.double()], [x], none, none)
     with test.assertRaisesRegex(ValueError, "must be contiguous"):
         square = torch.zeros(3, 3)
         all_to_all_segments([square], [square.t()], none, none)
-    bad = [[], [(3, 2)], []]
+    bad = [[] for _ in range(size)]
+    bad[1] = [(3, 2)]
     with test.assertRaisesRegex(
         ValueError, r"in_segments\[1\] .*\(start=3, length=2\) outside the 4 rows"
     ):
         all_to_all_segments([x], [x], none, bad)
+    with test.assertRaisesRegex(
+        ValueError, r"out_segments\[1\] .*\(start=3, length=2\) outside the 4 rows"
+    ):
+        all_to_all_segments([x], [x], bad, none)
     mine = [[] for _ in range(size)]
     mine[rank] = [(0, 2)]
     theirs = [[] for _ in range(size)]
