@@ -10,9 +10,9 @@ measured on one machine decides: each choice is timed on the running machine the
 time a kernel needs it.
 
 A probe times every candidate on small operands of the shape class at hand, on one
-thread (candidates interleaved within a round, the minimum over a few rounds: on a shared
-machine a multi-threaded timing swings with other processes' load, one thread's best
-round does not), and keeps the default unless an alternative is faster by a margin, so
+thread and in that thread's CPU time (candidates interleaved within a round, the minimum
+over a few rounds: on a shared machine a multi-threaded wall-clock timing swings with
+other processes' load, one thread's CPU time hardly does), and keeps the default unless an alternative is faster by a margin, so
 that near-ties do not flip between runs. A probe takes a few to a few tens of
 milliseconds (``_PROBE_BUDGET_S`` bounds its rounds); its result is cached per process
 and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the machine
@@ -260,19 +260,32 @@ def time_candidates(
     candidates: Mapping[str, Callable[[], object]], budget_s: float = _PROBE_BUDGET_S
 ) -> dict[str, float]:
     """Min seconds per call of each candidate: one warm-up call each, then rounds (each
-    candidate once per round) until ``_MAX_ROUNDS`` or ``budget_s`` (at least two rounds)."""
+    candidate once per round) until ``_MAX_ROUNDS`` or ``budget_s`` of wall time (at
+    least two rounds). Timed in the calling thread's CPU time (probes run on one thread):
+    the time other processes hold the core is not counted."""
     for fn in candidates.values():
         fn()
     best = dict.fromkeys(candidates, float("inf"))
     start = time.perf_counter()
     for rnd in range(_MAX_ROUNDS):
         for name, fn in candidates.items():
-            t0 = time.perf_counter()
+            t0 = _clock()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], _clock() - t0)
         if rnd >= 1 and time.perf_counter() - start > budget_s:
             break
     return best
+
+
+def _clock() -> float:
+    return time.thread_time() if _THREAD_CLOCK else time.perf_counter()
+
+
+try:  # the thread's CPU time where the OS has a per-thread clock
+    time.thread_time()
+    _THREAD_CLOCK = torch.get_num_threads() > 0
+except (AttributeError, OSError):  # pragma: no cover
+    _THREAD_CLOCK = False
 
 
 def pick(times: Mapping[str, float], default: str, margin: float) -> str:
