@@ -6,6 +6,7 @@ is quantized with its own recipe entry. The CUDA branches only launch what these
 """
 
 import importlib
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -155,6 +156,51 @@ class TestCudaLogicOnCPU(TestCase):
         got = S.jagged_slot_index(first, last, block)
         self.assertEqual(got.tolist(), want)
         self.assertEqual(got.dtype, torch.int64)
+
+    def test_select_reads_the_operands(self):
+        """_select hands gemm_kernel the device, k = a's columns, n = b's last dim and the
+        capability of a's device (CUDA tensors stood in for by their device and shape)."""
+        g = RECIPES["fp8_rowwise"].forward
+        cuda = torch.device("cuda", 0)
+        a = SimpleNamespace(device=cuda, shape=(64, 128))
+        for n, capability in ((256, (9, 0)), (40, (9, 0)), (256, (10, 0))):
+            b = SimpleNamespace(device=cuda, shape=(4, 128, n))
+            with mock.patch.object(torch.cuda, "get_device_capability", return_value=capability):
+                got = S._select(g, a, b, torch.bfloat16)
+            self.assertEqual(got, S.gemm_kernel(g, 128, n, torch.bfloat16, "cuda", capability))
+        self.assertEqual(
+            S._select(g, torch.zeros(4, 128), torch.zeros(2, 128, 256), torch.bfloat16), "emulate"
+        )
+
+    def test_dispatch_passes_the_operands_through(self):
+        """Whichever kernel is chosen, the GEMM runner calls it with the operands, offs, the
+        GEMM's recipe entry and the output dtype unchanged (the CUDA branches only launch)."""
+        x, w, offs = torch.randn(6, 32), torch.randn(2, 32, 16), _offs([2, 4])
+        dy = torch.randn(6, 16)
+        g = RECIPES["fp8_rowwise"].forward
+        for kernel, fn in (("torch", "_torch_gemm"), ("triton", "_kernel_gemm")):
+            with (
+                mock.patch.object(S, "_select", return_value=kernel),
+                mock.patch.object(S, fn, return_value="sentinel") as called,
+            ):
+                self.assertEqual(S._run_gemm(x, w, offs, g, torch.float32), "sentinel")
+            args = called.call_args.args
+            self.assertIs(args[0], x)
+            self.assertIs(args[1], w)
+            self.assertIs(args[2], offs)
+            self.assertIs(args[3], g)
+            if kernel == "triton":
+                self.assertIs(args[4], torch.float32)
+        gw = RECIPES["fp8_blockwise"].wgrad
+        with (
+            mock.patch.object(S, "wgrad_kernel", return_value="triton") as choose,
+            mock.patch.object(S, "_kernel_wgrad", return_value="sentinel") as called,
+        ):
+            self.assertEqual(S._run_wgrad(x, dy, offs, gw, torch.float32), "sentinel")
+        self.assertEqual(choose.call_args.args, (gw, "cpu"))
+        self.assertEqual(len(called.call_args.args), 5)
+        for got, want in zip(called.call_args.args, (x, dy, offs, gw, torch.float32)):
+            self.assertIs(got, want)
 
 
 instantiate_parametrized_tests(TestCudaLogicOnCPU)

@@ -192,6 +192,10 @@ class TestGroupedMM(TestCase):
             grouped_mm(x, w, torch.tensor([4, 6], dtype=torch.int32))
         with self.assertRaisesRegex(ValueError, r"offs must be non-decreasing"):
             grouped_mm_wgrad(x, torch.randn(10, 2), torch.tensor([4, 2, 9], dtype=torch.int32))
+        with self.assertRaisesRegex(
+            ValueError, r"^grouped_mm_wgrad: expected offs to be 1D int32, got 1D torch.int64"
+        ):
+            grouped_mm_wgrad(x, torch.randn(10, 2), torch.tensor([4, 6, 7]))
 
     def test_bad_operands(self):
         offs = torch.tensor([2, 4], dtype=torch.int32)

@@ -223,6 +223,10 @@ class TestGroupedSwiGLU(TestCase):
     def test_bad_inputs(self):
         x, w13, w2, offs = _inputs([2, 3], 8, 4, torch.float32)
         with self.assertRaisesRegex(
+            ValueError, r"expected x \[M, D\], w13 \[E, 2F, D\], w2 \[E, D, F\], got 3D, 3D, 3D"
+        ):
+            grouped_swiglu(x.detach().unsqueeze(0), w13, w2, offs)
+        with self.assertRaisesRegex(
             ValueError,
             r"w2 must be \[E, D, F\] = \[2, 8, 4\] to match w13 \[2, 8, 8\], got \[2, 8, 5\]",
         ):

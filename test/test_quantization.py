@@ -1,6 +1,7 @@
 # Owner(s): ["module: moe"]
 """Tests for torch_moe.quantization: FP8 / MXFP8 reference quantizers and scaled_grouped_mm."""
 
+import importlib
 import itertools
 import math
 
@@ -31,6 +32,8 @@ from torch_moe.quantization import (
     quantize_mx,
     scaled_grouped_mm,
 )
+
+S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
 
 # Accuracy figures, not the correctness test: correctness is exactness against the naive
 # dequantization (test_scaled_grouped_mm: the ops over quantized operands within the fp32
@@ -350,15 +353,29 @@ def _operand64(t, op, along_rows, offs=None):
     return naive.fake_quantize(t, ids, op.fmt, op.scale_rule)
 
 
+# recipes no registered one is: operands in different formats, blocks or granularities, so
+# that none of their GEMMs decomposes into quantize ops + scaled_grouped_mm
+CUSTOM_RECIPES = {
+    "mixed_blocks": "forward=fp8:128x128*fp8:128x128;dgrad=fp8:1x-1*fp8:1x128;"
+    "wgrad=fp8:-1x-1*fp8:1x-1",
+    "mixed_formats": "forward=mx:1x32:rceil*fp8:1x32;dgrad=fp8:1x32*mx:1x32:floor;"
+    "wgrad=fp8:1x128*fp8:1x32",
+}
+
+
 class TestRecipeEmulation(TestCase):
     """quantized_grouped_mm, _dgrad and _wgrad (the CPU emulation every kernel must equal)
     against the recipe written out in the test: quantize per block (naive.fake_quantize),
     dequantize, float64 GEMM per group; within the fp32 accumulation bound (tolerances.py),
     so a wrong block, a block crossing a group end or a 1% scale error fails."""
 
-    @parametrize("recipe", list(RECIPES))
+    @parametrize("recipe", [*RECIPES, *CUSTOM_RECIPES])
     def test_ops_equal_the_recipe_definition(self, recipe):
-        r = RECIPES[recipe]
+        r = get_recipe(CUSTOM_RECIPES.get(recipe, recipe))
+        recipe = r.op_arg()
+        if recipe not in RECIPES:  # the custom ones take the non-decomposed emulation
+            self.assertFalse(any(S.decomposable(g) for g in (r.forward, r.dgrad)))
+            self.assertFalse(S.decomposable_wgrad(r.wgrad))
         offs = make_offs(JAGGED_SIZES)
         self.assertGreaterEqual(max(JAGGED_SIZES), 2 * 128 + 1)  # three 128-row blocks
         self.assertGreaterEqual(77, 2 * 32 + 1)  # three 32-row blocks
@@ -398,6 +415,79 @@ class TestRecipeEmulation(TestCase):
         products = naive.grouped_mm_wgrad64(x64.abs(), dy64.abs(), offs)
         bound = tolerances.gemm_bound(products, max(JAGGED_SIZES), exact, f32, f32)
         tolerances.assert_within(self, got, exact, bound, f"{recipe} wgrad")
+
+    @parametrize("recipe", ["fp8_blockwise", "mxfp8", "fp8_tensorwise"])
+    def test_references_equal_the_definition(self, recipe):
+        """The plain-PyTorch references of the two ops over quantized operands (the oracles
+        of the CUDA kernels) against naive.py's dequantization and float64 GEMM."""
+        r = RECIPES[recipe]
+        offs = make_offs([9, 0, 1, 40])
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(53, 64, generator=g)
+        w = torch.randn(4, 64, 32, generator=g) / 8
+        dy = torch.randn(53, 32, generator=g)
+        qa, sa = S.quantize_lhs(x, r.forward.lhs)
+        qb, sb = S.quantize_rhs(w, r.forward.rhs)
+        blocks = (r.forward.lhs.inner, r.forward.rhs.outer)
+        got = S.scaled_grouped_mm_reference(qa, qb, sa, sb, offs, *blocks, torch.bfloat16)
+        self.assertEqual(got.dtype, torch.bfloat16)
+        a64 = naive.dequantize_blocks(qa, sa, r.forward.lhs.outer, r.forward.lhs.inner)
+        b64 = torch.stack(
+            [naive.dequantize_blocks(qb[i], sb[i], r.forward.rhs.inner, r.forward.rhs.outer)
+             for i in range(4)]
+        )  # fmt: skip
+        exact = naive.grouped_mm64(a64, b64, offs)
+        products = naive.grouped_mm64(a64.abs(), b64.abs(), offs)
+        bound = tolerances.gemm_bound(products, 64, exact, torch.float32, torch.bfloat16)
+        tolerances.assert_within(self, got, exact, bound, f"{recipe} reference")
+        op = r.wgrad.lhs
+        (qx, sx), (qdy, sdy) = (S.quantize_wgrad_operand(t, offs, op) for t in (x, dy))
+        got = S.scaled_grouped_mm_wgrad_reference(qx, qdy, sx, sdy, offs, op.inner, torch.float32)
+        x64 = naive.dequantize_jagged(qx, sx, offs, op.inner)
+        dy64 = naive.dequantize_jagged(qdy, sdy, offs, op.inner)
+        exact = naive.grouped_mm_wgrad64(x64, dy64, offs)
+        products = naive.grouped_mm_wgrad64(x64.abs(), dy64.abs(), offs)
+        bound = tolerances.gemm_bound(products, 40, exact, torch.float32, torch.float32)
+        tolerances.assert_within(self, got, exact, bound, f"{recipe} wgrad reference")
+
+    def test_backward_of_one_input(self):
+        """Only x, or only w, requires grad: that one gradient, equal to the dgrad / wgrad
+        op's, and none for the other."""
+        offs = make_offs([5, 0, 12])
+        x, w, dy = torch.randn(19, 64), torch.randn(3, 64, 32) / 8, torch.randn(19, 32)
+        ops = torch.ops.torch_moe
+        for needs in ("x", "w"):
+            xs, ws = x.clone().requires_grad_(needs == "x"), w.clone().requires_grad_(needs == "w")
+            ops.quantized_grouped_mm(xs, ws, offs, "mxfp8").backward(dy)
+            if needs == "x":
+                self.assertIsNone(ws.grad)
+                want = ops.quantized_grouped_mm_dgrad(dy, w, offs, "mxfp8")
+                self.assertEqual(xs.grad, want, atol=0, rtol=0)
+            else:
+                self.assertIsNone(xs.grad)
+                want = ops.quantized_grouped_mm_wgrad(x, dy, offs, "mxfp8")
+                self.assertEqual(ws.grad, want, atol=0, rtol=0)
+
+    def test_dgrad_and_wgrad_errors(self):
+        ops = torch.ops.torch_moe
+        offs = make_offs([3, 5])
+        x, w, dy = torch.randn(8, 32), torch.randn(2, 32, 16), torch.randn(8, 16)
+        with self.assertRaisesRegex(
+            ValueError, r"^quantized_grouped_mm_dgrad: dy is \[M, N=12\] but w is \[E, K=32, N=16\]"
+        ):
+            ops.quantized_grouped_mm_dgrad(dy[:, :12], w, offs, "fp8_rowwise")
+        with self.assertRaisesRegex(ValueError, "^quantized_grouped_mm_dgrad: unknown"):
+            ops.quantized_grouped_mm_dgrad(dy, w, offs, "fp4")
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^quantized_grouped_mm_wgrad: expected x \[M, K\] and dy \[M, N\] with the same M, "
+            r"got \[8, 32\] and \[7, 16\]",
+        ):
+            ops.quantized_grouped_mm_wgrad(x, dy[:7], offs, "fp8_rowwise")
+        with self.assertRaisesRegex(TypeError, "^quantized_grouped_mm_wgrad: expected x and dy"):
+            ops.quantized_grouped_mm_wgrad(x, dy.double(), offs, "fp8_rowwise")
+        with self.assertRaisesRegex(ValueError, "^quantized_grouped_mm_wgrad: unknown"):
+            ops.quantized_grouped_mm_wgrad(x, dy, offs, "fp4")
 
 
 instantiate_parametrized_tests(TestScaledGroupedMM)

@@ -13,6 +13,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_moe  # noqa: F401
+from torch_moe._ops import routing as _routing
 from torch_moe.ops import topk_route
 
 CONFIGS = {
@@ -68,6 +69,24 @@ class TestTopKRoute(TestCase):
         self.assertEqual(w.dtype, torch.float32)
         self.assertEqual(ids, ref_ids)
         self.assertEqual(w, ref_w.float(), atol=1e-6, rtol=1e-5)
+
+    @parametrize("impl", ["op", "reference"])
+    def test_tiny_weights_and_one_group(self, impl):
+        """route_norm's +1e-20 matters when the weights themselves are ~1e-20 (sigmoid of
+        logits near -46); one expert group keeps every expert (plain top-k). The op and its
+        plain-PyTorch reference (the oracle of faster kernels) against the float64 loop."""
+        fn = topk_route if impl == "op" else _routing.topk_route_reference
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(9, 6, generator=g, dtype=torch.float64) - 46.0
+        for kw in (
+            dict(score_func="sigmoid", route_norm=True),
+            dict(score_func="softmax", num_expert_groups=1, num_limited_groups=1),
+        ):
+            w, ids, counts = fn(logits, 2, **kw)
+            ref_w, ref_ids, ref_counts = naive.route(logits, 2, **kw)
+            self.assertEqual(ids, ref_ids)
+            self.assertEqual(counts, ref_counts)
+            self.assertEqual(w, ref_w, atol=0, rtol=1e-12)
 
     def test_single_expert(self):
         w, ids, counts = topk_route(torch.randn(5, 1), 1)

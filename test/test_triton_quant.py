@@ -7,6 +7,7 @@ compiled; the static checks compile them for sm_90a without a GPU (wgmma, regist
 """
 
 import importlib
+from unittest import mock
 
 import naive
 import tolerances
@@ -253,6 +254,20 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
                     rows = index >= 0
                     self.assertTrue(torch.equal(_bits(q)[rows], _bits(rq)[index[rows]]))
                     self.assertTrue(torch.equal(_bits(q)[~rows], torch.zeros_like(_bits(q)[~rows])))
+
+    def test_kernel_operands_long_blocks(self):
+        """Blocks too long for one program (here: made so) go through the torch quantize op
+        into the same K-major buffers: still the reference quantizers' operands."""
+        g = torch.Generator().manual_seed(10)
+        a, b = torch.randn(9, 64, generator=g), torch.randn(2, 64, 16, generator=g)
+        r = RECIPES["fp8_rowwise"].forward
+        with mock.patch.object(TQ, "supports", return_value=False):
+            qa, qb, sa, sb = S._kernel_operands(a, b, r.lhs, r.rhs)
+        rqa, rsa = S.quantize_lhs(a, r.lhs)
+        rqb, rsb = S.quantize_rhs(b, r.rhs)
+        self.assertEqual(qb.stride(-2), 1, msg="B K-major")
+        for got, want in ((qa, rqa), (qb, rqb), (sa, rsa), (sb, rsb)):
+            self.assertTrue(torch.equal(_bits(got), _bits(want.reshape(got.shape))))
 
     def test_blocks(self):
         self.check_blocks(37, 160, torch.float32)
