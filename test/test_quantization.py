@@ -361,6 +361,8 @@ CUSTOM_RECIPES = {
     "mixed_formats": "forward=mx:1x32:rceil*fp8:1x32;dgrad=fp8:1x32*mx:1x32:floor;"
     "wgrad=fp8:1x128*fp8:1x32",
 }
+# and one that does decompose, with MX blocks of 64 (not the default 32)
+MX64 = "forward=mx:1x64:floor*mx:1x64:floor;dgrad=mx:1x32:rceil*mx:1x32:rceil;wgrad=mx:1x64:floor*mx:1x64:floor"
 
 
 class TestRecipeEmulation(TestCase):
@@ -369,11 +371,10 @@ class TestRecipeEmulation(TestCase):
     dequantize, float64 GEMM per group; within the fp32 accumulation bound (tolerances.py),
     so a wrong block, a block crossing a group end or a 1% scale error fails."""
 
-    @parametrize("recipe", [*RECIPES, *CUSTOM_RECIPES])
+    @parametrize("recipe", [*RECIPES, *CUSTOM_RECIPES, "mx64"])
     def test_ops_equal_the_recipe_definition(self, recipe):
-        r = get_recipe(CUSTOM_RECIPES.get(recipe, recipe))
-        recipe = r.op_arg()
-        if recipe not in RECIPES:  # the custom ones take the non-decomposed emulation
+        r = get_recipe(CUSTOM_RECIPES.get(recipe, MX64 if recipe == "mx64" else recipe))
+        if recipe in CUSTOM_RECIPES:  # these take the non-decomposed emulation
             self.assertFalse(any(S.decomposable(g) for g in (r.forward, r.dgrad)))
             self.assertFalse(S.decomposable_wgrad(r.wgrad))
         offs = make_offs(JAGGED_SIZES)
@@ -382,7 +383,8 @@ class TestRecipeEmulation(TestCase):
         self.assertIn(0, JAGGED_SIZES)
         self.assertIn(1, JAGGED_SIZES)
         g = torch.Generator().manual_seed(7)
-        m, k, n, e = int(offs[-1]) + 3, 64, 96, len(JAGGED_SIZES)
+        recipe = r.op_arg()
+        m, k, n, e = int(offs[-1]) + 3, 64, 128, len(JAGGED_SIZES)
         # rows over six binades: per-row and per-block scales differ from per-tensor ones
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(4).exp()
         w = torch.randn(e, k, n, generator=g) / 8
@@ -449,6 +451,39 @@ class TestRecipeEmulation(TestCase):
         products = naive.grouped_mm_wgrad64(x64.abs(), dy64.abs(), offs)
         bound = tolerances.gemm_bound(products, 40, exact, torch.float32, torch.float32)
         tolerances.assert_within(self, got, exact, bound, f"{recipe} wgrad reference")
+
+    def test_jagged_and_wgrad_errors(self):
+        """The messages name the function, the argument and its value."""
+        from torch_moe.quantization import quantize as Q
+
+        x = torch.randn(40, 64)
+        offs = make_offs([10, 30])
+        with self.assertRaisesRegex(
+            ValueError, r"^quantize_jagged: scale_dtype must be .*, got torch.float16"
+        ):
+            Q.quantize_jagged_reference(x, offs, block=32, fmt="mx", scale_dtype=torch.float16)
+        # fp8 scales are float32 whatever scale_dtype says (documented)
+        _, s = Q.quantize_jagged_reference(x, offs, block=32, fmt="fp8", scale_dtype=torch.uint8)
+        self.assertEqual(s.dtype, torch.float32)
+        with self.assertRaisesRegex(
+            TypeError,
+            r"^dequantize_jagged: expected q to be torch.float8_e4m3fn, got torch.float32",
+        ):
+            Q.dequantize_jagged_reference(x, s, offs, block=32)
+        q, s = Q.quantize_jagged_reference(x, offs, block=32)
+        wgrad = torch.ops.torch_moe.scaled_grouped_mm_wgrad
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^scaled_grouped_mm_wgrad: expected a \[M, K\] and b \[M, N\] .* with the same M, "
+            r"got \[40, 64\] torch.float8_e4m3fn and \[39, 32\]",
+        ):
+            wgrad(q, q[:39, :32], s, s[:, :32], offs, 32, torch.float32)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^scaled_grouped_mm_wgrad: expected fp32 \(or uint8 E8M0\) scales of one dtype, "
+            r"got torch.float32 and torch.uint8",
+        ):
+            wgrad(q, q, s, s.to(torch.uint8), offs, 32, torch.float32)
 
     def test_backward_of_one_input(self):
         """Only x, or only w, requires grad: that one gradient, equal to the dgrad / wgrad
