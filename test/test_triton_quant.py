@@ -161,6 +161,15 @@ def emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs):
     return naive.grouped_mm64(a64, b64, offs), naive.grouped_mm64(a64.abs(), b64.abs(), offs)
 
 
+def fake_scaled_grouped_mm(qa, qb, sa, sb, offs, out_dtype):
+    """torch._scaled_grouped_mm on CPU for the test: the fp32 grouped GEMM of the dequantized
+    operands, rounded to ``out_dtype``, rows past the last group left NaN (unwritten)."""
+    exact, _ = emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs)
+    out = exact.to(out_dtype)
+    out[int(offs[-1]) :] = float("nan")
+    return out
+
+
 class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
     """Interpreted kernels, bit for bit against the references (fp32 and bf16 inputs)."""
 
@@ -198,6 +207,15 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
                     ref = S._emulate_gemm(a.float(), b.float(), offs, gq, torch.float32)
                     bound = tolerances.gemm_bound(products, k, exact, torch.float32, F32)
                     tolerances.assert_within(self, ref, exact, bound, name)
+                    # the launch itself (S._torch_gemm) with torch's op replaced by its
+                    # emulation, leaving the rows past offs[-1] NaN (torch does not write them)
+                    with mock.patch.object(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm):
+                        got = S._torch_gemm(a, b, offs, gq)
+                    self.assertEqual(got.dtype, torch.bfloat16)
+                    end = int(offs[-1])
+                    self.assertTrue(torch.equal(got[end:], torch.zeros_like(got[end:])))
+                    bf16_bound = tolerances.gemm_bound(products, k, exact, F32, torch.bfloat16)
+                    tolerances.assert_within(self, got, exact, bf16_bound, f"{name} launch")
         # not for: other recipes, fp32 outputs, K or N not a multiple of 16
         bw = RECIPES["fp8_blockwise"].forward
         rw = RECIPES["fp8_rowwise"].forward
