@@ -132,8 +132,8 @@ def _grad_sync(w: MoEWorkload, hw: Hardware, world: int, gpus_per_node: int) -> 
     if dp <= 1:
         return 0.0
     nbytes = w.local_experts * 3 * w.hidden_dim * w.dim * w.element_size
-    inter = world > gpus_per_node and w.ep < gpus_per_node * max(1, world // gpus_per_node)
-    link = hw.link(inter or dp > gpus_per_node)
+    # a rank's replicas are R ranks apart: on other nodes once the world spans nodes
+    link = hw.link(world > gpus_per_node, ranks_on_host=min(world, gpus_per_node))
     return 2 * (dp - 1) / dp * nbytes / link.bandwidth + 2 * (dp - 1) * link.latency
 
 
