@@ -14,9 +14,18 @@ without warm-up (their backward takes oneDNN's emulated row-major x row-major pa
 otherwise in the same rounds as torch_moe. ``--baseline REV`` times the layer with the
 ``grouped_swiglu`` of git revision REV in the same rounds too (before / after).
 
+``--decode`` times the layer's decode steps instead: ``MoE`` forward under
+``torch.inference_mode()`` for T = 1 ... 256 tokens at Qwen3-30B-A3B-like experts (D=2048,
+F=768, E=128, K=8; 1.1 GiB of bf16 experts, past any cache), fresh tokens every step,
+against the weight-read floor: the bytes of the distinct experts the step routes to (and
+the router's) over the read bandwidth of a large GEMV (``torch.mv`` over a matrix well
+past the last-level cache) measured in the same run. (benchmarks/bench_decode.py times
+the experts alone against the same floor, next to peers.)
+
     python benchmarks/bench_moe_layer.py                  # the issue's three shapes, bf16
     python benchmarks/bench_moe_layer.py --tokens 512     # quicker
-    python benchmarks/bench_moe_layer.py --baseline HEAD~3 --threads 1
+    python benchmarks/bench_moe_layer.py --baseline HEAD~3 --threads 1 --clock cpu
+    python benchmarks/bench_moe_layer.py --decode --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -24,8 +33,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import statistics
+import types
 from collections.abc import Callable, Iterator
 
+import bench_ops
 import torch
 from bench_ops import (
     DTYPES,
@@ -108,6 +120,79 @@ def saved_bytes_per_token(module: nn.Module, x: Tensor) -> float:
     return sum(seen.values()) / (x.numel() // x.shape[-1])
 
 
+def gemv_bandwidth(dtype: torch.dtype, dim: int, reps: int) -> float:
+    """Bytes/s of ``torch.mv`` over a [N, dim] matrix of 1 GiB (past the last-level cache
+    of the CPUs measured here), median of ``reps`` calls (bench_ops' clock)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    w = torch.randn(2**30 // (dim * esize), dim).to(dtype)
+    v = torch.randn(dim).to(dtype)
+    sec = interleaved({"mv": lambda: torch.mv(w, v)}, reps)["mv"]
+    return w.numel() * esize / sec
+
+
+def decode(args: argparse.Namespace, base: types.SimpleNamespace | None) -> None:
+    """MoE decode steps under inference_mode against the weight-read floor."""
+    dtype = DTYPES[args.dtype]
+    d, f, e, k = 2048, 768, 128, 8
+    esize = torch.empty((), dtype=dtype).element_size()
+    expert_bytes, router_bytes = 3 * f * d * esize, e * d * esize
+    bw = gemv_bandwidth(dtype, d, 5)
+    print(f"# GEMV read bandwidth (torch.mv over 1 GiB): {bw / 1e9:.2f} GB/s")
+    print(f"# decode: D={d}, F={f}, E={e}, K={k}, {args.dtype}, {args.reps} steps per T\n")
+    torch.manual_seed(0)
+    moe = MoE(d, f, e, k, route_norm=True, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    who = ["ours"] + (["base"] if base is not None else [])
+    head = "| T | step ms | experts read | floor ms | x floor |"
+    head += " baseline x floor |" if base is not None else ""
+    rows = []
+    with torch.inference_mode():
+        for t in [1, 2, 4, 8, 16, 32, 64, 128, 256]:
+            ratios: dict[str, list[float]] = {name: [] for name in who}
+            steps, floors, hits = [], [], []
+            for i in range(args.reps + 2):  # two warm-up steps
+                x = torch.randn(t, d, generator=gen).to(dtype)
+                hit = int((moe.router(x)[2] > 0).sum())
+                floor = (hit * expert_bytes + router_bytes) / bw
+                for name in who:
+                    swap: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+                    if name == "base" and base is not None:
+                        swap = swapped_swiglu(base.grouped_swiglu)
+                    with swap:
+                        t0 = bench_ops.CLOCK()
+                        moe(x)
+                        sec = bench_ops.CLOCK() - t0
+                    if i >= 2:
+                        ratios[name].append(sec / floor)
+                        if name == "ours":
+                            steps.append(sec)
+                            floors.append(floor)
+                            hits.append(hit)
+            row = [
+                str(t),
+                f"{statistics.median(steps) * 1e3:.2f}",
+                f"{statistics.median(hits):.0f}",
+                f"{statistics.median(floors) * 1e3:.2f}",
+                f"{statistics.median(ratios['ours']):.2f}",
+            ]
+            if base is not None:
+                row.append(f"{statistics.median(ratios['base']):.2f}")
+            rows.append(row)
+            print(f"# done T={t}", flush=True)
+    print()
+    print_decisions()
+    print(machine_line())
+    print()
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(
+        "\nx floor: median over steps of step time / ((distinct experts read x 3*D*F + E*D) "
+        "* 2 bytes / GEMV read bandwidth); fresh tokens every step"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -125,6 +210,7 @@ def main() -> None:
         "warm-up (~100 s a call at the default shapes on such a CPU)",
     )
     p.add_argument("--baseline", metavar="REV", help="also time grouped_swiglu of git REV")
+    p.add_argument("--decode", action="store_true", help="time decode steps instead (doc)")
     add_timing_args(p)
     args = p.parse_args()
     timing = apply_timing_args(args)
@@ -133,6 +219,9 @@ def main() -> None:
     t, d = args.tokens, args.dim
     print(machine_line())
     base = load_baseline(args.baseline) if args.baseline else None
+    if args.decode:
+        decode(args, base)
+        return
 
     cdt = floor_dtype(dtype)
     native = cdt == dtype
