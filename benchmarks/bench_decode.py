@@ -29,8 +29,11 @@ DeepSeek-V3-like experts (D=7168, F=2048, K=8) with ``--dsv3-experts`` experts (
 on CPU: 256 would need 22.5 GB of bf16 weights; with K=8 a batch of <= 4 tokens touches <= 32
 experts either way).
 
-Medians over ``--rounds`` rounds, candidates interleaved in each round (after a warm-up),
-wall time with the process's threads (``--threads``, default all).
+Medians over ``--rounds`` rounds, candidates interleaved in each round (after a warm-up).
+``--clock cpu`` (the default) times the process's CPU time on one thread: on a shared,
+loaded machine wall times swing by several x between identical calls, one thread's CPU time
+does not (memory-bandwidth contention from other processes still shows); ``--clock wall``
+with ``--threads N`` for an idle machine.
 
     python benchmarks/bench_decode.py                          # both shapes, T = 1 ... 512
     python benchmarks/bench_decode.py --shapes qwen3 --tokens 1 4 16 --rounds 5
@@ -61,13 +64,16 @@ SHAPES = {"qwen3": (2048, 768, 128, 8), "dsv3": (7168, 2048, 32, 8)}
 # ----------------------------------------------------------------------------- floors
 
 
+CLOCK = time.perf_counter  # main() sets time.process_time for --clock cpu
+
+
 def _median_time(fn: Any, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times)
 
 
@@ -206,9 +212,9 @@ def bench_shape(name: str, args: argparse.Namespace, bw: float, rate: float) -> 
         times: dict[str, list[float]] = {c: [] for c in cands}
         for _ in range(args.rounds):
             for cname, fn in cands.items():
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 fn()
-                times[cname].append(time.perf_counter() - t0)
+                times[cname].append(CLOCK() - t0)
         med = {c: statistics.median(v) for c, v in times.items()}
         hit = int(torch.unique(ids).numel())
         floor = max(hit * 3 * D * F_ * 2 / bw, 6 * T * K * D * F_ / rate)
@@ -226,16 +232,27 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--dsv3-experts", type=int, default=32)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="cpu: the process's CPU time on one thread (robust to other processes' load on a "
+        "shared machine; what an idle core's wall time would be); wall: wall time",
+    )
+    p.add_argument("--threads", type=int, default=0, help="default: 1 with --clock cpu, else all")
     args = p.parse_args()
-    if args.threads:
+    global CLOCK
+    if args.clock == "cpu":
+        CLOCK = time.process_time
+        torch.set_num_threads(args.threads or 1)
+    elif args.threads:
         torch.set_num_threads(args.threads)
     bw = gemv_bandwidth()
     rates = gemm_rates()
     rate = max(rates.values())
     print(
         f"# torch {torch.__version__}, {platform.machine()} {cpu_isa()}, {os.cpu_count()} CPUs, "
-        f"{torch.get_num_threads()} threads; bf16 GEMV read {bw / 1e9:.1f} GB/s; GEMM "
+        f"{torch.get_num_threads()} threads, {args.clock} clock; bf16 GEMV read {bw / 1e9:.1f} GB/s; GEMM "
         f"bf16 {rates['bf16'] / 1e9:.0f} / fp32 {rates['fp32'] / 1e9:.0f} GFLOP/s (floor: the "
         f"{'bf16' if rates['bf16'] >= rates['fp32'] else 'fp32'} rate); medians of {args.rounds} rounds"
     )
