@@ -32,11 +32,13 @@ experts' backward holds the most:
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (``M*2F*4 + 6*M*F*4`` of fp32
   temporaries), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
-  A, then B, dequantizes both, multiplies in fp32 and casts: ``max(qa*nA, nA + qb*nB,
-  9*nA + 13*nB, 5*(nA + nB) + (4 + b)*nOut)`` (9*nB for wgrad's jagged B) with q the
-  quantizer's transient bytes per element (17 for FP8, 13 for jagged FP8, 13.25-13.5 for
-  MX: measured, see ``_FQ_TRANSIENT``); weights are quantized whole every call, so
-  ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
+  A (``qa`` bytes per element at its worst, 1 kept), then B, then the scaled GEMM turns
+  each operand to fp32 through a table (an int32 index and the fp32 value: 8 bytes per
+  element at the worst, 4 kept), multiplies in fp32 and casts: ``max(qa*nA, nA + qb*nB,
+  9*nA + nB, 5*nA + 9*nB, 5*(nA + nB) + (4 + b)*nOut)``, with q 9 bytes per element for
+  FP8, 9.25 for MX, 12.1 / 12.5 for their jagged (wgrad) blocks (measured, see
+  ``_FQ_TRANSIENT``); weights are quantized whole every call, so ``nB = El*2F*D`` for
+  the first GEMM's forward and dgrad.
 
 The expected largest group is ``lam_max + sqrt(lam_max) * z_E`` rows (``z_E`` the expected
 maximum of E standard normals: the multinomial noise of the routing).
@@ -114,15 +116,15 @@ def _params(w: MoEWorkload) -> tuple[float, float]:
     return float(n), float(n * w.element_size)
 
 
-# Bytes per element an operand's quantize holds at its worst (the reference quantizers'
-# fp32 copy, padded copy, scaled and clamped values; then 1 byte of e4m3 is kept), in the
-# CPU emulation, which quantizes A, then B, then dequantizes both to fp32 (B [E, k, n]
-# with an expanded scale: 13 bytes per element at the worst, A and jagged operands 9),
-# runs the fp32 GEMM and casts its output. Measured with the profiler's allocator events
-# (``torch_moe.quantization.scaled_grouped_mm._emulate_gemm`` / ``_emulate_wgrad`` at
-# three shapes per recipe, within 1%); test_perf.py checks the layer's peak against it.
-# A GPU kernel writes e4m3 (1 byte) directly and reads it in the GEMM.
-_FQ_TRANSIENT = {"fp8": 17.0, "fp8_jagged": 13.0, "mx": 13.25, "mx_jagged": 13.5}
+# Bytes per element an operand's quantize holds at its worst on a CPU, the 1 byte of e4m3
+# it keeps included (the reference quantizers' fp32 copy, scaled and clamped values; the
+# jagged quantizers also pad each group to whole blocks). Measured with the profiler's
+# allocator events on quantize_lhs / quantize_rhs / quantize_wgrad_operand and the CPU
+# scaled GEMMs, at three shapes per recipe (within 1%: fp8 9.00-9.03, MX 9.25, jagged
+# fp8 12.02-12.14, jagged MX 12.43-12.52, tensorwise wgrad operands 9.00);
+# test_perf.py checks the layer's peak against the model. A GPU kernel writes e4m3 (1
+# byte) directly and reads it in the GEMM.
+_FQ_TRANSIENT = {"fp8": 9.0, "fp8_jagged": 12.1, "mx": 9.25, "mx_jagged": 12.5}
 
 
 def _operand_bytes(precision: str, cpu: bool) -> dict[str, tuple[float, float]]:
@@ -140,14 +142,22 @@ def _operand_bytes(precision: str, cpu: bool) -> dict[str, tuple[float, float]]:
 
 
 def _gemm_phase(
-    q: tuple[float, float], n_a: float, n_b: float, n_out: float, b: int, cpu: bool, wgrad: bool
+    q: tuple[float, float], n_a: float, n_b: float, n_out: float, b: int, cpu: bool
 ) -> float:
-    """Peak bytes of one quantized GEMM (see ``_FQ_TRANSIENT``)."""
+    """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
+    (``q`` bytes per element, see ``_FQ_TRANSIENT``), then the scaled GEMM (the CPU
+    kernel's fp32 operands, 8 bytes per element while each is converted and 4 after, the
+    fp32 product and its cast; a GPU kernel reads e4m3 and writes the output)."""
     qa, qb = q
-    if not cpu:  # e4m3 operands and the output
+    if not cpu:
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
-    dequant = 9 * n_a + (9 if wgrad else 13) * n_b
-    return max(qa * n_a, n_a + qb * n_b, dequant, 5 * (n_a + n_b) + (4 + b) * n_out)
+    return max(
+        qa * n_a,
+        n_a + qb * n_b,
+        9 * n_a + n_b,
+        5 * n_a + 9 * n_b,
+        5 * (n_a + n_b) + (4 + b) * n_out,
+    )
 
 
 def _whole_tensor_phases(w: MoEWorkload, cpu: bool, M: float, base: float, c: int) -> float:
@@ -166,16 +176,16 @@ def _whole_tensor_phases(w: MoEWorkload, cpu: bool, M: float, base: float, c: in
     copy = b  # AccumulateGrad copies a transposed gradient into the parameter's layout
     a_saved = M * F * b if recipe else 0.0
     phases = [
-        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, False),
-        base + M * F * b + _gemm_phase(wgrad, M * F, M * D, w2, b, emu, True),
+        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu),
+        base + M * F * b + _gemm_phase(wgrad, M * F, M * D, w2, b, emu),
         base + M * F * b + w2 * (b + copy),
         # the SwiGLU backward over all M rows: its fp32 temporaries
         base - a_saved + w2 * b + M * F * b + M * 3 * F * b + M * 2 * F * 4 + 6 * M * F * 4,
     ]
     after = base - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
     phases += [
-        after + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu, False),
-        after + M * D * b + _gemm_phase(wgrad, M * D, M * 2 * F, w13, b, emu, True),
+        after + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu),
+        after + M * D * b + _gemm_phase(wgrad, M * D, M * 2 * F, w13, b, emu),
         after + M * D * b + w13 * (b + copy),
     ]
     _ = c
@@ -218,8 +228,8 @@ def memory(
         act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
         if w.precision != "bf16":
             q = _operand_bytes(w.precision, cpu)
-            fwd1 = _gemm_phase(q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, False)
-            fwd2 = _gemm_phase(q["forward"], M * F, El * F * D, M * D, b, cpu, False)
+            fwd1 = _gemm_phase(q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu)
+            fwd2 = _gemm_phase(q["forward"], M * F, El * F * D, M * D, b, cpu)
             act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
         dyn = act + T * D * (4 + b) + y + comm
         peak = resident + dyn
