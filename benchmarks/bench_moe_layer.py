@@ -19,8 +19,10 @@ otherwise in the same rounds as torch_moe. ``--baseline REV`` times the layer wi
 F=768, E=128, K=8; 1.1 GiB of bf16 experts, past any cache), fresh tokens every step,
 against the weight-read floor: the bytes of the distinct experts the step routes to (and
 the router's) over the read bandwidth of a large GEMV (``torch.mv`` over a matrix well
-past the last-level cache) measured in the same run. (benchmarks/bench_decode.py times
-the experts alone against the same floor, next to peers.)
+past the last-level cache) measured in the same run, and against the same bytes over
+the streaming read bandwidth (``sum`` over that matrix), the lower floor where one
+thread's bf16 GEMV is compute-bound. (benchmarks/bench_decode.py times the experts alone
+against the GEMV floor, next to peers.)
 
     python benchmarks/bench_moe_layer.py                  # the issue's three shapes, bf16
     python benchmarks/bench_moe_layer.py --tokens 512     # quicker
@@ -120,14 +122,17 @@ def saved_bytes_per_token(module: nn.Module, x: Tensor) -> float:
     return sum(seen.values()) / (x.numel() // x.shape[-1])
 
 
-def gemv_bandwidth(dtype: torch.dtype, dim: int, reps: int) -> float:
+def read_bandwidths(dtype: torch.dtype, dim: int, reps: int) -> tuple[float, float]:
     """Bytes/s of ``torch.mv`` over a [N, dim] matrix of 1 GiB (past the last-level cache
-    of the CPUs measured here), median of ``reps`` calls (bench_ops' clock)."""
+    of the CPUs measured here) and of ``sum`` over the same matrix (the memory system's
+    streaming read rate: where one thread's GEMV is compute-bound, as bf16 on a CPU
+    without a native bf16 dot product, the GEMV floor sits below it), median of ``reps``
+    calls each (bench_ops' clock)."""
     esize = torch.empty((), dtype=dtype).element_size()
     w = torch.randn(2**30 // (dim * esize), dim).to(dtype)
     v = torch.randn(dim).to(dtype)
-    sec = interleaved({"mv": lambda: torch.mv(w, v)}, reps)["mv"]
-    return w.numel() * esize / sec
+    sec = interleaved({"mv": lambda: torch.mv(w, v), "sum": lambda: w.sum()}, reps)
+    return w.numel() * esize / sec["mv"], w.numel() * esize / sec["sum"]
 
 
 def decode(args: argparse.Namespace, base: types.SimpleNamespace | None) -> None:
@@ -136,20 +141,23 @@ def decode(args: argparse.Namespace, base: types.SimpleNamespace | None) -> None
     d, f, e, k = 2048, 768, 128, 8
     esize = torch.empty((), dtype=dtype).element_size()
     expert_bytes, router_bytes = 3 * f * d * esize, e * d * esize
-    bw = gemv_bandwidth(dtype, d, 5)
-    print(f"# GEMV read bandwidth (torch.mv over 1 GiB): {bw / 1e9:.2f} GB/s")
+    bw, stream = read_bandwidths(dtype, d, 5)
+    print(
+        f"# read bandwidth over 1 GiB: GEMV (torch.mv) {bw / 1e9:.2f} GB/s, "
+        f"streaming (sum) {stream / 1e9:.2f} GB/s"
+    )
     print(f"# decode: D={d}, F={f}, E={e}, K={k}, {args.dtype}, {args.reps} steps per T\n")
     torch.manual_seed(0)
     moe = MoE(d, f, e, k, route_norm=True, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(1)
     who = ["ours"] + (["base"] if base is not None else [])
-    head = "| T | step ms | experts read | floor ms | x floor |"
+    head = "| T | step ms | experts read | floor ms | x floor | x streaming floor |"
     head += " baseline x floor |" if base is not None else ""
     rows = []
     with torch.inference_mode():
         for t in [1, 2, 4, 8, 16, 32, 64, 128, 256]:
             ratios: dict[str, list[float]] = {name: [] for name in who}
-            steps, floors, hits = [], [], []
+            steps, floors, hits, streams = [], [], [], []
             for i in range(args.reps + 2):  # two warm-up steps
                 x = torch.randn(t, d, generator=gen).to(dtype)
                 hit = int((moe.router(x)[2] > 0).sum())
@@ -167,6 +175,7 @@ def decode(args: argparse.Namespace, base: types.SimpleNamespace | None) -> None
                         if name == "ours":
                             steps.append(sec)
                             floors.append(floor)
+                            streams.append(sec / (floor * bw / stream))
                             hits.append(hit)
             row = [
                 str(t),
@@ -174,6 +183,7 @@ def decode(args: argparse.Namespace, base: types.SimpleNamespace | None) -> None
                 f"{statistics.median(hits):.0f}",
                 f"{statistics.median(floors) * 1e3:.2f}",
                 f"{statistics.median(ratios['ours']):.2f}",
+                f"{statistics.median(streams):.2f}",
             ]
             if base is not None:
                 row.append(f"{statistics.median(ratios['base']):.2f}")
@@ -189,7 +199,8 @@ def decode(args: argparse.Namespace, base: types.SimpleNamespace | None) -> None
         print("| " + " | ".join(row) + " |")
     print(
         "\nx floor: median over steps of step time / ((distinct experts read x 3*D*F + E*D) "
-        "* 2 bytes / GEMV read bandwidth); fresh tokens every step"
+        "* 2 bytes / GEMV read bandwidth); x streaming floor: the same bytes over the "
+        "streaming read bandwidth; fresh tokens every step"
     )
 
 
