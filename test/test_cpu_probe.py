@@ -23,6 +23,7 @@ from torch.testing._internal.common_utils import (
 
 from torch_moe._ops import _cpu_probe as P
 from torch_moe._ops import grouped_mm as grouped_mm_module
+from torch_moe._ops import grouped_swiglu as grouped_swiglu_module
 from torch_moe._ops.grouped_mm import cpu_compute_dtype, grouped_mm_wgrad, mm_into
 from torch_moe._ops.grouped_swiglu import swiglu_reference
 from torch_moe.nn.functional import grouped_swiglu
@@ -374,7 +375,78 @@ def naive_rows(tokens, index):
     )
 
 
+class TestProbeMeasurements(TestCase):
+    """What each measurement times: the candidates it hands to ``time_candidates``, run
+    here directly (no timing). A measurement is only run once per process (decisions are
+    memoized), so nothing else in the suite checks that it times the intended work."""
+
+    def _candidates(self, measure):
+        seen = {}
+
+        def capture(candidates, budget_s=None):
+            seen.update(candidates)
+            return dict.fromkeys(candidates, 1.0)
+
+        with unittest.mock.patch.object(P, "time_candidates", capture):
+            measure()
+        return seen
+
+    @parametrize("wgrad", [False, True])
+    @parametrize("ab", ["nn", "nt", "tn", "tt"])
+    @parametrize("cls", ["m_small", "k_small", "n_small", "m_large"])
+    def test_grouped_mm_candidates(self, wgrad, ab, cls):
+        seen = self._candidates(
+            lambda: grouped_mm_module._measure_grouped_mm(torch.float32, ab, cls, wgrad)
+        )
+        self.assertEqual(set(seen), {"loop", "torch"})
+        calls = []
+        real = torch._grouped_mm
+
+        def spy(a, b, offs=None, **kw):
+            calls.append((a, b, offs))
+            return real(a, b, offs=offs, **kw)
+
+        with unittest.mock.patch.object(torch, "_grouped_mm", spy):
+            fused = seen["torch"]()
+        loop = seen["loop"]()
+        ((a, b, offs),) = calls
+        # the operands have the layout pair and shape class the decision is keyed by
+        rows = int(offs[0])
+        self.assertEqual(offs.tolist(), [rows * (g + 1) for g in range(8)])
+        if wgrad:  # a [K, M_total] @ b [M_total, N]: groups along M
+            self.assertEqual(P.layout_of(a, b), ab)
+            self.assertEqual(P.shape_class(a.shape[0], rows, b.shape[1]), cls)
+        else:  # a [M_total, K] @ b [E, K, N]
+            self.assertEqual(P.layout_of(a, b[0]), ab)
+            self.assertEqual(P.shape_class(rows, a.shape[1], b.shape[2]), cls)
+        # both candidates compute the same product (fp32 GEMMs, sums of 64-256 products)
+        self.assertEqual(loop, fused, atol=1e-4, rtol=1e-4)
+
+    def test_act_chunk_candidates(self):
+        seen = self._candidates(lambda: grouped_swiglu_module._measure_act_chunk(torch.bfloat16))
+        self.assertEqual(set(seen), {str(2**n) for n in (15, 16, 17, 18)})
+        real = grouped_swiglu_module._act_backward_into
+        for name, run in seen.items():
+            rows_seen = []
+
+            def spy(h, grad_a, rw, out_a, out_dh, real=real, rows_seen=rows_seen):
+                self.assertEqual(
+                    {h.shape[0], grad_a.shape[0], rw.shape[0], out_a.shape[0], out_dh.shape[0]},
+                    {h.shape[0]},
+                )
+                rows_seen.append(h.shape[0])
+                return real(h, grad_a, rw, out_a, out_dh)
+
+            with unittest.mock.patch.object(grouped_swiglu_module, "_act_backward_into", spy):
+                run()
+            # every one of the 1024 rows once, in chunks of the candidate's elements / 512
+            chunk = int(name) // 512
+            self.assertEqual(sum(rows_seen), 1024)
+            self.assertEqual(rows_seen, [chunk] * (1024 // chunk))
+
+
 instantiate_parametrized_tests(TestCpuProbe)
+instantiate_parametrized_tests(TestProbeMeasurements)
 instantiate_parametrized_tests(TestForcedDecisions)
 
 if __name__ == "__main__":

@@ -262,6 +262,20 @@ class TestGroupedMMDevice(TestCase):
         assert_swiglu_grads_close(self, grads, x, w13, w2, offs, grad, rw)
 
 
+class TestGroupedMMChecks(TestCase):
+    # device mismatches, with a meta tensor standing in for another device (CPU-only CI)
+    def test_device_messages(self):
+        from torch_moe._ops import grouped_mm as m
+
+        x, offs = torch.randn(4, 8), torch.tensor([4], dtype=torch.int32)
+        with self.assertRaisesRegex(ValueError, r"^grouped_mm: w is on meta but x is on cpu$"):
+            m._check_mm_inputs(x, torch.empty(1, 8, 3, device="meta"), offs)
+        with self.assertRaisesRegex(
+            ValueError, r"^grouped_mm_wgrad: dy is on meta but x is on cpu$"
+        ):
+            m._check_wgrad_inputs(x, torch.empty(4, 3, device="meta"), offs)
+
+
 instantiate_parametrized_tests(TestGroupedMM)
 instantiate_device_type_tests(TestGroupedMMDevice, globals())
 

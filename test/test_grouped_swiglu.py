@@ -249,6 +249,58 @@ class TestGroupedSwiGLU(TestCase):
             grouped_swiglu(x, w13, w2, torch.tensor([3, 2], dtype=torch.int32))
 
 
+class TestGroupedSwiGLUChecks(TestCase):
+    def test_gather_index_messages(self):
+        x, w13, w2 = torch.randn(4, 8), torch.randn(1, 6, 8), torch.randn(1, 8, 3)
+        offs = torch.tensor([4], dtype=torch.int32)
+        for bad in (torch.zeros(2, 2, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)):
+            with self.assertRaisesRegex(
+                ValueError, r"^grouped_swiglu: expected gather_index to be a 1D int64 tensor"
+            ):
+                torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, None, bad)
+        with self.assertRaisesRegex(
+            ValueError, r"^grouped_swiglu: gather_index is on meta but x is on cpu$"
+        ):
+            torch.ops.torch_moe.grouped_swiglu(
+                x, w13, w2, offs, None, torch.zeros(4, dtype=torch.int64, device="meta")
+            )
+
+    def test_reference_offs_message(self):
+        x, w13, w2 = torch.randn(4, 8), torch.randn(1, 6, 8), torch.randn(1, 8, 3)
+        with self.assertRaisesRegex(ValueError, r"^grouped_swiglu: "):
+            swiglu_reference(x, w13, w2, torch.tensor([5], dtype=torch.int32))
+
+    @parametrize("weights", [False, True])
+    def test_chunk_math_in_fp32(self, weights):
+        # the CPU kernels' elementwise parts compute in fp32 and round once into bf16:
+        # bitwise what the same fp32 expressions give (bf16 math would differ in ulps)
+        from torch_moe._ops import grouped_swiglu as m
+
+        g = torch.Generator().manual_seed(0)
+        h = (torch.randn(64, 32, generator=g) * 3).to(torch.bfloat16)
+        ga = torch.randn(64, 16, generator=g).to(torch.bfloat16)
+        rw = torch.rand(64, generator=g) if weights else None
+        gate, up = h.float().chunk(2, dim=-1)
+        s = torch.sigmoid(gate)
+        a32 = gate * s * up
+        if rw is not None:
+            a32 = a32 * rw[:, None]
+        out = torch.empty(64, 16, dtype=torch.bfloat16)
+        m._act_into(h, rw, out)
+        self.assertEqual(out, a32.to(torch.bfloat16), atol=0, rtol=0)
+        out_a, out_dh = torch.empty(64, 16, dtype=torch.bfloat16), torch.empty_like(h)
+        m._act_backward_into(h, ga, rw, out_a, out_dh)
+        gaw = ga.float() * (rw[:, None] if rw is not None else 1)
+        d_up = gate * s * gaw
+        d_gate = gaw * up * s * (1 + gate * (1 - s))
+        want = torch.cat([d_gate, d_up], -1).to(torch.bfloat16)
+        # the fp32 results may differ from this expression by an fp32 ulp or two (fused
+        # silu_backward): at most one bf16 ulp after rounding, never bf16-level error
+        self.assertEqual(out_dh, want, atol=0, rtol=2**-8)
+        self.assertEqual(out_a, a32.to(torch.bfloat16), atol=0, rtol=2**-8)
+
+
+instantiate_parametrized_tests(TestGroupedSwiGLUChecks)
 instantiate_parametrized_tests(TestGroupedSwiGLU)
 
 if __name__ == "__main__":

@@ -231,6 +231,27 @@ class TestPermute(TestCase):
             ops.unpermute(torch.randn(8, 3), torch.rand(4, 3), perm)
 
 
+class TestPermuteChecks(TestCase):
+    def test_reference_messages_name_the_op(self):
+        from torch_moe._ops import permute as m
+
+        x = torch.randn(3, 4)
+        row_to_slot, slot_to_row = torch.arange(6), torch.arange(6).view(3, 2)
+        with self.assertRaisesRegex(ValueError, r"^permute: expected x"):
+            m.permute_rows_reference(torch.randn(3), row_to_slot, slot_to_row)
+        with self.assertRaisesRegex(ValueError, r"^unpermute: expected row_to_slot"):
+            m.unpermute_rows_reference(x, slot_to_row, row_to_slot.view(2, 3))
+
+    def test_reference_marks_dropped_slots_minus_one(self):
+        # capacity 1 of 2 experts, 4 tokens top-1 all to expert 0: three dropped slots
+        ids = torch.zeros(4, 1, dtype=torch.int64)
+        from torch_moe._ops.permute import permute_indices_reference
+
+        out = permute_indices_reference(ids, 2, capacity=1)
+        slot_to_row = out[1] if isinstance(out, tuple) else out.slot_to_row
+        self.assertEqual(slot_to_row.view(-1).tolist(), [0, -1, -1, -1])
+
+
 instantiate_parametrized_tests(TestPermute)
 
 if __name__ == "__main__":

@@ -525,6 +525,59 @@ class TestRecipeEmulation(TestCase):
             ops.quantized_grouped_mm_wgrad(x, dy, offs, "fp4")
 
 
+class TestQuantizeChecks(TestCase):
+    def test_scale_dtype_messages(self):
+        from torch_moe.quantization import quantize as Q
+
+        q = torch.zeros(4, 32, dtype=torch.float8_e4m3fn)
+        offs = torch.tensor([4], dtype=torch.int32)
+        with self.assertRaisesRegex(
+            TypeError, r"^dequantize_jagged: expected scale as uint8 E8M0 exponents"
+        ):
+            Q.check_dequantize_jagged(q, torch.zeros(1, 32, dtype=torch.float16), offs, 128)
+        with self.assertRaisesRegex(
+            TypeError, r"^dequantize_mx: expected scale as uint8 E8M0 exponents"
+        ):
+            Q.check_dequantize_mx(q, torch.zeros(4, 1, dtype=torch.float16), -1, 32)
+        with self.assertRaisesRegex(TypeError, r"^dequantize_mx: expected q"):
+            Q.check_dequantize_mx(q.float(), torch.zeros(4, 1), -1, 32)
+
+    def test_jagged_messages(self):
+        from torch_moe.quantization import quantize as Q
+
+        x = torch.randn(4, 8)
+        with self.assertRaisesRegex(ValueError, r"^quantize_jagged: scale_rule must be one of"):
+            Q.check_quantize_jagged(x, torch.tensor([4], dtype=torch.int32), 2, "mx", "bogus")
+        with self.assertRaisesRegex(
+            ValueError, r"^jagged_block_index: expected offs to be 1D int32"
+        ):
+            Q.jagged_block_index(torch.tensor([4]), 4, 2)
+        with self.assertRaisesRegex(ValueError, r"^quantize_jagged: "):
+            Q.jagged_block_index(torch.tensor([5], dtype=torch.int32), 4, 2)
+
+    def test_mx_block_of_one_is_valid(self):
+        from torch_moe.quantization import quantize as Q
+
+        self.assertEqual(Q.check_quantize_mx(torch.randn(2, 3), -1, 1, "floor"), (1, [2, 3]))
+
+    def test_exp2_exact_at_the_normal_boundary(self):
+        from torch_moe.quantization import quantize as Q
+
+        e = torch.tensor([-127, -126, -125, 0, 127], dtype=torch.int32)
+        want = torch.tensor([2.0**-127, 2.0**-126, 2.0**-125, 1.0, 2.0**127])
+        self.assertEqual(Q._exp2_exact(e), want, atol=0, rtol=0)
+
+    def test_jagged_default_block_is_128(self):
+        from torch_moe.quantization import quantize as Q
+
+        x, offs = torch.randn(300, 4), torch.tensor([300], dtype=torch.int32)
+        q, s = Q.quantize_jagged_reference(x, offs)
+        q128, s128 = Q.quantize_jagged_reference(x, offs, block=128)
+        self.assertEqual(s.shape, s128.shape)
+        self.assertEqual(s, s128, atol=0, rtol=0)
+        self.assertEqual(q.view(torch.uint8), q128.view(torch.uint8))
+
+
 instantiate_parametrized_tests(TestScaledGroupedMM)
 instantiate_parametrized_tests(TestQuantize)
 instantiate_parametrized_tests(TestRecipeEmulation)

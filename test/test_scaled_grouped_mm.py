@@ -406,6 +406,25 @@ class TestImportWithoutTriton(TestCase):
         self.assertEqual(out.stdout.strip(), "ok")
 
 
+class TestScaledChecks(TestCase):
+    def test_messages_name_the_argument(self):
+        sgm = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+        fp8 = torch.float8_e4m3fn
+        a, b = torch.zeros(4, 32, dtype=fp8), torch.zeros(1, 32, 16, dtype=fp8)
+        sa, sb = torch.ones(4, 1), torch.ones(1, 1, 16)
+        offs = torch.tensor([4], dtype=torch.int32)
+        with self.assertRaisesRegex(ValueError, r"scale_b is on meta but a is on cpu"):
+            sgm._check_scaled(a, b, sa, sb.to("meta"), offs, -1, 1, torch.bfloat16)
+        # wgrad: one operand's scales of the wrong shape is enough to refuse
+        x, dy = torch.zeros(4, 8, dtype=fp8), torch.zeros(4, 16, dtype=fp8)
+        with self.assertRaisesRegex(ValueError, r"^scaled_grouped_mm_wgrad: "):
+            sgm._check_scaled_wgrad(
+                x, dy, torch.ones(1, 8), torch.ones(2, 16), offs, 4, torch.bfloat16
+            )
+        with self.assertRaisesRegex(ValueError, r"^torch_scaled_operands: .* runs in bf16$"):
+            sgm.torch_scaled_operands(a, b, sgm.GemmQuant())
+
+
 instantiate_parametrized_tests(TestScaledGroupedMM)
 
 if __name__ == "__main__":
