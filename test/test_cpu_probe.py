@@ -148,6 +148,17 @@ class TestCpuProbe(TestCase):
         times = {"32768": 1.05, "65536": 1.0, "131072": 0.98, "262144": 1.3}
         self.assertEqual(P.act_chunk(torch.bfloat16, lambda: times), 131072)
 
+    def test_grouped_mm_decision_measured_in_a_fresh_process_state(self):
+        # a decision measured from scratch (reset above), through the op: its key names
+        # the dtype, the layout pair and the shape class, and the result is the product
+        x, w = torch.randn(64, 32), torch.randn(2, 32, 48)
+        offs = torch.tensor([32, 64], dtype=torch.int32)
+        out = grouped_mm(x, w, offs)
+        self.assertEqual(out, torch.cat([x[:32] @ w[0], x[32:] @ w[1]]), atol=1e-5, rtol=1e-5)
+        keys = [k for k in P.decisions() if k.startswith("grouped_mm:")]
+        self.assertTrue(keys, msg=f"no grouped_mm decision in {P.decisions()}")
+        self.assertTrue(all(k.startswith("grouped_mm:fp32:") for k in keys), msg=str(keys))
+
     def test_probes_return_a_choice(self):
         # the real probes on this machine (no timing asserted): what they return is valid
         self.assertIn(P.half_gemm(torch.bfloat16), ("native", "fp32"))

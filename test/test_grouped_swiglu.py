@@ -270,6 +270,13 @@ class TestGroupedSwiGLUChecks(TestCase):
         with self.assertRaisesRegex(ValueError, r"^grouped_swiglu: "):
             swiglu_reference(x, w13, w2, torch.tensor([5], dtype=torch.int32))
 
+    def test_swiglu_op_keeps_the_dtype(self):
+        h = torch.randn(8, 16).to(torch.bfloat16)
+        out = torch.ops.torch_moe.swiglu(h, None)
+        self.assertEqual(out.dtype, torch.bfloat16)
+        gate, up = h.float().chunk(2, dim=-1)
+        self.assertEqual(out, (torch.nn.functional.silu(gate) * up).to(torch.bfloat16))
+
     @parametrize("weights", [False, True])
     def test_chunk_math_in_fp32(self, weights):
         # the CPU kernels' elementwise parts compute in fp32 and round once into bf16:

@@ -567,6 +567,20 @@ class TestQuantizeChecks(TestCase):
         want = torch.tensor([2.0**-127, 2.0**-126, 2.0**-125, 1.0, 2.0**127])
         self.assertEqual(Q._exp2_exact(e), want, atol=0, rtol=0)
 
+    def test_fp8_table_built_afresh(self):
+        # the e4m3 -> fp32 table is built once per device: build it again here
+        from torch_moe.quantization import quantize as Q
+
+        q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        saved = dict(Q._FP8_VALUES)
+        Q._FP8_VALUES.clear()
+        try:
+            got = Q._fp8_to_float(q)
+        finally:
+            Q._FP8_VALUES.clear()
+            Q._FP8_VALUES.update(saved)
+        self.assertEqual(got, q.float(), atol=0, rtol=0, equal_nan=True)
+
     def test_jagged_default_block_is_128(self):
         from torch_moe.quantization import quantize as Q
 
