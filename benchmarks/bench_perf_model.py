@@ -740,7 +740,7 @@ def study(rows: list[dict[str, Any]], hw_cpu: Hardware, png_prefix: str) -> list
     regime_chart(
         series,
         f"{png_prefix}_regimes_cpu.png",
-        "this CPU (1 thread, AMX bf16): predicted lines, measured crosses",
+        f"this CPU ({cpu_isa()}, 1 thread): predicted lines, measured crosses",
         measured,
     )
     lines.append(_series_table("CPU, D=512, T=2048, E0=8, K0=1, F0=1024 (predicted)", series))
