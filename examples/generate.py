@@ -26,6 +26,7 @@ equal the ``--ep 1`` run's.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -240,6 +241,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         )
     if args.ep > 1:
         dist.destroy_process_group()
+        # The parallelized model still holds the process group (through its device mesh),
+        # and modules with parallel-style hooks sit in reference cycles that only a
+        # collection frees: free them now, while the interpreter is alive, so that gloo's
+        # threads are joined here and not during interpreter shutdown (which can abort
+        # with "terminate called without an active exception").
+        del model, mesh, style
+        gc.collect()
     return result
 
 

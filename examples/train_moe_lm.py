@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -709,3 +710,8 @@ def evaluate(model: MoELM, data: bytes, args: argparse.Namespace, autocast, devi
 
 if __name__ == "__main__":
     main()
+    # With --ep, the parallelized model (freed with main's frame, but held in reference
+    # cycles by its parallel-style hooks) still owns the destroyed process group: collect
+    # it while the interpreter is alive, so that gloo's threads are joined now and not
+    # during interpreter shutdown (which can abort: upstream_patches/0002-distributed-gloo-exit).
+    gc.collect()
