@@ -702,20 +702,33 @@ class TestTrainExampleEP(TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
             env["OMP_NUM_THREADS"] = "1"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-            cmd += [str(EXAMPLES / "train_moe_lm.py"), *tiny, "--ep", "2", "--out", f"{tmp}/ep2"]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-            self.assertEqual(proc.returncode, 0, msg=proc.stdout[-2000:] + proc.stderr[-3000:])
-            with contextlib.redirect_stdout(io.StringIO()):
-                r1 = train_moe_lm.main([*tiny, "--ep", "1", "--out", f"{tmp}/ep1"])
-            self.assertIn(f"val loss {r1['val_loss']:.3f}", proc.stdout)
+            # --standalone: each launch rendezvouses on a free port of its own
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += ["--nproc-per-node", "2", str(EXAMPLES / "train_moe_lm.py"), *tiny]
+            cmd += ["--ep", "2", "--out", f"{tmp}/ep2"]
             # --ep 2 --compile: every MoE layer compiled fullgraph (aot_eager: eager's
-            # kernels) gives the eager --ep 2 loss curve, bit for bit
+            # kernels) gives the eager --ep 2 loss curve, bit for bit. Both launches and the
+            # in-process --ep 1 run go at once (independent output folders): the wall time
+            # is mostly process start-up and imports.
             compiled = [*cmd[:-1], f"{tmp}/ep2c", "--compile", "aot_eager"]
-            proc_c = subprocess.run(compiled, env=env, capture_output=True, text=True, timeout=300)
-            self.assertEqual(
-                proc_c.returncode, 0, msg=proc_c.stdout[-2000:] + proc_c.stderr[-3000:]
-            )
+            launches = [
+                subprocess.Popen(
+                    c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+                for c in (cmd, compiled)
+            ]
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    r1 = train_moe_lm.main([*tiny, "--ep", "1", "--out", f"{tmp}/ep1"])
+                outs = [p.communicate(timeout=300) for p in launches]
+            finally:
+                for p in launches:
+                    if p.poll() is None:
+                        p.kill()
+            for p, (out, err) in zip(launches, outs, strict=True):
+                self.assertEqual(p.returncode, 0, msg=out[-2000:] + err[-3000:])
+            proc_stdout = outs[0][0]
+            self.assertIn(f"val loss {r1['val_loss']:.3f}", proc_stdout)
             with (
                 open(f"{tmp}/ep2/metrics.jsonl") as f_eager,
                 open(f"{tmp}/ep2c/metrics.jsonl") as f_c,
