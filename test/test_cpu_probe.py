@@ -321,7 +321,8 @@ class TestForcedDecisions(TestCase):
     # act_chunk elements per thread: many chunks, or one; every few-rows way
     @parametrize("paths", [("8", "mm"), ("1048576", "mv"), ("8", "swap")])
     @parametrize("gather", [False, True])
-    def test_grouped_swiglu(self, half_gemm, paths, gather):
+    @parametrize("path", ["loop", "whole"])  # whole: taken where half_gemm is native
+    def test_grouped_swiglu(self, half_gemm, paths, gather, path):
         act_chunk, few_rows = paths
         dtype = torch.bfloat16
         offs = _offs([5, 0, 19, 4])  # groups under and over FEW_ROWS rows
@@ -335,7 +336,14 @@ class TestForcedDecisions(TestCase):
         grad_y = torch.randn(m, dim, dtype=dtype)
         op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
         forced = dict(half_gemm=half_gemm, act_chunk=act_chunk, few_rows=few_rows, layout="as_is")
-        with P.force(**forced):
+        forced["swiglu_path"] = path
+        whole = [
+            unittest.mock.patch.object(
+                grouped_swiglu_module, f, wraps=getattr(grouped_swiglu_module, f)
+            )
+            for f in ("_forward_whole", "_backward_whole")
+        ]
+        with P.force(**forced), whole[0] as fwd_whole, whole[1] as bwd_whole:
             if gather:
                 y, h = op(tokens, w13, w2, offs, rw, index)
                 dx, dw13, dw2, drw = bwd(grad_y, None, tokens, h, w13, w2, offs, rw, index)
@@ -362,6 +370,9 @@ class TestForcedDecisions(TestCase):
             tolerances.assert_rounding_level(self, got, want[name], emulated[name], msg=name)
         self.assertTrue((dx[28:] == 0).all())
         self.assertEqual(drw.dtype, torch.float32)
+        # the whole-tensor path runs exactly where forced and the GEMMs are native
+        taken = path == "whole" and half_gemm == "native"
+        self.assertEqual((fwd_whole.called, bwd_whole.called), (taken, taken))
 
     @parametrize("act_chunk", ["4", "1048576"])
     def test_grouped_swiglu_act_chunk_float64(self, act_chunk):
@@ -432,6 +443,28 @@ class TestProbeMeasurements(TestCase):
             self.assertEqual(P.shape_class(rows, a.shape[1], b.shape[2]), cls)
         # both candidates compute the same product (fp32 GEMMs, sums of 64-256 products)
         self.assertEqual(loop, fused, atol=1e-4, rtol=1e-4)
+
+    def test_swiglu_path_candidates(self):
+        seen = self._candidates(lambda: grouped_swiglu_module._measure_path(torch.bfloat16, 24))
+        self.assertEqual(set(seen), {"loop", "whole"})
+        outs = {}
+        for name, run in seen.items():
+            calls = []
+            real_bwd = getattr(grouped_swiglu_module, f"_backward_{name}")
+
+            def spy(*args, real_bwd=real_bwd, calls=calls, name=name):
+                calls.append(args)
+                out = real_bwd(*args)
+                outs[name] = out
+                return out
+
+            with unittest.mock.patch.object(grouped_swiglu_module, f"_backward_{name}", spy):
+                run()
+            (args,) = calls
+            self.assertEqual(args[6].tolist(), [24 * (g + 1) for g in range(8)])  # offs
+        # the two paths compute the same gradients (bf16 GEMMs of one kernel or another)
+        for got, want in zip(outs["whole"], outs["loop"], strict=True):
+            self.assertEqual(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
     def test_act_chunk_candidates(self):
         seen = self._candidates(lambda: grouped_swiglu_module._measure_act_chunk(torch.bfloat16))

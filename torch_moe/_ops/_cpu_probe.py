@@ -21,7 +21,8 @@ and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the 
 Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
 row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
 ``<cls>``: which of m, k, n (a [m, k], b [k, n]) is smallest and whether it is under 128
-(``m_small``, ``k_large``...); ``<r>``: the rows rounded up to a power of two.
+(``m_small``, ``k_large``...); ``<r>``: the rows (per group for ``swiglu_path``) rounded
+up to a power of two.
 
 ==============================  ====================  ======  ==============================
 key                             choices               margin  used by
@@ -31,6 +32,8 @@ key                             choices               margin  used by
 ``few_rows:<dt>:<ab>:m<r>``     **mm**, mv, swap      10%     ``mm_into``, m <= 16 rows
 ``grouped_mm:<dt>:<ab>:<cls>``  **loop**, torch       5%      ``grouped_mm`` (CPU kernels)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
+``swiglu_path:<dt>:r<r>``       **loop**, whole       5%      ``grouped_swiglu`` (CPU,
+                                                              native half GEMMs)
 ==============================  ====================  ======  ==============================
 
 (default in bold: kept unless the other is faster by the margin; the act chunk is the
@@ -69,7 +72,7 @@ __all__ = [
 
 ENV_FORCE = "TORCH_MOE_CPU_PROBE"
 ENV_CACHE = "TORCH_MOE_CPU_PROBE_CACHE"
-KINDS = ("half_gemm", "layout", "few_rows", "grouped_mm", "act_chunk")
+KINDS = ("half_gemm", "layout", "few_rows", "grouped_mm", "act_chunk", "swiglu_path")
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
 
@@ -148,6 +151,7 @@ _CHOICES = {
     "layout": ("as_is", "copy_a", "copy_b"),
     "few_rows": ("mm", "mv", "swap"),
     "grouped_mm": ("loop", "torch"),
+    "swiglu_path": ("loop", "whole"),
 }
 
 
@@ -558,6 +562,17 @@ def grouped_mm(
     """``"torch"`` if ``torch._grouped_mm`` beats torch_moe's per-group loop by over 5% for
     this dtype, layout pair and shape class (``measure`` times both), else ``"loop"``."""
     return decide(f"grouped_mm:{_dt(dtype)}:{ab}:{cls}", measure, default="loop", margin=0.05)
+
+
+def swiglu_path(dtype: torch.dtype, rows: int, measure: Callable[[], Mapping[str, float]]) -> str:
+    """``"whole"`` if ``grouped_swiglu``'s CPU kernels run faster as whole-tensor grouped
+    GEMMs (the ``grouped_mm`` ops) with the activation chunked over all rows than as a
+    loop over the groups, at about ``rows`` rows per group (rounded up to a power of
+    two), by over 5%; else ``"loop"``. Many small groups favour the whole-tensor path (a
+    few calls instead of six per group), large ones the loop (one expert's activation
+    buffers, reused)."""
+    r = 1 << max(0, rows - 1).bit_length()
+    return decide(f"swiglu_path:{_dt(dtype)}:r{r}", lambda: measure(r), default="loop", margin=0.05)
 
 
 def act_chunk(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> int:

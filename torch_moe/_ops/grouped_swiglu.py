@@ -27,6 +27,7 @@ Backward (s = sigmoid(gate)):
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -291,24 +292,59 @@ def _group_sizes(ends: list[int]) -> list[int]:
     return [end - start for start, end in zip([0, *ends[:-1]], ends)]
 
 
-@grouped_swiglu.register_kernel("cpu")
-def _(
+def _whole_path(dtype: torch.dtype, ends: list[int]) -> bool:
+    """Whether the CPU kernels take the whole-tensor path (``_cpu_probe.swiglu_path``): only
+    where the CPU multiplies the dtype natively (no per-group conversion to save) and for
+    two or more non-empty groups, decided at their mean rows per group."""
+    if cpu_compute_dtype(dtype) != dtype or not ends:
+        return False
+    sizes = [n for n in _group_sizes(ends) if n]
+    if len(sizes) < 2:
+        return False
+    rows = -(-sum(sizes) // len(sizes))
+    return _cpu_probe.swiglu_path(dtype, rows, functools.partial(_measure_path, dtype)) == "whole"
+
+
+def _measure_path(dtype: torch.dtype, rows: int) -> dict[str, float]:
+    """Seconds of forward + backward by the loop and by the whole-tensor path: 8 groups of
+    ``rows`` rows (at most 1024) at D = F = 128 with routing weights."""
+    rows, groups, dim, hidden = min(rows, 1024), 8, 128, 128
+    ends = [rows * (g + 1) for g in range(groups)]
+    offs = torch.tensor(ends, dtype=torch.int32)
+    x = torch.randn(ends[-1], dim).to(dtype)
+    w13 = (torch.randn(groups, 2 * hidden, dim) * 0.1).to(dtype)
+    w2 = (torch.randn(groups, dim, hidden) * 0.1).to(dtype)
+    rw = torch.rand(ends[-1])
+    grad_y = torch.randn(ends[-1], dim).to(dtype)
+
+    def run(forward: Any, backward: Any) -> None:
+        _, h = forward(x, w13, w2, offs, ends, rw, None)
+        backward(grad_y, None, x, h, w13, w2, offs, ends, rw, None)
+
+    return _cpu_probe.time_candidates(
+        {
+            "loop": lambda: run(_forward_loop, _backward_loop),
+            "whole": lambda: run(_forward_whole, _backward_whole),
+        }
+    )
+
+
+def _forward_loop(
     x: Tensor,
     w13: Tensor,
     w2: Tensor,
     offs: Tensor,
-    row_weights: Tensor | None = None,
-    gather_index: Tensor | None = None,
+    ends: list[int],
+    row_weights: Tensor | None,
+    gather_index: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    """Group by group: one expert's activation buffer, reused by every group."""
     rows = _num_rows(x, gather_index)
-    ends = check_offs_values("grouped_swiglu", offs, rows) or []
     cdt = cpu_compute_dtype(x.dtype)
     hidden = w2.shape[2]
     h = x.new_empty((rows, 2 * hidden))
     y = x.new_empty((rows, x.shape[1]))
     step = _act_chunk_rows(x.dtype, hidden)
-    # one expert's activation, reused by every group (no allocation per group)
     a_buf = torch.empty((max(_group_sizes(ends), default=0), hidden), dtype=cdt)
     start = 0
     for g, end in enumerate(ends):
@@ -325,6 +361,44 @@ def _(
     h[start:].zero_()
     y[start:].zero_()
     return y, h
+
+
+def _forward_whole(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    ends: list[int],
+    row_weights: Tensor | None,
+    gather_index: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Whole tensors: the two grouped GEMMs as ``grouped_mm`` ops (each with its own
+    measured kernel choice; rows past the last group zero), the activation in row chunks
+    over all rows (the same math as the loop's, into one [M, F] buffer)."""
+    rows = _num_rows(x, gather_index)
+    x_rows = x if gather_index is None else gather_rows(x, gather_index)
+    h = grouped_mm(x_rows, w13.transpose(-2, -1), offs)
+    a = x.new_empty((rows, w2.shape[2]))
+    step = _act_chunk_rows(x.dtype, w2.shape[2])
+    for r0 in range(0, rows, step):
+        r = slice(r0, r0 + step)
+        _act_into(h[r], None if row_weights is None else row_weights[r], a[r])
+    return grouped_mm(a, w2.transpose(-2, -1), offs), h
+
+
+@grouped_swiglu.register_kernel("cpu")
+def _(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None = None,
+    gather_index: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    ends = check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index)) or []
+    forward = _forward_whole if _whole_path(x.dtype, ends) else _forward_loop
+    return forward(x, w13, w2, offs, ends, row_weights, gather_index)
 
 
 @grouped_swiglu.register_fake
@@ -386,6 +460,64 @@ def _(
     gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
+    backward = _backward_whole if _whole_path(x.dtype, ends) else _backward_loop
+    return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
+
+
+def _backward_whole(
+    grad_y: Tensor,
+    grad_h: Tensor | None,
+    x: Tensor,
+    h: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    ends: list[int],
+    row_weights: Tensor | None,
+    gather_index: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Whole tensors (see ``_forward_whole``): dA, dW2, dX and dW13 as ``grouped_mm`` /
+    ``grouped_mm_wgrad`` ops, the activation's backward in row chunks over all rows."""
+    rows, hidden = h.shape[0], w2.shape[2]
+    acc = acc_dtype(x.dtype)
+    grad_y = _nonzero_strides(grad_y)
+    grad_a = grouped_mm(grad_y, w2, offs)
+    a = x.new_empty((rows, hidden))
+    dh = x.new_empty((rows, 2 * hidden))
+    grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
+    step = _act_chunk_rows(x.dtype, hidden)
+    for r0 in range(0, rows, step):
+        r = slice(r0, r0 + step)
+        rw = None if row_weights is None else row_weights[r]
+        grad_rw_r = _act_backward_into(h[r], grad_a[r], rw, a[r], dh[r])
+        if grad_rw is not None and grad_rw_r is not None:
+            grad_rw[r] = grad_rw_r
+    del grad_a
+    if grad_h is not None:
+        dh += grad_h
+    end = ends[-1] if ends else 0
+    if grad_rw is not None:
+        grad_rw[end:] = 0  # rows past the last group belong to no expert
+    x_rows = x if gather_index is None else gather_rows(x, gather_index)
+    dw2 = grouped_mm_wgrad(grad_y, a, offs)
+    dx = grouped_mm(dh, w13, offs)
+    dw13 = grouped_mm_wgrad(dh, x_rows, offs)
+    return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
+
+
+def _backward_loop(
+    grad_y: Tensor,
+    grad_h: Tensor | None,
+    x: Tensor,
+    h: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    ends: list[int],
+    row_weights: Tensor | None,
+    gather_index: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Group by group: one expert's [rows, F] / [rows, 2F] buffers, reused."""
     cdt = cpu_compute_dtype(x.dtype)
     native = cdt == x.dtype  # GEMMs in the storage dtype: no conversion, whole-w13 GEMMs
     dx = x.new_empty((h.shape[0], x.shape[1]))

@@ -25,6 +25,10 @@ Peak of forward + backward (the largest live set, weights, input and output grad
 included): the layer's backward visits unpermute, the experts, permute, the router; the
 experts' backward holds the most:
 
+* bf16 on a CPU where ``grouped_swiglu`` takes its whole-tensor path (many small groups;
+  a measured decision): ``4*M*F*b`` (dA, A, dH) plus one chunk's fp32 temporaries
+  (``6*r*F*4``: h, silu, dA, A and one op's output), or
+  later ``3*M*F*b`` with dX [M, D] and the weight gradients, whichever is larger;
 * bf16 on a CPU (``grouped_swiglu_backward``, group by group): the saved tensors, the
   output [T, D], the permuted gradient and dX [M, D] each, the expert weight gradients,
   the largest group's ``grad_a``, ``a`` [m, F] and ``dH`` [m, 2F] in c, and one chunk's
@@ -192,6 +196,19 @@ def _whole_tensor_phases(w: MoEWorkload, cpu: bool, M: float, base: float, c: in
     return max(phases)
 
 
+def _swiglu_whole(w: MoEWorkload, groups: list[float]) -> bool:
+    """Whether this CPU's ``grouped_swiglu`` kernels take their whole-tensor path for the
+    workload (the same measured decision, ``torch_moe._ops._cpu_probe.swiglu_path``)."""
+    from torch_moe._ops import grouped_swiglu as _gs
+    from torch_moe._ops.grouped_mm import cpu_compute_dtype
+
+    busy = [g for g in groups if g >= 1]
+    if cpu_compute_dtype(w.dtype) != w.dtype or len(busy) < 2:
+        return False
+    rows = -(-round(sum(busy)) // len(busy))
+    return _gs._whole_path(w.dtype, [rows * (i + 1) for i in range(len(busy))])
+
+
 def memory(
     w: MoEWorkload, hw: Hardware, local_rows: float, rows_recv: float, groups: list[float]
 ) -> dict[str, float]:
@@ -247,7 +264,14 @@ def memory(
     shared_saved = T * 4 * w.shared_hidden_dim * b
     base = saved - shared_saved + y + M * D * b + shared_grads + comm
     shared_phase = saved + y + shared_grads + T * 4 * w.shared_hidden_dim * b + comm
-    if w.precision == "bf16" and cpu:
+    if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
+        # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
+        # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
+        r = min(M, max(1.0, _CHUNK / F))
+        act = base + 4 * M * F * b + 6 * r * F * 4  # chunk: h in fp32, silu, dA, A, one op's
+        gemms = base + 3 * M * F * b + M * D * b + El * 3 * F * D * b
+        dyn = max(act, gemms, shared_phase)
+    elif w.precision == "bf16" and cpu:
         r = min(m, max(1.0, _CHUNK / F))
         phase = base + M * D * b + El * 3 * F * D * b  # dX and the expert weight gradients
         phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 6 * r * F * 4
