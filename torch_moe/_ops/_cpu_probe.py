@@ -564,7 +564,9 @@ def grouped_mm(
     return decide(f"grouped_mm:{_dt(dtype)}:{ab}:{cls}", measure, default="loop", margin=0.05)
 
 
-def swiglu_path(dtype: torch.dtype, rows: int, measure: Callable[[], Mapping[str, float]]) -> str:
+def swiglu_path(
+    dtype: torch.dtype, rows: int, measure: Callable[[int], Mapping[str, float]]
+) -> str:
     """``"whole"`` if ``grouped_swiglu``'s CPU kernels run faster as whole-tensor grouped
     GEMMs (the ``grouped_mm`` ops) with the activation chunked over all rows than as a
     loop over the groups, at about ``rows`` rows per group (rounded up to a power of
