@@ -263,6 +263,25 @@ class TestGroupedMMDevice(TestCase):
 
 
 class TestGroupedMMChecks(TestCase):
+    def test_wgrad_rank_and_reference_messages(self):
+        from torch_moe._ops import grouped_mm as m
+
+        x, offs = torch.randn(4, 8), torch.tensor([4], dtype=torch.int32)
+        with self.assertRaisesRegex(ValueError, r"^grouped_mm_wgrad: expected x \[M, K\] and dy"):
+            m._check_wgrad_inputs(x, torch.randn(4, 3, 2), offs)
+        with self.assertRaisesRegex(ValueError, r"^grouped_mm: offs must be non-decreasing"):
+            grouped_mm_reference(x, torch.randn(1, 8, 3), torch.tensor([5], dtype=torch.int32))
+
+    def test_nonzero_strides(self):
+        from torch_moe._ops.grouped_mm import _nonzero_strides
+
+        t = torch.randn(3, 4)
+        self.assertIs(_nonzero_strides(t), t)  # nothing to fix: the same tensor
+        for z in (torch.ones(()).expand(3, 4), torch.ones(4).expand(3, 4)):
+            fixed = _nonzero_strides(z)
+            self.assertTrue(all(s != 0 for s in fixed.stride()), msg=str(fixed.stride()))
+            self.assertEqual(fixed, z)
+
     # device mismatches, with a meta tensor standing in for another device (CPU-only CI)
     def test_device_messages(self):
         from torch_moe._ops import grouped_mm as m

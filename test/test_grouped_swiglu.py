@@ -250,6 +250,64 @@ class TestGroupedSwiGLU(TestCase):
 
 
 class TestGroupedSwiGLUChecks(TestCase):
+    def test_whole_and_loop_paths_with_grad_h(self):
+        # fp32 (native on every CPU): both CPU paths, a gradient into h too, agree closely
+        from torch_moe._ops import _cpu_probe
+
+        g = torch.Generator().manual_seed(0)
+        offs = torch.tensor([5, 5, 17, 30], dtype=torch.int32)  # an empty group, 2 tail rows
+        x = torch.randn(32, 16, generator=g)
+        w13 = torch.randn(4, 12, 16, generator=g) * 0.3
+        w2 = torch.randn(4, 16, 6, generator=g) * 0.3
+        rw = torch.rand(32, generator=g)
+        grad_y, grad_h = torch.randn(32, 16, generator=g), torch.randn(32, 12, generator=g)
+        op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
+        got = {}
+        for path in ("loop", "whole"):
+            with _cpu_probe.force(swiglu_path=path):
+                y, h = op(x, w13, w2, offs, rw)
+                got[path] = (y, h, *bwd(grad_y, grad_h, x, h, w13, w2, offs, rw))
+        for a, b in zip(got["loop"], got["whole"], strict=True):
+            self.assertEqual(a, b, atol=1e-5, rtol=1e-5)
+        # and grad_h reaches dX as dH does: dX(grad_h) - dX(None) = grad_h @ W13 per group
+        with _cpu_probe.force(swiglu_path="whole"):
+            dx0 = bwd(grad_y, None, x, got["whole"][1], w13, w2, offs, rw)[0]
+        extra = torch.cat([grad_h[0:5] @ w13[0], grad_h[5:17] @ w13[2], grad_h[17:30] @ w13[3]])
+        self.assertEqual(got["whole"][2][:30] - dx0[:30], extra, atol=1e-4, rtol=1e-4)
+
+    def test_grad_row_weights_dtype(self):
+        x, w13, w2 = torch.randn(4, 8), torch.randn(2, 6, 8), torch.randn(2, 8, 3)
+        offs, grad_y = torch.tensor([2, 4], dtype=torch.int32), torch.randn(4, 8)
+        op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
+        _, h = op(x, w13, w2, offs, None)
+        drw = bwd(grad_y, None, x, h, w13, w2, offs, None)[3]
+        self.assertEqual((drw.shape, drw.dtype), (torch.Size([0]), torch.float32))
+        rw = torch.rand(4).to(torch.bfloat16)
+        _, h = op(x, w13, w2, offs, rw)
+        self.assertEqual(bwd(grad_y, None, x, h, w13, w2, offs, rw)[3].dtype, torch.bfloat16)
+
+    def test_autograd_with_gather_index(self):
+        tokens = torch.randn(6, 8)
+        index = torch.tensor([0, 3, 5, 1, 1, 2])
+        w13 = torch.randn(2, 6, 8, requires_grad=True)
+        w2 = torch.randn(2, 8, 3, requires_grad=True)
+        offs = torch.tensor([2, 6], dtype=torch.int32)
+        op = torch.ops.torch_moe.grouped_swiglu
+        y, _ = op(tokens, w13, w2, offs, None, index)
+        y.sum().backward()
+        grads = (w13.grad.clone(), w2.grad.clone())
+        w13.grad = w2.grad = None
+        y_ref, _ = op(tokens[index], w13, w2, offs, None)
+        y_ref.sum().backward()
+        self.assertEqual(y, y_ref, atol=0, rtol=0)
+        self.assertEqual(grads, (w13.grad, w2.grad), atol=1e-6, rtol=1e-6)
+        x = tokens.clone().requires_grad_()
+        y, _ = op(x, w13, w2, offs, None, index)
+        with self.assertRaisesRegex(
+            NotImplementedError, r"^grouped_swiglu: autograd through x with gather_index"
+        ):
+            y.sum().backward()
+
     def test_gather_index_messages(self):
         x, w13, w2 = torch.randn(4, 8), torch.randn(1, 6, 8), torch.randn(1, 8, 3)
         offs = torch.tensor([4], dtype=torch.int32)

@@ -232,6 +232,18 @@ class TestPermute(TestCase):
 
 
 class TestPermuteChecks(TestCase):
+    def test_reference_checks_y_and_weights(self):
+        from torch_moe._ops import permute as m
+
+        row_to_slot, slot_to_row = torch.arange(6), torch.arange(6).view(3, 2)
+        with self.assertRaisesRegex(ValueError, r"^unpermute: expected y"):
+            m.unpermute_rows_reference(torch.randn(6), slot_to_row, row_to_slot)
+        bad = torch.rand(2, 3)
+        with self.assertRaisesRegex(ValueError, r"^permute: expected weights"):
+            m.permute_rows_reference(torch.randn(3, 4), row_to_slot, slot_to_row, bad)
+        with self.assertRaisesRegex(ValueError, r"^unpermute: expected weights"):
+            m.unpermute_rows_reference(torch.randn(6, 4), slot_to_row, row_to_slot, bad)
+
     def test_reference_messages_name_the_op(self):
         from torch_moe._ops import permute as m
 
