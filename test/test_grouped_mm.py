@@ -272,6 +272,15 @@ class TestGroupedMMChecks(TestCase):
         with self.assertRaisesRegex(ValueError, r"^grouped_mm: offs must be non-decreasing"):
             grouped_mm_reference(x, torch.randn(1, 8, 3), torch.tensor([5], dtype=torch.int32))
 
+    def test_offs_message_shows_first_and_last_eight(self):
+        offs = torch.arange(20, dtype=torch.int32)
+        offs[10] = 0  # decreasing
+        with self.assertRaisesRegex(
+            ValueError,
+            r"offs=\[0, 1, 2, 3, 4, 5, 6, 7, '\.\.\.', 12, 13, 14, 15, 16, 17, 18, 19\]$",
+        ):
+            grouped_mm(torch.randn(20, 4), torch.randn(20, 4, 3), offs)
+
     def test_nonzero_strides(self):
         from torch_moe._ops.grouped_mm import _nonzero_strides
 

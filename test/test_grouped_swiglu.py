@@ -276,9 +276,15 @@ class TestGroupedSwiGLUChecks(TestCase):
         self.assertEqual(got["whole"][2][:30] - dx0[:30], extra, atol=1e-4, rtol=1e-4)
 
     def test_grad_row_weights_dtype(self):
+        bf16 = torch.bfloat16
         x, w13, w2 = torch.randn(4, 8), torch.randn(2, 6, 8), torch.randn(2, 8, 3)
         offs, grad_y = torch.tensor([2, 4], dtype=torch.int32), torch.randn(4, 8)
         op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
+        # no row weights: an empty fp32 tensor, whatever the input dtype
+        args = (x.to(bf16), w13.to(bf16), w2.to(bf16))
+        _, h16 = op(*args, offs, None)
+        drw = bwd(grad_y.to(bf16), None, args[0], h16, *args[1:], offs, None)[3]
+        self.assertEqual((drw.shape, drw.dtype), (torch.Size([0]), torch.float32))
         _, h = op(x, w13, w2, offs, None)
         drw = bwd(grad_y, None, x, h, w13, w2, offs, None)[3]
         self.assertEqual((drw.shape, drw.dtype), (torch.Size([0]), torch.float32))
