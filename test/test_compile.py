@@ -97,6 +97,15 @@ class TestMoECompile(TestCase):
     def test_fullgraph_autocast(self, precision):
         self._check(precision, steps=8, autocast=True, dynamic=True)
 
+    @parametrize("half_gemm", ["fp32", "native"])
+    def test_fullgraph_autocast_both_cpu_gemm_dtypes(self, half_gemm):
+        # bf16 GEMMs upcast to fp32 (CPUs without native bf16) or native: the CPU kernels
+        # must not be recast by autocast in eager, where compiled code runs them outside it
+        from torch_moe._ops import _cpu_probe
+
+        with _cpu_probe.force(half_gemm=half_gemm):
+            self._check("bf16", steps=2, autocast=True, dynamic=True)
+
     @parametrize("precision", ["bf16", "mxfp8"])
     def test_fullgraph_activation_checkpointing(self, precision):
         self._check(precision, steps=8, ckpt=True, dynamic=True)

@@ -398,7 +398,8 @@ def _(
     _check_inputs(x, w13, w2, offs, row_weights, gather_index)
     ends = check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index)) or []
     forward = _forward_whole if _whole_path(x.dtype, ends) else _forward_loop
-    return forward(x, w13, w2, offs, ends, row_weights, gather_index)
+    with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
+        return forward(x, w13, w2, offs, ends, row_weights, gather_index)
 
 
 @grouped_swiglu.register_fake
@@ -461,7 +462,8 @@ def _(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
     backward = _backward_whole if _whole_path(x.dtype, ends) else _backward_loop
-    return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
+    with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
+        return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
 
 
 def _backward_whole(

@@ -339,10 +339,12 @@ class GroupedExperts(nn.Module):
             w13, w2 = w13[expert_range[0] : expert_range[1]], w2[expert_range[0] : expert_range[1]]
         dt = _expert_dtype(x, w13)
         x, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)
-        if self.recipe is None:
-            return grouped_swiglu(x, w13, w2, offs, row_weights)
-        # the recipe decides every GEMM's numerics: autocast must not recast inside
+        # the operands are in dt now and the op (or the recipe) decides every GEMM's
+        # numerics: autocast must not recast inside (eager would otherwise differ from
+        # compiled code, whose kernels run outside autocast)
         with torch.autocast(x.device.type, enabled=False):
+            if self.recipe is None:
+                return grouped_swiglu(x, w13, w2, offs, row_weights)
             h_M2F = scaled_grouped_mm(x, w13.transpose(-2, -1), offs, self.recipe)
             a_MF = swiglu(h_M2F, row_weights)
             return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
