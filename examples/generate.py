@@ -241,15 +241,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         )
     if args.ep > 1:
         dist.destroy_process_group()
-        # The parallelized model still holds the process group (through its device mesh),
-        # and modules with parallel-style hooks sit in reference cycles that only a
-        # collection frees: free them now, while the interpreter is alive, so that gloo's
-        # threads are joined here and not during interpreter shutdown (which can abort
-        # with "terminate called without an active exception").
-        del model, mesh, style
-        gc.collect()
     return result
 
 
 if __name__ == "__main__":
     main()
+    # With --ep, the parallelized model (freed with main's frame, but held in reference
+    # cycles by its parallel-style hooks) still owns the destroyed process group: collect
+    # it while the interpreter is alive, so that gloo's threads are joined now and not
+    # during interpreter shutdown (which can abort: upstream_patches/0002-distributed-gloo-exit).
+    gc.collect()

@@ -535,13 +535,18 @@ def few_rows_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, how: str) -
         raise ValueError(f"few_rows_mm: how must be 'mv' or 'swap', got {how!r}")
 
 
+def _pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the row classes of the decision keys."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def few_rows(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, general: MatMulInto) -> str:
     """How to multiply ``a`` [m <= FEW_ROWS, k] by ``b``, both in ``dtype``: ``"mm"``,
     the ``general`` way (one GEMM in the compute dtype: native, or the fp32 upcast, which
     for a few rows converts a whole weight per call), unless :func:`few_rows_mm`'s ``"mv"``
     or ``"swap"`` in ``dtype`` itself is over 10% faster; measured per layout pair and row
     count (rounded up to a power of two)."""
-    rows = 1 << max(0, a.shape[0] - 1).bit_length()
+    rows = _pow2_at_least(a.shape[0])
     ta, tb = transposed(a), transposed(b)
     memo_key = ("few_rows", dtype, ta, tb, rows)
     hit = _memo.get(memo_key)
@@ -573,7 +578,7 @@ def swiglu_path(
     two), by over 5%; else ``"loop"``. Many small groups favour the whole-tensor path (a
     few calls instead of six per group), large ones the loop (one expert's activation
     buffers, reused)."""
-    r = 1 << max(0, rows - 1).bit_length()
+    r = _pow2_at_least(rows)
     return decide(f"swiglu_path:{_dt(dtype)}:r{r}", lambda: measure(r), default="loop", margin=0.05)
 
 

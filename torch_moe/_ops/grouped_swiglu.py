@@ -292,17 +292,19 @@ def _group_sizes(ends: list[int]) -> list[int]:
     return [end - start for start, end in zip([0, *ends[:-1]], ends)]
 
 
-def _whole_path(dtype: torch.dtype, ends: list[int]) -> bool:
-    """Whether the CPU kernels take the whole-tensor path (``_cpu_probe.swiglu_path``): only
-    where the CPU multiplies the dtype natively (no per-group conversion to save) and for
-    two or more non-empty groups, decided at their mean rows per group."""
-    if cpu_compute_dtype(dtype) != dtype or not ends:
+def _whole_path(dtype: torch.dtype, busy_groups: int, rows: int) -> bool:
+    """Whether the CPU kernels take the whole-tensor path (``_cpu_probe.swiglu_path``) for
+    ``busy_groups`` non-empty groups of about ``rows`` rows: only where the CPU multiplies
+    the dtype natively (no per-group conversion to save) and for two or more groups."""
+    if cpu_compute_dtype(dtype) != dtype or busy_groups < 2:
         return False
-    sizes = [n for n in _group_sizes(ends) if n]
-    if len(sizes) < 2:
-        return False
-    rows = -(-sum(sizes) // len(sizes))
     return _cpu_probe.swiglu_path(dtype, rows, functools.partial(_measure_path, dtype)) == "whole"
+
+
+def _whole_path_for(dtype: torch.dtype, ends: list[int]) -> bool:
+    """``_whole_path`` for these group ends, at the mean rows of the non-empty groups."""
+    sizes = [n for n in _group_sizes(ends) if n]
+    return _whole_path(dtype, len(sizes), -(-sum(sizes) // max(1, len(sizes))))
 
 
 def _measure_path(dtype: torch.dtype, rows: int) -> dict[str, float]:
@@ -397,7 +399,7 @@ def _(
 ) -> tuple[Tensor, Tensor]:
     _check_inputs(x, w13, w2, offs, row_weights, gather_index)
     ends = check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index)) or []
-    forward = _forward_whole if _whole_path(x.dtype, ends) else _forward_loop
+    forward = _forward_whole if _whole_path_for(x.dtype, ends) else _forward_loop
     with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
         return forward(x, w13, w2, offs, ends, row_weights, gather_index)
 
@@ -461,7 +463,7 @@ def _(
     gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
-    backward = _backward_whole if _whole_path(x.dtype, ends) else _backward_loop
+    backward = _backward_whole if _whole_path_for(x.dtype, ends) else _backward_loop
     with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
         return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
 

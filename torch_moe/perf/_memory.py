@@ -200,13 +200,9 @@ def _swiglu_whole(w: MoEWorkload, groups: list[float]) -> bool:
     """Whether this CPU's ``grouped_swiglu`` kernels take their whole-tensor path for the
     workload (the same measured decision, ``torch_moe._ops._cpu_probe.swiglu_path``)."""
     from torch_moe._ops import grouped_swiglu as _gs
-    from torch_moe._ops.grouped_mm import cpu_compute_dtype
 
     busy = [g for g in groups if g >= 1]
-    if cpu_compute_dtype(w.dtype) != w.dtype or len(busy) < 2:
-        return False
-    rows = -(-round(sum(busy)) // len(busy))
-    return _gs._whole_path(w.dtype, [rows * (i + 1) for i in range(len(busy))])
+    return _gs._whole_path(w.dtype, len(busy), -(-round(sum(busy)) // max(1, len(busy))))
 
 
 def memory(
