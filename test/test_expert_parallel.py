@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,7 +40,8 @@ from torch.testing._internal.common_distributed import (
 from torch.testing._internal.common_utils import TestCase, run_tests
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_moe._inductor import ep_overlap
+import torch_moe._inductor as TI
+from torch_moe._inductor import ep_chunk, ep_overlap
 from torch_moe.distributed import ExpertParallel, ExpertParallelDispatcher
 from torch_moe.distributed import dispatch as dispatch_module
 from torch_moe.nn import MoE
@@ -125,17 +127,28 @@ class _Checks:
         self.assertEqual(counts, ref.tokens_per_expert)
         return moe, ref
 
-    def check_compiled_equals_eager(self, style_kw, steps=10, **cfg):
+    def check_compiled_equals_eager(self, style_kw, steps=10, chunk_pass=1, **cfg):
         """torch.compile(fullgraph=True) of an EP layer (aot_eager: the same kernels) over
         ``steps`` steps with changing routing and token counts: outputs and every gradient
-        bitwise equal to eager EP, at most one recompile, no graph break."""
+        bitwise equal to eager EP, at most one recompile, no graph break. With
+        ``chunk_pass=C`` the compiled layer is built with one chunk and split into C by the
+        chunk pass (before AOTAutograd, as Inductor runs it); eager is built with C."""
         torch._dynamo.reset()
         counters.clear()
         eager = make_moe(**cfg)
         moe = copy.deepcopy(eager)
-        for m in (eager, moe):
-            parallelize_module(m, self.mesh(), ExpertParallel(**style_kw))
-        backend = CompileCounterWithBackend("aot_eager")
+        parallelize_module(moe, self.mesh(), ExpertParallel(**style_kw))
+        if chunk_pass > 1:
+            style_kw = {**style_kw, "num_chunks": chunk_pass}
+        parallelize_module(eager, self.mesh(), ExpertParallel(**style_kw))
+        split = []
+
+        def split_then_aot_eager(gm, example_inputs):
+            split.append(ep_chunk.split_layers(gm.graph, chunk_pass))
+            gm.recompile()
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        backend = CompileCounterWithBackend(split_then_aot_eager)
         compiled = torch.compile(moe, fullgraph=True, backend=backend)
         gen = torch.Generator().manual_seed(7 + self.rank)
         for step in range(steps):
@@ -153,6 +166,7 @@ class _Checks:
             eager.zero_grad()
         self.assertEqual(dict(counters["graph_break"]), {})
         self.assertLessEqual(backend.frame_count, 2, msg="at most one recompile")
+        self.assertEqual(split, [int(chunk_pass > 1)] * backend.frame_count)
 
 
 class OpCounter(TorchDispatchMode):
@@ -372,26 +386,85 @@ class TestExpertParallel2(_EPClass):
             precision="fp8_rowwise",
         )
 
+    def test_compile_chunk_pass_fp8_uneven(self):
+        """The chunk pass into 3 uneven chunks of 4 local experts (1 + 1 + 2), FP8 experts,
+        FP8 dispatch over all_to_all: bitwise equal to ExpertParallel(num_chunks=3)."""
+        self.check_compiled_equals_eager(
+            {"exchange": "all_to_all", "dispatch_dtype": torch.float8_e4m3fn},
+            steps=2,
+            chunk_pass=3,
+            shared_hidden_dim=8,
+            precision="fp8_rowwise",
+        )
+
+    def test_compile_chunk_pass_inductor(self):
+        """Inductor end to end (torch_moe._inductor.options(), config.ep_chunks=2): the
+        layer built with one chunk compiles to the code of the layer built with two, bit
+        for bit, forward and backward."""
+        torch._dynamo.reset()
+        TI.reset_counters()
+        base = make_moe(shared_hidden_dim=8)
+        one, two = copy.deepcopy(base), copy.deepcopy(base)
+        parallelize_module(one, self.mesh(), ExpertParallel())
+        parallelize_module(two, self.mesh(), ExpertParallel(num_chunks=2))
+        compiled = [torch.compile(m, fullgraph=True, options=TI.options()) for m in (one, two)]
+        gen = torch.Generator().manual_seed(5 + self.rank)
+        x = torch.randn(7, DIM, generator=gen)  # one shape: one compile of each
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        with TI.config.patch(ep_chunks=2):
+            got = compiled[0](xs[0])
+        ref = compiled[1](xs[1])
+        self.assertEqual(got, ref, atol=0, rtol=0)
+        got.pow(2).sum().backward()
+        ref.pow(2).sum().backward()
+        self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0)
+        for p, q in zip(one.parameters(), two.parameters(), strict=True):
+            self.assertEqual(p.grad, q.grad, atol=0, rtol=0)
+        self.assertEqual(TI.counters()["ep_chunks"], 1)
+        self.assertEqual(TI.counters()["ep_chunk_skipped"], 0)
+        # and eager chunking, to Inductor's rounding of the router and shared experts
+        eager = copy.deepcopy(base)
+        parallelize_module(eager, self.mesh(), ExpertParallel(num_chunks=2))
+        self.assertEqual(got, eager(x), atol=1e-6, rtol=1e-5)
+
     def test_compile_overlap_schedule(self):
-        """The EP overlap pass on the post-grad graphs: chunk 1's dispatch is issued before
-        chunk 0's experts run and chunk 0's combine waited after chunk 1's experts (forward),
-        the combines' backwards issued up front (backward); values bitwise equal to eager
-        chunking (the same exchanges and kernels)."""
+        """The EP overlap pass on the post-grad graphs of a layer traced with two chunks."""
+        self.check_overlap_schedule(style_chunks=2, pass_chunks=1)
+
+    def test_compile_chunk_pass_schedule(self):
+        """The chunk pass splits a layer traced with one chunk into two before autograd
+        (Dynamo's graph): the same values and schedule as a layer traced with two."""
+        self.check_overlap_schedule(style_chunks=1, pass_chunks=2)
+
+    def check_overlap_schedule(self, style_chunks, pass_chunks):
+        """Compiled with ``ExpertParallel(num_chunks=style_chunks)`` (and the chunk pass at
+        ``pass_chunks``), against eager with two chunks: chunk 1's dispatch is issued before
+        chunk 0's experts run and waited only after them, chunk 0's combine is in flight
+        during chunk 1's experts (forward); the combines' backwards are issued up front and
+        chunk 1's dispatch backward is in flight during chunk 0's experts' backward
+        (backward). Values bitwise equal to eager chunking (the same exchanges and
+        kernels)."""
         torch._dynamo.reset()
         eager = make_moe(shared_hidden_dim=8)
         moe = copy.deepcopy(eager)
-        for m in (eager, moe):
-            parallelize_module(m, self.mesh(), ExpertParallel(num_chunks=2))
-        codes = []
+        parallelize_module(eager, self.mesh(), ExpertParallel(num_chunks=2))
+        parallelize_module(moe, self.mesh(), ExpertParallel(num_chunks=style_chunks))
+        codes, split = [], []
 
         def compile_graph(gm, example_inputs):
-            split, _ = ep_overlap.run(gm.graph)
-            self.assertEqual(split, 4)  # two chunks x (dispatch, combine) or their backwards
+            exchanges, _ = ep_overlap.run(gm.graph)
+            self.assertEqual(exchanges, 4)  # two chunks x (dispatch, combine) or backwards
             gm.recompile()
             codes.append(gm.code)
             return make_boxed_func(gm)
 
-        backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)
+        inner = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)
+
+        def backend(gm, example_inputs):  # Inductor's order: the pre-grad pass, then AOT
+            split.append(ep_chunk.split_layers(gm.graph, pass_chunks))
+            gm.recompile()
+            return inner(gm, example_inputs)
+
         compiled = torch.compile(moe, fullgraph=True, backend=backend)
         gen = torch.Generator().manual_seed(3 + self.rank)
         for step in range(3):
@@ -406,21 +479,24 @@ class TestExpertParallel2(_EPClass):
                 self.assertEqual(p.grad, q.grad, atol=0, rtol=0)
             moe.zero_grad()
             eager.zero_grad()
+        # each graph (a recompile once the token count varies) had its layer split once
+        self.assertEqual(split, [int(pass_chunks > 1)] * len(split))
         fwd, bwd = codes[0], codes[1]
         start = "torch.ops.torch_moe.ep_start.default("
         wait = "torch.ops.torch_moe.ep_wait.default("
-        FileCheck().check(start).check("'dispatch'").check(start).check("'dispatch'").check(
+        swiglu, swiglu_bwd = "grouped_swiglu.default(", "grouped_swiglu_backward.default("
+        FileCheck().check(start).check("'dispatch', False, -1)").check(start).check(
+            "'dispatch', False, -1)"
+        ).check(wait).check_not(wait).check(swiglu).check(start).check("'combine'").check(
             wait
-        ).check("grouped_swiglu.default(").check(start).check("'combine'").check(wait).check(
-            "grouped_swiglu.default("
-        ).check(start).check("'combine'").check(wait).check(wait).check("unpermute.default(").run(
-            fwd
-        )
+        ).check_not(wait).check(swiglu).check(start).check("'combine'").check(wait).check(
+            wait
+        ).check("unpermute.default(").run(fwd)
         FileCheck().check(start).check("'combine backward'").check(start).check(
             "'combine backward'"
-        ).check(wait).check("grouped_swiglu_backward.default(").check(start).check(
+        ).check(wait).check_not(wait).check(swiglu_bwd).check(start).check(
             "'dispatch backward'"
-        ).check(wait).check("grouped_swiglu_backward.default(").check(start).check(
+        ).check(wait).check_not(wait).check(swiglu_bwd).check(start).check(
             "'dispatch backward'"
         ).check(wait).check(wait).check("unpermute.default(").run(bwd)
 
@@ -576,8 +652,10 @@ class TestExpertParallel4(_EPClass):
         with torch.inference_mode():
             self.assertEqual(low(x), training(x), atol=0, rtol=0)
 
-    def test_compile_fullgraph_chunks(self):
-        self.check_compiled_equals_eager({"num_chunks": 2}, shared_hidden_dim=8)
+    def test_compile_fullgraph_chunk_pass(self):
+        """EP=4, built with one chunk, split into two by the chunk pass: bitwise equal to
+        eager ExpertParallel(num_chunks=2)."""
+        self.check_compiled_equals_eager({}, chunk_pass=2, shared_hidden_dim=8)
 
 
 class TestExpertParallelFaults(MultiProcessTestCase):

@@ -11,6 +11,7 @@ fusions keep out of memory. Two tests compile with Inductor itself and FileCheck
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import tempfile
 from unittest import mock
@@ -30,7 +31,9 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_moe._inductor as TI
+from torch_moe._inductor import ep_chunk
 from torch_moe._inductor import passes as P
+from torch_moe.distributed.dispatch import chunk_bounds, chunk_offsets
 from torch_moe.nn import MoE
 from torch_moe.quantization import RECIPES, GemmQuant, OperandQuant, Recipe
 from torch_moe.quantization.fused import clear_weight_cache, weight_cache_stats
@@ -294,6 +297,120 @@ class TestInductor(TestCase):
         FileCheck().check(f"{ops}permute_quantize.default(tangents").run(bwd)
         for op in ("permute_quantize_jagged", "swiglu_quantize_jagged", "scaled_grouped_mm_wgrad"):
             FileCheck().check(f"{ops}{op}.default(").run(bwd)
+
+
+def _ep_layer_graph(chunks=((0, 4),), escape=False, mutate=False):
+    """The pre-grad shape of an expert-parallel layer (8 experts, 2 ranks, 4 local):
+    dispatch -> chunk offsets -> expert_range slice of the weights -> a grouped GEMM ->
+    combine, once per chunk, the combines added; symbolically traced (no process group:
+    the pass only rewrites the graph). ``escape``: the received rows are also used after the
+    combine; ``mutate``: an in-place op on the experts' output."""
+    ops = torch.ops.torch_moe
+
+    def layer(x, row_w, counts, w):
+        out = None
+        for l0, l1 in chunks:
+            recv = ops.ep_dispatch(x, row_w, counts, "0", 8, l0, l1, "p2p", 0, False)
+            offs = ops.ep_chunk_offsets(counts, 8, 2, l0, l1)
+            y = ops.grouped_mm(recv[0], w[l0:l1], offs)
+            if mutate:
+                y.mul_(2)
+            part = ops.ep_combine(y, counts, "0", 8, l0, l1, "p2p", 0, 10)
+            out = part if out is None else out + part
+        return out + recv[0].sum() if escape else out
+
+    gm = torch.fx.symbolic_trace(layer)
+    for n in gm.graph.nodes:
+        if n.name == "w":
+            n.meta["example_value"] = torch.empty(4, 6, 6)  # [El, K, N]
+    return gm.graph
+
+
+def _bounds(graph, op, first):
+    """(l0, l1) of each call of ``op`` in graph order (arguments first, first + 1)."""
+    return [tuple(n.args[first : first + 2]) for n in graph.nodes if TI._fx.is_op(n, op)]
+
+
+class TestEPChunkPass(TestCase):
+    """The chunk pass on a graph (values: test_expert_parallel.py, on gloo)."""
+
+    def setUp(self):
+        TI.reset_counters()
+
+    def test_splits_into_the_dispatchers_chunks(self):
+        ops = torch.ops.torch_moe
+        for C, expected in ((2, [(0, 2), (2, 4)]), (3, [(0, 1), (1, 2), (2, 4)])):
+            graph = _ep_layer_graph()
+            self.assertEqual(ep_chunk.split_layers(graph, C), 1)
+            self.assertEqual(expected, chunk_bounds(0, 4, C))
+            self.assertEqual(_bounds(graph, ops.ep_dispatch, 5), expected)
+            self.assertEqual(_bounds(graph, ops.ep_chunk_offsets, 3), expected)
+            self.assertEqual(_bounds(graph, ops.ep_combine, 4), expected)
+            slices = [
+                (n.args[1].start, n.args[1].stop)
+                for n in graph.nodes
+                if n.target is operator.getitem and isinstance(n.args[1], slice)
+            ]
+            self.assertEqual(slices, expected)
+            # the combines added in chunk order, the sum is the output
+            adds = [n for n in graph.nodes if n.target is operator.add]
+            self.assertEqual(len(adds), C - 1)
+            self.assertEqual(graph.output_node().args[0], adds[-1])
+            self.assertEqual(
+                adds[0].args, tuple(n for n in graph.nodes if TI._fx.is_op(n, ops.ep_combine))[:2]
+            )
+        self.assertEqual(TI.counters()["ep_chunks"], 2)
+
+    def test_at_most_one_chunk_per_local_expert(self):
+        graph = _ep_layer_graph()
+        self.assertEqual(ep_chunk.split_layers(graph, 16), 1)
+        got = _bounds(graph, torch.ops.torch_moe.ep_dispatch, 5)
+        self.assertEqual(got, [(0, 1), (1, 2), (2, 3), (3, 4)])
+
+    def test_leaves_alone(self):
+        """Chunked already, or one chunk asked for: untouched and not counted as skipped;
+        a region that leaks a value past the combine or mutates: untouched and counted."""
+        for kwargs, C, skipped in (
+            (dict(chunks=((0, 2), (2, 4))), 2, 0),
+            ({}, 1, 0),
+            (dict(escape=True), 2, 1),
+            (dict(mutate=True), 2, 1),
+        ):
+            TI.reset_counters()
+            graph = _ep_layer_graph(**kwargs)
+            before = str(graph)
+            self.assertEqual(ep_chunk.split_layers(graph, C), 0, msg=kwargs)
+            self.assertEqual(str(graph), before)
+            self.assertEqual(TI.counters()["ep_chunk_skipped"], skipped, msg=kwargs)
+
+    def test_chunk_offsets_op(self):
+        counts = torch.tensor([3, 1, 0, 2, 4, 0, 1, 1, 2, 0, 5, 1, 3, 1, 0, 2])  # E=8, R=2
+        recv = counts[8:].view(2, 4)
+        for l0, l1 in ((0, 4), (1, 3), (3, 4)):
+            want = recv[:, l0:l1].sum(0).cumsum(0).to(torch.int32)
+            self.assertEqual(chunk_offsets(counts, 8, 2, l0, l1), want, **EXACT)
+        torch.library.opcheck(torch.ops.torch_moe.ep_chunk_offsets.default, (counts, 8, 2, 1, 3))
+        with self.assertRaisesRegex(ValueError, r"bad chunk \[2, 5\) of 4 local experts"):
+            chunk_offsets(counts, 8, 2, 2, 5)
+        with self.assertRaisesRegex(
+            ValueError, r"num_experts \(8\) must be a multiple of world \(3\)"
+        ):
+            chunk_offsets(counts, 8, 3, 0, 1)
+        with self.assertRaisesRegex(
+            ValueError, r"expected counts to be 1D int64 \[2 \* num_experts = 8\]"
+        ):
+            chunk_offsets(counts, 4, 2, 0, 1)
+
+    def test_uuid_and_enable(self):
+        import torch._inductor.config as inductor_config
+
+        p = TI.EPChunkPass()
+        base = p.uuid()
+        with TI.config.patch(ep_chunks=2):
+            self.assertNotEqual(p.uuid(), base)
+        self.assertEqual(TI.options()["pre_grad_custom_pass"].__class__, TI.EPChunkPass)
+        with TI.enabled():
+            self.assertIsInstance(inductor_config.pre_grad_custom_pass, TI.EPChunkPass)
 
 
 instantiate_parametrized_tests(TestPasses)

@@ -60,6 +60,12 @@ class TestOpSchemas(TestCase):
             """torch_moe::ep_combine(Tensor y, Tensor counts, str group_name, SymInt num_experts, SymInt chunk_start, SymInt chunk_end, str exchange, SymInt node_size, SymInt num_rows) -> Tensor""",
         )
 
+    def test_schema_ep_chunk_offsets(self):
+        self.assertExpectedInline(
+            schema("ep_chunk_offsets"),
+            """torch_moe::ep_chunk_offsets(Tensor counts, SymInt num_experts, SymInt world, SymInt l0, SymInt l1) -> Tensor""",
+        )
+
     def test_schema_ep_combine_backward(self):
         self.assertExpectedInline(
             schema("ep_combine_backward"),

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch_moe._inductor import config
+from torch_moe._inductor.ep_chunk import EPChunkPass
 from torch_moe._inductor.ep_overlap import EPOverlapPass
 from torch_moe._inductor.passes import (
     MoEGraphPass,
@@ -31,6 +32,7 @@ from torch_moe._inductor.passes import (
 )
 
 __all__ = [
+    "EPChunkPass",
     "EPOverlapPass",
     "MoEGraphPass",
     "config",
@@ -43,16 +45,18 @@ __all__ = [
     "run_passes",
 ]
 
-# the Inductor config entries the passes go into: the fusions on the joint graph (training,
-# before the partitioner decides what to save) and the forward-only graph (inference); the
-# EP schedule after the partitioner, on the forward and backward graphs
+# the Inductor config entries the passes go into: the EP chunk split before autograd (on
+# Dynamo's graph, so the backward follows the chunks); the fusions on the joint graph
+# (training, before the partitioner decides what to save) and the forward-only graph
+# (inference); the EP schedule after the partitioner, on the forward and backward graphs
 _PASSES = {
+    "pre_grad_custom_pass": EPChunkPass(),
     "joint_custom_post_pass": MoEGraphPass(),
     "post_grad_custom_pre_pass": MoEGraphPass(),
     "post_grad_custom_post_pass": EPOverlapPass(),
 }
 _HOOKS = tuple(_PASSES)
-_OURS = (MoEGraphPass, EPOverlapPass)
+_OURS = (EPChunkPass, MoEGraphPass, EPOverlapPass)
 
 
 def options() -> dict[str, Any]:

@@ -34,6 +34,12 @@ cache_weight_quantization: bool = True
 # exchange overlaps chunk c's experts (ExpertParallel(num_chunks=C)).
 ep_overlap: bool = True
 
+# expert parallelism: split every layer traced with one chunk (ExpertParallel(), the
+# default) into this many chunks of local experts (at most the layer's local experts), the
+# graph ExpertParallel(num_chunks=ep_chunks) traces (torch_moe._inductor.ep_chunk), so that
+# the overlap pass above has chunks to overlap. 1: leave the layers as traced.
+ep_chunks: int = 1
+
 
 from torch.utils._config_module import install_config_module  # noqa: E402
 

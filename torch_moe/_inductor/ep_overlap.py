@@ -123,6 +123,29 @@ def _inputs(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+_SCALARS = (torch.SymInt, torch.SymBool, int, bool)
+
+
+def _size_check(user: fx.Node, item: fx.Node) -> set[fx.Node] | None:
+    """``user`` and everything downstream of it when they only check ``item``'s size (the
+    runtime asserts AOTAutograd adds for an unbacked row count: ``sym_size`` ->
+    comparisons -> ``_assert_scalar``) and read nothing else, else None."""
+    chain: set[fx.Node] = set()
+    stack = [user]
+    while stack:
+        n = stack.pop()
+        if n in chain or n.op == "output":  # (a forward returns the size to its backward)
+            continue
+        asserts = n.target is torch.ops.aten._assert_scalar.default
+        if not asserts and not isinstance(n.meta.get("val"), _SCALARS):
+            return None
+        chain.add(n)
+        stack.extend(n.users)
+    if any(a is not item and a not in chain for n in chain for a in n.all_input_nodes):
+        return None
+    return chain
+
+
 def overlap_exchanges(graph: fx.Graph) -> int:
     """Step 2 of the module docstring: starts early (in their original order), waits late.
     Returns the nodes moved."""
@@ -139,10 +162,18 @@ def overlap_exchanges(graph: fx.Graph) -> int:
         order = {n: i for i, n in enumerate(graph.nodes)}
     for wait in reversed([n for n in graph.nodes if is_op(n, _ops.ep_wait)]):
         items = list(wait.users)
-        for item in items:  # each getitem right before its first user
-            if item.users:
-                first = min(item.users, key=lambda n: order[n])
-                first.prepend(item)
+        for item in items:  # each getitem right before its first use of the rows
+            if not item.users:
+                continue
+            checks = {u: _size_check(u, item) for u in item.users}
+            uses = [u for u, chain in checks.items() if chain is None]
+            first = min(uses or item.users, key=lambda n: order[n])
+            first.prepend(item)
+            if uses:  # a runtime assert on the received row count is not a use of the
+                # rows: it moves with them (else the wait would have to come before it)
+                size_checks = set().union(*(c for c in checks.values() if c is not None))
+                for n in sorted(size_checks, key=lambda n: order[n]):
+                    first.prepend(n)
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(items, key=lambda n: order[n]) if items else None
         if first is not None and wait.next is not first:

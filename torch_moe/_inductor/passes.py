@@ -316,6 +316,8 @@ _COUNTERS: dict[str, int] = {
     "cache_weight_quantization": 0,
     "fuse_quantize": 0,
     "fuse_gather": 0,
+    "ep_chunks": 0,  # expert-parallel layers split into chunks (ep_chunk.py)
+    "ep_chunk_skipped": 0,  # one-chunk layers that pass could not split
 }
 
 

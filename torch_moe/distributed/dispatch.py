@@ -52,7 +52,7 @@ from torch_moe.distributed.exchange import all_to_all_segments
 from torch_moe.distributed.hierarchical import hierarchical_all_to_all_single
 from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
-__all__ = ["EXCHANGES", "ChunkPlan", "chunk_offsets", "chunk_plan"]
+__all__ = ["EXCHANGES", "ChunkPlan", "chunk_bounds", "chunk_offsets", "chunk_plan"]
 
 EXCHANGES = ("p2p", "all_to_all")
 _FP8_BLOCK = (1, 128)  # FP8 dispatch: one scale per 128 values of a row
@@ -106,10 +106,52 @@ def chunk_plan(counts: Sequence[int], num_experts: int, world: int, l0: int, l1:
     )
 
 
+def chunk_bounds(l0: int, l1: int, num_chunks: int) -> list[tuple[int, int]]:
+    """``num_chunks`` contiguous chunks [a, b) of the local experts [l0, l1), as even as
+    integer division makes them (``ExpertParallel(num_chunks=C)``'s split)."""
+    n = l1 - l0
+    return [(l0 + c * n // num_chunks, l0 + (c + 1) * n // num_chunks) for c in range(num_chunks)]
+
+
 def chunk_offsets(counts: Tensor, num_experts: int, world: int, l0: int, l1: int) -> Tensor:
-    """int32 group ends of the expert-major receive buffer of chunk [l0, l1) (traceable)."""
+    """int32 group ends [l1 - l0] of the expert-major receive buffer of chunk [l0, l1).
+
+    The ``torch_moe::ep_chunk_offsets`` op: one node per chunk in a traced graph, so the
+    compiler's chunk pass (:mod:`torch_moe._inductor.ep_chunk`) finds and re-bounds it."""
+    return torch.ops.torch_moe.ep_chunk_offsets(counts, num_experts, world, l0, l1)
+
+
+def _check_offsets_args(counts: Tensor, num_experts: int, world: int, l0: int, l1: int) -> None:
+    if world < 1 or num_experts % world != 0:
+        raise ValueError(
+            f"ep_chunk_offsets: num_experts ({num_experts}) must be a multiple of world ({world})"
+        )
+    El = num_experts // world
+    if not 0 <= l0 < l1 <= El:
+        raise ValueError(
+            f"ep_chunk_offsets: bad chunk [{l0}, {l1}) of {El} local experts "
+            f"(num_experts={num_experts}, world={world})"
+        )
+    if counts.dim() != 1 or counts.dtype != torch.int64 or counts.shape[0] != 2 * num_experts:
+        raise ValueError(
+            f"ep_chunk_offsets: expected counts to be 1D int64 [2 * num_experts = "
+            f"{2 * num_experts}] (the plan), got {counts.dim()}D {counts.dtype} "
+            f"{list(counts.shape)}"
+        )
+
+
+@torch.library.custom_op("torch_moe::ep_chunk_offsets", mutates_args=())
+def ep_chunk_offsets(counts: Tensor, num_experts: int, world: int, l0: int, l1: int) -> Tensor:
+    """:func:`chunk_offsets` (the op)."""
+    _check_offsets_args(counts, num_experts, world, l0, l1)
     recv_RL = counts[num_experts:].view(world, num_experts // world)
     return recv_RL[:, l0:l1].sum(0).cumsum(0).to(torch.int32)
+
+
+@ep_chunk_offsets.register_fake
+def _(counts: Tensor, num_experts: int, world: int, l0: int, l1: int) -> Tensor:
+    _check_offsets_args(counts, num_experts, world, l0, l1)
+    return counts.new_empty((l1 - l0,), dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------------------

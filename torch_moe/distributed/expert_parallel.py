@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torch_moe.distributed import dispatch as _dispatch  # noqa: F401  (registers the ops)
-from torch_moe.distributed.dispatch import chunk_offsets
+from torch_moe.distributed.dispatch import chunk_bounds, chunk_offsets
 from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
 __all__ = ["ExpertParallel", "ExpertParallelDispatcher"]
@@ -114,8 +114,7 @@ class ExpertParallelDispatcher(nn.Module):
         self.exchange: Exchange = exchange
         self.fp8 = dispatch_dtype is not None
         self.node_size = node_size or 0
-        El, C = self.num_local, num_chunks
-        self.chunks = [(c * El // C, (c + 1) * El // C) for c in range(C)]
+        self.chunks = chunk_bounds(0, self.num_local, num_chunks)
 
     def plan(self, offs: Tensor) -> Tensor:
         """Rows per global expert on this rank, then rows per (source rank, local expert)
