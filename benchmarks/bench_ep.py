@@ -393,6 +393,14 @@ def bench_overlap(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, A
                     compiled = torch.compile(moe, fullgraph=True, options=TI.options())
                     torch.testing.assert_close(compiled(x), ref, rtol=1e-4, atol=1e-5)
                     fns[f"EP C={c} compiled"] = functools.partial(compiled, x)
+                # a layer built with one chunk that the compiler splits into C
+                # (config.ep_chunks, the chunk pass) and then overlaps
+                for c in args.chunks:
+                    moe = make_ep_moe(D, F, E, K, dtype, num_chunks=1)
+                    compiled = torch.compile(moe, fullgraph=True, options=TI.options())
+                    with TI.config.patch(ep_chunks=c):  # read when the graph compiles
+                        torch.testing.assert_close(compiled(x), ref, rtol=1e-4, atol=1e-5)
+                    fns[f"EP C=1 split into {c} compiled"] = functools.partial(compiled, x)
         cpu: dict[str, float] = {}
         t = timed_rounds(fns, args.reps, cpu)
     out["overlap"] = (T, D, F, t, cpu)
@@ -446,9 +454,10 @@ def worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queu
     try:
         dtype = DTYPES[args.dtype]
         out: dict[str, Any] = {}
-        bench_messages(args, out)
-        bench_dispatch(args, dtype, out)
-        bench_hierarchical(args, dtype, out)
+        if not args.only_overlap:
+            bench_messages(args, out)
+            bench_dispatch(args, dtype, out)
+            bench_hierarchical(args, dtype, out)
         if not args.skip_overlap:
             bench_overlap(args, dtype, out)
         if rank == 0:
@@ -478,6 +487,7 @@ def main() -> None:
     parser.add_argument("--overlap-hidden", type=int, default=64)
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--skip-overlap", action="store_true")
+    parser.add_argument("--only-overlap", action="store_true", help="(c) alone")
     parser.add_argument(
         "--compiled",
         action=argparse.BooleanOptionalAction,
@@ -574,6 +584,8 @@ def main() -> None:
             if "EP C=1" in t
             else f"Bound of perfect overlap: {perfect:.2f}"
         )
+    if args.only_overlap:
+        return
     print()
     print(
         f"(a) dispatch + combine (forward, identity experts) vs the raw all_to_all_single of "

@@ -90,11 +90,12 @@ class _Checks:
         with OpCounter() as bwd_ops:
             (out * g_all[rows]).sum().backward()
         # forward: one all-to-all of the counts (a functional collective), then per chunk
-        # one dispatch and one combine op; backward: their reverses, nothing else. The rows
+        # one dispatch, its group ends (host arithmetic) and one combine op; backward: their reverses, nothing else. The rows
         # move inside those ops (point-to-point or all_to_all_single).
         C = style.num_chunks
         self.assertEqual(
-            fwd_ops.counts, {"all_to_all_single": 1, "ep_dispatch": C, "ep_combine": C}
+            fwd_ops.counts,
+            {"all_to_all_single": 1, "ep_dispatch": C, "ep_chunk_offsets": C, "ep_combine": C},
         )
         self.assertEqual(bwd_ops.counts, {"ep_dispatch_backward": C, "ep_combine_backward": C})
 
