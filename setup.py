@@ -29,6 +29,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the README's test command runs two workers
             "hypothesis>=6.100",
             "expecttest>=0.2",
             "mutmut==3.8.1",  # benchmarks/run_mutation.sh (not run in CI)

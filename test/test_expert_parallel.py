@@ -677,9 +677,10 @@ class TestExpertParallelFaults(MultiProcessTestCase):
         self._spawn_processes()
 
     def init_pg(self, timeout):
+        self.store = dist.FileStore(self.file_name, self.world_size)
         dist.init_process_group(
             "gloo",
-            store=dist.FileStore(self.file_name, self.world_size),
+            store=self.store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=timeout,
@@ -691,12 +692,15 @@ class TestExpertParallelFaults(MultiProcessTestCase):
         moe = make_moe()
         parallelize_module(moe, mesh, ExpertParallel())
         # rank 1 skips the forward: rank 0 times out in the counts all-to-all (3 s), or sees
-        # rank 1 leave where the backend waits longer
+        # rank 1 leave where the backend waits longer; rank 1 stays until rank 0 has its
+        # error (a key in the process group's store, which outlives the group's failure)
+        store = self.store
         if self.rank == 0:
             with self.assertRaisesRegex(RuntimeError, r"(Timed out|Connection closed|timeout)"):
                 moe(torch.randn(4, DIM))
+            store.set("rank 0 done", "1")
         else:
-            time.sleep(6)
+            store.wait(["rank 0 done"], datetime.timedelta(seconds=60))
 
     def test_rank_raising_mid_dispatch_errors_everywhere(self):
         """Rank 1 raises inside the dispatch (after the counts exchange, before sending):

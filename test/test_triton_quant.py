@@ -74,7 +74,7 @@ class _QuantizeChecks:
                 self._assert_same(TQ.quantize_blocks(x, block), Q.quantize_fp8_reference(x, block))
         for rule in ["floor", "rceil"]:
             for sd in [torch.uint8, torch.float32]:
-                with self.subTest(rule=rule, scale_dtype=sd):
+                with self.subTest(rule=rule, scale_dtype=str(sd)):
                     got = TQ.quantize_blocks(x, (1, 32), fmt="mx", scale_rule=rule, scale_dtype=sd)
                     ref = Q.quantize_mx_reference(x, dim=-1, scale_rule=rule, scale_dtype=sd)
                     self._assert_same(got, ref)
