@@ -13,6 +13,7 @@ whose answer is known; invalid input. Timing accuracy is the benchmark's job
 import contextlib
 import io
 import math
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -485,6 +486,48 @@ class TestHardware(TestCase):
         p = predict(MoEWorkload(256, 64, 64, 8, 2), hw)
         self.assertGreater(p.time, 0)
         self.assertIn("AVX", hw.name.upper() + hw.fingerprint["isa"].upper() + "AVX")
+
+
+class TestCalibrationStatistic(TestCase):
+    """``calibrate(statistic=...)``: the median of the samples as they came (the sustained
+    state) or the minimum through the quiet-core gate; both sample the same rounds."""
+
+    def test_sample_statistic(self):
+        from torch_moe.perf import _calibrate as C
+
+        samples = iter([5.0, 1.0, 9.0, 2.0, 7.0, 3.0])  # fn a: 5, 9, 7; fn b: 1, 2, 3
+        ticks = []
+
+        def clock():  # each timed call takes the next sample
+            ticks.append(None)
+            return 0.0 if len(ticks) % 2 else next(samples)
+
+        fns = [lambda: None, lambda: None]
+        with (
+            mock.patch.object(C, "_clock", lambda: clock),
+            mock.patch.object(C._GATE, "wait") as gate,
+        ):
+            with mock.patch.object(C, "_STATISTIC", ["median"]):
+                self.assertEqual(C._min_times(fns, 3, warm=False), [7.0, 2.0])
+                gate.assert_not_called()  # the sustained state: no waiting for a quiet core
+            samples = iter([5.0, 1.0, 9.0, 2.0, 7.0, 3.0])
+            with mock.patch.object(C, "_STATISTIC", ["min"]):
+                self.assertEqual(C._min_times(fns, 3, warm=False), [5.0, 1.0])
+                gate.assert_called_once()
+
+    def test_passes_and_errors(self):
+        from torch_moe.perf import _calibrate as C
+
+        mins = C._Mins()
+        with mock.patch.object(C._GATE, "last", 2.0), mock.patch.object(C._GATE, "best", 1.0):
+            for v in (4.0, 6.0, 20.0):
+                mins.put(("k",), v)
+            with mock.patch.object(C, "_STATISTIC", ["median"]):
+                self.assertEqual(mins.value(("k",)), 6.0)
+            with mock.patch.object(C, "_STATISTIC", ["min"]):  # scaled to the best state
+                self.assertEqual(mins.value(("k",)), 2.0)
+        with self.assertRaisesRegex(ValueError, "statistic must be 'median' or 'min', got 'mean'"):
+            Hardware.calibrate(quick=True, cache=False, statistic="mean")
 
 
 class TestCLI(TestCase):
