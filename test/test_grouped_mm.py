@@ -171,6 +171,44 @@ class TestGroupedMM(TestCase):
         compiled = torch.compile(grouped_mm, fullgraph=True, backend="aot_eager")
         self.assertEqual(compiled(x, w, offs), grouped_mm(x, w, offs))
 
+    def test_autocast_does_not_recast(self):
+        """Under a caller's autocast the ops compute in their operands' dtype, with the
+        half-precision path the CPU probe chose (bf16 upcast to fp32, or native): the bits
+        of a call without autocast, in eager and compiled code alike. (With the upcast,
+        autocast recast the kernel's fp32 GEMM to bf16 in eager only; before the fix this
+        test failed on the K=2048 wgrad, 2 of 327680 elements, and other draws differed in
+        the K=512 forward.)"""
+        from torch_moe._ops import _cpu_probe
+
+        offs = torch.tensor([37, 37, 101, 110], dtype=torch.int32)
+        compiled = torch.compile(
+            lambda x, w, dy: (grouped_mm(x, w, offs), grouped_mm_wgrad(x, dy, offs)),
+            fullgraph=True,
+            backend="aot_eager",
+            dynamic=False,
+        )
+        gen = torch.Generator().manual_seed(0)
+        for half_gemm, dtype, k in (
+            ("fp32", torch.bfloat16, 512),
+            ("fp32", torch.bfloat16, 2048),
+            ("native", torch.bfloat16, 512),
+            ("fp32", torch.float32, 512),
+        ):
+            with _cpu_probe.force(half_gemm=half_gemm):
+                x = torch.randn(113, k, generator=gen).to(dtype)
+                w = torch.randn(4, k, 40, generator=gen).to(dtype)
+                dy = torch.randn(113, 40, generator=gen).to(dtype)
+                ref = (grouped_mm(x, w, offs), grouped_mm_wgrad(x, dy, offs))
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    eager = (grouped_mm(x, w, offs), grouped_mm_wgrad(x, dy, offs))
+                    torch._dynamo.reset()
+                    got = compiled(x, w, dy)
+            for a, b, c in zip(ref, eager, got, strict=True):
+                msg = f"{half_gemm}, {dtype}, K={k}"
+                self.assertEqual(b.dtype, dtype, msg=msg)
+                self.assertEqual(b, a, atol=0, rtol=0, msg=msg)
+                self.assertEqual(c, a, atol=0, rtol=0, msg=msg)
+
     def test_bad_offs(self):
         x = torch.randn(10, 4)
         w = torch.randn(3, 4, 5)

@@ -299,12 +299,13 @@ class TestInductor(TestCase):
             FileCheck().check(f"{ops}{op}.default(").run(bwd)
 
 
-def _ep_layer_graph(chunks=((0, 4),), escape=False, mutate=False):
+def _ep_layer_graph(chunks=((0, 4),), escape=False, mutate=False, whole_weights=False):
     """The pre-grad shape of an expert-parallel layer (8 experts, 2 ranks, 4 local):
     dispatch -> chunk offsets -> expert_range slice of the weights -> a grouped GEMM ->
     combine, once per chunk, the combines added; symbolically traced (no process group:
     the pass only rewrites the graph). ``escape``: the received rows are also used after the
-    combine; ``mutate``: an in-place op on the experts' output."""
+    combine; ``mutate``: an in-place op on the experts' output; ``whole_weights``: the
+    experts read the weights without an ``expert_range`` slice."""
     ops = torch.ops.torch_moe
 
     def layer(x, row_w, counts, w):
@@ -312,7 +313,7 @@ def _ep_layer_graph(chunks=((0, 4),), escape=False, mutate=False):
         for l0, l1 in chunks:
             recv = ops.ep_dispatch(x, row_w, counts, "0", 8, l0, l1, "p2p", 0, False)
             offs = ops.ep_chunk_offsets(counts, 8, 2, l0, l1)
-            y = ops.grouped_mm(recv[0], w[l0:l1], offs)
+            y = ops.grouped_mm(recv[0], w if whole_weights else w[l0:l1], offs)
             if mutate:
                 y.mul_(2)
             part = ops.ep_combine(y, counts, "0", 8, l0, l1, "p2p", 0, 10)
@@ -375,6 +376,7 @@ class TestEPChunkPass(TestCase):
             ({}, 1, 0),
             (dict(escape=True), 2, 1),
             (dict(mutate=True), 2, 1),
+            (dict(whole_weights=True), 2, 1),
         ):
             TI.reset_counters()
             graph = _ep_layer_graph(**kwargs)

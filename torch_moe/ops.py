@@ -164,6 +164,8 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
     Returns [M, N] in x's dtype; rows at or past ``offs[-1]`` are zero. fp16, bf16,
     fp32 and fp64 (CPU), any K and N, empty groups. Differentiable in x (dX rows past
-    ``offs[-1]`` are zero) and w (a 2D x 2D grouped GEMM per group).
+    ``offs[-1]`` are zero) and w (a 2D x 2D grouped GEMM per group). Computes in the
+    operands' dtype under autocast too (cast them first for autocast's dtype), the same in
+    eager and compiled code.
     """
     return _gmm.grouped_mm(x, w, offs)

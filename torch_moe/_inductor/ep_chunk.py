@@ -10,10 +10,10 @@ An expert-parallel MoE layer traced with one chunk (``ExpertParallel()``, the de
 
 With ``config.ep_chunks = C`` this pass rewrites that region into what
 ``ExpertParallel(num_chunks=C)`` traces: for each chunk [l0, l1) of the local experts
-(``chunk_bounds``: the dispatcher's own split) a copy of every node
-from the dispatch to the combine, with the chunk's bounds in ``ep_dispatch``,
-``ep_chunk_offsets``, the weights' ``expert_range`` slices and ``ep_combine``, and the C
-combines added in chunk order (``part_0 + part_1 + ...``). The graph is then the one eager
+(``chunk_bounds``: the dispatcher's own split) a copy of every node from the dispatch to
+the combine, with the chunk's bounds in ``ep_dispatch``, ``ep_chunk_offsets``, the
+weights' ``expert_range`` slices and ``ep_combine``, and the C combines added in chunk
+order (``part_0 + part_1 + ...``). The graph is then the one eager
 chunking runs: the same ops on the same rows, so compiled equals eager chunking bit for bit.
 
 It runs on the pre-grad graph (Inductor's ``pre_grad_custom_pass``, Dynamo's Torch IR)
@@ -29,7 +29,8 @@ in ``torch_moe._inductor.counters()["ep_chunk_skipped"]``):
 * the layer was traced with one chunk: ``ep_dispatch`` over all local experts, with its
   ``ep_chunk_offsets`` and one ``ep_combine`` of the same plan and bounds downstream;
 * the region between them is a function of the dispatched rows, the group ends and the
-  expert weights sliced to the chunk (``w[l0:l1]`` on a tensor of El experts, >= 3-D), as
+  expert weights sliced to the chunk (``w[l0:l1]`` on a tensor of El experts, >= 3-D; at
+  least one such slice, else the experts would read every local expert's weights), as
   ``GroupedExperts.forward`` is: every node the dispatch, the offsets or those slices reach
   before the combine is used only inside the region (nothing escapes around the combine),
   and none of them mutates or has another side effect than a runtime assert.
@@ -173,6 +174,8 @@ def _layer(graph: fx.Graph, dispatch: fx.Node) -> tuple[fx.Node, fx.Node, list[f
     combine = combines[0]
     slices = [n for n in _ancestors(combine) if _slice_of_experts(n, l0, l1)]
     slices = [n for n in slices if n not in downstream]  # weights, not dispatched rows
+    if not slices:
+        return None
     return offsets[0], combine, slices
 
 

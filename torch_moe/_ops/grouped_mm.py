@@ -392,21 +392,26 @@ def _triton_available() -> bool:
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check_mm_inputs(x, w, offs)
     ends = check_offs_values("grouped_mm", offs, x.shape[0])
-    return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist(), offs)
+    # the op computes in its operands' dtype (upcasting bf16 where the CPU has no native
+    # bf16 GEMM): a caller's autocast must not recast the GEMMs inside, which compiled
+    # code (kernels outside autocast) would not do
+    with torch.autocast("cpu", enabled=False):
+        return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist(), offs)
 
 
 @grouped_mm.register_kernel("cuda")
 def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check_mm_inputs(x, w, offs)
     check_offs_values("grouped_mm", offs, x.shape[0])
-    if _torch_grouped_mm_ok(x, w):
-        out = torch._grouped_mm(x, w, offs=offs)
-        return zero_tail_(out, offs)
-    if x.dtype != torch.float64 and _triton_available():
-        from torch_moe._triton.grouped_mm import grouped_mm as triton_grouped_mm
+    with torch.autocast("cuda", enabled=False):  # as on CPU: the operands' dtype
+        if _torch_grouped_mm_ok(x, w):
+            out = torch._grouped_mm(x, w, offs=offs)
+            return zero_tail_(out, offs)
+        if x.dtype != torch.float64 and _triton_available():
+            from torch_moe._triton.grouped_mm import grouped_mm as triton_grouped_mm
 
-        return triton_grouped_mm(x, w, offs)
-    return _grouped_mm_cpu(x, w, offs.tolist())
+            return triton_grouped_mm(x, w, offs)
+        return _grouped_mm_cpu(x, w, offs.tolist())
 
 
 @grouped_mm.register_fake
@@ -420,18 +425,20 @@ def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     """out[g] = x[rows of g]^T @ dy[rows of g]: [E, K, N], zero for empty groups."""
     _check_wgrad_inputs(x, dy, offs)
     ends = check_offs_values("grouped_mm_wgrad", offs, x.shape[0])
-    return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist(), offs)
+    with torch.autocast("cpu", enabled=False):  # the operands' dtype (see grouped_mm)
+        return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist(), offs)
 
 
 @grouped_mm_wgrad.register_kernel("cuda")
 def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     _check_wgrad_inputs(x, dy, offs)
     check_offs_values("grouped_mm_wgrad", offs, x.shape[0])
-    if x.dtype != torch.float64 and _triton_available():
-        from torch_moe._triton.grouped_mm import grouped_mm_wgrad as triton_wgrad
+    with torch.autocast("cuda", enabled=False):  # the operands' dtype (see grouped_mm)
+        if x.dtype != torch.float64 and _triton_available():
+            from torch_moe._triton.grouped_mm import grouped_mm_wgrad as triton_wgrad
 
-        return triton_wgrad(x, dy, offs)
-    return _grouped_mm_wgrad_cpu(x, dy, offs.tolist())
+            return triton_wgrad(x, dy, offs)
+        return _grouped_mm_wgrad_cpu(x, dy, offs.tolist())
 
 
 @grouped_mm_wgrad.register_fake
