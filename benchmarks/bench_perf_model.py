@@ -408,7 +408,7 @@ def workload_of(
 
 def _normalized(times: list[float], probes: list[float], reference: float) -> float:
     """The median over samples of ``t * min(1, reference / probe)``: each sample scaled to
-    the calibration's reference state of the host (see ``torch_moe.perf._calibrate._Mins``)."""
+    the calibration's reference state of the host (see ``torch_moe.perf._calibrate._Samples``)."""
     if not reference > 0:
         return statistics.median(times)
     return statistics.median(t * min(1.0, reference / p) for t, p in zip(times, probes))

@@ -11,7 +11,7 @@ clock with more):
   machine, noise included; what a step of a real job is measured at;
 * ``statistic="min"``: the minimum, each batch started through a gate that waits for an
   undisturbed core and scaled by the gate probe's best over its value before the batch
-  (``_Mins``): the machine's own cost, without its neighbours. On a shared host this is
+  (``_Samples``): the machine's own cost, without its neighbours. On a shared host this is
   faster than any sustained step (measured here: 15-55% below the steps' medians).
 
 What:
@@ -187,7 +187,7 @@ class _Gate:
 
     def __init__(self, max_wait: float = 0.5, total_wait: float = 8.0, slack: float = 1.12) -> None:
         self.best = math.inf
-        self.last = math.inf  # the probe before the latest batch (see _Mins)
+        self.last = math.inf  # the probe before the latest batch (see _Samples)
         self.max_wait = max_wait
         self.left = total_wait
         self.slack = slack
@@ -268,7 +268,7 @@ Statistic = Literal["median", "min"]
 _STATISTIC: list[Statistic] = ["median"]
 
 
-def _min_times(fns: list[Callable[[], object]], reps: int, warm: bool = True) -> list[float]:
+def _sample_times(fns: list[Callable[[], object]], reps: int, warm: bool = True) -> list[float]:
     """Seconds per call of each fn over ``reps`` interleaved rounds after a warm-up: the
     median (``statistic="median"``), or the minimum with the batch started through the
     gate (``"min"``: noise on a shared machine only ever adds time, so the minimum
@@ -292,13 +292,15 @@ def _reps_for(seconds: float, budget: float = 0.01, lo: int = 2, hi: int = 8) ->
     return int(min(hi, max(lo, budget / max(seconds, 1e-7))))
 
 
-class _Mins(dict):
+class _Samples(dict):
     """key -> the (seconds, probe seconds before the batch) samples over the passes.
 
-    :meth:`value` is the minimum of ``seconds * best / probe``: each sample scaled to the
-    probe's best state (``best``: the gate probe's minimum over the whole calibration),
-    which removes the part of a slow phase that the gate did not wait out, as far as the
-    probe (a small MoE layer step: GEMMs, elementwise ops, Python) slows like the figure.
+    :meth:`value` is, with ``statistic="median"``, the median of the passes' figures as
+    measured; with ``"min"``, the minimum of ``seconds * best / probe``: each sample scaled
+    to the probe's best state (``best``: the gate probe's minimum over the whole
+    calibration), which removes the part of a slow phase that the gate did not wait out, as
+    far as the probe (a small MoE layer step: GEMMs, elementwise ops, Python) slows like
+    the figure.
     """
 
     def put(self, key: tuple, value: float) -> None:
@@ -423,7 +425,7 @@ def _swiglu_axes(quick: bool) -> tuple[tuple[int, ...], ...]:
     )
 
 
-def _measure_swiglu(mins: _Mins, t: int, quick: bool) -> None:
+def _measure_swiglu(mins: _Samples, t: int, quick: bool) -> None:
     ms, ds, fs = _swiglu_axes(quick)
     for mode in ("fwdbwd",):  # forward-only steps use the per-GEMM model
         todo = [
@@ -436,12 +438,12 @@ def _measure_swiglu(mins: _Mins, t: int, quick: bool) -> None:
         for idx in range(0, len(todo), 6):
             batch = todo[idx : idx + 6]
             fns = [_swiglu_call(ms[i], ds[j], fs[kk], mode == "fwdbwd") for i, j, kk in batch]
-            first = _min_times(fns, 1)
-            for ijk, sec in zip(batch, _min_times(fns, _reps_for(max(first)), warm=False)):
+            first = _sample_times(fns, 1)
+            for ijk, sec in zip(batch, _sample_times(fns, _reps_for(max(first)), warm=False)):
                 mins.put(("swiglu", t, mode, *ijk), sec / _GROUPS)
 
 
-def _swiglu_table(mins: _Mins, t: int, mode: str, quick: bool) -> GemmTable:
+def _swiglu_table(mins: _Samples, t: int, mode: str, quick: bool) -> GemmTable:
     axes = _swiglu_axes(quick)
     grid = mins.values_where(("swiglu", t, mode))
     seconds = [
@@ -460,7 +462,7 @@ def _gemm_axes(layout: str, quick: bool) -> tuple[tuple[int, ...], ...]:
 
 
 def _measure_gemms(
-    mins: _Mins, t: int, layout: str, key: str, dtype: torch.dtype, quick: bool
+    mins: _Samples, t: int, layout: str, key: str, dtype: torch.dtype, quick: bool
 ) -> None:
     ms, ks, ns = _gemm_axes(layout, quick)
     todo = [
@@ -473,12 +475,12 @@ def _measure_gemms(
     for idx in range(0, len(todo), 8):
         batch = todo[idx : idx + 8]
         fns = [_gemm_call(layout, ms[i], ks[j], ns[kk], dtype) for i, j, kk in batch]
-        first = _min_times(fns, 1)
-        for ijk, sec in zip(batch, _min_times(fns, _reps_for(max(first)), warm=False)):
+        first = _sample_times(fns, 1)
+        for ijk, sec in zip(batch, _sample_times(fns, _reps_for(max(first)), warm=False)):
             mins.put(("gemm", t, key, layout, *ijk), sec / _GROUPS)
 
 
-def _gemm_table(mins: _Mins, t: int, layout: str, key: str, quick: bool) -> GemmTable:
+def _gemm_table(mins: _Samples, t: int, layout: str, key: str, quick: bool) -> GemmTable:
     axes = _gemm_axes(layout, quick)
     grid = mins.values_where(("gemm", t, key, layout))
     seconds = [
@@ -713,18 +715,18 @@ def _kernel_sizes(name: str, quick: bool) -> tuple[int, ...]:
     return (sizes[0], sizes[1]) if quick else sizes
 
 
-def _measure_kernels(mins: _Mins, t: int, cdt: torch.dtype, quick: bool) -> None:
+def _measure_kernels(mins: _Samples, t: int, cdt: torch.dtype, quick: bool) -> None:
     with torch.enable_grad():
         for name, make in _kernel_factories(cdt).items():
             sizes = _kernel_sizes(name, quick)
             fns = [make(n) for n in sizes]
-            first = _min_times(fns, 1)
+            first = _sample_times(fns, 1)
             reps = _reps_for(max(first), budget=0.02)
-            for n, sec in zip(sizes, _min_times(fns, reps, warm=False)):
+            for n, sec in zip(sizes, _sample_times(fns, reps, warm=False)):
                 mins.put(("kernel", t, name, n), sec)
 
 
-def _kernel_tables(mins: _Mins, t: int, quick: bool) -> dict[str, RateTable]:
+def _kernel_tables(mins: _Samples, t: int, quick: bool) -> dict[str, RateTable]:
     names = sorted({k[2] for k in mins if k[:2] == ("kernel", t)})
     return {
         f"{t}/{name}": RateTable(
@@ -787,7 +789,7 @@ def _probe_variants(quick: bool) -> list[tuple[str, int, bool, bool]]:
     return out
 
 
-def _measure_overheads(mins: _Mins, t: int, quick: bool) -> None:
+def _measure_overheads(mins: _Samples, t: int, quick: bool) -> None:
     with torch.enable_grad():
         variants = _probe_variants(quick)
         for idx in range(0, len(variants), 4):
@@ -795,13 +797,13 @@ def _measure_overheads(mins: _Mins, t: int, quick: bool) -> None:
             fns = []
             for p, e, shared, cap in batch:
                 fns.extend(_probe_layer(p, e, shared=shared, capacity=cap))
-            secs = _min_times(fns, 3)
+            secs = _sample_times(fns, 3)
             for j, v in enumerate(batch):
                 for i, mode in enumerate(("fwd", "fwdbwd")):
                     mins.put(("probe", t, *v, mode), secs[2 * j + i])
 
 
-def _overheads(mins: _Mins, t: int, quick: bool) -> dict[str, tuple[float, float]]:
+def _overheads(mins: _Samples, t: int, quick: bool) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     precisions = sorted({k[2] for k in mins if k[:2] == ("probe", t)})
     g = _PROBE_EXPERTS - 1
@@ -909,7 +911,7 @@ def _cache_dir() -> Path:
 def _copy_bandwidth() -> float:
     src = torch.ones(64 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    t = _min_times([lambda: dst.copy_(src)], 5)[0]
+    t = _sample_times([lambda: dst.copy_(src)], 5)[0]
     return 2 * src.numel() / t
 
 
@@ -938,7 +940,7 @@ def _measure_compute_with(
     cores = _cores()
     old = torch.get_num_threads()
     cdt = cpu_compute_dtype(torch.bfloat16)
-    mins = _Mins()
+    mins = _Samples()
     start = time.perf_counter()
     _GATE.left = 0.15 * budget
     _GATE.settle(min(3.0, 0.03 * budget))
