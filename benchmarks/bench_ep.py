@@ -63,6 +63,7 @@ import functools
 import inspect
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -85,14 +86,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def timed_rounds(
     fns: dict[str, Callable[[], object]], reps: int, cpu: dict[str, float] | None = None
 ) -> dict[str, float]:
-    """Median over rounds of the slowest rank's seconds, candidates interleaved. With
-    ``cpu``, also fills it with the median of the largest per-rank process CPU seconds
-    (all threads: the caller's and the backend's)."""
+    """Median over rounds of the slowest rank's seconds, candidates interleaved in an
+    order shuffled per round (the same on every rank: the candidates run collectives), so
+    that no candidate always follows the same one. With ``cpu``, also fills it with the
+    median of the largest per-rank process CPU seconds (all threads: the caller's and the
+    backend's)."""
     for fn in fns.values():  # warm-up
         fn()
     times = torch.zeros(2, len(fns), reps, dtype=torch.float64)
+    calls = list(enumerate(fns.values()))
     for r in range(reps):
-        for i, fn in enumerate(fns.values()):
+        random.Random(r).shuffle(calls)
+        for i, fn in calls:
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
@@ -393,13 +398,17 @@ def bench_overlap(args: argparse.Namespace, dtype: torch.dtype, out: dict[str, A
                     compiled = torch.compile(moe, fullgraph=True, options=TI.options())
                     torch.testing.assert_close(compiled(x), ref, rtol=1e-4, atol=1e-5)
                     fns[f"EP C={c} compiled"] = functools.partial(compiled, x)
-                # a layer built with one chunk that the compiler splits into C
-                # (config.ep_chunks, the chunk pass) and then overlaps
+                # a layer built with one chunk that the compiler splits into C (the chunk
+                # pass) and then overlaps; per-compile options, so that Dynamo compiles
+                # it again instead of reusing the C=1 frame above
                 for c in args.chunks:
+                    before = TI.counters()["ep_chunks"]
                     moe = make_ep_moe(D, F, E, K, dtype, num_chunks=1)
-                    compiled = torch.compile(moe, fullgraph=True, options=TI.options())
-                    with TI.config.patch(ep_chunks=c):  # read when the graph compiles
-                        torch.testing.assert_close(compiled(x), ref, rtol=1e-4, atol=1e-5)
+                    options = TI.options(ep_chunks=c)
+                    compiled = torch.compile(moe, fullgraph=True, options=options)
+                    torch.testing.assert_close(compiled(x), ref, rtol=1e-4, atol=1e-5)
+                    if TI.counters()["ep_chunks"] == before:
+                        raise RuntimeError(f"bench_ep: the chunk pass did not split C=1 into {c}")
                     fns[f"EP C=1 split into {c} compiled"] = functools.partial(compiled, x)
         cpu: dict[str, float] = {}
         t = timed_rounds(fns, args.reps, cpu)

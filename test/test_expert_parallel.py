@@ -401,16 +401,19 @@ class TestExpertParallel2(_EPClass):
         )
 
     def test_compile_chunk_pass_inductor(self):
-        """Inductor end to end (torch_moe._inductor.options(), config.ep_chunks=2): the
-        layer built with one chunk compiles to the code of the layer built with two, bit
-        for bit, forward and backward."""
+        """Inductor end to end (torch_moe._inductor.options(ep_chunks=2)): the layer built
+        with one chunk compiles to the code of the layer built with two, bit for bit,
+        forward and backward."""
         torch._dynamo.reset()
         TI.reset_counters()
         base = make_moe(shared_hidden_dim=8)
         one, two = copy.deepcopy(base), copy.deepcopy(base)
         parallelize_module(one, self.mesh(), ExpertParallel())
         parallelize_module(two, self.mesh(), ExpertParallel(num_chunks=2))
-        compiled = [torch.compile(m, fullgraph=True, options=TI.options()) for m in (one, two)]
+        compiled = [
+            torch.compile(one, fullgraph=True, options=TI.options(ep_chunks=2)),
+            torch.compile(two, fullgraph=True, options=TI.options()),
+        ]
         gen = torch.Generator().manual_seed(5 + self.rank)
         x = torch.randn(7, DIM, generator=gen)  # one shape: one compile of each
         xs = [x.clone().requires_grad_() for _ in range(2)]
@@ -418,8 +421,7 @@ class TestExpertParallel2(_EPClass):
         # (the compiled kernels' own cache stays: a warm machine skips the C++ builds)
         no_graph_cache = inductor_config.patch(fx_graph_cache=False)
         with no_graph_cache, functorch_config.patch(enable_autograd_cache=False):
-            with TI.config.patch(ep_chunks=2):
-                got = compiled[0](xs[0])
+            got = compiled[0](xs[0])
             ref = compiled[1](xs[1])
             self.assertEqual(got, ref, atol=0, rtol=0)
             got.pow(2).sum().backward()

@@ -410,7 +410,13 @@ class TestEPChunkPass(TestCase):
         base = p.uuid()
         with TI.config.patch(ep_chunks=2):
             self.assertNotEqual(p.uuid(), base)
-        self.assertEqual(TI.options()["pre_grad_custom_pass"].__class__, TI.EPChunkPass)
+            self.assertEqual(p.uuid(), TI.EPChunkPass(2).uuid())
+        self.assertNotEqual(TI.EPChunkPass(3).uuid(), base)
+        self.assertIsNone(TI.options()["pre_grad_custom_pass"].num_chunks)  # config's, late
+        self.assertEqual(TI.options(ep_chunks=3)["pre_grad_custom_pass"].chunks(), 3)
+        for bad in (0, 2.0, True):
+            with self.assertRaisesRegex(ValueError, "num_chunks must be a positive int, got"):
+                TI.EPChunkPass(bad)
         with TI.enabled():
             self.assertIsInstance(inductor_config.pre_grad_custom_pass, TI.EPChunkPass)
 

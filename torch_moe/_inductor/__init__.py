@@ -59,12 +59,17 @@ _HOOKS = tuple(_PASSES)
 _OURS = (EPChunkPass, MoEGraphPass, EPOverlapPass)
 
 
-def options() -> dict[str, Any]:
-    """``torch.compile(..., options=...)`` entries that run the passes in one compile."""
+def options(*, ep_chunks: int | None = None) -> dict[str, Any]:
+    """``torch.compile(..., options=...)`` entries that run the passes in one compile;
+    ``ep_chunks=C`` splits this compile's one-chunk expert-parallel layers into C chunks
+    (default: ``config.ep_chunks``, read when the graph compiles)."""
     from torch_moe._inductor.lowering import register_lowerings
 
     register_lowerings()
-    return dict(_PASSES)
+    out = dict(_PASSES)
+    if ep_chunks is not None:
+        out["pre_grad_custom_pass"] = EPChunkPass(ep_chunks)
+    return out
 
 
 def _without_ours(value: Any) -> list[Any]:

@@ -37,7 +37,9 @@ ep_overlap: bool = True
 # expert parallelism: split every layer traced with one chunk (ExpertParallel(), the
 # default) into this many chunks of local experts (at most the layer's local experts), the
 # graph ExpertParallel(num_chunks=ep_chunks) traces (torch_moe._inductor.ep_chunk), so that
-# the overlap pass above has chunks to overlap. 1: leave the layers as traced.
+# the overlap pass above has chunks to overlap. 1: leave the layers as traced. Read when a
+# graph compiles (a frame Dynamo already compiled in this process is reused as it is);
+# options(ep_chunks=C) sets it for one torch.compile call.
 ep_chunks: int = 1
 
 

@@ -279,12 +279,29 @@ def split_layers(graph: fx.Graph, num_chunks: int) -> int:
 
 class EPChunkPass(CustomGraphPass):
     """The pass as Inductor's ``pre_grad_custom_pass`` (``uuid()`` hashes this file, the
-    FX helpers and ``config.ep_chunks``)."""
+    FX helpers and the chunk count).
+
+    ``num_chunks``: None reads ``config.ep_chunks`` when a graph compiles; an int fixes it
+    for the compiles this instance is passed to (``torch_moe._inductor.options(
+    ep_chunks=C)``). NB: Dynamo reuses a frame it compiled for an equal module, so changing
+    ``config.ep_chunks`` between two ``torch.compile`` calls in one process does not
+    recompile the second; per-compile ``options(ep_chunks=C)`` does (a different backend).
+    """
+
+    def __init__(self, num_chunks: int | None = None) -> None:
+        if num_chunks is not None and (
+            isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1
+        ):
+            raise ValueError(f"EPChunkPass: num_chunks must be a positive int, got {num_chunks!r}")
+        self.num_chunks = num_chunks
+
+    def chunks(self) -> int:
+        return config.ep_chunks if self.num_chunks is None else self.num_chunks
 
     def __call__(self, graph: fx.Graph) -> None:
-        split_layers(graph, config.ep_chunks)
+        split_layers(graph, self.chunks())
 
     def uuid(self) -> bytes:
         here = os.path.dirname(__file__)
         digest = get_hash_for_files((__file__, os.path.join(here, "_fx.py")))
-        return hashlib.sha256(digest + repr(config.ep_chunks).encode()).digest()
+        return hashlib.sha256(digest + repr(self.chunks()).encode()).digest()
