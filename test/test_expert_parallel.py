@@ -130,6 +130,24 @@ class _Checks:
         self.assertEqual(counts, ref.tokens_per_expert)
         return moe, ref
 
+    def check_step_bitwise(self, run, ref_run, modules, x, msg=""):
+        """One step (forward, ``pow(2).sum()`` backward) of ``run`` and ``ref_run`` on
+        copies of ``x``: the outputs, the input gradients and every parameter gradient of
+        ``modules`` (the two layers) bitwise equal; the gradients are then zeroed. Returns
+        ``run``'s output."""
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        got, ref = run(xs[0]), ref_run(xs[1])
+        self.assertEqual(got, ref, atol=0, rtol=0, msg=msg)
+        got.pow(2).sum().backward()
+        ref.pow(2).sum().backward()
+        self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0, msg=msg)
+        mod, ref_mod = modules
+        for (name, p), q in zip(mod.named_parameters(), ref_mod.parameters(), strict=True):
+            self.assertEqual(p.grad, q.grad, atol=0, rtol=0, msg=f"{msg}: {name}")
+        mod.zero_grad()
+        ref_mod.zero_grad()
+        return got
+
     def check_compiled_equals_eager(self, style_kw, steps=10, chunk_pass=1, **cfg):
         """torch.compile(fullgraph=True) of an EP layer (aot_eager: the same kernels) over
         ``steps`` steps with changing routing and token counts: outputs and every gradient
@@ -157,16 +175,7 @@ class _Checks:
         for step in range(steps):
             num_tokens = (5, 11, 3, 8)[step % 4] + self.rank
             x = torch.randn(num_tokens, DIM, generator=gen)
-            xs = [x.clone().requires_grad_() for _ in range(2)]
-            got, ref = compiled(xs[0]), eager(xs[1])
-            self.assertEqual(got, ref, atol=0, rtol=0, msg=f"step {step}")
-            got.pow(2).sum().backward()
-            ref.pow(2).sum().backward()
-            self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0, msg=f"step {step}")
-            for (name, p), q in zip(moe.named_parameters(), eager.parameters(), strict=True):
-                self.assertEqual(p.grad, q.grad, atol=0, rtol=0, msg=f"step {step}: {name}")
-            moe.zero_grad()
-            eager.zero_grad()
+            self.check_step_bitwise(compiled, eager, (moe, eager), x, msg=f"step {step}")
         self.assertEqual(dict(counters["graph_break"]), {})
         self.assertLessEqual(backend.frame_count, 2, msg="at most one recompile")
         self.assertEqual(split, [int(chunk_pass > 1)] * backend.frame_count)
@@ -416,19 +425,11 @@ class TestExpertParallel2(_EPClass):
         ]
         gen = torch.Generator().manual_seed(5 + self.rank)
         x = torch.randn(7, DIM, generator=gen)  # one shape: one compile of each
-        xs = [x.clone().requires_grad_() for _ in range(2)]
         # the pre-grad pass runs on a cache miss only: no FX graph / AOTAutograd cache hits
         # (the compiled kernels' own cache stays: a warm machine skips the C++ builds)
         no_graph_cache = inductor_config.patch(fx_graph_cache=False)
         with no_graph_cache, functorch_config.patch(enable_autograd_cache=False):
-            got = compiled[0](xs[0])
-            ref = compiled[1](xs[1])
-            self.assertEqual(got, ref, atol=0, rtol=0)
-            got.pow(2).sum().backward()
-            ref.pow(2).sum().backward()
-        self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0)
-        for p, q in zip(one.parameters(), two.parameters(), strict=True):
-            self.assertEqual(p.grad, q.grad, atol=0, rtol=0)
+            got = self.check_step_bitwise(compiled[0], compiled[1], (one, two), x)
         self.assertEqual(TI.counters()["ep_chunks"], 1)
         self.assertEqual(TI.counters()["ep_chunk_skipped"], 0)
         # and eager chunking, to Inductor's rounding of the router and shared experts
@@ -478,16 +479,7 @@ class TestExpertParallel2(_EPClass):
         gen = torch.Generator().manual_seed(3 + self.rank)
         for step in range(3):
             x = torch.randn(9 + 2 * step, DIM, generator=gen)
-            xs = [x.clone().requires_grad_() for _ in range(2)]
-            got, ref = compiled(xs[0]), eager(xs[1])
-            self.assertEqual(got, ref, atol=0, rtol=0)
-            got.pow(2).sum().backward()
-            ref.pow(2).sum().backward()
-            self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0)
-            for p, q in zip(moe.parameters(), eager.parameters(), strict=True):
-                self.assertEqual(p.grad, q.grad, atol=0, rtol=0)
-            moe.zero_grad()
-            eager.zero_grad()
+            self.check_step_bitwise(compiled, eager, (moe, eager), x, msg=f"step {step}")
         # each graph (a recompile once the token count varies) had its layer split once
         self.assertEqual(split, [int(pass_chunks > 1)] * len(split))
         fwd, bwd = codes[0], codes[1]

@@ -119,26 +119,25 @@ def _rebound(node: fx.Node, kind: str, bounds: tuple[int, int]) -> None:
     node.args = tuple(args)
 
 
-def _reach(starts: list[fx.Node]) -> set[fx.Node]:
+def _closure(starts: list[fx.Node], downward: bool) -> set[fx.Node]:
+    """``starts`` and every node reachable from them through users (``downward``) or
+    through inputs."""
     seen: set[fx.Node] = set()
     stack = list(starts)
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.users)
+            stack.extend(n.users if downward else n.all_input_nodes)
     return seen
+
+
+def _reach(starts: list[fx.Node]) -> set[fx.Node]:
+    return _closure(starts, downward=True)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    return _closure([node], downward=False)
 
 
 def _layer(graph: fx.Graph, dispatch: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
