@@ -17,6 +17,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from dist_utils import GlooContinuousTest
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -320,6 +321,26 @@ class TestModelArithmetic(TestCase):
         busy = Hardware.preset("h200", comm_compute_share=1.0)
         self.assertGreaterEqual(predict(w, busy).breakdown["overlap"], 0.0)
 
+    def test_ep_host_term_by_hand(self):
+        # fixed + per_expert * El + (C - 1) * per_chunk, per exchange and mode, added once
+        # per step and never hidden by the overlap
+        coef = {"p2p.fwdbwd": (3e-3, 2e-4, 1e-3), "p2p.fwd": (1e-3, 1e-4, 4e-4)}
+        bare = Link(1e9, 1e-4, 2e-4, "test")
+        link = Link(1e9, 1e-4, 2e-4, "test", exchange_overhead=coef)
+        hw = Hardware.preset("h200", intra_link=link, inter_link=link)
+        hw0 = Hardware.preset("h200", intra_link=bare, inter_link=bare)
+        w = MoEWorkload(256, 64, 64, 16, 2, ep=2, num_chunks=2)
+        for backward, (a, b, c) in ((True, coef["p2p.fwdbwd"]), (False, coef["p2p.fwd"])):
+            wb = w.replace(backward=backward)
+            p, p0 = predict(wb, hw), predict(wb, hw0)
+            want = a + b * 8 + (2 - 1) * c
+            self.assertEqual(p.breakdown["ep_host"], want, atol=0, rtol=1e-12)
+            self.assertEqual(p.time - p0.time, want, atol=1e-12, rtol=1e-9)
+            self.assertNotIn("ep_host", p0.breakdown)
+        # another exchange without a measured term, and one process, add nothing
+        self.assertNotIn("ep_host", predict(w.replace(exchange="all_to_all"), hw).breakdown)
+        self.assertNotIn("ep_host", predict(w.replace(ep=1, num_chunks=1), hw).breakdown)
+
     def test_skew_shows_as_imbalance(self):
         hw = Hardware.preset("h200")
         flat = predict(MoEWorkload(4096, 1024, 512, 64, 8, ep=8), hw)
@@ -467,6 +488,48 @@ class TestHardware(TestCase):
         )
         self.assertEqual(Hardware.from_json(hw.to_json()), hw)
 
+    def test_link_exchange_overhead_checked_and_serialized(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"Link: exchange_overhead values must be \(fixed, per_local_expert, per_chunk\) "
+            r"seconds >= 0, got \{'p2p.fwd': \(1.0, -1.0, 0.0\)\}",
+        ):
+            Link(1e9, 0.0, 0.0, exchange_overhead={"p2p.fwd": (1.0, -1.0, 0.0)})
+        with self.assertRaisesRegex(ValueError, r"Link: exchange_overhead values must be"):
+            Link(1e9, 0.0, 0.0, exchange_overhead={"p2p.fwd": (1.0, 2.0)})
+        link = Link(1e9, 1e-4, 2e-4, "x", exchange_overhead={"p2p.fwdbwd": (1e-3, 0, 2e-3)})
+        hw = Hardware.preset("h200", intra_link=link, host_links={2: link})
+        back = Hardware.from_json(hw.to_json())
+        self.assertEqual(back, hw)
+        self.assertEqual(back.intra_link.exchange_overhead["p2p.fwdbwd"], (1e-3, 0.0, 2e-3))
+        self.assertEqual(hash(link), hash(Link(1e9, 1e-4, 2e-4, "x")))  # still hashable
+
+    def test_exchange_overhead_fit_recovers_its_coefficients(self):
+        from torch_moe.perf._calibrate import _EXCHANGE_EXPERTS, _fit_exchange_overhead
+
+        truth = {"p2p.fwd": (2e-3, 1e-4, 5e-4), "all_to_all.fwdbwd": (4e-3, 0.0, 1e-3)}
+        residual = {}
+        for key, (a, b, c) in truth.items():
+            ex, mode = key.split(".")
+            for el in _EXCHANGE_EXPERTS:
+                for chunks in (1, 2):
+                    residual[(ex, el, chunks, mode)] = a + b * el + (chunks - 1) * c
+        fit = _fit_exchange_overhead(residual)
+        self.assertEqual(set(fit), set(truth))
+        for key in truth:
+            self.assertEqual(fit[key], truth[key], atol=1e-15, rtol=1e-9)
+        # the chunk term is the mean extra of the two sizes; negative noise is clamped
+        lo, hi = _EXCHANGE_EXPERTS
+        noisy = {k: v for k, v in residual.items() if k[0] == "p2p"}
+        noisy[("p2p", hi, 2, "fwd")] += 2e-4
+        self.assertEqual(
+            _fit_exchange_overhead(noisy)["p2p.fwd"][2], 5e-4 + 1e-4, rtol=1e-9, atol=0
+        )
+        noisy[("p2p", hi, 1, "fwd")] = noisy[("p2p", lo, 1, "fwd")] - 1e-3
+        a, b, _ = _fit_exchange_overhead(noisy)["p2p.fwd"]
+        self.assertEqual(b, 0.0)
+        self.assertEqual(a, residual[("p2p", lo, 1, "fwd")], atol=1e-15, rtol=1e-9)
+
     def test_tables_interpolate_in_log_space(self):
         t = RateTable((1e3, 1e5), (1e-5, 1e-3))
         self.assertEqual(t.time(1e4), 1e-4, rtol=1e-12, atol=0)  # log-log midpoint
@@ -567,6 +630,33 @@ class TestCLI(TestCase):
             rc = main(["--preset", "mixtral", "--hardware", "tpu"])
         self.assertEqual(rc, 2)
         self.assertIn("unknown hardware 'tpu'", err.getvalue())
+
+
+class TestCalibrateInGroup(GlooContinuousTest):
+    """``calibrate()`` inside a 2-rank gloo group measures the link and the EP layer's
+    host work (collective), and ``predict`` charges that work to EP steps."""
+
+    world_size = 2
+
+    def test_link_and_exchange_overhead(self):
+        torch.set_num_threads(1)
+        hw = Hardware.calibrate(quick=True, threads=(1,), cache=False, budget_s=3.0)
+        link = hw.intra_link
+        self.assertIn("measured: gloo, world 2", link.source)
+        self.assertIn("EP host work", link.source)
+        self.assertGreater(link.bandwidth, 0)
+        self.assertEqual(
+            set(link.exchange_overhead),
+            {f"{ex}.{m}" for ex in ("p2p", "all_to_all") for m in ("fwd", "fwdbwd")},
+        )
+        for coef in link.exchange_overhead.values():
+            self.assertEqual(len(coef), 3)
+            self.assertTrue(all(math.isfinite(v) and v >= 0 for v in coef))
+        # an EP layer step does host work beyond the model's other terms on any host
+        self.assertGreater(link.host_time("p2p", True, 16, 1), 0.0)
+        w = MoEWorkload(256, 64, 64, 16, 2, ep=2)
+        p = predict(w, hw, ranks_on_host=2)
+        self.assertEqual(p.breakdown["ep_host"], link.host_time("p2p", True, 8, 1))
 
 
 instantiate_parametrized_tests(TestMoEWorkload)

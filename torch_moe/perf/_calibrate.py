@@ -42,6 +42,12 @@ What:
   every rank must call ``calibrate``): the per-message latency (1 MB to every peer in 16
   point-to-point messages against one), the all-to-all bandwidth (``all_to_all_single``
   of 1-32 MB per rank) and the latency of a small all-to-all, each the slowest rank's time.
+  Then the EP layer's host work beyond alpha-beta (``Link.exchange_overhead``): the layer
+  at the overhead probes' sizes under ``ExpertParallel`` (2 and 16 local experts, 1 and 2
+  chunks, p2p and all_to_all, forward and forward + backward), less the model's
+  prediction of the same step. On 2 vCPUs with gloo this is 3-15 ms per step, where the
+  exchange's alpha-beta time is well under 1 ms: the exchange ops' Python, dispatcher,
+  autograd and DTensor work, and each rank waiting for the other at every exchange.
 
 Cached per process and on disk under ``$XDG_CACHE_HOME/torch_moe/perf`` (default
 ``~/.cache``), keyed by the CPU model and ISA, the core count, the thread counts, the
@@ -741,10 +747,19 @@ def _kernel_tables(mins: _Samples, t: int, quick: bool) -> dict[str, RateTable]:
 # overheads: the layer at negligible sizes
 
 
-def _probe_layer(precision: str, num_experts: int, *, shared: bool, capacity: bool) -> Any:
+def _probe_dim(num_experts: int) -> int:
+    """D = F of a probe: ``_PROBE_DIM``, or more when the identity router needs D >= E."""
+    return max(_PROBE_DIM, _PROBE_DIM * math.ceil(num_experts / _PROBE_DIM))
+
+
+def _probe_layer(
+    precision: str, num_experts: int, *, shared: bool, capacity: bool, parallelize: Any = None
+) -> Any:
+    """The layer's forward and forward + backward closures at negligible sizes;
+    ``parallelize(moe)`` (e.g. ``ExpertParallel``) is applied before the first call."""
     from torch_moe.nn import MoE
 
-    d = _PROBE_DIM
+    d = _probe_dim(num_experts)
     moe = MoE(
         d,
         d,
@@ -759,6 +774,8 @@ def _probe_layer(precision: str, num_experts: int, *, shared: bool, capacity: bo
         moe.router.weight.zero_()
         moe.router.weight[:, :num_experts] = 8 * torch.eye(num_experts)
     tokens = 2 * num_experts
+    if parallelize is not None:
+        parallelize(moe)
     x = torch.zeros(tokens, d, dtype=torch.bfloat16)
     x[torch.arange(tokens), torch.arange(tokens) % num_experts] = 1
     x.requires_grad_(True)
@@ -897,6 +914,98 @@ def _measure_link(group: Any) -> Link:
         f"measured: {backend}, world {world} (all_to_all_single 1-32 MB; 1 MB per peer in 1 "
         "vs 16 point-to-point messages)",
     )
+
+
+_EXCHANGE_EXPERTS = (2, _PROBE_EXPERTS)  # local experts of the EP probes
+
+
+def _measure_exchange_overhead(
+    group: Any, hw: Hardware, rounds: int = 9
+) -> dict[str, tuple[float, float, float]]:
+    """The EP layer's host seconds beyond the model (``Link.exchange_overhead``).
+
+    The layer at the overhead probes' negligible sizes under ``ExpertParallel`` with 2
+    and 16 local experts, 1 and 2 chunks, both exchanges, forward and forward + backward
+    (the slowest rank's median of interleaved rounds), less :func:`predict` of the same
+    workload without this term; fitted as ``fixed + per_expert * El + (C - 1) *
+    per_chunk`` (``_fit_exchange_overhead``). Collective.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torch_moe.distributed import ExpertParallel
+    from torch_moe.perf._model import predict
+    from torch_moe.perf._workload import MoEWorkload
+
+    world = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
+    variants = [
+        (ex, el, c) for ex in ("p2p", "all_to_all") for el in _EXCHANGE_EXPERTS for c in (1, 2)
+    ]
+    fns: list[Callable[[], object]] = []
+    with torch.enable_grad():
+        for ex, el, c in variants:
+            style = ExpertParallel(num_chunks=c, exchange=ex)
+            fns.extend(
+                _probe_layer(
+                    "bf16",
+                    el * world,
+                    shared=False,
+                    capacity=False,
+                    parallelize=lambda m, style=style: parallelize_module(m, mesh, style),
+                )
+            )
+        for fn in fns:  # warm (the first call builds the exchange plans)
+            fn()
+            fn()
+        times = torch.zeros(len(fns), rounds, dtype=torch.float64)
+        for r in range(rounds):
+            for i, fn in enumerate(fns):
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                fn()
+                times[i, r] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    med = times.median(dim=1).values.tolist()
+    residual: dict[tuple[str, int, int, str], float] = {}
+    for j, (ex, el, c) in enumerate(variants):
+        for i, mode in enumerate(("fwd", "fwdbwd")):
+            tokens = 2 * el * world
+            d = _probe_dim(el * world)
+            w = MoEWorkload(
+                tokens,
+                d,
+                d,
+                el * world,
+                1,
+                ep=world,
+                num_chunks=c,
+                exchange=ex,
+                backward=mode == "fwdbwd",
+            )
+            model = predict(w, hw, ranks_on_host=world).time
+            residual[(ex, el, c, mode)] = med[2 * j + i] - model
+    return _fit_exchange_overhead(residual)
+
+
+def _fit_exchange_overhead(
+    residual: dict[tuple[str, int, int, str], float],
+) -> dict[str, tuple[float, float, float]]:
+    """``fixed + per_expert * El + (C - 1) * per_chunk`` through the residuals at El in
+    ``_EXCHANGE_EXPERTS`` and C in (1, 2), per exchange and mode (keys ``(exchange, El, C,
+    mode)``): the line through the two one-chunk points, and the mean extra of a second
+    chunk (chunks split the local experts, so a chunk adds exchange calls, not messages);
+    a negative coefficient (noise) is clamped to 0."""
+    out: dict[str, tuple[float, float, float]] = {}
+    lo, hi = _EXCHANGE_EXPERTS
+    for ex, mode in sorted({(k[0], k[3]) for k in residual}):
+        r = {(el, c): residual[(ex, el, c, mode)] for el in _EXCHANGE_EXPERTS for c in (1, 2)}
+        per_expert = max(0.0, (r[hi, 1] - r[lo, 1]) / (hi - lo))
+        fixed = max(0.0, r[lo, 1] - lo * per_expert)
+        chunk = max(0.0, 0.5 * ((r[lo, 2] - r[lo, 1]) + (r[hi, 2] - r[hi, 1])))
+        out[f"{ex}.{mode}"] = (fixed, per_expert, chunk)
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -1078,7 +1187,7 @@ def calibrate(
                 pass
     if cache:
         _PROCESS_CACHE[key] = hw
-    link = _group_link(group)
+    link = _group_link(group, hw)
     if link is not None:
         hw = dataclasses.replace(
             hw, intra_link=link, inter_link=link, sources={**hw.sources, "links": link.source}
@@ -1086,7 +1195,7 @@ def calibrate(
     return hw
 
 
-def _group_link(group: Any) -> Link | None:
+def _group_link(group: Any, hw: Hardware) -> Link | None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -1098,5 +1207,14 @@ def _group_link(group: Any) -> Link | None:
     cached = _LINK_CACHE.get((world, backend))
     if cached is None:
         cached = _measure_link(group)
+        if hw.kind == "cpu":  # the rest of the EP step, given this link
+            probe_hw = dataclasses.replace(hw, intra_link=cached, inter_link=cached)
+            overhead = _measure_exchange_overhead(group, probe_hw)
+            cached = dataclasses.replace(
+                cached,
+                exchange_overhead=overhead,
+                source=cached.source + "; EP host work: the EP layer at D=F=max(32, E), 2/16 "
+                "local experts, 1/2 chunks, less the model",
+            )
         _LINK_CACHE[(world, backend)] = cached
     return cached

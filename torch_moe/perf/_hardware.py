@@ -65,14 +65,31 @@ class Link:
         latency: seconds per point-to-point message (alpha).
         collective_latency: seconds of one small collective (e.g. the counts all-to-all).
         source: ``"measured ..."``, ``"datasheet ..."`` or ``"default ..."``.
+        exchange_overhead: host seconds of expert parallelism per layer step that
+            alpha-beta does not capture, keyed ``"{exchange}.{fwd|fwdbwd}"``:
+            ``(fixed, per local expert, per extra chunk)``. Measured on CPU process
+            groups (the EP layer at negligible sizes, less the model's prediction of
+            it: the Python, dispatcher, autograd and DTensor work of the exchange ops and
+            the ranks' wait at each exchange); empty (zero) for presets.
     """
 
     bandwidth: float
     latency: float
     collective_latency: float
     source: str = "default"
+    exchange_overhead: dict[str, tuple[float, float, float]] = field(
+        default_factory=dict, hash=False
+    )
 
     def __post_init__(self) -> None:
+        # JSON round trips give lists
+        fixed = {k: tuple(float(x) for x in v) for k, v in self.exchange_overhead.items()}
+        if any(len(v) != 3 or min(v) < 0 for v in fixed.values()):
+            raise ValueError(
+                "Link: exchange_overhead values must be (fixed, per_local_expert, per_chunk) "
+                f"seconds >= 0, got {self.exchange_overhead}"
+            )
+        object.__setattr__(self, "exchange_overhead", fixed)
         if not self.bandwidth > 0:
             raise ValueError(f"Link: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
         if self.latency < 0 or self.collective_latency < 0:
@@ -83,6 +100,14 @@ class Link:
 
     def time(self, nbytes: float, messages: float = 1.0) -> float:
         return messages * self.latency + nbytes / self.bandwidth
+
+    def host_time(
+        self, exchange: str, backward: bool, local_experts: int, num_chunks: int
+    ) -> float:
+        """The EP layer step's host seconds beyond alpha-beta (``exchange_overhead``)."""
+        key = f"{exchange}.{'fwdbwd' if backward else 'fwd'}"
+        fixed, per_expert, per_chunk = self.exchange_overhead.get(key, (0.0, 0.0, 0.0))
+        return fixed + per_expert * local_experts + (num_chunks - 1) * per_chunk
 
 
 # --------------------------------------------------------------------------------------

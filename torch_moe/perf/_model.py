@@ -36,6 +36,10 @@ Costs (each op's seconds):
 * Overheads: the measured fixed and per-group host cost (CPU), kernel launches (GPU).
 * Communication: alpha-beta per link, ``messages * alpha + bytes / beta``, the busiest
   receiver's bytes; intra- and inter-node links run concurrently.
+* EP host work (CPU process groups): the measured ``Link.exchange_overhead``, the seconds
+  an EP layer step spends beyond alpha-beta in the exchange ops' Python, dispatcher,
+  autograd and DTensor work and in the ranks' wait at every exchange, linear in the local
+  experts and in the chunks (``ep_host``; not overlapped).
 * Overlap: with ``num_chunks = C > 1`` the forward exchange overlaps the experts:
   ``(dispatch + combine) / C + max(experts, comm') + f * min(experts, comm')`` with
   ``comm'`` the remaining (C - 1) / C of the exchanges and ``f`` the hardware's
@@ -544,6 +548,10 @@ def _expert_parallel(
         c.ops.append(Op("dispatch", extra, 0.0, 0.0, "fwd"))
         c.kernel("dispatch", "permute.fwd", rows_send * w.dim, "fwd")
         out["dispatch"] += extra
+    # the host work of the exchange ops that alpha-beta misses (measured on CPU groups)
+    host = link.host_time(w.exchange, phase_bwd, w.local_experts, w.num_chunks)
+    if host > 0:
+        c.ops.append(Op("ep_host", host, 0.0, 0.0, "fwd"))
     if phase_bwd:
         row = _row_bytes(w, False)
         if w.dedup and w.nodes > 1:
