@@ -14,18 +14,24 @@ model, and the advisor's pick in each group of strategies measured on the same w
 
 Timing protocol (a shared 2-vCPU VM whose CPU time moves by up to 2x for seconds at a
 time when another tenant shares the core): every rank runs one torch thread; one process:
-the thread's CPU time of a step, rounds interleaved over all configurations, each round
-started through a gate that waits for an undisturbed core (torch_moe.perf's calibration
-gate), the minimum over rounds; process groups: the slowest rank's wall time after a
-barrier, the minimum over interleaved rounds. The median over rounds is printed too, as
-the noise seen.
+the thread's CPU time of a step, rounds interleaved over all configurations; process
+groups: the slowest rank's wall time after a barrier, rounds interleaved. With
+``--statistic median`` (the default) the predictions of a median calibration are compared
+with each configuration's raw median step, the state a job sustains on this host; with
+``--statistic min`` the calibration and the steps are minima, each round started through
+the calibration's quiet-core gate and scaled to its reference state. The raw minimum and
+median are printed for both.
+
+The EP predictions use the parent's compute calibration and the link measured inside each
+spawned group, including the EP layer's host work beyond alpha-beta
+(``Link.exchange_overhead``, charged as ``ep_host``).
 
 Routing: when D >= E the router is set so that a token's logits are ``log p_e`` plus Gumbel
 noise: top-K then samples K distinct experts in proportion to p (uniform or Zipf), the
 distribution the model's ``routing_skew`` describes; otherwise the random router's
 measured loads are passed to the model.
 
-    python benchmarks/bench_perf_model.py                       # everything (~15 min)
+    python benchmarks/bench_perf_model.py                       # everything (~25 min)
     python benchmarks/bench_perf_model.py --rounds 3 --skip-ep  # quicker
     python benchmarks/bench_perf_model.py --out benchmarks/results/perf_model_cpu_202612.md \\
         --png benchmarks/results/perf_model_cpu_202612

@@ -22,11 +22,11 @@ Design. An analytical, kernel-aware model (:mod:`torch_moe.perf._model`) over a 
 description (:class:`Hardware`) that is either measured on this machine
 (:func:`calibrate`: GEMM table over (rows per group, K, N, dtype, layout), the library's
 elementwise and quantize kernels, host overheads, alpha-beta of the process group's
-transport) or built from datasheets and this repository's H200 measurements
-(:meth:`Hardware.preset`). Routing statistics (Zipf skew -> expected loads, distinct
-ranks / nodes per token, expected maximum rank load) are closed forms
-(:mod:`torch_moe.perf._workload`). Validation against measured layer steps on this CPU:
-``benchmarks/bench_perf_model.py`` and ``benchmarks/results/perf_model_cpu_202612.md``.
+transport and the EP layer's host work beyond it) or built from datasheets and this
+repository's H200 measurements (:meth:`Hardware.preset`). Routing statistics (Zipf skew ->
+expected loads, distinct ranks / nodes per token, expected maximum rank load) are closed
+forms (:mod:`torch_moe.perf._workload`). Validation against measured layer steps on this
+CPU: ``benchmarks/bench_perf_model.py`` and ``benchmarks/results/perf_model_*.md``.
 
 What comes from PyTorch: H100 datasheet peaks from
 ``torch._inductor.analysis.device_info`` (the H200 / B200 entries it lacks are written
