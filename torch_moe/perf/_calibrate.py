@@ -88,7 +88,7 @@ _FLOP_CAP = 4e9
 _PROBE_DIM = 32  # D = F of the overhead probes (MX needs multiples of 32)
 _PROBE_EXPERTS = 16
 _PROCESS_CACHE: dict[str, Hardware] = {}
-_LINK_CACHE: dict[tuple[int, str], Link] = {}
+_LINK_CACHE: dict[tuple[int, str, bool], Link] = {}
 
 
 # --------------------------------------------------------------------------------------
@@ -863,7 +863,7 @@ def _group_time(fn: Callable[[], object], reps: int, group: Any) -> float:
     return float(times.median())
 
 
-def _measure_link(group: Any) -> Link:
+def _measure_link(group: Any, quick: bool = False) -> Link:
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -890,8 +890,9 @@ def _measure_link(group: Any) -> Link:
 
     # the cost of a message: the same 1 MB per peer in 16 messages instead of one (the
     # segment exchange sends one message per (rank, expert) block)
-    t1 = _group_time(messages(1, 2**20), 9, group)
-    t16 = _group_time(messages(16, 2**20), 9, group)
+    reps = 3 if quick else 9
+    t1 = _group_time(messages(1, 2**20), reps, group)
+    t16 = _group_time(messages(16, 2**20), reps, group)
     latency = max(0.0, (t16 - t1) / (15 * len(peers)))
 
     def a2a(nbytes: int) -> Callable[[], object]:
@@ -900,10 +901,10 @@ def _measure_link(group: Any) -> Link:
         y = torch.empty_like(x)
         return lambda: dist.all_to_all_single(y, x, group=group)
 
-    coll = _group_time(a2a(world * 8 * 4), 9, group)
+    coll = _group_time(a2a(world * 8 * 4), reps, group)
     rates = []
-    for nbytes in (2**20, 2**23, 2**25):
-        t = _group_time(a2a(nbytes), 5, group)
+    for nbytes in (2**20, 2**22) if quick else (2**20, 2**23, 2**25):
+        t = _group_time(a2a(nbytes), 3 if quick else 5, group)
         rates.append(nbytes * (world - 1) / world / max(t - coll, 1e-9))
     bandwidth = statistics.median(rates)
     backend = dist.get_backend(group)
@@ -911,8 +912,8 @@ def _measure_link(group: Any) -> Link:
         bandwidth,
         latency,
         coll,
-        f"measured: {backend}, world {world} (all_to_all_single 1-32 MB; 1 MB per peer in 1 "
-        "vs 16 point-to-point messages)",
+        f"measured: {backend}, world {world} (all_to_all_single 1-{4 if quick else 32} MB; "
+        "1 MB per peer in 1 vs 16 point-to-point messages)",
     )
 
 
@@ -957,7 +958,6 @@ def _measure_exchange_overhead(
                 )
             )
         for fn in fns:  # warm (the first call builds the exchange plans)
-            fn()
             fn()
         times = torch.zeros(len(fns), rounds, dtype=torch.float64)
         for r in range(rounds):
@@ -1143,7 +1143,8 @@ def calibrate(
             ``torch.get_num_threads()``). A rank of an R-rank job on this host runs with
             ``cores // R`` threads: to predict EP on this host from one process, measure
             those too, e.g. ``threads=(1, 2)`` on 2 cores (twice the time).
-        quick: a coarse grid and fewer kernels (a few seconds; for tests and smoke runs).
+        quick: a coarse grid, fewer kernels, a shorter link and EP probe (a few seconds;
+            for tests and smoke runs).
         passes: measure everything this many times (seconds apart) and keep each
             figure's statistic over them, as long as the next pass fits ``budget_s``.
         budget_s: wall-clock budget of the compute measurements (the link adds ~3 s).
@@ -1187,7 +1188,7 @@ def calibrate(
                 pass
     if cache:
         _PROCESS_CACHE[key] = hw
-    link = _group_link(group, hw)
+    link = _group_link(group, hw, quick)
     if link is not None:
         hw = dataclasses.replace(
             hw, intra_link=link, inter_link=link, sources={**hw.sources, "links": link.source}
@@ -1195,7 +1196,7 @@ def calibrate(
     return hw
 
 
-def _group_link(group: Any, hw: Hardware) -> Link | None:
+def _group_link(group: Any, hw: Hardware, quick: bool = False) -> Link | None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -1204,17 +1205,17 @@ def _group_link(group: Any, hw: Hardware) -> Link | None:
         return None
     world = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
-    cached = _LINK_CACHE.get((world, backend))
+    cached = _LINK_CACHE.get((world, backend, quick))
     if cached is None:
-        cached = _measure_link(group)
+        cached = _measure_link(group, quick)
         if hw.kind == "cpu":  # the rest of the EP step, given this link
             probe_hw = dataclasses.replace(hw, intra_link=cached, inter_link=cached)
-            overhead = _measure_exchange_overhead(group, probe_hw)
+            overhead = _measure_exchange_overhead(group, probe_hw, rounds=3 if quick else 9)
             cached = dataclasses.replace(
                 cached,
                 exchange_overhead=overhead,
                 source=cached.source + "; EP host work: the EP layer at D=F=max(32, E), 2/16 "
                 "local experts, 1/2 chunks, less the model",
             )
-        _LINK_CACHE[(world, backend)] = cached
+        _LINK_CACHE[(world, backend, quick)] = cached
     return cached
