@@ -45,9 +45,10 @@ What:
   Then the EP layer's host work beyond alpha-beta (``Link.exchange_overhead``): the layer
   at the overhead probes' sizes under ``ExpertParallel`` (2 and 16 local experts, 1 and 2
   chunks, p2p and all_to_all, forward and forward + backward), less the model's
-  prediction of the same step. On 2 vCPUs with gloo this is 3-15 ms per step, where the
-  exchange's alpha-beta time is well under 1 ms: the exchange ops' Python, dispatcher,
-  autograd and DTensor work, and each rank waiting for the other at every exchange.
+  prediction of the same step: the exchange ops' Python, dispatcher, autograd and
+  DTensor work, and each rank waiting for the others at every exchange, which on CPU
+  ranks sharing a host's cores outweighs the bytes (measured figures:
+  ``benchmarks/results/perf_model_ephost_cpu_202612.md``).
 
 Cached per process and on disk under ``$XDG_CACHE_HOME/torch_moe/perf`` (default
 ``~/.cache``), keyed by the CPU model and ISA, the core count, the thread counts, the
