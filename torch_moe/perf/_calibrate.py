@@ -89,7 +89,7 @@ _FLOP_CAP = 4e9
 _PROBE_DIM = 32  # D = F of the overhead probes (MX needs multiples of 32)
 _PROBE_EXPERTS = 16
 _PROCESS_CACHE: dict[str, Hardware] = {}
-_LINK_CACHE: dict[tuple[int, str, bool], Link] = {}
+_LINK_CACHE: dict[tuple[int, str, bool, str], Link] = {}
 
 
 # --------------------------------------------------------------------------------------
@@ -1150,7 +1150,7 @@ def calibrate(
             figure's statistic over them, as long as the next pass fits ``budget_s``.
         budget_s: wall-clock budget of the compute measurements (the link adds ~3 s).
         cache: reuse a measurement of this machine (per process, then on disk).
-        refresh: measure again even when cached.
+        refresh: measure again even when cached (the link too).
         group: the process group whose link to measure (default: the world group when
             ``torch.distributed`` is initialized with more than one rank; collective).
         statistic: ``"median"`` (the sustained state: predicts the steps a job on this
@@ -1189,7 +1189,7 @@ def calibrate(
                 pass
     if cache:
         _PROCESS_CACHE[key] = hw
-    link = _group_link(group, hw, quick)
+    link = _group_link(group, hw, quick, key, refresh or not cache)
     if link is not None:
         hw = dataclasses.replace(
             hw, intra_link=link, inter_link=link, sources={**hw.sources, "links": link.source}
@@ -1197,7 +1197,12 @@ def calibrate(
     return hw
 
 
-def _group_link(group: Any, hw: Hardware, quick: bool = False) -> Link | None:
+def _group_link(
+    group: Any, hw: Hardware, quick: bool = False, hw_key: str = "", refresh: bool = False
+) -> Link | None:
+    """The group's link, measured once per process for each (world size, backend, quick,
+    compute calibration), or again on ``refresh``: its EP host term is a residual of that
+    calibration's model."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -1206,7 +1211,7 @@ def _group_link(group: Any, hw: Hardware, quick: bool = False) -> Link | None:
         return None
     world = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
-    cached = _LINK_CACHE.get((world, backend, quick))
+    cached = None if refresh else _LINK_CACHE.get((world, backend, quick, hw_key))
     if cached is None:
         cached = _measure_link(group, quick)
         if hw.kind == "cpu":  # the rest of the EP step, given this link
@@ -1218,5 +1223,5 @@ def _group_link(group: Any, hw: Hardware, quick: bool = False) -> Link | None:
                 source=cached.source + "; EP host work: the EP layer at D=F=max(32, E), 2/16 "
                 "local experts, 1/2 chunks, less the model",
             )
-        _LINK_CACHE[(world, backend, quick)] = cached
+        _LINK_CACHE[(world, backend, quick, hw_key)] = cached
     return cached
