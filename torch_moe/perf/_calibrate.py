@@ -941,10 +941,11 @@ def _measure_exchange_overhead(
     from torch_moe.perf._workload import MoEWorkload
 
     world = dist.get_world_size(group)
-    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
-    variants = [
-        (ex, el, c) for ex in ("p2p", "all_to_all") for el in _EXCHANGE_EXPERTS for c in (1, 2)
-    ]
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None  # initialized: calibrate checked
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    exchanges: tuple[Literal["p2p", "all_to_all"], ...] = ("p2p", "all_to_all")
+    variants = [(ex, el, c) for ex in exchanges for el in _EXCHANGE_EXPERTS for c in (1, 2)]
     fns: list[Callable[[], object]] = []
     with torch.enable_grad():
         for ex, el, c in variants:
