@@ -503,6 +503,10 @@ class TestHardware(TestCase):
         self.assertEqual(back, hw)
         self.assertEqual(back.intra_link.exchange_overhead["p2p.fwdbwd"], (1e-3, 0.0, 2e-3))
         self.assertEqual(hash(link), hash(Link(1e9, 1e-4, 2e-4, "x")))  # still hashable
+        self.assertIn(
+            "EP host work p2p.fwdbwd: 1 ms + 0 ms per local expert + 2 ms per extra chunk",
+            Hardware.preset("h200", intra_link=link).summary(),
+        )
 
     def test_exchange_overhead_fit_recovers_its_coefficients(self):
         from torch_moe.perf._calibrate import _EXCHANGE_EXPERTS, _fit_exchange_overhead

@@ -408,6 +408,11 @@ class Hardware:
                 f"  {name} link: {link.bandwidth / 1e9:.3g} GB/s, {link.latency * 1e6:.3g} us "
                 f"per message ({link.source})"
             )
+            for key, (fixed, per_expert, per_chunk) in sorted(link.exchange_overhead.items()):
+                lines.append(
+                    f"    EP host work {key}: {fixed * 1e3:.3g} ms + {per_expert * 1e3:.3g} ms "
+                    f"per local expert + {per_chunk * 1e3:.3g} ms per extra chunk"
+                )
         for key, src in sorted(self.sources.items()):
             lines.append(f"  {key}: {src}")
         return "\n".join(lines)
