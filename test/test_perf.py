@@ -389,6 +389,28 @@ class TestMemory(TestCase):
         predicted = memory(w, _cpu_hardware(), T * K, T * K, [T * K / E] * E)["peak"]
         self.assertLess(abs(predicted / measured - 1), 0.10, msg=f"{predicted} vs {measured}")
 
+    def test_ep_exchange_backward_is_its_own_phase(self):
+        # the received rows are in the saved activations and no send buffer outlives its
+        # exchange, so the dispatch buffers are not live while the experts' backward runs;
+        # the exchanges' backward (gradients of the local and the received rows, all_to_all
+        # with a copy and the collective's output of each) is a phase of its own
+        hw = Hardware.preset("h200")
+        T, D, b = 1024, 512, 2
+        w = MoEWorkload(T, D, 16, 8, 2, ep=2, exchange="all_to_all")
+        m = predict(w, hw).memory
+        resident = m["weights"] + 2 * T * D * b  # weights, x and its output gradient
+        exchange = m["activations"] + T * D * b + 2 * m["comm_buffers"]  # + the output
+        self.assertEqual(m["peak"], resident + exchange, atol=1, rtol=1e-12)
+        # p2p here peaks in the experts' backward, which the dispatch's row format (FP8
+        # or bf16) does not touch; before, the buffers were added to it
+        p2p = predict(w.replace(exchange="p2p"), hw).memory
+        fp8 = predict(w.replace(exchange="p2p", dispatch_dtype=FP8), hw).memory
+        self.assertLess(fp8["comm_buffers"], 0.6 * p2p["comm_buffers"])
+        self.assertGreater(
+            p2p["peak"], resident + m["activations"] + T * D * b + p2p["comm_buffers"]
+        )
+        self.assertEqual(fp8["peak"], p2p["peak"], atol=1, rtol=1e-12)
+
     def test_memory_parts(self):
         T, D, Fh, E, K = 1024, 256, 512, 16, 2
         m = predict(MoEWorkload(T, D, Fh, E, K, ep=4), Hardware.preset("h100")).memory

@@ -21,6 +21,14 @@ Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
 * EP: the experts' tensors are over the N received rows, plus the received routing
   weights (``N*4``).
 
+EP peak: the received rows are saved (above) and no send buffer outlives its exchange, so
+the dispatch buffers are not live in the experts' backward; the exchanges' backward is a
+phase of its own: the saved tensors, the output, and the gradients of the local and the
+received rows (``comm_buffers``: ``(M_local + N) * (D*b + 4)``; twice that with
+all_to_all, whose source-major copy and collective output come on top of each). Measured
+EP peaks of one configuration move by up to 25% between runs
+(``benchmarks/results/perf_model_ephost_cpu_202612.md``).
+
 Peak of forward + backward (the largest live set, weights, input and output gradient
 included): the layer's backward visits unpermute, the experts, permute, the router; the
 experts' backward holds the most:
@@ -227,6 +235,7 @@ def memory(
     align = _align(w, hw)
     M = float(_static_rows(w, align)) if w.ep == 1 else float(rows_recv)
     comm = 0.0
+    a2a = w.exchange == "all_to_all"
     if w.ep > 1:  # send and receive buffers of the dispatch (rows + fp32 weights)
         row = D * (1 if w.dispatch_dtype is not None else b) + 4
         comm = (local_rows + rows_recv) * row
@@ -258,8 +267,15 @@ def memory(
     # the shared expert's backward runs first (autograd's order): its saved tensors are
     # freed and its weight gradients live when the routed experts' backward starts
     shared_saved = T * 4 * w.shared_hidden_dim * b
-    base = saved - shared_saved + y + M * D * b + shared_grads + comm
-    shared_phase = saved + y + shared_grads + T * 4 * w.shared_hidden_dim * b + comm
+    base = saved - shared_saved + y + M * D * b + shared_grads
+    shared_phase = saved + y + shared_grads + T * 4 * w.shared_hidden_dim * b
+    if w.ep > 1:
+        # the exchanges' backward is a phase of its own: the combine backward holds the
+        # local rows' gradient and the received one (the dispatch backward the same pair
+        # the other way); all_to_all adds a source-major copy and the collective's output
+        # of each (the p2p segments land in place). The received rows the experts use are
+        # in ``saved``; no send buffer outlives its exchange.
+        shared_phase = max(shared_phase, saved + y + shared_grads + comm * (2 if a2a else 1))
     if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
