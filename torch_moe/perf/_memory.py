@@ -268,28 +268,29 @@ def memory(
     # freed and its weight gradients live when the routed experts' backward starts
     shared_saved = T * 4 * w.shared_hidden_dim * b
     base = saved - shared_saved + y + M * D * b + shared_grads
-    shared_phase = saved + y + shared_grads + T * 4 * w.shared_hidden_dim * b
+    # the phases outside the routed experts' backward: the shared expert's, the exchanges'
+    side_phase = saved + y + shared_grads + T * 4 * w.shared_hidden_dim * b
     if w.ep > 1:
         # the exchanges' backward is a phase of its own: the combine backward holds the
         # local rows' gradient and the received one (the dispatch backward the same pair
         # the other way); all_to_all adds a source-major copy and the collective's output
         # of each (the p2p segments land in place). The received rows the experts use are
         # in ``saved``; no send buffer outlives its exchange.
-        shared_phase = max(shared_phase, saved + y + shared_grads + comm * (2 if a2a else 1))
+        side_phase = max(side_phase, saved + y + shared_grads + comm * (2 if a2a else 1))
     if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
         r = min(M, max(1.0, _CHUNK / F))
         act = base + 4 * M * F * b + 6 * r * F * 4  # chunk: h in fp32, silu, dA, A, one op's
         gemms = base + 3 * M * F * b + M * D * b + El * 3 * F * D * b
-        dyn = max(act, gemms, shared_phase)
+        dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
         r = min(m, max(1.0, _CHUNK / F))
         phase = base + M * D * b + El * 3 * F * D * b  # dX and the expert weight gradients
         phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 6 * r * F * 4
-        dyn = max(phase, shared_phase)
+        dyn = max(phase, side_phase)
     else:
-        dyn = max(_whole_tensor_phases(w, cpu, M, base, c), shared_phase)
+        dyn = max(_whole_tensor_phases(w, cpu, M, base, c), side_phase)
     peak = resident + dyn
     return dict(
         weights=weights,
