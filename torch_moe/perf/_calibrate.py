@@ -849,19 +849,26 @@ def _overheads(mins: _Samples, t: int, quick: bool) -> dict[str, tuple[float, fl
 # links (inside a process group)
 
 
-def _group_time(fn: Callable[[], object], reps: int, group: Any) -> float:
-    """Median over rounds of the slowest rank's seconds (barrier before each round)."""
+def _group_times(fns: list[Callable[[], object]], reps: int, group: Any) -> list[float]:
+    """Per fn, the median over ``reps`` interleaved rounds of the slowest rank's seconds
+    (one warm-up call each, a barrier before every call)."""
     import torch.distributed as dist
 
-    fn()
-    times = torch.zeros(reps, dtype=torch.float64)
-    for r in range(reps):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
+    for fn in fns:
         fn()
-        times[r] = time.perf_counter() - t0
+    times = torch.zeros(len(fns), reps, dtype=torch.float64)
+    for r in range(reps):
+        for i, fn in enumerate(fns):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            times[i, r] = time.perf_counter() - t0
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return float(times.median())
+    return times.median(dim=1).values.tolist()
+
+
+def _group_time(fn: Callable[[], object], reps: int, group: Any) -> float:
+    return _group_times([fn], reps, group)[0]
 
 
 def _measure_link(group: Any, quick: bool = False) -> Link:
@@ -959,17 +966,7 @@ def _measure_exchange_overhead(
                     parallelize=lambda m, style=style: parallelize_module(m, mesh, style),
                 )
             )
-        for fn in fns:  # warm (the first call builds the exchange plans)
-            fn()
-        times = torch.zeros(len(fns), rounds, dtype=torch.float64)
-        for r in range(rounds):
-            for i, fn in enumerate(fns):
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                fn()
-                times[i, r] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    med = times.median(dim=1).values.tolist()
+        med = _group_times(fns, rounds, group)  # the warm-up builds the exchange plans
     residual: dict[tuple[str, int, int, str], float] = {}
     for j, (ex, el, c) in enumerate(variants):
         for i, mode in enumerate(("fwd", "fwdbwd")):
