@@ -32,8 +32,9 @@ Options (every one gives the results of the plain path, bit for bit, except FP8)
 * ``num_chunks=C``: the local experts are split into C contiguous groups and dispatch ->
   experts -> combine run per group, so that a compiled graph can overlap one group's
   exchange with another's experts (``torch_moe._inductor``'s EP overlap pass schedules it,
-  and its chunk pass, ``config.ep_chunks = C``, makes the same C chunks out of a layer
-  built with one; eager runs the groups one after the other). Needs C <= El.
+  and its chunk pass, ``torch.compile(..., options=torch_moe._inductor.options(ep_chunks=C))``
+  or ``config.ep_chunks = C``, makes the same C chunks out of a layer built with one; eager
+  runs the groups one after the other). Needs C <= El.
 * ``exchange``: ``"p2p"`` (default without ``node_size``): one point-to-point segment per
   (rank, expert), rows land expert-major with no reorder; ``"all_to_all"``: one
   ``all_to_all_single`` per direction and a gather on arrival.
