@@ -24,6 +24,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dist_utils import worker_context
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -73,6 +74,9 @@ class TestEPCompose(DTensorTestBase):
     @property
     def world_size(self):
         return 4
+
+    def _spawn_processes(self):
+        self._start_processes(worker_context().Process)
 
     @with_comms
     @with_temp_dir
