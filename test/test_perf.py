@@ -341,6 +341,28 @@ class TestModelArithmetic(TestCase):
         self.assertNotIn("ep_host", predict(w.replace(exchange="all_to_all"), hw).breakdown)
         self.assertNotIn("ep_host", predict(w.replace(ep=1, num_chunks=1), hw).breakdown)
 
+    def test_all_to_all_moves_rows_twice_more_than_p2p(self):
+        # all_to_all gathers each direction's rows into destination-major order before the
+        # collective and reorders them on arrival; p2p sends from and receives into place.
+        # Same bytes on the wire, so the forward dispatch / combine differ by two row
+        # gathers per direction (bf16 rows: read + write, 2 x 2 bytes an element): the T*K
+        # rows this rank holds, and the rows the busiest rank receives (a few more)
+        T, D, K = 256, 64, 2
+        hw = Hardware.preset("h200")
+        w = MoEWorkload(T, D, 64, 16, K, ep=2, exchange="p2p")
+
+        def fwd_bytes(p, component):
+            return sum(o.bytes for o in p.ops if o.component == component and o.phase == "fwd")
+
+        p2p, a2a = predict(w, hw), predict(w.replace(exchange="all_to_all"), hw)
+        held = T * K * D * 2 * 2
+        for component in ("dispatch", "combine"):
+            extra = fwd_bytes(a2a, component) - fwd_bytes(p2p, component)
+            self.assertGreater(extra, 2 * held, msg=component)
+            self.assertLess(extra, 2.05 * held, msg=component)
+            ops = [o.bytes for o in a2a.ops if o.component == component and o.phase == "fwd"]
+            self.assertIn(float(held), ops, msg=component)
+
     def test_skew_shows_as_imbalance(self):
         hw = Hardware.preset("h200")
         flat = predict(MoEWorkload(4096, 1024, 512, 64, 8, ep=8), hw)

@@ -512,7 +512,10 @@ def _exchange(
     else:
         t = intra.time(nbytes + weights, 0) + collectives * intra.collective_latency
     c.ops.append(Op(name, t, 0.0, nbytes + weights, phase))
-    c.kernel(name, "permute.fwd", rows_recv * w.dim, phase)  # reorder on arrival
+    # the rows gathered into destination-major order before the collective, and reordered
+    # (or scattered back) on arrival: two passes over the rows that p2p does not make
+    c.kernel(name, "permute.fwd", rows_send * w.dim, phase)
+    c.kernel(name, "permute.fwd", rows_recv * w.dim, phase)
     return t
 
 
