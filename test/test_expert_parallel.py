@@ -12,6 +12,7 @@ import datetime
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,9 +20,10 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import dist_utils
 import torch
 import torch.distributed as dist
-from dist_utils import GlooContinuousTest, worker_context
+from dist_utils import GlooContinuousTest, exit_aborted, run_launch, worker_context
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import lookup_backend
@@ -737,6 +739,35 @@ class TestExpertParallelDevice(TestCase):
                 dist.destroy_process_group()
 
 
+class TestLaunchRetry(TestCase):
+    """The torchrun tests' one retry (dist_utils.run_launch): only gloo's exit-time abort."""
+
+    def launch(self, tmp, script):
+        marker = os.path.join(tmp, "runs")
+        code = (
+            f"import os, sys; p = {marker!r}; n = os.path.exists(p) and len(open(p).read())\n"
+            f"open(p, 'a').write('x')\n{script}"
+        )
+        retried = []
+        proc = run_launch(
+            [sys.executable, "-c", code], dict(os.environ), 60, lambda: retried.append(1)
+        )
+        with open(marker) as f:
+            return proc, len(f.read()), retried
+
+    def test_retried_once_after_the_exit_abort_only(self):
+        abort = f"sys.stderr.write({dist_utils.GLOO_EXIT_ABORT!r}); sys.stderr.flush(); os.abort()"
+        with tempfile.TemporaryDirectory() as tmp:  # aborts once, then exits 0: passes
+            proc, runs, retried = self.launch(tmp, f"if not n: {abort}")
+            self.assertEqual((proc.returncode, runs, retried), (0, 2, [1]))
+        with tempfile.TemporaryDirectory() as tmp:  # aborts every time: the failure stays
+            proc, runs, _ = self.launch(tmp, abort)
+            self.assertEqual((proc.returncode < 0, runs), (True, 2))
+        with tempfile.TemporaryDirectory() as tmp:  # any other failure: not retried
+            proc, runs, retried = self.launch(tmp, "sys.exit('a real error')")
+            self.assertEqual((proc.returncode, runs, retried), (1, 1, []))
+
+
 class TestTrainExampleEP(TestCase):
     def test_torchrun_ep2_matches_ep1(self):
         """``torchrun --nproc-per-node 2 train_moe_lm.py --ep 2`` gives the loss curve of the
@@ -778,8 +809,16 @@ class TestTrainExampleEP(TestCase):
                 for p in launches:
                     if p.poll() is None:
                         p.kill()
-            for p, (out, err) in zip(launches, outs, strict=True):
-                self.assertEqual(p.returncode, 0, msg=out[-2000:] + err[-3000:])
+            codes = [p.returncode for p in launches]
+            for i, (c, folder) in enumerate(((cmd, f"{tmp}/ep2"), (compiled, f"{tmp}/ep2c"))):
+                if exit_aborted(launches[i], outs[i][1]):  # gloo's exit-time race: once more
+                    shutil.rmtree(folder)
+                    again = run_launch(
+                        c, env, before_retry=lambda d=folder: shutil.rmtree(d, ignore_errors=True)
+                    )
+                    codes[i], outs[i] = again.returncode, (again.stdout, again.stderr)
+            for code, (out, err) in zip(codes, outs, strict=True):
+                self.assertEqual(code, 0, msg=out[-2000:] + err[-3000:])
             proc_stdout = outs[0][0]
             self.assertIn(f"val loss {r1['val_loss']:.3f}", proc_stdout)
             with (
