@@ -618,11 +618,11 @@ class TestCalibrationStatistic(TestCase):
             mock.patch.object(C, "_clock", lambda: clock),
             mock.patch.object(C._GATE, "wait") as gate,
         ):
-            with mock.patch.object(C, "_STATISTIC", ["median"]):
+            with C._using_statistic("median"):
                 self.assertEqual(C._sample_times(fns, 3, warm=False), [7.0, 2.0])
                 gate.assert_not_called()  # the sustained state: no waiting for a quiet core
             samples = iter([5.0, 1.0, 9.0, 2.0, 7.0, 3.0])
-            with mock.patch.object(C, "_STATISTIC", ["min"]):
+            with C._using_statistic("min"):
                 self.assertEqual(C._sample_times(fns, 3, warm=False), [5.0, 1.0])
                 gate.assert_called_once()
 
@@ -633,9 +633,9 @@ class TestCalibrationStatistic(TestCase):
         with mock.patch.object(C._GATE, "last", 2.0), mock.patch.object(C._GATE, "best", 1.0):
             for v in (4.0, 6.0, 20.0):
                 samples.put(("k",), v)
-            with mock.patch.object(C, "_STATISTIC", ["median"]):
+            with C._using_statistic("median"):
                 self.assertEqual(samples.value(("k",)), 6.0)
-            with mock.patch.object(C, "_STATISTIC", ["min"]):  # scaled to the best state
+            with C._using_statistic("min"):  # scaled to the best state
                 self.assertEqual(samples.value(("k",)), 2.0)
         with self.assertRaisesRegex(ValueError, "statistic must be 'median' or 'min', got 'mean'"):
             Hardware.calibrate(quick=True, cache=False, statistic="mean")

@@ -58,6 +58,8 @@ measured per call (they belong to the process group, not the machine).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -66,7 +68,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -271,8 +273,21 @@ def _runnable() -> int:
 
 
 Statistic = Literal["median", "min"]
-# the statistic of the calibration in progress (set by _measure_compute)
-_STATISTIC: list[Statistic] = ["median"]
+# the statistic of the calibration in progress (set by _measure_compute for its duration; a
+# context variable, so a calibration in another thread or task keeps its own)
+_STATISTIC: contextvars.ContextVar[Statistic] = contextvars.ContextVar(
+    "torch_moe_perf_statistic", default="median"
+)
+
+
+@contextlib.contextmanager
+def _using_statistic(statistic: Statistic) -> Iterator[None]:
+    """The calibration's statistic for the samples taken inside."""
+    token = _STATISTIC.set(statistic)
+    try:
+        yield
+    finally:
+        _STATISTIC.reset(token)
 
 
 def _sample_times(fns: list[Callable[[], object]], reps: int, warm: bool = True) -> list[float]:
@@ -283,7 +298,7 @@ def _sample_times(fns: list[Callable[[], object]], reps: int, warm: bool = True)
     clock = _clock()
     for fn in fns if warm else ():
         fn()
-    median = _STATISTIC[0] == "median"
+    median = _STATISTIC.get() == "median"
     if not median:
         _GATE.wait()
     times: list[list[float]] = [[] for _ in fns]
@@ -314,7 +329,7 @@ class _Samples(dict):
         self.setdefault(key, []).append((value, _GATE.last))
 
     def value(self, key: tuple) -> float:
-        if _STATISTIC[0] == "median":  # the passes' medians, as measured
+        if _STATISTIC.get() == "median":  # the passes' medians, as measured
             return statistics.median(t for t, _ in self[key])
         best = _GATE.best
         return min(
@@ -1033,11 +1048,8 @@ def _memory_capacity() -> float:
 def _measure_compute(
     threads: tuple[int, ...], quick: bool, passes: int, budget: float, statistic: Statistic
 ) -> Hardware:
-    _STATISTIC[0] = statistic
-    try:
+    with _using_statistic(statistic):
         return _measure_compute_with(threads, quick, passes, budget, statistic)
-    finally:
-        _STATISTIC[0] = "median"
 
 
 def _measure_compute_with(
