@@ -362,6 +362,12 @@ class TestModelArithmetic(TestCase):
             self.assertLess(extra, 2.05 * held, msg=component)
             ops = [o.bytes for o in a2a.ops if o.component == component and o.phase == "fwd"]
             self.assertIn(float(held), ops, msg=component)
+        # chunks split the rows, not add to them: each chunk gathers and reorders its own
+        chunked = predict(w.replace(exchange="all_to_all", num_chunks=2), hw)
+        for component in ("dispatch", "combine"):
+            self.assertEqual(
+                fwd_bytes(chunked, component), fwd_bytes(a2a, component), msg=component
+            )
 
     def test_skew_shows_as_imbalance(self):
         hw = Hardware.preset("h200")

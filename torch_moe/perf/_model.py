@@ -546,10 +546,10 @@ def _expert_parallel(
         }
     out["dispatch"] += counts
     if w.num_chunks > 1 and w.exchange == "all_to_all":
-        # C collectives per direction instead of one, and the chunk-major reorder
+        # C collectives per direction instead of one (each chunk gathers and reorders
+        # only its own rows: the row passes of ``_exchange`` cover all chunks)
         extra = (w.num_chunks - 1) * 2 * link.collective_latency
         c.ops.append(Op("dispatch", extra, 0.0, 0.0, "fwd"))
-        c.kernel("dispatch", "permute.fwd", rows_send * w.dim, "fwd")
         out["dispatch"] += extra
     # the host work of the exchange ops that alpha-beta misses (measured on CPU groups)
     host = link.host_time(w.exchange, phase_bwd, w.local_experts, w.num_chunks)
