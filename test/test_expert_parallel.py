@@ -20,10 +20,15 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import dist_utils
 import torch
 import torch.distributed as dist
-from dist_utils import GlooContinuousTest, exit_aborted, run_launch, worker_context
+from dist_utils import (
+    GLOO_EXIT_ABORT,
+    GlooContinuousTest,
+    exit_aborted,
+    run_launch,
+    worker_context,
+)
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import lookup_backend
@@ -756,7 +761,7 @@ class TestLaunchRetry(TestCase):
             return proc, len(f.read()), retried
 
     def test_retried_once_after_the_exit_abort_only(self):
-        abort = f"sys.stderr.write({dist_utils.GLOO_EXIT_ABORT!r}); sys.stderr.flush(); os.abort()"
+        abort = f"sys.stderr.write({GLOO_EXIT_ABORT!r}); sys.stderr.flush(); os.abort()"
         with tempfile.TemporaryDirectory() as tmp:  # aborts once, then exits 0: passes
             proc, runs, retried = self.launch(tmp, f"if not n: {abort}")
             self.assertEqual((proc.returncode, runs, retried), (0, 2, [1]))
