@@ -173,6 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--eval-batches", type=int, default=8, help="held-out batches at the end")
     d.add_argument("--sample-bytes", type=int, default=160, help="bytes to sample at the end")
     d.add_argument("--no-progress", action="store_true", help="no tqdm bar (it goes to stderr)")
+    d.add_argument("--no-plot", action="store_true", help="no train.png (nor matplotlib import)")
     args = p.parse_args(argv)
     positive = ("dim", "layers", "heads", "hidden_dim", "experts", "top_k", "steps")
     for name in (*positive, "batch_size", "grad_accum", "seq_len", "warmup"):
@@ -535,8 +536,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    own_group = args.ep > 1 and not dist.is_initialized()  # a caller's group stays the caller's
+    if own_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank0 = is_rank0()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -660,7 +662,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_s": train_s,
         "out": str(out),
     }
-    if records and rank0:
+    if records and rank0 and not args.no_plot:
         write_plot(
             records,
             out / "train.png",
@@ -677,8 +679,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model.eval()
         text = model.generate(b"One day, ", args.sample_bytes, seed=args.seed)
         log("sample: One day, " + text.decode("ascii", errors="replace").replace("\n", " "))
-    log(f"wrote {metrics_path}, {out / 'train.png'}, {out / 'checkpoint'}")
-    if args.ep > 1:
+    plot = "" if args.no_plot else f"{out / 'train.png'}, "
+    log(f"wrote {metrics_path}, {plot}{out / 'checkpoint'}")
+    if own_group:
         dist.destroy_process_group()
     return result
 

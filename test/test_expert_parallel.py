@@ -161,7 +161,9 @@ class _Checks:
         ``dynamic=True`` marks the token dim dynamic from the start: one frame and no
         recompile (half the compile time; the default automatic-dynamic path, a static
         frame and then one dynamic recompile, is checked at EP=2 by
-        ``test_compile_fullgraph_p2p``)."""
+        ``test_compile_fullgraph_p2p``); there ``steps=4`` runs that frame once at each of
+        the four token counts (each step costs 0.1-0.2 s at EP=2, ~0.9 s at EP=4 on two
+        cores)."""
         torch._dynamo.reset()
         counters.clear()
         eager = make_moe(**cfg)
@@ -369,6 +371,7 @@ class TestExpertParallel2(_EPClass):
     def test_compile_fullgraph_all_to_all_chunks(self):
         self.check_compiled_equals_eager(
             {"exchange": "all_to_all", "num_chunks": 2},
+            steps=4,
             dynamic=True,
             shared_hidden_dim=8,
             precision="fp8_rowwise",
@@ -633,7 +636,9 @@ class TestExpertParallel4(_EPClass):
     def test_compile_fullgraph_chunk_pass(self):
         """EP=4, built with one chunk, split into two by the chunk pass: bitwise equal to
         eager ExpertParallel(num_chunks=2)."""
-        self.check_compiled_equals_eager({}, chunk_pass=2, dynamic=True, shared_hidden_dim=8)
+        self.check_compiled_equals_eager(
+            {}, steps=4, chunk_pass=2, dynamic=True, shared_hidden_dim=8
+        )
 
 
 class TestExpertParallelFaults(MultiProcessTestCase):
@@ -775,9 +780,10 @@ class TestLaunchRetry(TestCase):
 
 class TestTrainExampleEP(TestCase):
     def test_torchrun_ep2_matches_ep1(self):
-        """``torchrun --nproc-per-node 2 train_moe_lm.py --ep 2`` gives the loss curve of the
-        in-process --ep 1 run on the same global batch; its DCP checkpoint (expert shards)
-        loads in one process with the --ep 1 run's weights and resumes at --ep 1."""
+        """train_moe_lm.py ``--ep 2`` under ``torchrun --nproc-per-node 2`` gives the loss
+        curve of the in-process --ep 1 run on the same global batch, and compiled the same
+        curve bit for bit; its DCP checkpoint (expert shards) loads in one process with the
+        --ep 1 run's weights and resumes at --ep 1."""
         sys.path.insert(0, str(EXAMPLES))
         import train_moe_lm
 
@@ -787,43 +793,38 @@ class TestTrainExampleEP(TestCase):
             "--corpus-bytes", "20000", "--eval-batches", "1", "--sample-bytes", "4",
             "--warmup", "2", "--no-progress", "--threads", "1", "--steps", "4",
             "--ckpt-every", "2", "--balance", "bias", "--bias-rate", "0.01", "--device", "cpu",
+            "--no-plot",  # test_train checks the plot
         ]  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
             env["OMP_NUM_THREADS"] = "1"
-            # --standalone: each launch rendezvouses on a free port of its own
+            # One launch (--standalone: a free port of its own) runs the example twice in
+            # one process group (test/train_runs.py): eager --ep 2, then every MoE layer
+            # compiled fullgraph (aot_eager: eager's kernels), which must give the eager
+            # loss curve bit for bit. The in-process --ep 1 run goes meanwhile.
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            cmd += ["--nproc-per-node", "2", str(EXAMPLES / "train_moe_lm.py"), *tiny]
-            cmd += ["--ep", "2", "--out", f"{tmp}/ep2"]
-            # --ep 2 --compile: every MoE layer compiled fullgraph (aot_eager: eager's
-            # kernels) gives the eager --ep 2 loss curve, bit for bit. Both launches and the
-            # in-process --ep 1 run go at once (independent output folders): the wall time
-            # is mostly process start-up and imports.
-            compiled = [*cmd[:-1], f"{tmp}/ep2c", "--compile", "aot_eager"]
-            launches = [
-                subprocess.Popen(
-                    c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                )
-                for c in (cmd, compiled)
-            ]
+            cmd += ["--nproc-per-node", "2", str(Path(__file__).parent / "train_runs.py")]
+            cmd += [*tiny, "--ep", "2", "--out", f"{tmp}/ep2", "--then"]
+            cmd += [*tiny, "--ep", "2", "--out", f"{tmp}/ep2c"]
+            cmd += ["--compile", "aot_eager"]
+            launch = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     r1 = train_moe_lm.main([*tiny, "--ep", "1", "--out", f"{tmp}/ep1"])
-                outs = [p.communicate(timeout=300) for p in launches]
+                out, err = launch.communicate(timeout=300)
             finally:
-                for p in launches:
-                    if p.poll() is None:
-                        p.kill()
-            codes = [p.returncode for p in launches]
-            for i, (c, folder) in enumerate(((cmd, f"{tmp}/ep2"), (compiled, f"{tmp}/ep2c"))):
-                if exit_aborted(launches[i], outs[i][1]):  # gloo's exit-time race: once more
-                    shutil.rmtree(folder)  # (as run_launch does for a single launch)
-                    again = subprocess.run(c, env=env, capture_output=True, text=True, timeout=300)
-                    codes[i], outs[i] = again.returncode, (again.stdout, again.stderr)
-            for code, (out, err) in zip(codes, outs, strict=True):
-                self.assertEqual(code, 0, msg=out[-2000:] + err[-3000:])
-            proc_stdout = outs[0][0]
-            self.assertIn(f"val loss {r1['val_loss']:.3f}", proc_stdout)
+                if launch.poll() is None:
+                    launch.kill()
+            code = launch.returncode
+            if exit_aborted(launch, err):  # gloo's exit-time race: once more, as run_launch
+                for folder in ("ep2", "ep2c"):
+                    shutil.rmtree(f"{tmp}/{folder}")
+                again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+                code, out, err = again.returncode, again.stdout, again.stderr
+            self.assertEqual(code, 0, msg=out[-2000:] + err[-3000:])
+            self.assertEqual(out.count(f"val loss {r1['val_loss']:.3f}"), 2, msg=out[-2000:])
             with (
                 open(f"{tmp}/ep2/metrics.jsonl") as f_eager,
                 open(f"{tmp}/ep2c/metrics.jsonl") as f_c,
