@@ -6,8 +6,9 @@ dots, so the numerics are checked here against a float64 per-expert SwiGLU with 
 first-order error bound of ``tolerances.swiglu_bound`` (fp32 accumulation, fp32
 intermediates). FP8 weights are checked against the same oracle over the dequantized
 weights (the kernel dequantizes in registers, so only the fp32 rounding of ``q * scale``
-adds). Kernel quality is checked statically: every config compiles for sm_90a without a
-GPU, with wgmma from 64-row tiles on and no register spills.
+adds). Kernel quality is checked statically: the tables' configs compile for sm_90a
+without a GPU, with wgmma from 64-row tiles on and no register spills (every config in
+every weight mode with PYTORCH_TEST_WITH_SLOW=1; a cover of them by default).
 
 Legend: T tokens, K top-k, E experts, D dim, F expert hidden dim, M padded rows.
 """
@@ -18,6 +19,7 @@ import unittest
 import torch
 from tolerances import assert_within, swiglu_bound
 from torch.testing._internal.common_utils import (
+    TEST_WITH_SLOW,
     TestCase,
     instantiate_parametrized_tests,
     parametrize,
@@ -240,17 +242,41 @@ class TestMoEDecodeCUDA(TestCase):
         assert_within(self, y, exact, bound)
 
 
+SCALE_MODES = (None, "rowwise", "blockwise")
+
+
+def sm90_cover(
+    kernel: str, scale_mode: str | None, configs: list, full: bool = TEST_WITH_SLOW
+) -> list:
+    """The configs that ``(kernel, scale_mode)`` compiles in the default suite: a cover in
+    which each kernel compiles every config and every weight mode at least once (3 configs:
+    6 compiles instead of 18, each 0.5-5 s of ptxas on a cold cache). With
+    ``PYTORCH_TEST_WITH_SLOW=1`` (``full``): every config in every mode."""
+    if full:
+        return configs
+    k, m = ("w13", "w2").index(kernel), SCALE_MODES.index(scale_mode)
+    n = max(len(configs), len(SCALE_MODES))
+    return [configs[(i + k) % len(configs)] for i in range(n) if i % len(SCALE_MODES) == m]
+
+
 @unittest.skipIf(_ptxas_path() is None, "no ptxas for sm_90a in this triton install")
 @instantiate_parametrized_tests
 class TestMoEDecodeSm90(TestCase):
-    """Every config (of every table) of both kernels AOT-compiles for sm_90a in every weight mode: no
+    """The tables' configs of both kernels AOT-compile for sm_90a in every weight mode: no
     spills, wgmma for the 64-row tiles (16-row tiles are below wgmma's M=64: mma.sync)."""
 
+    def test_cover(self):
+        configs = ["c0", "c1", "c2", "c3"]
+        for kernel in ("w13", "w2"):
+            cover = [sm90_cover(kernel, m, configs, full=False) for m in SCALE_MODES]
+            self.assertTrue(all(cover), msg=kernel)  # every mode compiles something
+            self.assertEqual(sorted(c for cs in cover for c in cs), configs)  # every config
+
     @parametrize("kernel", ["w13", "w2"])
-    @parametrize("scale_mode", [None, "rowwise", "blockwise"])
+    @parametrize("scale_mode", SCALE_MODES)
     def test_compiles_without_spills(self, kernel, scale_mode):
         configs = {c for name in MD._read_config_file() for c in MD.load_configs(name).values()}
-        for cfg in sorted(configs, key=dataclasses.astuple):
+        for cfg in sm90_cover(kernel, scale_mode, sorted(configs, key=dataclasses.astuple)):
             k = MD.compile_for_sm90(kernel, 64, scale_mode=scale_mode, config=cfg)
             ptx = k.compiled.asm["ptx"]
             self.assertEqual(k.n_spills, 0, msg=f"{cfg}: {k.ptxas_log}")
