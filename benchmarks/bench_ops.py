@@ -3,7 +3,8 @@
 Times routing, permute, unpermute, grouped_mm and grouped_swiglu (forward + backward)
 in one process, interleaved round by round (median of ``--reps`` rounds), and prints:
 
-* the machine: CPU model, ISA (AVX2 / AVX512 / AVX512-BF16 / AMX, from the CPU flags),
+* the machine: CPU model, ISA (AVX2 / AVX512 / AVX512-BF16 / AMX, from the CPU flags and
+  an ``ONEDNN_MAX_CPU_ISA`` cap),
   threads, load average before and after (the machine may be shared);
 * the floor of each op, measured in the same run: bytes moved over the measured copy
   bandwidth for data movement, FLOPs over the large-GEMM rate for GEMMs. Two GEMM rates
@@ -141,8 +142,10 @@ def machine_line() -> str:
     except (OSError, StopIteration):
         pass
     load = "/".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    cap = _cpu_probe.isa_cap()
+    isa = _cpu_probe.cpu_isa() + (f" (capped by {cap[0]}={os.environ[cap[0]]})" if cap else "")
     return (
-        f"# torch {torch.__version__}, {model}, ISA {_cpu_probe.cpu_isa()}, {os.cpu_count()} "
+        f"# torch {torch.__version__}, {model}, ISA {isa}, {os.cpu_count()} "
         f"CPUs, threads={torch.get_num_threads()}, load average {load} (1/5/15 min)"
     )
 

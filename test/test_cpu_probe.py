@@ -203,6 +203,38 @@ class TestCpuProbe(TestCase):
         ):
             self.assertEqual(P.cpu_isa(), "AVX512-BF16")
 
+    def test_isa_cap(self):
+        """ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) caps the reported ISA, never raises it,
+        and separates the decisions' disk-cache key."""
+        wide = ("x", {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+        narrow = ("x", {"avx2", "fma"})
+        env = {name: "" for name in P.ISA_CAP_ENV}
+        cases = [
+            (wide, "AVX2", "AVX2"),
+            (wide, "avx512_core", "AVX512"),
+            (wide, "AVX512_CORE_BF16", "AVX512-BF16"),
+            (wide, "AVX512_CORE_AMX", "AMX"),
+            (wide, "ALL", "AMX"),
+            (wide, "SSE41", "other"),
+            (narrow, "AVX512_CORE_AMX", "AVX2"),  # a cap does not widen the CPU
+        ]
+        for cpuinfo, cap, isa in cases:
+            with (
+                self.subTest(cap=cap),
+                unittest.mock.patch.object(P, "_cpuinfo", return_value=cpuinfo),
+                unittest.mock.patch.dict(os.environ, {**env, "ONEDNN_MAX_CPU_ISA": cap}),
+            ):
+                self.assertEqual(P.cpu_isa(), isa)
+        with (
+            unittest.mock.patch.object(P, "_cpuinfo", return_value=wide),
+            unittest.mock.patch.dict(os.environ, env),
+        ):
+            self.assertIsNone(P.isa_cap())
+            uncapped = P.machine_key()
+            with unittest.mock.patch.dict(os.environ, {"DNNL_MAX_CPU_ISA": "AVX2"}):
+                self.assertEqual(P.isa_cap(), ("DNNL_MAX_CPU_ISA", "AVX2"))
+                self.assertNotEqual(P.machine_key(), uncapped)
+
 
 def assert_gemm_within(test, got, a, b, offs, msg, wgrad=False):
     """``got`` within the rounding bound (tolerances.gemm_bound) of the grouped GEMM

@@ -61,11 +61,13 @@ import torch
 __all__ = [
     "ENV_CACHE",
     "ENV_FORCE",
+    "ISA_CAP_ENV",
     "KINDS",
     "cpu_isa",
     "decide",
     "decisions",
     "force",
+    "isa_cap",
     "machine_key",
     "reset",
 ]
@@ -104,13 +106,15 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
-def cpu_isa() -> str:
-    """The widest GEMM-relevant x86 ISA of this CPU: AMX, AVX512-BF16, AVX512, AVX2 or other
-    (from the kernel's CPU flags; on other systems, from torch's CPU capability)."""
+ISA_CAP_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_ISA_ORDER = ("other", "AVX2", "AVX512", "AVX512-BF16", "AMX")
+
+
+def _hardware_isa() -> str:
     _, flags = _cpuinfo()
     if not flags:
         cpu = torch.backends.cpu.get_cpu_capability()
-        return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(cpu, cpu)
+        return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(cpu, "other")
     if "amx_bf16" in flags:
         return "AMX"
     if "avx512_bf16" in flags:
@@ -122,11 +126,43 @@ def cpu_isa() -> str:
     return "other"
 
 
+def isa_cap() -> tuple[str, str] | None:
+    """``(variable, ISA class)`` where the environment caps the ISA that oneDNN (the half
+    GEMMs) uses, e.g. ``ONEDNN_MAX_CPU_ISA=AVX2``; None where it does not."""
+    for name in ISA_CAP_ENV:
+        value = os.environ.get(name, "").strip().upper()
+        if not value or value in ("ALL", "DEFAULT"):
+            continue
+        if value.startswith(("AVX512_CORE_AMX", "AVX10")):
+            return name, "AMX"
+        if value.startswith(("AVX512_CORE_BF16", "AVX512_CORE_FP16")):
+            return name, "AVX512-BF16"
+        if value.startswith("AVX512"):
+            return name, "AVX512"
+        if value.startswith("AVX2"):
+            return name, "AVX2"
+        return name, "other"
+    return None
+
+
+def cpu_isa() -> str:
+    """The widest GEMM-relevant x86 ISA the GEMMs may use here: AMX, AVX512-BF16, AVX512,
+    AVX2 or other (from the kernel's CPU flags, or torch's CPU capability on other
+    systems), capped by ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` where set (see
+    :func:`isa_cap`)."""
+    isa, cap = _hardware_isa(), isa_cap()
+    if cap is not None and _ISA_ORDER.index(cap[1]) < _ISA_ORDER.index(isa):
+        return cap[1]
+    return isa
+
+
 def machine_key() -> str:
-    """What a measured decision depends on besides the shapes: CPU, torch, threads."""
+    """What a measured decision depends on besides the shapes: CPU, the ISA caps, torch,
+    threads."""
     model, flags = _cpuinfo()
     digest = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12]
-    return f"{model}|{digest}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    caps = f"{cpu_isa()}/aten {torch.backends.cpu.get_cpu_capability()}"
+    return f"{model}|{digest}|{caps}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 
 # --------------------------------------------------------------------------------------
