@@ -1,6 +1,8 @@
 # Owner(s): ["module: moe"]
 """Tests for permute_indices / permute / unpermute against naive per-token loops."""
 
+from unittest import mock
+
 import naive
 import torch
 from torch.testing._internal.common_utils import (
@@ -103,28 +105,45 @@ class TestPermute(TestCase):
 
     @parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
     def test_cpu_kernels_equal_references_bitwise(self, dtype):
-        from torch_moe._ops.permute import permute_rows_reference, unpermute_rows_reference
+        from torch_moe._ops import permute as P
 
-        for align, cap in [(1, None), (4, None), (1, 2)]:  # fast path, then the -1 paths
+        # one row chunk, then chunks of 5 rows (33 tokens: a short last chunk)
+        for align, cap, chunk in [
+            (1, None, 2**30),
+            (1, None, 5 * 17),
+            (4, None, 5 * 17),
+            (1, 2, 2**30),
+        ]:
             ids = _ids(33, 6, 3, "one_expert")
             perm = ops.permute_indices(ids, 6, align=align, capacity=cap)
             x = torch.randn(33, 17).to(dtype)
             w = torch.rand(33, 3)
             y = torch.randn(perm.row_to_slot.shape[0], 17).to(dtype)
             maps = (perm.row_to_slot, perm.slot_to_row)
-            for weights in (None, w):
-                self.assertEqual(
-                    torch.ops.torch_moe.permute(x, *maps, weights),
-                    permute_rows_reference(x, *maps, weights),
-                    atol=0,
-                    rtol=0,
-                )
-                self.assertEqual(
-                    ops.unpermute(y, weights, perm),
-                    unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, weights),
-                    atol=0,
-                    rtol=0,
-                )
+            with mock.patch.object(P, "_CHUNK_ELEMS", chunk // torch.get_num_threads()):
+                self._check_cpu_kernels(P, perm, maps, x, w, y)
+                if chunk < 2**30:  # the weights' gradient: chunking changes no bit
+                    got = P.weighted_row_dot(y, x, perm.slot_to_row)
+            if chunk < 2**30:
+                self.assertEqual(got, P.weighted_row_dot(y, x, perm.slot_to_row), atol=0, rtol=0)
+                rows = y.double()[perm.slot_to_row.clamp(min=0)]
+                exact = (rows * x.double().unsqueeze(1)).sum(-1) * (perm.slot_to_row >= 0)
+                self.assertEqual(got, exact.to(got.dtype))  # got's dtype's tolerance
+
+    def _check_cpu_kernels(self, P, perm, maps, x, w, y):
+        for weights in (None, w):
+            self.assertEqual(
+                torch.ops.torch_moe.permute(x, *maps, weights),
+                P.permute_rows_reference(x, *maps, weights),
+                atol=0,
+                rtol=0,
+            )
+            self.assertEqual(
+                ops.unpermute(y, weights, perm),
+                P.unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, weights),
+                atol=0,
+                rtol=0,
+            )
 
     def test_gather_rows(self):
         # x[index] with zero rows where index == -1, float8 included (written out row by row)
