@@ -43,6 +43,12 @@ Forcing (tests, experiments): :func:`force` (a context manager) or the environme
 variable ``TORCH_MOE_CPU_PROBE``, e.g. ``half_gemm=fp32,layout=copy_b``. A name without
 ``:`` forces every key of that kind, a full key forces that key only; a forced choice is
 never measured. :func:`decisions` lists what was decided and how (measured, forced, disk).
+
+Another machine class on this one: oneDNN, MKL and ATen honour ISA caps, e.g.
+``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2`` makes an
+AVX512-BF16 CPU multiply bf16 at an AVX2 machine's rate. :func:`cpu_isa` reports the capped
+class and :func:`machine_key` (the disk cache's key) carries it, so the probe measures and
+caches the capped machine as a machine of its own.
 """
 
 from __future__ import annotations
