@@ -31,6 +31,7 @@ in one process, interleaved round by round (median of ``--reps`` rounds), and pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import platform
@@ -146,8 +147,21 @@ def machine_line() -> str:
     isa = _cpu_probe.cpu_isa() + (f" (capped by {cap[0]}={os.environ[cap[0]]})" if cap else "")
     return (
         f"# torch {torch.__version__}, {model}, ISA {isa}, {os.cpu_count()} "
-        f"CPUs, threads={torch.get_num_threads()}, load average {load} (1/5/15 min)"
+        f"CPUs, threads={torch.get_num_threads()}, load average {load} (1/5/15 min), "
+        f"{large_pages()}"
     )
+
+
+def large_pages() -> str:
+    """How the CPU allocator's large blocks are paged. Each fresh large block costs a page
+    fault per page on first touch (glibc maps blocks of 32 MiB and more anew on every
+    allocation); ``THP_MEM_ALLOC_ENABLE=1`` makes PyTorch ask for 2 MiB pages instead."""
+    mode = "?"
+    with contextlib.suppress(OSError):
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = next((w[1:-1] for w in f.read().split() if w.startswith("[")), "?")
+    asked = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
+    return f"THP_MEM_ALLOC_ENABLE={int(asked)} (transparent huge pages: {mode})"
 
 
 def floor_line(name: str, dtype: torch.dtype, rate: float, rate32: float) -> str:
