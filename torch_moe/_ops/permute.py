@@ -315,9 +315,9 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
         if w is not None:
             acc.mul_(w[t, :1])
         for k in range(1, rows.shape[1]):
-            y_k = y.index_select(0, rows[:, k])
+            y_k = y.index_select(0, rows[:, k]).to(acc_dt)
             if w is not None:
-                y_k = y_k.to(acc_dt).mul_(w[t, k : k + 1])
+                y_k.mul_(w[t, k : k + 1])
             acc.add_(y_k)
         out[t].copy_(acc)
     return out
