@@ -763,9 +763,10 @@ def _kernel_tables(mins: _Samples, t: int, quick: bool) -> dict[str, RateTable]:
 # overheads: the layer at negligible sizes
 
 
-def _probe_dim(num_experts: int) -> int:
-    """D = F of a probe: ``_PROBE_DIM``, or more when the identity router needs D >= E."""
-    return max(_PROBE_DIM, _PROBE_DIM * math.ceil(num_experts / _PROBE_DIM))
+def _probe_shape(num_experts: int) -> tuple[int, int]:
+    """(tokens, D = F) of a probe layer (top-1): two rows per expert, D = ``_PROBE_DIM``
+    or more when the identity router needs D >= E."""
+    return 2 * num_experts, max(_PROBE_DIM, _PROBE_DIM * math.ceil(num_experts / _PROBE_DIM))
 
 
 def _probe_layer(
@@ -775,7 +776,7 @@ def _probe_layer(
     ``parallelize(moe)`` (e.g. ``ExpertParallel``) is applied before the first call."""
     from torch_moe.nn import MoE
 
-    d = _probe_dim(num_experts)
+    tokens, d = _probe_shape(num_experts)
     moe = MoE(
         d,
         d,
@@ -789,7 +790,6 @@ def _probe_layer(
     with torch.no_grad():  # token t -> expert t % E: two rows per expert
         moe.router.weight.zero_()
         moe.router.weight[:, :num_experts] = 8 * torch.eye(num_experts)
-    tokens = 2 * num_experts
     if parallelize is not None:
         parallelize(moe)
     x = torch.zeros(tokens, d, dtype=torch.bfloat16)
@@ -985,8 +985,7 @@ def _measure_exchange_overhead(
     residual: dict[tuple[str, int, int, str], float] = {}
     for j, (ex, el, c) in enumerate(variants):
         for i, mode in enumerate(("fwd", "fwdbwd")):
-            tokens = 2 * el * world
-            d = _probe_dim(el * world)
+            tokens, d = _probe_shape(el * world)  # _probe_layer's geometry
             w = MoEWorkload(
                 tokens,
                 d,
