@@ -329,32 +329,25 @@ def weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tenso
 
     The gradient of the combine/dispatch weights.
     """
-    acc = acc_dtype(rows.dtype)
-    valid_TK = slot_to_row >= 0
-    rows_TK = slot_to_row.clamp(min=0)
-    out = torch.zeros(slot_to_row.shape, dtype=acc, device=rows.device)
-    if rows.shape[0] == 0:
-        return out
-    tok = tokens.to(acc)
-    for k in range(slot_to_row.shape[1]):
-        # the gathered rows in fp32 (the one [T, D] temporary), times the tokens in place,
-        # summed over D: 2x faster on CPU than a bmm of T [1, D] x [D, 1] products
-        rows_k = rows.index_select(0, rows_TK[:, k]).to(acc)  # a new tensor
-        out[:, k] = rows_k.mul_(tok).sum(1)
-    return out.masked_fill_(~valid_TK, 0)
+    return _weighted_row_dot(rows, tokens, slot_to_row, max(1, slot_to_row.shape[0]))
 
 
 @weighted_row_dot.register_kernel("cpu")
 def _(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
-    # the function above per row chunk of tokens: each chunk converted once, its fp32
-    # temporaries in cache
+    # per row chunk of tokens: each chunk converted once, its fp32 temporaries in cache
+    return _weighted_row_dot(rows, tokens, slot_to_row, _chunk_rows(rows.shape[1]))
+
+
+def _weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor, step: int) -> Tensor:
+    """``weighted_row_dot`` over chunks of ``step`` tokens (one chunk: the whole [T, D]).
+    Per chunk and k: the gathered rows in fp32, times the tokens in place, summed over D
+    (2x faster on CPU than a bmm of T [1, D] x [D, 1] products)."""
     acc = acc_dtype(rows.dtype)
     out = torch.zeros(slot_to_row.shape, dtype=acc, device=rows.device)
     if rows.shape[0] == 0:
         return out
     valid_TK = slot_to_row >= 0
     rows_TK = slot_to_row.clamp(min=0)
-    step = _chunk_rows(rows.shape[1])
     for t0 in range(0, slot_to_row.shape[0], step):
         t = slice(t0, t0 + step)
         tok = tokens[t].to(acc)
