@@ -87,9 +87,39 @@ class GlooContinuousTest(MultiProcContinuousTest):
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
-def exit_aborted(proc: subprocess.CompletedProcess | subprocess.Popen, stderr: str) -> bool:
+def exit_aborted(proc: subprocess.CompletedProcess) -> bool:
     """Whether a launch failed only by gloo's abort at interpreter exit (SIGABRT)."""
-    return proc.returncode != 0 and GLOO_EXIT_ABORT in stderr
+    return proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr
+
+
+def start_launch(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """A ``torchrun`` launch started in the background (``finish_launch`` waits for it)."""
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_launch(
+    launch: subprocess.Popen,
+    env: dict[str, str],
+    timeout: float = 300,
+    before_retry: Callable[[], None] | None = None,
+) -> subprocess.CompletedProcess:
+    """Wait for ``launch`` (killed past ``timeout``), and run it once more when it failed
+    only by gloo's exit-time abort (``exit_aborted``; ``before_retry()`` first, e.g. to clear
+    its output folder). The race is upstream's and timing-dependent (about 1 run in 20 under
+    load); the examples avoid what they can of it (``gc.collect()`` after
+    ``destroy_process_group()``). Any other failure, or the abort twice, is returned as is,
+    so a launch that cannot exit cleanly still fails the test."""
+    try:
+        out, err = launch.communicate(timeout=timeout)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    proc = subprocess.CompletedProcess(launch.args, launch.returncode, out, err)
+    if exit_aborted(proc):
+        if before_retry is not None:
+            before_retry()
+        proc = subprocess.run(launch.args, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc
 
 
 def run_launch(
@@ -98,15 +128,6 @@ def run_launch(
     timeout: float = 300,
     before_retry: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run`` of a ``torchrun`` launch, run once more when it failed only by
-    gloo's exit-time abort (``exit_aborted``; ``before_retry()`` first, e.g. to clear its
-    output folder). The race is upstream's and timing-dependent (about 1 run in 20 under
-    load); the examples avoid what they can of it (``gc.collect()`` after
-    ``destroy_process_group()``). Any other failure, or the abort twice, is returned as is,
-    so a launch that cannot exit cleanly still fails the test."""
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if exit_aborted(proc, proc.stderr):
-        if before_retry is not None:
-            before_retry()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc
+    """``finish_launch(start_launch(cmd, env), ...)``: a ``torchrun`` launch, run once more
+    when it failed only by gloo's exit-time abort."""
+    return finish_launch(start_launch(cmd, env), env, timeout, before_retry)

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,8 +24,9 @@ import torch.distributed as dist
 from dist_utils import (
     GLOO_EXIT_ABORT,
     GlooContinuousTest,
-    exit_aborted,
+    finish_launch,
     run_launch,
+    start_launch,
     worker_context,
 )
 from functorch.compile import make_boxed_func
@@ -807,23 +807,21 @@ class TestTrainExampleEP(TestCase):
             cmd += [*tiny, "--ep", "2", "--out", f"{tmp}/ep2", "--then"]
             cmd += [*tiny, "--ep", "2", "--out", f"{tmp}/ep2c"]
             cmd += ["--compile", "aot_eager"]
-            launch = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
+            launch = start_launch(cmd, env)
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     r1 = train_moe_lm.main([*tiny, "--ep", "1", "--out", f"{tmp}/ep1"])
-                out, err = launch.communicate(timeout=300)
-            finally:
-                if launch.poll() is None:
-                    launch.kill()
-            code = launch.returncode
-            if exit_aborted(launch, err):  # gloo's exit-time race: once more, as run_launch
+            except BaseException:
+                launch.kill()
+                raise
+
+            def clear_outputs():
                 for folder in ("ep2", "ep2c"):
                     shutil.rmtree(f"{tmp}/{folder}")
-                again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-                code, out, err = again.returncode, again.stdout, again.stderr
-            self.assertEqual(code, 0, msg=out[-2000:] + err[-3000:])
+
+            proc = finish_launch(launch, env, before_retry=clear_outputs)
+            out = proc.stdout
+            self.assertEqual(proc.returncode, 0, msg=out[-2000:] + proc.stderr[-3000:])
             self.assertEqual(out.count(f"val loss {r1['val_loss']:.3f}"), 2, msg=out[-2000:])
             with (
                 open(f"{tmp}/ep2/metrics.jsonl") as f_eager,
