@@ -903,5 +903,64 @@ class TestMoESavedActivations(TestCase):
         self.assertLess(nbytes, loop_bytes)
 
 
+class TestGroupedExpertsChunks(TestCase):
+    """``GroupedExperts.split_weights``: the chunked expert-parallel layer runs each chunk of
+    local experts on one split of the weights instead of a slice per chunk."""
+
+    def _chunked(self, experts, x, offs, rw, chunks, split):
+        weights = experts.split_weights(chunks) if split else None
+        y = []
+        for c, (l0, l1) in enumerate(chunks):
+            rows = slice(int(offs[l0 - 1]) if l0 else 0, int(offs[l1 - 1]))
+            offs_c = offs[l0:l1] - rows.start
+            if split:
+                y.append(experts(x[rows], offs_c, rw[rows], weights=weights[c]))
+            else:
+                y.append(experts(x[rows], offs_c, rw[rows], expert_range=(l0, l1)))
+        return torch.cat(y)
+
+    def test_split_equals_slices_and_allocates_no_full_zero_gradients(self):
+        from torch_moe.nn.modules.moe import GroupedExperts
+
+        g = torch.Generator().manual_seed(0)
+        experts = GroupedExperts(16, 24, 6, dtype=torch.bfloat16)
+        sizes = torch.tensor([3, 0, 5, 2, 7, 1])
+        offs = sizes.cumsum(0).to(torch.int32)
+        x = torch.randn(int(sizes.sum()), 16, generator=g).to(torch.bfloat16)
+        rw = torch.rand(x.shape[0], generator=g)
+        gy = torch.randn(x.shape[0], 16, generator=g).to(torch.bfloat16)
+        chunks = [(0, 2), (2, 5), (5, 6)]
+        grads, zeros = [], []
+        for split in (False, True):
+            experts.zero_grad(set_to_none=True)
+            y = self._chunked(experts, x, offs, rw, chunks, split)
+            with torch.profiler.profile() as prof:
+                y.backward(gy)
+            grads.append((y, experts.w13.grad, experts.w2.grad))
+            zeros.append(
+                sum(e.count for e in prof.key_averages() if e.key == "aten::slice_backward")
+            )
+        for a, b in zip(*grads, strict=True):
+            self.assertEqual(a, b, atol=0, rtol=0)  # bitwise: the same GEMMs, exact sums
+        # a slice per chunk: each chunk's backward fills a zero gradient of every local
+        # expert (3 chunks x 2 weights); the split: none
+        self.assertEqual(zeros, [6, 0])
+        y = self._chunked(experts, x, offs, rw, [(0, 6)], split=False)
+        self.assertEqual(self._chunked(experts, x, offs, rw, [(0, 6)], split=True), y)
+
+    def test_bad_chunks(self):
+        from torch_moe.nn.modules.moe import GroupedExperts
+
+        experts = GroupedExperts(8, 8, 4)
+        for chunks in ([(0, 2), (3, 4)], [(0, 2)], [(0, 0), (0, 4)], [(1, 4)]):
+            with self.assertRaisesRegex(
+                ValueError, r"chunks must be non-empty contiguous ranges covering the 4 local"
+            ):
+                experts.split_weights(chunks)
+        w = experts.split_weights([(0, 4)])[0]
+        with self.assertRaisesRegex(ValueError, r"expert_range or weights, not both .*\(0, 4\)"):
+            experts(torch.zeros(0, 8), torch.zeros(4, dtype=torch.int32), None, (0, 4), w)
+
+
 if __name__ == "__main__":
     run_tests()

@@ -321,22 +321,58 @@ class GroupedExperts(nn.Module):
         """``"bf16"`` or the recipe's name."""
         return _precision_name(self.recipe)
 
+    def _local_weights(self) -> tuple[Tensor, Tensor]:
+        w13: Tensor = self.w13
+        w2: Tensor = self.w2
+        if isinstance(w13, DTensor):  # expert-parallel: this rank's experts (differentiable)
+            w13, w2 = w13.to_local(), cast(DTensor, w2).to_local()
+        return w13, w2
+
+    def split_weights(self, chunks: list[tuple[int, int]]) -> list[tuple[Tensor, Tensor]]:
+        """This rank's (w13, w2) split once into ``chunks``, contiguous ranges (l0, l1) of
+        local experts that cover them in order (``ExpertParallel(num_chunks=C)``'s), for
+        ``forward(..., weights=...)``. One split of each weight per step: its backward
+        concatenates the chunks' weight gradients once, where a slice per chunk gives every
+        chunk a zero-filled gradient of all local experts to add (C zero fills and adds of
+        the full gradients, two of them live in the last chunk's backward)."""
+        w13, w2 = self._local_weights()
+        ends = [0] + [l1 for _, l1 in chunks]
+        if (
+            [l0 for l0, _ in chunks] != ends[:-1]
+            or ends[-1] != w13.shape[0]
+            or any(l1 <= l0 for l0, l1 in chunks)
+        ):
+            raise ValueError(
+                f"GroupedExperts.split_weights: chunks must be non-empty contiguous ranges "
+                f"covering the {w13.shape[0]} local experts in order, got {chunks}"
+            )
+        sizes = [l1 - l0 for l0, l1 in chunks]
+        return list(zip(w13.split(sizes), w2.split(sizes), strict=True))
+
     def forward(
         self,
         x: Tensor,
         offs: Tensor,
         row_weights: Tensor | None = None,
         expert_range: tuple[int, int] | None = None,
+        weights: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x`` [M, D] rows sorted by expert with group ends ``offs``; ``expert_range``
         (l0, l1): the rows are for experts l0..l1-1 of the weights this rank holds (the
-        local shard when the weights are expert-parallel DTensors)."""
-        w13: Tensor = self.w13
-        w2: Tensor = self.w2
-        if isinstance(w13, DTensor):  # expert-parallel: this rank's experts (differentiable)
-            w13, w2 = w13.to_local(), cast(DTensor, w2).to_local()
-        if expert_range is not None:
-            w13, w2 = w13[expert_range[0] : expert_range[1]], w2[expert_range[0] : expert_range[1]]
+        local shard when the weights are expert-parallel DTensors); or ``weights``: one
+        chunk's (w13, w2) from :meth:`split_weights`."""
+        if weights is not None:
+            if expert_range is not None:
+                raise ValueError(
+                    "GroupedExperts.forward: pass expert_range or weights, not both "
+                    f"(got expert_range={expert_range})"
+                )
+            w13, w2 = weights
+        else:
+            w13, w2 = self._local_weights()
+            if expert_range is not None:
+                l0, l1 = expert_range
+                w13, w2 = w13[l0:l1], w2[l0:l1]
         dt = _expert_dtype(x, w13)
         x, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)
         # the operands are in dt now and the op (or the recipe) decides every GEMM's
@@ -374,10 +410,7 @@ class GroupedExperts(nn.Module):
         The same values as ``forward`` on ``permute(x)`` (bit for bit on CPU). With
         ``block_m`` (from :meth:`decode_block_m`, the rows permuted with that alignment)
         the fused decode kernels (``torch_moe::fused_experts``)."""
-        w13: Tensor = self.w13
-        w2: Tensor = self.w2
-        if isinstance(w13, DTensor):  # expert-parallel: this rank's experts
-            w13, w2 = w13.to_local(), cast(DTensor, w2).to_local()
+        w13, w2 = self._local_weights()
         dt = _expert_dtype(x, w13)
         x = x.to(dt)
         recipe = self.recipe
@@ -812,11 +845,18 @@ class MoE(nn.Module):
         counts = dispatcher.plan(offs)  # type: ignore[operator]
         y_perm: Tensor | None = None  # type: ignore[no-redef]
         shared = None
-        for c, chunk in enumerate(dispatcher.chunks):  # type: ignore[arg-type]
+        chunks: list[tuple[int, int]] = list(dispatcher.chunks)  # type: ignore[arg-type]
+        # several chunks: the local weights split once (``split_weights``); one chunk keeps
+        # its expert_range slice, which the compiler's chunk pass re-bounds per chunk
+        split = self.experts.split_weights(chunks) if len(chunks) > 1 else None
+        for c, chunk in enumerate(chunks):
             x_c, w_c, offs_c = dispatcher.dispatch(x_perm, row_w, counts, chunk)  # type: ignore[operator]
             if c == 0 and self.shared_experts is not None and with_shared:
                 shared = self.shared_experts(x_TD.to(shared_dtype))
-            y_c = self.experts(x_c, offs_c, w_c, expert_range=chunk)
+            if split is None:
+                y_c = self.experts(x_c, offs_c, w_c, expert_range=chunk)
+            else:
+                y_c = self.experts(x_c, offs_c, w_c, weights=split[c])
             part = dispatcher.combine(y_c, counts, chunk, x_perm.shape[0])  # type: ignore[operator]
             y_perm = part if y_perm is None else y_perm + part
         return cast(Tensor, y_perm), shared
