@@ -414,7 +414,9 @@ class TestMemory(TestCase):
         resident = sum(p.numel() * p.element_size() for p in moe.parameters()) + 2 * T * D * 2
         measured = resident + _peak_allocated(lambda: moe(x).backward(grad))
         w = MoEWorkload(T, D, Fh, E, K, precision=precision, shared_hidden_dim=shared)
-        predicted = memory(w, _cpu_hardware(), T * K, T * K, [T * K / E] * E)["peak"]
+        groups = [T * K / E] * E
+        predicted = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
+        predicted = predicted["peak"]
         self.assertLess(abs(predicted / measured - 1), 0.10, msg=f"{predicted} vs {measured}")
 
     def test_ep_exchange_backward_is_its_own_phase(self):
@@ -438,6 +440,28 @@ class TestMemory(TestCase):
             p2p["peak"], resident + m["activations"] + T * D * b + p2p["comm_buffers"]
         )
         self.assertEqual(fp8["peak"], p2p["peak"], atol=1, rtol=1e-12)
+
+    def test_ep_chunks_run_the_experts_backward_over_a_chunk_of_rows(self):
+        # with C chunks the experts' backward holds one chunk's output gradient and dX
+        # (N / C rows each) while all local experts' weight gradients are live by the last
+        # chunk (GroupedExperts.split_weights; measured EP=2 peaks fall with C=2)
+        from torch_moe._ops import _cpu_probe
+        from torch_moe.perf._memory import memory
+
+        hw = Hardware.preset("h200").replace(kind="cpu")
+        T, D, Fh, E, K, b = 1024, 256, 256, 16, 2, 2
+        N = T * K  # rows received per rank, uniform routing
+        groups = [N / (E // 2)] * (E // 2)
+
+        def peak(path: str, chunks: int) -> float:
+            w = MoEWorkload(T, D, Fh, E, K, ep=2, num_chunks=chunks)
+            with _cpu_probe.force(swiglu_path=path):
+                return memory(w, hw, N, N, groups)["peak"]
+
+        for c in (2, 4):  # group by group: the two [N / C, D] terms
+            self.assertEqual(peak("loop", 1) - peak("loop", c), 2 * (N - N / c) * D * b)
+            # the whole-tensor path's [rows, F] buffers shrink too
+            self.assertGreater(peak("whole", 1) - peak("whole", c), 2 * (N - N / c) * D * b)
 
     def test_memory_parts(self):
         T, D, Fh, E, K = 1024, 256, 512, 16, 2

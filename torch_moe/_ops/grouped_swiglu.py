@@ -224,13 +224,15 @@ def grouped_swiglu(
 # the CPU multiplies it natively: then no conversion at all), layouts as measured.
 
 
-def _act_chunk_rows(dtype: torch.dtype, hidden: int) -> int:
+def _act_chunk_rows(dtype: torch.dtype, hidden: int, threads: int | None = None) -> int:
     """Rows per elementwise chunk: the measured per-thread chunk (elements) times the
-    threads, so that each thread's share of an op stays as large as measured."""
+    threads (this process's by default), so that each thread's share of an op stays as
+    large as measured."""
     per_thread = _ACT_CHUNK_ELEMS
     if per_thread is None:
         per_thread = _cpu_probe.act_chunk(dtype, lambda: _measure_act_chunk(dtype))
-    return max(1, per_thread * torch.get_num_threads() // max(1, hidden))
+    threads = torch.get_num_threads() if threads is None else threads
+    return max(1, per_thread * threads // max(1, hidden))
 
 
 def _measure_act_chunk(dtype: torch.dtype) -> dict[str, float]:

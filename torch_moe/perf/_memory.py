@@ -5,8 +5,8 @@ Legend: T tokens of the rank, D dim, F hidden dim, Fs shared hidden dim, E exper
 El local experts, K top-k, M permuted rows (T*K dropless, the static bound with a
 capacity or an alignment), N rows the local experts receive (EP), b bytes per element
 of the layer dtype, c of the CPU GEMM compute dtype (b, or 4 where bf16 is upcast), m the
-rows of the largest expert group, r the rows of one SwiGLU-backward chunk
-(``min(m, 2**17 / F)`` on a CPU).
+rows of the largest expert group, r the rows of one SwiGLU-backward chunk on a CPU (at
+most m; the kernels' own measured chunk, see ``_act_chunk_rows``).
 
 Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
 
@@ -22,7 +22,10 @@ Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
   weights (``N*4``).
 
 EP peak: the received rows are saved (above) and no send buffer outlives its exchange, so
-the dispatch buffers are not live in the experts' backward; the exchanges' backward is a
+the dispatch buffers are not live in the experts' backward; with C chunks the experts'
+backward runs one chunk at a time, its rows' terms (the output gradient, dX, the
+activation buffers) over ``N / C`` rows, while the weight gradients of all local experts
+are live by the last chunk (``GroupedExperts.split_weights``); the exchanges' backward is a
 phase of its own: the saved tensors, the output, and the gradients of the local and the
 received rows (``comm_buffers``: ``(M_local + N) * (D*b + 4)``; twice that with
 all_to_all, whose source-major copy and collective output come on top of each). Measured
@@ -71,7 +74,15 @@ from torch_moe.perf._workload import MoEWorkload
 
 __all__ = ["memory", "saved_bytes"]
 
-_CHUNK = 2**17
+
+def _act_chunk_rows(w: MoEWorkload, threads: int) -> float:
+    """Rows of one chunk of the CPU SwiGLU kernels' elementwise work: the kernels' own
+    measured choice (``grouped_swiglu._act_chunk_rows``: elements per thread, a probe
+    decision between 2^15 and 2^18, times the rank's threads, over F). Its fp32
+    temporaries (``6*r*F*4``) move the peak by megabytes between the candidates."""
+    from torch_moe._ops import grouped_swiglu as _gs
+
+    return float(_gs._act_chunk_rows(w.dtype, w.hidden_dim, threads))
 
 
 @functools.lru_cache(maxsize=64)
@@ -214,7 +225,12 @@ def _swiglu_whole(w: MoEWorkload, groups: list[float]) -> bool:
 
 
 def memory(
-    w: MoEWorkload, hw: Hardware, local_rows: float, rows_recv: float, groups: list[float]
+    w: MoEWorkload,
+    hw: Hardware,
+    local_rows: float,
+    rows_recv: float,
+    groups: list[float],
+    threads: int = 1,
 ) -> dict[str, float]:
     """Bytes per rank (keys: weights, grads, optimizer, activations, comm_buffers, peak,
     peak_step); see the module docstring."""
@@ -239,9 +255,13 @@ def memory(
     if w.ep > 1:  # send and receive buffers of the dispatch (rows + fp32 weights)
         row = D * (1 if w.dispatch_dtype is not None else b) + 4
         comm = (local_rows + rows_recv) * row
+    # EP with C chunks: the experts' backward runs chunk by chunk, each over about N / C
+    # received rows (its output gradient, dX and the whole path's buffers); the chunks'
+    # weight gradients add up to all local experts' by the last one (``split_weights``)
+    Mc = M / w.num_chunks if w.ep > 1 else M
     lam_max = max(groups) if groups else 0.0
     m = lam_max + math.sqrt(max(lam_max, 0.0)) * expected_max_normal(max(1, len(groups)))
-    m = min(m, M)
+    m = min(m, Mc)
     y = T * D * b
     resident = weights + T * D * b * (2 if w.backward else 1)  # x (+ its output gradient)
     shared_grads = 3 * w.shared_hidden_dim * D * b if w.backward else 0.0
@@ -267,7 +287,7 @@ def memory(
     # the shared expert's backward runs first (autograd's order): its saved tensors are
     # freed and its weight gradients live when the routed experts' backward starts
     shared_saved = T * 4 * w.shared_hidden_dim * b
-    base = saved - shared_saved + y + M * D * b + shared_grads
+    base = saved - shared_saved + y + Mc * D * b + shared_grads
     # the phases outside the routed experts' backward: the shared expert's, the exchanges'
     side_phase = saved + y + shared_grads + T * 4 * w.shared_hidden_dim * b
     if w.ep > 1:
@@ -280,17 +300,17 @@ def memory(
     if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
-        r = min(M, max(1.0, _CHUNK / F))
-        act = base + 4 * M * F * b + 6 * r * F * 4  # chunk: h in fp32, silu, dA, A, one op's
-        gemms = base + 3 * M * F * b + M * D * b + El * 3 * F * D * b
+        r = min(Mc, _act_chunk_rows(w, threads))
+        act = base + 4 * Mc * F * b + 6 * r * F * 4  # chunk: h in fp32, silu, dA, A, one op's
+        gemms = base + 3 * Mc * F * b + Mc * D * b + El * 3 * F * D * b
         dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
-        r = min(m, max(1.0, _CHUNK / F))
-        phase = base + M * D * b + El * 3 * F * D * b  # dX and the expert weight gradients
+        r = min(m, _act_chunk_rows(w, threads))
+        phase = base + Mc * D * b + El * 3 * F * D * b  # dX and the expert weight gradients
         phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 6 * r * F * 4
         dyn = max(phase, side_phase)
     else:
-        dyn = max(_whole_tensor_phases(w, cpu, M, base, c), side_phase)
+        dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c), side_phase)
     peak = resident + dyn
     return dict(
         weights=weights,

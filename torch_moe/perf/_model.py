@@ -690,5 +690,5 @@ def predict(
         "overlap_compute": overlap_parts[0],
         "overlap_comm": overlap_parts[1],
     }
-    mem = memory(w, hw, local_rows, max_rows, groups_max)
+    mem = memory(w, hw, local_rows, max_rows, groups_max, c.threads)
     return Prediction(total, breakdown, flops, nbytes, mem, details, w, hw, c.ops)
