@@ -24,7 +24,10 @@ median are printed for both.
 
 The EP predictions use the parent's compute calibration and the link measured inside each
 spawned group, including the EP layer's host work beyond alpha-beta
-(``Link.exchange_overhead``, charged as ``ep_host``).
+(``Link.exchange_overhead``, charged as ``ep_host``). The CPU kernels' measured decisions
+(``torch_moe._ops._cpu_probe``) go through a decisions file
+(``TORCH_MOE_CPU_PROBE_CACHE``, a temporary one unless set) that the parent fills before
+spawning, so every rank runs the kernels the model assumed.
 
 Routing: when D >= E the router is set so that a token's logits are ``log p_e`` plus Gumbel
 noise: top-K then samples K distinct experts in proportion to p (uniform or Zipf), the
@@ -835,6 +838,16 @@ def main() -> None:
     p.add_argument("--only", help="measure only the configurations whose name matches (regex)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    from torch_moe._ops import _cpu_probe
+
+    # the CPU kernels' measured decisions (GEMM paths, the SwiGLU's activation chunk, whole
+    # or loop) on disk, so that the spawned EP ranks take the ones this process (and the
+    # model's predictions) took: decided in each rank anew, a near-tie flips between runs
+    # and ranks, and the activation chunk alone moves a rank's peak by megabytes
+    probe_dir = None
+    if not os.environ.get(_cpu_probe.ENV_CACHE):
+        probe_dir = tempfile.TemporaryDirectory(prefix="torch_moe_probe_")
+        os.environ[_cpu_probe.ENV_CACHE] = os.path.join(probe_dir.name, "decisions.json")
     head = (
         f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
         f"CPU {_cpu_name()} [{cpu_isa()}], {os.cpu_count()} CPUs, 1 torch thread per process"
@@ -885,6 +898,9 @@ def main() -> None:
             loads[name] = list(w.routing_skew) if isinstance(w.routing_skew, tuple) else None
         if not args.skip_ep:
             for world in (2, 4):
+                for cfg in ep_configs(world):  # their decisions made here, read by the ranks
+                    w = workload_of(cfg, None, cfg.dim >= cfg.experts, None)
+                    predict(w, hw, ranks_on_host=world)
                 t1 = time.time()
                 eps, link = measure_ep(world, args.ep_rounds, args.statistic)
                 print(f"# EP world {world}: {time.time() - t1:.0f} s; link {link}", flush=True)
