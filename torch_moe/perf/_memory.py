@@ -33,7 +33,8 @@ EP peaks of one configuration move by up to 25% between runs
 (``benchmarks/results/perf_model_ephost_cpu_202612.md``).
 
 Peak of forward + backward (the largest live set, weights, input and output gradient
-included): the layer's backward visits unpermute, the experts, permute, the router; the
+included; the saved activations less the input x, which the router saves as the caller's
+tensor): the layer's backward visits unpermute, the experts, permute, the router; the
 experts' backward holds the most:
 
 * bf16 on a CPU where ``grouped_swiglu`` takes its whole-tensor path (many small groups;
@@ -287,16 +288,19 @@ def memory(
     # the shared expert's backward runs first (autograd's order): its saved tensors are
     # freed and its weight gradients live when the routed experts' backward starts
     shared_saved = T * 4 * w.shared_hidden_dim * b
-    base = saved - shared_saved + y + Mc * D * b + shared_grads
+    # the router saves the input x itself (``T*D*b`` of ``saved``): the caller's tensor,
+    # counted in ``resident``, not a new allocation of the step
+    held = saved - T * D * b
+    base = held - shared_saved + y + Mc * D * b + shared_grads
     # the phases outside the routed experts' backward: the shared expert's, the exchanges'
-    side_phase = saved + y + shared_grads + T * 4 * w.shared_hidden_dim * b
+    side_phase = held + y + shared_grads + T * 4 * w.shared_hidden_dim * b
     if w.ep > 1:
         # the exchanges' backward is a phase of its own: the combine backward holds the
         # local rows' gradient and the received one (the dispatch backward the same pair
         # the other way); all_to_all adds a source-major copy and the collective's output
         # of each (the p2p segments land in place). The received rows the experts use are
         # in ``saved``; no send buffer outlives its exchange.
-        side_phase = max(side_phase, saved + y + shared_grads + comm * (2 if a2a else 1))
+        side_phase = max(side_phase, held + y + shared_grads + comm * (2 if a2a else 1))
     if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
