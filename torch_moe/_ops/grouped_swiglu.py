@@ -35,6 +35,8 @@ from torch import Tensor
 from torch_moe._ops import _cpu_probe
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
 from torch_moe._ops.grouped_mm import (
+    _grouped_mm_cpu,
+    _grouped_mm_wgrad_cpu,
     _nonzero_strides,
     check_offs_values,
     cpu_compute_dtype,
@@ -376,18 +378,21 @@ def _forward_whole(
     row_weights: Tensor | None,
     gather_index: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """Whole tensors: the two grouped GEMMs as ``grouped_mm`` ops (each with its own
-    measured kernel choice; rows past the last group zero), the activation in row chunks
-    over all rows (the same math as the loop's, into one [M, F] buffer)."""
+    """Whole tensors: the two grouped GEMMs by ``grouped_mm``'s CPU kernel (each with its
+    own measured kernel choice; rows past the last group zero), called directly: the
+    operands and ``ends`` are this op's, validated once, and an op call per GEMM would add
+    the dispatcher's and the op's Python layers (~0.1 ms each, a tenth of a small layer's
+    host time); the activation in row chunks over all rows (the same math as the loop's,
+    into one [M, F] buffer)."""
     rows = _num_rows(x, gather_index)
     x_rows = x if gather_index is None else gather_rows(x, gather_index)
-    h = grouped_mm(x_rows, w13.transpose(-2, -1), offs)
+    h = _grouped_mm_cpu(x_rows, w13.transpose(-2, -1), ends, offs)
     a = x.new_empty((rows, w2.shape[2]))
     step = _act_chunk_rows(x.dtype, w2.shape[2])
     for r0 in range(0, rows, step):
         r = slice(r0, r0 + step)
         _act_into(h[r], None if row_weights is None else row_weights[r], a[r])
-    return grouped_mm(a, w2.transpose(-2, -1), offs), h
+    return _grouped_mm_cpu(a, w2.transpose(-2, -1), ends, offs), h
 
 
 @grouped_swiglu.register_kernel("cpu")
@@ -482,12 +487,13 @@ def _backward_whole(
     row_weights: Tensor | None,
     gather_index: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Whole tensors (see ``_forward_whole``): dA, dW2, dX and dW13 as ``grouped_mm`` /
-    ``grouped_mm_wgrad`` ops, the activation's backward in row chunks over all rows."""
+    """Whole tensors (see ``_forward_whole``): dA, dW2, dX and dW13 by ``grouped_mm`` /
+    ``grouped_mm_wgrad``'s CPU kernels, the activation's backward in row chunks over all
+    rows."""
     rows, hidden = h.shape[0], w2.shape[2]
     acc = acc_dtype(x.dtype)
     grad_y = _nonzero_strides(grad_y)
-    grad_a = grouped_mm(grad_y, w2, offs)
+    grad_a = _grouped_mm_cpu(grad_y, w2, ends, offs)
     a = x.new_empty((rows, hidden))
     dh = x.new_empty((rows, 2 * hidden))
     grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
@@ -505,9 +511,9 @@ def _backward_whole(
     if grad_rw is not None:
         grad_rw[end:] = 0  # rows past the last group belong to no expert
     x_rows = x if gather_index is None else gather_rows(x, gather_index)
-    dw2 = grouped_mm_wgrad(grad_y, a, offs)
-    dx = grouped_mm(dh, w13, offs)
-    dw13 = grouped_mm_wgrad(dh, x_rows, offs)
+    dw2 = _grouped_mm_wgrad_cpu(grad_y, a, ends, offs)
+    dx = _grouped_mm_cpu(dh, w13, ends, offs)
+    dw13 = _grouped_mm_wgrad_cpu(dh, x_rows, ends, offs)
     return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
 
 
