@@ -27,7 +27,8 @@ spawned group, including the EP layer's host work beyond alpha-beta
 (``Link.exchange_overhead``, charged as ``ep_host``). The CPU kernels' measured decisions
 (``torch_moe._ops._cpu_probe``) go through a decisions file
 (``TORCH_MOE_CPU_PROBE_CACHE``, a temporary one unless set) that the parent fills before
-spawning, so every rank runs the kernels the model assumed.
+spawning, so every rank runs the kernels the model assumed; ``--save`` keeps it beside the
+measurements and ``--replay`` predicts with it (the peak model reads those decisions).
 
 Routing: when D >= E the router is set so that a token's logits are ``log p_e`` plus Gumbel
 noise: top-K then samples K distinct experts in proportion to p (uniform or Zipf), the
@@ -49,6 +50,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -848,6 +850,9 @@ def main() -> None:
     if not os.environ.get(_cpu_probe.ENV_CACHE):
         probe_dir = tempfile.TemporaryDirectory(prefix="torch_moe_probe_")
         os.environ[_cpu_probe.ENV_CACHE] = os.path.join(probe_dir.name, "decisions.json")
+        # a replay predicts with the decisions its run took (saved beside the measurements)
+        if args.replay and os.path.exists(args.replay + ".decisions.json"):
+            shutil.copyfile(args.replay + ".decisions.json", os.environ[_cpu_probe.ENV_CACHE])
     head = (
         f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
         f"CPU {_cpu_name()} [{cpu_isa()}], {os.cpu_count()} CPUs, 1 torch thread per process"
@@ -919,6 +924,8 @@ def main() -> None:
             hw_path = args.save + ".hardware.json"
             with open(hw_path, "w") as f:
                 f.write(hw.to_json())
+            if os.path.exists(os.environ[_cpu_probe.ENV_CACHE]):
+                shutil.copyfile(os.environ[_cpu_probe.ENV_CACHE], args.save + ".decisions.json")
             with open(args.save, "w") as f:
                 json.dump(
                     dict(

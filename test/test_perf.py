@@ -463,6 +463,25 @@ class TestMemory(TestCase):
             # the whole-tensor path's [rows, F] buffers shrink too
             self.assertGreater(peak("whole", 1) - peak("whole", c), 2 * (N - N / c) * D * b)
 
+    def test_ep_chunks_concatenate_the_weight_gradients(self):
+        # many small experts: the split's backward (w13's chunk gradients and their
+        # concatenation, w2's whole) outgrows the experts' backward; measured on 2 gloo
+        # ranks at this shape: 11.43 MiB above the resident bytes, the same as this phase
+        from torch_moe._ops import _cpu_probe
+        from torch_moe.perf._memory import memory
+
+        hw = Hardware.preset("h200").replace(kind="cpu")
+        T, D, Fh, E, K, b, El = 512, 256, 128, 64, 4, 2, 32
+        N = T * K
+        w = MoEWorkload(T, D, Fh, E, K, ep=2, num_chunks=2)
+        with _cpu_probe.force(swiglu_path="loop"):
+            m = memory(w, hw, N, N, [N / El] * El)
+        resident = m["weights"] + 2 * T * D * b
+        saved_rest = T * E * 4 + E * 4 + N * (8 + 4 + 16)  # router, routing, the row maps
+        cat = saved_rest + T * D * b + N * D * b + El * 5 * Fh * D * b  # + output, dX_perm
+        self.assertEqual(m["peak"], resident + cat, atol=1, rtol=1e-12)
+        self.assertEqual(cat / 2**20, 11.43, atol=0.01, rtol=0)
+
     def test_memory_parts(self):
         T, D, Fh, E, K = 1024, 256, 512, 16, 2
         m = predict(MoEWorkload(T, D, Fh, E, K, ep=4), Hardware.preset("h100")).memory

@@ -25,7 +25,9 @@ EP peak: the received rows are saved (above) and no send buffer outlives its exc
 the dispatch buffers are not live in the experts' backward; with C chunks the experts'
 backward runs one chunk at a time, its rows' terms (the output gradient, dX, the
 activation buffers) over ``N / C`` rows, while the weight gradients of all local experts
-are live by the last chunk (``GroupedExperts.split_weights``); the exchanges' backward is a
+are live by the last chunk (``GroupedExperts.split_weights``), and then the split's backward
+concatenates them (a phase of its own: ``El*5*F*D*b``, w13's chunks and their
+concatenation with w2's whole, plus the permuted rows' gradient); the exchanges' backward is a
 phase of its own: the saved tensors, the output, and the gradients of the local and the
 received rows (``comm_buffers``: ``(M_local + N) * (D*b + 4)``; twice that with
 all_to_all, whose source-major copy and collective output come on top of each). Measured
@@ -315,6 +317,16 @@ def memory(
         dyn = max(phase, side_phase)
     else:
         dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c), side_phase)
+    if w.ep > 1 and w.num_chunks > 1:
+        # after the last chunk, each weight's split backward (``split_weights``)
+        # concatenates its chunks' gradients: the chunks' and the concatenation are live
+        # at once (w13's, the larger, with w2's already whole: 5*F*D*b per local expert),
+        # the experts' saved tensors freed, this rank's permuted rows' gradient live
+        per_row = (D + 2 * F + (F if w.precision != "bf16" else 0)) * b
+        experts_saved = rows_recv * (per_row + 4)
+        cat = held - shared_saved - experts_saved + y + shared_grads
+        cat += local_rows * D * b + El * 5 * F * D * b
+        dyn = max(dyn, cat)
     peak = resident + dyn
     return dict(
         weights=weights,
