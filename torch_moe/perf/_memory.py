@@ -113,19 +113,26 @@ def _align(w: MoEWorkload, hw: Hardware) -> int:
     return 16 if hw.kind == "gpu" and w.precision != "bf16" else 1
 
 
+def _expert_row_bytes(w: MoEWorkload) -> int:
+    """Bytes the experts save per row they run: the input row and h [2F] (a recipe also
+    ``a`` [F])."""
+    return (w.dim + 2 * w.hidden_dim + (w.hidden_dim if w.precision != "bf16" else 0)) * (
+        w.element_size
+    )
+
+
 def saved_bytes(w: MoEWorkload, hw: Hardware, rows_recv: float | None = None) -> float:
     """Bytes saved for the backward by one forward (see the module docstring)."""
     if not w.backward:
         return 0.0
-    T, D, F, E, K = w.tokens, w.dim, w.hidden_dim, w.num_experts, w.top_k
+    T, D, E, K = w.tokens, w.dim, w.num_experts, w.top_k
     b = w.element_size
     align = _align(w, hw)
-    recipe = w.precision != "bf16"
-    per_row = (D + 2 * F + (F if recipe else 0)) * b
+    per_row = _expert_row_bytes(w)
     total = float(T * (D * b + E * 4) + E * 4)
     if w.ep > 1:
         n = rows_recv if rows_recv is not None else T * K
-        total += T * K * (8 + 4 + 16) + n * (per_row + 4)
+        total += T * K * (8 + 4 + 16) + n * (per_row + 4)  # + the received routing weights
     elif w.capacity is None and align == 1:
         total += T * K * (8 + 4 + 16 + per_row)
     else:
@@ -322,8 +329,7 @@ def memory(
         # concatenates its chunks' gradients: the chunks' and the concatenation are live
         # at once (w13's, the larger, with w2's already whole: 5*F*D*b per local expert),
         # the experts' saved tensors freed, this rank's permuted rows' gradient live
-        per_row = (D + 2 * F + (F if w.precision != "bf16" else 0)) * b
-        experts_saved = rows_recv * (per_row + 4)
+        experts_saved = rows_recv * (_expert_row_bytes(w) + 4)  # as in saved_bytes
         cat = held - shared_saved - experts_saved + y + shared_grads
         cat += local_rows * D * b + El * 5 * F * D * b
         dyn = max(dyn, cat)
