@@ -13,8 +13,12 @@ With ``config.ep_chunks = C`` this pass rewrites that region into what
 (``chunk_bounds``: the dispatcher's own split) a copy of every node from the dispatch to
 the combine, with the chunk's bounds in ``ep_dispatch``, ``ep_chunk_offsets``, the
 weights' ``expert_range`` slices and ``ep_combine``, and the C combines added in chunk
-order (``part_0 + part_1 + ...``). The graph is then the one eager
-chunking runs: the same ops on the same rows, so compiled equals eager chunking bit for bit.
+order (``part_0 + part_1 + ...``). The graph then runs what eager chunking runs: the same
+ops on the same rows, so compiled equals eager chunking bit for bit. (Eager
+``ExpertParallel(num_chunks=C)`` takes each chunk's weights from one split of the local
+weights, ``GroupedExperts.split_weights``, where the pass keeps a slice per chunk: the same
+values; the slices' backward scatters each chunk's weight gradient into a zero-filled
+gradient of all local experts, which the split avoids in eager.)
 
 It runs on the pre-grad graph (Inductor's ``pre_grad_custom_pass``, Dynamo's Torch IR)
 because there the region is forward code only: AOTAutograd then derives the chunked
