@@ -42,6 +42,7 @@ from torch_moe.perf import (
     predict,
 )
 from torch_moe.perf._memory import memory, saved_bytes
+from torch_moe.perf._model import _peak_over_ranks
 
 FP8 = torch.float8_e4m3fn
 
@@ -476,6 +477,42 @@ class TestMemory(TestCase):
         cat = saved_rest + T * D * b + N * D * b + El * 5 * Fh * D * b  # + output, dX_perm
         self.assertEqual(m["peak"], resident + cat, atol=1, rtol=1e-12)
         self.assertEqual(cat / 2**20, 11.43, atol=0.01, rtol=0)
+
+    def test_ep_peak_is_the_largest_ranks(self):
+        # EP=4, E=16, 256 rows per expert on average: the busiest rank's mean rows per
+        # expert round up to the r512 bucket of grouped_swiglu's path decision, the mean
+        # rank's to r256. Each rank decides on its own rows, so the layer's peak is the
+        # largest rank's, which need not be the busiest's
+        hw = _cpu_hardware()
+        T, K = 512, 2
+        w = MoEWorkload(T, 256, 256, 16, K, ep=4)
+        mean_rows, max_rows, busiest = w.rank_rows()
+        self.assertGreater(busiest.mean().item(), 256)
+        self.assertLessEqual(mean_rows / busiest.numel(), 256)
+
+        def rank_peak(rows):
+            groups = [g * rows / max_rows for g in busiest.tolist()]
+            return memory(w, hw, T * K, rows, groups)["peak"]
+
+        # at this shape the whole-tensor path holds [N, F] buffers the loop does not
+        with _cpu_probe.force(swiglu_path="whole"):
+            whole = rank_peak(mean_rows)
+        with _cpu_probe.force(swiglu_path="loop"):
+            loop = rank_peak(mean_rows)
+        self.assertGreater(whole - loop, 2**20)
+        for busy_path, light_path in (("whole", "loop"), ("loop", "whole")):
+            decisions = {"swiglu_path:bf16:r512": busy_path, "swiglu_path:bf16:r256": light_path}
+            with _cpu_probe.force(decisions):
+                busy = memory(w, hw, T * K, max_rows, busiest.tolist())
+                m = _peak_over_ranks(w, hw, busy, T * K, (mean_rows, max_rows), busiest.tolist(), 1)
+                ranks = [rank_peak(n) for n in (max_rows, mean_rows, 2 * mean_rows - max_rows)]
+            self.assertEqual(m["activations"], busy["activations"])  # the busiest rank's
+            self.assertEqual(m["peak"], max(ranks), atol=1, rtol=0)
+            self.assertEqual(m["peak_step"], m["peak"] + m["optimizer"], atol=1, rtol=0)
+            if light_path == "whole":  # a lighter rank sets the peak, by megabytes
+                self.assertGreater(m["peak"], ranks[0] + 2**20)
+            else:
+                self.assertEqual(m["peak"], ranks[0], atol=1, rtol=0)
 
     def test_memory_parts(self):
         T, D, Fh, E, K = 1024, 256, 512, 16, 2

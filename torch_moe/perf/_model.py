@@ -51,7 +51,10 @@ Costs (each op's seconds):
 
 Memory (bytes per rank, :mod:`torch_moe.perf._memory`): weights, gradients, Adam states,
 the activations saved for the backward (the layer's documented formula), communication
-buffers, and the peak of one forward + backward.
+buffers, and the peak of one forward + backward. With EP the peak is the largest of the
+busiest, the mean and a light rank's (each rank's CPU kernels decide on its own rows, and
+the lighter ranks can take a path with larger buffers: ``_peak_over_ranks``); the other
+entries are the busiest rank's.
 """
 
 from __future__ import annotations
@@ -599,6 +602,39 @@ def _sum(ops: list[Op], phase: str | None = None, prefix: str | None = None) -> 
     )
 
 
+def _peak_over_ranks(
+    w: MoEWorkload,
+    hw: Hardware,
+    busiest: dict[str, float],
+    local_rows: float,
+    rows: tuple[float, float],
+    groups_max: list[float],
+    threads: int,
+) -> dict[str, float]:
+    """The layer's peak: the largest over the ranks, not always the busiest rank's.
+
+    Each rank's CPU kernels decide on its own received rows (``grouped_swiglu``'s path by
+    rows per expert, rounded to a power of two), so a rank with fewer rows than the
+    busiest can take the path with the larger buffers: at a bucket edge (EP=4, E=16,
+    256 rows per expert on average) the busiest rank's whole-tensor path and a lighter
+    rank's per-group loop peak megabytes apart. Besides the busiest rank this evaluates
+    the mean rank and its mirror image below the mean (as far under as the busiest is
+    over), and keeps the largest peak; the other entries stay the busiest rank's.
+    """
+    from torch_moe.perf._memory import memory
+
+    mean_rows, max_rows = rows
+    best = busiest
+    for n in (mean_rows, max(0.0, 2 * mean_rows - max_rows)):
+        scale = n / max_rows
+        m = memory(w, hw, local_rows, n, [g * scale for g in groups_max], threads)
+        if m["peak"] > best["peak"]:
+            best = m
+    if best is busiest:
+        return busiest
+    return {**busiest, "peak": best["peak"], "peak_step": best["peak_step"]}
+
+
 def predict(
     workload: MoEWorkload, hardware: Hardware, *, ranks_on_host: int | None = None
 ) -> Prediction:
@@ -691,4 +727,6 @@ def predict(
         "overlap_comm": overlap_parts[1],
     }
     mem = memory(w, hw, local_rows, max_rows, groups_max, c.threads)
+    if w.ep > 1 and max_rows > mean_rows:
+        mem = _peak_over_ranks(w, hw, mem, local_rows, (mean_rows, max_rows), groups_max, c.threads)
     return Prediction(total, breakdown, flops, nbytes, mem, details, w, hw, c.ops)
