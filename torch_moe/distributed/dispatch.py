@@ -225,14 +225,16 @@ def _to_owners(setup: _Setup, tensors: list[Tensor], op: str, tag: int) -> list[
     """Rows of this rank's permuted buffer (``tensors``, [M, ...]) for the chunk's experts go
     to their owners; returns the received rows [N, ...], expert-major."""
     plan = setup.plan
-    outs = [t.new_empty((plan.rows, *t.shape[1:])) for t in tensors]
     if setup.exchange == "p2p":
+        outs = [t.new_empty((plan.rows, *t.shape[1:])) for t in tensors]
         ins = [t.contiguous() for t in tensors]
         setup.call(
             f"{op} all_to_all_segments",
             lambda: all_to_all_segments(outs, ins, plan.received, plan.sent, setup.group, tag=tag),
         )
         return outs
+    # all_to_all: the collective's output is a fresh source-major buffer, reordered into a
+    # new expert-major one (no [N, ...] buffer allocated up front: it would sit unused)
     index = _send_index(plan, tensors[0].device)
     reorder = _expert_major_index(plan, tensors[0].device)
     result = []
