@@ -347,18 +347,19 @@ def step_fn(moe: MoE, x: torch.Tensor, grad: torch.Tensor):
     return step
 
 
-def peak_memory(moe: MoE, x: torch.Tensor, grad: torch.Tensor, steps: int = 3) -> float:
+def peak_memory(moe: MoE, x: torch.Tensor, grad: torch.Tensor, steps: int = 5) -> float:
     """Peak bytes allocated above the start of a forward + backward (profiler allocator
-    events), the last step's gradients freed before it starts: the median over ``steps``
+    events), the last step's gradients freed before it starts: the least over ``steps``
     profiled steps.
 
-    One step is not enough under gloo's all_to_all: in some steps one of its buffers
-    (the collective's, ~1 MiB at EP=4 E=16) is released outside the main thread's
-    events (gloo's worker thread, or after the step), and the replay of the events then
-    keeps it live to the end of the step: that step's peak is 0.5-1.5 MiB over the same
-    rank's other steps (measured: 9.21 / 10.20 MiB in alternate steps of one rank, the
-    step's net bytes at its end 1.76 / 2.75 MiB). The p2p exchange and single-process
-    steps give the same peak in every step."""
+    The profiler records the main thread's frees only. Under gloo's all_to_all the last
+    reference to a collective's buffers is sometimes dropped on gloo's worker thread, and
+    that free is in no event: the replay keeps the buffer live to the end of the step.
+    Measured on EP=2 (T=2048, D=512, E=8): alternate steps of one rank peak at 38.2 MiB,
+    with 8.0 MiB net at the step's end (the weight gradients), and at 46.2 / 54.2 MiB, with
+    16.0 / 24.0 MiB net and two to four free events fewer; the p2p exchange and every
+    single-process step give the same peak in every step (37.9 MiB here). A missing free
+    only ever adds, so the least of a few steps is the step's peak."""
     peaks = []
     for _ in range(steps):
         moe.zero_grad(set_to_none=True)
@@ -374,7 +375,7 @@ def peak_memory(moe: MoE, x: torch.Tensor, grad: torch.Tensor, steps: int = 3) -
             total += e.nbytes()
             peak = max(peak, total)
         peaks.append(peak)
-    return float(statistics.median(peaks))
+    return float(min(peaks))
 
 
 def saved_bytes(moe: MoE, x: torch.Tensor) -> float:
