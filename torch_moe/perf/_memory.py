@@ -15,9 +15,12 @@ Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
   2F*b + 8 + 8 + 1 + 4) + 8 + E*4`` (the row map, its clamped copy, the padding mask and
   the per-row weight over M rows);
 * a recipe also saves the activation ``a`` [M, F] (``M*F*b``);
-* a shared expert saves ``T * 4*Fs*b`` (its gate/up output, silu(gate) and the product);
-  its backward runs before the routed experts' (so those are freed by then, and its
-  weight gradients ``3*Fs*D*b`` are live);
+* a shared expert saves ``T * 4*Fs*b`` (its gate/up output, silu(gate) and the product).
+  The layer runs it before the routed experts, so autograd runs its backward after
+  theirs (of two ready nodes the one created later runs first): its saved tensors are
+  live through the routed experts' backward, and its own backward is a phase of its own
+  (the routed experts' saved tensors freed, their weight gradients and its own live,
+  with its ``T*4*Fs*b`` of temporaries);
 * EP: the experts' tensors are over the N received rows, plus the received routing
   weights (``N*4``).
 
@@ -294,22 +297,27 @@ def memory(
             peak=peak,
             peak_step=peak,
         )
-    # the shared expert's backward runs first (autograd's order): its saved tensors are
-    # freed and its weight gradients live when the routed experts' backward starts
-    shared_saved = T * 4 * w.shared_hidden_dim * b
     # the router saves the input x itself (``T*D*b`` of ``saved``): the caller's tensor,
     # counted in ``resident``, not a new allocation of the step
     held = saved - T * D * b
-    base = held - shared_saved + y + Mc * D * b + shared_grads
-    # the phases outside the routed experts' backward: the shared expert's, the exchanges'
-    side_phase = held + y + shared_grads + T * 4 * w.shared_hidden_dim * b
+    # the routed experts' backward runs before the shared expert's (module docstring): its
+    # saved tensors are in ``held``, its weight gradients come later
+    base = held + y + Mc * D * b
+    experts_saved = rows_recv * (_expert_row_bytes(w) + 4)  # as in saved_bytes
+    # the phases outside the routed experts' backward: the shared expert's (the routed
+    # experts' saved tensors freed, their weight gradients live), the exchanges'
+    side_phase = held + y
+    if w.shared_hidden_dim and w.backward:
+        routed_grads = El * 3 * F * D * b
+        side_phase = held - experts_saved + y + routed_grads + shared_grads
+        side_phase += T * 4 * w.shared_hidden_dim * b
     if w.ep > 1:
         # the exchanges' backward is a phase of its own: the combine backward holds the
         # local rows' gradient and the received one (the dispatch backward the same pair
         # the other way); all_to_all adds a source-major copy and the collective's output
         # of each (the p2p segments land in place). The received rows the experts use are
         # in ``saved``; no send buffer outlives its exchange.
-        side_phase = max(side_phase, held + y + shared_grads + comm * (2 if a2a else 1))
+        side_phase = max(side_phase, held + y + comm * (2 if a2a else 1))
     if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
@@ -329,8 +337,7 @@ def memory(
         # concatenates its chunks' gradients: the chunks' and the concatenation are live
         # at once (w13's, the larger, with w2's already whole: 5*F*D*b per local expert),
         # the experts' saved tensors freed, this rank's permuted rows' gradient live
-        experts_saved = rows_recv * (_expert_row_bytes(w) + 4)  # as in saved_bytes
-        cat = held - shared_saved - experts_saved + y + shared_grads
+        cat = held - experts_saved + y
         cat += local_rows * D * b + El * 5 * F * D * b
         dyn = max(dyn, cat)
     peak = resident + dyn
