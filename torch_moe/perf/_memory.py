@@ -33,9 +33,11 @@ concatenates them (a phase of its own: ``El*5*F*D*b``, w13's chunks and their
 concatenation with w2's whole, plus the permuted rows' gradient); the exchanges' backward is a
 phase of its own: the saved tensors, the output, and the gradients of the local and the
 received rows (``comm_buffers``: ``(M_local + N) * (D*b + 4)``; twice that with
-all_to_all, whose source-major copy and collective output come on top of each). Measured
-EP peaks of one configuration move by up to 25% between runs
-(``benchmarks/results/perf_model_ephost_cpu_202612.md``).
+all_to_all, whose source-major copy and collective output come on top of each). The
+layer's peak is the largest rank's (``predict``: the ranks' kernels decide on their own
+rows). Measuring it: gloo sometimes frees an all_to_all buffer on its worker thread, a
+free the profiler does not record, so ``benchmarks/bench_perf_model.py`` takes the least
+of 5 profiled steps (``benchmarks/results/perf_model_ephost_cpu_202612.md``).
 
 Peak of forward + backward (the largest live set, weights, input and output gradient
 included; the saved activations less the input x, which the router saves as the caller's
@@ -306,10 +308,10 @@ def memory(
     experts_saved = rows_recv * (_expert_row_bytes(w) + 4)  # as in saved_bytes
     # the phases outside the routed experts' backward: the shared expert's (the routed
     # experts' saved tensors freed, their weight gradients live), the exchanges'
+    expert_grads = El * 3 * F * D * b  # the local experts' weight gradients
     side_phase = held + y
-    if w.shared_hidden_dim and w.backward:
-        routed_grads = El * 3 * F * D * b
-        side_phase = held - experts_saved + y + routed_grads + shared_grads
+    if w.shared_hidden_dim:
+        side_phase = held - experts_saved + y + expert_grads + shared_grads
         side_phase += T * 4 * w.shared_hidden_dim * b
     if w.ep > 1:
         # the exchanges' backward is a phase of its own: the combine backward holds the
@@ -318,16 +320,27 @@ def memory(
         # of each (the p2p segments land in place). The received rows the experts use are
         # in ``saved``; no send buffer outlives its exchange.
         side_phase = max(side_phase, held + y + comm * (2 if a2a else 1))
+    # with C chunks the backward runs the last chunk first, and in each chunk's backward
+    # the chunks run before it have their weight gradients live (the
+    # split's backward keeps them for its concatenation), and so has, until the last
+    # chunk to run, this rank's permuted rows' gradient [M_local, D] that every chunk's
+    # combine backward reads: ``before`` entering a chunk's backward, ``with_own`` once it
+    # has its own (both at the worst chunk: the last to run, or the one before it)
+    before, with_own = 0.0, expert_grads
+    if w.ep > 1 and w.num_chunks > 1:
+        C, rows_grad = w.num_chunks, local_rows * D * b
+        before = max((C - 2) / C * expert_grads + rows_grad, (C - 1) / C * expert_grads)
+        with_own = max((C - 1) / C * expert_grads + rows_grad, expert_grads)
     if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
         r = min(Mc, _act_chunk_rows(w, threads))
-        act = base + 4 * Mc * F * b + 6 * r * F * 4  # chunk: h in fp32, silu, dA, A, one op's
-        gemms = base + 3 * Mc * F * b + Mc * D * b + El * 3 * F * D * b
+        act = base + before + 4 * Mc * F * b + 6 * r * F * 4  # h in fp32, silu, dA, A, an op's
+        gemms = base + 3 * Mc * F * b + Mc * D * b + with_own
         dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
         r = min(m, _act_chunk_rows(w, threads))
-        phase = base + Mc * D * b + El * 3 * F * D * b  # dX and the expert weight gradients
+        phase = base + Mc * D * b + with_own  # dX and the expert weight gradients
         phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 6 * r * F * 4
         dyn = max(phase, side_phase)
     else:

@@ -616,8 +616,9 @@ def _peak_over_ranks(
     Each rank's CPU kernels decide on its own received rows (``grouped_swiglu``'s path by
     rows per expert, rounded to a power of two), so a rank with fewer rows than the
     busiest can take the path with the larger buffers: at a bucket edge (EP=4, E=16,
-    256 rows per expert on average) the busiest rank's whole-tensor path and a lighter
-    rank's per-group loop peak megabytes apart. Besides the busiest rank this evaluates
+    256 rows per expert on average) the busiest rank's and a lighter rank's paths can
+    differ, and their peaks by megabytes (measured: the lighter ranks' whole-tensor path
+    2-3 MiB above the busiest rank's per-group loop). Besides the busiest rank this evaluates
     the mean rank and its mirror image below the mean (as far under as the busiest is
     over), and keeps the largest peak; the other entries stay the busiest rank's.
     """
