@@ -308,7 +308,7 @@ def memory(
     experts_saved = rows_recv * (_expert_row_bytes(w) + 4)  # as in saved_bytes
     # the phases outside the routed experts' backward: the shared expert's (the routed
     # experts' saved tensors freed, their weight gradients live), the exchanges'
-    expert_grads = El * 3 * F * D * b  # the local experts' weight gradients
+    expert_grads = float(El * 3 * F * D * b)  # the local experts' weight gradients
     side_phase = held + y
     if w.shared_hidden_dim:
         side_phase = held - experts_saved + y + expert_grads + shared_grads
