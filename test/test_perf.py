@@ -503,15 +503,17 @@ class TestMemory(TestCase):
             return memory(w, hw, T * K, rows, groups)["peak"]
 
         # at this shape and activation chunk (the kernels' measured one, fixed here) the
-        # whole-tensor path holds [N, F] buffers the loop does not
-        chunk = "262144"
-        with _cpu_probe.force(swiglu_path="whole", act_chunk=chunk):
+        # whole-tensor path holds [N, F] buffers the loop does not; the path is a decision
+        # of CPUs that multiply bf16 natively (else the kernels upcast, group by group)
+        chunk, fixed = "262144", {"half_gemm": "native"}
+        with _cpu_probe.force(fixed, swiglu_path="whole", act_chunk=chunk):
             whole = rank_peak(mean_rows)
-        with _cpu_probe.force(swiglu_path="loop", act_chunk=chunk):
+        with _cpu_probe.force(fixed, swiglu_path="loop", act_chunk=chunk):
             loop = rank_peak(mean_rows)
         self.assertGreater(whole - loop, 2**20)
         for busy_path, light_path in (("whole", "loop"), ("loop", "whole")):
             decisions = {
+                **fixed,
                 "swiglu_path:bf16:r512": busy_path,
                 "swiglu_path:bf16:r256": light_path,
                 "act_chunk": chunk,

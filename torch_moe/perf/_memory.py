@@ -19,8 +19,8 @@ Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
   The layer runs it before the routed experts, so autograd runs its backward after
   theirs (of two ready nodes the one created later runs first): its saved tensors are
   live through the routed experts' backward, and its own backward is a phase of its own
-  (the routed experts' saved tensors freed, their weight gradients and its own live,
-  with its ``T*4*Fs*b`` of temporaries);
+  (the routed experts' saved tensors freed, their weight gradients live, with its
+  ``2*T*Fs*b`` of gradients and its down projection's weight gradient at its largest);
 * EP: the experts' tensors are over the N received rows, plus the received routing
   weights (``N*4``).
 
@@ -279,7 +279,6 @@ def memory(
     m = min(m, Mc)
     y = T * D * b
     resident = weights + T * D * b * (2 if w.backward else 1)  # x (+ its output gradient)
-    shared_grads = 3 * w.shared_hidden_dim * D * b if w.backward else 0.0
     if not w.backward:
         # forward only: the permuted rows, h and y of the experts, and the combine
         act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
@@ -311,8 +310,11 @@ def memory(
     expert_grads = float(El * 3 * F * D * b)  # the local experts' weight gradients
     side_phase = held + y
     if w.shared_hidden_dim:
-        side_phase = held - experts_saved + y + expert_grads + shared_grads
-        side_phase += T * 4 * w.shared_hidden_dim * b
+        # its largest set: at the product's backward, its four saved [T, Fs]-rows and two
+        # gradients [T, Fs] (of silu(gate) and of up), the down projection's weight
+        # gradient (its gate/up's comes once those are freed)
+        Fs = w.shared_hidden_dim
+        side_phase = held - experts_saved + y + expert_grads + Fs * D * b + 2 * T * Fs * b
     if w.ep > 1:
         # the exchanges' backward is a phase of its own: the combine backward holds the
         # local rows' gradient and the received one (the dispatch backward the same pair
