@@ -51,7 +51,7 @@ experts' backward holds the most:
 * bf16 on a CPU (``grouped_swiglu_backward``, group by group): the saved tensors, the
   output [T, D], the permuted gradient and dX [M, D] each, the expert weight gradients,
   the largest group's ``grad_a``, ``a`` [m, F] and ``dH`` [m, 2F] in c, and one chunk's
-  fp32 temporaries (``r*2F*4 + 6*r*F*4``);
+  fp32 temporaries (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product);
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (``M*2F*4 + 6*M*F*4`` of fp32
   temporaries), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
@@ -343,7 +343,9 @@ def memory(
     elif w.precision == "bf16" and cpu:
         r = min(m, _act_chunk_rows(w, threads))
         phase = base + Mc * D * b + with_own  # dX and the expert weight gradients
-        phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 6 * r * F * 4
+        # one chunk's fp32 temporaries at their largest (the sum of dA * A): h [r, 2F],
+        # silu, dA, A and their product [r, F] each, as on the whole-tensor path
+        phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 4 * r * F * 4
         dyn = max(phase, side_phase)
     else:
         dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c), side_phase)
