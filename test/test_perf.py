@@ -122,6 +122,23 @@ def _peak_allocated(fn):
     return peak
 
 
+def _measured_and_predicted_peak(T, D, Fh, E, K, **kw):
+    """A uniformly routed layer's peak bytes of forward + backward (weights, input and
+    output gradient included; the allocator's events after one warm-up step) and the
+    memory model's, with the kernels' chunking at this process's threads."""
+    moe, x = _uniform_layer(T, D, Fh, E, K, **kw)
+    grad = torch.randn(T, D, dtype=torch.bfloat16)
+    moe(x).backward(grad)
+    moe.zero_grad(set_to_none=True)  # free the last step's gradients before profiling
+    x.grad = None
+    resident = sum(p.numel() * p.element_size() for p in moe.parameters()) + 2 * T * D * 2
+    measured = resident + _peak_allocated(lambda: moe(x).backward(grad))
+    w = MoEWorkload(T, D, Fh, E, K, **kw)
+    groups = [T * K / E] * E
+    predicted = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
+    return measured, predicted["peak"]
+
+
 class TestMoEWorkload(TestCase):
     @parametrize(
         "kwargs, field",
@@ -411,18 +428,8 @@ class TestMemory(TestCase):
         # realistic sizes, where the fixed small tensors matter less). A large shared
         # expert: its saved tensors are live through the routed experts' backward, which
         # autograd runs first (a model that freed them there was 20% under)
-        T, D, Fh, E, K = 256, 64, 128, 8, 2
-        moe, x = _uniform_layer(T, D, Fh, E, K, precision=precision, shared_hidden_dim=shared)
-        grad = torch.randn(T, D, dtype=torch.bfloat16)
-        moe(x).backward(grad)
-        moe.zero_grad(set_to_none=True)  # free the last step's gradients before profiling
-        x.grad = None
-        resident = sum(p.numel() * p.element_size() for p in moe.parameters()) + 2 * T * D * 2
-        measured = resident + _peak_allocated(lambda: moe(x).backward(grad))
-        w = MoEWorkload(T, D, Fh, E, K, precision=precision, shared_hidden_dim=shared)
-        groups = [T * K / E] * E
-        predicted = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
-        predicted = predicted["peak"]
+        kw = dict(precision=precision, shared_hidden_dim=shared)
+        measured, predicted = _measured_and_predicted_peak(256, 64, 128, 8, 2, **kw)
         self.assertLess(abs(predicted / measured - 1), 0.10, msg=f"{predicted} vs {measured}")
 
     @parametrize("path", ["loop", "whole"])
@@ -430,18 +437,8 @@ class TestMemory(TestCase):
         # grouped_swiglu's two CPU paths (both forced, with the activation chunk the
         # kernels measured on this machine class) against the allocator's peak: within 3%
         # (the loop path's fp32 temporaries were counted 2 [r, F] too many: 17% over)
-        T, D, Fh, E, K = 1024, 64, 512, 4, 2
         with _cpu_probe.force(swiglu_path=path, half_gemm="native", act_chunk="262144"):
-            moe, x = _uniform_layer(T, D, Fh, E, K)
-            grad = torch.randn(T, D, dtype=torch.bfloat16)
-            moe(x).backward(grad)
-            moe.zero_grad(set_to_none=True)
-            x.grad = None
-            resident = sum(p.numel() * p.element_size() for p in moe.parameters()) + 2 * T * D * 2
-            measured = resident + _peak_allocated(lambda: moe(x).backward(grad))
-            w = MoEWorkload(T, D, Fh, E, K)
-            threads = torch.get_num_threads()  # the kernels chunk per thread
-            predicted = memory(w, _cpu_hardware(), T * K, T * K, [T * K / E] * E, threads)["peak"]
+            measured, predicted = _measured_and_predicted_peak(1024, 64, 512, 4, 2)
         self.assertLess(abs(predicted / measured - 1), 0.03, msg=f"{predicted} vs {measured}")
 
     def test_ep_exchange_backward_is_its_own_phase(self):

@@ -323,11 +323,11 @@ def memory(
         # in ``saved``; no send buffer outlives its exchange.
         side_phase = max(side_phase, held + y + comm * (2 if a2a else 1))
     # with C chunks the backward runs the last chunk first, and in each chunk's backward
-    # the chunks run before it have their weight gradients live (the
-    # split's backward keeps them for its concatenation), and so has, until the last
-    # chunk to run, this rank's permuted rows' gradient [M_local, D] that every chunk's
-    # combine backward reads: ``before`` entering a chunk's backward, ``with_own`` once it
-    # has its own (both at the worst chunk: the last to run, or the one before it)
+    # the chunks run before it have their weight gradients live (the split's backward
+    # keeps them for its concatenation), and so has, until the last chunk to run, this
+    # rank's permuted rows' gradient [M_local, D] that every chunk's combine backward
+    # reads: ``before`` entering a chunk's backward, ``with_own`` once it has its own
+    # (both at the worst chunk: the last to run, or the one before it)
     before, with_own = 0.0, expert_grads
     if w.ep > 1 and w.num_chunks > 1:
         C, rows_grad = w.num_chunks, local_rows * D * b
