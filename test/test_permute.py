@@ -107,18 +107,23 @@ class TestPermute(TestCase):
     def test_cpu_kernels_equal_references_bitwise(self, dtype):
         from torch_moe._ops import permute as P
 
-        # one row chunk, then chunks of 5 rows (33 tokens: a short last chunk)
+        # one row chunk, then chunks of 5 rows (33 tokens: a short last chunk); padding
+        # rows and a capacity's dropped slots (-1) in one chunk and across chunks
         for align, cap, chunk in [
             (1, None, 2**30),
             (1, None, 5 * 17),
             (4, None, 5 * 17),
             (1, 2, 2**30),
+            (1, 2, 5 * 17),
+            (4, 3, 5 * 17),
         ]:
             ids = _ids(33, 6, 3, "one_expert")
             perm = ops.permute_indices(ids, 6, align=align, capacity=cap)
             x = torch.randn(33, 17).to(dtype)
             w = torch.rand(33, 3)
             y = torch.randn(perm.row_to_slot.shape[0], 17).to(dtype)
+            if cap is not None:  # a dropped slot adds exactly 0, whatever the row it misses
+                y[0] = float("inf")
             maps = (perm.row_to_slot, perm.slot_to_row)
             with mock.patch.object(P, "_CHUNK_ELEMS", chunk // torch.get_num_threads()):
                 self._check_cpu_kernels(P, perm, maps, x, w, y)
@@ -127,7 +132,8 @@ class TestPermute(TestCase):
             if chunk < 2**30:
                 self.assertEqual(got, P.weighted_row_dot(y, x, perm.slot_to_row), atol=0, rtol=0)
                 rows = y.double()[perm.slot_to_row.clamp(min=0)]
-                exact = (rows * x.double().unsqueeze(1)).sum(-1) * (perm.slot_to_row >= 0)
+                exact = (rows * x.double().unsqueeze(1)).sum(-1)
+                exact = torch.where(perm.slot_to_row >= 0, exact, 0)
                 self.assertEqual(got, exact.to(got.dtype))  # got's dtype's tolerance
 
     def _check_cpu_kernels(self, P, perm, maps, x, w, y):

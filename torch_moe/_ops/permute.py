@@ -251,8 +251,10 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
 
 # NB (CPU kernels): the references above are the oracle and the kernel elsewhere. On CPU,
 # where reading an index tensor costs no device sync, these skip the clamp/mask passes
-# when no index is -1 (dropless, unpadded), scale in place (one rounding, as the
-# reference), and accumulate the K rows in place: ~3x fewer passes over [*, D]. They work
+# when no index is -1 (dropless, unpadded) and otherwise zero the -1 rows by position
+# (a capacity's dropped slots, padding rows: no masked pass over every row), scale in
+# place (one rounding, as the reference), and accumulate the K rows in place: ~3x fewer
+# passes over [*, D]. They work
 # in row chunks of about _CHUNK_ELEMS elements per thread, converting each chunk once:
 # every op has operands of one dtype (a mixed-dtype CPU op such as bf16.mul_(fp32)
 # converts inside its loop, ~2x slower than one conversion pass) and the fp32 temporaries
@@ -272,6 +274,15 @@ def _no_negative(index: Tensor) -> bool:
     return index.numel() == 0 or int(index.min()) >= 0
 
 
+def _negative_positions(index: Tensor) -> Tensor | None:
+    """The positions of the -1 entries of a 1D index (None when there are none): the rows
+    that a gather must leave zero, filled by position instead of a masked pass over
+    every row."""
+    if _no_negative(index):
+        return None
+    return (index < 0).nonzero().squeeze(1)
+
+
 def _scale_rows_(out: Tensor, scale: Tensor) -> None:
     """``out *= scale`` ([rows, 1], the accumulation dtype), computed in ``scale``'s dtype
     and rounded once into ``out``."""
@@ -285,40 +296,47 @@ def _scale_rows_(out: Tensor, scale: Tensor) -> None:
 
 @permute.register_kernel("cpu")
 def _(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None) -> Tensor:
-    if not _no_negative(row_to_slot) or x.shape[0] == 0:
+    if x.shape[0] == 0:
         return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
     _check_maps("permute", row_to_slot, slot_to_row, weights)
     _check_rows("permute", "x", x, slot_to_row.shape[0])
     top_k = slot_to_row.shape[1]
-    tokens = row_to_slot if top_k == 1 else torch.div(row_to_slot, top_k, rounding_mode="floor")
+    empty = _negative_positions(row_to_slot)  # padding rows, or the rows a capacity left
+    slots = row_to_slot if empty is None else row_to_slot.clamp(min=0)
+    tokens = slots if top_k == 1 else torch.div(slots, top_k, rounding_mode="floor")
     out = x.index_select(0, tokens)
     if weights is not None:  # computed in fp32 (fp64), rounded once into x's dtype
-        w_M = weights.reshape(-1).to(acc_dtype(x.dtype)).index_select(0, row_to_slot)
+        w_M = weights.reshape(-1).to(acc_dtype(x.dtype)).index_select(0, slots)
         _scale_rows_(out, w_M.unsqueeze(1))
+    if empty is not None:
+        out.index_fill_(0, empty, 0)
     return out
 
 
 @unpermute.register_kernel("cpu")
 def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None) -> Tensor:
-    if not _no_negative(slot_to_row) or y.shape[0] == 0 or slot_to_row.shape[1] == 0:
+    if y.shape[0] == 0 or slot_to_row.shape[1] == 0:
         return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
     acc_dt = acc_dtype(y.dtype)
     w = None if weights is None else weights.to(acc_dt)
+    dropped = not _no_negative(slot_to_row)
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     step = _chunk_rows(y.shape[1])
     for t0 in range(0, out.shape[0], step):
         t = slice(t0, t0 + step)
         rows = slot_to_row[t]
-        acc = y.index_select(0, rows[:, 0]).to(acc_dt)
-        if w is not None:
-            acc.mul_(w[t, :1])
-        for k in range(1, rows.shape[1]):
-            y_k = y.index_select(0, rows[:, k]).to(acc_dt)
+        acc = None
+        for k in range(rows.shape[1]):
+            row_k = rows[:, k]
+            gone = _negative_positions(row_k) if dropped else None
+            y_k = y.index_select(0, row_k if gone is None else row_k.clamp(min=0)).to(acc_dt)
             if w is not None:
                 y_k.mul_(w[t, k : k + 1])
-            acc.add_(y_k)
+            if gone is not None:  # a dropped slot adds exactly 0, as the reference's where
+                y_k.index_fill_(0, gone, 0)
+            acc = y_k if acc is None else acc.add_(y_k)
         out[t].copy_(acc)
     return out
 
