@@ -195,30 +195,42 @@ def _setup(
     return _Setup(group, world, rank, plan, l0, exchange, node_size)
 
 
+def _segments_index(starts: list[int], lengths: list[int], device: torch.device) -> Tensor:
+    """The rows of the segments ``[start, start + length)`` in order, concatenated: one
+    ``repeat_interleave`` over the segments, no Python work per row."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    total = int(lens.sum()) if lens.numel() else 0
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    # row i of segment g is starts[g] + (i - first[g]), first[g] its position in the index
+    first = lens.cumsum(0) - lens
+    shift = torch.tensor(starts, dtype=torch.int64) - first
+    index = torch.repeat_interleave(shift, lens) + torch.arange(total)
+    return index.to(device)
+
+
 def _expert_major_index(plan: ChunkPlan, device: torch.device) -> Tensor:
     """Gather index from source-major (rank s's rows for l0.., then rank s+1's) to
     expert-major order of the received rows."""
     world = len(plan.recv_counts)
-    starts: list[list[int]] = []
+    experts = len(plan.recv_counts[0]) if world else 0
+    starts_SJ: list[list[int]] = []  # where rank s's block for expert j starts, source-major
     row = 0
-    for s in range(world):  # where rank s's block for expert j starts, source-major
-        starts.append([])
+    for s in range(world):
+        starts_SJ.append([])
         for n in plan.recv_counts[s]:
-            starts[s].append(row)
+            starts_SJ[s].append(row)
             row += n
-    index = [
-        starts[s][j] + i
-        for j in range(len(plan.recv_counts[0]) if world else 0)
-        for s in range(world)
-        for i in range(plan.recv_counts[s][j])
-    ]
-    return torch.tensor(index, dtype=torch.int64, device=device)
+    order = [(s, j) for j in range(experts) for s in range(world)]  # expert-major
+    return _segments_index(
+        [starts_SJ[s][j] for s, j in order], [plan.recv_counts[s][j] for s, j in order], device
+    )
 
 
 def _send_index(plan: ChunkPlan, device: torch.device) -> Tensor:
     """Rows of the permuted buffer this chunk sends, destination-major."""
-    index = [start + i for segs in plan.sent for start, n in segs for i in range(n)]
-    return torch.tensor(index, dtype=torch.int64, device=device)
+    segs = [seg for segs in plan.sent for seg in segs]
+    return _segments_index([a for a, _ in segs], [n for _, n in segs], device)
 
 
 def _to_owners(setup: _Setup, tensors: list[Tensor], op: str, tag: int) -> list[Tensor]:
