@@ -39,9 +39,10 @@ What:
   seconds per expert group, the host-side cost no rate above captures.
 * Memory bandwidth: a 64 MB copy.
 * Links, when ``torch.distributed`` is initialized with more than one rank (collective:
-  every rank must call ``calibrate``): the per-message latency (1 MB to every peer in 16
-  point-to-point messages against one), the all-to-all bandwidth (``all_to_all_single``
-  of 1-32 MB per rank) and the latency of a small all-to-all, each the slowest rank's time.
+  every rank must call ``calibrate``): the per-message latency (1 MB to every peer in 64
+  point-to-point messages against one, paired per round), the all-to-all bandwidth
+  (``all_to_all_single`` of 1-32 MB per rank) and the latency of a small all-to-all, each
+  the slowest rank's time.
   Then the EP layer's host work beyond alpha-beta (``Link.exchange_overhead``): the layer
   at the overhead probes' sizes under ``ExpertParallel`` (2 and 16 local experts, 1 and 2
   chunks, p2p and all_to_all, forward and forward + backward), less the model's
@@ -864,9 +865,9 @@ def _overheads(mins: _Samples, t: int, quick: bool) -> dict[str, tuple[float, fl
 # links (inside a process group)
 
 
-def _group_times(fns: list[Callable[[], object]], reps: int, group: Any) -> list[float]:
-    """Per fn, the median over ``reps`` interleaved rounds of the slowest rank's seconds
-    (one warm-up call each, a barrier before every call)."""
+def _group_samples(fns: list[Callable[[], object]], reps: int, group: Any) -> torch.Tensor:
+    """[len(fns), reps] float64: the slowest rank's seconds of each fn in ``reps``
+    interleaved rounds (one warm-up call each, a barrier before every call)."""
     import torch.distributed as dist
 
     for fn in fns:
@@ -879,11 +880,19 @@ def _group_times(fns: list[Callable[[], object]], reps: int, group: Any) -> list
             fn()
             times[i, r] = time.perf_counter() - t0
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return times.median(dim=1).values.tolist()
+    return times
+
+
+def _group_times(fns: list[Callable[[], object]], reps: int, group: Any) -> list[float]:
+    """Per fn, the median of :func:`_group_samples`."""
+    return _group_samples(fns, reps, group).median(dim=1).values.tolist()
 
 
 def _group_time(fn: Callable[[], object], reps: int, group: Any) -> float:
     return _group_times([fn], reps, group)[0]
+
+
+_LATENCY_MESSAGES = 64  # messages per peer of the per-message latency probe
 
 
 def _measure_link(group: Any, quick: bool = False) -> Link:
@@ -911,12 +920,15 @@ def _measure_link(group: Any, quick: bool = False) -> Link:
 
         return run
 
-    # the cost of a message: the same 1 MB per peer in 16 messages instead of one (the
-    # segment exchange sends one message per (rank, expert) block)
+    # the cost of a message: the same 1 MB per peer in 64 messages instead of one (the
+    # segment exchange sends one message per (rank, expert) block), the median of the
+    # rounds' paired differences (the two calls run back to back in each round, so a slow
+    # spell of the host moves both: 1 vs 16 messages and a difference of medians varied
+    # 0-185 us between calibrations on a 2-vCPU VM, 1 vs 64 paired 50-140 us)
     reps = 3 if quick else 9
-    t1 = _group_time(messages(1, 2**20), reps, group)
-    t16 = _group_time(messages(16, 2**20), reps, group)
-    latency = max(0.0, (t16 - t1) / (15 * len(peers)))
+    pair = _group_samples([messages(1, 2**20), messages(_LATENCY_MESSAGES, 2**20)], reps, group)
+    extra = (pair[1] - pair[0]).median().item()
+    latency = max(0.0, extra / ((_LATENCY_MESSAGES - 1) * len(peers)))
 
     def a2a(nbytes: int) -> Callable[[], object]:
         per = max(1, nbytes // 4 // world)
@@ -936,7 +948,7 @@ def _measure_link(group: Any, quick: bool = False) -> Link:
         latency,
         coll,
         f"measured: {backend}, world {world} (all_to_all_single 1-{4 if quick else 32} MB; "
-        "1 MB per peer in 1 vs 16 point-to-point messages)",
+        f"1 MB per peer in 1 vs {_LATENCY_MESSAGES} point-to-point messages)",
     )
 
 
