@@ -690,6 +690,30 @@ class TestHardware(TestCase):
         a, b, _ = _fit_exchange_overhead(noisy)["p2p.fwd"]
         self.assertEqual(b, 0.0)
         self.assertEqual(a, residual[("p2p", lo, 1, "fwd")], atol=1e-15, rtol=1e-9)
+        # the hierarchical exchange, probed with one chunk: its line, the flat chunk term
+        hier = dict(residual)
+        for el in _EXCHANGE_EXPERTS:
+            hier[("hierarchical", el, 1, "fwdbwd")] = 9e-3 + 3e-4 * el
+        fit = _fit_exchange_overhead(hier)
+        self.assertEqual(fit["hierarchical.fwdbwd"], (9e-3, 3e-4, 1e-3), atol=1e-15, rtol=1e-9)
+
+    def test_hierarchical_host_time(self):
+        flat = {"all_to_all.fwdbwd": (4e-3, 1e-4, 1e-3)}
+        link = Link(1e9, 1e-5, 1e-4, "x", exchange_overhead=flat)
+        # not probed (a group of two ranks): the flat all_to_all's terms
+        self.assertEqual(link.host_time("hierarchical", True, 8, 1), 4e-3 + 8e-4)
+        self.assertEqual(link.host_time("hierarchical", False, 8, 1), 0.0)
+        hier = Link(
+            1e9, 1e-5, 1e-4, "x", exchange_overhead={**flat, "hierarchical.fwdbwd": (9e-3, 0, 0)}
+        )
+        self.assertEqual(hier.host_time("hierarchical", True, 8, 2), 9e-3)
+        hw = Hardware.preset("h200", intra_link=hier, inter_link=hier)
+        w = dict(ep=4, exchange="all_to_all")
+        two_stage = predict(MoEWorkload(256, 64, 64, 16, 2, nodes=2, hierarchical=True, **w), hw)
+        self.assertEqual(two_stage.breakdown["ep_host"], 9e-3)
+        self.assertEqual(
+            predict(MoEWorkload(256, 64, 64, 16, 2, **w), hw).breakdown["ep_host"], 4e-3 + 4e-4
+        )
 
     def test_tables_interpolate_in_log_space(self):
         t = RateTable((1e3, 1e5), (1e-5, 1e-3))

@@ -45,7 +45,8 @@ What:
   the slowest rank's time.
   Then the EP layer's host work beyond alpha-beta (``Link.exchange_overhead``): the layer
   at the overhead probes' sizes under ``ExpertParallel`` (2 and 16 local experts, 1 and 2
-  chunks, p2p and all_to_all, forward and forward + backward), less the model's
+  chunks, p2p and all_to_all; with four ranks or more also the two-stage all_to_all over
+  "nodes" of two ranks; forward and forward + backward), less the model's
   prediction of the same step: the exchange ops' Python, dispatcher, autograd and
   DTensor work, and each rank waiting for the others at every exchange, which on CPU
   ranks sharing a host's cores outweighs the bytes (measured figures:
@@ -953,6 +954,7 @@ def _measure_link(group: Any, quick: bool = False) -> Link:
 
 
 _EXCHANGE_EXPERTS = (2, _PROBE_EXPERTS)  # local experts of the EP probes
+_HIER_NODE_SIZE = 2  # ranks per "node" of the hierarchical exchange's probe
 
 
 def _measure_exchange_overhead(
@@ -961,8 +963,10 @@ def _measure_exchange_overhead(
     """The EP layer's host seconds beyond the model (``Link.exchange_overhead``).
 
     The layer at the overhead probes' negligible sizes under ``ExpertParallel`` with 2
-    and 16 local experts, 1 and 2 chunks, both exchanges, forward and forward + backward
-    (the slowest rank's median of interleaved rounds), less :func:`predict` of the same
+    and 16 local experts, 1 and 2 chunks, both exchanges (and, in a group of four ranks
+    or more, the two-stage all_to_all over "nodes" of two ranks, one chunk), forward and
+    forward + backward (the slowest rank's median of interleaved rounds), less
+    :func:`predict` of the same
     workload without this term; fitted as ``fixed + per_expert * El + (C - 1) *
     per_chunk`` (``_fit_exchange_overhead``). Collective.
     """
@@ -980,10 +984,18 @@ def _measure_exchange_overhead(
     mesh = DeviceMesh.from_group(pg, "cpu")
     exchanges: tuple[Literal["p2p", "all_to_all"], ...] = ("p2p", "all_to_all")
     variants = [(ex, el, c) for ex in exchanges for el in _EXCHANGE_EXPERTS for c in (1, 2)]
+    if world >= 2 * _HIER_NODE_SIZE and world % _HIER_NODE_SIZE == 0:
+        # the two-stage exchange: its own collectives, subgroups and split-matrix gather
+        variants += [("hierarchical", el, 1) for el in _EXCHANGE_EXPERTS]
     fns: list[Callable[[], object]] = []
     with torch.enable_grad():
         for ex, el, c in variants:
-            style = ExpertParallel(num_chunks=c, exchange=ex)
+            hier = ex == "hierarchical"
+            style = ExpertParallel(
+                num_chunks=c,
+                exchange="all_to_all" if hier else ex,
+                node_size=_HIER_NODE_SIZE if hier else None,
+            )
             fns.extend(
                 _probe_layer(
                     "bf16",
@@ -998,6 +1010,7 @@ def _measure_exchange_overhead(
     for j, (ex, el, c) in enumerate(variants):
         for i, mode in enumerate(("fwd", "fwdbwd")):
             tokens, d = _probe_shape(el * world)  # _probe_layer's geometry
+            hier = ex == "hierarchical"
             w = MoEWorkload(
                 tokens,
                 d,
@@ -1005,8 +1018,10 @@ def _measure_exchange_overhead(
                 el * world,
                 1,
                 ep=world,
+                nodes=world // _HIER_NODE_SIZE if hier else 1,
                 num_chunks=c,
-                exchange=ex,
+                exchange="all_to_all" if hier else ex,
+                hierarchical=hier,
                 backward=mode == "fwdbwd",
             )
             model = predict(w, hw, ranks_on_host=world).time
@@ -1024,11 +1039,16 @@ def _fit_exchange_overhead(
     a negative coefficient (noise) is clamped to 0."""
     out: dict[str, tuple[float, float, float]] = {}
     lo, hi = _EXCHANGE_EXPERTS
-    for ex, mode in sorted({(k[0], k[3]) for k in residual}):
-        r = {(el, c): residual[(ex, el, c, mode)] for el in _EXCHANGE_EXPERTS for c in (1, 2)}
+    # the hierarchical exchange is probed with one chunk only: its extra chunk costs what
+    # the flat all_to_all's does (each chunk one more exchange of either kind)
+    for ex, mode in sorted({(k[0], k[3]) for k in residual}, key=lambda k: k[0] == "hierarchical"):
+        r = {(el, c): v for (e, el, c, m), v in residual.items() if (e, m) == (ex, mode)}
         per_expert = max(0.0, (r[hi, 1] - r[lo, 1]) / (hi - lo))
         fixed = max(0.0, r[lo, 1] - lo * per_expert)
-        chunk = max(0.0, 0.5 * ((r[lo, 2] - r[lo, 1]) + (r[hi, 2] - r[hi, 1])))
+        if (lo, 2) in r:
+            chunk = max(0.0, 0.5 * ((r[lo, 2] - r[lo, 1]) + (r[hi, 2] - r[hi, 1])))
+        else:
+            chunk = out.get(f"all_to_all.{mode}", (0.0, 0.0, 0.0))[2]
         out[f"{ex}.{mode}"] = (fixed, per_expert, chunk)
     return out
 

@@ -66,7 +66,8 @@ class Link:
         collective_latency: seconds of one small collective (e.g. the counts all-to-all).
         source: ``"measured ..."``, ``"datasheet ..."`` or ``"default ..."``.
         exchange_overhead: host seconds of expert parallelism per layer step that
-            alpha-beta does not capture, keyed ``"{exchange}.{fwd|fwdbwd}"``:
+            alpha-beta does not capture, keyed ``"{exchange}.{fwd|fwdbwd}"`` (exchange
+            ``p2p``, ``all_to_all`` or ``hierarchical``, the two-stage all_to_all):
             ``(fixed, per local expert, per extra chunk)``. Measured on CPU process
             groups (the EP layer at negligible sizes, less the model's prediction of
             it: the Python, dispatcher, autograd and DTensor work of the exchange ops and
@@ -104,9 +105,14 @@ class Link:
     def host_time(
         self, exchange: str, backward: bool, local_experts: int, num_chunks: int
     ) -> float:
-        """The EP layer step's host seconds beyond alpha-beta (``exchange_overhead``)."""
-        key = f"{exchange}.{'fwdbwd' if backward else 'fwd'}"
-        fixed, per_expert, per_chunk = self.exchange_overhead.get(key, (0.0, 0.0, 0.0))
+        """The EP layer step's host seconds beyond alpha-beta (``exchange_overhead``);
+        ``exchange="hierarchical"`` falls back to the flat all_to_all's terms where the
+        two-stage exchange was not probed (a group of fewer than four ranks)."""
+        mode = "fwdbwd" if backward else "fwd"
+        coef = self.exchange_overhead.get(f"{exchange}.{mode}")
+        if coef is None and exchange == "hierarchical":
+            coef = self.exchange_overhead.get(f"all_to_all.{mode}")
+        fixed, per_expert, per_chunk = coef or (0.0, 0.0, 0.0)
         return fixed + per_expert * local_experts + (num_chunks - 1) * per_chunk
 
 

@@ -555,7 +555,8 @@ def _expert_parallel(
         c.ops.append(Op("dispatch", extra, 0.0, 0.0, "fwd"))
         out["dispatch"] += extra
     # the host work of the exchange ops that alpha-beta misses (measured on CPU groups)
-    host = link.host_time(w.exchange, phase_bwd, w.local_experts, w.num_chunks)
+    kind = "hierarchical" if w.hierarchical and w.nodes > 1 else w.exchange
+    host = link.host_time(kind, phase_bwd, w.local_experts, w.num_chunks)
     if host > 0:
         c.ops.append(Op("ep_host", host, 0.0, 0.0, "fwd"))
     if phase_bwd:
