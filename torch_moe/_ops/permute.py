@@ -324,19 +324,24 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
     dropped = not _no_negative(slot_to_row)
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     step = _chunk_rows(y.shape[1])
+
+    def gathered(t: slice, row_k: Tensor, k: int) -> Tensor:
+        """The k-th rows of tokens t, in the accumulation dtype, weighted; a dropped
+        slot's row is exactly 0, as the reference's ``where``."""
+        gone = _negative_positions(row_k) if dropped else None
+        y_k = y.index_select(0, row_k if gone is None else row_k.clamp(min=0)).to(acc_dt)
+        if w is not None:
+            y_k.mul_(w[t, k : k + 1])
+        if gone is not None:
+            y_k.index_fill_(0, gone, 0)
+        return y_k
+
     for t0 in range(0, out.shape[0], step):
         t = slice(t0, t0 + step)
         rows = slot_to_row[t]
-        acc = None
-        for k in range(rows.shape[1]):
-            row_k = rows[:, k]
-            gone = _negative_positions(row_k) if dropped else None
-            y_k = y.index_select(0, row_k if gone is None else row_k.clamp(min=0)).to(acc_dt)
-            if w is not None:
-                y_k.mul_(w[t, k : k + 1])
-            if gone is not None:  # a dropped slot adds exactly 0, as the reference's where
-                y_k.index_fill_(0, gone, 0)
-            acc = y_k if acc is None else acc.add_(y_k)
+        acc = gathered(t, rows[:, 0], 0)
+        for k in range(1, rows.shape[1]):
+            acc.add_(gathered(t, rows[:, k], k))
         out[t].copy_(acc)
     return out
 

@@ -982,8 +982,9 @@ def _measure_exchange_overhead(
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None  # initialized: calibrate checked
     mesh = DeviceMesh.from_group(pg, "cpu")
-    exchanges: tuple[Literal["p2p", "all_to_all"], ...] = ("p2p", "all_to_all")
-    variants = [(ex, el, c) for ex in exchanges for el in _EXCHANGE_EXPERTS for c in (1, 2)]
+    variants: list[tuple[str, int, int]] = [
+        (ex, el, c) for ex in ("p2p", "all_to_all") for el in _EXCHANGE_EXPERTS for c in (1, 2)
+    ]
     if world >= 2 * _HIER_NODE_SIZE and world % _HIER_NODE_SIZE == 0:
         # the two-stage exchange: its own collectives, subgroups and split-matrix gather
         variants += [("hierarchical", el, 1) for el in _EXCHANGE_EXPERTS]
@@ -993,7 +994,7 @@ def _measure_exchange_overhead(
             hier = ex == "hierarchical"
             style = ExpertParallel(
                 num_chunks=c,
-                exchange="all_to_all" if hier else ex,
+                exchange="p2p" if ex == "p2p" else "all_to_all",
                 node_size=_HIER_NODE_SIZE if hier else None,
             )
             fns.extend(
@@ -1020,7 +1021,7 @@ def _measure_exchange_overhead(
                 ep=world,
                 nodes=world // _HIER_NODE_SIZE if hier else 1,
                 num_chunks=c,
-                exchange="all_to_all" if hier else ex,
+                exchange="p2p" if ex == "p2p" else "all_to_all",
                 hierarchical=hier,
                 backward=mode == "fwdbwd",
             )
