@@ -254,8 +254,8 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
 # when no index is -1 (dropless, unpadded) and otherwise zero the -1 rows by position
 # (a capacity's dropped slots, padding rows: no masked pass over every row), scale in
 # place (one rounding, as the reference), and accumulate the K rows in place: ~3x fewer
-# passes over [*, D]. They work
-# in row chunks of about _CHUNK_ELEMS elements per thread, converting each chunk once:
+# passes over [*, D]. They work in row chunks of about _CHUNK_ELEMS elements per
+# thread, converting each chunk once:
 # every op has operands of one dtype (a mixed-dtype CPU op such as bf16.mul_(fp32)
 # converts inside its loop, ~2x slower than one conversion pass) and the fp32 temporaries
 # stay in cache. The chunk size changes no result: every output element is computed by

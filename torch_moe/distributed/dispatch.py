@@ -199,7 +199,7 @@ def _segments_index(starts: list[int], lengths: list[int], device: torch.device)
     """The rows of the segments ``[start, start + length)`` in order, concatenated: one
     ``repeat_interleave`` over the segments, no Python work per row."""
     lens = torch.tensor(lengths, dtype=torch.int64)
-    total = int(lens.sum()) if lens.numel() else 0
+    total = int(lens.sum())
     if total == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
     # row i of segment g is starts[g] + (i - first[g]), first[g] its position in the index

@@ -925,7 +925,7 @@ def _measure_link(group: Any, quick: bool = False) -> Link:
     # segment exchange sends one message per (rank, expert) block), the median of the
     # rounds' paired differences (the two calls run back to back in each round, so a slow
     # spell of the host moves both: 1 vs 16 messages and a difference of medians varied
-    # 0-185 us between calibrations on a 2-vCPU VM, 1 vs 64 paired 50-140 us)
+    # 0-185 us between calibrations on a 2-vCPU VM, 1 vs 64 paired 32-90 us)
     reps = 3 if quick else 9
     pair = _group_samples([messages(1, 2**20), messages(_LATENCY_MESSAGES, 2**20)], reps, group)
     extra = (pair[1] - pair[0]).median().item()
@@ -966,9 +966,8 @@ def _measure_exchange_overhead(
     and 16 local experts, 1 and 2 chunks, both exchanges (and, in a group of four ranks
     or more, the two-stage all_to_all over "nodes" of two ranks, one chunk), forward and
     forward + backward (the slowest rank's median of interleaved rounds), less
-    :func:`predict` of the same
-    workload without this term; fitted as ``fixed + per_expert * El + (C - 1) *
-    per_chunk`` (``_fit_exchange_overhead``). Collective.
+    :func:`predict` of the same workload without this term; fitted as ``fixed +
+    per_expert * El + (C - 1) * per_chunk`` (``_fit_exchange_overhead``). Collective.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
