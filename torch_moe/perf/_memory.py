@@ -46,7 +46,7 @@ experts' backward holds the most:
 
 * bf16 on a CPU where ``grouped_swiglu`` takes its whole-tensor path (many small groups;
   a measured decision): ``4*M*F*b`` (dA, A, dH) plus one chunk's fp32 temporaries
-  (``6*r*F*4``: h, silu, dA, A and one op's output), or
+  (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product, as on the loop), or
   later ``3*M*F*b`` with dX [M, D] and the weight gradients, whichever is larger;
 * bf16 on a CPU (``grouped_swiglu_backward``, group by group): the saved tensors, the
   output [T, D], the permuted gradient and dX [M, D] each, the expert weight gradients,
@@ -87,10 +87,17 @@ def _act_chunk_rows(w: MoEWorkload, threads: int) -> float:
     """Rows of one chunk of the CPU SwiGLU kernels' elementwise work: the kernels' own
     measured choice (``grouped_swiglu._act_chunk_rows``: elements per thread, a probe
     decision between 2^15 and 2^18, times the rank's threads, over F). Its fp32
-    temporaries (``6*r*F*4``) move the peak by megabytes between the candidates."""
+    temporaries (:func:`_act_fp32_bytes`) move the peak by megabytes between the
+    candidates."""
     from torch_moe._ops import grouped_swiglu as _gs
 
     return float(_gs._act_chunk_rows(w.dtype, w.hidden_dim, threads))
+
+
+def _act_fp32_bytes(rows: float, F: int) -> float:
+    """One chunk's fp32 temporaries of the SwiGLU backward at their largest (the sum of
+    dA * A), on either CPU path: h [r, 2F], and silu, dA, A and their product [r, F]."""
+    return rows * 2 * F * 4 + 4 * rows * F * 4
 
 
 @functools.lru_cache(maxsize=64)
@@ -337,15 +344,13 @@ def memory(
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
         r = min(Mc, _act_chunk_rows(w, threads))
-        act = base + before + 4 * Mc * F * b + 6 * r * F * 4  # h in fp32, silu, dA, A, an op's
+        act = base + before + 4 * Mc * F * b + _act_fp32_bytes(r, F)
         gemms = base + 3 * Mc * F * b + Mc * D * b + with_own
         dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
         r = min(m, _act_chunk_rows(w, threads))
         phase = base + Mc * D * b + with_own  # dX and the expert weight gradients
-        # one chunk's fp32 temporaries at their largest (the sum of dA * A): h [r, 2F],
-        # silu, dA, A and their product [r, F] each, as on the whole-tensor path
-        phase += m * F * c * 2 + m * 2 * F * c + r * 2 * F * 4 + 4 * r * F * 4
+        phase += m * F * c * 2 + m * 2 * F * c + _act_fp32_bytes(r, F)
         dyn = max(phase, side_phase)
     else:
         dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c), side_phase)
