@@ -15,7 +15,12 @@ model, and the advisor's pick in each group of strategies measured on the same w
 Timing protocol (a shared 2-vCPU VM whose CPU time moves by up to 2x for seconds at a
 time when another tenant shares the core): every rank runs one torch thread; one process:
 the thread's CPU time of a step, rounds interleaved over all configurations; process
-groups: the slowest rank's wall time after a barrier, rounds interleaved. With
+groups: the slowest rank's wall time after a barrier, rounds interleaved. The
+calibration's passes run between the single-process rounds (``calibrate(interleave=...)``,
+one pass before each round; ``--no-interleave``: calibrate first, then sweep): the host's
+speed drifts over minutes (the same GEMM grid measured 161 and 199 GFLOP/s in the
+calibrations of two back-to-back runs), and a calibration taken before a 15-minute sweep
+predicts the host it saw, not the one the sweep ran on. With
 ``--statistic median`` (the default) the predictions of a median calibration are compared
 with each configuration's raw median step, the state a job sustains on this host; with
 ``--statistic min`` the calibration and the steps are minima, each round started through
@@ -67,8 +72,9 @@ from torch_moe.nn import MoE
 from torch_moe.perf import Hardware, MoEWorkload, advise, calibrate, cpu_isa, predict
 
 FP8 = torch.float8_e4m3fn
-# one torch thread per rank; three passes (the minimum of each figure), more than the
-# 60-s default allows: the sweep runs for many minutes anyway
+# one torch thread per rank; three passes (the statistic of each figure over them), more
+# than the 60-s default allows: the sweep runs for many minutes anyway. Interleaved with
+# the sweep (the default), one pass before each of its rounds instead.
 CALIBRATION: dict[str, Any] = dict(threads=(1,), passes=3, budget_s=600.0)
 
 
@@ -438,61 +444,76 @@ def _normalized(times: list[float], probes: list[float], reference: float) -> fl
     return statistics.median(t * min(1.0, reference / p) for t, p in zip(times, probes))
 
 
-def measure_single(configs: list[Config], rounds: int, reference: float) -> dict[str, MoEWorkload]:
-    """Every config's step: ``rounds`` samples of the thread's CPU time, rounds interleaved
-    in a shuffled order, each sample the second of two back-to-back steps (warm: the first
-    re-creates the oneDNN primitives the other configs evicted; its time is kept as
+class SingleSweep:
+    """The single-process configurations' steps, measured one round at a time (so that the
+    calibration's passes can run between the rounds: ``calibrate(interleave=...)``).
+
+    Every config's step: one sample of the thread's CPU time per round, the configs in a
+    shuffled order per round, each sample the second of two back-to-back steps (warm: the
+    first re-creates the oneDNN primitives the other configs evicted; its time is kept as
     ``cold``) and started through the calibration's gate (up to 3 s of waiting for an
     undisturbed core), the gate's probe (a small MoE layer step) timed right before and
-    after it. Reported: the minimum and the median of the raw samples, and the median of
-    the samples scaled to the calibration's reference state (``reference / probe``)."""
-    from torch_moe.perf._calibrate import _GATE as gate  # the calibration's gate
+    after it. :meth:`finish` reports the minimum and the median of the raw samples, and the
+    median of the samples scaled to the calibration's reference state (``reference /
+    probe``)."""
 
-    gate.max_wait, gate.left = 3.0, math.inf
-    steps = {}
-    workloads = {}
-    for i, cfg in enumerate(configs):
-        moe, x, grad, controlled = build(cfg, seed=i)
-        moe.train()
-        step = step_fn(moe, x, grad)
-        moe.reset_load_stats()
-        step()
-        loads = moe.tokens_per_expert.clone()
-        step()
-        workloads[cfg.name] = workload_of(cfg, moe, controlled, loads)
-        cfg.measured["saved"] = saved_bytes(moe, x)
-        cfg.measured["peak"] = resident_bytes(moe, x) + peak_memory(moe, x, grad)
-        steps[cfg.name] = step
-    times: dict[str, list[float]] = {c.name: [] for c in configs}
-    probes: dict[str, list[float]] = {c.name: [] for c in configs}
-    cold: dict[str, list[float]] = {c.name: [] for c in configs}
-    start = time.perf_counter()
-    for r in range(rounds):
-        order = list(configs)
-        random.Random(r).shuffle(order)
+    def __init__(self, configs: list[Config]) -> None:
+        self.configs = configs
+        self.steps: dict[str, Any] = {}
+        self.workloads: dict[str, MoEWorkload] = {}
+        for i, cfg in enumerate(configs):
+            moe, x, grad, controlled = build(cfg, seed=i)
+            moe.train()
+            step = step_fn(moe, x, grad)
+            moe.reset_load_stats()
+            step()
+            loads = moe.tokens_per_expert.clone()
+            step()
+            self.workloads[cfg.name] = workload_of(cfg, moe, controlled, loads)
+            cfg.measured["saved"] = saved_bytes(moe, x)
+            cfg.measured["peak"] = resident_bytes(moe, x) + peak_memory(moe, x, grad)
+            self.steps[cfg.name] = step
+        self.times: dict[str, list[float]] = {c.name: [] for c in configs}
+        self.probes: dict[str, list[float]] = {c.name: [] for c in configs}
+        self.cold: dict[str, list[float]] = {c.name: [] for c in configs}
+        self.rounds = 0
+        self.start = time.perf_counter()
+
+    def round(self, _pass: int = -1) -> None:
+        """One sample of every config (the argument: the calibration pass it follows)."""
+        from torch_moe.perf._calibrate import _GATE as gate  # the calibration's gate
+
+        gate.max_wait, gate.left = 3.0, math.inf
+        torch.set_num_threads(1)
+        order = list(self.configs)
+        random.Random(self.rounds).shuffle(order)
         for cfg in order:
             gate.wait()
             before = gate.last
             t0 = time.thread_time()
-            steps[cfg.name]()
-            cold[cfg.name].append(time.thread_time() - t0)
+            self.steps[cfg.name]()
+            self.cold[cfg.name].append(time.thread_time() - t0)
             t0 = time.thread_time()
-            steps[cfg.name]()
-            times[cfg.name].append(time.thread_time() - t0)
-            probes[cfg.name].append(0.5 * (before + gate.probe()))
+            self.steps[cfg.name]()
+            self.times[cfg.name].append(time.thread_time() - t0)
+            self.probes[cfg.name].append(0.5 * (before + gate.probe()))
+        self.rounds += 1
         print(
-            f"  round {r + 1}/{rounds}: {time.perf_counter() - start:.0f} s",
+            f"  round {self.rounds}: {time.perf_counter() - self.start:.0f} s",
             file=sys.stderr,
             flush=True,
         )
-    for cfg in configs:
-        t, p = times[cfg.name], probes[cfg.name]
-        cfg.measured["min"] = min(t)
-        cfg.measured["median"] = statistics.median(t)
-        cfg.measured["time"] = _normalized(t, p, reference)
-        cfg.measured["clean"] = sum(q <= 1.12 * reference for q in p)
-        cfg.measured["cold"] = min(cold[cfg.name])
-    return workloads
+
+    def finish(self, reference: float) -> dict[str, MoEWorkload]:
+        for cfg in self.configs:
+            t, p = self.times[cfg.name], self.probes[cfg.name]
+            cfg.measured["min"] = min(t)
+            cfg.measured["median"] = statistics.median(t)
+            cfg.measured["time"] = _normalized(t, p, reference)
+            cfg.measured["clean"] = sum(q <= 1.12 * reference for q in p)
+            cfg.measured["cold"] = min(self.cold[cfg.name])
+            cfg.measured["samples"] = len(t)
+        return self.workloads
 
 
 # --------------------------------------------------------------------------------------
@@ -500,7 +521,7 @@ def measure_single(configs: list[Config], rounds: int, reference: float) -> dict
 
 
 def _ep_worker(
-    rank: int, world: int, port: int, rounds: int, out_path: str, statistic: str
+    rank: int, world: int, port: int, rounds: int, out_path: str, statistic: str, calib: dict
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -511,7 +532,7 @@ def _ep_worker(
     from torch_moe.distributed import ExpertParallel
 
     # the compute part from the cache (the parent's statistic); the link measured here
-    hw = calibrate(**CALIBRATION, statistic=statistic)
+    hw = calibrate(**calib, statistic=statistic)
     mesh = init_device_mesh("cpu", (world,))
     configs = ep_configs(world)
     steps, info = {}, {}
@@ -576,12 +597,12 @@ def _ep_worker(
 
 
 def measure_ep(
-    world: int, rounds: int, statistic: str = "median"
+    world: int, rounds: int, statistic: str = "median", calib: dict | None = None
 ) -> tuple[list[Config], dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ep.json")
         port = 29600 + world + random.randint(0, 300)
-        args = (world, port, rounds, out, statistic)
+        args = (world, port, rounds, out, statistic, calib or CALIBRATION)
         mp.spawn(_ep_worker, args=args, nprocs=world, join=True)
         with open(out) as f:
             data = json.load(f)
@@ -851,6 +872,11 @@ def main() -> None:
     )
     p.add_argument("--study", action="store_true", help="add the sparsity-regime study")
     p.add_argument("--only", help="measure only the configurations whose name matches (regex)")
+    p.add_argument(
+        "--no-interleave",
+        action="store_true",
+        help="calibrate first, then sweep (default: one calibration pass before each round)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     from torch_moe._ops import _cpu_probe
@@ -871,22 +897,7 @@ def main() -> None:
         f"CPU {_cpu_name()} [{cpu_isa()}], {os.cpu_count()} CPUs, 1 torch thread per process"
     )
     print(head, flush=True)
-    t0 = time.time()
-    from torch_moe.perf import _calibrate
-
-    _calibrate._GATE.max_wait = 10.0  # patient: wait up to 10 s per batch for a quiet core
-    hw = calibrate(
-        **CALIBRATION, statistic=args.statistic, refresh=args.recalibrate and not args.replay
-    )
-    print(
-        f"# calibrate: {time.time() - t0:.1f} s ({hw.sources['gemm']}); bf16 NT mm "
-        f"{hw.gemm_rate['bf16'] / 1e9:.0f} GFLOP/s, fp32 {hw.gemm_rate['fp32'] / 1e9:.0f}; "
-        f"copy {hw.mem_bandwidth / 1e9:.1f} GB/s; overhead bf16 fwd+bwd "
-        f"{hw.overhead(1, 'bf16.fwdbwd')[0] * 1e3:.2f} ms + "
-        f"{hw.overhead(1, 'bf16.fwdbwd')[1] * 1e6:.0f} us per group",
-        flush=True,
-    )
-    from torch_moe.perf import Link
+    from torch_moe.perf import Link, _calibrate
 
     configs = single_process_configs()
     if args.only:
@@ -896,6 +907,30 @@ def main() -> None:
     all_configs = list(configs)
     loads: dict[str, list[float] | None] = {}
     links: dict[int, Link] = {}
+    interleave = not (args.replay or args.no_interleave)
+    # interleaved: one calibration pass before each round of the sweep, the statistic of
+    # both over the same stretch of the host's drift; the EP ranks read that calibration
+    calib = dict(CALIBRATION, passes=args.rounds) if interleave else dict(CALIBRATION)
+    sweep = None
+    if interleave:
+        print(f"# building {len(configs)} single-process configurations", flush=True)
+        sweep = SingleSweep(configs)
+    t0 = time.time()
+    _calibrate._GATE.max_wait = 10.0  # patient: wait up to 10 s per batch for a quiet core
+    hw = calibrate(
+        **calib,
+        statistic=args.statistic,
+        refresh=args.recalibrate and not args.replay,
+        interleave=sweep.round if sweep is not None else None,
+    )
+    print(
+        f"# calibrate: {time.time() - t0:.1f} s ({hw.sources['gemm']}); bf16 NT mm "
+        f"{hw.gemm_rate['bf16'] / 1e9:.0f} GFLOP/s, fp32 {hw.gemm_rate['fp32'] / 1e9:.0f}; "
+        f"copy {hw.mem_bandwidth / 1e9:.1f} GB/s; overhead bf16 fwd+bwd "
+        f"{hw.overhead(1, 'bf16.fwdbwd')[0] * 1e3:.2f} ms + "
+        f"{hw.overhead(1, 'bf16.fwdbwd')[1] * 1e6:.0f} us per group",
+        flush=True,
+    )
     if args.replay:
         with open(args.replay) as f:
             raw = json.load(f)
@@ -911,8 +946,12 @@ def main() -> None:
             with open(args.replay + ".hardware.json") as f:
                 hw = Hardware.from_json(f.read())
     else:
-        print(f"# measuring {len(configs)} single-process configurations", flush=True)
-        for name, w in measure_single(configs, args.rounds, hw.reference_probe).items():
+        if sweep is None:
+            print(f"# measuring {len(configs)} single-process configurations", flush=True)
+            sweep = SingleSweep(configs)
+        while sweep.rounds < args.rounds:  # all of them, or those the budget cut short
+            sweep.round()
+        for name, w in sweep.finish(hw.reference_probe).items():
             loads[name] = list(w.routing_skew) if isinstance(w.routing_skew, tuple) else None
         if not args.skip_ep:
             for world in (2, 4):
@@ -920,7 +959,7 @@ def main() -> None:
                     w = workload_of(cfg, None, cfg.dim >= cfg.experts, None)
                     predict(w, hw, ranks_on_host=world)
                 t1 = time.time()
-                eps, link = measure_ep(world, args.ep_rounds, args.statistic)
+                eps, link = measure_ep(world, args.ep_rounds, args.statistic, calib)
                 print(f"# EP world {world}: {time.time() - t1:.0f} s; link {link}", flush=True)
                 links[world] = Link(**link)
                 all_configs += eps
@@ -929,7 +968,7 @@ def main() -> None:
         # with the min statistic, calibrate again after the sweep and keep each figure's
         # minimum: the calibration then spans the same hour of a shared host as the
         # measurements it predicts (a median calibration already describes that state)
-        if args.recalibrate and args.statistic == "min":
+        if args.recalibrate and args.statistic == "min" and not interleave:
             again = calibrate(**CALIBRATION, statistic="min", refresh=True)
             hw = merge_min(hw, again)
             print(f"# second calibration merged: {hw.sources['gemm']}", flush=True)

@@ -13,6 +13,8 @@ whose answer is known; invalid input. Timing accuracy is the benchmark's job
 import contextlib
 import io
 import math
+import os
+import tempfile
 from unittest import mock
 
 import torch
@@ -776,6 +778,59 @@ class TestCalibrationStatistic(TestCase):
                 self.assertEqual(samples.value(("k",)), 2.0)
         with self.assertRaisesRegex(ValueError, "statistic must be 'median' or 'min', got 'mean'"):
             Hardware.calibrate(quick=True, cache=False, statistic="mean")
+
+
+class TestCalibrationInterleave(TestCase):
+    """``calibrate(interleave=fn)``: ``fn(i)`` runs after pass ``i``, with the caller's
+    thread count, outside the budget, and the result is a fresh measurement."""
+
+    def test_interleave_runs_between_passes_outside_the_budget(self):
+        import time as time_module
+
+        from torch_moe.perf import _calibrate as C
+
+        real = time_module.perf_counter
+        offset = [0.0]
+        calls: list[tuple[int, int]] = []
+
+        def work(i: int) -> None:  # the caller's share: an hour of its work by the clock
+            calls.append((i, torch.get_num_threads()))
+            offset[0] += 3600.0
+
+        threads = torch.get_num_threads()
+        with mock.patch.object(C.time, "perf_counter", lambda: real() + offset[0]):
+            hw = Hardware.calibrate(
+                quick=True, threads=(1,), cache=False, passes=3, budget_s=60.0, interleave=work
+            )
+        # counted against the 60 s budget, the first hour would have ended it after one pass
+        self.assertEqual(calls, [(0, threads), (1, threads), (2, threads)])
+        self.assertIn("median over 3 pass(es) interleaved", hw.sources["gemm"])
+        self.assertGreater(hw.gemm_rate["bf16"], 0)
+
+    def test_interleave_measures_afresh(self):
+        from torch_moe.perf import _calibrate as C
+
+        calls: list[int] = []
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch.dict(os.environ, {"XDG_CACHE_HOME": tmp}),
+            mock.patch.dict(C._PROCESS_CACHE, clear=True),
+        ):
+            first = Hardware.calibrate(quick=True, threads=(1,), passes=1, budget_s=20.0)
+            again = Hardware.calibrate(
+                quick=True, threads=(1,), passes=1, budget_s=20.0, interleave=calls.append
+            )
+            self.assertEqual(calls, [0])  # measured, not read from the cache
+            self.assertNotIn("interleaved", first.sources["gemm"])
+            self.assertIn("interleaved", again.sources["gemm"])
+            # and cached for the calls that follow (the spawned ranks of a benchmark)
+            self.assertEqual(
+                Hardware.calibrate(quick=True, threads=(1,), passes=1).sources, again.sources
+            )
+
+    def test_interleave_must_be_callable(self):
+        with self.assertRaisesRegex(TypeError, "interleave must be callable, got 3"):
+            Hardware.calibrate(quick=True, cache=False, interleave=3)  # type: ignore[arg-type]
 
 
 class TestCLI(TestCase):

@@ -1077,14 +1077,24 @@ def _memory_capacity() -> float:
 
 
 def _measure_compute(
-    threads: tuple[int, ...], quick: bool, passes: int, budget: float, statistic: Statistic
+    threads: tuple[int, ...],
+    quick: bool,
+    passes: int,
+    budget: float,
+    statistic: Statistic,
+    interleave: Callable[[int], object] | None = None,
 ) -> Hardware:
     with _using_statistic(statistic):
-        return _measure_compute_with(threads, quick, passes, budget, statistic)
+        return _measure_compute_with(threads, quick, passes, budget, statistic, interleave)
 
 
 def _measure_compute_with(
-    threads: tuple[int, ...], quick: bool, passes: int, budget: float, statistic: Statistic
+    threads: tuple[int, ...],
+    quick: bool,
+    passes: int,
+    budget: float,
+    statistic: Statistic,
+    interleave: Callable[[int], object] | None = None,
 ) -> Hardware:
     from torch_moe._ops.grouped_mm import cpu_compute_dtype
 
@@ -1093,6 +1103,7 @@ def _measure_compute_with(
     cdt = cpu_compute_dtype(torch.bfloat16)
     mins = _Samples()
     start = time.perf_counter()
+    away = 0.0  # seconds spent in ``interleave``: not the calibration's budget
     _GATE.left = 0.15 * budget
     _GATE.settle(min(3.0, 0.03 * budget))
     try:
@@ -1110,7 +1121,14 @@ def _measure_compute_with(
                 _measure_overheads(mins, t, quick)
                 _measure_kernels(mins, t, cdt, quick)
                 _measure_overheads(mins, t, quick)
-            elapsed = time.perf_counter() - start
+            if interleave is not None:
+                torch.set_num_threads(old)
+                saved_gate = (_GATE.max_wait, _GATE.left)
+                t0 = time.perf_counter()
+                interleave(done)
+                away += time.perf_counter() - t0
+                _GATE.max_wait, _GATE.left = saved_gate
+            elapsed = time.perf_counter() - start - away
             if elapsed / (done + 1) * (done + 2) > budget:
                 break  # another pass would not fit the budget
         torch.set_num_threads(max(threads))
@@ -1157,7 +1175,8 @@ def _measure_compute_with(
         sources={
             "gemm": f"measured: mm_into grid, threads {list(threads)}"
             + (" (quick)" if quick else "")
-            + f", {statistic} over {done + 1} pass(es)",
+            + f", {statistic} over {done + 1} pass(es)"
+            + (" interleaved with the caller's work" if interleave is not None else ""),
             "kernels": "measured: the library's elementwise kernels",
             "overheads": "measured: MoE layer at D=F=32, 1 and 16 experts, 2 rows each",
             "mem_bandwidth": "measured: 64 MB copy",
@@ -1177,6 +1196,7 @@ def calibrate(
     refresh: bool = False,
     group: Any = None,
     statistic: Statistic = "median",
+    interleave: Callable[[int], object] | None = None,
 ) -> Hardware:
     """Measure this machine (see the module docstring) and return its :class:`Hardware`.
 
@@ -1197,6 +1217,13 @@ def calibrate(
         statistic: ``"median"`` (the sustained state: predicts the steps a job on this
             machine measures, neighbours included) or ``"min"`` (the undisturbed machine:
             for a quiet host or to compare machines); module docstring.
+        interleave: called as ``interleave(i)`` after pass ``i`` of the compute
+            measurements (and before the next): run a share of the work whose time the
+            calibration is to predict there, so that the passes and that work sample the
+            same stretch of a host whose speed drifts (a shared VM: the same GEMM measured
+            161 and 199 GFLOP/s in calibrations twenty minutes apart). Its time does not
+            count against ``budget_s``. Implies a fresh measurement (the result is
+            still cached for later calls); with ``passes=N`` it is called up to N times.
 
     Takes up to ``budget_s`` (55 s) the first time on 2 cores (``quick``: a few seconds);
     later calls in the process or on the machine read the cache.
@@ -1211,6 +1238,9 @@ def calibrate(
     fp = machine_fingerprint()
     spec = (sorted(fp.items()), threads, quick, passes, statistic)
     key = hashlib.sha256(repr(spec).encode()).hexdigest()[:20]
+    if interleave is not None and not callable(interleave):
+        raise TypeError(f"calibrate: interleave must be callable, got {interleave!r}")
+    refresh = refresh or interleave is not None
     hw = None if refresh or not cache else _PROCESS_CACHE.get(key)
     path = _cache_dir() / f"{key}.json"
     if hw is None and cache and not refresh and path.exists():
@@ -1219,7 +1249,7 @@ def calibrate(
         except (ValueError, KeyError, TypeError):
             hw = None
     if hw is None:
-        hw = _measure_compute(threads, quick, passes, budget_s, statistic)
+        hw = _measure_compute(threads, quick, passes, budget_s, statistic, interleave)
         if cache:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
