@@ -261,9 +261,12 @@ def _to_senders(
     setup: _Setup, tensors: list[Tensor], num_rows: int, op: str, tag: int
 ) -> list[Tensor]:
     """The reverse: expert-major rows [N, ...] go back to the rows they came from; returns
-    [num_rows, ...] with the chunk's rows filled and the others zero."""
+    [num_rows, ...] with the chunk's rows filled and the others zero (no zero fill where
+    the chunk's rows are all of them: one chunk, every expert)."""
     plan = setup.plan
-    outs = [t.new_zeros((num_rows, *t.shape[1:])) for t in tensors]
+    covered = sum(n for segs in plan.sent for _, n in segs) == num_rows
+    alloc = Tensor.new_empty if covered else Tensor.new_zeros
+    outs = [alloc(t, (num_rows, *t.shape[1:])) for t in tensors]
     if setup.exchange == "p2p":
         ins = [t.contiguous() for t in tensors]
         setup.call(
