@@ -108,6 +108,74 @@ class TestRecipeSpec(TestCase):
             get_recipe("fp4")
 
 
+class TestScaledGroupedMMCPUKernels(TestCase):
+    """The CPU kernels dequantize in chunks of whole groups and multiply group by group;
+    they must equal the whole-operand form (dequantize all of a and b, then the grouped
+    GEMM) bit for bit, across chunk boundaries, empty groups, a group larger than a chunk
+    and rows past the last group."""
+
+    CASES = ([7, 0, 33, 1, 0, 50], [0, 0, 0], [120], [1, 1, 1, 1, 1, 1, 1, 1, 90])
+
+    @parametrize("recipe", [r for r in RECIPES if RECIPES[r].forward.lhs is not None])
+    def test_forward_and_dgrad_equal_whole_operands(self, recipe):
+        from unittest import mock
+
+        gen = torch.Generator().manual_seed(5)
+        for sizes in self.CASES:
+            offs = make_offs(sizes)
+            m, k, n = int(offs[-1]) + 3, 64, 96
+            x = torch.randn(m, k, generator=gen)
+            w = torch.randn(len(sizes), k, n, generator=gen) / 8
+            for name, g in (("forward", RECIPES[recipe].forward), ("dgrad", RECIPES[recipe].dgrad)):
+                b = w if name == "forward" else torch.randn(len(sizes), k, n, generator=gen)
+                qa, sa = S.quantize_lhs(x, g.lhs)
+                qb, sb = S.quantize_rhs(b, g.rhs)
+                a_f, b_f = S._dequantize_operands(qa, qb, sa, sb, g.lhs.inner, g.rhs.outer)
+                for out_dtype in (F32, torch.bfloat16):
+                    want = S.grouped_mm(a_f, b_f, offs).to(out_dtype)
+                    for chunk in (1, 64 * 96, 2**18):  # one group per chunk .. all in one
+                        with mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk):
+                            got = ops.scaled_grouped_mm(
+                                qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, out_dtype
+                            )
+                        msg = f"{recipe} {name} {sizes} {out_dtype} chunk {chunk}"
+                        self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
+
+    @parametrize("recipe", [r for r in RECIPES if RECIPES[r].wgrad.lhs is not None])
+    def test_wgrad_equals_whole_operands(self, recipe):
+        from unittest import mock
+
+        g = RECIPES[recipe].wgrad
+        gen = torch.Generator().manual_seed(6)
+        for sizes in self.CASES:
+            offs = make_offs(sizes)
+            m, k, n = int(offs[-1]) + 2, 32, 64
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
+            dy = torch.randn(m, n, generator=gen)
+            qx, sx = S.quantize_wgrad_operand(x, offs, g.lhs)
+            qdy, sdy = S.quantize_wgrad_operand(dy, offs, g.rhs)
+            a_f = S._dequantize_wgrad_operand(qx, sx, offs, g.lhs.inner)
+            b_f = S._dequantize_wgrad_operand(qdy, sdy, offs, g.lhs.inner)
+            for out_dtype in (F32, torch.bfloat16):
+                want = S.grouped_mm_wgrad(a_f, b_f, offs).to(out_dtype)
+                for chunk in (1, 64 * 64, 2**18):
+                    with mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk):
+                        got = ops.scaled_grouped_mm_wgrad(
+                            qx, qdy, sx, sdy, offs, g.lhs.inner, out_dtype
+                        )
+                    msg = f"{recipe} {sizes} {out_dtype} chunk {chunk}"
+                    self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
+
+    def test_chunks_of_groups(self):
+        # whole groups, about chunk_rows rows each; a larger group alone; empty ones ride along
+        self.assertEqual(
+            S._chunks_of_groups([3, 3, 5, 20, 21, 22], 4),
+            [(0, 3, [0, 1]), (3, 5, [2]), (5, 20, [3]), (20, 22, [4, 5])],
+        )
+        self.assertEqual(S._chunks_of_groups([0, 0], 8), [(0, 0, [0, 1])])
+        self.assertEqual(S._chunks_of_groups([], 8), [])
+
+
 class TestScaledGroupedMM(TestCase):
     @parametrize("recipe", list(RECIPES))
     @parametrize("gemm", ["forward", "dgrad"])
@@ -426,6 +494,7 @@ class TestScaledChecks(TestCase):
 
 
 instantiate_parametrized_tests(TestScaledGroupedMM)
+instantiate_parametrized_tests(TestScaledGroupedMMCPUKernels)
 
 if __name__ == "__main__":
     run_tests()

@@ -64,6 +64,7 @@ from torch_moe._ops.grouped_mm import (
     grouped_mm,
     grouped_mm_reference,
     grouped_mm_wgrad,
+    mm_into,
     zero_tail_,
 )
 from torch_moe._ops.permute import gather_rows
@@ -199,38 +200,44 @@ def _expand(scale: Tensor, dim: int, block: int, size: int) -> Tensor:
     return scale.repeat_interleave(block, dim=dim).narrow(dim, 0, size)
 
 
+def _scale_blocks_(t: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tensor:
+    """``t *= scale`` over the last two dims of t [..., R, C], scale [..., RS, CS] covering
+    blocks of ``block_r x block_c`` (-1: the whole dim): broadcast over each block where
+    the blocks tile t's memory, repeated to full size otherwise."""
+    *lead, r, c = t.shape
+    br, bc = (r if block_r == -1 else block_r), (c if block_c == -1 else block_c)
+    if r and c and r % br == 0 and c % bc == 0:
+        scale = scale.expand(*lead, r // br, c // bc)
+        if t.is_contiguous():
+            t.view(*lead, r // br, br, c // bc, bc).mul_(scale[..., :, None, :, None])
+            return t
+        tt = t.transpose(-2, -1)
+        if tt.is_contiguous():  # column-major: the same blocks, transposed
+            tt.view(*lead, c // bc, bc, r // br, br).mul_(
+                scale.transpose(-2, -1)[..., :, None, :, None]
+            )
+            return t
+    if block_r not in (1, -1):
+        scale = _expand(scale, t.dim() - 2, block_r, r)
+    if block_c not in (1, -1):
+        scale = _expand(scale, t.dim() - 1, block_c, c)
+    return t.mul_(scale)
+
+
+def _dequantize_lhs(a: Tensor, scale_a: Tensor, block_k: int) -> Tensor:
+    # fp8 -> fp32 values exactly (Q._fp8_to_float: a table, not the slow CPU cast), then
+    # the scales in place: the same products as with a repeated scale, in a's layout
+    return _scale_blocks_(Q._fp8_to_float(a), _fp32_scales(scale_a), 1, block_k)
+
+
+def _dequantize_rhs(b: Tensor, scale_b: Tensor, block_k: int, block_n: int) -> Tensor:
+    return _scale_blocks_(Q._fp8_to_float(b), _fp32_scales(scale_b), block_k, block_n)
+
+
 def _dequantize_operands(
     a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, block_k: int, block_n: int
 ) -> tuple[Tensor, Tensor]:
-    # fp8 -> fp32 values exactly (Q._fp8_to_float: a table, not the slow CPU cast), then
-    # the scales in place: the same products as with a repeated scale, in a's and b's layouts
-
-    def scale_blocks_(t: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tensor:
-        """``t *= scale`` over the last two dims of t [..., R, C], scale [..., RS, CS]
-        covering blocks of ``block_r x block_c`` (-1: the whole dim): broadcast over each
-        block where the blocks tile t's memory, repeated to full size otherwise."""
-        *lead, r, c = t.shape
-        br, bc = (r if block_r == -1 else block_r), (c if block_c == -1 else block_c)
-        if r and c and r % br == 0 and c % bc == 0:
-            scale = scale.expand(*lead, r // br, c // bc)
-            if t.is_contiguous():
-                t.view(*lead, r // br, br, c // bc, bc).mul_(scale[..., :, None, :, None])
-                return t
-            tt = t.transpose(-2, -1)
-            if tt.is_contiguous():  # column-major: the same blocks, transposed
-                tt.view(*lead, c // bc, bc, r // br, br).mul_(
-                    scale.transpose(-2, -1)[..., :, None, :, None]
-                )
-                return t
-        if block_r not in (1, -1):
-            scale = _expand(scale, t.dim() - 2, block_r, r)
-        if block_c not in (1, -1):
-            scale = _expand(scale, t.dim() - 1, block_c, c)
-        return t.mul_(scale)
-
-    a_f = scale_blocks_(Q._fp8_to_float(a), _fp32_scales(scale_a), 1, block_k)
-    b_f = scale_blocks_(Q._fp8_to_float(b), _fp32_scales(scale_b), block_k, block_n)
-    return a_f, b_f
+    return _dequantize_lhs(a, scale_a, block_k), _dequantize_rhs(b, scale_b, block_k, block_n)
 
 
 def scaled_grouped_mm_reference(
@@ -263,6 +270,70 @@ def _scaled_grouped_mm(
     _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
     a_f, b_f = _dequantize_operands(a, b, scale_a, scale_b, block_k, block_n)
     return grouped_mm(a_f, b_f, offs).to(out_dtype)
+
+
+# rows dequantized per chunk by the CPU kernels: fp32 [rows, K] and [rows, N] blocks of
+# ~1 MiB, which stay in a core's cache (whole groups; a larger group is its own chunk)
+_CPU_CHUNK_ELEMS = 2**18
+
+
+def _chunks_of_groups(ends: list[int], chunk_rows: int) -> list[tuple[int, int, list[int]]]:
+    """Consecutive groups gathered into chunks of about ``chunk_rows`` rows (a larger
+    group is a chunk of its own): ``(first row, end row, group indices)`` per chunk."""
+    chunks: list[tuple[int, int, list[int]]] = []
+    start = 0
+    for g, end in enumerate(ends):
+        if chunks and end - chunks[-1][0] <= chunk_rows:
+            c0, _, gs = chunks[-1]
+            chunks[-1] = (c0, end, [*gs, g])
+        else:
+            chunks.append((start, end, [g]))
+        start = end
+    return chunks
+
+
+@_scaled_grouped_mm.register_kernel("cpu")
+def _scaled_grouped_mm_cpu(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block_k: int,
+    block_n: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """b (the experts' weights) dequantized once; a in chunks of whole groups: its rows
+    dequantized, one fp32 GEMM per group into a chunk-sized buffer, one rounding into the
+    output. Dequantizing all of a first allocates [M, K] and [M, N] fp32 tensors and
+    rounds [M, N] in a pass of its own over memory that has left the cache. The values
+    are the whole-operand form's: the same dequantized operands, the same per-group GEMM
+    primitive as the CPU grouped GEMM's loop (``mm_into``)."""
+    _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
+    ends = check_offs_values("scaled_grouped_mm", offs, a.shape[0])
+    if ends is None:  # pragma: no cover (CPU offs)
+        ends = offs.tolist()
+    (M, K), N = a.shape, b.shape[2]
+    out = torch.empty((M, N), dtype=out_dtype)
+    b_f = _dequantize_rhs(b, scale_b, block_k, block_n)
+    direct = out_dtype == torch.float32
+    row_scales = scale_a.shape[0] == M
+    for c0, c1, gs in _chunks_of_groups(ends, max(1, _CPU_CHUNK_ELEMS // max(K, N, 1))):
+        if c1 == c0:
+            continue
+        sa = scale_a[c0:c1] if row_scales else scale_a
+        a_f = _dequantize_lhs(a[c0:c1], sa, block_k)
+        prod = out[c0:c1] if direct else a_f.new_empty((c1 - c0, N))
+        start = c0
+        for g in gs:
+            end = ends[g]
+            if end > start:
+                mm_into(a_f[start - c0 : end - c0], b_f[g], prod[start - c0 : end - c0])
+            start = end
+        if not direct:
+            out[c0:c1].copy_(prod)
+    out[ends[-1] if ends else 0 :].zero_()
+    return out
 
 
 @_scaled_grouped_mm.register_kernel("cuda")
@@ -346,6 +417,55 @@ def _scaled_grouped_mm_wgrad(
     a_f = _dequantize_wgrad_operand(a, scale_a, offs, block)
     b_f = _dequantize_wgrad_operand(b, scale_b, offs, block)
     return grouped_mm_wgrad(a_f, b_f, offs).to(out_dtype)
+
+
+@_scaled_grouped_mm_wgrad.register_kernel("cpu")
+def _scaled_grouped_mm_wgrad_cpu(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """Both token-order operands dequantized in chunks of whole groups (each row times its
+    jagged block's scale, or the tensor's), one fp32 GEMM per group rounded into the
+    output: as the whole-operand form computes it (the same products, ``mm_into`` per
+    group), without its [M, K] and [M, N] fp32 operands and full-size scale tensors."""
+    _check_scaled_wgrad(a, b, scale_a, scale_b, offs, block, out_dtype)
+    ends = check_offs_values("scaled_grouped_mm_wgrad", offs, a.shape[0])
+    if ends is None:  # pragma: no cover (CPU offs)
+        ends = offs.tolist()
+    (M, K), N = a.shape, b.shape[1]
+    sa, sb = _fp32_scales(scale_a), _fp32_scales(scale_b)
+    per_tensor = list(scale_a.shape) == [1, 1]
+    row_block = None if per_tensor else Q.jagged_block_index(offs, M, block)[0]
+    out = torch.empty((len(ends), K, N), dtype=out_dtype)
+    direct = out_dtype == torch.float32
+    prod = None if direct else torch.empty((K, N), dtype=torch.float32)
+
+    def rows_f(q: Tensor, scale: Tensor, c0: int, c1: int) -> Tensor:
+        if row_block is None:
+            return Q._fp8_to_float(q[c0:c1]).mul_(scale)
+        return Q._fp8_to_float(q[c0:c1]).mul_(scale.index_select(0, row_block[c0:c1]))
+
+    for c0, c1, gs in _chunks_of_groups(ends, max(1, _CPU_CHUNK_ELEMS // max(K, N, 1))):
+        a_f = rows_f(a, sa, c0, c1) if c1 > c0 else None
+        b_f = rows_f(b, sb, c0, c1) if c1 > c0 else None
+        start = c0
+        for g in gs:
+            end = ends[g]
+            if end == start or a_f is None or b_f is None:
+                out[g].zero_()
+            else:
+                dst = out[g] if direct else prod
+                assert dst is not None
+                mm_into(a_f[start - c0 : end - c0].t(), b_f[start - c0 : end - c0], dst)
+                if not direct:
+                    out[g].copy_(dst)
+            start = end
+    return out
 
 
 @_scaled_grouped_mm_wgrad.register_kernel("cuda")
