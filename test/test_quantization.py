@@ -365,6 +365,45 @@ CUSTOM_RECIPES = {
 MX64 = "forward=mx:1x64:floor*mx:1x64:floor;dgrad=mx:1x32:rceil*mx:1x32:rceil;wgrad=mx:1x64:floor*mx:1x64:floor"
 
 
+class TestQuantizeFP8CPUKernel(TestCase):
+    """``quantize_fp8``'s CPU kernel (block maxima in x's dtype, then chunked convert /
+    divide / clamp / cast) equals the reference bit for bit: row- and column-major x,
+    batched, every block kind, chunks inside one block row and across many, bf16 and fp32,
+    zeros, and shapes the blocks do not tile (which take the reference)."""
+
+    def test_equals_reference(self):
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        gen = torch.Generator().manual_seed(7)
+        blocks = [(-1, -1), (1, -1), (1, 32), (128, 128), (-1, 1), (2, 3)]
+        for shape, block, dtype, col in itertools.product(
+            [(256, 96), (2, 128, 64), (130, 96), (5, 7)],
+            blocks,
+            (torch.bfloat16, torch.float32),
+            (False, True),
+        ):
+            x = (
+                torch.randn(*shape, generator=gen)
+                * torch.rand(*shape[:-1], 1, generator=gen).mul(4).exp()
+            )
+            x[..., 0, 1] = 0
+            x = x.to(dtype)
+            if col:
+                x = x.transpose(-2, -1).contiguous().transpose(-2, -1)
+            want_q, want_s = Qm.quantize_fp8_reference(x, block)
+            want_q = want_q.contiguous()
+            for chunk in (5, 2**16):
+                with mock.patch.object(Qm, "_QUANT_CHUNK", chunk):
+                    q, scale = torch.ops.torch_moe.quantize_fp8(x, list(block))
+                msg = f"{shape} {block} {dtype} col={col} chunk={chunk}"
+                self.assertTrue(q.is_contiguous() and scale.is_contiguous(), msg=msg)
+                self.assertEqual(
+                    q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg
+                )
+                self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
+
+
 class TestRecipeEmulation(TestCase):
     """quantized_grouped_mm, _dgrad and _wgrad (the CPU emulation every kernel must equal)
     against the recipe written out in the test: quantize per block (naive.fake_quantize),

@@ -52,6 +52,11 @@ def _quantize_fp8(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
     return q.contiguous(), scale.contiguous()  # the fake kernel's layout, for any input
 
 
+@_quantize_fp8.register_kernel("cpu")
+def _(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
+    return Q.quantize_fp8_cpu(x, (block[0], block[1]))
+
+
 @_quantize_fp8.register_kernel("cuda")
 def _(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
     from torch_moe._triton import quantize as TQ

@@ -189,6 +189,56 @@ def quantize_fp8_reference(x: Tensor, block: tuple[int, int] = (-1, -1)) -> tupl
     return _quantize_fp8_blocks(xf, br, bc, nr, nc)
 
 
+# elements of x converted, scaled and cast per chunk by quantize_fp8_cpu (256 KiB fp32)
+_QUANT_CHUNK = 2**16
+
+
+def quantize_fp8_cpu(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """The CPU kernel of ``quantize_fp8`` (contiguous q and scale, as the op returns them):
+    the blocks' absolute maxima read from x in its own dtype (a maximum is exact in any
+    float dtype), then x converted to fp32, divided by its block's scale, clamped and cast
+    in row chunks of ~``_QUANT_CHUNK`` elements, so that no fp32 copy of x is made. The
+    same per-element operations as :func:`quantize_fp8_reference`, hence the same bits;
+    inputs whose blocks do not tile them, or in neither row- nor column-major layout, take
+    the reference."""
+    *lead, nr, nc = check_quantize_fp8(x, block)
+    r, c = x.shape[-2:]
+    br, bc = _extent(block[0], r), _extent(block[1], c)
+    if x.numel() and r % br == 0 and c % bc == 0:
+        if x.is_contiguous():
+            return _quantize_fp8_rows(x, br, bc, nr, nc)
+        xt = x.transpose(-2, -1)
+        if xt.is_contiguous():  # column-major: the row-major transpose's blocks, transposed
+            q, scale = _quantize_fp8_rows(xt, bc, br, nc, nr)
+            return q.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()
+    q, scale = quantize_fp8_reference(x, block)
+    return q.contiguous(), scale.contiguous()
+
+
+def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[Tensor, Tensor]:
+    """quantize_fp8_cpu on a contiguous x [..., R, C] whose ``br x bc`` blocks tile it."""
+    *lead, r, c = x.shape
+    rows = x.numel() // c
+    x2 = x.reshape(rows, c)
+    scale = _fp8_scale(_abs_max(x2.view(rows // br, br, nc, bc), (1, 3)))  # [rows / br, nc]
+    q = torch.empty((rows, c), dtype=_FP8, device=x.device)
+    step = max(1, _QUANT_CHUNK // c)
+    r0 = 0
+    while r0 < rows:
+        s = r0 // br
+        if br <= step:  # whole block rows per chunk
+            r1 = min(rows, r0 + step // br * br)
+            sc = scale[s : r1 // br, None, :, None]
+        else:  # a chunk inside one block row
+            r1 = min(rows, r0 + step, (s + 1) * br)
+            sc = scale[s, None, None, :, None]
+        xf = x2[r0:r1].to(torch.float32, copy=True)
+        xf.view(-1, min(br, r1 - r0), nc, bc).div_(sc)
+        q[r0:r1].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+        r0 = r1
+    return q.view(x.shape), scale.view(*lead, nr, nc)
+
+
 def _quantize_fp8_blocks(xf: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[Tensor, Tensor]:
     """quantize_fp8_reference on fp32 ``xf`` [..., R, C] with ``nr x nc`` blocks of
     ``br x bc``; the scale is broadcast over each block, never repeated to full size."""
