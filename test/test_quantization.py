@@ -393,7 +393,7 @@ class TestQuantizeFP8CPUKernel(TestCase):
                 x = x.transpose(-2, -1).contiguous().transpose(-2, -1)
             want_q, want_s = Qm.quantize_fp8_reference(x, block)
             want_q = want_q.contiguous()
-            for chunk in (5, 2**16):
+            for chunk in (5, 480, 2**16):  # 1 row, 5-7 rows (crossing 128-row blocks), all
                 with mock.patch.object(Qm, "_QUANT_CHUNK", chunk):
                     q, scale = torch.ops.torch_moe.quantize_fp8(x, list(block))
                 msg = f"{shape} {block} {dtype} col={col} chunk={chunk}"
