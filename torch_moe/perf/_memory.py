@@ -162,50 +162,76 @@ def _params(w: MoEWorkload) -> tuple[float, float]:
 
 
 # Bytes per element an operand's quantize holds at its worst on a CPU, the 1 byte of e4m3
-# it keeps included (the reference quantizers' fp32 copy, scaled and clamped values; the
-# jagged quantizers also pad each group to whole blocks). Measured with the profiler's
-# allocator events on quantize_lhs / quantize_rhs / quantize_wgrad_operand and the CPU
-# scaled GEMMs, at three shapes per recipe (within 1%: fp8 9.00-9.03, MX 9.25, jagged
-# fp8 12.02-12.14, jagged MX 12.43-12.52, tensorwise wgrad operands 9.00);
-# test_perf.py checks the layer's peak against the model. A GPU kernel writes e4m3 (1
-# byte) directly and reads it in the GEMM.
-_FQ_TRANSIENT = {"fp8": 9.0, "fp8_jagged": 12.1, "mx": 9.25, "mx_jagged": 12.5}
+# it keeps included. ``quantize_fp8``'s CPU kernel converts in row chunks (no fp32 copy of
+# the operand): 1 byte, 2 for a column-major B (the weights), which the op returns
+# contiguous. The reference quantizers that MX and the jagged (wgrad) blocks still run
+# hold an fp32 copy and the scaled and clamped values, and the jagged ones pad each group
+# to whole blocks; measured with the profiler's allocator events on quantize_lhs /
+# quantize_rhs / quantize_wgrad_operand at three shapes per recipe (within 1%: MX 9.25,
+# jagged fp8 12.02-12.14, jagged MX 12.43-12.52); test_perf.py checks the layer's peak
+# against the model. A GPU kernel writes e4m3 (1 byte) directly and reads it in the GEMM.
+_FQ_TRANSIENT = {"fp8": 1.0, "fp8_col": 2.0, "fp8_jagged": 12.1, "mx": 9.25, "mx_jagged": 12.5}
+# elements of A per chunk of the CPU scaled GEMMs (``scaled_grouped_mm._CPU_CHUNK_ELEMS``)
+_SGMM_CHUNK = 2**18
 
 
 def _operand_bytes(precision: str, cpu: bool) -> dict[str, tuple[float, float]]:
     """Per GEMM: the transient bytes per element of quantizing its (lhs, rhs)."""
     from torch_moe.perf._workload import recipe_operands
 
-    def transient(kind: str) -> float:
+    def transient(kind: str, weight: bool) -> float:
         if not cpu:
             return 1.0
         fmt = "mx" if ".mx" in kind else "fp8"
-        jagged = kind.startswith("qj.") and kind != "qj.fp8_tensor"
-        return _FQ_TRANSIENT[fmt + ("_jagged" if jagged else "")]
+        if kind.startswith("qj.") and kind != "qj.fp8_tensor":
+            return _FQ_TRANSIENT[fmt + "_jagged"]
+        return _FQ_TRANSIENT["fp8_col" if fmt == "fp8" and weight else fmt]
 
-    return {g: (transient(lq), transient(rq)) for g, (lq, rq) in recipe_operands(precision).items()}
+    return {
+        g: (transient(lq, False), transient(rq, g != "wgrad"))
+        for g, (lq, rq) in recipe_operands(precision).items()
+    }
 
 
 def _gemm_phase(
-    q: tuple[float, float], n_a: float, n_b: float, n_out: float, b: int, cpu: bool
+    q: tuple[float, float],
+    n_a: float,
+    n_b: float,
+    n_out: float,
+    b: int,
+    cpu: bool,
+    *,
+    rows: float = 0.0,
+    group_rows: float = 0.0,
+    wgrad: bool = False,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
-    (``q`` bytes per element, see ``_FQ_TRANSIENT``), then the scaled GEMM (the CPU
-    kernel's fp32 operands, 8 bytes per element while each is converted and 4 after, the
-    fp32 product and its cast; a GPU kernel reads e4m3 and writes the output)."""
+    (``q`` bytes per element, see ``_FQ_TRANSIENT``), then the scaled GEMM. A GPU kernel
+    reads e4m3 and writes the output. The CPU kernels (``rows`` of A, the largest group
+    ``group_rows``): forward / dgrad dequantize B whole (an int32 index and the fp32
+    value, 8 bytes per element, 4 kept), then A in chunks of whole groups (``_SGMM_CHUNK``
+    elements, or one larger group) with each chunk's fp32 product, into the output; wgrad
+    dequantizes both token-order operands per chunk (index, value and the rows' scales)
+    into one group's fp32 product, with the jagged operands' scale row per row (int64)."""
     qa, qb = q
     if not cpu:
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
-    return max(
-        qa * n_a,
-        n_a + qb * n_b,
-        9 * n_a + n_b,
-        5 * n_a + 9 * n_b,
-        5 * (n_a + n_b) + (4 + b) * n_out,
-    )
+    quantize = max(qa * n_a, n_a + qb * n_b)
+    m = max(rows, 1.0)
+    k, n = n_a / m, (n_b if wgrad else n_out) / m
+    chunk = min(max(_SGMM_CHUNK // max(k, n, 1.0), group_rows), m)  # rows per chunk
+    if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
+        groups = max(1.0, n_out / max(k * n, 1.0))
+        jagged = qa > _FQ_TRANSIENT["fp8_col"]  # per-block scales: a scale row per row
+        per_row = 8 * rows if jagged else 0.0
+        chunks = chunk * max(12 * k, 4 * k + 12 * n)  # A's value kept while B converts
+        return max(quantize, n_a + n_b + per_row + b * n_out + 4 * n_out / groups + chunks)
+    return max(quantize, n_a + 9 * n_b, n_a + 5 * n_b + b * n_out + chunk * (8 * k + 4 * n))
 
 
-def _whole_tensor_phases(w: MoEWorkload, cpu: bool, M: float, base: float, c: int) -> float:
+def _whole_tensor_phases(
+    w: MoEWorkload, cpu: bool, M: float, base: float, c: int, m: float = 0.0
+) -> float:
     """The backward phases of the experts computed over all M rows at once (recipes on a
     CPU, every path on a GPU): dgrad / wgrad of the second GEMM, the SwiGLU backward,
     dgrad / wgrad of the first GEMM, each on top of what is live then."""
@@ -221,16 +247,20 @@ def _whole_tensor_phases(w: MoEWorkload, cpu: bool, M: float, base: float, c: in
     copy = b  # AccumulateGrad copies a transposed gradient into the parameter's layout
     a_saved = M * F * b if recipe else 0.0
     phases = [
-        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu),
-        base + M * F * b + _gemm_phase(wgrad, M * F, M * D, w2, b, emu),
+        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m),
+        base
+        + M * F * b
+        + _gemm_phase(wgrad, M * F, M * D, w2, b, emu, rows=M, group_rows=m, wgrad=True),
         base + M * F * b + w2 * (b + copy),
         # the SwiGLU backward over all M rows: its fp32 temporaries
         base - a_saved + w2 * b + M * F * b + M * 3 * F * b + M * 2 * F * 4 + 6 * M * F * 4,
     ]
     after = base - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
     phases += [
-        after + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu),
-        after + M * D * b + _gemm_phase(wgrad, M * D, M * 2 * F, w13, b, emu),
+        after + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m),
+        after
+        + M * D * b
+        + _gemm_phase(wgrad, M * D, M * 2 * F, w13, b, emu, rows=M, group_rows=m, wgrad=True),
         after + M * D * b + w13 * (b + copy),
     ]
     _ = c
@@ -291,8 +321,10 @@ def memory(
         act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
         if w.precision != "bf16":
             q = _operand_bytes(w.precision, cpu)
-            fwd1 = _gemm_phase(q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu)
-            fwd2 = _gemm_phase(q["forward"], M * F, El * F * D, M * D, b, cpu)
+            fwd1 = _gemm_phase(
+                q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M, group_rows=m
+            )
+            fwd2 = _gemm_phase(q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m)
             act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
         dyn = act + T * D * (4 + b) + y + comm
         peak = resident + dyn
@@ -353,7 +385,7 @@ def memory(
         phase += m * F * c * 2 + m * 2 * F * c + _act_fp32_bytes(r, F)
         dyn = max(phase, side_phase)
     else:
-        dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c), side_phase)
+        dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m), side_phase)
     if w.ep > 1 and w.num_chunks > 1:
         # after the last chunk, each weight's split backward (``split_weights``)
         # concatenates its chunks' gradients: the chunks' and the concatenation are live
