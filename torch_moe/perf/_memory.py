@@ -55,13 +55,13 @@ experts' backward holds the most:
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (``M*2F*4 + 6*M*F*4`` of fp32
   temporaries), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
-  A (``qa`` bytes per element at its worst, 1 kept), then B, then the scaled GEMM turns
-  each operand to fp32 through a table (an int32 index and the fp32 value: 8 bytes per
-  element at the worst, 4 kept), multiplies in fp32 and casts: ``max(qa*nA, nA + qb*nB,
-  9*nA + nB, 5*nA + 9*nB, 5*(nA + nB) + (4 + b)*nOut)``, with q 9 bytes per element for
-  FP8, 9.25 for MX, 12.1 / 12.5 for their jagged (wgrad) blocks (measured, see
-  ``_FQ_TRANSIENT``); weights are quantized whole every call, so ``nB = El*2F*D`` for
-  the first GEMM's forward and dgrad.
+  A, then B (``q`` bytes per element at the worst, 1 kept: 1-2 for FP8 from
+  ``quantize_fp8``'s chunked CPU kernel, 9.25 for MX, 12.1 / 12.5 for the jagged wgrad
+  blocks, measured, see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward
+  and dgrad dequantize B whole (8 bytes per element while converting, 4 kept) and A in
+  chunks of whole groups with each chunk's fp32 product; wgrad dequantizes both operands
+  per chunk into one group's fp32 product (``_gemm_phase``). Weights are quantized
+  whole every call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 The expected largest group is ``lam_max + sqrt(lam_max) * z_E`` rows (``z_E`` the expected
 maximum of E standard normals: the multinomial noise of the routing).
