@@ -201,7 +201,7 @@ def quantize_fp8_cpu(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]
     same per-element operations as :func:`quantize_fp8_reference`, hence the same bits;
     inputs whose blocks do not tile them, or in neither row- nor column-major layout, take
     the reference."""
-    *lead, nr, nc = check_quantize_fp8(x, block)
+    *_, nr, nc = check_quantize_fp8(x, block)
     r, c = x.shape[-2:]
     br, bc = _extent(block[0], r), _extent(block[1], c)
     if x.numel() and r % br == 0 and c % bc == 0:
@@ -217,7 +217,7 @@ def quantize_fp8_cpu(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]
 
 def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[Tensor, Tensor]:
     """quantize_fp8_cpu on a contiguous x [..., R, C] whose ``br x bc`` blocks tile it."""
-    *lead, r, c = x.shape
+    *lead, _, c = x.shape
     rows = x.numel() // c
     x2 = x.reshape(rows, c)
     scale = _fp8_scale(_abs_max(x2.view(rows // br, br, nc, bc), (1, 3)))  # [rows / br, nc]
