@@ -189,18 +189,20 @@ def quantize_fp8_reference(x: Tensor, block: tuple[int, int] = (-1, -1)) -> tupl
     return _quantize_fp8_blocks(xf, br, bc, nr, nc)
 
 
-# elements of x converted, scaled and cast per chunk by quantize_fp8_cpu (256 KiB fp32)
-_QUANT_CHUNK = 2**16
+# elements of x converted, scaled and cast per chunk by quantize_fp8_cpu: 2 MiB of fp32,
+# in the last-level cache; smaller chunks cost more in per-op overhead than they save
+# (measured on a [4096, 256] bf16 x: 2^16 elements 2.6 ms, 2^19 1.3 ms, whole 1.3-1.6 ms;
+# on 2^21 elements 2^19 takes 2.7-5.2 ms against 12-21 ms whole)
+_QUANT_CHUNK = 2**19
 
 
 def quantize_fp8_cpu(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """The CPU kernel of ``quantize_fp8`` (contiguous q and scale, as the op returns them):
-    the blocks' absolute maxima read from x in its own dtype (a maximum is exact in any
-    float dtype), then x converted to fp32, divided by its block's scale, clamped and cast
-    in row chunks of ~``_QUANT_CHUNK`` elements, so that no fp32 copy of x is made. The
-    same per-element operations as :func:`quantize_fp8_reference`, hence the same bits;
-    inputs whose blocks do not tile them, or in neither row- nor column-major layout, take
-    the reference."""
+    x converted to fp32, its blocks' absolute maxima taken, divided by its block's scale,
+    clamped and cast in row chunks of ~``_QUANT_CHUNK`` elements, so that no fp32 copy of
+    x is made. The same per-element operations as :func:`quantize_fp8_reference`, hence
+    the same bits; inputs whose blocks do not tile them, or in neither row- nor
+    column-major layout, take the reference."""
     *_, nr, nc = check_quantize_fp8(x, block)
     r, c = x.shape[-2:]
     br, bc = _extent(block[0], r), _extent(block[1], c)
@@ -216,26 +218,50 @@ def quantize_fp8_cpu(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]
 
 
 def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[Tensor, Tensor]:
-    """quantize_fp8_cpu on a contiguous x [..., R, C] whose ``br x bc`` blocks tile it."""
+    """quantize_fp8_cpu on a contiguous x [..., R, C] whose ``br x bc`` blocks tile it.
+    Blocks of a chunk's rows take one pass (convert, block maxima, divide, clamp, cast);
+    taller blocks (per tensor, or 128 rows past a chunk) get their maxima from a first
+    pass over the chunks (a maximum of partial maxima is the maximum)."""
     *lead, _, c = x.shape
     rows = x.numel() // c
     x2 = x.reshape(rows, c)
-    scale = _fp8_scale(_abs_max(x2.view(rows // br, br, nc, bc), (1, 3)))  # [rows / br, nc]
     q = torch.empty((rows, c), dtype=_FP8, device=x.device)
     step = max(1, _QUANT_CHUNK // c)
+
+    def chunk_f32(r0: int, r1: int) -> Tensor:
+        return x2[r0:r1].to(torch.float32, copy=True)
+
+    def store(r0: int, r1: int, xf: Tensor) -> None:
+        q[r0:r1].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+
+    if br <= step:
+        scale = torch.empty((rows // br, nc), dtype=torch.float32, device=x.device)
+        rc = step // br * br
+        for r0 in range(0, rows, rc):
+            r1 = min(rows, r0 + rc)
+            xf = chunk_f32(r0, r1)
+            blocks = xf.view(-1, br, nc, bc)
+            sc = _fp8_scale(_abs_max(blocks, (1, 3)))
+            scale[r0 // br : r1 // br] = sc
+            blocks.div_(sc[:, None, :, None])
+            store(r0, r1, xf)
+        return q.view(x.shape), scale.view(*lead, nr, nc)
+    # chunks inside one block row each (step < br)
+    bounds = []
     r0 = 0
     while r0 < rows:
-        s = r0 // br
-        if br <= step:  # whole block rows per chunk
-            r1 = min(rows, r0 + step // br * br)
-            sc = scale[s : r1 // br, None, :, None]
-        else:  # a chunk inside one block row
-            r1 = min(rows, r0 + step, (s + 1) * br)
-            sc = scale[s, None, None, :, None]
-        xf = x2[r0:r1].to(torch.float32, copy=True)
-        xf.view(-1, min(br, r1 - r0), nc, bc).div_(sc)
-        q[r0:r1].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+        r1 = min(rows, r0 + step, (r0 // br + 1) * br)
+        bounds.append((r0, r1))
         r0 = r1
+    amax = torch.zeros((rows // br, nc), dtype=torch.float32, device=x.device)
+    for r0, r1 in bounds:
+        part = _abs_max(chunk_f32(r0, r1).view(r1 - r0, nc, bc), (0, 2))
+        torch.maximum(amax[r0 // br], part, out=amax[r0 // br])
+    scale = _fp8_scale(amax)
+    for r0, r1 in bounds:
+        xf = chunk_f32(r0, r1)
+        xf.view(r1 - r0, nc, bc).div_(scale[r0 // br, None, :, None])
+        store(r0, r1, xf)
     return q.view(x.shape), scale.view(*lead, nr, nc)
 
 
