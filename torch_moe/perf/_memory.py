@@ -171,8 +171,15 @@ def _params(w: MoEWorkload) -> tuple[float, float]:
 # jagged fp8 12.02-12.14, jagged MX 12.43-12.52); test_perf.py checks the layer's peak
 # against the model. A GPU kernel writes e4m3 (1 byte) directly and reads it in the GEMM.
 _FQ_TRANSIENT = {"fp8": 1.0, "fp8_col": 2.0, "fp8_jagged": 12.1, "mx": 9.25, "mx_jagged": 12.5}
-# elements of A per chunk of the CPU scaled GEMMs (``scaled_grouped_mm._CPU_CHUNK_ELEMS``)
-_SGMM_CHUNK = 2**18
+
+
+def _quantize_bytes(q: float, n: float, cpu: bool) -> float:
+    """Peak bytes of quantizing an n-element operand at ``q`` bytes per element: the
+    chunked FP8 kernel (q <= 2) also holds one fp32 chunk of ``_QUANT_CHUNK`` elements."""
+    from torch_moe.quantization.quantize import _QUANT_CHUNK
+
+    chunked = cpu and q <= _FQ_TRANSIENT["fp8_col"]
+    return q * n + (4 * min(n, _QUANT_CHUNK) if chunked else 0.0)
 
 
 def _operand_bytes(precision: str, cpu: bool) -> dict[str, tuple[float, float]]:
@@ -209,17 +216,19 @@ def _gemm_phase(
     (``q`` bytes per element, see ``_FQ_TRANSIENT``), then the scaled GEMM. A GPU kernel
     reads e4m3 and writes the output. The CPU kernels (``rows`` of A, the largest group
     ``group_rows``): forward / dgrad dequantize B whole (an int32 index and the fp32
-    value, 8 bytes per element, 4 kept), then A in chunks of whole groups (``_SGMM_CHUNK``
+    value, 8 bytes per element, 4 kept), then A in chunks of whole groups (``_CPU_CHUNK_ELEMS``
     elements, or one larger group) with each chunk's fp32 product, into the output; wgrad
     dequantizes both token-order operands per chunk (index, value and the rows' scales)
     into one group's fp32 product, with the jagged operands' scale row per row (int64)."""
     qa, qb = q
     if not cpu:
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
-    quantize = max(qa * n_a, n_a + qb * n_b)
+    from torch_moe.quantization.scaled_grouped_mm import _CPU_CHUNK_ELEMS
+
+    quantize = max(_quantize_bytes(qa, n_a, cpu), n_a + _quantize_bytes(qb, n_b, cpu))
     m = max(rows, 1.0)
     k, n = n_a / m, (n_b if wgrad else n_out) / m
-    chunk = min(max(_SGMM_CHUNK // max(k, n, 1.0), group_rows), m)  # rows per chunk
+    chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
     if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
         groups = max(1.0, n_out / max(k * n, 1.0))
         jagged = qa > _FQ_TRANSIENT["fp8_col"]  # per-block scales: a scale row per row
