@@ -1221,7 +1221,8 @@ def calibrate(
             measurements (and before the next): run a share of the work whose time the
             calibration is to predict there, so that the passes and that work sample the
             same stretch of a host whose speed drifts (a shared VM: the same GEMM measured
-            161 and 199 GFLOP/s in calibrations twenty minutes apart). Its time does not
+            161 and 199 GFLOP/s in the calibrations of two back-to-back runs; that it
+            narrows the model's error there is not shown). Its time does not
             count against ``budget_s``. Implies a fresh measurement (the result is
             still cached for later calls); with ``passes=N`` it is called up to N times.
 
