@@ -404,6 +404,73 @@ class TestQuantizeFP8CPUKernel(TestCase):
                 self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
 
 
+class TestQuantizeMXCPUKernel(TestCase):
+    """``quantize_mx``'s CPU kernel (chunked convert / block maxima / divide / clamp / cast
+    of a contiguous x viewed around the blocked dim) equals the reference bit for bit:
+    contiguous and K-major (last two dims transposed) x, blocks along every dim, both
+    scale rules, blocks of 1 / 16 / 32, chunks of one row or block row, a few, and all,
+    bf16 and fp32, zero blocks and rows over 16 binades; layouts the chunks do not cover
+    (a strided slice) take the reference."""
+
+    def test_equals_reference(self):
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        gen = torch.Generator().manual_seed(11)
+        cases = 0
+        for shape, dim, block, dtype, layout, rule in itertools.product(
+            [(64, 96), (2, 64, 32), (3, 2, 32, 5), (96,)],
+            (0, 1, -2, -1),
+            (32, 16, 1),
+            (torch.bfloat16, torch.float32),
+            ("contiguous", "k_major", "sliced"),
+            ("floor", "rceil"),
+        ):
+            if len(shape) == 1 and layout != "contiguous":
+                continue
+            x = (
+                torch.randn(*shape, generator=gen)
+                * torch.rand(*shape[:-1], 1, generator=gen).mul(11).exp()
+            )
+            x.view(-1)[: 2 * block] = 0  # a zero block along the last dim
+            x = x.to(dtype)
+            if layout == "k_major":
+                x = x.transpose(-2, -1).contiguous().transpose(-2, -1)
+            elif layout == "sliced":
+                x = torch.cat([x, x], dim=-1)[..., ::2]
+            try:
+                d, _ = Qm.check_quantize_mx(x, dim, block, rule)
+            except ValueError:  # the blocked dim is not a multiple of the block
+                continue
+            want_q, want_s = Qm.quantize_mx_reference(x, dim=d, block=block, scale_rule=rule)
+            for chunk in (7, 300, 2**19):
+                with mock.patch.object(Qm, "_QUANT_CHUNK", chunk):
+                    q, scale = torch.ops.torch_moe.quantize_mx(x, dim, block, rule)
+                msg = f"{shape} dim={dim} block={block} {dtype} {layout} {rule} chunk={chunk}"
+                self.assertTrue(q.is_contiguous() and scale.is_contiguous(), msg=msg)
+                self.assertEqual(
+                    q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg
+                )
+                self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
+                cases += 1
+        self.assertGreater(cases, 500)
+
+    def test_k_major_weight_keeps_no_fp32_copy(self):
+        # an expert weight read K-major ([E, N, K] view of a contiguous [E, K, N]), four
+        # chunks large: no allocation the size of a bf16 (or fp32) copy of x, only e4m3
+        # tensors and one chunk's fp32
+        from torch.profiler import ProfilerActivity, profile
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        x = torch.randn(8, 512, Qm._QUANT_CHUNK // 1024).bfloat16().transpose(-2, -1)
+        torch.ops.torch_moe.quantize_mx(x, -1, 32, "floor")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            torch.ops.torch_moe.quantize_mx(x, -1, 32, "floor")
+        largest = max(e.cpu_memory_usage for e in prof.events())
+        self.assertLess(largest, 2 * x.numel())
+        self.assertGreaterEqual(largest, x.numel())  # the e4m3 output
+
+
 class TestRecipeEmulation(TestCase):
     """quantized_grouped_mm, _dgrad and _wgrad (the CPU emulation every kernel must equal)
     against the recipe written out in the test: quantize per block (naive.fake_quantize),

@@ -55,13 +55,13 @@ experts' backward holds the most:
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (``M*2F*4 + 6*M*F*4`` of fp32
   temporaries), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
-  A, then B (``q`` bytes per element at the worst, 1 kept: 1-2 for FP8 from
-  ``quantize_fp8``'s chunked CPU kernel, 9.25 for MX, 12.1 / 12.5 for the jagged wgrad
-  blocks, measured, see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward
-  and dgrad dequantize B whole (8 bytes per element while converting, 4 kept) and A in
-  chunks of whole groups with each chunk's fp32 product; wgrad dequantizes both operands
-  per chunk into one group's fp32 product (``_gemm_phase``). Weights are quantized
-  whole every call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
+  A, then B (``q`` bytes per element at the worst, 1 kept: 1-2 for FP8 and MX from
+  ``quantize_fp8`` / ``quantize_mx``'s chunked CPU kernels, 12.1 / 12.5 for the jagged
+  wgrad blocks, measured, see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward
+  and dgrad dequantize A in chunks of whole groups and the chunk's experts of B (8 bytes
+  per element while converting, 4 kept) with each chunk's fp32 product; wgrad dequantizes
+  both operands per chunk into one group's fp32 product (``_gemm_phase``). Weights are
+  quantized whole every call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 The expected largest group is ``lam_max + sqrt(lam_max) * z_E`` rows (``z_E`` the expected
 maximum of E standard normals: the multinomial noise of the routing).
@@ -162,46 +162,57 @@ def _params(w: MoEWorkload) -> tuple[float, float]:
 
 
 # Bytes per element an operand's quantize holds at its worst on a CPU, the 1 byte of e4m3
-# it keeps included. ``quantize_fp8``'s CPU kernel converts in row chunks (no fp32 copy of
-# the operand): 1 byte, 2 for a column-major B (the weights), which the op returns
-# contiguous. The reference quantizers that MX and the jagged (wgrad) blocks still run
-# hold an fp32 copy and the scaled and clamped values, and the jagged ones pad each group
-# to whole blocks; measured with the profiler's allocator events on quantize_lhs /
-# quantize_rhs / quantize_wgrad_operand at three shapes per recipe (within 1%: MX 9.25,
-# jagged fp8 12.02-12.14, jagged MX 12.43-12.52); test_perf.py checks the layer's peak
-# against the model. A GPU kernel writes e4m3 (1 byte) directly and reads it in the GEMM.
-_FQ_TRANSIENT = {"fp8": 1.0, "fp8_col": 2.0, "fp8_jagged": 12.1, "mx": 9.25, "mx_jagged": 12.5}
+# it keeps included, by kind. The CPU kernels of ``quantize_fp8`` and ``quantize_mx``
+# convert in row chunks (no fp32 copy of the operand; ``_CHUNKED``): 1 byte, 2 for a
+# column-major B (the weights, ``*_col``), which the ops return contiguous, plus one fp32
+# chunk. The reference quantizer that the jagged (wgrad) blocks still run holds an fp32
+# copy and the scaled and clamped values, and pads each group to whole blocks; measured
+# with the profiler's allocator events on quantize_wgrad_operand at three shapes per
+# recipe (within 1%: fp8 12.02-12.14, MX 12.43-12.52); test_perf.py checks the layer's
+# peak against the model. A GPU kernel writes e4m3 (1 byte) directly and reads it in the
+# GEMM.
+_FQ_TRANSIENT = {
+    "fp8": 1.0,
+    "fp8_col": 2.0,
+    "mx": 1.0,
+    "mx_col": 2.0,
+    "fp8_jagged": 12.1,
+    "mx_jagged": 12.5,
+    "gpu": 1.0,
+    "bf16": 0.0,  # not quantized: a GEMM reads the operand itself
+}
+_CHUNKED = frozenset({"fp8", "fp8_col", "mx", "mx_col"})
 
 
-def _quantize_bytes(q: float, n: float, cpu: bool) -> float:
-    """Peak bytes of quantizing an n-element operand at ``q`` bytes per element: the
-    chunked FP8 kernel (q <= 2) also holds one fp32 chunk of ``_QUANT_CHUNK`` elements."""
+def _quantize_bytes(kind: str, n: float) -> float:
+    """Peak bytes of quantizing an n-element operand of ``kind`` (``_FQ_TRANSIENT``): a
+    chunked CPU kernel also holds one fp32 chunk of ``_QUANT_CHUNK`` elements."""
     from torch_moe.quantization.quantize import _QUANT_CHUNK
 
-    chunked = cpu and q <= _FQ_TRANSIENT["fp8_col"]
-    return q * n + (4 * min(n, _QUANT_CHUNK) if chunked else 0.0)
+    chunk = 4 * min(n, _QUANT_CHUNK) if kind in _CHUNKED else 0.0
+    return _FQ_TRANSIENT[kind] * n + chunk
 
 
-def _operand_bytes(precision: str, cpu: bool) -> dict[str, tuple[float, float]]:
-    """Per GEMM: the transient bytes per element of quantizing its (lhs, rhs)."""
+def _operand_kinds(precision: str, cpu: bool) -> dict[str, tuple[str, str]]:
+    """Per GEMM: the quantizer kinds (``_FQ_TRANSIENT``) of its (lhs, rhs)."""
     from torch_moe.perf._workload import recipe_operands
 
-    def transient(kind: str, weight: bool) -> float:
+    def kind(quant: str, weight: bool) -> str:
         if not cpu:
-            return 1.0
-        fmt = "mx" if ".mx" in kind else "fp8"
-        if kind.startswith("qj.") and kind != "qj.fp8_tensor":
-            return _FQ_TRANSIENT[fmt + "_jagged"]
-        return _FQ_TRANSIENT["fp8_col" if fmt == "fp8" and weight else fmt]
+            return "gpu"
+        fmt = "mx" if ".mx" in quant else "fp8"
+        if quant.startswith("qj.") and quant != "qj.fp8_tensor":
+            return fmt + "_jagged"
+        return fmt + "_col" if weight else fmt
 
     return {
-        g: (transient(lq, False), transient(rq, g != "wgrad"))
+        g: (kind(lq, False), kind(rq, g != "wgrad"))
         for g, (lq, rq) in recipe_operands(precision).items()
     }
 
 
 def _gemm_phase(
-    q: tuple[float, float],
+    kinds: tuple[str, str],
     n_a: float,
     n_b: float,
     n_out: float,
@@ -213,29 +224,35 @@ def _gemm_phase(
     wgrad: bool = False,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
-    (``q`` bytes per element, see ``_FQ_TRANSIENT``), then the scaled GEMM. A GPU kernel
-    reads e4m3 and writes the output. The CPU kernels (``rows`` of A, the largest group
-    ``group_rows``): forward / dgrad dequantize B whole (an int32 index and the fp32
-    value, 8 bytes per element, 4 kept), then A in chunks of whole groups (``_CPU_CHUNK_ELEMS``
-    elements, or one larger group) with each chunk's fp32 product, into the output; wgrad
+    (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
+    GPU kernel reads e4m3 and writes the output. The CPU kernels (``rows`` of A, the largest group
+    ``group_rows``): forward / dgrad dequantize A in chunks of whole groups
+    (``_CPU_CHUNK_ELEMS`` elements, or one larger group), then those groups' experts of B
+    (an int32 index and the fp32 value, 8 bytes per element, 4 kept), then each chunk's
+    fp32 product, into the output; wgrad
     dequantizes both token-order operands per chunk (index, value and the rows' scales)
     into one group's fp32 product, with the jagged operands' scale row per row (int64)."""
-    qa, qb = q
     if not cpu:
+        qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
     from torch_moe.quantization.scaled_grouped_mm import _CPU_CHUNK_ELEMS
 
-    quantize = max(_quantize_bytes(qa, n_a, cpu), n_a + _quantize_bytes(qb, n_b, cpu))
+    quantize = max(_quantize_bytes(kinds[0], n_a), n_a + _quantize_bytes(kinds[1], n_b))
     m = max(rows, 1.0)
     k, n = n_a / m, (n_b if wgrad else n_out) / m
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
     if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
         groups = max(1.0, n_out / max(k * n, 1.0))
-        jagged = qa > _FQ_TRANSIENT["fp8_col"]  # per-block scales: a scale row per row
+        jagged = kinds[0].endswith("_jagged")  # per-block scales: a scale row per row
         per_row = 8 * rows if jagged else 0.0
         chunks = chunk * max(12 * k, 4 * k + 12 * n)  # A's value kept while B converts
         return max(quantize, n_a + n_b + per_row + b * n_out + 4 * n_out / groups + chunks)
-    return max(quantize, n_a + 9 * n_b, n_a + 5 * n_b + b * n_out + chunk * (8 * k + 4 * n))
+    # forward / dgrad: per chunk, A's rows (int32 codes and fp32 values), then the chunk's
+    # experts of B the same way, then the chunk's fp32 product
+    experts = max(1.0, n_b / max(k * n, 1.0))
+    b_chunk = n_b * min(1.0, max(1.0, chunk * experts / m) / experts)
+    per_chunk = max(8 * chunk * k, 4 * chunk * k + 8 * b_chunk, 4 * chunk * (k + n) + 4 * b_chunk)
+    return max(quantize, n_a + n_b + b * n_out + per_chunk)
 
 
 def _whole_tensor_phases(
@@ -248,10 +265,10 @@ def _whole_tensor_phases(
     recipe = w.precision != "bf16"
     w2, w13 = El * D * F, El * 2 * F * D
     if recipe:
-        q = _operand_bytes(w.precision, cpu)
+        q = _operand_kinds(w.precision, cpu)
         dgrad, wgrad = q["dgrad"], q["wgrad"]
     else:  # bf16 on a GPU: grouped GEMMs straight from the operands
-        dgrad = wgrad = (0.0, 0.0)
+        dgrad = wgrad = ("bf16", "bf16")
     emu = cpu and recipe
     copy = b  # AccumulateGrad copies a transposed gradient into the parameter's layout
     a_saved = M * F * b if recipe else 0.0
@@ -329,7 +346,7 @@ def memory(
         # forward only: the permuted rows, h and y of the experts, and the combine
         act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
         if w.precision != "bf16":
-            q = _operand_bytes(w.precision, cpu)
+            q = _operand_kinds(w.precision, cpu)
             fwd1 = _gemm_phase(
                 q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M, group_rows=m
             )

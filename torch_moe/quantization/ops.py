@@ -95,6 +95,11 @@ def _quantize_mx(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tens
     return q.contiguous(), scale.contiguous()
 
 
+@_quantize_mx.register_kernel("cpu")
+def _(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
+    return Q.quantize_mx_cpu(x, dim, block, scale_rule)
+
+
 @_quantize_mx.register_kernel("cuda")
 def _(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
     from torch_moe._triton import quantize as TQ

@@ -433,6 +433,63 @@ def quantize_mx_reference(
     return q, _encode_scale(e, scale_f, scale_dtype).movedim(-1, dim)
 
 
+def quantize_mx_cpu(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
+    """The CPU kernel of ``quantize_mx`` (contiguous q and uint8 scale, as the op returns
+    them): x converted to fp32, its blocks' absolute maxima taken, divided by its block's
+    scale, clamped and cast in chunks of ~``_QUANT_CHUNK`` elements, so that neither an
+    fp32 copy of x nor a moved-dim view of it is made. The same per-element operations as
+    :func:`quantize_mx_reference`, hence the same bits. A contiguous x, or one whose last
+    two dims are transposed (an expert weight read K-major) with the blocks along one of
+    them, takes the chunks; any other layout takes the reference."""
+    d, _ = check_quantize_mx(x, dim, block, scale_rule)
+    if x.numel():
+        if x.is_contiguous():
+            return _quantize_mx_dense(x, d, block, scale_rule)
+        last = x.dim() - 1
+        if last >= 1 and d >= last - 1 and x.transpose(-2, -1).is_contiguous():
+            # quantize the row-major transpose along the same dim, transposed
+            q, scale = _quantize_mx_dense(x.transpose(-2, -1), 2 * last - 1 - d, block, scale_rule)
+            return q.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()
+    q, scale = quantize_mx_reference(x, dim=d, block=block, scale_rule=scale_rule)
+    return q.contiguous(), scale.contiguous()
+
+
+def _quantize_mx_dense(x: Tensor, d: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
+    """quantize_mx_cpu on a contiguous x, viewed as [A, S, B] around the blocked dim d
+    (S = x.shape[d]): with B == 1 the blocks are runs of a row of [A, S]; otherwise they
+    are ``block`` consecutive rows of [A * S, B] (S is a multiple of the block, so no
+    block crosses from one index of A to the next). Chunks of whole rows / whole
+    blocks."""
+    size = x.shape[d]
+    inner = math.prod(x.shape[d + 1 :])
+    rows = x.numel() // inner  # A * S, or A when inner == 1
+    q = torch.empty(x.shape, dtype=_FP8, device=x.device)
+    scale_shape = list(x.shape)
+    scale_shape[d] //= block
+    scale = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
+    if inner == 1:
+        rows //= size
+        x2, q2 = x.reshape(rows, size), q.view(rows, size)
+        s2 = scale.view(rows, size // block)
+        step, reduce_dim = max(1, _QUANT_CHUNK // size), 2
+        view_shape: tuple[int, ...] = (-1, size // block, block)
+    else:
+        x2, q2 = x.reshape(rows, inner), q.view(rows, inner)
+        s2 = scale.view(rows // block, inner)
+        step, reduce_dim = max(1, _QUANT_CHUNK // (inner * block)) * block, 1
+        view_shape = (-1, block, inner)
+    per_scale_row = 1 if inner == 1 else block
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        xf = x2[r0:r1].to(torch.float32, copy=True)
+        blocks = xf.view(view_shape)
+        e, scale_f = _mx_scale(_abs_max(blocks, (reduce_dim,)), scale_rule)
+        blocks.div_(scale_f.unsqueeze(reduce_dim))
+        q2[r0:r1].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+        s2[r0 // per_scale_row : r1 // per_scale_row] = _encode_scale(e, scale_f, torch.uint8)
+    return q, scale
+
+
 def check_dequantize_mx(q: Tensor, scale: Tensor, dim: int, block: int) -> int:
     """dequantize_mx's input checks (shared with the fake kernel); returns dim >= 0."""
     _check_q("dequantize_mx", q)

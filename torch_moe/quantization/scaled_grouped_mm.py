@@ -303,19 +303,20 @@ def _scaled_grouped_mm_cpu(
     block_n: int,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """b (the experts' weights) dequantized once; a in chunks of whole groups: its rows
-    dequantized, one fp32 GEMM per group into a chunk-sized buffer, one rounding into the
-    output. Dequantizing all of a first allocates [M, K] and [M, N] fp32 tensors and
-    rounds [M, N] in a pass of its own over memory that has left the cache. The values
-    are the whole-operand form's: the same dequantized operands, the same per-group GEMM
-    primitive as the CPU grouped GEMM's loop (``mm_into``)."""
+    """a in chunks of whole groups: its rows and the chunk's experts of b dequantized, one
+    fp32 GEMM per group into a chunk-sized buffer, one rounding into the output.
+    Dequantizing all of a first allocates [M, K] and [M, N] fp32 tensors and rounds [M,
+    N] in a pass of its own over memory that has left the cache; dequantizing all of b
+    allocates an fp32 [E, K, N] (and its int32 codes) that a large layer's weights fault
+    in page by page. The values are the whole-operand form's: the same dequantized
+    operands, the same per-group GEMM primitive as the CPU grouped GEMM's loop
+    (``mm_into``)."""
     _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
     ends = check_offs_values("scaled_grouped_mm", offs, a.shape[0])
     if ends is None:  # pragma: no cover (CPU offs)
         ends = offs.tolist()
     (M, K), N = a.shape, b.shape[2]
     out = torch.empty((M, N), dtype=out_dtype)
-    b_f = _dequantize_rhs(b, scale_b, block_k, block_n)
     direct = out_dtype == torch.float32
     row_scales = scale_a.shape[0] == M
     for c0, c1, gs in _chunks_of_groups(ends, max(1, _CPU_CHUNK_ELEMS // max(K, N, 1))):
@@ -323,13 +324,16 @@ def _scaled_grouped_mm_cpu(
             continue
         sa = scale_a[c0:c1] if row_scales else scale_a
         a_f = _dequantize_lhs(a[c0:c1], sa, block_k)
+        g0, g1 = gs[0], gs[-1] + 1
+        b_f = _dequantize_rhs(b[g0:g1], scale_b[g0:g1], block_k, block_n)
         prod = out[c0:c1] if direct else a_f.new_empty((c1 - c0, N))
         start = c0
         for g in gs:
             end = ends[g]
             if end > start:
-                mm_into(a_f[start - c0 : end - c0], b_f[g], prod[start - c0 : end - c0])
+                mm_into(a_f[start - c0 : end - c0], b_f[g - g0], prod[start - c0 : end - c0])
             start = end
+        del b_f
         if not direct:
             out[c0:c1].copy_(prod)
     out[ends[-1] if ends else 0 :].zero_()
