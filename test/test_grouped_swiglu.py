@@ -342,6 +342,39 @@ class TestGroupedSwiGLUChecks(TestCase):
         self.assertEqual(out, (torch.nn.functional.silu(gate) * up).to(torch.bfloat16))
 
     @parametrize("weights", [False, True])
+    def test_swiglu_op_cpu_kernels_in_row_chunks(self, weights):
+        # the activation op the recipes run between their scaled GEMMs: row chunks (here
+        # of one and three rows, and all) give the whole-tensor forward's bits, the
+        # backward grouped_swiglu's CPU bits for the same rows, and both the float64
+        # derivative of silu(gate) * up (* w) to fp32 rounding
+        from torch_moe._ops import grouped_swiglu as m
+
+        g = torch.Generator().manual_seed(3)
+        h = (torch.randn(37, 48, generator=g) * 3).to(torch.bfloat16)
+        ga = torch.randn(37, 24, generator=g).to(torch.bfloat16)
+        rw = torch.rand(37, generator=g) if weights else None
+        want_a = m._act(h, h.dtype, rw)
+        want_dh = torch.empty_like(h)
+        want_rw = m._act_backward_into(h, ga, rw, torch.empty_like(want_a), want_dh)
+        h64 = h.double().requires_grad_(True)
+        rw64 = None if rw is None else rw.double().requires_grad_(True)
+        gate, up = h64.chunk(2, dim=-1)
+        a64 = torch.nn.functional.silu(gate) * up * (1 if rw64 is None else rw64[:, None])
+        a64.backward(ga.double())
+        for elems in (24, 72, 2**16):
+            with unittest.mock.patch.object(m, "_ACT_CHUNK_ELEMS", elems):
+                a = torch.ops.torch_moe.swiglu(h, rw)
+                dh, grad_rw = torch.ops.torch_moe.swiglu_backward(ga, h, rw)
+            self.assertEqual(a, want_a, atol=0, rtol=0)
+            self.assertEqual(dh, want_dh, atol=0, rtol=0)
+            self.assertEqual(dh.double(), h64.grad, atol=0.02, rtol=1e-2)
+            if rw is None:
+                self.assertEqual(grad_rw.numel(), 0)
+            else:
+                self.assertEqual(grad_rw, want_rw.to(rw.dtype), atol=0, rtol=0)
+                self.assertEqual(grad_rw.double(), rw64.grad, atol=1e-5, rtol=1e-5)
+
+    @parametrize("weights", [False, True])
     def test_chunk_math_in_fp32(self, weights):
         # the CPU kernels' elementwise parts compute in fp32 and round once into bf16:
         # bitwise what the same fp32 expressions give (bf16 math would differ in ulps)

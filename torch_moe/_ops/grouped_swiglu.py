@@ -674,6 +674,20 @@ def swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
     return _act(h, h.dtype, row_weights)
 
 
+@swiglu.register_kernel("cpu")
+def _(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+    """grouped_swiglu's CPU activation: row chunks whose fp32 temporaries stay in cache
+    (the same operations as ``_act``, hence the same bits)."""
+    _check_act(h, row_weights)
+    rows, hidden = h.shape[0], h.shape[1] // 2
+    out = h.new_empty((rows, hidden))
+    step = _act_chunk_rows(h.dtype, hidden)
+    for r0 in range(0, rows, step):
+        r = slice(r0, r0 + step)
+        _act_into(h[r], None if row_weights is None else row_weights[r], out[r])
+    return out
+
+
 @swiglu.register_fake
 def _(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
     _check_act(h, row_weights)
@@ -689,6 +703,27 @@ def swiglu_backward(
     dh = torch.empty_like(h)
     a = h.new_empty((h.shape[0], h.shape[1] // 2))  # written by _act_backward, unused
     grad_rw = _act_backward(h, grad_a, row_weights, a, dh)
+    return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
+
+
+@swiglu_backward.register_kernel("cpu")
+def _(grad_a: Tensor, h: Tensor, row_weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """grouped_swiglu's CPU activation backward (``_act_backward_into``) in row chunks: the
+    same values as grouped_swiglu's CPU kernels give for the same rows; the recomputed
+    activation goes to one chunk's scratch buffer."""
+    _check_act(h, row_weights)
+    rows, hidden = h.shape[0], h.shape[1] // 2
+    dh = torch.empty_like(h)
+    step = _act_chunk_rows(h.dtype, hidden)
+    scratch = h.new_empty((min(rows, step), hidden))
+    grad_rw = None if row_weights is None else h.new_empty((rows,), dtype=acc_dtype(h.dtype))
+    for r0 in range(0, rows, step):
+        r = slice(r0, r0 + step)
+        n = min(rows, r0 + step) - r0
+        rw = None if row_weights is None else row_weights[r]
+        grad_rw_r = _act_backward_into(h[r], grad_a[r], rw, scratch[:n], dh[r])
+        if grad_rw is not None and grad_rw_r is not None:
+            grad_rw[r] = grad_rw_r
     return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
 
 
