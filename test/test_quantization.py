@@ -471,6 +471,54 @@ class TestQuantizeMXCPUKernel(TestCase):
         self.assertGreaterEqual(largest, x.numel())  # the e4m3 output
 
 
+class TestQuantizeJaggedCPUKernel(TestCase):
+    """``quantize_jagged``'s CPU kernel equals the reference bit for bit: both formats and
+    scale rules, blocks of 128 / 32 / 5 / 1 rows and one per group (-1), empty groups,
+    one-row groups, rows past the last group, zero rows, bf16 and fp32, and chunks that
+    take every path: pieces of a large segment (one pass, and the two-pass maxima of a
+    block taller than a chunk) and chunks of several small segments (the scatter)."""
+
+    def test_equals_reference(self):
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        gen = torch.Generator().manual_seed(13)
+        cases = 0
+        for sizes, block, (fmt, rule), dtype, tail in itertools.product(
+            ([7, 0, 33, 1, 0, 50], [0, 0, 0], [120], [1, 1, 1, 1, 90]),
+            (128, 32, 5, 1, -1),
+            (("fp8", "floor"), ("mx", "floor"), ("mx", "rceil")),
+            (torch.bfloat16, torch.float32),
+            (0, 3),
+        ):
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            rows, cols = int(offs[-1]) + tail, 16
+            x = (
+                torch.randn(rows, cols, generator=gen)
+                * torch.rand(rows, 1, generator=gen).mul(10).exp()
+            )
+            x[2:4] = 0
+            x = x.to(dtype)
+            want_q, want_s = Qm.quantize_jagged_reference(
+                x,
+                offs,
+                block=block,
+                fmt=fmt,
+                scale_rule=rule,
+                scale_dtype=torch.float32 if fmt == "fp8" else torch.uint8,
+            )
+            for chunk in (3 * cols, 40 * cols, 2**19):  # 3 rows, 40 rows, everything
+                with mock.patch.object(Qm, "_QUANT_CHUNK", chunk):
+                    q, scale = torch.ops.torch_moe.quantize_jagged(x, offs, block, fmt, rule)
+                msg = f"{sizes} tail={tail} block={block} {fmt} {rule} {dtype} chunk={chunk}"
+                self.assertEqual(
+                    q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg
+                )
+                self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
+                cases += 1
+        self.assertEqual(cases, 4 * 5 * 3 * 2 * 2 * 3)
+
+
 class TestRecipeEmulation(TestCase):
     """quantized_grouped_mm, _dgrad and _wgrad (the CPU emulation every kernel must equal)
     against the recipe written out in the test: quantize per block (naive.fake_quantize),

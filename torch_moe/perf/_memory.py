@@ -53,11 +53,10 @@ experts' backward holds the most:
   the largest group's ``grad_a``, ``a`` [m, F] and ``dH`` [m, 2F] in c, and one chunk's
   fp32 temporaries (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product);
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
-  dgrad / wgrad of the second GEMM, the SwiGLU backward (``M*2F*4 + 6*M*F*4`` of fp32
-  temporaries), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
-  A, then B (``q`` bytes per element at the worst, 1 kept: 1-2 for FP8 and MX from
-  ``quantize_fp8`` / ``quantize_mx``'s chunked CPU kernels, 12.1 / 12.5 for the jagged
-  wgrad blocks, measured, see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward
+  dgrad / wgrad of the second GEMM, the SwiGLU backward (on a GPU ``M*2F*4 + 6*M*F*4`` of
+  fp32 temporaries, on a CPU one row chunk's, as above), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
+  A, then B (``q`` bytes per element at the worst, 1 kept: 1-2 from the quantizers'
+  chunked CPU kernels, see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward
   and dgrad dequantize A in chunks of whole groups and the chunk's experts of B (8 bytes
   per element while converting, 4 kept) with each chunk's fp32 product; wgrad dequantizes
   both operands per chunk into one group's fp32 product (``_gemm_phase``). Weights are
@@ -162,35 +161,31 @@ def _params(w: MoEWorkload) -> tuple[float, float]:
 
 
 # Bytes per element an operand's quantize holds at its worst on a CPU, the 1 byte of e4m3
-# it keeps included, by kind. The CPU kernels of ``quantize_fp8`` and ``quantize_mx``
-# convert in row chunks (no fp32 copy of the operand; ``_CHUNKED``): 1 byte, 2 for a
-# column-major B (the weights, ``*_col``), which the ops return contiguous, plus one fp32
-# chunk. The reference quantizer that the jagged (wgrad) blocks still run holds an fp32
-# copy and the scaled and clamped values, and pads each group to whole blocks; measured
-# with the profiler's allocator events on quantize_wgrad_operand at three shapes per
-# recipe (within 1%: fp8 12.02-12.14, MX 12.43-12.52); test_perf.py checks the layer's
-# peak against the model. A GPU kernel writes e4m3 (1 byte) directly and reads it in the
-# GEMM.
+# it keeps included, by kind; every CPU quantizer converts in chunks of ``_QUANT_CHUNK``
+# elements (no fp32 copy of the operand): 1 byte, 2 for a column-major B (the weights,
+# ``*_col``), which the ops return contiguous, plus ``_CHUNK_BYTES`` per element of one
+# chunk (the fp32 chunk; the jagged (wgrad) blocks' small groups also hold its absolute
+# values and its rows' scales). A GPU kernel writes e4m3 (1 byte) directly and reads it in
+# the GEMM. test_perf.py checks the layer's peak against the model.
 _FQ_TRANSIENT = {
     "fp8": 1.0,
     "fp8_col": 2.0,
     "mx": 1.0,
     "mx_col": 2.0,
-    "fp8_jagged": 12.1,
-    "mx_jagged": 12.5,
+    "fp8_jagged": 1.0,
+    "mx_jagged": 1.0,
     "gpu": 1.0,
     "bf16": 0.0,  # not quantized: a GEMM reads the operand itself
 }
-_CHUNKED = frozenset({"fp8", "fp8_col", "mx", "mx_col"})
+_CHUNK_BYTES = {"fp8": 4, "fp8_col": 4, "mx": 4, "mx_col": 4, "fp8_jagged": 12, "mx_jagged": 12}
 
 
 def _quantize_bytes(kind: str, n: float) -> float:
-    """Peak bytes of quantizing an n-element operand of ``kind`` (``_FQ_TRANSIENT``): a
-    chunked CPU kernel also holds one fp32 chunk of ``_QUANT_CHUNK`` elements."""
+    """Peak bytes of quantizing an n-element operand of ``kind`` (``_FQ_TRANSIENT``), one
+    chunk's temporaries included (``_CHUNK_BYTES``)."""
     from torch_moe.quantization.quantize import _QUANT_CHUNK
 
-    chunk = 4 * min(n, _QUANT_CHUNK) if kind in _CHUNKED else 0.0
-    return _FQ_TRANSIENT[kind] * n + chunk
+    return _FQ_TRANSIENT[kind] * n + _CHUNK_BYTES.get(kind, 0) * min(n, _QUANT_CHUNK)
 
 
 def _operand_kinds(precision: str, cpu: bool) -> dict[str, tuple[str, str]]:
@@ -256,7 +251,7 @@ def _gemm_phase(
 
 
 def _whole_tensor_phases(
-    w: MoEWorkload, cpu: bool, M: float, base: float, c: int, m: float = 0.0
+    w: MoEWorkload, cpu: bool, M: float, base: float, c: int, m: float = 0.0, threads: int = 1
 ) -> float:
     """The backward phases of the experts computed over all M rows at once (recipes on a
     CPU, every path on a GPU): dgrad / wgrad of the second GEMM, the SwiGLU backward,
@@ -270,6 +265,11 @@ def _whole_tensor_phases(
     else:  # bf16 on a GPU: grouped GEMMs straight from the operands
         dgrad = wgrad = ("bf16", "bf16")
     emu = cpu and recipe
+    if emu:  # the swiglu_backward op's CPU kernel works in row chunks
+        r = min(M, _act_chunk_rows(w, threads))
+        swiglu_tmp = r * F * b + _act_fp32_bytes(r, F)
+    else:
+        swiglu_tmp = M * F * b + M * 2 * F * 4 + 6 * M * F * 4
     copy = b  # AccumulateGrad copies a transposed gradient into the parameter's layout
     a_saved = M * F * b if recipe else 0.0
     phases = [
@@ -278,8 +278,9 @@ def _whole_tensor_phases(
         + M * F * b
         + _gemm_phase(wgrad, M * F, M * D, w2, b, emu, rows=M, group_rows=m, wgrad=True),
         base + M * F * b + w2 * (b + copy),
-        # the SwiGLU backward over all M rows: its fp32 temporaries
-        base - a_saved + w2 * b + M * F * b + M * 3 * F * b + M * 2 * F * 4 + 6 * M * F * 4,
+        # the SwiGLU backward: dA [M, F] and dH [M, 2F]; its fp32 temporaries over all M
+        # rows on a GPU (and A [M, F]), one row chunk's on a CPU (and the chunk's A)
+        base - a_saved + w2 * b + M * F * b + M * 2 * F * b + swiglu_tmp,
     ]
     after = base - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
     phases += [
@@ -411,7 +412,7 @@ def memory(
         phase += m * F * c * 2 + m * 2 * F * c + _act_fp32_bytes(r, F)
         dyn = max(phase, side_phase)
     else:
-        dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m), side_phase)
+        dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m, threads), side_phase)
     if w.ep > 1 and w.num_chunks > 1:
         # after the last chunk, each weight's split backward (``split_weights``)
         # concatenates its chunks' gradients: the chunks' and the concatenation are live

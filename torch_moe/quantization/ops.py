@@ -160,6 +160,11 @@ def _quantize_jagged(
     return q.contiguous(), scale.contiguous()
 
 
+@_quantize_jagged.register_kernel("cpu")
+def _(x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str) -> tuple[Tensor, Tensor]:
+    return Q.quantize_jagged_cpu(x, offs, block, fmt, scale_rule)
+
+
 @_quantize_jagged.register_kernel("cuda")
 def _(x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str) -> tuple[Tensor, Tensor]:
     from torch_moe._triton import quantize as TQ

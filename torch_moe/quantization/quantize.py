@@ -629,6 +629,123 @@ def quantize_jagged_reference(
     return _to_fp8(xf / scale_f.index_select(0, row_block)), scale
 
 
+def quantize_jagged_cpu(
+    x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str
+) -> tuple[Tensor, Tensor]:
+    """The CPU kernel of ``quantize_jagged`` (contiguous q; the op's scale dtype: fp32 for
+    FP8, uint8 for MX). The segments (the groups, then the rows past the last) go in
+    chunks of ~``_QUANT_CHUNK`` elements, each converted to fp32, divided by its blocks'
+    scales, clamped and cast, so that no fp32 copy of x is made:
+
+    * a segment of one chunk or more: pieces of whole blocks, each block's column maxima
+      over a view of the piece and the scales broadcast over the block's rows (a block
+      taller than a piece, e.g. ``block=-1``, takes its maxima from a first pass of
+      partial maxima);
+    * consecutive smaller segments together: the reference's scatter of the maxima and
+      gather of the scales, on the chunk's rows (a fixed number of ops per chunk, however
+      many small groups it holds).
+
+    The same per-element operations as :func:`quantize_jagged_reference`, hence the same
+    bits."""
+    bound = check_quantize_jagged(x, offs, block, fmt, scale_rule)
+    ends = check_offs_values("quantize_jagged", offs, x.shape[0])
+    if ends is None:  # pragma: no cover (CPU offs)
+        ends = offs.tolist()
+    rows, cols = x.shape
+    x2 = x.contiguous()
+    q = torch.empty((rows, cols), dtype=_FP8, device=x.device)
+    scale_dtype = torch.float32 if fmt == "fp8" else torch.uint8
+
+    def scales(amax: Tensor) -> tuple[Tensor, Tensor]:  # (fp32 divisor, stored scale)
+        if fmt == "fp8":
+            scale_f = _fp8_scale(amax)
+            return scale_f, scale_f
+        e, scale_f = _mx_scale(amax, scale_rule)
+        return scale_f, _encode_scale(e, scale_f, scale_dtype)
+
+    # unused scale rows hold the all-zero block's scale
+    scale = scales(x2.new_zeros((1, cols), dtype=torch.float32))[1].expand(bound, cols).clone()
+    step = max(1, _QUANT_CHUNK // max(cols, 1))
+
+    def convert(r0: int, r1: int) -> Tensor:
+        return x2[r0:r1].to(torch.float32, copy=True)
+
+    def store(r0: int, xf: Tensor) -> None:
+        q[r0 : r0 + xf.shape[0]].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+
+    def large(start: int, end: int, first: int) -> None:
+        extent = end - start if block == -1 else block
+        if extent <= step:  # pieces of whole blocks: one pass
+            piece = step // extent * extent
+            for r0 in range(start, end, piece):
+                r1 = min(end, r0 + piece)
+                xf = convert(r0, r1)
+                full = (r1 - r0) // extent * extent
+                j = first + (r0 - start) // extent
+                if full:
+                    blocks = xf[:full].view(-1, extent, cols)
+                    div, stored = scales(_abs_max(blocks, (1,)))
+                    blocks.div_(div.unsqueeze(1))
+                    scale[j : j + full // extent] = stored
+                    j += full // extent
+                if full < r1 - r0:  # the segment's partial last block
+                    div, stored = scales(_abs_max(xf[full:], (0,)).unsqueeze(0))
+                    xf[full:].div_(div)
+                    scale[j : j + 1] = stored
+                store(r0, xf)
+            return
+        for b0 in range(start, end, extent):  # maxima of partial maxima, then divide
+            b1 = min(end, b0 + extent)
+            amax = _abs_max(convert(b0, min(b1, b0 + step)), (0,))
+            for r0 in range(b0 + step, b1, step):
+                torch.maximum(amax, _abs_max(convert(r0, min(b1, r0 + step)), (0,)), out=amax)
+            div, stored = scales(amax.unsqueeze(0))
+            scale[first + (b0 - start) // extent] = stored[0]
+            for r0 in range(b0, b1, step):
+                store(r0, convert(r0, min(b1, r0 + step)).div_(div))
+
+    row_block: Tensor | None = None
+
+    def small(c0: int, c1: int, j0: int, j1: int) -> None:
+        nonlocal row_block
+        if row_block is None:
+            row_block = jagged_block_index(offs, rows, block)[0]
+        local = row_block[c0:c1] - j0
+        xf = convert(c0, c1)
+        amax = xf.new_zeros((j1 - j0, cols))
+        amax.scatter_reduce_(0, local.unsqueeze(1).expand(-1, cols), xf.abs(), "amax")
+        div, stored = scales(amax)
+        scale[j0:j1] = stored
+        store(c0, xf.div_(div.index_select(0, local)))
+
+    pending: list[tuple[int, int, int]] = []  # small segments: (start, end, first)
+
+    def flush() -> None:
+        if len(pending) == 1:
+            large(*pending[0])
+        elif pending:
+            last = pending[-1]
+            blocks_last = 1 if block == -1 else -(-(last[1] - last[0]) // block)
+            small(pending[0][0], last[1], pending[0][2], last[2] + blocks_last)
+        pending.clear()
+
+    first = 0  # the segment's first scale row
+    for start, end in zip([0, *ends], [*ends, rows]):
+        size = end - start
+        if size == 0:
+            continue
+        if size >= step:
+            flush()
+            large(start, end, first)
+        else:
+            if pending and end - pending[0][0] > step:
+                flush()
+            pending.append((start, end, first))
+        first += 1 if block == -1 else -(-size // block)
+    flush()
+    return q, scale
+
+
 def check_dequantize_jagged(q: Tensor, scale: Tensor, offs: Tensor, block: int) -> None:
     """dequantize_jagged's input checks but the offs values (shared with the fake kernel)."""
     _check_q("dequantize_jagged", q)
