@@ -2,8 +2,10 @@
 ``quantize_mx``, ``quantize_jagged``, ``dequantize_fp8``, ``dequantize_mx``,
 ``dequantize_jagged``) and the public functions that call them.
 
-Each op's default kernel (CPU and any device) is the plain-PyTorch reference in
-:mod:`torch_moe.quantization.quantize` (``*_reference``); CUDA runs the Triton kernels of
+Each op's default kernel is the plain-PyTorch reference in
+:mod:`torch_moe.quantization.quantize` (``*_reference``). On CPU the quantize ops run that
+module's ``quantize_*_cpu`` kernels: the reference's per-element operations in cache-sized
+chunks (no fp32 copy of the operand), bit for bit its results. CUDA runs the Triton kernels of
 :mod:`torch_moe._triton.quantize` (bit for bit the same results), falling back to the
 reference for the layouts they do not cover (blocks over more than ``MAX_BLOCK_ELEMS``
 elements, MX along a dim other than the last two, inputs of more than three dims). Fake

@@ -1,9 +1,11 @@
 """Reference FP8 / MXFP8 quantize and dequantize (plain PyTorch, the oracle for kernels).
 
-Every function here is a ``*_reference``: the oracle and the kernel the custom ops
-(:mod:`torch_moe.quantization.ops`) run on CPU. Library code calls the ops (the public
-``torch_moe.quantization.quantize_fp8`` and friends), which dispatch to the Triton kernels
-on CUDA; only tests and the ops' CPU kernels call these directly.
+The ``*_reference`` functions here are the oracles; the ``quantize_*_cpu`` functions are
+the custom ops' (:mod:`torch_moe.quantization.ops`) CPU kernels: the same per-element
+operations in chunks of ``_QUANT_CHUNK`` elements, bit for bit the references' results.
+Library code calls the ops (the public ``torch_moe.quantization.quantize_fp8`` and
+friends), which dispatch to these on CPU and to the Triton kernels on CUDA; only tests and
+the ops' kernels call this module directly.
 
 Legend: M rows (tokens), K / N columns, E experts (groups), B block extent.
 
