@@ -54,13 +54,15 @@ experts' backward holds the most:
   fp32 temporaries (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product);
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (on a GPU ``M*2F*4 + 6*M*F*4`` of
-  fp32 temporaries, on a CPU one row chunk's, as above), dgrad / wgrad of the first GEMM; with the emulation each GEMM quantizes
-  A, then B (``q`` bytes per element at the worst, 1 kept: 1-2 from the quantizers'
-  chunked CPU kernels, see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward
-  and dgrad dequantize A in chunks of whole groups and the chunk's experts of B (8 bytes
-  per element while converting, 4 kept) with each chunk's fp32 product; wgrad dequantizes
-  both operands per chunk into one group's fp32 product (``_gemm_phase``). Weights are
-  quantized whole every call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
+  fp32 temporaries, on a CPU one row chunk's, as above), dgrad / wgrad of the first GEMM
+  (a recipe's GEMMs are ops of their own: the second's output gradient [M, D] is freed
+  before the SwiGLU's backward); with the emulation each GEMM quantizes A, then B (``q``
+  bytes per element at the worst, 1 kept: 1-2 from the quantizers' chunked CPU kernels,
+  see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward and dgrad dequantize
+  A in chunks of whole groups and the chunk's experts of B (8 bytes per element while
+  converting, 4 kept) with each chunk's fp32 product; wgrad dequantizes both operands per
+  chunk into one group's fp32 product (``_gemm_phase``). Weights are quantized whole every
+  call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 The expected largest group is ``lam_max + sqrt(lam_max) * z_E`` rows (``z_E`` the expected
 maximum of E standard normals: the multinomial noise of the routing).
@@ -272,6 +274,9 @@ def _whole_tensor_phases(
         swiglu_tmp = M * F * b + M * 2 * F * 4 + 6 * M * F * 4
     copy = b  # AccumulateGrad copies a transposed gradient into the parameter's layout
     a_saved = M * F * b if recipe else 0.0
+    # a recipe's second GEMM is an op of its own: its output gradient [M, D] (in ``base``)
+    # is freed once its backward is done, before the SwiGLU's and the first GEMM's
+    dy = M * D * b if recipe else 0.0
     phases = [
         base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m),
         base
@@ -280,9 +285,9 @@ def _whole_tensor_phases(
         base + M * F * b + w2 * (b + copy),
         # the SwiGLU backward: dA [M, F] and dH [M, 2F]; its fp32 temporaries over all M
         # rows on a GPU (and A [M, F]), one row chunk's on a CPU (and the chunk's A)
-        base - a_saved + w2 * b + M * F * b + M * 2 * F * b + swiglu_tmp,
+        base - dy - a_saved + w2 * b + M * F * b + M * 2 * F * b + swiglu_tmp,
     ]
-    after = base - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
+    after = base - dy - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
     phases += [
         after + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m),
         after
