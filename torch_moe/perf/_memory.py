@@ -222,11 +222,11 @@ def _gemm_phase(
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
-    GPU kernel reads e4m3 and writes the output. The CPU kernels (``rows`` of A, the largest group
-    ``group_rows``): forward / dgrad dequantize A in chunks of whole groups
+    GPU kernel reads e4m3 and writes the output. The CPU kernels (``rows`` of A, the
+    largest group ``group_rows``): forward / dgrad dequantize A in chunks of whole groups
     (``_CPU_CHUNK_ELEMS`` elements, or one larger group), then those groups' experts of B
-    (an int32 index and the fp32 value, 8 bytes per element, 4 kept), then each chunk's
-    fp32 product, into the output; wgrad
+    (an int32 index and the fp32 value, 8 bytes per element, 4 kept; ``_CPU_CHUNK_ELEMS``
+    of them, or one expert), then each chunk's fp32 product, into the output; wgrad
     dequantizes both token-order operands per chunk (index, value and the rows' scales)
     into one group's fp32 product, with the jagged operands' scale row per row (int64)."""
     if not cpu:
@@ -245,9 +245,13 @@ def _gemm_phase(
         chunks = chunk * max(12 * k, 4 * k + 12 * n)  # A's value kept while B converts
         return max(quantize, n_a + n_b + per_row + b * n_out + 4 * n_out / groups + chunks)
     # forward / dgrad: per chunk, A's rows (int32 codes and fp32 values), then the chunk's
-    # experts of B the same way, then the chunk's fp32 product
+    # experts of B the same way (at most _CPU_CHUNK_ELEMS of them, or one expert), then
+    # the chunk's fp32 product
     experts = max(1.0, n_b / max(k * n, 1.0))
-    b_chunk = n_b * min(1.0, max(1.0, chunk * experts / m) / experts)
+    cap = max(1.0, _CPU_CHUNK_ELEMS // max(k * n, 1.0))
+    in_chunk = min(experts, cap, max(1.0, chunk * experts / m))
+    chunk = min(chunk, max(group_rows, in_chunk * m / experts))
+    b_chunk = n_b * in_chunk / experts
     per_chunk = max(8 * chunk * k, 4 * chunk * k + 8 * b_chunk, 4 * chunk * (k + n) + 4 * b_chunk)
     return max(quantize, n_a + n_b + b * n_out + per_chunk)
 
@@ -282,7 +286,7 @@ def _whole_tensor_phases(
         base
         + M * F * b
         + _gemm_phase(wgrad, M * F, M * D, w2, b, emu, rows=M, group_rows=m, wgrad=True),
-        base + M * F * b + w2 * (b + copy),
+        base - dy + M * F * b + w2 * (b + copy),  # accumulated after its GEMM's backward
         # the SwiGLU backward: dA [M, F] and dH [M, 2F]; its fp32 temporaries over all M
         # rows on a GPU (and A [M, F]), one row chunk's on a CPU (and the chunk's A)
         base - dy - a_saved + w2 * b + M * F * b + M * 2 * F * b + swiglu_tmp,
@@ -293,7 +297,8 @@ def _whole_tensor_phases(
         after
         + M * D * b
         + _gemm_phase(wgrad, M * D, M * 2 * F, w13, b, emu, rows=M, group_rows=m, wgrad=True),
-        after + M * D * b + w13 * (b + copy),
+        # its weight gradient accumulated once its backward has returned: dH freed
+        after - M * 2 * F * b + M * D * b + w13 * (b + copy),
     ]
     _ = c
     return max(phases)

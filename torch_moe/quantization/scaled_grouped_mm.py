@@ -277,13 +277,17 @@ def _scaled_grouped_mm(
 _CPU_CHUNK_ELEMS = 2**18
 
 
-def _chunks_of_groups(ends: list[int], chunk_rows: int) -> list[tuple[int, int, list[int]]]:
-    """Consecutive groups gathered into chunks of about ``chunk_rows`` rows (a larger
-    group is a chunk of its own): ``(first row, end row, group indices)`` per chunk."""
+def _chunks_of_groups(
+    ends: list[int], chunk_rows: int, max_groups: int | None = None
+) -> list[tuple[int, int, list[int]]]:
+    """Consecutive groups gathered into chunks of about ``chunk_rows`` rows and at most
+    ``max_groups`` groups (a larger group is a chunk of its own): ``(first row, end row,
+    group indices)`` per chunk."""
     chunks: list[tuple[int, int, list[int]]] = []
     start = 0
     for g, end in enumerate(ends):
-        if chunks and end - chunks[-1][0] <= chunk_rows:
+        fits = max_groups is None or (chunks and len(chunks[-1][2]) < max_groups)
+        if chunks and fits and end - chunks[-1][0] <= chunk_rows:
             c0, _, gs = chunks[-1]
             chunks[-1] = (c0, end, [*gs, g])
         else:
@@ -303,8 +307,9 @@ def _scaled_grouped_mm_cpu(
     block_n: int,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """a in chunks of whole groups: its rows and the chunk's experts of b dequantized, one
-    fp32 GEMM per group into a chunk-sized buffer, one rounding into the output.
+    """a in chunks of whole groups (about ``_CPU_CHUNK_ELEMS`` rows' worth, and as many
+    experts' weights): its rows and the chunk's experts of b dequantized, one fp32 GEMM per
+    group into a chunk-sized buffer, one rounding into the output.
     Dequantizing all of a first allocates [M, K] and [M, N] fp32 tensors and rounds [M,
     N] in a pass of its own over memory that has left the cache; dequantizing all of b
     allocates an fp32 [E, K, N] (and its int32 codes) that a large layer's weights fault
@@ -319,7 +324,9 @@ def _scaled_grouped_mm_cpu(
     out = torch.empty((M, N), dtype=out_dtype)
     direct = out_dtype == torch.float32
     row_scales = scale_a.shape[0] == M
-    for c0, c1, gs in _chunks_of_groups(ends, max(1, _CPU_CHUNK_ELEMS // max(K, N, 1))):
+    # a chunk's rows of a and its experts of b each within about _CPU_CHUNK_ELEMS
+    experts = max(1, _CPU_CHUNK_ELEMS // max(K * N, 1))
+    for c0, c1, gs in _chunks_of_groups(ends, max(1, _CPU_CHUNK_ELEMS // max(K, N, 1)), experts):
         if c1 == c0:
             continue
         sa = scale_a[c0:c1] if row_scales else scale_a
