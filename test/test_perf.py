@@ -434,6 +434,25 @@ class TestMemory(TestCase):
         measured, predicted = _measured_and_predicted_peak(256, 64, 128, 8, 2, **kw)
         self.assertLess(abs(predicted / measured - 1), 0.10, msg=f"{predicted} vs {measured}")
 
+    @parametrize(
+        "precision, shape",
+        [
+            ("fp8_rowwise", (512, 256, 128, 64, 4)),
+            ("fp8_blockwise", (512, 256, 128, 64, 4)),
+            ("mxfp8", (512, 256, 128, 64, 4)),
+            ("mxfp8", (2048, 256, 256, 16, 2)),
+        ],
+        name_fn=lambda precision, shape: f"{precision}_E{shape[3]}",
+    )
+    def test_peak_memory_of_the_emulated_recipes(self, precision, shape):
+        # the CPU emulation's chunked quantizers and scaled GEMMs (each chunk's rows and
+        # experts dequantized) against the allocator's peak, within the benchmark's 5%, at
+        # shapes whose blocks tile the operands: 64 experts of 32 rows (the peak is the
+        # first GEMM's weight gradient being accumulated, once its dH is freed) and 16 of
+        # 256 (the first GEMM's wgrad, after the second GEMM's dY is freed)
+        measured, predicted = _measured_and_predicted_peak(*shape, precision=precision)
+        self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
+
     @parametrize("path", ["loop", "whole"])
     def test_peak_memory_of_each_swiglu_path(self, path):
         # grouped_swiglu's two CPU paths (both forced, with the activation chunk the
