@@ -419,7 +419,7 @@ class TestQuantizeMXCPUKernel(TestCase):
         gen = torch.Generator().manual_seed(11)
         cases = 0
         for shape, dim, block, dtype, layout, rule in itertools.product(
-            [(64, 96), (2, 64, 32), (3, 2, 32, 5), (96,)],
+            [(64, 96), (2, 64, 32), (3, 2, 32, 5), (96,), (0, 64)],
             (0, 1, -2, -1),
             (32, 16, 1),
             (torch.bfloat16, torch.float32),
