@@ -45,7 +45,7 @@ Inputs must be finite (``inf`` / NaN are not checked: their blocks become NaN).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -113,6 +113,11 @@ def _to_fp8(x_scaled: Tensor) -> Tensor:
     """Saturating cast: torch's float8_e4m3fn cast turns out-of-range values into NaN.
     Clamps ``x_scaled`` in place: callers pass a temporary."""
     return x_scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8)
+
+
+def _to_fp8_into(out: Tensor, x_scaled: Tensor) -> None:
+    """:func:`_to_fp8` into an existing e4m3 tensor (the CPU kernels' chunks)."""
+    out.copy_(x_scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
 
 
 _FP8_VALUES: dict[torch.device, Tensor] = {}
@@ -233,9 +238,6 @@ def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[T
     def chunk_f32(r0: int, r1: int) -> Tensor:
         return x2[r0:r1].to(torch.float32, copy=True)
 
-    def store(r0: int, r1: int, xf: Tensor) -> None:
-        q[r0:r1].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
-
     if br <= step:
         scale = torch.empty((rows // br, nc), dtype=torch.float32, device=x.device)
         rc = step // br * br
@@ -246,7 +248,7 @@ def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[T
             sc = _fp8_scale(_abs_max(blocks, (1, 3)))
             scale[r0 // br : r1 // br] = sc
             blocks.div_(sc[:, None, :, None])
-            store(r0, r1, xf)
+            _to_fp8_into(q[r0:r1], xf)
         return q.view(x.shape), scale.view(*lead, nr, nc)
     # chunks inside one block row each (step < br)
     bounds = []
@@ -263,7 +265,7 @@ def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[T
     for r0, r1 in bounds:
         xf = chunk_f32(r0, r1)
         xf.view(r1 - r0, nc, bc).div_(scale[r0 // br, None, :, None])
-        store(r0, r1, xf)
+        _to_fp8_into(q[r0:r1], xf)
     return q.view(x.shape), scale.view(*lead, nr, nc)
 
 
@@ -458,10 +460,9 @@ def quantize_mx_cpu(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[T
 
 def _quantize_mx_dense(x: Tensor, d: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
     """quantize_mx_cpu on a contiguous x, viewed as [A, S, B] around the blocked dim d
-    (S = x.shape[d]): with B == 1 the blocks are runs of a row of [A, S]; otherwise they
-    are ``block`` consecutive rows of [A * S, B] (S is a multiple of the block, so no
-    block crosses from one index of A to the next). Chunks of whole rows / whole
-    blocks."""
+    (S = x.shape[d]): with B == 1 the blocks are runs of a row of [A, S] (chunks of whole
+    rows); otherwise they are ``block`` consecutive rows of [A * S, B] (S is a multiple of
+    the block, so no block crosses from one index of A to the next: ``_quantize_row_blocks``)."""
     size = x.shape[d]
     inner = math.prod(x.shape[d + 1 :])
     rows = x.numel() // inner  # A * S, or A when inner == 1
@@ -469,27 +470,73 @@ def _quantize_mx_dense(x: Tensor, d: int, block: int, scale_rule: str) -> tuple[
     scale_shape = list(x.shape)
     scale_shape[d] //= block
     scale = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
-    if inner == 1:
-        rows //= size
-        x2, q2 = x.reshape(rows, size), q.view(rows, size)
-        s2 = scale.view(rows, size // block)
-        step, reduce_dim = max(1, _QUANT_CHUNK // size), 2
-        view_shape: tuple[int, ...] = (-1, size // block, block)
-    else:
+    scales = _block_scales("mx", scale_rule)
+    if inner > 1:
         x2, q2 = x.reshape(rows, inner), q.view(rows, inner)
-        s2 = scale.view(rows // block, inner)
-        step, reduce_dim = max(1, _QUANT_CHUNK // (inner * block)) * block, 1
-        view_shape = (-1, block, inner)
-    per_scale_row = 1 if inner == 1 else block
+        _quantize_row_blocks(x2, q2, scale.view(rows // block, inner), 0, rows, 0, block, scales)
+        return q, scale
+    rows //= size
+    x2, q2, s2 = x.reshape(rows, size), q.view(rows, size), scale.view(rows, size // block)
+    step = max(1, _QUANT_CHUNK // size)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         xf = x2[r0:r1].to(torch.float32, copy=True)
-        blocks = xf.view(view_shape)
-        e, scale_f = _mx_scale(_abs_max(blocks, (reduce_dim,)), scale_rule)
-        blocks.div_(scale_f.unsqueeze(reduce_dim))
-        q2[r0:r1].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
-        s2[r0 // per_scale_row : r1 // per_scale_row] = _encode_scale(e, scale_f, torch.uint8)
+        blocks = xf.view(-1, size // block, block)
+        div, stored = scales(_abs_max(blocks, (2,)))
+        s2[r0:r1] = stored
+        blocks.div_(div.unsqueeze(2))
+        _to_fp8_into(q2[r0:r1], xf)
     return q, scale
+
+
+def _block_scales(fmt: str, scale_rule: str) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """The blocks' ``amax`` -> (fp32 divisor, stored scale) of the CPU kernels: fp32
+    ``amax / 448`` for FP8, the E8M0 power of two (stored as uint8 exponents) for MX."""
+
+    def fp8(amax: Tensor) -> tuple[Tensor, Tensor]:
+        scale_f = _fp8_scale(amax)
+        return scale_f, scale_f
+
+    def mx(amax: Tensor) -> tuple[Tensor, Tensor]:
+        e, scale_f = _mx_scale(amax, scale_rule)
+        return scale_f, _encode_scale(e, scale_f, torch.uint8)
+
+    return fp8 if fmt == "fp8" else mx
+
+
+def _quantize_row_blocks(
+    x2: Tensor,
+    q2: Tensor,
+    scale2: Tensor,
+    start: int,
+    end: int,
+    first: int,
+    extent: int,
+    scales: Callable[[Tensor], tuple[Tensor, Tensor]],
+) -> None:
+    """Rows ``start:end`` of a 2D x2 quantized per column in blocks of ``extent``
+    consecutive rows (the last one may be partial) into q2, block j's scale row into
+    ``scale2[first + j]``: in pieces of whole blocks of about ``_QUANT_CHUNK`` elements
+    (at least one block), each converted to fp32, its blocks' column maxima taken over a
+    view, divided by their scales broadcast over the rows, clamped and cast."""
+    cols = x2.shape[1]
+    piece = max(1, _QUANT_CHUNK // max(cols, 1) // extent) * extent
+    for r0 in range(start, end, piece):
+        r1 = min(end, r0 + piece)
+        xf = x2[r0:r1].to(torch.float32, copy=True)
+        full = (r1 - r0) // extent * extent
+        j = first + (r0 - start) // extent
+        if full:
+            blocks = xf[:full].view(-1, extent, cols)
+            div, stored = scales(_abs_max(blocks, (1,)))
+            scale2[j : j + full // extent] = stored
+            blocks.div_(div.unsqueeze(1))
+            j += full // extent
+        if full < r1 - r0:  # the partial last block
+            div, stored = scales(_abs_max(xf[full:], (0,)).unsqueeze(0))
+            scale2[j : j + 1] = stored
+            xf[full:].div_(div)
+        _to_fp8_into(q2[r0:r1], xf)
 
 
 def check_dequantize_mx(q: Tensor, scale: Tensor, dim: int, block: int) -> int:
@@ -656,15 +703,7 @@ def quantize_jagged_cpu(
     rows, cols = x.shape
     x2 = x.contiguous()
     q = torch.empty((rows, cols), dtype=_FP8, device=x.device)
-    scale_dtype = torch.float32 if fmt == "fp8" else torch.uint8
-
-    def scales(amax: Tensor) -> tuple[Tensor, Tensor]:  # (fp32 divisor, stored scale)
-        if fmt == "fp8":
-            scale_f = _fp8_scale(amax)
-            return scale_f, scale_f
-        e, scale_f = _mx_scale(amax, scale_rule)
-        return scale_f, _encode_scale(e, scale_f, scale_dtype)
-
+    scales = _block_scales(fmt, scale_rule)
     # unused scale rows hold the all-zero block's scale
     scale = scales(x2.new_zeros((1, cols), dtype=torch.float32))[1].expand(bound, cols).clone()
     step = max(1, _QUANT_CHUNK // max(cols, 1))
@@ -672,29 +711,10 @@ def quantize_jagged_cpu(
     def convert(r0: int, r1: int) -> Tensor:
         return x2[r0:r1].to(torch.float32, copy=True)
 
-    def store(r0: int, xf: Tensor) -> None:
-        q[r0 : r0 + xf.shape[0]].copy_(xf.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
-
     def large(start: int, end: int, first: int) -> None:
         extent = end - start if block == -1 else block
         if extent <= step:  # pieces of whole blocks: one pass
-            piece = step // extent * extent
-            for r0 in range(start, end, piece):
-                r1 = min(end, r0 + piece)
-                xf = convert(r0, r1)
-                full = (r1 - r0) // extent * extent
-                j = first + (r0 - start) // extent
-                if full:
-                    blocks = xf[:full].view(-1, extent, cols)
-                    div, stored = scales(_abs_max(blocks, (1,)))
-                    blocks.div_(div.unsqueeze(1))
-                    scale[j : j + full // extent] = stored
-                    j += full // extent
-                if full < r1 - r0:  # the segment's partial last block
-                    div, stored = scales(_abs_max(xf[full:], (0,)).unsqueeze(0))
-                    xf[full:].div_(div)
-                    scale[j : j + 1] = stored
-                store(r0, xf)
+            _quantize_row_blocks(x2, q, scale, start, end, first, extent, scales)
             return
         for b0 in range(start, end, extent):  # maxima of partial maxima, then divide
             b1 = min(end, b0 + extent)
@@ -704,7 +724,8 @@ def quantize_jagged_cpu(
             div, stored = scales(amax.unsqueeze(0))
             scale[first + (b0 - start) // extent] = stored[0]
             for r0 in range(b0, b1, step):
-                store(r0, convert(r0, min(b1, r0 + step)).div_(div))
+                r1 = min(b1, r0 + step)
+                _to_fp8_into(q[r0:r1], convert(r0, r1).div_(div))
 
     row_block: Tensor | None = None
 
@@ -718,7 +739,7 @@ def quantize_jagged_cpu(
         amax.scatter_reduce_(0, local.unsqueeze(1).expand(-1, cols), xf.abs(), "amax")
         div, stored = scales(amax)
         scale[j0:j1] = stored
-        store(c0, xf.div_(div.index_select(0, local)))
+        _to_fp8_into(q[c0:c1], xf.div_(div.index_select(0, local)))
 
     pending: list[tuple[int, int, int]] = []  # small segments: (start, end, first)
 
