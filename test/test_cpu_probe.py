@@ -86,6 +86,11 @@ class TestCpuProbe(TestCase):
         ):
             with P.force(layout="copy"):
                 pass
+        with self.assertRaisesRegex(
+            ValueError, r"force: wgrad_a='copy_a' is not a choice of wgrad_a: \('as_is', "
+        ):
+            with P.force(wgrad_a="copy_a"):
+                pass
         with self.assertRaisesRegex(ValueError, r"act_chunk='-4' .* a positive int"):
             with P.force(act_chunk=-4):
                 pass
@@ -143,6 +148,44 @@ class TestCpuProbe(TestCase):
                 P.decide("grouped_mm:test", lambda: {"loop": 0.1, "torch": 1.0}, default="loop"),
                 "loop",
             )
+
+    def test_wgrad_a_keys_round_up_and_cap(self):
+        # rows, output rows k and columns n rounded up to powers of two and capped; one
+        # measurement per key, at the key's sizes
+        seen = []
+
+        def measure(r, k, n):
+            seen.append((r, k, n))
+            return {"as_is": 1.0, "transpose": 0.9 if k >= 1024 else 0.97}
+
+        for rows, k, n in [(300, 3584, 1024), (512, 3000, 700), (40, 100, 5000), (9000, 9000, 9)]:
+            P.wgrad_a(torch.bfloat16, rows, k, n, measure)
+        # the second call has the first one's key: decided once
+        self.assertEqual(seen, [(512, 4096, 1024), (64, 128, 2048), (512, 4096, 16)])
+        self.assertEqual(
+            {k: v.split()[0] for k, v in P.decisions().items()},
+            {
+                "wgrad_a:bf16:r512:k4096:n1024": "transpose",  # 10% faster: over the margin
+                "wgrad_a:bf16:r64:k128:n2048": "as_is",  # 3%: within it
+                "wgrad_a:bf16:r512:k4096:n16": "transpose",
+            },
+        )
+
+    def test_wgrad_a_keyed_by_rows_per_busy_group(self):
+        # one busy group of 300 rows among four: the r512 class, not 300 / 4 rows'
+        fake = unittest.mock.patch.object(
+            grouped_mm_module,
+            "_measure_wgrad_a",
+            lambda dtype, r, k, n: {"as_is": 1.0, "transpose": 0.5},
+        )
+        x, dy = (
+            torch.randn(300, 24, dtype=torch.bfloat16),
+            torch.randn(300, 40, dtype=torch.bfloat16),
+        )
+        with fake, P.force(half_gemm="native"):
+            grouped_mm_wgrad(x, dy, _offs([0, 0, 0, 300]))
+        keys = [k for k in P.decisions() if k.startswith("wgrad_a:")]
+        self.assertEqual(keys, ["wgrad_a:bf16:r512:k32:n64"])
 
     def test_act_chunk_picks_largest_near_fastest(self):
         times = {"32768": 1.05, "65536": 1.0, "131072": 0.98, "262144": 1.3}
@@ -292,6 +335,45 @@ class TestForcedDecisions(TestCase):
         self.assertTrue((x.grad[40:] == 0).all())  # torch._grouped_mm leaves these unset
         self.assertTrue((w_leaf.grad[1] == 0).all())  # the empty group
 
+    @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @parametrize("half_gemm", ["native", "fp32"])
+    @parametrize("wgrad_a", ["as_is", "transpose"])
+    @parametrize("kernel", ["loop", "torch"])
+    @parametrize("kn", [(32, 48), (7, 13)])
+    def test_grouped_mm_wgrad_a(self, dtype, half_gemm, wgrad_a, kernel, kn):
+        k, n = kn
+        offs = _offs([20, 0, 17, 3])
+        m = 43  # 3 rows past the last group: in the copy, in no group
+        x = torch.randn(m, k, dtype=dtype)
+        dy = torch.randn(m, n, dtype=dtype)
+        spy = unittest.mock.patch.object(
+            grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
+        )
+        forced = dict(half_gemm=half_gemm, wgrad_a=wgrad_a, grouped_mm=kernel, layout="as_is")
+        with P.force(**forced), spy as copy:
+            dw = grouped_mm_wgrad(x, dy, offs)
+        # the copy runs where forced and the GEMMs run in the half dtype itself
+        native = dtype != torch.float32 and half_gemm == "native"
+        self.assertEqual(copy.called, wgrad_a == "transpose" and native)
+        assert_gemm_within(self, dw, x, dy, offs, "dW", wgrad=True)
+        self.assertTrue((dw[1] == 0).all())  # the empty group
+
+    @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @parametrize("shape", [(0, 5), (1, 1), (7, 13), (130, 67), (64, 256)])
+    @parametrize("strided", [False, True])
+    def test_transposed_copy(self, dtype, shape, strided):
+        # x^T bit for bit, row-major with its leading dim padded to 16 bytes
+        src = torch.randn(shape[0], 2 * shape[1]).to(dtype)
+        x = src[:, ::2] if strided else src[:, : shape[1]].contiguous()
+        got = grouped_mm_module.transposed_copy(x)
+        self.assertEqual(got.shape, (shape[1], shape[0]))
+        if got.numel():
+            self.assertEqual(got.stride(1), 1)
+            self.assertEqual(got.stride(0) * got.element_size() % 16, 0)
+            self.assertGreaterEqual(got.stride(0), shape[0])
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        self.assertEqual(got.view(bits), x.t().contiguous().view(bits))
+
     def test_grouped_mm_torch_kernel_keeps_checks(self):
         x = torch.randn(10, 16, requires_grad=True)
         w = torch.randn(3, 16, 8)
@@ -350,12 +432,15 @@ class TestForcedDecisions(TestCase):
         assert_gemm_within(self, out, a, b.unsqueeze(0), offs, "mm_into")
 
     @parametrize("half_gemm", ["native", "fp32"])
-    # act_chunk elements per thread: many chunks, or one; every few-rows way
-    @parametrize("paths", [("8", "mm"), ("1048576", "mv"), ("8", "swap")])
+    # act_chunk elements per thread: many chunks, or one; every few-rows way; both
+    # weight-gradient operands
+    @parametrize(
+        "paths", [("8", "mm", "as_is"), ("1048576", "mv", "transpose"), ("8", "swap", "transpose")]
+    )
     @parametrize("gather", [False, True])
     @parametrize("path", ["loop", "whole"])  # whole: taken where half_gemm is native
     def test_grouped_swiglu(self, half_gemm, paths, gather, path):
-        act_chunk, few_rows = paths
+        act_chunk, few_rows, wgrad_a = paths
         dtype = torch.bfloat16
         offs = _offs([5, 0, 19, 4])  # groups under and over FEW_ROWS rows
         m, dim, hidden = 30, 16, 6  # 2 rows past the last group
@@ -368,14 +453,17 @@ class TestForcedDecisions(TestCase):
         grad_y = torch.randn(m, dim, dtype=dtype)
         op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
         forced = dict(half_gemm=half_gemm, act_chunk=act_chunk, few_rows=few_rows, layout="as_is")
-        forced["swiglu_path"] = path
+        forced.update(swiglu_path=path, wgrad_a=wgrad_a)
+        copy = unittest.mock.patch.object(
+            grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
+        )
         whole = [
             unittest.mock.patch.object(
                 grouped_swiglu_module, f, wraps=getattr(grouped_swiglu_module, f)
             )
             for f in ("_forward_whole", "_backward_whole")
         ]
-        with P.force(**forced), whole[0] as fwd_whole, whole[1] as bwd_whole:
+        with P.force(**forced), whole[0] as fwd_whole, whole[1] as bwd_whole, copy as copied:
             if gather:
                 y, h = op(tokens, w13, w2, offs, rw, index)
                 dx, dw13, dw2, drw = bwd(grad_y, None, tokens, h, w13, w2, offs, rw, index)
@@ -405,6 +493,13 @@ class TestForcedDecisions(TestCase):
         # the whole-tensor path runs exactly where forced and the GEMMs are native
         taken = path == "whole" and half_gemm == "native"
         self.assertEqual((fwd_whole.called, bwd_whole.called), (taken, taken))
+        # the weight gradients' operands are copied exactly where forced and native: both
+        # (dY for dW2, dH for dW13) on either path
+        copies = copied.call_count
+        self.assertEqual(
+            copies,
+            (2 if taken else 2 * 3) if half_gemm == "native" and wgrad_a == "transpose" else 0,
+        )
 
     @parametrize("act_chunk", ["4", "1048576"])
     def test_grouped_swiglu_act_chunk_float64(self, act_chunk):
@@ -497,6 +592,25 @@ class TestProbeMeasurements(TestCase):
         # the two paths compute the same gradients (bf16 GEMMs of one kernel or another)
         for got, want in zip(outs["whole"], outs["loop"], strict=True):
             self.assertEqual(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+    def test_wgrad_a_candidates(self):
+        seen = self._candidates(
+            lambda: grouped_mm_module._measure_wgrad_a(torch.bfloat16, 64, 96, 48)
+        )
+        self.assertEqual(set(seen), {"as_is", "transpose"})
+        calls = []
+        real = torch.mm
+
+        def spy(a, b, *, out):
+            calls.append((P.layout_of(a, b), tuple(a.shape), tuple(b.shape)))
+            return real(a, b, out=out)
+
+        with unittest.mock.patch.object(torch, "mm", spy):
+            seen["as_is"]()
+            seen["transpose"]()
+        # one group's [k, rows] x [rows, n] at the key's sizes: a as the column-major view,
+        # then as the row-major copy
+        self.assertEqual(calls, [("tn", (96, 64), (64, 48)), ("nn", (96, 64), (64, 48))])
 
     def test_act_chunk_candidates(self):
         seen = self._candidates(lambda: grouped_swiglu_module._measure_act_chunk(torch.bfloat16))

@@ -21,8 +21,10 @@ and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the 
 Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
 row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
 ``<cls>``: which of m, k, n (a [m, k], b [k, n]) is smallest and whether it is under 128
-(``m_small``, ``k_large``...); ``<r>``: the rows (per group for ``swiglu_path``) rounded
-up to a power of two.
+(``m_small``, ``k_large``...); ``<r>``: the rows (per group for ``swiglu_path`` and
+``wgrad_a``) rounded up to a power of two; ``<k>``, ``<n>``: the weight gradient's output
+rows and columns, rounded up to powers of two and capped (``wgrad_a``, half dtypes
+multiplied natively only).
 
 ==============================  ====================  ======  ==============================
 key                             choices               margin  used by
@@ -31,6 +33,8 @@ key                             choices               margin  used by
 ``layout:<dt>:<ab>:<cls>``      **as_is**, copy_a/b   10%     ``mm_into``, ``mm_cpu``
 ``few_rows:<dt>:<ab>:m<r>``     **mm**, mv, swap      10%     ``mm_into``, m <= 16 rows
 ``grouped_mm:<dt>:<ab>:<cls>``  **loop**, torch       5%      ``grouped_mm`` (CPU kernels)
+``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
+                                                              ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
 ``swiglu_path:<dt>:r<r>``       **loop**, whole       5%      ``grouped_swiglu`` (CPU,
                                                               native half GEMMs)
@@ -80,7 +84,15 @@ __all__ = [
 
 ENV_FORCE = "TORCH_MOE_CPU_PROBE"
 ENV_CACHE = "TORCH_MOE_CPU_PROBE_CACHE"
-KINDS = ("half_gemm", "layout", "few_rows", "grouped_mm", "act_chunk", "swiglu_path")
+KINDS = (
+    "half_gemm",
+    "layout",
+    "few_rows",
+    "grouped_mm",
+    "wgrad_a",
+    "act_chunk",
+    "swiglu_path",
+)
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
 
@@ -193,6 +205,7 @@ _CHOICES = {
     "layout": ("as_is", "copy_a", "copy_b"),
     "few_rows": ("mm", "mv", "swap"),
     "grouped_mm": ("loop", "torch"),
+    "wgrad_a": ("as_is", "transpose"),
     "swiglu_path": ("loop", "whole"),
 }
 
@@ -609,6 +622,40 @@ def grouped_mm(
     """``"torch"`` if ``torch._grouped_mm`` beats torch_moe's per-group loop by over 5% for
     this dtype, layout pair and shape class (``measure`` times both), else ``"loop"``."""
     return decide(f"grouped_mm:{_dt(dtype)}:{ab}:{cls}", measure, default="loop", margin=0.05)
+
+
+WGRAD_MAX = {"r": 512, "k": 4096, "n": 2048}  # wgrad_a's classes stop here: larger
+# problems amortize the copy at least as well, and the probe stays within tens of ms
+
+
+def wgrad_a(
+    dtype: torch.dtype,
+    rows: int,
+    k: int,
+    n: int,
+    measure: Callable[[int, int, int], Mapping[str, float]],
+) -> str:
+    """``"transpose"`` if a weight gradient ``out[g] = x[g]^T @ dy[g]`` (``x`` [M, k],
+    ``dy`` [M, n], groups of about ``rows`` rows) runs over 5% faster with ``x`` copied
+    once into a row-major ``x^T`` than with ``x^T`` as the column-major view it is, else
+    ``"as_is"``; ``measure(rows, k, n)`` times both, each size rounded up to a power of
+    two and capped (``WGRAD_MAX``). The copy is one pass over ``x``; on AMX oneDNN
+    multiplies a column-major ``a`` read from memory at about half the rate of a
+    row-major one, so the copy pays off on large outputs (large ``k`` and ``n``) and
+    loses on small ones (benchmarks/results/cpu_floor_cpu_202612.md). The ``layout``
+    probe's small, cache-resident operands cannot see this, hence a decision of its own
+    at the weight gradient's sizes."""
+    r, kk, c = (min(_pow2_at_least(v), WGRAD_MAX[d]) for v, d in ((rows, "r"), (k, "k"), (n, "n")))
+    memo_key = ("wgrad_a", dtype, r, kk, c)
+    hit = _memo.get(memo_key)
+    if hit is None:
+        hit = _memo[memo_key] = decide(
+            f"wgrad_a:{_dt(dtype)}:r{r}:k{kk}:n{c}",
+            lambda: measure(r, kk, c),
+            default="as_is",
+            margin=0.05,
+        )
+    return hit
 
 
 def swiglu_path(

@@ -36,6 +36,9 @@ benchmarks/results/ops_cpu_202612.md):
   one matrix-vector product per row (the weight read as it lies: no packing, and on an
   upcasting CPU no conversion of a whole weight for one token) or the product
   transposed, as measured.
+* weight gradient: ``x[g]^T @ dy[g]`` takes ``x^T`` as a column-major view, or a
+  row-major copy of it (one pass over ``x``) where that measured faster at about these
+  rows per group and columns of ``dy`` (AMX: the copy buys up to 2x on the GEMM).
 * kernel: ``torch._grouped_mm`` (one C++ loop over the groups, bitwise the same ``mm``
   per group) instead of the Python loop where it is faster, and only where it is
   correct: 16-byte aligned K, N and strides, offs validated here first, rows past
@@ -44,6 +47,7 @@ benchmarks/results/ops_cpu_202612.md):
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -61,6 +65,9 @@ __all__ = [
     "grouped_mm_wgrad",
     "mm_cpu",
     "mm_into",
+    "transposed_copy",
+    "wgrad_copies",
+    "wgrad_operand",
     "zero_tail_",
 ]
 
@@ -277,6 +284,56 @@ def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) ->
     )
 
 
+_T_BLOCK = 64  # rows per copy of transposed_copy (ATen's strided copy is fastest narrow)
+
+
+def transposed_copy(x: Tensor) -> Tensor:
+    """``x^T`` ([K, M] for ``x`` [M, K]) as a row-major copy, its leading dim padded to 16
+    bytes (what ``torch._grouped_mm`` takes), copied in blocks of ``_T_BLOCK`` rows."""
+    m, k = x.shape
+    pad = max(1, 16 // x.element_size())
+    out = x.new_empty((k, -(-m // pad) * pad))[:, :m]
+    for r0 in range(0, m, _T_BLOCK):
+        out[:, r0 : r0 + _T_BLOCK].copy_(x[r0 : r0 + _T_BLOCK].t())
+    return out
+
+
+def wgrad_copies(dtype: torch.dtype, rows: int, k: int, n: int) -> bool:
+    """Whether :func:`wgrad_operand` copies ``x`` [M, k] for groups of about ``rows`` rows
+    and ``n`` columns of ``dy``: half dtypes multiplied natively only (an upcast converts,
+    and so copies, anyway, and fp32 GEMMs take either layout at one rate), where the probe
+    found the copy and the faster GEMMs together over 5% faster (``_cpu_probe.wgrad_a``)."""
+    if dtype not in (torch.bfloat16, torch.float16) or rows <= 0 or not _cpu_native_half(dtype):
+        return False
+    measure = functools.partial(_measure_wgrad_a, dtype)
+    return _cpu_probe.wgrad_a(dtype, rows, k, n, measure) == "transpose"
+
+
+def wgrad_operand(x: Tensor, n: int, ends: list[int]) -> Tensor:
+    """``a`` [K, M] of the weight gradient ``out[g] = a[:, rows of g] @ dy[rows of g]`` (dy
+    [M, n]): ``x.t()``, the column-major view, or its row-major copy where measured
+    faster (:func:`wgrad_copies`, at the rows per busy group)."""
+    busy = sum(1 for s, e in zip([0, *ends], ends) if e > s)
+    if busy and x.dim() == 2 and wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], n):
+        return transposed_copy(x)
+    return x.t()
+
+
+def _measure_wgrad_a(dtype: torch.dtype, rows: int, k: int, n: int) -> dict[str, float]:
+    """Seconds of one group's weight gradient ([k, rows] x [rows, n]) with ``a`` as the
+    column-major view and as its row-major copy (the copy timed too)."""
+    x = torch.randn(rows, k).to(dtype)
+    dy = torch.randn(rows, n).to(dtype)
+    out = torch.empty(k, n, dtype=dtype)
+
+    def run(a: Tensor) -> None:
+        torch.mm(a, dy, out=out)
+
+    return _cpu_probe.time_candidates(
+        {"as_is": lambda: run(x.t()), "transpose": lambda: run(transposed_copy(x))}
+    )
+
+
 def _measure_grouped_mm(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dict[str, float]:
     """Seconds of ``torch._grouped_mm`` and of the loop on 8 groups of the shape class."""
     groups = 8
@@ -292,13 +349,13 @@ def _measure_grouped_mm(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> d
             return torch.randn(shape).to(dtype)
         return torch.randn(*shape[:-2], shape[-1], shape[-2]).to(dtype).transpose(-2, -1)
 
-    if wgrad:  # a = x^T [K, M] with x [M, K], b = dy [M, N]
-        x = operand((total, dims["m"]), ab[0] == "n")
+    if wgrad:  # a [K, M] (x^T or its row-major copy), b = dy [M, N]
+        a = operand((total, dims["m"]), ab[0] == "n").t()
         dy = operand((total, dims["n"]), ab[1] == "t")
         return _cpu_probe.time_candidates(
             {
-                "loop": lambda: _wgrad_loop(x, dy, ends),
-                "torch": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+                "loop": lambda: _wgrad_loop(a, dy, ends),
+                "torch": lambda: torch._grouped_mm(a, dy, offs=offs),
             }
         )
     x = operand((total, dims["k"]), ab[0] == "t")
@@ -321,12 +378,13 @@ def _mm_loop(x: Tensor, w: Tensor, ends: list[int]) -> Tensor:
     return out
 
 
-def _wgrad_loop(x: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
-    out = x.new_empty((len(ends), x.shape[1], dy.shape[1]))
+def _wgrad_loop(a: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
+    """``out[g] = a[:, rows of g] @ dy[rows of g]`` for ``a`` [K, M] (see wgrad_operand)."""
+    out = a.new_empty((len(ends), a.shape[0], dy.shape[1]))
     start = 0
     for g, end in enumerate(ends):
         if end > start:
-            mm_into(x[start:end].t(), dy[start:end], out[g])
+            mm_into(a[:, start:end], dy[start:end], out[g])
         else:
             out[g].zero_()
         start = end
@@ -346,9 +404,10 @@ def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None =
 def _grouped_mm_wgrad_cpu(
     x: Tensor, dy: Tensor, ends: list[int], offs: Tensor | None = None
 ) -> Tensor:
-    if offs is not None and _use_torch_grouped_mm(x.t(), dy, ends, wgrad=True):
-        return torch._grouped_mm(x.t(), dy, offs=offs)  # empty groups come back zero
-    return _wgrad_loop(x, dy, ends)
+    a = wgrad_operand(x, dy.shape[1], ends)
+    if offs is not None and _use_torch_grouped_mm(a, dy, ends, wgrad=True):
+        return torch._grouped_mm(a, dy, offs=offs)  # empty groups come back zero
+    return _wgrad_loop(a, dy, ends)
 
 
 # --------------------------------------------------------------------------------------

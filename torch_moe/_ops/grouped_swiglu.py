@@ -44,6 +44,7 @@ from torch_moe._ops.grouped_mm import (
     grouped_mm_wgrad,
     mm_cpu,
     mm_into,
+    wgrad_operand,
 )
 from torch_moe._ops.permute import gather_rows
 
@@ -570,11 +571,11 @@ def _backward_loop(
         del grad_a
         if grad_h is not None:
             dh += grad_h[start:end]
-        mm_into(gy.t(), a, dw2[g])
+        mm_into(wgrad_operand(gy, hidden, [rows]), a, dw2[g])
         x_g = _rows(x, gather_index, start, end).to(cdt)  # converted once for both GEMMs
         if native:
             mm_into(dh, w13[g], dx[start:end])
-            mm_into(dh.t(), x_g, dw13[g])
+            mm_into(wgrad_operand(dh, x_g.shape[1], [rows]), x_g, dw13[g])
         else:
             # upcast: gate and up halves of w13 one at a time, half-size fp32 temporaries
             dx_g = mm_cpu(dh[:, :hidden], w13[g][:hidden])

@@ -47,11 +47,14 @@ experts' backward holds the most:
 * bf16 on a CPU where ``grouped_swiglu`` takes its whole-tensor path (many small groups;
   a measured decision): ``4*M*F*b`` (dA, A, dH) plus one chunk's fp32 temporaries
   (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product, as on the loop), or
-  later ``3*M*F*b`` with dX [M, D] and the weight gradients, whichever is larger;
+  later ``3*M*F*b`` with dX [M, D] and the weight gradients, whichever is larger, plus
+  the row-major copy of a weight gradient's first operand (dY for dW2, dH for dW13) where
+  the kernels measured it faster (``grouped_mm.wgrad_copies``);
 * bf16 on a CPU (``grouped_swiglu_backward``, group by group): the saved tensors, the
   output [T, D], the permuted gradient and dX [M, D] each, the expert weight gradients,
   the largest group's ``grad_a``, ``a`` [m, F] and ``dH`` [m, 2F] in c, and one chunk's
-  fp32 temporaries (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product);
+  fp32 temporaries (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product), or in their
+  place the copy of dH for its weight gradient where the kernels make one;
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (on a GPU ``M*2F*4 + 6*M*F*4`` of
   fp32 temporaries, on a CPU one row chunk's, as above), dgrad / wgrad of the first GEMM
@@ -313,6 +316,20 @@ def _swiglu_whole(w: MoEWorkload, groups: list[float]) -> bool:
     return _gs._whole_path(w.dtype, len(busy), -(-round(sum(busy)) // max(1, len(busy))))
 
 
+def _rows_per_busy_group(groups: list[float]) -> int:
+    """Rows per expert that has any, as the CPU kernels count them (floor of the mean)."""
+    busy = [g for g in groups if g >= 1]
+    return round(sum(busy)) // max(1, len(busy))
+
+
+def _wgrad_copies(w: MoEWorkload, rows: int, k: int, n: int) -> bool:
+    """Whether this CPU's weight-gradient kernels copy their [M, k] operand row-major
+    (the same measured decision, ``torch_moe._ops.grouped_mm.wgrad_copies``)."""
+    from torch_moe._ops import grouped_mm as _gm
+
+    return _gm.wgrad_copies(w.dtype, rows, k, n)
+
+
 def memory(
     w: MoEWorkload,
     hw: Hardware,
@@ -411,16 +428,28 @@ def memory(
         with_own = max((C - 1) / C * expert_grads + rows_grad, expert_grads)
     if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
-        # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13
+        # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13, the
+        # weight gradients' first operands (dY [M, D], dH [M, 2F]) copied row-major
+        # first where this CPU's kernels do (a measured decision)
         r = min(Mc, _act_chunk_rows(w, threads))
         act = base + before + 4 * Mc * F * b + _act_fp32_bytes(r, F)
-        gemms = base + 3 * Mc * F * b + Mc * D * b + with_own
+        per_group = _rows_per_busy_group(groups)
+        copy2 = Mc * D * b if _wgrad_copies(w, per_group, D, F) else 0.0
+        copy13 = Mc * 2 * F * b if _wgrad_copies(w, per_group, 2 * F, D) else 0.0
+        gemms = base + 3 * Mc * F * b + with_own + max(copy2, Mc * D * b + copy13)
         dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
         r = min(m, _act_chunk_rows(w, threads))
         phase = base + Mc * D * b + with_own  # dX and the expert weight gradients
         phase += m * F * c * 2 + m * 2 * F * c + _act_fp32_bytes(r, F)
-        dyn = max(phase, side_phase)
+        # the largest group's dY [m, D] or dH [m, 2F] copied row-major for a weight
+        # gradient, where this CPU's kernels do; the activation's temporaries are gone
+        rows = round(m)
+        copies = [
+            m * D * c if _wgrad_copies(w, rows, D, F) else 0.0,  # dY's for dW2
+            m * 2 * F * c if _wgrad_copies(w, rows, 2 * F, D) else 0.0,  # dH's for dW13
+        ]
+        dyn = max(phase - _act_fp32_bytes(r, F) + max(copies), phase, side_phase)
     else:
         dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m, threads), side_phase)
     if w.ep > 1 and w.num_chunks > 1:
