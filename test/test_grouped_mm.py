@@ -140,6 +140,26 @@ class TestGroupedMM(TestCase):
             self.assertEqual(out[g], ref)
             start = end
 
+    @parametrize("transposed", [False, True])
+    def test_weight_gradient_in_the_weights_layout(self, transposed):
+        # the op's weight gradient comes in w's own layout: a weight used as x @ w^T (a
+        # column-major view of a row-major [E, N, K]) gets its gradient computed as dY^T x
+        # per group, so AccumulateGrad stores it without copying every expert transposed
+        offs, m = make_offs([5, 0, 9, 4], tail=2)
+        x = torch.randn(m, 6, dtype=torch.float64, requires_grad=True)
+        leaf = (
+            torch.randn(4, 7, 6, dtype=torch.float64)
+            if transposed
+            else torch.randn(4, 6, 7, dtype=torch.float64)
+        )
+        leaf.requires_grad_()
+        w = leaf.transpose(-2, -1) if transposed else leaf * 1  # a view, or a fresh tensor
+        grad = torch.randn(m, 7, dtype=torch.float64)
+        (dw,) = torch.autograd.grad(grouped_mm(x, w, offs), w, grad)
+        self.assertEqual(dw.stride(), w.stride())
+        want = [x[s:e].t() @ grad[s:e] for s, e in zip([0, 5, 5, 14], [5, 5, 14, 18])]
+        self.assertEqual(dw, torch.stack(want))
+
     def test_gradcheck(self):
         offs, m = make_offs([2, 0, 3], tail=1)
         x = torch.randn(m, 3, dtype=torch.float64, requires_grad=True)

@@ -523,7 +523,13 @@ def _mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
     if ctx.needs_input_grad[0]:
         grad_x = grouped_mm(grad, w.transpose(-2, -1), offs)
     if ctx.needs_input_grad[1]:
-        grad_w = grouped_mm_wgrad(x, grad, offs)
+        if _cpu_probe.transposed(w[0]) if w.shape[0] else False:
+            # w [E, K, N] viewed from a row-major [E, N, K] (a weight used as x @ w^T):
+            # its gradient in that layout too, dW^T = dY^T x per group, so that
+            # AccumulateGrad takes it as it is instead of copying every expert transposed
+            grad_w = grouped_mm_wgrad(grad, x, offs).transpose(-2, -1)
+        else:
+            grad_w = grouped_mm_wgrad(x, grad, offs)
     return grad_x, grad_w, None
 
 
