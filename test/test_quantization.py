@@ -32,6 +32,7 @@ from torch_moe.quantization import (
     quantize_mx,
     scaled_grouped_mm,
 )
+from torch_moe.quantization.recipes import GemmQuant, OperandQuant
 
 S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
 
@@ -95,6 +96,30 @@ class TestScaledGroupedMM(TestCase):
         for what, r, o in (("out", ref, out), ("dX", xr.grad, xq.grad), ("dW", wr.grad, wq.grad)):
             db = sqnr(r.detach(), o.detach())
             self.assertGreaterEqual(db, MIN_SQNR_DB, f"{name} {what}: {db:.2f} dB")
+
+    @parametrize("name", ["fp8_rowwise", "mxfp8", "asymmetric"])
+    def test_weight_gradient_in_the_weights_layout(self, name):
+        # a weight used as x @ w^T (a column-major view of a row-major [E, N, K]) gets its
+        # gradient as dY^T x per group, in its own layout (AccumulateGrad then copies
+        # nothing), where the recipe quantizes both wgrad operands alike; the same numbers
+        x, w, offs, dy = self._problem(k=128, n=96)
+        recipe = get_recipe("fp8_rowwise")
+        if name == "asymmetric":  # x per column, dY per tensor: the operands stay in place
+            rhs = OperandQuant("fp8", -1, -1)
+            recipe = recipe.with_overrides(wgrad=GemmQuant(recipe.wgrad.lhs, rhs))
+        else:
+            recipe = get_recipe(name)
+        leaf = w.transpose(-2, -1).contiguous().requires_grad_()
+        view = leaf.transpose(-2, -1)
+        (dw,) = torch.autograd.grad(scaled_grouped_mm(x, view, offs, recipe), view, dy)
+        want = torch.ops.torch_moe.quantized_grouped_mm_wgrad(x, dy, offs, recipe.op_arg())
+        if name == "asymmetric":
+            self.assertTrue(dw.is_contiguous())
+            self.assertEqual(dw, want, atol=0, rtol=0)
+        else:
+            self.assertEqual(dw.stride(), view.stride())
+            # the same dequantized operands summed in the other GEMM's order
+            self.assertEqual(dw, want, atol=1e-5, rtol=1e-5)
 
     def test_bf16_inputs(self):
         x, w, offs, dy = self._problem()

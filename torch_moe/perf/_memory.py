@@ -279,7 +279,10 @@ def _whole_tensor_phases(
         swiglu_tmp = r * F * b + _act_fp32_bytes(r, F)
     else:
         swiglu_tmp = M * F * b + M * 2 * F * 4 + 6 * M * F * 4
-    copy = b  # AccumulateGrad copies a transposed gradient into the parameter's layout
+    # AccumulateGrad copies a transposed gradient into the parameter's layout, except a
+    # recipe's whose wgrad quantizes both operands alike: its backward computes the
+    # gradient in the weight's layout (dW^T = dY^T x)
+    copy = 0 if recipe and _symmetric_wgrad(w.precision) else b
     a_saved = M * F * b if recipe else 0.0
     # a recipe's second GEMM is an op of its own: its output gradient [M, D] (in ``base``)
     # is freed once its backward is done, before the SwiGLU's and the first GEMM's
@@ -305,6 +308,12 @@ def _whole_tensor_phases(
     ]
     _ = c
     return max(phases)
+
+
+def _symmetric_wgrad(precision: str) -> bool:
+    from torch_moe.quantization.scaled_grouped_mm import _symmetric_wgrad as symmetric
+
+    return symmetric(precision)
 
 
 def _swiglu_whole(w: MoEWorkload, groups: list[float]) -> bool:

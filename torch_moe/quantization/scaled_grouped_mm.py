@@ -973,8 +973,28 @@ def _backward(ctx, dy):  # type: ignore[no-untyped-def]
     if ctx.needs_input_grad[0]:
         dx = quantized_grouped_mm_dgrad(dy.to(x.dtype), w, offs, ctx.recipe)
     if ctx.needs_input_grad[1]:
-        dw = quantized_grouped_mm_wgrad(x, dy.to(x.dtype), offs, ctx.recipe)
+        if _transposed_weight(w) and _symmetric_wgrad(ctx.recipe):
+            # w [E, K, N] viewed from a row-major [E, N, K] (a weight used as x @ w^T): its
+            # gradient in that layout, dW^T = dY^T x per group (both operands quantized
+            # alike, so the same function), which AccumulateGrad stores as it is instead
+            # of copying every expert transposed
+            dw = quantized_grouped_mm_wgrad(dy.to(x.dtype), x, offs, ctx.recipe)
+            dw = dw.transpose(-2, -1)
+        else:
+            dw = quantized_grouped_mm_wgrad(x, dy.to(x.dtype), offs, ctx.recipe)
     return dx, dw, None, None
+
+
+def _transposed_weight(w: Tensor) -> bool:
+    """Column-major experts: w [E, K, N] a transposed view of a row-major [E, N, K]."""
+    return w.shape[0] > 0 and w.stride(-2) == 1 and w.stride(-1) >= max(1, w.shape[-2])
+
+
+def _symmetric_wgrad(recipe: str) -> bool:
+    """Whether the recipe's wgrad quantizes x and dY alike (every built-in recipe does), so
+    that swapping them transposes the product and changes nothing else."""
+    g = get_recipe(recipe).wgrad
+    return g.lhs == g.rhs
 
 
 quantized_grouped_mm.register_autograd(_backward, setup_context=_setup)
