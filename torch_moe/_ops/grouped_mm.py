@@ -60,6 +60,7 @@ __all__ = [
     "check_offs",
     "check_offs_values",
     "cpu_compute_dtype",
+    "experts_transposed",
     "grouped_mm",
     "grouped_mm_reference",
     "grouped_mm_wgrad",
@@ -511,6 +512,12 @@ def _nonzero_strides(t: Tensor) -> Tensor:
     return t if all(s != 0 for s in t.stride()) else t.contiguous()
 
 
+def experts_transposed(w: Tensor) -> bool:
+    """Whether ``w`` [E, K, N] is column-major per expert: a transposed view of a row-major
+    [E, N, K] weight, as ``x @ w^T`` passes it."""
+    return w.shape[0] > 0 and w.stride(-2) == 1 and w.stride(-1) >= max(1, w.shape[-2])
+
+
 def _setup_mm(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, w, offs = inputs
     ctx.save_for_backward(x, w, offs)
@@ -523,7 +530,7 @@ def _mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
     if ctx.needs_input_grad[0]:
         grad_x = grouped_mm(grad, w.transpose(-2, -1), offs)
     if ctx.needs_input_grad[1]:
-        if _cpu_probe.transposed(w[0]) if w.shape[0] else False:
+        if experts_transposed(w):
             # w [E, K, N] viewed from a row-major [E, N, K] (a weight used as x @ w^T):
             # its gradient in that layout too, dW^T = dY^T x per group, so that
             # AccumulateGrad takes it as it is instead of copying every expert transposed

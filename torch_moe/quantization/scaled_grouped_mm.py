@@ -61,6 +61,7 @@ from torch_moe._ops._dtypes import FP8, KERNEL_DTYPES
 from torch_moe._ops.grouped_mm import (
     check_offs,
     check_offs_values,
+    experts_transposed,
     grouped_mm,
     grouped_mm_reference,
     grouped_mm_wgrad,
@@ -973,7 +974,7 @@ def _backward(ctx, dy):  # type: ignore[no-untyped-def]
     if ctx.needs_input_grad[0]:
         dx = quantized_grouped_mm_dgrad(dy.to(x.dtype), w, offs, ctx.recipe)
     if ctx.needs_input_grad[1]:
-        if _transposed_weight(w) and _symmetric_wgrad(ctx.recipe):
+        if experts_transposed(w) and _symmetric_wgrad(ctx.recipe):
             # w [E, K, N] viewed from a row-major [E, N, K] (a weight used as x @ w^T): its
             # gradient in that layout, dW^T = dY^T x per group (both operands quantized
             # alike, so the same function), which AccumulateGrad stores as it is instead
@@ -983,11 +984,6 @@ def _backward(ctx, dy):  # type: ignore[no-untyped-def]
         else:
             dw = quantized_grouped_mm_wgrad(x, dy.to(x.dtype), offs, ctx.recipe)
     return dx, dw, None, None
-
-
-def _transposed_weight(w: Tensor) -> bool:
-    """Column-major experts: w [E, K, N] a transposed view of a row-major [E, N, K]."""
-    return w.shape[0] > 0 and w.stride(-2) == 1 and w.stride(-1) >= max(1, w.shape[-2])
 
 
 def _symmetric_wgrad(recipe: str) -> bool:
