@@ -818,6 +818,29 @@ class TestCalibrationStatistic(TestCase):
             Hardware.calibrate(quick=True, cache=False, statistic="mean")
 
 
+class TestCalibrationGemmCalls(TestCase):
+    @parametrize("wgrad_a", ["as_is", "transpose"])
+    def test_tn_call_takes_the_kernels_first_operand(self, wgrad_a):
+        # the weight-gradient (TN) rate is measured on what the kernels multiply: the
+        # group's rows as the column-major view, or copied row-major where they copy
+        from torch_moe._ops import grouped_mm as G
+        from torch_moe.perf import _calibrate as C
+
+        seen = []
+        real = G.mm_into
+
+        def spy(a, b, out):
+            seen.append(_cpu_probe.layout_of(a, b))
+            return real(a, b, out)
+
+        with (
+            _cpu_probe.force(half_gemm="native", wgrad_a=wgrad_a),
+            mock.patch.object(G, "mm_into", spy),
+        ):
+            C._gemm_call("TN", 48, 64, 32, torch.bfloat16)()
+        self.assertEqual(seen, ["nn" if wgrad_a == "transpose" else "tn"] * C._GROUPS)
+
+
 class TestCalibrationInterleave(TestCase):
     """``calibrate(interleave=fn)``: ``fn(i)`` runs after pass ``i``, with the caller's
     thread count, outside the budget, and the result is a fresh measurement."""
@@ -939,6 +962,7 @@ class TestCalibrateInGroup(GlooContinuousTest):
 
 instantiate_parametrized_tests(TestMoEWorkload)
 instantiate_parametrized_tests(TestMemory)
+instantiate_parametrized_tests(TestCalibrationGemmCalls)
 
 if __name__ == "__main__":
     run_tests()

@@ -363,7 +363,7 @@ def _gemm_call(layout: str, m: int, k: int, n: int, dtype: torch.dtype) -> Calla
     NT / NN, the weight gradient written by TN). Measured here against a single repeated
     call of the same shape, each of these made the grouped loop slower: varying m by 26%,
     the cold activation rows by another 17%, cold weights by up to 60% at small m."""
-    from torch_moe._ops.grouped_mm import mm_into
+    from torch_moe._ops.grouped_mm import mm_into, wgrad_operand
 
     def full(*shape: int) -> torch.Tensor:  # values do not matter; randn would cost more
         return torch.full(shape, 0.01, dtype=dtype)
@@ -388,8 +388,8 @@ def _gemm_call(layout: str, m: int, k: int, n: int, dtype: torch.dtype) -> Calla
         for s, r in zip(starts, rows):
             i = state[0] = state[0] + 1
             b, out = bs[i % len(bs)], outs[i % len(outs)]
-            if layout == "TN":
-                mm_into(a[s : s + r].t(), b[s : s + r], out)
+            if layout == "TN":  # the kernels' first operand: as is or copied row-major
+                mm_into(wgrad_operand(a[s : s + r], n, [r]), b[s : s + r], out)
             else:
                 mm_into(a[s : s + r], b, out[s : s + r])
 
