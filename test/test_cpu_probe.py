@@ -374,6 +374,22 @@ class TestForcedDecisions(TestCase):
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         self.assertEqual(got.view(bits), x.t().contiguous().view(bits))
 
+    @parametrize("few_rows", ["mm", "mv", "swap"])
+    def test_grouped_mm_few_rows_per_group(self, few_rows):
+        # decode: a row or two per expert. torch._grouped_mm runs one GEMM per group, so
+        # where the few-rows decision picked another way the loop runs, which applies it
+        offs = _offs([1, 0, 2, 1])
+        x = torch.randn(5, 32, dtype=torch.bfloat16)  # a row past the last group
+        w = torch.randn(4, 48, 32, dtype=torch.bfloat16).transpose(-2, -1)  # x @ w^T
+        gmm = unittest.mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm)
+        few = unittest.mock.patch.object(P, "few_rows_mm", wraps=P.few_rows_mm)
+        forced = dict(half_gemm="native", grouped_mm="torch", few_rows=few_rows)
+        with P.force(**forced), gmm as fused, few as way:
+            out = grouped_mm(x, w, offs)
+        self.assertEqual((fused.called, way.called), (few_rows == "mm", few_rows != "mm"))
+        assert_gemm_within(self, out, x, w, offs, "forward")
+        self.assertTrue((out[4:] == 0).all())
+
     def test_grouped_mm_torch_kernel_keeps_checks(self):
         x = torch.randn(10, 16, requires_grad=True)
         w = torch.randn(3, 16, 8)

@@ -392,10 +392,29 @@ def _wgrad_loop(a: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
     return out
 
 
+def _few_rows_way(x: Tensor, w: Tensor, ends: list[int]) -> bool:
+    """Whether groups of a few rows each (decode: a token or two per expert) take a way of
+    their own (``mv`` / ``swap``, measured by ``few_rows`` at the mean rows of the busy
+    groups), which the per-group loop applies through ``mm_into`` and ``torch._grouped_mm``
+    does not (it runs one GEMM per group)."""
+    busy = sum(1 for s, e in zip([0, *ends], ends) if e > s)
+    if not busy or x.dtype != w.dtype or x.dtype == torch.float64:
+        return False
+    rows = -(-ends[-1] // busy)
+    if rows > _cpu_probe.FEW_ROWS:
+        return False
+    return _cpu_probe.few_rows(x.dtype, x[:rows], w[0], _mm_into) != "mm"
+
+
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None = None) -> Tensor:
     """Group ends ``ends`` (validated); ``offs``, their tensor, lets ``torch._grouped_mm``
-    run where it is allowed and faster."""
-    if offs is not None and _use_torch_grouped_mm(x, w, ends, wgrad=False):
+    run where it is allowed and faster, and where a few rows per group do not take a way
+    of their own."""
+    if (
+        offs is not None
+        and not _few_rows_way(x, w, ends)
+        and _use_torch_grouped_mm(x, w, ends, wgrad=False)
+    ):
         out = torch._grouped_mm(x, w, offs=offs)
         out[ends[-1] :].zero_()  # torch leaves these rows uninitialized
         return out
