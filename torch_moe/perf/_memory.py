@@ -279,10 +279,11 @@ def _whole_tensor_phases(
         swiglu_tmp = r * F * b + _act_fp32_bytes(r, F)
     else:
         swiglu_tmp = M * F * b + M * 2 * F * 4 + 6 * M * F * 4
-    # AccumulateGrad copies a transposed gradient into the parameter's layout, except a
-    # recipe's whose wgrad quantizes both operands alike: its backward computes the
-    # gradient in the weight's layout (dW^T = dY^T x)
-    copy = 0 if recipe and _symmetric_wgrad(w.precision) else b
+    # AccumulateGrad copies a gradient into the parameter's layout only for a recipe whose
+    # wgrad quantizes x and dY differently: the others' backward computes dW^T = dY^T x
+    # (the weight's layout), and bf16's grouped_swiglu backward writes [E, 2F, D] and
+    # [E, D, F], the parameters' own
+    copy = b if recipe and not _symmetric_wgrad(w.precision) else 0
     a_saved = M * F * b if recipe else 0.0
     # a recipe's second GEMM is an op of its own: its output gradient [M, D] (in ``base``)
     # is freed once its backward is done, before the SwiGLU's and the first GEMM's
