@@ -416,8 +416,8 @@ _OPERAND_SETS = 3  # distinct operands cycled through, so that not every call hi
 
 
 def transposed(t: torch.Tensor) -> bool:
-    """Column-major (unit stride down the rows) 2D operand."""
-    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
+    """Column-major (unit stride down the rows) operand, in its last two dims."""
+    return t.stride(-2) == 1 and t.stride(-1) >= max(1, t.shape[-2])
 
 
 def layout_of(a: torch.Tensor, b: torch.Tensor) -> str:

@@ -261,9 +261,15 @@ def _torch_grouped_mm_cpu_ok(a: Tensor, b: Tensor, ends: list[int], k: int, n: i
     return _aligned(a) and _aligned(b)
 
 
+def _busy_groups(ends: list[int]) -> int:
+    """How many groups have rows."""
+    return sum(1 for s, e in zip([0, *ends], ends) if e > s)
+
+
 def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """``torch._grouped_mm(a, b, offs)`` (a [M, K] x b [E, K, N], or for ``wgrad``
-    a [K, M] x b [M, N]) instead of the loop: allowed and measured faster."""
+    a [K, M] x b [M, N]) instead of the loop: allowed, measured faster, and (forward) not
+    where a few rows per group take a way of their own (``_few_rows_way``)."""
     if not ends or ends[-1] == 0:
         return False
     rows = max(1, ends[-1] // len(ends))
@@ -275,7 +281,7 @@ def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) ->
         m, k, n = rows, a.shape[1], b.shape[2]
         ab = _cpu_probe.layout_of(a, b[0])
         ok = _torch_grouped_mm_cpu_ok(a, b, ends, k, n)
-    if not ok:
+    if not ok or (not wgrad and _few_rows_way(a, b, ends)):
         return False
     cls = _cpu_probe.shape_class(m, k, n)
     dtype = a.dtype
@@ -314,7 +320,7 @@ def wgrad_operand(x: Tensor, n: int, ends: list[int]) -> Tensor:
     """``a`` [K, M] of the weight gradient ``out[g] = a[:, rows of g] @ dy[rows of g]`` (dy
     [M, n]): ``x.t()``, the column-major view, or its row-major copy where measured
     faster (:func:`wgrad_copies`, at the rows per busy group)."""
-    busy = sum(1 for s, e in zip([0, *ends], ends) if e > s)
+    busy = _busy_groups(ends)
     if busy and x.dim() == 2 and wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], n):
         return transposed_copy(x)
     return x.t()
@@ -397,7 +403,7 @@ def _few_rows_way(x: Tensor, w: Tensor, ends: list[int]) -> bool:
     their own (``mv`` / ``swap``, measured by ``few_rows`` at the mean rows of the busy
     groups), which the per-group loop applies through ``mm_into`` and ``torch._grouped_mm``
     does not (it runs one GEMM per group)."""
-    busy = sum(1 for s, e in zip([0, *ends], ends) if e > s)
+    busy = _busy_groups(ends)
     if not busy or x.dtype != w.dtype or x.dtype == torch.float64:
         return False
     rows = -(-ends[-1] // busy)
@@ -408,13 +414,8 @@ def _few_rows_way(x: Tensor, w: Tensor, ends: list[int]) -> bool:
 
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None = None) -> Tensor:
     """Group ends ``ends`` (validated); ``offs``, their tensor, lets ``torch._grouped_mm``
-    run where it is allowed and faster, and where a few rows per group do not take a way
-    of their own."""
-    if (
-        offs is not None
-        and not _few_rows_way(x, w, ends)
-        and _use_torch_grouped_mm(x, w, ends, wgrad=False)
-    ):
+    run where it is allowed and faster."""
+    if offs is not None and _use_torch_grouped_mm(x, w, ends, wgrad=False):
         out = torch._grouped_mm(x, w, offs=offs)
         out[ends[-1] :].zero_()  # torch leaves these rows uninitialized
         return out
@@ -534,7 +535,7 @@ def _nonzero_strides(t: Tensor) -> Tensor:
 def experts_transposed(w: Tensor) -> bool:
     """Whether ``w`` [E, K, N] is column-major per expert: a transposed view of a row-major
     [E, N, K] weight, as ``x @ w^T`` passes it."""
-    return w.shape[0] > 0 and w.stride(-2) == 1 and w.stride(-1) >= max(1, w.shape[-2])
+    return w.shape[0] > 0 and _transposed(w)
 
 
 def _setup_mm(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
