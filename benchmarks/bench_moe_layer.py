@@ -52,6 +52,7 @@ from bench_ops import (
     interleaved,
     load_baseline,
     machine_line,
+    page_faults,
     print_decisions,
     square_mm,
 )
@@ -304,7 +305,12 @@ def main() -> None:
         if base is not None:
             row += [f"{times['base'] / floor_s:.2f}", f"{times['base'] / ours:.2f}"]
         rows.append(row)
-        print(f"# done F={f} E={e} K={k}", flush=True)
+        faults, sys_s = page_faults(fns["ours"])
+        print(
+            f"# done F={f} E={e} K={k}: {faults:.0f} minor page faults and {sys_s * 1e3:.1f} ms "
+            f"of system time per torch_moe step ({sys_s / ours:.0%} of its median)",
+            flush=True,
+        )
 
     print()
     print_decisions()

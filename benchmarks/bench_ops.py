@@ -35,6 +35,7 @@ import contextlib
 import gc
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def machine_line() -> str:
     return (
         f"# torch {torch.__version__}, {model}, ISA {isa}, {os.cpu_count()} "
         f"CPUs, threads={torch.get_num_threads()}, load average {load} (1/5/15 min), "
-        f"{large_pages()}"
+        f"{large_pages()}, {allocator()}"
     )
 
 
@@ -162,6 +163,35 @@ def large_pages() -> str:
             mode = next((w[1:-1] for w in f.read().split() if w.startswith("[")), "?")
     asked = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
     return f"THP_MEM_ALLOC_ENABLE={int(asked)} (transparent huge pages: {mode})"
+
+
+def allocator() -> str:
+    """Which ``malloc`` serves the CPU allocator, and how it keeps freed blocks. glibc by
+    default unmaps blocks of 32 MiB and more when they are freed and trims its heap, so
+    a training step's fresh activations and gradients fault in page by page every step;
+    tcmalloc, jemalloc with decay off, or glibc with ``GLIBC_TUNABLES`` raising
+    ``mmap_threshold`` / ``trim_threshold`` keep them mapped (README, "CPU")."""
+    loaded = "glibc"
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        loaded = next((name for name in ("tcmalloc", "jemalloc", "mimalloc") if name in maps), loaded)
+    knobs = {
+        "glibc": os.environ.get("GLIBC_TUNABLES", ""),
+        "jemalloc": os.environ.get("MALLOC_CONF", ""),
+    }.get(loaded, "")
+    return f"malloc: {loaded}" + (f" ({knobs})" if knobs else "")
+
+
+def page_faults(fn: Callable[[], object], reps: int = 3) -> tuple[float, float]:
+    """(minor page faults, system CPU seconds) per call of ``fn``: the kernel's share of a
+    step, which the allocator decides (``allocator``)."""
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(reps):
+        fn()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_minflt - before.ru_minflt) / reps, (after.ru_stime - before.ru_stime) / reps
 
 
 def floor_line(name: str, dtype: torch.dtype, rate: float, rate32: float) -> str:
