@@ -170,12 +170,14 @@ def allocator() -> str:
     default unmaps blocks of 32 MiB and more when they are freed and trims its heap, so
     a training step's fresh activations and gradients fault in page by page every step;
     tcmalloc, jemalloc with decay off, or glibc with ``GLIBC_TUNABLES`` raising
-    ``mmap_threshold`` / ``trim_threshold`` keep them mapped (README, "CPU")."""
+    ``mmap_threshold`` / ``trim_threshold`` keep them mapped (README)."""
     loaded = "glibc"
     with contextlib.suppress(OSError):
         with open("/proc/self/maps") as f:
             maps = f.read()
-        loaded = next((name for name in ("tcmalloc", "jemalloc", "mimalloc") if name in maps), loaded)
+        loaded = next(
+            (name for name in ("tcmalloc", "jemalloc", "mimalloc") if name in maps), loaded
+        )
     knobs = {
         "glibc": os.environ.get("GLIBC_TUNABLES", ""),
         "jemalloc": os.environ.get("MALLOC_CONF", ""),
