@@ -422,14 +422,24 @@ class TestMemory(TestCase):
         self.assertEqual(saved_bytes(w, _cpu_hardware()), _saved(moe, x))
 
     @parametrize(
-        "precision, shared", [("bf16", 0), ("bf16", 64), ("bf16", 512), ("fp8_rowwise", 0)]
+        "precision, shared",
+        [
+            ("bf16", 0),
+            ("bf16", 64),
+            ("bf16", 512),
+            ("fp8_rowwise", 0),
+            ("fp8_blockwise", 0),
+            ("mxfp8", 0),
+        ],
     )
     def test_peak_memory_vs_profiler(self, precision, shared):
         # the model's peak (weights, input and output gradient included) within 10% of
         # the allocator's peak on a small layer (the benchmark checks the 5% target at
         # realistic sizes, where the fixed small tensors matter less). A large shared
         # expert: its saved tensors are live through the routed experts' backward, which
-        # autograd runs first (a model that freed them there was 20% under)
+        # autograd runs first (a model that freed them there was 20% under). fp8_blockwise:
+        # its 128 x 128 blocks do not tile these 64-wide weights (quantize_fp8's CPU kernel
+        # took the padded whole-tensor reference here: 16% over the model)
         kw = dict(precision=precision, shared_hidden_dim=shared)
         measured, predicted = _measured_and_predicted_peak(256, 64, 128, 8, 2, **kw)
         self.assertLess(abs(predicted / measured - 1), 0.10, msg=f"{predicted} vs {measured}")

@@ -394,7 +394,9 @@ class TestQuantizeFP8CPUKernel(TestCase):
     """``quantize_fp8``'s CPU kernel (block maxima in x's dtype, then chunked convert /
     divide / clamp / cast) equals the reference bit for bit: row- and column-major x,
     batched, every block kind, chunks inside one block row and across many, bf16 and fp32,
-    zeros, and shapes the blocks do not tile (which take the reference)."""
+    zeros, and shapes the blocks do not tile (the last block row or column padded per
+    chunk, matrix by matrix where a batch's row blocks would straddle two matrices; dims
+    smaller than their block), without calling the reference."""
 
     def test_equals_reference(self):
         from unittest import mock
@@ -402,8 +404,15 @@ class TestQuantizeFP8CPUKernel(TestCase):
         Qm = importlib.import_module("torch_moe.quantization.quantize")
         gen = torch.Generator().manual_seed(7)
         blocks = [(-1, -1), (1, -1), (1, 32), (128, 128), (-1, 1), (2, 3)]
+        calls = []
+        reference = Qm.quantize_fp8_reference
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape)
+            return reference(*args, **kwargs)
+
         for shape, block, dtype, col in itertools.product(
-            [(256, 96), (2, 128, 64), (130, 96), (5, 7)],
+            [(256, 96), (2, 128, 64), (130, 96), (5, 7), (2, 130, 300), (3, 64, 40)],
             blocks,
             (torch.bfloat16, torch.float32),
             (False, True),
@@ -419,7 +428,10 @@ class TestQuantizeFP8CPUKernel(TestCase):
             want_q, want_s = Qm.quantize_fp8_reference(x, block)
             want_q = want_q.contiguous()
             for chunk in (5, 480, 2**16):  # 1 row, 5-7 rows (crossing 128-row blocks), all
-                with mock.patch.object(Qm, "_QUANT_CHUNK", chunk):
+                with (
+                    mock.patch.object(Qm, "_QUANT_CHUNK", chunk),
+                    mock.patch.object(Qm, "quantize_fp8_reference", counted),
+                ):
                     q, scale = torch.ops.torch_moe.quantize_fp8(x, list(block))
                 msg = f"{shape} {block} {dtype} col={col} chunk={chunk}"
                 self.assertTrue(q.is_contiguous() and scale.is_contiguous(), msg=msg)
@@ -427,6 +439,7 @@ class TestQuantizeFP8CPUKernel(TestCase):
                     q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg
                 )
                 self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
+        self.assertEqual(calls, [], msg="the kernel fell back to the reference")
 
 
 class TestQuantizeMXCPUKernel(TestCase):

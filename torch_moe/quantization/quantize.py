@@ -208,12 +208,15 @@ def quantize_fp8_cpu(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]
     x converted to fp32, its blocks' absolute maxima taken, divided by its block's scale,
     clamped and cast in row chunks of ~``_QUANT_CHUNK`` elements, so that no fp32 copy of
     x is made. The same per-element operations as :func:`quantize_fp8_reference`, hence
-    the same bits; inputs whose blocks do not tile them, or in neither row- nor
-    column-major layout, take the reference."""
+    the same bits. Blocks that do not tile x (a dim that is not a multiple of its block,
+    e.g. GPT-OSS's 2880 columns in 128-wide blocks, or a dim smaller than the block) are
+    padded with zeros per chunk, which changes no block's absolute maximum, where the
+    reference pads a whole fp32 copy; inputs in neither row- nor column-major layout take
+    the reference."""
     *_, nr, nc = check_quantize_fp8(x, block)
     r, c = x.shape[-2:]
     br, bc = _extent(block[0], r), _extent(block[1], c)
-    if x.numel() and r % br == 0 and c % bc == 0:
+    if x.numel():
         if x.is_contiguous():
             return _quantize_fp8_rows(x, br, bc, nr, nc)
         xt = x.transpose(-2, -1)
@@ -225,31 +228,49 @@ def quantize_fp8_cpu(x: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]
 
 
 def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[Tensor, Tensor]:
-    """quantize_fp8_cpu on a contiguous x [..., R, C] whose ``br x bc`` blocks tile it.
-    Blocks of a chunk's rows take one pass (convert, block maxima, divide, clamp, cast);
-    taller blocks (per tensor, or 128 rows past a chunk) get their maxima from a first
-    pass over the chunks (a maximum of partial maxima is the maximum)."""
-    *lead, _, c = x.shape
-    rows = x.numel() // c
-    x2 = x.reshape(rows, c)
-    q = torch.empty((rows, c), dtype=_FP8, device=x.device)
-    step = max(1, _QUANT_CHUNK // c)
+    """quantize_fp8_cpu on a contiguous x [..., R, C]: all matrices' rows as one where
+    ``br`` divides R or exceeds it (no block straddles two matrices), matrix by matrix
+    otherwise."""
+    *lead, r, c = x.shape
+    q = torch.empty(x.shape, dtype=_FP8, device=x.device)
+    scale = torch.empty((*lead, nr, nc), dtype=torch.float32, device=x.device)
+    br, bc = min(br, r), min(bc, c)  # a block past the dim holds the dim's elements alone
+    if r % br == 0:
+        _quantize_fp8_matrix(x.reshape(-1, c), br, bc, nc, q.view(-1, c), scale.view(-1, nc))
+    else:
+        for xm, qm, sm in zip(x.reshape(-1, r, c), q.view(-1, r, c), scale.view(-1, nr, nc)):
+            _quantize_fp8_matrix(xm, br, bc, nc, qm, sm)
+    return q, scale
 
-    def chunk_f32(r0: int, r1: int) -> Tensor:
-        return x2[r0:r1].to(torch.float32, copy=True)
+
+def _quantize_fp8_matrix(x: Tensor, br: int, bc: int, nc: int, q: Tensor, scale: Tensor) -> None:
+    """quantize_fp8_cpu on a contiguous [rows, C] x into q [rows, C] and scale
+    [ceil(rows / br), nc]. Blocks of a chunk's rows take one pass (convert, block maxima,
+    divide, clamp, cast); taller blocks (per tensor, or 128 rows past a chunk) get their
+    maxima from a first pass over the chunks (a maximum of partial maxima is the maximum).
+    A chunk's fp32 rows are padded with zeros to whole blocks where the blocks do not tile
+    x (the last block row, the last block column)."""
+    rows, c = x.shape
+    step = max(1, _QUANT_CHUNK // c)
+    pad_c = nc * bc - c
+
+    def chunk_f32(r0: int, r1: int, whole_blocks: bool) -> Tensor:
+        pad_r = -(r1 - r0) % br if whole_blocks else 0
+        if pad_c or pad_r:
+            return torch.nn.functional.pad(x[r0:r1].to(torch.float32), (0, pad_c, 0, pad_r))
+        return x[r0:r1].to(torch.float32, copy=True)
 
     if br <= step:
-        scale = torch.empty((rows // br, nc), dtype=torch.float32, device=x.device)
         rc = step // br * br
         for r0 in range(0, rows, rc):
             r1 = min(rows, r0 + rc)
-            xf = chunk_f32(r0, r1)
+            xf = chunk_f32(r0, r1, True)
             blocks = xf.view(-1, br, nc, bc)
             sc = _fp8_scale(_abs_max(blocks, (1, 3)))
-            scale[r0 // br : r1 // br] = sc
+            scale[r0 // br : r0 // br + sc.shape[0]] = sc
             blocks.div_(sc[:, None, :, None])
-            _to_fp8_into(q[r0:r1], xf)
-        return q.view(x.shape), scale.view(*lead, nr, nc)
+            _to_fp8_into(q[r0:r1], xf[: r1 - r0, :c])
+        return
     # chunks inside one block row each (step < br)
     bounds = []
     r0 = 0
@@ -257,16 +278,15 @@ def _quantize_fp8_rows(x: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[T
         r1 = min(rows, r0 + step, (r0 // br + 1) * br)
         bounds.append((r0, r1))
         r0 = r1
-    amax = torch.zeros((rows // br, nc), dtype=torch.float32, device=x.device)
+    amax = torch.zeros(scale.shape, dtype=torch.float32, device=x.device)
     for r0, r1 in bounds:
-        part = _abs_max(chunk_f32(r0, r1).view(r1 - r0, nc, bc), (0, 2))
+        part = _abs_max(chunk_f32(r0, r1, False).view(r1 - r0, nc, bc), (0, 2))
         torch.maximum(amax[r0 // br], part, out=amax[r0 // br])
-    scale = _fp8_scale(amax)
+    scale.copy_(_fp8_scale(amax))
     for r0, r1 in bounds:
-        xf = chunk_f32(r0, r1)
+        xf = chunk_f32(r0, r1, False)
         xf.view(r1 - r0, nc, bc).div_(scale[r0 // br, None, :, None])
-        _to_fp8_into(q[r0:r1], xf)
-    return q.view(x.shape), scale.view(*lead, nr, nc)
+        _to_fp8_into(q[r0:r1], xf[:, :c])
 
 
 def _quantize_fp8_blocks(xf: Tensor, br: int, bc: int, nr: int, nc: int) -> tuple[Tensor, Tensor]:

@@ -204,9 +204,11 @@ def _expand(scale: Tensor, dim: int, block: int, size: int) -> Tensor:
 def _scale_blocks_(t: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tensor:
     """``t *= scale`` over the last two dims of t [..., R, C], scale [..., RS, CS] covering
     blocks of ``block_r x block_c`` (-1: the whole dim): broadcast over each block where
-    the blocks tile t's memory, repeated to full size otherwise."""
+    the blocks tile t's memory (a block larger than its dim covers the dim), repeated to
+    full size otherwise."""
     *lead, r, c = t.shape
-    br, bc = (r if block_r == -1 else block_r), (c if block_c == -1 else block_c)
+    # a block past the dim (or -1) covers the dim: one scale row / column, broadcast
+    br, bc = min(r, r if block_r == -1 else block_r), min(c, c if block_c == -1 else block_c)
     if r and c and r % br == 0 and c % bc == 0:
         scale = scale.expand(*lead, r // br, c // bc)
         if t.is_contiguous():
