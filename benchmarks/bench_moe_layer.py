@@ -4,8 +4,9 @@ does it keep for the backward, next to HF transformers' experts?
 For each shape: tokens/s, the time over the GEMM floor (routed-expert FLOPs
 18*T*K*D*F over the large-GEMM rate, docs/design.md §8: the native half-precision mm
 rate where this CPU multiplies bf16 natively, the fp32 mm rate where torch_moe upcasts;
-the floor mm runs in the same rounds as the layer; both rates are printed), and
-saved-activation bytes per token (distinct tensors saved for backward, parameters
+the floor mm runs in the same rounds as the layer; both rates are printed), split into
+what the layer's own expert GEMMs cost alone at its group sizes (timed in the same
+rounds) and what the rest of the layer adds, and saved-activation bytes per token (distinct tensors saved for backward, parameters
 excluded). The peers are HF transformers' own Qwen3-MoE sparse block
 (``Qwen3MoeSparseMoeBlock``, same router math) with torch_moe's weights, run with its
 ``eager`` experts (a per-expert Python loop) and its ``grouped_mm`` experts
