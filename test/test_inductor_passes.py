@@ -10,6 +10,7 @@ fusions keep out of memory. Two tests compile with Inductor itself and FileCheck
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import os
@@ -150,6 +151,14 @@ class TestPasses(TestCase):
         # the jagged wgrad operands that come from a permute or the SwiGLU: x, a, dY
         self.assertEqual(record["counts"]["fuse_quantize"], 3)
 
+    def test_combine_inlined(self):
+        # the layer's combine and the permute's backward (both unweighted) become aten ops
+        record = _compare_steps(self, "bf16", token_counts=(20, 7))
+        self.assertEqual(record["counts"]["inline_combine"], 2)
+        with TI.config.patch(inline_combine=False):
+            record = _compare_steps(self, "bf16", token_counts=(20,))
+        self.assertNotIn("inline_combine", record["counts"])
+
     def test_uuid_tracks_config_and_sources(self):
         p = TI.MoEGraphPass()
         base = p.uuid()
@@ -240,7 +249,47 @@ def _tiny(x, w, offs):
     return torch.ops.torch_moe.grouped_mm(x, w, offs)
 
 
+def _combines(y, slot_to_row, row_to_slot, y2, weights):
+    unweighted = torch.ops.torch_moe.unpermute(y, slot_to_row, row_to_slot, None)
+    return unweighted, torch.ops.torch_moe.unpermute(y2, slot_to_row, row_to_slot, weights)
+
+
 class TestInductor(TestCase):
+    def test_inlined_combine_code(self):
+        """Inductor with the passes: the unweighted combine is Inductor's own loop (no op
+        call), bit for bit the op's CPU kernel (bf16 into fp32, fp32 rows whose sums round
+        by the order of their terms, dropped slots, one and three per token); a weighted
+        one stays the op."""
+        torch._dynamo.reset()
+        TI.reset_counters()
+        fn = torch.compile(_combines, options=TI.options(), fullgraph=True, dynamic=False)
+        gen = torch.Generator().manual_seed(3)
+        stack = contextlib.ExitStack()
+        self.addCleanup(stack.close)
+        stack.enter_context(fresh_cache())  # the passes run (no FX graph cache hit)
+        cases = [(3, torch.bfloat16, False), (3, torch.bfloat16, True),
+                 (3, torch.float32, True), (1, torch.bfloat16, True)]  # fmt: skip
+        for top_k, dtype, drop in cases:
+            ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(11)])
+            r2s, s2r, _, _ = torch.ops.torch_moe.permute_indices(ids, 6)
+            if drop:  # dropped slots read no row
+                s2r = s2r.clone()
+                s2r[::2, 0] = -1
+            # rows over 2^+-20: fp32 sums whose rounding depends on the order of the terms
+            scale = torch.randint(-20, 21, (r2s.shape[0], 1), generator=gen).exp2()
+            y = (torch.randn(r2s.shape[0], 40, generator=gen) * scale).to(dtype)
+            w = torch.rand(11, top_k, generator=gen)
+            args = (y, s2r, r2s, y.float(), w)
+            got, codes = run_and_get_code(fn, *args)
+            want = _combines(*args)
+            self.assertEqual(got[0], want[0], **EXACT)
+            self.assertEqual(got[1], want[1], **EXACT)
+            if codes:  # a compile (not a call of the same shapes again)
+                FileCheck().check_count(
+                    "torch.ops.torch_moe.unpermute.default(", 1, exactly=True
+                ).run(codes[0])
+        self.assertEqual(TI.counters()["inline_combine"], 3)  # one per (K, dtype) compiled
+
     def test_fx_graph_cache_key(self):
         """With the passes the FX graph cache hits on a repeat compile and misses after a
         pass or lowering source changes; a plain callable pass makes it bypass."""
@@ -290,10 +339,10 @@ class TestInductor(TestCase):
         ops = "torch.ops.torch_moe."
         FileCheck().check(f"{ops}permute_quantize.default(").check(
             f"{ops}quantize_fp8_cached.default("
-        ).check(f"{ops}scaled_grouped_mm.default(").check(f"{ops}swiglu_quantize.default(").check(
-            f"{ops}unpermute.default("
-        ).run(fwd)
-        FileCheck().check_not(f"{ops}permute.default(").check_not(f"{ops}swiglu.default(").run(fwd)
+        ).check(f"{ops}scaled_grouped_mm.default(").check(f"{ops}swiglu_quantize.default(").run(fwd)
+        # the combine inlined into Inductor's code (inline_combine)
+        for op in ("permute", "swiglu", "unpermute"):
+            FileCheck().check_not(f"{ops}{op}.default(").run(fwd)
         FileCheck().check(f"{ops}permute_quantize.default(tangents").run(bwd)
         for op in ("permute_quantize_jagged", "swiglu_quantize_jagged", "scaled_grouped_mm_wgrad"):
             FileCheck().check(f"{ops}{op}.default(").run(bwd)

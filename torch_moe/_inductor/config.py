@@ -24,6 +24,11 @@ fuse_gather: bool = True
 # backward (dY = permute(grad) quantized for dgrad and wgrad).
 fuse_quantize: bool = True
 
+# unpermute(y, ...) without weights on CPU (the combine, the permute's backward) ==> its
+# gather-and-sum in aten ops (the CPU kernel's operations, in its order), which Inductor
+# fuses into one loop: no per-k gathered rows materialized.
+inline_combine: bool = True
+
 # quantize(w) of an expert weight (a 3D graph input, through views and casts) ==> a cached
 # quantization, recomputed only when the weight's version counter changes (once per
 # optimizer step, not once per micro-batch and GEMM).

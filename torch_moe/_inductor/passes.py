@@ -31,6 +31,15 @@ originals):
    permuted [M, D] input is no longer saved for the backward (x, which the router's
    backward saves anyway, and an int64 index [M] are).
 
+5. ``inline_combine`` (CPU): ``unpermute(y, slot_to_row, row_to_slot)`` without weights
+   (the layer's combine, and the permute's backward) becomes its gather-and-sum in aten
+   ops: each token's K rows gathered, converted to the accumulation dtype and added in
+   k order, rounded once; the same operations in the same order as the op's CPU kernel,
+   which Inductor fuses into one loop over [T, D] (no gathered [T, D] row per k
+   materialized, converted and added in passes of their own). A weighted combine stays
+   an op (a product and a sum that a C++ compiler may contract into an FMA would round
+   differently), and so does every combine off the CPU (the CUDA kernel is one pass).
+
 ``MoEGraphPass`` runs them as one ``CustomGraphPass`` whose ``uuid()`` hashes this
 package's sources and its config, so Inductor's FX graph cache misses whenever a pass or
 a lowering changes (a plain callable would make the cache bypass, a pass without its
@@ -52,6 +61,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import insert_traced, is_op, val
+from torch_moe._ops._dtypes import acc_dtype
 from torch_moe.quantization import get_recipe
 from torch_moe.quantization.scaled_grouped_mm import (
     _scaled_gemm,
@@ -66,6 +76,7 @@ __all__ = [
     "decompose_scaled_gemms",
     "fuse_gather",
     "fuse_quantize",
+    "inline_combine",
     "run_passes",
 ]
 
@@ -289,6 +300,45 @@ def fuse_gather(graph: fx.Graph) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# 5. the unweighted combine as Inductor code (CPU)
+
+
+def _combine_rows(y: Any, slot_to_row: Any, *, top_k: int, acc: torch.dtype) -> Any:
+    """``unpermute(y, slot_to_row, row_to_slot)`` as its CPU kernel computes it: token t's
+    rows ``slot_to_row[t, k]`` gathered, in ``acc``, a dropped slot's (-1) row exactly 0,
+    summed in k order, rounded once to y's dtype."""
+    dropped = slot_to_row < 0
+    rows = slot_to_row.clamp(min=0)
+    out = None
+    for k in range(top_k):
+        y_k = y.index_select(0, rows[:, k]).to(acc).masked_fill(dropped[:, k, None], 0)
+        out = y_k if out is None else out + y_k
+    return out.to(y.dtype)
+
+
+def _weights_arg(node: fx.Node) -> Any:
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("weights")
+
+
+def inline_combine(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if not is_op(node, _ops.unpermute) or _weights_arg(node) is not None:
+            continue
+        y, slot_to_row = node.args[:2]
+        y_val, top_k = val(y), val(slot_to_row).shape[1]
+        rows = y_val.shape[0]
+        if y_val.device.type != "cpu" or not isinstance(top_k, int) or top_k < 1:
+            continue
+        if isinstance(rows, int) and rows == 0:  # nothing to gather from: the op's own path
+            continue
+        fn = functools.partial(_combine_rows, top_k=top_k, acc=acc_dtype(y_val.dtype))
+        _replace(graph, node, fn, [y, slot_to_row])
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------
 # all passes as one CustomGraphPass
 
 
@@ -300,6 +350,7 @@ def run_passes(graph: fx.Graph) -> dict[str, int]:
         ("cache_weight_quantization", cache_weight_quantization),
         ("fuse_quantize", fuse_quantize),
         ("fuse_gather", fuse_gather),
+        ("inline_combine", inline_combine),
     ):
         if getattr(config, name):
             counts[name] = fn(graph)
@@ -316,6 +367,7 @@ _COUNTERS: dict[str, int] = {
     "cache_weight_quantization": 0,
     "fuse_quantize": 0,
     "fuse_gather": 0,
+    "inline_combine": 0,
     "ep_chunks": 0,  # expert-parallel layers split into chunks (ep_chunk.py)
     "ep_chunk_skipped": 0,  # one-chunk layers that pass could not split
 }

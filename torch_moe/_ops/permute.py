@@ -55,6 +55,12 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     row gather of ``permute`` given each row's token (``row_to_slot // K``, -1 stays -1)."""
     if x.dtype.itemsize == 1 and x.is_floating_point():  # float8: no masked_fill kernel
         return gather_rows(x.view(torch.uint8), index).view(x.dtype)
+    if index.device.type == "cpu" and type(index) is Tensor:  # real CPU values: -1 rows
+        # filled by position, not a masked pass over every row (a host read: CPU only)
+        empty = _negative_positions(index)
+        if empty is None:
+            return x.index_select(0, index)
+        return x.index_select(0, index.clamp(min=0)).index_fill_(0, empty, 0)
     out = x.index_select(0, index.clamp(min=0))
     return out.masked_fill_((index < 0).unsqueeze(1), 0)
 
