@@ -309,7 +309,7 @@ def _combine_rows(y: Any, slot_to_row: Any, *, top_k: int, acc: torch.dtype) -> 
     summed in k order, rounded once to y's dtype."""
     dropped = slot_to_row < 0
     rows = slot_to_row.clamp(min=0)
-    out = None
+    out: Any = None
     for k in range(top_k):
         y_k = y.index_select(0, rows[:, k]).to(acc).masked_fill(dropped[:, k, None], 0)
         out = y_k if out is None else out + y_k
