@@ -6,9 +6,9 @@ The MoE layer's graph is a chain of ``torch_moe::`` ops: ``permute`` gathers tok
 into expert order, the experts run (``grouped_swiglu``, or two ``quantized_grouped_mm``
 around ``swiglu`` with a low-precision recipe), ``unpermute`` combines. Each op is opaque
 to Inductor, so by default every intermediate is materialized and the ones the backward
-reads are saved. The passes rewrite that chain, in this order, each one exact (bit for
-bit the unfused graph on CPU, where the rewritten ops' kernels are compositions of the
-originals):
+reads are saved. The passes rewrite that chain, in this order, each one but the opt-in
+last exact (bit for bit the unfused graph on CPU, where the rewritten ops' kernels are
+compositions of the originals):
 
 1. ``decompose_scaled_gemms``: ``quantized_grouped_mm(x, w, offs, recipe)`` (and its dgrad
    and wgrad ops in the backward) become the quantize ops and ``scaled_grouped_mm``
@@ -39,6 +39,14 @@ originals):
    materialized, converted and added in passes of their own). A weighted combine stays
    an op (a product and a sum that a C++ compiler may contract into an FMA would round
    differently), and so does every combine off the CPU (the CUDA kernel is one pass).
+
+6. ``inline_swiglu`` (CPU, opt-in: ``config.inline_swiglu``): ``grouped_swiglu`` and
+   ``grouped_swiglu_backward`` become the grouped GEMM ops around the activation and its
+   backward in aten ops (the kernels' fp32 math, rounded once), which Inductor fuses into
+   one loop per direction instead of the op's ~5 / ~12 passes per row chunk. Not bit for
+   bit: Inductor's exp and sigmoid and the sum order of the routing weights' gradient
+   differ from ATen's kernels in the last fp32 bits (outputs within one bf16 rounding
+   step); hence off by default, unlike the exact rewrites above.
 
 ``MoEGraphPass`` runs them as one ``CustomGraphPass`` whose ``uuid()`` hashes this
 package's sources and its config, so Inductor's FX graph cache misses whenever a pass or
@@ -77,6 +85,7 @@ __all__ = [
     "fuse_gather",
     "fuse_quantize",
     "inline_combine",
+    "inline_swiglu",
     "run_passes",
 ]
 
@@ -339,6 +348,118 @@ def inline_combine(graph: fx.Graph) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# 6. grouped SwiGLU's activation as Inductor code (CPU)
+
+
+def _gathered(x: Any, gather_index: Any) -> Any:
+    """``gather_rows(x, gather_index)`` in aten ops: x's rows, 0 where the index is -1."""
+    rows = x.index_select(0, gather_index.clamp(min=0))
+    return rows.masked_fill((gather_index < 0).unsqueeze(1), 0)
+
+
+def _sigmoid(g: Any) -> Any:
+    return 1 / (1 + torch.exp(-g))  # ATen's CPU sigmoid: (1 + exp(-x)).reciprocal()
+
+
+def _swiglu_forward(
+    x: Any, w13: Any, w2: Any, offs: Any, *rest: Any, weighted: bool, gathered: bool
+) -> Any:
+    """``grouped_swiglu``: the two grouped GEMMs as the op, the activation between them as
+    its CPU kernel computes it (fp32, silu(g) = g / (1 + exp(-g)) as ATen's silu, one
+    rounding), in aten ops that Inductor fuses into one loop."""
+    rw = rest[0] if weighted else None
+    x_rows = _gathered(x, rest[-1]) if gathered else x
+    h = _ops.grouped_mm(x_rows, w13.transpose(-2, -1), offs)
+    acc = acc_dtype(h.dtype)
+    hidden = w2.shape[2]
+    hf = h.to(acc)
+    gate, up = hf[:, :hidden], hf[:, hidden:]
+    a = gate / (1 + torch.exp(-gate)) * up
+    if rw is not None:
+        a = a * rw.to(acc).unsqueeze(1)
+    return _ops.grouped_mm(a.to(h.dtype), w2.transpose(-2, -1), offs), h
+
+
+def _swiglu_backward(
+    grad_y: Any, *rest: Any, has_grad_h: bool, weighted: bool, gathered: bool
+) -> Any:
+    """``grouped_swiglu_backward``: the four grouped GEMMs as the op, the activation's
+    backward as its CPU kernel computes it (``_act_backward_into``: silu_backward's
+    dy * s * (1 + g * (1 - s))), in aten ops."""
+    args = list(rest)
+    grad_h = args.pop(0) if has_grad_h else None
+    x, h, w13, w2, offs = args[:5]
+    rw = args[5] if weighted else None
+    x_rows = _gathered(x, args[-1]) if gathered else x
+    acc = acc_dtype(h.dtype)
+    hidden = w2.shape[2]
+    grad_a = _ops.grouped_mm(grad_y, w2, offs)
+    hf = h.to(acc)
+    gate, up = hf[:, :hidden], hf[:, hidden:]
+    sig = _sigmoid(gate)
+    silu = gate * sig
+    ga = grad_a.to(acc)
+    a = silu * up
+    grad_rw: Any = None
+    if rw is not None:
+        rw_acc = rw.to(acc).unsqueeze(1)
+        grad_rw = (ga * a).sum(-1)
+        a = a * rw_acc
+        ga = ga * rw_acc
+    a_out = a.to(h.dtype)
+    grad_up = silu * ga
+    s2 = _sigmoid(gate)  # silu_backward recomputes the sigmoid from the gate
+    grad_gate = ga * up * s2 * (1 + gate * (1 - s2))
+    dh = torch.cat([grad_gate, grad_up], dim=-1).to(h.dtype)
+    if grad_h is not None:
+        dh = dh + grad_h
+    dw2 = _ops.grouped_mm_wgrad(grad_y, a_out, offs)
+    dx = _ops.grouped_mm(dh, w13, offs)
+    dw13 = _ops.grouped_mm_wgrad(dh, x_rows, offs)
+    if rw is None:
+        return dx, dw13, dw2, torch.empty((0,), dtype=torch.float32, device=x.device)
+    return dx, dw13, dw2, grad_rw.to(rw.dtype)
+
+
+def _arg(node: fx.Node, index: int, name: str) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
+def inline_swiglu(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if is_op(node, _ops.grouped_swiglu):
+            x, w13, w2, offs = node.args[:4]
+            rw, gi = _arg(node, 4, "row_weights"), _arg(node, 5, "gather_index")
+            if val(x).device.type != "cpu":
+                continue
+            extra = [n for n in (rw, gi) if n is not None]
+            fn = functools.partial(
+                _swiglu_forward, weighted=rw is not None, gathered=gi is not None
+            )
+            _replace(graph, node, fn, [x, w13, w2, offs, *extra])
+            count += 1
+        elif is_op(node, _ops.grouped_swiglu_backward):
+            grad_y, grad_h, x, h, w13, w2, offs = node.args[:7]
+            rw, gi = _arg(node, 7, "row_weights"), _arg(node, 8, "gather_index")
+            if val(x).device.type != "cpu":
+                continue
+            inputs = [grad_y, *([grad_h] if grad_h is not None else []), x, h, w13, w2, offs]
+            inputs += [n for n in (rw, gi) if n is not None]
+            fn = functools.partial(
+                _swiglu_backward,
+                has_grad_h=grad_h is not None,
+                weighted=rw is not None,
+                gathered=gi is not None,
+            )
+            _replace(graph, node, fn, inputs)
+            count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------
 # all passes as one CustomGraphPass
 
 
@@ -351,6 +472,7 @@ def run_passes(graph: fx.Graph) -> dict[str, int]:
         ("fuse_quantize", fuse_quantize),
         ("fuse_gather", fuse_gather),
         ("inline_combine", inline_combine),
+        ("inline_swiglu", inline_swiglu),
     ):
         if getattr(config, name):
             counts[name] = fn(graph)
@@ -368,6 +490,7 @@ _COUNTERS: dict[str, int] = {
     "fuse_quantize": 0,
     "fuse_gather": 0,
     "inline_combine": 0,
+    "inline_swiglu": 0,
     "ep_chunks": 0,  # expert-parallel layers split into chunks (ep_chunk.py)
     "ep_chunk_skipped": 0,  # one-chunk layers that pass could not split
 }
