@@ -96,9 +96,15 @@ def main() -> None:
     p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES, or dsv3")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--inline-swiglu",
+        action="store_true",
+        help="also turn on the opt-in inline_swiglu pass (torch_moe._inductor.config)",
+    )
     args = p.parse_args()
     global DEVICE
     DEVICE = args.device
+    TI.config.inline_swiglu = args.inline_swiglu
     dtype = DTYPES[args.dtype]
     t, d = args.tokens, args.dim
     if DEVICE == "cuda":  # the floor: a large bf16 mm on the device (measured here)

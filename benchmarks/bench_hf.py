@@ -23,8 +23,9 @@ in one process on the same weights and tokens. Per model and implementation:
   (model activations, logits and gradients included), from the same profiler.
 
 ``--compile`` adds grouped_mm and torch_moe under ``torch.compile(fullgraph=True)``
-(inductor; "x torch_moe" still against torch_moe without compile). transformers' eager
-loop does not compile with ``fullgraph=True`` (data-dependent expert loop).
+(inductor; torch_moe with its default compiler passes, ``torch_moe._inductor.options()``;
+"x torch_moe" still against torch_moe without compile). transformers' eager loop does
+not compile with ``fullgraph=True`` (data-dependent expert loop).
 
 "batched_mm" gathers one [N, D] weight matrix per (token, expert) pair: where that gather
 alone would exceed ``--batched-mm-gib`` it is skipped and the row says how much it needs.
@@ -245,10 +246,18 @@ def compiled_rows(
     eager_torch_moe: float,
     args: argparse.Namespace,
 ) -> list[str]:
-    """grouped_mm and torch_moe under torch.compile(fullgraph=True), default (inductor)."""
+    """grouped_mm and torch_moe under torch.compile(fullgraph=True) (inductor), torch_moe with
+    its compiler passes (``torch_moe._inductor.options()``: the default ones)."""
+    import torch_moe._inductor as TI
+
     impls = ["grouped_mm", "torch_moe"]
     torch._dynamo.reset()
-    calls = {impl: torch.compile(model, fullgraph=True) for impl in impls}
+    calls = {
+        impl: torch.compile(
+            model, fullgraph=True, options=TI.options() if impl == "torch_moe" else None
+        )
+        for impl in impls
+    }
     t0 = time.perf_counter()
     times = time_steps(model, ids, impls, args.rounds, args.device, calls)
     wall = time.perf_counter() - t0
@@ -258,7 +267,8 @@ def compiled_rows(
         peak = step_peak_bytes(model, ids, args.device, calls[impl])
         t = times[impl]
         rows.append(
-            f"| {label} | {impl} + inductor | {t * 1e3:.0f} | {t / eager_torch_moe:.2f} | "
+            f"| {label} | {impl} + inductor{' + passes' if impl == 'torch_moe' else ''} | "
+            f"{t * 1e3:.0f} | {t / eager_torch_moe:.2f} | "
             f"{ids.numel() / t:.0f} | | | {peak / 2**20:.0f} |"
         )
     print(f"# {label}: compiling and timing took {wall:.0f} s", file=sys.stderr, flush=True)

@@ -36,7 +36,10 @@ compositions of the originals):
    ops: each token's K rows gathered, converted to the accumulation dtype and added in
    k order, rounded once; the same operations in the same order as the op's CPU kernel,
    which Inductor fuses into one loop over [T, D] (no gathered [T, D] row per k
-   materialized, converted and added in passes of their own). A weighted combine stays
+   materialized, converted and added in passes of their own). Bit for bit where the
+   result is stored; a consumer Inductor fuses with it may read the fp32 sum before its
+   rounding, as Inductor does with any low-precision intermediate (the router's input
+   gradient added to it is such a case with or without this pass). A weighted combine stays
    an op (a product and a sum that a C++ compiler may contract into an FMA would round
    differently), and so does every combine off the CPU (the CUDA kernel is one pass).
 
