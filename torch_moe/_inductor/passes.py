@@ -73,6 +73,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import insert_traced, is_op, val
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops.permute import gather_rows
 from torch_moe.quantization import get_recipe
 from torch_moe.quantization.scaled_grouped_mm import (
     _scaled_gemm,
@@ -354,24 +355,19 @@ def inline_combine(graph: fx.Graph) -> int:
 # 6. grouped SwiGLU's activation as Inductor code (CPU)
 
 
-def _gathered(x: Any, gather_index: Any) -> Any:
-    """``gather_rows(x, gather_index)`` in aten ops: x's rows, 0 where the index is -1."""
-    rows = x.index_select(0, gather_index.clamp(min=0))
-    return rows.masked_fill((gather_index < 0).unsqueeze(1), 0)
-
-
 def _sigmoid(g: Any) -> Any:
-    return 1 / (1 + torch.exp(-g))  # ATen's CPU sigmoid: (1 + exp(-x)).reciprocal()
+    return 1 / (1 + torch.exp(-g))  # ATen's CPU formula, not its bits (its own exp)
 
 
 def _swiglu_forward(
     x: Any, w13: Any, w2: Any, offs: Any, *rest: Any, weighted: bool, gathered: bool
 ) -> Any:
     """``grouped_swiglu``: the two grouped GEMMs as the op, the activation between them as
-    its CPU kernel computes it (fp32, silu(g) = g / (1 + exp(-g)) as ATen's silu, one
-    rounding), in aten ops that Inductor fuses into one loop."""
+    its CPU kernel computes it (fp32, silu(g) = g / (1 + exp(-g)), ATen's formula, one
+    rounding), in aten ops that Inductor fuses into one loop. The gathered rows (fake
+    values here) take ``gather_rows``' masked form."""
     rw = rest[0] if weighted else None
-    x_rows = _gathered(x, rest[-1]) if gathered else x
+    x_rows = gather_rows(x, rest[-1]) if gathered else x
     h = _ops.grouped_mm(x_rows, w13.transpose(-2, -1), offs)
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
@@ -393,7 +389,7 @@ def _swiglu_backward(
     grad_h = args.pop(0) if has_grad_h else None
     x, h, w13, w2, offs = args[:5]
     rw = args[5] if weighted else None
-    x_rows = _gathered(x, args[-1]) if gathered else x
+    x_rows = gather_rows(x, args[-1]) if gathered else x
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
     grad_a = _ops.grouped_mm(grad_y, w2, offs)
