@@ -114,13 +114,16 @@ class TestPasses(TestCase):
     def test_gather_fused_into_grouped_swiglu(self):
         record = _compare_steps(self, "bf16", token_counts=(20,))
         self.assertEqual(record["counts"]["fuse_gather"], 1)
+        # and the combine and the permute's backward (both unweighted) inlined as aten ops
+        self.assertEqual(record["counts"]["inline_combine"], 2)
         # saved with M = 32 rows: only the pre-activation h [M, 2F]; not the permuted x [M, D]
         self.assertEqual(_float_rows(record["saved"], 20 * K), [(20 * K, 2 * F)])
 
     def test_gather_fusion_off(self):
-        with TI.config.patch(fuse_gather=False):
+        with TI.config.patch(fuse_gather=False, inline_combine=False):
             record = _compare_steps(self, "bf16", token_counts=(20,))
-        self.assertNotIn("fuse_gather", record["counts"])  # the pass did not run
+        self.assertNotIn("fuse_gather", record["counts"])  # the passes did not run
+        self.assertNotIn("inline_combine", record["counts"])
         self.assertIn((20 * K, D), _float_rows(record["saved"], 20 * K))
 
     @parametrize("recipe", list(RECIPES))
@@ -150,14 +153,6 @@ class TestPasses(TestCase):
         self.assertEqual(record["counts"]["decompose_scaled_gemms"], 2)  # the two wgrads only
         # the jagged wgrad operands that come from a permute or the SwiGLU: x, a, dY
         self.assertEqual(record["counts"]["fuse_quantize"], 3)
-
-    def test_combine_inlined(self):
-        # the layer's combine and the permute's backward (both unweighted) become aten ops
-        record = _compare_steps(self, "bf16", token_counts=(20, 7))
-        self.assertEqual(record["counts"]["inline_combine"], 2)
-        with TI.config.patch(inline_combine=False):
-            record = _compare_steps(self, "bf16", token_counts=(20,))
-        self.assertNotIn("inline_combine", record["counts"])
 
     def test_swiglu_inlined(self):
         # opt-in: grouped_swiglu and its backward become the grouped GEMM ops around the
