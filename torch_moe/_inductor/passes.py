@@ -329,14 +329,17 @@ def _combine_rows(y: Any, slot_to_row: Any, *, top_k: int, acc: torch.dtype) -> 
     return out.to(y.dtype)
 
 
-def _weights_arg(node: fx.Node) -> Any:
-    return node.args[3] if len(node.args) > 3 else node.kwargs.get("weights")
+def _arg(node: fx.Node, index: int, name: str) -> Any:
+    """The op argument at ``index`` (or passed as ``name``), None when left out."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
 
 
 def inline_combine(graph: fx.Graph) -> int:
     count = 0
     for node in list(graph.nodes):
-        if not is_op(node, _ops.unpermute) or _weights_arg(node) is not None:
+        if not is_op(node, _ops.unpermute) or _arg(node, 3, "weights") is not None:
             continue
         y, slot_to_row = node.args[:2]
         y_val, top_k = val(y), val(slot_to_row).shape[1]
@@ -418,12 +421,6 @@ def _swiglu_backward(
     if rw is None:
         return dx, dw13, dw2, torch.empty((0,), dtype=torch.float32, device=x.device)
     return dx, dw13, dw2, grad_rw.to(rw.dtype)
-
-
-def _arg(node: fx.Node, index: int, name: str) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name)
 
 
 def inline_swiglu(graph: fx.Graph) -> int:
