@@ -6,8 +6,8 @@ For each shape: tokens/s, the time over the GEMM floor (routed-expert FLOPs
 rate where this CPU multiplies bf16 natively, the fp32 mm rate where torch_moe upcasts;
 the floor mm runs in the same rounds as the layer; both rates are printed), split into
 what the layer's own expert GEMMs cost alone at its group sizes (timed in the same
-rounds) and what the rest of the layer adds, and saved-activation bytes per token (distinct tensors saved for backward, parameters
-excluded). The peers are HF transformers' own Qwen3-MoE sparse block
+rounds) and what the rest of the layer adds, and saved-activation bytes per token
+(distinct tensors saved for backward, parameters excluded). The peers are HF transformers' own Qwen3-MoE sparse block
 (``Qwen3MoeSparseMoeBlock``, same router math) with torch_moe's weights, run with its
 ``eager`` experts (a per-expert Python loop) and its ``grouped_mm`` experts
 (``torch._grouped_mm``). Where this CPU only emulates bf16 they are timed apart, once,
