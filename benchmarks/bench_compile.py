@@ -97,14 +97,14 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
-        "--inline-swiglu",
+        "--no-inline-swiglu",
         action="store_true",
-        help="also turn on the opt-in inline_swiglu pass (torch_moe._inductor.config)",
+        help="keep grouped_swiglu an op (torch_moe._inductor.config.inline_swiglu = False)",
     )
     args = p.parse_args()
     global DEVICE
     DEVICE = args.device
-    TI.config.inline_swiglu = args.inline_swiglu
+    TI.config.inline_swiglu = not args.no_inline_swiglu
     dtype = DTYPES[args.dtype]
     t, d = args.tokens, args.dim
     if DEVICE == "cuda":  # the floor: a large bf16 mm on the device (measured here)

@@ -86,12 +86,18 @@ def _assert_same(test, got, ref, **tol):
         test.assertEqual(got[2][name], ref[2][name], **tol, msg=name)
 
 
-def _compare_steps(test, precision, token_counts=(16, 24, 9), tol=EXACT, **recipe):
-    """Compiled (passes) vs eager over a few steps; returns the last record."""
+def _compare_steps(
+    test, precision, token_counts=(16, 24, 9), tol=EXACT, inline_swiglu=False, **recipe
+):
+    """Compiled (passes) vs eager over a few steps; returns the last record. The one pass
+    that is not bit for bit, inline_swiglu, is off unless asked for."""
     torch._dynamo.reset()
     eager = _layer(recipe.get("recipe", precision))
     moe = copy.deepcopy(eager)
     record: dict = {}
+    stack = contextlib.ExitStack()
+    test.addCleanup(stack.close)
+    stack.enter_context(TI.config.patch(inline_swiglu=inline_swiglu))
     compiled = torch.compile(moe, backend=_backend(record), fullgraph=True)
     gen = torch.Generator().manual_seed(1)
     for num_tokens in token_counts:
@@ -155,15 +161,16 @@ class TestPasses(TestCase):
         self.assertEqual(record["counts"]["fuse_quantize"], 3)
 
     def test_swiglu_inlined(self):
-        # opt-in: grouped_swiglu and its backward become the grouped GEMM ops around the
-        # activation's aten ops (fp32 math, one rounding: within fp32 rounding of the op's
-        # kernel, not bit for bit: exp, and the routing weights' gradient's sum order)
-        self.assertFalse(TI.config.inline_swiglu)
-        with TI.config.patch(inline_swiglu=True):
-            record = _compare_steps(
-                self, "bf16", token_counts=(20, 7), tol=dict(atol=1e-5, rtol=1e-5)
-            )
+        # on by default: grouped_swiglu and its backward become the grouped GEMM ops around
+        # the activation's aten ops (fp32 math, one rounding: within fp32 rounding of the
+        # op's kernel, not bit for bit: exp, and the routing weights' gradient's sum order)
+        self.assertTrue(TI.config.inline_swiglu)
+        tol = dict(atol=1e-5, rtol=1e-5)
+        record = _compare_steps(self, "bf16", token_counts=(20,), tol=tol, inline_swiglu=True)
         self.assertEqual(record["counts"]["inline_swiglu"], 2)  # forward and backward
+        # saved for the backward: h [M, 2F] as with the op, and the activation [M, F],
+        # which the partitioner keeps rather than recompute (no permuted input [M, D])
+        self.assertEqual(_float_rows(record["saved"], 20 * K), [(20 * K, 2 * F), (20 * K, F)])
 
     def test_swiglu_inlined_with_grad_h(self):
         # a loss on h itself (grad_h into the backward), with and without routing weights

@@ -6,8 +6,8 @@ The MoE layer's graph is a chain of ``torch_moe::`` ops: ``permute`` gathers tok
 into expert order, the experts run (``grouped_swiglu``, or two ``quantized_grouped_mm``
 around ``swiglu`` with a low-precision recipe), ``unpermute`` combines. Each op is opaque
 to Inductor, so by default every intermediate is materialized and the ones the backward
-reads are saved. The passes rewrite that chain, in this order, each one but the opt-in
-last exact (bit for bit the unfused graph on CPU, where the rewritten ops' kernels are
+reads are saved. The passes rewrite that chain, in this order, each one but the last
+exact (bit for bit the unfused graph on CPU, where the rewritten ops' kernels are
 compositions of the originals):
 
 1. ``decompose_scaled_gemms``: ``quantized_grouped_mm(x, w, offs, recipe)`` (and its dgrad
@@ -43,13 +43,14 @@ compositions of the originals):
    an op (a product and a sum that a C++ compiler may contract into an FMA would round
    differently), and so does every combine off the CPU (the CUDA kernel is one pass).
 
-6. ``inline_swiglu`` (CPU, opt-in: ``config.inline_swiglu``): ``grouped_swiglu`` and
-   ``grouped_swiglu_backward`` become the grouped GEMM ops around the activation and its
-   backward in aten ops (the kernels' fp32 math, rounded once), which Inductor fuses into
-   one loop per direction instead of the op's ~5 / ~12 passes per row chunk. Not bit for
-   bit: Inductor's exp and sigmoid and the sum order of the routing weights' gradient
-   differ from ATen's kernels in the last fp32 bits (outputs within one bf16 rounding
-   step); hence off by default, unlike the exact rewrites above.
+6. ``inline_swiglu`` (CPU): ``grouped_swiglu`` and ``grouped_swiglu_backward`` become
+   the grouped GEMM ops around the activation and its backward in aten ops (the kernels'
+   fp32 math, rounded once), which Inductor fuses into one loop per direction instead of
+   the op's ~5 / ~12 passes per row chunk, and whose intermediates it frees after their
+   last use (the op holds them until it returns). Not bit for bit: Inductor's exp and
+   sigmoid and the sum order of the routing weights' gradient differ from ATen's kernels
+   in the last fp32 bits (outputs within one bf16 rounding step); ``config.inline_swiglu
+   = False`` keeps the op where compiled and eager must agree bit for bit.
 
 ``MoEGraphPass`` runs them as one ``CustomGraphPass`` whose ``uuid()`` hashes this
 package's sources and its config, so Inductor's FX graph cache misses whenever a pass or
