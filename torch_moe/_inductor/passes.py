@@ -74,7 +74,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import insert_traced, is_op, val
 from torch_moe._ops._dtypes import acc_dtype
-from torch_moe._ops.permute import gather_rows
 from torch_moe.quantization import get_recipe
 from torch_moe.quantization.scaled_grouped_mm import (
     _scaled_gemm,
@@ -359,6 +358,13 @@ def inline_combine(graph: fx.Graph) -> int:
 # 6. grouped SwiGLU's activation as Inductor code (CPU)
 
 
+def _gathered(x: Any, gather_index: Any) -> Any:
+    """``gather_rows(x, gather_index)``'s values in out-of-place ops (the graphs these
+    passes rewrite are functional; ``gather_rows`` fills its -1 rows in place)."""
+    rows = x.index_select(0, gather_index.clamp(min=0))
+    return rows.masked_fill((gather_index < 0).unsqueeze(1), 0)
+
+
 def _sigmoid(g: Any) -> Any:
     return 1 / (1 + torch.exp(-g))  # ATen's CPU formula, not its bits (its own exp)
 
@@ -368,10 +374,9 @@ def _swiglu_forward(
 ) -> Any:
     """``grouped_swiglu``: the two grouped GEMMs as the op, the activation between them as
     its CPU kernel computes it (fp32, silu(g) = g / (1 + exp(-g)), ATen's formula, one
-    rounding), in aten ops that Inductor fuses into one loop. The gathered rows (fake
-    values here) take ``gather_rows``' masked form."""
+    rounding), in aten ops that Inductor fuses into one loop."""
     rw = rest[0] if weighted else None
-    x_rows = gather_rows(x, rest[-1]) if gathered else x
+    x_rows = _gathered(x, rest[-1]) if gathered else x
     h = _ops.grouped_mm(x_rows, w13.transpose(-2, -1), offs)
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
@@ -393,7 +398,7 @@ def _swiglu_backward(
     grad_h = args.pop(0) if has_grad_h else None
     x, h, w13, w2, offs = args[:5]
     rw = args[5] if weighted else None
-    x_rows = gather_rows(x, args[-1]) if gathered else x
+    x_rows = _gathered(x, args[-1]) if gathered else x
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
     grad_a = _ops.grouped_mm(grad_y, w2, offs)
@@ -424,6 +429,17 @@ def _swiglu_backward(
     return dx, dw13, dw2, grad_rw.to(rw.dtype)
 
 
+def _prefer_recompute(nodes: Any) -> None:
+    """Tag the forward's activation (and gather) nodes for the partitioner to recompute in
+    the backward, as the op's backward does, instead of saving their [M, *] outputs: only
+    h, the first GEMM's output, stays saved. The GEMMs themselves are not tagged."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for n in nodes:
+        if n.op == "call_function" and not is_op(n, _ops.grouped_mm):
+            n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def inline_swiglu(graph: fx.Graph) -> int:
     count = 0
     for node in list(graph.nodes):
@@ -436,7 +452,9 @@ def inline_swiglu(graph: fx.Graph) -> int:
             fn = functools.partial(
                 _swiglu_forward, weighted=rw is not None, gathered=gi is not None
             )
+            before = set(graph.nodes)
             _replace(graph, node, fn, [x, w13, w2, offs, *extra])
+            _prefer_recompute(n for n in graph.nodes if n not in before)
             count += 1
         elif is_op(node, _ops.grouped_swiglu_backward):
             grad_y, grad_h, x, h, w13, w2, offs = node.args[:7]
