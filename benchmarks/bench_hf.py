@@ -58,6 +58,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
+import torch_moe._inductor as TI
 import torch_moe.integrations.transformers as tmt
 
 COMMON = dict(
@@ -248,8 +249,6 @@ def compiled_rows(
 ) -> list[str]:
     """grouped_mm and torch_moe under torch.compile(fullgraph=True) (inductor), torch_moe with
     its compiler passes (``torch_moe._inductor.options()``: the default ones)."""
-    import torch_moe._inductor as TI
-
     impls = ["grouped_mm", "torch_moe"]
     torch._dynamo.reset()
     calls = {

@@ -10,7 +10,6 @@ fusions keep out of memory. Two tests compile with Inductor itself and FileCheck
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
 import os
@@ -95,15 +94,13 @@ def _compare_steps(
     eager = _layer(recipe.get("recipe", precision))
     moe = copy.deepcopy(eager)
     record: dict = {}
-    stack = contextlib.ExitStack()
-    test.addCleanup(stack.close)
-    stack.enter_context(TI.config.patch(inline_swiglu=inline_swiglu))
     compiled = torch.compile(moe, backend=_backend(record), fullgraph=True)
     gen = torch.Generator().manual_seed(1)
-    for num_tokens in token_counts:
-        x = torch.randn(num_tokens, D, generator=gen)
-        grad_out = torch.randn(num_tokens, D, generator=gen)
-        _assert_same(test, _run(compiled, x, grad_out), _run(eager, x, grad_out), **tol)
+    with TI.config.patch(inline_swiglu=inline_swiglu):  # read when a step compiles
+        for num_tokens in token_counts:
+            x = torch.randn(num_tokens, D, generator=gen)
+            grad_out = torch.randn(num_tokens, D, generator=gen)
+            _assert_same(test, _run(compiled, x, grad_out), _run(eager, x, grad_out), **tol)
     return record
 
 
@@ -305,29 +302,27 @@ class TestInductor(TestCase):
         TI.reset_counters()
         fn = torch.compile(_combines, options=TI.options(), fullgraph=True, dynamic=False)
         gen = torch.Generator().manual_seed(3)
-        stack = contextlib.ExitStack()
-        self.addCleanup(stack.close)
-        stack.enter_context(fresh_cache())  # the passes run (no FX graph cache hit)
         cases = [(3, torch.bfloat16, False), (3, torch.bfloat16, True), (3, torch.float32, True)]
-        for top_k, dtype, drop in cases:
-            ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(11)])
-            r2s, s2r, _, _ = torch.ops.torch_moe.permute_indices(ids, 6)
-            if drop:  # dropped slots read no row
-                s2r = s2r.clone()
-                s2r[::2, 0] = -1
-            # rows over 2^+-20: fp32 sums whose rounding depends on the order of the terms
-            scale = torch.randint(-20, 21, (r2s.shape[0], 1), generator=gen).exp2()
-            y = (torch.randn(r2s.shape[0], 40, generator=gen) * scale).to(dtype)
-            w = torch.rand(11, top_k, generator=gen)
-            args = (y, s2r, r2s, y.float(), w)
-            got, codes = run_and_get_code(fn, *args)
-            want = _combines(*args)
-            self.assertEqual(got[0], want[0], **EXACT)
-            self.assertEqual(got[1], want[1], **EXACT)
-            if codes:  # a compile (not a call of the same shapes again)
-                FileCheck().check_count(
-                    "torch.ops.torch_moe.unpermute.default(", 1, exactly=True
-                ).run(codes[0])
+        with fresh_cache():  # the passes run (no FX graph cache hit)
+            for top_k, dtype, drop in cases:
+                ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(11)])
+                r2s, s2r, _, _ = torch.ops.torch_moe.permute_indices(ids, 6)
+                if drop:  # dropped slots read no row
+                    s2r = s2r.clone()
+                    s2r[::2, 0] = -1
+                # rows over 2^+-20: fp32 sums whose rounding depends on the order of the terms
+                scale = torch.randint(-20, 21, (r2s.shape[0], 1), generator=gen).exp2()
+                y = (torch.randn(r2s.shape[0], 40, generator=gen) * scale).to(dtype)
+                w = torch.rand(11, top_k, generator=gen)
+                args = (y, s2r, r2s, y.float(), w)
+                got, codes = run_and_get_code(fn, *args)
+                want = _combines(*args)
+                self.assertEqual(got[0], want[0], **EXACT)
+                self.assertEqual(got[1], want[1], **EXACT)
+                if codes:  # a compile (not a call of the same shapes again)
+                    FileCheck().check_count(
+                        "torch.ops.torch_moe.unpermute.default(", 1, exactly=True
+                    ).run(codes[0])
         self.assertEqual(TI.counters()["inline_combine"], 2)  # one per dtype compiled
 
     def test_fx_graph_cache_key(self):

@@ -102,6 +102,13 @@ def _call(op: Any, *tensors: Any, tail: Any) -> Any:
     return op(*tensors, *tail)
 
 
+def _arg(node: fx.Node, index: int, name: str) -> Any:
+    """The op argument at ``index`` (or passed as ``name``), None when left out."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
 def _replace(graph: fx.Graph, node: fx.Node, fn: Callable[..., Any], inputs: list[fx.Node]) -> None:
     """Replace ``node`` by the traced ``fn(*inputs)`` (same output structure)."""
     new = insert_traced(graph, node, fn, inputs)
@@ -207,8 +214,7 @@ def cache_weight_quantization(graph: fx.Graph) -> int:
 
 
 def _no_weights(permute: fx.Node) -> bool:
-    weights = permute.args[3] if len(permute.args) > 3 else permute.kwargs.get("weights")
-    return weights is None
+    return _arg(permute, 3, "weights") is None
 
 
 def _row_local(node: fx.Node) -> tuple[Any, ...] | None:
@@ -245,7 +251,7 @@ def fuse_quantize(graph: fx.Graph) -> int:
                 count += 1
         elif is_op(src, _ops.swiglu):
             h = src.args[0]
-            rw = src.args[1] if len(src.args) > 1 else src.kwargs.get("row_weights")
+            rw = _arg(src, 1, "row_weights")
             if not isinstance(rw, fx.Node):  # no routing weights: bind None
                 rw = None
             inputs = [h] if rw is None else [h, rw]
@@ -329,13 +335,6 @@ def _combine_rows(y: Any, slot_to_row: Any, *, top_k: int, acc: torch.dtype) -> 
     return out.to(y.dtype)
 
 
-def _arg(node: fx.Node, index: int, name: str) -> Any:
-    """The op argument at ``index`` (or passed as ``name``), None when left out."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name)
-
-
 def inline_combine(graph: fx.Graph) -> int:
     count = 0
     for node in list(graph.nodes):
@@ -363,10 +362,6 @@ def _gathered(x: Any, gather_index: Any) -> Any:
     passes rewrite are functional; ``gather_rows`` fills its -1 rows in place)."""
     rows = x.index_select(0, gather_index.clamp(min=0))
     return rows.masked_fill((gather_index < 0).unsqueeze(1), 0)
-
-
-def _sigmoid(g: Any) -> Any:
-    return 1 / (1 + torch.exp(-g))  # ATen's CPU formula, not its bits (its own exp)
 
 
 def _swiglu_forward(
@@ -404,7 +399,7 @@ def _swiglu_backward(
     grad_a = _ops.grouped_mm(grad_y, w2, offs)
     hf = h.to(acc)
     gate, up = hf[:, :hidden], hf[:, hidden:]
-    sig = _sigmoid(gate)
+    sig = 1 / (1 + torch.exp(-gate))  # ATen's CPU formula, not its bits (its own exp)
     silu = gate * sig
     ga = grad_a.to(acc)
     a = silu * up
@@ -416,8 +411,7 @@ def _swiglu_backward(
         ga = ga * rw_acc
     a_out = a.to(h.dtype)
     grad_up = silu * ga
-    s2 = _sigmoid(gate)  # silu_backward recomputes the sigmoid from the gate
-    grad_gate = ga * up * s2 * (1 + gate * (1 - s2))
+    grad_gate = ga * up * sig * (1 + gate * (1 - sig))  # silu_backward's formula
     dh = torch.cat([grad_gate, grad_up], dim=-1).to(h.dtype)
     if grad_h is not None:
         dh = dh + grad_h
