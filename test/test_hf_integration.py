@@ -592,6 +592,169 @@ class TestConvert(_OneThread, TestCase):
         self.assertEqual(again(_ids()).logits, mixtral(_ids()).logits, atol=0, rtol=0)
 
 
+# one HF sparse-MoE block per routing rule and tensor location that to_torch_moe maps
+# (_transformers_convert._routing): family -> (block class, extra config)
+_BLOCK_SIZES = dict(
+    hidden_size=32,
+    intermediate_size=24,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=24,
+    num_experts=8,
+    num_local_experts=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_topk=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    num_shared_experts=1,
+    routed_scaling_factor=2.5,
+    moe_routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+BLOCKS = {
+    "deepseek_v2": ("DeepseekV2Moe", {}),  # softmax, no norm, scale
+    "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock", {}),  # softmax + [1, E] bias param
+    "hunyuan_v1_moe": ("HunYuanMoEV1Moe", {}),  # gate.wg, shared_mlp, layer_idx
+    "granitemoe": ("GraniteMoeMoE", {}),  # .router, softmax over the top-k logits
+    "jamba": ("JambaSparseMoeBlock", {}),  # .router, softmax, no norm
+    "cohere2_moe": ("Cohere2MoeSparseMoeBlock", dict(shared_expert_combination_strategy="sum")),
+    "cohere2_moe_sigmoid": (
+        "Cohere2MoeSparseMoeBlock",
+        dict(expert_selection_fn="sigmoid", num_shared_experts=0),
+    ),
+    "flint": ("FlintSparseMoeBlock", {}),  # sigmoid without bias, shared_expert
+    "minimax_m2": ("MiniMaxM2SparseMoeBlock", {}),  # bias buffer on the block
+    "hy_v3": ("HYV3MoE", {}),  # bias on the block, router_scaling_factor
+    "laguna": ("LagunaSparseMoeBlock", {}),  # the block scales the routed output
+    "afmoe": ("AfmoeSparseMoeBlock", {}),  # router.gate, expert_bias parameter
+    "lfm2_moe": ("Lfm2MoeSparseMoeBlock", dict(norm_topk_prob=False)),
+    "mistral4": ("Mistral4MoE", {}),  # softmax with expert groups
+    "exaone_moe": ("ExaoneMoeSparseMoEBlock", {}),  # DeepSeek-V3's router
+}
+
+
+def tiny_block(key, seed=0, **overrides):
+    """A random HF sparse-MoE block (D=32, F=24, E=8, K=2, one shared expert where the
+    family has one); selection biases N(0, 0.5) so that they change choices."""
+    import importlib
+    import inspect
+
+    from transformers import AutoConfig
+
+    _quiet_hf()
+    family = key.removesuffix("_sigmoid")
+    block_name, extra = BLOCKS[key]
+    cfg = AutoConfig.for_model(family, **{**_BLOCK_SIZES, **extra, **overrides})
+    cls = getattr(
+        importlib.import_module(f"transformers.models.{family}.modeling_{family}"), block_name
+    )
+    init = inspect.signature(cls.__init__).parameters
+    block = cls(cfg, layer_idx=0) if "layer_idx" in init else cls(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*block.named_parameters(), *block.named_buffers()]:
+            r = torch.randn(t.shape, generator=g)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                t.copy_(0.5 * r)
+            elif t.dim() >= 2:
+                t.copy_(r * min(t.shape[-2:]) ** -0.5)
+    return block.eval()
+
+
+def _block_run(block, x):
+    """(output, {id(param): grad}, dx) of sum(block(x) * g) for a fixed random g."""
+    block.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    (out * g).sum().backward()
+    grads = {id(p): p.grad.clone() for p in block.parameters() if p.grad is not None}
+    return out.detach(), grads, x.grad
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
+@instantiate_parametrized_tests
+class TestConvertBlocks(_OneThread, TestCase):
+    """Each routing rule of ``to_torch_moe`` on its HF block: output, input gradient and every
+    parameter gradient equal the block's own (fp32), and the round trip is bitwise."""
+
+    @parametrize("key", list(BLOCKS))
+    def test_block_matches_and_round_trips(self, key):
+        import torch_moe.integrations.transformers as tmt
+
+        holder = torch.nn.Module()
+        holder.mlp = block = tiny_block(key)
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+        ref, ref_g, ref_dx = _block_run(block, x)
+        before = {k: v.clone() for k, v in holder.state_dict().items()}
+        hf_params = dict(block.named_parameters())
+        tmt.to_torch_moe(holder)
+        moe = holder.mlp.moe
+        self.assertIs(moe.experts.w13, block.experts.gate_up_proj)
+        out, got_g, dx = _block_run(holder.mlp, x)
+        _rel_close(self, out, ref, 64, F32_EPS)
+        _rel_close(self, dx, ref_dx, 64, F32_EPS)
+        shared = holder.mlp.hf_keys.shared
+        for name, p in hf_params.items():
+            if (
+                shared
+                and name.startswith(f"{shared}.")
+                and name.endswith(("gate_proj.weight", "up_proj.weight"))
+            ):
+                continue  # concatenated into shared_experts.w13: below
+            if id(p) in ref_g:
+                self.assertIn(id(p), got_g, msg=f"{name} is not shared with the MoE")
+                _rel_close(self, got_g[id(p)], ref_g[id(p)], 64, F32_EPS, msg=name)
+        if shared:
+            w13 = torch.cat(
+                [ref_g[id(hf_params[f"{shared}.{n}_proj.weight"])] for n in ("gate", "up")]
+            )
+            _rel_close(self, moe.shared_experts.w13.grad, w13, 64, F32_EPS)
+        self.assertEqual(moe.shared_experts is not None, shared is not None)
+        if holder.mlp.hf_keys.expert_bias is not None:  # the bias changes choices here
+            self.assertTrue(moe.router.expert_bias.abs().max() > 0)
+            with torch.no_grad():
+                kept = moe.router.expert_bias.clone()
+                moe.router.expert_bias.zero_()
+                self.assertNotEqual(holder.mlp(x), out)
+                moe.router.expert_bias.copy_(kept)
+        tmt.from_torch_moe(holder)
+        self.assertIsInstance(holder.mlp, type(block))
+        after = holder.state_dict()
+        self.assertEqual(sorted(after), sorted(before))
+        for k in before:
+            self.assertEqual(after[k].dtype, before[k].dtype, msg=k)
+            self.assertTrue(torch.equal(after[k], before[k]), msg=k)
+        with torch.no_grad():
+            self.assertEqual(holder.mlp(x), ref, atol=0, rtol=0)
+
+    def test_refused_with_reason(self):
+        import torch_moe.integrations.transformers as tmt
+
+        cases = [
+            (
+                "deepseek_v2",
+                dict(topk_method="group_limited_greedy"),
+                r"topk_method='group_limited_greedy'",
+            ),
+            ("laguna", dict(moe_router_logit_softcapping=30.0), r"router_logit_softcapping=30.0"),
+            ("cohere2_moe", dict(shared_expert_combination_strategy="average"), r"'average'"),
+            (
+                "lfm2_moe",
+                dict(norm_topk_prob=True),
+                r"norm_topk_prob=True: it divides by \(sum \+ 1e-6\)",
+            ),
+        ]
+        for key, overrides, pattern in cases:
+            holder = torch.nn.Module()
+            holder.mlp = tiny_block(key, **overrides)
+            with self.assertRaisesRegex(NotImplementedError, pattern, msg=key):
+                tmt.to_torch_moe(holder)
+            self.assertIsNot(type(holder.mlp), tmt.TorchMoEBlock)
+
+
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
 class TestConvertedExpertParallel(MultiProcessTestCase):
     @property

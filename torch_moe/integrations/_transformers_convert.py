@@ -7,8 +7,9 @@ Design
 ``to_torch_moe(model)`` swaps every supported HF sparse-MoE block for a
 :class:`TorchMoEBlock`, whose ``moe`` is a :class:`torch_moe.nn.MoE` computing the same
 function: the block's router (softmax / sigmoid, top-k renormalization, scaling, expert
-groups and DeepSeek-V3's ``e_score_correction_bias`` as ``router.expert_bias``), its routed
-SwiGLU experts and its shared expert(s) and their sigmoid gate. The router weight and the
+groups and a selection bias such as DeepSeek-V3's ``e_score_correction_bias`` as
+``router.expert_bias``), its routed SwiGLU experts and its shared expert(s) and their
+sigmoid gate. The router weight and the
 routed experts' ``gate_up_proj`` [E, 2F, D] / ``down_proj`` [E, D, F] are the very same
 ``Parameter`` objects in the MoE (an optimizer built before the conversion keeps them);
 the shared expert's ``gate_proj`` / ``up_proj`` [Fs, D] are concatenated into
@@ -19,13 +20,19 @@ tensors assigned), so ``from_torch_moe(to_torch_moe(m))`` has a bitwise identica
 dict and the same forward.
 
 What is supported is an explicit list, each entry checked against the original by
-``benchmarks/hf_coverage.py``: a block class whose forward is one of three patterns
+``benchmarks/hf_coverage.py`` (whole tiny models) and test_hf_integration (one block per
+rule: output and every gradient): a block class whose forward is one of three patterns
 (routed experts only; plus a sigmoid-gated shared expert, Qwen2-MoE; plus an ungated
 shared expert, DeepSeek-V3), a router class whose routing ``torch_moe.ops.topk_route``
-reproduces, and an experts module in the fused layout (transformers' default SiLU gate on
-concatenated [gate; up] rows, no biases, no post-expert norm). Anything else raises
-``NotImplementedError`` naming the block, router or layout flag, before any block is
-replaced.
+reproduces (``_routing``: softmax over all experts, over the top-k logits, or sigmoid;
+renormalized or not; scaled by the router or by the block; expert groups; a selection
+bias on the router, on the block or in Ernie's ``moe_statics``), and an experts module in
+the fused layout (transformers' default SiLU gate on concatenated [gate; up] rows, no
+biases, no post-expert norm). Where each family keeps these tensors (``gate.weight``,
+``router.gate.weight``, ``gate.wg.weight``; ``shared_experts``, ``shared_expert``,
+``shared_mlp``) is recorded per converted block (``_HFKeys``) for ``from_torch_moe``.
+Anything else raises ``NotImplementedError`` naming the block, router, flag or the part of
+the block's function ``MoE`` does not compute, before any block is replaced.
 
 The converted block records its HF block class and the MoE config in its ``_extra_state``;
 loading a state dict whose ``_extra_state`` names another block class or config is refused
@@ -37,6 +44,8 @@ aux_loss_coeff=...)``) instead of ``output_router_logits``.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -54,7 +63,7 @@ __all__ = [
     "torch_moe_blocks",
 ]
 
-# router classes by routing rule (identical forward code within each set)
+# router classes by routing rule (identical forward code within each set); see _routing
 _SOFTMAX_ALWAYS_NORM = frozenset(
     {
         "MixtralTopKRouter",
@@ -62,6 +71,7 @@ _SOFTMAX_ALWAYS_NORM = frozenset(
         "Qwen3VLMoeTextTopKRouter",
         "Qwen3_5MoeTopKRouter",
         "Qwen3OmniMoeTextTopKRouter",
+        "HunYuanMoEV1Gate",  # its weight is gate.wg.weight
     }
 )
 _SOFTMAX_NORM_FLAG = frozenset(
@@ -77,12 +87,32 @@ _SOFTMAX_NORM_FLAG = frozenset(
         "Qwen4ExpTextTopKRouter",
     }
 )
+_SOFTMAX_NO_NORM = frozenset({"JambaTopKRouter"})
+# DeepSeek-V2: softmax, top-k, times routed_scaling_factor ("greedy"; its
+# "group_limited_greedy" scores a group by its best expert, which topk_route does not)
+_SOFTMAX_DSV2 = frozenset(
+    {"DeepseekV2TopkRouter", "DeepseekOcr2TextTopkRouter", "UnlimitedOcrTextTopkRouter"}
+)
+# softmax, DeepSeek-V3's groups (masked to 0, which picks what -inf picks: scores > 0)
+_SOFTMAX_GROUPED = frozenset({"Mistral4TopkRouter", "MistralLarge4TextTopkRouter"})
+# softmax over the top-k logits
+_SOFTMAX_TOPK = frozenset(
+    {
+        "GraniteMoeTopKRouter",
+        "GraniteMoeSWATopKRouter",
+        "GraniteMoeHybridTopKRouter",
+        "GraniteMoeSharedTopKRouter",
+    }
+)
+# sigmoid + e_score_correction_bias, DeepSeek-V3's groups, norm flag, routed_scaling_factor
 _SIGMOID_GROUPED = frozenset(
     {
         "DeepseekV3TopkRouter",
         "AXK1TopkRouter",
+        "AXK2TopkRouter",
         "BailingHybridTopkRouter",
         "Dots1TopkRouter",
+        "ExaoneMoeTopkRouter",
         "Glm5NextTextTopkRouter",
         "KimiLinearTopkRouter",
         "MiMoV2FlashTopkRouter",
@@ -107,6 +137,15 @@ _ROUTED_ONLY = (
     "MellumSparseMoeBlock",
     "OlmoeSparseMoeBlock",
     "FlexOlmoSparseMoeBlock",
+    "Cohere2MoeSparseMoeBlock",  # with num_shared_experts=0 (see _shared_mlp)
+    "GraniteMoeMoE",
+    "GraniteMoeSWAMoE",
+    "GraniteMoeHybridMoE",
+    "GraniteMoeSharedMoE",  # its shared MLP sits outside the block
+    "JambaSparseMoeBlock",
+    "MiMoV2FlashMoE",
+    "MiniMaxM2SparseMoeBlock",
+    "Lfm2MoeSparseMoeBlock",  # without norm_topk_prob (see _routing)
 )
 _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen2MoeSparseMoeBlock",
@@ -114,29 +153,68 @@ _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen3NextSparseMoeBlock",
     "Qwen4ExpTextSparseMoeBlock",
 )
-_SHARED = (  # + shared_experts(x)
+_SHARED = (  # + shared_experts(x) (another attribute name: _SHARED_ATTR)
     "DeepseekV3MoE",
     "DeepseekV32MoE",
+    "DeepseekV2Moe",
+    "DeepseekOcr2TextMoe",
+    "UnlimitedOcrTextMoe",
     "AXK2MoE",
+    "AfmoeSparseMoeBlock",
     "BailingHybridMoE",
     "Dots1MoE",
+    "Ernie4_5_MoeSparseMoeBlock",  # shared_experts may be None: then routed only
+    "ExaoneMoeSparseMoEBlock",
+    "FlintSparseMoeBlock",
     "Glm4MoeMoE",
     "Glm4MoeLiteMoE",
     "Glm4vMoeTextMoE",
     "Glm5NextTextMoE",
     "GlmMoeDsaMoE",
+    "HunYuanMoEV1Moe",
+    "HYV3MoE",
     "HYV4MoE",
     "KimiLinearMoE",
+    "LagunaSparseMoeBlock",
     "Mistral4MoE",
     "MistralLarge4TextMoE",
     "SolarOpenMoE",
 )
+_SHARED_ATTR = {
+    "FlintSparseMoeBlock": "shared_expert",
+    "HunYuanMoEV1Moe": "shared_mlp",
+    "Qwen2MoeSparseMoeBlock": "shared_expert",
+    "Qwen3_5MoeSparseMoeBlock": "shared_expert",
+    "Qwen3NextSparseMoeBlock": "shared_expert",
+    "Qwen4ExpTextSparseMoeBlock": "shared_expert",
+}
+# sparse-MoE blocks whose function torch_moe.nn.MoE does not compute, and why
+_UNSUPPORTED_BLOCKS = {
+    "AXK1MoE": "normalizes its output (post_mlp_layernorm)",
+    "Kolibri1SparseMoeBlock": "adds its selection bias to the logits, not to the scores",
+    "PhimoeSparseMoeBlock": "routes with sparsemixer",
+    "ZayaSparseMoeBlock": "routes with an MLP and a skip expert",
+    "InklingMoE": "weights its shared experts by router scores",
+}
 SUPPORTED_BLOCKS: dict[str, str] = {
     **dict.fromkeys(_ROUTED_ONLY, "routed"),
     **dict.fromkeys(_GATED_SHARED, "gated_shared"),
     **dict.fromkeys(_SHARED, "shared"),
 }
 _MOE_OPTIONS = ("precision", "aux_loss", "aux_loss_coeff", "z_loss_coeff")
+
+
+@dataclasses.dataclass(frozen=True)
+class _HFKeys:
+    """Where an HF block keeps what the MoE shares with it (keys relative to the block)."""
+
+    router_weight: str  # "gate.weight", "router.gate.weight", "gate.wg.weight", ...
+    expert_bias: str | None = None  # the selection bias, if any
+    bias_shape: tuple[int, ...] = ()  # its HF shape and dtype (the MoE holds [E] fp32)
+    bias_dtype: torch.dtype | None = None
+    shared: str | None = None  # the shared SwiGLU MLP's attribute
+    shared_gate: str | None = None  # its sigmoid gate's weight
+    layer_idx: int | None = None  # for block classes built as cls(config, layer_idx=...)
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -159,8 +237,134 @@ def _check_swiglu_mlp(mlp: Any, where: str) -> None:
         )
 
 
-def _moe_config(block: Any) -> dict[str, Any]:
-    """The ``MoE`` constructor arguments reproducing ``block``; raises if unsupported."""
+def _router_of(block: Any) -> tuple[str, Any]:
+    """The block's router module and its attribute ("gate", or "router" as in Granite)."""
+    for attr in ("gate", "router"):
+        module = getattr(block, attr, None)
+        if isinstance(module, nn.Module):
+            return attr, module
+    raise NotImplementedError(f"to_torch_moe: {type(block).__name__} has no gate / router module")
+
+
+def _linear_weight(owner: str, lin: Any, where: str) -> str:
+    """The key of a router held as a bias-free ``nn.Linear`` (``owner.<lin>``)."""
+    if not isinstance(lin, nn.Linear) or lin.bias is not None:
+        raise NotImplementedError(f"to_torch_moe: {where} is not a bias-free nn.Linear")
+    return owner + ".weight"
+
+
+def _groups(gate: Any) -> dict[str, Any]:
+    groups = int(getattr(gate, "num_group", None) or 1)
+    return dict(
+        num_expert_groups=groups if groups > 1 else None,
+        num_limited_groups=int(gate.topk_group) if groups > 1 else None,
+    )
+
+
+def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str | None]:
+    """(``MoE`` routing arguments, router weight key, selection bias key) reproducing the
+    block's router; raises naming the router if ``topk_route`` cannot.
+
+    Renormalizations that divide by the plain sum, or clamp it at 1e-12, equal
+    ``route_norm``'s (sum + 1e-20) for every sum above 1e-12 (K sigmoid or softmax scores).
+    """
+    name, rname = type(block).__name__, type(gate).__name__
+    weight, bias = f"{attr}.weight", None
+    if rname in _SOFTMAX_ALWAYS_NORM | _SOFTMAX_NORM_FLAG | _SOFTMAX_NO_NORM:
+        norm = rname in _SOFTMAX_ALWAYS_NORM or (
+            rname in _SOFTMAX_NORM_FLAG and bool(gate.norm_topk_prob)
+        )
+        cfg: dict[str, Any] = dict(score_func="softmax", route_norm=norm)
+        if rname == "HunYuanMoEV1Gate":
+            weight = _linear_weight(f"{attr}.wg", gate.wg, f"{name}.{attr}.wg")
+    elif rname in _SOFTMAX_DSV2:
+        if gate.topk_method != "greedy":
+            raise NotImplementedError(
+                f"to_torch_moe: {name}.{attr} ({rname}) has topk_method={gate.topk_method!r}; "
+                "torch_moe's expert groups score a group by its top-2 sum, not its maximum"
+            )
+        cfg = dict(score_func="softmax", route_scale=float(gate.routed_scaling_factor))
+    elif rname in _SOFTMAX_GROUPED:
+        norm = rname == "MistralLarge4TextTopkRouter" or bool(gate.norm_topk_prob)
+        cfg = dict(score_func="softmax", route_norm=norm, **_groups(gate))
+        cfg.update(route_scale=float(gate.routed_scaling_factor))
+    elif rname == "Ernie4_5_MoeTopKRouter":  # softmax + bias for the choice, clamped norm
+        cfg = dict(score_func="softmax", route_norm=True, expert_bias=True)
+        bias = f"{attr}.moe_statics.e_score_correction_bias"
+    elif rname in _SOFTMAX_TOPK:
+        cfg = dict(score_func="softmax_topk")
+    elif rname == "Cohere2MoeTopKRouter":  # top-k logits, then softmax or sigmoid of them
+        if gate.expert_selection_fn == "softmax":
+            cfg = dict(score_func="softmax_topk")
+        else:  # sigmoid is monotone: the top-k logits are the top-k sigmoid scores
+            cfg = dict(score_func="sigmoid", route_norm=bool(gate.norm_topk_prob))
+    elif rname in _SIGMOID_GROUPED:
+        cfg = dict(
+            score_func="sigmoid",
+            route_norm=bool(gate.norm_topk_prob),
+            route_scale=float(gate.routed_scaling_factor),
+            expert_bias=True,
+            **_groups(gate),
+        )
+        bias = f"{attr}.e_score_correction_bias"
+    elif rname == "FlintTopKRouter":  # sigmoid, no selection bias
+        cfg = dict(score_func="sigmoid", route_norm=bool(gate.norm_topk_prob))
+    elif rname in ("MiniMaxM2TopKRouter", "HYV3TopKRouter"):  # the bias on the block
+        scale = float(getattr(gate, "router_scaling_factor", 1.0))
+        cfg = dict(score_func="sigmoid", route_norm=True, route_scale=scale, expert_bias=True)
+        bias = "e_score_correction_bias"
+    elif rname == "LagunaTopKRouter":  # the block scales the routed output instead
+        if gate.router_logit_softcapping > 0:
+            raise NotImplementedError(
+                f"to_torch_moe: {name}.{attr} ({rname}) has router_logit_softcapping="
+                f"{gate.router_logit_softcapping}; torch_moe's router has no softcapping"
+            )
+        cfg = dict(score_func="sigmoid", route_norm=True, expert_bias=True)
+        cfg.update(route_scale=float(block.routed_scaling_factor))
+        bias = f"{attr}.e_score_correction_bias"
+    elif rname == "Lfm2MoeTopKRouter":  # the bias on the block, if used
+        if gate.norm_topk_prob:
+            raise NotImplementedError(
+                f"to_torch_moe: {name}.{attr} ({rname}) has norm_topk_prob=True: it divides by "
+                "(sum + 1e-6), torch_moe's route_norm by (sum + 1e-20)"
+            )
+        cfg = dict(score_func="sigmoid", route_scale=float(gate.routed_scaling_factor))
+        if gate.use_expert_bias:
+            cfg.update(expert_bias=True)
+            bias = "expert_bias"
+    elif rname == "AfmoeTokenChoiceRouter":  # router.gate linear, the bias on the block
+        weight = _linear_weight(f"{attr}.gate", gate.gate, f"{name}.{attr}.gate")
+        cfg = dict(score_func="sigmoid", route_norm=True, route_scale=float(gate.route_scale))
+        cfg.update(expert_bias=True)
+        bias = "expert_bias"
+    else:
+        raise NotImplementedError(f"to_torch_moe: {name}.{attr} is an unsupported router {rname}")
+    if getattr(gate, "bias", None) is not None:
+        raise NotImplementedError(f"to_torch_moe: {name}.{attr} ({rname}) has a bias")
+    return cfg, weight, bias
+
+
+def _shared_mlp(block: Any, kind: str) -> tuple[str | None, Any]:
+    """(attribute, module) of the block's shared SwiGLU MLP, (None, None) without one."""
+    name = type(block).__name__
+    if name == "Cohere2MoeSparseMoeBlock" and block.num_shared_experts > 0:
+        if block.shared_expert_combination_strategy != "sum":
+            raise NotImplementedError(
+                f"to_torch_moe: {name} has shared_expert_combination_strategy="
+                f"{block.shared_expert_combination_strategy!r}; torch_moe adds its shared "
+                "expert ('sum')"
+            )
+        return "shared_experts", block.shared_experts
+    if kind == "routed":
+        return None, None
+    attr = _SHARED_ATTR.get(name, "shared_experts")
+    mlp = getattr(block, attr, None)
+    return (attr, mlp) if mlp is not None else (None, None)
+
+
+def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
+    """The ``MoE`` constructor arguments reproducing ``block`` and where the block keeps
+    the shared tensors; raises if unsupported."""
     name = type(block).__name__
     experts = getattr(block, "experts", None)
     if experts is not None and _is_experts(experts):
@@ -186,48 +390,60 @@ def _moe_config(block: Any) -> dict[str, Any]:
                 "experts are SwiGLU. Use the 'torch_moe' experts implementation instead"
             )
     kind = SUPPORTED_BLOCKS.get(name)
+    if name in _UNSUPPORTED_BLOCKS:
+        raise NotImplementedError(
+            f"to_torch_moe: {name} {_UNSUPPORTED_BLOCKS[name]}, which torch_moe.nn.MoE does not. "
+            "The 'torch_moe' experts implementation runs its experts without conversion"
+        )
     if kind is None or experts is None:
         raise NotImplementedError(
             f"to_torch_moe: {name} is not a supported sparse-MoE block; supported: "
             f"{sorted(SUPPORTED_BLOCKS)}. The 'torch_moe' experts implementation runs any "
             "transformers MoE model's experts without conversion"
         )
-    gate = block.gate
-    rname = type(gate).__name__
+    attr, gate = _router_of(block)
+    routing, weight_key, bias_key = _routing(block, attr, gate)
     num_experts, two_f, dim = experts.gate_up_proj.shape
     cfg: dict[str, Any] = dict(
-        dim=dim, hidden_dim=two_f // 2, num_experts=num_experts, top_k=int(gate.top_k)
+        dim=dim, hidden_dim=two_f // 2, num_experts=num_experts, top_k=int(gate.top_k), **routing
     )
-    if rname in _SOFTMAX_ALWAYS_NORM or rname in _SOFTMAX_NORM_FLAG:
-        norm = True if rname in _SOFTMAX_ALWAYS_NORM else bool(gate.norm_topk_prob)
-        cfg.update(score_func="softmax", route_norm=norm)
-    elif rname in _SIGMOID_GROUPED:
-        groups = int(gate.num_group)
-        cfg.update(
-            score_func="sigmoid",
-            route_norm=bool(gate.norm_topk_prob),
-            route_scale=float(gate.routed_scaling_factor),
-            num_expert_groups=groups if groups > 1 else None,
-            num_limited_groups=int(gate.topk_group) if groups > 1 else None,
-            expert_bias=True,
-        )
-    else:
-        raise NotImplementedError(f"to_torch_moe: {name}.gate is an unsupported router {rname}")
-    if getattr(gate, "bias", None) is not None:
-        raise NotImplementedError(f"to_torch_moe: {name}.gate ({rname}) has a bias")
     jitter = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+    jitter = jitter or float(getattr(block, "input_jitter_noise", 0.0) or 0.0)
     if jitter > 0:
         raise NotImplementedError(
             f"to_torch_moe: {name} has router_jitter_noise={jitter}; torch_moe's router has no "
             "input jitter"
         )
-    if kind == "gated_shared":
-        _check_swiglu_mlp(block.shared_expert, f"{name}.shared_expert")
-        cfg.update(shared_hidden_dim=block.shared_expert.down_proj.in_features, shared_gate=True)
-    elif kind == "shared":
-        _check_swiglu_mlp(block.shared_experts, f"{name}.shared_experts")
-        cfg.update(shared_hidden_dim=block.shared_experts.down_proj.in_features)
-    return cfg
+    bias_shape: tuple[int, ...] = ()
+    bias_dtype: torch.dtype | None = None
+    if bias_key is not None:
+        bias = _tensor(block, bias_key)
+        if bias.numel() != num_experts:
+            raise NotImplementedError(
+                f"to_torch_moe: {name}.{bias_key} has shape {list(bias.shape)}, not [{num_experts}]"
+            )
+        bias_shape, bias_dtype = tuple(bias.shape), bias.dtype
+    shared_attr, mlp = _shared_mlp(block, kind)
+    shared_gate = None
+    if mlp is not None:
+        _check_swiglu_mlp(mlp, f"{name}.{shared_attr}")
+        cfg.update(shared_hidden_dim=mlp.down_proj.in_features)
+        if kind == "gated_shared":
+            cfg.update(shared_gate=True)
+            shared_gate = "shared_expert_gate.weight"
+    layer_idx = None
+    if "layer_idx" in inspect.signature(type(block).__init__).parameters:
+        layer_idx = getattr(block, "layer_idx", getattr(gate, "layer_idx", None))
+    keys = _HFKeys(
+        weight_key, bias_key, bias_shape, bias_dtype, shared_attr, shared_gate, layer_idx
+    )
+    return cfg, keys
+
+
+def _tensor(module: nn.Module, key: str) -> Tensor:
+    """``module``'s parameter or buffer at the dotted ``key``."""
+    owner, _, leaf = key.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, leaf)
 
 
 class TorchMoEBlock(nn.Module):
@@ -238,14 +454,13 @@ class TorchMoEBlock(nn.Module):
     """
 
     def __init__(
-        self, moe: MoE, hf_block_class: type[nn.Module], hf_config: Any, kind: str, bias_dtype: Any
+        self, moe: MoE, hf_block_class: type[nn.Module], hf_config: Any, hf_keys: _HFKeys
     ) -> None:
         super().__init__()
         self.moe = moe
         self.hf_block_class = hf_block_class
         self.hf_config = hf_config
-        self.kind = kind
-        self.bias_dtype = bias_dtype
+        self.hf_keys = hf_keys
 
     @property
     def family(self) -> str:
@@ -313,33 +528,33 @@ def _experts_recipe(experts: Any) -> Recipe | None:
     return recipe
 
 
-def _convert_block(block: Any, cfg: dict[str, Any], options: dict[str, Any]) -> TorchMoEBlock:
-    kind = SUPPORTED_BLOCKS[type(block).__name__]
-    experts, gate = block.experts, block.gate
+def _convert_block(
+    block: Any, cfg: dict[str, Any], keys: _HFKeys, options: dict[str, Any]
+) -> TorchMoEBlock:
+    experts = block.experts
     recipe = _experts_recipe(experts)
     if "precision" not in options and recipe is not None:
         options = {**options, "precision": recipe}  # keep what set_precision chose
     w13, w2 = experts.gate_up_proj, experts.down_proj
     device, dtype = w13.device, w13.dtype
     moe = MoE(**cfg, **options, device="meta", dtype=dtype)
-    moe.router.weight = gate.weight
+    moe.router.weight = block.get_parameter(keys.router_weight)
     moe.experts.w13 = w13
     moe.experts.w2 = w2
-    bias_dtype = None
-    if cfg.get("expert_bias"):
-        bias = gate.e_score_correction_bias
-        bias_dtype = bias.dtype
-        moe.router.expert_bias = bias.detach().to(torch.float32)
-    if moe.shared_experts is not None:
-        mlp = block.shared_expert if kind == "gated_shared" else block.shared_experts
+    if keys.expert_bias is not None:
+        bias = _tensor(block, keys.expert_bias)
+        moe.router.expert_bias = bias.detach().reshape(-1).to(torch.float32)
+    if keys.shared is not None:
+        assert moe.shared_experts is not None
+        mlp = getattr(block, keys.shared)
         with torch.no_grad():
             shared_w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
         moe.shared_experts.w13 = nn.Parameter(
             shared_w13, requires_grad=mlp.gate_proj.weight.requires_grad
         )
         moe.shared_experts.w2 = mlp.down_proj.weight
-        if kind == "gated_shared":
-            moe.shared_experts.gate = block.shared_expert_gate.weight
+        if keys.shared_gate is not None:
+            moe.shared_experts.gate = block.get_parameter(keys.shared_gate)
     # the MoE's own state (load counters, last losses) starts at zero, as in MoE.__init__
     # (test_hf_integration checks the converted buffers against a freshly built MoE)
     for bname, buf in list(moe.named_buffers()):
@@ -351,7 +566,7 @@ def _convert_block(block: Any, cfg: dict[str, Any], options: dict[str, Any]) -> 
     if leftover:  # pragma: no cover - a new MoE parameter this converter does not know
         raise RuntimeError(f"to_torch_moe: no HF tensor for {leftover}")
     moe.train(block.training)
-    return TorchMoEBlock(moe, type(block), experts.config, kind, bias_dtype)
+    return TorchMoEBlock(moe, type(block), experts.config, keys)
 
 
 def to_torch_moe(model: nn.Module, **moe_options: Any) -> nn.Module:
@@ -379,9 +594,9 @@ def to_torch_moe(model: nn.Module, **moe_options: Any) -> nn.Module:
     blocks = _named_blocks(model)
     if not blocks:
         raise ValueError(f"to_torch_moe: {type(model).__name__} has no transformers experts module")
-    plans = [(name, block, _moe_config(block)) for name, block in blocks]
-    for name, block, cfg in plans:
-        _set_submodule(model, name, _convert_block(block, cfg, moe_options))
+    plans = [(name, block, *_plan(block)) for name, block in blocks]
+    for name, block, cfg, keys in plans:
+        _set_submodule(model, name, _convert_block(block, cfg, keys, moe_options))
     return model
 
 
@@ -406,25 +621,30 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
                     f"from_torch_moe: {name}.moe.{pname} is a DTensor (expert parallel); "
                     "gather the full weights before converting back"
                 )
+        keys = tb.hf_keys
+        extra = {} if keys.layer_idx is None else {"layer_idx": keys.layer_idx}
         with torch.device("meta"):
-            block = tb.hf_block_class(tb.hf_config)
+            block = tb.hf_block_class(tb.hf_config, **extra)
         sd: dict[str, Tensor] = {
-            "gate.weight": moe.router.weight,
+            keys.router_weight: moe.router.weight,
             "experts.gate_up_proj": moe.experts.w13,
             "experts.down_proj": moe.experts.w2,
         }
-        if moe.router.expert_bias is not None:
-            sd["gate.e_score_correction_bias"] = moe.router.expert_bias.to(tb.bias_dtype)
+        if keys.expert_bias is not None:
+            assert moe.router.expert_bias is not None
+            bias = moe.router.expert_bias.to(keys.bias_dtype).reshape(keys.bias_shape)
+            sd[keys.expert_bias] = bias
         shared = moe.shared_experts
         if shared is not None:
-            prefix = "shared_expert." if tb.kind == "gated_shared" else "shared_experts."
+            prefix = f"{keys.shared}."
             fs = shared.w2.shape[1]
             rg = shared.w13.requires_grad
             sd[prefix + "gate_proj.weight"] = nn.Parameter(shared.w13.detach()[:fs], rg)
             sd[prefix + "up_proj.weight"] = nn.Parameter(shared.w13.detach()[fs:], rg)
             sd[prefix + "down_proj.weight"] = shared.w2
-            if shared.gate is not None:
-                sd["shared_expert_gate.weight"] = shared.gate
+            if keys.shared_gate is not None:
+                assert shared.gate is not None
+                sd[keys.shared_gate] = shared.gate
         block.load_state_dict(sd, strict=True, assign=True)
         if moe.experts.recipe is not None:  # the "torch_moe" backend keeps running it
             setattr(block.experts, RECIPE_ATTR, moe.experts.recipe)
