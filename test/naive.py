@@ -21,6 +21,7 @@ def route(
     num_limited_groups: int | None = None,
     route_norm: bool = False,
     route_scale: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token routing in float64 (docs/design.md §4). Returns weights, ids, counts."""
     num_tokens, num_experts = logits.shape
@@ -45,7 +46,7 @@ def route(
             group_scores = []
             for g in range(num_expert_groups):
                 members = sorted(sel[g * size : (g + 1) * size], reverse=True)
-                group_scores.append(sum(members[:2]))
+                group_scores.append(members[0] if group_score == "max" else sum(members[:2]))
             keep = sorted(range(num_expert_groups), key=lambda g: -group_scores[g])
             keep = keep[:num_limited_groups]
             sel = [s if e // size in keep else -math.inf for e, s in enumerate(sel)]
@@ -143,6 +144,7 @@ def _route_kwargs(config: dict) -> dict:
             ("num_limited_groups", None),
             ("route_norm", False),
             ("route_scale", 1.0),
+            ("group_score", "top2_sum"),
         ]
     }
 

@@ -586,14 +586,22 @@ class TestConvert(_OneThread, TestCase):
             r"'OlmoeSparseMoeBlock'",
         ):
             olmoe.load_state_dict(sd, strict=False)
-        # the right family loads
+        # the right family loads, also from a checkpoint older than an MoE argument (its
+        # config lacks the key, which then holds the default)
         again = tmt.to_torch_moe(tiny_model("mixtral", seed=5))
+        for key in [k for k in sd if k.endswith("_extra_state")]:
+            del sd[key]["moe_config"]["group_score"]
         again.load_state_dict(sd)
         self.assertEqual(again(_ids()).logits, mixtral(_ids()).logits, atol=0, rtol=0)
+        sd[key]["moe_config"]["top_k"] = 1
+        with self.assertRaisesRegex(
+            RuntimeError, r"MoE config mismatch \(checkpoint, model\): \{'top_k': \(1, 2\)\}"
+        ):
+            again.load_state_dict(sd)
 
 
 # one HF sparse-MoE block per routing rule and tensor location that to_torch_moe maps
-# (_transformers_convert._routing): family -> (block class, extra config)
+# (_transformers_convert._routing): key -> (family, block class, extra config)
 _BLOCK_SIZES = dict(
     hidden_size=32,
     intermediate_size=24,
@@ -613,24 +621,38 @@ _BLOCK_SIZES = dict(
     norm_topk_prob=True,
 )
 BLOCKS = {
-    "deepseek_v2": ("DeepseekV2Moe", {}),  # softmax, no norm, scale
-    "ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock", {}),  # softmax + [1, E] bias param
-    "hunyuan_v1_moe": ("HunYuanMoEV1Moe", {}),  # gate.wg, shared_mlp, layer_idx
-    "granitemoe": ("GraniteMoeMoE", {}),  # .router, softmax over the top-k logits
-    "jamba": ("JambaSparseMoeBlock", {}),  # .router, softmax, no norm
-    "cohere2_moe": ("Cohere2MoeSparseMoeBlock", dict(shared_expert_combination_strategy="sum")),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2Moe", {}),  # softmax, no norm, scale
+    "deepseek_v2_grouped": (  # groups scored by their best expert
+        "deepseek_v2",
+        "DeepseekV2Moe",
+        dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    ),
+    "ernie4_5_moe": (
+        "ernie4_5_moe",
+        "Ernie4_5_MoeSparseMoeBlock",
+        {},
+    ),  # softmax + [1, E] bias param
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunYuanMoEV1Moe", {}),  # gate.wg, shared_mlp, layer_idx
+    "granitemoe": ("granitemoe", "GraniteMoeMoE", {}),  # .router, softmax over the top-k logits
+    "jamba": ("jamba", "JambaSparseMoeBlock", {}),  # .router, softmax, no norm
+    "cohere2_moe": (
+        "cohere2_moe",
+        "Cohere2MoeSparseMoeBlock",
+        dict(shared_expert_combination_strategy="sum"),
+    ),
     "cohere2_moe_sigmoid": (
+        "cohere2_moe",
         "Cohere2MoeSparseMoeBlock",
         dict(expert_selection_fn="sigmoid", num_shared_experts=0),
     ),
-    "flint": ("FlintSparseMoeBlock", {}),  # sigmoid without bias, shared_expert
-    "minimax_m2": ("MiniMaxM2SparseMoeBlock", {}),  # bias buffer on the block
-    "hy_v3": ("HYV3MoE", {}),  # bias on the block, router_scaling_factor
-    "laguna": ("LagunaSparseMoeBlock", {}),  # the block scales the routed output
-    "afmoe": ("AfmoeSparseMoeBlock", {}),  # router.gate, expert_bias parameter
-    "lfm2_moe": ("Lfm2MoeSparseMoeBlock", dict(norm_topk_prob=False)),
-    "mistral4": ("Mistral4MoE", {}),  # softmax with expert groups
-    "exaone_moe": ("ExaoneMoeSparseMoEBlock", {}),  # DeepSeek-V3's router
+    "flint": ("flint", "FlintSparseMoeBlock", {}),  # sigmoid without bias, shared_expert
+    "minimax_m2": ("minimax_m2", "MiniMaxM2SparseMoeBlock", {}),  # bias buffer on the block
+    "hy_v3": ("hy_v3", "HYV3MoE", {}),  # bias on the block, router_scaling_factor
+    "laguna": ("laguna", "LagunaSparseMoeBlock", {}),  # the block scales the routed output
+    "afmoe": ("afmoe", "AfmoeSparseMoeBlock", {}),  # router.gate, expert_bias parameter
+    "lfm2_moe": ("lfm2_moe", "Lfm2MoeSparseMoeBlock", dict(norm_topk_prob=False)),
+    "mistral4": ("mistral4", "Mistral4MoE", {}),  # softmax with expert groups
+    "exaone_moe": ("exaone_moe", "ExaoneMoeSparseMoEBlock", {}),  # DeepSeek-V3's router
 }
 
 
@@ -643,8 +665,7 @@ def tiny_block(key, seed=0, **overrides):
     from transformers import AutoConfig
 
     _quiet_hf()
-    family = key.removesuffix("_sigmoid")
-    block_name, extra = BLOCKS[key]
+    family, block_name, extra = BLOCKS[key]
     cfg = AutoConfig.for_model(family, **{**_BLOCK_SIZES, **extra, **overrides})
     cls = getattr(
         importlib.import_module(f"transformers.models.{family}.modeling_{family}"), block_name
@@ -734,11 +755,7 @@ class TestConvertBlocks(_OneThread, TestCase):
         import torch_moe.integrations.transformers as tmt
 
         cases = [
-            (
-                "deepseek_v2",
-                dict(topk_method="group_limited_greedy"),
-                r"topk_method='group_limited_greedy'",
-            ),
+            ("deepseek_v2", dict(topk_method="noaux_tc"), r"topk_method='noaux_tc'"),
             ("laguna", dict(moe_router_logit_softcapping=30.0), r"router_logit_softcapping=30.0"),
             ("cohere2_moe", dict(shared_expert_combination_strategy="average"), r"'average'"),
             (

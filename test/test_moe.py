@@ -120,6 +120,33 @@ def _hf_case(name):
             "qwen3-moe",
             dict(num_experts=8, top_k=3, route_norm=norm),
         )
+    if name == "deepseek-v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+            DeepseekV2Config,
+            DeepseekV2Moe,
+        )
+
+        cfg = DeepseekV2Config(
+            moe_intermediate_size=F_HF,
+            n_routed_experts=16,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=16.0,
+            n_shared_experts=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            **common,
+        )
+        overrides = dict(
+            num_experts=16,
+            top_k=3,
+            num_expert_groups=4,
+            num_limited_groups=2,
+            shared_hidden_dim=2 * F_HF,
+        )
+        return DeepseekV2Moe(cfg), "deepseek-v2", overrides
     assert name == "deepseek-v3"
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
         DeepseekV3Config,
@@ -147,7 +174,7 @@ def _hf_case(name):
     return DeepseekV3MoE(cfg), "deepseek-v3", overrides
 
 
-HF_CASES = ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-no-norm", "deepseek-v3"]
+HF_CASES = ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-no-norm", "deepseek-v2", "deepseek-v3"]
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
@@ -237,6 +264,10 @@ TINY_PRESETS = {
     "mixtral": dict(dim=8, hidden_dim=6, num_experts=4),
     "qwen2-moe": dict(dim=8, hidden_dim=6, num_experts=6, top_k=3, shared_hidden_dim=10),
     "qwen3-moe": dict(dim=8, hidden_dim=6, num_experts=8, top_k=3),
+    # 8 groups of 2 experts scored by their best one, 2 kept (of 3: see deepseek-v3)
+    "deepseek-v2": dict(
+        dim=8, hidden_dim=6, num_experts=16, top_k=3, shared_hidden_dim=6, num_limited_groups=2
+    ),
     # the preset's 8 groups of 2 experts, 2 kept (not 4: with 4 of 8 kept the top 3 experts
     # of these 11 tokens all lie in kept groups, and the group limit would change nothing)
     "deepseek-v3": dict(
@@ -260,6 +291,9 @@ OPTIONS = {
         num_limited_groups=1,
         route_norm=True,
         route_scale=2.5,
+    ),
+    "softmax_groups_max": dict(
+        num_expert_groups=2, num_limited_groups=1, group_score="max", route_scale=16.0
     ),
     "k_equals_e": dict(top_k=4),
     "one_expert": dict(num_experts=1, top_k=1),
@@ -800,7 +834,7 @@ class TestMoEErrors(TestCase):
                 MoE(**{**BASE, "top_k": bad})
 
     def test_unknown_preset(self):
-        valid = r"\['deepseek-v3', 'mixtral', 'qwen2-moe', 'qwen3-moe'\]"
+        valid = r"\['deepseek-v2', 'deepseek-v3', 'mixtral', 'qwen2-moe', 'qwen3-moe'\]"
         with self.assertRaisesRegex(ValueError, rf"unknown preset 'gpt-5'; valid presets: {valid}"):
             MoE.from_preset("gpt-5", dim=8)
 

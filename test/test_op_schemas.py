@@ -237,7 +237,7 @@ class TestOpSchemas(TestCase):
     def test_schema_topk_route(self):
         self.assertExpectedInline(
             schema("topk_route"),
-            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1.) -> (Tensor, Tensor, Tensor)""",
+            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1., str group_score="top2_sum") -> (Tensor, Tensor, Tensor)""",
         )
 
     def test_schema_topk_route_backward(self):

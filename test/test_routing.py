@@ -112,6 +112,26 @@ class TestTopKRoute(TestCase):
         )
         self.assertTrue((ids < 4).all())
 
+    @parametrize("impl", ["op", "reference"])
+    def test_group_score_max(self, impl):
+        """DeepSeek-V2's group_limited_greedy: a group is scored by its best expert. Groups
+        of four with one strong expert against groups of four fair ones: "max" keeps the
+        first, "top2_sum" the second; both against the float64 loop."""
+        fn = topk_route if impl == "op" else _routing.topk_route_reference
+        g = torch.Generator().manual_seed(0)
+        logits = 0.02 * torch.randn(40, 16, generator=g, dtype=torch.float64)
+        logits[:20, 0] += 2.9  # one strong expert in group 0: e^2.9 ~ 18 (+ ~1 for its second)
+        logits[:20, 4:8] += 2.5  # four fair experts in group 1: e^2.5 ~ 12 each, 24 for two
+        kw = dict(num_expert_groups=4, num_limited_groups=1, route_scale=16.0)
+        for group_score in ("max", "top2_sum"):
+            w, ids, counts = fn(logits, 2, **kw, group_score=group_score)
+            ref_w, ref_ids, ref_counts = naive.route(logits, 2, **kw, group_score=group_score)
+            self.assertEqual(ids, ref_ids, msg=group_score)
+            self.assertEqual(counts, ref_counts)
+            self.assertEqual(w, ref_w, atol=0, rtol=1e-12)
+            group = 0 if group_score == "max" else 1
+            self.assertTrue((ids[:20] // 4 == group).all(), msg=group_score)
+
     def test_minus_inf_excludes_expert(self):
         logits = torch.randn(10, 4)
         logits[:, 0] = -math.inf
@@ -168,7 +188,7 @@ class TestTopKRoute(TestCase):
     def test_schema(self):
         self.assertExpectedInline(
             str(torch.ops.torch_moe.topk_route.default._schema),
-            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1.) -> (Tensor, Tensor, Tensor)""",
+            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1., str group_score="top2_sum") -> (Tensor, Tensor, Tensor)""",
         )
 
     def test_bad_inputs(self):
@@ -195,6 +215,10 @@ class TestTopKRoute(TestCase):
                 r"expert_bias to be a floating-point tensor of shape \[8\], got \[7\]",
             ),
             (dict(k=2, route_scale=math.inf), r"route_scale must be finite, got inf"),
+            (
+                dict(k=2, num_expert_groups=4, num_limited_groups=2, group_score="mean"),
+                r"unknown group_score 'mean'; expected one of \('top2_sum', 'max'\)",
+            ),
         ]
         for kwargs, msg in cases:
             k = kwargs.pop("k")

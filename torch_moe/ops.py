@@ -43,6 +43,7 @@ def topk_route(
     num_limited_groups: int | None = None,
     route_norm: bool = False,
     route_scale: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""Choose K experts per token.
 
@@ -55,8 +56,11 @@ def topk_route(
         expert_bias: optional [E] bias added to the selection scores only: it changes
             which experts are chosen, never the weights (aux-loss-free balancing).
         num_expert_groups, num_limited_groups: group-limited routing: E experts form
-            ``num_expert_groups`` contiguous groups scored by the sum of their top-2
-            selection scores; only the best ``num_limited_groups`` groups are eligible.
+            ``num_expert_groups`` contiguous groups; only the best ``num_limited_groups``
+            groups are eligible.
+        group_score: how a group is scored: ``"top2_sum"`` (the sum of its top-2
+            selection scores, DeepSeek-V3) or ``"max"`` (its best one, DeepSeek-V2's
+            ``group_limited_greedy``).
         route_norm: divide the K weights of a token by their sum (+1e-20).
         route_scale: multiply the weights by this factor (after ``route_norm``).
 
@@ -78,6 +82,7 @@ def topk_route(
         num_limited_groups,
         route_norm,
         route_scale,
+        group_score,
     )
 
 

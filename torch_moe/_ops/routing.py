@@ -12,8 +12,10 @@ Semantics (docs/design.md §4), all math in fp32 (fp64 when the logits are fp64)
 * ``expert_bias`` [E] is added to the selection scores only: it changes which experts
   are chosen, never the weights (aux-loss-free balancing, DeepSeek-V3).
 * Group-limited routing: experts form G contiguous groups of E/G; a group's score is
-  the sum of its top-2 selection scores (top-1 when a group holds one expert); the
-  best L groups are kept and every other expert is masked to -inf before the top-k.
+  the sum of its top-2 selection scores (``group_score="top2_sum"``, DeepSeek-V3; top-1
+  when a group holds one expert) or its best selection score (``"max"``, DeepSeek-V2's
+  ``group_limited_greedy``); the best L groups are kept and every other expert is masked
+  to -inf before the top-k.
 * weights = unbiased scores of the chosen experts; ``route_norm`` divides them by
   their sum (+1e-20); finally they are multiplied by ``route_scale``.
 
@@ -39,9 +41,10 @@ from torch import Tensor
 
 from torch_moe._ops._dtypes import acc_dtype
 
-__all__ = ["SCORE_FUNCS", "topk_route", "topk_route_reference"]
+__all__ = ["GROUP_SCORES", "SCORE_FUNCS", "topk_route", "topk_route_reference"]
 
 SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
+GROUP_SCORES = ("top2_sum", "max")
 
 
 def _check_inputs(
@@ -52,6 +55,7 @@ def _check_inputs(
     num_expert_groups: int | None,
     num_limited_groups: int | None,
     route_scale: float,
+    group_score: str = "top2_sum",
 ) -> None:
     """Shape/dtype/config checks shared by the real and the fake kernel."""
     if logits.dim() != 2 or not logits.is_floating_point():
@@ -72,6 +76,10 @@ def _check_inputs(
         )
     if not math.isfinite(route_scale):
         raise ValueError(f"topk_route: route_scale must be finite, got {route_scale}")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(
+            f"topk_route: unknown group_score {group_score!r}; expected one of {GROUP_SCORES}"
+        )
     if expert_bias is not None:
         if expert_bias.shape != (num_experts,) or not expert_bias.is_floating_point():
             raise ValueError(
@@ -134,10 +142,18 @@ def topk_route_reference(
     num_limited_groups: int | None = None,
     route_norm: bool = False,
     route_scale: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Plain-PyTorch routing: the oracle and the kernel on every device."""
     _check_inputs(
-        logits, k, score_func, expert_bias, num_expert_groups, num_limited_groups, route_scale
+        logits,
+        k,
+        score_func,
+        expert_bias,
+        num_expert_groups,
+        num_limited_groups,
+        route_scale,
+        group_score,
     )
     _check_values(logits)
     num_tokens, num_experts = logits.shape
@@ -153,7 +169,10 @@ def topk_route_reference(
     if num_expert_groups is not None and num_limited_groups is not None:
         per_group = num_experts // num_expert_groups
         sel_TGS = sel_TE.view(num_tokens, num_expert_groups, per_group)
-        group_score_TG = sel_TGS.topk(min(2, per_group), dim=-1).values.sum(-1)
+        if group_score == "max":
+            group_score_TG = sel_TGS.amax(dim=-1)
+        else:
+            group_score_TG = sel_TGS.topk(min(2, per_group), dim=-1).values.sum(-1)
         keep_TL = group_score_TG.topk(num_limited_groups, dim=-1).indices
         drop_TG = torch.ones_like(group_score_TG, dtype=torch.bool).scatter(1, keep_TL, False)
         sel_TE = sel_TGS.masked_fill(drop_TG.unsqueeze(-1), -math.inf).view(num_tokens, num_experts)
@@ -178,6 +197,7 @@ def topk_route(
     num_limited_groups: int | None = None,
     route_norm: bool = False,
     route_scale: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> tuple[Tensor, Tensor, Tensor]:
     weights, ids, counts = topk_route_reference(
         logits,
@@ -188,6 +208,7 @@ def topk_route(
         num_limited_groups,
         route_norm,
         route_scale,
+        group_score,
     )
     return weights, ids, counts
 
@@ -202,9 +223,17 @@ def _(
     num_limited_groups: int | None = None,
     route_norm: bool = False,
     route_scale: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_inputs(
-        logits, k, score_func, expert_bias, num_expert_groups, num_limited_groups, route_scale
+        logits,
+        k,
+        score_func,
+        expert_bias,
+        num_expert_groups,
+        num_limited_groups,
+        route_scale,
+        group_score,
     )
     num_tokens, num_experts = logits.shape
     weights = logits.new_empty((num_tokens, k), dtype=acc_dtype(logits.dtype))
@@ -261,7 +290,7 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    logits, _k, score_func, _bias, _g, _l, route_norm, route_scale = inputs
+    logits, _k, score_func, _bias, _g, _l, route_norm, route_scale, _group_score = inputs
     _w, ids, _counts = output
     ctx.save_for_backward(logits, ids)
     ctx.cfg = (score_func, route_norm, route_scale)
@@ -275,7 +304,7 @@ def _backward(ctx, grad_weights, _grad_ids, _grad_counts):  # type: ignore[no-un
             grad_logits = torch.zeros_like(logits)
         else:
             grad_logits = topk_route_backward(grad_weights.contiguous(), logits, ids, *ctx.cfg)
-    return grad_logits, None, None, None, None, None, None, None
+    return grad_logits, None, None, None, None, None, None, None, None
 
 
 topk_route.register_autograd(_backward, setup_context=_setup_context)

@@ -76,6 +76,7 @@ def _topk_route_sharding(
     num_limited_groups: int | None = None,
     route_norm: bool = False,
     route_scale: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> list[_Strategy]:
     """(weights, ids, counts) <- logits [T, E], expert_bias [E].
 
@@ -87,7 +88,7 @@ def _topk_route_sharding(
     Not E-sharded: the softmax, the group scores and the top-k run over all experts.
     """
     bias = _opt(expert_bias, R)
-    tail = [None, None, bias, None, None, None, None]
+    tail = [None, None, bias, None, None, None, None, None]
     return [
         ([R, R, R], [R, *tail]),
         ([Shard(0), Shard(0), P], [Shard(0), *tail]),

@@ -88,8 +88,8 @@ _SOFTMAX_NORM_FLAG = frozenset(
     }
 )
 _SOFTMAX_NO_NORM = frozenset({"JambaTopKRouter"})
-# DeepSeek-V2: softmax, top-k, times routed_scaling_factor ("greedy"; its
-# "group_limited_greedy" scores a group by its best expert, which topk_route does not)
+# DeepSeek-V2: softmax, top-k, times routed_scaling_factor; "greedy" over all experts or
+# "group_limited_greedy" (groups scored by their best expert, masked to 0: as -inf here)
 _SOFTMAX_DSV2 = frozenset(
     {"DeepseekV2TopkRouter", "DeepseekOcr2TextTopkRouter", "UnlimitedOcrTextTopkRouter"}
 )
@@ -202,6 +202,7 @@ SUPPORTED_BLOCKS: dict[str, str] = {
     **dict.fromkeys(_SHARED, "shared"),
 }
 _MOE_OPTIONS = ("precision", "aux_loss", "aux_loss_coeff", "z_loss_coeff")
+_CONFIG_DEFAULTS = {"group_score": "top2_sum"}  # MoE arguments added after the first release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,12 +279,13 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         if rname == "HunYuanMoEV1Gate":
             weight = _linear_weight(f"{attr}.wg", gate.wg, f"{name}.{attr}.wg")
     elif rname in _SOFTMAX_DSV2:
-        if gate.topk_method != "greedy":
-            raise NotImplementedError(
-                f"to_torch_moe: {name}.{attr} ({rname}) has topk_method={gate.topk_method!r}; "
-                "torch_moe's expert groups score a group by its top-2 sum, not its maximum"
-            )
         cfg = dict(score_func="softmax", route_scale=float(gate.routed_scaling_factor))
+        if gate.topk_method == "group_limited_greedy":
+            cfg.update(group_score="max", **_groups(gate))
+        elif gate.topk_method != "greedy":
+            raise NotImplementedError(
+                f"to_torch_moe: {name}.{attr} ({rname}) has topk_method={gate.topk_method!r}"
+            )
     elif rname in _SOFTMAX_GROUPED:
         norm = rname == "MistralLarge4TextTopkRouter" or bool(gate.norm_topk_prob)
         cfg = dict(score_func="softmax", route_norm=norm, **_groups(gate))
@@ -488,13 +490,16 @@ class TorchMoEBlock(nn.Module):
                     f"{key}: the checkpoint holds a torch_moe-converted {found!r} block, this "
                     f"model's block is a converted {mine['hf_block']!r}"
                 )
-            elif theirs.get("moe_config") != mine["moe_config"]:
+            else:
+                # a key an older checkpoint lacks holds its default (e.g. group_score)
+                theirs_cfg = {**_CONFIG_DEFAULTS, **theirs.get("moe_config", {})}
                 diff = {
-                    k: (theirs["moe_config"].get(k), v)
+                    k: (theirs_cfg.get(k), v)
                     for k, v in mine["moe_config"].items()
-                    if theirs["moe_config"].get(k) != v
+                    if theirs_cfg.get(k) != v
                 }
-                error_msgs.append(f"{key}: MoE config mismatch (checkpoint, model): {diff}")
+                if diff:
+                    error_msgs.append(f"{key}: MoE config mismatch (checkpoint, model): {diff}")
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )

@@ -116,6 +116,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-moe": dict(
         dim=2048, hidden_dim=768, num_experts=128, top_k=8, score_func="softmax", route_norm=True
     ),
+    # DeepSeek-V2: softmax over 160, 8 groups scored by their best expert / 3 kept
+    # (group_limited_greedy), top-6, not renormalized, x16, two shared experts.
+    "deepseek-v2": dict(
+        dim=5120,
+        hidden_dim=1536,
+        num_experts=160,
+        top_k=6,
+        score_func="softmax",
+        num_expert_groups=8,
+        num_limited_groups=3,
+        group_score="max",
+        route_norm=False,
+        route_scale=16.0,
+        shared_hidden_dim=3072,
+    ),
     # DeepSeek-V3: sigmoid, 8 groups / 4 kept, correction bias, x2.5, one shared expert.
     "deepseek-v3": dict(
         dim=7168,
@@ -217,6 +232,7 @@ class TopKRouter(nn.Module):
         route_scale: float = 1.0,
         num_expert_groups: int | None = None,
         num_limited_groups: int | None = None,
+        group_score: str = "top2_sum",
         expert_bias: bool = False,
         router_bias: bool = False,
         device: torch.device | str | None = None,
@@ -232,10 +248,12 @@ class TopKRouter(nn.Module):
             num_expert_groups,
             num_limited_groups,
             route_scale,
+            group_score,
         )
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
         self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
+        self.group_score = group_score
         self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=dtype))
         self.bias = (
             nn.Parameter(torch.empty(num_experts, device=device, dtype=dtype))
@@ -269,6 +287,7 @@ class TopKRouter(nn.Module):
             num_limited_groups=self.num_limited_groups,
             route_norm=self.route_norm,
             route_scale=self.route_scale,
+            group_score=self.group_score,
         )
         return weights, ids, counts, logits
 
@@ -539,8 +558,8 @@ class MoE(nn.Module):
     Args:
         dim: model dim D.  hidden_dim: expert hidden dim F.
         num_experts: E.  top_k: experts per token K.
-        score_func, route_norm, route_scale, num_expert_groups, num_limited_groups:
-            routing, see :func:`torch_moe.ops.topk_route`.
+        score_func, route_norm, route_scale, num_expert_groups, num_limited_groups,
+            group_score: routing, see :func:`torch_moe.ops.topk_route`.
         expert_bias: keep an [E] selection bias buffer for aux-loss-free balancing.
         router_bias: give the router linear a bias.
         shared_hidden_dim: hidden dim of an always-on shared SwiGLU expert (0: none).
@@ -581,6 +600,7 @@ class MoE(nn.Module):
         route_scale: float = 1.0,
         num_expert_groups: int | None = None,
         num_limited_groups: int | None = None,
+        group_score: str = "top2_sum",
         expert_bias: bool = False,
         router_bias: bool = False,
         shared_hidden_dim: int = 0,
@@ -633,6 +653,7 @@ class MoE(nn.Module):
             route_scale=route_scale,
             num_expert_groups=num_expert_groups,
             num_limited_groups=num_limited_groups,
+            group_score=group_score,
             expert_bias=expert_bias,
             router_bias=router_bias,
             device=device,
@@ -750,6 +771,7 @@ class MoE(nn.Module):
             num_limited_groups=r.num_limited_groups,
             route_norm=r.route_norm,
             route_scale=r.route_scale,
+            group_score=r.group_score,
         )
         capacity = None
         if self.capacity_factor is not None:
@@ -949,6 +971,7 @@ class MoE(nn.Module):
             route_scale=r.route_scale,
             num_expert_groups=r.num_expert_groups,
             num_limited_groups=r.num_limited_groups,
+            group_score=r.group_score,
             expert_bias=r.expert_bias is not None,
             router_bias=r.bias is not None,
             shared_hidden_dim=0 if self.shared_experts is None else self.shared_experts.w2.shape[1],
