@@ -22,6 +22,7 @@ def route(
     route_norm: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token routing in float64 (docs/design.md §4). Returns weights, ids, counts."""
     num_tokens, num_experts = logits.shape
@@ -58,7 +59,7 @@ def route(
         else:
             w = [scores[e] for e in chosen]
         if route_norm:
-            total = sum(w) + 1e-20
+            total = sum(w) + route_norm_eps
             w = [v / total for v in w]
         for j, e in enumerate(chosen):
             weights[t, j] = w[j] * route_scale
@@ -145,6 +146,7 @@ def _route_kwargs(config: dict) -> dict:
             ("route_norm", False),
             ("route_scale", 1.0),
             ("group_score", "top2_sum"),
+            ("route_norm_eps", 1e-20),
         ]
     }
 
@@ -221,7 +223,7 @@ def moe_layer_autograd(
         else:
             w = torch.softmax(logits[chosen], 0)
         if kw["route_norm"]:
-            w = w / (w.sum() + 1e-20)
+            w = w / (w.sum() + kw["route_norm_eps"])
         w = w * kw["route_scale"]
         y = torch.zeros_like(x_t)
         for j, e in enumerate(chosen):
@@ -411,7 +413,7 @@ def pipeline_autograd(
         else:
             w = torch.softmax(lg[chosen], 0)
         if route_kw.get("route_norm", False):
-            w = w / (w.sum() + 1e-20)
+            w = w / (w.sum() + route_kw.get("route_norm_eps", 1e-20))
         w = w * route_kw.get("route_scale", 1.0)
         y = x[t] * 0
         for j, e in enumerate(chosen):

@@ -292,6 +292,7 @@ OPTIONS = {
         route_norm=True,
         route_scale=2.5,
     ),
+    "route_norm_eps": dict(score_func="sigmoid", route_norm=True, route_norm_eps=1e-6),
     "softmax_groups_max": dict(
         num_expert_groups=2, num_limited_groups=1, group_score="max", route_scale=16.0
     ),

@@ -237,13 +237,13 @@ class TestOpSchemas(TestCase):
     def test_schema_topk_route(self):
         self.assertExpectedInline(
             schema("topk_route"),
-            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1., str group_score="top2_sum") -> (Tensor, Tensor, Tensor)""",
+            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1., str group_score="top2_sum", float route_norm_eps=9.9999999999999995e-21) -> (Tensor, Tensor, Tensor)""",
         )
 
     def test_schema_topk_route_backward(self):
         self.assertExpectedInline(
             schema("topk_route_backward"),
-            """torch_moe::topk_route_backward(Tensor grad_weights, Tensor logits, Tensor expert_ids, str score_func, bool route_norm, float route_scale) -> Tensor""",
+            """torch_moe::topk_route_backward(Tensor grad_weights, Tensor logits, Tensor expert_ids, str score_func, bool route_norm, float route_scale, float route_norm_eps=9.9999999999999995e-21) -> Tensor""",
         )
 
     def test_schema_unpermute(self):

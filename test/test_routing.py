@@ -139,6 +139,27 @@ class TestTopKRoute(TestCase):
         self.assertFalse((ids == 0).any())
         self.assertTrue(torch.isfinite(w).all())
 
+    @parametrize("impl", ["op", "reference"])
+    def test_route_norm_eps(self, impl):
+        """LFM2 renormalizes by (sum + 1e-6): weights and their gradient follow the eps
+        (sigmoid scores of logits near -12 sum to ~1e-5, where 1e-6 is 10%)."""
+        fn = topk_route if impl == "op" else _routing.topk_route_reference
+        logits = torch.randn(9, 8, dtype=torch.float64) - 12.0
+        kw = dict(score_func="sigmoid", route_norm=True)
+        w_default = fn(logits, 2, **kw)[0]
+        w, ids, _ = fn(logits, 2, **kw, route_norm_eps=1e-6)
+        ref_w, ref_ids, _ = naive.route(logits, 2, **kw, route_norm_eps=1e-6)
+        self.assertEqual(ids, ref_ids)
+        self.assertEqual(w, ref_w, atol=0, rtol=1e-12)
+        self.assertTrue(((w_default - w).abs() > 1e-3 * w).all())
+        if impl == "op":
+            lg = logits.clone().requires_grad_()
+            self.assertTrue(
+                torch.autograd.gradcheck(
+                    lambda x: topk_route(x, 2, **kw, route_norm_eps=1e-6)[0], (lg,)
+                )
+            )
+
     @parametrize("score_func", ["softmax", "sigmoid", "softmax_topk"])
     @parametrize("route_norm", [False, True])
     def test_gradcheck(self, score_func, route_norm):
@@ -188,7 +209,7 @@ class TestTopKRoute(TestCase):
     def test_schema(self):
         self.assertExpectedInline(
             str(torch.ops.torch_moe.topk_route.default._schema),
-            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1., str group_score="top2_sum") -> (Tensor, Tensor, Tensor)""",
+            """torch_moe::topk_route(Tensor logits, SymInt k, str score_func="softmax", Tensor? expert_bias=None, SymInt? num_expert_groups=None, SymInt? num_limited_groups=None, bool route_norm=False, float route_scale=1., str group_score="top2_sum", float route_norm_eps=9.9999999999999995e-21) -> (Tensor, Tensor, Tensor)""",
         )
 
     def test_bad_inputs(self):
@@ -215,6 +236,7 @@ class TestTopKRoute(TestCase):
                 r"expert_bias to be a floating-point tensor of shape \[8\], got \[7\]",
             ),
             (dict(k=2, route_scale=math.inf), r"route_scale must be finite, got inf"),
+            (dict(k=2, route_norm_eps=-1.0), r"route_norm_eps must be finite and >= 0, got -1.0"),
             (
                 dict(k=2, num_expert_groups=4, num_limited_groups=2, group_score="mean"),
                 r"unknown group_score 'mean'; expected one of \('top2_sum', 'max'\)",

@@ -44,6 +44,7 @@ def topk_route(
     route_norm: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""Choose K experts per token.
 
@@ -61,8 +62,10 @@ def topk_route(
         group_score: how a group is scored: ``"top2_sum"`` (the sum of its top-2
             selection scores, DeepSeek-V3) or ``"max"`` (its best one, DeepSeek-V2's
             ``group_limited_greedy``).
-        route_norm: divide the K weights of a token by their sum (+1e-20).
+        route_norm: divide the K weights of a token by their sum + ``route_norm_eps``.
         route_scale: multiply the weights by this factor (after ``route_norm``).
+        route_norm_eps: added to the sum ``route_norm`` divides by (1e-20 by default, as
+            DeepSeek-V3; LFM2 adds 1e-6).
 
     Returns:
         ``(weights, expert_ids, tokens_per_expert)``: weights [T, K] fp32 (fp64 for fp64
@@ -83,6 +86,7 @@ def topk_route(
         route_norm,
         route_scale,
         group_score,
+        route_norm_eps,
     )
 
 

@@ -17,7 +17,8 @@ Semantics (docs/design.md §4), all math in fp32 (fp64 when the logits are fp64)
   ``group_limited_greedy``); the best L groups are kept and every other expert is masked
   to -inf before the top-k.
 * weights = unbiased scores of the chosen experts; ``route_norm`` divides them by
-  their sum (+1e-20); finally they are multiplied by ``route_scale``.
+  their sum + ``route_norm_eps`` (1e-20 by default, as DeepSeek-V3; LFM2 adds 1e-6);
+  finally they are multiplied by ``route_scale``.
 
 NB: expert ids come from ``torch.topk`` (sorted, descending), so ties break exactly
 as in the HF transformers / DeepSeek reference implementations that also call topk.
@@ -56,6 +57,7 @@ def _check_inputs(
     num_limited_groups: int | None,
     route_scale: float,
     group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
 ) -> None:
     """Shape/dtype/config checks shared by the real and the fake kernel."""
     if logits.dim() != 2 or not logits.is_floating_point():
@@ -76,6 +78,10 @@ def _check_inputs(
         )
     if not math.isfinite(route_scale):
         raise ValueError(f"topk_route: route_scale must be finite, got {route_scale}")
+    if not (math.isfinite(route_norm_eps) and route_norm_eps >= 0):
+        raise ValueError(
+            f"topk_route: route_norm_eps must be finite and >= 0, got {route_norm_eps}"
+        )
     if group_score not in GROUP_SCORES:
         raise ValueError(
             f"topk_route: unknown group_score {group_score!r}; expected one of {GROUP_SCORES}"
@@ -143,6 +149,7 @@ def topk_route_reference(
     route_norm: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Plain-PyTorch routing: the oracle and the kernel on every device."""
     _check_inputs(
@@ -154,6 +161,7 @@ def topk_route_reference(
         num_limited_groups,
         route_scale,
         group_score,
+        route_norm_eps,
     )
     _check_values(logits)
     num_tokens, num_experts = logits.shape
@@ -179,7 +187,7 @@ def topk_route_reference(
     expert_ids_TK = sel_TE.topk(k, dim=-1).indices
     weights_TK = _chosen_scores(lf, expert_ids_TK, score_func)
     if route_norm:
-        weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + route_norm_eps)
     if route_scale != 1.0:
         weights_TK = weights_TK * route_scale
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=logits.device)
@@ -198,6 +206,7 @@ def topk_route(
     route_norm: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
 ) -> tuple[Tensor, Tensor, Tensor]:
     weights, ids, counts = topk_route_reference(
         logits,
@@ -209,6 +218,7 @@ def topk_route(
         route_norm,
         route_scale,
         group_score,
+        route_norm_eps,
     )
     return weights, ids, counts
 
@@ -224,6 +234,7 @@ def _(
     route_norm: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_inputs(
         logits,
@@ -234,6 +245,7 @@ def _(
         num_limited_groups,
         route_scale,
         group_score,
+        route_norm_eps,
     )
     num_tokens, num_experts = logits.shape
     weights = logits.new_empty((num_tokens, k), dtype=acc_dtype(logits.dtype))
@@ -250,6 +262,7 @@ def topk_route_backward(
     score_func: str,
     route_norm: bool,
     route_scale: float,
+    route_norm_eps: float = 1e-20,
 ) -> Tensor:
     """d(weights)/d(logits)^T applied to ``grad_weights`` [T, K] -> [T, E]."""
     lf = logits.to(acc_dtype(logits.dtype))
@@ -257,7 +270,7 @@ def topk_route_backward(
     chosen_TK = _chosen_scores(lf, expert_ids, score_func)
     if route_norm:
         # w_i = s_i / D with D = sum(s) + eps:  dL/ds_j = g_j / D - sum_i(g_i s_i) / D^2
-        denom = chosen_TK.sum(-1, keepdim=True) + 1e-20
+        denom = chosen_TK.sum(-1, keepdim=True) + route_norm_eps
         g_TK = (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True) / denom) / denom
     grad_TE = torch.zeros_like(lf)
     if score_func == "softmax":
@@ -280,6 +293,7 @@ def _(
     score_func: str,
     route_norm: bool,
     route_scale: float,
+    route_norm_eps: float = 1e-20,
 ) -> Tensor:
     if grad_weights.shape != expert_ids.shape or expert_ids.shape[0] != logits.shape[0]:
         raise ValueError(
@@ -290,10 +304,10 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    logits, _k, score_func, _bias, _g, _l, route_norm, route_scale, _group_score = inputs
+    logits, _k, score_func, _bias, _g, _l, route_norm, route_scale, _gs, norm_eps = inputs
     _w, ids, _counts = output
     ctx.save_for_backward(logits, ids)
-    ctx.cfg = (score_func, route_norm, route_scale)
+    ctx.cfg = (score_func, route_norm, route_scale, norm_eps)
 
 
 def _backward(ctx, grad_weights, _grad_ids, _grad_counts):  # type: ignore[no-untyped-def]
@@ -304,7 +318,7 @@ def _backward(ctx, grad_weights, _grad_ids, _grad_counts):  # type: ignore[no-un
             grad_logits = torch.zeros_like(logits)
         else:
             grad_logits = topk_route_backward(grad_weights.contiguous(), logits, ids, *ctx.cfg)
-    return grad_logits, None, None, None, None, None, None, None, None
+    return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 topk_route.register_autograd(_backward, setup_context=_setup_context)

@@ -77,6 +77,7 @@ def _topk_route_sharding(
     route_norm: bool = False,
     route_scale: float = 1.0,
     group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
 ) -> list[_Strategy]:
     """(weights, ids, counts) <- logits [T, E], expert_bias [E].
 
@@ -88,7 +89,7 @@ def _topk_route_sharding(
     Not E-sharded: the softmax, the group scores and the top-k run over all experts.
     """
     bias = _opt(expert_bias, R)
-    tail = [None, None, bias, None, None, None, None, None]
+    tail = [None, None, bias, None, None, None, None, None, None]
     return [
         ([R, R, R], [R, *tail]),
         ([Shard(0), Shard(0), P], [Shard(0), *tail]),
@@ -103,13 +104,14 @@ def _topk_route_backward_sharding(
     score_func: str,
     route_norm: bool,
     route_scale: float,
+    route_norm_eps: float = 1e-20,
 ) -> list[_Strategy]:
     """grad_logits [T, E] <- grad_weights [T, K], logits [T, E], expert_ids [T, K].
 
     * all R -> R; all S(0) -> S(0) (per token): no communication.
     * grad_weights P, logits R, ids R -> P: linear in grad_weights; no communication.
     """
-    tail = [None, None, None]
+    tail = [None, None, None, None]
     return [
         ([R], [R, R, R, *tail]),
         ([Shard(0)], [Shard(0), Shard(0), Shard(0), *tail]),

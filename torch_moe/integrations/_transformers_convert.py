@@ -145,7 +145,7 @@ _ROUTED_ONLY = (
     "JambaSparseMoeBlock",
     "MiMoV2FlashMoE",
     "MiniMaxM2SparseMoeBlock",
-    "Lfm2MoeSparseMoeBlock",  # without norm_topk_prob (see _routing)
+    "Lfm2MoeSparseMoeBlock",
 )
 _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen2MoeSparseMoeBlock",
@@ -202,7 +202,10 @@ SUPPORTED_BLOCKS: dict[str, str] = {
     **dict.fromkeys(_SHARED, "shared"),
 }
 _MOE_OPTIONS = ("precision", "aux_loss", "aux_loss_coeff", "z_loss_coeff")
-_CONFIG_DEFAULTS = {"group_score": "top2_sum"}  # MoE arguments added after the first release
+_CONFIG_DEFAULTS = {
+    "group_score": "top2_sum",
+    "route_norm_eps": 1e-20,
+}  # MoE arguments added after the first release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +270,8 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
     block's router; raises naming the router if ``topk_route`` cannot.
 
     Renormalizations that divide by the plain sum, or clamp it at 1e-12, equal
-    ``route_norm``'s (sum + 1e-20) for every sum above 1e-12 (K sigmoid or softmax scores).
+    ``route_norm``'s default (sum + 1e-20) for every sum above 1e-12 (K sigmoid or softmax
+    scores); LFM2's (sum + 1e-6) is ``route_norm_eps=1e-6``.
     """
     name, rname = type(block).__name__, type(gate).__name__
     weight, bias = f"{attr}.weight", None
@@ -324,13 +328,9 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         cfg = dict(score_func="sigmoid", route_norm=True, expert_bias=True)
         cfg.update(route_scale=float(block.routed_scaling_factor))
         bias = f"{attr}.e_score_correction_bias"
-    elif rname == "Lfm2MoeTopKRouter":  # the bias on the block, if used
-        if gate.norm_topk_prob:
-            raise NotImplementedError(
-                f"to_torch_moe: {name}.{attr} ({rname}) has norm_topk_prob=True: it divides by "
-                "(sum + 1e-6), torch_moe's route_norm by (sum + 1e-20)"
-            )
+    elif rname == "Lfm2MoeTopKRouter":  # the bias on the block, if used; norm + 1e-6
         cfg = dict(score_func="sigmoid", route_scale=float(gate.routed_scaling_factor))
+        cfg.update(route_norm=bool(gate.norm_topk_prob), route_norm_eps=1e-6)
         if gate.use_expert_bias:
             cfg.update(expert_bias=True)
             bias = "expert_bias"

@@ -233,6 +233,7 @@ class TopKRouter(nn.Module):
         num_expert_groups: int | None = None,
         num_limited_groups: int | None = None,
         group_score: str = "top2_sum",
+        route_norm_eps: float = 1e-20,
         expert_bias: bool = False,
         router_bias: bool = False,
         device: torch.device | str | None = None,
@@ -249,11 +250,12 @@ class TopKRouter(nn.Module):
             num_limited_groups,
             route_scale,
             group_score,
+            route_norm_eps,
         )
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
         self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
-        self.group_score = group_score
+        self.group_score, self.route_norm_eps = group_score, route_norm_eps
         self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=dtype))
         self.bias = (
             nn.Parameter(torch.empty(num_experts, device=device, dtype=dtype))
@@ -288,6 +290,7 @@ class TopKRouter(nn.Module):
             route_norm=self.route_norm,
             route_scale=self.route_scale,
             group_score=self.group_score,
+            route_norm_eps=self.route_norm_eps,
         )
         return weights, ids, counts, logits
 
@@ -559,7 +562,7 @@ class MoE(nn.Module):
         dim: model dim D.  hidden_dim: expert hidden dim F.
         num_experts: E.  top_k: experts per token K.
         score_func, route_norm, route_scale, num_expert_groups, num_limited_groups,
-            group_score: routing, see :func:`torch_moe.ops.topk_route`.
+            group_score, route_norm_eps: routing, see :func:`torch_moe.ops.topk_route`.
         expert_bias: keep an [E] selection bias buffer for aux-loss-free balancing.
         router_bias: give the router linear a bias.
         shared_hidden_dim: hidden dim of an always-on shared SwiGLU expert (0: none).
@@ -601,6 +604,7 @@ class MoE(nn.Module):
         num_expert_groups: int | None = None,
         num_limited_groups: int | None = None,
         group_score: str = "top2_sum",
+        route_norm_eps: float = 1e-20,
         expert_bias: bool = False,
         router_bias: bool = False,
         shared_hidden_dim: int = 0,
@@ -654,6 +658,7 @@ class MoE(nn.Module):
             num_expert_groups=num_expert_groups,
             num_limited_groups=num_limited_groups,
             group_score=group_score,
+            route_norm_eps=route_norm_eps,
             expert_bias=expert_bias,
             router_bias=router_bias,
             device=device,
@@ -772,6 +777,7 @@ class MoE(nn.Module):
             route_norm=r.route_norm,
             route_scale=r.route_scale,
             group_score=r.group_score,
+            route_norm_eps=r.route_norm_eps,
         )
         capacity = None
         if self.capacity_factor is not None:
@@ -972,6 +978,7 @@ class MoE(nn.Module):
             num_expert_groups=r.num_expert_groups,
             num_limited_groups=r.num_limited_groups,
             group_score=r.group_score,
+            route_norm_eps=r.route_norm_eps,
             expert_bias=r.expert_bias is not None,
             router_bias=r.bias is not None,
             shared_hidden_dim=0 if self.shared_experts is None else self.shared_experts.w2.shape[1],
