@@ -330,7 +330,8 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         bias = f"{attr}.e_score_correction_bias"
     elif rname == "Lfm2MoeTopKRouter":  # the bias on the block, if used; norm + 1e-6
         cfg = dict(score_func="sigmoid", route_scale=float(gate.routed_scaling_factor))
-        cfg.update(route_norm=bool(gate.norm_topk_prob), route_norm_eps=1e-6)
+        if gate.norm_topk_prob:
+            cfg.update(route_norm=True, route_norm_eps=1e-6)
         if gate.use_expert_bias:
             cfg.update(expert_bias=True)
             bias = "expert_bias"
