@@ -705,6 +705,7 @@ class TestConvertBlocks(_OneThread, TestCase):
     @parametrize("key", list(BLOCKS))
     def test_block_matches_and_round_trips(self, key):
         import torch_moe.integrations.transformers as tmt
+        from torch_moe.nn import MoE, hf_state_dict_to_moe
 
         holder = torch.nn.Module()
         holder.mlp = block = tiny_block(key)
@@ -742,6 +743,11 @@ class TestConvertBlocks(_OneThread, TestCase):
                 moe.router.expert_bias.zero_()
                 self.assertNotEqual(holder.mlp(x), out)
                 moe.router.expert_bias.copy_(kept)
+        # the block's state dict loads into a fresh MoE of the same config
+        fresh = MoE(**moe.config)
+        fresh.load_state_dict(hf_state_dict_to_moe(block.state_dict()), strict=True)
+        for n, t in moe.state_dict().items():
+            self.assertEqual(fresh.state_dict()[n], t, atol=0, rtol=0, msg=n)
         tmt.from_torch_moe(holder)
         self.assertIsInstance(holder.mlp, type(block))
         after = holder.state_dict()

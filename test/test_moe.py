@@ -834,6 +834,15 @@ class TestMoEErrors(TestCase):
             ):
                 MoE(**{**BASE, "top_k": bad})
 
+    def test_hf_state_dict_bad_keys(self):
+        w = torch.zeros(4, 8)
+        with self.assertRaisesRegex(KeyError, r"unexpected key 'gate.bias'"):
+            hf_state_dict_to_moe({"gate.weight": w, "gate.bias": torch.zeros(4)})
+        with self.assertRaisesRegex(
+            KeyError, r"two keys map to 'router.weight', the second 'router.weight'"
+        ):
+            hf_state_dict_to_moe({"gate.weight": w, "router.weight": w})
+
     def test_unknown_preset(self):
         valid = r"\['deepseek-v2', 'deepseek-v3', 'mixtral', 'qwen2-moe', 'qwen3-moe'\]"
         with self.assertRaisesRegex(ValueError, rf"unknown preset 'gpt-5'; valid presets: {valid}"):

@@ -1003,30 +1003,49 @@ class MoE(nn.Module):
         )
 
 
+# where HF sparse-MoE blocks keep the router weight and the selection bias (keys relative
+# to the block), as torch_moe.integrations.transformers.to_torch_moe finds them
+_HF_ROUTER_WEIGHT = ("gate.weight", "router.weight", "router.gate.weight", "gate.wg.weight")
+_HF_EXPERT_BIAS = (
+    "gate.e_score_correction_bias",  # DeepSeek-V3 and its kin, Laguna
+    "e_score_correction_bias",  # on the block: MiniMax-M2, HY-V3
+    "expert_bias",  # on the block: AFMoE, LFM2
+    "gate.moe_statics.e_score_correction_bias",  # Ernie 4.5, [1, E]
+)
+
+
 def hf_state_dict_to_moe(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """Map the state dict of an HF transformers 5.x MoE block onto ``MoE``'s names.
 
-    Handles Mixtral / Qwen3-MoE (``gate``, ``experts``), Qwen2-MoE (``shared_expert``,
-    ``shared_expert_gate``) and DeepSeek-V3 (``gate.e_score_correction_bias``,
-    ``shared_experts``). Keys are relative to the block (strip the layer prefix first).
+    Handles the router weight as ``gate.weight`` (Mixtral, Qwen, DeepSeek), ``router.weight``
+    (Granite, Jamba), ``router.gate.weight`` (AFMoE) or ``gate.wg.weight`` (HunYuan); the
+    selection bias on the router, on the block or in Ernie's ``moe_statics``; the routed
+    experts (``experts.gate_up_proj`` / ``down_proj``); a shared expert as
+    ``shared_expert`` / ``shared_experts`` / ``shared_mlp`` and its ``shared_expert_gate``.
+    Keys are relative to the block (strip the layer prefix first). The routing rule itself
+    is the caller's (``MoE``'s arguments; ``to_torch_moe`` derives them from the block).
     """
     out: dict[str, Tensor] = {}
     shared: dict[str, Tensor] = {}
     for key, value in state_dict.items():
-        if key == "gate.weight":
-            out["router.weight"] = value
-        elif key == "gate.e_score_correction_bias":
-            out["router.expert_bias"] = value
+        if key in _HF_ROUTER_WEIGHT:
+            name = "router.weight"
+        elif key in _HF_EXPERT_BIAS:
+            name, value = "router.expert_bias", value.reshape(-1)
         elif key == "experts.gate_up_proj":
-            out["experts.w13"] = value
+            name = "experts.w13"
         elif key == "experts.down_proj":
-            out["experts.w2"] = value
+            name = "experts.w2"
         elif key == "shared_expert_gate.weight":
-            out["shared_experts.gate"] = value
-        elif key.startswith(("shared_expert.", "shared_experts.")):
+            name = "shared_experts.gate"
+        elif key.startswith(("shared_expert.", "shared_experts.", "shared_mlp.")):
             shared[key.split(".", 1)[1]] = value
+            continue
         else:
             raise KeyError(f"hf_state_dict_to_moe: unexpected key {key!r}")
+        if name in out:
+            raise KeyError(f"hf_state_dict_to_moe: two keys map to {name!r}, the second {key!r}")
+        out[name] = value
     if shared:
         out["shared_experts.w13"] = torch.cat(
             [shared["gate_proj.weight"], shared["up_proj.weight"]], 0
