@@ -152,6 +152,10 @@ class TestTopKRoute(TestCase):
         self.assertEqual(ids, ref_ids)
         self.assertEqual(w, ref_w, atol=0, rtol=1e-12)
         self.assertTrue(((w_default - w).abs() > 1e-3 * w).all())
+        # 0 is allowed: the plain sum (Lfm2 / MiniMax-M2 style without an eps)
+        w0 = fn(logits, 2, **kw, route_norm_eps=0.0)[0]
+        chosen = torch.sigmoid(logits.gather(1, ids))
+        self.assertEqual(w0, chosen / chosen.sum(-1, keepdim=True), atol=0, rtol=1e-15)
         if impl == "op":
             lg = logits.clone().requires_grad_()
             self.assertTrue(

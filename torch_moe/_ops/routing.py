@@ -56,8 +56,8 @@ def _check_inputs(
     num_expert_groups: int | None,
     num_limited_groups: int | None,
     route_scale: float,
-    group_score: str = "top2_sum",
-    route_norm_eps: float = 1e-20,
+    group_score: str,
+    route_norm_eps: float,
 ) -> None:
     """Shape/dtype/config checks shared by the real and the fake kernel."""
     if logits.dim() != 2 or not logits.is_floating_point():
