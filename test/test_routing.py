@@ -2,6 +2,7 @@
 """Tests for torch_moe::topk_route against a naive per-token float64 loop."""
 
 import math
+import re
 
 import naive
 import torch
@@ -231,7 +232,8 @@ class TestTopKRoute(TestCase):
             ),
             (
                 dict(k=5, num_expert_groups=4, num_limited_groups=2),
-                r"leaves 4 experts, fewer than k \(5\)",
+                r"num_limited_groups \(2\) x experts per group \(2\) leaves 4 experts, "
+                r"fewer than k \(5\)",
             ),
             (dict(k=2, num_limited_groups=2), r"num_limited_groups \(2\) needs num_expert_groups"),
             (dict(k=2, score_func="relu"), r"unknown score_func 'relu'"),
@@ -256,6 +258,12 @@ class TestTopKRoute(TestCase):
             topk_route(torch.randn(2, 3, 8), 2)
         with self.assertRaisesRegex(ValueError, r"got 2D torch.int64"):
             topk_route(torch.ones(2, 8, dtype=torch.int64), 2)
+        with self.assertRaisesRegex(
+            ValueError, r"logits must have at least one expert column, got E=0"
+        ):
+            topk_route(torch.randn(2, 0), 1)
+        with self.assertRaisesRegex(ValueError, r"expert_bias is on meta but logits are on cpu"):
+            topk_route(x, 2, expert_bias=torch.zeros(8, device="meta"))
 
     def test_nan_and_posinf_logits_raise(self):
         for bad in [math.nan, math.inf]:
@@ -265,7 +273,12 @@ class TestTopKRoute(TestCase):
                 topk_route(x, 2)
         x = torch.randn(4, 8)
         x[1] = -math.inf
-        with self.assertRaisesRegex(RuntimeError, "row with no finite logit"):
+        # the whole message, verbatim: it tells the user what is allowed
+        msg = (
+            "topk_route: logits contain NaN or +inf, or a row with no finite logit "
+            "(-inf is allowed to exclude an expert)"
+        )
+        with self.assertRaisesRegex(RuntimeError, "^" + re.escape(msg)):
             topk_route(x, 2)
 
 
