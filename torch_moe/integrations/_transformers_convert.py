@@ -34,6 +34,13 @@ biases, no post-expert norm). Where each family keeps these tensors (``gate.weig
 Anything else raises ``NotImplementedError`` naming the block, router, flag or the part of
 the block's function ``MoE`` does not compute, before any block is replaced.
 
+NB (precision): ``MoE`` routes in fp32 (logits, scores, bias). Several HF routers compute
+in the model dtype instead (Mixtral, Jamba, Granite, LFM2, MiniMax-M2: ``F.linear`` on bf16
+weights, LFM2's sigmoid and bias in bf16), so a bf16 model converted can choose other
+experts where the bf16 scores tie or round across each other (a tiny random LFM2 in bf16:
+1 token in 8; the fp32 models are equal, which is what the tests compare). The converted
+routing is the more precise one.
+
 The converted block records its HF block class and the MoE config in its ``_extra_state``;
 loading a state dict whose ``_extra_state`` names another block class or config is refused
 with an error that names the key (the usual missing / unexpected key errors cover the rest).
