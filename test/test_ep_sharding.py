@@ -102,8 +102,13 @@ class TestEPSharding(GlooContinuousTest):
         logits = _randn(T, E, seed=0)
         bias = _randn(E, seed=1) * 0.1
         g_TK = _randn(T, K, seed=2)
-        for score_func, with_bias in [("softmax", False), ("sigmoid", True)]:
-            args = (K, score_func, bias if with_bias else None, None, None, True, 2.0)
+        # the last case: DeepSeek-V2's groups (scored by their best expert) and LFM2's eps
+        for score_func, with_bias, tail in [
+            ("softmax", False, (None, None, True, 2.0)),
+            ("sigmoid", True, (None, None, True, 2.0)),
+            ("softmax", False, (2, 1, True, 16.0, "max", 1e-6)),
+        ]:
+            args = (K, score_func, bias if with_bias else None, *tail)
             ref_logits = logits.clone().requires_grad_()
             ref_w, ref_ids, ref_counts = ops.topk_route(ref_logits, *args)
             (ref_w * g_TK).sum().backward()
