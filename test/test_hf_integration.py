@@ -547,6 +547,39 @@ class TestConvert(_OneThread, TestCase):
         moe.update_expert_bias(1e-2)
         self.assertNotEqual(moe.router.expert_bias, bias)
 
+    def test_added_expert_bias_balances_and_guards_the_way_back(self):
+        """``expert_bias=True`` gives a router without a selection bias (Mixtral) a zero one:
+        the same logits, aux-loss-free balancing through ``update_expert_bias``, and a way
+        back that refuses to drop a nonzero bias (before touching any block)."""
+        import torch_moe.integrations.transformers as tmt
+
+        model = tiny_model("mixtral")
+        ids = _ids()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ref = tmt.to_torch_moe(copy.deepcopy(model))(ids).logits  # converted, no bias
+        tmt.to_torch_moe(model, expert_bias=True)
+        moes = [b.moe for _, b in tmt.torch_moe_blocks(model)]
+        self.assertTrue(all(m.router.expert_bias is not None for m in moes))
+        self.assertEqual(model(ids).logits, ref, atol=0, rtol=0)  # a zero bias: same choices
+        model.train()
+        model(ids).logits.sum().backward()
+        moes[1].update_expert_bias(1e-2)
+        self.assertTrue(bool(moes[1].router.expert_bias.any()))
+        with self.assertRaisesRegex(
+            ValueError,
+            r"model.layers.1.mlp.moe.router.expert_bias \(added by to_torch_moe\(expert_bias="
+            r"True\)\) is nonzero, and MixtralSparseMoeBlock has no selection bias",
+        ):
+            tmt.from_torch_moe(model)
+        self.assertEqual(len(tmt.torch_moe_blocks(model)), 2)  # nothing converted back
+        with torch.no_grad():
+            moes[1].router.expert_bias.zero_()
+        tmt.from_torch_moe(model.eval())
+        after = model.state_dict()
+        self.assertEqual(sorted(after), sorted(before))
+        for k in before:
+            self.assertTrue(torch.equal(after[k], before[k]), msg=k)
+
     def test_refused(self):
         import torch_moe.integrations.transformers as tmt
 

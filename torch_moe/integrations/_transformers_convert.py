@@ -208,7 +208,7 @@ SUPPORTED_BLOCKS: dict[str, str] = {
     **dict.fromkeys(_GATED_SHARED, "gated_shared"),
     **dict.fromkeys(_SHARED, "shared"),
 }
-_MOE_OPTIONS = ("precision", "aux_loss", "aux_loss_coeff", "z_loss_coeff")
+_MOE_OPTIONS = ("precision", "aux_loss", "aux_loss_coeff", "z_loss_coeff", "expert_bias")
 _CONFIG_DEFAULTS = {
     "group_score": "top2_sum",
     "route_norm_eps": 1e-20,
@@ -588,8 +588,12 @@ def to_torch_moe(model: nn.Module, **moe_options: Any) -> nn.Module:
     ``moe_options``: ``precision``, ``aux_loss``, ``aux_loss_coeff``, ``z_loss_coeff`` of
     :class:`torch_moe.nn.MoE` (the defaults compute what the HF blocks compute; the
     precision defaults to the recipe ``set_precision`` / a ``"torch_moe_<recipe>"``
-    implementation gave the experts, and ``from_torch_moe`` gives it back). Every block
-    is checked before any is replaced; an unsupported one raises ``NotImplementedError``
+    implementation gave the experts, and ``from_torch_moe`` gives it back), and
+    ``expert_bias=True``: give the routers that have no selection bias (Mixtral, Qwen, ...)
+    a zero one, for aux-loss-free balancing (``MoE.update_expert_bias``); it changes no
+    choice until it is updated, and ``from_torch_moe`` refuses to drop it once it is
+    nonzero (the HF block could not route as the converted one does). Every block is
+    checked before any is replaced; an unsupported one raises ``NotImplementedError``
     naming its class, router or layout flag. Returns ``model``.
     """
     bad = sorted(set(moe_options) - set(_MOE_OPTIONS))
@@ -607,8 +611,11 @@ def to_torch_moe(model: nn.Module, **moe_options: Any) -> nn.Module:
     blocks = _named_blocks(model)
     if not blocks:
         raise ValueError(f"to_torch_moe: {type(model).__name__} has no transformers experts module")
+    add_bias = bool(moe_options.pop("expert_bias", False))
     plans = [(name, block, *_plan(block)) for name, block in blocks]
     for name, block, cfg, keys in plans:
+        if add_bias and not cfg.get("expert_bias"):
+            cfg = {**cfg, "expert_bias": True}  # zero-initialized by _convert_block
         _set_submodule(model, name, _convert_block(block, cfg, keys, moe_options))
     return model
 
@@ -621,19 +628,30 @@ def torch_moe_blocks(model: nn.Module) -> list[tuple[str, TorchMoEBlock]]:
 def from_torch_moe(model: nn.Module) -> nn.Module:
     """Put the HF blocks back (in place); the inverse of :func:`to_torch_moe`, bitwise.
 
-    Expert-parallel (DTensor) weights are refused: gather them first.
+    Expert-parallel (DTensor) weights are refused: gather them first. So is a nonzero
+    selection bias that ``to_torch_moe(expert_bias=True)`` added to a block whose HF class
+    has none. Every block is checked before any is replaced.
     """
     blocks = torch_moe_blocks(model)
     if not blocks:
         raise ValueError(f"from_torch_moe: {type(model).__name__} has no TorchMoEBlock")
     for name, tb in blocks:
-        moe = tb.moe
-        for pname, p in moe.named_parameters():
+        for pname, p in tb.moe.named_parameters():
             if hasattr(p, "device_mesh"):
                 raise ValueError(
                     f"from_torch_moe: {name}.moe.{pname} is a DTensor (expert parallel); "
                     "gather the full weights before converting back"
                 )
+        added = tb.moe.router.expert_bias if tb.hf_keys.expert_bias is None else None
+        if added is not None and bool(added.any()):
+            raise ValueError(
+                f"from_torch_moe: {name}.moe.router.expert_bias (added by "
+                f"to_torch_moe(expert_bias=True)) is nonzero, and {tb.family} has no "
+                "selection bias: converting back would change its routing. Zero it first "
+                "to drop it"
+            )
+    for name, tb in blocks:
+        moe = tb.moe
         keys = tb.hf_keys
         extra = {} if keys.layer_idx is None else {"layer_idx": keys.layer_idx}
         with torch.device("meta"):
