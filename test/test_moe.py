@@ -120,48 +120,15 @@ def _hf_case(name):
             "qwen3-moe",
             dict(num_experts=8, top_k=3, route_norm=norm),
         )
-    if name == "deepseek-v2":
-        from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
-            DeepseekV2Config,
-            DeepseekV2Moe,
-        )
-
-        cfg = DeepseekV2Config(
-            moe_intermediate_size=F_HF,
-            n_routed_experts=16,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            topk_method="group_limited_greedy",
-            routed_scaling_factor=16.0,
-            n_shared_experts=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            **common,
-        )
-        overrides = dict(
-            num_experts=16,
-            top_k=3,
-            num_expert_groups=4,
-            num_limited_groups=2,
-            shared_hidden_dim=2 * F_HF,
-        )
-        return DeepseekV2Moe(cfg), "deepseek-v2", overrides
-    assert name == "deepseek-v3"
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-        DeepseekV3Config,
-        DeepseekV3MoE,
-    )
-
-    cfg = DeepseekV3Config(
+    assert name in ("deepseek-v2", "deepseek-v3")
+    # both: 16 experts in 4 groups, 2 kept, top-3, two shared experts' width
+    sizes = dict(
         moe_intermediate_size=F_HF,
         n_routed_experts=16,
         num_experts_per_tok=3,
         n_group=4,
         topk_group=2,
-        routed_scaling_factor=2.5,
         n_shared_experts=2,
-        norm_topk_prob=True,
         **common,
     )
     overrides = dict(
@@ -171,7 +138,27 @@ def _hf_case(name):
         num_limited_groups=2,
         shared_hidden_dim=2 * F_HF,
     )
-    return DeepseekV3MoE(cfg), "deepseek-v3", overrides
+    if name == "deepseek-v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+            DeepseekV2Config,
+            DeepseekV2Moe,
+        )
+
+        cfg = DeepseekV2Config(
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=16.0,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            **sizes,
+        )
+        return DeepseekV2Moe(cfg), name, overrides
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Config,
+        DeepseekV3MoE,
+    )
+
+    cfg = DeepseekV3Config(routed_scaling_factor=2.5, norm_topk_prob=True, **sizes)
+    return DeepseekV3MoE(cfg), name, overrides
 
 
 HF_CASES = ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-no-norm", "deepseek-v2", "deepseek-v3"]
