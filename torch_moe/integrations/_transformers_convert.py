@@ -9,15 +9,14 @@ Design
 function: the block's router (softmax / sigmoid, top-k renormalization, scaling, expert
 groups and a selection bias such as DeepSeek-V3's ``e_score_correction_bias`` as
 ``router.expert_bias``), its routed SwiGLU experts and its shared expert(s) and their
-sigmoid gate. The router weight and the
-routed experts' ``gate_up_proj`` [E, 2F, D] / ``down_proj`` [E, D, F] are the very same
-``Parameter`` objects in the MoE (an optimizer built before the conversion keeps them);
-the shared expert's ``gate_proj`` / ``up_proj`` [Fs, D] are concatenated into
-``shared_experts.w13`` [2Fs, D] (a copy); a correction bias stored in another dtype is
-kept in fp32 (exact for bf16/fp16). ``from_torch_moe`` rebuilds the HF blocks from the
-block class and config recorded at conversion (built on the meta device, then the
-tensors assigned), so ``from_torch_moe(to_torch_moe(m))`` has a bitwise identical state
-dict and the same forward.
+sigmoid gate. The router weight and the routed experts' ``gate_up_proj`` [E, 2F, D] /
+``down_proj`` [E, D, F] are the very same ``Parameter`` objects in the MoE (an optimizer
+built before the conversion keeps them); the shared expert's ``gate_proj`` / ``up_proj``
+[Fs, D] are concatenated into ``shared_experts.w13`` [2Fs, D] (a copy); a correction bias
+stored in another dtype is kept in fp32 (exact for bf16/fp16). ``from_torch_moe`` rebuilds
+the HF blocks from the block class and config recorded at conversion (built on the meta
+device, then the tensors assigned), so ``from_torch_moe(to_torch_moe(m))`` has a bitwise
+identical state dict and the same forward.
 
 What is supported is an explicit list, each entry checked against the original by
 ``benchmarks/hf_coverage.py`` (whole tiny models) and test_hf_integration (one block per
