@@ -237,24 +237,29 @@ class TestEPSharding(GlooContinuousTest):
         w13, w2 = _randn(E, 2 * F, D, seed=32), _randn(E, D, F, seed=33)
         g = _randn(T, D, seed=34)
 
-        def layer(x, wr, w13, w2):
+        def layer(x, wr, w13, w2, gathered):
             weights, ids, _counts = ops.topk_route(x @ wr.T, K)
             r2s, s2r, offs, _ = ops.permute_indices(ids, E)
-            y, _h = ops.grouped_swiglu(ops.permute(x, r2s, s2r), w13, w2, offs)
+            if gathered:  # grouped_swiglu's permutation form (the MoE layer's call)
+                y, _h = ops.grouped_swiglu(x, w13, w2, offs, None, None, r2s, s2r)
+            else:
+                y, _h = ops.grouped_swiglu(ops.permute(x, r2s, s2r), w13, w2, offs)
             return ops.unpermute(y, s2r, r2s, weights)
 
-        leaves = [t.clone().requires_grad_() for t in (x, wr, w13, w2)]
-        ref = layer(*leaves)
-        (ref * g).sum().backward()
-        d = [self.dt(t, p, grad=True) for t, p in zip((x, wr, w13, w2), (Shard(0), R, R, R))]
-        out, comm = self.run_op(layer, *d)
-        self.assertEqual(comm.get_comm_counts()[c10d.all_gather_into_tensor], 2)
-        self.assertEqual(comm.get_total_counts(), 2)
-        self.assert_dt(out, Shard(0), ref)
-        (out * self.dt(g, Shard(0))).sum().backward()
-        self.assert_dt(d[0].grad, Shard(0), leaves[0].grad)
-        for leaf, ref_leaf in zip(d[1:], leaves[1:]):
-            self.assertEqual(leaf.grad.full_tensor(), ref_leaf.grad)
+        for gathered in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (x, wr, w13, w2)]
+            ref = layer(*leaves, gathered)
+            (ref * g).sum().backward()
+            placements = (Shard(0), R, R, R)
+            d = [self.dt(t, p, grad=True) for t, p in zip((x, wr, w13, w2), placements)]
+            out, comm = self.run_op(layer, *d, gathered)
+            self.assertEqual(comm.get_comm_counts()[c10d.all_gather_into_tensor], 2)
+            self.assertEqual(comm.get_total_counts(), 2)
+            self.assert_dt(out, Shard(0), ref)
+            (out * self.dt(g, Shard(0))).sum().backward()
+            self.assert_dt(d[0].grad, Shard(0), leaves[0].grad)
+            for leaf, ref_leaf in zip(d[1:], leaves[1:]):
+                self.assertEqual(leaf.grad.full_tensor(), ref_leaf.grad)
 
     def check_weighted_row_dot(self):
         ids = torch.randint(0, E, (T, K), generator=_gen(9))

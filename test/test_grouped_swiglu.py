@@ -314,6 +314,116 @@ class TestGroupedSwiGLUChecks(TestCase):
         ):
             y.sum().backward()
 
+    @parametrize("dtype", [torch.float32, torch.bfloat16])
+    @parametrize("path", ["loop", "whole"])
+    @parametrize(
+        "case",
+        ["dropless", "aligned", "capacity", "top1", "no_tokens", "idle_expert"],
+    )
+    def test_permutation_form_equals_permute_first(self, dtype, path, case):
+        """grouped_swiglu(x, ..., row_to_slot=, slot_to_row=) == grouped_swiglu(permute(x))
+        bit for bit: y, h and the gradients of x (the permute's backward: each token's row
+        gradients summed in k order), w13, w2 and the routing weights, on both CPU paths,
+        with padding rows (align), dropped slots (capacity), K = 1, T = 0, an idle expert."""
+        from torch_moe import ops
+        from torch_moe._ops import _cpu_probe
+
+        g = torch.Generator().manual_seed(7)
+        T, D, F, E, K = {"top1": (11, 8, 6, 3, 1), "no_tokens": (0, 8, 6, 3, 2)}.get(
+            case, (13, 8, 6, 4, 3)
+        )
+        kw = {"aligned": dict(align=4), "capacity": dict(capacity=5)}.get(case, {})
+        ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+        if case == "idle_expert":  # expert E-1 gets no rows
+            ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
+        perm = ops.permute_indices(ids, E, **kw)
+        M = perm.row_to_slot.shape[0]
+        x = torch.randn(T, D, generator=g).to(dtype)
+        w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.5).to(dtype)
+        w2 = (torch.randn(E, D, F, generator=g) * 0.5).to(dtype)
+        rw = torch.rand(M, generator=g)
+        gy = torch.randn(M, D, generator=g).to(dtype)
+        gh = torch.randn(M, 2 * F, generator=g).to(dtype)
+        op = torch.ops.torch_moe.grouped_swiglu
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        results = []
+        for fused in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (x, w13, w2, rw)]
+            xl, w13l, w2l, rwl = leaves
+            with _cpu_probe.force(swiglu_path=path):
+                if fused:
+                    y, h = op(xl, w13l, w2l, perm.offs, rwl, None, *maps)
+                else:
+                    y, h = op(torch.ops.torch_moe.permute(xl, *maps), w13l, w2l, perm.offs, rwl)
+                torch.autograd.backward((y, h), (gy, gh))
+            results.append((y, h, *(t.grad for t in leaves)))
+        names = ("y", "h", "dx", "dw13", "dw2", "drw")
+        for name, a, b in zip(names, *results, strict=True):
+            self.assertEqual(b, a, atol=0, rtol=0, msg=name)
+        self.assertEqual(results[1][2].shape, (T, D))
+        if case == "idle_expert":
+            self.assertTrue((results[1][3][E - 1] == 0).all())
+
+    def test_permutation_form_saves_no_rows(self):
+        # x [T, D] itself (not a gathered [M, D]) and h [M, 2F] are the saved activations
+        from torch_moe import ops
+
+        x = torch.randn(5, 8, requires_grad=True)
+        w13, w2 = torch.randn(3, 12, 8), torch.randn(3, 8, 6)
+        perm = ops.permute_indices(torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]]), 3)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = grouped_swiglu(
+                x, w13, w2, perm.offs, row_to_slot=perm.row_to_slot, slot_to_row=perm.slot_to_row
+            )
+        shapes = sorted(tuple(t.shape) for t in saved if t.is_floating_point())
+        self.assertEqual(shapes, [(3, 8, 6), (3, 12, 8), (5, 8), (10, 12)])  # w2, w13, x, h
+        self.assertTrue(any(t is x for t in saved))
+        y.sum().backward()
+        self.assertEqual(x.grad.shape, (5, 8))
+
+    def test_permutation_form_opcheck(self):
+        from torch_moe import ops
+
+        x, w13, w2 = torch.randn(6, 8), torch.randn(3, 12, 8), torch.randn(3, 8, 6)
+        ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0], [1, 2]])
+        perm = ops.permute_indices(ids, 3, capacity=3)  # dropped slots: -1 in both maps
+        rw = torch.rand(perm.row_to_slot.shape[0])
+        for t in (x, w13, w2, rw):
+            t.requires_grad_()
+        torch.library.opcheck(
+            torch.ops.torch_moe.grouped_swiglu.default,
+            (x, w13, w2, perm.offs, rw, None, perm.row_to_slot, perm.slot_to_row),
+        )
+
+    def test_permutation_form_messages(self):
+        x, w13, w2 = torch.randn(4, 8), torch.randn(1, 6, 8), torch.randn(1, 8, 3)
+        offs = torch.tensor([4], dtype=torch.int32)
+        rts = torch.arange(4)
+        s2r = torch.arange(4).unsqueeze(1)
+        op = torch.ops.torch_moe.grouped_swiglu
+        cases = [
+            ((rts, rts, s2r), r"pass gather_index or row_to_slot and slot_to_row, not both$"),
+            ((None, rts, None), r"row_to_slot and slot_to_row go together; slot_to_row is None$"),
+            ((None, None, s2r), r"row_to_slot and slot_to_row go together; row_to_slot is None$"),
+            (
+                (None, rts.int(), s2r),
+                r"expected row_to_slot to be a 1D int64 tensor \[M\], got "
+                r"1D torch.int32$",
+            ),
+            (
+                (None, rts, s2r[:3]),
+                r"expected slot_to_row to be a 2D int64 tensor \[T=4, K>=1\] "
+                r"\(x's tokens\), got \[3, 1\] torch.int64$",
+            ),
+            ((None, rts, s2r[:, :0]), r"expected slot_to_row .*, got \[4, 0\] torch.int64$"),
+            ((None, rts.to("meta"), s2r), r"row_to_slot is on meta but x is on cpu$"),
+            ((None, rts, s2r.to("meta")), r"slot_to_row is on meta but x is on cpu$"),
+        ]
+        for (gi, r, s), msg in cases:
+            with self.assertRaisesRegex(ValueError, r"^grouped_swiglu: " + msg):
+                op(x, w13, w2, offs, None, gi, r, s)
+
     def test_gather_index_messages(self):
         x, w13, w2 = torch.randn(4, 8), torch.randn(1, 6, 8), torch.randn(1, 8, 3)
         offs = torch.tensor([4], dtype=torch.int32)

@@ -31,10 +31,12 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_moe._inductor as TI
+from torch_moe import ops
 from torch_moe._inductor import ep_chunk
 from torch_moe._inductor import passes as P
 from torch_moe.distributed.dispatch import chunk_bounds, chunk_offsets
 from torch_moe.nn import MoE
+from torch_moe.nn.functional import grouped_swiglu
 from torch_moe.quantization import RECIPES, GemmQuant, OperandQuant, Recipe
 from torch_moe.quantization.fused import clear_weight_cache, weight_cache_stats
 
@@ -104,6 +106,36 @@ def _compare_steps(
     return record
 
 
+def _compare_composed(test, **config):
+    """permute -> grouped_swiglu -> unpermute called one by one (user code, HF's experts
+    backend), compiled with the passes (config patched) against eager, bit for bit in the
+    output and every gradient; returns the record."""
+    gen = torch.Generator().manual_seed(3)
+    T = 20
+    perm = ops.permute_indices(torch.rand(T, E, generator=gen).argsort(1)[:, :K], E)
+    x = torch.randn(T, D, generator=gen)
+    w13 = torch.randn(E, 2 * F, D, generator=gen) * 0.2
+    w2 = torch.randn(E, D, F, generator=gen) * 0.2
+    grad_out = torch.randn(T, D, generator=gen)
+
+    def step(x, w13, w2):
+        x_perm = torch.ops.torch_moe.permute(x, perm.row_to_slot, perm.slot_to_row)
+        return ops.unpermute(grouped_swiglu(x_perm, w13, w2, perm.offs), None, perm)
+
+    torch._dynamo.reset()
+    record: dict = {}
+    results = []
+    with TI.config.patch(inline_swiglu=False, **config):
+        for fn in (torch.compile(step, backend=_backend(record), fullgraph=True), step):
+            leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+            out = fn(*leaves)
+            out.backward(grad_out)
+            results.append([out.detach(), *(t.grad for t in leaves)])
+    for got, want in zip(*results, strict=True):
+        test.assertEqual(got, want, **EXACT)
+    return record
+
+
 def _float_rows(saved, rows):
     """Saved floating-point (not e4m3) tensors with ``rows`` rows: shapes."""
     return [
@@ -114,17 +146,25 @@ def _float_rows(saved, rows):
 
 
 class TestPasses(TestCase):
-    def test_gather_fused_into_grouped_swiglu(self):
+    def test_layer_gathers_in_eager(self):
+        # the layer calls grouped_swiglu in its permutation form already: nothing for
+        # fuse_gather to do, and no permuted x [M, D] in the graph to save
         record = _compare_steps(self, "bf16", token_counts=(20,))
-        self.assertEqual(record["counts"]["fuse_gather"], 1)
-        # and the combine and the permute's backward (both unweighted) inlined as aten ops
+        self.assertEqual(record["counts"]["fuse_gather"], 0)
+        # the combine and the permute's backward (both unweighted) inlined as aten ops
         self.assertEqual(record["counts"]["inline_combine"], 2)
-        # saved with M = 32 rows: only the pre-activation h [M, 2F]; not the permuted x [M, D]
+        # saved with M = 40 rows: only the pre-activation h [M, 2F]
+        self.assertEqual(_float_rows(record["saved"], 20 * K), [(20 * K, 2 * F)])
+
+    def test_gather_fused_into_grouped_swiglu(self):
+        record = _compare_composed(self)
+        self.assertEqual(record["counts"]["fuse_gather"], 1)
+        self.assertEqual(record["counts"]["inline_combine"], 2)
+        # saved with M = 40 rows: only the pre-activation h [M, 2F]; not the permuted x [M, D]
         self.assertEqual(_float_rows(record["saved"], 20 * K), [(20 * K, 2 * F)])
 
     def test_gather_fusion_off(self):
-        with TI.config.patch(fuse_gather=False, inline_combine=False):
-            record = _compare_steps(self, "bf16", token_counts=(20,))
+        record = _compare_composed(self, fuse_gather=False, inline_combine=False)
         self.assertNotIn("fuse_gather", record["counts"])  # the passes did not run
         self.assertNotIn("inline_combine", record["counts"])
         self.assertIn((20 * K, D), _float_rows(record["saved"], 20 * K))

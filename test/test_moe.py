@@ -775,8 +775,9 @@ class TestMoECompile(TestCase):
     def test_compile_inductor(self):  # ~45 s with a cold inductor cache on 2 CPU cores
         # inductor fuses the elementwise math around the ops (fp32 reassociation)
         fwd, bwd = self._compare("inductor", dict(atol=1e-5, rtol=1e-5))
-        # the custom ops are called as they are (opaque to inductor), in this order
-        FileCheck().check("torch.ops.torch_moe.topk_route.default(").check(
+        # the custom ops are called as they are (opaque to inductor), in this order; the
+        # experts gather their rows from the tokens (no permute op, no [M, D] rows saved)
+        FileCheck().check("torch.ops.torch_moe.topk_route.default(").check_not(
             "torch.ops.torch_moe.permute.default("
         ).check("torch.ops.torch_moe.grouped_swiglu.default(").check(
             "torch.ops.torch_moe.unpermute.default("
@@ -926,9 +927,10 @@ class TestMoESavedActivations(TestCase):
         )
         x = _x((T, D), dtype=torch.bfloat16)
         nbytes, saved = _saved_bytes(moe, x)
-        # moe.py's docstring: D*b + E*4 + K*(8 + 4 + 16 + (D + 2F)*b) bytes per token,
-        # plus the experts' offs (E int32) per call
-        documented = T * (D * b + E * 4 + K * (8 + 4 + 16 + (D + 2 * Fh) * b)) + E * 4
+        # moe.py's docstring: D*b + E*4 + K*(8 + 4 + 16 + 2F*b) bytes per token, plus
+        # the experts' offs (E int32) per call: no permuted input [K, D] (gathered by
+        # the experts from the saved tokens)
+        documented = T * (D * b + E * 4 + K * (8 + 4 + 16 + 2 * Fh * b)) + E * 4
         self.assertEqual(nbytes, documented, msg=f"saved: {saved}")
         loop_bytes, _ = _saved_bytes(_PerExpertLoop(moe), x)
         self.assertLess(nbytes, loop_bytes)

@@ -117,7 +117,7 @@ class TestOpSchemas(TestCase):
     def test_schema_grouped_swiglu(self):
         self.assertExpectedInline(
             schema("grouped_swiglu"),
-            """torch_moe::grouped_swiglu(Tensor x, Tensor w13, Tensor w2, Tensor offs, Tensor? row_weights=None, Tensor? gather_index=None) -> (Tensor, Tensor)""",
+            """torch_moe::grouped_swiglu(Tensor x, Tensor w13, Tensor w2, Tensor offs, Tensor? row_weights=None, Tensor? gather_index=None, Tensor? row_to_slot=None, Tensor? slot_to_row=None) -> (Tensor, Tensor)""",
         )
 
     def test_schema_grouped_swiglu_backward(self):

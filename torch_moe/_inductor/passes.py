@@ -29,7 +29,9 @@ compositions of the originals):
 4. ``fuse_gather``: ``grouped_swiglu(permute(x), ...)`` -> ``grouped_swiglu(x, ...,
    gather_index=row_to_slot // K)`` and the same for ``grouped_swiglu_backward``: the
    permuted [M, D] input is no longer saved for the backward (x, which the router's
-   backward saves anyway, and an int64 index [M] are).
+   backward saves anyway, and an int64 index [M] are). The MoE layer already calls the
+   op this way in eager (its permutation form, ``row_to_slot`` / ``slot_to_row``); this
+   pass is for graphs that permute first (user code, HF's experts backend).
 
 5. ``inline_combine`` (CPU): ``unpermute(y, slot_to_row, row_to_slot)`` without weights
    (the layer's combine, and the permute's backward) becomes its gather-and-sum in aten
@@ -298,7 +300,9 @@ def _token_of_row(row_to_slot: Any, *, top_k: int) -> Any:
 def fuse_gather(graph: fx.Graph) -> int:
     count = 0
     for node in list(graph.nodes):
-        if not is_op(node, _ops.grouped_swiglu) or len(node.args) > 5 or node.kwargs:
+        if not is_op(node, _ops.grouped_swiglu) or node.kwargs:
+            continue
+        if any(a is not None for a in node.args[5:]):  # gathers already
             continue
         x_perm = node.args[0]
         if not (is_op(x_perm, _ops.permute) and _no_weights(x_perm)):
@@ -365,13 +369,25 @@ def _gathered(x: Any, gather_index: Any) -> Any:
 
 
 def _swiglu_forward(
-    x: Any, w13: Any, w2: Any, offs: Any, *rest: Any, weighted: bool, gathered: bool
+    x: Any,
+    w13: Any,
+    w2: Any,
+    offs: Any,
+    *rest: Any,
+    weighted: bool,
+    gathered: bool,
+    top_k: int | None = None,
 ) -> Any:
     """``grouped_swiglu``: the two grouped GEMMs as the op, the activation between them as
     its CPU kernel computes it (fp32, silu(g) = g / (1 + exp(-g)), ATen's formula, one
-    rounding), in aten ops that Inductor fuses into one loop."""
+    rounding), in aten ops that Inductor fuses into one loop. ``gathered``: the last input
+    is the gather index, or with ``top_k`` the row_to_slot map (the op's permutation form,
+    whose backward node in the joint graph already has its own gather index)."""
     rw = rest[0] if weighted else None
-    x_rows = _gathered(x, rest[-1]) if gathered else x
+    x_rows = x
+    if gathered:
+        index = rest[-1] if top_k is None else _token_of_row(rest[-1], top_k=top_k)
+        x_rows = _gathered(x, index)
     h = _ops.grouped_mm(x_rows, w13.transpose(-2, -1), offs)
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
@@ -440,11 +456,15 @@ def inline_swiglu(graph: fx.Graph) -> int:
         if is_op(node, _ops.grouped_swiglu):
             x, w13, w2, offs = node.args[:4]
             rw, gi = _arg(node, 4, "row_weights"), _arg(node, 5, "gather_index")
+            r2s, s2r = _arg(node, 6, "row_to_slot"), _arg(node, 7, "slot_to_row")
             if val(x).device.type != "cpu":
                 continue
+            top_k = None
+            if r2s is not None:
+                gi, top_k = r2s, val(s2r).shape[1]
             extra = [n for n in (rw, gi) if n is not None]
             fn = functools.partial(
-                _swiglu_forward, weighted=rw is not None, gathered=gi is not None
+                _swiglu_forward, weighted=rw is not None, gathered=gi is not None, top_k=top_k
             )
             before = set(graph.nodes)
             _replace(graph, node, fn, [x, w13, w2, offs, *extra])

@@ -7,9 +7,11 @@ Legend: M permuted rows, D model dim, F expert hidden dim, E experts.
     a_MF  = silu(h[:, :F]) * h[:, F:]  in fp32, rounded to the input dtype
     y_MD  = a_MF @ w2[g]^T             (w2 [E, D, F]: HF ``down_proj``)
 
-Memory: forward saves only the permuted input ``x`` and the pre-activation ``h``
-[M, 2F] (returned as the op's second output so autograd can keep it); ``a`` is
-recomputed in the backward. On CPU both passes run group by group, so the [*, F]
+Memory: forward saves only the input ``x`` and the pre-activation ``h`` [M, 2F]
+(returned as the op's second output so autograd can keep it); ``a`` is recomputed in
+the backward. Given the tokens [T, D] and the permutation (``row_to_slot`` /
+``slot_to_row``) instead of the permuted rows, the op gathers each group's rows itself
+in both directions, so the [M, D] permuted input is neither materialized nor saved. On CPU both passes run group by group, so the [*, F]
 and [*, 2F] temporaries (a, dA, dH) only ever hold one expert's rows, and on CPUs
 that upcast half-precision GEMMs to fp32 (see grouped_mm.py) those temporaries stay
 in fp32 between the GEMMs: fewer conversions and one rounding less than the composed
@@ -46,7 +48,7 @@ from torch_moe._ops.grouped_mm import (
     mm_into,
     wgrad_operand,
 )
-from torch_moe._ops.permute import gather_rows
+from torch_moe._ops.permute import gather_rows, unpermute
 
 __all__ = [
     "grouped_swiglu",
@@ -69,6 +71,8 @@ def _check_inputs(
     offs: Tensor,
     row_weights: Tensor | None = None,
     gather_index: Tensor | None = None,
+    row_to_slot: Tensor | None = None,
+    slot_to_row: Tensor | None = None,
 ) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
@@ -116,6 +120,8 @@ def _check_inputs(
                 f"grouped_swiglu: gather_index is on {gather_index.device} but x is on {x.device}"
             )
         rows = gather_index.shape[0]
+    if row_to_slot is not None or slot_to_row is not None:
+        rows = _check_maps(x, gather_index, row_to_slot, slot_to_row)
     if row_weights is not None and (
         row_weights.shape != (rows,)
         or not row_weights.is_floating_point()
@@ -125,6 +131,53 @@ def _check_inputs(
             f"grouped_swiglu: expected row_weights to be a floating-point tensor [M={rows}] "
             f"on {x.device}, got {list(row_weights.shape)} {row_weights.dtype} on {row_weights.device}"
         )
+
+
+def _check_maps(
+    x: Tensor, gather_index: Tensor | None, row_to_slot: Tensor | None, slot_to_row: Tensor | None
+) -> int:
+    """Validates the permutation maps (``permute_indices``'s row_to_slot [M], slot_to_row
+    [T, K]) that describe the rows gathered from the tokens x [T, D]; returns M."""
+    if gather_index is not None:
+        raise ValueError(
+            "grouped_swiglu: pass gather_index or row_to_slot and slot_to_row, not both"
+        )
+    if row_to_slot is None or slot_to_row is None:
+        missing = "row_to_slot" if row_to_slot is None else "slot_to_row"
+        raise ValueError(
+            f"grouped_swiglu: row_to_slot and slot_to_row go together; {missing} is None"
+        )
+    if row_to_slot.dim() != 1 or row_to_slot.dtype != torch.int64:
+        raise ValueError(
+            "grouped_swiglu: expected row_to_slot to be a 1D int64 tensor [M], got "
+            f"{row_to_slot.dim()}D {row_to_slot.dtype}"
+        )
+    if (
+        slot_to_row.dim() != 2
+        or slot_to_row.dtype != torch.int64
+        or slot_to_row.shape[0] != x.shape[0]
+        or slot_to_row.shape[1] == 0
+    ):
+        raise ValueError(
+            f"grouped_swiglu: expected slot_to_row to be a 2D int64 tensor [T={x.shape[0]}, K>=1] "
+            f"(x's tokens), got {list(slot_to_row.shape)} {slot_to_row.dtype}"
+        )
+    for name, t in (("row_to_slot", row_to_slot), ("slot_to_row", slot_to_row)):
+        if t.device != x.device:
+            raise ValueError(f"grouped_swiglu: {name} is on {t.device} but x is on {x.device}")
+    return row_to_slot.shape[0]
+
+
+def _token_index(
+    gather_index: Tensor | None, row_to_slot: Tensor | None, slot_to_row: Tensor | None
+) -> Tensor | None:
+    """The token each expert-sorted row reads (-1: a zero row), from either form: the
+    gather index itself, or row_to_slot // K (an assignment t*K + k belongs to token t;
+    floor division keeps -1 at -1)."""
+    if row_to_slot is None or slot_to_row is None:
+        return gather_index
+    top_k = slot_to_row.shape[1]
+    return row_to_slot if top_k == 1 else torch.div(row_to_slot, top_k, rounding_mode="floor")
 
 
 def _act(h: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None = None) -> Tensor:
@@ -204,16 +257,23 @@ def grouped_swiglu(
     offs: Tensor,
     row_weights: Tensor | None = None,
     gather_index: Tensor | None = None,
+    row_to_slot: Tensor | None = None,
+    slot_to_row: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Returns (y [M, D], h [M, 2F]); h is the pre-activation saved for the backward.
 
     With ``gather_index`` [M] int64, x is [T, D] (tokens) and row r of the expert-sorted
     input is ``x[gather_index[r]]`` (zero for -1): the permute's gather fused into the
     GEMM's loads (on CPU one group's rows at a time), so the [M, D] permuted input is
-    never materialized. Autograd through x is not supported then (the compiler pass that
-    produces this form differentiates the unfused graph).
+    never materialized, in the forward nor for the backward (which gathers again).
+    Autograd through x needs the permutation itself instead: with ``row_to_slot`` [M] and
+    ``slot_to_row`` [T, K] (``permute_indices``) the rows are ``permute(x, row_to_slot,
+    slot_to_row)`` and x's gradient is that permute's backward (each token's K row
+    gradients summed in fp32 in k order, ``unpermute``); bit for bit the unfused
+    ``grouped_swiglu(permute(x, ...))`` in both directions.
     """
-    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
+    gather_index = _token_index(gather_index, row_to_slot, slot_to_row)
     check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index))
     if gather_index is not None:
         x = gather_rows(x, gather_index)
@@ -405,8 +465,11 @@ def _(
     offs: Tensor,
     row_weights: Tensor | None = None,
     gather_index: Tensor | None = None,
+    row_to_slot: Tensor | None = None,
+    slot_to_row: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
+    gather_index = _token_index(gather_index, row_to_slot, slot_to_row)
     ends = check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index)) or []
     forward = _forward_whole if _whole_path_for(x.dtype, ends) else _forward_loop
     with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
@@ -421,9 +484,11 @@ def _(
     offs: Tensor,
     row_weights: Tensor | None = None,
     gather_index: Tensor | None = None,
+    row_to_slot: Tensor | None = None,
+    slot_to_row: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    _check_inputs(x, w13, w2, offs, row_weights, gather_index)
-    rows = _num_rows(x, gather_index)
+    _check_inputs(x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
+    rows = _num_rows(x, gather_index if row_to_slot is None else row_to_slot)
     return x.new_empty((rows, x.shape[1])), x.new_empty((rows, w13.shape[1]))
 
 
@@ -614,29 +679,32 @@ def _grad_rw_or_empty(grad_rw: Tensor | None, row_weights: Tensor | None, like: 
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, w13, w2, offs, row_weights, gather_index = inputs
+    x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row = inputs
     _y, h = output
-    ctx.save_for_backward(x, h, w13, w2, offs, row_weights, gather_index)
+    ctx.save_for_backward(x, h, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
     # NB: an unused output's gradient arrives as None, not as materialized zeros: those
     # would be plain tensors even when the outputs are DTensors (mixed-type backward).
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]
-    x, h, w13, w2, offs, row_weights, gather_index = ctx.saved_tensors
+    x, h, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row = ctx.saved_tensors
     if gather_index is not None and ctx.needs_input_grad[0]:
         raise NotImplementedError(
-            "grouped_swiglu: autograd through x with gather_index is not supported; use "
-            "torch_moe.ops.permute + grouped_swiglu (torch_moe._inductor fuses the gather "
-            "when compiling)"
+            "grouped_swiglu: autograd through x with gather_index is not supported (a token's "
+            "row gradients are summed in the permutation's k order); pass row_to_slot and "
+            "slot_to_row instead"
         )
     if grad_y is None:
         grad_y = h.new_zeros((h.shape[0], x.shape[1]))
+    tokens = _token_index(gather_index, row_to_slot, slot_to_row)
     dx, dw13, dw2, grad_rw = grouped_swiglu_backward(
-        _nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs, row_weights, gather_index
+        _nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs, row_weights, tokens
     )
-    dx = None if gather_index is not None else dx
-    return dx, dw13, dw2, None, grad_rw if row_weights is not None else None, None
+    if tokens is not None:  # dx holds the rows' gradients: the permute's backward
+        dx = unpermute(dx, slot_to_row, row_to_slot) if ctx.needs_input_grad[0] else None
+    grad_rw = grad_rw if row_weights is not None else None
+    return dx, dw13, dw2, None, grad_rw, None, None, None
 
 
 grouped_swiglu.register_autograd(_backward, setup_context=_setup)

@@ -232,14 +232,24 @@ def _grouped_mm_wgrad_sharding(x: object, dy: object, offs: object) -> list[_Str
 
 @register_sharding(_ops.grouped_swiglu.default)
 def _grouped_swiglu_sharding(
-    x: object, w13: object, w2: object, offs: object, row_weights: object = None
+    x: object,
+    w13: object,
+    w2: object,
+    offs: object,
+    row_weights: object = None,
+    gather_index: object = None,
+    row_to_slot: object = None,
+    slot_to_row: object = None,
 ) -> list[_Strategy]:
-    """(y [M, D], h [M, 2F]) <- x [M, D], w13 [E, 2F, D], w2 [E, D, F], offs, row_weights.
+    """(y [M, D], h [M, 2F]) <- x [M, D] (or the tokens [T, D] with gather_index or the
+    permutation maps), w13 [E, 2F, D], w2 [E, D, F], offs, row_weights.
 
     * all R -> R: no communication; anything else is made Replicate first (see the
-      module note for why there is no feature-parallel strategy).
+      module note for why there is no feature-parallel strategy; the gathering forms
+      index global tokens, so token-sharded x is all-gathered, as permute's input is).
     """
-    return [([R, R], [R, R, R, R, _opt(row_weights, R)])]
+    maps = [_opt(t, R) for t in (gather_index, row_to_slot, slot_to_row)]
+    return [([R, R], [R, R, R, R, _opt(row_weights, R), *maps])]
 
 
 @register_sharding(_ops.grouped_swiglu_backward.default)
@@ -252,17 +262,19 @@ def _grouped_swiglu_backward_sharding(
     w2: object,
     offs: object,
     row_weights: object = None,
+    gather_index: object = None,
 ) -> list[_Strategy]:
-    """(dx, dw13, dw2, d row_weights) <- grad_y, grad_h, x, h, w13, w2, offs, row_weights.
+    """(dx, dw13, dw2, d row_weights) <- grad_y, grad_h, x, h, w13, w2, offs, row_weights,
+    gather_index (dx: the rows' gradients, [M, D], either way).
 
     * all R -> R: no communication.
     * grad_y P and grad_h P (or absent), the rest R -> all four P: the backward is linear
       in the incoming gradients; no communication.
     """
-    rw = _opt(row_weights, R)
+    rw, gi = _opt(row_weights, R), _opt(gather_index, R)
     return [
-        ([R, R, R, R], [R, _opt(grad_h, R), R, R, R, R, R, rw]),
-        ([P, P, P, P], [P, _opt(grad_h, P), R, R, R, R, R, rw]),
+        ([R, R, R, R], [R, _opt(grad_h, R), R, R, R, R, R, rw, gi]),
+        ([P, P, P, P], [P, _opt(grad_h, P), R, R, R, R, R, rw, gi]),
     ]
 
 

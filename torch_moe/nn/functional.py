@@ -15,14 +15,22 @@ __all__ = ["grouped_swiglu", "router_z_loss", "sequence_aux_loss", "switch_aux_l
 
 
 def grouped_swiglu(
-    x: Tensor, w13: Tensor, w2: Tensor, offs: Tensor, row_weights: Tensor | None = None
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None = None,
+    *,
+    row_to_slot: Tensor | None = None,
+    slot_to_row: Tensor | None = None,
 ) -> Tensor:
     r"""SwiGLU expert MLP over expert-sorted rows.
 
     ``y[rows of e] = (silu(x W_gate^T) * (x W_up^T)) W_down^T`` with the weights of expert e.
 
     Args:
-        x: [M, D] permuted tokens (rows of expert e are ``offs[e-1]:offs[e]``).
+        x: [M, D] permuted tokens (rows of expert e are ``offs[e-1]:offs[e]``), or with
+            ``row_to_slot`` and ``slot_to_row`` the tokens [T, D] themselves.
         w13: [E, 2F, D] gate rows first, then up rows (HF ``gate_up_proj``).
         w2: [E, D, F] down projection (HF ``down_proj``).
         offs: [E] int32 group ends; rows at or past ``offs[-1]`` give zero.
@@ -30,12 +38,18 @@ def grouped_swiglu(
             permuted row). Folding the combine weights in here means neither this op
             nor :func:`torch_moe.ops.unpermute` has to save the [M, D] expert output:
             their gradient is ``<dY @ W2, a>``, from tensors the backward has anyway.
+        row_to_slot, slot_to_row: the permutation of :func:`torch_moe.ops.permute_indices`
+            ([M] and [T, K]): the op runs on ``permute(x, row_to_slot, slot_to_row)``
+            without materializing it (each group's rows are gathered from x in the
+            forward and again in the backward), and x's gradient is that permute's
+            backward. The same values, bit for bit, as permuting first; the [M, D]
+            permuted input is neither allocated nor saved.
 
     Gate and up are one GEMM. The backward keeps only ``x`` and the [M, 2F]
     pre-activation and recomputes the activation. Differentiable in x, w13, w2 and
     row_weights.
     """
-    y, _h = _swiglu.grouped_swiglu(x, w13, w2, offs, row_weights)
+    y, _h = _swiglu.grouped_swiglu(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
     return y
 
 

@@ -10,11 +10,13 @@ most m; the kernels' own measured chunk, see ``_act_chunk_rows``).
 
 Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
 
-* dropless, no alignment: ``T * (D*b + E*4) + T*K*(8 + 4 + 16 + (D + 2F)*b) + E*4``;
-* with a capacity or an alignment (static M rows): ``T * (D*b + E*4 + K*16) + M * (D*b +
-  2F*b + 8 + 8 + 1 + 4) + 8 + E*4`` (the row map, its clamped copy, the padding mask and
+* dropless, no alignment: ``T * (D*b + E*4) + T*K*(8 + 4 + 16 + 2F*b) + E*4``;
+* with a capacity or an alignment (static M rows): ``T * (D*b + E*4 + K*16) + M * (2F*b
+  + 8 + 8 + 1 + 4) + 8 + E*4`` (the row map, its clamped copy, the padding mask and
   the per-row weight over M rows);
-* a recipe also saves the activation ``a`` [M, F] (``M*F*b``);
+* the permuted input [M, D] (``M*D*b``) where the experts do not gather their rows
+  from the tokens themselves: a recipe (which also saves the activation ``a`` [M, F],
+  ``M*F*b``) and EP (the received rows);
 * a shared expert saves ``T * 4*Fs*b`` (its gate/up output, silu(gate) and the product).
   The layer runs it before the routed experts, so autograd runs its backward after
   theirs (of two ready nodes the one created later runs first): its saved tensors are
@@ -129,10 +131,17 @@ def _align(w: MoEWorkload, hw: Hardware) -> int:
     return 16 if hw.kind == "gpu" and w.precision != "bf16" else 1
 
 
+def _gathered(w: MoEWorkload) -> bool:
+    """Whether the experts gather their rows from the tokens (``grouped_swiglu``'s
+    permutation form: bf16 without expert parallelism), so no permuted input is saved."""
+    return w.ep == 1 and w.precision == "bf16"
+
+
 def _expert_row_bytes(w: MoEWorkload) -> int:
-    """Bytes the experts save per row they run: the input row and h [2F] (a recipe also
-    ``a`` [F])."""
-    return (w.dim + 2 * w.hidden_dim + (w.hidden_dim if w.precision != "bf16" else 0)) * (
+    """Bytes the experts save per row they run: the input row (unless gathered from the
+    tokens) and h [2F] (a recipe also ``a`` [F])."""
+    row = 0 if _gathered(w) else w.dim
+    return (row + 2 * w.hidden_dim + (w.hidden_dim if w.precision != "bf16" else 0)) * (
         w.element_size
     )
 
@@ -446,12 +455,16 @@ def memory(
         per_group = _rows_per_busy_group(groups)
         copy2 = Mc * D * b if _wgrad_copies(w, per_group, D, F) else 0.0
         copy13 = Mc * 2 * F * b if _wgrad_copies(w, per_group, 2 * F, D) else 0.0
-        gemms = base + 3 * Mc * F * b + with_own + max(copy2, Mc * D * b + copy13)
+        # the gathered input rows [M, D] for dW13 (the permutation form gathers again)
+        gather = Mc * D * b if _gathered(w) else 0.0
+        gemms = base + 3 * Mc * F * b + with_own + max(copy2, Mc * D * b + copy13 + gather)
         dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
         r = min(m, _act_chunk_rows(w, threads))
         phase = base + Mc * D * b + with_own  # dX and the expert weight gradients
         phase += m * F * c * 2 + m * 2 * F * c + _act_fp32_bytes(r, F)
+        if _gathered(w):  # the group's input rows, gathered again for its dW13
+            phase += m * D * b
         # the largest group's dY [m, D] or dH [m, 2F] copied row-major for a weight
         # gradient, where this CPU's kernels do; the activation's temporaries are gone
         rows = round(m)

@@ -22,14 +22,18 @@ torch_moe                      shape         HF transformers 5.x
 
 What the forward saves for the backward (per token, expert dtype b bytes, the router in
 fp32): the layer input [D] (b bytes each, for the router and shared-expert weight
-gradients), the router logits [E] (fp32) and ids [K], and, per routed copy, the
-permuted input [D] and the gate/up pre-activation [2F], one fp32 routing weight and
-the two int64 dispatch maps (row_to_slot, slot_to_row):
-``D*b + E*4 + K*(8 + 4 + 16 + (D + 2F)*b)`` bytes, plus E*4 bytes of group offsets per
-call (and one more int64 index per routed copy with a capacity). The combine weights are folded into the
-expert op (``row_weights``), so neither the expert outputs [K, D] nor the activation
-[K, F] are kept; a torchtitan-style layer keeps the gathered input and both GEMM
-outputs, and HF's per-expert loop more (see benchmarks/bench_moe_layer.py).
+gradients, and which the experts gather their rows from again), the router logits
+[E] (fp32) and ids [K], and, per routed copy, the gate/up pre-activation [2F], one
+fp32 routing weight and the two int64 dispatch maps (row_to_slot, slot_to_row):
+``D*b + E*4 + K*(8 + 4 + 16 + 2F*b)`` bytes, plus E*4 bytes of group offsets per call
+(and one more int64 index per routed copy with a capacity). The permute's gather is
+fused into the expert op (``grouped_swiglu``'s permutation form: the permuted input [K,
+D] is neither materialized nor saved) and the combine weights are folded into it
+(``row_weights``), so neither the expert outputs [K, D] nor the activation [K, F] are
+kept; a torchtitan-style layer keeps the gathered input and both GEMM outputs, and HF's
+per-expert loop more (see benchmarks/bench_moe_layer.py). Under expert parallelism the
+permuted rows are what the exchange sends, and the experts save the received rows
+[D] per routed copy as well.
 
 Load balancing (all optional, all in fp32):
 
@@ -378,11 +382,16 @@ class GroupedExperts(nn.Module):
         row_weights: Tensor | None = None,
         expert_range: tuple[int, int] | None = None,
         weights: tuple[Tensor, Tensor] | None = None,
+        permutation: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x`` [M, D] rows sorted by expert with group ends ``offs``; ``expert_range``
         (l0, l1): the rows are for experts l0..l1-1 of the weights this rank holds (the
         local shard when the weights are expert-parallel DTensors); or ``weights``: one
-        chunk's (w13, w2) from :meth:`split_weights`."""
+        chunk's (w13, w2) from :meth:`split_weights`. With ``permutation`` =
+        (row_to_slot, slot_to_row) x is the tokens [T, D] and the rows are
+        ``permute(x, *permutation)``: ``grouped_swiglu`` gathers them itself (the [M, D]
+        permuted input is neither materialized nor saved; a recipe, or x in another
+        dtype than the experts run in, permutes first)."""
         if weights is not None:
             if expert_range is not None:
                 raise ValueError(
@@ -396,13 +405,22 @@ class GroupedExperts(nn.Module):
                 l0, l1 = expert_range
                 w13, w2 = w13[l0:l1], w2[l0:l1]
         dt = _expert_dtype(x, w13)
+        if permutation is not None and (self.recipe is not None or x.dtype != dt):
+            # permuted first: a recipe quantizes the rows; under autocast the token
+            # gradient sums the K rows' gradients in x's precision (the cast's backward
+            # comes before the permute's), not rounded to dt
+            x = torch.ops.torch_moe.permute(x, *permutation)
+            permutation = None
         x, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)
         # the operands are in dt now and the op (or the recipe) decides every GEMM's
         # numerics: autocast must not recast inside (eager would otherwise differ from
         # compiled code, whose kernels run outside autocast)
         with torch.autocast(x.device.type, enabled=False):
             if self.recipe is None:
-                return grouped_swiglu(x, w13, w2, offs, row_weights)
+                rts, s2r = (None, None) if permutation is None else permutation
+                return grouped_swiglu(
+                    x, w13, w2, offs, row_weights, row_to_slot=rts, slot_to_row=s2r
+                )
             h_M2F = scaled_grouped_mm(x, w13.transpose(-2, -1), offs, self.recipe)
             a_MF = swiglu(h_M2F, row_weights)
             return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
@@ -733,9 +751,8 @@ class MoE(nn.Module):
             capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
         align = _group_align(self.experts.recipe, x_TD.device)
         perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
-        x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
         row_w = _row_weights(weights_TK, perm.row_to_slot, capacity is None and align == 1)
-        y_perm, shared = self._experts(x_TD, x_perm, perm.offs, row_w)
+        y_perm, shared = self._experts(x_TD, perm, row_w)
         out = ops.unpermute(y_perm, None, perm)
         if shared is not None:
             out = out + shared
@@ -812,8 +829,7 @@ class MoE(nn.Module):
                 out = out + shared
             return out.view(*shape[:-1], self.dim)
         else:
-            x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
-            y_perm, _ = self._experts(x_TD, x_perm, perm.offs, row_w, with_shared=False)
+            y_perm, _ = self._experts(x_TD, perm, row_w, with_shared=False)
         out = ops.unpermute(y_perm, None, perm)
         if shared is not None:
             out = out + shared
@@ -851,9 +867,13 @@ class MoE(nn.Module):
         return torch.cat(outs)
 
     def _experts(
-        self, x_TD: Tensor, x_perm: Tensor, offs: Tensor, row_w: Tensor, with_shared: bool = True
+        self, x_TD: Tensor, perm: ops.MoEPermutation, row_w: Tensor, with_shared: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         """The routed experts' rows [M, D] and the shared experts' output [T, D] (or None).
+
+        Without expert parallelism the experts gather their rows from the tokens
+        (``GroupedExperts.forward(permutation=...)``: no [M, D] permuted input saved);
+        with it the permuted rows are what the exchange sends.
 
         Expert-parallel schedule (``self.dispatcher``): the counts exchange, then per chunk
         of local experts dispatch -> experts -> combine; the shared experts run after the
@@ -869,8 +889,10 @@ class MoE(nn.Module):
             shared = None
             if self.shared_experts is not None and with_shared:
                 shared = self.shared_experts(x_TD.to(shared_dtype))
-            return self.experts(x_perm, offs, row_w), shared
-        counts = dispatcher.plan(offs)  # type: ignore[operator]
+            maps = (perm.row_to_slot, perm.slot_to_row)
+            return self.experts(x_TD, perm.offs, row_w, permutation=maps), shared
+        x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
+        counts = dispatcher.plan(perm.offs)  # type: ignore[operator]
         y_perm: Tensor | None = None  # type: ignore[no-redef]
         shared = None
         chunks: list[tuple[int, int]] = list(dispatcher.chunks)  # type: ignore[arg-type]
