@@ -17,11 +17,12 @@ constants) and picks one of two paths:
 * fused: a gated experts module with transformers' default gate
   (``act_fn(gate) * up`` on concatenated ``[gate; up]`` rows) and a SiLU ``act_fn``, no
   biases and no post-expert norm (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE and most of
-  the 64 families). ``torch_moe.ops.permute`` -> ``grouped_swiglu(x, w13, w2, offs,
-  row_weights)`` -> ``torch_moe.ops.unpermute`` (fp32 combine). The routing weight of each
-  row is folded into the op, whose backward keeps only the permuted input [M, D] and the
-  pre-activation [M, 2F]: neither the [M, D] expert output nor the [M, F] activation is
-  saved.
+  the 64 families). ``torch_moe.ops.permute_indices`` -> ``grouped_swiglu(x, w13, w2,
+  offs, row_weights, row_to_slot=, slot_to_row=)`` (the permute's gather inside the op)
+  -> ``torch_moe.ops.unpermute`` (fp32 combine). The routing weight of each row is folded
+  into the op, whose backward keeps only the tokens [T, D] and the pre-activation [M,
+  2F]: neither a permuted input, nor the [M, D] expert output, nor the [M, F]
+  activation is saved.
 * composed: everything else. ``torch_moe.ops.grouped_mm`` for the up projection (either
   weight orientation), the per-row up bias, then the module's OWN ``_apply_gate`` (gated:
   interleaved or concatenated halves, GPT-OSS's clamped ``(up + 1) * glu``, clamped or
@@ -305,7 +306,8 @@ def experts_forward(
     ids_TK = top_k_index.clamp(max=num_experts) if sentinel else top_k_index
     groups = num_experts + 1 if sentinel else num_experts
     align = _SCALED_GROUP_ALIGN if recipe is not None and hidden_states.is_cuda else 1
-    x_perm, perm = ops.permute(hidden_states.to(dt), ids_TK, groups, align=align)
+    x_TD = hidden_states.to(dt)
+    perm = ops.permute_indices(ids_TK, groups, align=align)
     offs = perm.offs[:num_experts] if sentinel else perm.offs
     weights_TK = top_k_weights
     if sentinel:
@@ -320,12 +322,20 @@ def experts_forward(
         rw_M = torch.where(perm.row_to_slot >= 0, rw_M, 0)
 
     if layout.fused and recipe is None:
+        # the op gathers each group's rows from the tokens itself (no [M, D] permuted input)
         y_MD = grouped_swiglu(
-            x_perm, up_EDN.transpose(-2, -1), down_EFD.transpose(-2, -1), offs, rw_M
+            x_TD,
+            up_EDN.transpose(-2, -1),
+            down_EFD.transpose(-2, -1),
+            offs,
+            rw_M,
+            row_to_slot=perm.row_to_slot,
+            slot_to_row=perm.slot_to_row,
         )
         out = ops.unpermute(y_MD, None, perm)
         return out.to(hidden_states.dtype)
 
+    x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
     h_MN = _gemm(x_perm, up_EDN, offs, recipe)
     row_expert_M = None
     if layout.has_bias:
