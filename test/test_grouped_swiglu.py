@@ -364,6 +364,54 @@ class TestGroupedSwiGLUChecks(TestCase):
         if case == "idle_expert":
             self.assertTrue((results[1][3][E - 1] == 0).all())
 
+    @parametrize("path", ["loop", "whole"])
+    @parametrize("case", ["dropless", "aligned", "capacity"])
+    def test_permutation_form_converts_the_rows(self, path, case):
+        """fp32 tokens, bf16 weights (the layer under bf16 autocast): bit for bit
+        grouped_swiglu(permute(x).to(bf16)), x's gradient in fp32 (the cast's backward,
+        then the permute's: the K rows' gradients summed in fp32, not rounded to bf16)."""
+        from torch_moe import ops
+        from torch_moe._ops import _cpu_probe
+
+        g = torch.Generator().manual_seed(11)
+        T, D, F, E, K = 9, 16, 8, 4, 3
+        kw = {"aligned": dict(align=4), "capacity": dict(capacity=4)}.get(case, {})
+        perm = ops.permute_indices(torch.rand(T, E, generator=g).argsort(1)[:, :K], E, **kw)
+        M = perm.row_to_slot.shape[0]
+        bf16 = torch.bfloat16
+        x = torch.randn(T, D, generator=g)
+        w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.5).to(bf16)
+        w2 = (torch.randn(E, D, F, generator=g) * 0.5).to(bf16)
+        rw = torch.rand(M, generator=g)
+        gy = torch.randn(M, D, generator=g).to(bf16)
+        op = torch.ops.torch_moe.grouped_swiglu
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        results = []
+        for fused in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (x, w13, w2, rw)]
+            xl, w13l, w2l, rwl = leaves
+            with _cpu_probe.force(swiglu_path=path):
+                if fused:
+                    y, h = op(xl, w13l, w2l, perm.offs, rwl, None, *maps)
+                else:
+                    rows = torch.ops.torch_moe.permute(xl, *maps).to(bf16)
+                    y, h = op(rows, w13l, w2l, perm.offs, rwl)
+                y.backward(gy)
+            results.append((y, h, *(t.grad for t in leaves)))
+        for name, a, b in zip(("y", "h", "dx", "dw13", "dw2", "drw"), *results, strict=True):
+            self.assertEqual(b, a, atol=0, rtol=0, msg=name)
+            self.assertEqual(b.dtype, a.dtype, msg=name)
+        self.assertEqual((results[1][0].dtype, results[1][2].dtype), (bf16, torch.float32))
+        # the weights still share one dtype, and x's may differ only where the op gathers
+        with self.assertRaisesRegex(
+            ValueError, r"got torch.float32, torch.bfloat16, torch.float32$"
+        ):
+            op(x, w13, w2.float(), perm.offs, None, None, *maps)
+        with self.assertRaisesRegex(
+            ValueError, r"got torch.float32, torch.bfloat16, torch.bfloat16$"
+        ):
+            op(x[:1].expand(M, D), w13, w2, perm.offs)
+
     def test_permutation_form_saves_no_rows(self):
         # x [T, D] itself (not a gathered [M, D]) and h [M, 2F] are the saved activations
         from torch_moe import ops

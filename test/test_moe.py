@@ -935,6 +935,22 @@ class TestMoESavedActivations(TestCase):
         loop_bytes, _ = _saved_bytes(_PerExpertLoop(moe), x)
         self.assertLess(nbytes, loop_bytes)
 
+    def test_autocast_saves_the_tokens_not_rows(self):
+        # fp32 parameters under bf16 autocast: the experts gather their rows from the fp32
+        # tokens (the router's saved input) and convert them; no [T*K, D] rows and no
+        # bf16 copy of the tokens are saved
+        T, D, Fh, E, K = 32, 16, 12, 4, 2
+        f32 = torch.float32
+        moe = _randomize(MoE(dim=D, hidden_dim=Fh, num_experts=E, top_k=K, dtype=f32))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, saved = _saved_bytes(moe, _x((T, D), dtype=f32))
+        shapes = [(dtype, shape) for _, dtype, shape in saved]
+        self.assertIn((torch.float32, (T, D)), shapes)
+        self.assertIn((torch.bfloat16, (T * K, 2 * Fh)), shapes)  # h
+        for dtype in (torch.float32, torch.bfloat16):
+            self.assertNotIn((dtype, (T * K, D)), shapes)
+        self.assertNotIn((torch.bfloat16, (T, D)), shapes)
+
 
 class TestGroupedExpertsChunks(TestCase):
     """``GroupedExperts.split_weights``: the chunked expert-parallel layer runs each chunk of

@@ -387,7 +387,7 @@ def _swiglu_forward(
     x_rows = x
     if gathered:
         index = rest[-1] if top_k is None else _token_of_row(rest[-1], top_k=top_k)
-        x_rows = _gathered(x, index)
+        x_rows = _gathered(x, index).to(w13.dtype)  # the op converts gathered rows
     h = _ops.grouped_mm(x_rows, w13.transpose(-2, -1), offs)
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
@@ -409,7 +409,7 @@ def _swiglu_backward(
     grad_h = args.pop(0) if has_grad_h else None
     x, h, w13, w2, offs = args[:5]
     rw = args[5] if weighted else None
-    x_rows = _gathered(x, args[-1]) if gathered else x
+    x_rows = _gathered(x, args[-1]).to(w13.dtype) if gathered else x
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
     grad_a = _ops.grouped_mm(grad_y, w2, offs)

@@ -92,10 +92,16 @@ def _check_inputs(
             f"grouped_swiglu: w2 must be [E, D, F] = {expected} to match w13 {list(w13.shape)}, "
             f"got {list(w2.shape)}"
         )
-    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    gathers = gather_index is not None or row_to_slot is not None or slot_to_row is not None
+    if (
+        x.dtype not in _DTYPES
+        or w13.dtype not in _DTYPES
+        or w2.dtype != w13.dtype
+        or (w13.dtype != x.dtype and not gathers)
+    ):
         raise ValueError(
-            f"grouped_swiglu: expected x, w13, w2 to share a dtype in {_DTYPES}, got "
-            f"{x.dtype}, {w13.dtype}, {w2.dtype}"
+            f"grouped_swiglu: expected x, w13, w2 to share a dtype in {_DTYPES} (x may differ "
+            f"where the op gathers its rows), got {x.dtype}, {w13.dtype}, {w2.dtype}"
         )
     if w13.device != x.device or w2.device != x.device:
         raise ValueError(
@@ -242,11 +248,19 @@ def _num_rows(x: Tensor, gather_index: Tensor | None) -> int:
     return x.shape[0] if gather_index is None else gather_index.shape[0]
 
 
-def _rows(x: Tensor, gather_index: Tensor | None, start: int, end: int) -> Tensor:
-    """Rows [start, end) of the expert-sorted input: x's own, or gathered from the tokens."""
+def _rows(
+    x: Tensor, gather_index: Tensor | None, start: int, end: int, dtype: torch.dtype
+) -> Tensor:
+    """Rows [start, end) of the expert-sorted input: x's own, or gathered from the tokens
+    and converted to the weights' ``dtype`` (as ``permute(x).to(dtype)``)."""
     if gather_index is None:
         return x[start:end]
-    return gather_rows(x, gather_index[start:end])
+    return gather_rows(x, gather_index[start:end]).to(dtype)
+
+
+def _all_rows(x: Tensor, gather_index: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The whole expert-sorted input [M, D] in ``dtype`` (``_rows`` over every row)."""
+    return x if gather_index is None else gather_rows(x, gather_index).to(dtype)
 
 
 @torch.library.custom_op("torch_moe::grouped_swiglu", mutates_args=())
@@ -270,13 +284,16 @@ def grouped_swiglu(
     ``slot_to_row`` [T, K] (``permute_indices``) the rows are ``permute(x, row_to_slot,
     slot_to_row)`` and x's gradient is that permute's backward (each token's K row
     gradients summed in fp32 in k order, ``unpermute``); bit for bit the unfused
-    ``grouped_swiglu(permute(x, ...))`` in both directions.
+    ``grouped_swiglu(permute(x, ...))`` in both directions. Where the op gathers, x may
+    be in another dtype than the weights (fp32 tokens under bf16 autocast): the rows are
+    converted to the weights' dtype as gathered, and x's gradient is summed in x's dtype,
+    bit for bit ``grouped_swiglu(permute(x, ...).to(w13.dtype))``, so that x itself (the
+    caller's tensor, which the router saves anyway) is what the backward keeps.
     """
     _check_inputs(x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
     gather_index = _token_index(gather_index, row_to_slot, slot_to_row)
     check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index))
-    if gather_index is not None:
-        x = gather_rows(x, gather_index)
+    x = _all_rows(x, gather_index, w13.dtype)
     h = grouped_mm(x, w13.transpose(-2, -1), offs)
     return grouped_mm(_act(h, h.dtype, row_weights), w2.transpose(-2, -1), offs), h
 
@@ -407,17 +424,18 @@ def _forward_loop(
 ) -> tuple[Tensor, Tensor]:
     """Group by group: one expert's activation buffer, reused by every group."""
     rows = _num_rows(x, gather_index)
-    cdt = cpu_compute_dtype(x.dtype)
+    dt = w13.dtype
+    cdt = cpu_compute_dtype(dt)
     hidden = w2.shape[2]
-    h = x.new_empty((rows, 2 * hidden))
-    y = x.new_empty((rows, x.shape[1]))
-    step = _act_chunk_rows(x.dtype, hidden)
+    h = w13.new_empty((rows, 2 * hidden))
+    y = w13.new_empty((rows, x.shape[1]))
+    step = _act_chunk_rows(dt, hidden)
     a_buf = torch.empty((max(_group_sizes(ends), default=0), hidden), dtype=cdt)
     start = 0
     for g, end in enumerate(ends):
         if end > start:
             h_g = h[start:end]
-            mm_into(_rows(x, gather_index, start, end), w13[g].t(), h_g)
+            mm_into(_rows(x, gather_index, start, end, dt), w13[g].t(), h_g)
             a = a_buf[: end - start]
             for r0 in range(0, end - start, step):
                 r = slice(r0, r0 + step)
@@ -447,10 +465,10 @@ def _forward_whole(
     expert); the activation in row chunks over all rows (the same math as the loop's,
     into one [M, F] buffer)."""
     rows = _num_rows(x, gather_index)
-    x_rows = x if gather_index is None else gather_rows(x, gather_index)
+    x_rows = _all_rows(x, gather_index, w13.dtype)
     h = _grouped_mm_cpu(x_rows, w13.transpose(-2, -1), ends, offs)
-    a = x.new_empty((rows, w2.shape[2]))
-    step = _act_chunk_rows(x.dtype, w2.shape[2])
+    a = w13.new_empty((rows, w2.shape[2]))
+    step = _act_chunk_rows(w13.dtype, w2.shape[2])
     for r0 in range(0, rows, step):
         r = slice(r0, r0 + step)
         _act_into(h[r], None if row_weights is None else row_weights[r], a[r])
@@ -471,7 +489,7 @@ def _(
     _check_inputs(x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
     gather_index = _token_index(gather_index, row_to_slot, slot_to_row)
     ends = check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index)) or []
-    forward = _forward_whole if _whole_path_for(x.dtype, ends) else _forward_loop
+    forward = _forward_whole if _whole_path_for(w13.dtype, ends) else _forward_loop
     with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
         return forward(x, w13, w2, offs, ends, row_weights, gather_index)
 
@@ -489,7 +507,7 @@ def _(
 ) -> tuple[Tensor, Tensor]:
     _check_inputs(x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
     rows = _num_rows(x, gather_index if row_to_slot is None else row_to_slot)
-    return x.new_empty((rows, x.shape[1])), x.new_empty((rows, w13.shape[1]))
+    return w13.new_empty((rows, x.shape[1])), w13.new_empty((rows, w13.shape[1]))
 
 
 @torch.library.custom_op("torch_moe::grouped_swiglu_backward", mutates_args=())
@@ -508,10 +526,10 @@ def grouped_swiglu_backward(
 
     d row_weights is an empty tensor when ``row_weights`` is None. With ``gather_index``
     (x holds the tokens, see ``grouped_swiglu``) dX is the [M, D] gradient of the gathered
-    rows, which the caller sums per token (``unpermute``).
+    rows (in the weights' dtype, as the rows were), which the caller sums per token
+    (``unpermute``).
     """
-    if gather_index is not None:
-        x = gather_rows(x, gather_index)
+    x = _all_rows(x, gather_index, w13.dtype)
     grad_a = grouped_mm(grad_y, w2, offs)
     a = h.new_empty((h.shape[0], h.shape[1] // 2))
     dh = torch.empty_like(h)
@@ -537,7 +555,7 @@ def _(
     gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
-    backward = _backward_whole if _whole_path_for(x.dtype, ends) else _backward_loop
+    backward = _backward_whole if _whole_path_for(w13.dtype, ends) else _backward_loop
     with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
         return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
 
@@ -558,13 +576,14 @@ def _backward_whole(
     ``grouped_mm_wgrad``'s CPU kernels, the activation's backward in row chunks over all
     rows."""
     rows, hidden = h.shape[0], w2.shape[2]
-    acc = acc_dtype(x.dtype)
+    dt = w13.dtype
+    acc = acc_dtype(dt)
     grad_y = _nonzero_strides(grad_y)
     grad_a = _grouped_mm_cpu(grad_y, w2, ends, offs)
-    a = x.new_empty((rows, hidden))
-    dh = x.new_empty((rows, 2 * hidden))
+    a = w13.new_empty((rows, hidden))
+    dh = w13.new_empty((rows, 2 * hidden))
     grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
-    step = _act_chunk_rows(x.dtype, hidden)
+    step = _act_chunk_rows(dt, hidden)
     for r0 in range(0, rows, step):
         r = slice(r0, r0 + step)
         rw = None if row_weights is None else row_weights[r]
@@ -577,7 +596,7 @@ def _backward_whole(
     end = ends[-1] if ends else 0
     if grad_rw is not None:
         grad_rw[end:] = 0  # rows past the last group belong to no expert
-    x_rows = x if gather_index is None else gather_rows(x, gather_index)
+    x_rows = _all_rows(x, gather_index, dt)
     dw2 = _grouped_mm_wgrad_cpu(grad_y, a, ends, offs)
     dx = _grouped_mm_cpu(dh, w13, ends, offs)
     dw13 = _grouped_mm_wgrad_cpu(dh, x_rows, ends, offs)
@@ -597,15 +616,16 @@ def _backward_loop(
     gather_index: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Group by group: one expert's [rows, F] / [rows, 2F] buffers, reused."""
-    cdt = cpu_compute_dtype(x.dtype)
-    native = cdt == x.dtype  # GEMMs in the storage dtype: no conversion, whole-w13 GEMMs
-    dx = x.new_empty((h.shape[0], x.shape[1]))
+    dt = w13.dtype
+    cdt = cpu_compute_dtype(dt)
+    native = cdt == dt  # GEMMs in the storage dtype: no conversion, whole-w13 GEMMs
+    dx = w13.new_empty((h.shape[0], x.shape[1]))
     dw13 = w13.new_empty(w13.shape)
     dw2 = w2.new_empty(w2.shape)
-    acc = acc_dtype(x.dtype)  # as _act_backward
+    acc = acc_dtype(dt)  # as _act_backward
     grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
     hidden = w2.shape[2]
-    step = _act_chunk_rows(x.dtype, hidden)
+    step = _act_chunk_rows(dt, hidden)
     # one expert's [rows, F] / [rows, 2F] operands, reused by every group
     most = max(_group_sizes(ends), default=0)
     a_buf = torch.empty((most, hidden), dtype=cdt)
@@ -637,7 +657,7 @@ def _backward_loop(
         if grad_h is not None:
             dh += grad_h[start:end]
         mm_into(wgrad_operand(gy, hidden, [rows]), a, dw2[g])
-        x_g = _rows(x, gather_index, start, end).to(cdt)  # converted once for both GEMMs
+        x_g = _rows(x, gather_index, start, end, dt).to(cdt)  # once for both GEMMs
         if native:
             mm_into(dh, w13[g], dx[start:end])
             mm_into(wgrad_operand(dh, x_g.shape[1], [rows]), x_g, dw13[g])
@@ -668,7 +688,7 @@ def _(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_inputs(x, w13, w2, offs, row_weights, gather_index)
     grad_rw = x.new_empty((0,)) if row_weights is None else torch.empty_like(row_weights)
-    dx = x.new_empty((h.shape[0], x.shape[1]))
+    dx = w13.new_empty((h.shape[0], x.shape[1]))
     return dx, w13.new_empty(w13.shape), w2.new_empty(w2.shape), grad_rw
 
 
@@ -701,8 +721,12 @@ def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]
     dx, dw13, dw2, grad_rw = grouped_swiglu_backward(
         _nonzero_strides(grad_y), grad_h, x, h, w13, w2, offs, row_weights, tokens
     )
-    if tokens is not None:  # dx holds the rows' gradients: the permute's backward
-        dx = unpermute(dx, slot_to_row, row_to_slot) if ctx.needs_input_grad[0] else None
+    if tokens is not None:  # dx holds the rows' gradients: the cast's and the permute's
+        # backward, in this order (the rows were gathered, then converted)
+        if ctx.needs_input_grad[0]:
+            dx = unpermute(dx.to(x.dtype), slot_to_row, row_to_slot)
+        else:
+            dx = None
     grad_rw = grad_rw if row_weights is not None else None
     return dx, dw13, dw2, None, grad_rw, None, None, None
 

@@ -390,8 +390,8 @@ class GroupedExperts(nn.Module):
         chunk's (w13, w2) from :meth:`split_weights`. With ``permutation`` =
         (row_to_slot, slot_to_row) x is the tokens [T, D] and the rows are
         ``permute(x, *permutation)``: ``grouped_swiglu`` gathers them itself (the [M, D]
-        permuted input is neither materialized nor saved; a recipe, or x in another
-        dtype than the experts run in, permutes first)."""
+        permuted input is neither materialized nor saved, x is converted row by row to
+        the dtype the experts run in; a recipe permutes first)."""
         if weights is not None:
             if expert_range is not None:
                 raise ValueError(
@@ -405,13 +405,13 @@ class GroupedExperts(nn.Module):
                 l0, l1 = expert_range
                 w13, w2 = w13[l0:l1], w2[l0:l1]
         dt = _expert_dtype(x, w13)
-        if permutation is not None and (self.recipe is not None or x.dtype != dt):
-            # permuted first: a recipe quantizes the rows; under autocast the token
-            # gradient sums the K rows' gradients in x's precision (the cast's backward
-            # comes before the permute's), not rounded to dt
+        if permutation is not None and self.recipe is not None:  # a recipe permutes first
             x = torch.ops.torch_moe.permute(x, *permutation)
             permutation = None
-        x, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)
+        # gathering, the op converts x's rows itself (under autocast x stays the caller's
+        # fp32 tokens: no [T, D] copy in dt saved, the token gradient summed in fp32)
+        x = x if permutation is not None else x.to(dt)
+        w13, w2 = w13.to(dt), w2.to(dt)
         # the operands are in dt now and the op (or the recipe) decides every GEMM's
         # numerics: autocast must not recast inside (eager would otherwise differ from
         # compiled code, whose kernels run outside autocast)
