@@ -596,10 +596,14 @@ def _backward_whole(
     end = ends[-1] if ends else 0
     if grad_rw is not None:
         grad_rw[end:] = 0  # rows past the last group belong to no expert
-    x_rows = _all_rows(x, gather_index, dt)
+    # one [M, *] buffer at a time next to dH: A freed after dW2, the input rows (gathered
+    # again where the op gathers) after dW13, before dX is allocated
     dw2 = _grouped_mm_wgrad_cpu(grad_y, a, ends, offs)
-    dx = _grouped_mm_cpu(dh, w13, ends, offs)
+    del a
+    x_rows = _all_rows(x, gather_index, dt)
     dw13 = _grouped_mm_wgrad_cpu(dh, x_rows, ends, offs)
+    del x_rows
+    dx = _grouped_mm_cpu(dh, w13, ends, offs)
     return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
 
 

@@ -49,9 +49,11 @@ experts' backward holds the most:
 * bf16 on a CPU where ``grouped_swiglu`` takes its whole-tensor path (many small groups;
   a measured decision): ``4*M*F*b`` (dA, A, dH) plus one chunk's fp32 temporaries
   (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product, as on the loop), or
-  later ``3*M*F*b`` with dX [M, D] and the weight gradients, whichever is larger, plus
-  the row-major copy of a weight gradient's first operand (dY for dW2, dH for dW13) where
-  the kernels measured it faster (``grouped_mm.wgrad_copies``);
+  later dW2's phase (A and dH, ``3*M*F*b``), dW13's (A freed: dH and, where the experts
+  gather from the tokens, the input rows [M, D] gathered again) or dX's (dH and dX [M,
+  D]), each with the weight gradients, whichever is largest, plus the row-major copy of
+  that weight gradient's first operand (dY for dW2, dH for dW13) where the kernels
+  measured it faster (``grouped_mm.wgrad_copies``);
 * bf16 on a CPU (``grouped_swiglu_backward``, group by group): the saved tensors, the
   output [T, D], the permuted gradient and dX [M, D] each, the expert weight gradients,
   the largest group's ``grad_a``, ``a`` [m, F] and ``dH`` [m, 2F] in c, and one chunk's
@@ -455,9 +457,13 @@ def memory(
         per_group = _rows_per_busy_group(groups)
         copy2 = Mc * D * b if _wgrad_copies(w, per_group, D, F) else 0.0
         copy13 = Mc * 2 * F * b if _wgrad_copies(w, per_group, 2 * F, D) else 0.0
-        # the gathered input rows [M, D] for dW13 (the permutation form gathers again)
+        # dW2 with A and dH live; then (A freed) dW13 with the input rows [M, D] gathered
+        # again where the experts gather from the tokens; then (those freed) dX
         gather = Mc * D * b if _gathered(w) else 0.0
-        gemms = base + 3 * Mc * F * b + with_own + max(copy2, Mc * D * b + copy13 + gather)
+        dw2 = 3 * Mc * F * b + copy2
+        dw13 = 2 * Mc * F * b + gather + copy13
+        dx = 2 * Mc * F * b + Mc * D * b
+        gemms = base + with_own + max(dw2, dw13, dx)
         dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
         r = min(m, _act_chunk_rows(w, threads))
