@@ -409,7 +409,6 @@ def _swiglu_backward(
     grad_h = args.pop(0) if has_grad_h else None
     x, h, w13, w2, offs = args[:5]
     rw = args[5] if weighted else None
-    x_rows = _gathered(x, args[-1]).to(w13.dtype) if gathered else x
     acc = acc_dtype(h.dtype)
     hidden = w2.shape[2]
     grad_a = _ops.grouped_mm(grad_y, w2, offs)
@@ -432,8 +431,10 @@ def _swiglu_backward(
     if grad_h is not None:
         dh = dh + grad_h
     dw2 = _ops.grouped_mm_wgrad(grad_y, a_out, offs)
-    dx = _ops.grouped_mm(dh, w13, offs)
+    # the input rows gathered here, and dW13 before dX, as the op: one [M, D] at a time
+    x_rows = _gathered(x, args[-1]).to(w13.dtype) if gathered else x
     dw13 = _ops.grouped_mm_wgrad(dh, x_rows, offs)
+    dx = _ops.grouped_mm(dh, w13, offs)
     if rw is None:
         return dx, dw13, dw2, torch.empty((0,), dtype=torch.float32, device=x.device)
     return dx, dw13, dw2, grad_rw.to(rw.dtype)
