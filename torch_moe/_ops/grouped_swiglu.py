@@ -467,6 +467,7 @@ def _forward_whole(
     rows = _num_rows(x, gather_index)
     x_rows = _all_rows(x, gather_index, w13.dtype)
     h = _grouped_mm_cpu(x_rows, w13.transpose(-2, -1), ends, offs)
+    del x_rows  # gathered: freed before A and Y are allocated
     a = w13.new_empty((rows, w2.shape[2]))
     step = _act_chunk_rows(w13.dtype, w2.shape[2])
     for r0 in range(0, rows, step):
