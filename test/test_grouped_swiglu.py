@@ -310,9 +310,18 @@ class TestGroupedSwiGLUChecks(TestCase):
         x = tokens.clone().requires_grad_()
         y, _ = op(x, w13, w2, offs, None, index)
         with self.assertRaisesRegex(
-            NotImplementedError, r"^grouped_swiglu: autograd through x with gather_index"
+            NotImplementedError,
+            r"^grouped_swiglu: autograd through x with gather_index is not supported \(a "
+            r"token's row gradients are summed in the permutation's k order\); pass "
+            r"row_to_slot and slot_to_row instead$",
         ):
             y.sum().backward()
+        # without x's gradient the gather_index form takes tokens in another dtype too
+        # (the inference path): the rows converted as gathered
+        w13_16, w2_16 = w13.detach().bfloat16(), w2.detach().bfloat16()
+        got = op(tokens, w13_16, w2_16, offs, None, index)
+        want = op(tokens[index].bfloat16(), w13_16, w2_16, offs)
+        self.assertEqual(got, want, atol=0, rtol=0)
 
     @parametrize("dtype", [torch.float32, torch.bfloat16])
     @parametrize("path", ["loop", "whole"])
@@ -411,6 +420,61 @@ class TestGroupedSwiGLUChecks(TestCase):
             ValueError, r"got torch.float32, torch.bfloat16, torch.bfloat16$"
         ):
             op(x[:1].expand(M, D), w13, w2, perm.offs)
+        with self.assertRaisesRegex(
+            ValueError, r"got torch.int32, torch.bfloat16, torch.bfloat16$"
+        ):
+            op(x.int(), w13, w2, perm.offs, None, None, *maps)
+
+    def test_autograd_through_both_outputs(self):
+        """The op's autograd against plain PyTorch ops (float64): a loss on y and h, and
+        one on h alone (y unused: its gradient arrives as None), in both forms."""
+        from torch_moe import ops
+
+        g = torch.Generator().manual_seed(3)
+        T, D, F, E, K = 7, 6, 4, 3, 2
+        perm = ops.permute_indices(torch.rand(T, E, generator=g).argsort(1)[:, :K], E)
+        M = perm.row_to_slot.shape[0]
+        f64 = torch.float64
+        x, rw = torch.randn(T, D, generator=g, dtype=f64), torch.rand(M, generator=g)
+        w13 = torch.randn(E, 2 * F, D, generator=g, dtype=f64)
+        w2 = torch.randn(E, D, F, generator=g, dtype=f64)
+        gy = torch.randn(M, D, generator=g, dtype=f64)
+        gh = torch.randn(M, 2 * F, generator=g, dtype=f64)
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        op = torch.ops.torch_moe.grouped_swiglu
+
+        def reference(x, w13, w2, rw):
+            rows = x[perm.row_to_slot // K]
+            hs, ys, start = [], [], 0
+            for e, end in enumerate(perm.offs.tolist()):
+                h_e = rows[start:end] @ w13[e].t()
+                gate, up = h_e.chunk(2, dim=-1)
+                a_e = torch.nn.functional.silu(gate) * up * rw[start:end, None].to(f64)
+                hs.append(h_e)
+                ys.append(a_e @ w2[e].t())
+                start = end
+            return torch.cat(ys), torch.cat(hs)
+
+        for fused in (False, True):
+            for on_y in (True, False):
+                grads = []
+                for fn in ("op", "reference"):
+                    leaves = [t.clone().requires_grad_() for t in (x, w13, w2, rw)]
+                    if fn == "reference":
+                        y, h = reference(*leaves)
+                    elif fused:
+                        y, h = op(leaves[0], *leaves[1:3], perm.offs, leaves[3], None, *maps)
+                    else:
+                        rows = torch.ops.torch_moe.permute(leaves[0], *maps)
+                        y, h = op(rows, *leaves[1:3], perm.offs, leaves[3])
+                    loss = (h * gh).sum() + ((y * gy).sum() if on_y else 0)
+                    grads.append(torch.autograd.grad(loss, leaves, allow_unused=True))
+                for name, got, want in zip(("x", "w13", "w2", "rw"), *grads, strict=True):
+                    msg = f"{name}, fused={fused}, loss on y={on_y}"
+                    if want is None:  # no loss on y: nothing reaches w2 and rw
+                        self.assertTrue(got is None or not got.any(), msg=msg)
+                    else:
+                        self.assertEqual(got, want, atol=1e-10, rtol=1e-10, msg=msg)
 
     def test_permutation_form_saves_no_rows(self):
         # x [T, D] itself (not a gathered [M, D]) and h [M, 2F] are the saved activations
@@ -465,6 +529,8 @@ class TestGroupedSwiGLUChecks(TestCase):
                 r"\(x's tokens\), got \[3, 1\] torch.int64$",
             ),
             ((None, rts, s2r[:, :0]), r"expected slot_to_row .*, got \[4, 0\] torch.int64$"),
+            ((None, rts, s2r.int()), r"expected slot_to_row .*, got \[4, 1\] torch.int32$"),
+            ((None, rts, s2r[:, 0]), r"expected slot_to_row .*, got \[4\] torch.int64$"),
             ((None, rts.to("meta"), s2r), r"row_to_slot is on meta but x is on cpu$"),
             ((None, rts, s2r.to("meta")), r"slot_to_row is on meta but x is on cpu$"),
         ]

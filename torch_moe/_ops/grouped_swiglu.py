@@ -11,11 +11,12 @@ Memory: forward saves only the input ``x`` and the pre-activation ``h`` [M, 2F]
 (returned as the op's second output so autograd can keep it); ``a`` is recomputed in
 the backward. Given the tokens [T, D] and the permutation (``row_to_slot`` /
 ``slot_to_row``) instead of the permuted rows, the op gathers each group's rows itself
-in both directions, so the [M, D] permuted input is neither materialized nor saved. On CPU both passes run group by group, so the [*, F]
-and [*, 2F] temporaries (a, dA, dH) only ever hold one expert's rows, and on CPUs
-that upcast half-precision GEMMs to fp32 (see grouped_mm.py) those temporaries stay
-in fp32 between the GEMMs: fewer conversions and one rounding less than the composed
-path, which rounds ``a`` to the input dtype as a GPU does. On other
+in both directions, so the [M, D] permuted input is neither materialized nor saved. On
+CPU both passes run group by group, so the [*, F] and [*, 2F] temporaries (a, dA, dH)
+only ever hold one expert's rows, and on CPUs that upcast half-precision GEMMs to fp32
+(see grouped_mm.py) those temporaries stay in fp32 between the GEMMs: fewer conversions
+and one rounding less than the composed path, which rounds ``a`` to the input dtype as
+a GPU does. On other
 devices the backward is composed from ``grouped_mm`` / ``grouped_mm_wgrad`` over all
 rows at once (fewer, larger launches).
 
