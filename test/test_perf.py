@@ -467,6 +467,28 @@ class TestMemory(TestCase):
         self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
 
     @parametrize("path", ["loop", "whole"])
+    @parametrize("shared", [0, 512])
+    def test_inference_peak_memory(self, path, shared):
+        # MoE's inference forward (bf16, CPU): the model's phases (router, shared expert,
+        # experts gathering their rows, combine, final sum) against the allocator's peak
+        # above the weights and the input, on each SwiGLU path, with the router's own
+        # group sizes; the whole path frees its gathered rows after the first GEMM (12%
+        # over without that), the loop keeps h and Y with one group's buffers
+        T, D, Fh, E, K = 512, 256, 256, 16, 2
+        torch.manual_seed(0)
+        moe = MoE(D, Fh, E, K, shared_hidden_dim=shared, dtype=torch.bfloat16).eval()
+        x = torch.randn(T, D, dtype=torch.bfloat16)
+        with torch.no_grad():
+            groups = [float(v) for v in moe.router(x)[2].tolist()]
+        with _cpu_probe.force(swiglu_path=path), torch.inference_mode():
+            moe(x)
+            measured = _peak_allocated(lambda: moe(x))
+            w = MoEWorkload(T, D, Fh, E, K, shared_hidden_dim=shared, backward=False)
+            m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
+        predicted = m["peak"] - m["weights"] - T * D * 2
+        self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
+
+    @parametrize("path", ["loop", "whole"])
     def test_peak_memory_of_each_swiglu_path(self, path):
         # grouped_swiglu's two CPU paths (both forced, with the activation chunk the
         # kernels measured on this machine class) against the allocator's peak: within 3%

@@ -71,6 +71,17 @@ experts' backward holds the most:
   chunk into one group's fp32 product (``_gemm_phase``). Weights are quantized whole every
   call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
+Inference (``backward=False``; bf16 experts on a CPU without EP, ``_inference_bytes``):
+the largest of the router's phase (its fp32 copy of x, the logits), a shared expert's
+(``3*T*Fs*b`` and its output), the experts' (whole path: the gathered rows with h, freed
+before A and Y, ``M*(3F + D)*b`` at the second GEMM; loop: h and Y with one group's
+gathered rows or fp32 chunk, and its activation buffer), the combine's (Y, the output and
+one token chunk's gathered and fp32 rows) and the final sum's, plus what the layer's
+forward holds throughout (the logits, the routing's ids, weights and row maps, the shared
+output): within 3.5% of the allocator's peak on each path (test_perf). Other devices,
+recipes and EP keep the older estimate (the permuted rows, h and y materialized), not
+validated against measurements.
+
 The expected largest group is ``lam_max + sqrt(lam_max) * z_E`` rows (``z_E`` the expected
 maximum of E standard normals: the multinomial noise of the routing).
 
@@ -351,6 +362,50 @@ def _wgrad_copies(w: MoEWorkload, rows: int, k: int, n: int) -> bool:
     return _gm.wgrad_copies(w.dtype, rows, k, n)
 
 
+def _inference_bytes(
+    w: MoEWorkload, groups: list[float], M: float, m: float, c: int, threads: int
+) -> float:
+    """The largest live set of ``MoE``'s inference forward on a CPU (bf16 experts, no
+    EP), above the weights and the input: the router's phase (its fp32 copy of x and the
+    logits), the experts' (``grouped_swiglu`` gathering its rows from the tokens: on the
+    whole path the gathered rows [M, D] with h [M, 2F], freed before A [M, F] and Y [M,
+    D]; on the loop path h and Y with one group's gathered rows, activation buffer and
+    fp32 chunk), then the combine's (Y and the output [T, D]); the routing's indices
+    and weights live throughout, and a shared expert's output from its own phase (run
+    before the routed experts) to the final sum."""
+    T, D, F, E, K = w.tokens, w.dim, w.hidden_dim, w.num_experts, w.top_k
+    b = w.element_size
+    r = min(m if not _swiglu_whole(w, groups) else M, _act_chunk_rows(w, threads))
+    fp32 = r * 2 * F * 4  # the activation's fp32 copy of one chunk of h
+    # the logits, the routing's ids and weights, its row maps, the token index and the
+    # rows' weights: held by the layer's forward until it returns
+    maps = T * E * 4 + M * (8 + 8 + 4) + T * K * (8 + 8 + 4) + E * 4
+    router = T * D * 4 + T * E * 4
+    if _swiglu_whole(w, groups):
+        experts = max(
+            M * (D + 2 * F) * b,  # the first GEMM: the gathered rows and h
+            M * 3 * F * b + fp32,  # the activation: h, A and one chunk
+            M * (3 * F + D) * b,  # the second GEMM: h, A and Y
+        )
+    else:
+        # h and Y, the group-sized activation buffer, and one group's gathered rows (in c
+        # too where the GEMMs upcast) or one chunk's fp32 activation, not both at once
+        gathered = m * D * b + (m * D * c if c != b else 0.0)
+        experts = M * (2 * F + D) * b + m * F * c + max(gathered, fp32)
+    # Y, the output, and the combine's chunk: a token chunk's fp32 sum, and its gathered
+    # rows of one k as gathered and converted to fp32
+    from torch_moe._ops.permute import _chunk_rows
+
+    combine = M * D * b + T * D * b + min(T, _chunk_rows(D)) * D * (4 + b + 4)
+    shared = total = 0.0
+    Fs = w.shared_hidden_dim
+    if Fs:  # run before the experts; its output [T, D] lives to the final sum
+        shared = T * 3 * Fs * b + T * D * b  # its gate/up output, silu and product, output
+        maps += T * D * b
+        total = M * D * b + 2 * T * D * b  # Y, the routed output and the sum
+    return max(router, shared, experts, combine, total) + maps
+
+
 def memory(
     w: MoEWorkload,
     hw: Hardware,
@@ -391,6 +446,18 @@ def memory(
     m = min(m, Mc)
     y = T * D * b
     resident = weights + T * D * b * (2 if w.backward else 1)  # x (+ its output gradient)
+    if not w.backward and w.precision == "bf16" and cpu and w.ep == 1:
+        dyn = _inference_bytes(w, groups, M, m, c, threads)
+        peak = resident + dyn
+        return dict(
+            weights=weights,
+            grads=0.0,
+            optimizer=0.0,
+            activations=0.0,
+            comm_buffers=0.0,
+            peak=peak,
+            peak_step=peak,
+        )
     if not w.backward:
         # forward only: the permuted rows, h and y of the experts, and the combine
         act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
