@@ -645,6 +645,7 @@ _BLOCK_SIZES = dict(
     n_routed_experts=8,
     num_experts_per_tok=2,
     moe_topk=2,
+    moe_num_experts=8,
     n_group=2,
     topk_group=1,
     n_shared_experts=1,
@@ -687,7 +688,9 @@ BLOCKS = {
     "lfm2_moe_no_norm": ("lfm2_moe", "Lfm2MoeSparseMoeBlock", dict(norm_topk_prob=False)),
     "mistral4": ("mistral4", "Mistral4MoE", {}),  # softmax with expert groups
     "exaone_moe": ("exaone_moe", "ExaoneMoeSparseMoEBlock", {}),  # DeepSeek-V3's router
+    "aria": ("aria_text", "AriaTextMoELayer", {}),  # experts stored transposed, shared MLP
 }
+_BLOCK_MODULES = {"aria_text": "aria"}  # families whose modeling module has another name
 
 
 def tiny_block(key, seed=0, **overrides):
@@ -701,8 +704,9 @@ def tiny_block(key, seed=0, **overrides):
     _quiet_hf()
     family, block_name, extra = BLOCKS[key]
     cfg = AutoConfig.for_model(family, **{**_BLOCK_SIZES, **extra, **overrides})
+    module = _BLOCK_MODULES.get(family, family)
     cls = getattr(
-        importlib.import_module(f"transformers.models.{family}.modeling_{family}"), block_name
+        importlib.import_module(f"transformers.models.{module}.modeling_{module}"), block_name
     )
     init = inspect.signature(cls.__init__).parameters
     block = cls(cfg, layer_idx=0) if "layer_idx" in init else cls(cfg)
@@ -748,7 +752,16 @@ class TestConvertBlocks(_OneThread, TestCase):
         hf_params = dict(block.named_parameters())
         tmt.to_torch_moe(holder)
         moe = holder.mlp.moe
-        self.assertIs(moe.experts.w13, block.experts.gate_up_proj)
+        transposed = holder.mlp.hf_keys.transposed
+        moved = {}  # HF experts stored transposed: their MoE views, by HF name
+        if transposed:
+            for name, mine in (("gate_up_proj", moe.experts.w13), ("down_proj", moe.experts.w2)):
+                theirs = getattr(block.experts, name)
+                self.assertEqual(mine.data_ptr(), theirs.data_ptr(), msg=name)  # same storage
+                self.assertTrue(torch.equal(mine, theirs.transpose(1, 2)), msg=name)
+                moved[f"experts.{name}"] = mine
+        else:
+            self.assertIs(moe.experts.w13, block.experts.gate_up_proj)
         out, got_g, dx = _block_run(holder.mlp, x)
         _rel_close(self, out, ref, 64, F32_EPS)
         _rel_close(self, dx, ref_dx, 64, F32_EPS)
@@ -760,7 +773,10 @@ class TestConvertBlocks(_OneThread, TestCase):
                 and name.endswith(("gate_proj.weight", "up_proj.weight"))
             ):
                 continue  # concatenated into shared_experts.w13: below
-            if id(p) in ref_g:
+            if name in moved:
+                got = moved[name].grad.transpose(1, 2)
+                _rel_close(self, got, ref_g[id(p)], 64, F32_EPS, msg=name)
+            elif id(p) in ref_g:
                 self.assertIn(id(p), got_g, msg=f"{name} is not shared with the MoE")
                 _rel_close(self, got_g[id(p)], ref_g[id(p)], 64, F32_EPS, msg=name)
         if shared:
@@ -778,7 +794,8 @@ class TestConvertBlocks(_OneThread, TestCase):
                 moe.router.expert_bias.copy_(kept)
         # the block's state dict loads into a fresh MoE of the same config
         fresh = MoE(**moe.config)
-        fresh.load_state_dict(hf_state_dict_to_moe(block.state_dict()), strict=True)
+        mapped = hf_state_dict_to_moe(block.state_dict(), experts_transposed=transposed)
+        fresh.load_state_dict(mapped, strict=True)
         for n, t in moe.state_dict().items():
             self.assertEqual(fresh.state_dict()[n], t, atol=0, rtol=0, msg=n)
         tmt.from_torch_moe(holder)

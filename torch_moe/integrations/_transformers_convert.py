@@ -11,7 +11,9 @@ groups and a selection bias such as DeepSeek-V3's ``e_score_correction_bias`` as
 ``router.expert_bias``), its routed SwiGLU experts and its shared expert(s) and their
 sigmoid gate. The router weight and the routed experts' ``gate_up_proj`` [E, 2F, D] /
 ``down_proj`` [E, D, F] are the very same ``Parameter`` objects in the MoE (an optimizer
-built before the conversion keeps them); the shared expert's ``gate_proj`` / ``up_proj``
+built before the conversion keeps them; experts stored transposed, ``is_transposed`` as
+Aria's [E, D, 2F] / [E, F, D], become new ``Parameter`` objects viewing the same storage
+in ``MoE``'s layout: build the optimizer after converting those); the shared expert's ``gate_proj`` / ``up_proj``
 [Fs, D] are concatenated into ``shared_experts.w13`` [2Fs, D] (a copy); a correction bias
 stored in another dtype is kept in fp32 (exact for bf16/fp16). ``from_torch_moe`` rebuilds
 the HF blocks from the block class and config recorded at conversion (built on the meta
@@ -27,7 +29,7 @@ reproduces (``_routing``: softmax over all experts, over the top-k logits, or si
 renormalized or not; scaled by the router or by the block; expert groups; a selection
 bias on the router, on the block or in Ernie's ``moe_statics``), and an experts module in
 the fused layout (transformers' default SiLU gate on concatenated [gate; up] rows, no
-biases, no post-expert norm). Where each family keeps these tensors (``gate.weight``,
+biases, no post-expert norm; stored either way round). Where each family keeps these tensors (``gate.weight``,
 ``router.gate.weight``, ``gate.wg.weight``; ``shared_experts``, ``shared_expert``,
 ``shared_mlp``) is recorded per converted block (``_HFKeys``) for ``from_torch_moe``.
 Anything else raises ``NotImplementedError`` naming the block, router, flag or the part of
@@ -108,6 +110,7 @@ _SOFTMAX_TOPK = frozenset(
         "GraniteMoeSWATopKRouter",
         "GraniteMoeHybridTopKRouter",
         "GraniteMoeSharedTopKRouter",
+        "AriaTextTopKRouter",
     }
 )
 # sigmoid + e_score_correction_bias, DeepSeek-V3's groups, norm flag, routed_scaling_factor
@@ -160,6 +163,7 @@ _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen4ExpTextSparseMoeBlock",
 )
 _SHARED = (  # + shared_experts(x) (another attribute name: _SHARED_ATTR)
+    "AriaTextMoELayer",  # experts stored transposed
     "DeepseekV3MoE",
     "DeepseekV32MoE",
     "DeepseekV2Moe",
@@ -225,6 +229,7 @@ class _HFKeys:
     shared: str | None = None  # the shared SwiGLU MLP's attribute
     shared_gate: str | None = None  # its sigmoid gate's weight
     layer_idx: int | None = None  # for block classes built as cls(config, layer_idx=...)
+    transposed: bool = False  # experts stored [E, D, 2F] / [E, F, D] (``is_transposed``)
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -381,7 +386,6 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         for flag, bad in (
             ("has_gate", False),
             ("is_concatenated", False),
-            ("is_transposed", True),
             ("has_bias", True),
             ("has_post_expert_norm", True),
         ):
@@ -389,8 +393,8 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
                 raise NotImplementedError(
                     f"to_torch_moe: {name}.experts ({type(experts).__name__}) has {flag}={bad}; "
                     "torch_moe.nn.MoE holds bias-free SwiGLU experts as w13 [E, 2F, D] "
-                    "(gate rows, then up rows) and w2 [E, D, F]. Use the 'torch_moe' experts "
-                    "implementation for this model instead"
+                    "(gate rows, then up rows; or its transpose) and w2 [E, D, F]. Use the "
+                    "'torch_moe' experts implementation for this model instead"
                 )
         if not layout.default_gate or not layout.silu:
             raise NotImplementedError(
@@ -412,7 +416,10 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         )
     attr, gate = _router_of(block)
     routing, weight_key, bias_key = _routing(block, attr, gate)
+    transposed = bool(experts_layout(experts).is_transposed)
     num_experts, two_f, dim = experts.gate_up_proj.shape
+    if transposed:  # [E, D, 2F]
+        dim, two_f = two_f, dim
     cfg: dict[str, Any] = dict(
         dim=dim, hidden_dim=two_f // 2, num_experts=num_experts, top_k=int(gate.top_k), **routing
     )
@@ -444,7 +451,14 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
     if "layer_idx" in inspect.signature(type(block).__init__).parameters:
         layer_idx = getattr(block, "layer_idx", getattr(gate, "layer_idx", None))
     keys = _HFKeys(
-        weight_key, bias_key, bias_shape, bias_dtype, shared_attr, shared_gate, layer_idx
+        weight_key,
+        bias_key,
+        bias_shape,
+        bias_dtype,
+        shared_attr,
+        shared_gate,
+        layer_idx,
+        transposed,
     )
     return cfg, keys
 
@@ -548,6 +562,9 @@ def _convert_block(
     if "precision" not in options and recipe is not None:
         options = {**options, "precision": recipe}  # keep what set_precision chose
     w13, w2 = experts.gate_up_proj, experts.down_proj
+    if keys.transposed:  # views of the same storage, as new Parameters in MoE's layout
+        w13 = nn.Parameter(w13.transpose(1, 2), requires_grad=w13.requires_grad)
+        w2 = nn.Parameter(w2.transpose(1, 2), requires_grad=w2.requires_grad)
     device, dtype = w13.device, w13.dtype
     moe = MoE(**cfg, **options, device="meta", dtype=dtype)
     moe.router.weight = block.get_parameter(keys.router_weight)
@@ -655,10 +672,14 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
         extra = {} if keys.layer_idx is None else {"layer_idx": keys.layer_idx}
         with torch.device("meta"):
             block = tb.hf_block_class(tb.hf_config, **extra)
+        w13, w2 = moe.experts.w13, moe.experts.w2
+        if keys.transposed:  # back to the block's layout: views of the same storage
+            w13 = nn.Parameter(w13.detach().transpose(1, 2), requires_grad=w13.requires_grad)
+            w2 = nn.Parameter(w2.detach().transpose(1, 2), requires_grad=w2.requires_grad)
         sd: dict[str, Tensor] = {
             keys.router_weight: moe.router.weight,
-            "experts.gate_up_proj": moe.experts.w13,
-            "experts.down_proj": moe.experts.w2,
+            "experts.gate_up_proj": w13,
+            "experts.down_proj": w2,
         }
         if keys.expert_bias is not None:
             assert moe.router.expert_bias is not None

@@ -1036,16 +1036,20 @@ _HF_EXPERT_BIAS = (
 )
 
 
-def hf_state_dict_to_moe(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+def hf_state_dict_to_moe(
+    state_dict: dict[str, Tensor], *, experts_transposed: bool = False
+) -> dict[str, Tensor]:
     """Map the state dict of an HF transformers 5.x MoE block onto ``MoE``'s names.
 
     Handles the router weight as ``gate.weight`` (Mixtral, Qwen, DeepSeek), ``router.weight``
     (Granite, Jamba), ``router.gate.weight`` (AFMoE) or ``gate.wg.weight`` (HunYuan); the
     selection bias on the router, on the block or in Ernie's ``moe_statics``; the routed
-    experts (``experts.gate_up_proj`` / ``down_proj``); a shared expert as
-    ``shared_expert`` / ``shared_experts`` / ``shared_mlp`` and its ``shared_expert_gate``.
-    Keys are relative to the block (strip the layer prefix first). The routing rule itself
-    is the caller's (``MoE``'s arguments; ``to_torch_moe`` derives them from the block).
+    experts (``experts.gate_up_proj`` / ``down_proj``; ``experts_transposed=True`` for the
+    families that store them as [E, D, 2F] / [E, F, D], the experts' ``is_transposed``
+    flag, e.g. Aria: mapped as transposed views); a shared expert as ``shared_expert`` /
+    ``shared_experts`` / ``shared_mlp`` and its ``shared_expert_gate``. Keys are relative
+    to the block (strip the layer prefix first). The routing rule itself is the caller's
+    (``MoE``'s arguments; ``to_torch_moe`` derives them from the block).
     """
     out: dict[str, Tensor] = {}
     shared: dict[str, Tensor] = {}
@@ -1054,10 +1058,9 @@ def hf_state_dict_to_moe(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
             name = "router.weight"
         elif key in _HF_EXPERT_BIAS:
             name, value = "router.expert_bias", value.reshape(-1)
-        elif key == "experts.gate_up_proj":
-            name = "experts.w13"
-        elif key == "experts.down_proj":
-            name = "experts.w2"
+        elif key in ("experts.gate_up_proj", "experts.down_proj"):
+            name = "experts.w13" if key == "experts.gate_up_proj" else "experts.w2"
+            value = value.transpose(-2, -1) if experts_transposed else value
         elif key == "shared_expert_gate.weight":
             name = "shared_experts.gate"
         elif key.startswith(("shared_expert.", "shared_experts.", "shared_mlp.")):
