@@ -843,7 +843,7 @@ exact checks and tolerances.
 """.format(date=time.strftime("%Y-%m"))
 REPORT_NOTES = """
 Columns: *layout flags* are the `@use_experts_implementation` flags that differ from the
-defaults; *path* is the backend's: `fused` = permute -> `grouped_swiglu` (routing weight
+defaults; *path* is the backend's: `fused` = `grouped_swiglu` gathering the rows (routing weight
 folded in) -> fp32 combine, `composed` = `grouped_mm` -> the module's own `_apply_gate` /
 `act_fn` (recomputed in the backward) -> `grouped_mm`, biases and post-expert norm as the
 flags say. *experts fp32*: the experts module alone against transformers' "eager" (ulp of
