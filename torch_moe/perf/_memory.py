@@ -58,7 +58,8 @@ experts' backward holds the most:
   output [T, D], the permuted gradient and dX [M, D] each, the expert weight gradients,
   the largest group's ``grad_a``, ``a`` [m, F] and ``dH`` [m, 2F] in c, and one chunk's
   fp32 temporaries (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product), or in their
-  place the copy of dH for its weight gradient where the kernels make one;
+  place the copy of dH for its weight gradient where the kernels make one, and where the
+  experts gather from the tokens the group's input rows gathered again for its dW13;
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (on a GPU ``M*2F*4 + 6*M*F*4`` of
   fp32 temporaries, on a CPU one row chunk's, as above), dgrad / wgrad of the first GEMM
