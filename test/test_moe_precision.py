@@ -227,6 +227,27 @@ class TestMoEPrecisionDevice(TestCase):
             db = sqnr(want[key], got[key].cpu())
             self.assertGreaterEqual(db, 30.0, f"{name} {key}: {db:.2f} dB")
 
+    @onlyCUDA
+    @parametrize("autocast", [False, True])
+    def test_bf16_layer_matches_cpu(self, device, autocast):
+        """The default experts (``grouped_swiglu`` gathering its rows from the tokens; on
+        CUDA its device-generic composition) against the CPU kernels: bf16 parameters, or
+        fp32 ones under bf16 autocast (fp32 tokens, rows converted as gathered)."""
+        dtype = torch.float32 if autocast else torch.bfloat16
+        (cpu,) = _layers("bf16", dtype=dtype)
+        gpu = MoE(**cpu.config, dtype=dtype, device=device)
+        gpu.load_state_dict(cpu.state_dict())
+        x, grad_out = _data(dtype, num_tokens=256)
+        results = []
+        for moe, dev in ((cpu, "cpu"), (gpu, device)):
+            with torch.autocast(dev if dev == "cpu" else "cuda", torch.bfloat16, enabled=autocast):
+                results.append(_fwd_bwd(moe, x.to(dev), grad_out.to(dev)))
+        want, got = results
+        for key in want:
+            self.assertEqual(got[key].device.type, "cuda", msg=key)
+            db = sqnr(want[key].float(), got[key].cpu().float())
+            self.assertGreaterEqual(db, 30.0, f"{key}: {db:.2f} dB")  # bf16 rounding: ~45
+
 
 instantiate_device_type_tests(TestMoEPrecisionDevice, globals())
 
