@@ -34,6 +34,7 @@ import torch_moe._inductor as TI
 from torch_moe import ops
 from torch_moe._inductor import ep_chunk
 from torch_moe._inductor import passes as P
+from torch_moe._ops import _cpu_probe
 from torch_moe.distributed.dispatch import chunk_bounds, chunk_offsets
 from torch_moe.nn import MoE
 from torch_moe.nn.functional import grouped_swiglu
@@ -423,9 +424,10 @@ class TestInductor(TestCase):
         compiled = torch.compile(
             torch.ops.torch_moe.grouped_swiglu, fullgraph=True, options=TI.options()
         )
-        with TI.config.patch(inline_swiglu=True):
+        # native bf16 GEMMs (where the CPU upcasts, the pass keeps the op: the next test)
+        with TI.config.patch(inline_swiglu=True), _cpu_probe.force(half_gemm="native"):
             got, (fwd, bwd) = run_and_get_code(lambda: step(compiled))
-        want = step(torch.ops.torch_moe.grouped_swiglu)
+            want = step(torch.ops.torch_moe.grouped_swiglu)
         for g, w in zip(got, want):
             self.assertEqual(g, w, atol=2e-2, rtol=2e-2)
         # most outputs bit for bit; the rest one bf16 rounding step apart
@@ -435,6 +437,43 @@ class TestInductor(TestCase):
             FileCheck().check_not(f"{ops}grouped_swiglu").run(code)
         FileCheck().check_count(f"{ops}grouped_mm.default(", 2, exactly=True).run(fwd)
         FileCheck().check_count(f"{ops}grouped_mm_wgrad.default(", 2, exactly=True).run(bwd)
+
+    def test_inline_swiglu_keeps_the_op_where_gemms_upcast(self):
+        """Where this CPU multiplies bf16 in fp32, the op keeps the activation in fp32
+        between its GEMMs; an inlined graph would round it to bf16 (more than one bf16
+        step off eager), so the pass leaves the op: compiled equals eager bit for bit."""
+        gen = torch.Generator().manual_seed(9)
+        offs = torch.tensor([5, 5, 17, 30], dtype=torch.int32)
+        args = [
+            torch.randn(32, D, generator=gen).bfloat16(),
+            (torch.randn(E, 2 * F, D, generator=gen) * 0.3).bfloat16(),
+            (torch.randn(E, D, F, generator=gen) * 0.3).bfloat16(),
+            torch.rand(32, generator=gen),
+        ]
+        grad_y = torch.randn(32, D, generator=gen).bfloat16()
+
+        def loss(x, w13, w2, rw):
+            return (torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, rw)[0] * grad_y).sum()
+
+        for half_gemm, inlined in (("fp32", 0), ("native", 2)):
+            torch._dynamo.reset()
+            record: dict = {}
+            grads = []
+            with TI.config.patch(inline_swiglu=True), _cpu_probe.force(half_gemm=half_gemm):
+                fn = torch.compile(loss, backend=_backend(record), fullgraph=True)
+                for f in (fn, loss):
+                    leaves = [t.clone().requires_grad_() for t in args]
+                    f(*leaves).backward()
+                    grads.append([t.grad for t in leaves])
+            self.assertEqual(record["counts"]["inline_swiglu"], inlined, msg=half_gemm)
+            if not inlined:
+                for got, want in zip(*grads, strict=True):
+                    self.assertEqual(got, want, **EXACT)
+        self.assertNotEqual(P.MoEGraphPass().uuid(), b"")
+        with _cpu_probe.force(half_gemm="fp32"):
+            upcast = P.MoEGraphPass().uuid()
+        with _cpu_probe.force(half_gemm="native"):  # the FX graph cache tells them apart
+            self.assertNotEqual(P.MoEGraphPass().uuid(), upcast)
 
     def test_generated_code_fp8(self):
         """Inductor with the passes: the forward quantizes the tokens once (permute_quantize)

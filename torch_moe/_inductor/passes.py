@@ -52,7 +52,9 @@ compositions of the originals):
    last use (the op holds them until it returns). Not bit for bit: Inductor's exp and
    sigmoid and the sum order of the routing weights' gradient differ from ATen's kernels
    in the last fp32 bits (outputs within one bf16 rounding step); ``config.inline_swiglu
-   = False`` keeps the op where compiled and eager must agree bit for bit.
+   = False`` keeps the op where compiled and eager must agree bit for bit. Not where this
+   CPU multiplies half precision in fp32 (no native bf16 GEMMs): the op's kernels then
+   keep the activation in fp32 between the GEMMs, which the inlined graph would round.
 
 ``MoEGraphPass`` runs them as one ``CustomGraphPass`` whose ``uuid()`` hashes this
 package's sources and its config, so Inductor's FX graph cache misses whenever a pass or
@@ -451,6 +453,15 @@ def _prefer_recompute(nodes: Any) -> None:
             n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _upcasts(dtype: torch.dtype) -> bool:
+    """Whether this CPU's kernels multiply ``dtype`` in fp32 (``cpu_compute_dtype``): then
+    the op keeps the activation in fp32 between its GEMMs (one rounding less than a graph
+    that rounds it to ``dtype``), and ``inline_swiglu`` leaves the op alone."""
+    from torch_moe._ops.grouped_mm import cpu_compute_dtype
+
+    return dtype in (torch.bfloat16, torch.float16) and cpu_compute_dtype(dtype) != dtype
+
+
 def inline_swiglu(graph: fx.Graph) -> int:
     count = 0
     for node in list(graph.nodes):
@@ -458,7 +469,7 @@ def inline_swiglu(graph: fx.Graph) -> int:
             x, w13, w2, offs = node.args[:4]
             rw, gi = _arg(node, 4, "row_weights"), _arg(node, 5, "gather_index")
             r2s, s2r = _arg(node, 6, "row_to_slot"), _arg(node, 7, "slot_to_row")
-            if val(x).device.type != "cpu":
+            if val(x).device.type != "cpu" or _upcasts(val(w13).dtype):
                 continue
             top_k = None
             if r2s is not None:
@@ -474,7 +485,7 @@ def inline_swiglu(graph: fx.Graph) -> int:
         elif is_op(node, _ops.grouped_swiglu_backward):
             grad_y, grad_h, x, h, w13, w2, offs = node.args[:7]
             rw, gi = _arg(node, 7, "row_weights"), _arg(node, 8, "gather_index")
-            if val(x).device.type != "cpu":
+            if val(x).device.type != "cpu" or _upcasts(val(w13).dtype):
                 continue
             inputs = [grad_y, *([grad_h] if grad_h is not None else []), x, h, w13, w2, offs]
             inputs += [n for n in (rw, gi) if n is not None]
@@ -554,5 +565,7 @@ class MoEGraphPass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         settings = repr(sorted(config.get_config_copy().items()))  # type: ignore[attr-defined]
+        # what inline_swiglu does depends on this process's half-precision GEMM decision
+        settings += repr([_upcasts(dt) for dt in (torch.bfloat16, torch.float16)])
         digest = get_hash_for_files(_SOURCES)
         return hashlib.sha256(digest + settings.encode()).digest()

@@ -382,17 +382,20 @@ def _inference_bytes(
     # rows' weights: held by the layer's forward until it returns
     maps = T * E * 4 + M * (8 + 8 + 4) + T * K * (8 + 8 + 4) + E * 4
     router = T * D * 4 + T * E * 4
+    # where the GEMMs upcast (c != b), each group's GEMM converts its operands (the rows
+    # and the expert's weight) and computes its product in c
+    up1 = m * (D + 2 * F) * c + 2 * F * D * c if c != b else 0.0
+    up2 = m * (F + D) * c + F * D * c if c != b else 0.0
     if _swiglu_whole(w, groups):
         experts = max(
-            M * (D + 2 * F) * b,  # the first GEMM: the gathered rows and h
+            M * (D + 2 * F) * b + up1,  # the first GEMM: the gathered rows and h
             M * 3 * F * b + fp32,  # the activation: h, A and one chunk
-            M * (3 * F + D) * b,  # the second GEMM: h, A and Y
+            M * (3 * F + D) * b + up2,  # the second GEMM: h, A and Y
         )
     else:
-        # h and Y, the group-sized activation buffer, and one group's gathered rows (in c
-        # too where the GEMMs upcast) or one chunk's fp32 activation, not both at once
-        gathered = m * D * b + (m * D * c if c != b else 0.0)
-        experts = M * (2 * F + D) * b + m * F * c + max(gathered, fp32)
+        # h and Y, the group-sized activation buffer, and one group's gathered rows (with
+        # the first GEMM's upcast operands) or one chunk's fp32 activation, not at once
+        experts = M * (2 * F + D) * b + m * F * c + max(m * D * b + up1, fp32, up2)
     # Y, the output, and the combine's chunk: a token chunk's fp32 sum, and its gathered
     # rows of one k as gathered and converted to fp32
     from torch_moe._ops.permute import _chunk_rows
