@@ -14,6 +14,8 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_moe
+from torch_moe import ops
+from torch_moe._ops import _cpu_probe
 from torch_moe._ops.grouped_swiglu import swiglu_reference
 from torch_moe.nn.functional import grouped_swiglu
 
@@ -77,6 +79,27 @@ def _inputs(sizes, dim, hidden, dtype, tail=0, scale=0.5):
     w13 = (torch.randn(len(sizes), 2 * hidden, dim, dtype=dtype) * scale).requires_grad_()
     w2 = (torch.randn(len(sizes), dim, hidden, dtype=dtype) * scale).requires_grad_()
     return x, w13, w2, offs
+
+
+def _both_forms(x, w13, w2, rw, perm, path, grads):
+    """[(y, h, dx, dw13, dw2, drw)] of grouped_swiglu on ``permute(x)`` (converted to the
+    weights' dtype), then in its permutation form, on the forced CPU ``path``; ``grads``:
+    the incoming gradients of (y,) or (y, h)."""
+    op = torch.ops.torch_moe.grouped_swiglu
+    maps = (perm.row_to_slot, perm.slot_to_row)
+    results = []
+    for fused in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2, rw)]
+        xl, w13l, w2l, rwl = leaves
+        with _cpu_probe.force(swiglu_path=path):
+            if fused:
+                y, h = op(xl, w13l, w2l, perm.offs, rwl, None, *maps)
+            else:
+                rows = torch.ops.torch_moe.permute(xl, *maps).to(w13.dtype)
+                y, h = op(rows, w13l, w2l, perm.offs, rwl)
+            torch.autograd.backward((y, h)[: len(grads)], grads)
+        results.append((y, h, *(t.grad for t in leaves)))
+    return results
 
 
 class TestGroupedSwiGLU(TestCase):
@@ -252,8 +275,6 @@ class TestGroupedSwiGLU(TestCase):
 class TestGroupedSwiGLUChecks(TestCase):
     def test_whole_and_loop_paths_with_grad_h(self):
         # fp32 (native on every CPU): both CPU paths, a gradient into h too, agree closely
-        from torch_moe._ops import _cpu_probe
-
         g = torch.Generator().manual_seed(0)
         offs = torch.tensor([5, 5, 17, 30], dtype=torch.int32)  # an empty group, 2 tail rows
         x = torch.randn(32, 16, generator=g)
@@ -334,9 +355,6 @@ class TestGroupedSwiGLUChecks(TestCase):
         bit for bit: y, h and the gradients of x (the permute's backward: each token's row
         gradients summed in k order), w13, w2 and the routing weights, on both CPU paths,
         with padding rows (align), dropped slots (capacity), K = 1, T = 0, an idle expert."""
-        from torch_moe import ops
-        from torch_moe._ops import _cpu_probe
-
         g = torch.Generator().manual_seed(7)
         T, D, F, E, K = {"top1": (11, 8, 6, 3, 1), "no_tokens": (0, 8, 6, 3, 2)}.get(
             case, (13, 8, 6, 4, 3)
@@ -353,19 +371,7 @@ class TestGroupedSwiGLUChecks(TestCase):
         rw = torch.rand(M, generator=g)
         gy = torch.randn(M, D, generator=g).to(dtype)
         gh = torch.randn(M, 2 * F, generator=g).to(dtype)
-        op = torch.ops.torch_moe.grouped_swiglu
-        maps = (perm.row_to_slot, perm.slot_to_row)
-        results = []
-        for fused in (False, True):
-            leaves = [t.clone().requires_grad_() for t in (x, w13, w2, rw)]
-            xl, w13l, w2l, rwl = leaves
-            with _cpu_probe.force(swiglu_path=path):
-                if fused:
-                    y, h = op(xl, w13l, w2l, perm.offs, rwl, None, *maps)
-                else:
-                    y, h = op(torch.ops.torch_moe.permute(xl, *maps), w13l, w2l, perm.offs, rwl)
-                torch.autograd.backward((y, h), (gy, gh))
-            results.append((y, h, *(t.grad for t in leaves)))
+        results = _both_forms(x, w13, w2, rw, perm, path, (gy, gh))
         names = ("y", "h", "dx", "dw13", "dw2", "drw")
         for name, a, b in zip(names, *results, strict=True):
             self.assertEqual(b, a, atol=0, rtol=0, msg=name)
@@ -379,9 +385,6 @@ class TestGroupedSwiGLUChecks(TestCase):
         """fp32 tokens, bf16 weights (the layer under bf16 autocast): bit for bit
         grouped_swiglu(permute(x).to(bf16)), x's gradient in fp32 (the cast's backward,
         then the permute's: the K rows' gradients summed in fp32, not rounded to bf16)."""
-        from torch_moe import ops
-        from torch_moe._ops import _cpu_probe
-
         g = torch.Generator().manual_seed(11)
         T, D, F, E, K = 9, 16, 8, 4, 3
         kw = {"aligned": dict(align=4), "capacity": dict(capacity=4)}.get(case, {})
@@ -393,20 +396,9 @@ class TestGroupedSwiGLUChecks(TestCase):
         w2 = (torch.randn(E, D, F, generator=g) * 0.5).to(bf16)
         rw = torch.rand(M, generator=g)
         gy = torch.randn(M, D, generator=g).to(bf16)
+        results = _both_forms(x, w13, w2, rw, perm, path, (gy,))
         op = torch.ops.torch_moe.grouped_swiglu
         maps = (perm.row_to_slot, perm.slot_to_row)
-        results = []
-        for fused in (False, True):
-            leaves = [t.clone().requires_grad_() for t in (x, w13, w2, rw)]
-            xl, w13l, w2l, rwl = leaves
-            with _cpu_probe.force(swiglu_path=path):
-                if fused:
-                    y, h = op(xl, w13l, w2l, perm.offs, rwl, None, *maps)
-                else:
-                    rows = torch.ops.torch_moe.permute(xl, *maps).to(bf16)
-                    y, h = op(rows, w13l, w2l, perm.offs, rwl)
-                y.backward(gy)
-            results.append((y, h, *(t.grad for t in leaves)))
         for name, a, b in zip(("y", "h", "dx", "dw13", "dw2", "drw"), *results, strict=True):
             self.assertEqual(b, a, atol=0, rtol=0, msg=name)
             self.assertEqual(b.dtype, a.dtype, msg=name)
@@ -428,8 +420,6 @@ class TestGroupedSwiGLUChecks(TestCase):
     def test_autograd_through_both_outputs(self):
         """The op's autograd against plain PyTorch ops (float64): a loss on y and h, and
         one on h alone (y unused: its gradient arrives as None), in both forms."""
-        from torch_moe import ops
-
         g = torch.Generator().manual_seed(3)
         T, D, F, E, K = 7, 6, 4, 3, 2
         perm = ops.permute_indices(torch.rand(T, E, generator=g).argsort(1)[:, :K], E)
@@ -478,8 +468,6 @@ class TestGroupedSwiGLUChecks(TestCase):
 
     def test_permutation_form_saves_no_rows(self):
         # x [T, D] itself (not a gathered [M, D]) and h [M, 2F] are the saved activations
-        from torch_moe import ops
-
         x = torch.randn(5, 8, requires_grad=True)
         w13, w2 = torch.randn(3, 12, 8), torch.randn(3, 8, 6)
         perm = ops.permute_indices(torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]]), 3)
@@ -495,8 +483,6 @@ class TestGroupedSwiGLUChecks(TestCase):
         self.assertEqual(x.grad.shape, (5, 8))
 
     def test_permutation_form_opcheck(self):
-        from torch_moe import ops
-
         x, w13, w2 = torch.randn(6, 8), torch.randn(3, 12, 8), torch.randn(3, 8, 6)
         ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0], [1, 2]])
         perm = ops.permute_indices(ids, 3, capacity=3)  # dropped slots: -1 in both maps

@@ -137,6 +137,20 @@ def _compare_composed(test, **config):
     return record
 
 
+def _bf16_swiglu_inputs():
+    """(offs, [x, w13, w2, row_weights], grad_y) of a bf16 grouped_swiglu call: 32 rows,
+    an empty group and 2 rows past the last group."""
+    gen = torch.Generator().manual_seed(9)
+    offs = torch.tensor([5, 5, 17, 30], dtype=torch.int32)
+    args = [
+        torch.randn(32, D, generator=gen).bfloat16(),
+        (torch.randn(E, 2 * F, D, generator=gen) * 0.3).bfloat16(),
+        (torch.randn(E, D, F, generator=gen) * 0.3).bfloat16(),
+        torch.rand(32, generator=gen),
+    ]
+    return offs, args, torch.randn(32, D, generator=gen).bfloat16()
+
+
 def _float_rows(saved, rows):
     """Saved floating-point (not e4m3) tensors with ``rows`` rows: shapes."""
     return [
@@ -405,15 +419,7 @@ class TestInductor(TestCase):
         (no grouped_swiglu op), and equal eager within bf16 rounding (the same fp32 math,
         rounded once)."""
         torch._dynamo.reset()
-        gen = torch.Generator().manual_seed(9)
-        offs = torch.tensor([5, 5, 17, 30], dtype=torch.int32)  # an empty group, 2 past the end
-        args = [
-            torch.randn(32, D, generator=gen).bfloat16(),
-            (torch.randn(E, 2 * F, D, generator=gen) * 0.3).bfloat16(),
-            (torch.randn(E, D, F, generator=gen) * 0.3).bfloat16(),
-            torch.rand(32, generator=gen),
-        ]
-        grad_y = torch.randn(32, D, generator=gen).bfloat16()
+        offs, args, grad_y = _bf16_swiglu_inputs()
 
         def step(fn):
             leaves = [t.clone().requires_grad_() for t in args]
@@ -442,15 +448,7 @@ class TestInductor(TestCase):
         """Where this CPU multiplies bf16 in fp32, the op keeps the activation in fp32
         between its GEMMs; an inlined graph would round it to bf16 (more than one bf16
         step off eager), so the pass leaves the op: compiled equals eager bit for bit."""
-        gen = torch.Generator().manual_seed(9)
-        offs = torch.tensor([5, 5, 17, 30], dtype=torch.int32)
-        args = [
-            torch.randn(32, D, generator=gen).bfloat16(),
-            (torch.randn(E, 2 * F, D, generator=gen) * 0.3).bfloat16(),
-            (torch.randn(E, D, F, generator=gen) * 0.3).bfloat16(),
-            torch.rand(32, generator=gen),
-        ]
-        grad_y = torch.randn(32, D, generator=gen).bfloat16()
+        offs, args, grad_y = _bf16_swiglu_inputs()
 
         def loss(x, w13, w2, rw):
             return (torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, rw)[0] * grad_y).sum()

@@ -450,29 +450,22 @@ def memory(
     m = min(m, Mc)
     y = T * D * b
     resident = weights + T * D * b * (2 if w.backward else 1)  # x (+ its output gradient)
-    if not w.backward and w.precision == "bf16" and cpu and w.ep == 1:
-        dyn = _inference_bytes(w, groups, M, m, c, threads)
-        peak = resident + dyn
-        return dict(
-            weights=weights,
-            grads=0.0,
-            optimizer=0.0,
-            activations=0.0,
-            comm_buffers=0.0,
-            peak=peak,
-            peak_step=peak,
-        )
     if not w.backward:
-        # forward only: the permuted rows, h and y of the experts, and the combine
-        act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
-        if w.precision != "bf16":
-            q = _operand_kinds(w.precision, cpu)
-            fwd1 = _gemm_phase(
-                q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M, group_rows=m
-            )
-            fwd2 = _gemm_phase(q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m)
-            act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
-        dyn = act + T * D * (4 + b) + y + comm
+        if w.precision == "bf16" and cpu and w.ep == 1:  # measured phases (comm is 0)
+            dyn = _inference_bytes(w, groups, M, m, c, threads)
+        else:
+            # forward only: the permuted rows, h and y of the experts, and the combine
+            act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
+            if w.precision != "bf16":
+                q = _operand_kinds(w.precision, cpu)
+                fwd1 = _gemm_phase(
+                    q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M, group_rows=m
+                )
+                fwd2 = _gemm_phase(
+                    q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m
+                )
+                act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
+            dyn = act + T * D * (4 + b) + y + comm
         peak = resident + dyn
         return dict(
             weights=weights,
