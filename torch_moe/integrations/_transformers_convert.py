@@ -381,8 +381,10 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
     the shared tensors; raises if unsupported."""
     name = type(block).__name__
     experts = getattr(block, "experts", None)
+    transposed = False
     if experts is not None and _is_experts(experts):
         layout = experts_layout(experts)
+        transposed = bool(layout.is_transposed)
         for flag, bad in (
             ("has_gate", False),
             ("is_concatenated", False),
@@ -416,7 +418,6 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         )
     attr, gate = _router_of(block)
     routing, weight_key, bias_key = _routing(block, attr, gate)
-    transposed = bool(experts_layout(experts).is_transposed)
     num_experts, two_f, dim = experts.gate_up_proj.shape
     if transposed:  # [E, D, 2F]
         dim, two_f = two_f, dim
@@ -461,6 +462,11 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         transposed,
     )
     return cfg, keys
+
+
+def _transposed(p: Tensor) -> nn.Parameter:
+    """An expert weight [E, a, b] as a new ``Parameter`` [E, b, a] viewing its storage."""
+    return nn.Parameter(p.detach().transpose(1, 2), requires_grad=p.requires_grad)
 
 
 def _tensor(module: nn.Module, key: str) -> Tensor:
@@ -563,8 +569,7 @@ def _convert_block(
         options = {**options, "precision": recipe}  # keep what set_precision chose
     w13, w2 = experts.gate_up_proj, experts.down_proj
     if keys.transposed:  # views of the same storage, as new Parameters in MoE's layout
-        w13 = nn.Parameter(w13.transpose(1, 2), requires_grad=w13.requires_grad)
-        w2 = nn.Parameter(w2.transpose(1, 2), requires_grad=w2.requires_grad)
+        w13, w2 = _transposed(w13), _transposed(w2)
     device, dtype = w13.device, w13.dtype
     moe = MoE(**cfg, **options, device="meta", dtype=dtype)
     moe.router.weight = block.get_parameter(keys.router_weight)
@@ -674,8 +679,7 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
             block = tb.hf_block_class(tb.hf_config, **extra)
         w13, w2 = moe.experts.w13, moe.experts.w2
         if keys.transposed:  # back to the block's layout: views of the same storage
-            w13 = nn.Parameter(w13.detach().transpose(1, 2), requires_grad=w13.requires_grad)
-            w2 = nn.Parameter(w2.detach().transpose(1, 2), requires_grad=w2.requires_grad)
+            w13, w2 = _transposed(w13), _transposed(w2)
         sd: dict[str, Tensor] = {
             keys.router_weight: moe.router.weight,
             "experts.gate_up_proj": w13,
