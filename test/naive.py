@@ -89,17 +89,56 @@ def dispatch(
     return rows, ends, dropped
 
 
-def expert_swiglu(x_row: Tensor, w13_e: Tensor, w2_e: Tensor) -> Tensor:
-    """One token through one SwiGLU expert, float64."""
+def _sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+def expert_swiglu(
+    x_row: Tensor,
+    w13_e: Tensor,
+    w2_e: Tensor,
+    b13_e: Tensor | None = None,
+    b2_e: Tensor | None = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    interleaved: bool = False,
+) -> Tensor:
+    """One token through one gated expert, float64, one hidden unit at a time.
+
+    ``swiglu``: silu(gate) * up; ``clamped_swiglu`` (GPT-OSS): gate = min(gate, limit),
+    up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1). Gate unit f
+    is row f of w13 and up unit f row F + f, or rows 2f and 2f + 1 when ``interleaved``;
+    the biases add to those rows and to the output.
+    """
     x64 = x_row.double()
     hidden = w13_e.shape[0] // 2
     out = torch.zeros(w2_e.shape[0], dtype=torch.float64)
+    if b2_e is not None:
+        out += b2_e.double()
     for f in range(hidden):
-        gate = float(w13_e[f].double() @ x64)
-        up = float(w13_e[hidden + f].double() @ x64)
-        act = gate / (1.0 + math.exp(-gate)) * up
+        gi, ui = (2 * f, 2 * f + 1) if interleaved else (f, hidden + f)
+        gate = float(w13_e[gi].double() @ x64)
+        up = float(w13_e[ui].double() @ x64)
+        if b13_e is not None:
+            gate, up = gate + float(b13_e[gi]), up + float(b13_e[ui])
+        if activation == "swiglu":
+            act = gate * _sigmoid(gate) * up
+        else:
+            gate, up = min(gate, limit), min(max(up, -limit), limit)
+            act = gate * _sigmoid(alpha * gate) * (up + 1.0)
         out += act * w2_e[:, f].double()
     return out
+
+
+def expert_options(config: dict) -> dict:
+    """:func:`expert_swiglu`'s activation keywords from ``MoE.config``."""
+    return dict(
+        activation=config.get("activation", "swiglu"),
+        alpha=config.get("swiglu_alpha", 1.702),
+        limit=config.get("swiglu_limit", 7.0),
+        interleaved=config.get("gate_up_interleaved", False),
+    )
 
 
 def moe(
@@ -109,8 +148,12 @@ def moe(
     w13: Tensor,
     w2: Tensor,
     capacity: int | None = None,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    options: dict | None = None,
 ) -> Tensor:
-    """out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t]), dropping past capacity in token order."""
+    """out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t]), dropping past capacity in token order
+    (experts with biases ``b13`` / ``b2`` and :func:`expert_swiglu`'s ``options``)."""
     num_tokens, top_k = expert_ids.shape
     used = [0] * w13.shape[0]
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float64)
@@ -124,7 +167,10 @@ def moe(
         for j in range(top_k):
             if kept[(t, j)]:
                 e = int(expert_ids[t, j])
-                out[t] += float(weights[t, j]) * expert_swiglu(x[t], w13[e], w2[e])
+                b13_e = None if b13 is None else b13[e]
+                b2_e = None if b2 is None else b2[e]
+                y = expert_swiglu(x[t], w13[e], w2[e], b13_e, b2_e, **(options or {}))
+                out[t] += float(weights[t, j]) * y
     return out
 
 
@@ -173,7 +219,17 @@ def moe_layer(x: Tensor, state: dict[str, Tensor], config: dict) -> tuple[Tensor
         logits, top_k, expert_bias=state.get("router.expert_bias"), **_route_kwargs(config)
     )
     capacity = _capacity(config, num_tokens)
-    out = moe(x_TD, weights, ids, state["experts.w13"], state["experts.w2"], capacity)
+    out = moe(
+        x_TD,
+        weights,
+        ids,
+        state["experts.w13"],
+        state["experts.w2"],
+        capacity,
+        state.get("experts.b13"),
+        state.get("experts.b2"),
+        expert_options(config),
+    )
     _, _, dropped = dispatch(ids, num_experts, capacity=capacity)
     if "shared_experts.w13" in state:
         for t in range(num_tokens):
@@ -230,8 +286,9 @@ def moe_layer_autograd(
             used[e] += 1
             if capacity is not None and used[e] > capacity:
                 continue
+            biases = [params[n][e] if n in params else None for n in ("experts.b13", "experts.b2")]
             y = y + w[j] * _swiglu_autograd(
-                x_t, params["experts.w13"][e], params["experts.w2"][e], lowp
+                x_t, params["experts.w13"][e], params["experts.w2"][e], lowp, *biases, config
             )
         if "shared_experts.w13" in params:
             shared = _swiglu_autograd(
@@ -248,14 +305,31 @@ def moe_layer_autograd(
 
 
 def _swiglu_autograd(
-    x_row: Tensor, w13_e: Tensor, w2_e: Tensor, lowp: torch.dtype | None = None
+    x_row: Tensor,
+    w13_e: Tensor,
+    w2_e: Tensor,
+    lowp: torch.dtype | None = None,
+    b13_e: Tensor | None = None,
+    b2_e: Tensor | None = None,
+    config: dict | None = None,
 ) -> Tensor:
     def rnd(t: Tensor) -> Tensor:
         return t if lowp is None else t.to(lowp).to(torch.float64)
 
+    opt = expert_options(config or {})
     hidden = w13_e.shape[0] // 2
     h = rnd(rnd(w13_e) @ rnd(x_row))
-    return rnd(rnd(w2_e) @ rnd(torch.nn.functional.silu(h[:hidden]) * h[hidden:]))
+    if b13_e is not None:
+        h = rnd(h + b13_e)
+    gate, up = (h[0::2], h[1::2]) if opt["interleaved"] else (h[:hidden], h[hidden:])
+    if opt["activation"] == "swiglu":
+        act = torch.nn.functional.silu(gate) * up
+    else:
+        gate = gate.clamp(max=opt["limit"])
+        up = up.clamp(min=-opt["limit"], max=opt["limit"])
+        act = gate * torch.sigmoid(opt["alpha"] * gate) * (up + 1)
+    y = rnd(w2_e) @ rnd(act)
+    return rnd(y if b2_e is None else y + b2_e)
 
 
 # --------------------------------------------------------------------------------------

@@ -56,6 +56,17 @@ DIM, HIDDEN = 16, 32
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+# GPT-OSS's experts (swiglu_limit 0.5 instead of 7 so that the clamps act at these sizes)
+GPT_OSS = dict(
+    score_func="softmax_topk",
+    router_bias=True,
+    activation="clamped_swiglu",
+    swiglu_limit=0.5,
+    experts_bias=True,
+    gate_up_interleaved=True,
+)
+
+
 def make_moe(seed=0, **kwargs):
     torch.manual_seed(seed)
     cfg = dict(dim=DIM, hidden_dim=HIDDEN, num_experts=8, top_k=2)
@@ -111,7 +122,8 @@ class _Checks:
         self.assertEqual(out, out_ref[rows])
         self.assertEqual(x.grad, x_ref.grad[rows])
         El = moe.num_experts // R
-        for name in ("w13", "w2"):
+        names = ("w13", "w2") if moe.experts.b13 is None else ("w13", "w2", "b13", "b2")
+        for name in names:
             p = getattr(moe.experts, name)
             self.assertIsInstance(p, DTensor)
             self.assertEqual(p.placements, (Shard(0),))
@@ -295,6 +307,14 @@ class TestExpertParallel2(_EPClass):
     def test_all_to_all(self):
         self.check_matches_single_process([7, 3], style=ExpertParallel(exchange="all_to_all"))
 
+    def test_composed_experts(self):
+        """GPT-OSS-like experts (biases sharded with the weights, interleaved gate / up, the
+        clamped activation): one chunk, two chunks (the biases split with the weights) and
+        an idle rank."""
+        self.check_matches_single_process([9, 4], **GPT_OSS)
+        style = ExpertParallel(num_chunks=2)
+        self.check_matches_single_process([0, 7], style=style, shared_hidden_dim=8, **GPT_OSS)
+
     def test_low_precision_experts(self):
         self.check_matches_single_process([8, 5], precision="fp8_rowwise")
         style = ExpertParallel(num_chunks=2)
@@ -388,6 +408,11 @@ class TestExpertParallel2(_EPClass):
             shared_hidden_dim=8,
             precision="fp8_rowwise",
         )
+
+    def test_compile_chunk_pass_composed(self):
+        """GPT-OSS-like experts: the chunk pass slices the experts' biases [El, N] with
+        their weights, bitwise equal to ExpertParallel(num_chunks=2)."""
+        self.check_compiled_equals_eager({}, steps=4, chunk_pass=2, dynamic=True, **GPT_OSS)
 
     def test_compile_chunk_pass_inductor(self):
         """Inductor end to end (torch_moe._inductor.options(ep_chunks=2)): the layer built

@@ -24,7 +24,7 @@ from torch.testing._internal.common_utils import (
 )
 from torch.utils.checkpoint import checkpoint
 
-import torch_moe  # noqa: F401
+import torch_moe
 from torch_moe import ops
 from torch_moe.nn import PRESETS, MoE, hf_state_dict_to_moe
 from torch_moe.nn.functional import router_z_loss, sequence_aux_loss, switch_aux_loss
@@ -296,6 +296,19 @@ OPTIONS = {
         shared_hidden_dim=5,
         shared_gate=True,
     ),
+    # the composed experts: swiglu_limit=0.5 so that the clamps bite (checked in _check)
+    "experts_bias": dict(experts_bias=True),
+    "gate_up_interleaved": dict(gate_up_interleaved=True),
+    "clamped_swiglu": dict(activation="clamped_swiglu", swiglu_alpha=1.5, swiglu_limit=0.5),
+    "gpt_oss": dict(
+        score_func="softmax_topk",
+        router_bias=True,
+        activation="clamped_swiglu",
+        swiglu_limit=0.5,
+        experts_bias=True,
+        gate_up_interleaved=True,
+    ),
+    "composed_capacity": dict(experts_bias=True, capacity_factor=0.5, shared_hidden_dim=5),
 }
 
 SHAPES = {"2d": (11, 8), "3d": (2, 5, 8)}
@@ -336,6 +349,12 @@ class TestMoENaive(TestCase):
             plain = {**kw, "num_expert_groups": None, "num_limited_groups": None}
             _, ids_plain, _ = naive.route(logits, cfg["top_k"], expert_bias=bias, **plain)
             self.assertGreater(_choice_change(ids, ids_plain), 0.0, "group-limited routing")
+        if cfg["activation"] == "clamped_swiglu" and x_TD.shape[0] > 0:
+            h = torch.einsum("efd,td->tef", state["experts.w13"].double(), x_TD)
+            if "experts.b13" in state:
+                h = h + state["experts.b13"].double()
+            clamped = (h.abs() > cfg["swiglu_limit"]).double().mean()
+            self.assertGreaterEqual(float(clamped), MIN_DROP_FRACTION, "clamps")
         capacity = naive._capacity(cfg, x_TD.shape[0])
         if capacity is not None and x_TD.shape[0] > 0:
             _, _, dropped = naive.dispatch(ids, cfg["num_experts"], capacity=capacity)
@@ -413,6 +432,31 @@ class TestMoENaive(TestCase):
             moe.last_losses,
             {"aux_loss": torch.tensor(0.0, dtype=F64), "z_loss": torch.tensor(0.0, dtype=F64)},
         )
+
+    def test_composed_inference_matches_training(self):
+        """eval + no_grad (the inference path: rows gathered, then the composed experts)
+        equals the training forward bit for bit, capacity drops included."""
+        for opt in ("gpt_oss", "composed_capacity"):
+            moe = _randomize(MoE(**{**BASE, **OPTIONS[opt]}, dtype=F64))
+            x = _x((2, 5, 8), requires_grad=False)
+            ref = moe(x)
+            with torch.inference_mode():
+                got = moe.eval()(x)
+            self.assertEqual(got, ref, **EXACT, msg=opt)
+
+    def test_gradcheck_composed(self):
+        moe = _randomize(
+            MoE(dim=3, hidden_dim=2, num_experts=3, top_k=2, **OPTIONS["gpt_oss"], dtype=F64)
+        )
+        names = [n for n, _ in moe.named_parameters()]
+        self.assertIn("experts.b2", names)
+        x = _x((5, 3))
+        inputs = (x, *(p.detach().clone().requires_grad_() for p in moe.parameters()))
+
+        def fn(x, *params):
+            return torch.func.functional_call(moe, dict(zip(names, params)), (x,))
+
+        self.assertTrue(torch.autograd.gradcheck(fn, inputs))
 
     def test_gradcheck(self):
         moe = _randomize(
@@ -751,10 +795,10 @@ COMPILE_KW = dict(
 
 
 class TestMoECompile(TestCase):
-    def _compare(self, backend, tol):
+    def _compare(self, backend, tol, **kw):
         """Forward + backward of torch.compile(fullgraph=True) vs eager; returns the code."""
         torch._dynamo.reset()
-        moe = _randomize(MoE(**COMPILE_KW, dtype=torch.float32)).train()
+        moe = _randomize(MoE(**{**COMPILE_KW, **kw}, dtype=torch.float32)).train()
         x = _x((2, 6, 8), dtype=torch.float32)
         grad_out = _x((2, 6, 8), dtype=torch.float32, seed=5, requires_grad=False)
         out, x_grad, grads = _fwd_bwd(moe, x, grad_out)
@@ -784,6 +828,19 @@ class TestMoECompile(TestCase):
         ).run(fwd)
         FileCheck().check("torch.ops.torch_moe.grouped_swiglu_backward.default(").check(
             "torch.ops.torch_moe.topk_route_backward.default("
+        ).run(bwd)
+
+    def test_compile_composed(self):
+        """GPT-OSS-like experts (biases, interleaved gate / up, clamped activation):
+        bitwise under aot_eager; Inductor sees the activation and the bias terms as aten
+        ops between the two grouped GEMMs."""
+        self._compare("aot_eager", EXACT, **OPTIONS["gpt_oss"])
+        fwd, bwd = self._compare("inductor", dict(atol=1e-5, rtol=1e-5), **OPTIONS["gpt_oss"])
+        FileCheck().check("torch.ops.torch_moe.grouped_mm.default(").check(
+            "torch.ops.torch_moe.grouped_mm.default("
+        ).check_not("torch.ops.torch_moe.grouped_swiglu").run(fwd)
+        FileCheck().check_count("torch.ops.torch_moe.grouped_mm_wgrad.default(", 2).check_not(
+            "grouped_swiglu_backward"
         ).run(bwd)
 
 
@@ -822,10 +879,33 @@ class TestMoEErrors(TestCase):
             ):
                 MoE(**{**BASE, "top_k": bad})
 
+    def test_bad_activation(self):
+        with self.assertRaisesRegex(
+            ValueError, r"MoE: activation must be one of \('swiglu', 'clamped_swiglu'\), got 'gelu'"
+        ):
+            MoE(**BASE, activation="gelu")
+        for kw in (dict(swiglu_alpha=0.0), dict(swiglu_limit=-1.0)):
+            with self.assertRaisesRegex(
+                ValueError, r"MoE: clamped_swiglu needs swiglu_alpha > 0 and swiglu_limit > 0"
+            ):
+                MoE(**BASE, activation="clamped_swiglu", **kw)
+        with self.assertRaisesRegex(
+            ValueError, r"glu_activation: expected h \[M, 2F\], got \[3, 5\]"
+        ):
+            torch_moe.nn.functional.glu_activation(torch.zeros(3, 5))
+
     def test_hf_state_dict_bad_keys(self):
         w = torch.zeros(4, 8)
-        with self.assertRaisesRegex(KeyError, r"unexpected key 'gate.bias'"):
-            hf_state_dict_to_moe({"gate.weight": w, "gate.bias": torch.zeros(4)})
+        sd = hf_state_dict_to_moe(
+            {
+                "router.bias": torch.ones(4),
+                "experts.gate_up_proj_bias": torch.ones(4, 12),
+                "experts.down_proj_bias": torch.ones(4, 8),
+            }
+        )
+        self.assertEqual(sorted(sd), ["experts.b13", "experts.b2", "router.bias"])
+        with self.assertRaisesRegex(KeyError, r"unexpected key 'gate.scale'"):
+            hf_state_dict_to_moe({"gate.weight": w, "gate.scale": torch.zeros(4)})
         with self.assertRaisesRegex(
             KeyError, r"two keys map to 'router.weight', the second 'router.weight'"
         ):
@@ -950,6 +1030,23 @@ class TestMoESavedActivations(TestCase):
         for dtype in (torch.float32, torch.bfloat16):
             self.assertNotIn((dtype, (T * K, D)), shapes)
         self.assertNotIn((torch.bfloat16, (T, D)), shapes)
+
+
+    def test_composed_saves_rows_h_and_a(self):
+        # GPT-OSS-like experts (moe.py's MoE docstring): the permuted rows [M, D], the
+        # pre-activation with its bias [M, 2F] and the weighted activation [M, F]; the
+        # routing-weighted down bias (_row_bias) saves no [M, D] tensor, and neither does
+        # the up bias
+        T, D, Fh, E, K = 32, 16, 12, 4, 2
+        bf16 = torch.bfloat16
+        moe = _randomize(
+            MoE(dim=D, hidden_dim=Fh, num_experts=E, top_k=K, **OPTIONS["gpt_oss"], dtype=bf16)
+        )
+        _, saved = _saved_bytes(moe, _x((T, D), dtype=bf16))
+        shapes = [(dtype, shape) for _, dtype, shape in saved]
+        for want in ((T * K, D), (T * K, 2 * Fh), (T * K, Fh)):
+            self.assertEqual(shapes.count((bf16, want)), 1, msg=f"{want}: {shapes}")
+        self.assertNotIn((torch.float32, (T * K, D)), shapes)  # e.g. w[:, None] * b2[e]
 
 
 class TestGroupedExpertsChunks(TestCase):

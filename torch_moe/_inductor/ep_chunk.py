@@ -33,8 +33,9 @@ in ``torch_moe._inductor.counters()["ep_chunk_skipped"]``):
 * the layer was traced with one chunk: ``ep_dispatch`` over all local experts, with its
   ``ep_chunk_offsets`` and one ``ep_combine`` of the same plan and bounds downstream;
 * the region between them is a function of the dispatched rows, the group ends and the
-  expert weights sliced to the chunk (``w[l0:l1]`` on a tensor of El experts, >= 3-D; at
-  least one such slice, else the experts would read every local expert's weights), as
+  expert weights (and biases) sliced to the chunk (``w[l0:l1]`` on a tensor of El experts,
+  >= 2-D; at least one such slice, else the experts would read every local expert's
+  weights), as
   ``GroupedExperts.forward`` is: every node the dispatch, the offsets or those slices reach
   before the combine is used only inside the region (nothing escapes around the combine),
   and none of them mutates or has another side effect than a runtime assert.
@@ -81,7 +82,8 @@ def _example(node: Any) -> Any:
 
 
 def _slice_of_experts(node: fx.Node, l0: int, l1: int) -> bool:
-    """Whether ``node`` is ``w[l0:l1]`` (dim 0) of a >= 3-D tensor of l1 - l0 experts."""
+    """Whether ``node`` is ``w[l0:l1]`` (dim 0) of a >= 2-D tensor of l1 - l0 experts (an
+    expert weight, or an expert bias [El, N])."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem and len(node.args) == 2:
@@ -101,7 +103,7 @@ def _slice_of_experts(node: fx.Node, l0: int, l1: int) -> bool:
     return (
         bounds == (l0, l1)
         and isinstance(src, torch.Tensor)
-        and src.dim() >= 3
+        and src.dim() >= 2  # weights [El, N, K] and biases [El, N]
         and src.shape[0] == l1 - l0
     )
 

@@ -5,7 +5,8 @@ experts, M rows of this rank's permuted buffer, C chunks.
 
 ``parallelize_module(moe, ep_mesh, ExpertParallel())`` on a 1-D ``DeviceMesh``:
 
-* ``moe.experts.w13`` [E, 2F, D] and ``moe.experts.w2`` [E, D, F] become DTensor parameters
+* ``moe.experts.w13`` [E, 2F, D] and ``moe.experts.w2`` [E, D, F] (and the experts'
+  biases ``b13`` [E, 2F] / ``b2`` [E, D] when they have them) become DTensor parameters
   ``Shard(0)`` over the mesh (``distribute_module`` with a partition function): EP rank r
   holds experts ``[r*El, (r+1)*El)``. Their values come from ``src_data_rank`` (rank 0 by
   default, like the other parallel styles); ``src_data_rank=None`` keeps each rank's own
@@ -75,6 +76,7 @@ __all__ = ["ExpertParallel", "ExpertParallelDispatcher"]
 Exchange = Literal["p2p", "all_to_all"]
 Mode = Literal["training", "low_latency"]
 _EXPERT_PARAMS = ("w13", "w2")
+_EXPERT_BIASES = ("b13", "b2")  # GroupedExperts(bias=True): [E, 2F], [E, D], sharded alike
 _DISPATCH_DTYPES = (None, torch.float8_e4m3fn)
 _FP8_BLOCK = (1, 128)  # FP8 dispatch: one scale per 128 values of a row
 _ops = torch.ops.torch_moe
@@ -475,10 +477,13 @@ class ExpertParallel(ParallelStyle):
         return experts, num_experts
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        """distribute_module's partition_fn: the expert weights become Shard(0) DTensors."""
+        """distribute_module's partition_fn: the expert weights (and biases, if any) become
+        Shard(0) DTensors."""
         group = mesh.get_group()
-        for pname in _EXPERT_PARAMS if name == "" else ():
-            p: Tensor = getattr(module, pname)
+        for pname in _EXPERT_PARAMS + _EXPERT_BIASES if name == "" else ():
+            p: Tensor | None = getattr(module, pname, None)
+            if p is None:  # experts without biases
+                continue
             local = _call(
                 group,
                 f"distribute_tensor({pname})",

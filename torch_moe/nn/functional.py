@@ -11,7 +11,17 @@ from torch import Tensor
 from torch_moe._ops import grouped_swiglu as _swiglu
 from torch_moe._ops._dtypes import acc_dtype
 
-__all__ = ["grouped_swiglu", "router_z_loss", "sequence_aux_loss", "switch_aux_loss"]
+__all__ = [
+    "ACTIVATIONS",
+    "glu_activation",
+    "grouped_swiglu",
+    "router_z_loss",
+    "sequence_aux_loss",
+    "switch_aux_loss",
+]
+
+# the experts' gated activations (``MoE(activation=...)``, :func:`glu_activation`)
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 def grouped_swiglu(
@@ -51,6 +61,54 @@ def grouped_swiglu(
     """
     y, _h = _swiglu.grouped_swiglu(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
     return y
+
+
+def check_activation(where: str, activation: str, alpha: float, limit: float) -> None:
+    """Raise ``ValueError`` naming the argument of a bad activation choice."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation == "clamped_swiglu" and not (alpha > 0 and limit > 0):
+        raise ValueError(
+            f"{where}: clamped_swiglu needs swiglu_alpha > 0 and swiglu_limit > 0, got "
+            f"swiglu_alpha={alpha!r}, swiglu_limit={limit!r}"
+        )
+
+
+def glu_activation(
+    h: Tensor,
+    row_weights: Tensor | None = None,
+    *,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    interleaved: bool = False,
+) -> Tensor:
+    r"""The experts' gated activation of the up projection ``h`` [M, 2F] -> [M, F].
+
+    ``"swiglu"``: ``silu(gate) * up``. ``"clamped_swiglu"`` (GPT-OSS): ``gate`` clamped
+    above at ``limit``, ``up`` to ``[-limit, limit]``, then
+    ``gate * sigmoid(alpha * gate) * (up + 1)``. ``gate`` and ``up`` are h's two halves
+    (gate columns first), or with ``interleaved=True`` its even and odd columns (GPT-OSS's
+    ``gate_up_proj``). Times ``row_weights`` [M] when given (the routing weight of each
+    row, folded in as ``grouped_swiglu`` does). Math in fp32 (fp64 for fp64 h), one
+    rounding into h's dtype. Plain torch ops: differentiable in h and row_weights, and
+    fused by Inductor under ``torch.compile``.
+    """
+    check_activation("glu_activation", activation, alpha, limit)
+    if h.dim() != 2 or h.shape[1] % 2 != 0:
+        raise ValueError(f"glu_activation: expected h [M, 2F], got {list(h.shape)}")
+    dtype, acc = h.dtype, acc_dtype(h.dtype)
+    h = h.to(acc)
+    gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+    if activation == "swiglu":
+        a = torch.nn.functional.silu(gate) * up
+    else:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        a = gate * torch.sigmoid(gate * alpha) * (up + 1)
+    if row_weights is not None:
+        a = a * row_weights.to(acc).unsqueeze(-1)
+    return a.to(dtype)
 
 
 def _router_probs(logits: Tensor, score_func: str) -> Tensor:

@@ -201,6 +201,13 @@ class MoEWorkload:
         """
         config = moe.config
         precision = moe.experts.precision
+        if getattr(moe.experts, "composed", False):
+            raise ValueError(
+                "MoEWorkload.from_moe: composed experts (activation="
+                f"{config['activation']!r}, experts_bias={config['experts_bias']}, "
+                f"gate_up_interleaved={config['gate_up_interleaved']}) are not modelled; the "
+                "model covers grouped_swiglu's SwiGLU experts"
+            )
         if precision not in _precisions():
             raise ValueError(
                 f"MoEWorkload.from_moe: precision {precision!r} (a recipe with overrides) is "

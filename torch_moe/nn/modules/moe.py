@@ -14,6 +14,8 @@ torch_moe                      shape         HF transformers 5.x
 ``router.expert_bias``         [E] buffer    ``gate.e_score_correction_bias`` (DS-V3)
 ``experts.w13``                [E, 2F, D]    ``experts.gate_up_proj`` (gate rows first)
 ``experts.w2``                 [E, D, F]     ``experts.down_proj``
+``experts.b13``                [E, 2F]       ``experts.gate_up_proj_bias`` (GPT-OSS)
+``experts.b2``                 [E, D]        ``experts.down_proj_bias`` (GPT-OSS)
 ``shared_experts.w13``         [2Fs, D]      cat(``shared_expert(s).gate_proj.weight``,
                                              ``shared_expert(s).up_proj.weight``)
 ``shared_experts.w2``          [D, Fs]       ``shared_expert(s).down_proj.weight``
@@ -68,6 +70,7 @@ per routed row (``grouped_swiglu`` recomputes a).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, cast
 
@@ -75,6 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from torch_moe import ops
 from torch_moe._ops import routing as _routing
@@ -82,6 +86,8 @@ from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.fused_experts import DECODE_MAX_ROWS, decode_block_m
 from torch_moe._ops.grouped_swiglu import swiglu
 from torch_moe.nn.functional import (
+    check_activation,
+    glu_activation,
     grouped_swiglu,
     router_z_loss,
     sequence_aux_loss,
@@ -306,6 +312,10 @@ class GroupedExperts(nn.Module):
     expert in one ``grouped_swiglu`` call, in the parameter dtype or the autocast dtype;
     with a low-precision ``precision`` (see :class:`MoE`) as two ``scaled_grouped_mm``
     calls around the SwiGLU, their operands in that dtype before quantization.
+    ``activation`` / ``swiglu_alpha`` / ``swiglu_limit``, ``bias`` (``b13`` [E, 2F], ``b2``
+    [E, D]) and ``gate_up_interleaved`` as :class:`MoE`'s ``activation``, ...,
+    ``experts_bias``, ``gate_up_interleaved``: any of them makes the experts
+    :attr:`composed` (grouped GEMMs around :func:`glu_activation`).
 
     ``fused_decode=True`` (an attribute too): in inference (``MoE`` in eval mode without
     autograd, no expert parallelism, no recipe), batches of at most
@@ -323,24 +333,51 @@ class GroupedExperts(nn.Module):
         *,
         precision: str | Recipe = "bf16",
         fused_decode: bool = False,
+        activation: str = "swiglu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        bias: bool = False,
+        gate_up_interleaved: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        check_activation("GroupedExperts", activation, swiglu_alpha, swiglu_limit)
         self.recipe = _resolve_precision(precision)
         self.fused_decode = fused_decode
+        self.activation, self.swiglu_alpha, self.swiglu_limit = (
+            activation,
+            swiglu_alpha,
+            swiglu_limit,
+        )
+        self.gate_up_interleaved = gate_up_interleaved
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * hidden_dim, dim, device=device, dtype=dtype)
         )
         self.w2 = nn.Parameter(
             torch.empty(num_experts, dim, hidden_dim, device=device, dtype=dtype)
         )
+        self.b13: nn.Parameter | None
+        self.b2: nn.Parameter | None
+        for name, size in (("b13", 2 * hidden_dim), ("b2", dim)):
+            b = torch.empty(num_experts, size, device=device, dtype=dtype) if bias else None
+            self.register_parameter(name, None if b is None else nn.Parameter(b))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's default bound 1/sqrt(fan_in), per expert
-        nn.init.uniform_(self.w13, -(self.w13.shape[2] ** -0.5), self.w13.shape[2] ** -0.5)
-        nn.init.uniform_(self.w2, -(self.w2.shape[2] ** -0.5), self.w2.shape[2] ** -0.5)
+        # nn.Linear's default bound 1/sqrt(fan_in), per expert, for weights and biases
+        for w, b in ((self.w13, self.b13), (self.w2, self.b2)):
+            bound = w.shape[2] ** -0.5
+            nn.init.uniform_(w, -bound, bound)
+            if b is not None:
+                nn.init.uniform_(b, -bound, bound)
+
+    @property
+    def composed(self) -> bool:
+        """Whether the experts run as grouped GEMMs around :func:`glu_activation` (a
+        clamped activation, biases or interleaved gate / up rows) instead of
+        ``grouped_swiglu``."""
+        return self.activation != "swiglu" or self.b13 is not None or self.gate_up_interleaved
 
     @property
     def precision(self) -> str:
@@ -354,8 +391,15 @@ class GroupedExperts(nn.Module):
             w13, w2 = w13.to_local(), cast(DTensor, w2).to_local()
         return w13, w2
 
-    def split_weights(self, chunks: list[tuple[int, int]]) -> list[tuple[Tensor, Tensor]]:
-        """This rank's (w13, w2) split once into ``chunks``, contiguous ranges (l0, l1) of
+    def _local_biases(self) -> tuple[Tensor | None, Tensor | None]:
+        """This rank's (b13, b2) (sharded over experts as the weights are), or Nones."""
+        return cast(
+            tuple[Tensor | None, Tensor | None],
+            tuple(b.to_local() if isinstance(b, DTensor) else b for b in (self.b13, self.b2)),
+        )
+
+    def split_weights(self, chunks: list[tuple[int, int]]) -> list[tuple[Tensor, ...]]:
+        """This rank's (w13, w2) (and (b13, b2) when the experts have biases) split once into ``chunks``, contiguous ranges (l0, l1) of
         local experts that cover them in order (``ExpertParallel(num_chunks=C)``'s), for
         ``forward(..., weights=...)``. One split of each weight per step: its backward
         concatenates the chunks' weight gradients once, where a slice per chunk gives every
@@ -373,7 +417,9 @@ class GroupedExperts(nn.Module):
                 f"covering the {w13.shape[0]} local experts in order, got {chunks}"
             )
         sizes = [l1 - l0 for l0, l1 in chunks]
-        return list(zip(w13.split(sizes), w2.split(sizes), strict=True))
+        parts = [w13.split(sizes), w2.split(sizes)]
+        parts += [b.split(sizes) for b in self._local_biases() if b is not None]
+        return list(zip(*parts, strict=True))
 
     def forward(
         self,
@@ -381,7 +427,7 @@ class GroupedExperts(nn.Module):
         offs: Tensor,
         row_weights: Tensor | None = None,
         expert_range: tuple[int, int] | None = None,
-        weights: tuple[Tensor, Tensor] | None = None,
+        weights: tuple[Tensor, ...] | None = None,
         permutation: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x`` [M, D] rows sorted by expert with group ends ``offs``; ``expert_range``
@@ -391,22 +437,28 @@ class GroupedExperts(nn.Module):
         (row_to_slot, slot_to_row) x is the tokens [T, D] and the rows are
         ``permute(x, *permutation)``: ``grouped_swiglu`` gathers them itself (the [M, D]
         permuted input is neither materialized nor saved, x is converted row by row to
-        the dtype the experts run in; a recipe permutes first)."""
+        the dtype the experts run in; a recipe and the composed experts permute first)."""
+        b13: Tensor | None
+        b2: Tensor | None
         if weights is not None:
             if expert_range is not None:
                 raise ValueError(
                     "GroupedExperts.forward: pass expert_range or weights, not both "
                     f"(got expert_range={expert_range})"
                 )
-            w13, w2 = weights
+            w13, w2 = weights[0], weights[1]
+            b13, b2 = (weights[2], weights[3]) if len(weights) == 4 else (None, None)
         else:
             w13, w2 = self._local_weights()
+            b13, b2 = self._local_biases()
             if expert_range is not None:
                 l0, l1 = expert_range
                 w13, w2 = w13[l0:l1], w2[l0:l1]
+                if b13 is not None and b2 is not None:
+                    b13, b2 = b13[l0:l1], b2[l0:l1]
         dt = _expert_dtype(x, w13)
-        if permutation is not None and self.recipe is not None:  # a recipe permutes first
-            x = torch.ops.torch_moe.permute(x, *permutation)
+        if permutation is not None and (self.recipe is not None or self.composed):
+            x = torch.ops.torch_moe.permute(x, *permutation)  # these run on permuted rows
             permutation = None
         # gathering, the op converts x's rows itself (under autocast x stays the caller's
         # fp32 tokens: no [T, D] copy in dt saved, the token gradient summed in fp32)
@@ -416,6 +468,8 @@ class GroupedExperts(nn.Module):
         # numerics: autocast must not recast inside (eager would otherwise differ from
         # compiled code, whose kernels run outside autocast)
         with torch.autocast(x.device.type, enabled=False):
+            if self.composed:
+                return self._composed(x, w13, w2, b13, b2, offs, row_weights)
             if self.recipe is None:
                 rts, s2r = (None, None) if permutation is None else permutation
                 return grouped_swiglu(
@@ -425,10 +479,65 @@ class GroupedExperts(nn.Module):
             a_MF = swiglu(h_M2F, row_weights)
             return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
 
+    def _composed(
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        b13: Tensor | None,
+        b2: Tensor | None,
+        offs: Tensor,
+        row_weights: Tensor | None,
+    ) -> Tensor:
+        """The experts as ``grouped_mm`` (or the recipe's ``scaled_grouped_mm``) -> + b13 ->
+        :func:`glu_activation` x row weight -> ``grouped_mm`` -> + row weight x b2, on the
+        permuted rows x [M, D] in x's dtype (biases converted to it). The activation runs
+        under ``torch.utils.checkpoint``: the backward keeps x, the [M, 2F]
+        pre-activation and the [M, F] weighted activation (the down GEMM's weight-gradient
+        operand), and the down bias's term saves no [M, D] tensor (``_row_bias``)."""
+        recipe = self.recipe
+
+        def gemm(a: Tensor, w: Tensor) -> Tensor:
+            if recipe is None:
+                return ops.grouped_mm(a, w.transpose(-2, -1), offs)
+            return scaled_grouped_mm(a, w.transpose(-2, -1), offs, recipe)
+
+        row_expert = None
+        if b13 is not None or b2 is not None:
+            # each row's expert: rows at or past offs[-1] (padding, weight 0) read the last
+            # expert's bias, and their GEMM rows are zero, so they add nothing
+            rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+            row_expert = torch.searchsorted(offs, rows, right=True).clamp(max=w13.shape[0] - 1)
+        h = gemm(x, w13)
+        if b13 is not None and row_expert is not None:
+            h = h + b13.to(h.dtype).index_select(0, row_expert)
+        act = functools.partial(
+            glu_activation,
+            activation=self.activation,
+            alpha=self.swiglu_alpha,
+            limit=self.swiglu_limit,
+            interleaved=self.gate_up_interleaved,
+        )
+        weighted = row_weights is not None and row_weights.requires_grad
+        if torch.is_grad_enabled() and (h.requires_grad or weighted):
+            a = checkpoint(act, h, row_weights, use_reentrant=False)
+        else:
+            a = act(h, row_weights)
+        y = gemm(a, w2)
+        if b2 is not None and row_expert is not None:
+            y = _row_bias(y, b2, row_expert, row_weights)
+        return y
+
     def decode_block_m(self, rows: int, device: torch.device) -> int | None:
         """The group alignment the fused decode kernels need for ``rows`` = T*K routed rows
-        when this module takes that path (``fused_decode``, no recipe), else None."""
-        if not self.fused_decode or self.recipe is not None or rows > DECODE_MAX_ROWS:
+        when this module takes that path (``fused_decode``, no recipe, SwiGLU experts
+        without biases), else None."""
+        if (
+            not self.fused_decode
+            or self.recipe is not None
+            or self.composed
+            or rows > DECODE_MAX_ROWS
+        ):
             return None
         return decode_block_m(rows, device)
 
@@ -450,6 +559,9 @@ class GroupedExperts(nn.Module):
         The same values as ``forward`` on ``permute(x)`` (bit for bit on CPU). With
         ``block_m`` (from :meth:`decode_block_m`, the rows permuted with that alignment)
         the fused decode kernels (``torch_moe::fused_experts``)."""
+        if self.composed:  # the training forward on the gathered rows
+            x_perm = torch.ops.torch_moe.permute(x, row_to_slot, slot_to_row)
+            return self.forward(x_perm, offs, row_weights)
         w13, w2 = self._local_weights()
         dt = _expert_dtype(x, w13)
         x = x.to(dt)
@@ -488,7 +600,34 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         e, two_f, d = self.w13.shape
-        return f"dim={d}, hidden_dim={two_f // 2}, num_experts={e}, precision={self.precision}"
+        out = f"dim={d}, hidden_dim={two_f // 2}, num_experts={e}, precision={self.precision}"
+        if self.activation != "swiglu":
+            out += f", activation={self.activation}, swiglu_alpha={self.swiglu_alpha}"
+            out += f", swiglu_limit={self.swiglu_limit}"
+        if self.b13 is not None:
+            out += ", bias=True"
+        if self.gate_up_interleaved:
+            out += ", gate_up_interleaved=True"
+        return out
+
+
+def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor | None) -> Tensor:
+    """``y + w[:, None] * b[experts]`` for rows y [M, D] of ``experts`` [M] with row weights
+    w [M] (1 when None), summed in fp32 (fp64 for fp64) and rounded once into y's dtype.
+
+    The weighted gather is ``embedding_bag`` with one index per bag and ``w`` as
+    per-sample weights: its backward reads b again (b's gradient an index-add, w's the
+    rows' dot products with their bias), so no [M, D] tensor is saved, and it is an aten
+    op that every backend, the compiler and the chunk pass see into.
+    """
+    acc = acc_dtype(y.dtype)
+    term = F.embedding_bag(
+        experts.unsqueeze(1),
+        b.to(acc),
+        mode="sum",
+        per_sample_weights=None if w is None else w.to(acc).unsqueeze(1),
+    )
+    return (y.to(acc) + term).to(y.dtype)
 
 
 def _storage_owner(p: Tensor) -> Tensor:
@@ -600,6 +739,21 @@ class MoE(nn.Module):
             router (fp32), the combine (fp32) and the shared experts (module or autocast
             dtype) never quantize. On CUDA a recipe pads each expert's rows to a multiple
             of 16 (``torch._scaled_grouped_mm``'s group alignment).
+        activation: the routed experts' gated activation, ``"swiglu"`` (default:
+            ``silu(gate) * up``) or ``"clamped_swiglu"`` (GPT-OSS: gate clamped above at
+            ``swiglu_limit``, up to +-``swiglu_limit``, ``gate * sigmoid(swiglu_alpha *
+            gate) * (up + 1)``); see :func:`torch_moe.nn.functional.glu_activation`.
+        swiglu_alpha, swiglu_limit: the clamped activation's constants (GPT-OSS: 1.702, 7).
+        experts_bias: give the routed experts' projections biases, ``experts.b13`` [E, 2F]
+            and ``experts.b2`` [E, D] (GPT-OSS); the down bias is weighted by the routing
+            weight with the rest of the expert's output.
+        gate_up_interleaved: ``experts.w13`` (and ``b13``) hold gate and up rows
+            alternating (row 2f: gate f, row 2f + 1: up f; GPT-OSS's ``gate_up_proj``)
+            instead of all gate rows first.
+            Experts with any of these three run as grouped GEMMs around the activation
+            (``GroupedExperts.composed``): they also save the permuted input [M, D] and the
+            weighted activation [M, F] per routed row, and never take the fused decode
+            kernels.
 
     ``forward(x [..., D]) -> [..., D]``.
     """
@@ -632,10 +786,16 @@ class MoE(nn.Module):
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
         precision: str | Recipe = "bf16",
+        activation: str = "swiglu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        experts_bias: bool = False,
+        gate_up_interleaved: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        check_activation("MoE", activation, swiglu_alpha, swiglu_limit)
         for name, value in [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]:
             _check_positive(name, value)
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
@@ -683,7 +843,17 @@ class MoE(nn.Module):
             dtype=dtype,
         )
         self.experts = GroupedExperts(
-            dim, hidden_dim, num_experts, precision=precision, device=device, dtype=dtype
+            dim,
+            hidden_dim,
+            num_experts,
+            precision=precision,
+            activation=activation,
+            swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+            bias=experts_bias,
+            gate_up_interleaved=gate_up_interleaved,
+            device=device,
+            dtype=dtype,
         )
         self.shared_experts = (
             SharedExperts(dim, shared_hidden_dim, gate=shared_gate, device=device, dtype=dtype)
@@ -1007,6 +1177,11 @@ class MoE(nn.Module):
             shared_gate=self.shared_experts is not None and self.shared_experts.gate is not None,
             capacity_factor=self.capacity_factor,
             precision=self._precision_arg(),
+            activation=self.experts.activation,
+            swiglu_alpha=self.experts.swiglu_alpha,
+            swiglu_limit=self.experts.swiglu_limit,
+            experts_bias=self.experts.b13 is not None,
+            gate_up_interleaved=self.experts.gate_up_interleaved,
         )
 
     def _precision_arg(self) -> str | Recipe:
@@ -1021,7 +1196,9 @@ class MoE(nn.Module):
         return ", ".join(
             f"{k}={v}"
             for k, v in c.items()
-            if (v not in (None, False, 0) or k == "top_k") and (k, v) != ("precision", "bf16")
+            if (v not in (None, False, 0) or k == "top_k")
+            and (k, v) not in (("precision", "bf16"), ("activation", "swiglu"))
+            and not (k.startswith("swiglu_") and c["activation"] == "swiglu")
         )
 
 
@@ -1046,7 +1223,10 @@ def hf_state_dict_to_moe(
     selection bias on the router, on the block or in Ernie's ``moe_statics``; the routed
     experts (``experts.gate_up_proj`` / ``down_proj``; ``experts_transposed=True`` for the
     families that store them as [E, D, 2F] / [E, F, D], the experts' ``is_transposed``
-    flag, e.g. Aria: mapped as transposed views); a shared expert as ``shared_expert`` /
+    flag, e.g. Aria and GPT-OSS: mapped as transposed views) and their biases
+    (``gate_up_proj_bias`` / ``down_proj_bias``: ``MoE(experts_bias=True)``; GPT-OSS's
+    interleaved gate / up rows are ``gate_up_interleaved=True``), a router bias
+    (``router_bias=True``); a shared expert as ``shared_expert`` /
     ``shared_experts`` / ``shared_mlp`` and its ``shared_expert_gate``. Keys are relative
     to the block (strip the layer prefix first). The routing rule itself is the caller's
     (``MoE``'s arguments; ``to_torch_moe`` derives them from the block).
@@ -1056,6 +1236,10 @@ def hf_state_dict_to_moe(
     for key, value in state_dict.items():
         if key in _HF_ROUTER_WEIGHT:
             name = "router.weight"
+        elif key in ("gate.bias", "router.bias"):  # MoE(router_bias=True)
+            name = "router.bias"
+        elif key in ("experts.gate_up_proj_bias", "experts.down_proj_bias"):
+            name = "experts.b13" if key == "experts.gate_up_proj_bias" else "experts.b2"
         elif key in _HF_EXPERT_BIAS:
             name, value = "router.expert_bias", value.reshape(-1)
         elif key in ("experts.gate_up_proj", "experts.down_proj"):
