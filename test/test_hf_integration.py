@@ -76,7 +76,7 @@ TINY = {
     "olmoe": dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2),
 }
 FAMILIES = list(TINY)
-CONVERTIBLE = ["mixtral", "qwen3_moe", "deepseek_v3", "olmoe"]
+CONVERTIBLE = ["mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "gpt_oss"]
 
 
 def _quiet_hf():
@@ -486,7 +486,8 @@ class TestConvert(_OneThread, TestCase):
         model = tiny_model(family)
         ids = _ids()
         ref, ref_g = _run(model, ids, "eager")
-        gate = model.model.layers[1].mlp.gate.weight
+        router = "router" if family == "gpt_oss" else "gate"  # GPT-OSS: a router with a bias
+        gate = getattr(model.model.layers[1].mlp, router).weight
         tmt.to_torch_moe(model)
         blocks = tmt.torch_moe_blocks(model)
         self.assertEqual(len(blocks), 1 if family == "deepseek_v3" else 2)
@@ -495,14 +496,19 @@ class TestConvert(_OneThread, TestCase):
         _rel_close(self, out, ref, 64, F32_EPS)
 
         def hf_name(n):  # torch_moe names back to HF's, for the comparison
-            n = n.replace("mlp.moe.router.weight", "mlp.gate.weight")
+            n = n.replace("mlp.moe.router.", f"mlp.{router}.")
             n = n.replace("mlp.moe.experts.w13", "mlp.experts.gate_up_proj")
             n = n.replace("mlp.moe.experts.w2", "mlp.experts.down_proj")
+            n = n.replace("mlp.moe.experts.b13", "mlp.experts.gate_up_proj_bias")
+            n = n.replace("mlp.moe.experts.b2", "mlp.experts.down_proj_bias")
             return n.replace("mlp.moe.shared_experts.w2", "mlp.shared_experts.down_proj.weight")
 
         got = {hf_name(n): g for n, g in out_g.items()}
         for n, g in got.items():
-            if n.endswith("shared_experts.w13"):
+            if family == "gpt_oss" and n.endswith(("gate_up_proj", "down_proj")):
+                # stored transposed ([E, D, 2F] / [E, F, D]): the MoE's views' gradients
+                _rel_close(self, g.transpose(1, 2), ref_g[n], 64, F32_EPS, msg=n)
+            elif n.endswith("shared_experts.w13"):
                 ref_w13 = torch.cat(
                     [ref_g[n.replace("moe.shared_experts.w13", f"shared_experts.{p}_proj.weight")]
                      for p in ("gate", "up")]
@@ -583,10 +589,19 @@ class TestConvert(_OneThread, TestCase):
     def test_refused(self):
         import torch_moe.integrations.transformers as tmt
 
+        model = tiny_model("mixtral")
+        experts = model.model.layers[1].mlp.experts
+        experts.act_fn = torch.nn.GELU()
         with self.assertRaisesRegex(
-            NotImplementedError, r"GptOssMLP.experts \(GptOssExperts\) has is_concatenated=False"
+            NotImplementedError,
+            r"MixtralSparseMoeBlock.experts \(MixtralExperts\) has a custom activation",
         ):
-            tmt.to_torch_moe(tiny_model("gpt_oss"))
+            tmt.to_torch_moe(model)
+        self.assertEqual(tmt.torch_moe_blocks(model), [])  # layer 0 was not replaced either
+        experts.has_post_expert_norm = True
+        experts.post_expert_norm = torch.nn.Identity()
+        with self.assertRaisesRegex(NotImplementedError, r"has has_post_expert_norm=True"):
+            tmt.to_torch_moe(model)
         model = tiny_model("mixtral")
         with self.assertRaisesRegex(TypeError, r"unexpected option\(s\) \['capacity'\]"):
             tmt.to_torch_moe(model, capacity=2)
@@ -685,6 +700,15 @@ BLOCKS = {
     "laguna": ("laguna", "LagunaSparseMoeBlock", {}),  # the block scales the routed output
     "afmoe": ("afmoe", "AfmoeSparseMoeBlock", {}),  # router.gate, expert_bias parameter
     "lfm2_moe": ("lfm2_moe", "Lfm2MoeSparseMoeBlock", {}),  # norm by (sum + 1e-6)
+    # router bias, experts' biases, clamped SwiGLU on interleaved gate / up, transposed;
+    # swiglu_limit 1 so that the clamps act at these sizes
+    "gpt_oss": ("gpt_oss", "GptOssMLP", dict(swiglu_limit=1.0)),
+    # the same on [gate; up] halves, scores / K and output * K
+    "openai_privacy_filter": (
+        "openai_privacy_filter",
+        "OpenAIPrivacyFilterMLP",
+        dict(swiglu_limit=1.0),
+    ),
     "lfm2_moe_no_norm": ("lfm2_moe", "Lfm2MoeSparseMoeBlock", dict(norm_topk_prob=False)),
     "mistral4": ("mistral4", "Mistral4MoE", {}),  # softmax with expert groups
     "exaone_moe": ("exaone_moe", "ExaoneMoeSparseMoEBlock", {}),  # DeepSeek-V3's router
@@ -714,7 +738,7 @@ def tiny_block(key, seed=0, **overrides):
     with torch.no_grad():
         for name, t in [*block.named_parameters(), *block.named_buffers()]:
             r = torch.randn(t.shape, generator=g)
-            if name.endswith(("e_score_correction_bias", "expert_bias")):
+            if name.endswith(("e_score_correction_bias", "expert_bias", "router.bias")):
                 t.copy_(0.5 * r)
             elif t.dim() >= 2:
                 t.copy_(r * min(t.shape[-2:]) ** -0.5)
@@ -806,7 +830,8 @@ class TestConvertBlocks(_OneThread, TestCase):
             self.assertEqual(after[k].dtype, before[k].dtype, msg=k)
             self.assertTrue(torch.equal(after[k], before[k]), msg=k)
         with torch.no_grad():
-            self.assertEqual(holder.mlp(x), ref, atol=0, rtol=0)
+            back = holder.mlp(x)
+            self.assertEqual(back[0] if isinstance(back, tuple) else back, ref, atol=0, rtol=0)
 
     def test_refused_with_reason(self):
         import torch_moe.integrations.transformers as tmt
@@ -840,6 +865,14 @@ class TestConvertedExpertParallel(MultiProcessTestCase):
     def test_ep2_matches_one_process(self):
         """EP=2 on gloo over a converted Qwen3-MoE: each rank's logits and gradients equal
         one process running both ranks' sequences."""
+        self._check_ep2("qwen3_moe")
+
+    def test_ep2_gpt_oss(self):
+        """The same over a converted GPT-OSS (the experts' biases sharded with the
+        weights; its router's bias replicated)."""
+        self._check_ep2("gpt_oss")
+
+    def _check_ep2(self, family):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -854,7 +887,7 @@ class TestConvertedExpertParallel(MultiProcessTestCase):
             world_size=self.world_size,
         )
         mesh = init_device_mesh("cpu", (self.world_size,))
-        model = tmt.to_torch_moe(tiny_model("qwen3_moe"))
+        model = tmt.to_torch_moe(tiny_model(family))
         ref = copy.deepcopy(model)
         for _, block in tmt.torch_moe_blocks(model):
             parallelize_module(block.moe, mesh, ExpertParallel())

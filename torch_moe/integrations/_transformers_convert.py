@@ -27,9 +27,15 @@ rule: output and every gradient): a block class whose forward is one of three pa
 shared expert, DeepSeek-V3), a router class whose routing ``torch_moe.ops.topk_route``
 reproduces (``_routing``: softmax over all experts, over the top-k logits, or sigmoid;
 renormalized or not; scaled by the router or by the block; expert groups; a selection
-bias on the router, on the block or in Ernie's ``moe_statics``), and an experts module in
-the fused layout (transformers' default SiLU gate on concatenated [gate; up] rows, no
-biases, no post-expert norm; stored either way round). Where each family keeps these tensors (``gate.weight``,
+bias on the router, on the block or in Ernie's ``moe_statics``; GPT-OSS's linear router
+with a bias, ``router_bias=True``), and a gated experts module without a post-expert norm
+whose activation is transformers' default SiLU gate on [gate; up] halves or GPT-OSS's
+clamped SwiGLU (``activation="clamped_swiglu"`` with the module's ``alpha`` / ``limit``;
+its interleaved gate / up columns as ``gate_up_interleaved=True``), with or without
+biases (``has_bias``: ``experts_bias=True``, the very ``gate_up_proj_bias`` /
+``down_proj_bias`` Parameters), stored either way round. GPT-OSS's block returns
+``(hidden_states, router_scores)``; the converted block returns ``(hidden_states, None)``
+(its decoder layer discards the scores). Where each family keeps these tensors (``gate.weight``,
 ``router.gate.weight``, ``gate.wg.weight``; ``shared_experts``, ``shared_expert``,
 ``shared_mlp``) is recorded per converted block (``_HFKeys``) for ``from_torch_moe``.
 Anything else raises ``NotImplementedError`` naming the block, router, flag or the part of
@@ -155,7 +161,15 @@ _ROUTED_ONLY = (
     "MiMoV2FlashMoE",
     "MiniMaxM2SparseMoeBlock",
     "Lfm2MoeSparseMoeBlock",
+    "GptOssMLP",  # returns (hidden_states, router_scores): _TUPLE_OUTPUT
+    "OpenAIPrivacyFilterMLP",  # the same; its scores / K and output * K cancel
 )
+# blocks whose forward returns (hidden_states, router_scores); the converted block returns
+# (hidden_states, None): their decoder layers discard the second element
+_TUPLE_OUTPUT = frozenset({"GptOssMLP", "OpenAIPrivacyFilterMLP"})
+# experts whose own _apply_gate is GPT-OSS's clamped SwiGLU (alpha, limit attributes),
+# with whether it reads gate / up interleaved (GPT-OSS) or as halves (the privacy filter)
+_CLAMPED_SWIGLU = {"GptOssExperts": True, "OpenAIPrivacyFilterExperts": False}
 _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen2MoeSparseMoeBlock",
     "Qwen3_5MoeSparseMoeBlock",
@@ -215,6 +229,11 @@ _MOE_OPTIONS = ("precision", "aux_loss", "aux_loss_coeff", "z_loss_coeff", "expe
 _CONFIG_DEFAULTS = {
     "group_score": "top2_sum",
     "route_norm_eps": 1e-20,
+    "activation": "swiglu",
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    "experts_bias": False,
+    "gate_up_interleaved": False,
 }  # MoE arguments added after the first release
 
 
@@ -230,6 +249,9 @@ class _HFKeys:
     shared_gate: str | None = None  # its sigmoid gate's weight
     layer_idx: int | None = None  # for block classes built as cls(config, layer_idx=...)
     transposed: bool = False  # experts stored [E, D, 2F] / [E, F, D] (``is_transposed``)
+    router_bias: str | None = None  # the router linear's bias (GPT-OSS: "router.bias")
+    experts_bias: bool = False  # experts.gate_up_proj_bias / down_proj_bias (``has_bias``)
+    tuple_output: bool = False  # the block returns (hidden_states, router_scores)
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -346,6 +368,11 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         if gate.use_expert_bias:
             cfg.update(expert_bias=True)
             bias = "expert_bias"
+    elif rname in ("GptOssTopKRouter", "OpenAIPrivacyFilterTopKRouter"):
+        # a linear router with a bias, softmax over the top-k logits (the privacy filter
+        # divides the scores by K and its block multiplies the output by K: they cancel,
+        # exactly for K a power of two, to fp32 rounding otherwise)
+        cfg = dict(score_func="softmax_topk", router_bias=True)
     elif rname == "AfmoeTokenChoiceRouter":  # router.gate linear, the bias on the block
         weight = _linear_weight(f"{attr}.gate", gate.gate, f"{name}.{attr}.gate")
         cfg = dict(score_func="sigmoid", route_norm=True, route_scale=float(gate.route_scale))
@@ -353,7 +380,7 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         bias = "expert_bias"
     else:
         raise NotImplementedError(f"to_torch_moe: {name}.{attr} is an unsupported router {rname}")
-    if getattr(gate, "bias", None) is not None:
+    if getattr(gate, "bias", None) is not None and not cfg.get("router_bias"):
         raise NotImplementedError(f"to_torch_moe: {name}.{attr} ({rname}) has a bias")
     return cfg, weight, bias
 
@@ -381,29 +408,20 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
     the shared tensors; raises if unsupported."""
     name = type(block).__name__
     experts = getattr(block, "experts", None)
-    transposed = False
+    transposed = experts_bias = False
+    activation: dict[str, Any] = {}
     if experts is not None and _is_experts(experts):
         layout = experts_layout(experts)
-        transposed = bool(layout.is_transposed)
-        for flag, bad in (
-            ("has_gate", False),
-            ("is_concatenated", False),
-            ("has_bias", True),
-            ("has_post_expert_norm", True),
-        ):
+        transposed, experts_bias = bool(layout.is_transposed), bool(layout.has_bias)
+        for flag, bad in (("has_gate", False), ("has_post_expert_norm", True)):
             if getattr(layout, flag) == bad:
                 raise NotImplementedError(
                     f"to_torch_moe: {name}.experts ({type(experts).__name__}) has {flag}={bad}; "
-                    "torch_moe.nn.MoE holds bias-free SwiGLU experts as w13 [E, 2F, D] "
-                    "(gate rows, then up rows; or its transpose) and w2 [E, D, F]. Use the "
+                    "torch_moe.nn.MoE holds gated experts as w13 [E, 2F, D] (gate and up rows; "
+                    "or its transpose) and w2 [E, D, F] with no norm after them. Use the "
                     "'torch_moe' experts implementation for this model instead"
                 )
-        if not layout.default_gate or not layout.silu:
-            raise NotImplementedError(
-                f"to_torch_moe: {name}.experts ({type(experts).__name__}) has a custom "
-                "activation (_apply_gate / act_fn other than SiLU(gate) * up); torch_moe.nn.MoE "
-                "experts are SwiGLU. Use the 'torch_moe' experts implementation instead"
-            )
+        activation = _activation(experts, layout, name)
     kind = SUPPORTED_BLOCKS.get(name)
     if name in _UNSUPPORTED_BLOCKS:
         raise NotImplementedError(
@@ -422,8 +440,15 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
     if transposed:  # [E, D, 2F]
         dim, two_f = two_f, dim
     cfg: dict[str, Any] = dict(
-        dim=dim, hidden_dim=two_f // 2, num_experts=num_experts, top_k=int(gate.top_k), **routing
+        dim=dim,
+        hidden_dim=two_f // 2,
+        num_experts=num_experts,
+        top_k=int(gate.top_k),
+        **routing,
+        **activation,
     )
+    if experts_bias:
+        cfg.update(experts_bias=True)
     jitter = float(getattr(block, "jitter_noise", 0.0) or 0.0)
     jitter = jitter or float(getattr(block, "input_jitter_noise", 0.0) or 0.0)
     if jitter > 0:
@@ -460,8 +485,34 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         shared_gate,
         layer_idx,
         transposed,
+        router_bias=f"{attr}.bias" if routing.get("router_bias") else None,
+        experts_bias=experts_bias,
+        tuple_output=name in _TUPLE_OUTPUT,
     )
     return cfg, keys
+
+
+def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
+    """``MoE``'s activation arguments for the experts' own gate: transformers' default
+    (``act_fn(gate) * up`` on the halves) with SiLU, or GPT-OSS's clamped SwiGLU; raises
+    naming the experts class for any other."""
+    cls = type(experts)
+    if layout.default_gate and layout.silu:
+        return {}  # SwiGLU on [gate; up] (the default gate splits halves whatever the flag)
+    owner = getattr(cls, "_apply_gate", None)
+    owner_name = getattr(owner, "__qualname__", "").split(".")[0]
+    if owner_name in _CLAMPED_SWIGLU and not layout.silu:
+        return dict(
+            activation="clamped_swiglu",
+            swiglu_alpha=float(experts.alpha),
+            swiglu_limit=float(experts.limit),
+            gate_up_interleaved=_CLAMPED_SWIGLU[owner_name],
+        )
+    raise NotImplementedError(
+        f"to_torch_moe: {name}.experts ({cls.__name__}) has a custom activation (_apply_gate "
+        "/ act_fn other than SiLU(gate) * up or GPT-OSS's clamped SwiGLU); torch_moe.nn.MoE "
+        "does not compute it. Use the 'torch_moe' experts implementation instead"
+    )
 
 
 def _transposed(p: Tensor) -> nn.Parameter:
@@ -495,8 +546,11 @@ class TorchMoEBlock(nn.Module):
     def family(self) -> str:
         return self.hf_block_class.__name__
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.moe(hidden_states)
+    def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, None]:
+        out = self.moe(hidden_states)
+        # GPT-OSS's blocks return (hidden_states, router_scores); their callers discard the
+        # scores, which the MoE does not return
+        return (out, None) if self.hf_keys.tuple_output else out
 
     def get_extra_state(self) -> dict[str, Any]:
         cfg = {k: v for k, v in self.moe.config.items() if k != "precision"}
@@ -573,8 +627,13 @@ def _convert_block(
     device, dtype = w13.device, w13.dtype
     moe = MoE(**cfg, **options, device="meta", dtype=dtype)
     moe.router.weight = block.get_parameter(keys.router_weight)
+    if keys.router_bias is not None:
+        moe.router.bias = block.get_parameter(keys.router_bias)
     moe.experts.w13 = w13
     moe.experts.w2 = w2
+    if keys.experts_bias:  # [E, 2F] / [E, D] in either weight layout: shared as they are
+        moe.experts.b13 = experts.gate_up_proj_bias
+        moe.experts.b2 = experts.down_proj_bias
     if keys.expert_bias is not None:
         bias = _tensor(block, keys.expert_bias)
         moe.router.expert_bias = bias.detach().reshape(-1).to(torch.float32)
@@ -685,6 +744,13 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
             "experts.gate_up_proj": w13,
             "experts.down_proj": w2,
         }
+        if keys.router_bias is not None:
+            assert moe.router.bias is not None
+            sd[keys.router_bias] = moe.router.bias
+        if keys.experts_bias:
+            assert moe.experts.b13 is not None and moe.experts.b2 is not None
+            sd["experts.gate_up_proj_bias"] = moe.experts.b13
+            sd["experts.down_proj_bias"] = moe.experts.b2
         if keys.expert_bias is not None:
             assert moe.router.expert_bias is not None
             bias = moe.router.expert_bias.to(keys.bias_dtype).reshape(keys.bias_shape)
