@@ -101,13 +101,13 @@ def expert_swiglu(
     b2_e: Tensor | None = None,
     activation: str = "swiglu",
     alpha: float = 1.702,
-    limit: float = 7.0,
+    limit: float | None = None,
     interleaved: bool = False,
 ) -> Tensor:
     """One token through one gated expert, float64, one hidden unit at a time.
 
-    ``swiglu``: silu(gate) * up; ``clamped_swiglu`` (GPT-OSS): gate = min(gate, limit),
-    up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1). Gate unit f
+    ``swiglu``: silu(gate) * up; ``swigluoai`` (GPT-OSS): gate * sigmoid(alpha * gate) *
+    (up + 1); with a ``limit`` first gate = min(gate, limit), up = clamp(up, -limit, limit). Gate unit f
     is row f of w13 and up unit f row F + f, or rows 2f and 2f + 1 when ``interleaved``;
     the biases add to those rows and to the output.
     """
@@ -122,10 +122,11 @@ def expert_swiglu(
         up = float(w13_e[ui].double() @ x64)
         if b13_e is not None:
             gate, up = gate + float(b13_e[gi]), up + float(b13_e[ui])
+        if limit is not None:
+            gate, up = min(gate, limit), min(max(up, -limit), limit)
         if activation == "swiglu":
             act = gate * _sigmoid(gate) * up
         else:
-            gate, up = min(gate, limit), min(max(up, -limit), limit)
             act = gate * _sigmoid(alpha * gate) * (up + 1.0)
         out += act * w2_e[:, f].double()
     return out
@@ -136,7 +137,7 @@ def expert_options(config: dict) -> dict:
     return dict(
         activation=config.get("activation", "swiglu"),
         alpha=config.get("swiglu_alpha", 1.702),
-        limit=config.get("swiglu_limit", 7.0),
+        limit=config.get("swiglu_limit"),
         interleaved=config.get("gate_up_interleaved", False),
     )
 
@@ -322,11 +323,12 @@ def _swiglu_autograd(
     if b13_e is not None:
         h = rnd(h + b13_e)
     gate, up = (h[0::2], h[1::2]) if opt["interleaved"] else (h[:hidden], h[hidden:])
+    if opt["limit"] is not None:
+        gate = gate.clamp(max=opt["limit"])
+        up = up.clamp(min=-opt["limit"], max=opt["limit"])
     if opt["activation"] == "swiglu":
         act = torch.nn.functional.silu(gate) * up
     else:
-        gate = gate.clamp(max=opt["limit"])
-        up = up.clamp(min=-opt["limit"], max=opt["limit"])
         act = gate * torch.sigmoid(opt["alpha"] * gate) * (up + 1)
     y = rnd(w2_e) @ rnd(act)
     return rnd(y if b2_e is None else y + b2_e)

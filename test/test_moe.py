@@ -299,11 +299,12 @@ OPTIONS = {
     # the composed experts: swiglu_limit=0.5 so that the clamps bite (checked in _check)
     "experts_bias": dict(experts_bias=True),
     "gate_up_interleaved": dict(gate_up_interleaved=True),
-    "clamped_swiglu": dict(activation="clamped_swiglu", swiglu_alpha=1.5, swiglu_limit=0.5),
+    "swiglu_limit": dict(swiglu_limit=0.5),  # DeepSeek-V4, GLM-5, HY-V4
+    "swigluoai": dict(activation="swigluoai", swiglu_alpha=1.5),
     "gpt_oss": dict(
         score_func="softmax_topk",
         router_bias=True,
-        activation="clamped_swiglu",
+        activation="swigluoai",
         swiglu_limit=0.5,
         experts_bias=True,
         gate_up_interleaved=True,
@@ -349,7 +350,7 @@ class TestMoENaive(TestCase):
             plain = {**kw, "num_expert_groups": None, "num_limited_groups": None}
             _, ids_plain, _ = naive.route(logits, cfg["top_k"], expert_bias=bias, **plain)
             self.assertGreater(_choice_change(ids, ids_plain), 0.0, "group-limited routing")
-        if cfg["activation"] == "clamped_swiglu" and x_TD.shape[0] > 0:
+        if cfg["swiglu_limit"] is not None and x_TD.shape[0] > 0:
             h = torch.einsum("efd,td->tef", state["experts.w13"].double(), x_TD)
             if "experts.b13" in state:
                 h = h + state["experts.b13"].double()
@@ -731,9 +732,12 @@ def assert_autocast_grads_close(test, got, moe, x, grad_out):
         )
 
 
+@instantiate_parametrized_tests
 class TestMoEAutocast(TestCase):
-    def test_bf16_autocast_gradient_values(self):
-        moe = _randomize(MoE(**BASE, route_norm=True, dtype=torch.float32))
+    @parametrize("experts", ["swiglu", "gpt_oss"])
+    def test_bf16_autocast_gradient_values(self, experts):
+        kw = {} if experts == "swiglu" else OPTIONS["gpt_oss"]
+        moe = _randomize(MoE(**{**BASE, "route_norm": True, **kw}, dtype=torch.float32))
         x = _x((3, 7, 8), dtype=torch.float32)
         grad_out = _x((3, 7, 8), dtype=torch.float32, seed=5, requires_grad=False)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -881,14 +885,14 @@ class TestMoEErrors(TestCase):
 
     def test_bad_activation(self):
         with self.assertRaisesRegex(
-            ValueError, r"MoE: activation must be one of \('swiglu', 'clamped_swiglu'\), got 'gelu'"
+            ValueError, r"MoE: activation must be one of \('swiglu', 'swigluoai'\), got 'gelu'"
         ):
             MoE(**BASE, activation="gelu")
-        for kw in (dict(swiglu_alpha=0.0), dict(swiglu_limit=-1.0)):
-            with self.assertRaisesRegex(
-                ValueError, r"MoE: clamped_swiglu needs swiglu_alpha > 0 and swiglu_limit > 0"
-            ):
-                MoE(**BASE, activation="clamped_swiglu", **kw)
+        with self.assertRaisesRegex(ValueError, r"MoE: swigluoai needs swiglu_alpha > 0, got 0.0"):
+            MoE(**BASE, activation="swigluoai", swiglu_alpha=0.0)
+        MoE(**BASE, swiglu_alpha=0.0)  # only swigluoai reads it
+        with self.assertRaisesRegex(ValueError, r"MoE: swiglu_limit must be > 0 or None, got -1.0"):
+            MoE(**BASE, swiglu_limit=-1.0)
         with self.assertRaisesRegex(
             ValueError, r"glu_activation: expected h \[M, 2F\], got \[3, 5\]"
         ):
@@ -999,6 +1003,60 @@ def _per_expert_loop(moe, x):
     return out
 
 
+@instantiate_parametrized_tests
+class TestGluActivation(TestCase):
+    """``torch_moe.nn.functional.glu_activation``: the formula in fp32, one rounding."""
+
+    @staticmethod
+    def _formula(h, rw, activation, alpha, limit, interleaved):
+        h = h.float()
+        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, :6], h[:, 6:])
+        if limit is not None:
+            gate, up = torch.minimum(gate, torch.tensor(limit)), up.clamp(-limit, limit)
+        if activation == "swiglu":
+            a = F.silu(gate) * up
+        else:
+            a = gate * torch.sigmoid(alpha * gate) * (up + 1)
+        return a if rw is None else a * rw.float()[:, None]
+
+    @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @parametrize("activation", ["swiglu", "swigluoai"])
+    def test_formula_in_fp32_rounded_once(self, dtype, activation):
+        g = torch.Generator().manual_seed(0)
+        h = (3 * torch.randn(37, 12, generator=g)).to(dtype)  # |h| > 1 often: clamps act
+        rw = torch.rand(37, generator=g)
+        for limit, interleaved, weights in [
+            (None, False, None),
+            (1.0, False, rw),
+            (1.0, True, None),
+            (None, True, rw.to(dtype)),
+        ]:
+            kw = dict(activation=activation, limit=limit, interleaved=interleaved)
+            got = torch_moe.nn.functional.glu_activation(h, weights, **kw)  # default alpha
+            want = self._formula(h, weights, activation, 1.702, limit, interleaved).to(dtype)
+            self.assertEqual(got.dtype, dtype)
+            self.assertEqual(got, want, atol=0, rtol=0, msg=str(kw))
+        a = torch_moe.nn.functional.glu_activation(h, activation=activation, alpha=0.5)
+        self.assertEqual(
+            a, self._formula(h, None, activation, 0.5, None, False).to(dtype), atol=0, rtol=0
+        )
+
+    def test_bad_arguments(self):
+        glu = torch_moe.nn.functional.glu_activation
+        h = torch.zeros(3, 4)
+        with self.assertRaisesRegex(ValueError, r"glu_activation: activation must be one of"):
+            glu(h, activation="gelu")
+        with self.assertRaisesRegex(
+            ValueError, r"glu_activation: swigluoai needs swiglu_alpha > 0, got -1.0"
+        ):
+            glu(h, activation="swigluoai", alpha=-1.0)
+        with self.assertRaisesRegex(
+            ValueError, r"glu_activation: swiglu_limit must be > 0 or None, got 0.0"
+        ):
+            glu(h, limit=0.0)
+        self.assertEqual(glu(h, activation="swigluoai", alpha=0.5).shape, (3, 2))
+
+
 class TestMoESavedActivations(TestCase):
     def test_saved_bytes_match_docstring(self):
         T, D, Fh, E, K, b = 32, 16, 12, 4, 2, 2
@@ -1030,7 +1088,6 @@ class TestMoESavedActivations(TestCase):
         for dtype in (torch.float32, torch.bfloat16):
             self.assertNotIn((dtype, (T * K, D)), shapes)
         self.assertNotIn((torch.bfloat16, (T, D)), shapes)
-
 
     def test_composed_saves_rows_h_and_a(self):
         # GPT-OSS-like experts (moe.py's MoE docstring): the permuted rows [M, D], the
@@ -1064,6 +1121,31 @@ class TestGroupedExpertsChunks(TestCase):
             else:
                 y.append(experts(x[rows], offs_c, rw[rows], expert_range=(l0, l1)))
         return torch.cat(y)
+
+    def test_composed_rows_past_the_groups_are_zero(self):
+        """Biased experts without row weights: rows at or past offs[-1] (padding) give
+        zero rows and no gradient, as grouped_mm's; the rows in the groups are each
+        expert's biased MLP (float64 oracle)."""
+        from torch_moe.nn.modules.moe import GroupedExperts
+
+        experts = GroupedExperts(8, 6, 3, bias=True, swiglu_limit=1.0, dtype=F64)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=F64))
+        offs = torch.tensor([2, 2, 5], dtype=torch.int32)
+        x = _x((8, 8))  # rows 5..7 past the groups
+        y = experts(x, offs)
+        self.assertEqual(y[5:], torch.zeros(3, 8, dtype=F64), **EXACT)
+        for r, e in enumerate([0, 0, 2, 2, 2]):
+            p = {n: t.detach() for n, t in experts.named_parameters()}
+            ref = naive.expert_swiglu(
+                x[r].detach(), p["w13"][e], p["w2"][e], p["b13"][e], p["b2"][e], limit=1.0
+            )
+            self.assertEqual(y[r], ref, **TIGHT)
+        y.sum().backward()
+        self.assertEqual(x.grad[5:], torch.zeros(3, 8, dtype=F64), **EXACT)
+        self.assertEqual(experts.b2.grad[1], torch.zeros(8, dtype=F64), **EXACT)  # idle
 
     def test_split_equals_slices_and_allocates_no_full_zero_gradients(self):
         from torch_moe.nn.modules.moe import GroupedExperts

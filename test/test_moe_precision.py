@@ -46,7 +46,8 @@ SQNR_MIN_DB = {
 GPT_OSS = dict(
     score_func="softmax_topk",
     router_bias=True,
-    activation="clamped_swiglu",
+    activation="swigluoai",
+    swiglu_limit=7.0,
     experts_bias=True,
     gate_up_interleaved=True,
 )

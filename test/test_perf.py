@@ -191,10 +191,10 @@ class TestMoEWorkload(TestCase):
             (1.25, "fp8_rowwise", torch.bfloat16, 1),
         )
         self.assertEqual(w.capacity, math.ceil(1.25 * 512 * 2 / 8))
-        gpt_oss = MoE(64, 96, 8, 2, activation="clamped_swiglu", experts_bias=True)
+        gpt_oss = MoE(64, 96, 8, 2, activation="swigluoai", experts_bias=True)
         with self.assertRaisesRegex(
             ValueError,
-            r"from_moe: composed experts \(activation='clamped_swiglu', experts_bias=True, "
+            r"from_moe: composed experts \(activation='swigluoai', experts_bias=True, "
             r"gate_up_interleaved=False\) are not modelled",
         ):
             MoEWorkload.from_moe(gpt_oss, 512)

@@ -30,8 +30,10 @@ renormalized or not; scaled by the router or by the block; expert groups; a sele
 bias on the router, on the block or in Ernie's ``moe_statics``; GPT-OSS's linear router
 with a bias, ``router_bias=True``), and a gated experts module without a post-expert norm
 whose activation is transformers' default SiLU gate on [gate; up] halves or GPT-OSS's
-clamped SwiGLU (``activation="clamped_swiglu"`` with the module's ``alpha`` / ``limit``;
-its interleaved gate / up columns as ``gate_up_interleaved=True``), with or without
+swigluoai (``activation="swigluoai"`` with the module's ``alpha`` / ``limit`` as
+``swiglu_alpha`` / ``swiglu_limit``; its interleaved gate / up columns as
+``gate_up_interleaved=True``), a clamped SwiGLU (HY-V4: ``swiglu_limit``) or
+Beam's SwiGLU in fp32 (``MoE``'s own numerics), with or without
 biases (``has_bias``: ``experts_bias=True``, the very ``gate_up_proj_bias`` /
 ``down_proj_bias`` Parameters), stored either way round. GPT-OSS's block returns
 ``(hidden_states, router_scores)``; the converted block returns ``(hidden_states, None)``
@@ -163,13 +165,20 @@ _ROUTED_ONLY = (
     "Lfm2MoeSparseMoeBlock",
     "GptOssMLP",  # returns (hidden_states, router_scores): _TUPLE_OUTPUT
     "OpenAIPrivacyFilterMLP",  # the same; its scores / K and output * K cancel
+    "BeamMoE",  # the block scales the routed output: route_scale
 )
 # blocks whose forward returns (hidden_states, router_scores); the converted block returns
 # (hidden_states, None): their decoder layers discard the second element
 _TUPLE_OUTPUT = frozenset({"GptOssMLP", "OpenAIPrivacyFilterMLP"})
-# experts whose own _apply_gate is GPT-OSS's clamped SwiGLU (alpha, limit attributes),
-# with whether it reads gate / up interleaved (GPT-OSS) or as halves (the privacy filter)
-_CLAMPED_SWIGLU = {"GptOssExperts": True, "OpenAIPrivacyFilterExperts": False}
+# experts classes whose own _apply_gate MoE computes: (activation, the attribute holding
+# swiglu_alpha (swigluoai only), the one holding swiglu_limit, gate / up interleaved)
+_OWN_GATES: dict[str, tuple[str, str | None, str | None, bool]] = {
+    "GptOssExperts": ("swigluoai", "alpha", "limit", True),
+    "OpenAIPrivacyFilterExperts": ("swigluoai", "alpha", "limit", False),
+    "Glm5NextTextExperts": ("swiglu", None, "swiglu_limit", False),
+    "HYV4Experts": ("swiglu", None, "swiglu_limit", False),
+    "BeamExperts": ("swiglu", None, None, False),  # act_fn(gate) * up in fp32: SiLU checked
+}
 _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen2MoeSparseMoeBlock",
     "Qwen3_5MoeSparseMoeBlock",
@@ -231,7 +240,7 @@ _CONFIG_DEFAULTS = {
     "route_norm_eps": 1e-20,
     "activation": "swiglu",
     "swiglu_alpha": 1.702,
-    "swiglu_limit": 7.0,
+    "swiglu_limit": None,
     "experts_bias": False,
     "gate_up_interleaved": False,
 }  # MoE arguments added after the first release
@@ -266,6 +275,12 @@ def _check_swiglu_mlp(mlp: Any, where: str) -> None:
         raise NotImplementedError(
             f"to_torch_moe: {where} ({type(mlp).__name__}) is not a bias-free gate_proj / "
             "up_proj / down_proj SwiGLU MLP"
+        )
+    limit = getattr(mlp, "swiglu_limit", None)
+    if limit is not None:  # GLM-5-Next's shared MLP clamps gate and up before its SiLU
+        raise NotImplementedError(
+            f"to_torch_moe: {where} ({type(mlp).__name__}) clamps its SwiGLU (swiglu_limit="
+            f"{limit}); torch_moe's shared expert does not"
         )
     if not _is_silu(getattr(mlp, "act_fn", None)):
         raise NotImplementedError(
@@ -352,6 +367,15 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         scale = float(getattr(gate, "router_scaling_factor", 1.0))
         cfg = dict(score_func="sigmoid", route_norm=True, route_scale=scale, expert_bias=True)
         bias = "e_score_correction_bias"
+    elif rname == "BeamTopKRouter":  # DeepSeek-V3's rule, the block scales the output
+        cfg = dict(
+            score_func="sigmoid",
+            route_norm=bool(gate.norm_topk_prob),
+            route_scale=float(block.routed_scaling_factor),
+            expert_bias=True,
+            **_groups(gate),
+        )
+        bias = f"{attr}.e_score_correction_bias"
     elif rname == "LagunaTopKRouter":  # the block scales the routed output instead
         if gate.router_logit_softcapping > 0:
             raise NotImplementedError(
@@ -494,24 +518,29 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
 
 def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
     """``MoE``'s activation arguments for the experts' own gate: transformers' default
-    (``act_fn(gate) * up`` on the halves) with SiLU, or GPT-OSS's clamped SwiGLU; raises
-    naming the experts class for any other."""
+    (``act_fn(gate) * up`` on the halves) with SiLU, or one of ``_OWN_GATES`` (clamped
+    SwiGLU, GPT-OSS's swigluoai); raises naming the experts class for any other."""
+    from torch_moe.integrations._transformers_experts import _is_silu
+
     cls = type(experts)
     if layout.default_gate and layout.silu:
         return {}  # SwiGLU on [gate; up] (the default gate splits halves whatever the flag)
-    owner = getattr(cls, "_apply_gate", None)
-    owner_name = getattr(owner, "__qualname__", "").split(".")[0]
-    if owner_name in _CLAMPED_SWIGLU and not layout.silu:
-        return dict(
-            activation="clamped_swiglu",
-            swiglu_alpha=float(experts.alpha),
-            swiglu_limit=float(experts.limit),
-            gate_up_interleaved=_CLAMPED_SWIGLU[owner_name],
-        )
+    owner = getattr(getattr(cls, "_apply_gate", None), "__qualname__", "").split(".")[0]
+    known = _OWN_GATES.get(owner)
+    act_fn = getattr(experts, "act_fn", None)
+    if known is not None and (known[0] != "swiglu" or act_fn is None or _is_silu(act_fn)):
+        activation, alpha, limit, interleaved = known
+        out: dict[str, Any] = dict(activation=activation, gate_up_interleaved=interleaved)
+        if alpha is not None:
+            out.update(swiglu_alpha=float(getattr(experts, alpha)))
+        if limit is not None and getattr(experts, limit, None) is not None:
+            out.update(swiglu_limit=float(getattr(experts, limit)))
+        return out
     raise NotImplementedError(
         f"to_torch_moe: {name}.experts ({cls.__name__}) has a custom activation (_apply_gate "
-        "/ act_fn other than SiLU(gate) * up or GPT-OSS's clamped SwiGLU); torch_moe.nn.MoE "
-        "does not compute it. Use the 'torch_moe' experts implementation instead"
+        "/ act_fn other than SiLU(gate) * up, a clamped SwiGLU or GPT-OSS's swigluoai); "
+        "torch_moe.nn.MoE does not compute it. Use the 'torch_moe' experts implementation "
+        "instead"
     )
 
 

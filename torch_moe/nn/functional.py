@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 # the experts' gated activations (``MoE(activation=...)``, :func:`glu_activation`)
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
+ACTIVATIONS = ("swiglu", "swigluoai")
 
 
 def grouped_swiglu(
@@ -63,15 +63,14 @@ def grouped_swiglu(
     return y
 
 
-def check_activation(where: str, activation: str, alpha: float, limit: float) -> None:
+def check_activation(where: str, activation: str, alpha: float, limit: float | None) -> None:
     """Raise ``ValueError`` naming the argument of a bad activation choice."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"{where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if activation == "clamped_swiglu" and not (alpha > 0 and limit > 0):
-        raise ValueError(
-            f"{where}: clamped_swiglu needs swiglu_alpha > 0 and swiglu_limit > 0, got "
-            f"swiglu_alpha={alpha!r}, swiglu_limit={limit!r}"
-        )
+    if activation == "swigluoai" and not alpha > 0:
+        raise ValueError(f"{where}: swigluoai needs swiglu_alpha > 0, got {alpha!r}")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"{where}: swiglu_limit must be > 0 or None, got {limit!r}")
 
 
 def glu_activation(
@@ -80,15 +79,16 @@ def glu_activation(
     *,
     activation: str = "swiglu",
     alpha: float = 1.702,
-    limit: float = 7.0,
+    limit: float | None = None,
     interleaved: bool = False,
 ) -> Tensor:
     r"""The experts' gated activation of the up projection ``h`` [M, 2F] -> [M, F].
 
-    ``"swiglu"``: ``silu(gate) * up``. ``"clamped_swiglu"`` (GPT-OSS): ``gate`` clamped
-    above at ``limit``, ``up`` to ``[-limit, limit]``, then
-    ``gate * sigmoid(alpha * gate) * (up + 1)``. ``gate`` and ``up`` are h's two halves
-    (gate columns first), or with ``interleaved=True`` its even and odd columns (GPT-OSS's
+    ``"swiglu"``: ``silu(gate) * up``. ``"swigluoai"`` (GPT-OSS, MiniMax-M3):
+    ``gate * sigmoid(alpha * gate) * (up + 1)``. With ``limit``, ``gate`` is first clamped
+    above at ``limit`` and ``up`` to ``[-limit, limit]`` (GPT-OSS: 7; DeepSeek-V4, GLM-5
+    and HY-V4 clamp their SwiGLU alike). ``gate`` and ``up`` are h's two halves (gate
+    columns first), or with ``interleaved=True`` its even and odd columns (GPT-OSS's
     ``gate_up_proj``). Times ``row_weights`` [M] when given (the routing weight of each
     row, folded in as ``grouped_swiglu`` does). Math in fp32 (fp64 for fp64 h), one
     rounding into h's dtype. Plain torch ops: differentiable in h and row_weights, and
@@ -100,11 +100,12 @@ def glu_activation(
     dtype, acc = h.dtype, acc_dtype(h.dtype)
     h = h.to(acc)
     gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
     if activation == "swiglu":
         a = torch.nn.functional.silu(gate) * up
     else:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
         a = gate * torch.sigmoid(gate * alpha) * (up + 1)
     if row_weights is not None:
         a = a * row_weights.to(acc).unsqueeze(-1)

@@ -335,7 +335,7 @@ class GroupedExperts(nn.Module):
         fused_decode: bool = False,
         activation: str = "swiglu",
         swiglu_alpha: float = 1.702,
-        swiglu_limit: float = 7.0,
+        swiglu_limit: float | None = None,
         bias: bool = False,
         gate_up_interleaved: bool = False,
         device: torch.device | str | None = None,
@@ -374,10 +374,14 @@ class GroupedExperts(nn.Module):
 
     @property
     def composed(self) -> bool:
-        """Whether the experts run as grouped GEMMs around :func:`glu_activation` (a
-        clamped activation, biases or interleaved gate / up rows) instead of
-        ``grouped_swiglu``."""
-        return self.activation != "swiglu" or self.b13 is not None or self.gate_up_interleaved
+        """Whether the experts run as grouped GEMMs around :func:`glu_activation` (swigluoai,
+        a clamp, biases or interleaved gate / up rows) instead of ``grouped_swiglu``."""
+        return (
+            self.activation != "swiglu"
+            or self.swiglu_limit is not None
+            or self.b13 is not None
+            or self.gate_up_interleaved
+        )
 
     @property
     def precision(self) -> str:
@@ -502,15 +506,7 @@ class GroupedExperts(nn.Module):
                 return ops.grouped_mm(a, w.transpose(-2, -1), offs)
             return scaled_grouped_mm(a, w.transpose(-2, -1), offs, recipe)
 
-        row_expert = None
-        if b13 is not None or b2 is not None:
-            # each row's expert: rows at or past offs[-1] (padding, weight 0) read the last
-            # expert's bias, and their GEMM rows are zero, so they add nothing
-            rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
-            row_expert = torch.searchsorted(offs, rows, right=True).clamp(max=w13.shape[0] - 1)
         h = gemm(x, w13)
-        if b13 is not None and row_expert is not None:
-            h = h + b13.to(h.dtype).index_select(0, row_expert)
         act = functools.partial(
             glu_activation,
             activation=self.activation,
@@ -518,15 +514,19 @@ class GroupedExperts(nn.Module):
             limit=self.swiglu_limit,
             interleaved=self.gate_up_interleaved,
         )
-        weighted = row_weights is not None and row_weights.requires_grad
-        if torch.is_grad_enabled() and (h.requires_grad or weighted):
-            a = checkpoint(act, h, row_weights, use_reentrant=False)
-        else:
-            a = act(h, row_weights)
-        y = gemm(a, w2)
-        if b2 is not None and row_expert is not None:
-            y = _row_bias(y, b2, row_expert, row_weights)
-        return y
+        if b13 is None or b2 is None:  # GroupedExperts(bias=True) has both
+            return gemm(_checkpointed(act, h, row_weights), w2)
+        # each row's expert; rows at or past offs[-1] (padding) read the last expert's up
+        # bias, and their zero GEMM rows stay zero: they get no down bias (weight 0)
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+        row_expert = torch.searchsorted(offs, rows, right=True)
+        bias_w = (row_expert < w13.shape[0]).to(acc_dtype(x.dtype))
+        if row_weights is not None:
+            bias_w = bias_w * row_weights
+        row_expert = row_expert.clamp(max=w13.shape[0] - 1)
+        h = h + b13.to(h.dtype).index_select(0, row_expert)
+        a = _checkpointed(act, h, row_weights)
+        return _row_bias(gemm(a, w2), b2, row_expert, bias_w)
 
     def decode_block_m(self, rows: int, device: torch.device) -> int | None:
         """The group alignment the fused decode kernels need for ``rows`` = T*K routed rows
@@ -603,12 +603,21 @@ class GroupedExperts(nn.Module):
         out = f"dim={d}, hidden_dim={two_f // 2}, num_experts={e}, precision={self.precision}"
         if self.activation != "swiglu":
             out += f", activation={self.activation}, swiglu_alpha={self.swiglu_alpha}"
+        if self.swiglu_limit is not None:
             out += f", swiglu_limit={self.swiglu_limit}"
         if self.b13 is not None:
             out += ", bias=True"
         if self.gate_up_interleaved:
             out += ", gate_up_interleaved=True"
         return out
+
+
+def _checkpointed(fn: Any, *args: Any) -> Tensor:
+    """``fn(*args)``, under ``torch.utils.checkpoint`` when autograd records (the backward
+    recomputes it from the saved inputs instead of keeping its intermediates)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor | None) -> Tensor:
@@ -740,17 +749,18 @@ class MoE(nn.Module):
             dtype) never quantize. On CUDA a recipe pads each expert's rows to a multiple
             of 16 (``torch._scaled_grouped_mm``'s group alignment).
         activation: the routed experts' gated activation, ``"swiglu"`` (default:
-            ``silu(gate) * up``) or ``"clamped_swiglu"`` (GPT-OSS: gate clamped above at
-            ``swiglu_limit``, up to +-``swiglu_limit``, ``gate * sigmoid(swiglu_alpha *
-            gate) * (up + 1)``); see :func:`torch_moe.nn.functional.glu_activation`.
-        swiglu_alpha, swiglu_limit: the clamped activation's constants (GPT-OSS: 1.702, 7).
+            ``silu(gate) * up``) or ``"swigluoai"`` (GPT-OSS: ``gate * sigmoid(swiglu_alpha
+            * gate) * (up + 1)``); see :func:`torch_moe.nn.functional.glu_activation`.
+        swiglu_alpha: swigluoai's constant (GPT-OSS: 1.702).
+        swiglu_limit: clamp gate above at it and up to +-it before the activation (GPT-OSS:
+            7; DeepSeek-V4 / GLM-5 / HY-V4 clamp their SwiGLU too); None: no clamp.
         experts_bias: give the routed experts' projections biases, ``experts.b13`` [E, 2F]
             and ``experts.b2`` [E, D] (GPT-OSS); the down bias is weighted by the routing
             weight with the rest of the expert's output.
         gate_up_interleaved: ``experts.w13`` (and ``b13``) hold gate and up rows
             alternating (row 2f: gate f, row 2f + 1: up f; GPT-OSS's ``gate_up_proj``)
             instead of all gate rows first.
-            Experts with any of these three run as grouped GEMMs around the activation
+            Experts with any of these (beyond plain SwiGLU) run as grouped GEMMs around the activation
             (``GroupedExperts.composed``): they also save the permuted input [M, D] and the
             weighted activation [M, F] per routed row, and never take the fused decode
             kernels.
@@ -788,7 +798,7 @@ class MoE(nn.Module):
         precision: str | Recipe = "bf16",
         activation: str = "swiglu",
         swiglu_alpha: float = 1.702,
-        swiglu_limit: float = 7.0,
+        swiglu_limit: float | None = None,
         experts_bias: bool = False,
         gate_up_interleaved: bool = False,
         device: torch.device | str | None = None,
@@ -1198,7 +1208,7 @@ class MoE(nn.Module):
             for k, v in c.items()
             if (v not in (None, False, 0) or k == "top_k")
             and (k, v) not in (("precision", "bf16"), ("activation", "swiglu"))
-            and not (k.startswith("swiglu_") and c["activation"] == "swiglu")
+            and not (k == "swiglu_alpha" and c["activation"] == "swiglu")
         )
 
 
