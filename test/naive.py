@@ -89,6 +89,19 @@ def dispatch(
     return rows, ends, dropped
 
 
+# GPT-OSS's block as MoE arguments (router with a bias, softmax over the top-k logits,
+# swigluoai experts with biases on interleaved gate / up), clamped at 0.5 instead of 7 so
+# that the clamps act at the tests' sizes
+GPT_OSS = dict(
+    score_func="softmax_topk",
+    router_bias=True,
+    activation="swigluoai",
+    swiglu_limit=0.5,
+    experts_bias=True,
+    gate_up_interleaved=True,
+)
+
+
 def _sigmoid(z: float) -> float:
     return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import naive
 import torch
 import torch.distributed as dist
 from dist_utils import (
@@ -56,15 +57,7 @@ DIM, HIDDEN = 16, 32
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-# GPT-OSS's experts (swiglu_limit 0.5 instead of 7 so that the clamps act at these sizes)
-GPT_OSS = dict(
-    score_func="softmax_topk",
-    router_bias=True,
-    activation="swigluoai",
-    swiglu_limit=0.5,
-    experts_bias=True,
-    gate_up_interleaved=True,
-)
+GPT_OSS = naive.GPT_OSS
 
 
 def make_moe(seed=0, **kwargs):

@@ -299,16 +299,9 @@ OPTIONS = {
     # the composed experts: swiglu_limit=0.5 so that the clamps bite (checked in _check)
     "experts_bias": dict(experts_bias=True),
     "gate_up_interleaved": dict(gate_up_interleaved=True),
-    "swiglu_limit": dict(swiglu_limit=0.5),  # DeepSeek-V4, GLM-5, HY-V4
+    "swiglu_limit": dict(swiglu_limit=0.5),  # HY-V4's clamped SwiGLU
     "swigluoai": dict(activation="swigluoai", swiglu_alpha=1.5),
-    "gpt_oss": dict(
-        score_func="softmax_topk",
-        router_bias=True,
-        activation="swigluoai",
-        swiglu_limit=0.5,
-        experts_bias=True,
-        gate_up_interleaved=True,
-    ),
+    "gpt_oss": naive.GPT_OSS,
     "composed_capacity": dict(experts_bias=True, capacity_factor=0.5, shared_hidden_dim=5),
 }
 

@@ -352,11 +352,13 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
             cfg = dict(score_func="softmax_topk")
         else:  # sigmoid is monotone: the top-k logits are the top-k sigmoid scores
             cfg = dict(score_func="sigmoid", route_norm=bool(gate.norm_topk_prob))
-    elif rname in _SIGMOID_GROUPED:
+    elif rname in _SIGMOID_GROUPED or rname == "BeamTopKRouter":
+        # Beam's block, not its router, scales the routed output: the same factor
+        scaler = block if rname == "BeamTopKRouter" else gate
         cfg = dict(
             score_func="sigmoid",
             route_norm=bool(gate.norm_topk_prob),
-            route_scale=float(gate.routed_scaling_factor),
+            route_scale=float(scaler.routed_scaling_factor),
             expert_bias=True,
             **_groups(gate),
         )
@@ -367,15 +369,6 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         scale = float(getattr(gate, "router_scaling_factor", 1.0))
         cfg = dict(score_func="sigmoid", route_norm=True, route_scale=scale, expert_bias=True)
         bias = "e_score_correction_bias"
-    elif rname == "BeamTopKRouter":  # DeepSeek-V3's rule, the block scales the output
-        cfg = dict(
-            score_func="sigmoid",
-            route_norm=bool(gate.norm_topk_prob),
-            route_scale=float(block.routed_scaling_factor),
-            expert_bias=True,
-            **_groups(gate),
-        )
-        bias = f"{attr}.e_score_correction_bias"
     elif rname == "LagunaTopKRouter":  # the block scales the routed output instead
         if gate.router_logit_softcapping > 0:
             raise NotImplementedError(
