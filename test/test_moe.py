@@ -1092,7 +1092,10 @@ class TestMoESavedActivations(TestCase):
         moe = _randomize(
             MoE(dim=D, hidden_dim=Fh, num_experts=E, top_k=K, **OPTIONS["gpt_oss"], dtype=bf16)
         )
+        seen = []
+        moe.experts.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
         _, saved = _saved_bytes(moe, _x((T, D), dtype=bf16))
+        self.assertEqual(seen, [bf16])  # the biased rows rounded back to the experts' dtype
         shapes = [(dtype, shape) for _, dtype, shape in saved]
         for want in ((T * K, D), (T * K, 2 * Fh), (T * K, Fh)):
             self.assertEqual(shapes.count((bf16, want)), 1, msg=f"{want}: {shapes}")

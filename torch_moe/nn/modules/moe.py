@@ -620,9 +620,9 @@ def _checkpointed(fn: Any, *args: Any) -> Tensor:
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor | None) -> Tensor:
+def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor) -> Tensor:
     """``y + w[:, None] * b[experts]`` for rows y [M, D] of ``experts`` [M] with row weights
-    w [M] (1 when None), summed in fp32 (fp64 for fp64) and rounded once into y's dtype.
+    w [M], summed in fp32 (fp64 for fp64) and rounded once into y's dtype.
 
     The weighted gather is ``embedding_bag`` with one index per bag and ``w`` as
     per-sample weights: its backward reads b again (b's gradient an index-add, w's the
@@ -630,12 +630,8 @@ def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor | None) -> Tensor
     op that every backend, the compiler and the chunk pass see into.
     """
     acc = acc_dtype(y.dtype)
-    term = F.embedding_bag(
-        experts.unsqueeze(1),
-        b.to(acc),
-        mode="sum",
-        per_sample_weights=None if w is None else w.to(acc).unsqueeze(1),
-    )
+    per_row = w.to(acc).unsqueeze(1)
+    term = F.embedding_bag(experts.unsqueeze(1), b.to(acc), mode="sum", per_sample_weights=per_row)
     return (y.to(acc) + term).to(y.dtype)
 
 
