@@ -599,8 +599,8 @@ def check_convert(model: nn.Module, ids: torch.Tensor) -> str:
             ):
                 errs.append(close(got_g[id(mine)].transpose(1, 2), ref_g[id(hf_p)], id(hf_p)))
                 matched.add(id(hf_p))
-        if tb.hf_keys.shared is not None:
-            mlp = getattr(blocks[name], tb.hf_keys.shared)
+        if tb.hf_keys.shared is not None and not tb.hf_keys.shared_fused:
+            mlp = getattr(blocks[name], tb.hf_keys.shared)  # gate / up concatenated: a copy
             halves = [mlp.gate_proj.weight, mlp.up_proj.weight]
             w13 = tb.moe.shared_experts.w13
             expect = torch.cat([ref_g[id(p)] for p in halves])

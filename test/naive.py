@@ -145,13 +145,15 @@ def expert_swiglu(
     return out
 
 
-def expert_options(config: dict) -> dict:
-    """:func:`expert_swiglu`'s activation keywords from ``MoE.config``."""
+def expert_options(config: dict, shared: bool = False) -> dict:
+    """:func:`expert_swiglu`'s activation keywords from ``MoE.config``, for the routed
+    experts or (``shared``) the shared expert."""
+    prefix = "shared_" if shared else ""
     return dict(
-        activation=config.get("activation", "swiglu"),
+        activation=config.get(f"{prefix}activation", "swiglu"),
         alpha=config.get("swiglu_alpha", 1.702),
-        limit=config.get("swiglu_limit"),
-        interleaved=config.get("gate_up_interleaved", False),
+        limit=config.get(f"{prefix}swiglu_limit"),
+        interleaved=False if shared else config.get("gate_up_interleaved", False),
     )
 
 
@@ -247,7 +249,12 @@ def moe_layer(x: Tensor, state: dict[str, Tensor], config: dict) -> tuple[Tensor
     _, _, dropped = dispatch(ids, num_experts, capacity=capacity)
     if "shared_experts.w13" in state:
         for t in range(num_tokens):
-            shared = expert_swiglu(x_TD[t], state["shared_experts.w13"], state["shared_experts.w2"])
+            shared = expert_swiglu(
+                x_TD[t],
+                state["shared_experts.w13"],
+                state["shared_experts.w2"],
+                **expert_options(config, shared=True),
+            )
             if "shared_experts.gate" in state:
                 g = float(state["shared_experts.gate"][0].double() @ x_TD[t])
                 shared = shared / (1.0 + math.exp(-g))
@@ -306,7 +313,10 @@ def moe_layer_autograd(
             )
         if "shared_experts.w13" in params:
             shared = _swiglu_autograd(
-                x_t, params["shared_experts.w13"], params["shared_experts.w2"]
+                x_t,
+                params["shared_experts.w13"],
+                params["shared_experts.w2"],
+                shared_config=config,
             )
             if "shared_experts.gate" in params:
                 shared = shared * torch.sigmoid(params["shared_experts.gate"][0] @ x_t)
@@ -326,11 +336,15 @@ def _swiglu_autograd(
     b13_e: Tensor | None = None,
     b2_e: Tensor | None = None,
     config: dict | None = None,
+    shared_config: dict | None = None,
 ) -> Tensor:
     def rnd(t: Tensor) -> Tensor:
         return t if lowp is None else t.to(lowp).to(torch.float64)
 
-    opt = expert_options(config or {})
+    if shared_config is not None:
+        opt = expert_options(shared_config, shared=True)
+    else:
+        opt = expert_options(config or {})
     hidden = w13_e.shape[0] // 2
     h = rnd(rnd(w13_e) @ rnd(x_row))
     if b13_e is not None:

@@ -715,14 +715,22 @@ BLOCKS = {
     "aria": ("aria_text", "AriaTextMoELayer", {}),  # experts stored transposed, shared MLP
     # SwiGLU clamped at swiglu_limit (1 here, so that the clamps act at these sizes)
     "hy_v4": ("hy_v4", "HYV4MoE", dict(swiglu_limit=1.0)),
-    # the same experts, refused: its shared MLP clamps too (test_refused_with_reason)
-    "glm5_next": ("glm5_next_text", "Glm5NextTextMoE", dict(swiglu_limit=1.0)),
+    "glm5_next": ("glm5_next_text", "Glm5NextTextMoE", dict(swiglu_limit=1.0)),  # shared too
+    # swigluoai experts and shared MLP (one gate_up_proj Linear), sigmoid + bias routing
+    "minimax_m3_vl": (
+        "minimax_m3_vl_text",
+        "MiniMaxM3VLSparseMoeBlock",
+        dict(swiglu_limit=1.0, shared_intermediate_size=24, routed_scaling_factor=2.0),
+    ),
     # DeepSeek-V3's routing with the scale on the block; its own fp32 SwiGLU gate
     "beam": ("beam", "BeamMoE", dict(routed_scaling_factor=2.5, norm_topk_prob=True)),
 }
-REFUSED_BLOCKS = ("glm5_next",)  # built by tiny_block for test_refused_with_reason
 # families whose modeling module has another name
-_BLOCK_MODULES = {"aria_text": "aria", "glm5_next_text": "glm5_next"}
+_BLOCK_MODULES = {
+    "aria_text": "aria",
+    "glm5_next_text": "glm5_next",
+    "minimax_m3_vl_text": "minimax_m3_vl",
+}
 
 
 def tiny_block(key, seed=0, **overrides):
@@ -771,7 +779,7 @@ class TestConvertBlocks(_OneThread, TestCase):
     """Each routing rule of ``to_torch_moe`` on its HF block: output, input gradient and every
     parameter gradient equal the block's own (fp32), and the round trip is bitwise."""
 
-    @parametrize("key", [k for k in BLOCKS if k not in REFUSED_BLOCKS])
+    @parametrize("key", list(BLOCKS))
     def test_block_matches_and_round_trips(self, key):
         import torch_moe.integrations.transformers as tmt
         from torch_moe.nn import MoE, hf_state_dict_to_moe
@@ -811,7 +819,9 @@ class TestConvertBlocks(_OneThread, TestCase):
             elif id(p) in ref_g:
                 self.assertIn(id(p), got_g, msg=f"{name} is not shared with the MoE")
                 _rel_close(self, got_g[id(p)], ref_g[id(p)], 64, F32_EPS, msg=name)
-        if shared:
+        if shared and holder.mlp.hf_keys.shared_fused:  # one gate_up_proj: shared as is
+            self.assertIs(moe.shared_experts.w13, hf_params[f"{shared}.gate_up_proj.weight"])
+        elif shared:
             w13 = torch.cat(
                 [ref_g[id(hf_params[f"{shared}.{n}_proj.weight"])] for n in ("gate", "up")]
             )
@@ -848,7 +858,6 @@ class TestConvertBlocks(_OneThread, TestCase):
             ("deepseek_v2", dict(topk_method="noaux_tc"), r"topk_method='noaux_tc'"),
             ("laguna", dict(moe_router_logit_softcapping=30.0), r"router_logit_softcapping=30.0"),
             ("cohere2_moe", dict(shared_expert_combination_strategy="average"), r"'average'"),
-            ("glm5_next", {}, r"Glm5NextTextMLP\) clamps its SwiGLU \(swiglu_limit=1.0\)"),
         ]
         for key, overrides, pattern in cases:
             holder = torch.nn.Module()
@@ -856,6 +865,15 @@ class TestConvertBlocks(_OneThread, TestCase):
             with self.assertRaisesRegex(NotImplementedError, pattern, msg=key):
                 tmt.to_torch_moe(holder)
             self.assertIsNot(type(holder.mlp), tmt.TorchMoEBlock)
+        # a shared MLP whose forward this converter does not know (here: one that would
+        # clamp, in a class without a rule) is refused, not converted as plain SwiGLU
+        holder = torch.nn.Module()
+        holder.mlp = tiny_block("hy_v4")
+        holder.mlp.shared_experts.swiglu_limit = 1.0
+        with self.assertRaisesRegex(
+            NotImplementedError, r"shared_experts \(HYV4MLP\) has its own gated forward"
+        ):
+            tmt.to_torch_moe(holder)
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")

@@ -303,6 +303,17 @@ OPTIONS = {
     "swigluoai": dict(activation="swigluoai", swiglu_alpha=1.5),
     "gpt_oss": naive.GPT_OSS,
     "composed_capacity": dict(experts_bias=True, capacity_factor=0.5, shared_hidden_dim=5),
+    # GLM-5-Next: both clamped; MiniMax-M3: swigluoai in both, clamped; the shared expert alone
+    "shared_clamped": dict(swiglu_limit=0.5, shared_hidden_dim=5, shared_swiglu_limit=0.5),
+    "shared_swigluoai": dict(
+        activation="swigluoai",
+        swiglu_limit=0.5,
+        shared_hidden_dim=5,
+        shared_activation="swigluoai",
+        shared_swiglu_limit=0.5,
+        shared_gate=True,
+    ),
+    "shared_only_clamped": dict(shared_hidden_dim=5, shared_swiglu_limit=0.5),
 }
 
 SHAPES = {"2d": (11, 8), "3d": (2, 5, 8)}
@@ -349,6 +360,10 @@ class TestMoENaive(TestCase):
                 h = h + state["experts.b13"].double()
             clamped = (h.abs() > cfg["swiglu_limit"]).double().mean()
             self.assertGreaterEqual(float(clamped), MIN_DROP_FRACTION, "clamps")
+        if cfg["shared_swiglu_limit"] is not None and x_TD.shape[0] > 0:
+            h = x_TD @ state["shared_experts.w13"].double().t()
+            clamped = (h.abs() > cfg["shared_swiglu_limit"]).double().mean()
+            self.assertGreaterEqual(float(clamped), MIN_DROP_FRACTION, "shared clamps")
         capacity = naive._capacity(cfg, x_TD.shape[0])
         if capacity is not None and x_TD.shape[0] > 0:
             _, _, dropped = naive.dispatch(ids, cfg["num_experts"], capacity=capacity)

@@ -178,6 +178,7 @@ _OWN_GATES: dict[str, tuple[str, str | None, str | None, bool]] = {
     "Glm5NextTextExperts": ("swiglu", None, "swiglu_limit", False),
     "HYV4Experts": ("swiglu", None, "swiglu_limit", False),
     "BeamExperts": ("swiglu", None, None, False),  # act_fn(gate) * up in fp32: SiLU checked
+    "MiniMaxM3VLExperts": ("swigluoai", "swiglu_alpha", "swiglu_limit", False),
 }
 _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen2MoeSparseMoeBlock",
@@ -209,6 +210,7 @@ _SHARED = (  # + shared_experts(x) (another attribute name: _SHARED_ATTR)
     "HYV4MoE",
     "KimiLinearMoE",
     "LagunaSparseMoeBlock",
+    "MiniMaxM3VLSparseMoeBlock",  # scales the routed output: route_scale
     "Mistral4MoE",
     "MistralLarge4TextMoE",
     "SolarOpenMoE",
@@ -243,6 +245,8 @@ _CONFIG_DEFAULTS = {
     "swiglu_limit": None,
     "experts_bias": False,
     "gate_up_interleaved": False,
+    "shared_activation": "swiglu",
+    "shared_swiglu_limit": None,
 }  # MoE arguments added after the first release
 
 
@@ -261,32 +265,64 @@ class _HFKeys:
     router_bias: str | None = None  # the router linear's bias (GPT-OSS: "router.bias")
     experts_bias: bool = False  # experts.gate_up_proj_bias / down_proj_bias (``has_bias``)
     tuple_output: bool = False  # the block returns (hidden_states, router_scores)
+    shared_fused: bool = False  # the shared MLP's gate and up are one gate_up_proj Linear
 
 
 def _is_experts(module: nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "down_proj")
 
 
-def _check_swiglu_mlp(mlp: Any, where: str) -> None:
+# shared MLP classes whose own forward MoE's shared expert computes: (activation, the
+# attribute holding swiglu_alpha (swigluoai only), the one holding swiglu_limit)
+_SHARED_GATES: dict[str, tuple[str, str | None, str]] = {
+    "Glm5NextTextMLP": ("swiglu", None, "swiglu_limit"),  # clamps, then SiLU
+    "MiniMaxM3VLDenseMLP": ("swigluoai", "swiglu_alpha", "swiglu_limit"),  # gate_up_proj
+}
+
+
+def _shared_mlp_plan(mlp: Any, where: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(``MoE``'s shared-expert arguments, whether gate and up are one ``gate_up_proj``
+    Linear) for a shared MLP: a bias-free SiLU gate_proj / up_proj / down_proj MLP, or one
+    of ``_SHARED_GATES``; raises naming what ``SharedExperts`` does not compute."""
     from torch_moe.integrations._transformers_experts import _is_silu
 
-    lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    name = type(mlp).__name__
+    fused = isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear)
+    parts = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+    lins = [getattr(mlp, n, None) for n in parts]
     if not all(isinstance(lin, nn.Linear) and lin.bias is None for lin in lins):
         raise NotImplementedError(
-            f"to_torch_moe: {where} ({type(mlp).__name__}) is not a bias-free gate_proj / "
-            "up_proj / down_proj SwiGLU MLP"
+            f"to_torch_moe: {where} ({name}) is not a bias-free gate_proj / up_proj (or "
+            "gate_up_proj) / down_proj gated MLP"
         )
-    limit = getattr(mlp, "swiglu_limit", None)
-    if limit is not None:  # GLM-5-Next's shared MLP clamps gate and up before its SiLU
+    known = _SHARED_GATES.get(name)
+    if known is not None:
+        activation, alpha, limit = known
+        out: dict[str, Any] = dict(shared_activation=activation)
+        if getattr(mlp, limit, None) is not None:
+            out.update(shared_swiglu_limit=float(getattr(mlp, limit)))
+        if alpha is not None:  # MoE has one swiglu_alpha: the routed experts' must agree
+            value = float(getattr(mlp, alpha))
+            if cfg.get("activation") == "swigluoai" and cfg.get("swiglu_alpha") != value:
+                raise NotImplementedError(
+                    f"to_torch_moe: {where} ({name}) has swiglu_alpha={value}, the routed "
+                    f"experts {cfg.get('swiglu_alpha')}; torch_moe.nn.MoE has one"
+                )
+            cfg.setdefault("swiglu_alpha", value)
+        return out, fused
+    clamp = getattr(mlp, "swiglu_limit", None)
+    if clamp is not None or fused:  # a forward this converter does not know
         raise NotImplementedError(
-            f"to_torch_moe: {where} ({type(mlp).__name__}) clamps its SwiGLU (swiglu_limit="
-            f"{limit}); torch_moe's shared expert does not"
+            f"to_torch_moe: {where} ({name}) has its own gated forward (swiglu_limit={clamp}, "
+            f"gate_up_proj={fused}); torch_moe's shared expert computes SiLU(gate) * up, "
+            "clamped or swigluoai only for the MLP classes it knows"
         )
     if not _is_silu(getattr(mlp, "act_fn", None)):
         raise NotImplementedError(
-            f"to_torch_moe: {where} ({type(mlp).__name__}) has act_fn "
+            f"to_torch_moe: {where} ({name}) has act_fn "
             f"{type(getattr(mlp, 'act_fn', None)).__name__}; torch_moe's shared expert is SiLU"
         )
+    return {}, False
 
 
 def _router_of(block: Any) -> tuple[str, Any]:
@@ -365,6 +401,11 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
         bias = f"{attr}.e_score_correction_bias"
     elif rname == "FlintTopKRouter":  # sigmoid, no selection bias
         cfg = dict(score_func="sigmoid", route_norm=bool(gate.norm_topk_prob))
+    elif rname == "MiniMaxM3VLTopKRouter":  # M2's rule, the bias on the router, the
+        # block scaling the routed output
+        cfg = dict(score_func="sigmoid", route_norm=True, expert_bias=True)
+        cfg.update(route_scale=float(block.routed_scaling_factor))
+        bias = f"{attr}.e_score_correction_bias"
     elif rname in ("MiniMaxM2TopKRouter", "HYV3TopKRouter"):  # the bias on the block
         scale = float(getattr(gate, "router_scaling_factor", 1.0))
         cfg = dict(score_func="sigmoid", route_norm=True, route_scale=scale, expert_bias=True)
@@ -484,9 +525,10 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         bias_shape, bias_dtype = tuple(bias.shape), bias.dtype
     shared_attr, mlp = _shared_mlp(block, kind)
     shared_gate = None
+    shared_fused = False
     if mlp is not None:
-        _check_swiglu_mlp(mlp, f"{name}.{shared_attr}")
-        cfg.update(shared_hidden_dim=mlp.down_proj.in_features)
+        shared_cfg, shared_fused = _shared_mlp_plan(mlp, f"{name}.{shared_attr}", cfg)
+        cfg.update(shared_hidden_dim=mlp.down_proj.in_features, **shared_cfg)
         if kind == "gated_shared":
             cfg.update(shared_gate=True)
             shared_gate = "shared_expert_gate.weight"
@@ -505,6 +547,7 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         router_bias=f"{attr}.bias" if routing.get("router_bias") else None,
         experts_bias=experts_bias,
         tuple_output=name in _TUPLE_OUTPUT,
+        shared_fused=shared_fused,
     )
     return cfg, keys
 
@@ -662,11 +705,14 @@ def _convert_block(
     if keys.shared is not None:
         assert moe.shared_experts is not None
         mlp = getattr(block, keys.shared)
-        with torch.no_grad():
-            shared_w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
-        moe.shared_experts.w13 = nn.Parameter(
-            shared_w13, requires_grad=mlp.gate_proj.weight.requires_grad
-        )
+        if keys.shared_fused:  # [gate; up] already: the same Parameter
+            moe.shared_experts.w13 = mlp.gate_up_proj.weight
+        else:
+            with torch.no_grad():
+                shared_w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
+            moe.shared_experts.w13 = nn.Parameter(
+                shared_w13, requires_grad=mlp.gate_proj.weight.requires_grad
+            )
         moe.shared_experts.w2 = mlp.down_proj.weight
         if keys.shared_gate is not None:
             moe.shared_experts.gate = block.get_parameter(keys.shared_gate)
@@ -782,8 +828,11 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
             prefix = f"{keys.shared}."
             fs = shared.w2.shape[1]
             rg = shared.w13.requires_grad
-            sd[prefix + "gate_proj.weight"] = nn.Parameter(shared.w13.detach()[:fs], rg)
-            sd[prefix + "up_proj.weight"] = nn.Parameter(shared.w13.detach()[fs:], rg)
+            if keys.shared_fused:
+                sd[prefix + "gate_up_proj.weight"] = shared.w13
+            else:
+                sd[prefix + "gate_proj.weight"] = nn.Parameter(shared.w13.detach()[:fs], rg)
+                sd[prefix + "up_proj.weight"] = nn.Parameter(shared.w13.detach()[fs:], rg)
             sd[prefix + "down_proj.weight"] = shared.w2
             if keys.shared_gate is not None:
                 assert shared.gate is not None

@@ -664,7 +664,12 @@ def _quantize_weight_cached(source: Tensor, w: Tensor, g: Any) -> tuple[Tensor, 
 
 
 class SharedExperts(nn.Module):
-    """A dense SwiGLU MLP every token goes through, optionally scaled by sigmoid(x @ gate^T)."""
+    """A dense gated MLP every token goes through, optionally scaled by sigmoid(x @ gate^T).
+
+    SwiGLU in x's dtype by default; with ``activation="swigluoai"`` or a ``swiglu_limit``
+    (GLM-5-Next's and MiniMax-M3's shared MLPs) the activation is
+    :func:`glu_activation`'s, in fp32 with one rounding.
+    """
 
     def __init__(
         self,
@@ -672,10 +677,19 @@ class SharedExperts(nn.Module):
         hidden_dim: int,
         *,
         gate: bool = False,
+        activation: str = "swiglu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        check_activation("SharedExperts", activation, swiglu_alpha, swiglu_limit)
+        self.activation, self.swiglu_alpha, self.swiglu_limit = (
+            activation,
+            swiglu_alpha,
+            swiglu_limit,
+        )
         self.w13 = nn.Parameter(torch.empty(2 * hidden_dim, dim, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(dim, hidden_dim, device=device, dtype=dtype))
         self.gate = nn.Parameter(torch.empty(1, dim, device=device, dtype=dtype)) if gate else None
@@ -688,8 +702,19 @@ class SharedExperts(nn.Module):
             nn.init.uniform_(self.gate, -(self.gate.shape[1] ** -0.5), self.gate.shape[1] ** -0.5)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, self.w2)
+        h = F.linear(x, self.w13)
+        if self.activation == "swiglu" and self.swiglu_limit is None:
+            gate, up = h.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            act = functools.partial(
+                glu_activation,
+                activation=self.activation,
+                alpha=self.swiglu_alpha,
+                limit=self.swiglu_limit,
+            )
+            a = _checkpointed(act, h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+        out = F.linear(a, self.w2)
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate))
         return out
@@ -729,6 +754,9 @@ class MoE(nn.Module):
         router_bias: give the router linear a bias.
         shared_hidden_dim: hidden dim of an always-on shared SwiGLU expert (0: none).
         shared_gate: scale the shared expert by ``sigmoid(x @ gate^T)`` (Qwen2-MoE).
+        shared_activation, shared_swiglu_limit: the shared expert's activation and clamp,
+            as ``activation`` / ``swiglu_limit`` for the routed experts (GLM-5-Next clamps
+            both, HY-V4 only the routed ones, MiniMax-M3 runs swigluoai in both).
         capacity_factor: keep at most ``ceil(capacity_factor * T * K / E)`` assignments
             per expert (earliest tokens first), dropping the rest; None: dropless.
         aux_loss: ``"switch"``, ``"sequence"`` (DeepSeek-V3) or None.
@@ -747,7 +775,7 @@ class MoE(nn.Module):
         activation: the routed experts' gated activation, ``"swiglu"`` (default:
             ``silu(gate) * up``) or ``"swigluoai"`` (GPT-OSS: ``gate * sigmoid(swiglu_alpha
             * gate) * (up + 1)``); see :func:`torch_moe.nn.functional.glu_activation`.
-        swiglu_alpha: swigluoai's constant (GPT-OSS: 1.702).
+        swiglu_alpha: swigluoai's constant (GPT-OSS: 1.702), for the shared expert too.
         swiglu_limit: clamp gate above at it and up to +-it before the activation (GPT-OSS:
             7; DeepSeek-V4 / GLM-5 / HY-V4 clamp their SwiGLU too); None: no clamp.
         experts_bias: give the routed experts' projections biases, ``experts.b13`` [E, 2F]
@@ -787,6 +815,8 @@ class MoE(nn.Module):
         router_bias: bool = False,
         shared_hidden_dim: int = 0,
         shared_gate: bool = False,
+        shared_activation: str = "swiglu",
+        shared_swiglu_limit: float | None = None,
         capacity_factor: float | None = None,
         aux_loss: str | None = None,
         aux_loss_coeff: float = 0.0,
@@ -802,6 +832,9 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         check_activation("MoE", activation, swiglu_alpha, swiglu_limit)
+        check_activation(
+            "MoE (shared expert)", shared_activation, swiglu_alpha, shared_swiglu_limit
+        )
         for name, value in [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]:
             _check_positive(name, value)
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
@@ -862,7 +895,16 @@ class MoE(nn.Module):
             dtype=dtype,
         )
         self.shared_experts = (
-            SharedExperts(dim, shared_hidden_dim, gate=shared_gate, device=device, dtype=dtype)
+            SharedExperts(
+                dim,
+                shared_hidden_dim,
+                gate=shared_gate,
+                activation=shared_activation,
+                swiglu_alpha=swiglu_alpha,
+                swiglu_limit=shared_swiglu_limit,
+                device=device,
+                dtype=dtype,
+            )
             if shared_hidden_dim > 0
             else None
         )
@@ -1181,6 +1223,8 @@ class MoE(nn.Module):
             router_bias=r.bias is not None,
             shared_hidden_dim=0 if self.shared_experts is None else self.shared_experts.w2.shape[1],
             shared_gate=self.shared_experts is not None and self.shared_experts.gate is not None,
+            shared_activation=self._shared("activation", "swiglu"),
+            shared_swiglu_limit=self._shared("swiglu_limit", None),
             capacity_factor=self.capacity_factor,
             precision=self._precision_arg(),
             activation=self.experts.activation,
@@ -1189,6 +1233,9 @@ class MoE(nn.Module):
             experts_bias=self.experts.b13 is not None,
             gate_up_interleaved=self.experts.gate_up_interleaved,
         )
+
+    def _shared(self, name: str, default: Any) -> Any:
+        return default if self.shared_experts is None else getattr(self.shared_experts, name)
 
     def _precision_arg(self) -> str | Recipe:
         """The ``precision`` argument that rebuilds this layer: a name when it is one."""
@@ -1203,7 +1250,12 @@ class MoE(nn.Module):
             f"{k}={v}"
             for k, v in c.items()
             if (v not in (None, False, 0) or k == "top_k")
-            and (k, v) not in (("precision", "bf16"), ("activation", "swiglu"))
+            and (k, v)
+            not in (
+                ("precision", "bf16"),
+                ("activation", "swiglu"),
+                ("shared_activation", "swiglu"),
+            )
             and not (k == "swiglu_alpha" and c["activation"] == "swiglu")
         )
 
@@ -1262,8 +1314,11 @@ def hf_state_dict_to_moe(
             raise KeyError(f"hf_state_dict_to_moe: two keys map to {name!r}, the second {key!r}")
         out[name] = value
     if shared:
-        out["shared_experts.w13"] = torch.cat(
-            [shared["gate_proj.weight"], shared["up_proj.weight"]], 0
-        )
+        if "gate_up_proj.weight" in shared:  # MiniMax-M3: [gate; up] in one Linear
+            out["shared_experts.w13"] = shared["gate_up_proj.weight"]
+        else:
+            out["shared_experts.w13"] = torch.cat(
+                [shared["gate_proj.weight"], shared["up_proj.weight"]], 0
+            )
         out["shared_experts.w2"] = shared["down_proj.weight"]
     return out
