@@ -22,6 +22,11 @@ in one process on the same weights and tokens. Per model and implementation:
 * step peak: the peak live bytes above the pre-step baseline during the whole step
   (model activations, logits and gradients included), from the same profiler.
 
+``--convert`` adds "to_torch_moe": a copy of the model whose sparse-MoE blocks
+``to_torch_moe`` replaced by ``torch_moe.nn.MoE`` (router, experts and shared experts in
+torch_moe's layer; the form that takes expert parallelism and FP8 recipes), timed in the
+same interleaved rounds; its "experts saved" cell is empty (the whole layer is one module).
+
 ``--compile`` adds grouped_mm and torch_moe under ``torch.compile(fullgraph=True)``
 (inductor; torch_moe with its default compiler passes, ``torch_moe._inductor.options()``;
 "x torch_moe" still against torch_moe without compile). transformers' eager loop does
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
 import os
 import platform
@@ -79,6 +85,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 IMPLS = ["eager", "grouped_mm", "batched_mm", "torch_moe"]
 GPU_ONLY = ["sonicmoe", "deepgemm"]
+CONVERTED = "to_torch_moe"  # --convert: the model with its blocks replaced by torch_moe.nn.MoE
 
 
 def cpu_info() -> str:
@@ -123,8 +130,9 @@ def batched_mm_gib(model: nn.Module, tokens: int) -> float:
 
 
 def step(model: nn.Module, ids: torch.Tensor, call: Any = None) -> None:
-    """Forward, loss, backward; ``call``: a compiled ``model`` to run instead."""
-    model.zero_grad(set_to_none=True)
+    """Forward, loss, backward; ``call``: a compiled ``model`` (or the converted copy) to run
+    instead, whose gradients are the ones reset."""
+    (call if isinstance(call, nn.Module) else model).zero_grad(set_to_none=True)
     logits = (model if call is None else call)(ids).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
     loss.backward()
@@ -226,12 +234,14 @@ def time_steps(
     calls = calls or {}
     clock = time.perf_counter if device == "cuda" else time.process_time
     for impl in impls:  # warm-up
-        model.set_experts_implementation(impl)
+        if impl != CONVERTED:
+            model.set_experts_implementation(impl)
         step(model, ids, calls.get(impl))
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(rounds):
         for impl in impls:
-            model.set_experts_implementation(impl)
+            if impl != CONVERTED:
+                model.set_experts_implementation(impl)
             _sync(device)
             t0 = clock()
             step(model, ids, calls.get(impl))
@@ -283,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
         "--tokens", type=int, default=1024, help="tokens per step (batch of 512-token rows)"
     )
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--convert",
+        action="store_true",
+        help="also time a to_torch_moe copy of the model (torch_moe.nn.MoE blocks)",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batched-mm-gib", type=float, default=2.0,
@@ -327,7 +342,13 @@ def main(argv: list[str] | None = None) -> None:
         ids = ids.to(args.device)
         status = available(impls, model, ids, args)
         runs = [i for i in impls if not status[i]]
-        times = time_steps(model, ids, runs, args.rounds, args.device)
+        calls = {}
+        if args.convert:
+            converted = copy.deepcopy(model)
+            converted.set_experts_implementation("eager")  # blocks it cannot convert
+            tmt.to_torch_moe(converted)
+            calls[CONVERTED] = converted
+        times = time_steps(model, ids, runs + list(calls), args.rounds, args.device, calls)
         saved, peak = {}, {}
         layers = len(experts_of(model))
         for impl in runs:
@@ -336,6 +357,13 @@ def main(argv: list[str] | None = None) -> None:
             peak[impl] = step_peak_bytes(model, ids, args.device)
         others = [saved[i] for i in runs if i != "torch_moe"]
         best_other = min(others) if others else math.nan
+        if args.convert:
+            t = times[CONVERTED]
+            conv_peak = step_peak_bytes(calls[CONVERTED], ids, args.device)
+            lines.append(
+                f"| {label} | {CONVERTED} | {t * 1e3:.0f} | {t / times['torch_moe']:.2f} | "
+                f"{ids.numel() / t:.0f} | | | {conv_peak / 2**20:.0f} |"
+            )
         for impl in impls:
             if status[impl]:
                 lines.append(f"| {label} | {impl} | {status[impl]} | | | | | |")
@@ -348,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.compile:
             lines += compiled_rows(model, ids, label, times["torch_moe"], args)
-        print("\n".join(lines[-len(impls) :]), file=sys.stderr, flush=True)
+        print("\n".join(lines[-len(impls) - len(calls) :]), file=sys.stderr, flush=True)
         del model
     print("\n".join(lines))
 

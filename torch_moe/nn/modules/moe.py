@@ -403,9 +403,9 @@ class GroupedExperts(nn.Module):
         )
 
     def split_weights(self, chunks: list[tuple[int, int]]) -> list[tuple[Tensor, ...]]:
-        """This rank's (w13, w2) (and (b13, b2) when the experts have biases) split once into ``chunks``, contiguous ranges (l0, l1) of
-        local experts that cover them in order (``ExpertParallel(num_chunks=C)``'s), for
-        ``forward(..., weights=...)``. One split of each weight per step: its backward
+        """This rank's (w13, w2) (and (b13, b2) when the experts have biases) split once
+        into ``chunks``, contiguous ranges (l0, l1) of local experts that cover them in
+        order (``ExpertParallel(num_chunks=C)``'s), for ``forward(..., weights=...)``. One split of each weight per step: its backward
         concatenates the chunks' weight gradients once, where a slice per chunk gives every
         chunk a zero-filled gradient of all local experts to add (C zero fills and adds of
         the full gradients, two of them live in the last chunk's backward)."""
@@ -784,10 +784,10 @@ class MoE(nn.Module):
         gate_up_interleaved: ``experts.w13`` (and ``b13``) hold gate and up rows
             alternating (row 2f: gate f, row 2f + 1: up f; GPT-OSS's ``gate_up_proj``)
             instead of all gate rows first.
-            Experts with any of these (beyond plain SwiGLU) run as grouped GEMMs around the activation
-            (``GroupedExperts.composed``): they also save the permuted input [M, D] and the
-            weighted activation [M, F] per routed row, and never take the fused decode
-            kernels.
+            Experts with any of these (beyond plain SwiGLU) run as grouped GEMMs around
+            the activation (``GroupedExperts.composed``): they also save the permuted
+            input [M, D] and the weighted activation [M, F] per routed row, and never take
+            the fused decode kernels.
 
     ``forward(x [..., D]) -> [..., D]``.
     """
