@@ -844,14 +844,17 @@ class TestMoECompile(TestCase):
 
     def test_compile_composed(self):
         """GPT-OSS-like experts (biases, interleaved gate / up, clamped activation):
-        bitwise under aot_eager; Inductor sees the activation and the bias terms as aten
-        ops between the two grouped GEMMs."""
+        bitwise under aot_eager; under Inductor the two grouped GEMMs around the glu op
+        forward, their two weight gradients and the glu backward."""
         self._compare("aot_eager", EXACT, **OPTIONS["gpt_oss"])
         fwd, bwd = self._compare("inductor", dict(atol=1e-5, rtol=1e-5), **OPTIONS["gpt_oss"])
         FileCheck().check("torch.ops.torch_moe.grouped_mm.default(").check(
-            "torch.ops.torch_moe.grouped_mm.default("
-        ).check_not("torch.ops.torch_moe.grouped_swiglu").run(fwd)
-        FileCheck().check_count("torch.ops.torch_moe.grouped_mm_wgrad.default(", 2).check_not(
+            "torch.ops.torch_moe.glu.default("
+        ).check("torch.ops.torch_moe.grouped_mm.default(").check_not(
+            "torch.ops.torch_moe.grouped_swiglu"
+        ).run(fwd)
+        FileCheck().check_count("torch.ops.torch_moe.grouped_mm_wgrad.default(", 2).run(bwd)
+        FileCheck().check("torch.ops.torch_moe.glu_backward.default(").check_not(
             "grouped_swiglu_backward"
         ).run(bwd)
 
@@ -902,7 +905,7 @@ class TestMoEErrors(TestCase):
         with self.assertRaisesRegex(ValueError, r"MoE: swiglu_limit must be > 0 or None, got -1.0"):
             MoE(**BASE, swiglu_limit=-1.0)
         with self.assertRaisesRegex(
-            ValueError, r"glu_activation: expected h \[M, 2F\], got \[3, 5\]"
+            ValueError, r"glu: expected h \[M, 2F\] in one of .*, got \[3, 5\]"
         ):
             torch_moe.nn.functional.glu_activation(torch.zeros(3, 5))
 
@@ -1009,60 +1012,6 @@ def _per_expert_loop(moe, x):
         h = F.linear(F.silu(gate) * up, moe.experts.w2[e]) * top_w[tok, pos, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out
-
-
-@instantiate_parametrized_tests
-class TestGluActivation(TestCase):
-    """``torch_moe.nn.functional.glu_activation``: the formula in fp32, one rounding."""
-
-    @staticmethod
-    def _formula(h, rw, activation, alpha, limit, interleaved):
-        h = h.float()
-        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, :6], h[:, 6:])
-        if limit is not None:
-            gate, up = torch.minimum(gate, torch.tensor(limit)), up.clamp(-limit, limit)
-        if activation == "swiglu":
-            a = F.silu(gate) * up
-        else:
-            a = gate * torch.sigmoid(alpha * gate) * (up + 1)
-        return a if rw is None else a * rw.float()[:, None]
-
-    @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-    @parametrize("activation", ["swiglu", "swigluoai"])
-    def test_formula_in_fp32_rounded_once(self, dtype, activation):
-        g = torch.Generator().manual_seed(0)
-        h = (3 * torch.randn(37, 12, generator=g)).to(dtype)  # |h| > 1 often: clamps act
-        rw = torch.rand(37, generator=g)
-        for limit, interleaved, weights in [
-            (None, False, None),
-            (1.0, False, rw),
-            (1.0, True, None),
-            (None, True, rw.to(dtype)),
-        ]:
-            kw = dict(activation=activation, limit=limit, interleaved=interleaved)
-            got = torch_moe.nn.functional.glu_activation(h, weights, **kw)  # default alpha
-            want = self._formula(h, weights, activation, 1.702, limit, interleaved).to(dtype)
-            self.assertEqual(got.dtype, dtype)
-            self.assertEqual(got, want, atol=0, rtol=0, msg=str(kw))
-        a = torch_moe.nn.functional.glu_activation(h, activation=activation, alpha=0.5)
-        self.assertEqual(
-            a, self._formula(h, None, activation, 0.5, None, False).to(dtype), atol=0, rtol=0
-        )
-
-    def test_bad_arguments(self):
-        glu = torch_moe.nn.functional.glu_activation
-        h = torch.zeros(3, 4)
-        with self.assertRaisesRegex(ValueError, r"glu_activation: activation must be one of"):
-            glu(h, activation="gelu")
-        with self.assertRaisesRegex(
-            ValueError, r"glu_activation: swigluoai needs swiglu_alpha > 0, got -1.0"
-        ):
-            glu(h, activation="swigluoai", alpha=-1.0)
-        with self.assertRaisesRegex(
-            ValueError, r"glu_activation: swiglu_limit must be > 0 or None, got 0.0"
-        ):
-            glu(h, limit=0.0)
-        self.assertEqual(glu(h, activation="swigluoai", alpha=0.5).shape, (3, 2))
 
 
 class TestMoESavedActivations(TestCase):

@@ -263,12 +263,14 @@ class TestMoEPrecisionDevice(TestCase):
 
     @onlyCUDA
     @parametrize("autocast", [False, True])
-    def test_bf16_layer_matches_cpu(self, device, autocast):
+    @parametrize("experts", ["swiglu", "gpt_oss"])
+    def test_bf16_layer_matches_cpu(self, device, autocast, experts):
         """The default experts (``grouped_swiglu`` gathering its rows from the tokens; on
-        CUDA its device-generic composition) against the CPU kernels: bf16 parameters, or
+        CUDA its device-generic composition) and GPT-OSS's composed experts (biases, each
+        row's expert found on the device) against the CPU kernels: bf16 parameters, or
         fp32 ones under bf16 autocast (fp32 tokens, rows converted as gathered)."""
         dtype = torch.float32 if autocast else torch.bfloat16
-        (cpu,) = _layers("bf16", dtype=dtype)
+        (cpu,) = _layers("bf16", dtype=dtype, **({} if experts == "swiglu" else GPT_OSS))
         gpu = MoE(**cpu.config, dtype=dtype, device=device)
         gpu.load_state_dict(cpu.state_dict())
         x, grad_out = _data(dtype, num_tokens=256)

@@ -210,6 +210,18 @@ class TestOpSchemas(TestCase):
             """torch_moe::scaled_grouped_mm_wgrad(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor offs, SymInt block, ScalarType out_dtype) -> Tensor""",
         )
 
+    def test_schema_glu(self):
+        self.assertExpectedInline(
+            schema("glu"),
+            """torch_moe::glu(Tensor h, Tensor? row_weights, str activation, float alpha, float? limit, bool interleaved) -> Tensor""",
+        )
+
+    def test_schema_glu_backward(self):
+        self.assertExpectedInline(
+            schema("glu_backward"),
+            """torch_moe::glu_backward(Tensor grad_a, Tensor h, Tensor? row_weights, str activation, float alpha, float? limit, bool interleaved) -> (Tensor, Tensor)""",
+        )
+
     def test_schema_swiglu(self):
         self.assertExpectedInline(
             schema("swiglu"),

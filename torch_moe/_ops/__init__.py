@@ -4,4 +4,11 @@ Importing this package registers every op with the dispatcher; the data flows on
 routing -> permute -> grouped_mm / grouped_swiglu / fused_experts -> unpermute.
 """
 
-from torch_moe._ops import fused_experts, grouped_mm, grouped_swiglu, permute, routing  # noqa: F401
+from torch_moe._ops import (  # noqa: F401
+    fused_experts,
+    glu,
+    grouped_mm,
+    grouped_swiglu,
+    permute,
+    routing,
+)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torch_moe._ops import glu as _glu
 from torch_moe._ops import grouped_swiglu as _swiglu
 from torch_moe._ops._dtypes import acc_dtype
 
@@ -20,8 +21,8 @@ __all__ = [
     "switch_aux_loss",
 ]
 
-# the experts' gated activations (``MoE(activation=...)``, :func:`glu_activation`)
-ACTIVATIONS = ("swiglu", "swigluoai")
+ACTIVATIONS = _glu.ACTIVATIONS  # the experts' gated activations (``MoE(activation=...)``)
+check_activation = _glu.check_activation
 
 
 def grouped_swiglu(
@@ -63,16 +64,6 @@ def grouped_swiglu(
     return y
 
 
-def check_activation(where: str, activation: str, alpha: float, limit: float | None) -> None:
-    """Raise ``ValueError`` naming the argument of a bad activation choice."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if activation == "swigluoai" and not alpha > 0:
-        raise ValueError(f"{where}: swigluoai needs swiglu_alpha > 0, got {alpha!r}")
-    if limit is not None and not limit > 0:
-        raise ValueError(f"{where}: swiglu_limit must be > 0 or None, got {limit!r}")
-
-
 def glu_activation(
     h: Tensor,
     row_weights: Tensor | None = None,
@@ -91,25 +82,11 @@ def glu_activation(
     columns first), or with ``interleaved=True`` its even and odd columns (GPT-OSS's
     ``gate_up_proj``). Times ``row_weights`` [M] when given (the routing weight of each
     row, folded in as ``grouped_swiglu`` does). Math in fp32 (fp64 for fp64 h), one
-    rounding into h's dtype. Plain torch ops: differentiable in h and row_weights, and
-    fused by Inductor under ``torch.compile``.
+    rounding into h's dtype. The op ``torch_moe::glu``: differentiable in h and
+    row_weights, its backward keeps only h (and the weights) and recomputes the rest by
+    formula (on CPU in row chunks), so no fp32 temporary outlives it.
     """
-    check_activation("glu_activation", activation, alpha, limit)
-    if h.dim() != 2 or h.shape[1] % 2 != 0:
-        raise ValueError(f"glu_activation: expected h [M, 2F], got {list(h.shape)}")
-    dtype, acc = h.dtype, acc_dtype(h.dtype)
-    h = h.to(acc)
-    gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    if activation == "swiglu":
-        a = torch.nn.functional.silu(gate) * up
-    else:
-        a = gate * torch.sigmoid(gate * alpha) * (up + 1)
-    if row_weights is not None:
-        a = a * row_weights.to(acc).unsqueeze(-1)
-    return a.to(dtype)
+    return _glu.glu(h, row_weights, activation, alpha, limit, interleaved)
 
 
 def _router_probs(logits: Tensor, score_func: str) -> Tensor:

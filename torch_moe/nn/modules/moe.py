@@ -78,7 +78,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from torch_moe import ops
 from torch_moe._ops import routing as _routing
@@ -495,10 +494,10 @@ class GroupedExperts(nn.Module):
     ) -> Tensor:
         """The experts as ``grouped_mm`` (or the recipe's ``scaled_grouped_mm``) -> + b13 ->
         :func:`glu_activation` x row weight -> ``grouped_mm`` -> + row weight x b2, on the
-        permuted rows x [M, D] in x's dtype (biases converted to it). The activation runs
-        under ``torch.utils.checkpoint``: the backward keeps x, the [M, 2F]
-        pre-activation and the [M, F] weighted activation (the down GEMM's weight-gradient
-        operand), and the down bias's term saves no [M, D] tensor (``_row_bias``)."""
+        permuted rows x [M, D] in x's dtype (biases converted to it). The backward keeps x,
+        the [M, 2F] pre-activation (the activation op recomputes the rest) and the [M, F]
+        weighted activation (the down GEMM's weight-gradient operand); the down bias's
+        term saves no [M, D] tensor (``_row_bias``)."""
         recipe = self.recipe
 
         def gemm(a: Tensor, w: Tensor) -> Tensor:
@@ -515,7 +514,7 @@ class GroupedExperts(nn.Module):
             interleaved=self.gate_up_interleaved,
         )
         if b13 is None or b2 is None:  # GroupedExperts(bias=True) has both
-            return gemm(_checkpointed(act, h, row_weights), w2)
+            return gemm(act(h, row_weights), w2)
         # each row's expert; rows at or past offs[-1] (padding) read the last expert's up
         # bias, and their zero GEMM rows stay zero: they get no down bias (weight 0)
         rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
@@ -525,8 +524,7 @@ class GroupedExperts(nn.Module):
             bias_w = bias_w * row_weights
         row_expert = row_expert.clamp(max=w13.shape[0] - 1)
         h = h + b13.to(h.dtype).index_select(0, row_expert)
-        a = _checkpointed(act, h, row_weights)
-        return _row_bias(gemm(a, w2), b2, row_expert, bias_w)
+        return _row_bias(gemm(act(h, row_weights), w2), b2, row_expert, bias_w)
 
     def decode_block_m(self, rows: int, device: torch.device) -> int | None:
         """The group alignment the fused decode kernels need for ``rows`` = T*K routed rows
@@ -610,14 +608,6 @@ class GroupedExperts(nn.Module):
         if self.gate_up_interleaved:
             out += ", gate_up_interleaved=True"
         return out
-
-
-def _checkpointed(fn: Any, *args: Any) -> Tensor:
-    """``fn(*args)``, under ``torch.utils.checkpoint`` when autograd records (the backward
-    recomputes it from the saved inputs instead of keeping its intermediates)."""
-    if not torch.is_grad_enabled():
-        return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor) -> Tensor:
@@ -707,13 +697,12 @@ class SharedExperts(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
-            act = functools.partial(
-                glu_activation,
+            a = glu_activation(
+                h.reshape(-1, h.shape[-1]),
                 activation=self.activation,
                 alpha=self.swiglu_alpha,
                 limit=self.swiglu_limit,
-            )
-            a = _checkpointed(act, h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+            ).view(*h.shape[:-1], -1)
         out = F.linear(a, self.w2)
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate))

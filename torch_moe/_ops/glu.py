@@ -1,0 +1,274 @@
+"""Gated activations of the composed experts: ``torch_moe::glu`` and its backward.
+
+Legend: M rows, F hidden dim; h [M, 2F] is the up projection (gate and up), a [M, F].
+
+    gate, up = h's halves (gate columns first), or its even / odd columns (interleaved)
+    gate, up = min(gate, L), clamp(up, -L, L)      with a limit L (GPT-OSS, HY-V4, GLM-5)
+    "swiglu":    a = silu(gate) * up
+    "swigluoai": a = gate * sigmoid(alpha * gate) * (up + 1)     (GPT-OSS, MiniMax-M3)
+    a = a * row_weights                             (the routing weight, when given)
+
+Math in fp32 (fp64 for fp64 h), one rounding into h's dtype, as ``grouped_swiglu``'s
+activation. The op saves h and the row weights and recomputes a in the backward, whose
+derivatives are written out (s = sigmoid(gate), sa = sigmoid(alpha * gate)):
+
+    swiglu:    dGate = dA * up * s * (1 + gate * (1 - s))     dUp = dA * silu(gate)
+    swigluoai: dGate = dA * (up + 1) * sa * (1 + alpha * gate * (1 - sa))
+               dUp   = dA * gate * sa
+    a clamped input passes no gradient (torch.clamp's rule: the bounds themselves pass)
+    d row_weights = sum_f dA * a_unweighted,   dA -> dA * row_weights
+
+so that no fp32 temporary outlives the op. On CPU both directions run in row chunks
+(the measured elementwise chunk of ``grouped_swiglu``), so the fp32 temporaries hold one
+chunk; elsewhere the whole tensor at once. ``glu_reference`` (plain differentiable torch
+ops) is the oracle and the formula's definition.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
+from torch_moe._ops.grouped_mm import _nonzero_strides
+from torch_moe._ops.grouped_swiglu import _act_chunk_rows
+
+__all__ = ["ACTIVATIONS", "check_activation", "glu", "glu_backward", "glu_reference"]
+
+# the experts' gated activations (``MoE(activation=...)``)
+ACTIVATIONS = ("swiglu", "swigluoai")
+
+
+def check_activation(where: str, activation: str, alpha: float, limit: float | None) -> None:
+    """Raise ``ValueError`` naming the argument of a bad activation choice."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation == "swigluoai" and not alpha > 0:
+        raise ValueError(f"{where}: swigluoai needs swiglu_alpha > 0, got {alpha!r}")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"{where}: swiglu_limit must be > 0 or None, got {limit!r}")
+
+
+def _check(
+    where: str,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+) -> None:
+    check_activation(where, activation, alpha, limit)
+    if h.dim() != 2 or h.shape[1] % 2 != 0 or h.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{where}: expected h [M, 2F] in one of {FLOAT_DTYPES}, got {list(h.shape)} {h.dtype}"
+        )
+    if row_weights is not None and (
+        row_weights.shape != (h.shape[0],)
+        or not row_weights.is_floating_point()
+        or row_weights.device != h.device
+    ):
+        raise ValueError(
+            f"{where}: expected row_weights to be a floating-point tensor [M={h.shape[0]}] on "
+            f"{h.device}, got {list(row_weights.shape)} {row_weights.dtype} on {row_weights.device}"
+        )
+
+
+def _halves(h: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    return (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+
+
+def glu_reference(
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> Tensor:
+    """The activation in plain differentiable torch ops: the oracle."""
+    _check("glu", h, row_weights, activation, alpha, limit)
+    dtype, acc = h.dtype, acc_dtype(h.dtype)
+    gate, up = _halves(h.to(acc), interleaved)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    if activation == "swiglu":
+        a = torch.nn.functional.silu(gate) * up
+    else:
+        a = gate * torch.sigmoid(gate * alpha) * (up + 1)
+    if row_weights is not None:
+        a = a * row_weights.to(acc).unsqueeze(-1)
+    return a.to(dtype)
+
+
+def _backward_into(
+    grad_a: Tensor,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+    dh: Tensor,
+) -> Tensor | None:
+    """Write dH for rows h into ``dh``; return d row_weights (fp32 / fp64) or None."""
+    acc = acc_dtype(h.dtype)
+    gate, up = _halves(h.to(acc), interleaved)
+    if limit is not None:
+        gate_in = gate <= limit
+        up_in = (up >= -limit) & (up <= limit)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    ga = grad_a.to(acc)
+    if activation == "swiglu":
+        s = torch.sigmoid(gate)
+        act = torch.nn.functional.silu(gate)  # the forward's unweighted a is act * up
+        unweighted = act * up
+        slope = s * (1 + gate * (1 - s))
+    else:
+        s = torch.sigmoid(gate * alpha)
+        act = gate * s
+        up = up + 1
+        unweighted = act * up
+        slope = s * (1 + alpha * gate * (1 - s))
+    grad_rw = None
+    if row_weights is not None:
+        grad_rw = (ga * unweighted).sum(-1)
+        ga = ga * row_weights.to(acc).unsqueeze(-1)
+    d_gate = ga * up * slope
+    d_up = ga * act
+    if limit is not None:
+        d_gate = torch.where(gate_in, d_gate, 0)
+        d_up = torch.where(up_in, d_up, 0)
+    g_out, u_out = _halves(dh, interleaved)
+    g_out.copy_(d_gate)
+    u_out.copy_(d_up)
+    return grad_rw
+
+
+def _rows_per_chunk(h: Tensor) -> int:
+    return _act_chunk_rows(h.dtype, h.shape[1] // 2)
+
+
+@torch.library.custom_op("torch_moe::glu", mutates_args=())
+def glu(
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> Tensor:
+    """The gated activation of h [M, 2F] -> a [M, F] (module docstring), any device."""
+    return glu_reference(h, row_weights, activation, alpha, limit, interleaved)
+
+
+@glu.register_kernel("cpu")
+def _(
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> Tensor:
+    """Row chunks whose fp32 temporaries stay in cache: the same operations as
+    ``glu_reference`` row by row, hence the same bits."""
+    _check("glu", h, row_weights, activation, alpha, limit)
+    out = h.new_empty((h.shape[0], h.shape[1] // 2))
+    step = _rows_per_chunk(h)
+    for r0 in range(0, h.shape[0], step):
+        r = slice(r0, r0 + step)
+        rw = None if row_weights is None else row_weights[r]
+        out[r] = glu_reference(h[r], rw, activation, alpha, limit, interleaved)
+    return out
+
+
+@glu.register_fake
+def _(
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> Tensor:
+    _check("glu", h, row_weights, activation, alpha, limit)
+    return h.new_empty((h.shape[0], h.shape[1] // 2))
+
+
+def _grad_rw_or_empty(grad_rw: Tensor | None, row_weights: Tensor | None, h: Tensor) -> Tensor:
+    if grad_rw is None or row_weights is None:
+        return h.new_empty((0,), dtype=torch.float32)
+    return grad_rw.to(row_weights.dtype)
+
+
+@torch.library.custom_op("torch_moe::glu_backward", mutates_args=())
+def glu_backward(
+    grad_a: Tensor,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
+    """(dH [M, 2F], d row_weights [M], empty without row weights), any device."""
+    _check("glu_backward", h, row_weights, activation, alpha, limit)
+    dh = torch.empty_like(h)
+    grad_rw = _backward_into(grad_a, h, row_weights, activation, alpha, limit, interleaved, dh)
+    return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
+
+
+@glu_backward.register_kernel("cpu")
+def _(
+    grad_a: Tensor,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
+    """The same formulas in row chunks: the same values row by row."""
+    _check("glu_backward", h, row_weights, activation, alpha, limit)
+    dh = torch.empty_like(h)
+    grad_rw = None if row_weights is None else h.new_empty((h.shape[0],), dtype=acc_dtype(h.dtype))
+    step = _rows_per_chunk(h)
+    for r0 in range(0, h.shape[0], step):
+        r = slice(r0, r0 + step)
+        rw = None if row_weights is None else row_weights[r]
+        part = _backward_into(grad_a[r], h[r], rw, activation, alpha, limit, interleaved, dh[r])
+        if grad_rw is not None and part is not None:
+            grad_rw[r] = part
+    return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
+
+
+@glu_backward.register_fake
+def _(
+    grad_a: Tensor,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
+    _check("glu_backward", h, row_weights, activation, alpha, limit)
+    grad_rw = h.new_empty((0,)) if row_weights is None else torch.empty_like(row_weights)
+    return torch.empty_like(h), grad_rw
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    h, row_weights, activation, alpha, limit, interleaved = inputs
+    ctx.save_for_backward(h, row_weights)
+    ctx.args = (activation, alpha, limit, interleaved)
+
+
+def _backward(ctx, grad_a):  # type: ignore[no-untyped-def]
+    h, row_weights = ctx.saved_tensors
+    dh, grad_rw = glu_backward(_nonzero_strides(grad_a), h, row_weights, *ctx.args)
+    grad_rw = grad_rw if row_weights is not None and ctx.needs_input_grad[1] else None
+    return dh, grad_rw, None, None, None, None
+
+
+glu.register_autograd(_backward, setup_context=_setup)
