@@ -81,6 +81,25 @@ class TestGlu(TestCase):
         with self.assertRaisesRegex(ValueError, r"glu: swiglu_limit must be > 0 or None, got 0.0"):
             glu(h, limit=0.0)
         self.assertEqual(glu(h, activation="swigluoai", alpha=0.5).shape, (3, 2))
+        bad_rw = r"glu: expected row_weights to be a floating-point tensor \[M=3\] on cpu, got "
+        for rw, got in [
+            (torch.ones(4), r"\[4\] torch.float32"),
+            (torch.ones(3, dtype=torch.int64), r"\[3\] torch.int64"),
+        ]:
+            with self.assertRaisesRegex(ValueError, bad_rw + got):
+                glu(h, rw)
+            # the reference (the op's kernel on other devices) checks alike
+            with self.assertRaisesRegex(ValueError, bad_rw + got):
+                glu_ops.glu_reference(h, rw, "swiglu", 1.702, None, False)
+        with self.assertRaisesRegex(ValueError, r"glu: swiglu_limit must be > 0 or None, got -1"):
+            glu_ops.glu_reference(h, None, "swiglu", 1.702, -1, False)
+
+    def test_row_weight_gradient_in_their_dtype(self):
+        h, _ = _inputs(torch.bfloat16, rows=5)
+        for dtype in (torch.bfloat16, F64):
+            rw = torch.rand(5, dtype=dtype, requires_grad=True)
+            torch_moe.nn.functional.glu_activation(h, rw, activation="swigluoai").sum().backward()
+            self.assertEqual(rw.grad.dtype, dtype)
 
     @parametrize("dtype", [F64, torch.float32, torch.bfloat16])
     @parametrize("case", range(len(CASES)))
