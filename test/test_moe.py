@@ -905,7 +905,8 @@ class TestMoEErrors(TestCase):
         with self.assertRaisesRegex(ValueError, r"MoE: swiglu_limit must be > 0 or None, got -1.0"):
             MoE(**BASE, swiglu_limit=-1.0)
         with self.assertRaisesRegex(
-            ValueError, r"glu: expected h \[M, 2F\] in one of .*, got \[3, 5\]"
+            ValueError,
+            r"glu: expected h \[M, 2F\] \(gate and up columns\) in one of .*, got \[3, 5\]",
         ):
             torch_moe.nn.functional.glu_activation(torch.zeros(3, 5))
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
+from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.grouped_mm import _nonzero_strides
-from torch_moe._ops.grouped_swiglu import _act_chunk_rows
+from torch_moe._ops.grouped_swiglu import _act_chunk_rows, _check_act
 
 __all__ = ["ACTIVATIONS", "check_activation", "glu", "glu_backward", "glu_reference"]
 
@@ -58,23 +58,14 @@ def _check(
     limit: float | None,
 ) -> None:
     check_activation(where, activation, alpha, limit)
-    if h.dim() != 2 or h.shape[1] % 2 != 0 or h.dtype not in FLOAT_DTYPES:
-        raise ValueError(
-            f"{where}: expected h [M, 2F] in one of {FLOAT_DTYPES}, got {list(h.shape)} {h.dtype}"
-        )
-    if row_weights is not None and (
-        row_weights.shape != (h.shape[0],)
-        or not row_weights.is_floating_point()
-        or row_weights.device != h.device
-    ):
-        raise ValueError(
-            f"{where}: expected row_weights to be a floating-point tensor [M={h.shape[0]}] on "
-            f"{h.device}, got {list(row_weights.shape)} {row_weights.dtype} on {row_weights.device}"
-        )
+    _check_act(h, row_weights, where)
 
 
 def _halves(h: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
-    return (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+    if interleaved:
+        return h[:, 0::2], h[:, 1::2]
+    gate, up = h.chunk(2, dim=-1)
+    return gate, up
 
 
 def glu_reference(

@@ -745,10 +745,12 @@ grouped_swiglu.register_autograd(_backward, setup_context=_setup)
 # GEMMs; grouped_swiglu fuses it between its two GEMMs)
 
 
-def _check_act(h: Tensor, row_weights: Tensor | None) -> None:
+def _check_act(h: Tensor, row_weights: Tensor | None, where: str = "swiglu") -> None:
+    """h [M, 2F] (gate and up) in a float dtype and optional row weights [M] on its device
+    (``where``: the op named in the message; ``torch_moe::glu`` checks alike)."""
     if h.dim() != 2 or h.shape[1] % 2 != 0 or h.dtype not in _DTYPES:
         raise ValueError(
-            f"swiglu: expected h [M, 2F] (gate columns, then up) in one of {_DTYPES}, got "
+            f"{where}: expected h [M, 2F] (gate and up columns) in one of {_DTYPES}, got "
             f"{list(h.shape)} {h.dtype}"
         )
     if row_weights is not None and (
@@ -757,7 +759,7 @@ def _check_act(h: Tensor, row_weights: Tensor | None) -> None:
         or row_weights.device != h.device
     ):
         raise ValueError(
-            f"swiglu: expected row_weights to be a floating-point tensor [M={h.shape[0]}] on "
+            f"{where}: expected row_weights to be a floating-point tensor [M={h.shape[0]}] on "
             f"{h.device}, got {list(row_weights.shape)} {row_weights.dtype} on {row_weights.device}"
         )
 
