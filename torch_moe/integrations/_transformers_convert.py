@@ -594,8 +594,10 @@ def _tensor(module: nn.Module, key: str) -> Tensor:
 class TorchMoEBlock(nn.Module):
     """An HF sparse-MoE block replaced by ``torch_moe.nn.MoE`` (``self.moe``).
 
-    ``forward(hidden_states [B, S, D]) -> [B, S, D]`` as the HF block. The HF block class
-    and config it came from are kept (not in the state dict) for :func:`from_torch_moe`.
+    ``forward(hidden_states [B, S, D]) -> [B, S, D]`` as the HF block (``([B, S, D],
+    None)`` where the HF block returns its router scores too, as GPT-OSS's). The HF block
+    class and config it came from are kept (not in the state dict) for
+    :func:`from_torch_moe`.
     """
 
     def __init__(
