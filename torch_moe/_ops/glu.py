@@ -31,7 +31,7 @@ from torch import Tensor
 
 from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.grouped_mm import _nonzero_strides
-from torch_moe._ops.grouped_swiglu import _act_chunk_rows, _check_act
+from torch_moe._ops.grouped_swiglu import _act_chunk_rows, _check_act, _grad_rw_or_empty
 
 __all__ = ["ACTIVATIONS", "check_activation", "glu", "glu_backward", "glu_reference"]
 
@@ -78,6 +78,18 @@ def glu_reference(
 ) -> Tensor:
     """The activation in plain differentiable torch ops: the oracle."""
     _check("glu", h, row_weights, activation, alpha, limit)
+    return _forward(h, row_weights, activation, alpha, limit, interleaved)
+
+
+def _forward(
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+) -> Tensor:
+    """``glu_reference`` without the argument checks (the CPU kernel's chunks)."""
     dtype, acc = h.dtype, acc_dtype(h.dtype)
     gate, up = _halves(h.to(acc), interleaved)
     if limit is not None:
@@ -170,7 +182,7 @@ def _(
     for r0 in range(0, h.shape[0], step):
         r = slice(r0, r0 + step)
         rw = None if row_weights is None else row_weights[r]
-        out[r] = glu_reference(h[r], rw, activation, alpha, limit, interleaved)
+        out[r] = _forward(h[r], rw, activation, alpha, limit, interleaved)
     return out
 
 
@@ -185,12 +197,6 @@ def _(
 ) -> Tensor:
     _check("glu", h, row_weights, activation, alpha, limit)
     return h.new_empty((h.shape[0], h.shape[1] // 2))
-
-
-def _grad_rw_or_empty(grad_rw: Tensor | None, row_weights: Tensor | None, h: Tensor) -> Tensor:
-    if grad_rw is None or row_weights is None:
-        return h.new_empty((0,), dtype=torch.float32)
-    return grad_rw.to(row_weights.dtype)
 
 
 @torch.library.custom_op("torch_moe::glu_backward", mutates_args=())

@@ -263,7 +263,6 @@ class _HFKeys:
     layer_idx: int | None = None  # for block classes built as cls(config, layer_idx=...)
     transposed: bool = False  # experts stored [E, D, 2F] / [E, F, D] (``is_transposed``)
     router_bias: str | None = None  # the router linear's bias (GPT-OSS: "router.bias")
-    experts_bias: bool = False  # experts.gate_up_proj_bias / down_proj_bias (``has_bias``)
     tuple_output: bool = False  # the block returns (hidden_states, router_scores)
     shared_fused: bool = False  # the shared MLP's gate and up are one gate_up_proj Linear
 
@@ -297,18 +296,18 @@ def _shared_mlp_plan(mlp: Any, where: str, cfg: dict[str, Any]) -> tuple[dict[st
         )
     known = _SHARED_GATES.get(name)
     if known is not None:
-        activation, alpha, limit = known
+        activation, alpha_attr, limit_attr = known
+        alpha, limit = _gate_constants(mlp, alpha_attr, limit_attr)
         out: dict[str, Any] = dict(shared_activation=activation)
-        if getattr(mlp, limit, None) is not None:
-            out.update(shared_swiglu_limit=float(getattr(mlp, limit)))
+        if limit is not None:
+            out.update(shared_swiglu_limit=limit)
         if alpha is not None:  # MoE has one swiglu_alpha: the routed experts' must agree
-            value = float(getattr(mlp, alpha))
-            if cfg.get("activation") == "swigluoai" and cfg.get("swiglu_alpha") != value:
+            if cfg.get("activation") == "swigluoai" and cfg.get("swiglu_alpha") != alpha:
                 raise NotImplementedError(
-                    f"to_torch_moe: {where} ({name}) has swiglu_alpha={value}, the routed "
+                    f"to_torch_moe: {where} ({name}) has swiglu_alpha={alpha}, the routed "
                     f"experts {cfg.get('swiglu_alpha')}; torch_moe.nn.MoE has one"
                 )
-            cfg.setdefault("swiglu_alpha", value)
+            cfg.setdefault("swiglu_alpha", alpha)
         return out, fused
     clamp = getattr(mlp, "swiglu_limit", None)
     if clamp is not None or fused:  # a forward this converter does not know
@@ -545,11 +544,20 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         layer_idx,
         transposed,
         router_bias=f"{attr}.bias" if routing.get("router_bias") else None,
-        experts_bias=experts_bias,
         tuple_output=name in _TUPLE_OUTPUT,
         shared_fused=shared_fused,
     )
     return cfg, keys
+
+
+def _gate_constants(
+    module: Any, alpha_attr: str | None, limit_attr: str | None
+) -> tuple[float | None, float | None]:
+    """(swiglu_alpha, swiglu_limit) a module holds in the attributes a ``_OWN_GATES`` /
+    ``_SHARED_GATES`` entry names; None where it names none or the module holds None."""
+    alpha = None if alpha_attr is None else float(getattr(module, alpha_attr))
+    limit = None if limit_attr is None else getattr(module, limit_attr, None)
+    return alpha, None if limit is None else float(limit)
 
 
 def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
@@ -565,12 +573,13 @@ def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
     known = _OWN_GATES.get(owner)
     act_fn = getattr(experts, "act_fn", None)
     if known is not None and (known[0] != "swiglu" or act_fn is None or _is_silu(act_fn)):
-        activation, alpha, limit, interleaved = known
+        activation, alpha_attr, limit_attr, interleaved = known
+        alpha, limit = _gate_constants(experts, alpha_attr, limit_attr)
         out: dict[str, Any] = dict(activation=activation, gate_up_interleaved=interleaved)
         if alpha is not None:
-            out.update(swiglu_alpha=float(getattr(experts, alpha)))
-        if limit is not None and getattr(experts, limit, None) is not None:
-            out.update(swiglu_limit=float(getattr(experts, limit)))
+            out.update(swiglu_alpha=alpha)
+        if limit is not None:
+            out.update(swiglu_limit=limit)
         return out
     raise NotImplementedError(
         f"to_torch_moe: {name}.experts ({cls.__name__}) has a custom activation (_apply_gate "
@@ -698,7 +707,7 @@ def _convert_block(
         moe.router.bias = block.get_parameter(keys.router_bias)
     moe.experts.w13 = w13
     moe.experts.w2 = w2
-    if keys.experts_bias:  # [E, 2F] / [E, D] in either weight layout: shared as they are
+    if moe.experts.b13 is not None:  # [E, 2F] / [E, D] either way round: shared as they are
         moe.experts.b13 = experts.gate_up_proj_bias
         moe.experts.b2 = experts.down_proj_bias
     if keys.expert_bias is not None:
@@ -817,8 +826,7 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
         if keys.router_bias is not None:
             assert moe.router.bias is not None
             sd[keys.router_bias] = moe.router.bias
-        if keys.experts_bias:
-            assert moe.experts.b13 is not None and moe.experts.b2 is not None
+        if moe.experts.b13 is not None and moe.experts.b2 is not None:
             sd["experts.gate_up_proj_bias"] = moe.experts.b13
             sd["experts.down_proj_bias"] = moe.experts.b2
         if keys.expert_bias is not None:

@@ -70,7 +70,6 @@ per routed row (``grouped_swiglu`` recomputes a).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, cast
 
@@ -324,6 +323,10 @@ class GroupedExperts(nn.Module):
     default until GPU measurements (``benchmarks/bench_moe_decode.py``) pick the bound.
     """
 
+    activation: str
+    swiglu_alpha: float
+    swiglu_limit: float | None
+
     def __init__(
         self,
         dim: int,
@@ -341,14 +344,9 @@ class GroupedExperts(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_activation("GroupedExperts", activation, swiglu_alpha, swiglu_limit)
+        _init_activation(self, "GroupedExperts", activation, swiglu_alpha, swiglu_limit)
         self.recipe = _resolve_precision(precision)
         self.fused_decode = fused_decode
-        self.activation, self.swiglu_alpha, self.swiglu_limit = (
-            activation,
-            swiglu_alpha,
-            swiglu_limit,
-        )
         self.gate_up_interleaved = gate_up_interleaved
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * hidden_dim, dim, device=device, dtype=dtype)
@@ -404,7 +402,8 @@ class GroupedExperts(nn.Module):
     def split_weights(self, chunks: list[tuple[int, int]]) -> list[tuple[Tensor, ...]]:
         """This rank's (w13, w2) (and (b13, b2) when the experts have biases) split once
         into ``chunks``, contiguous ranges (l0, l1) of local experts that cover them in
-        order (``ExpertParallel(num_chunks=C)``'s), for ``forward(..., weights=...)``. One split of each weight per step: its backward
+        order (``ExpertParallel(num_chunks=C)``'s), for ``forward(..., weights=...)``.
+        One split of each weight per step: its backward
         concatenates the chunks' weight gradients once, where a slice per chunk gives every
         chunk a zero-filled gradient of all local experts to add (C zero fills and adds of
         the full gradients, two of them live in the last chunk's backward)."""
@@ -506,15 +505,9 @@ class GroupedExperts(nn.Module):
             return scaled_grouped_mm(a, w.transpose(-2, -1), offs, recipe)
 
         h = gemm(x, w13)
-        act = functools.partial(
-            glu_activation,
-            activation=self.activation,
-            alpha=self.swiglu_alpha,
-            limit=self.swiglu_limit,
-            interleaved=self.gate_up_interleaved,
-        )
+        interleaved = self.gate_up_interleaved
         if b13 is None or b2 is None:  # GroupedExperts(bias=True) has both
-            return gemm(act(h, row_weights), w2)
+            return gemm(_activate(self, h, row_weights, interleaved), w2)
         # each row's expert; rows at or past offs[-1] (padding) read the last expert's up
         # bias, and their zero GEMM rows stay zero: they get no down bias (weight 0)
         rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
@@ -524,7 +517,8 @@ class GroupedExperts(nn.Module):
             bias_w = bias_w * row_weights
         row_expert = row_expert.clamp(max=w13.shape[0] - 1)
         h = h + b13.to(h.dtype).index_select(0, row_expert)
-        return _row_bias(gemm(act(h, row_weights), w2), b2, row_expert, bias_w)
+        a = _activate(self, h, row_weights, interleaved)
+        return _row_bias(gemm(a, w2), b2, row_expert, bias_w)
 
     def decode_block_m(self, rows: int, device: torch.device) -> int | None:
         """The group alignment the fused decode kernels need for ``rows`` = T*K routed rows
@@ -610,6 +604,35 @@ class GroupedExperts(nn.Module):
         return out
 
 
+def _init_activation(
+    owner: GroupedExperts | SharedExperts,
+    where: str,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+) -> None:
+    """Check and keep an experts module's ``activation``, ``swiglu_alpha``, ``swiglu_limit``."""
+    check_activation(where, activation, alpha, limit)
+    owner.activation, owner.swiglu_alpha, owner.swiglu_limit = activation, alpha, limit
+
+
+def _activate(
+    owner: GroupedExperts | SharedExperts,
+    h: Tensor,
+    row_weights: Tensor | None = None,
+    interleaved: bool = False,
+) -> Tensor:
+    """:func:`glu_activation` of h [M, 2F] with the activation ``owner`` keeps."""
+    return glu_activation(
+        h,
+        row_weights,
+        activation=owner.activation,
+        alpha=owner.swiglu_alpha,
+        limit=owner.swiglu_limit,
+        interleaved=interleaved,
+    )
+
+
 def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor) -> Tensor:
     """``y + w[:, None] * b[experts]`` for rows y [M, D] of ``experts`` [M] with row weights
     w [M], summed in fp32 (fp64 for fp64) and rounded once into y's dtype.
@@ -661,6 +684,10 @@ class SharedExperts(nn.Module):
     :func:`glu_activation`'s, in fp32 with one rounding.
     """
 
+    activation: str
+    swiglu_alpha: float
+    swiglu_limit: float | None
+
     def __init__(
         self,
         dim: int,
@@ -674,12 +701,7 @@ class SharedExperts(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_activation("SharedExperts", activation, swiglu_alpha, swiglu_limit)
-        self.activation, self.swiglu_alpha, self.swiglu_limit = (
-            activation,
-            swiglu_alpha,
-            swiglu_limit,
-        )
+        _init_activation(self, "SharedExperts", activation, swiglu_alpha, swiglu_limit)
         self.w13 = nn.Parameter(torch.empty(2 * hidden_dim, dim, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(dim, hidden_dim, device=device, dtype=dtype))
         self.gate = nn.Parameter(torch.empty(1, dim, device=device, dtype=dtype)) if gate else None
@@ -697,12 +719,7 @@ class SharedExperts(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
-            a = glu_activation(
-                h.reshape(-1, h.shape[-1]),
-                activation=self.activation,
-                alpha=self.swiglu_alpha,
-                limit=self.swiglu_limit,
-            ).view(*h.shape[:-1], -1)
+            a = _activate(self, h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
         out = F.linear(a, self.w2)
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate))
