@@ -599,8 +599,11 @@ def check_convert(model: nn.Module, ids: torch.Tensor) -> str:
             ):
                 errs.append(close(got_g[id(mine)].transpose(1, 2), ref_g[id(hf_p)], id(hf_p)))
                 matched.add(id(hf_p))
-        if tb.hf_keys.shared is not None and not tb.hf_keys.shared_fused:
-            mlp = getattr(blocks[name], tb.hf_keys.shared)  # gate / up concatenated: a copy
+        shared = tb.moe.shared_experts
+        # gate / up concatenated: a copy (a fused gate_up_proj or an ungated up_proj is
+        # the MoE's w13 itself, compared with the other shared tensors)
+        if shared is not None and not tb.hf_keys.shared_fused and shared.activation != "relu2":
+            mlp = getattr(blocks[name], tb.hf_keys.shared)
             halves = [mlp.gate_proj.weight, mlp.up_proj.weight]
             w13 = tb.moe.shared_experts.w13
             expect = torch.cat([ref_g[id(p)] for p in halves])

@@ -117,19 +117,24 @@ def expert_swiglu(
     limit: float | None = None,
     interleaved: bool = False,
 ) -> Tensor:
-    """One token through one gated expert, float64, one hidden unit at a time.
+    """One token through one expert, float64, one hidden unit at a time.
 
     ``swiglu``: silu(gate) * up; ``swigluoai`` (GPT-OSS): gate * sigmoid(alpha * gate) *
     (up + 1); with a ``limit`` first gate = min(gate, limit), up = clamp(up, -limit, limit). Gate unit f
     is row f of w13 and up unit f row F + f, or rows 2f and 2f + 1 when ``interleaved``;
-    the biases add to those rows and to the output.
+    the biases add to those rows and to the output. ``relu2`` (Nemotron-H) is ungated:
+    unit f is max(row f of w13 . x, 0) ** 2.
     """
     x64 = x_row.double()
-    hidden = w13_e.shape[0] // 2
+    hidden = w2_e.shape[1]
     out = torch.zeros(w2_e.shape[0], dtype=torch.float64)
     if b2_e is not None:
         out += b2_e.double()
     for f in range(hidden):
+        if activation == "relu2":
+            up = float(w13_e[f].double() @ x64) + (0.0 if b13_e is None else float(b13_e[f]))
+            out += max(up, 0.0) ** 2 * w2_e[:, f].double()
+            continue
         gi, ui = (2 * f, 2 * f + 1) if interleaved else (f, hidden + f)
         gate = float(w13_e[gi].double() @ x64)
         up = float(w13_e[ui].double() @ x64)
@@ -345,10 +350,13 @@ def _swiglu_autograd(
         opt = expert_options(shared_config, shared=True)
     else:
         opt = expert_options(config or {})
-    hidden = w13_e.shape[0] // 2
+    hidden = w2_e.shape[1]
     h = rnd(rnd(w13_e) @ rnd(x_row))
     if b13_e is not None:
         h = rnd(h + b13_e)
+    if opt["activation"] == "relu2":  # ungated
+        y = rnd(w2_e) @ rnd(torch.relu(h).square())
+        return rnd(y if b2_e is None else y + b2_e)
     gate, up = (h[0::2], h[1::2]) if opt["interleaved"] else (h[:hidden], h[hidden:])
     if opt["limit"] is not None:
         gate = gate.clamp(max=opt["limit"])

@@ -1,6 +1,6 @@
 # Owner(s): ["module: moe"]
 """``torch_moe::glu`` (``torch_moe.nn.functional.glu_activation``): the composed experts'
-gated activation. The forward against its formula in fp32 rounded once, the backward's
+activation (gated, or Nemotron-H's ungated relu2). The forward against its formula in fp32 rounded once, the backward's
 written-out derivatives against autograd through ``glu_reference``, the CPU kernels' row
 chunks against one chunk, the registrations (``opcheck``) and the argument checks."""
 
@@ -25,7 +25,14 @@ CASES = [  # (activation, limit, interleaved, row weights)
     ("swigluoai", None, True, True),
     ("swigluoai", 1.0, True, False),
     ("swigluoai", 1.0, False, True),
+    ("relu2", None, False, True),  # ungated: h [M, F]
+    ("relu2", None, False, False),
 ]
+
+
+def _width(activation, h):
+    """The activation's output columns F for h."""
+    return h.shape[1] // 2 if glu_ops.gated(activation) else h.shape[1]
 
 
 def _inputs(dtype, rows=37, hidden=6, seed=0):
@@ -71,6 +78,19 @@ class TestGlu(TestCase):
             a, self._formula(h, None, activation, 0.5, None, False).to(dtype), atol=0, rtol=0
         )
 
+    @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    def test_relu2_in_fp32_rounded_once(self, dtype):
+        g = torch.Generator().manual_seed(0)
+        h = (3 * torch.randn(37, 5, generator=g)).to(dtype)  # ungated: any width
+        rw = torch.rand(37, generator=g)
+        for weights in (None, rw, rw.to(dtype)):
+            got = torch_moe.nn.functional.glu_activation(h, weights, activation="relu2")
+            want = torch.relu(h.float()).square()
+            want = (want if weights is None else want * weights.float()[:, None]).to(dtype)
+            self.assertEqual(got.dtype, dtype)
+            self.assertEqual(got, want, atol=0, rtol=0)
+        self.assertTrue((got == 0).any() and (got > 0).any())  # both sides of the kink
+
     def test_bad_arguments(self):
         glu = torch_moe.nn.functional.glu_activation
         h = torch.zeros(3, 4)
@@ -93,6 +113,19 @@ class TestGlu(TestCase):
                 glu_ops.glu_reference(h, rw, "swiglu", 1.702, None, False)
         with self.assertRaisesRegex(ValueError, r"glu: swiglu_limit must be > 0 or None, got -1"):
             glu_ops.glu_reference(h, None, "swiglu", 1.702, -1, False)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"glu: swiglu_limit clamps a gated .*'relu2' is ungated, got swiglu_limit=1.0",
+        ):
+            glu(h, activation="relu2", limit=1.0)
+        with self.assertRaisesRegex(
+            ValueError, r"glu: interleaved gate / up columns need a gated activation, got 'relu2'"
+        ):
+            glu(h, activation="relu2", interleaved=True)
+        odd = torch.zeros(3, 5)
+        self.assertEqual(glu(odd, activation="relu2").shape, (3, 5))  # ungated: h is [M, F]
+        with self.assertRaisesRegex(ValueError, r"glu: expected h \[M, 2F\] \(gate and up"):
+            glu(odd)
 
     def test_row_weight_gradient_in_their_dtype(self):
         h, _ = _inputs(torch.bfloat16, rows=5)
@@ -107,7 +140,9 @@ class TestGlu(TestCase):
         activation, limit, interleaved, weighted = CASES[case]
         h, rw = _inputs(dtype)
         args = (activation, 1.702, limit, interleaved)
-        grad = torch.randn(h.shape[0], h.shape[1] // 2, generator=torch.Generator().manual_seed(5))
+        grad = torch.randn(
+            h.shape[0], _width(activation, h), generator=torch.Generator().manual_seed(5)
+        )
         grad = grad.to(dtype)
         got_h, want_h = h.clone().requires_grad_(), h.clone().requires_grad_()
         got_rw = rw.clone().requires_grad_() if weighted else None
@@ -130,7 +165,7 @@ class TestGlu(TestCase):
         # torch.clamp's rule, which the written-out backward follows: inputs equal to a
         # bound pass the gradient, inputs beyond it do not
         h = torch.tensor([[1.0, -2.0, 1.0, 1.0], [3.0, 0.5, -1.0, 2.0]], dtype=F64)
-        for activation in glu_ops.ACTIVATIONS:
+        for activation in glu_ops.GATED:  # relu2 takes no limit
             got_h, want_h = h.clone().requires_grad_(), h.clone().requires_grad_()
             torch_moe.nn.functional.glu_activation(
                 got_h, activation=activation, limit=1.0
@@ -146,7 +181,8 @@ class TestGlu(TestCase):
         h, rw = _inputs(torch.bfloat16, rows=29)
         rw = rw if weighted else None
         args = (activation, 1.702, limit, interleaved)
-        grad = torch.randn(29, 6, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        grad = torch.randn(29, _width(activation, h), generator=torch.Generator().manual_seed(2))
+        grad = grad.to(torch.bfloat16)
         whole = torch.ops.torch_moe.glu(h, rw, *args)
         whole_b = torch.ops.torch_moe.glu_backward(grad, h, rw, *args)
         with mock.patch.object(glu_ops, "_rows_per_chunk", return_value=4):  # 8 chunks
@@ -167,7 +203,7 @@ class TestGlu(TestCase):
             w = rw.clone().requires_grad_() if weighted else None
             hh = h.clone().requires_grad_()
             torch.library.opcheck(torch.ops.torch_moe.glu.default, (hh, w, *args))
-            grad = torch.randn(9, h.shape[1] // 2)
+            grad = torch.randn(9, _width(activation, h))
             torch.library.opcheck(torch.ops.torch_moe.glu_backward.default, (grad, h, rw, *args))
 
     def test_empty_rows(self):

@@ -724,6 +724,8 @@ BLOCKS = {
     ),
     # DeepSeek-V3's routing with the scale on the block; its own fp32 SwiGLU gate
     "beam": ("beam", "BeamMoE", dict(routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # ungated relu2 experts and shared MLP, DeepSeek-V3's router
+    "nemotron_h": ("nemotron_h", "NemotronHMoE", dict(moe_shared_expert_intermediate_size=16)),
 }
 # families whose modeling module has another name
 _BLOCK_MODULES = {
@@ -800,15 +802,19 @@ class TestConvertBlocks(_OneThread, TestCase):
                 self.assertEqual(mine.data_ptr(), theirs.data_ptr(), msg=name)  # same storage
                 self.assertTrue(torch.equal(mine, theirs.transpose(1, 2)), msg=name)
                 moved[f"experts.{name}"] = mine
-        else:
-            self.assertIs(moe.experts.w13, block.experts.gate_up_proj)
+        else:  # the very Parameter (Nemotron-H's ungated experts: the up projection)
+            up = block.experts.gate_up_proj if block.experts.has_gate else block.experts.up_proj
+            self.assertIs(moe.experts.w13, up)
         out, got_g, dx = _block_run(holder.mlp, x)
         _rel_close(self, out, ref, 64, F32_EPS)
         _rel_close(self, dx, ref_dx, 64, F32_EPS)
         shared = holder.mlp.hf_keys.shared
+        # an ungated shared MLP's up_proj is the MoE's shared w13 itself
+        ungated = shared is not None and moe.shared_experts.activation == "relu2"
         for name, p in hf_params.items():
             if (
                 shared
+                and not ungated
                 and name.startswith(f"{shared}.")
                 and name.endswith(("gate_proj.weight", "up_proj.weight"))
             ):
@@ -821,6 +827,8 @@ class TestConvertBlocks(_OneThread, TestCase):
                 _rel_close(self, got_g[id(p)], ref_g[id(p)], 64, F32_EPS, msg=name)
         if shared and holder.mlp.hf_keys.shared_fused:  # one gate_up_proj: shared as is
             self.assertIs(moe.shared_experts.w13, hf_params[f"{shared}.gate_up_proj.weight"])
+        elif ungated:
+            self.assertIs(moe.shared_experts.w13, hf_params[f"{shared}.up_proj.weight"])
         elif shared:
             w13 = torch.cat(
                 [ref_g[id(hf_params[f"{shared}.{n}_proj.weight"])] for n in ("gate", "up")]
@@ -858,6 +866,8 @@ class TestConvertBlocks(_OneThread, TestCase):
             ("deepseek_v2", dict(topk_method="noaux_tc"), r"topk_method='noaux_tc'"),
             ("laguna", dict(moe_router_logit_softcapping=30.0), r"router_logit_softcapping=30.0"),
             ("cohere2_moe", dict(shared_expert_combination_strategy="average"), r"'average'"),
+            ("nemotron_h", dict(moe_latent_size=16), r"fc1_latent_proj projects the experts'"),
+            ("nemotron_h", dict(mlp_hidden_act="silu"), r"has_gate=False and act_fn SiLU"),
         ]
         for key, overrides, pattern in cases:
             holder = torch.nn.Module()

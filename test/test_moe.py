@@ -302,6 +302,10 @@ OPTIONS = {
     "swiglu_limit": dict(swiglu_limit=0.5),  # HY-V4's clamped SwiGLU
     "swigluoai": dict(activation="swigluoai", swiglu_alpha=1.5),
     "gpt_oss": naive.GPT_OSS,
+    # Nemotron-H: ungated relu2 experts (with biases here) and shared expert
+    "relu2": dict(
+        activation="relu2", experts_bias=True, shared_hidden_dim=5, shared_activation="relu2"
+    ),
     "composed_capacity": dict(experts_bias=True, capacity_factor=0.5, shared_hidden_dim=5),
     # GLM-5-Next: both clamped; MiniMax-M3: swigluoai in both, clamped; the shared expert alone
     "shared_clamped": dict(swiglu_limit=0.5, shared_hidden_dim=5, shared_swiglu_limit=0.5),
@@ -806,6 +810,7 @@ COMPILE_KW = dict(
 )
 
 
+@instantiate_parametrized_tests
 class TestMoECompile(TestCase):
     def _compare(self, backend, tol, **kw):
         """Forward + backward of torch.compile(fullgraph=True) vs eager; returns the code."""
@@ -842,12 +847,14 @@ class TestMoECompile(TestCase):
             "torch.ops.torch_moe.topk_route_backward.default("
         ).run(bwd)
 
-    def test_compile_composed(self):
-        """GPT-OSS-like experts (biases, interleaved gate / up, clamped activation):
-        bitwise under aot_eager; under Inductor the two grouped GEMMs around the glu op
-        forward, their two weight gradients and the glu backward."""
-        self._compare("aot_eager", EXACT, **OPTIONS["gpt_oss"])
-        fwd, bwd = self._compare("inductor", dict(atol=1e-5, rtol=1e-5), **OPTIONS["gpt_oss"])
+    @parametrize("experts", ["gpt_oss", "relu2"])
+    def test_compile_composed(self, experts):
+        """GPT-OSS-like experts (biases, interleaved gate / up, clamped activation) and
+        Nemotron-H-like ones (ungated relu2, biases, a relu2 shared expert): bitwise under
+        aot_eager; under Inductor the two grouped GEMMs around the glu op forward, their
+        two weight gradients and the glu backward."""
+        self._compare("aot_eager", EXACT, **OPTIONS[experts])
+        fwd, bwd = self._compare("inductor", dict(atol=1e-5, rtol=1e-5), **OPTIONS[experts])
         FileCheck().check("torch.ops.torch_moe.grouped_mm.default(").check(
             "torch.ops.torch_moe.glu.default("
         ).check("torch.ops.torch_moe.grouped_mm.default(").check_not(
@@ -896,7 +903,8 @@ class TestMoEErrors(TestCase):
 
     def test_bad_activation(self):
         with self.assertRaisesRegex(
-            ValueError, r"MoE: activation must be one of \('swiglu', 'swigluoai'\), got 'gelu'"
+            ValueError,
+            r"MoE: activation must be one of \('swiglu', 'swigluoai', 'relu2'\), got 'gelu'",
         ):
             MoE(**BASE, activation="gelu")
         with self.assertRaisesRegex(ValueError, r"MoE: swigluoai needs swiglu_alpha > 0, got 0.0"):

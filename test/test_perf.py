@@ -198,6 +198,11 @@ class TestMoEWorkload(TestCase):
             r"gate_up_interleaved=False\) are not modelled",
         ):
             MoEWorkload.from_moe(gpt_oss, 512)
+        relu2_shared = MoE(64, 96, 8, 2, shared_hidden_dim=32, shared_activation="relu2")
+        with self.assertRaisesRegex(
+            ValueError, r"from_moe: a shared expert with shared_activation='relu2', "
+        ):
+            MoEWorkload.from_moe(relu2_shared, 512)
 
     def test_uniform_loads(self):
         w = MoEWorkload(1000, 32, 48, 8, 2)

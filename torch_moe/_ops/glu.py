@@ -1,11 +1,13 @@
-"""Gated activations of the composed experts: ``torch_moe::glu`` and its backward.
+"""The composed experts' activations: ``torch_moe::glu`` and its backward.
 
-Legend: M rows, F hidden dim; h [M, 2F] is the up projection (gate and up), a [M, F].
+Legend: M rows, F hidden dim; h [M, 2F] is the up projection of a gated activation (gate
+and up), h [M, F] that of an ungated one; a [M, F].
 
     gate, up = h's halves (gate columns first), or its even / odd columns (interleaved)
     gate, up = min(gate, L), clamp(up, -L, L)      with a limit L (GPT-OSS, HY-V4, GLM-5)
     "swiglu":    a = silu(gate) * up
     "swigluoai": a = gate * sigmoid(alpha * gate) * (up + 1)     (GPT-OSS, MiniMax-M3)
+    "relu2":     a = relu(h) ** 2, ungated: no gate, no limit       (Nemotron-H)
     a = a * row_weights                             (the routing weight, when given)
 
 Math in fp32 (fp64 for fp64 h), one rounding into h's dtype, as ``grouped_swiglu``'s
@@ -15,6 +17,7 @@ derivatives are written out (s = sigmoid(gate), sa = sigmoid(alpha * gate)):
     swiglu:    dGate = dA * up * s * (1 + gate * (1 - s))     dUp = dA * silu(gate)
     swigluoai: dGate = dA * (up + 1) * sa * (1 + alpha * gate * (1 - sa))
                dUp   = dA * gate * sa
+    relu2:     dH = dA * 2 * relu(h)
     a clamped input passes no gradient (torch.clamp's rule: the bounds themselves pass)
     d row_weights = sum_f dA * a_unweighted,   dA -> dA * row_weights
 
@@ -33,10 +36,25 @@ from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.grouped_mm import _nonzero_strides
 from torch_moe._ops.grouped_swiglu import _act_chunk_rows, _check_act, _grad_rw_or_empty
 
-__all__ = ["ACTIVATIONS", "check_activation", "glu", "glu_backward", "glu_reference"]
+__all__ = [
+    "ACTIVATIONS",
+    "GATED",
+    "check_activation",
+    "gated",
+    "glu",
+    "glu_backward",
+    "glu_reference",
+]
 
-# the experts' gated activations (``MoE(activation=...)``)
-ACTIVATIONS = ("swiglu", "swigluoai")
+# the experts' activations (``MoE(activation=...)``): gated ones read gate and up
+# columns from h [M, 2F], ungated ones h [M, F]
+GATED = ("swiglu", "swigluoai")
+ACTIVATIONS = (*GATED, "relu2")
+
+
+def gated(activation: str) -> bool:
+    """Whether ``activation`` is gated (its up projection has 2F columns, else F)."""
+    return activation in GATED
 
 
 def check_activation(where: str, activation: str, alpha: float, limit: float | None) -> None:
@@ -47,6 +65,11 @@ def check_activation(where: str, activation: str, alpha: float, limit: float | N
         raise ValueError(f"{where}: swigluoai needs swiglu_alpha > 0, got {alpha!r}")
     if limit is not None and not limit > 0:
         raise ValueError(f"{where}: swiglu_limit must be > 0 or None, got {limit!r}")
+    if limit is not None and not gated(activation):
+        raise ValueError(
+            f"{where}: swiglu_limit clamps a gated activation's gate and up; {activation!r} "
+            f"is ungated, got swiglu_limit={limit!r}"
+        )
 
 
 def _check(
@@ -56,9 +79,19 @@ def _check(
     activation: str,
     alpha: float,
     limit: float | None,
+    interleaved: bool,
 ) -> None:
     check_activation(where, activation, alpha, limit)
-    _check_act(h, row_weights, where)
+    _check_act(h, row_weights, where, gated=gated(activation))
+    if interleaved and not gated(activation):
+        raise ValueError(
+            f"{where}: interleaved gate / up columns need a gated activation, got {activation!r}"
+        )
+
+
+def _width(h: Tensor, activation: str) -> int:
+    """F: the activation's output columns."""
+    return h.shape[1] // 2 if gated(activation) else h.shape[1]
 
 
 def _halves(h: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
@@ -77,7 +110,7 @@ def glu_reference(
     interleaved: bool,
 ) -> Tensor:
     """The activation in plain differentiable torch ops: the oracle."""
-    _check("glu", h, row_weights, activation, alpha, limit)
+    _check("glu", h, row_weights, activation, alpha, limit, interleaved)
     return _forward(h, row_weights, activation, alpha, limit, interleaved)
 
 
@@ -91,6 +124,11 @@ def _forward(
 ) -> Tensor:
     """``glu_reference`` without the argument checks (the CPU kernel's chunks)."""
     dtype, acc = h.dtype, acc_dtype(h.dtype)
+    if not gated(activation):  # relu2
+        a = torch.relu(h.to(acc)).square()
+        if row_weights is not None:
+            a = a * row_weights.to(acc).unsqueeze(-1)
+        return a.to(dtype)
     gate, up = _halves(h.to(acc), interleaved)
     if limit is not None:
         gate = gate.clamp(max=limit)
@@ -116,6 +154,14 @@ def _backward_into(
 ) -> Tensor | None:
     """Write dH for rows h into ``dh``; return d row_weights (fp32 / fp64) or None."""
     acc = acc_dtype(h.dtype)
+    if not gated(activation):  # relu2
+        ga, r = grad_a.to(acc), torch.relu(h.to(acc))
+        grad_rw = None
+        if row_weights is not None:
+            grad_rw = (ga * r.square()).sum(-1)
+            ga = ga * row_weights.to(acc).unsqueeze(-1)
+        dh.copy_(ga * (2 * r))
+        return grad_rw
     gate, up = _halves(h.to(acc), interleaved)
     if limit is not None:
         gate_in = gate <= limit
@@ -148,8 +194,8 @@ def _backward_into(
     return grad_rw
 
 
-def _rows_per_chunk(h: Tensor) -> int:
-    return _act_chunk_rows(h.dtype, h.shape[1] // 2)
+def _rows_per_chunk(h: Tensor, activation: str) -> int:
+    return _act_chunk_rows(h.dtype, _width(h, activation))
 
 
 @torch.library.custom_op("torch_moe::glu", mutates_args=())
@@ -161,7 +207,8 @@ def glu(
     limit: float | None,
     interleaved: bool,
 ) -> Tensor:
-    """The gated activation of h [M, 2F] -> a [M, F] (module docstring), any device."""
+    """The activation of h [M, 2F] (gated) or [M, F] (ungated) -> a [M, F] (module
+    docstring), any device."""
     return glu_reference(h, row_weights, activation, alpha, limit, interleaved)
 
 
@@ -176,9 +223,9 @@ def _(
 ) -> Tensor:
     """Row chunks whose fp32 temporaries stay in cache: the same operations as
     ``glu_reference`` row by row, hence the same bits."""
-    _check("glu", h, row_weights, activation, alpha, limit)
-    out = h.new_empty((h.shape[0], h.shape[1] // 2))
-    step = _rows_per_chunk(h)
+    _check("glu", h, row_weights, activation, alpha, limit, interleaved)
+    out = h.new_empty((h.shape[0], _width(h, activation)))
+    step = _rows_per_chunk(h, activation)
     for r0 in range(0, h.shape[0], step):
         r = slice(r0, r0 + step)
         rw = None if row_weights is None else row_weights[r]
@@ -195,8 +242,8 @@ def _(
     limit: float | None,
     interleaved: bool,
 ) -> Tensor:
-    _check("glu", h, row_weights, activation, alpha, limit)
-    return h.new_empty((h.shape[0], h.shape[1] // 2))
+    _check("glu", h, row_weights, activation, alpha, limit, interleaved)
+    return h.new_empty((h.shape[0], _width(h, activation)))
 
 
 @torch.library.custom_op("torch_moe::glu_backward", mutates_args=())
@@ -209,8 +256,8 @@ def glu_backward(
     limit: float | None,
     interleaved: bool,
 ) -> tuple[Tensor, Tensor]:
-    """(dH [M, 2F], d row_weights [M], empty without row weights), any device."""
-    _check("glu_backward", h, row_weights, activation, alpha, limit)
+    """(dH (h's shape), d row_weights [M], empty without row weights), any device."""
+    _check("glu_backward", h, row_weights, activation, alpha, limit, interleaved)
     dh = torch.empty_like(h)
     grad_rw = _backward_into(grad_a, h, row_weights, activation, alpha, limit, interleaved, dh)
     return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
@@ -227,10 +274,10 @@ def _(
     interleaved: bool,
 ) -> tuple[Tensor, Tensor]:
     """The same formulas in row chunks: the same values row by row."""
-    _check("glu_backward", h, row_weights, activation, alpha, limit)
+    _check("glu_backward", h, row_weights, activation, alpha, limit, interleaved)
     dh = torch.empty_like(h)
     grad_rw = None if row_weights is None else h.new_empty((h.shape[0],), dtype=acc_dtype(h.dtype))
-    step = _rows_per_chunk(h)
+    step = _rows_per_chunk(h, activation)
     for r0 in range(0, h.shape[0], step):
         r = slice(r0, r0 + step)
         rw = None if row_weights is None else row_weights[r]
@@ -250,7 +297,7 @@ def _(
     limit: float | None,
     interleaved: bool,
 ) -> tuple[Tensor, Tensor]:
-    _check("glu_backward", h, row_weights, activation, alpha, limit)
+    _check("glu_backward", h, row_weights, activation, alpha, limit, interleaved)
     grad_rw = h.new_empty((0,)) if row_weights is None else torch.empty_like(row_weights)
     return torch.empty_like(h), grad_rw
 

@@ -745,13 +745,16 @@ grouped_swiglu.register_autograd(_backward, setup_context=_setup)
 # GEMMs; grouped_swiglu fuses it between its two GEMMs)
 
 
-def _check_act(h: Tensor, row_weights: Tensor | None, where: str = "swiglu") -> None:
-    """h [M, 2F] (gate and up) in a float dtype and optional row weights [M] on its device
-    (``where``: the op named in the message; ``torch_moe::glu`` checks alike)."""
-    if h.dim() != 2 or h.shape[1] % 2 != 0 or h.dtype not in _DTYPES:
+def _check_act(
+    h: Tensor, row_weights: Tensor | None, where: str = "swiglu", gated: bool = True
+) -> None:
+    """h [M, 2F] (gate and up; [M, F] when not ``gated``) in a float dtype and optional row
+    weights [M] on its device (``where``: the op named in the message; ``torch_moe::glu``
+    checks alike)."""
+    if h.dim() != 2 or (gated and h.shape[1] % 2 != 0) or h.dtype not in _DTYPES:
+        want = "[M, 2F] (gate and up columns)" if gated else "[M, F]"
         raise ValueError(
-            f"{where}: expected h [M, 2F] (gate and up columns) in one of {_DTYPES}, got "
-            f"{list(h.shape)} {h.dtype}"
+            f"{where}: expected h {want} in one of {_DTYPES}, got {list(h.shape)} {h.dtype}"
         )
     if row_weights is not None and (
         row_weights.shape != (h.shape[0],)

@@ -33,7 +33,9 @@ whose activation is transformers' default SiLU gate on [gate; up] halves or GPT-
 swigluoai (``activation="swigluoai"`` with the module's ``alpha`` / ``limit`` as
 ``swiglu_alpha`` / ``swiglu_limit``; its interleaved gate / up columns as
 ``gate_up_interleaved=True``), a clamped SwiGLU (HY-V4: ``swiglu_limit``) or
-Beam's SwiGLU in fp32 (``MoE``'s own numerics), with or without
+Beam's SwiGLU in fp32 (``MoE``'s own numerics), or an ungated one with a squared ReLU
+(Nemotron-H's ``up_proj`` [E, F, D], ``activation="relu2"``; its shared ``up_proj`` /
+``down_proj`` MLP likewise, sharing the ``up_proj`` Parameter), with or without
 biases (``has_bias``: ``experts_bias=True``, the very ``gate_up_proj_bias`` /
 ``down_proj_bias`` Parameters), stored either way round. GPT-OSS's block returns
 ``(hidden_states, router_scores)``; the converted block returns ``(hidden_states, None)``
@@ -67,6 +69,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_moe._ops.glu import gated
 from torch_moe.integrations._transformers_experts import RECIPE_ATTR, experts_layout
 from torch_moe.nn import MoE
 from torch_moe.quantization import RECIPES, Recipe
@@ -140,6 +143,7 @@ _SIGMOID_GROUPED = frozenset(
         "DeepseekV32TopkRouter",
         "Dots3NoteTextTopkRouter",
         "HYV4TopkRouter",
+        "NemotronHTopkRouter",
         "SolarOpenTopkRouter",
     }
 )
@@ -213,6 +217,7 @@ _SHARED = (  # + shared_experts(x) (another attribute name: _SHARED_ATTR)
     "MiniMaxM3VLSparseMoeBlock",  # scales the routed output: route_scale
     "Mistral4MoE",
     "MistralLarge4TextMoE",
+    "NemotronHMoE",  # ungated relu2 experts and shared MLP; no latent projection
     "SolarOpenMoE",
 )
 _SHARED_ATTR = {
@@ -281,19 +286,30 @@ _SHARED_GATES: dict[str, tuple[str, str | None, str]] = {
 
 def _shared_mlp_plan(mlp: Any, where: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """(``MoE``'s shared-expert arguments, whether gate and up are one ``gate_up_proj``
-    Linear) for a shared MLP: a bias-free SiLU gate_proj / up_proj / down_proj MLP, or one
-    of ``_SHARED_GATES``; raises naming what ``SharedExperts`` does not compute."""
+    Linear) for a shared MLP: a bias-free SiLU gate_proj / up_proj / down_proj MLP, one of
+    ``_SHARED_GATES``, or an ungated up_proj / down_proj MLP with a squared ReLU (relu2);
+    raises naming what ``SharedExperts`` does not compute."""
     from torch_moe.integrations._transformers_experts import _is_silu
 
     name = type(mlp).__name__
     fused = isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear)
+    ungated = not fused and getattr(mlp, "gate_proj", None) is None
     parts = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+    parts = ("up_proj", "down_proj") if ungated else parts
     lins = [getattr(mlp, n, None) for n in parts]
     if not all(isinstance(lin, nn.Linear) and lin.bias is None for lin in lins):
         raise NotImplementedError(
             f"to_torch_moe: {where} ({name}) is not a bias-free gate_proj / up_proj (or "
-            "gate_up_proj) / down_proj gated MLP"
+            "gate_up_proj) / down_proj gated MLP, nor an up_proj / down_proj relu2 MLP"
         )
+    if ungated:
+        act = type(getattr(mlp, "act_fn", None)).__name__
+        if act != "ReLUSquaredActivation":
+            raise NotImplementedError(
+                f"to_torch_moe: {where} ({name}) is ungated with act_fn {act}; torch_moe's "
+                "ungated shared expert computes relu(x) ** 2 only"
+            )
+        return dict(shared_activation="relu2"), False
     known = _SHARED_GATES.get(name)
     if known is not None:
         activation, alpha_attr, limit_attr = known
@@ -470,15 +486,19 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
     if experts is not None and _is_experts(experts):
         layout = experts_layout(experts)
         transposed, experts_bias = bool(layout.is_transposed), bool(layout.has_bias)
-        for flag, bad in (("has_gate", False), ("has_post_expert_norm", True)):
-            if getattr(layout, flag) == bad:
-                raise NotImplementedError(
-                    f"to_torch_moe: {name}.experts ({type(experts).__name__}) has {flag}={bad}; "
-                    "torch_moe.nn.MoE holds gated experts as w13 [E, 2F, D] (gate and up rows; "
-                    "or its transpose) and w2 [E, D, F] with no norm after them. Use the "
-                    "'torch_moe' experts implementation for this model instead"
-                )
+        if layout.has_post_expert_norm:
+            raise NotImplementedError(
+                f"to_torch_moe: {name}.experts ({type(experts).__name__}) has "
+                "has_post_expert_norm=True; torch_moe.nn.MoE has no norm after its experts. "
+                "Use the 'torch_moe' experts implementation for this model instead"
+            )
         activation = _activation(experts, layout, name)
+    for proj in ("fc1_latent_proj", "fc2_latent_proj"):  # Nemotron-H's moe_latent_size
+        if not isinstance(getattr(block, proj, None), (nn.Identity, type(None))):
+            raise NotImplementedError(
+                f"to_torch_moe: {name}.{proj} projects the experts' input / output to a latent "
+                "size (moe_latent_size); torch_moe.nn.MoE runs its experts at the model dim"
+            )
     kind = SUPPORTED_BLOCKS.get(name)
     if name in _UNSUPPORTED_BLOCKS:
         raise NotImplementedError(
@@ -493,12 +513,12 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         )
     attr, gate = _router_of(block)
     routing, weight_key, bias_key = _routing(block, attr, gate)
-    num_experts, two_f, dim = experts.gate_up_proj.shape
-    if transposed:  # [E, D, 2F]
-        dim, two_f = two_f, dim
+    num_experts, dim, hidden = experts.down_proj.shape
+    if transposed:  # [E, F, D]
+        dim, hidden = hidden, dim
     cfg: dict[str, Any] = dict(
         dim=dim,
-        hidden_dim=two_f // 2,
+        hidden_dim=hidden,
         num_experts=num_experts,
         top_k=int(gate.top_k),
         **routing,
@@ -563,10 +583,20 @@ def _gate_constants(
 def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
     """``MoE``'s activation arguments for the experts' own gate: transformers' default
     (``act_fn(gate) * up`` on the halves) with SiLU, or one of ``_OWN_GATES`` (clamped
-    SwiGLU, GPT-OSS's swigluoai); raises naming the experts class for any other."""
+    SwiGLU, GPT-OSS's swigluoai), or ungated experts with a squared ReLU (relu2); raises
+    naming the experts class for any other."""
     from torch_moe.integrations._transformers_experts import _is_silu
 
     cls = type(experts)
+    if not layout.has_gate:
+        act = type(getattr(experts, "act_fn", None)).__name__
+        if act == "ReLUSquaredActivation":  # Nemotron-H
+            return dict(activation="relu2")
+        raise NotImplementedError(
+            f"to_torch_moe: {name}.experts ({cls.__name__}) has has_gate=False and act_fn "
+            f"{act}; torch_moe.nn.MoE's ungated experts compute relu(x) ** 2 only. Use the "
+            "'torch_moe' experts implementation instead"
+        )
     if layout.default_gate and layout.silu:
         return {}  # SwiGLU on [gate; up] (the default gate splits halves whatever the flag)
     owner = getattr(getattr(cls, "_apply_gate", None), "__qualname__", "").split(".")[0]
@@ -697,7 +727,8 @@ def _convert_block(
     recipe = _experts_recipe(experts)
     if "precision" not in options and recipe is not None:
         options = {**options, "precision": recipe}  # keep what set_precision chose
-    w13, w2 = experts.gate_up_proj, experts.down_proj
+    up = "gate_up_proj" if gated(cfg.get("activation", "swiglu")) else "up_proj"
+    w13, w2 = getattr(experts, up), experts.down_proj
     if keys.transposed:  # views of the same storage, as new Parameters in MoE's layout
         w13, w2 = _transposed(w13), _transposed(w2)
     device, dtype = w13.device, w13.dtype
@@ -708,7 +739,7 @@ def _convert_block(
     moe.experts.w13 = w13
     moe.experts.w2 = w2
     if moe.experts.b13 is not None:  # [E, 2F] / [E, D] either way round: shared as they are
-        moe.experts.b13 = experts.gate_up_proj_bias
+        moe.experts.b13 = getattr(experts, f"{up}_bias")
         moe.experts.b2 = experts.down_proj_bias
     if keys.expert_bias is not None:
         bias = _tensor(block, keys.expert_bias)
@@ -718,6 +749,8 @@ def _convert_block(
         mlp = getattr(block, keys.shared)
         if keys.shared_fused:  # [gate; up] already: the same Parameter
             moe.shared_experts.w13 = mlp.gate_up_proj.weight
+        elif not gated(moe.shared_experts.activation):  # the up projection alone
+            moe.shared_experts.w13 = mlp.up_proj.weight
         else:
             with torch.no_grad():
                 shared_w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
@@ -818,16 +851,17 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
         w13, w2 = moe.experts.w13, moe.experts.w2
         if keys.transposed:  # back to the block's layout: views of the same storage
             w13, w2 = _transposed(w13), _transposed(w2)
+        up = "gate_up_proj" if gated(moe.experts.activation) else "up_proj"
         sd: dict[str, Tensor] = {
             keys.router_weight: moe.router.weight,
-            "experts.gate_up_proj": w13,
+            f"experts.{up}": w13,
             "experts.down_proj": w2,
         }
         if keys.router_bias is not None:
             assert moe.router.bias is not None
             sd[keys.router_bias] = moe.router.bias
         if moe.experts.b13 is not None and moe.experts.b2 is not None:
-            sd["experts.gate_up_proj_bias"] = moe.experts.b13
+            sd[f"experts.{up}_bias"] = moe.experts.b13
             sd["experts.down_proj_bias"] = moe.experts.b2
         if keys.expert_bias is not None:
             assert moe.router.expert_bias is not None
@@ -840,6 +874,8 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
             rg = shared.w13.requires_grad
             if keys.shared_fused:
                 sd[prefix + "gate_up_proj.weight"] = shared.w13
+            elif not gated(shared.activation):
+                sd[prefix + "up_proj.weight"] = shared.w13
             else:
                 sd[prefix + "gate_proj.weight"] = nn.Parameter(shared.w13.detach()[:fs], rg)
                 sd[prefix + "up_proj.weight"] = nn.Parameter(shared.w13.detach()[fs:], rg)

@@ -21,7 +21,7 @@ __all__ = [
     "switch_aux_loss",
 ]
 
-ACTIVATIONS = _glu.ACTIVATIONS  # the experts' gated activations (``MoE(activation=...)``)
+ACTIVATIONS = _glu.ACTIVATIONS  # the experts' activations (``MoE(activation=...)``)
 check_activation = _glu.check_activation
 
 
@@ -73,10 +73,11 @@ def glu_activation(
     limit: float | None = None,
     interleaved: bool = False,
 ) -> Tensor:
-    r"""The experts' gated activation of the up projection ``h`` [M, 2F] -> [M, F].
+    r"""The experts' activation of the up projection ``h`` [M, 2F] (gated) -> [M, F].
 
     ``"swiglu"``: ``silu(gate) * up``. ``"swigluoai"`` (GPT-OSS, MiniMax-M3):
-    ``gate * sigmoid(alpha * gate) * (up + 1)``. With ``limit``, ``gate`` is first clamped
+    ``gate * sigmoid(alpha * gate) * (up + 1)``. ``"relu2"`` (Nemotron-H) is ungated:
+    ``relu(h) ** 2`` of h [M, F] (no gate, no ``limit``). With ``limit``, ``gate`` is first clamped
     above at ``limit`` and ``up`` to ``[-limit, limit]`` (GPT-OSS: 7; DeepSeek-V4, GLM-5
     and HY-V4 clamp their SwiGLU alike). ``gate`` and ``up`` are h's two halves (gate
     columns first), or with ``interleaved=True`` its even and odd columns (GPT-OSS's

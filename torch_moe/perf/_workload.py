@@ -208,6 +208,13 @@ class MoEWorkload:
                 f"gate_up_interleaved={config['gate_up_interleaved']}) are not modelled; the "
                 "model covers grouped_swiglu's SwiGLU experts"
             )
+        if config["shared_activation"] != "swiglu" or config["shared_swiglu_limit"] is not None:
+            raise ValueError(
+                "MoEWorkload.from_moe: a shared expert with shared_activation="
+                f"{config['shared_activation']!r}, shared_swiglu_limit="
+                f"{config['shared_swiglu_limit']} is not modelled; the model covers a SwiGLU "
+                "shared expert"
+            )
         if precision not in _precisions():
             raise ValueError(
                 f"MoEWorkload.from_moe: precision {precision!r} (a recipe with overrides) is "

@@ -82,6 +82,7 @@ from torch_moe import ops
 from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.fused_experts import DECODE_MAX_ROWS, decode_block_m
+from torch_moe._ops.glu import gated
 from torch_moe._ops.grouped_swiglu import swiglu
 from torch_moe.nn.functional import (
     check_activation,
@@ -313,7 +314,8 @@ class GroupedExperts(nn.Module):
     ``activation`` / ``swiglu_alpha`` / ``swiglu_limit``, ``bias`` (``b13`` [E, 2F], ``b2``
     [E, D]) and ``gate_up_interleaved`` as :class:`MoE`'s ``activation``, ...,
     ``experts_bias``, ``gate_up_interleaved``: any of them makes the experts
-    :attr:`composed` (grouped GEMMs around :func:`glu_activation`).
+    :attr:`composed` (grouped GEMMs around :func:`glu_activation`). An ungated activation
+    (``"relu2"``) has no gate rows: ``w13`` is the up projection [E, F, D] (``b13`` [E, F]).
 
     ``fused_decode=True`` (an attribute too): in inference (``MoE`` in eval mode without
     autograd, no expert parallelism, no recipe), batches of at most
@@ -345,18 +347,18 @@ class GroupedExperts(nn.Module):
     ) -> None:
         super().__init__()
         _init_activation(self, "GroupedExperts", activation, swiglu_alpha, swiglu_limit)
+        _check_interleaved("GroupedExperts", activation, gate_up_interleaved)
         self.recipe = _resolve_precision(precision)
         self.fused_decode = fused_decode
         self.gate_up_interleaved = gate_up_interleaved
-        self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * hidden_dim, dim, device=device, dtype=dtype)
-        )
+        up_rows = _up_rows(activation, hidden_dim)
+        self.w13 = nn.Parameter(torch.empty(num_experts, up_rows, dim, device=device, dtype=dtype))
         self.w2 = nn.Parameter(
             torch.empty(num_experts, dim, hidden_dim, device=device, dtype=dtype)
         )
         self.b13: nn.Parameter | None
         self.b2: nn.Parameter | None
-        for name, size in (("b13", 2 * hidden_dim), ("b2", dim)):
+        for name, size in (("b13", up_rows), ("b2", dim)):
             b = torch.empty(num_experts, size, device=device, dtype=dtype) if bias else None
             self.register_parameter(name, None if b is None else nn.Parameter(b))
         self.reset_parameters()
@@ -372,7 +374,7 @@ class GroupedExperts(nn.Module):
     @property
     def composed(self) -> bool:
         """Whether the experts run as grouped GEMMs around :func:`glu_activation` (swigluoai,
-        a clamp, biases or interleaved gate / up rows) instead of ``grouped_swiglu``."""
+        relu2, a clamp, biases or interleaved gate / up rows) instead of ``grouped_swiglu``."""
         return (
             self.activation != "swiglu"
             or self.swiglu_limit is not None
@@ -591,10 +593,12 @@ class GroupedExperts(nn.Module):
             return ops_.scaled_grouped_mm(qa, q2, sa, s2, offs, block, g.rhs.outer, dt)  # type: ignore[union-attr]
 
     def extra_repr(self) -> str:
-        e, two_f, d = self.w13.shape
-        out = f"dim={d}, hidden_dim={two_f // 2}, num_experts={e}, precision={self.precision}"
+        e, d, f = self.w2.shape
+        out = f"dim={d}, hidden_dim={f}, num_experts={e}, precision={self.precision}"
         if self.activation != "swiglu":
-            out += f", activation={self.activation}, swiglu_alpha={self.swiglu_alpha}"
+            out += f", activation={self.activation}"
+        if self.activation == "swigluoai":
+            out += f", swiglu_alpha={self.swiglu_alpha}"
         if self.swiglu_limit is not None:
             out += f", swiglu_limit={self.swiglu_limit}"
         if self.b13 is not None:
@@ -602,6 +606,19 @@ class GroupedExperts(nn.Module):
         if self.gate_up_interleaved:
             out += ", gate_up_interleaved=True"
         return out
+
+
+def _up_rows(activation: str, hidden_dim: int) -> int:
+    """Rows of the up projection: gate and up (2F) for a gated activation, else F."""
+    return 2 * hidden_dim if gated(activation) else hidden_dim
+
+
+def _check_interleaved(where: str, activation: str, interleaved: bool) -> None:
+    if interleaved and not gated(activation):
+        raise ValueError(
+            f"{where}: gate_up_interleaved=True needs a gated activation, got activation="
+            f"{activation!r}"
+        )
 
 
 def _init_activation(
@@ -622,7 +639,8 @@ def _activate(
     row_weights: Tensor | None = None,
     interleaved: bool = False,
 ) -> Tensor:
-    """:func:`glu_activation` of h [M, 2F] with the activation ``owner`` keeps."""
+    """:func:`glu_activation` of h [M, 2F] (or [M, F], ungated) with the activation
+    ``owner`` keeps."""
     return glu_activation(
         h,
         row_weights,
@@ -677,11 +695,12 @@ def _quantize_weight_cached(source: Tensor, w: Tensor, g: Any) -> tuple[Tensor, 
 
 
 class SharedExperts(nn.Module):
-    """A dense gated MLP every token goes through, optionally scaled by sigmoid(x @ gate^T).
+    """A dense MLP every token goes through, optionally scaled by sigmoid(x @ gate^T).
 
     SwiGLU in x's dtype by default; with ``activation="swigluoai"`` or a ``swiglu_limit``
-    (GLM-5-Next's and MiniMax-M3's shared MLPs) the activation is
-    :func:`glu_activation`'s, in fp32 with one rounding.
+    (GLM-5-Next's and MiniMax-M3's shared MLPs) or the ungated ``"relu2"`` (Nemotron-H's,
+    ``w13`` the up projection [Fs, D]) the activation is :func:`glu_activation`'s, in fp32
+    with one rounding.
     """
 
     activation: str
@@ -702,7 +721,8 @@ class SharedExperts(nn.Module):
     ) -> None:
         super().__init__()
         _init_activation(self, "SharedExperts", activation, swiglu_alpha, swiglu_limit)
-        self.w13 = nn.Parameter(torch.empty(2 * hidden_dim, dim, device=device, dtype=dtype))
+        up_rows = _up_rows(activation, hidden_dim)
+        self.w13 = nn.Parameter(torch.empty(up_rows, dim, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(dim, hidden_dim, device=device, dtype=dtype))
         self.gate = nn.Parameter(torch.empty(1, dim, device=device, dtype=dtype)) if gate else None
         self.reset_parameters()
@@ -758,7 +778,7 @@ class MoE(nn.Module):
             group_score, route_norm_eps: routing, see :func:`torch_moe.ops.topk_route`.
         expert_bias: keep an [E] selection bias buffer for aux-loss-free balancing.
         router_bias: give the router linear a bias.
-        shared_hidden_dim: hidden dim of an always-on shared SwiGLU expert (0: none).
+        shared_hidden_dim: hidden dim of an always-on shared expert (0: none).
         shared_gate: scale the shared expert by ``sigmoid(x @ gate^T)`` (Qwen2-MoE).
         shared_activation, shared_swiglu_limit: the shared expert's activation and clamp,
             as ``activation`` / ``swiglu_limit`` for the routed experts (GLM-5-Next clamps
@@ -778,9 +798,11 @@ class MoE(nn.Module):
             router (fp32), the combine (fp32) and the shared experts (module or autocast
             dtype) never quantize. On CUDA a recipe pads each expert's rows to a multiple
             of 16 (``torch._scaled_grouped_mm``'s group alignment).
-        activation: the routed experts' gated activation, ``"swiglu"`` (default:
-            ``silu(gate) * up``) or ``"swigluoai"`` (GPT-OSS: ``gate * sigmoid(swiglu_alpha
-            * gate) * (up + 1)``); see :func:`torch_moe.nn.functional.glu_activation`.
+        activation: the routed experts' activation, ``"swiglu"`` (default:
+            ``silu(gate) * up``), ``"swigluoai"`` (GPT-OSS: ``gate * sigmoid(swiglu_alpha
+            * gate) * (up + 1)``) or the ungated ``"relu2"`` (Nemotron-H: ``relu(up) ** 2``,
+            ``experts.w13`` the up projection [E, F, D]); see
+            :func:`torch_moe.nn.functional.glu_activation`.
         swiglu_alpha: swigluoai's constant (GPT-OSS: 1.702), for the shared expert too.
         swiglu_limit: clamp gate above at it and up to +-it before the activation (GPT-OSS:
             7; DeepSeek-V4 / GLM-5 / HY-V4 clamp their SwiGLU too); None: no clamp.
@@ -841,6 +863,7 @@ class MoE(nn.Module):
         check_activation(
             "MoE (shared expert)", shared_activation, swiglu_alpha, shared_swiglu_limit
         )
+        _check_interleaved("MoE", activation, gate_up_interleaved)
         for name, value in [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]:
             _check_positive(name, value)
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
@@ -1262,13 +1285,18 @@ class MoE(nn.Module):
                 ("activation", "swiglu"),
                 ("shared_activation", "swiglu"),
             )
-            and not (k == "swiglu_alpha" and c["activation"] == "swiglu")
+            and not (
+                k == "swiglu_alpha" and "swigluoai" not in (c["activation"], c["shared_activation"])
+            )
         )
 
 
 # where HF sparse-MoE blocks keep the router weight and the selection bias (keys relative
 # to the block), as torch_moe.integrations.transformers.to_torch_moe finds them
 _HF_ROUTER_WEIGHT = ("gate.weight", "router.weight", "router.gate.weight", "gate.wg.weight")
+# the routed experts' up projection (gated, or ungated as Nemotron-H's) and down projection
+_HF_EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")
+_HF_EXPERT_BIASES = ("experts.gate_up_proj_bias", "experts.up_proj_bias", "experts.down_proj_bias")
 _HF_EXPERT_BIAS = (
     "gate.e_score_correction_bias",  # DeepSeek-V3 and its kin, Laguna
     "e_score_correction_bias",  # on the block: MiniMax-M2, HY-V3
@@ -1291,7 +1319,9 @@ def hf_state_dict_to_moe(
     (``gate_up_proj_bias`` / ``down_proj_bias``: ``MoE(experts_bias=True)``; GPT-OSS's
     interleaved gate / up rows are ``gate_up_interleaved=True``), a router bias
     (``router_bias=True``); a shared expert as ``shared_expert`` /
-    ``shared_experts`` / ``shared_mlp`` and its ``shared_expert_gate``. Keys are relative
+    ``shared_experts`` / ``shared_mlp`` and its ``shared_expert_gate``. Ungated experts
+    (Nemotron-H: ``experts.up_proj``, a shared ``up_proj`` without ``gate_proj``) map to
+    ``MoE(activation="relu2")``'s up projections. Keys are relative
     to the block (strip the layer prefix first). The routing rule itself is the caller's
     (``MoE``'s arguments; ``to_torch_moe`` derives them from the block).
     """
@@ -1302,12 +1332,12 @@ def hf_state_dict_to_moe(
             name = "router.weight"
         elif key in ("gate.bias", "router.bias"):  # MoE(router_bias=True)
             name = "router.bias"
-        elif key in ("experts.gate_up_proj_bias", "experts.down_proj_bias"):
-            name = "experts.b13" if key == "experts.gate_up_proj_bias" else "experts.b2"
+        elif key in _HF_EXPERT_BIASES:
+            name = "experts.b2" if key == "experts.down_proj_bias" else "experts.b13"
         elif key in _HF_EXPERT_BIAS:
             name, value = "router.expert_bias", value.reshape(-1)
-        elif key in ("experts.gate_up_proj", "experts.down_proj"):
-            name = "experts.w13" if key == "experts.gate_up_proj" else "experts.w2"
+        elif key in _HF_EXPERT_WEIGHTS:
+            name = "experts.w2" if key == "experts.down_proj" else "experts.w13"
             value = value.transpose(-2, -1) if experts_transposed else value
         elif key == "shared_expert_gate.weight":
             name = "shared_experts.gate"
@@ -1322,6 +1352,8 @@ def hf_state_dict_to_moe(
     if shared:
         if "gate_up_proj.weight" in shared:  # MiniMax-M3: [gate; up] in one Linear
             out["shared_experts.w13"] = shared["gate_up_proj.weight"]
+        elif "gate_proj.weight" not in shared:  # ungated (Nemotron-H): the up projection
+            out["shared_experts.w13"] = shared["up_proj.weight"]
         else:
             out["shared_experts.w13"] = torch.cat(
                 [shared["gate_proj.weight"], shared["up_proj.weight"]], 0
