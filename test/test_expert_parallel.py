@@ -303,10 +303,14 @@ class TestExpertParallel2(_EPClass):
     def test_composed_experts(self):
         """GPT-OSS-like experts (biases sharded with the weights, interleaved gate / up, the
         clamped activation): one chunk, two chunks (the biases split with the weights) and
-        an idle rank."""
+        an idle rank; ungated relu2 experts in two chunks."""
         self.check_matches_single_process([9, 4], **GPT_OSS)
         style = ExpertParallel(num_chunks=2)
         self.check_matches_single_process([0, 7], style=style, shared_hidden_dim=8, **GPT_OSS)
+        # Nemotron-H-like: ungated relu2 experts ([E, F, D] up projections) with biases,
+        # a relu2 shared expert, two chunks
+        relu2 = dict(activation="relu2", experts_bias=True, shared_activation="relu2")
+        self.check_matches_single_process([5, 6], style=style, shared_hidden_dim=8, **relu2)
 
     def test_low_precision_experts(self):
         self.check_matches_single_process([8, 5], precision="fp8_rowwise")

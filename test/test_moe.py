@@ -449,7 +449,7 @@ class TestMoENaive(TestCase):
     def test_composed_inference_matches_training(self):
         """eval + no_grad (the inference path: rows gathered, then the composed experts)
         equals the training forward bit for bit, capacity drops included."""
-        for opt in ("gpt_oss", "composed_capacity"):
+        for opt in ("gpt_oss", "composed_capacity", "relu2"):
             moe = _randomize(MoE(**{**BASE, **OPTIONS[opt]}, dtype=F64))
             x = _x((2, 5, 8), requires_grad=False)
             ref = moe(x)
