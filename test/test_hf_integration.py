@@ -726,6 +726,7 @@ BLOCKS = {
     "beam": ("beam", "BeamMoE", dict(routed_scaling_factor=2.5, norm_topk_prob=True)),
     # ungated relu2 experts and shared MLP, DeepSeek-V3's router
     "nemotron_h": ("nemotron_h", "NemotronHMoE", dict(moe_shared_expert_intermediate_size=16)),
+    "axk1": ("axk1", "AXK1MoE", {}),  # DeepSeek-V3's block, then an RMSNorm of the output
 }
 # families whose modeling module has another name
 _BLOCK_MODULES = {
@@ -844,7 +845,11 @@ class TestConvertBlocks(_OneThread, TestCase):
                 moe.router.expert_bias.copy_(kept)
         # the block's state dict loads into a fresh MoE of the same config
         fresh = MoE(**moe.config)
-        mapped = hf_state_dict_to_moe(block.state_dict(), experts_transposed=transposed)
+        post_norm = holder.mlp.hf_keys.post_norm  # the HF norm module, not the MoE's
+        if post_norm is not None:
+            self.assertIs(holder.mlp.post_norm, getattr(block, post_norm))
+        hf_sd = {k: v for k, v in block.state_dict().items() if not k.startswith(f"{post_norm}.")}
+        mapped = hf_state_dict_to_moe(hf_sd, experts_transposed=transposed)
         fresh.load_state_dict(mapped, strict=True)
         for n, t in moe.state_dict().items():
             self.assertEqual(fresh.state_dict()[n], t, atol=0, rtol=0, msg=n)

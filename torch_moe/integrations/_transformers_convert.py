@@ -24,7 +24,8 @@ What is supported is an explicit list, each entry checked against the original b
 ``benchmarks/hf_coverage.py`` (whole tiny models) and test_hf_integration (one block per
 rule: output and every gradient): a block class whose forward is one of three patterns
 (routed experts only; plus a sigmoid-gated shared expert, Qwen2-MoE; plus an ungated
-shared expert, DeepSeek-V3), a router class whose routing ``torch_moe.ops.topk_route``
+shared expert, DeepSeek-V3), optionally followed by a norm of the output (A.X-K1: the HF
+norm module kept in the converted block), a router class whose routing ``torch_moe.ops.topk_route``
 reproduces (``_routing``: softmax over all experts, over the top-k logits, or sigmoid;
 renormalized or not; scaled by the router or by the block; expert groups; a selection
 bias on the router, on the block or in Ernie's ``moe_statics``; GPT-OSS's linear router
@@ -197,6 +198,7 @@ _SHARED = (  # + shared_experts(x) (another attribute name: _SHARED_ATTR)
     "DeepseekV2Moe",
     "DeepseekOcr2TextMoe",
     "UnlimitedOcrTextMoe",
+    "AXK1MoE",  # normalizes its output: _POST_NORM
     "AXK2MoE",
     "AfmoeSparseMoeBlock",
     "BailingHybridMoE",
@@ -228,9 +230,11 @@ _SHARED_ATTR = {
     "Qwen3NextSparseMoeBlock": "shared_expert",
     "Qwen4ExpTextSparseMoeBlock": "shared_expert",
 }
+# blocks that normalize their output: the norm module's attribute. The converted block
+# keeps that HF module (the same Parameters) and applies it to the MoE's output.
+_POST_NORM = {"AXK1MoE": "post_mlp_layernorm"}
 # sparse-MoE blocks whose function torch_moe.nn.MoE does not compute, and why
 _UNSUPPORTED_BLOCKS = {
-    "AXK1MoE": "normalizes its output (post_mlp_layernorm)",
     "Kolibri1SparseMoeBlock": "adds its selection bias to the logits, not to the scores",
     "PhimoeSparseMoeBlock": "routes with sparsemixer",
     "ZayaSparseMoeBlock": "routes with an MLP and a skip expert",
@@ -270,6 +274,7 @@ class _HFKeys:
     router_bias: str | None = None  # the router linear's bias (GPT-OSS: "router.bias")
     tuple_output: bool = False  # the block returns (hidden_states, router_scores)
     shared_fused: bool = False  # the shared MLP's gate and up are one gate_up_proj Linear
+    post_norm: str | None = None  # the norm of the block's output (A.X-K1), kept as is
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -566,6 +571,7 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
         router_bias=f"{attr}.bias" if routing.get("router_bias") else None,
         tuple_output=name in _TUPLE_OUTPUT,
         shared_fused=shared_fused,
+        post_norm=_POST_NORM.get(name),
     )
     return cfg, keys
 
@@ -634,16 +640,23 @@ class TorchMoEBlock(nn.Module):
     """An HF sparse-MoE block replaced by ``torch_moe.nn.MoE`` (``self.moe``).
 
     ``forward(hidden_states [B, S, D]) -> [B, S, D]`` as the HF block (``([B, S, D],
-    None)`` where the HF block returns its router scores too, as GPT-OSS's). The HF block
-    class and config it came from are kept (not in the state dict) for
-    :func:`from_torch_moe`.
+    None)`` where the HF block returns its router scores too, as GPT-OSS's). A block that
+    normalizes its output (A.X-K1's ``post_mlp_layernorm``) keeps that HF norm module as
+    ``post_norm``, applied to the MoE's output. The HF block class and config it came from
+    are kept (not in the state dict) for :func:`from_torch_moe`.
     """
 
     def __init__(
-        self, moe: MoE, hf_block_class: type[nn.Module], hf_config: Any, hf_keys: _HFKeys
+        self,
+        moe: MoE,
+        hf_block_class: type[nn.Module],
+        hf_config: Any,
+        hf_keys: _HFKeys,
+        post_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.moe = moe
+        self.post_norm = post_norm
         self.hf_block_class = hf_block_class
         self.hf_config = hf_config
         self.hf_keys = hf_keys
@@ -654,6 +667,8 @@ class TorchMoEBlock(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, None]:
         out = self.moe(hidden_states)
+        if self.post_norm is not None:
+            out = self.post_norm(out)
         # GPT-OSS's blocks return (hidden_states, router_scores); their callers discard the
         # scores, which the MoE does not return
         return (out, None) if self.hf_keys.tuple_output else out
@@ -771,7 +786,8 @@ def _convert_block(
     if leftover:  # pragma: no cover - a new MoE parameter this converter does not know
         raise RuntimeError(f"to_torch_moe: no HF tensor for {leftover}")
     moe.train(block.training)
-    return TorchMoEBlock(moe, type(block), experts.config, keys)
+    post_norm = None if keys.post_norm is None else getattr(block, keys.post_norm)
+    return TorchMoEBlock(moe, type(block), experts.config, keys, post_norm)
 
 
 def to_torch_moe(model: nn.Module, **moe_options: Any) -> nn.Module:
@@ -867,6 +883,9 @@ def from_torch_moe(model: nn.Module) -> nn.Module:
             assert moe.router.expert_bias is not None
             bias = moe.router.expert_bias.to(keys.bias_dtype).reshape(keys.bias_shape)
             sd[keys.expert_bias] = bias
+        if keys.post_norm is not None and tb.post_norm is not None:
+            for k, t in tb.post_norm.state_dict(keep_vars=True).items():
+                sd[f"{keys.post_norm}.{k}"] = t
         shared = moe.shared_experts
         if shared is not None:
             prefix = f"{keys.shared}."
