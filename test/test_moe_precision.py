@@ -279,14 +279,15 @@ class TestMoEPrecisionDevice(TestCase):
 
     @onlyCUDA
     @parametrize("autocast", [False, True])
-    @parametrize("experts", ["swiglu", "gpt_oss"])
+    @parametrize("experts", ["swiglu", "gpt_oss", "relu2"])
     def test_bf16_layer_matches_cpu(self, device, autocast, experts):
         """The default experts (``grouped_swiglu`` gathering its rows from the tokens; on
-        CUDA its device-generic composition) and GPT-OSS's composed experts (biases, each
-        row's expert found on the device) against the CPU kernels: bf16 parameters, or
+        CUDA its device-generic composition), GPT-OSS's composed experts (biases, each
+        row's expert found on the device) and ungated relu2 ones against the CPU kernels: bf16 parameters, or
         fp32 ones under bf16 autocast (fp32 tokens, rows converted as gathered)."""
         dtype = torch.float32 if autocast else torch.bfloat16
-        (cpu,) = _layers("bf16", dtype=dtype, **({} if experts == "swiglu" else GPT_OSS))
+        kw = dict(swiglu={}, gpt_oss=GPT_OSS, relu2=dict(activation="relu2", experts_bias=True))
+        (cpu,) = _layers("bf16", dtype=dtype, **kw[experts])
         gpu = MoE(**cpu.config, dtype=dtype, device=device)
         gpu.load_state_dict(cpu.state_dict())
         x, grad_out = _data(dtype, num_tokens=256)
