@@ -106,7 +106,6 @@ def permute_indices_reference(
     order_N = torch.argsort(flat_N, stable=True)  # slots sorted by expert
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
-    sorted_e_N = flat_N[order_N]
     kept_E = counts_E if capacity is None else counts_E.clamp(max=capacity)
     padded_E = kept_E if align == 1 else (kept_E + align - 1) // align * align
     ends_E = padded_E.cumsum(0)
@@ -120,6 +119,7 @@ def permute_indices_reference(
         slot_to_row[order_N] = torch.arange(n, device=dev)
         return order_N, slot_to_row.view(num_tokens, top_k), offs, num_dropped
 
+    sorted_e_N = flat_N[order_N]  # the expert of each sorted slot
     rank_N = torch.arange(n, device=dev) - (counts_E.cumsum(0) - counts_E)[sorted_e_N]
     row_N = (ends_E - padded_E)[sorted_e_N] + rank_N
     if capacity is not None:
