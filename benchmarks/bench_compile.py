@@ -3,8 +3,9 @@
 For each layer shape and precision, forward + backward of one MoE layer three ways, in one
 run: eager, ``torch.compile`` (Inductor, every torch_moe op an extern call), and
 ``torch.compile`` with ``torch_moe._inductor``'s passes. Reported per way: the median time
-over the GEMM floor (routed-expert FLOPs 18*T*K*D*F over the best large-GEMM rate measured
-in the same run for the parameter dtype, as bench_moe_layer.py), and the peak of the CPU
+over the GEMM floor (routed-expert FLOPs 18*T*K*D*F, 12*T*K*D*F for ungated experts, over
+the best large-GEMM rate measured in the same run for the parameter dtype, as
+bench_moe_layer.py), and the peak of the CPU
 memory allocated during the step (from the profiler's allocation events; the parameters,
 inputs and the gradients' previous values are outside it). The permuted activation is
 T*K*D elements: the passes should take at least that off the peak.
@@ -31,6 +32,13 @@ import torch_moe._inductor as TI
 from torch_moe.nn import MoE
 
 SHAPES = [(1792, 8, 2), (384, 32, 6), (256, 64, 8)]  # (F, E, K), as bench_moe_layer.py
+EXPERTS: dict[str, dict] = {  # --experts: MoE's expert arguments
+    "swiglu": {},
+    "gpt_oss": dict(
+        activation="swigluoai", swiglu_limit=7.0, experts_bias=True, gate_up_interleaved=True
+    ),
+    "relu2": dict(activation="relu2", experts_bias=True),
+}
 # DeepSeek-V3-like (bench_quant.py): D=7168, F=2048, 32 local experts, top-8; --shapes dsv3
 DSV3 = (2048, 32, 8)
 
@@ -97,6 +105,18 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
+        "--experts",
+        choices=list(EXPERTS),
+        default="swiglu",
+        help="the routed experts: SwiGLU (grouped_swiglu), or composed (the glu op between "
+        "grouped GEMMs) as GPT-OSS's or Nemotron-H's",
+    )
+    p.add_argument(
+        "--no-inline-glu",
+        action="store_true",
+        help="keep the composed experts' glu an op (torch_moe._inductor.config.inline_glu = False)",
+    )
+    p.add_argument(
         "--no-inline-swiglu",
         action="store_true",
         help="keep grouped_swiglu an op (torch_moe._inductor.config.inline_swiglu = False)",
@@ -105,6 +125,7 @@ def main() -> None:
     global DEVICE
     DEVICE = args.device
     TI.config.inline_swiglu = not args.no_inline_swiglu
+    TI.config.inline_glu = not args.no_inline_glu
     dtype = DTYPES[args.dtype]
     t, d = args.tokens, args.dim
     if DEVICE == "cuda":  # the floor: a large bf16 mm on the device (measured here)
@@ -135,7 +156,15 @@ def main() -> None:
             torch.manual_seed(0)
             torch._dynamo.reset()
             eager = MoE(
-                d, f, e, k, route_norm=True, precision=precision, dtype=dtype, device=DEVICE
+                d,
+                f,
+                e,
+                k,
+                route_norm=True,
+                precision=precision,
+                dtype=dtype,
+                device=DEVICE,
+                **EXPERTS[args.experts],
             )
             plain = torch.compile(copy.deepcopy(eager), fullgraph=True)
             fused = torch.compile(copy.deepcopy(eager), fullgraph=True, options=TI.options())
@@ -149,7 +178,8 @@ def main() -> None:
                 fn()
             times = median_seconds(fns, args.reps)
             peaks = {name: peak_bytes(fn) / mib for name, fn in fns.items()}
-            flops = 18 * t * k * d * f
+            # forward + backward: 3x the two GEMMs' 2*T*K*D*(N + F), N = 2F gated, F relu2
+            flops = 6 * t * k * d * (eager.experts.w13.shape[1] + f)
             perm = t * k * d * torch.empty((), dtype=dtype).element_size() / mib
             ratios = {name: times[name] * floor_rate / flops for name in fns}
             print(

@@ -253,6 +253,91 @@ class TestPasses(TestCase):
                 if want is not None:
                     self.assertEqual(got.grad, want.grad, atol=1e-5, rtol=1e-5)
 
+    @parametrize("experts", ["gpt_oss", "relu2"])
+    def test_glu_inlined(self, experts):
+        """The composed experts' activation op (GPT-OSS's clamped swigluoai on interleaved
+        gate / up; the ungated relu2 with a relu2 shared expert) becomes its formulas in
+        aten ops: within fp32 rounding of eager over steps of two sizes, and the forward
+        saves less than with the op (x_perm and h; the activation is recomputed)."""
+        self.assertTrue(TI.config.inline_glu)
+        kw = dict(
+            gpt_oss=dict(
+                activation="swigluoai",
+                swiglu_limit=0.5,
+                experts_bias=True,
+                gate_up_interleaved=True,
+            ),
+            relu2=dict(
+                activation="relu2",
+                experts_bias=True,
+                shared_hidden_dim=16,
+                shared_activation="relu2",
+            ),
+        )[experts]
+        torch.manual_seed(0)
+        eager = MoE(D, F, E, K, **kw).train()
+        gen = torch.Generator().manual_seed(1)
+        saved = {}
+        for inline in (True, False):
+            torch._dynamo.reset()
+            record: dict = {}
+            compiled = torch.compile(
+                copy.deepcopy(eager), backend=_backend(record), fullgraph=True, dynamic=False
+            )
+            with TI.config.patch(inline_glu=inline):
+                for num_tokens in (20, 9):
+                    x = torch.randn(num_tokens, D, generator=gen)
+                    grad_out = torch.randn(num_tokens, D, generator=gen)
+                    got, want = _run(compiled, x, grad_out), _run(eager, x, grad_out)
+                    _assert_same(self, got, want, atol=1e-5, rtol=1e-5)
+            # forward and backward of the routed experts' activation (and the shared one's)
+            rewrites = (4 if experts == "relu2" else 2) if inline else 0
+            self.assertEqual(record["counts"].get("inline_glu", 0), rewrites)
+            saved[inline] = sorted(_float_rows(record["saved"], 9 * K))
+        # with the op: the permuted rows, h and the activation a [M, F] (the down GEMM's
+        # weight-gradient operand); inlined, a is recomputed from h in the backward (its
+        # nodes are tagged for recompute): one [M, F] fewer per routed row
+        M, N = 9 * K, F if experts == "relu2" else 2 * F  # h's width
+        self.assertEqual(saved[False], sorted([(M, D), (M, N), (M, F)]))
+        self.assertEqual(saved[True], sorted([(M, D), (M, N)]))
+
+    def test_inlined_glu_code(self):
+        """Inductor with ``inline_glu`` (the default): the activation and its backward in
+        bf16 are Inductor's own loops (no glu op in the code), within one bf16 rounding step
+        of eager; with the flag off the op stays."""
+        gen = torch.Generator().manual_seed(4)
+        h = (2 * torch.randn(64, 48, generator=gen)).bfloat16()
+        rw = torch.rand(64, generator=gen)
+        grad = torch.randn(64, 24, generator=gen).bfloat16()
+        glu = torch.ops.torch_moe.glu
+
+        def step(fn, activation):
+            hh, ww = h.clone().requires_grad_(), rw.clone().requires_grad_()
+            width = 48 if activation == "relu2" else 24
+            limit = None if activation == "relu2" else 1.0
+            interleaved = activation == "swigluoai"
+            a = fn(hh, ww, activation, 1.702, limit, interleaved)
+            a.backward(torch.cat([grad, grad], 1)[:, :width])
+            return [a.detach(), hh.grad, ww.grad]
+
+        for activation in ("swiglu", "swigluoai", "relu2"):
+            for inline in (True, False):
+                torch._dynamo.reset()
+                compiled = torch.compile(glu, fullgraph=True, options=TI.options())
+                with TI.config.patch(inline_glu=inline):
+                    got, (fwd, bwd) = run_and_get_code(step, compiled, activation)
+                want = step(glu, activation)
+                for g, w in zip(got, want):
+                    self.assertEqual(g, w, atol=2e-2, rtol=2e-2, msg=activation)
+                if activation == "relu2":  # no exp: bit for bit
+                    self.assertEqual(got[0], want[0], **EXACT)
+                for code, op in (
+                    (fwd, "torch.ops.torch_moe.glu."),
+                    (bwd, "torch_moe.glu_backward"),
+                ):
+                    check = FileCheck().check_not if inline else FileCheck().check
+                    check(op).run(code)
+
     def test_uuid_tracks_config_and_sources(self):
         p = TI.MoEGraphPass()
         base = p.uuid()

@@ -38,6 +38,12 @@ inline_combine: bool = True
 # compare compiled and eager bit for bit.
 inline_swiglu: bool = True
 
+# glu / glu_backward (the composed experts' activation: GPT-OSS's swigluoai, clamped
+# SwiGLU, relu2) on CPU ==> the op's own fp32 formulas in aten ops, fused by Inductor into
+# one loop per direction; the backward still keeps only h (and the row weights). Within one
+# rounding step of the op where the activation has an exp (Inductor's against ATen's).
+inline_glu: bool = True
+
 # quantize(w) of an expert weight (a 3D graph input, through views and casts) ==> a cached
 # quantization, recomputed only when the weight's version counter changes (once per
 # optimizer step, not once per micro-batch and GEMM).

@@ -56,6 +56,19 @@ compositions of the originals):
    CPU multiplies half precision in fp32 (no native bf16 GEMMs): the op's kernels then
    keep the activation in fp32 between the GEMMs, which the inlined graph would round.
 
+7. ``inline_glu`` (CPU): the composed experts' activation, ``glu`` and ``glu_backward``
+   (swiglu / swigluoai, clamped or not, halves or interleaved, the ungated relu2), become
+   the op's own formulas in aten ops (``torch_moe._ops.glu``'s ``_forward`` and
+   ``_backward_parts``: fp32 math, one rounding), which Inductor fuses into one loop per
+   direction instead of the op's passes per row chunk; the forward's nodes are tagged for
+   recompute, so the backward keeps h (and the row weights) as the op does, and the
+   activation itself, which the down GEMM saves for its weight gradient, is recomputed
+   from h instead (one [M, F] fewer saved per routed row). Not bit for
+   bit where the activation has an exp (Inductor's exp / sigmoid against ATen's; relu2 has
+   none), within one rounding step of h's dtype; ``config.inline_glu = False`` keeps the
+   op. The op rounds its output to h's dtype whatever the GEMMs' compute dtype, so the
+   rewrite holds where this CPU upcasts half-precision GEMMs too.
+
 ``MoEGraphPass`` runs them as one ``CustomGraphPass`` whose ``uuid()`` hashes this
 package's sources and its config, so Inductor's FX graph cache misses whenever a pass or
 a lowering changes (a plain callable would make the cache bypass, a pass without its
@@ -93,6 +106,7 @@ __all__ = [
     "fuse_gather",
     "fuse_quantize",
     "inline_combine",
+    "inline_glu",
     "inline_swiglu",
     "run_passes",
 ]
@@ -500,6 +514,54 @@ def inline_swiglu(graph: fx.Graph) -> int:
     return count
 
 
+def _glu_forward(h: Any, *rest: Any, weighted: bool, args: tuple[Any, ...]) -> Any:
+    from torch_moe._ops.glu import _forward
+
+    return _forward(h, rest[0] if weighted else None, *args)
+
+
+def _glu_backward(grad_a: Any, h: Any, *rest: Any, weighted: bool, args: tuple[Any, ...]) -> Any:
+    from torch_moe._ops.glu import _backward_parts
+
+    rw = rest[0] if weighted else None
+    parts, grad_rw = _backward_parts(grad_a, h, rw, *args)
+    if len(parts) == 1:  # ungated
+        dh = parts[0]
+    elif args[-1]:  # interleaved: gate column 2f, up column 2f + 1
+        dh = torch.stack(list(parts), dim=-1).flatten(1)
+    else:
+        dh = torch.cat(list(parts), dim=-1)
+    dh = dh.to(h.dtype)
+    if rw is None or grad_rw is None:
+        return dh, torch.empty((0,), dtype=torch.float32, device=h.device)
+    return dh, grad_rw.to(rw.dtype)
+
+
+def inline_glu(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        forward = is_op(node, _ops.glu)
+        if not forward and not is_op(node, _ops.glu_backward):
+            continue
+        tensors = 1 if forward else 2  # (h) or (grad_a, h), then row_weights
+        h = node.args[tensors - 1]
+        rw = _arg(node, tensors, "row_weights")
+        names = ("activation", "alpha", "limit", "interleaved")
+        args = tuple(_arg(node, tensors + 1 + i, n) for i, n in enumerate(names))
+        if val(h).device.type != "cpu":
+            continue
+        inputs = [*node.args[:tensors], *([rw] if rw is not None else [])]
+        fn = functools.partial(
+            _glu_forward if forward else _glu_backward, weighted=rw is not None, args=args
+        )
+        before = set(graph.nodes)
+        _replace(graph, node, fn, inputs)
+        if forward:
+            _prefer_recompute(n for n in graph.nodes if n not in before)
+        count += 1
+    return count
+
+
 # --------------------------------------------------------------------------------------
 # all passes as one CustomGraphPass
 
@@ -514,6 +576,7 @@ def run_passes(graph: fx.Graph) -> dict[str, int]:
         ("fuse_gather", fuse_gather),
         ("inline_combine", inline_combine),
         ("inline_swiglu", inline_swiglu),
+        ("inline_glu", inline_glu),
     ):
         if getattr(config, name):
             counts[name] = fn(graph)
@@ -532,6 +595,7 @@ _COUNTERS: dict[str, int] = {
     "fuse_gather": 0,
     "inline_combine": 0,
     "inline_swiglu": 0,
+    "inline_glu": 0,
     "ep_chunks": 0,  # expert-parallel layers split into chunks (ep_chunk.py)
     "ep_chunk_skipped": 0,  # one-chunk layers that pass could not split
 }
@@ -547,9 +611,13 @@ def reset_counters() -> None:
         _COUNTERS[name] = 0
 
 
-_SOURCES = tuple(
-    os.path.join(os.path.dirname(__file__), name)
-    for name in ("passes.py", "_fx.py", "config.py", "lowering.py", "ep_overlap.py")
+_SOURCES = (
+    *(
+        os.path.join(os.path.dirname(__file__), name)
+        for name in ("passes.py", "_fx.py", "config.py", "lowering.py", "ep_overlap.py")
+    ),
+    # inline_glu traces the op's own formulas
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "_ops", "glu.py"),
 )
 
 

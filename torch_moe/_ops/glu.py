@@ -142,7 +142,7 @@ def _forward(
     return a.to(dtype)
 
 
-def _backward_into(
+def _backward_parts(
     grad_a: Tensor,
     h: Tensor,
     row_weights: Tensor | None,
@@ -150,9 +150,10 @@ def _backward_into(
     alpha: float,
     limit: float | None,
     interleaved: bool,
-    dh: Tensor,
-) -> Tensor | None:
-    """Write dH for rows h into ``dh``; return d row_weights (fp32 / fp64) or None."""
+) -> tuple[tuple[Tensor, ...], Tensor | None]:
+    """((dH,) ungated or (dGate, dUp) gated, in fp32 / fp64; d row_weights or None) by the
+    written-out derivatives, out of place (the compiler's ``inline_glu`` pass traces it
+    too); the caller puts dGate and dUp into h's halves or interleaved columns."""
     acc = acc_dtype(h.dtype)
     if not gated(activation):  # relu2
         ga, r = grad_a.to(acc), torch.relu(h.to(acc))
@@ -160,8 +161,7 @@ def _backward_into(
         if row_weights is not None:
             grad_rw = (ga * r.square()).sum(-1)
             ga = ga * row_weights.to(acc).unsqueeze(-1)
-        dh.copy_(ga * (2 * r))
-        return grad_rw
+        return (ga * (2 * r),), grad_rw
     gate, up = _halves(h.to(acc), interleaved)
     if limit is not None:
         gate_in = gate <= limit
@@ -188,9 +188,24 @@ def _backward_into(
     if limit is not None:
         d_gate = torch.where(gate_in, d_gate, 0)
         d_up = torch.where(up_in, d_up, 0)
-    g_out, u_out = _halves(dh, interleaved)
-    g_out.copy_(d_gate)
-    u_out.copy_(d_up)
+    return (d_gate, d_up), grad_rw
+
+
+def _backward_into(
+    grad_a: Tensor,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+    dh: Tensor,
+) -> Tensor | None:
+    """Write dH for rows h into ``dh`` (rounded once); return d row_weights (fp32 / fp64)
+    or None."""
+    parts, grad_rw = _backward_parts(grad_a, h, row_weights, activation, alpha, limit, interleaved)
+    for out, part in zip(_halves(dh, interleaved) if len(parts) == 2 else (dh,), parts):
+        out.copy_(part)
     return grad_rw
 
 
