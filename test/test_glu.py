@@ -124,7 +124,7 @@ class TestGlu(TestCase):
             glu(h, activation="relu2", interleaved=True)
         odd = torch.zeros(3, 5)
         self.assertEqual(glu(odd, activation="relu2").shape, (3, 5))  # ungated: h is [M, F]
-        with self.assertRaisesRegex(ValueError, r"glu: expected h \[M, 2F\] \(gate and up"):
+        with self.assertRaisesRegex(ValueError, r"^glu: expected h \[M, 2F\] \(gate and up"):
             glu(odd)
 
     def test_row_weight_gradient_in_their_dtype(self):
