@@ -52,7 +52,9 @@ def route(
             keep = keep[:num_limited_groups]
             sel = [s if e // size in keep else -math.inf for e, s in enumerate(sel)]
         chosen = sorted(range(num_experts), key=lambda e: -sel[e])[:k]
-        if score_func == "softmax_topk":
+        if score_func == "sigmoid_topk":  # the selection on the (biased) logits
+            w = [1.0 / (1.0 + math.exp(-row[e])) for e in chosen]
+        elif score_func == "softmax_topk":
             mx = max(row[e] for e in chosen)
             ex = [math.exp(row[e] - mx) for e in chosen]
             w = [v / sum(ex) for v in ex]
@@ -300,7 +302,7 @@ def moe_layer_autograd(
         chosen = ids[0].tolist()
         if kw["score_func"] == "softmax":
             w = torch.softmax(logits, 0)[chosen]
-        elif kw["score_func"] == "sigmoid":
+        elif kw["score_func"] in ("sigmoid", "sigmoid_topk"):
             w = torch.sigmoid(logits[chosen])
         else:
             w = torch.softmax(logits[chosen], 0)
@@ -519,7 +521,7 @@ def pipeline_autograd(
         lg = logits[t]
         if score_func == "softmax":
             w = torch.softmax(lg, 0)[chosen]
-        elif score_func == "sigmoid":
+        elif score_func in ("sigmoid", "sigmoid_topk"):
             w = torch.sigmoid(lg[chosen])
         else:
             w = torch.softmax(lg[chosen], 0)

@@ -727,6 +727,8 @@ BLOCKS = {
     # ungated relu2 experts and shared MLP, DeepSeek-V3's router
     "nemotron_h": ("nemotron_h", "NemotronHMoE", dict(moe_shared_expert_intermediate_size=16)),
     "axk1": ("axk1", "AXK1MoE", {}),  # DeepSeek-V3's block, then an RMSNorm of the output
+    # the selection bias added to the logits (top-k), the weights their sigmoids
+    "kolibri1": ("kolibri1", "Kolibri1SparseMoeBlock", dict(shared_expert_intermediate_size=24)),
 }
 # families whose modeling module has another name
 _BLOCK_MODULES = {

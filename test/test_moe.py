@@ -272,6 +272,7 @@ OPTIONS = {
     "shared": dict(shared_hidden_dim=5),
     "shared_gate": dict(shared_hidden_dim=5, shared_gate=True),
     "softmax_topk": dict(score_func="softmax_topk"),
+    "sigmoid_topk": dict(score_func="sigmoid_topk", expert_bias=True, route_norm=True),
     "sigmoid_groups": dict(
         score_func="sigmoid",
         num_expert_groups=2,
@@ -329,6 +330,7 @@ SHAPES = {"2d": (11, 8), "3d": (2, 5, 8)}
 # chosen (token, expert) pairs, group-limited cases choose differently from plain top-k.
 MIN_DROP_FRACTION, MIN_BIAS_CHANGE = 0.10, 0.20
 BIAS_SCALE = 0.5  # expert_bias ~ N(0, 0.5^2): enough to move >= 20% of the choices
+LOGIT_BIAS_SCALE = 3.0  # the same on the logits' scale, N(0, 1.5^2) ("sigmoid_topk" biases them)
 
 
 def _choice_change(ids, other):
@@ -406,7 +408,9 @@ class TestMoENaive(TestCase):
     @parametrize("option", list(OPTIONS))
     @parametrize("shape", list(SHAPES))
     def test_option_matches_naive(self, option, shape):
-        moe = _randomize(MoE(**{**BASE, **OPTIONS[option]}, dtype=F64), bias_scale=BIAS_SCALE)
+        on_logits = OPTIONS[option].get("score_func") == "sigmoid_topk"
+        scale = LOGIT_BIAS_SCALE if on_logits else BIAS_SCALE
+        moe = _randomize(MoE(**{**BASE, **OPTIONS[option]}, dtype=F64), bias_scale=scale)
         if option == "capacity_1.25":  # a hot expert, so that a factor above 1 still drops
             with torch.no_grad():
                 moe.router.bias.copy_(torch.tensor([6.0, 0.0, 0.0, 0.0]))

@@ -21,6 +21,7 @@ CONFIGS = {
     "mixtral": dict(score_func="softmax", route_norm=True),
     "qwen3_no_norm": dict(score_func="softmax"),
     "gpt_oss": dict(score_func="softmax_topk"),
+    "kolibri": dict(score_func="sigmoid_topk", bias=True, route_norm=True),  # bias on logits
     "sigmoid_scaled": dict(score_func="sigmoid", route_norm=True, route_scale=2.5),
     "deepseek_v3": dict(
         score_func="sigmoid",
@@ -104,6 +105,23 @@ class TestTopKRoute(TestCase):
         self.assertEqual(counts[3], 32)
         self.assertEqual(w[:, 0], torch.sigmoid(logits[:, 3]))
 
+    def test_sigmoid_topk_biases_the_logits(self):
+        """Without a bias "sigmoid_topk" is "sigmoid" (sigmoid is monotone); with one it
+        selects on logits + bias (a bias of 1 moves a logit far more than a sigmoid
+        score near 1), the weights the unbiased sigmoids either way."""
+        g = torch.Generator().manual_seed(4)
+        logits = 4 * torch.randn(64, 8, generator=g)
+        plain = topk_route(logits, 2, score_func="sigmoid", route_norm=True)
+        same = topk_route(logits, 2, score_func="sigmoid_topk", route_norm=True)
+        for a, b in zip(plain, same):
+            self.assertEqual(a, b, atol=0, rtol=0)
+        bias = torch.randn(8, generator=g)
+        w, ids, _ = topk_route(logits, 2, score_func="sigmoid_topk", expert_bias=bias)
+        self.assertEqual(ids, (logits + bias).topk(2, dim=-1).indices)
+        self.assertEqual(w, torch.sigmoid(logits.gather(1, ids)), atol=0, rtol=0)
+        on_scores = topk_route(logits, 2, score_func="sigmoid", expert_bias=bias)[1]
+        self.assertGreater((ids != on_scores).any(-1).float().mean().item(), 0.2)
+
     def test_group_limit_restricts_choice(self):
         # Group 0 (experts 0..3) carries huge logits: with one group kept every choice is there.
         logits = torch.randn(20, 16, dtype=torch.float64)
@@ -165,7 +183,7 @@ class TestTopKRoute(TestCase):
                 )
             )
 
-    @parametrize("score_func", ["softmax", "sigmoid", "softmax_topk"])
+    @parametrize("score_func", ["softmax", "sigmoid", "softmax_topk", "sigmoid_topk"])
     @parametrize("route_norm", [False, True])
     def test_gradcheck(self, score_func, route_norm):
         logits = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
@@ -207,6 +225,16 @@ class TestTopKRoute(TestCase):
                 None,
                 False,
                 1.0,
+            ),
+            (
+                torch.randn(7, 16, requires_grad=True),
+                3,
+                "sigmoid_topk",
+                bias,
+                None,
+                None,
+                True,
+                2.0,
             ),
         ]:
             torch.library.opcheck(torch.ops.torch_moe.topk_route.default, args)

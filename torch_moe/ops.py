@@ -52,8 +52,10 @@ def topk_route(
         logits: [T, E] router logits (any float dtype; the math runs in fp32).
         k: experts per token, ``1 <= k <= E``.
         score_func: ``"softmax"`` (softmax over E, then top-k: Mixtral, Qwen-MoE),
-            ``"sigmoid"`` (DeepSeek-V3) or ``"softmax_topk"`` (top-k on the logits,
-            softmax over the K chosen: GPT-OSS).
+            ``"sigmoid"`` (DeepSeek-V3), ``"softmax_topk"`` (top-k on the logits,
+            softmax over the K chosen: GPT-OSS) or ``"sigmoid_topk"`` (top-k on the
+            logits, the sigmoid of the K chosen: Kolibri, whose selection bias is added
+            to the logits).
         expert_bias: optional [E] bias added to the selection scores only: it changes
             which experts are chosen, never the weights (aux-loss-free balancing).
         num_expert_groups, num_limited_groups: group-limited routing: E experts form

@@ -9,6 +9,10 @@ Semantics (docs/design.md §4), all math in fp32 (fp64 when the logits are fp64)
 * ``score_func="sigmoid"``: scores = sigmoid(logits), then top-k (DeepSeek-V3).
 * ``score_func="softmax_topk"``: top-k on the logits, then softmax over the K chosen
   logits (GPT-OSS).
+* ``score_func="sigmoid_topk"``: top-k on the logits, then the sigmoid of the K chosen
+  logits (Kolibri). Without a selection bias it chooses what ``"sigmoid"`` chooses
+  (sigmoid is monotone) with the same weights; with one, the bias is added to the logits
+  rather than to the sigmoid scores.
 * ``expert_bias`` [E] is added to the selection scores only: it changes which experts
   are chosen, never the weights (aux-loss-free balancing, DeepSeek-V3).
 * Group-limited routing: experts form G contiguous groups of E/G; a group's score is
@@ -44,7 +48,8 @@ from torch_moe._ops._dtypes import acc_dtype
 
 __all__ = ["GROUP_SCORES", "SCORE_FUNCS", "topk_route", "topk_route_reference"]
 
-SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
+SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk", "sigmoid_topk")
+_SIGMOIDS = ("sigmoid", "sigmoid_topk")  # the weights are the chosen logits' sigmoids
 GROUP_SCORES = ("top2_sum", "max")
 
 
@@ -134,7 +139,7 @@ def _chosen_scores(lf: Tensor, expert_ids: Tensor, score_func: str) -> Tensor:
     """Unbiased scores [T, K] of the chosen experts (before norm and scale)."""
     if score_func == "softmax":
         return torch.softmax(lf, dim=-1).gather(1, expert_ids)
-    if score_func == "sigmoid":
+    if score_func in _SIGMOIDS:
         return torch.sigmoid(lf.gather(1, expert_ids))
     return torch.softmax(lf.gather(1, expert_ids), dim=-1)
 
@@ -277,7 +282,7 @@ def topk_route_backward(
         probs_TE = torch.softmax(lf, dim=-1)
         grad_TE.scatter_(1, expert_ids, g_TK)  # ids are distinct within a row
         grad_TE = probs_TE * (grad_TE - (grad_TE * probs_TE).sum(-1, keepdim=True))
-    elif score_func == "sigmoid":
+    elif score_func in _SIGMOIDS:
         grad_TE.scatter_(1, expert_ids, g_TK * chosen_TK * (1 - chosen_TK))
     else:
         g_TK = chosen_TK * (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True))

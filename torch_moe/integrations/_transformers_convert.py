@@ -28,7 +28,8 @@ shared expert, DeepSeek-V3), optionally followed by a norm of the output (A.X-K1
 norm module kept in the converted block), a router class whose routing ``torch_moe.ops.topk_route``
 reproduces (``_routing``: softmax over all experts, over the top-k logits, or sigmoid;
 renormalized or not; scaled by the router or by the block; expert groups; a selection
-bias on the router, on the block or in Ernie's ``moe_statics``; GPT-OSS's linear router
+bias on the router, on the block or in Ernie's ``moe_statics``, added to the scores or
+(Kolibri: ``score_func="sigmoid_topk"``) to the logits; GPT-OSS's linear router
 with a bias, ``router_bias=True``), and a gated experts module without a post-expert norm
 whose activation is transformers' default SiLU gate on [gate; up] halves or GPT-OSS's
 swigluoai (``activation="swigluoai"`` with the module's ``alpha`` / ``limit`` as
@@ -215,6 +216,7 @@ _SHARED = (  # + shared_experts(x) (another attribute name: _SHARED_ATTR)
     "HYV3MoE",
     "HYV4MoE",
     "KimiLinearMoE",
+    "Kolibri1SparseMoeBlock",  # the selection bias on the logits: "sigmoid_topk"
     "LagunaSparseMoeBlock",
     "MiniMaxM3VLSparseMoeBlock",  # scales the routed output: route_scale
     "Mistral4MoE",
@@ -235,7 +237,6 @@ _SHARED_ATTR = {
 _POST_NORM = {"AXK1MoE": "post_mlp_layernorm"}
 # sparse-MoE blocks whose function torch_moe.nn.MoE does not compute, and why
 _UNSUPPORTED_BLOCKS = {
-    "Kolibri1SparseMoeBlock": "adds its selection bias to the logits, not to the scores",
     "PhimoeSparseMoeBlock": "routes with sparsemixer",
     "ZayaSparseMoeBlock": "routes with an MLP and a skip expert",
     "InklingMoE": "weights its shared experts by router scores",
@@ -418,6 +419,10 @@ def _routing(block: Any, attr: str, gate: Any) -> tuple[dict[str, Any], str, str
             expert_bias=True,
             **_groups(gate),
         )
+        bias = f"{attr}.e_score_correction_bias"
+    elif rname == "Kolibri1TopKRouter":  # top-k on logits + bias, sigmoid of the chosen
+        cfg = dict(score_func="sigmoid_topk", route_norm=bool(gate.norm_topk_prob))
+        cfg.update(expert_bias=True)
         bias = f"{attr}.e_score_correction_bias"
     elif rname == "FlintTopKRouter":  # sigmoid, no selection bias
         cfg = dict(score_func="sigmoid", route_norm=bool(gate.norm_topk_prob))

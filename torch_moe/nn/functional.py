@@ -93,7 +93,7 @@ def glu_activation(
 def _router_probs(logits: Tensor, score_func: str) -> Tensor:
     """Router probabilities over all E experts (sigmoid scores are normalized per token)."""
     logits = logits.to(acc_dtype(logits.dtype))
-    if score_func == "sigmoid":
+    if score_func in ("sigmoid", "sigmoid_topk"):
         scores = torch.sigmoid(logits)
         return scores / scores.sum(-1, keepdim=True)
     return torch.softmax(logits, dim=-1)
