@@ -99,28 +99,15 @@ class TestMoEPrecision(TestCase):
             self.assertLess(db, 40.0, f"{name} {key}: {db:.2f} dB, not quantized?")
 
     @parametrize("name", list(RECIPES))
-    def test_composed_experts_sqnr(self, name):
-        """GPT-OSS-like experts (biases, clamped activation on interleaved gate / up) under
-        a recipe: the SwiGLU layer's floors hold (measured 2026-12 on CPU: 23.3-27.0 dB,
-        the router bias 26.7-34.0); b2's gradient (the routing-weighted dY summed per
+    @parametrize("experts", ["gpt_oss", "relu2"])
+    def test_composed_experts_sqnr(self, name, experts):
+        """GPT-OSS-like experts (biases, clamped activation on interleaved gate / up) and
+        ungated relu2 ones ([E, F, D] up projections, biases) under a recipe: the SwiGLU
+        layer's floors hold (measured 2026-12 on CPU: 23.3-27.0 dB, the router bias
+        26.7-34.0; relu2 22.7-25.7); b2's gradient (the routing-weighted dY summed per
         expert) takes no quantized operand: exact."""
-        ref, low = _layers("bf16", name, **GPT_OSS)
-        x, grad_out = _data()
-        want, got = _fwd_bwd(ref, x, grad_out), _fwd_bwd(low, x, grad_out)
-        self.assertEqual(got["experts.b2"], want["experts.b2"], **EXACT)
-        min_db, router_db = SQNR_MIN_DB[name]
-        for key in sorted(set(got) - {"experts.b2"}):
-            floor = router_db if key.startswith("router.") else min_db
-            db = sqnr(want[key], got[key])
-            self.assertGreaterEqual(db, floor, f"{name} {key}: {db:.2f} dB")
-            self.assertLess(db, 40.0, f"{name} {key}: {db:.2f} dB, not quantized?")
-
-    @parametrize("name", ["fp8_rowwise", "mxfp8"])
-    def test_relu2_experts_sqnr(self, name):
-        """Ungated relu2 experts ([E, F, D] up projections, biases) under a recipe: the
-        SwiGLU layer's floors hold (measured 2026-12 on CPU: fp8_rowwise 24.5-25.7 dB,
-        mxfp8 22.7-25.0)."""
-        ref, low = _layers("bf16", name, activation="relu2", experts_bias=True)
+        kw = GPT_OSS if experts == "gpt_oss" else dict(activation="relu2", experts_bias=True)
+        ref, low = _layers("bf16", name, **kw)
         x, grad_out = _data()
         want, got = _fwd_bwd(ref, x, grad_out), _fwd_bwd(low, x, grad_out)
         self.assertEqual(got["experts.b2"], want["experts.b2"], **EXACT)

@@ -204,7 +204,9 @@ def _backward_into(
     """Write dH for rows h into ``dh`` (rounded once); return d row_weights (fp32 / fp64)
     or None."""
     parts, grad_rw = _backward_parts(grad_a, h, row_weights, activation, alpha, limit, interleaved)
-    for out, part in zip(_halves(dh, interleaved) if len(parts) == 2 else (dh,), parts):
+    for out, part in zip(
+        _halves(dh, interleaved) if len(parts) == 2 else (dh,), parts, strict=True
+    ):
         out.copy_(part)
     return grad_rw
 

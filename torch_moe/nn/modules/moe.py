@@ -1295,8 +1295,8 @@ class MoE(nn.Module):
 # to the block), as torch_moe.integrations.transformers.to_torch_moe finds them
 _HF_ROUTER_WEIGHT = ("gate.weight", "router.weight", "router.gate.weight", "gate.wg.weight")
 # the routed experts' up projection (gated, or ungated as Nemotron-H's) and down projection
-_HF_EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")
-_HF_EXPERT_BIASES = ("experts.gate_up_proj_bias", "experts.up_proj_bias", "experts.down_proj_bias")
+_HF_PROJ_WEIGHTS = ("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")
+_HF_PROJ_BIASES = ("experts.gate_up_proj_bias", "experts.up_proj_bias", "experts.down_proj_bias")
 _HF_EXPERT_BIAS = (
     "gate.e_score_correction_bias",  # DeepSeek-V3 and its kin, Laguna
     "e_score_correction_bias",  # on the block: MiniMax-M2, HY-V3
@@ -1332,11 +1332,11 @@ def hf_state_dict_to_moe(
             name = "router.weight"
         elif key in ("gate.bias", "router.bias"):  # MoE(router_bias=True)
             name = "router.bias"
-        elif key in _HF_EXPERT_BIASES:
+        elif key in _HF_PROJ_BIASES:
             name = "experts.b2" if key == "experts.down_proj_bias" else "experts.b13"
         elif key in _HF_EXPERT_BIAS:
             name, value = "router.expert_bias", value.reshape(-1)
-        elif key in _HF_EXPERT_WEIGHTS:
+        elif key in _HF_PROJ_WEIGHTS:
             name = "experts.w2" if key == "experts.down_proj" else "experts.w13"
             value = value.transpose(-2, -1) if experts_transposed else value
         elif key == "shared_expert_gate.weight":
