@@ -408,8 +408,11 @@ class TestExpertParallel2(_EPClass):
 
     def test_compile_chunk_pass_composed(self):
         """GPT-OSS-like experts: the chunk pass slices the experts' biases [El, N] with
-        their weights, bitwise equal to ExpertParallel(num_chunks=2)."""
+        their weights, bitwise equal to ExpertParallel(num_chunks=2); the same for ungated
+        relu2 experts ([El, F, D] up projections)."""
         self.check_compiled_equals_eager({}, steps=4, chunk_pass=2, dynamic=True, **GPT_OSS)
+        relu2 = dict(activation="relu2", experts_bias=True)
+        self.check_compiled_equals_eager({}, steps=2, chunk_pass=2, dynamic=True, **relu2)
 
     def test_compile_chunk_pass_inductor(self):
         """Inductor end to end (torch_moe._inductor.options(ep_chunks=2)): the layer built
