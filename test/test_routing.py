@@ -108,7 +108,7 @@ class TestTopKRoute(TestCase):
     def test_sigmoid_topk_biases_the_logits(self):
         """Without a bias "sigmoid_topk" is "sigmoid" (sigmoid is monotone); with one it
         selects on logits + bias (a bias of 1 moves a logit far more than a sigmoid
-        score near 1), the weights the unbiased sigmoids either way."""
+        score near 1), the weights the unbiased sigmoids either way (times the scale)."""
         g = torch.Generator().manual_seed(4)
         logits = 4 * torch.randn(64, 8, generator=g)
         plain = topk_route(logits, 2, score_func="sigmoid", route_norm=True)
@@ -116,9 +116,11 @@ class TestTopKRoute(TestCase):
         for a, b in zip(plain, same):
             self.assertEqual(a, b, atol=0, rtol=0)
         bias = torch.randn(8, generator=g)
-        w, ids, _ = topk_route(logits, 2, score_func="sigmoid_topk", expert_bias=bias)
+        w, ids, _ = topk_route(
+            logits, 2, score_func="sigmoid_topk", expert_bias=bias, route_scale=2.0
+        )
         self.assertEqual(ids, (logits + bias).topk(2, dim=-1).indices)
-        self.assertEqual(w, torch.sigmoid(logits.gather(1, ids)), atol=0, rtol=0)
+        self.assertEqual(w, 2.0 * torch.sigmoid(logits.gather(1, ids)), atol=0, rtol=0)
         on_scores = topk_route(logits, 2, score_func="sigmoid", expert_bias=bias)[1]
         self.assertGreater((ids != on_scores).any(-1).float().mean().item(), 0.2)
 
