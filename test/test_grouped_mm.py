@@ -362,6 +362,81 @@ class TestGroupedMMChecks(TestCase):
             m._check_wgrad_inputs(x, torch.empty(4, 3, device="meta"), offs)
 
 
+class TestGatherGroupedMM(TestCase):
+    """``torch_moe::gather_grouped_mm``: ``grouped_mm`` of the rows it gathers from the
+    tokens, bit for bit the permute + grouped_mm composition in the output and both
+    gradients (the same ops in the same order), padding and dropped slots included."""
+
+    def _case(self, dtype, align, capacity, transposed, seed=0):
+        from torch_moe import ops
+
+        g = torch.Generator().manual_seed(seed)
+        T, D, N, E, K = 23, 16, 24, 4, 3
+        ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+        perm = ops.permute_indices(ids, E, align=align, capacity=capacity)
+        x = torch.randn(T, D, generator=g).to(dtype)
+        w = torch.randn(E, N, D, generator=g).to(dtype)
+        w = w.transpose(1, 2) if transposed else w.transpose(1, 2).contiguous()
+        grad = torch.randn(perm.row_to_slot.shape[0], N, generator=g).to(dtype)
+        return perm, x, w, grad
+
+    def test_equals_permute_then_grouped_mm(self):
+        for dtype, align, capacity, transposed in [
+            (torch.float32, 1, None, False),
+            (torch.bfloat16, 1, None, True),  # x @ w^T views, the gradient in w's layout
+            (torch.float32, 8, None, True),  # padding rows (row_to_slot == -1)
+            (torch.bfloat16, 1, 4, False),  # dropped slots (slot_to_row == -1)
+        ]:
+            perm, x, w, grad = self._case(dtype, align, capacity, transposed)
+            maps = (perm.row_to_slot, perm.slot_to_row)
+            results = []
+            for fused in (True, False):
+                xx, ww = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+                if fused:
+                    y = torch.ops.torch_moe.gather_grouped_mm(xx, ww, perm.offs, *maps)
+                else:
+                    y = grouped_mm(torch.ops.torch_moe.permute(xx, *maps), ww, perm.offs)
+                y.backward(grad)
+                results.append((y, xx.grad, ww.grad))
+            msg = f"{dtype} align={align} capacity={capacity}"
+            for got, want in zip(*results, strict=True):
+                self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
+
+    def test_saves_tokens_not_rows(self):
+        perm, x, w, grad = self._case(torch.float32, 1, None, False)
+        xx = x.clone().requires_grad_()
+        saved = []
+
+        def pack(t):
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.ops.torch_moe.gather_grouped_mm(
+                xx, w.requires_grad_(), perm.offs, perm.row_to_slot, perm.slot_to_row
+            )
+        self.assertIn(tuple(x.shape), saved)
+        self.assertNotIn((perm.row_to_slot.shape[0], x.shape[1]), saved)
+
+    def test_opcheck_and_messages(self):
+        perm, x, w, _ = self._case(torch.float32, 8, None, False)
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        torch.library.opcheck(
+            torch.ops.torch_moe.gather_grouped_mm.default,
+            (x.requires_grad_(), w.requires_grad_(), perm.offs, *maps),
+        )
+        op = torch.ops.torch_moe.gather_grouped_mm
+        with self.assertRaisesRegex(
+            ValueError, r"gather_grouped_mm: expected row_to_slot to be a 1D int64"
+        ):
+            op(x, w, perm.offs, perm.row_to_slot.int(), perm.slot_to_row)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"gather_grouped_mm: expected slot_to_row .* with x's T=23 rows, got \[22, 3\]",
+        ):
+            op(x, w, perm.offs, perm.row_to_slot, perm.slot_to_row[:22])
+
+
 instantiate_parametrized_tests(TestGroupedMM)
 instantiate_device_type_tests(TestGroupedMMDevice, globals())
 

@@ -859,7 +859,7 @@ class TestMoECompile(TestCase):
         two weight gradients and the glu backward."""
         self._compare("aot_eager", EXACT, **OPTIONS[experts])
         fwd, bwd = self._compare("inductor", dict(atol=1e-5, rtol=1e-5), **OPTIONS[experts])
-        FileCheck().check("torch.ops.torch_moe.grouped_mm.default(").check(
+        FileCheck().check("torch.ops.torch_moe.gather_grouped_mm.default(").check(
             "torch.ops.torch_moe.glu.default("
         ).check("torch.ops.torch_moe.grouped_mm.default(").check_not(
             "torch.ops.torch_moe.grouped_swiglu"
@@ -1059,9 +1059,10 @@ class TestMoESavedActivations(TestCase):
             self.assertNotIn((dtype, (T * K, D)), shapes)
         self.assertNotIn((torch.bfloat16, (T, D)), shapes)
 
-    def test_composed_saves_rows_h_and_a(self):
-        # GPT-OSS-like experts (moe.py's MoE docstring): the permuted rows [M, D], the
-        # pre-activation with its bias [M, 2F] and the weighted activation [M, F]; the
+    def test_composed_saves_h_and_a(self):
+        # GPT-OSS-like experts (moe.py's MoE docstring): the pre-activation with its bias
+        # [M, 2F] and the weighted activation [M, F]; the first GEMM gathers its rows from
+        # the tokens (gather_grouped_mm: no permuted [M, D] rows saved), the
         # routing-weighted down bias (_row_bias) saves no [M, D] tensor, and neither does
         # the up bias
         T, D, Fh, E, K = 32, 16, 12, 4, 2
@@ -1074,9 +1075,10 @@ class TestMoESavedActivations(TestCase):
         _, saved = _saved_bytes(moe, _x((T, D), dtype=bf16))
         self.assertEqual(seen, [bf16])  # the biased rows rounded back to the experts' dtype
         shapes = [(dtype, shape) for _, dtype, shape in saved]
-        for want in ((T * K, D), (T * K, 2 * Fh), (T * K, Fh)):
+        for want in ((T * K, 2 * Fh), (T * K, Fh)):
             self.assertEqual(shapes.count((bf16, want)), 1, msg=f"{want}: {shapes}")
-        self.assertNotIn((torch.float32, (T * K, D)), shapes)  # e.g. w[:, None] * b2[e]
+        for dtype in (bf16, torch.float32):  # the permuted rows; e.g. w[:, None] * b2[e]
+            self.assertNotIn((dtype, (T * K, D)), shapes)
 
 
 class TestGroupedExpertsChunks(TestCase):

@@ -216,6 +216,9 @@ class TestOpSchemas(TestCase):
             """torch_moe::glu(Tensor h, Tensor? row_weights, str activation, float alpha, float? limit, bool interleaved) -> Tensor""",
         )
 
+    def test_schema_gather_grouped_mm(self):
+        self.assertExpectedInline(schema("gather_grouped_mm"), """torch_moe::gather_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor row_to_slot, Tensor slot_to_row) -> Tensor""")
+
     def test_schema_glu_backward(self):
         self.assertExpectedInline(
             schema("glu_backward"),

@@ -1,5 +1,7 @@
-"""Grouped GEMM: ``torch_moe::grouped_mm`` (x @ w[g] per group) and
-``torch_moe::grouped_mm_wgrad`` (x[g]^T @ dy[g] per group, the 2D x 2D weight gradient).
+"""Grouped GEMM: ``torch_moe::grouped_mm`` (x @ w[g] per group),
+``torch_moe::grouped_mm_wgrad`` (x[g]^T @ dy[g] per group, the 2D x 2D weight gradient)
+and ``torch_moe::gather_grouped_mm`` (``grouped_mm`` of rows it gathers from the tokens
+itself, so that the permuted input is not saved for the backward).
 
 Legend: M rows, K reduction dim, N output dim, E groups (experts).
 
@@ -61,6 +63,7 @@ __all__ = [
     "check_offs_values",
     "cpu_compute_dtype",
     "experts_transposed",
+    "gather_grouped_mm",
     "grouped_mm",
     "grouped_mm_reference",
     "grouped_mm_wgrad",
@@ -561,3 +564,73 @@ def _mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
 
 
 grouped_mm.register_autograd(_mm_backward, setup_context=_setup_mm)
+
+
+# --------------------------------------------------------------------------------------
+# gather_grouped_mm: the rows gathered from the tokens inside the op
+
+
+def _check_gather(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> None:
+    if row_to_slot.dim() != 1 or row_to_slot.dtype != torch.int64:
+        raise ValueError(
+            "gather_grouped_mm: expected row_to_slot to be a 1D int64 tensor [M], got "
+            f"{row_to_slot.dim()}D {row_to_slot.dtype}"
+        )
+    if (
+        slot_to_row.dim() != 2
+        or slot_to_row.dtype != torch.int64
+        or slot_to_row.shape[0] != x.shape[0]
+    ):
+        raise ValueError(
+            "gather_grouped_mm: expected slot_to_row to be a 2D int64 tensor [T, K] with "
+            f"x's T={x.shape[0]} rows, got {list(slot_to_row.shape)} {slot_to_row.dtype}"
+        )
+
+
+def _gathered_rows(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> Tensor:
+    return torch.ops.torch_moe.permute(x, row_to_slot, slot_to_row, None)
+
+
+@torch.library.custom_op("torch_moe::gather_grouped_mm", mutates_args=())
+def gather_grouped_mm(
+    x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor, slot_to_row: Tensor
+) -> Tensor:
+    """``grouped_mm(permute(x, row_to_slot, slot_to_row), w, offs)``: x [T, K_in] holds the
+    tokens, row r of the product reads token ``row_to_slot[r] // top_k`` (a zero row where
+    row_to_slot[r] == -1). The same values as the two ops; the backward keeps x and the
+    maps instead of the [M, K_in] rows (gathered again for the weight gradient) and sums a
+    token's rows' input gradients in fp32, as ``permute``'s backward does."""
+    _check_gather(x, row_to_slot, slot_to_row)
+    return grouped_mm(_gathered_rows(x, row_to_slot, slot_to_row), w, offs)
+
+
+@gather_grouped_mm.register_fake
+def _(x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> Tensor:
+    _check_gather(x, row_to_slot, slot_to_row)
+    rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))
+    _check_mm_inputs(rows, w, offs)
+    return x.new_empty((row_to_slot.shape[0], w.shape[2]))
+
+
+def _setup_gather_mm(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w, offs, row_to_slot, slot_to_row = inputs
+    ctx.save_for_backward(x, w, offs, row_to_slot, slot_to_row)
+
+
+def _gather_mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
+    x, w, offs, row_to_slot, slot_to_row = ctx.saved_tensors
+    grad = _nonzero_strides(grad)
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_rows = grouped_mm(grad, w.transpose(-2, -1), offs)
+        grad_x = torch.ops.torch_moe.unpermute(grad_rows, slot_to_row, row_to_slot, None)
+    if ctx.needs_input_grad[1]:
+        rows = _gathered_rows(x, row_to_slot, slot_to_row)
+        if experts_transposed(w):  # as grouped_mm's backward: dW in w's own layout
+            grad_w = grouped_mm_wgrad(grad, rows, offs).transpose(-2, -1)
+        else:
+            grad_w = grouped_mm_wgrad(rows, grad, offs)
+    return grad_x, grad_w, None, None, None
+
+
+gather_grouped_mm.register_autograd(_gather_mm_backward, setup_context=_setup_gather_mm)

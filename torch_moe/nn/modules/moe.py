@@ -441,7 +441,9 @@ class GroupedExperts(nn.Module):
         (row_to_slot, slot_to_row) x is the tokens [T, D] and the rows are
         ``permute(x, *permutation)``: ``grouped_swiglu`` gathers them itself (the [M, D]
         permuted input is neither materialized nor saved, x is converted row by row to
-        the dtype the experts run in; a recipe and the composed experts permute first)."""
+        the dtype the experts run in), and so does the composed experts' first GEMM
+        (``gather_grouped_mm``, on x in that dtype; the rows are not saved); a recipe
+        permutes first."""
         b13: Tensor | None
         b2: Tensor | None
         if weights is not None:
@@ -461,19 +463,20 @@ class GroupedExperts(nn.Module):
                 if b13 is not None and b2 is not None:
                     b13, b2 = b13[l0:l1], b2[l0:l1]
         dt = _expert_dtype(x, w13)
-        if permutation is not None and (self.recipe is not None or self.composed):
-            x = torch.ops.torch_moe.permute(x, *permutation)  # these run on permuted rows
+        if permutation is not None and self.recipe is not None:
+            x = torch.ops.torch_moe.permute(x, *permutation)  # a recipe runs on permuted rows
             permutation = None
-        # gathering, the op converts x's rows itself (under autocast x stays the caller's
-        # fp32 tokens: no [T, D] copy in dt saved, the token gradient summed in fp32)
-        x = x if permutation is not None else x.to(dt)
+        # grouped_swiglu converts the rows it gathers itself (under autocast x stays the
+        # caller's fp32 tokens: no [T, D] copy in dt saved, the token gradient summed in
+        # fp32); the composed experts' first GEMM gathers rows of x in dt
+        x = x.to(dt) if permutation is None or self.composed else x
         w13, w2 = w13.to(dt), w2.to(dt)
         # the operands are in dt now and the op (or the recipe) decides every GEMM's
         # numerics: autocast must not recast inside (eager would otherwise differ from
         # compiled code, whose kernels run outside autocast)
         with torch.autocast(x.device.type, enabled=False):
             if self.composed:
-                return self._composed(x, w13, w2, b13, b2, offs, row_weights)
+                return self._composed(x, w13, w2, b13, b2, offs, row_weights, permutation)
             if self.recipe is None:
                 rts, s2r = (None, None) if permutation is None else permutation
                 return grouped_swiglu(
@@ -492,13 +495,16 @@ class GroupedExperts(nn.Module):
         b2: Tensor | None,
         offs: Tensor,
         row_weights: Tensor | None,
+        permutation: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The experts as ``grouped_mm`` (or the recipe's ``scaled_grouped_mm``) -> + b13 ->
         :func:`glu_activation` x row weight -> ``grouped_mm`` -> + row weight x b2, on the
-        permuted rows x [M, D] in x's dtype (biases converted to it). The backward keeps x,
-        the [M, 2F] pre-activation (the activation op recomputes the rest) and the [M, F]
-        weighted activation (the down GEMM's weight-gradient operand); the down bias's
-        term saves no [M, D] tensor (``_row_bias``)."""
+        permuted rows x [M, D] in x's dtype (biases converted to it), or with
+        ``permutation`` on the rows of the tokens x [T, D] that ``gather_grouped_mm``
+        gathers itself. The backward keeps the tokens (or x), the [M, N] pre-activation
+        (the activation op recomputes the rest) and the [M, F] weighted activation (the
+        down GEMM's weight-gradient operand); the down bias's term saves no [M, D] tensor
+        (``_row_bias``)."""
         recipe = self.recipe
 
         def gemm(a: Tensor, w: Tensor) -> Tensor:
@@ -506,13 +512,17 @@ class GroupedExperts(nn.Module):
                 return ops.grouped_mm(a, w.transpose(-2, -1), offs)
             return scaled_grouped_mm(a, w.transpose(-2, -1), offs, recipe)
 
-        h = gemm(x, w13)
+        if permutation is None:
+            h = gemm(x, w13)
+        else:  # no recipe here (a recipe permutes first)
+            h = torch.ops.torch_moe.gather_grouped_mm(x, w13.transpose(-2, -1), offs, *permutation)
+        num_rows = h.shape[0]
         interleaved = self.gate_up_interleaved
         if b13 is None or b2 is None:  # GroupedExperts(bias=True) has both
             return gemm(_activate(self, h, row_weights, interleaved), w2)
         # each row's expert; rows at or past offs[-1] (padding) read the last expert's up
         # bias, and their zero GEMM rows stay zero: they get no down bias (weight 0)
-        rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+        rows = torch.arange(num_rows, device=x.device, dtype=offs.dtype)
         row_expert = torch.searchsorted(offs, rows, right=True)
         bias_w = (row_expert < w13.shape[0]).to(acc_dtype(x.dtype))
         if row_weights is not None:
@@ -813,9 +823,9 @@ class MoE(nn.Module):
             alternating (row 2f: gate f, row 2f + 1: up f; GPT-OSS's ``gate_up_proj``)
             instead of all gate rows first.
             Experts with any of these (beyond plain SwiGLU) run as grouped GEMMs around
-            the activation (``GroupedExperts.composed``): they also save the permuted
-            input [M, D] and the weighted activation [M, F] per routed row, and never take
-            the fused decode kernels.
+            the activation (``GroupedExperts.composed``; the first GEMM gathers its rows
+            from the tokens, ``gather_grouped_mm``): they also save the weighted
+            activation [M, F] per routed row, and never take the fused decode kernels.
 
     ``forward(x [..., D]) -> [..., D]``.
     """
