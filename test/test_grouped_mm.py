@@ -427,14 +427,25 @@ class TestGatherGroupedMM(TestCase):
         )
         op = torch.ops.torch_moe.gather_grouped_mm
         with self.assertRaisesRegex(
-            ValueError, r"gather_grouped_mm: expected row_to_slot to be a 1D int64"
+            ValueError,
+            r"^gather_grouped_mm: expected row_to_slot to be a 1D int64 tensor \[M\], got 1D "
+            r"torch.int32$",
         ):
             op(x, w, perm.offs, perm.row_to_slot.int(), perm.slot_to_row)
-        with self.assertRaisesRegex(
-            ValueError,
-            r"gather_grouped_mm: expected slot_to_row .* with x's T=23 rows, got \[22, 3\]",
-        ):
+        bad = r"^gather_grouped_mm: expected slot_to_row to be a 2D int64 tensor \[T, K\] with "
+        with self.assertRaisesRegex(ValueError, bad + r"x's T=23 rows, got \[22, 3\] torch.int64$"):
             op(x, w, perm.offs, perm.row_to_slot, perm.slot_to_row[:22])
+        with self.assertRaisesRegex(ValueError, bad + r"x's T=23 rows, got \[23, 3\] torch.int32$"):
+            op(x, w, perm.offs, perm.row_to_slot, perm.slot_to_row.int())
+
+    def test_gradient_of_x_alone(self):
+        # x needs a gradient, the weights do not (frozen experts): dX is still computed
+        perm, x, w, grad = self._case(torch.float32, 1, None, False)
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        got, want = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.ops.torch_moe.gather_grouped_mm(got, w, perm.offs, *maps).backward(grad)
+        grouped_mm(torch.ops.torch_moe.permute(want, *maps), w, perm.offs).backward(grad)
+        self.assertEqual(got.grad, want.grad, atol=0, rtol=0)
 
 
 instantiate_parametrized_tests(TestGroupedMM)
