@@ -426,17 +426,19 @@ class TestGatherGroupedMM(TestCase):
             (x.requires_grad_(), w.requires_grad_(), perm.offs, *maps),
         )
         op = torch.ops.torch_moe.gather_grouped_mm
-        with self.assertRaisesRegex(
-            ValueError,
-            r"^gather_grouped_mm: expected row_to_slot to be a 1D int64 tensor \[M\], got 1D "
-            r"torch.int32$",
-        ):
-            op(x, w, perm.offs, perm.row_to_slot.int(), perm.slot_to_row)
-        bad = r"^gather_grouped_mm: expected slot_to_row to be a 2D int64 tensor \[T, K\] with "
-        with self.assertRaisesRegex(ValueError, bad + r"x's T=23 rows, got \[22, 3\] torch.int64$"):
-            op(x, w, perm.offs, perm.row_to_slot, perm.slot_to_row[:22])
-        with self.assertRaisesRegex(ValueError, bad + r"x's T=23 rows, got \[23, 3\] torch.int32$"):
-            op(x, w, perm.offs, perm.row_to_slot, perm.slot_to_row.int())
+        for maps, message in [
+            (
+                (perm.row_to_slot.int(), perm.slot_to_row),
+                r"expected row_to_slot to be a 1D int64 tensor, got 1D torch.int32$",
+            ),
+            (
+                (perm.row_to_slot, perm.slot_to_row.int()),
+                r"expected slot_to_row to be a 2D int64 tensor \[T, K\], got 2D torch.int32$",
+            ),
+            ((perm.row_to_slot, perm.slot_to_row[:22]), r"expected x to have 22 rows, got 23$"),
+        ]:
+            with self.assertRaisesRegex(ValueError, r"^gather_grouped_mm: " + message):
+                op(x, w, perm.offs, *maps)
 
     def test_gradient_of_x_alone(self):
         # x needs a gradient, the weights do not (frozen experts): dX is still computed

@@ -571,20 +571,11 @@ grouped_mm.register_autograd(_mm_backward, setup_context=_setup_mm)
 
 
 def _check_gather(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> None:
-    if row_to_slot.dim() != 1 or row_to_slot.dtype != torch.int64:
-        raise ValueError(
-            "gather_grouped_mm: expected row_to_slot to be a 1D int64 tensor [M], got "
-            f"{row_to_slot.dim()}D {row_to_slot.dtype}"
-        )
-    if (
-        slot_to_row.dim() != 2
-        or slot_to_row.dtype != torch.int64
-        or slot_to_row.shape[0] != x.shape[0]
-    ):
-        raise ValueError(
-            "gather_grouped_mm: expected slot_to_row to be a 2D int64 tensor [T, K] with "
-            f"x's T={x.shape[0]} rows, got {list(slot_to_row.shape)} {slot_to_row.dtype}"
-        )
+    """The permutation maps as ``permute`` checks them, and x's T rows against them."""
+    from torch_moe._ops.permute import _check_maps, _check_rows
+
+    _check_maps("gather_grouped_mm", row_to_slot, slot_to_row, None)
+    _check_rows("gather_grouped_mm", "x", x, slot_to_row.shape[0])
 
 
 def _gathered_rows(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> Tensor:
