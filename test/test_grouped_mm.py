@@ -403,7 +403,7 @@ class TestGatherGroupedMM(TestCase):
                 self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
 
     def test_saves_tokens_not_rows(self):
-        perm, x, w, grad = self._case(torch.float32, 1, None, False)
+        perm, x, w, _ = self._case(torch.float32, 1, None, False)
         xx = x.clone().requires_grad_()
         saved = []
 

@@ -217,7 +217,10 @@ class TestOpSchemas(TestCase):
         )
 
     def test_schema_gather_grouped_mm(self):
-        self.assertExpectedInline(schema("gather_grouped_mm"), """torch_moe::gather_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor row_to_slot, Tensor slot_to_row) -> Tensor""")
+        self.assertExpectedInline(
+            schema("gather_grouped_mm"),
+            """torch_moe::gather_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor row_to_slot, Tensor slot_to_row) -> Tensor""",
+        )
 
     def test_schema_glu_backward(self):
         self.assertExpectedInline(
