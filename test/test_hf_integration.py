@@ -291,6 +291,27 @@ class TestExpertsBackend(_OneThread, TestCase):
         for n in g0:
             self.assertEqual(g1[n], g0[n], **tol, msg=n)
 
+    def test_composed_path_saves_no_permuted_rows(self):
+        """The composed path's up projection gathers its rows from the tokens
+        (``gather_grouped_mm``): its backward keeps no [T*K, D] permuted input."""
+        T, K, D = 12, 2, 8
+        for layout in ("bias", "gpt_oss", "no_gate_relu2"):
+            flags, act = LAYOUTS[layout]
+            torch.manual_seed(0)
+            experts = _toy_experts_class(flags, act)(_ToyConfig())
+            experts.config._experts_implementation = "torch_moe"
+            ids = torch.stack([torch.randperm(4)[:K] for _ in range(T)])
+            shapes = []
+
+            def pack(t, shapes=shapes):
+                shapes.append(tuple(t.shape))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                experts(torch.randn(T, D, requires_grad=True), ids, torch.rand(T, K))
+            self.assertNotIn((T * K, D), shapes, msg=f"{layout}: {shapes}")
+            self.assertIn((T, D), shapes, msg=layout)  # the tokens instead
+
     def test_expert_parallel_sentinels(self):
         """transformers' EP marks non-local assignments with ids >= E and weight 0."""
         torch.manual_seed(0)

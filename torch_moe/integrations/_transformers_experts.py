@@ -23,8 +23,8 @@ constants) and picks one of two paths:
   into the op, whose backward keeps only the tokens [T, D] and the pre-activation [M,
   2F]: neither a permuted input, nor the [M, D] expert output, nor the [M, F]
   activation is saved.
-* composed: everything else. ``torch_moe.ops.grouped_mm`` for the up projection (either
-  weight orientation), the per-row up bias, then the module's OWN ``_apply_gate`` (gated:
+* composed: everything else. ``torch_moe::gather_grouped_mm`` for the up projection
+  (the rows gathered from the tokens inside the GEMM; either weight orientation), the per-row up bias, then the module's OWN ``_apply_gate`` (gated:
   interleaved or concatenated halves, GPT-OSS's clamped ``(up + 1) * glu``, clamped or
   soft-capped SwiGLU, GELU gates) or ``act_fn`` (ungated), times the routing weight, under
   ``torch.utils.checkpoint`` so that only the [M, N] pre-activation is kept and the
@@ -32,7 +32,8 @@ constants) and picks one of two paths:
   down bias enters as ``sum_k w[t, k] * b[e(t, k)]`` per token (``_ExpertBiasCombine``,
   which saves no [T*K, D] tensor either). A post-expert norm is nonlinear, so there the
   routing weights go into the combine (``unpermute(y, weights)``) instead. Saved per row:
-  x [D], h [N] and the weighted activation [F] (the down GEMM's wgrad input).
+  h [N] and the weighted activation [F] (the down GEMM's wgrad input); the tokens once
+  (x [D] per row as well with a recipe, which permutes first).
 
 Both paths run in the autocast dtype under autocast, otherwise in the weights' dtype (as
 transformers' ``grouped_mm`` casts the input to the weights' dtype), and return the input
@@ -335,8 +336,12 @@ def experts_forward(
         out = ops.unpermute(y_MD, None, perm)
         return out.to(hidden_states.dtype)
 
-    x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
-    h_MN = _gemm(x_perm, up_EDN, offs, recipe)
+    if recipe is None:  # the rows gathered inside the GEMM: no [M, D] permuted input saved
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        h_MN = torch.ops.torch_moe.gather_grouped_mm(x_TD, up_EDN, offs, *maps)
+    else:
+        x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
+        h_MN = _gemm(x_perm, up_EDN, offs, recipe)
     row_expert_M = None
     if layout.has_bias:
         # expert of each row; padding / sentinel rows read expert E-1's bias (their GEMM
