@@ -91,6 +91,10 @@ def dispatch(
     return rows, ends, dropped
 
 
+# Nemotron-H's routed experts as MoE arguments: ungated relu2 (with biases, which
+# Nemotron-H has not, so that the ungated bias path is covered too)
+NEMOTRON_H = dict(activation="relu2", experts_bias=True)
+
 # GPT-OSS's block as MoE arguments (router with a bias, softmax over the top-k logits,
 # swigluoai experts with biases on interleaved gate / up), clamped at 0.5 instead of 7 so
 # that the clamps act at the tests' sizes

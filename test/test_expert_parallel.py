@@ -309,7 +309,7 @@ class TestExpertParallel2(_EPClass):
         self.check_matches_single_process([0, 7], style=style, shared_hidden_dim=8, **GPT_OSS)
         # Nemotron-H-like: ungated relu2 experts ([E, F, D] up projections) with biases,
         # a relu2 shared expert, two chunks
-        relu2 = dict(activation="relu2", experts_bias=True, shared_activation="relu2")
+        relu2 = dict(**naive.NEMOTRON_H, shared_activation="relu2")
         self.check_matches_single_process([5, 6], style=style, shared_hidden_dim=8, **relu2)
 
     def test_low_precision_experts(self):
@@ -411,7 +411,7 @@ class TestExpertParallel2(_EPClass):
         their weights, bitwise equal to ExpertParallel(num_chunks=2); the same for ungated
         relu2 experts ([El, F, D] up projections)."""
         self.check_compiled_equals_eager({}, steps=4, chunk_pass=2, dynamic=True, **GPT_OSS)
-        relu2 = dict(activation="relu2", experts_bias=True)
+        relu2 = naive.NEMOTRON_H
         self.check_compiled_equals_eager({}, steps=2, chunk_pass=2, dynamic=True, **relu2)
 
     def test_compile_chunk_pass_inductor(self):

@@ -304,9 +304,7 @@ OPTIONS = {
     "swigluoai": dict(activation="swigluoai", swiglu_alpha=1.5),
     "gpt_oss": naive.GPT_OSS,
     # Nemotron-H: ungated relu2 experts (with biases here) and shared expert
-    "relu2": dict(
-        activation="relu2", experts_bias=True, shared_hidden_dim=5, shared_activation="relu2"
-    ),
+    "relu2": dict(**naive.NEMOTRON_H, shared_hidden_dim=5, shared_activation="relu2"),
     "composed_capacity": dict(experts_bias=True, capacity_factor=0.5, shared_hidden_dim=5),
     # GLM-5-Next: both clamped; MiniMax-M3: swigluoai in both, clamped; the shared expert alone
     "shared_clamped": dict(swiglu_limit=0.5, shared_hidden_dim=5, shared_swiglu_limit=0.5),

@@ -106,7 +106,7 @@ class TestMoEPrecision(TestCase):
         layer's floors hold (measured 2026-12 on CPU: 23.3-27.0 dB, the router bias
         26.7-34.0; relu2 22.7-25.7); b2's gradient (the routing-weighted dY summed per
         expert) takes no quantized operand: exact."""
-        kw = GPT_OSS if experts == "gpt_oss" else dict(activation="relu2", experts_bias=True)
+        kw = GPT_OSS if experts == "gpt_oss" else naive.NEMOTRON_H
         ref, low = _layers("bf16", name, **kw)
         x, grad_out = _data()
         want, got = _fwd_bwd(ref, x, grad_out), _fwd_bwd(low, x, grad_out)
@@ -273,7 +273,7 @@ class TestMoEPrecisionDevice(TestCase):
         row's expert found on the device) and ungated relu2 ones against the CPU kernels: bf16 parameters, or
         fp32 ones under bf16 autocast (fp32 tokens, rows converted as gathered)."""
         dtype = torch.float32 if autocast else torch.bfloat16
-        kw = dict(swiglu={}, gpt_oss=GPT_OSS, relu2=dict(activation="relu2", experts_bias=True))
+        kw = dict(swiglu={}, gpt_oss=GPT_OSS, relu2=naive.NEMOTRON_H)
         (cpu,) = _layers("bf16", dtype=dtype, **kw[experts])
         gpu = MoE(**cpu.config, dtype=dtype, device=device)
         gpu.load_state_dict(cpu.state_dict())

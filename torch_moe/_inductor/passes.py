@@ -91,6 +91,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import insert_traced, is_op, val
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops.glu import _backward_parts, _forward
 from torch_moe.quantization import get_recipe
 from torch_moe.quantization.scaled_grouped_mm import (
     _scaled_gemm,
@@ -515,14 +516,10 @@ def inline_swiglu(graph: fx.Graph) -> int:
 
 
 def _glu_forward(h: Any, *rest: Any, weighted: bool, args: tuple[Any, ...]) -> Any:
-    from torch_moe._ops.glu import _forward
-
     return _forward(h, rest[0] if weighted else None, *args)
 
 
 def _glu_backward(grad_a: Any, h: Any, *rest: Any, weighted: bool, args: tuple[Any, ...]) -> Any:
-    from torch_moe._ops.glu import _backward_parts
-
     rw = rest[0] if weighted else None
     parts, grad_rw = _backward_parts(grad_a, h, rw, *args)
     if len(parts) == 1:  # ungated

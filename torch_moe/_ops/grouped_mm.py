@@ -57,6 +57,7 @@ from torch import Tensor
 
 from torch_moe._ops import _cpu_probe
 from torch_moe._ops._dtypes import FLOAT_DTYPES
+from torch_moe._ops.permute import _check_maps, _check_rows
 
 __all__ = [
     "check_offs",
@@ -572,8 +573,6 @@ grouped_mm.register_autograd(_mm_backward, setup_context=_setup_mm)
 
 def _check_gather(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> None:
     """The permutation maps as ``permute`` checks them, and x's T rows against them."""
-    from torch_moe._ops.permute import _check_maps, _check_rows
-
     _check_maps("gather_grouped_mm", row_to_slot, slot_to_row, None)
     _check_rows("gather_grouped_mm", "x", x, slot_to_row.shape[0])
 

@@ -46,10 +46,10 @@ from torch import Tensor
 
 from torch_moe._ops._dtypes import acc_dtype
 
-__all__ = ["GROUP_SCORES", "SCORE_FUNCS", "topk_route", "topk_route_reference"]
+__all__ = ["GROUP_SCORES", "SCORE_FUNCS", "SIGMOID_SCORES", "topk_route", "topk_route_reference"]
 
 SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk", "sigmoid_topk")
-_SIGMOIDS = ("sigmoid", "sigmoid_topk")  # the weights are the chosen logits' sigmoids
+SIGMOID_SCORES = ("sigmoid", "sigmoid_topk")  # the weights are the chosen logits' sigmoids
 GROUP_SCORES = ("top2_sum", "max")
 
 
@@ -139,7 +139,7 @@ def _chosen_scores(lf: Tensor, expert_ids: Tensor, score_func: str) -> Tensor:
     """Unbiased scores [T, K] of the chosen experts (before norm and scale)."""
     if score_func == "softmax":
         return torch.softmax(lf, dim=-1).gather(1, expert_ids)
-    if score_func in _SIGMOIDS:
+    if score_func in SIGMOID_SCORES:
         return torch.sigmoid(lf.gather(1, expert_ids))
     return torch.softmax(lf.gather(1, expert_ids), dim=-1)
 
@@ -282,7 +282,7 @@ def topk_route_backward(
         probs_TE = torch.softmax(lf, dim=-1)
         grad_TE.scatter_(1, expert_ids, g_TK)  # ids are distinct within a row
         grad_TE = probs_TE * (grad_TE - (grad_TE * probs_TE).sum(-1, keepdim=True))
-    elif score_func in _SIGMOIDS:
+    elif score_func in SIGMOID_SCORES:
         grad_TE.scatter_(1, expert_ids, g_TK * chosen_TK * (1 - chosen_TK))
     else:
         g_TK = chosen_TK * (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True))

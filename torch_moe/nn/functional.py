@@ -10,6 +10,7 @@ from torch import Tensor
 
 from torch_moe._ops import glu as _glu
 from torch_moe._ops import grouped_swiglu as _swiglu
+from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
 
 __all__ = [
@@ -93,7 +94,7 @@ def glu_activation(
 def _router_probs(logits: Tensor, score_func: str) -> Tensor:
     """Router probabilities over all E experts (sigmoid scores are normalized per token)."""
     logits = logits.to(acc_dtype(logits.dtype))
-    if score_func in ("sigmoid", "sigmoid_topk"):
+    if score_func in _routing.SIGMOID_SCORES:
         scores = torch.sigmoid(logits)
         return scores / scores.sum(-1, keepdim=True)
     return torch.softmax(logits, dim=-1)
