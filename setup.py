@@ -23,7 +23,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_moe", "torch_moe.*"]),
     # tile configs of the fused decode kernels, per GPU (benchmarks/tune_moe_decode.py)
-    package_data={"torch_moe._triton": ["moe_decode_configs.json"]},
+    package_data={
+        "torch_moe._triton": ["moe_decode_configs.json"],
+        # the native CPU kernels' sources, compiled on first use (torch_moe/_ops/_native.py)
+        "torch_moe": ["csrc/*.cpp"],
+    },
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6"],
     extras_require={

@@ -38,6 +38,8 @@ key                             choices               margin  used by
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
 ``swiglu_path:<dt>:r<r>``       **loop**, whole       5%      ``grouped_swiglu`` (CPU,
                                                               native half GEMMs)
+``act_kernel:<dt>``             **aten**, native      10%     ``grouped_swiglu``, ``swiglu``
+                                                              (CPU; native where it built)
 ==============================  ====================  ======  ==============================
 
 (default in bold: kept unless the other is faster by the margin; the act chunk is the
@@ -92,6 +94,7 @@ KINDS = (
     "wgrad_a",
     "act_chunk",
     "swiglu_path",
+    "act_kernel",
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
@@ -207,6 +210,7 @@ _CHOICES = {
     "grouped_mm": ("loop", "torch"),
     "wgrad_a": ("as_is", "transpose"),
     "swiglu_path": ("loop", "whole"),
+    "act_kernel": ("aten", "native"),
 }
 
 
@@ -669,6 +673,14 @@ def swiglu_path(
     buffers, reused)."""
     r = _pow2_at_least(rows)
     return decide(f"swiglu_path:{_dt(dtype)}:r{r}", lambda: measure(r), default="loop", margin=0.05)
+
+
+def act_kernel(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:
+    """``"native"`` if the compiled SwiGLU row kernels (``_native.py``; the same bits as
+    the ATen ops) run the activation's forward + backward faster than the ATen ops by
+    over 10%, else ``"aten"``; ``measure`` returns only ``"aten"`` where they did not
+    build."""
+    return decide(f"act_kernel:{_dt(dtype)}", measure, default="aten")
 
 
 def act_chunk(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> int:

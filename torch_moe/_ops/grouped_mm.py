@@ -189,6 +189,25 @@ def _layout_choice(dtype: torch.dtype, a: Tensor, b: Tensor) -> str:
     return "as_is" if dtype == torch.float64 else _cpu_probe.layout(dtype, a, b)
 
 
+def layout_copy_elems(
+    dtype: torch.dtype,
+    a_shape: tuple[int, int],
+    a_cols: bool,
+    b_shape: tuple[int, int],
+    b_cols: bool,
+) -> int:
+    """Elements ``mm_into`` copies into the other layout for ``a @ b`` computed in
+    ``dtype`` (a, b column-major where ``*_cols``): a's, b's or none, by the measured
+    layout decision (the memory model's term for these copies)."""
+
+    def meta(shape: tuple[int, int], cols: bool) -> Tensor:
+        t = torch.empty(shape[::-1] if cols else shape, device="meta")
+        return t.t() if cols else t
+
+    choice = _layout_choice(dtype, meta(a_shape, a_cols), meta(b_shape, b_cols))
+    return {"copy_a": a_shape[0] * a_shape[1], "copy_b": b_shape[0] * b_shape[1]}.get(choice, 0)
+
+
 def _operand(t: Tensor, dtype: torch.dtype, other_layout: bool) -> Tensor:
     """``t`` in ``dtype``, in the other memory layout if asked: one pass either way."""
     if not other_layout:

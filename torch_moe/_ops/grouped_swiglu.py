@@ -30,12 +30,14 @@ Backward (s = sigmoid(gate)):
 from __future__ import annotations
 
 import functools
+import warnings
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torch_moe._ops import _cpu_probe
+from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
 from torch_moe._ops.grouped_mm import (
     _grouped_mm_cpu,
@@ -63,6 +65,8 @@ _DTYPES = FLOAT_DTYPES
 # CPU kernels: elements (rows x F) per thread of one elementwise row chunk; None: measured
 # on this machine (``_cpu_probe`` act_chunk), an int forces it (tests)
 _ACT_CHUNK_ELEMS: int | None = None
+# the dtypes of h the native row kernels take (fp32 math; fp64 h stays on the ATen ops)
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check_inputs(
@@ -334,9 +338,113 @@ def _measure_act_chunk(dtype: torch.dtype) -> dict[str, float]:
     return _cpu_probe.time_candidates({str(n): functools.partial(run, n) for n in sizes})
 
 
+def _uses_native(dtype: torch.dtype) -> bool:
+    """Whether the CPU kernels run the activation of h in ``dtype`` by the compiled row
+    kernels (``_native.py``): built here, and the probe's ``act_kernel`` choice."""
+    if dtype not in _NATIVE_DTYPES:
+        return False
+    choice = _cpu_probe.act_kernel(dtype, functools.partial(_measure_act_kernel, dtype))
+    return choice == "native" and _native.swiglu_cpu() is not None
+
+
+def _native_kernels(h: Tensor, *others: Tensor) -> ModuleType | None:
+    """The compiled row kernels where ``_uses_native`` and they take these operands: rows
+    with unit column stride, the outputs and dA in one dtype (h's, or fp32 where the
+    GEMMs upcast)."""
+    if h.device.type != "cpu" or h.stride(-1) != 1:
+        return None
+    if any(t.dtype != others[0].dtype or t.stride(-1) != 1 for t in others):
+        return None
+    if others[0].dtype not in (h.dtype, torch.float32) or not _uses_native(h.dtype):
+        return None
+    return _native.swiglu_cpu()
+
+
+def _act_temporary_bytes(dtype: torch.dtype, rows: float, hidden: int, backward: bool) -> float:
+    """The fp32 temporaries of the activation over ``rows`` rows (one chunk) at their
+    largest. ATen ops: forward h [r, 2F]; backward h [r, 2F] and silu, dA, A and their
+    product [r, F]. Native kernels: a few rows of F per thread, and backward the product
+    dA * A [r, F] for d row_weights."""
+    if _uses_native(dtype):
+        return rows * hidden * 4 if backward else 0.0
+    return rows * 2 * hidden * 4 + (4 * rows * hidden * 4 if backward else 0.0)
+
+
+def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the activation's forward + backward by the ATen ops and, where the
+    native kernels built and give the ATen ops' bits on a check with ragged rows, by
+    them."""
+    mod = _native.swiglu_cpu()
+    if mod is None or not _native_matches_aten(mod, dtype):
+        return {"aten": 0.0}
+    hidden, rows = 512, 256
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
+    grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
+    rw = torch.rand(rows, generator=g)
+    a, dh, prod = (
+        torch.empty_like(grad_a),
+        torch.empty_like(h),
+        grad_a.new_empty(grad_a.shape, dtype=torch.float32),
+    )
+
+    def aten() -> None:
+        _act_into_aten(h, rw, a)
+        _act_backward_into_aten(h, grad_a, rw, a, dh)
+
+    def native() -> None:
+        mod.swiglu_forward(h, rw, a)
+        mod.swiglu_backward(h, grad_a, rw, a, dh, prod)
+        prod.sum(-1)
+
+    return _cpu_probe.time_candidates({"aten": aten, "native": native})
+
+
+def _native_matches_aten(mod: ModuleType, dtype: torch.dtype) -> bool:
+    """The native kernels' outputs equal the ATen ops' bit for bit (rows shorter than,
+    equal to and longer than a vector block, with and without row weights); a compiler
+    that fuses or reorders differently from ATen's build fails here, with a warning."""
+    g = torch.Generator().manual_seed(1)
+    for rows, hidden in ((3, 5), (5, 32), (9, 47), (17, 100)):
+        h = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
+        grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
+        for rw in (None, torch.rand(rows, generator=g)):
+            want = [torch.empty_like(grad_a), torch.empty_like(grad_a), torch.empty_like(h)]
+            got = [torch.empty_like(t) for t in want]
+            prod = grad_a.new_empty(grad_a.shape, dtype=torch.float32)
+            _act_into_aten(h, rw, want[0])
+            want_rw = _act_backward_into_aten(h, grad_a, rw, want[1], want[2])
+            mod.swiglu_forward(h, rw, got[0])
+            mod.swiglu_backward(h, grad_a, rw, got[1], got[2], prod)
+            same = all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
+            if want_rw is not None:
+                same = same and torch.equal(want_rw, prod.sum(-1))
+            if not same:
+                warnings.warn(
+                    "torch_moe: the native CPU SwiGLU kernel built but its results differ from "
+                    f"the ATen ops' ({dtype}, {rows}x{hidden}); using the ATen ops",
+                    stacklevel=2,
+                )
+                return False
+    return True
+
+
 def _act_into(h: Tensor, row_weights: Tensor | None, out: Tensor) -> None:
     """``out = silu(gate) * up (* row_weights)``: ``_act``'s function (fp32 math, one
-    rounding into ``out``). Every op has operands of one dtype: a mixed-dtype CPU op
+    rounding into ``out``), by the native row kernel or the ATen ops (the same bits)."""
+    mod = _native_kernels(h, out)
+    if mod is None:
+        _act_into_aten(h, row_weights, out)
+        return
+    mod.swiglu_forward(h, _native_weights(row_weights), out)
+
+
+def _native_weights(row_weights: Tensor | None) -> Tensor | None:
+    return None if row_weights is None else row_weights.to(torch.float32).contiguous()
+
+
+def _act_into_aten(h: Tensor, row_weights: Tensor | None, out: Tensor) -> None:
+    """``_act_into`` in ATen ops. Every op has operands of one dtype: a mixed-dtype CPU op
     converts inside its loop, several times slower than one conversion pass."""
     acc = acc_dtype(h.dtype)
     gate, up = h.to(acc, copy=True).chunk(2, dim=-1)
@@ -349,9 +457,26 @@ def _act_into(h: Tensor, row_weights: Tensor | None, out: Tensor) -> None:
 def _act_backward_into(
     h: Tensor, grad_a: Tensor, row_weights: Tensor | None, out_a: Tensor, out_dh: Tensor
 ) -> Tensor | None:
-    """``_act_backward``'s function for one row chunk, in fewer passes: dGate through
-    ``silu_backward`` (dA * up * s * (1 + gate * (1 - s)) in one fused op), operands of
-    one dtype per op. Returns d row_weights."""
+    """``_act_backward``'s function for one row chunk by the native row kernel or the ATen
+    ops (the same bits; d row_weights is the same fp32 sum of the same products). Returns
+    d row_weights."""
+    mod = _native_kernels(h, grad_a, out_a, out_dh)
+    if mod is None:
+        return _act_backward_into_aten(h, grad_a, row_weights, out_a, out_dh)
+    if row_weights is None:
+        mod.swiglu_backward(h, grad_a, None, out_a, out_dh, None)
+        return None
+    prod = out_a.new_empty(out_a.shape, dtype=torch.float32)  # dA * a, unweighted
+    mod.swiglu_backward(h, grad_a, _native_weights(row_weights), out_a, out_dh, prod)
+    return prod.sum(-1)
+
+
+def _act_backward_into_aten(
+    h: Tensor, grad_a: Tensor, row_weights: Tensor | None, out_a: Tensor, out_dh: Tensor
+) -> Tensor | None:
+    """``_act_backward_into`` in ATen ops, in fewer passes than ``_act_backward``: dGate
+    through ``silu_backward`` (dA * up * s * (1 + gate * (1 - s)) in one fused op),
+    operands of one dtype per op."""
     acc = acc_dtype(h.dtype)
     gate, up = h.to(acc).chunk(2, dim=-1)
     silu = gate * torch.sigmoid(gate)

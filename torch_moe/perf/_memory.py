@@ -114,10 +114,14 @@ def _act_chunk_rows(w: MoEWorkload, threads: int) -> float:
     return float(_gs._act_chunk_rows(w.dtype, w.hidden_dim, threads))
 
 
-def _act_fp32_bytes(rows: float, F: int) -> float:
-    """One chunk's fp32 temporaries of the SwiGLU backward at their largest (the sum of
-    dA * A), on either CPU path: h [r, 2F], and silu, dA, A and their product [r, F]."""
-    return rows * 2 * F * 4 + 4 * rows * F * 4
+def _act_fp32_bytes(w: MoEWorkload, rows: float, backward: bool = True) -> float:
+    """One chunk's fp32 temporaries of the SwiGLU activation at their largest, on either
+    CPU path, as its kernels make them (``grouped_swiglu._act_temporary_bytes``): with the
+    ATen ops h [r, 2F] forward, and backward also silu, dA, A and their product [r, F];
+    with the native row kernels only the product dA * A [r, F] backward."""
+    from torch_moe._ops import grouped_swiglu as _gs
+
+    return _gs._act_temporary_bytes(w.dtype, rows, w.hidden_dim, backward)
 
 
 @functools.lru_cache(maxsize=64)
@@ -268,7 +272,7 @@ def _gemm_phase(
         groups = max(1.0, n_out / max(k * n, 1.0))
         jagged = kinds[0].endswith("_jagged")  # per-block scales: a scale row per row
         per_row = 8 * rows if jagged else 0.0
-        chunks = chunk * max(12 * k, 4 * k + 12 * n)  # A's value kept while B converts
+        chunks = chunk * max(8 * k, 4 * k + 8 * n)  # A's value kept while B converts
         return max(quantize, n_a + n_b + per_row + b * n_out + 4 * n_out / groups + chunks)
     # forward / dgrad: per chunk, A's rows (int32 codes and fp32 values), then the chunk's
     # experts of B the same way (at most _CPU_CHUNK_ELEMS of them, or one expert), then
@@ -299,7 +303,7 @@ def _whole_tensor_phases(
     emu = cpu and recipe
     if emu:  # the swiglu_backward op's CPU kernel works in row chunks
         r = min(M, _act_chunk_rows(w, threads))
-        swiglu_tmp = r * F * b + _act_fp32_bytes(r, F)
+        swiglu_tmp = r * F * b + _act_fp32_bytes(w, r)
     else:
         swiglu_tmp = M * F * b + M * 2 * F * 4 + 6 * M * F * 4
     # AccumulateGrad copies a gradient into the parameter's layout only for a recipe whose
@@ -363,6 +367,22 @@ def _wgrad_copies(w: MoEWorkload, rows: int, k: int, n: int) -> bool:
     return _gm.wgrad_copies(w.dtype, rows, k, n)
 
 
+def _gemm_copies(
+    w: MoEWorkload, c: int, a: tuple[int, int], wgrad_copy: bool | None, b: tuple[int, int]
+) -> float:
+    """Bytes a loop-path GEMM ``a @ b`` (row-major b) copies: a weight gradient's first
+    operand made row-major (``wgrad_copy``; None: not a weight gradient, a row-major a),
+    and the operand ``mm_into`` copies into the other layout."""
+    from torch_moe._ops import grouped_mm as _gm
+
+    if a[0] <= 0 or a[1] <= 0:
+        return 0.0
+    dtype = _gm.cpu_compute_dtype(w.dtype)
+    a_cols = wgrad_copy is False  # a weight gradient's x^T view, unless copied
+    made = a[0] * a[1] if wgrad_copy else 0
+    return float(made + _gm.layout_copy_elems(dtype, a, a_cols, b, False)) * c
+
+
 def _inference_bytes(
     w: MoEWorkload, groups: list[float], M: float, m: float, c: int, threads: int
 ) -> float:
@@ -377,7 +397,7 @@ def _inference_bytes(
     T, D, F, E, K = w.tokens, w.dim, w.hidden_dim, w.num_experts, w.top_k
     b = w.element_size
     r = min(m if not _swiglu_whole(w, groups) else M, _act_chunk_rows(w, threads))
-    fp32 = r * 2 * F * 4  # the activation's fp32 copy of one chunk of h
+    fp32 = _act_fp32_bytes(w, r, backward=False)  # one chunk's fp32 copy of h (ATen ops)
     # the logits, the routing's ids and weights, its row maps, the token index and the
     # rows' weights: held by the layer's forward until it returns
     maps = T * E * 4 + M * (8 + 8 + 4) + T * K * (8 + 8 + 4) + E * 4
@@ -517,7 +537,7 @@ def memory(
         # weight gradients' first operands (dY [M, D], dH [M, 2F]) copied row-major
         # first where this CPU's kernels do (a measured decision)
         r = min(Mc, _act_chunk_rows(w, threads))
-        act = base + before + 4 * Mc * F * b + _act_fp32_bytes(r, F)
+        act = base + before + 4 * Mc * F * b + _act_fp32_bytes(w, r)
         per_group = _rows_per_busy_group(groups)
         copy2 = Mc * D * b if _wgrad_copies(w, per_group, D, F) else 0.0
         copy13 = Mc * 2 * F * b if _wgrad_copies(w, per_group, 2 * F, D) else 0.0
@@ -532,17 +552,20 @@ def memory(
     elif w.precision == "bf16" and cpu:
         r = min(m, _act_chunk_rows(w, threads))
         phase = base + Mc * D * b + with_own  # dX and the expert weight gradients
-        phase += m * F * c * 2 + m * 2 * F * c + _act_fp32_bytes(r, F)
+        phase += m * F * c * 2 + m * 2 * F * c + _act_fp32_bytes(w, r)
         if _gathered(w):  # the group's input rows, gathered again for its dW13
             phase += m * D * b
         # the largest group's dY [m, D] or dH [m, 2F] copied row-major for a weight
-        # gradient, where this CPU's kernels do; the activation's temporaries are gone
+        # gradient, where this CPU's kernels do, and an operand of each GEMM copied into
+        # the other layout where they measured that faster (``mm_into``); the
+        # activation's temporaries are gone
         rows = round(m)
         copies = [
-            m * D * c if _wgrad_copies(w, rows, D, F) else 0.0,  # dY's for dW2
-            m * 2 * F * c if _wgrad_copies(w, rows, 2 * F, D) else 0.0,  # dH's for dW13
+            _gemm_copies(w, c, (D, rows), _wgrad_copies(w, rows, D, F), (rows, F)),  # dW2
+            _gemm_copies(w, c, (rows, 2 * F), None, (2 * F, D)),  # dX
+            _gemm_copies(w, c, (2 * F, rows), _wgrad_copies(w, rows, 2 * F, D), (rows, D)),  # dW13
         ]
-        dyn = max(phase - _act_fp32_bytes(r, F) + max(copies), phase, side_phase)
+        dyn = max(phase - _act_fp32_bytes(w, r) + max(copies), phase, side_phase)
     else:
         dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m, threads), side_phase)
     if w.ep > 1 and w.num_chunks > 1:

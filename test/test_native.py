@@ -1,0 +1,243 @@
+# Owner(s): ["module: moe"]
+"""The native CPU SwiGLU row kernels (``torch_moe/csrc/swiglu_cpu.cpp``, built by
+``torch_moe/_ops/_native.py``): bit for bit the ATen ops they replace (forward, backward,
+d row_weights), on ragged rows, strided rows and every dtype pair the kernels take,
+through the ops too; the probe's ``act_kernel`` decision in both outcomes; and every way
+out: disabled by the environment, a failed build, a build whose results differ, operands
+the kernels do not take."""
+
+import unittest
+import warnings
+from unittest import mock
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+from torch_moe._ops import _cpu_probe as P
+from torch_moe._ops import _native
+from torch_moe._ops import grouped_swiglu as gs
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+PAIRS = [(BF16, BF16), (BF16, F32), (F16, F16), (F16, F32), (F32, F32)]  # (h, outputs)
+needs_native = unittest.skipUnless(
+    _native.available(), "the native CPU kernels did not build here (no C++ compiler?)"
+)
+
+
+def _operands(rows, hidden, h_dtype, out_dtype, seed=0, pad=0):
+    """h [rows, 2F] and dA [rows, F], as row views of wider tensors when ``pad`` (row
+    stride past the row), |h| up to ~10 (sigmoid saturates), row weights in (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    h = (3 * torch.randn(rows, 2 * hidden + pad, generator=g)).to(h_dtype)[:, : 2 * hidden]
+    grad_a = torch.randn(rows, hidden + pad, generator=g).to(out_dtype)[:, :hidden]
+    return h, grad_a, torch.rand(rows, generator=g)
+
+
+def _both(h, grad_a, rw):
+    """(ATen ops, native kernels): the forward a, and the backward's a, dH, d rw."""
+    out = {}
+    for kind in ("aten", "native"):
+        with P.force(act_kernel=kind):
+            a = grad_a.new_empty(grad_a.shape)
+            gs._act_into(h, rw, a)
+            a2, dh = torch.empty_like(a), grad_a.new_empty(h.shape)
+            grad_rw = gs._act_backward_into(h, grad_a, rw, a2, dh)
+        out[kind] = (a, a2, dh, grad_rw)
+    return out["aten"], out["native"]
+
+
+@instantiate_parametrized_tests
+class TestNativeSwiGLU(TestCase):
+    @needs_native
+    @parametrize("pair", PAIRS, name_fn=lambda p: f"{str(p[0])[6:]}_{str(p[1])[6:]}")
+    @parametrize("weighted", [False, True])
+    def test_bitwise_aten(self, pair, weighted):
+        # F below, at and past a block of two vectors (32 fp32 lanes on AVX512), odd F:
+        # ATen runs a row's tail with the scalar formula, the kernel must too
+        for rows, hidden, pad in [
+            (1, 5, 0),
+            (3, 31, 2),
+            (7, 32, 0),
+            (33, 47, 1),
+            (64, 1024, 0),
+            (130, 200, 3),
+        ]:
+            h, grad_a, rw = _operands(rows, hidden, *pair, seed=rows, pad=pad)
+            aten, native = _both(h, grad_a, rw if weighted else None)
+            for name, want, got in zip(
+                ("a", "a (backward)", "dh", "d rw"), aten, native, strict=True
+            ):
+                self.assertEqual(got, want, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
+            self.assertEqual(native[3] is None, not weighted)
+
+    @needs_native
+    @parametrize("threads", [1, 2])
+    def test_bitwise_aten_threads(self, threads):
+        # ATen splits an op over threads at element ranges; the kernel at rows: the same
+        # values either way, where the rows are whole multiples of a vector block
+        h, grad_a, rw = _operands(257, 96, BF16, BF16, seed=3)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            aten, native = _both(h, grad_a, rw)
+        finally:
+            torch.set_num_threads(before)
+        for want, got in zip(aten, native, strict=True):
+            self.assertEqual(got, want, atol=0, rtol=0)
+
+    @needs_native
+    @given(
+        rows=st.integers(0, 40),
+        hidden=st.integers(1, 80),
+        pair=st.sampled_from(PAIRS),
+        weighted=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def test_bitwise_aten_fuzz(self, rows, hidden, pair, weighted, seed):
+        h, grad_a, rw = _operands(rows, hidden, *pair, seed=seed, pad=seed % 3)
+        aten, native = _both(h, grad_a, rw if weighted else None)
+        for want, got in zip(aten, native, strict=True):
+            self.assertEqual(got, want, atol=0, rtol=0)
+
+    @needs_native
+    @parametrize("dtype", [BF16, F32])
+    def test_ops_bitwise_aten(self, dtype):
+        """grouped_swiglu (both CPU paths) and swiglu, forward and backward, with the
+        native kernels give the ATen ops' bits."""
+        g = torch.Generator().manual_seed(0)
+        offs = torch.tensor([5, 5, 24, 28], dtype=torch.int32)  # an empty group, rows past
+        x = torch.randn(30, 16, generator=g).to(dtype).requires_grad_()
+        w13 = (0.5 * torch.randn(4, 2 * 40, 16, generator=g)).to(dtype).requires_grad_()
+        w2 = (0.5 * torch.randn(4, 16, 40, generator=g)).to(dtype).requires_grad_()
+        rw = torch.rand(30, generator=g).requires_grad_()
+        grad_y = torch.randn(30, 16, generator=g).to(dtype)
+        h_act = torch.randn(9, 2 * 40, generator=g).to(dtype).requires_grad_()
+        for path in ("loop", "whole"):
+            results = {}
+            for kind in ("aten", "native"):
+                leaves = (x, w13, w2, rw, h_act)
+                for t in leaves:
+                    t.grad = None
+                with P.force(act_kernel=kind, swiglu_path=path):
+                    y, _h = torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, rw)
+                    y.backward(grad_y)
+                    a = torch.ops.torch_moe.swiglu(h_act, rw[:9])
+                    a.backward(torch.ones_like(a))
+                results[kind] = [y.detach(), a.detach()] + [t.grad.clone() for t in leaves]
+            for want, got in zip(results["aten"], results["native"], strict=True):
+                self.assertEqual(got, want, atol=0, rtol=0, msg=path)
+
+    def test_native_kernels_only_where_they_apply(self):
+        h, grad_a, _ = _operands(4, 8, BF16, BF16)
+        with P.force(act_kernel="native"):
+            # fp64 math, strided columns, outputs of two dtypes, fp16 outputs of bf16 h
+            self.assertIsNone(gs._native_kernels(h.double(), grad_a.double()))
+            self.assertIsNone(gs._native_kernels(h, grad_a[:, ::2]))
+            self.assertIsNone(gs._native_kernels(h, grad_a, grad_a.float()))
+            self.assertIsNone(gs._native_kernels(h, grad_a.half()))
+            self.assertIs(gs._native_kernels(h, grad_a), _native.swiglu_cpu())
+        with P.force(act_kernel="aten"):
+            self.assertIsNone(gs._native_kernels(h, grad_a))
+
+    @needs_native
+    def test_kernel_argument_errors(self):
+        mod = _native.swiglu_cpu()
+        h, grad_a, rw = _operands(4, 8, BF16, BF16)
+        out = torch.empty(4, 8, dtype=BF16)
+        with self.assertRaisesRegex(
+            RuntimeError, r"swiglu_cpu: out must be \[4, 8\] with contiguous rows"
+        ):
+            mod.swiglu_forward(h, None, torch.empty(8, 4, dtype=BF16).t())
+        with self.assertRaisesRegex(RuntimeError, r"swiglu_cpu: h must be \[4, 16\]"):
+            mod.swiglu_forward(h[:, :10], None, out)
+        with self.assertRaisesRegex(
+            RuntimeError, r"swiglu_cpu: row_weights must be a contiguous fp32 \[4\]"
+        ):
+            mod.swiglu_forward(h, rw.double(), out)
+        with self.assertRaisesRegex(RuntimeError, r"swiglu_cpu: unsupported dtypes h Double"):
+            mod.swiglu_forward(h.double(), None, out.double())
+        with self.assertRaisesRegex(RuntimeError, r"row weights need an fp32 prod buffer"):
+            mod.swiglu_backward(h, grad_a, rw, out, torch.empty_like(h), None)
+        with self.assertRaisesRegex(RuntimeError, r"grad_a, out_a and out_dh must share a dtype"):
+            mod.swiglu_backward(h, grad_a, None, out.float(), torch.empty_like(h), None)
+
+    def test_disabled_by_environment(self):
+        with mock.patch.dict("os.environ", {_native.ENV: "0"}):
+            self.assertIsNone(_native.swiglu_cpu())
+            self.assertEqual(gs._measure_act_kernel(BF16), {"aten": 0.0})
+            h, grad_a, rw = _operands(3, 8, BF16, BF16)
+            with P.force(act_kernel="native"):  # forced, but not built: the ATen ops
+                aten = mock.patch.object(gs, "_act_into_aten", wraps=gs._act_into_aten)
+                with aten as spy:
+                    gs._act_into(h, rw, torch.empty_like(grad_a))
+                self.assertEqual(spy.call_count, 1)
+
+    def test_failed_build_warns_once_and_falls_back(self):
+        with (
+            mock.patch.dict("os.environ", {_native.ENV: "1"}),
+            mock.patch.dict(_native._built, clear=True),
+            mock.patch.object(_native, "_build", side_effect=OSError("no compiler: c++")) as build,
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
+            self.assertIsNone(_native.swiglu_cpu())
+            self.assertIsNone(_native.swiglu_cpu())  # remembered: not built again
+        self.assertEqual(build.call_count, 1)
+        (w,) = caught
+        self.assertRegex(
+            str(w.message),
+            r"native CPU SwiGLU kernel did not build \(OSError: no compiler: c\+\+\); using "
+            r"ATen ops .* Set TORCH_MOE_NATIVE=0",
+        )
+
+    def test_kernel_with_other_bits_is_refused(self):
+        class Wrong:  # a build whose compiler reassociated: the last bit differs
+            @staticmethod
+            def swiglu_forward(h, rw, out):
+                gs._act_into_aten(h, rw, out)
+                out.view(torch.int16)[..., 0] ^= 1
+
+            @staticmethod
+            def swiglu_backward(h, grad_a, rw, out_a, out_dh, prod):
+                gs._act_backward_into_aten(h, grad_a, rw, out_a, out_dh)
+                if prod is not None:
+                    prod.copy_(grad_a.float() * out_a.float())
+
+        with self.assertWarnsRegex(
+            UserWarning, r"results differ from the ATen ops' \(torch.bfloat16, 3x5\)"
+        ):
+            self.assertFalse(gs._native_matches_aten(Wrong, BF16))
+        with mock.patch.object(_native, "swiglu_cpu", return_value=Wrong):
+            with self.assertWarnsRegex(UserWarning, "results differ"):
+                self.assertEqual(gs._measure_act_kernel(BF16), {"aten": 0.0})
+
+    @needs_native
+    def test_act_kernel_candidates(self):
+        seen = {}
+
+        def spy(candidates):
+            seen.update(candidates)
+            return {name: 1.0 for name in candidates}
+
+        with mock.patch.object(P, "time_candidates", spy):
+            gs._measure_act_kernel(BF16)
+        self.assertEqual(set(seen), {"aten", "native"})
+        aten = mock.patch.object(gs, "_act_backward_into_aten", wraps=gs._act_backward_into_aten)
+        with aten as spy_aten:
+            seen["aten"]()
+            seen["native"]()
+        self.assertEqual(spy_aten.call_count, 1)  # the ATen candidate only
+        # the decision: native where faster by the margin, the ATen ops otherwise
+        self.assertEqual(P.pick({"aten": 1.0, "native": 0.5}, "aten", 0.1), "native")
+        self.assertEqual(P.pick({"aten": 1.0, "native": 0.95}, "aten", 0.1), "aten")
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,90 @@
+"""Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
+
+Design note. ATen has no fused "silu(gate) * up" CPU kernel, and composing it from ATen
+ops with fp32 math and one rounding (the project's activation contract) costs five
+passes over fp32 temporaries forward and twelve backward; at a few hundred rows per
+expert those passes, not the GEMMs, are what an experts block spends beyond HF's bf16
+activation. ``csrc/swiglu_cpu.cpp`` computes the same operations row by row, with the
+same bits (its header says how). It is the prototype of an ATen kernel; until one exists
+it is built here, once per machine and CPU capability, into torch's extensions
+directory (``TORCH_EXTENSIONS_DIR``), which takes about 20 s with a C++ compiler and
+under a second to load afterwards.
+
+``TORCH_MOE_NATIVE=0`` never builds it. A failed build (no compiler, say) warns once and
+the ATen ops run instead, with the same results; whether the kernel is used where it
+built is the CPU probe's ``act_kernel`` decision (measured, forcible).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["ENV", "available", "swiglu_cpu"]
+
+ENV = "TORCH_MOE_NATIVE"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "swiglu_cpu.cpp"
+_lock = threading.Lock()
+_built: dict[str, ModuleType | None] = {}
+
+# compiler flags per ATen CPU capability: the kernel's Vectorized<float> must have the
+# width of the ATen kernels it reproduces (their vector / scalar split of a row)
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _capability() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
+
+
+def _build(cap: str) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", *_CAPABILITY_FLAGS.get(cap, [])]
+    if cap != "DEFAULT":
+        flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
+    return load(
+        name=f"torch_moe_swiglu_cpu_{cap.lower()}",
+        sources=[str(_SOURCE)],
+        extra_cflags=flags,
+        verbose=False,
+    )
+
+
+def swiglu_cpu() -> ModuleType | None:
+    """The compiled SwiGLU row kernels (``swiglu_forward``, ``swiglu_backward``), or
+    None where disabled or the build failed."""
+    if not enabled():
+        return None
+    cap = _capability()
+    if cap in _built:
+        return _built[cap]
+    with _lock:
+        if cap not in _built:
+            try:
+                _built[cap] = _build(cap)
+            except Exception as e:  # no compiler, no headers: the ATen ops run instead
+                warnings.warn(
+                    f"torch_moe: the native CPU SwiGLU kernel did not build ({type(e).__name__}: "
+                    f"{str(e)[:300]}); using ATen ops (same results, slower). Set {ENV}=0 to "
+                    "skip the build.",
+                    stacklevel=2,
+                )
+                _built[cap] = None
+    return _built[cap]
+
+
+def available() -> bool:
+    return swiglu_cpu() is not None
