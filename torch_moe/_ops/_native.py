@@ -7,8 +7,8 @@ expert those passes, not the GEMMs, are what an experts block spends beyond HF's
 activation. ``csrc/swiglu_cpu.cpp`` computes the same operations row by row, with the
 same bits (its header says how). It is the prototype of an ATen kernel; until one exists
 it is built here, once per machine and CPU capability, into torch's extensions
-directory (``TORCH_EXTENSIONS_DIR``), which takes about 20 s with a C++ compiler and
-under a second to load afterwards.
+directory (``TORCH_EXTENSIONS_DIR``) as a library of plain ``torch.ops.torch_moe_cpu``
+ops, which takes about 10 s with a C++ compiler and under a second to load afterwards.
 
 ``TORCH_MOE_NATIVE=0`` never builds it. A failed build (no compiler, say) warns once and
 the ATen ops run instead, with the same results; whether the kernel is used where it
@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -30,7 +30,7 @@ __all__ = ["ENV", "available", "swiglu_cpu"]
 ENV = "TORCH_MOE_NATIVE"
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "swiglu_cpu.cpp"
 _lock = threading.Lock()
-_built: dict[str, ModuleType | None] = {}
+_built: dict[str, Any] = {}  # capability -> the ops' namespace, or None
 
 # compiler flags per ATen CPU capability: the kernel's Vectorized<float> must have the
 # width of the ATen kernels it reproduces (their vector / scalar split of a row)
@@ -49,23 +49,26 @@ def _capability() -> str:
     return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
 
 
-def _build(cap: str) -> ModuleType:
+def _build(cap: str) -> Any:
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", *_CAPABILITY_FLAGS.get(cap, [])]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
-    return load(
+    load(
         name=f"torch_moe_swiglu_cpu_{cap.lower()}",
         sources=[str(_SOURCE)],
         extra_cflags=flags,
+        is_python_module=False,  # registers torch.ops.torch_moe_cpu (no pybind11: builds faster)
         verbose=False,
     )
+    return torch.ops.torch_moe_cpu
 
 
-def swiglu_cpu() -> ModuleType | None:
-    """The compiled SwiGLU row kernels (``swiglu_forward``, ``swiglu_backward``), or
-    None where disabled or the build failed."""
+def swiglu_cpu() -> Any:
+    """The compiled SwiGLU row kernels' ops (``torch.ops.torch_moe_cpu``:
+    ``swiglu_forward``, ``swiglu_backward``), or None where disabled or the build
+    failed."""
     if not enabled():
         return None
     cap = _capability()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -347,7 +346,7 @@ def _uses_native(dtype: torch.dtype) -> bool:
     return choice == "native" and _native.swiglu_cpu() is not None
 
 
-def _native_kernels(h: Tensor, *others: Tensor) -> ModuleType | None:
+def _native_kernels(h: Tensor, *others: Tensor) -> Any:
     """The compiled row kernels where ``_uses_native`` and they take these operands: rows
     with unit column stride, the outputs and dA in one dtype (h's, or fp32 where the
     GEMMs upcast)."""
@@ -400,7 +399,7 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
     return _cpu_probe.time_candidates({"aten": aten, "native": native})
 
 
-def _native_matches_aten(mod: ModuleType, dtype: torch.dtype) -> bool:
+def _native_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
     """The native kernels' outputs equal the ATen ops' bit for bit (rows shorter than,
     equal to and longer than a vector block, with and without row weights); a compiler
     that fuses or reorders differently from ATen's build fails here, with a warning."""

@@ -23,10 +23,10 @@
 //             a *= w; ga *= w
 //             out_a = a; dUp = silu * ga; dGate = silu'(ga * up, gate)
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <optional>
@@ -287,7 +287,16 @@ void swiglu_backward(
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("swiglu_forward", &swiglu_forward, "a = silu(gate) * up (* w), one rounding");
-  m.def("swiglu_backward", &swiglu_backward, "out_a, dH (and ga * a for d w)");
+// torch.ops.torch_moe_cpu.*: plain CPU ops that write into the caller's buffers (the
+// torch_moe ops' CPU kernels call them; they are not differentiable on their own)
+TORCH_LIBRARY(torch_moe_cpu, m) {
+  m.def("swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out) -> ()");
+  m.def(
+      "swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_a, "
+      "Tensor(b!) out_dh, Tensor(c!)? prod) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
+  m.impl("swiglu_forward", &swiglu_forward);
+  m.impl("swiglu_backward", &swiglu_backward);
 }
