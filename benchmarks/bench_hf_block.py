@@ -1,0 +1,96 @@
+"""One HF experts block, forward + backward, by implementation: where does the "torch_moe"
+backend's time go against transformers' "grouped_mm" at a few hundred tokens?
+
+``bench_hf.py`` times whole training steps; at T=256 the experts are a third of those and
+a few percent of a step is within one run's noise. This times the first MoE layer's
+experts module alone (the same tiny-but-not-toy configs as ``bench_hf.py``, bf16, random
+routing of the model's top-k, fp32 routing weights): "grouped_mm", "torch_moe" with the
+activation by the native row kernel and "torch_moe" with it by ATen ops (the CPU probe's
+``act_kernel`` forced each way), interleaved in every round, on one thread, in the
+thread's CPU time; medians, and each torch_moe variant's difference to grouped_mm.
+
+    python benchmarks/bench_hf_block.py                          # mixtral, T=16..1024
+    python benchmarks/bench_hf_block.py --models qwen3_moe --tokens 256 --rounds 31
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+from bench_hf import MODELS, build, cpu_info, experts_of
+
+from torch_moe._ops import _cpu_probe, _native
+
+VARIANTS = ("grouped_mm", "torch_moe", "torch_moe (ATen activation)")
+
+
+def block_step(model: Any, experts: Any, variant: str, inputs: tuple[torch.Tensor, ...]) -> None:
+    x, ids, weights, grad = inputs
+    impl = "grouped_mm" if variant == "grouped_mm" else "torch_moe"
+    model.set_experts_implementation(impl)
+    for t in (x, weights, *experts.parameters()):
+        t.grad = None
+    kernel = "aten" if "ATen" in variant else "native"
+    with _cpu_probe.force(act_kernel=kernel):
+        experts(x, ids, weights).backward(grad)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", default="mixtral", help=f"comma-separated subset of {list(MODELS)}")
+    p.add_argument("--tokens", default="16,64,256,1024", help="comma-separated token counts")
+    p.add_argument("--rounds", type=int, default=21)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    variants = VARIANTS if _native.available() else VARIANTS[::2]
+    alloc = os.environ.get("LD_PRELOAD", "").rsplit("/", 1)[-1] or "glibc"
+    print(
+        f"# torch {torch.__version__}, {cpu_info()}, threads=1, allocator {alloc}, native "
+        f"activation kernel {'built' if _native.available() else 'not built'}; bf16, "
+        f"median of {args.rounds} interleaved rounds (thread CPU time)\n"
+    )
+    print(
+        "| model | T | "
+        + " | ".join(f"{v} ms" for v in variants)
+        + " | "
+        + " | ".join(f"{v} - grouped_mm" for v in variants[1:])
+        + " |"
+    )
+    print("|---" * (2 + 2 * len(variants) - 1) + "|")
+    for family in args.models.split(","):
+        model = build(family, torch.bfloat16, "cpu")
+        experts = experts_of(model)[0]
+        num_experts, top_k = int(experts.num_experts), model.config.num_experts_per_tok
+        dim = model.config.hidden_size
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            g = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).requires_grad_()
+            probs = torch.randn(tokens, num_experts, generator=g).softmax(-1)
+            weights, ids = probs.topk(top_k, dim=-1)
+            weights.requires_grad_()
+            grad = torch.randn(tokens, dim, generator=g).to(torch.bfloat16)
+            inputs = (x, ids, weights, grad)
+            for v in variants:  # warm-up: probes, the kernel's load, caches
+                block_step(model, experts, v, inputs)
+                block_step(model, experts, v, inputs)
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(args.rounds):
+                for v in variants:
+                    t0 = time.thread_time()
+                    block_step(model, experts, v, inputs)
+                    times[v].append(1e3 * (time.thread_time() - t0))
+            med = {v: statistics.median(t) for v, t in times.items()}
+            cells = [f"{med[v]:.2f}" for v in variants]
+            cells += [f"{med[v] - med['grouped_mm']:+.2f}" for v in variants[1:]]
+            print(f"| {family} | {tokens} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
