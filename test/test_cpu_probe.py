@@ -118,6 +118,37 @@ class TestCpuProbe(TestCase):
         P.decide("layout:test", measure, default="as_is")
         self.assertEqual(len(calls), 2)
 
+    def test_memo_until_decisions_change(self):
+        calls = []
+
+        def compute():
+            calls.append(1)
+            return len(calls)
+
+        self.assertEqual([P.memo(("test", 1), compute) for _ in range(3)], [1, 1, 1])
+        with P.force(layout="as_is"):  # forcing may change what the answer derives from
+            self.assertEqual(P.memo(("test", 1), compute), 2)
+        self.assertEqual(P.memo(("test", 1), compute), 3)
+        P.reset()
+        self.assertEqual(P.memo(("test", 1), compute), 4)
+        with unittest.mock.patch.object(P, "_MEMO_MAX", 2):  # bounded: full, it starts over
+            P.memo(("test", 2), compute)
+            self.assertEqual(P.memo(("test", 3), compute), 6)
+            self.assertEqual(len(P._memo), 1)
+
+    def test_grouped_mm_choice_follows_forced_decisions(self):
+        # the memoized "torch._grouped_mm or the loop" answer for the same operands
+        a = torch.randn(64, 32, dtype=torch.bfloat16)
+        b = torch.randn(4, 32, 48, dtype=torch.bfloat16)
+        ends = [16, 32, 48, 64]
+        use = grouped_mm_module._use_torch_grouped_mm
+        with P.force(half_gemm="native", few_rows="mm"):
+            for choice in ("torch", "loop", "torch"):
+                with P.force(grouped_mm=choice):
+                    self.assertEqual(use(a, b, ends, False), choice == "torch")
+            with P.force(grouped_mm="torch"):  # not where torch._grouped_mm is wrong
+                self.assertFalse(use(a[:, :30], b[:, :30], ends, False))  # 60-byte rows
+
     def test_pick_keeps_default_on_near_ties(self):
         self.assertEqual(P.pick({"as_is": 1.0, "copy_b": 0.95}, "as_is", 0.1), "as_is")
         self.assertEqual(P.pick({"as_is": 1.0, "copy_b": 0.85}, "as_is", 0.1), "copy_b")

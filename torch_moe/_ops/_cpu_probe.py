@@ -67,6 +67,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 
@@ -98,12 +99,15 @@ KINDS = (
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
+T = TypeVar("T")
+_MISSING = object()
+_MEMO_MAX = 4096
 
 _lock = threading.RLock()
 _cache: dict[str, tuple[str, str]] = {}  # key -> (choice, how)
 _forced: list[dict[str, str]] = []  # force() stack, innermost last
 _env_forced: dict[str, str] | None = None
-_memo: dict[tuple[object, ...], str] = {}  # hot-path lookups; cleared by force() and reset()
+_memo: dict[tuple[object, ...], Any] = {}  # hot-path lookups; cleared by force() and reset()
 
 
 # --------------------------------------------------------------------------------------
@@ -254,6 +258,18 @@ def force(choices: Mapping[str, str] | None = None, /, **kinds: str) -> Iterator
         with _lock:
             del _forced[next(i for i, t in enumerate(_forced) if t is table)]
             _memo.clear()
+
+
+def memo(key: tuple[object, ...], compute: Callable[[], T]) -> T:
+    """A hot path's answer derived from decisions (``key`` names it and everything it
+    depends on besides them), computed once until :func:`force` or :func:`reset` change
+    the decisions: a kernel asks per call, a lookup costs a dict access."""
+    hit = _memo.get(key, _MISSING)
+    if hit is _MISSING:
+        if len(_memo) >= _MEMO_MAX:  # keys carry shapes: bounded under varying batches
+            _memo.clear()
+        hit = _memo[key] = compute()
+    return hit
 
 
 def reset(env: bool = True) -> None:

@@ -292,9 +292,29 @@ def _busy_groups(ends: list[int]) -> int:
 def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """``torch._grouped_mm(a, b, offs)`` (a [M, K] x b [E, K, N], or for ``wgrad``
     a [K, M] x b [M, N]) instead of the loop: allowed, measured faster, and (forward) not
-    where a few rows per group take a way of their own (``_few_rows_way``)."""
+    where a few rows per group take a way of their own (``_few_rows_way``). Memoized on
+    what it reads (the probe's decisions aside): operands' dtypes, shapes, strides and
+    alignment, the rows and the busy groups."""
     if not ends or ends[-1] == 0:
         return False
+    key = (
+        "use_torch_grouped_mm",
+        wgrad,
+        a.dtype,
+        b.dtype,
+        *a.shape,
+        *a.stride(),
+        *b.shape,
+        *b.stride(),
+        a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0,
+        ends[-1],
+        len(ends),
+        _busy_groups(ends),
+    )
+    return _cpu_probe.memo(key, lambda: _decide_torch_grouped_mm(a, b, ends, wgrad))
+
+
+def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     rows = max(1, ends[-1] // len(ends))
     if wgrad:  # out[g] [K, N] = a[:, rows of g] @ b[rows of g]
         m, k, n = a.shape[0], rows, b.shape[1]

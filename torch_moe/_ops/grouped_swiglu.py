@@ -340,10 +340,14 @@ def _measure_act_chunk(dtype: torch.dtype) -> dict[str, float]:
 def _uses_native(dtype: torch.dtype) -> bool:
     """Whether the CPU kernels run the activation of h in ``dtype`` by the compiled row
     kernels (``_native.py``): built here, and the probe's ``act_kernel`` choice."""
-    if dtype not in _NATIVE_DTYPES:
+    if dtype not in _NATIVE_DTYPES or not _native.enabled():
         return False
-    choice = _cpu_probe.act_kernel(dtype, functools.partial(_measure_act_kernel, dtype))
-    return choice == "native" and _native.swiglu_cpu() is not None
+
+    def decide() -> bool:
+        choice = _cpu_probe.act_kernel(dtype, functools.partial(_measure_act_kernel, dtype))
+        return choice == "native" and _native.swiglu_cpu() is not None
+
+    return _cpu_probe.memo(("uses_native_act", dtype), decide)
 
 
 def _native_kernels(h: Tensor, *others: Tensor) -> Any:
