@@ -345,7 +345,10 @@ def _uses_native(dtype: torch.dtype) -> bool:
 
     def decide() -> bool:
         choice = _cpu_probe.act_kernel(dtype, functools.partial(_measure_act_kernel, dtype))
-        return choice == "native" and _native.swiglu_cpu() is not None
+        if choice != "native":
+            return False
+        mod = _native.swiglu_cpu()  # a choice read from the disk cache or forced: checked too
+        return mod is not None and _native_matches_aten(mod, dtype)
 
     return _cpu_probe.memo(("uses_native_act", dtype), decide)
 
@@ -405,14 +408,20 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
 
 def _native_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
     """The native kernels' outputs equal the ATen ops' bit for bit (rows shorter than,
-    equal to and longer than a vector block, with and without row weights); a compiler
-    that fuses or reorders differently from ATen's build fails here, with a warning."""
+    equal to and longer than a vector block, with and without row weights, outputs in h's
+    dtype and in fp32); a compiler that fuses or reorders differently from ATen's build
+    fails here, with a warning."""
     g = torch.Generator().manual_seed(1)
-    for rows, hidden in ((3, 5), (5, 32), (9, 47), (17, 100)):
+    cases = [
+        (r, f, o)
+        for r, f in ((3, 5), (5, 32), (9, 47), (17, 100))
+        for o in dict.fromkeys((dtype, torch.float32))
+    ]
+    for rows, hidden, out_dtype in cases:
         h = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
-        grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
+        grad_a = torch.randn(rows, hidden, generator=g).to(out_dtype)
         for rw in (None, torch.rand(rows, generator=g)):
-            want = [torch.empty_like(grad_a), torch.empty_like(grad_a), torch.empty_like(h)]
+            want = [torch.empty_like(grad_a), torch.empty_like(grad_a), grad_a.new_empty(h.shape)]
             got = [torch.empty_like(t) for t in want]
             prod = grad_a.new_empty(grad_a.shape, dtype=torch.float32)
             _act_into_aten(h, rw, want[0])
