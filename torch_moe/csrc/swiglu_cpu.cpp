@@ -52,12 +52,21 @@ inline void load_row<float>(const float* src, float* dst, int64_t n) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-template <>
-inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  using bVec = Vectorized<at::BFloat16>;
+inline auto to_float(const Vectorized<at::BFloat16>& v) {
+  return at::vec::convert_bfloat16_float(v);
+}
+
+inline auto to_float(const Vectorized<at::Half>& v) {
+  return at::vec::convert_half_float(v);
+}
+
+// half-precision rows: a vector of T converts into two fp32 vectors
+template <typename T>
+inline void load_half_row(const T* src, float* dst, int64_t n) {
+  using hVec = Vectorized<T>;
   int64_t i = 0;
-  for (; i + bVec::size() <= n; i += bVec::size()) {
-    auto [lo, hi] = at::vec::convert_bfloat16_float(bVec::loadu(src + i));
+  for (; i + hVec::size() <= n; i += hVec::size()) {
+    auto [lo, hi] = to_float(hVec::loadu(src + i));
     lo.store(dst + i);
     hi.store(dst + i + kV);
   }
@@ -67,17 +76,13 @@ inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
 }
 
 template <>
+inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  load_half_row(src, dst, n);
+}
+
+template <>
 inline void load_row<at::Half>(const at::Half* src, float* dst, int64_t n) {
-  using hVec = Vectorized<at::Half>;
-  int64_t i = 0;
-  for (; i + hVec::size() <= n; i += hVec::size()) {
-    auto [lo, hi] = at::vec::convert_half_float(hVec::loadu(src + i));
-    lo.store(dst + i);
-    hi.store(dst + i + kV);
-  }
-  for (; i < n; ++i) {
-    dst[i] = static_cast<float>(src[i]);
-  }
+  load_half_row(src, dst, n);
 }
 #endif
 
