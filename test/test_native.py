@@ -179,6 +179,38 @@ class TestNativeSwiGLU(TestCase):
                     gs._act_into(h, rw, torch.empty_like(grad_a))
                 self.assertEqual(spy.call_count, 1)
 
+    @parametrize("cap", ["AVX512", "AVX2", "DEFAULT", "SVE256"])
+    def test_build_targets_atens_capability(self, cap):
+        # the kernel's vectors must have the width of the ATen kernels it reproduces
+        with (
+            mock.patch("torch.utils.cpp_extension.load") as load,
+            mock.patch("torch.backends.cpu.get_cpu_capability", return_value=cap),
+            mock.patch.dict(_native._built, clear=True),
+            mock.patch.dict("os.environ", {_native.ENV: "1"}),
+        ):
+            self.assertIs(_native.swiglu_cpu(), torch.ops.torch_moe_cpu)
+            self.assertTrue(_native.available())
+        known = cap if cap in ("AVX512", "AVX2") else "DEFAULT"  # unknown: the generic vectors
+        (call,) = load.call_args_list
+        self.assertEqual(call.kwargs["name"], f"torch_moe_swiglu_cpu_{known.lower()}")
+        self.assertEqual(call.kwargs["sources"], [str(_native._SOURCE)])
+        self.assertTrue(_native._SOURCE.is_file())
+        self.assertFalse(call.kwargs["is_python_module"])  # a TORCH_LIBRARY, no pybind11
+        flags = call.kwargs["extra_cflags"]
+        self.assertIn("-O3", flags)
+        isa = {
+            "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"],
+            "AVX2": ["-mavx2", "-mfma"],
+        }
+        for flag in isa.get(known, []):
+            self.assertIn(flag, flags)
+        if known == "DEFAULT":
+            self.assertFalse([f for f in flags if f.startswith(("-m", "-DCPU_CAPABILITY"))])
+        else:
+            self.assertIn(f"-DCPU_CAPABILITY_{known}", flags)
+            self.assertIn(f"-DCPU_CAPABILITY={known}", flags)
+        self.assertNotIn("-ffp-contract=off", flags)  # ATen's build contracts; so must this
+
     def test_failed_build_warns_once_and_falls_back(self):
         with (
             mock.patch.dict("os.environ", {_native.ENV: "1"}),
@@ -190,6 +222,8 @@ class TestNativeSwiGLU(TestCase):
             self.assertIsNone(_native.swiglu_cpu())
             self.assertIsNone(_native.swiglu_cpu())  # remembered: not built again
         self.assertEqual(build.call_count, 1)
+        with mock.patch.dict(_native._built, {_native._capability(): None}):
+            self.assertFalse(_native.available())
         (w,) = caught
         self.assertRegex(
             str(w.message),
