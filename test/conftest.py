@@ -1,4 +1,4 @@
-"""pytest configuration: the hypothesis profiles.
+"""pytest configuration: the hypothesis profiles, and the native CPU kernel's build.
 
 * ``ci`` (``.ci/run`` sets ``HYPOTHESIS_PROFILE=ci``): 200 random examples per property
   (a new seed every run), failing examples saved to the example database
@@ -10,9 +10,15 @@
 Deadlines are off: the float64 oracles are Python loops whose time depends on the drawn
 shape. A failure prints the ``@reproduce_failure`` blob and the shrunk example; add the
 example to the test as an explicit ``@example`` regression case.
+
+The native CPU SwiGLU kernel (``torch_moe/_ops/_native.py``) compiles on a machine's
+first use, about 10 s: each pytest process starts it in a thread while the tests are
+collected, so that the first test to need it waits less (a second process waits on the
+first's build lock, then loads the result).
 """
 
 import os
+import threading
 
 # NB: torch.testing._internal.common_utils registers its own profiles on import ("dev":
 # 10 examples; "pytorch_ci" when CI is set: 50 derandomized examples, no database) and
@@ -40,3 +46,15 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "dev")
 if PROFILE not in PROFILES:
     raise ValueError(f"HYPOTHESIS_PROFILE must be one of {sorted(PROFILES)}, got {PROFILE!r}")
 settings.load_profile(f"torch_moe_{PROFILE}")
+
+
+def _start_native_build() -> None:
+    from torch_moe._ops import _native
+
+    if _native.enabled():
+        threading.Thread(
+            target=_native.swiglu_cpu, name="torch_moe-native-build", daemon=True
+        ).start()
+
+
+_start_native_build()

@@ -256,10 +256,10 @@ class TestNativeSwiGLU(TestCase):
     def test_a_chosen_kernel_is_checked_first(self):
         # a choice from the disk cache or forced skips the measurement: the bit check runs
         # anyway before the kernels do
-        with P.force(act_kernel="native"):
+        with P.force(act_kernel="native"), mock.patch.dict(gs._NATIVE_CHECKED, clear=True):
             with mock.patch.object(gs, "_native_matches_aten", return_value=False) as check:
                 self.assertFalse(gs._uses_native(BF16))
-                h, grad_a, rw = _operands(3, 8, BF16, BF16)
+                h, grad_a, _ = _operands(3, 8, BF16, BF16)
                 self.assertIsNone(gs._native_kernels(h, grad_a))
             check.assert_called_once()
         with P.force(act_kernel="native"):  # the memo was cleared with the forcing

@@ -66,6 +66,7 @@ _DTYPES = FLOAT_DTYPES
 _ACT_CHUNK_ELEMS: int | None = None
 # the dtypes of h the native row kernels take (fp32 math; fp64 h stays on the ATen ops)
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NATIVE_CHECKED: dict[torch.dtype, bool] = {}  # per h dtype: the kernels give ATen's bits
 
 
 def _check_inputs(
@@ -348,7 +349,11 @@ def _uses_native(dtype: torch.dtype) -> bool:
         if choice != "native":
             return False
         mod = _native.swiglu_cpu()  # a choice read from the disk cache or forced: checked too
-        return mod is not None and _native_matches_aten(mod, dtype)
+        if mod is None:
+            return False
+        if dtype not in _NATIVE_CHECKED:  # once per process: forcing clears the memo only
+            _NATIVE_CHECKED[dtype] = _native_matches_aten(mod, dtype)
+        return _NATIVE_CHECKED[dtype]
 
     return _cpu_probe.memo(("uses_native_act", dtype), decide)
 
