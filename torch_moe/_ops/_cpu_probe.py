@@ -489,10 +489,7 @@ def _measure_half_gemm(dtype: torch.dtype) -> dict[str, float]:
 
 
 def half_gemm(dtype: torch.dtype) -> str:
-    hit = _memo.get((dtype,))
-    if hit is None:
-        hit = _memo[(dtype,)] = _half_gemm(dtype)
-    return hit
+    return memo((dtype,), lambda: _half_gemm(dtype))
 
 
 def _half_gemm(dtype: torch.dtype) -> str:
@@ -547,10 +544,7 @@ def layout(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> str:
         memo_key = (dtype, ta, tb, 1, k < _SMALL)
     else:
         memo_key = (dtype, ta, tb, 2, n < _SMALL)
-    hit = _memo.get(memo_key)
-    if hit is None:
-        hit = _memo[memo_key] = _layout(dtype, layout_of(a, b), shape_class(m, k, n))
-    return hit
+    return memo(memo_key, lambda: _layout(dtype, layout_of(a, b), shape_class(m, k, n)))
 
 
 def _layout(dtype: torch.dtype, ab: str, cls: str) -> str:
@@ -623,17 +617,17 @@ def few_rows(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, general: MatM
     count (rounded up to a power of two)."""
     rows = _pow2_at_least(a.shape[0])
     ta, tb = transposed(a), transposed(b)
-    memo_key = ("few_rows", dtype, ta, tb, rows)
-    hit = _memo.get(memo_key)
-    if hit is None:
+
+    def choose() -> str:
         ab = layout_of(a, b)
-        hit = _memo[memo_key] = decide(
+        return decide(
             f"few_rows:{_dt(dtype)}:{ab}:m{rows}",
             lambda: _measure_few_rows(dtype, ab, rows, general),
             default="mm",
             margin=0.1,
         )
-    return hit
+
+    return memo(("few_rows", dtype, ta, tb, rows), choose)
 
 
 def grouped_mm(
@@ -666,16 +660,15 @@ def wgrad_a(
     probe's small, cache-resident operands cannot see this, hence a decision of its own
     at the weight gradient's sizes."""
     r, kk, c = (min(_pow2_at_least(v), WGRAD_MAX[d]) for v, d in ((rows, "r"), (k, "k"), (n, "n")))
-    memo_key = ("wgrad_a", dtype, r, kk, c)
-    hit = _memo.get(memo_key)
-    if hit is None:
-        hit = _memo[memo_key] = decide(
+    return memo(
+        ("wgrad_a", dtype, r, kk, c),
+        lambda: decide(
             f"wgrad_a:{_dt(dtype)}:r{r}:k{kk}:n{c}",
             lambda: measure(r, kk, c),
             default="as_is",
             margin=0.05,
-        )
-    return hit
+        ),
+    )
 
 
 def swiglu_path(
