@@ -266,6 +266,16 @@ class TestNativeSwiGLU(TestCase):
             self.assertTrue(gs._uses_native(BF16))
 
     @needs_native
+    def test_bit_check_runs_once_for_measurement_and_choice(self):
+        P.reset(env=False)  # the decision measured again (unless the environment forces it)
+        spy = mock.patch.object(gs, "_native_matches_aten", wraps=gs._native_matches_aten)
+        with mock.patch.dict(gs._NATIVE_CHECKED, clear=True), spy as check:
+            gs._uses_native(BF16)
+            with P.force(act_kernel="native"):
+                self.assertTrue(gs._uses_native(BF16))
+        check.assert_called_once()
+
+    @needs_native
     def test_act_kernel_candidates(self):
         seen = {}
 

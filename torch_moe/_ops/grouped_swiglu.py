@@ -66,7 +66,7 @@ _DTYPES = FLOAT_DTYPES
 _ACT_CHUNK_ELEMS: int | None = None
 # the dtypes of h the native row kernels take (fp32 math; fp64 h stays on the ATen ops)
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_NATIVE_CHECKED: dict[torch.dtype, bool] = {}  # per h dtype: the kernels give ATen's bits
+_NATIVE_CHECKED: dict[tuple[Any, torch.dtype], bool] = {}  # (kernels, h dtype): ATen's bits
 
 
 def _check_inputs(
@@ -349,11 +349,7 @@ def _uses_native(dtype: torch.dtype) -> bool:
         if choice != "native":
             return False
         mod = _native.swiglu_cpu()  # a choice read from the disk cache or forced: checked too
-        if mod is None:
-            return False
-        if dtype not in _NATIVE_CHECKED:  # once per process: forcing clears the memo only
-            _NATIVE_CHECKED[dtype] = _native_matches_aten(mod, dtype)
-        return _NATIVE_CHECKED[dtype]
+        return mod is not None and _native_checked(mod, dtype)
 
     return _cpu_probe.memo(("uses_native_act", dtype), decide)
 
@@ -386,7 +382,7 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
     native kernels built and give the ATen ops' bits on a check with ragged rows, by
     them."""
     mod = _native.swiglu_cpu()
-    if mod is None or not _native_matches_aten(mod, dtype):
+    if mod is None or not _native_checked(mod, dtype):
         return {"aten": 0.0}
     hidden, rows = 512, 256
     g = torch.Generator().manual_seed(0)
@@ -409,6 +405,16 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
         prod.sum(-1)
 
     return _cpu_probe.time_candidates({"aten": aten, "native": native})
+
+
+def _native_checked(mod: Any, dtype: torch.dtype) -> bool:
+    """``_native_matches_aten``, once per process, kernels and dtype (for the measurement
+    and for a choice from the disk cache or forced alike; forcing a decision clears the
+    probe's memo, not this)."""
+    key = (mod, dtype)
+    if key not in _NATIVE_CHECKED:
+        _NATIVE_CHECKED[key] = _native_matches_aten(mod, dtype)
+    return _NATIVE_CHECKED[key]
 
 
 def _native_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
