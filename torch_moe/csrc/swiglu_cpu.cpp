@@ -21,7 +21,8 @@
 //   backward: s = sigmoid(gate); silu = gate * s; a = silu * up
 //             prod = ga * a                   (only with row weights: d w = sum_f prod)
 //             a *= w; ga *= w
-//             out_a = a; dUp = silu * ga; dGate = silu'(ga * up, gate)
+//             out_a = a; dUp = silu * ga; dGate = silu'(ga * up, gate) with this s
+//   (the backward is one vector loop over the row: one exp per element, not two)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -114,32 +115,49 @@ inline void silu_row(float* g, int64_t n) {
   }
 }
 
-// s <- sigmoid(g)
-inline void sigmoid_row(const float* g, float* s, int64_t n) {
+// The backward of one row, in place: g, u: gate and up; ga: dA, then dGate; s: dUp.
+// With row weights w != nullptr, p receives dA * a (unweighted) and a, dA are scaled by w.
+// ATen computes sigmoid(g) as (exp(0 - g) + 1).reciprocal() and silu_backward's own
+// sigmoid as 1 / (1 + exp(-g)): the same operations on the same values (-g, exp, the sum,
+// the division of one), so one sigmoid per element serves both.
+inline void backward_row(
+    const float* g, const float* u, float* ga, float* a, float* s, float* p, const float* w,
+    int64_t n) {
   const fVec one(1.f), zero(0.f);
   const int64_t v = vector_end(n);
-  for (int64_t i = 0; i < v; i += kV) {
-    fVec x = zero - fVec::loadu(g + i);
-    (x.exp() + one).reciprocal().store(s + i);
+  int64_t i = 0;
+  for (; i < v; i += kV) {
+    const fVec x = fVec::loadu(g + i);
+    const fVec up = fVec::loadu(u + i);
+    fVec d = fVec::loadu(ga + i);
+    const fVec sig = ((zero - x).exp() + one).reciprocal();
+    const fVec silu = sig * x;
+    fVec act = silu * up;
+    if (w != nullptr) {
+      const fVec wv(*w);
+      (d * act).store(p + i);
+      act = act * wv;
+      d = d * wv;
+    }
+    act.store(a + i);
+    (silu * d).store(s + i);
+    const fVec dy = d * up;
+    (dy * sig * (one + x * (one - sig))).store(ga + i);
   }
-  for (int64_t i = v; i < n; ++i) {
-    s[i] = 1.f / (1.f + std::exp(-g[i]));
-  }
-}
-
-// dy <- silu_backward(dy, g)
-inline void silu_backward_row(float* dy, const float* g, int64_t n) {
-  const fVec one(1.f);
-  const int64_t v = vector_end(n);
-  for (int64_t i = 0; i < v; i += kV) {
-    fVec x = fVec::loadu(g + i);
-    fVec d = fVec::loadu(dy + i);
-    fVec s = one / (one + x.neg().exp());
-    (d * s * (one + x * (one - s))).store(dy + i);
-  }
-  for (int64_t i = v; i < n; ++i) {
-    const float s = 1.f / (1.f + std::exp(-g[i]));
-    dy[i] = dy[i] * s * (1.f + g[i] * (1.f - s));
+  for (; i < n; ++i) {
+    const float sig = 1.f / (1.f + std::exp(-g[i]));
+    const float silu = sig * g[i];
+    float act = silu * u[i];
+    float d = ga[i];
+    if (w != nullptr) {
+      p[i] = d * act;
+      act *= *w;
+      d *= *w;
+    }
+    a[i] = act;
+    s[i] = silu * d;
+    const float dy = d * u[i];
+    ga[i] = dy * sig * (1.f + g[i] * (1.f - sig));
   }
 }
 
@@ -208,30 +226,16 @@ void backward_impl(
     std::vector<float> buf(5 * f);
     float* g = buf.data();
     float* u = g + f;
-    float* s = u + f;  // sigmoid, then silu
-    float* ga = s + f;
+    float* s = u + f;  // dUp
+    float* ga = s + f;  // dA, then dGate
     float* a = ga + f;
     for (int64_t r = r0; r < r1; ++r) {
       load_row(hp + r * hs, g, 2 * f);
       load_row(gp + r * gs, ga, f);
-      sigmoid_row(g, s, f);
-      mul_row(s, g, f);  // silu = gate * sigmoid (exact either order)
-      for (int64_t i = 0; i < f; ++i) {
-        a[i] = s[i] * u[i];
-      }
-      if (w != nullptr) {
-        float* p = prod + r * ps;
-        for (int64_t i = 0; i < f; ++i) {
-          p[i] = ga[i] * a[i];
-        }
-        scale_row(a, w[r], f);
-        scale_row(ga, w[r], f);
-      }
+      const bool weighted = w != nullptr;
+      backward_row(g, u, ga, a, s, weighted ? prod + r * ps : nullptr, weighted ? w + r : nullptr, f);
       store_row(a, ap + r * as, f);
-      mul_row(s, ga, f);  // dUp = silu * ga
       store_row(s, dp + r * ds + f, f);
-      mul_row(ga, u, f);  // ga * up
-      silu_backward_row(ga, g, f);
       store_row(ga, dp + r * ds, f);
     }
   });
