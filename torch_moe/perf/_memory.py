@@ -13,7 +13,8 @@ Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
 * dropless, no alignment: ``T * (D*b + E*4) + T*K*(8 + 4 + 16 + 2F*b) + E*4``;
 * with a capacity or an alignment (static M rows): ``T * (D*b + E*4 + K*16) + M * (2F*b
   + 8 + 8 + 1 + 4) + 8 + E*4`` (the row map, its clamped copy, the padding mask and
-  the per-row weight over M rows);
+  the per-row weight over M rows; the 8: the reference sort's dump row, which the native
+  CPU sort does not allocate);
 * the permuted input [M, D] (``M*D*b``) where the experts do not gather their rows
   from the tokens themselves: a recipe (which also saves the activation ``a`` [M, F],
   ``M*F*b``) and EP (the received rows);
@@ -164,6 +165,15 @@ def _expert_row_bytes(w: MoEWorkload) -> int:
     )
 
 
+def _dump_row_bytes(hw: Hardware) -> float:
+    """The reference ``permute_indices`` scatters dropped slots into a dump row past the M
+    rows of its row map (a view of M + 1 int64); the native CPU counting sort allocates
+    the M rows alone."""
+    from torch_moe._ops import _native
+
+    return 0.0 if hw.kind == "cpu" and _native.kernels() is not None else 8.0
+
+
 def saved_bytes(w: MoEWorkload, hw: Hardware, rows_recv: float | None = None) -> float:
     """Bytes saved for the backward by one forward (see the module docstring)."""
     if not w.backward:
@@ -180,7 +190,7 @@ def saved_bytes(w: MoEWorkload, hw: Hardware, rows_recv: float | None = None) ->
         total += T * K * (8 + 4 + 16 + per_row)
     else:
         m = _static_rows(w, align)
-        total += T * K * 16 + m * (per_row + 8 + 8 + 1 + 4) + 8
+        total += T * K * 16 + m * (per_row + 8 + 8 + 1 + 4) + _dump_row_bytes(hw)
     total += T * 4 * w.shared_hidden_dim * b
     return float(total)
 
@@ -416,11 +426,11 @@ def _inference_bytes(
         # h and Y, the group-sized activation buffer, and one group's gathered rows (with
         # the first GEMM's upcast operands) or one chunk's fp32 activation, not at once
         experts = M * (2 * F + D) * b + m * F * c + max(m * D * b + up1, fp32, up2)
-    # Y, the output, and the combine's chunk: a token chunk's fp32 sum, and its gathered
-    # rows of one k as gathered and converted to fp32
-    from torch_moe._ops.permute import _chunk_rows
+    # Y, the output, and the combine's temporaries (unweighted: the routing weights went
+    # into the experts)
+    from torch_moe._ops.permute import combine_temporary_bytes
 
-    combine = M * D * b + T * D * b + min(T, _chunk_rows(D)) * D * (4 + b + 4)
+    combine = M * D * b + T * D * b + combine_temporary_bytes(T, D, b, weighted=False)
     shared = total = 0.0
     Fs = w.shared_hidden_dim
     if Fs:  # run before the experts; its output [T, D] lives to the final sum

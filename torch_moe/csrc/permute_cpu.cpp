@@ -1,0 +1,188 @@
+// The permutation's index sort and the unweighted combine on CPU, each as one op call.
+//
+// torch_moe.ops.permute_indices sorts the T*K (token, k) slots by expert: in ATen ops a
+// stable argsort, a scatter_add of the counts, a cumsum and one to three scatters (a
+// dozen calls and their Python, ~0.1-0.3 ms once the expert GEMMs have evicted the
+// interpreter and the dispatcher from the caches). A stable counting sort gives the same
+// integers in O(T*K + E).
+//
+// torch_moe.ops.unpermute without weights sums each token's K rows in the accumulation
+// dtype (fp32, fp64 for fp64) in k order and rounds once: in ATen ops per row chunk and k
+// a gather, a conversion and an add, then the rounding copy. Here one pass per token does
+// the same additions in the same order (a dropped slot, -1, adds +0 as the ATen kernel's
+// zero-filled row does), so the bits are the same.
+//
+//   permute_indices(expert_ids [T, K], E, align, capacity?) ->
+//       row_to_slot [M], slot_to_row [T, K], offs [E] int32, num_dropped []
+//   combine(y [M, D], slot_to_row [T, K], out [T, D]!)   out[t] = sum_k y[slot_to_row[t, k]]
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+int64_t num_rows(int64_t tokens, int64_t top_k, int64_t experts, int64_t align, std::optional<int64_t> cap) {
+  const int64_t bound = tokens * top_k + experts * (align - 1);
+  if (!cap.has_value()) {
+    return bound;
+  }
+  const int64_t per_expert = (*cap + align - 1) / align * align;
+  return std::min(experts * per_expert, bound);
+}
+
+template <typename I>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices_impl(
+    const at::Tensor& ids, int64_t experts, int64_t align, std::optional<int64_t> cap) {
+  const int64_t tokens = ids.size(0), top_k = ids.size(1), n = tokens * top_k;
+  const at::Tensor flat = ids.contiguous();
+  const I* e = flat.data_ptr<I>();
+  std::vector<int64_t> counts(experts, 0);
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t x = static_cast<int64_t>(e[s]);
+    TORCH_CHECK(
+        x >= 0 && x < experts, "permute_indices: expert_ids must lie in [0, num_experts=",
+        experts, ")");
+    ++counts[x];
+  }
+  const int64_t m = num_rows(tokens, top_k, experts, align, cap);
+  const auto i64 = ids.options().dtype(at::kLong);
+  at::Tensor offs = at::empty({experts}, ids.options().dtype(at::kInt));
+  int32_t* op = offs.data_ptr<int32_t>();
+  std::vector<int64_t> next(experts);  // the next row of each expert
+  int64_t end = 0, kept_total = 0;
+  for (int64_t x = 0; x < experts; ++x) {
+    const int64_t kept = cap.has_value() ? std::min(counts[x], *cap) : counts[x];
+    next[x] = end;
+    end += (kept + align - 1) / align * align;
+    kept_total += kept;
+    op[x] = static_cast<int32_t>(end);
+  }
+  at::Tensor row_to_slot = at::full({m}, -1, i64);
+  at::Tensor slot_to_row = at::empty({tokens, top_k}, i64);
+  int64_t* rp = row_to_slot.data_ptr<int64_t>();
+  int64_t* sp = slot_to_row.data_ptr<int64_t>();
+  std::vector<int64_t> rank(experts, 0);
+  for (int64_t s = 0; s < n; ++s) {  // slots in order: a stable sort by expert
+    const int64_t x = static_cast<int64_t>(e[s]);
+    if (cap.has_value() && rank[x] >= *cap) {
+      sp[s] = -1;  // past the capacity: dropped
+    } else {
+      const int64_t row = next[x] + rank[x];
+      sp[s] = row;
+      rp[row] = s;
+    }
+    ++rank[x];
+  }
+  at::Tensor dropped = at::scalar_tensor(n - kept_total, i64);
+  return {row_to_slot, slot_to_row, offs, dropped};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices(
+    const at::Tensor& expert_ids, int64_t num_experts, int64_t align, std::optional<int64_t> capacity) {
+  TORCH_CHECK(
+      expert_ids.dim() == 2 &&
+          (expert_ids.scalar_type() == at::kInt || expert_ids.scalar_type() == at::kLong),
+      "permute_indices: expected expert_ids to be a 2D int32/int64 tensor [T, K], got ",
+      expert_ids.dim(), "D ", expert_ids.scalar_type());
+  TORCH_CHECK(num_experts >= 1, "permute_indices: num_experts must be >= 1, got ", num_experts);
+  TORCH_CHECK(align >= 1, "permute_indices: align must be >= 1, got ", align);
+  TORCH_CHECK(
+      !capacity.has_value() || *capacity >= 0,
+      "permute_indices: capacity must be >= 0 or None, got ", capacity.value_or(0));
+  if (expert_ids.scalar_type() == at::kInt) {
+    return permute_indices_impl<int32_t>(expert_ids, num_experts, align, capacity);
+  }
+  return permute_indices_impl<int64_t>(expert_ids, num_experts, align, capacity);
+}
+
+template <typename T, typename Acc>
+void combine_impl(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out) {
+  const int64_t tokens = slot_to_row.size(0), top_k = slot_to_row.size(1), d = y.size(1);
+  const int64_t ys = y.stride(0), os = out.stride(0);
+  const T* yp = y.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const at::Tensor rows_t = slot_to_row.contiguous();
+  const int64_t* rows = rows_t.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<Acc> acc(d);
+    Acc* a = acc.data();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t* r = rows + t * top_k;
+      if (r[0] >= 0) {
+        const T* src = yp + r[0] * ys;
+        for (int64_t i = 0; i < d; ++i) {
+          a[i] = static_cast<Acc>(src[i]);
+        }
+      } else {
+        std::fill(a, a + d, Acc(0));
+      }
+      for (int64_t k = 1; k < top_k; ++k) {
+        if (r[k] >= 0) {
+          const T* src = yp + r[k] * ys;
+          for (int64_t i = 0; i < d; ++i) {
+            a[i] += static_cast<Acc>(src[i]);
+          }
+        } else {
+          for (int64_t i = 0; i < d; ++i) {
+            a[i] += Acc(0);  // -0 + 0 is +0, as the ATen kernel's zero-filled row gives
+          }
+        }
+      }
+      if constexpr (std::is_same_v<T, Acc>) {
+        std::memcpy(op + t * os, a, d * sizeof(T));
+      } else {
+        at::vec::convert(a, op + t * os, d);  // round to nearest even, as a tensor copy
+      }
+    }
+  });
+}
+
+void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out) {
+  TORCH_CHECK(
+      y.dim() == 2 && y.stride(1) == 1 && slot_to_row.dim() == 2 &&
+          slot_to_row.scalar_type() == at::kLong && slot_to_row.size(1) >= 1 &&
+          out.dim() == 2 && out.size(0) == slot_to_row.size(0) && out.size(1) == y.size(1) &&
+          out.stride(1) == 1 && out.scalar_type() == y.scalar_type(),
+      "combine_cpu: expected y [M, D] and out [T, D] of one dtype with contiguous rows and "
+      "int64 slot_to_row [T, K >= 1], got ", y.sizes(), " ", y.scalar_type(), ", ",
+      slot_to_row.sizes(), " ", slot_to_row.scalar_type(), ", ", out.sizes(), " ",
+      out.scalar_type());
+  switch (y.scalar_type()) {
+    case at::kBFloat16:
+      return combine_impl<at::BFloat16, float>(y, slot_to_row, out);
+    case at::kHalf:
+      return combine_impl<at::Half, float>(y, slot_to_row, out);
+    case at::kFloat:
+      return combine_impl<float, float>(y, slot_to_row, out);
+    case at::kDouble:
+      return combine_impl<double, double>(y, slot_to_row, out);
+    default:
+      TORCH_CHECK(false, "combine_cpu: unsupported dtype ", y.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
+  m.def(
+      "permute_indices(Tensor expert_ids, int num_experts, int align, int? capacity) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("combine(Tensor y, Tensor slot_to_row, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
+  m.impl("permute_indices", &permute_indices);
+  m.impl("combine", &combine);
+}
