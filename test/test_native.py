@@ -416,8 +416,13 @@ class TestNativePermute(TestCase):
             w = torch.rand(10, 2)
             got = unpermute(y, perm.slot_to_row, perm.row_to_slot, w)
             self.assertEqual(spy.combine.call_count, 1)  # weighted: the ATen ops
+            y8 = y.to(torch.float8_e4m3fn)  # a dtype the kernel does not take
+            got8 = unpermute(y8, perm.slot_to_row, perm.row_to_slot)
+            self.assertEqual(spy.combine.call_count, 1)
         want = unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, w)
         self.assertTrue(torch.equal(got, want))
+        want8 = unpermute_rows_reference(y8, perm.slot_to_row, perm.row_to_slot)
+        self.assertTrue(torch.equal(got8.float(), want8.float()))
 
     @needs_native
     def test_combine_argument_errors(self):

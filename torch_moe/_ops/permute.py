@@ -286,6 +286,10 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
 _CHUNK_ELEMS = 2**17
 
 
+# the dtypes of the native combine (torch_moe/csrc/permute_cpu.cpp)
+_COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def _chunk_rows(width: int) -> int:
     return max(1, _CHUNK_ELEMS * torch.get_num_threads() // max(1, width))
 
@@ -349,8 +353,9 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
-    kernels = _native.kernels() if weights is None and y.stride(-1) == 1 else None
-    if kernels is not None and type(y) is Tensor:  # the same additions, in one pass
+    native = weights is None and y.dtype in _COMBINE_DTYPES and y.stride(-1) == 1
+    kernels = _native.kernels() if native and type(y) is Tensor else None
+    if kernels is not None:  # the same additions, in one pass
         kernels.combine(y, slot_to_row, out)
         return out
     acc_dt = acc_dtype(y.dtype)

@@ -16,7 +16,6 @@
 //       row_to_slot [M], slot_to_row [T, K], offs [E] int32, num_dropped []
 //   combine(y [M, D], slot_to_row [T, K], out [T, D]!)   out[t] = sum_k y[slot_to_row[t, k]]
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
