@@ -52,9 +52,7 @@ def _start_native_build() -> None:
     from torch_moe._ops import _native
 
     if _native.enabled():
-        threading.Thread(
-            target=_native.kernels, name="torch_moe-native-build", daemon=True
-        ).start()
+        threading.Thread(target=_native.kernels, name="torch_moe-native-build", daemon=True).start()
 
 
 _start_native_build()

@@ -23,9 +23,9 @@ from torch.testing._internal.common_utils import (
     run_tests,
 )
 
+from torch_moe import ops
 from torch_moe._ops import _cpu_probe as P
 from torch_moe._ops import _native
-from torch_moe import ops
 from torch_moe._ops import grouped_swiglu as gs
 from torch_moe._ops.permute import permute_indices_reference, unpermute, unpermute_rows_reference
 
@@ -318,7 +318,9 @@ def _unpermute_aten(y, perm):
 
 
 def _bits(t):
-    return t.view(torch.int16 if t.element_size() == 2 else {4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.view(
+        torch.int16 if t.element_size() == 2 else {4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
 
 
 @instantiate_parametrized_tests

@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops import _native
+from torch_moe._ops._dtypes import acc_dtype
 
 __all__ = [
     "gather_rows",
