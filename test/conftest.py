@@ -49,9 +49,12 @@ settings.load_profile(f"torch_moe_{PROFILE}")
 
 
 def _start_native_build() -> None:
+    """Build the native CPU kernels in a thread while pytest collects. Reads the switch
+    itself and calls nothing of the library here: under mutation testing every library
+    function may raise, and that must fail tests, not this conftest's import."""
     from torch_moe._ops import _native
 
-    if _native.enabled():
+    if os.environ.get(_native.ENV, "1") != "0":
         threading.Thread(target=_native.kernels, name="torch_moe-native-build", daemon=True).start()
 
 
