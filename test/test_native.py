@@ -394,6 +394,7 @@ class TestNativePermute(TestCase):
             y = torch.randn(perm.row_to_slot.shape[0], dim, generator=g) * 1e3
             y[::3, ::2] = -0.0
             y[1::3, 1::2] = 1e-3
+            y[:, -1] = -0.0  # a column of -0: +0 only where a slot was dropped (adds +0)
             y = y.to(dtype)
             with mock.patch("torch.get_num_threads", return_value=threads):
                 torch.set_num_threads(threads)
