@@ -33,6 +33,8 @@ fixed order k = 0..K-1.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -294,13 +296,21 @@ def _chunk_rows(width: int) -> int:
     return max(1, _CHUNK_ELEMS * torch.get_num_threads() // max(1, width))
 
 
-def combine_temporary_bytes(tokens: float, dim: int, element_size: int, weighted: bool) -> float:
+def _native_combine(dtype: torch.dtype, weighted: bool) -> Any:
+    """The native CPU kernels' ops where their combine takes these rows (unweighted, a
+    dtype it has, built), else None: the one rule for the kernel and the memory model."""
+    if weighted or dtype not in _COMBINE_DTYPES:
+        return None
+    return _native.kernels()
+
+
+def combine_temporary_bytes(tokens: float, dim: int, dtype: torch.dtype, weighted: bool) -> float:
     """Bytes of ``unpermute``'s CPU temporaries at their largest: none where the native
-    combine runs (unweighted, built); otherwise one token chunk's fp32 sum and its rows of
-    one k as gathered and converted to fp32 (the memory model's term)."""
-    if not weighted and _native.kernels() is not None:
+    combine runs; otherwise one token chunk's fp32 sum and its rows of one k as gathered
+    and converted to fp32 (the memory model's term)."""
+    if _native_combine(dtype, weighted) is not None:
         return 0.0
-    return min(tokens, _chunk_rows(dim)) * dim * (4 + element_size + 4)
+    return min(tokens, _chunk_rows(dim)) * dim * (4 + dtype.itemsize + 4)
 
 
 def _no_negative(index: Tensor) -> bool:
@@ -353,8 +363,8 @@ def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | Non
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
-    native = weights is None and y.dtype in _COMBINE_DTYPES and y.stride(-1) == 1
-    kernels = _native.kernels() if native and type(y) is Tensor else None
+    rows_ok = y.stride(-1) == 1 and type(y) is Tensor
+    kernels = _native_combine(y.dtype, weights is not None) if rows_ok else None
     if kernels is not None:  # the same additions, in one pass
         kernels.combine(y, slot_to_row, out)
         return out
