@@ -5,9 +5,10 @@ backend's time go against transformers' "grouped_mm" at a few hundred tokens?
 a few percent of a step is within one run's noise. This times the first MoE layer's
 experts module alone (the same tiny-but-not-toy configs as ``bench_hf.py``, bf16, random
 routing of the model's top-k, fp32 routing weights): "grouped_mm", "torch_moe" with the
-activation by the native row kernel and "torch_moe" with it by ATen ops (the CPU probe's
-``act_kernel`` forced each way), interleaved in every round, on one thread, in the
-thread's CPU time; medians, and each torch_moe variant's difference to grouped_mm.
+activation by the native row kernels and "torch_moe" with it by ATen ops (the CPU probe's
+``act_kernel`` forced each way, and the glu op's native swigluoai kernel off),
+interleaved in every round, on one thread, in the thread's CPU time; medians, and each
+torch_moe variant's difference to grouped_mm.
 
     python benchmarks/bench_hf_block.py                          # mixtral, T=16..1024
     python benchmarks/bench_hf_block.py --models qwen3_moe --tokens 256 --rounds 31
@@ -19,12 +20,15 @@ import argparse
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import torch
 from bench_hf import MODELS, build, cpu_info, experts_of
 
 from torch_moe._ops import _cpu_probe, _native
+from torch_moe._ops import glu as _glu
 
 VARIANTS = ("grouped_mm", "torch_moe", "torch_moe (ATen activation)")
 
@@ -36,7 +40,9 @@ def block_step(model: Any, experts: Any, variant: str, inputs: tuple[torch.Tenso
     for t in (x, weights, *experts.parameters()):
         t.grad = None
     kernel = "aten" if "ATen" in variant else "native"
-    with _cpu_probe.force(act_kernel=kernel):
+    # the ATen variant: SwiGLU (grouped_swiglu) and the glu op's swigluoai by ATen ops
+    no_oai = mock.patch.object(_glu, "_oai_kernels", return_value=None)
+    with _cpu_probe.force(act_kernel=kernel), no_oai if kernel == "aten" else nullcontext():
         experts(x, ids, weights).backward(grad)
 
 

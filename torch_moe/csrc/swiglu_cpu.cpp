@@ -25,10 +25,12 @@
 //   (the backward is one vector loop over the row: one exp per element, not two)
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE: the grain of ATen's elementwise loops
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -241,6 +243,298 @@ void backward_impl(
   });
 }
 
+
+// --------------------------------------------------------------------------------------
+// GPT-OSS's clamped SwiGLU ("swigluoai" of torch_moe::glu): the same operations as the
+// glu op's ATen chunks (torch_moe/_ops/glu.py), element by element, in fp32 from h's
+// gate and up columns (halves, or even / odd columns when interleaved), L the limit:
+//
+//   g = min(gate, L); u = clamp(up, -L, L)            (no clamp without a limit)
+//   s = sigmoid(g * alpha)
+//   forward:  a = g * s * (u + 1) (* w)
+//   backward: act = g * s; up1 = u + 1; slope = s * (1 + (alpha * g) * (1 - s))
+//             prod = dA * act * up1 (d w = sum_f prod); dA *= w
+//             dGate = dA * up1 * slope (0 where gate > L); dUp = dA * act (0 where up is
+//             outside [-L, L])
+//
+// Each is a separate ATen op there, so nothing is contracted: the one product that feeds
+// a sum here ((alpha * g) * (1 - s), then + 1) goes through an opaque copy that keeps the
+// compiler from fusing them. The sigmoid is the only operation whose vector and scalar
+// forms differ; ATen applies it to the contiguous [rows, F] chunk as one flat range of
+// rows * F elements, cut by at::parallel_for at ATen's grain into one piece per thread,
+// each piece vectors in blocks of two and a scalar tail. These kernels cut each chunk of
+// ``chunk_rows`` rows (the caller's, the same as the ATen path's) alike.
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+inline fVec opaque(fVec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = v;
+#else
+  __m256 r = v;
+#endif
+  asm("" : "+v"(r));
+  return fVec(r);
+}
+inline float opaque(float v) {
+  asm("" : "+v"(v));
+  return v;
+}
+#else
+// no FMA instructions in the default build: nothing to contract
+inline fVec opaque(fVec v) {
+  return v;
+}
+inline float opaque(float v) {
+  return v;
+}
+#endif
+
+inline float sigmoid_scalar(float x) {
+  return 1.f / (1.f + std::exp(-x));
+}
+
+inline fVec sigmoid_vec(const fVec& x) {
+  return ((fVec(0.f) - x).exp() + fVec(1.f)).reciprocal();
+}
+
+struct OaiArgs {
+  float alpha;
+  bool clamp;
+  float limit;
+  bool interleaved;
+};
+
+// One block of flat positions [p, q) of a chunk that starts at row r0: gate, up (and dA,
+// row weights) into fp32 buffers indexed from p.
+template <typename T>
+void gather_block(
+    const T* hp, int64_t hs, int64_t r0, int64_t f, int64_t p, int64_t q, bool interleaved,
+    float* g, float* u) {
+  for (int64_t i = p; i < q;) {
+    const int64_t row = r0 + i / f, col = i % f, n = std::min(q - i, f - col);
+    const T* src = hp + row * hs;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t c = col + j;
+      g[i - p + j] = static_cast<float>(src[interleaved ? 2 * c : c]);
+      u[i - p + j] = static_cast<float>(src[interleaved ? 2 * c + 1 : f + c]);
+    }
+    i += n;
+  }
+}
+
+template <typename T>
+void gather_flat(
+    const T* src, int64_t stride, int64_t r0, int64_t f, int64_t p, int64_t q, float* dst) {
+  for (int64_t i = p; i < q;) {
+    const int64_t row = r0 + i / f, col = i % f, n = std::min(q - i, f - col);
+    load_row(src + row * stride + col, dst + (i - p), n);
+    i += n;
+  }
+}
+
+template <typename T>
+void scatter_flat(
+    const float* src, T* dst, int64_t stride, int64_t r0, int64_t f, int64_t p, int64_t q) {
+  for (int64_t i = p; i < q;) {
+    const int64_t row = r0 + i / f, col = i % f, n = std::min(q - i, f - col);
+    store_row(src + (i - p), dst + row * stride + col, n);
+    i += n;
+  }
+}
+
+inline void row_weights_block(
+    const float* w, int64_t r0, int64_t f, int64_t p, int64_t q, float* dst) {
+  for (int64_t i = p; i < q;) {
+    const int64_t row = r0 + i / f, n = std::min(q - i, f - i % f);
+    std::fill_n(dst + (i - p), n, w[row]);
+    i += n;
+  }
+}
+
+// ATen's scalar clamps (a NaN passes through)
+inline float clamp_max_scalar(float x, float hi) {
+  return std::min(x, hi);
+}
+
+inline float clamp_scalar(float x, float lo, float hi) {
+  return std::min(std::max(x, lo), hi);
+}
+
+// dGate, dUp of flat positions [p, q) into dH's gate and up columns
+template <typename T>
+void scatter_dh(
+    const float* dg, const float* du, T* dp, int64_t ds, int64_t r0, int64_t f, int64_t p,
+    int64_t q, bool interleaved) {
+  if (!interleaved) {
+    for (int64_t i = p; i < q;) {
+      const int64_t row = r0 + i / f, col = i % f, n = std::min(q - i, f - col);
+      store_row(dg + (i - p), dp + row * ds + col, n);
+      store_row(du + (i - p), dp + row * ds + f + col, n);
+      i += n;
+    }
+    return;
+  }
+  for (int64_t i = p; i < q;) {
+    const int64_t row = r0 + i / f, col = i % f, n = std::min(q - i, f - col);
+    T* dst = dp + row * ds + 2 * col;
+    for (int64_t j = 0; j < n; ++j) {
+      dst[2 * j] = static_cast<T>(dg[i - p + j]);
+      dst[2 * j + 1] = static_cast<T>(du[i - p + j]);
+    }
+    i += n;
+  }
+}
+
+// positions of a [rows, F] chunk, in ATen's pieces and their vector / scalar parts;
+// fn(p, q, vector_end) over blocks of at most kBlock positions
+constexpr int64_t kBlock = 1024;  // a multiple of two vectors: blocks keep the pieces' cut
+
+template <typename Fn>
+void for_each_flat(int64_t n, const Fn& fn) {
+  // TensorIterator::for_each and at::parallel_for: one piece per thread (at most one per
+  // grain) where n exceeds the grain, else one; computed here so that the cut does not
+  // depend on how this file was built (without OpenMP at::parallel_for runs one piece)
+  const int64_t grain = at::internal::GRAIN_SIZE, threads = at::get_num_threads();
+  int64_t pieces = 1;
+  if (n > grain && threads > 1 && !at::in_parallel_region()) {
+    pieces = std::min(threads, (n + grain - 1) / grain);
+  }
+  const int64_t size = (n + pieces - 1) / pieces;
+  at::parallel_for(0, pieces, 1, [&](int64_t first, int64_t last) {
+    for (int64_t piece = first; piece < last; ++piece) {
+      const int64_t b = piece * size, e = std::min(n, b + size);
+      const int64_t ve = b + vector_end(e - b);
+      for (int64_t p = b; p < e; p += kBlock) {
+        fn(p, std::min(e, p + kBlock), ve);
+      }
+    }
+  });
+}
+
+template <typename TH>
+void oai_forward_impl(
+    const at::Tensor& h, const float* w, const at::Tensor& out, const OaiArgs& o,
+    int64_t chunk_rows) {
+  const int64_t rows = h.size(0), f = out.size(1), hs = h.stride(0), os = out.stride(0);
+  const TH* hp = h.data_ptr<TH>();
+  TH* op = out.data_ptr<TH>();
+  const fVec alpha(o.alpha), lim(o.limit), nlim(-o.limit), one(1.f);
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, rows - r0) * f;
+    for_each_flat(n, [&](int64_t p, int64_t q, int64_t ve) {
+      float g[kBlock], u[kBlock], wb[kBlock];
+      gather_block(hp, hs, r0, f, p, q, o.interleaved, g, u);
+      if (w != nullptr) {
+        row_weights_block(w, r0, f, p, q, wb);  // a vector may span two rows
+      }
+      const int64_t v = std::max(p, std::min(q, ve));
+      int64_t i = p;
+      for (; i < v; i += kV) {
+        const int64_t k = i - p;
+        fVec x = fVec::loadu(g + k), y = fVec::loadu(u + k);
+        if (o.clamp) {
+          x = at::vec::clamp_max(x, lim);
+          y = at::vec::clamp(y, nlim, lim);
+        }
+        fVec a = x * sigmoid_vec(opaque(x * alpha)) * (y + one);
+        if (w != nullptr) {
+          a = a * fVec::loadu(wb + k);
+        }
+        a.store(g + k);
+      }
+      for (; i < q; ++i) {
+        const int64_t k = i - p;
+        float x = g[k], y = u[k];
+        if (o.clamp) {
+          x = clamp_max_scalar(x, o.limit);
+          y = clamp_scalar(y, -o.limit, o.limit);
+        }
+        float a = x * sigmoid_scalar(opaque(x * o.alpha)) * (y + 1.f);
+        if (w != nullptr) {
+          a *= wb[k];
+        }
+        g[k] = a;
+      }
+      scatter_flat(g, op, os, r0, f, p, q);
+    });
+  }
+}
+
+
+template <typename TH>
+void oai_backward_impl(
+    const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_dh,
+    float* prod, const OaiArgs& o, int64_t chunk_rows) {
+  const int64_t rows = h.size(0), f = grad_a.size(1);
+  const int64_t hs = h.stride(0), gs = grad_a.stride(0), ds = out_dh.stride(0);
+  const TH* hp = h.data_ptr<TH>();
+  const TH* gp = grad_a.data_ptr<TH>();
+  TH* dp = out_dh.data_ptr<TH>();
+  const fVec alpha(o.alpha), lim(o.limit), nlim(-o.limit), one(1.f), zero(0.f);
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, rows - r0) * f;
+    for_each_flat(n, [&](int64_t p, int64_t q, int64_t ve) {
+      float g[kBlock], u[kBlock], ga[kBlock], wb[kBlock];
+      gather_block(hp, hs, r0, f, p, q, o.interleaved, g, u);
+      gather_flat(gp, gs, r0, f, p, q, ga);
+      if (w != nullptr) {
+        row_weights_block(w, r0, f, p, q, wb);
+      }
+      float* pr = prod == nullptr ? nullptr : prod + r0 * f;  // [rows, F] contiguous
+      const int64_t v = std::max(p, std::min(q, ve));
+      int64_t i = p;
+      for (; i < v; i += kV) {
+        const int64_t k = i - p;
+        fVec x = fVec::loadu(g + k), y = fVec::loadu(u + k), d = fVec::loadu(ga + k);
+        fVec gate_in, up_in;
+        if (o.clamp) {
+          gate_in = x <= lim;  // all-ones lanes where kept
+          up_in = (y >= nlim) & (y <= lim);
+          x = at::vec::clamp_max(x, lim);
+          y = at::vec::clamp(y, nlim, lim);
+        }
+        const fVec s = sigmoid_vec(opaque(x * alpha));
+        const fVec act = x * s;
+        const fVec up1 = y + one;
+        const fVec slope = s * (opaque(opaque(alpha * x) * (one - s)) + one);
+        if (w != nullptr) {
+          (d * (act * up1)).store(pr + i);
+          d = d * fVec::loadu(wb + k);
+        }
+        fVec dg = d * up1 * slope, du = d * act;
+        if (o.clamp) {
+          dg = fVec::blendv(zero, dg, gate_in);
+          du = fVec::blendv(zero, du, up_in);
+        }
+        dg.store(g + k);
+        du.store(u + k);
+      }
+      for (; i < q; ++i) {
+        const int64_t k = i - p;
+        float x = g[k], y = u[k], d = ga[k];
+        bool gate_in = true, up_in = true;
+        if (o.clamp) {
+          gate_in = x <= o.limit;
+          up_in = y >= -o.limit && y <= o.limit;
+          x = clamp_max_scalar(x, o.limit);
+          y = clamp_scalar(y, -o.limit, o.limit);
+        }
+        const float s = sigmoid_scalar(opaque(x * o.alpha));
+        const float act = x * s;
+        const float up1 = y + 1.f;
+        const float slope = s * (opaque(opaque(o.alpha * x) * (1.f - s)) + 1.f);
+        if (w != nullptr) {
+          pr[i] = d * (act * up1);
+          d *= wb[k];
+        }
+        g[k] = gate_in ? d * up1 * slope : 0.f;
+        u[k] = up_in ? d * act : 0.f;
+      }
+      scatter_dh(g, u, dp, ds, r0, f, p, q, o.interleaved);
+    });
+  }
+}
+
 template <typename F>
 void dispatch(const at::Tensor& h, const at::Tensor& other, F&& fn) {
   const auto th = h.scalar_type(), to = other.scalar_type();
@@ -295,6 +589,66 @@ void swiglu_backward(
   });
 }
 
+
+template <typename Fn>
+void dispatch_oai(const at::Tensor& h, Fn&& fn) {
+  switch (h.scalar_type()) {
+    case at::kBFloat16:
+      return fn(at::BFloat16{});
+    case at::kHalf:
+      return fn(at::Half{});
+    case at::kFloat:
+      return fn(float{});
+    default:
+      TORCH_CHECK(false, "glu_cpu: unsupported dtype of h ", h.scalar_type());
+  }
+}
+
+OaiArgs oai_args(double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
+  TORCH_CHECK(chunk_rows >= 1, "glu_cpu: chunk_rows must be >= 1, got ", chunk_rows);
+  return OaiArgs{
+      static_cast<float>(alpha), limit.has_value(),
+      static_cast<float>(limit.value_or(0.0)), interleaved};
+}
+
+void glu_oai_forward(
+    const at::Tensor& h, const std::optional<at::Tensor>& row_weights, const at::Tensor& out,
+    double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
+  const int64_t rows = h.size(0), f = out.size(1);
+  check_rows("h", h, rows, 2 * f);
+  check_rows("out", out, rows, f);
+  TORCH_CHECK(out.scalar_type() == h.scalar_type(), "glu_cpu: out must have h's dtype");
+  const float* w = weights_ptr(row_weights, rows);
+  const OaiArgs o = oai_args(alpha, limit, interleaved, chunk_rows);
+  dispatch_oai(h, [&](auto t) { oai_forward_impl<decltype(t)>(h, w, out, o, chunk_rows); });
+}
+
+void glu_oai_backward(
+    const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
+    const at::Tensor& out_dh, const std::optional<at::Tensor>& prod, double alpha,
+    std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
+  const int64_t rows = h.size(0), f = grad_a.size(1);
+  check_rows("h", h, rows, 2 * f);
+  check_rows("grad_a", grad_a, rows, f);
+  check_rows("out_dh", out_dh, rows, 2 * f);
+  TORCH_CHECK(
+      grad_a.scalar_type() == h.scalar_type() && out_dh.scalar_type() == h.scalar_type(),
+      "glu_cpu: grad_a and out_dh must have h's dtype");
+  const float* w = weights_ptr(row_weights, rows);
+  float* p = nullptr;
+  if (w != nullptr) {
+    TORCH_CHECK(
+        prod.has_value() && prod->scalar_type() == at::kFloat && prod->is_contiguous(),
+        "glu_cpu: row weights need a contiguous fp32 prod buffer");
+    check_rows("prod", *prod, rows, f);
+    p = prod->data_ptr<float>();
+  }
+  const OaiArgs o = oai_args(alpha, limit, interleaved, chunk_rows);
+  dispatch_oai(h, [&](auto t) {
+    oai_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p, o, chunk_rows);
+  });
+}
+
 }  // namespace
 
 // torch.ops.torch_moe_cpu.*: plain CPU ops that write into the caller's buffers (the
@@ -304,9 +658,17 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
   m.def(
       "swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_a, "
       "Tensor(b!) out_dh, Tensor(c!)? prod) -> ()");
+  m.def(
+      "glu_oai_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
+      "float? limit, bool interleaved, int chunk_rows) -> ()");
+  m.def(
+      "glu_oai_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
+      "Tensor(b!)? prod, float alpha, float? limit, bool interleaved, int chunk_rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("swiglu_forward", &swiglu_forward);
   m.impl("swiglu_backward", &swiglu_backward);
+  m.impl("glu_oai_forward", &glu_oai_forward);
+  m.impl("glu_oai_backward", &glu_oai_backward);
 }

@@ -72,7 +72,12 @@ import torch
 from torch import Tensor, nn
 
 from torch_moe._ops.glu import gated
-from torch_moe.integrations._transformers_experts import RECIPE_ATTR, experts_layout
+from torch_moe.integrations._transformers_experts import (
+    RECIPE_ATTR,
+    experts_layout,
+    gate_constants,
+    own_gate,
+)
 from torch_moe.nn import MoE
 from torch_moe.quantization import RECIPES, Recipe
 
@@ -176,16 +181,6 @@ _ROUTED_ONLY = (
 # blocks whose forward returns (hidden_states, router_scores); the converted block returns
 # (hidden_states, None): their decoder layers discard the second element
 _TUPLE_OUTPUT = frozenset({"GptOssMLP", "OpenAIPrivacyFilterMLP"})
-# experts classes whose own _apply_gate MoE computes: (activation, the attribute holding
-# swiglu_alpha (swigluoai only), the one holding swiglu_limit, gate / up interleaved)
-_OWN_GATES: dict[str, tuple[str, str | None, str | None, bool]] = {
-    "GptOssExperts": ("swigluoai", "alpha", "limit", True),
-    "OpenAIPrivacyFilterExperts": ("swigluoai", "alpha", "limit", False),
-    "Glm5NextTextExperts": ("swiglu", None, "swiglu_limit", False),
-    "HYV4Experts": ("swiglu", None, "swiglu_limit", False),
-    "BeamExperts": ("swiglu", None, None, False),  # act_fn(gate) * up in fp32: SiLU checked
-    "MiniMaxM3VLExperts": ("swigluoai", "swiglu_alpha", "swiglu_limit", False),
-}
 _GATED_SHARED = (  # + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     "Qwen2MoeSparseMoeBlock",
     "Qwen3_5MoeSparseMoeBlock",
@@ -319,7 +314,7 @@ def _shared_mlp_plan(mlp: Any, where: str, cfg: dict[str, Any]) -> tuple[dict[st
     known = _SHARED_GATES.get(name)
     if known is not None:
         activation, alpha_attr, limit_attr = known
-        alpha, limit = _gate_constants(mlp, alpha_attr, limit_attr)
+        alpha, limit = gate_constants(mlp, alpha_attr, limit_attr)
         out: dict[str, Any] = dict(shared_activation=activation)
         if limit is not None:
             out.update(shared_swiglu_limit=limit)
@@ -581,23 +576,11 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
     return cfg, keys
 
 
-def _gate_constants(
-    module: Any, alpha_attr: str | None, limit_attr: str | None
-) -> tuple[float | None, float | None]:
-    """(swiglu_alpha, swiglu_limit) a module holds in the attributes a ``_OWN_GATES`` /
-    ``_SHARED_GATES`` entry names; None where it names none or the module holds None."""
-    alpha = None if alpha_attr is None else float(getattr(module, alpha_attr))
-    limit = None if limit_attr is None else getattr(module, limit_attr, None)
-    return alpha, None if limit is None else float(limit)
-
-
 def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
     """``MoE``'s activation arguments for the experts' own gate: transformers' default
-    (``act_fn(gate) * up`` on the halves) with SiLU, or one of ``_OWN_GATES`` (clamped
+    (``act_fn(gate) * up`` on the halves) with SiLU, or one of ``OWN_GATES`` (clamped
     SwiGLU, GPT-OSS's swigluoai), or ungated experts with a squared ReLU (relu2); raises
     naming the experts class for any other."""
-    from torch_moe.integrations._transformers_experts import _is_silu
-
     cls = type(experts)
     if not layout.has_gate:
         act = type(getattr(experts, "act_fn", None)).__name__
@@ -610,12 +593,9 @@ def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
         )
     if layout.default_gate and layout.silu:
         return {}  # SwiGLU on [gate; up] (the default gate splits halves whatever the flag)
-    owner = getattr(getattr(cls, "_apply_gate", None), "__qualname__", "").split(".")[0]
-    known = _OWN_GATES.get(owner)
-    act_fn = getattr(experts, "act_fn", None)
-    if known is not None and (known[0] != "swiglu" or act_fn is None or _is_silu(act_fn)):
-        activation, alpha_attr, limit_attr, interleaved = known
-        alpha, limit = _gate_constants(experts, alpha_attr, limit_attr)
+    known = own_gate(experts)
+    if known is not None:
+        activation, alpha, limit, interleaved = known
         out: dict[str, Any] = dict(activation=activation, gate_up_interleaved=interleaved)
         if alpha is not None:
             out.update(swiglu_alpha=alpha)

@@ -91,6 +91,9 @@ class ExpertsLayout:
     default_gate: bool  # transformers' _default_apply_gate: act_fn(gate) * up on [gate; up]
     silu: bool  # act_fn is SiLU
     fused: bool  # grouped_swiglu applies
+    # torch_moe::glu's (activation, alpha, limit, interleaved) for the gate: transformers'
+    # default with SiLU or an OWN_GATES entry; None: the module's own gate (or act_fn) runs
+    glu: tuple[str, float, float | None, bool] | None = None
 
     @property
     def path(self) -> str:
@@ -109,6 +112,50 @@ def _is_silu(act: Any) -> bool:
     except ImportError:  # pragma: no cover - transformers is what calls this backend
         return False
     return type(act) is SiLUActivation
+
+
+# experts classes whose own _apply_gate is one of torch_moe::glu's activations: (its
+# activation, the attribute holding swiglu_alpha (swigluoai only), the one holding
+# swiglu_limit, gate / up interleaved). The experts backend runs their gate by that op
+# and ``to_torch_moe`` converts them to ``MoE(activation=...)``.
+OWN_GATES: dict[str, tuple[str, str | None, str | None, bool]] = {
+    "GptOssExperts": ("swigluoai", "alpha", "limit", True),
+    "OpenAIPrivacyFilterExperts": ("swigluoai", "alpha", "limit", False),
+    "Glm5NextTextExperts": ("swiglu", None, "swiglu_limit", False),
+    "HYV4Experts": ("swiglu", None, "swiglu_limit", False),
+    "BeamExperts": ("swiglu", None, None, False),  # act_fn(gate) * up in fp32: SiLU checked
+    "MiniMaxM3VLExperts": ("swigluoai", "swiglu_alpha", "swiglu_limit", False),
+}
+
+
+def gate_constants(
+    module: Any, alpha_attr: str | None, limit_attr: str | None
+) -> tuple[float | None, float | None]:
+    """(swiglu_alpha, swiglu_limit) a module holds in the attributes an ``OWN_GATES``
+    entry names; None where it names none or the module holds None."""
+    alpha = None if alpha_attr is None else float(getattr(module, alpha_attr))
+    limit = None if limit_attr is None else getattr(module, limit_attr, None)
+    return alpha, None if limit is None else float(limit)
+
+
+@torch.compiler.assume_constant_result  # the class's, fixed: a constant when traced
+def _gate_owner(cls: type) -> str:
+    """The name of the class that defines ``cls._apply_gate`` ("" without one)."""
+    return getattr(getattr(cls, "_apply_gate", None), "__qualname__", "").split(".")[0]
+
+
+def own_gate(experts: Any) -> tuple[str, float | None, float | None, bool] | None:
+    """(activation, swiglu_alpha, swiglu_limit, interleaved) of a gated experts module
+    whose ``_apply_gate`` is an ``OWN_GATES`` entry ("swiglu" ones with a SiLU ``act_fn``
+    or none), else None."""
+    known = OWN_GATES.get(_gate_owner(type(experts)))
+    if known is None:
+        return None
+    activation, alpha_attr, limit_attr, interleaved = known
+    act_fn = getattr(experts, "act_fn", None)
+    if activation == "swiglu" and act_fn is not None and not _is_silu(act_fn):
+        return None
+    return (activation, *gate_constants(experts, alpha_attr, limit_attr), interleaved)
 
 
 def _default_gate(experts: Any) -> bool:
@@ -207,8 +254,14 @@ def experts_layout(experts: Any) -> ExpertsLayout:
         and not flags["has_post_expert_norm"]
         and width == 2 * down.shape[1]
     )
+    glu = None
+    if default_gate and silu:
+        glu = ("swiglu", 1.0, None, False)  # the default gate splits halves whatever the flag
+    elif flags["has_gate"] and (known := own_gate(experts)) is not None:
+        activation, alpha, limit, interleaved = known
+        glu = (activation, 1.0 if alpha is None else alpha, limit, interleaved)
     return ExpertsLayout(
-        **flags, up_name=up_name, default_gate=default_gate, silu=silu, fused=fused
+        **flags, up_name=up_name, default_gate=default_gate, silu=silu, fused=fused, glu=glu
     )
 
 
@@ -355,7 +408,11 @@ def experts_forward(
     # the weight goes after a nonlinear post-expert norm, otherwise into the activation
     fold = not layout.has_post_expert_norm
     rw_act = rw_M if fold else torch.ones_like(rw_M)
-    if torch.is_grad_enabled() and (h_MN.requires_grad or rw_act.requires_grad):
+    if layout.glu is not None:  # saves h (and the weights) and recomputes in its backward
+        activation, alpha, limit, interleaved = layout.glu
+        rw_glu = rw_M if fold else None
+        a_MF = torch.ops.torch_moe.glu(h_MN, rw_glu, activation, alpha, limit, interleaved)
+    elif torch.is_grad_enabled() and (h_MN.requires_grad or rw_act.requires_grad):
         a_MF = checkpoint(
             _gate_times_weight, self, layout.has_gate, h_MN, rw_act, use_reentrant=False
         )
