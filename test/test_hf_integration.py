@@ -312,6 +312,51 @@ class TestExpertsBackend(_OneThread, TestCase):
             self.assertNotIn((T * K, D), shapes, msg=f"{layout}: {shapes}")
             self.assertIn((T, D), shapes, msg=layout)  # the tokens instead
 
+    def test_known_gates_run_the_glu_op(self):
+        """transformers' default gate with SiLU and the gates of OWN_GATES' classes
+        (GPT-OSS's clamped swigluoai) run by torch_moe::glu (fp32 math, one rounding, its
+        native CPU kernel for swigluoai); any other gate or act_fn is the module's own,
+        recomputed by checkpoint."""
+        import torch_moe.integrations.transformers as tmt
+
+        model = tiny_model("gpt_oss", impl="torch_moe")
+        cfg = model.config
+        for _, m in tmt.experts_modules(model):
+            layout = tmt.experts_layout(m)
+            self.assertEqual(layout.glu, ("swigluoai", cfg.swiglu_alpha, cfg.swiglu_limit, True))
+        want = {
+            "default": ("swiglu", 1.0, None, False),  # the fused path: grouped_swiglu
+            "bias": ("swiglu", 1.0, None, False),
+            "post_norm": ("swiglu", 1.0, None, False),
+            "gelu": None,
+            "gpt_oss": None,  # the toy's own clamped gate: not a class transformers has
+            "no_gate_relu2": None,
+        }
+
+        def glu_nodes(out):
+            seen, todo, names = set(), [out.grad_fn], []
+            while todo:
+                fn = todo.pop()
+                if fn is None or fn in seen:
+                    continue
+                seen.add(fn)
+                names.append(fn.name())
+                todo.extend(f for f, _ in fn.next_functions)
+            return [n for n in names if "torch_moe_glu" in n]
+
+        for layout, glu in want.items():
+            flags, act = LAYOUTS[layout]
+            torch.manual_seed(0)
+            experts = _toy_experts_class(flags, act)(_ToyConfig())
+            experts.config._experts_implementation = "torch_moe"
+            self.assertEqual(tmt.experts_layout(experts).glu, glu, msg=layout)
+            ids = torch.stack([torch.randperm(4)[:2] for _ in range(6)])
+            out = experts(torch.randn(6, 8, requires_grad=True), ids, torch.rand(6, 2))
+            composed_glu = glu is not None and layout != "default"
+            self.assertEqual(len(glu_nodes(out)), int(composed_glu), msg=layout)
+        out = model.model.layers[0].mlp(torch.randn(1, 5, 32, requires_grad=True))[0]
+        self.assertEqual(len(glu_nodes(out)), 1)
+
     def test_expert_parallel_sentinels(self):
         """transformers' EP marks non-local assignments with ids >= E and weight 0."""
         torch.manual_seed(0)
@@ -395,7 +440,7 @@ class TestExpertsBackend(_OneThread, TestCase):
 
     @parametrize("family", ["mixtral", "gpt_oss"])
     def test_compile_fullgraph(self, family):
-        """The sparse-MoE block (fused path: Mixtral; composed with recompute: GPT-OSS)
+        """The sparse-MoE block (fused path: Mixtral; composed with the glu op: GPT-OSS)
         under torch.compile(fullgraph=True), forward and backward."""
         model = tiny_model(family, impl="torch_moe")
         block = model.model.layers[0].mlp

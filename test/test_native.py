@@ -7,8 +7,12 @@ the ops too; the probe's ``act_kernel`` decision in both outcomes; and every way
 disabled by the environment, a failed build, a build whose results differ, operands the
 kernels do not take. The permutation kernels: ``permute_indices``' counting sort gives the
 reference's integers (capacity, alignment, skew, empty experts, T=0), the combine the ATen
-kernel's bits (signed zeros included), through the ops too."""
+kernel's bits (signed zeros included), through the ops too. The glu op's swigluoai
+kernels (GPT-OSS's clamped SwiGLU): the ATen chunks' bits, both column orders, with and
+without a limit and row weights, a chunk that ATen cuts into a piece per thread, through
+the op and its backward; where they apply, and a build with other bits refused."""
 
+import contextlib
 import unittest
 import warnings
 from unittest import mock
@@ -26,6 +30,7 @@ from torch.testing._internal.common_utils import (
 from torch_moe import ops
 from torch_moe._ops import _cpu_probe as P
 from torch_moe._ops import _native
+from torch_moe._ops import glu as glu_mod
 from torch_moe._ops import grouped_swiglu as gs
 from torch_moe._ops.permute import permute_indices_reference, unpermute, unpermute_rows_reference
 
@@ -299,6 +304,175 @@ class TestNativeSwiGLU(TestCase):
         # the decision: native where faster by the margin, the ATen ops otherwise
         self.assertEqual(P.pick({"aten": 1.0, "native": 0.5}, "aten", 0.1), "native")
         self.assertEqual(P.pick({"aten": 1.0, "native": 0.95}, "aten", 0.1), "aten")
+
+
+def _oai_operands(rows, hidden, dtype, seed, pad=0):
+    """h [rows, 2F] (|h| up to ~10: clamps and a saturating sigmoid), dA [rows, F] as row
+    views of wider tensors when ``pad``, row weights in (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    h = (3 * torch.randn(rows, 2 * hidden + pad, generator=g)).to(dtype)[:, : 2 * hidden]
+    grad_a = torch.randn(rows, hidden + pad, generator=g).to(dtype)[:, :hidden]
+    return h, grad_a, torch.rand(rows, generator=g)
+
+
+def _oai_op(h, grad_a, rw, limit, interleaved, native):
+    """torch_moe::glu("swigluoai") forward and backward through autograd, with the native
+    kernels or the ATen chunks: (a, dH, d rw)."""
+    off = mock.patch.object(glu_mod, "_oai_kernels", return_value=None)
+    hh = h.detach().clone().requires_grad_()
+    rr = None if rw is None else rw.detach().clone().requires_grad_()
+    with off if not native else contextlib.nullcontext():
+        a = torch.ops.torch_moe.glu(hh, rr, "swigluoai", 1.702, limit, interleaved)
+        a.backward(grad_a)
+    return a.detach(), hh.grad, None if rr is None else rr.grad
+
+
+@instantiate_parametrized_tests
+class TestNativeGluOai(TestCase):
+    @needs_native
+    @parametrize("dtype", [BF16, F16, F32])
+    @parametrize("interleaved", [True, False])
+    @parametrize("limit", [None, 7.0, 0.5])
+    @parametrize("weighted", [False, True])
+    def test_op_bitwise_aten(self, dtype, interleaved, limit, weighted):
+        # F below, at and past a block of two vectors; rows that span chunks raggedly
+        # (the chunk is the probe's, the same for both)
+        for rows, hidden, pad in [(1, 5, 0), (7, 31, 2), (33, 32, 0), (70, 100, 1)]:
+            h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=rows, pad=pad)
+            rw = rw if weighted else None
+            want = _oai_op(h, grad_a, rw, limit, interleaved, native=False)
+            got = _oai_op(h, grad_a, rw, limit, interleaved, native=True)
+            for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
+                self.assertEqual(g, w, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
+
+    @needs_native
+    @parametrize("threads", [1, 2])
+    def test_kernel_bitwise_aten_pieces(self, threads):
+        # a chunk of 40 x 1001 > ATen's grain (32768) elements: with two threads ATen cuts
+        # it into two pieces of 20020, each with its own scalar tail; the kernel must too
+        h, grad_a, rw = _oai_operands(40, 1001, F32, seed=5)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            for step in (40, 17):
+                want, got = self._kernel_and_chunks(h, grad_a, rw, 0.5, True, step)
+                for w, g in zip(want, got, strict=True):
+                    self.assertEqual(g, w, atol=0, rtol=0, msg=f"step {step}")
+        finally:
+            torch.set_num_threads(before)
+
+    @needs_native
+    @given(
+        rows=st.integers(0, 40),
+        hidden=st.integers(1, 80),
+        step=st.integers(1, 48),
+        dtype=st.sampled_from([BF16, F16, F32]),
+        limit=st.sampled_from([None, 7.0, 0.25]),
+        interleaved=st.booleans(),
+        weighted=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def test_kernel_bitwise_aten_fuzz(
+        self, rows, hidden, step, dtype, limit, interleaved, weighted, seed
+    ):
+        h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=seed, pad=seed % 3)
+        rw = rw if weighted else None
+        want, got = self._kernel_and_chunks(h, grad_a, rw, limit, interleaved, step)
+        for w, g in zip(want, got, strict=True):
+            self.assertEqual(g, w, atol=0, rtol=0)
+
+    @staticmethod
+    def _kernel_and_chunks(h, grad_a, rw, limit, interleaved, step):
+        """(ATen chunks of ``step`` rows, the kernels with that chunk): a, dH, d rw."""
+        args = ("swigluoai", 1.702, limit, interleaved)
+        rows, hidden = grad_a.shape
+        a, dh = torch.empty_like(grad_a), torch.empty_like(h)
+        parts = []
+        for r0 in range(0, rows, step):
+            r = slice(r0, r0 + step)
+            rw_r = None if rw is None else rw[r]
+            a[r] = glu_mod._forward(h[r], rw_r, *args)
+            parts.append(glu_mod._backward_into(grad_a[r], h[r], rw_r, *args, dh[r]))
+        want = (a, dh, None if rw is None or not rows else torch.cat(parts))
+        mod = _native.kernels()
+        a2, dh2 = torch.empty_like(grad_a), torch.empty_like(h)
+        prod = None if rw is None else torch.empty(rows, hidden)
+        mod.glu_oai_forward(h, rw, a2, 1.702, limit, interleaved, step)
+        mod.glu_oai_backward(h, grad_a, rw, dh2, prod, 1.702, limit, interleaved, step)
+        got = (a2, dh2, None if prod is None or not rows else glu_mod._chunk_sums(prod, step))
+        return want, got
+
+    @needs_native
+    def test_op_runs_the_kernel(self):
+        h, grad_a, rw = _oai_operands(9, 40, BF16, seed=0)
+        spy = mock.patch.object(glu_mod, "_forward", wraps=glu_mod._forward)
+        with spy as aten:
+            _oai_op(h, grad_a, rw, 7.0, True, native=True)
+        self.assertEqual(aten.call_count, 0)  # neither direction ran the ATen chunks
+        with spy as aten:
+            _oai_op(h, grad_a, rw, 7.0, True, native=False)
+        self.assertGreater(aten.call_count, 0)
+
+    @needs_native
+    def test_kernels_only_where_they_apply(self):
+        h, grad_a, _ = _oai_operands(4, 8, BF16, seed=0)
+        k = glu_mod._oai_kernels
+        self.assertIs(k("swigluoai", h, grad_a), _native.kernels())
+        self.assertIs(k("swigluoai", h.float(), grad_a.float()), _native.kernels())
+        self.assertIsNone(k("swiglu", h, grad_a))  # swigluoai only
+        self.assertIsNone(k("relu2", h[:, :8], grad_a))
+        self.assertIsNone(k("swigluoai", h.double(), grad_a.double()))  # fp64 math
+        self.assertIsNone(k("swigluoai", h, grad_a.float()))  # dA in another dtype
+        self.assertIsNone(k("swigluoai", h[:, ::2], grad_a))  # strided columns
+        with mock.patch.dict("os.environ", {_native.ENV: "0"}):
+            self.assertIsNone(k("swigluoai", h, grad_a))
+
+    @needs_native
+    def test_kernel_argument_errors(self):
+        mod = _native.kernels()
+        h, grad_a, rw = _oai_operands(4, 8, BF16, seed=0)
+        out, dh = torch.empty(4, 8, dtype=BF16), torch.empty_like(h)
+        with self.assertRaisesRegex(RuntimeError, r"glu_cpu: chunk_rows must be >= 1, got 0"):
+            mod.glu_oai_forward(h, None, out, 1.702, None, True, 0)
+        with self.assertRaisesRegex(RuntimeError, r"glu_cpu: out must have h's dtype"):
+            mod.glu_oai_forward(h, None, out.float(), 1.702, None, True, 4)
+        with self.assertRaisesRegex(RuntimeError, r"glu_cpu: unsupported dtype of h Double"):
+            mod.glu_oai_forward(h.double(), None, out.double(), 1.702, None, True, 4)
+        with self.assertRaisesRegex(RuntimeError, r"out must be \[4, 8\] with contiguous rows"):
+            mod.glu_oai_forward(h, None, torch.empty(8, 4, dtype=BF16).t(), 1.702, None, True, 4)
+        with self.assertRaisesRegex(RuntimeError, r"need a contiguous fp32 prod buffer"):
+            mod.glu_oai_backward(h, grad_a, rw, dh, None, 1.702, None, True, 4)
+        with self.assertRaisesRegex(RuntimeError, r"grad_a and out_dh must have h's dtype"):
+            mod.glu_oai_backward(h, grad_a.float(), None, dh, None, 1.702, None, True, 4)
+
+    def test_kernel_with_other_bits_is_refused(self):
+        class Wrong:  # a build that contracted (alpha * g) * (1 - s) + 1: the last bit
+            @staticmethod
+            def glu_oai_forward(h, rw, out, alpha, limit, interleaved, step):
+                out.copy_(glu_mod._forward(h, rw, "swigluoai", alpha, limit, interleaved))
+
+            @staticmethod
+            def glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step):
+                args = ("swigluoai", alpha, limit, interleaved)
+                glu_mod._backward_into(grad_a, h, rw, *args, dh)
+                dh.view(torch.int16)[..., 0] ^= 1
+                if prod is not None:
+                    prod.zero_()
+
+        with self.assertWarnsRegex(
+            UserWarning, r"swigluoai kernel built but its results differ .*\(torch.bfloat16, 3x5\)"
+        ):
+            self.assertFalse(glu_mod._oai_matches_aten(Wrong, BF16))
+        h, grad_a, _ = _oai_operands(3, 5, BF16, seed=0)
+        with (
+            mock.patch.object(_native, "kernels", return_value=Wrong),
+            mock.patch.dict(glu_mod._OAI_CHECKED, clear=True),
+            self.assertWarnsRegex(UserWarning, "results differ"),
+        ):
+            self.assertIsNone(glu_mod._oai_kernels("swigluoai", h, grad_a))
+            self.assertIsNone(glu_mod._oai_kernels("swigluoai", h, grad_a))  # checked once
+        if _native.available():
+            self.assertTrue(glu_mod._oai_matches_aten(_native.kernels(), BF16))
 
 
 def _ids(tokens, top_k, experts, seed, skew=False, dtype=torch.int64):

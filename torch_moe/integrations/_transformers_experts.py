@@ -24,11 +24,15 @@ constants) and picks one of two paths:
   2F]: neither a permuted input, nor the [M, D] expert output, nor the [M, F]
   activation is saved.
 * composed: everything else. ``torch_moe::gather_grouped_mm`` for the up projection
-  (the rows gathered from the tokens inside the GEMM; either weight orientation), the per-row up bias, then the module's OWN ``_apply_gate`` (gated:
-  interleaved or concatenated halves, GPT-OSS's clamped ``(up + 1) * glu``, clamped or
-  soft-capped SwiGLU, GELU gates) or ``act_fn`` (ungated), times the routing weight, under
-  ``torch.utils.checkpoint`` so that only the [M, N] pre-activation is kept and the
-  activation is recomputed in the backward; ``grouped_mm`` for the down projection; the
+  (the rows gathered from the tokens inside the GEMM; either weight orientation), the
+  per-row up bias, then the gate times the routing weight: by ``torch_moe::glu`` where
+  the gate is one it computes (transformers' default with SiLU, and the classes of
+  ``OWN_GATES``: GPT-OSS's clamped ``(up + 1) * glu`` on interleaved columns, clamped
+  SwiGLU; fp32 math and one rounding as in the fused path, a native CPU kernel for
+  GPT-OSS's), otherwise by the module's OWN ``_apply_gate`` (soft-capped SwiGLU, GELU
+  gates, ...) or ``act_fn`` (ungated) under ``torch.utils.checkpoint``; either way only
+  the [M, N] pre-activation is kept and the activation is recomputed in the backward;
+  ``grouped_mm`` for the down projection; the
   down bias enters as ``sum_k w[t, k] * b[e(t, k)]`` per token (``_ExpertBiasCombine``,
   which saves no [T*K, D] tensor either). A post-expert norm is nonlinear, so there the
   routing weights go into the combine (``unpermute(y, weights)``) instead. Saved per row:
