@@ -6,7 +6,7 @@ a few percent of a step is within one run's noise. This times the first MoE laye
 experts module alone (the same tiny-but-not-toy configs as ``bench_hf.py``, bf16, random
 routing of the model's top-k, fp32 routing weights): "grouped_mm", "torch_moe" with the
 activation by the native row kernels and "torch_moe" with it by ATen ops (the CPU probe's
-``act_kernel`` forced each way, and the glu op's native swigluoai kernel off),
+``act_kernel`` forced each way, and the glu op's native kernels off),
 interleaved in every round, on one thread, in the thread's CPU time; medians, and each
 torch_moe variant's difference to grouped_mm.
 
@@ -40,8 +40,8 @@ def block_step(model: Any, experts: Any, variant: str, inputs: tuple[torch.Tenso
     for t in (x, weights, *experts.parameters()):
         t.grad = None
     kernel = "aten" if "ATen" in variant else "native"
-    # the ATen variant: SwiGLU (grouped_swiglu) and the glu op's swigluoai by ATen ops
-    no_oai = mock.patch.object(_glu, "_oai_kernels", return_value=None)
+    # the ATen variant: SwiGLU (grouped_swiglu) and the glu op's activations by ATen ops
+    no_oai = mock.patch.object(_glu, "_native_kernels", return_value=None)
     with _cpu_probe.force(act_kernel=kernel), no_oai if kernel == "aten" else nullcontext():
         experts(x, ids, weights).backward(grad)
 

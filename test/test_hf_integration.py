@@ -175,7 +175,11 @@ def _toy_experts_class(flags, activation):
                 with torch.no_grad():
                     self.post_expert_norm.weight.uniform_(0.5, 1.5)
             self.act_fn = {"silu": F.silu, "gelu": F.gelu, "relu2": lambda h: F.relu(h) ** 2,
-                           "clamped": F.silu}[activation]  # fmt: skip
+                           "clamped": F.silu}.get(activation)  # fmt: skip
+            if activation == "relu2_hf":  # transformers' own (Nemotron-H): the glu op's
+                from transformers.activations import ReLUSquaredActivation
+
+                self.act_fn = ReLUSquaredActivation()
 
         if activation == "clamped":  # GPT-OSS: interleaved, clamped, (up + 1) * glu
 
@@ -232,6 +236,7 @@ LAYOUTS = {
     "gelu": ({}, "gelu"),
     "gpt_oss": ({"is_concatenated": False, "is_transposed": True, "has_bias": True}, "clamped"),
     "no_gate_relu2": ({"has_gate": False}, "relu2"),
+    "no_gate_relu2_hf": ({"has_gate": False}, "relu2_hf"),
     "post_norm": ({"has_post_expert_norm": True}, "silu"),
     "post_norm_bias": ({"has_post_expert_norm": True, "has_bias": True}, "silu"),
 }
@@ -330,7 +335,8 @@ class TestExpertsBackend(_OneThread, TestCase):
             "post_norm": ("swiglu", 1.0, None, False),
             "gelu": None,
             "gpt_oss": None,  # the toy's own clamped gate: not a class transformers has
-            "no_gate_relu2": None,
+            "no_gate_relu2": None,  # a lambda: the module's own
+            "no_gate_relu2_hf": ("relu2", 1.0, None, False),
         }
 
         def glu_nodes(out):

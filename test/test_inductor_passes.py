@@ -14,6 +14,7 @@ import copy
 import operator
 import os
 import tempfile
+import unittest
 from unittest import mock
 
 import torch
@@ -278,13 +279,16 @@ class TestPasses(TestCase):
         eager = MoE(D, F, E, K, **kw).train()
         gen = torch.Generator().manual_seed(1)
         saved = {}
+        # a machine without the native swigluoai kernel (where it built, the op stays:
+        # test_glu_kept_where_native)
+        no_native = mock.patch.object(P._native, "available", return_value=False)
         for inline in (True, False):
             torch._dynamo.reset()
             record: dict = {}
             compiled = torch.compile(
                 copy.deepcopy(eager), backend=_backend(record), fullgraph=True, dynamic=False
             )
-            with TI.config.patch(inline_glu=inline):
+            with TI.config.patch(inline_glu=inline), no_native:
                 for num_tokens in (20, 9):
                     x = torch.randn(num_tokens, D, generator=gen)
                     grad_out = torch.randn(num_tokens, D, generator=gen)
@@ -321,11 +325,12 @@ class TestPasses(TestCase):
             a.backward(torch.cat([grad, grad], 1)[:, :width])
             return [a.detach(), hh.grad, ww.grad]
 
+        no_native = mock.patch.object(P._native, "available", return_value=False)
         for activation in ("swiglu", "swigluoai", "relu2"):
             for inline in (True, False):
                 torch._dynamo.reset()
                 compiled = torch.compile(glu, fullgraph=True, options=TI.options())
-                with TI.config.patch(inline_glu=inline):
+                with TI.config.patch(inline_glu=inline), no_native:
                     got, (fwd, bwd) = run_and_get_code(step, compiled, activation)
                 want = step(glu, activation)
                 for g, w in zip(got, want):
@@ -338,6 +343,34 @@ class TestPasses(TestCase):
                 ):
                     check = FileCheck().check_not if inline else FileCheck().check
                     check(op).run(code)
+
+    @unittest.skipUnless(P._native.available(), "the native CPU kernels did not build here")
+    def test_glu_kept_where_native(self):
+        """Where the glu op's native swigluoai kernel built, ``inline_glu`` keeps the op
+        for swigluoai (faster than Inductor's loops; compiled and eager agree bit for
+        bit) and still inlines the others."""
+        gen = torch.Generator().manual_seed(5)
+        h = (2 * torch.randn(64, 48, generator=gen)).bfloat16()
+        rw = torch.rand(64, generator=gen)
+        grad = torch.randn(64, 24, generator=gen).bfloat16()
+        glu = torch.ops.torch_moe.glu
+
+        def step(fn, activation):
+            hh, ww = h.clone().requires_grad_(), rw.clone().requires_grad_()
+            a = fn(hh, ww, activation, 1.702, 1.0, True)
+            a.backward(grad)
+            return [a.detach(), hh.grad, ww.grad]
+
+        for activation, kept in (("swigluoai", True), ("swiglu", False)):
+            torch._dynamo.reset()
+            compiled = torch.compile(glu, fullgraph=True, options=TI.options())
+            got, (fwd, bwd) = run_and_get_code(step, compiled, activation)
+            for code, op in ((fwd, "torch.ops.torch_moe.glu."), (bwd, "torch_moe.glu_backward")):
+                check = FileCheck().check if kept else FileCheck().check_not
+                check(op).run(code)
+            if kept:
+                for g, w in zip(got, step(glu, activation), strict=True):
+                    self.assertEqual(g, w, **EXACT)
 
     def test_uuid_tracks_config_and_sources(self):
         p = TI.MoEGraphPass()

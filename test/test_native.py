@@ -315,14 +315,14 @@ def _oai_operands(rows, hidden, dtype, seed, pad=0):
     return h, grad_a, torch.rand(rows, generator=g)
 
 
-def _oai_op(h, grad_a, rw, limit, interleaved, native):
-    """torch_moe::glu("swigluoai") forward and backward through autograd, with the native
+def _oai_op(h, grad_a, rw, limit, interleaved, native, activation="swigluoai"):
+    """torch_moe::glu(activation) forward and backward through autograd, with the native
     kernels or the ATen chunks: (a, dH, d rw)."""
-    off = mock.patch.object(glu_mod, "_oai_kernels", return_value=None)
+    off = mock.patch.object(glu_mod, "_native_kernels", return_value=None)
     hh = h.detach().clone().requires_grad_()
     rr = None if rw is None else rw.detach().clone().requires_grad_()
     with off if not native else contextlib.nullcontext():
-        a = torch.ops.torch_moe.glu(hh, rr, "swigluoai", 1.702, limit, interleaved)
+        a = torch.ops.torch_moe.glu(hh, rr, activation, 1.702, limit, interleaved)
         a.backward(grad_a)
     return a.detach(), hh.grad, None if rr is None else rr.grad
 
@@ -344,6 +344,28 @@ class TestNativeGluOai(TestCase):
             got = _oai_op(h, grad_a, rw, limit, interleaved, native=True)
             for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
                 self.assertEqual(g, w, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16, F32])
+    @parametrize("weighted", [False, True])
+    def test_relu2_op_bitwise_aten(self, dtype, weighted):
+        # ungated h [rows, F]; zeros of both signs and a NaN: ATen's relu passes -0 and NaN
+        for rows, hidden, pad in [(1, 5, 0), (7, 31, 2), (70, 100, 1)]:
+            h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=rows, pad=pad)
+            h = h[:, :hidden]
+            h[0, :3] = torch.tensor([0.0, -0.0, float("nan")], dtype=dtype)
+            rw = rw if weighted else None
+            want = _oai_op(h, grad_a, rw, None, False, native=False, activation="relu2")
+            got = _oai_op(h, grad_a, rw, None, False, native=True, activation="relu2")
+            for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
+                if w is None:
+                    continue
+                # NaN in the same places (its payload is the conversion's: not compared),
+                # every other value bit for bit, signed zeros included
+                nan = torch.isnan(w)
+                msg = f"{name} {rows}x{hidden}"
+                self.assertTrue(torch.equal(torch.isnan(g), nan), msg=msg)
+                self.assertTrue(torch.equal(_bits(g[~nan]), _bits(w[~nan])), msg=msg)
 
     @needs_native
     @parametrize("threads", [1, 2])
@@ -416,11 +438,11 @@ class TestNativeGluOai(TestCase):
     @needs_native
     def test_kernels_only_where_they_apply(self):
         h, grad_a, _ = _oai_operands(4, 8, BF16, seed=0)
-        k = glu_mod._oai_kernels
+        k = glu_mod._native_kernels
         self.assertIs(k("swigluoai", h, grad_a), _native.kernels())
         self.assertIs(k("swigluoai", h.float(), grad_a.float()), _native.kernels())
-        self.assertIsNone(k("swiglu", h, grad_a))  # swigluoai only
-        self.assertIsNone(k("relu2", h[:, :8], grad_a))
+        self.assertIs(k("relu2", h[:, :8].contiguous(), grad_a), _native.kernels())
+        self.assertIsNone(k("swiglu", h, grad_a))  # swigluoai and relu2 only
         self.assertIsNone(k("swigluoai", h.double(), grad_a.double()))  # fp64 math
         self.assertIsNone(k("swigluoai", h, grad_a.float()))  # dA in another dtype
         self.assertIsNone(k("swigluoai", h[:, ::2], grad_a))  # strided columns
@@ -444,6 +466,13 @@ class TestNativeGluOai(TestCase):
             mod.glu_oai_backward(h, grad_a, rw, dh, None, 1.702, None, True, 4)
         with self.assertRaisesRegex(RuntimeError, r"grad_a and out_dh must have h's dtype"):
             mod.glu_oai_backward(h, grad_a.float(), None, dh, None, 1.702, None, True, 4)
+        h8 = h[:, :8].contiguous()
+        with self.assertRaisesRegex(RuntimeError, r"glu_cpu: out must have h's dtype"):
+            mod.relu2_forward(h8, None, out.float())
+        with self.assertRaisesRegex(RuntimeError, r"out_dh must be \[4, 8\] with contiguous rows"):
+            mod.relu2_backward(h8, grad_a, None, dh, None)
+        with self.assertRaisesRegex(RuntimeError, r"need a contiguous fp32 prod buffer"):
+            mod.relu2_backward(h8, grad_a, rw, torch.empty_like(h8), None)
 
     def test_kernel_with_other_bits_is_refused(self):
         class Wrong:  # a build that contracted (alpha * g) * (1 - s) + 1: the last bit
@@ -462,17 +491,18 @@ class TestNativeGluOai(TestCase):
         with self.assertWarnsRegex(
             UserWarning, r"swigluoai kernel built but its results differ .*\(torch.bfloat16, 3x5\)"
         ):
-            self.assertFalse(glu_mod._oai_matches_aten(Wrong, BF16))
+            self.assertFalse(glu_mod._native_matches_aten(Wrong, "swigluoai", BF16))
         h, grad_a, _ = _oai_operands(3, 5, BF16, seed=0)
         with (
             mock.patch.object(_native, "kernels", return_value=Wrong),
-            mock.patch.dict(glu_mod._OAI_CHECKED, clear=True),
+            mock.patch.dict(glu_mod._NATIVE_CHECKED, clear=True),
             self.assertWarnsRegex(UserWarning, "results differ"),
         ):
-            self.assertIsNone(glu_mod._oai_kernels("swigluoai", h, grad_a))
-            self.assertIsNone(glu_mod._oai_kernels("swigluoai", h, grad_a))  # checked once
+            self.assertIsNone(glu_mod._native_kernels("swigluoai", h, grad_a))
+            self.assertIsNone(glu_mod._native_kernels("swigluoai", h, grad_a))  # checked once
         if _native.available():
-            self.assertTrue(glu_mod._oai_matches_aten(_native.kernels(), BF16))
+            for act in glu_mod._NATIVE_ACTIVATIONS:
+                self.assertTrue(glu_mod._native_matches_aten(_native.kernels(), act, BF16))
 
 
 def _ids(tokens, top_k, experts, seed, skew=False, dtype=torch.int64):

@@ -67,7 +67,9 @@ compositions of the originals):
    bit where the activation has an exp (Inductor's exp / sigmoid against ATen's; relu2 has
    none), within one rounding step of h's dtype; ``config.inline_glu = False`` keeps the
    op. The op rounds its output to h's dtype whatever the GEMMs' compute dtype, so the
-   rewrite holds where this CPU upcasts half-precision GEMMs too.
+   rewrite holds where this CPU upcasts half-precision GEMMs too. Not swigluoai where the
+   op's native CPU kernel built (one pass per direction: GPT-OSS's compiled training step
+   took 1.10x eager's time inlined, 0.90x with the op kept, the same peak).
 
 ``MoEGraphPass`` runs them as one ``CustomGraphPass`` whose ``uuid()`` hashes this
 package's sources and its config, so Inductor's FX graph cache misses whenever a pass or
@@ -91,6 +93,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import insert_traced, is_op, val
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops import _native
+from torch_moe._ops.glu import _NATIVE_DTYPES as _GLU_NATIVE_DTYPES
 from torch_moe._ops.glu import _backward_parts, _forward
 from torch_moe.quantization import get_recipe
 from torch_moe.quantization.scaled_grouped_mm import (
@@ -534,6 +538,14 @@ def _glu_backward(grad_a: Any, h: Any, *rest: Any, weighted: bool, args: tuple[A
     return dh, grad_rw.to(rw.dtype)
 
 
+def _glu_native(dtype: torch.dtype, activation: Any) -> bool:
+    """Whether the glu op runs swigluoai in ``dtype`` by its native CPU kernel here (built;
+    the op checks its bits on first use and otherwise falls back): one pass per direction,
+    faster than Inductor's inlined loops (GPT-OSS's training step: 0.90x eager with the op
+    kept, 1.10x inlined), and eager's bits."""
+    return activation == "swigluoai" and dtype in _GLU_NATIVE_DTYPES and _native.available()
+
+
 def inline_glu(graph: fx.Graph) -> int:
     count = 0
     for node in list(graph.nodes):
@@ -545,7 +557,7 @@ def inline_glu(graph: fx.Graph) -> int:
         rw = _arg(node, tensors, "row_weights")
         names = ("activation", "alpha", "limit", "interleaved")
         args = tuple(_arg(node, tensors + 1 + i, n) for i, n in enumerate(names))
-        if val(h).device.type != "cpu":
+        if val(h).device.type != "cpu" or _glu_native(val(h).dtype, args[0]):
             continue
         inputs = [*node.args[:tensors], *([rw] if rw is not None else [])]
         fn = functools.partial(
@@ -632,5 +644,7 @@ class MoEGraphPass(CustomGraphPass):
         settings = repr(sorted(config.get_config_copy().items()))  # type: ignore[attr-defined]
         # what inline_swiglu does depends on this process's half-precision GEMM decision
         settings += repr([_upcasts(dt) for dt in (torch.bfloat16, torch.float16)])
+        # and inline_glu's on whether the glu op's native kernel built
+        settings += repr(_native.available())
         digest = get_hash_for_files(_SOURCES)
         return hashlib.sha256(digest + settings.encode()).digest()

@@ -26,13 +26,14 @@ so that no fp32 temporary outlives the op. On CPU both directions run in row chu
 chunk; elsewhere the whole tensor at once. ``glu_reference`` (plain differentiable torch
 ops) is the oracle and the formula's definition.
 
-"swigluoai" (GPT-OSS's experts) has a native CPU kernel (``torch_moe/csrc/
-swiglu_cpu.cpp``, ``glu_oai_forward`` / ``glu_oai_backward``): the same operations
-element by element in one pass, cut into the same chunks and, within a chunk, into the
-same vector and scalar parts as ATen's loops, so the same bits; about 2 ns per element
-forward + backward against 8-14 for the ATen chunks (Zen 5, one thread, [1024, 2 x 512]
-bf16). It runs wherever it built and, on first use per dtype, matched the ATen chunks
-bit for bit; elsewhere the ATen chunks run (``TORCH_MOE_NATIVE=0``, no compiler).
+"swigluoai" (GPT-OSS's experts) and "relu2" (Nemotron-H's) have native CPU kernels
+(``torch_moe/csrc/swiglu_cpu.cpp``: ``glu_oai_*``, ``relu2_*``): the same operations
+element by element in one pass; swigluoai's chunks are cut into the same vector and
+scalar parts as ATen's loops cut them (its sigmoid is the one operation whose two forms
+differ), so the same bits; about 2 ns per element forward + backward against 8-14 for
+the ATen chunks (Zen 5, one thread, [1024, 2 x 512] bf16). They run wherever they built
+and, on first use per activation and dtype, matched the ATen chunks bit for bit;
+elsewhere the ATen chunks run (``TORCH_MOE_NATIVE=0``, no compiler).
 """
 
 from __future__ import annotations
@@ -228,43 +229,89 @@ def _rows_per_chunk(h: Tensor, activation: str) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# the native "swigluoai" kernels
+# the native kernels: "swigluoai" and "relu2"
 
-_OAI_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_OAI_CHECKED: dict[tuple[Any, torch.dtype], bool] = {}  # (kernels, dtype): the ATen bits
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NATIVE_ACTIVATIONS = ("swigluoai", "relu2")
+# (kernels, activation, dtype): whether they gave the ATen chunks' bits
+_NATIVE_CHECKED: dict[tuple[Any, str, torch.dtype], bool] = {}
 
 
-def _oai_kernels(activation: str, h: Tensor, *others: Tensor) -> Any:
-    """The compiled kernels where they take this call: "swigluoai", h on the CPU in a
-    dtype they have, h and the other operands (dA) in one dtype with unit column stride,
-    built and checked."""
-    if activation != "swigluoai" or h.dtype not in _OAI_DTYPES or not _native.enabled():
+def _native_kernels(activation: str, h: Tensor, *others: Tensor) -> Any:
+    """The compiled kernels where they take this call: "swigluoai" or "relu2", h on the
+    CPU in a dtype they have, h and the other operands (dA) in one dtype with unit column
+    stride, built and checked for this activation and dtype."""
+    if activation not in _NATIVE_ACTIVATIONS or h.dtype not in _NATIVE_DTYPES:
+        return None
+    if h.device.type != "cpu" or not _native.enabled():
         return None
     if any(t.dtype != h.dtype or t.stride(-1) != 1 for t in (h, *others)):
         return None
     mod = _native.kernels()
     if mod is None:
         return None
-    key = (mod, h.dtype)
-    if key not in _OAI_CHECKED:
-        _OAI_CHECKED[key] = _oai_matches_aten(mod, h.dtype)
-    return mod if _OAI_CHECKED[key] else None
+    key = (mod, activation, h.dtype)
+    if key not in _NATIVE_CHECKED:
+        _NATIVE_CHECKED[key] = _native_matches_aten(mod, activation, h.dtype)
+    return mod if _NATIVE_CHECKED[key] else None
 
 
-def _oai_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
+def _native_forward(
+    mod: Any,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+    step: int,
+    out: Tensor,
+) -> None:
+    rw = _f32(row_weights)
+    if activation == "relu2":
+        mod.relu2_forward(h, rw, out)
+    else:
+        mod.glu_oai_forward(h, rw, out, alpha, limit, interleaved, step)
+
+
+def _native_backward(
+    mod: Any,
+    grad_a: Tensor,
+    h: Tensor,
+    row_weights: Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+    step: int,
+    dh: Tensor,
+) -> Tensor | None:
+    """dH into ``dh``; returns d row_weights (fp32, summed per chunk of ``step`` rows as
+    the ATen chunks sum) or None."""
+    rw = _f32(row_weights)
+    prod = None if rw is None else grad_a.new_empty(grad_a.shape, dtype=torch.float32)
+    if activation == "relu2":
+        mod.relu2_backward(h, grad_a, rw, dh, prod)
+    else:
+        mod.glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step)
+    return None if prod is None else _chunk_sums(prod, step)
+
+
+def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
     """The native kernels give the ATen chunks' bits: ragged rows and chunks, both column
     orders, with and without a limit and row weights, and one chunk long enough for ATen
     to cut it into a piece per thread. A build that contracts or reorders fails here,
     with a warning."""
     g = torch.Generator().manual_seed(2)
+    gated_act = gated(activation)
     for rows, hidden, step in ((3, 5, 2), (9, 47, 4), (17, 100, 17), (40, 1001, 40)):
-        h = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
+        h = (3 * torch.randn(rows, (2 if gated_act else 1) * hidden, generator=g)).to(dtype)
         grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
         for interleaved, limit, rw in (
-            (True, 1.5, torch.rand(rows, generator=g)),
+            (gated_act, 1.5 if gated_act else None, torch.rand(rows, generator=g)),
             (False, None, None),
         ):
-            args = ("swigluoai", 1.702, limit, interleaved)
+            args = (activation, 1.702, limit, interleaved)
             want_a, got_a = torch.empty_like(grad_a), torch.empty_like(grad_a)
             want_dh, got_dh = torch.empty_like(h), torch.empty_like(h)
             want_rw = []
@@ -273,16 +320,15 @@ def _oai_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
                 rw_r = None if rw is None else rw[r]
                 want_a[r] = _forward(h[r], rw_r, *args)
                 want_rw.append(_backward_into(grad_a[r], h[r], rw_r, *args, want_dh[r]))
-            prod = None if rw is None else torch.empty(rows, hidden)
-            mod.glu_oai_forward(h, rw, got_a, 1.702, limit, interleaved, step)
-            mod.glu_oai_backward(h, grad_a, rw, got_dh, prod, 1.702, limit, interleaved, step)
+            _native_forward(mod, h, rw, *args, step, got_a)
+            got_rw = _native_backward(mod, grad_a, h, rw, *args, step, got_dh)
             same = torch.equal(want_a, got_a) and torch.equal(want_dh, got_dh)
-            if prod is not None:
-                same = same and torch.equal(torch.cat(want_rw), _chunk_sums(prod, step))
+            if got_rw is not None:
+                same = same and torch.equal(torch.cat(want_rw), got_rw)
             if not same:
                 warnings.warn(
-                    "torch_moe: the native CPU swigluoai kernel built but its results differ "
-                    f"from the ATen ops' ({dtype}, {rows}x{hidden}); using the ATen ops",
+                    f"torch_moe: the native CPU {activation} kernel built but its results "
+                    f"differ from the ATen ops' ({dtype}, {rows}x{hidden}); using the ATen ops",
                     stacklevel=2,
                 )
                 return False
@@ -298,7 +344,7 @@ def _chunk_sums(prod: Tensor, step: int) -> Tensor:
     return out
 
 
-def _oai_weights(row_weights: Tensor | None) -> Tensor | None:
+def _f32(row_weights: Tensor | None) -> Tensor | None:
     return None if row_weights is None else row_weights.to(torch.float32).contiguous()
 
 
@@ -330,9 +376,9 @@ def _(
     _check("glu", h, row_weights, activation, alpha, limit, interleaved)
     out = h.new_empty((h.shape[0], _width(h, activation)))
     step = _rows_per_chunk(h, activation)
-    mod = _oai_kernels(activation, h)
+    mod = _native_kernels(activation, h)
     if mod is not None:
-        mod.glu_oai_forward(h, _oai_weights(row_weights), out, alpha, limit, interleaved, step)
+        _native_forward(mod, h, row_weights, activation, alpha, limit, interleaved, step, out)
         return out
     for r0 in range(0, h.shape[0], step):
         r = slice(r0, r0 + step)
@@ -385,12 +431,10 @@ def _(
     _check("glu_backward", h, row_weights, activation, alpha, limit, interleaved)
     dh = torch.empty_like(h)
     step = _rows_per_chunk(h, activation)
-    mod = _oai_kernels(activation, h, grad_a)
+    mod = _native_kernels(activation, h, grad_a)
     if mod is not None:
-        prod = None if row_weights is None else grad_a.new_empty(grad_a.shape, dtype=torch.float32)
-        rw = _oai_weights(row_weights)
-        mod.glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step)
-        grad_rw = None if prod is None else _chunk_sums(prod, step)
+        args = (activation, alpha, limit, interleaved, step, dh)
+        grad_rw = _native_backward(mod, grad_a, h, row_weights, *args)
         return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
     grad_rw = None if row_weights is None else h.new_empty((h.shape[0],), dtype=acc_dtype(h.dtype))
     for r0 in range(0, h.shape[0], step):

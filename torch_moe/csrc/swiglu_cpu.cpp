@@ -535,6 +535,73 @@ void oai_backward_impl(
   }
 }
 
+
+// --------------------------------------------------------------------------------------
+// Nemotron-H's squared ReLU ("relu2" of torch_moe::glu), ungated: h [rows, F]
+//
+//   forward:  r = relu(h); a = r * r (* w)
+//   backward: prod = dA * (r * r) (d w = sum_f prod); dA *= w; dH = dA * (2 * r)
+//
+// relu, the squares and products are exact or correctly rounded in either form, so no
+// vector / scalar cut matters; a product feeds no sum.
+
+// ATen's relu (clamp_min(x, 0), vector or scalar): -0 and NaN pass through
+inline float relu(float x) {
+  return x < 0.f ? 0.f : x;
+}
+
+template <typename TH>
+void relu2_forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out) {
+  const int64_t rows = h.size(0), f = h.size(1), hs = h.stride(0), os = out.stride(0);
+  const TH* hp = h.data_ptr<TH>();
+  TH* op = out.data_ptr<TH>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(f);
+    float* a = buf.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      load_row(hp + r * hs, a, f);
+      for (int64_t i = 0; i < f; ++i) {
+        const float x = relu(a[i]);
+        a[i] = x * x;
+      }
+      if (w != nullptr) {
+        scale_row(a, w[r], f);
+      }
+      store_row(a, op + r * os, f);
+    }
+  });
+}
+
+template <typename TH>
+void relu2_backward_impl(
+    const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_dh,
+    float* prod) {
+  const int64_t rows = h.size(0), f = h.size(1);
+  const int64_t hs = h.stride(0), gs = grad_a.stride(0), ds = out_dh.stride(0);
+  const TH* hp = h.data_ptr<TH>();
+  const TH* gp = grad_a.data_ptr<TH>();
+  TH* dp = out_dh.data_ptr<TH>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(2 * f);
+    float* x = buf.data();
+    float* d = x + f;
+    for (int64_t r = r0; r < r1; ++r) {
+      load_row(hp + r * hs, x, f);
+      load_row(gp + r * gs, d, f);
+      for (int64_t i = 0; i < f; ++i) {
+        const float v = relu(x[i]);
+        float g = d[i];
+        if (w != nullptr) {
+          prod[r * f + i] = g * (v * v);
+          g *= w[r];
+        }
+        d[i] = g * (2.f * v);
+      }
+      store_row(d, dp + r * ds, f);
+    }
+  });
+}
+
 template <typename F>
 void dispatch(const at::Tensor& h, const at::Tensor& other, F&& fn) {
   const auto th = h.scalar_type(), to = other.scalar_type();
@@ -649,6 +716,38 @@ void glu_oai_backward(
   });
 }
 
+void relu2_forward(
+    const at::Tensor& h, const std::optional<at::Tensor>& row_weights, const at::Tensor& out) {
+  const int64_t rows = h.size(0), f = h.size(1);
+  check_rows("h", h, rows, f);
+  check_rows("out", out, rows, f);
+  TORCH_CHECK(out.scalar_type() == h.scalar_type(), "glu_cpu: out must have h's dtype");
+  const float* w = weights_ptr(row_weights, rows);
+  dispatch_oai(h, [&](auto t) { relu2_forward_impl<decltype(t)>(h, w, out); });
+}
+
+void relu2_backward(
+    const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
+    const at::Tensor& out_dh, const std::optional<at::Tensor>& prod) {
+  const int64_t rows = h.size(0), f = h.size(1);
+  check_rows("h", h, rows, f);
+  check_rows("grad_a", grad_a, rows, f);
+  check_rows("out_dh", out_dh, rows, f);
+  TORCH_CHECK(
+      grad_a.scalar_type() == h.scalar_type() && out_dh.scalar_type() == h.scalar_type(),
+      "glu_cpu: grad_a and out_dh must have h's dtype");
+  const float* w = weights_ptr(row_weights, rows);
+  float* p = nullptr;
+  if (w != nullptr) {
+    TORCH_CHECK(
+        prod.has_value() && prod->scalar_type() == at::kFloat && prod->is_contiguous(),
+        "glu_cpu: row weights need a contiguous fp32 prod buffer");
+    check_rows("prod", *prod, rows, f);
+    p = prod->data_ptr<float>();
+  }
+  dispatch_oai(h, [&](auto t) { relu2_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p); });
+}
+
 }  // namespace
 
 // torch.ops.torch_moe_cpu.*: plain CPU ops that write into the caller's buffers (the
@@ -664,6 +763,10 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
   m.def(
       "glu_oai_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
       "Tensor(b!)? prod, float alpha, float? limit, bool interleaved, int chunk_rows) -> ()");
+  m.def("relu2_forward(Tensor h, Tensor? row_weights, Tensor(a!) out) -> ()");
+  m.def(
+      "relu2_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
+      "Tensor(b!)? prod) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
@@ -671,4 +774,6 @@ TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("swiglu_backward", &swiglu_backward);
   m.impl("glu_oai_forward", &glu_oai_forward);
   m.impl("glu_oai_backward", &glu_oai_backward);
+  m.impl("relu2_forward", &relu2_forward);
+  m.impl("relu2_backward", &relu2_backward);
 }

@@ -28,9 +28,10 @@ constants) and picks one of two paths:
   per-row up bias, then the gate times the routing weight: by ``torch_moe::glu`` where
   the gate is one it computes (transformers' default with SiLU, and the classes of
   ``OWN_GATES``: GPT-OSS's clamped ``(up + 1) * glu`` on interleaved columns, clamped
-  SwiGLU; fp32 math and one rounding as in the fused path, a native CPU kernel for
-  GPT-OSS's), otherwise by the module's OWN ``_apply_gate`` (soft-capped SwiGLU, GELU
-  gates, ...) or ``act_fn`` (ungated) under ``torch.utils.checkpoint``; either way only
+  SwiGLU; ungated: Nemotron-H's squared ReLU; fp32 math and one rounding as in the fused
+  path, native CPU kernels for GPT-OSS's and the squared ReLU), otherwise by the module's
+  OWN ``_apply_gate`` (soft-capped SwiGLU, GELU gates, ...) or ``act_fn`` (ungated) under
+  ``torch.utils.checkpoint``; either way only
   the [M, N] pre-activation is kept and the activation is recomputed in the backward;
   ``grouped_mm`` for the down projection; the
   down bias enters as ``sum_k w[t, k] * b[e(t, k)]`` per token (``_ExpertBiasCombine``,
@@ -96,7 +97,8 @@ class ExpertsLayout:
     silu: bool  # act_fn is SiLU
     fused: bool  # grouped_swiglu applies
     # torch_moe::glu's (activation, alpha, limit, interleaved) for the gate: transformers'
-    # default with SiLU or an OWN_GATES entry; None: the module's own gate (or act_fn) runs
+    # default with SiLU, an OWN_GATES entry or (ungated) a squared ReLU; None: the module's
+    # own gate (or act_fn) runs
     glu: tuple[str, float, float | None, bool] | None = None
 
     @property
@@ -160,6 +162,15 @@ def own_gate(experts: Any) -> tuple[str, float | None, float | None, bool] | Non
     if activation == "swiglu" and act_fn is not None and not _is_silu(act_fn):
         return None
     return (activation, *gate_constants(experts, alpha_attr, limit_attr), interleaved)
+
+
+def _is_relu2(act: Any) -> bool:
+    """Whether ``act`` is transformers' squared ReLU (Nemotron-H's ungated experts)."""
+    try:
+        from transformers.activations import ReLUSquaredActivation
+    except ImportError:  # pragma: no cover - transformers is what calls this backend
+        return False
+    return type(act) is ReLUSquaredActivation
 
 
 def _default_gate(experts: Any) -> bool:
@@ -264,6 +275,8 @@ def experts_layout(experts: Any) -> ExpertsLayout:
     elif flags["has_gate"] and (known := own_gate(experts)) is not None:
         activation, alpha, limit, interleaved = known
         glu = (activation, 1.0 if alpha is None else alpha, limit, interleaved)
+    elif not flags["has_gate"] and _is_relu2(getattr(experts, "act_fn", None)):
+        glu = ("relu2", 1.0, None, False)
     return ExpertsLayout(
         **flags, up_name=up_name, default_gate=default_gate, silu=silu, fused=fused, glu=glu
     )
