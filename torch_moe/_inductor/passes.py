@@ -92,8 +92,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import insert_traced, is_op, val
-from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops import _native
+from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.glu import _NATIVE_DTYPES as _GLU_NATIVE_DTYPES
 from torch_moe._ops.glu import _backward_parts, _forward
 from torch_moe.quantization import get_recipe

@@ -314,12 +314,14 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
             args = (activation, 1.702, limit, interleaved)
             want_a, got_a = torch.empty_like(grad_a), torch.empty_like(grad_a)
             want_dh, got_dh = torch.empty_like(h), torch.empty_like(h)
-            want_rw = []
+            want_rw: list[Tensor] = []
             for r0 in range(0, rows, step):
                 r = slice(r0, r0 + step)
                 rw_r = None if rw is None else rw[r]
                 want_a[r] = _forward(h[r], rw_r, *args)
-                want_rw.append(_backward_into(grad_a[r], h[r], rw_r, *args, want_dh[r]))
+                part = _backward_into(grad_a[r], h[r], rw_r, *args, want_dh[r])
+                if part is not None:
+                    want_rw.append(part)
             _native_forward(mod, h, rw, *args, step, got_a)
             got_rw = _native_backward(mod, grad_a, h, rw, *args, step, got_dh)
             same = torch.equal(want_a, got_a) and torch.equal(want_dh, got_dh)

@@ -269,7 +269,7 @@ def experts_layout(experts: Any) -> ExpertsLayout:
         and not flags["has_post_expert_norm"]
         and width == 2 * down.shape[1]
     )
-    glu = None
+    glu: tuple[str, float, float | None, bool] | None = None
     if default_gate and silu:
         glu = ("swiglu", 1.0, None, False)  # the default gate splits halves whatever the flag
     elif flags["has_gate"] and (known := own_gate(experts)) is not None:
