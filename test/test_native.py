@@ -315,6 +315,11 @@ def _oai_operands(rows, hidden, dtype, seed, pad=0):
     return h, grad_a, torch.rand(rows, generator=g)
 
 
+def _chunk_sums(prod, step):
+    """Row sums of ``prod`` per chunk of ``step`` rows (as the ATen chunks sum theirs)."""
+    return torch.cat([prod[r0 : r0 + step].sum(-1) for r0 in range(0, prod.shape[0], step)])
+
+
 def _oai_op(h, grad_a, rw, limit, interleaved, native, activation="swigluoai"):
     """torch_moe::glu(activation) forward and backward through autograd, with the native
     kernels or the ATen chunks: (a, dH, d rw)."""
@@ -421,7 +426,7 @@ class TestNativeGluOai(TestCase):
         prod = None if rw is None else torch.empty(rows, hidden)
         mod.glu_oai_forward(h, rw, a2, 1.702, limit, interleaved, step)
         mod.glu_oai_backward(h, grad_a, rw, dh2, prod, 1.702, limit, interleaved, step)
-        got = (a2, dh2, None if prod is None or not rows else glu_mod._chunk_sums(prod, step))
+        got = (a2, dh2, None if prod is None or not rows else _chunk_sums(prod, step))
         return want, got
 
     @needs_native

@@ -286,15 +286,32 @@ def _native_backward(
     step: int,
     dh: Tensor,
 ) -> Tensor | None:
-    """dH into ``dh``; returns d row_weights (fp32, summed per chunk of ``step`` rows as
-    the ATen chunks sum) or None."""
+    """dH into ``dh``; returns d row_weights (fp32) or None. With row weights one chunk
+    of ``step`` rows per call: the products dA * a that d row_weights sums are one chunk's
+    fp32 buffer, summed as the ATen chunks sum theirs (a reduction over more rows may cut
+    a row's sum differently between threads)."""
     rw = _f32(row_weights)
-    prod = None if rw is None else grad_a.new_empty(grad_a.shape, dtype=torch.float32)
-    if activation == "relu2":
-        mod.relu2_backward(h, grad_a, rw, dh, prod)
-    else:
-        mod.glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step)
-    return None if prod is None else _chunk_sums(prod, step)
+
+    def run(r: slice, prod: Tensor | None) -> None:
+        rw_r = None if rw is None else rw[r]
+        if activation == "relu2":
+            mod.relu2_backward(h[r], grad_a[r], rw_r, dh[r], prod)
+        else:
+            args = (alpha, limit, interleaved, step)
+            mod.glu_oai_backward(h[r], grad_a[r], rw_r, dh[r], prod, *args)
+
+    if rw is None:
+        run(slice(None), None)
+        return None
+    rows = h.shape[0]
+    grad_rw = h.new_empty((rows,), dtype=torch.float32)
+    buf = h.new_empty((min(step, rows), grad_a.shape[1]), dtype=torch.float32)
+    for r0 in range(0, rows, step):
+        r = slice(r0, r0 + step)
+        prod = buf[: min(step, rows - r0)]
+        run(r, prod)
+        torch.sum(prod, -1, out=grad_rw[r])
+    return grad_rw
 
 
 def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
@@ -335,15 +352,6 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
                 )
                 return False
     return True
-
-
-def _chunk_sums(prod: Tensor, step: int) -> Tensor:
-    """Row sums of ``prod`` chunk by chunk, as the ATen chunks sum theirs (a reduction over
-    more rows may cut a row's sum differently between threads)."""
-    out = prod.new_empty(prod.shape[0])
-    for r0 in range(0, prod.shape[0], step):
-        torch.sum(prod[r0 : r0 + step], -1, out=out[r0 : r0 + step])
-    return out
 
 
 def _f32(row_weights: Tensor | None) -> Tensor | None:
