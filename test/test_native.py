@@ -499,6 +499,7 @@ class TestNativeGluOai(TestCase):
             self.assertFalse(glu_mod._native_matches_aten(Wrong, "swigluoai", BF16))
         h, grad_a, _ = _oai_operands(3, 5, BF16, seed=0)
         with (
+            mock.patch.dict("os.environ", {_native.ENV: "1"}),
             mock.patch.object(_native, "kernels", return_value=Wrong),
             mock.patch.dict(glu_mod._NATIVE_CHECKED, clear=True),
             self.assertWarnsRegex(UserWarning, "results differ"),
