@@ -1,4 +1,6 @@
-// The SwiGLU activation of torch_moe's CPU kernels as one pass over each row.
+// The experts' activations of torch_moe's CPU kernels, one pass each: SwiGLU
+// (grouped_swiglu's) first, then the glu op's swigluoai (GPT-OSS) and ungated relu2
+// (Nemotron-H).
 //
 // grouped_swiglu's CPU kernels compute the activation (and its backward) in fp32 from
 // half-precision h with one rounding into the outputs. In ATen ops that takes five
@@ -242,7 +244,6 @@ void backward_impl(
     }
   });
 }
-
 
 // --------------------------------------------------------------------------------------
 // GPT-OSS's clamped SwiGLU ("swigluoai" of torch_moe::glu): the same operations as the
