@@ -241,6 +241,81 @@ class TestNativeSwiGLU(TestCase):
             r"ATen ops .* Set TORCH_MOE_NATIVE=0",
         )
 
+    @needs_native
+    def test_bit_check_catches_each_way_to_differ(self):
+        """A build that differs in one output only, or only for one column order, with a
+        limit, in one dtype or for one activation, is refused for what it differs in."""
+        real = _native.kernels()
+
+        def flip(t):
+            t.view(torch.int16 if t.element_size() == 2 else torch.int32)[..., 0] ^= 1
+
+        def wrong(where):
+            class Wrong:
+                @staticmethod
+                def glu_oai_forward(h, rw, out, alpha, limit, interleaved, step):
+                    real.glu_oai_forward(h, rw, out, alpha, limit, interleaved, step)
+                    if where(out=True, h=h, limit=limit, interleaved=interleaved):
+                        flip(out)
+
+                @staticmethod
+                def glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step):
+                    real.glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step)
+                    if where(out=False, h=h, limit=limit, interleaved=interleaved):
+                        if not where.prod:
+                            flip(dh)
+                        elif prod is not None:  # the products d row_weights sums
+                            flip(prod)
+
+                relu2_forward = staticmethod(real.relu2_forward)
+                relu2_backward = staticmethod(real.relu2_backward)
+
+            return Wrong
+
+        def only(out=None, interleaved=None, limit=None, dtype=None, prod=False):
+            def where(**call):
+                return (
+                    (out is None or call["out"] == out)
+                    and (interleaved is None or call["interleaved"] == interleaved)
+                    and (limit is None or (call["limit"] is not None) == limit)
+                    and (dtype is None or call["h"].dtype == dtype)
+                    and (not prod or call["out"] is False)
+                )
+
+            where.prod = prod
+            return where
+
+        cases = {
+            "the output only": only(out=True),
+            "dH only": only(out=False),
+            "d row_weights only": only(out=False, prod=True),
+            "halves only": only(interleaved=False),
+            "interleaved only": only(interleaved=True),
+            "with a limit only": only(limit=True),
+            "without a limit only": only(limit=False),
+        }
+        for name, where in cases.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                refused = not glu_mod._native_matches_aten(wrong(where), "swigluoai", BF16)
+            self.assertTrue(refused, msg=name)
+        # per dtype and per activation: a build wrong for bf16 swigluoai only is refused
+        # there and used for fp32 and for relu2
+        h, grad_a, _ = _oai_operands(3, 5, BF16, seed=0)
+        bad = wrong(only(dtype=BF16))
+        with (
+            mock.patch.dict("os.environ", {_native.ENV: "1"}),
+            mock.patch.object(_native, "kernels", return_value=bad),
+            mock.patch.dict(glu_mod._NATIVE_CHECKED, clear=True),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            self.assertIsNone(glu_mod._native_kernels("swigluoai", h, grad_a))
+            self.assertIs(glu_mod._native_kernels("swigluoai", h.float(), grad_a.float()), bad)
+            self.assertIs(glu_mod._native_kernels("relu2", h[:, :5].contiguous(), grad_a), bad)
+            # a tensor off the CPU never takes the CPU kernels
+            self.assertIsNone(glu_mod._native_kernels("relu2", grad_a.to("meta"), grad_a))
+
     def test_kernel_with_other_bits_is_refused(self):
         class Wrong:  # a build whose compiler reassociated: the last bit differs
             @staticmethod
