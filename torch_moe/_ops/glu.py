@@ -233,6 +233,7 @@ def _rows_per_chunk(h: Tensor, activation: str) -> int:
 
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NATIVE_ACTIVATIONS = ("swigluoai", "relu2")
+_GluArgs = tuple[str, float, float | None, bool]  # (activation, alpha, limit, interleaved)
 # (kernels, activation, dtype): whether they gave the ATen chunks' bits
 _NATIVE_CHECKED: dict[tuple[Any, str, torch.dtype], bool] = {}
 
@@ -257,16 +258,10 @@ def _native_kernels(activation: str, h: Tensor, *others: Tensor) -> Any:
 
 
 def _native_forward(
-    mod: Any,
-    h: Tensor,
-    row_weights: Tensor | None,
-    activation: str,
-    alpha: float,
-    limit: float | None,
-    interleaved: bool,
-    step: int,
-    out: Tensor,
+    mod: Any, h: Tensor, row_weights: Tensor | None, args: _GluArgs, step: int, out: Tensor
 ) -> None:
+    """The activation of h into ``out``; ``args``: (activation, alpha, limit, interleaved)."""
+    activation, alpha, limit, interleaved = args
     rw = _f32(row_weights)
     if activation == "relu2":
         mod.relu2_forward(h, rw, out)
@@ -279,10 +274,7 @@ def _native_backward(
     grad_a: Tensor,
     h: Tensor,
     row_weights: Tensor | None,
-    activation: str,
-    alpha: float,
-    limit: float | None,
-    interleaved: bool,
+    args: _GluArgs,
     step: int,
     dh: Tensor,
 ) -> Tensor | None:
@@ -290,6 +282,7 @@ def _native_backward(
     of ``step`` rows per call: the products dA * a that d row_weights sums are one chunk's
     fp32 buffer, summed as the ATen chunks sum theirs (a reduction over more rows may cut
     a row's sum differently between threads)."""
+    activation, alpha, limit, interleaved = args
     rw = _f32(row_weights)
 
     def run(r: slice, prod: Tensor | None) -> None:
@@ -297,8 +290,8 @@ def _native_backward(
         if activation == "relu2":
             mod.relu2_backward(h[r], grad_a[r], rw_r, dh[r], prod)
         else:
-            args = (alpha, limit, interleaved, step)
-            mod.glu_oai_backward(h[r], grad_a[r], rw_r, dh[r], prod, *args)
+            glu_args = (alpha, limit, interleaved, step)
+            mod.glu_oai_backward(h[r], grad_a[r], rw_r, dh[r], prod, *glu_args)
 
     if rw is None:
         run(slice(None), None)
@@ -339,8 +332,8 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
                 part = _backward_into(grad_a[r], h[r], rw_r, *args, want_dh[r])
                 if part is not None:
                     want_rw.append(part)
-            _native_forward(mod, h, rw, *args, step, got_a)
-            got_rw = _native_backward(mod, grad_a, h, rw, *args, step, got_dh)
+            _native_forward(mod, h, rw, args, step, got_a)
+            got_rw = _native_backward(mod, grad_a, h, rw, args, step, got_dh)
             same = torch.equal(want_a, got_a) and torch.equal(want_dh, got_dh)
             if got_rw is not None:
                 same = same and torch.equal(torch.cat(want_rw), got_rw)
@@ -388,7 +381,7 @@ def _(
     step = _rows_per_chunk(h, activation)
     mod = _native_kernels(activation, h)
     if mod is not None:
-        _native_forward(mod, h, row_weights, activation, alpha, limit, interleaved, step, out)
+        _native_forward(mod, h, row_weights, (activation, alpha, limit, interleaved), step, out)
         return out
     for r0 in range(0, h.shape[0], step):
         r = slice(r0, r0 + step)
@@ -443,8 +436,8 @@ def _(
     step = _rows_per_chunk(h, activation)
     mod = _native_kernels(activation, h, grad_a)
     if mod is not None:
-        args = (activation, alpha, limit, interleaved, step, dh)
-        grad_rw = _native_backward(mod, grad_a, h, row_weights, *args)
+        args = (activation, alpha, limit, interleaved)
+        grad_rw = _native_backward(mod, grad_a, h, row_weights, args, step, dh)
         return dh, _grad_rw_or_empty(grad_rw, row_weights, h)
     grad_rw = None if row_weights is None else h.new_empty((h.shape[0],), dtype=acc_dtype(h.dtype))
     for r0 in range(0, h.shape[0], step):

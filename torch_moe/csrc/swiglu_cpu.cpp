@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -679,6 +680,31 @@ OaiArgs oai_args(double alpha, std::optional<double> limit, bool interleaved, in
       static_cast<float>(limit.value_or(0.0)), interleaved};
 }
 
+// The glu backward kernels' operands: h [rows, h_cols], grad_a [rows, F], out_dh like h,
+// one dtype; with row weights an fp32 prod [rows, F]. Returns (weights, prod) pointers.
+std::pair<const float*, float*> check_backward(
+    const at::Tensor& h, int64_t h_cols, const at::Tensor& grad_a,
+    const std::optional<at::Tensor>& row_weights, const at::Tensor& out_dh,
+    const std::optional<at::Tensor>& prod) {
+  const int64_t rows = h.size(0), f = grad_a.size(1);
+  check_rows("h", h, rows, h_cols);
+  check_rows("grad_a", grad_a, rows, f);
+  check_rows("out_dh", out_dh, rows, h_cols);
+  TORCH_CHECK(
+      grad_a.scalar_type() == h.scalar_type() && out_dh.scalar_type() == h.scalar_type(),
+      "glu_cpu: grad_a and out_dh must have h's dtype");
+  const float* w = weights_ptr(row_weights, rows);
+  float* p = nullptr;
+  if (w != nullptr) {
+    TORCH_CHECK(
+        prod.has_value() && prod->scalar_type() == at::kFloat && prod->is_contiguous(),
+        "glu_cpu: row weights need a contiguous fp32 prod buffer");
+    check_rows("prod", *prod, rows, f);
+    p = prod->data_ptr<float>();
+  }
+  return {w, p};
+}
+
 void glu_oai_forward(
     const at::Tensor& h, const std::optional<at::Tensor>& row_weights, const at::Tensor& out,
     double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
@@ -695,22 +721,7 @@ void glu_oai_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
     const at::Tensor& out_dh, const std::optional<at::Tensor>& prod, double alpha,
     std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
-  const int64_t rows = h.size(0), f = grad_a.size(1);
-  check_rows("h", h, rows, 2 * f);
-  check_rows("grad_a", grad_a, rows, f);
-  check_rows("out_dh", out_dh, rows, 2 * f);
-  TORCH_CHECK(
-      grad_a.scalar_type() == h.scalar_type() && out_dh.scalar_type() == h.scalar_type(),
-      "glu_cpu: grad_a and out_dh must have h's dtype");
-  const float* w = weights_ptr(row_weights, rows);
-  float* p = nullptr;
-  if (w != nullptr) {
-    TORCH_CHECK(
-        prod.has_value() && prod->scalar_type() == at::kFloat && prod->is_contiguous(),
-        "glu_cpu: row weights need a contiguous fp32 prod buffer");
-    check_rows("prod", *prod, rows, f);
-    p = prod->data_ptr<float>();
-  }
+  const auto [w, p] = check_backward(h, 2 * grad_a.size(1), grad_a, row_weights, out_dh, prod);
   const OaiArgs o = oai_args(alpha, limit, interleaved, chunk_rows);
   dispatch_oai(h, [&](auto t) {
     oai_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p, o, chunk_rows);
@@ -730,22 +741,7 @@ void relu2_forward(
 void relu2_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
     const at::Tensor& out_dh, const std::optional<at::Tensor>& prod) {
-  const int64_t rows = h.size(0), f = h.size(1);
-  check_rows("h", h, rows, f);
-  check_rows("grad_a", grad_a, rows, f);
-  check_rows("out_dh", out_dh, rows, f);
-  TORCH_CHECK(
-      grad_a.scalar_type() == h.scalar_type() && out_dh.scalar_type() == h.scalar_type(),
-      "glu_cpu: grad_a and out_dh must have h's dtype");
-  const float* w = weights_ptr(row_weights, rows);
-  float* p = nullptr;
-  if (w != nullptr) {
-    TORCH_CHECK(
-        prod.has_value() && prod->scalar_type() == at::kFloat && prod->is_contiguous(),
-        "glu_cpu: row weights need a contiguous fp32 prod buffer");
-    check_rows("prod", *prod, rows, f);
-    p = prod->data_ptr<float>();
-  }
+  const auto [w, p] = check_backward(h, grad_a.size(1), grad_a, row_weights, out_dh, prod);
   dispatch_oai(h, [&](auto t) { relu2_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p); });
 }
 
