@@ -76,7 +76,6 @@ from torch_moe.integrations._transformers_experts import (
     RECIPE_ATTR,
     experts_layout,
     gate_constants,
-    own_gate,
 )
 from torch_moe.nn import MoE
 from torch_moe.quantization import RECIPES, Recipe
@@ -577,37 +576,37 @@ def _plan(block: Any) -> tuple[dict[str, Any], _HFKeys]:
 
 
 def _activation(experts: Any, layout: Any, name: str) -> dict[str, Any]:
-    """``MoE``'s activation arguments for the experts' own gate: transformers' default
-    (``act_fn(gate) * up`` on the halves) with SiLU, or one of ``OWN_GATES`` (clamped
-    SwiGLU, GPT-OSS's swigluoai), or ungated experts with a squared ReLU (relu2); raises
-    naming the experts class for any other."""
+    """``MoE``'s activation arguments for the experts' gate, the one the experts backend
+    runs by ``torch_moe::glu`` (``layout.glu``): transformers' default (``act_fn(gate) *
+    up`` on the halves) with SiLU, one of ``OWN_GATES`` (clamped SwiGLU, GPT-OSS's
+    swigluoai), or ungated experts with a squared ReLU (relu2); raises naming the experts
+    class for any other."""
     cls = type(experts)
-    if not layout.has_gate:
+    if layout.glu is None and not layout.has_gate:
         act = type(getattr(experts, "act_fn", None)).__name__
-        if act == "ReLUSquaredActivation":  # Nemotron-H
-            return dict(activation="relu2")
         raise NotImplementedError(
             f"to_torch_moe: {name}.experts ({cls.__name__}) has has_gate=False and act_fn "
             f"{act}; torch_moe.nn.MoE's ungated experts compute relu(x) ** 2 only. Use the "
             "'torch_moe' experts implementation instead"
         )
-    if layout.default_gate and layout.silu:
+    if layout.glu is None:
+        raise NotImplementedError(
+            f"to_torch_moe: {name}.experts ({cls.__name__}) has a custom activation "
+            "(_apply_gate / act_fn other than SiLU(gate) * up, a clamped SwiGLU or GPT-OSS's "
+            "swigluoai); torch_moe.nn.MoE does not compute it. Use the 'torch_moe' experts "
+            "implementation instead"
+        )
+    activation, alpha, limit, interleaved = layout.glu
+    if activation == "relu2":  # Nemotron-H
+        return dict(activation="relu2")
+    if layout.default_gate:
         return {}  # SwiGLU on [gate; up] (the default gate splits halves whatever the flag)
-    known = own_gate(experts)
-    if known is not None:
-        activation, alpha, limit, interleaved = known
-        out: dict[str, Any] = dict(activation=activation, gate_up_interleaved=interleaved)
-        if alpha is not None:
-            out.update(swiglu_alpha=alpha)
-        if limit is not None:
-            out.update(swiglu_limit=limit)
-        return out
-    raise NotImplementedError(
-        f"to_torch_moe: {name}.experts ({cls.__name__}) has a custom activation (_apply_gate "
-        "/ act_fn other than SiLU(gate) * up, a clamped SwiGLU or GPT-OSS's swigluoai); "
-        "torch_moe.nn.MoE does not compute it. Use the 'torch_moe' experts implementation "
-        "instead"
-    )
+    out: dict[str, Any] = dict(activation=activation, gate_up_interleaved=interleaved)
+    if activation == "swigluoai":
+        out.update(swiglu_alpha=alpha)
+    if limit is not None:
+        out.update(swiglu_limit=limit)
+    return out
 
 
 def _transposed(p: Tensor) -> nn.Parameter:
