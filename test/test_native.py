@@ -410,18 +410,21 @@ def _oai_op(h, grad_a, rw, limit, interleaved, native, activation="swigluoai"):
 @instantiate_parametrized_tests
 class TestNativeGluOai(TestCase):
     @needs_native
+    @parametrize("activation", ["swigluoai", "swiglu"])
     @parametrize("dtype", [BF16, F16, F32])
     @parametrize("interleaved", [True, False])
     @parametrize("limit", [None, 7.0, 0.5])
     @parametrize("weighted", [False, True])
-    def test_op_bitwise_aten(self, dtype, interleaved, limit, weighted):
+    def test_op_bitwise_aten(self, activation, dtype, interleaved, limit, weighted):
         # F below, at and past a block of two vectors; rows that span chunks raggedly
-        # (the chunk is the probe's, the same for both)
+        # (the chunk is the probe's, the same for both); swiglu's three cuts (a clamped
+        # gate flat, an unclamped one by row or, interleaved, all scalar)
         for rows, hidden, pad in [(1, 5, 0), (7, 31, 2), (33, 32, 0), (70, 100, 1)]:
             h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=rows, pad=pad)
             rw = rw if weighted else None
-            want = _oai_op(h, grad_a, rw, limit, interleaved, native=False)
-            got = _oai_op(h, grad_a, rw, limit, interleaved, native=True)
+            args = (h, grad_a, rw, limit, interleaved)
+            want = _oai_op(*args, native=False, activation=activation)
+            got = _oai_op(*args, native=True, activation=activation)
             for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
                 self.assertEqual(g, w, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
 
@@ -452,14 +455,23 @@ class TestNativeGluOai(TestCase):
     def test_kernel_bitwise_aten_pieces(self, threads):
         # a chunk of 40 x 1001 > ATen's grain (32768) elements: with two threads ATen cuts
         # it into two pieces of 20020, each with its own scalar tail; the kernel must too
-        h, grad_a, rw = _oai_operands(40, 1001, F32, seed=5)
+        # (and a 37 x 999 chunk's two pieces split a row: by-row cuts restart there)
         before = torch.get_num_threads()
         try:
             torch.set_num_threads(threads)
-            for step in (40, 17):
-                want, got = self._kernel_and_chunks(h, grad_a, rw, 0.5, True, step)
-                for w, g in zip(want, got, strict=True):
-                    self.assertEqual(g, w, atol=0, rtol=0, msg=f"step {step}")
+            for rows, hidden in ((40, 1001), (37, 999)):
+                h, grad_a, rw = _oai_operands(rows, hidden, F32, seed=5)
+                for activation, limit, interleaved in (
+                    ("swigluoai", 0.5, True),
+                    ("swiglu", None, False),
+                    ("swiglu", 0.5, True),
+                ):
+                    for step in (rows, 17):
+                        want, got = self._kernel_and_chunks(
+                            h, grad_a, rw, limit, interleaved, step, activation
+                        )
+                        for w, g in zip(want, got, strict=True):
+                            self.assertEqual(g, w, atol=0, rtol=0, msg=f"{activation} {step}")
         finally:
             torch.set_num_threads(before)
 
@@ -469,24 +481,25 @@ class TestNativeGluOai(TestCase):
         hidden=st.integers(1, 80),
         step=st.integers(1, 48),
         dtype=st.sampled_from([BF16, F16, F32]),
+        activation=st.sampled_from(["swigluoai", "swiglu"]),
         limit=st.sampled_from([None, 7.0, 0.25]),
         interleaved=st.booleans(),
         weighted=st.booleans(),
         seed=st.integers(0, 2**16),
     )
     def test_kernel_bitwise_aten_fuzz(
-        self, rows, hidden, step, dtype, limit, interleaved, weighted, seed
+        self, rows, hidden, step, dtype, activation, limit, interleaved, weighted, seed
     ):
         h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=seed, pad=seed % 3)
         rw = rw if weighted else None
-        want, got = self._kernel_and_chunks(h, grad_a, rw, limit, interleaved, step)
+        want, got = self._kernel_and_chunks(h, grad_a, rw, limit, interleaved, step, activation)
         for w, g in zip(want, got, strict=True):
             self.assertEqual(g, w, atol=0, rtol=0)
 
     @staticmethod
-    def _kernel_and_chunks(h, grad_a, rw, limit, interleaved, step):
+    def _kernel_and_chunks(h, grad_a, rw, limit, interleaved, step, activation="swigluoai"):
         """(ATen chunks of ``step`` rows, the kernels with that chunk): a, dH, d rw."""
-        args = ("swigluoai", 1.702, limit, interleaved)
+        args = (activation, 1.702, limit, interleaved)
         rows, hidden = grad_a.shape
         a, dh = torch.empty_like(grad_a), torch.empty_like(h)
         parts = []
@@ -499,8 +512,13 @@ class TestNativeGluOai(TestCase):
         mod = _native.kernels()
         a2, dh2 = torch.empty_like(grad_a), torch.empty_like(h)
         prod = None if rw is None else torch.empty(rows, hidden)
-        mod.glu_oai_forward(h, rw, a2, 1.702, limit, interleaved, step)
-        mod.glu_oai_backward(h, grad_a, rw, dh2, prod, 1.702, limit, interleaved, step)
+        fwd, bwd = (
+            (mod.glu_oai_forward, mod.glu_oai_backward)
+            if activation == "swigluoai"
+            else (mod.glu_swiglu_forward, mod.glu_swiglu_backward)
+        )
+        fwd(h, rw, a2, 1.702, limit, interleaved, step)
+        bwd(h, grad_a, rw, dh2, prod, 1.702, limit, interleaved, step)
         got = (a2, dh2, None if prod is None or not rows else _chunk_sums(prod, step))
         return want, got
 
@@ -522,7 +540,7 @@ class TestNativeGluOai(TestCase):
         self.assertIs(k("swigluoai", h, grad_a), _native.kernels())
         self.assertIs(k("swigluoai", h.float(), grad_a.float()), _native.kernels())
         self.assertIs(k("relu2", h[:, :8].contiguous(), grad_a), _native.kernels())
-        self.assertIsNone(k("swiglu", h, grad_a))  # swigluoai and relu2 only
+        self.assertIs(k("swiglu", h, grad_a), _native.kernels())
         self.assertIsNone(k("swigluoai", h.double(), grad_a.double()))  # fp64 math
         self.assertIsNone(k("swigluoai", h, grad_a.float()))  # dA in another dtype
         self.assertIsNone(k("swigluoai", h[:, ::2], grad_a))  # strided columns

@@ -26,13 +26,15 @@ so that no fp32 temporary outlives the op. On CPU both directions run in row chu
 chunk; elsewhere the whole tensor at once. ``glu_reference`` (plain differentiable torch
 ops) is the oracle and the formula's definition.
 
-"swigluoai" (GPT-OSS's experts) and "relu2" (Nemotron-H's) have native CPU kernels
-(``torch_moe/csrc/swiglu_cpu.cpp``: ``glu_oai_*``, ``relu2_*``): the same operations
-element by element in one pass; swigluoai's chunks are cut into the same vector and
-scalar parts as ATen's loops cut them (its sigmoid is the one operation whose two forms
-differ), so the same bits; about 2 ns per element forward + backward against 8-14 for
-the ATen chunks (Zen 5, one thread, [1024, 2 x 512] bf16). They run wherever they built
-and, on first use per activation and dtype, matched the ATen chunks bit for bit;
+Every activation has a native CPU kernel (``torch_moe/csrc/swiglu_cpu.cpp``:
+``glu_swiglu_*``, ``glu_oai_*``, ``relu2_*``): the same operations element by element in
+one pass, each chunk cut into the same vector and scalar parts as ATen's loops cut it for
+the operations whose two forms differ (sigmoid, silu: one flat range for a contiguous
+operand, row by row for a view of h's halves, all scalar for a view of its even
+columns), so the same bits; swigluoai about 2 ns per element forward + backward against
+8-14 for the ATen chunks (Zen 5, one thread, [1024, 2 x 512] bf16), swiglu 5-6x faster
+(an interleaved unclamped gate, all scalar in ATen too, 1.6x). They run wherever they
+built and, on first use per activation and dtype, matched the ATen chunks bit for bit;
 elsewhere the ATen chunks run (``TORCH_MOE_NATIVE=0``, no compiler).
 """
 
@@ -232,15 +234,14 @@ def _rows_per_chunk(h: Tensor, activation: str) -> int:
 # the native kernels: "swigluoai" and "relu2"
 
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_NATIVE_ACTIVATIONS = ("swigluoai", "relu2")
+_NATIVE_ACTIVATIONS = ("swiglu", "swigluoai", "relu2")
 _GluArgs = tuple[str, float, float | None, bool]  # (activation, alpha, limit, interleaved)
 # (kernels, activation, dtype): whether they gave the ATen chunks' bits
 _NATIVE_CHECKED: dict[tuple[Any, str, torch.dtype], bool] = {}
 
 
 def _native_kernels(activation: str, h: Tensor, *others: Tensor) -> Any:
-    """The compiled kernels where they take this call: "swigluoai" or "relu2", h on the
-    CPU in a dtype they have, h and the other operands (dA) in one dtype with unit column
+    """The compiled kernels where they take this call: h on the CPU in a dtype they have, h and the other operands (dA) in one dtype with unit column
     stride, built and checked for this activation and dtype."""
     if activation not in _NATIVE_ACTIVATIONS or h.dtype not in _NATIVE_DTYPES:
         return None
@@ -266,7 +267,8 @@ def _native_forward(
     if activation == "relu2":
         mod.relu2_forward(h, rw, out)
     else:
-        mod.glu_oai_forward(h, rw, out, alpha, limit, interleaved, step)
+        fn = mod.glu_oai_forward if activation == "swigluoai" else mod.glu_swiglu_forward
+        fn(h, rw, out, alpha, limit, interleaved, step)
 
 
 def _native_backward(
@@ -290,8 +292,8 @@ def _native_backward(
         if activation == "relu2":
             mod.relu2_backward(h[r], grad_a[r], rw_r, dh[r], prod)
         else:
-            glu_args = (alpha, limit, interleaved, step)
-            mod.glu_oai_backward(h[r], grad_a[r], rw_r, dh[r], prod, *glu_args)
+            fn = mod.glu_oai_backward if activation == "swigluoai" else mod.glu_swiglu_backward
+            fn(h[r], grad_a[r], rw_r, dh[r], prod, alpha, limit, interleaved, step)
 
     if rw is None:
         run(slice(None), None)
@@ -314,13 +316,17 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
     with a warning."""
     g = torch.Generator().manual_seed(2)
     gated_act = gated(activation)
-    for rows, hidden, step in ((3, 5, 2), (9, 47, 4), (17, 100, 17), (40, 1001, 40)):
+    # (interleaved, limit, weighted): every cut ATen makes (flat, by row, all scalar)
+    variants = [(True, 1.5, True), (False, None, False), (True, None, True)]
+    if not gated_act:
+        variants = [(False, None, True), (False, None, False)]
+    # the last chunk is long enough for ATen to cut it into a piece per thread, mid-row
+    for rows, hidden, step in ((3, 5, 2), (9, 47, 4), (17, 100, 17), (37, 999, 37)):
         h = (3 * torch.randn(rows, (2 if gated_act else 1) * hidden, generator=g)).to(dtype)
         grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
-        for interleaved, limit, rw in (
-            (gated_act, 1.5 if gated_act else None, torch.rand(rows, generator=g)),
-            (False, None, None),
-        ):
+        weights = torch.rand(rows, generator=g)
+        for interleaved, limit, weighted in variants:
+            rw = weights if weighted else None
             args = (activation, 1.702, limit, interleaved)
             want_a, got_a = torch.empty_like(grad_a), torch.empty_like(grad_a)
             want_dh, got_dh = torch.empty_like(h), torch.empty_like(h)

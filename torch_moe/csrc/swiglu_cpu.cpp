@@ -247,24 +247,29 @@ void backward_impl(
 }
 
 // --------------------------------------------------------------------------------------
-// GPT-OSS's clamped SwiGLU ("swigluoai" of torch_moe::glu): the same operations as the
-// glu op's ATen chunks (torch_moe/_ops/glu.py), element by element, in fp32 from h's
-// gate and up columns (halves, or even / odd columns when interleaved), L the limit:
+// The glu op's gated activations, GPT-OSS's clamped SwiGLU ("swigluoai") and SwiGLU
+// ("swiglu", clamped or not): the same operations as the glu op's ATen chunks
+// (torch_moe/_ops/glu.py), element by element, in fp32 from h's gate and up columns
+// (halves, or even / odd columns when interleaved), L the limit:
 //
 //   g = min(gate, L); u = clamp(up, -L, L)            (no clamp without a limit)
-//   s = sigmoid(g * alpha)
-//   forward:  a = g * s * (u + 1) (* w)
-//   backward: act = g * s; up1 = u + 1; slope = s * (1 + (alpha * g) * (1 - s))
-//             prod = dA * act * up1 (d w = sum_f prod); dA *= w
+//   swigluoai: s = sigmoid(g * alpha)
+//     forward:  a = g * s * (u + 1) (* w)
+//     backward: act = g * s; up1 = u + 1; slope = s * (1 + (alpha * g) * (1 - s))
+//   swiglu: s = sigmoid(g), act = silu(g) = g / (1 + exp(-g))
+//     forward:  a = act * u (* w)
+//     backward: up1 = u; slope = s * (1 + g * (1 - s))
+//   backward, both: prod = dA * act * up1 (d w = sum_f prod); dA *= w
 //             dGate = dA * up1 * slope (0 where gate > L); dUp = dA * act (0 where up is
 //             outside [-L, L])
 //
 // Each is a separate ATen op there, so nothing is contracted: the one product that feeds
 // a sum here ((alpha * g) * (1 - s), then + 1) goes through an opaque copy that keeps the
-// compiler from fusing them. The sigmoid is the only operation whose vector and scalar
-// forms differ; ATen applies it to the contiguous [rows, F] chunk as one flat range of
-// rows * F elements, cut by at::parallel_for at ATen's grain into one piece per thread,
-// each piece vectors in blocks of two and a scalar tail. These kernels cut each chunk of
+// compiler from fusing them. Sigmoid and silu are the only operations whose vector and
+// scalar forms differ; ATen applies them to a [rows, F] chunk (contiguous, or a view of
+// h) cut by at::parallel_for at ATen's grain into one piece per thread, each piece (or
+// each row's part of it, for a view) vectors in blocks of two and a scalar tail, or all
+// scalar for a view without unit stride (Cut). These kernels cut each chunk of
 // ``chunk_rows`` rows (the caller's, the same as the ATen path's) alike.
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -299,11 +304,18 @@ inline fVec sigmoid_vec(const fVec& x) {
   return ((fVec(0.f) - x).exp() + fVec(1.f)).reciprocal();
 }
 
-struct OaiArgs {
+// How ATen's loops cut a [rows, F] chunk for an op with distinct vector and scalar forms:
+// one flat range (a contiguous input: the clamped gate, swigluoai's gate * alpha), row by
+// row (the unclamped gate as a view of h's halves: rows of unit stride apart), or all
+// scalar (the unclamped gate as a view of h's even columns: no unit stride)
+enum class Cut { kFlat, kRow, kScalar };
+
+struct GluArgs {
   float alpha;
   bool clamp;
   float limit;
   bool interleaved;
+  Cut cut;
 };
 
 // One block of flat positions [p, q) of a chunk that starts at row r0: gate, up (and dA,
@@ -392,10 +404,13 @@ void scatter_dh(
 constexpr int64_t kBlock = 1024;  // a multiple of two vectors: blocks keep the pieces' cut
 
 template <typename Fn>
-void for_each_flat(int64_t n, const Fn& fn) {
+void for_each_cut(int64_t n, int64_t f, Cut cut, const Fn& fn) {
   // TensorIterator::for_each and at::parallel_for: one piece per thread (at most one per
   // grain) where n exceeds the grain, else one; computed here so that the cut does not
-  // depend on how this file was built (without OpenMP at::parallel_for runs one piece)
+  // depend on how this file was built (without OpenMP at::parallel_for runs one piece).
+  // Within a piece the vector part starts at the piece (kFlat) or at each row's part of it
+  // (kRow: TensorIterator's inner loop runs a row, or the piece's share of one); none with
+  // kScalar.
   const int64_t grain = at::internal::GRAIN_SIZE, threads = at::get_num_threads();
   int64_t pieces = 1;
   if (n > grain && threads > 1 && !at::in_parallel_region()) {
@@ -405,17 +420,21 @@ void for_each_flat(int64_t n, const Fn& fn) {
   at::parallel_for(0, pieces, 1, [&](int64_t first, int64_t last) {
     for (int64_t piece = first; piece < last; ++piece) {
       const int64_t b = piece * size, e = std::min(n, b + size);
-      const int64_t ve = b + vector_end(e - b);
-      for (int64_t p = b; p < e; p += kBlock) {
-        fn(p, std::min(e, p + kBlock), ve);
+      for (int64_t s0 = b; s0 < e;) {
+        const int64_t s1 = cut == Cut::kFlat ? e : std::min(e, (s0 / f + 1) * f);
+        const int64_t ve = cut == Cut::kScalar ? s0 : s0 + vector_end(s1 - s0);
+        for (int64_t p = s0; p < s1; p += kBlock) {
+          fn(p, std::min(s1, p + kBlock), ve);
+        }
+        s0 = s1;
       }
     }
   });
 }
 
-template <typename TH>
-void oai_forward_impl(
-    const at::Tensor& h, const float* w, const at::Tensor& out, const OaiArgs& o,
+template <typename TH, bool OAI>
+void glu_forward_impl(
+    const at::Tensor& h, const float* w, const at::Tensor& out, const GluArgs& o,
     int64_t chunk_rows) {
   const int64_t rows = h.size(0), f = out.size(1), hs = h.stride(0), os = out.stride(0);
   const TH* hp = h.data_ptr<TH>();
@@ -423,7 +442,7 @@ void oai_forward_impl(
   const fVec alpha(o.alpha), lim(o.limit), nlim(-o.limit), one(1.f);
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - r0) * f;
-    for_each_flat(n, [&](int64_t p, int64_t q, int64_t ve) {
+    for_each_cut(n, f, o.cut, [&](int64_t p, int64_t q, int64_t ve) {
       float g[kBlock], u[kBlock], wb[kBlock];
       gather_block(hp, hs, r0, f, p, q, o.interleaved, g, u);
       if (w != nullptr) {
@@ -438,7 +457,12 @@ void oai_forward_impl(
           x = at::vec::clamp_max(x, lim);
           y = at::vec::clamp(y, nlim, lim);
         }
-        fVec a = x * sigmoid_vec(opaque(x * alpha)) * (y + one);
+        fVec a;
+        if constexpr (OAI) {
+          a = x * sigmoid_vec(opaque(x * alpha)) * (y + one);
+        } else {
+          a = x / (one + x.neg().exp()) * y;  // ATen's silu, then the product
+        }
         if (w != nullptr) {
           a = a * fVec::loadu(wb + k);
         }
@@ -451,7 +475,12 @@ void oai_forward_impl(
           x = clamp_max_scalar(x, o.limit);
           y = clamp_scalar(y, -o.limit, o.limit);
         }
-        float a = x * sigmoid_scalar(opaque(x * o.alpha)) * (y + 1.f);
+        float a;
+        if constexpr (OAI) {
+          a = x * sigmoid_scalar(opaque(x * o.alpha)) * (y + 1.f);
+        } else {
+          a = x / (1.f + std::exp(-x)) * y;
+        }
         if (w != nullptr) {
           a *= wb[k];
         }
@@ -463,10 +492,10 @@ void oai_forward_impl(
 }
 
 
-template <typename TH>
-void oai_backward_impl(
+template <typename TH, bool OAI>
+void glu_backward_impl(
     const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_dh,
-    float* prod, const OaiArgs& o, int64_t chunk_rows) {
+    float* prod, const GluArgs& o, int64_t chunk_rows) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   const int64_t hs = h.stride(0), gs = grad_a.stride(0), ds = out_dh.stride(0);
   const TH* hp = h.data_ptr<TH>();
@@ -475,7 +504,7 @@ void oai_backward_impl(
   const fVec alpha(o.alpha), lim(o.limit), nlim(-o.limit), one(1.f), zero(0.f);
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - r0) * f;
-    for_each_flat(n, [&](int64_t p, int64_t q, int64_t ve) {
+    for_each_cut(n, f, o.cut, [&](int64_t p, int64_t q, int64_t ve) {
       float g[kBlock], u[kBlock], ga[kBlock], wb[kBlock];
       gather_block(hp, hs, r0, f, p, q, o.interleaved, g, u);
       gather_flat(gp, gs, r0, f, p, q, ga);
@@ -495,10 +524,19 @@ void oai_backward_impl(
           x = at::vec::clamp_max(x, lim);
           y = at::vec::clamp(y, nlim, lim);
         }
-        const fVec s = sigmoid_vec(opaque(x * alpha));
-        const fVec act = x * s;
-        const fVec up1 = y + one;
-        const fVec slope = s * (opaque(opaque(alpha * x) * (one - s)) + one);
+        fVec s, act, up1, slope;
+        if constexpr (OAI) {
+          s = sigmoid_vec(opaque(x * alpha));
+          act = x * s;
+          up1 = y + one;
+          slope = s * (opaque(opaque(alpha * x) * (one - s)) + one);
+        } else {  // sigmoid and silu: one exp(-x) serves both (exp(0 - x) = exp(-x))
+          const fVec e = (zero - x).exp();
+          s = (e + one).reciprocal();
+          act = x / (one + e);
+          up1 = y;
+          slope = s * (opaque(x * (one - s)) + one);
+        }
         if (w != nullptr) {
           (d * (act * up1)).store(pr + i);
           d = d * fVec::loadu(wb + k);
@@ -521,10 +559,19 @@ void oai_backward_impl(
           x = clamp_max_scalar(x, o.limit);
           y = clamp_scalar(y, -o.limit, o.limit);
         }
-        const float s = sigmoid_scalar(opaque(x * o.alpha));
-        const float act = x * s;
-        const float up1 = y + 1.f;
-        const float slope = s * (opaque(opaque(o.alpha * x) * (1.f - s)) + 1.f);
+        float s, act, up1, slope;
+        if constexpr (OAI) {
+          s = sigmoid_scalar(opaque(x * o.alpha));
+          act = x * s;
+          up1 = y + 1.f;
+          slope = s * (opaque(opaque(o.alpha * x) * (1.f - s)) + 1.f);
+        } else {
+          const float e = std::exp(-x);
+          s = 1.f / (1.f + e);
+          act = x / (1.f + e);
+          up1 = y;
+          slope = s * (opaque(x * (1.f - s)) + 1.f);
+        }
         if (w != nullptr) {
           pr[i] = d * (act * up1);
           d *= wb[k];
@@ -673,11 +720,16 @@ void dispatch_oai(const at::Tensor& h, Fn&& fn) {
   }
 }
 
-OaiArgs oai_args(double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
+// swigluoai's sigmoid always sees a fresh contiguous tensor (gate * alpha); swiglu's
+// silu and sigmoid see the gate itself: contiguous once clamped, else a view of h
+GluArgs glu_args(
+    bool oai, double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
   TORCH_CHECK(chunk_rows >= 1, "glu_cpu: chunk_rows must be >= 1, got ", chunk_rows);
-  return OaiArgs{
-      static_cast<float>(alpha), limit.has_value(),
-      static_cast<float>(limit.value_or(0.0)), interleaved};
+  const bool clamp = limit.has_value();
+  const Cut cut = oai || clamp ? Cut::kFlat : interleaved ? Cut::kScalar : Cut::kRow;
+  return GluArgs{
+      static_cast<float>(alpha), clamp, static_cast<float>(limit.value_or(0.0)), interleaved,
+      cut};
 }
 
 // The glu backward kernels' operands: h [rows, h_cols], grad_a [rows, F], out_dh like h,
@@ -705,7 +757,8 @@ std::pair<const float*, float*> check_backward(
   return {w, p};
 }
 
-void glu_oai_forward(
+template <bool OAI>
+void glu_forward(
     const at::Tensor& h, const std::optional<at::Tensor>& row_weights, const at::Tensor& out,
     double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
   const int64_t rows = h.size(0), f = out.size(1);
@@ -713,18 +766,19 @@ void glu_oai_forward(
   check_rows("out", out, rows, f);
   TORCH_CHECK(out.scalar_type() == h.scalar_type(), "glu_cpu: out must have h's dtype");
   const float* w = weights_ptr(row_weights, rows);
-  const OaiArgs o = oai_args(alpha, limit, interleaved, chunk_rows);
-  dispatch_oai(h, [&](auto t) { oai_forward_impl<decltype(t)>(h, w, out, o, chunk_rows); });
+  const GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
+  dispatch_oai(h, [&](auto t) { glu_forward_impl<decltype(t), OAI>(h, w, out, o, chunk_rows); });
 }
 
-void glu_oai_backward(
+template <bool OAI>
+void glu_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
     const at::Tensor& out_dh, const std::optional<at::Tensor>& prod, double alpha,
     std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
   const auto [w, p] = check_backward(h, 2 * grad_a.size(1), grad_a, row_weights, out_dh, prod);
-  const OaiArgs o = oai_args(alpha, limit, interleaved, chunk_rows);
+  const GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
   dispatch_oai(h, [&](auto t) {
-    oai_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p, o, chunk_rows);
+    glu_backward_impl<decltype(t), OAI>(h, grad_a, w, out_dh, p, o, chunk_rows);
   });
 }
 
@@ -760,6 +814,12 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
   m.def(
       "glu_oai_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
       "Tensor(b!)? prod, float alpha, float? limit, bool interleaved, int chunk_rows) -> ()");
+  m.def(
+      "glu_swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
+      "float? limit, bool interleaved, int chunk_rows) -> ()");
+  m.def(
+      "glu_swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
+      "Tensor(b!)? prod, float alpha, float? limit, bool interleaved, int chunk_rows) -> ()");
   m.def("relu2_forward(Tensor h, Tensor? row_weights, Tensor(a!) out) -> ()");
   m.def(
       "relu2_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
@@ -769,8 +829,10 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("swiglu_forward", &swiglu_forward);
   m.impl("swiglu_backward", &swiglu_backward);
-  m.impl("glu_oai_forward", &glu_oai_forward);
-  m.impl("glu_oai_backward", &glu_oai_backward);
+  m.impl("glu_oai_forward", &glu_forward<true>);
+  m.impl("glu_oai_backward", &glu_backward<true>);
+  m.impl("glu_swiglu_forward", &glu_forward<false>);
+  m.impl("glu_swiglu_backward", &glu_backward<false>);
   m.impl("relu2_forward", &relu2_forward);
   m.impl("relu2_backward", &relu2_backward);
 }
