@@ -5,8 +5,8 @@ ops with fp32 math and one rounding (the project's activation contract) costs fi
 passes over fp32 temporaries forward and twelve backward; at a few hundred rows per
 expert those passes, not the GEMMs, are what an experts block spends beyond HF's bf16
 activation. ``csrc/swiglu_cpu.cpp`` computes the same operations row by row, with the
-same bits (its header says how), and GPT-OSS's clamped SwiGLU (the glu op's
-"swigluoai") in one pass over each chunk cut as ATen's loops cut it. Likewise the permutation's index sort and the
+same bits (its header says how), and the composed experts' activations (the glu op's)
+in one pass over each chunk cut as ATen's loops cut it. Likewise the permutation's index sort and the
 unweighted combine (``csrc/permute_cpu.cpp``): a dozen ATen calls each, whose per-call
 cost (the interpreter and the dispatcher run from cold caches after the expert GEMMs)
 is most of a small batch's overhead, become one call with the same integers / bits.
@@ -75,7 +75,7 @@ def _build(cap: str) -> Any:
 
 def kernels() -> Any:
     """The compiled kernels' ops (``torch.ops.torch_moe_cpu``: ``swiglu_forward``,
-    ``swiglu_backward``, ``glu_oai_forward``, ``glu_oai_backward``, ``permute_indices``,
+    ``swiglu_backward``, ``glu_oai_*``, ``glu_swiglu_*``, ``relu2_*``, ``permute_indices``,
     ``combine``), or None where disabled or the build failed."""
     if not enabled():
         return None
