@@ -107,16 +107,31 @@ inline int64_t vector_end(int64_t n) {
   return n < 2 * kV ? 0 : n - n % (2 * kV);
 }
 
+// ATen's sigmoid and silu, in their vector and scalar forms
+inline fVec sigmoid_vec(const fVec& x) {
+  return ((fVec(0.f) - x).exp() + fVec(1.f)).reciprocal();
+}
+
+inline float sigmoid_scalar(float x) {
+  return 1.f / (1.f + std::exp(-x));
+}
+
+inline fVec silu_vec(const fVec& x) {
+  return x / (fVec(1.f) + x.neg().exp());
+}
+
+inline float silu_scalar(float x) {
+  return x / (1.f + std::exp(-x));
+}
+
 // g <- silu(g)
 inline void silu_row(float* g, int64_t n) {
-  const fVec one(1.f);
   const int64_t v = vector_end(n);
   for (int64_t i = 0; i < v; i += kV) {
-    fVec x = fVec::loadu(g + i);
-    (x / (one + x.neg().exp())).store(g + i);
+    silu_vec(fVec::loadu(g + i)).store(g + i);
   }
   for (int64_t i = v; i < n; ++i) {
-    g[i] = g[i] / (1.f + std::exp(-g[i]));
+    g[i] = silu_scalar(g[i]);
   }
 }
 
@@ -128,14 +143,14 @@ inline void silu_row(float* g, int64_t n) {
 inline void backward_row(
     const float* g, const float* u, float* ga, float* a, float* s, float* p, const float* w,
     int64_t n) {
-  const fVec one(1.f), zero(0.f);
+  const fVec one(1.f);
   const int64_t v = vector_end(n);
   int64_t i = 0;
   for (; i < v; i += kV) {
     const fVec x = fVec::loadu(g + i);
     const fVec up = fVec::loadu(u + i);
     fVec d = fVec::loadu(ga + i);
-    const fVec sig = ((zero - x).exp() + one).reciprocal();
+    const fVec sig = sigmoid_vec(x);
     const fVec silu = sig * x;
     fVec act = silu * up;
     if (w != nullptr) {
@@ -150,7 +165,7 @@ inline void backward_row(
     (dy * sig * (one + x * (one - sig))).store(ga + i);
   }
   for (; i < n; ++i) {
-    const float sig = 1.f / (1.f + std::exp(-g[i]));
+    const float sig = sigmoid_scalar(g[i]);
     const float silu = sig * g[i];
     float act = silu * u[i];
     float d = ga[i];
@@ -295,14 +310,6 @@ inline float opaque(float v) {
   return v;
 }
 #endif
-
-inline float sigmoid_scalar(float x) {
-  return 1.f / (1.f + std::exp(-x));
-}
-
-inline fVec sigmoid_vec(const fVec& x) {
-  return ((fVec(0.f) - x).exp() + fVec(1.f)).reciprocal();
-}
 
 // How ATen's loops cut a [rows, F] chunk for an op with distinct vector and scalar forms:
 // one flat range (a contiguous input: the clamped gate, swigluoai's gate * alpha), row by
@@ -461,7 +468,7 @@ void glu_forward_impl(
         if constexpr (OAI) {
           a = x * sigmoid_vec(opaque(x * alpha)) * (y + one);
         } else {
-          a = x / (one + x.neg().exp()) * y;  // ATen's silu, then the product
+          a = silu_vec(x) * y;
         }
         if (w != nullptr) {
           a = a * fVec::loadu(wb + k);
@@ -479,7 +486,7 @@ void glu_forward_impl(
         if constexpr (OAI) {
           a = x * sigmoid_scalar(opaque(x * o.alpha)) * (y + 1.f);
         } else {
-          a = x / (1.f + std::exp(-x)) * y;
+          a = silu_scalar(x) * y;
         }
         if (w != nullptr) {
           a *= wb[k];
@@ -707,7 +714,7 @@ void swiglu_backward(
 
 
 template <typename Fn>
-void dispatch_oai(const at::Tensor& h, Fn&& fn) {
+void dispatch_glu(const at::Tensor& h, Fn&& fn) {
   switch (h.scalar_type()) {
     case at::kBFloat16:
       return fn(at::BFloat16{});
@@ -767,7 +774,7 @@ void glu_forward(
   TORCH_CHECK(out.scalar_type() == h.scalar_type(), "glu_cpu: out must have h's dtype");
   const float* w = weights_ptr(row_weights, rows);
   const GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
-  dispatch_oai(h, [&](auto t) { glu_forward_impl<decltype(t), OAI>(h, w, out, o, chunk_rows); });
+  dispatch_glu(h, [&](auto t) { glu_forward_impl<decltype(t), OAI>(h, w, out, o, chunk_rows); });
 }
 
 template <bool OAI>
@@ -777,7 +784,7 @@ void glu_backward(
     std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
   const auto [w, p] = check_backward(h, 2 * grad_a.size(1), grad_a, row_weights, out_dh, prod);
   const GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
-  dispatch_oai(h, [&](auto t) {
+  dispatch_glu(h, [&](auto t) {
     glu_backward_impl<decltype(t), OAI>(h, grad_a, w, out_dh, p, o, chunk_rows);
   });
 }
@@ -789,14 +796,14 @@ void relu2_forward(
   check_rows("out", out, rows, f);
   TORCH_CHECK(out.scalar_type() == h.scalar_type(), "glu_cpu: out must have h's dtype");
   const float* w = weights_ptr(row_weights, rows);
-  dispatch_oai(h, [&](auto t) { relu2_forward_impl<decltype(t)>(h, w, out); });
+  dispatch_glu(h, [&](auto t) { relu2_forward_impl<decltype(t)>(h, w, out); });
 }
 
 void relu2_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
     const at::Tensor& out_dh, const std::optional<at::Tensor>& prod) {
   const auto [w, p] = check_backward(h, grad_a.size(1), grad_a, row_weights, out_dh, prod);
-  dispatch_oai(h, [&](auto t) { relu2_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p); });
+  dispatch_glu(h, [&](auto t) { relu2_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p); });
 }
 
 }  // namespace
