@@ -49,7 +49,13 @@ from torch import Tensor
 from torch_moe._ops import _native
 from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.grouped_mm import _nonzero_strides
-from torch_moe._ops.grouped_swiglu import _act_chunk_rows, _check_act, _grad_rw_or_empty
+from torch_moe._ops.grouped_swiglu import (
+    _NATIVE_DTYPES,
+    _act_chunk_rows,
+    _check_act,
+    _grad_rw_or_empty,
+    _native_weights,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -231,9 +237,8 @@ def _rows_per_chunk(h: Tensor, activation: str) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# the native kernels: "swigluoai" and "relu2"
+# the native kernels (the dtypes of h they take: grouped_swiglu's, one library)
 
-_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NATIVE_ACTIVATIONS = ("swiglu", "swigluoai", "relu2")
 _GluArgs = tuple[str, float, float | None, bool]  # (activation, alpha, limit, interleaved)
 # (kernels, activation, dtype): whether they gave the ATen chunks' bits
@@ -241,8 +246,9 @@ _NATIVE_CHECKED: dict[tuple[Any, str, torch.dtype], bool] = {}
 
 
 def _native_kernels(activation: str, h: Tensor, *others: Tensor) -> Any:
-    """The compiled kernels where they take this call: h on the CPU in a dtype they have, h and the other operands (dA) in one dtype with unit column
-    stride, built and checked for this activation and dtype."""
+    """The compiled kernels where they take this call: h on the CPU in a dtype they have,
+    h and the other operands (dA) in one dtype with unit column stride, built and checked
+    for this activation and dtype."""
     if activation not in _NATIVE_ACTIVATIONS or h.dtype not in _NATIVE_DTYPES:
         return None
     if h.device.type != "cpu" or not _native.enabled():
@@ -263,7 +269,7 @@ def _native_forward(
 ) -> None:
     """The activation of h into ``out``; ``args``: (activation, alpha, limit, interleaved)."""
     activation, alpha, limit, interleaved = args
-    rw = _f32(row_weights)
+    rw = _native_weights(row_weights)
     if activation == "relu2":
         mod.relu2_forward(h, rw, out)
     else:
@@ -285,7 +291,7 @@ def _native_backward(
     fp32 buffer, summed as the ATen chunks sum theirs (a reduction over more rows may cut
     a row's sum differently between threads)."""
     activation, alpha, limit, interleaved = args
-    rw = _f32(row_weights)
+    rw = _native_weights(row_weights)
 
     def run(r: slice, prod: Tensor | None) -> None:
         rw_r = None if rw is None else rw[r]
@@ -351,10 +357,6 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
                 )
                 return False
     return True
-
-
-def _f32(row_weights: Tensor | None) -> Tensor | None:
-    return None if row_weights is None else row_weights.to(torch.float32).contiguous()
 
 
 @torch.library.custom_op("torch_moe::glu", mutates_args=())

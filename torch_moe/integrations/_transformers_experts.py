@@ -29,11 +29,10 @@ constants) and picks one of two paths:
   the gate is one it computes (transformers' default with SiLU, and the classes of
   ``OWN_GATES``: GPT-OSS's clamped ``(up + 1) * glu`` on interleaved columns, clamped
   SwiGLU; ungated: Nemotron-H's squared ReLU; fp32 math and one rounding as in the fused
-  path, native CPU kernels for GPT-OSS's and the squared ReLU), otherwise by the module's
-  OWN ``_apply_gate`` (soft-capped SwiGLU, GELU gates, ...) or ``act_fn`` (ungated) under
-  ``torch.utils.checkpoint``; either way only
-  the [M, N] pre-activation is kept and the activation is recomputed in the backward;
-  ``grouped_mm`` for the down projection; the
+  path, each with a native CPU kernel), otherwise by the module's OWN ``_apply_gate``
+  (soft-capped SwiGLU, GELU gates, ...) or ``act_fn`` (ungated) under
+  ``torch.utils.checkpoint``; either way only the [M, N] pre-activation is kept and the
+  activation is recomputed in the backward; ``grouped_mm`` for the down projection; the
   down bias enters as ``sum_k w[t, k] * b[e(t, k)]`` per token (``_ExpertBiasCombine``,
   which saves no [T*K, D] tensor either). A post-expert norm is nonlinear, so there the
   routing weights go into the combine (``unpermute(y, weights)``) instead. Saved per row:
@@ -424,17 +423,18 @@ def experts_forward(
         h_MN = h_MN + up_bias.index_select(0, row_expert_M)
     # the weight goes after a nonlinear post-expert norm, otherwise into the activation
     fold = not layout.has_post_expert_norm
-    rw_act = rw_M if fold else torch.ones_like(rw_M)
     if layout.glu is not None:  # saves h (and the weights) and recomputes in its backward
         activation, alpha, limit, interleaved = layout.glu
         rw_glu = rw_M if fold else None
         a_MF = torch.ops.torch_moe.glu(h_MN, rw_glu, activation, alpha, limit, interleaved)
-    elif torch.is_grad_enabled() and (h_MN.requires_grad or rw_act.requires_grad):
-        a_MF = checkpoint(
-            _gate_times_weight, self, layout.has_gate, h_MN, rw_act, use_reentrant=False
-        )
     else:
-        a_MF = _gate_times_weight(self, layout.has_gate, h_MN, rw_act)
+        rw_act = rw_M if fold else torch.ones_like(rw_M)
+        if torch.is_grad_enabled() and (h_MN.requires_grad or rw_act.requires_grad):
+            a_MF = checkpoint(
+                _gate_times_weight, self, layout.has_gate, h_MN, rw_act, use_reentrant=False
+            )
+        else:
+            a_MF = _gate_times_weight(self, layout.has_gate, h_MN, rw_act)
     y_MD = _gemm(a_MF.to(dt), down_EFD, offs, recipe)
     if fold:
         out = ops.unpermute(y_MD, None, perm)
