@@ -301,7 +301,7 @@ class TestNativeSwiGLU(TestCase):
             self.assertTrue(refused, msg=name)
         # per dtype and per activation: a build wrong for bf16 swigluoai only is refused
         # there and used for fp32 and for relu2
-        h, grad_a, _ = _oai_operands(3, 5, BF16, seed=0)
+        h, grad_a, _ = _operands(3, 5, BF16, BF16, seed=0)
         bad = wrong(only(dtype=BF16))
         with (
             mock.patch.dict("os.environ", {_native.ENV: "1"}),
@@ -381,21 +381,12 @@ class TestNativeSwiGLU(TestCase):
         self.assertEqual(P.pick({"aten": 1.0, "native": 0.95}, "aten", 0.1), "aten")
 
 
-def _oai_operands(rows, hidden, dtype, seed, pad=0):
-    """h [rows, 2F] (|h| up to ~10: clamps and a saturating sigmoid), dA [rows, F] as row
-    views of wider tensors when ``pad``, row weights in (0, 1)."""
-    g = torch.Generator().manual_seed(seed)
-    h = (3 * torch.randn(rows, 2 * hidden + pad, generator=g)).to(dtype)[:, : 2 * hidden]
-    grad_a = torch.randn(rows, hidden + pad, generator=g).to(dtype)[:, :hidden]
-    return h, grad_a, torch.rand(rows, generator=g)
-
-
 def _chunk_sums(prod, step):
     """Row sums of ``prod`` per chunk of ``step`` rows (as the ATen chunks sum theirs)."""
     return torch.cat([prod[r0 : r0 + step].sum(-1) for r0 in range(0, prod.shape[0], step)])
 
 
-def _oai_op(h, grad_a, rw, limit, interleaved, native, activation="swigluoai"):
+def _glu_op(h, grad_a, rw, limit, interleaved, native, activation="swigluoai"):
     """torch_moe::glu(activation) forward and backward through autograd, with the native
     kernels or the ATen chunks: (a, dH, d rw)."""
     off = mock.patch.object(glu_mod, "_native_kernels", return_value=None)
@@ -420,11 +411,11 @@ class TestNativeGluOai(TestCase):
         # (the chunk is the probe's, the same for both); swiglu's three cuts (a clamped
         # gate flat, an unclamped one by row or, interleaved, all scalar)
         for rows, hidden, pad in [(1, 5, 0), (7, 31, 2), (33, 32, 0), (70, 100, 1)]:
-            h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=rows, pad=pad)
+            h, grad_a, rw = _operands(rows, hidden, dtype, dtype, seed=rows, pad=pad)
             rw = rw if weighted else None
             args = (h, grad_a, rw, limit, interleaved)
-            want = _oai_op(*args, native=False, activation=activation)
-            got = _oai_op(*args, native=True, activation=activation)
+            want = _glu_op(*args, native=False, activation=activation)
+            got = _glu_op(*args, native=True, activation=activation)
             for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
                 self.assertEqual(g, w, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
 
@@ -434,12 +425,12 @@ class TestNativeGluOai(TestCase):
     def test_relu2_op_bitwise_aten(self, dtype, weighted):
         # ungated h [rows, F]; zeros of both signs and a NaN: ATen's relu passes -0 and NaN
         for rows, hidden, pad in [(1, 5, 0), (7, 31, 2), (70, 100, 1)]:
-            h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=rows, pad=pad)
+            h, grad_a, rw = _operands(rows, hidden, dtype, dtype, seed=rows, pad=pad)
             h = h[:, :hidden]
             h[0, :3] = torch.tensor([0.0, -0.0, float("nan")], dtype=dtype)
             rw = rw if weighted else None
-            want = _oai_op(h, grad_a, rw, None, False, native=False, activation="relu2")
-            got = _oai_op(h, grad_a, rw, None, False, native=True, activation="relu2")
+            want = _glu_op(h, grad_a, rw, None, False, native=False, activation="relu2")
+            got = _glu_op(h, grad_a, rw, None, False, native=True, activation="relu2")
             for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
                 if w is None:
                     continue
@@ -460,7 +451,7 @@ class TestNativeGluOai(TestCase):
         try:
             torch.set_num_threads(threads)
             for rows, hidden in ((40, 1001), (37, 999)):
-                h, grad_a, rw = _oai_operands(rows, hidden, F32, seed=5)
+                h, grad_a, rw = _operands(rows, hidden, F32, F32, seed=5)
                 for activation, limit, interleaved in (
                     ("swigluoai", 0.5, True),
                     ("swiglu", None, False),
@@ -490,7 +481,7 @@ class TestNativeGluOai(TestCase):
     def test_kernel_bitwise_aten_fuzz(
         self, rows, hidden, step, dtype, activation, limit, interleaved, weighted, seed
     ):
-        h, grad_a, rw = _oai_operands(rows, hidden, dtype, seed=seed, pad=seed % 3)
+        h, grad_a, rw = _operands(rows, hidden, dtype, dtype, seed=seed, pad=seed % 3)
         rw = rw if weighted else None
         want, got = self._kernel_and_chunks(h, grad_a, rw, limit, interleaved, step, activation)
         for w, g in zip(want, got, strict=True):
@@ -524,18 +515,18 @@ class TestNativeGluOai(TestCase):
 
     @needs_native
     def test_op_runs_the_kernel(self):
-        h, grad_a, rw = _oai_operands(9, 40, BF16, seed=0)
+        h, grad_a, rw = _operands(9, 40, BF16, BF16, seed=0)
         spy = mock.patch.object(glu_mod, "_forward", wraps=glu_mod._forward)
         with spy as aten:
-            _oai_op(h, grad_a, rw, 7.0, True, native=True)
+            _glu_op(h, grad_a, rw, 7.0, True, native=True)
         self.assertEqual(aten.call_count, 0)  # neither direction ran the ATen chunks
         with spy as aten:
-            _oai_op(h, grad_a, rw, 7.0, True, native=False)
+            _glu_op(h, grad_a, rw, 7.0, True, native=False)
         self.assertGreater(aten.call_count, 0)
 
     @needs_native
     def test_kernels_only_where_they_apply(self):
-        h, grad_a, _ = _oai_operands(4, 8, BF16, seed=0)
+        h, grad_a, _ = _operands(4, 8, BF16, BF16, seed=0)
         k = glu_mod._native_kernels
         self.assertIs(k("swigluoai", h, grad_a), _native.kernels())
         self.assertIs(k("swigluoai", h.float(), grad_a.float()), _native.kernels())
@@ -550,7 +541,7 @@ class TestNativeGluOai(TestCase):
     @needs_native
     def test_kernel_argument_errors(self):
         mod = _native.kernels()
-        h, grad_a, rw = _oai_operands(4, 8, BF16, seed=0)
+        h, grad_a, rw = _operands(4, 8, BF16, BF16, seed=0)
         out, dh = torch.empty(4, 8, dtype=BF16), torch.empty_like(h)
         with self.assertRaisesRegex(RuntimeError, r"glu_cpu: chunk_rows must be >= 1, got 0"):
             mod.glu_oai_forward(h, None, out, 1.702, None, True, 0)
@@ -590,7 +581,7 @@ class TestNativeGluOai(TestCase):
             UserWarning, r"swigluoai kernel built but its results differ .*\(torch.bfloat16, 3x5\)"
         ):
             self.assertFalse(glu_mod._native_matches_aten(Wrong, "swigluoai", BF16))
-        h, grad_a, _ = _oai_operands(3, 5, BF16, seed=0)
+        h, grad_a, _ = _operands(3, 5, BF16, BF16, seed=0)
         with (
             mock.patch.dict("os.environ", {_native.ENV: "1"}),
             mock.patch.object(_native, "kernels", return_value=Wrong),
