@@ -41,8 +41,8 @@ def block_step(model: Any, experts: Any, variant: str, inputs: tuple[torch.Tenso
         t.grad = None
     kernel = "aten" if "ATen" in variant else "native"
     # the ATen variant: SwiGLU (grouped_swiglu) and the glu op's activations by ATen ops
-    no_oai = mock.patch.object(_glu, "_native_kernels", return_value=None)
-    with _cpu_probe.force(act_kernel=kernel), no_oai if kernel == "aten" else nullcontext():
+    no_glu = mock.patch.object(_glu, "_native_kernels", return_value=None)
+    with _cpu_probe.force(act_kernel=kernel), no_glu if kernel == "aten" else nullcontext():
         experts(x, ids, weights).backward(grad)
 
 
