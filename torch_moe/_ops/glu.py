@@ -48,6 +48,7 @@ from torch import Tensor
 
 from torch_moe._ops import _native
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops._eager import DirectOp
 from torch_moe._ops.grouped_mm import _nonzero_strides
 from torch_moe._ops.grouped_swiglu import (
     _NATIVE_DTYPES,
@@ -374,7 +375,7 @@ def glu(
 
 
 @glu.register_kernel("cpu")
-def _(
+def _glu_cpu(
     h: Tensor,
     row_weights: Tensor | None,
     activation: str,
@@ -429,7 +430,7 @@ def glu_backward(
 
 
 @glu_backward.register_kernel("cpu")
-def _(
+def _glu_backward_cpu(
     grad_a: Tensor,
     h: Tensor,
     row_weights: Tensor | None,
@@ -486,3 +487,7 @@ def _backward(ctx, grad_a):  # type: ignore[no-untyped-def]
 
 
 glu.register_autograd(_backward, setup_context=_setup)
+
+# Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
+glu = DirectOp(glu, _glu_cpu, _setup, _backward)
+glu_backward = DirectOp(glu_backward, _glu_backward_cpu)

@@ -57,7 +57,8 @@ from torch import Tensor
 
 from torch_moe._ops import _cpu_probe
 from torch_moe._ops._dtypes import FLOAT_DTYPES
-from torch_moe._ops.permute import _check_maps, _check_rows
+from torch_moe._ops._eager import DirectOp
+from torch_moe._ops.permute import _check_maps, _check_rows, permute, unpermute
 
 __all__ = [
     "check_offs",
@@ -511,8 +512,7 @@ def _triton_available() -> bool:
 # the ops
 
 
-@torch.library.custom_op("torch_moe::grouped_mm", mutates_args=())
-def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+def _grouped_mm_default(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check_mm_inputs(x, w, offs)
     ends = check_offs_values("grouped_mm", offs, x.shape[0])
     # the op computes in its operands' dtype (upcasting bf16 where the CPU has no native
@@ -520,6 +520,9 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     # code (kernels outside autocast) would not do
     with torch.autocast("cpu", enabled=False):
         return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist(), offs)
+
+
+grouped_mm = torch.library.custom_op("torch_moe::grouped_mm", _grouped_mm_default, mutates_args=())
 
 
 @grouped_mm.register_kernel("cuda")
@@ -543,13 +546,17 @@ def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], w.shape[2]))
 
 
-@torch.library.custom_op("torch_moe::grouped_mm_wgrad", mutates_args=())
-def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+def _grouped_mm_wgrad_default(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     """out[g] = x[rows of g]^T @ dy[rows of g]: [E, K, N], zero for empty groups."""
     _check_wgrad_inputs(x, dy, offs)
     ends = check_offs_values("grouped_mm_wgrad", offs, x.shape[0])
     with torch.autocast("cpu", enabled=False):  # the operands' dtype (see grouped_mm)
         return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist(), offs)
+
+
+grouped_mm_wgrad = torch.library.custom_op(
+    "torch_moe::grouped_mm_wgrad", _grouped_mm_wgrad_default, mutates_args=()
+)
 
 
 @grouped_mm_wgrad.register_kernel("cuda")
@@ -617,11 +624,10 @@ def _check_gather(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> None:
 
 
 def _gathered_rows(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> Tensor:
-    return torch.ops.torch_moe.permute(x, row_to_slot, slot_to_row, None)
+    return permute(x, row_to_slot, slot_to_row, None)
 
 
-@torch.library.custom_op("torch_moe::gather_grouped_mm", mutates_args=())
-def gather_grouped_mm(
+def _gather_grouped_mm_default(
     x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor, slot_to_row: Tensor
 ) -> Tensor:
     """``grouped_mm(permute(x, row_to_slot, slot_to_row), w, offs)``: x [T, K_in] holds the
@@ -631,6 +637,11 @@ def gather_grouped_mm(
     token's rows' input gradients in fp32, as ``permute``'s backward does."""
     _check_gather(x, row_to_slot, slot_to_row)
     return grouped_mm(_gathered_rows(x, row_to_slot, slot_to_row), w, offs)
+
+
+gather_grouped_mm = torch.library.custom_op(
+    "torch_moe::gather_grouped_mm", _gather_grouped_mm_default, mutates_args=()
+)
 
 
 @gather_grouped_mm.register_fake
@@ -652,7 +663,7 @@ def _gather_mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
         grad_rows = grouped_mm(grad, w.transpose(-2, -1), offs)
-        grad_x = torch.ops.torch_moe.unpermute(grad_rows, slot_to_row, row_to_slot, None)
+        grad_x = unpermute(grad_rows, slot_to_row, row_to_slot, None)
     if ctx.needs_input_grad[1]:
         rows = _gathered_rows(x, row_to_slot, slot_to_row)
         if experts_transposed(w):  # as grouped_mm's backward: dW in w's own layout
@@ -663,3 +674,10 @@ def _gather_mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
 
 
 gather_grouped_mm.register_autograd(_gather_mm_backward, setup_context=_setup_gather_mm)
+
+# Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
+grouped_mm = DirectOp(grouped_mm, _grouped_mm_default, _setup_mm, _mm_backward)
+grouped_mm_wgrad = DirectOp(grouped_mm_wgrad, _grouped_mm_wgrad_default)
+gather_grouped_mm = DirectOp(
+    gather_grouped_mm, _gather_grouped_mm_default, _setup_gather_mm, _gather_mm_backward
+)

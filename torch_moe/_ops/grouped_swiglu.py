@@ -38,6 +38,7 @@ from torch import Tensor
 
 from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
+from torch_moe._ops._eager import DirectOp
 from torch_moe._ops.grouped_mm import (
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
@@ -626,7 +627,7 @@ def _forward_whole(
 
 
 @grouped_swiglu.register_kernel("cpu")
-def _(
+def _grouped_swiglu_cpu(
     x: Tensor,
     w13: Tensor,
     w2: Tensor,
@@ -693,7 +694,7 @@ def grouped_swiglu_backward(
 
 
 @grouped_swiglu_backward.register_kernel("cpu")
-def _(
+def _grouped_swiglu_backward_cpu(
     grad_y: Tensor,
     grad_h: Tensor | None,
     x: Tensor,
@@ -927,7 +928,7 @@ def swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
 
 
 @swiglu.register_kernel("cpu")
-def _(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+def _swiglu_cpu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
     """grouped_swiglu's CPU activation: row chunks whose fp32 temporaries stay in cache
     (the same operations as ``_act``, hence the same bits)."""
     _check_act(h, row_weights)
@@ -959,7 +960,9 @@ def swiglu_backward(
 
 
 @swiglu_backward.register_kernel("cpu")
-def _(grad_a: Tensor, h: Tensor, row_weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _swiglu_backward_cpu(
+    grad_a: Tensor, h: Tensor, row_weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """grouped_swiglu's CPU activation backward (``_act_backward_into``) in row chunks: the
     same values as grouped_swiglu's CPU kernels give for the same rows; the recomputed
     activation goes to one chunk's scratch buffer."""
@@ -998,3 +1001,9 @@ def _act_backward_op(ctx, grad_a):  # type: ignore[no-untyped-def]
 
 
 swiglu.register_autograd(_act_backward_op, setup_context=_setup_act)
+
+# Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
+grouped_swiglu = DirectOp(grouped_swiglu, _grouped_swiglu_cpu, _setup, _backward)
+grouped_swiglu_backward = DirectOp(grouped_swiglu_backward, _grouped_swiglu_backward_cpu)
+swiglu = DirectOp(swiglu, _swiglu_cpu, _setup_act, _act_backward_op)
+swiglu_backward = DirectOp(swiglu_backward, _swiglu_backward_cpu)

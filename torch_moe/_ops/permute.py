@@ -40,6 +40,7 @@ from torch import Tensor
 
 from torch_moe._ops import _native
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops._eager import DirectOp
 
 __all__ = [
     "gather_rows",
@@ -143,7 +144,7 @@ def permute_indices(
 
 
 @permute_indices.register_kernel("cpu")
-def _(
+def _permute_indices_cpu(
     expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The reference's integers by a stable counting sort in one native call where the
@@ -338,7 +339,9 @@ def _scale_rows_(out: Tensor, scale: Tensor) -> None:
 
 
 @permute.register_kernel("cpu")
-def _(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None) -> Tensor:
+def _permute_cpu(
+    x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None
+) -> Tensor:
     if x.shape[0] == 0:
         return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
     _check_maps("permute", row_to_slot, slot_to_row, weights)
@@ -357,7 +360,9 @@ def _(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | Non
 
 
 @unpermute.register_kernel("cpu")
-def _(y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None) -> Tensor:
+def _unpermute_cpu(
+    y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None
+) -> Tensor:
     if y.shape[0] == 0 or slot_to_row.shape[1] == 0:
         return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
@@ -404,7 +409,7 @@ def weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tenso
 
 
 @weighted_row_dot.register_kernel("cpu")
-def _(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
+def _weighted_row_dot_cpu(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
     # per row chunk of tokens: each chunk converted once, its fp32 temporaries in cache
     return _weighted_row_dot(rows, tokens, slot_to_row, _chunk_rows(rows.shape[1]))
 
@@ -469,3 +474,10 @@ def _unpermute_backward(ctx, grad):  # type: ignore[no-untyped-def]
 
 permute.register_autograd(_permute_backward, setup_context=_setup_permute)
 unpermute.register_autograd(_unpermute_backward, setup_context=_setup_unpermute)
+
+# Eager calls on plain CPU tensors run the kernels and autograd formulas above without the
+# ops' Python layers (``_eager.py``); everything else, and every attribute, is the op's.
+permute_indices = DirectOp(permute_indices, _permute_indices_cpu)
+permute = DirectOp(permute, _permute_cpu, _setup_permute, _permute_backward)
+unpermute = DirectOp(unpermute, _unpermute_cpu, _setup_unpermute, _unpermute_backward)
+weighted_row_dot = DirectOp(weighted_row_dot, _weighted_row_dot_cpu)

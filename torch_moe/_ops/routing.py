@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops._eager import DirectOp
 
 __all__ = ["GROUP_SCORES", "SCORE_FUNCS", "SIGMOID_SCORES", "topk_route", "topk_route_reference"]
 
@@ -200,8 +201,7 @@ def topk_route_reference(
     return weights_TK, expert_ids_TK, counts_E
 
 
-@torch.library.custom_op("torch_moe::topk_route", mutates_args=())
-def topk_route(
+def _topk_route_default(
     logits: Tensor,
     k: int,
     score_func: str = "softmax",
@@ -226,6 +226,9 @@ def topk_route(
         route_norm_eps,
     )
     return weights, ids, counts
+
+
+topk_route = torch.library.custom_op("torch_moe::topk_route", _topk_route_default, mutates_args=())
 
 
 @topk_route.register_fake
@@ -259,8 +262,7 @@ def _(
     return weights, ids, counts
 
 
-@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
-def topk_route_backward(
+def _topk_route_backward_default(
     grad_weights: Tensor,
     logits: Tensor,
     expert_ids: Tensor,
@@ -288,6 +290,11 @@ def topk_route_backward(
         g_TK = chosen_TK * (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True))
         grad_TE.scatter_(1, expert_ids, g_TK)
     return grad_TE.to(logits.dtype)
+
+
+topk_route_backward = torch.library.custom_op(
+    "torch_moe::topk_route_backward", _topk_route_backward_default, mutates_args=()
+)
 
 
 @topk_route_backward.register_fake
@@ -327,3 +334,7 @@ def _backward(ctx, grad_weights, _grad_ids, _grad_counts):  # type: ignore[no-un
 
 
 topk_route.register_autograd(_backward, setup_context=_setup_context)
+
+# Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
+topk_route = DirectOp(topk_route, _topk_route_default, _setup_context, _backward)
+topk_route_backward = DirectOp(topk_route_backward, _topk_route_backward_default)

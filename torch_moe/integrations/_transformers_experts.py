@@ -69,6 +69,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from torch_moe import ops
+from torch_moe._ops import glu as _glu
+from torch_moe._ops import grouped_mm as _gmm
+from torch_moe._ops import permute as _perm
 from torch_moe.nn.functional import grouped_swiglu
 from torch_moe.quantization import Recipe, scaled_grouped_mm
 
@@ -407,9 +410,9 @@ def experts_forward(
 
     if recipe is None:  # the rows gathered inside the GEMM: no [M, D] permuted input saved
         maps = (perm.row_to_slot, perm.slot_to_row)
-        h_MN = torch.ops.torch_moe.gather_grouped_mm(x_TD, up_EDN, offs, *maps)
+        h_MN = _gmm.gather_grouped_mm(x_TD, up_EDN, offs, *maps)
     else:
-        x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
+        x_perm = _perm.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
         h_MN = _gemm(x_perm, up_EDN, offs, recipe)
     row_expert_M = None
     if layout.has_bias:
@@ -426,7 +429,7 @@ def experts_forward(
     if layout.glu is not None:  # saves h (and the weights) and recomputes in its backward
         activation, alpha, limit, interleaved = layout.glu
         rw_glu = rw_M if fold else None
-        a_MF = torch.ops.torch_moe.glu(h_MN, rw_glu, activation, alpha, limit, interleaved)
+        a_MF = _glu.glu(h_MN, rw_glu, activation, alpha, limit, interleaved)
     else:
         rw_act = rw_M if fold else torch.ones_like(rw_M)
         if torch.is_grad_enabled() and (h_MN.requires_grad or rw_act.requires_grad):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_moe._ops import permute as _perm
 from torch_moe._ops._dtypes import FP8
 from torch_moe._ops.grouped_swiglu import _check_act, swiglu
 from torch_moe._ops.permute import _check_maps, gather_rows
@@ -148,7 +149,7 @@ def permute_quantize_jagged(
     scale_rule: str,
 ) -> tuple[Tensor, Tensor]:
     _check_maps("permute_quantize_jagged", row_to_slot, slot_to_row, None)
-    x_perm = torch.ops.torch_moe.permute(x, row_to_slot, slot_to_row)
+    x_perm = _perm.permute(x, row_to_slot, slot_to_row)
     return quantize_jagged(x_perm, offs, block=block, fmt=fmt, scale_rule=scale_rule)
 
 

@@ -79,6 +79,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from torch_moe import ops
+from torch_moe._ops import grouped_mm as _gmm
+from torch_moe._ops import grouped_swiglu as _swiglu_ops
+from torch_moe._ops import permute as _perm
 from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.fused_experts import DECODE_MAX_ROWS, decode_block_m
@@ -464,7 +467,7 @@ class GroupedExperts(nn.Module):
                     b13, b2 = b13[l0:l1], b2[l0:l1]
         dt = _expert_dtype(x, w13)
         if permutation is not None and self.recipe is not None:
-            x = torch.ops.torch_moe.permute(x, *permutation)  # a recipe runs on permuted rows
+            x = _perm.permute(x, *permutation)  # a recipe runs on permuted rows
             permutation = None
         # grouped_swiglu converts the rows it gathers itself (under autocast x stays the
         # caller's fp32 tokens: no [T, D] copy in dt saved, the token gradient summed in
@@ -515,7 +518,7 @@ class GroupedExperts(nn.Module):
         if permutation is None:
             h = gemm(x, w13)
         else:  # no recipe here (a recipe permutes first)
-            h = torch.ops.torch_moe.gather_grouped_mm(x, w13.transpose(-2, -1), offs, *permutation)
+            h = _gmm.gather_grouped_mm(x, w13.transpose(-2, -1), offs, *permutation)
         num_rows = h.shape[0]
         interleaved = self.gate_up_interleaved
         if b13 is None or b2 is None:  # GroupedExperts(bias=True) has both
@@ -564,7 +567,7 @@ class GroupedExperts(nn.Module):
         ``block_m`` (from :meth:`decode_block_m`, the rows permuted with that alignment)
         the fused decode kernels (``torch_moe::fused_experts``)."""
         if self.composed:  # the training forward on the gathered rows
-            x_perm = torch.ops.torch_moe.permute(x, row_to_slot, slot_to_row)
+            x_perm = _perm.permute(x, row_to_slot, slot_to_row)
             return self.forward(x_perm, offs, row_weights)
         w13, w2 = self._local_weights()
         dt = _expert_dtype(x, w13)
@@ -583,14 +586,12 @@ class GroupedExperts(nn.Module):
             )
         if recipe is None:
             tokens = torch.div(row_to_slot, slot_to_row.shape[1], rounding_mode="floor")
-            y, _h = torch.ops.torch_moe.grouped_swiglu(
-                x, w13.to(dt), w2.to(dt), offs, row_weights, tokens
-            )
+            y, _h = _swiglu_ops.grouped_swiglu(x, w13.to(dt), w2.to(dt), offs, row_weights, tokens)
             return y
         g = recipe.forward
         rows = _row_local_quantization(g)
         if rows is None:  # not a fused layout: the training path on the gathered rows
-            x_perm = torch.ops.torch_moe.permute(x, row_to_slot, slot_to_row)
+            x_perm = _perm.permute(x, row_to_slot, slot_to_row)
             return self.forward(x_perm, offs, row_weights)
         fmt, block, rule = rows
         ops_ = torch.ops.torch_moe
@@ -1107,13 +1108,13 @@ class MoE(nn.Module):
         parts = []
         for rows in (slice(0, T // 2), slice(T // 2, T)):
             perm = ops.permute_indices(ids_TK[rows], self.num_experts, align=align)
-            x_perm = torch.ops.torch_moe.permute(x_TD[rows], perm.row_to_slot, perm.slot_to_row)
+            x_perm = _perm.permute(x_TD[rows], perm.row_to_slot, perm.slot_to_row)
             row_w = _row_weights(weights_TK[rows], perm.row_to_slot, align == 1)
             counts = d.plan(perm.offs)
             handle = d.dispatch_start(x_perm, row_w, counts, chunk)
             parts.append((perm, x_perm, row_w, counts, handle))
         combines = []
-        for _perm, x_perm, row_w, counts, handle in parts:
+        for _, x_perm, row_w, counts, handle in parts:
             x_c, w_c, offs_c = d.dispatch_wait(handle, x_perm, row_w, counts, chunk)
             y_c = self.experts(x_c, offs_c, w_c, expert_range=chunk)
             combines.append((d.combine_start(y_c, counts, chunk, x_perm.shape[0]), y_c))
@@ -1148,7 +1149,7 @@ class MoE(nn.Module):
                 shared = self.shared_experts(x_TD.to(shared_dtype))
             maps = (perm.row_to_slot, perm.slot_to_row)
             return self.experts(x_TD, perm.offs, row_w, permutation=maps), shared
-        x_perm = torch.ops.torch_moe.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
+        x_perm = _perm.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
         counts = dispatcher.plan(perm.offs)  # type: ignore[operator]
         y_perm: Tensor | None = None  # type: ignore[no-redef]
         shared = None

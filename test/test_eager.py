@@ -1,0 +1,381 @@
+# Owner(s): ["module: moe"]
+"""The ops' direct eager calls (``torch_moe/_ops/_eager.py``).
+
+On plain CPU tensors in eager mode every wrapped op runs its CPU kernel and autograd
+formula without the op's Python layers: the outputs, the gradients of every input and the
+tensors saved for the backward must be the op's, bit for bit (both ways on the same
+inputs, edge cases and a hypothesis fuzz of grouped_swiglu included), and the op must not
+be called at all. Everything the layers exist for takes the op: torch.compile, FakeTensor
+and other dispatch modes, torch function modes, functorch transforms, TorchScript tracing,
+tensor subclasses, other devices, ``ENABLED = False``. A profiler still sees each op's
+name; keyword and defaulted arguments bind as the op binds them."""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_moe import ops
+from torch_moe._ops import _eager
+from torch_moe._ops import glu as glu_mod
+from torch_moe._ops import grouped_mm as gmm
+from torch_moe._ops import grouped_swiglu as gs
+from torch_moe._ops import permute as perm
+from torch_moe._ops import routing
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@contextlib.contextmanager
+def op_path() -> Iterator[None]:
+    """Every call through the op (the dispatcher and its Python layers)."""
+    with mock.patch.object(_eager, "ENABLED", False):
+        yield
+
+
+@contextlib.contextmanager
+def op_never_called(*wrapped: _eager.DirectOp) -> Iterator[None]:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the op was called on the direct path")
+
+    with contextlib.ExitStack() as stack:
+        for w in wrapped:
+            stack.enter_context(mock.patch.object(w, "op", refuse))
+        yield
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int, skew: bool = False) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g)
+    if skew:  # most tokens on expert 0, some experts empty
+        logits[:, 0] += 4.0
+    ids = logits.topk(top_k, dim=-1).indices
+    return ops.permute_indices(ids, experts), ids
+
+
+def _case(name: str, seed: int, tokens: int = 13, skew: bool = False) -> tuple[Callable, list]:
+    """(call, inputs): ``call(*inputs)`` runs one wrapped op; the float inputs that
+    require grad are the ones whose gradients are compared."""
+    g = torch.Generator().manual_seed(seed)
+    experts, top_k, dim, hidden = 5, 2, 24, 20
+    p, ids = _routing(tokens, experts, top_k, seed, skew)
+    rows = tokens * top_k
+
+    def rand(*shape: int, dtype: torch.dtype = BF16, grad: bool = True) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.5).to(dtype).requires_grad_(grad)
+
+    w_tk = torch.rand(tokens, top_k, generator=g).requires_grad_()
+    rw = torch.rand(rows, generator=g).requires_grad_()
+    if name == "permute_indices":
+        return (lambda i: perm.permute_indices(i, experts, 1, None)), [ids]
+    if name == "permute":
+        return (lambda x, w: perm.permute(x, p.row_to_slot, p.slot_to_row, w)), [
+            rand(tokens, dim, dtype=F32),
+            w_tk,
+        ]
+    if name == "unpermute":
+        return (lambda y, w: perm.unpermute(y, p.slot_to_row, p.row_to_slot, w)), [
+            rand(rows, dim),
+            w_tk,
+        ]
+    if name == "unpermute_unweighted":
+        return (lambda y: perm.unpermute(y, p.slot_to_row, p.row_to_slot)), [rand(rows, dim)]
+    if name == "weighted_row_dot":
+        return (lambda y, x: perm.weighted_row_dot(y, x, p.slot_to_row)), [
+            rand(rows, dim, grad=False),
+            rand(tokens, dim, grad=False),
+        ]
+    if name == "grouped_swiglu":
+        return (
+            lambda x, w13, w2, r: gs.grouped_swiglu(
+                x, w13, w2, p.offs, r, None, p.row_to_slot, p.slot_to_row
+            )
+        ), [rand(tokens, dim), rand(experts, 2 * hidden, dim), rand(experts, dim, hidden), rw]
+    if name == "grouped_swiglu_permuted":
+        return (lambda x, w13, w2: gs.grouped_swiglu(x, w13, w2, p.offs)), [
+            rand(rows, dim),
+            rand(experts, 2 * hidden, dim),
+            rand(experts, dim, hidden),
+        ]
+    if name == "swiglu":
+        return (lambda h, r: gs.swiglu(h, r)), [rand(rows, 2 * hidden), rw]
+    if name == "grouped_mm":
+        return (lambda x, w: gmm.grouped_mm(x, w, p.offs)), [
+            rand(rows, dim),
+            rand(experts, hidden, dim).transpose(-2, -1).detach().requires_grad_(),
+        ]
+    if name == "grouped_mm_wgrad":
+        return (lambda x, dy: gmm.grouped_mm_wgrad(x, dy, p.offs)), [
+            rand(rows, dim, grad=False),
+            rand(rows, hidden, grad=False),
+        ]
+    if name == "gather_grouped_mm":
+        return (
+            lambda x, w: gmm.gather_grouped_mm(x, w, p.offs, p.row_to_slot, p.slot_to_row)
+        ), [rand(tokens, dim), rand(experts, dim, 2 * hidden)]
+    if name == "glu":
+        return (lambda h, r: glu_mod.glu(h, r, "swigluoai", 1.702, 7.0, True)), [
+            rand(rows, 2 * hidden),
+            rw,
+        ]
+    if name == "topk_route":
+        bias = torch.randn(experts, generator=g)
+        return (
+            lambda lg: routing.topk_route(lg, top_k, "sigmoid", bias, None, None, True, 2.5)
+        ), [rand(tokens, experts, dtype=F32)]
+    raise AssertionError(name)
+
+
+CASES = [
+    "permute_indices",
+    "permute",
+    "unpermute",
+    "unpermute_unweighted",
+    "weighted_row_dot",
+    "grouped_swiglu",
+    "grouped_swiglu_permuted",
+    "swiglu",
+    "grouped_mm",
+    "grouped_mm_wgrad",
+    "gather_grouped_mm",
+    "glu",
+    "topk_route",
+]
+
+
+def _run(call: Callable, inputs: list) -> tuple[list, list, int]:
+    """Outputs, the gradients of the inputs that require grad (a fixed random cotangent
+    per float output), and the bytes autograd saved for the backward."""
+    inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call(*inputs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    diff = [o for o in outs if o.requires_grad]
+    if diff:
+        g = torch.Generator().manual_seed(7)
+        cot = [torch.randn(o.shape, generator=g).to(o.dtype) for o in diff]
+        torch.autograd.backward(diff, cot)
+    grads = [t.grad for t in inputs if t.requires_grad]
+    return outs, grads, sum(saved)
+
+
+class TestDirectCalls(TestCase):
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))  # even if the env says 0
+    def assert_bitwise(self, a: list, b: list) -> None:
+        self.assertEqual(len(a), len(b))
+        for x, y in zip(a, b):
+            if x is None or y is None:
+                self.assertIs(x, y)
+                continue
+            self.assertEqual(x.dtype, y.dtype)
+            self.assertEqual(x.shape, y.shape)
+            self.assertTrue(torch.equal(x, y), "differs from the op's result")
+
+    @parametrize("name", CASES)
+    @parametrize("tokens,skew", [(13, False), (29, True), (1, False)])
+    def test_same_as_the_op(self, name: str, tokens: int, skew: bool) -> None:
+        call, inputs = _case(name, seed=tokens, tokens=tokens, skew=skew)
+        with op_path():
+            ref_out, ref_grads, ref_saved = _run(call, inputs)
+        wrapped = [
+            perm.permute_indices,
+            perm.permute,
+            perm.unpermute,
+            perm.weighted_row_dot,
+            gs.grouped_swiglu,
+            gs.grouped_swiglu_backward,
+            gs.swiglu,
+            gs.swiglu_backward,
+            gmm.grouped_mm,
+            gmm.grouped_mm_wgrad,
+            gmm.gather_grouped_mm,
+            glu_mod.glu,
+            glu_mod.glu_backward,
+            routing.topk_route,
+            routing.topk_route_backward,
+        ]
+        with op_never_called(*wrapped):
+            out, grads, saved = _run(call, inputs)
+        self.assert_bitwise(out, ref_out)
+        self.assert_bitwise(grads, ref_grads)
+        self.assertEqual(saved, ref_saved)
+
+    def test_no_tokens(self) -> None:
+        p = ops.permute_indices(torch.empty(0, 2, dtype=torch.long), 4)
+        x = torch.randn(0, 8, requires_grad=True)
+        w13 = torch.randn(4, 6, 8, requires_grad=True)
+        w2 = torch.randn(4, 8, 3, requires_grad=True)
+        with op_never_called(gs.grouped_swiglu):
+            y, _h = gs.grouped_swiglu(x, w13, w2, p.offs, None, None, p.row_to_slot, p.slot_to_row)
+            y.sum().backward()
+        self.assertEqual(y.shape, (0, 8))
+        self.assertEqual(w13.grad, torch.zeros_like(w13))
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        tokens=st.integers(0, 40),
+        experts=st.integers(1, 7),
+        top_k=st.integers(1, 3),
+        seed=st.integers(0, 2**16),
+        weighted=st.booleans(),
+    )
+    def test_grouped_swiglu_fuzz(
+        self, tokens: int, experts: int, top_k: int, seed: int, weighted: bool
+    ) -> None:
+        top_k = min(top_k, experts)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.rand(tokens, experts, generator=g).pow(3).topk(top_k, dim=-1).indices
+        p = ops.permute_indices(ids, experts)
+        inputs = [
+            torch.randn(tokens, 16, generator=g).to(BF16).requires_grad_(),
+            (torch.randn(experts, 2 * 12, 16, generator=g) * 0.3).to(BF16).requires_grad_(),
+            (torch.randn(experts, 16, 12, generator=g) * 0.3).to(BF16).requires_grad_(),
+            torch.rand(tokens * top_k, generator=g).requires_grad_(weighted),
+        ]
+
+        def call(x: Any, w13: Any, w2: Any, rw: Any) -> Any:
+            y, _h = gs.grouped_swiglu(
+                x, w13, w2, p.offs, rw if weighted else None, None, p.row_to_slot, p.slot_to_row
+            )
+            return ops.unpermute(y, None, p)
+
+        with op_path():
+            ref = _run(call, inputs)
+        with op_never_called(gs.grouped_swiglu, perm.unpermute):
+            got = _run(call, inputs)
+        self.assert_bitwise(got[0], ref[0])
+        self.assert_bitwise(got[1], ref[1])
+        self.assertEqual(got[2], ref[2])
+
+    def test_keywords_and_defaults_bind_as_the_op(self) -> None:
+        call, (y, _w) = _case("unpermute", seed=3)
+        p, _ = _routing(13, 5, 2, 3)
+        with op_path():
+            ref = perm.unpermute(y, p.slot_to_row, p.row_to_slot, None)
+        with op_never_called(perm.unpermute):
+            kw = perm.unpermute(y, row_to_slot=p.row_to_slot, slot_to_row=p.slot_to_row)
+            short = perm.unpermute(y, p.slot_to_row, p.row_to_slot)
+        self.assertTrue(torch.equal(kw, ref) and torch.equal(short, ref))
+        short.float().sum().backward()  # the autograd formula saw every (defaulted) input
+        self.assertEqual(y.grad.shape, y.shape)
+
+    def test_errors_are_the_kernels(self) -> None:
+        x, w = torch.randn(6, 4), torch.randn(2, 4, 3)
+        for enabled in (True, False):
+            with mock.patch.object(_eager, "ENABLED", enabled):
+                with self.assertRaisesRegex(ValueError, "offs"):
+                    gmm.grouped_mm(x, w, torch.tensor([4, 9], dtype=torch.int32))
+
+    def test_profiler_sees_the_op_name(self) -> None:
+        call, inputs = _case("grouped_swiglu", seed=1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with op_never_called(gs.grouped_swiglu):
+                _run(call, inputs)
+        names = {e.name for e in prof.events()}
+        self.assertIn("torch_moe::grouped_swiglu", names)
+
+    def test_attributes_are_the_ops(self) -> None:
+        self.assertIs(perm.unpermute.register_fake.__self__, perm.unpermute.op)
+        self.assertEqual(perm.unpermute.name, "torch_moe::unpermute")
+
+
+class TestTakesTheOp(TestCase):
+    """Where the op's layers matter, :func:`_eager.direct` says no."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))  # even if the env says 0
+
+    def test_plain_cpu_tensors(self) -> None:
+        self.assertTrue(_eager.direct((torch.ones(2), 3, None, "x")))
+
+    def test_disabled(self) -> None:
+        with op_path():
+            self.assertFalse(_eager.direct((torch.ones(2),)))
+
+    def test_other_devices_and_subclasses(self) -> None:
+        self.assertFalse(_eager.direct((torch.ones(2), torch.ones(2, device="meta"))))
+        param = torch.nn.Parameter(torch.ones(2))  # a subclass, as DTensor is
+        self.assertFalse(_eager.direct((param,)))
+
+    def test_dispatch_and_function_modes(self) -> None:
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                return func(*args, **(kwargs or {}))
+
+        with Mode():
+            self.assertFalse(_eager.direct((torch.ones(2),)))
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            self.assertFalse(_eager.direct(()))
+        with torch.overrides.TorchFunctionMode():
+            self.assertFalse(_eager.direct(()))
+
+    def test_functorch_and_jit_tracing(self) -> None:
+        seen: list[bool] = []
+
+        def f(t: torch.Tensor) -> torch.Tensor:
+            seen.append(_eager.direct((t,)))
+            return t * 2
+
+        torch.vmap(f)(torch.ones(3, 2))
+        torch.func.grad(lambda t: f(t).sum())(torch.ones(2))
+        torch.jit.trace(f, (torch.ones(2),), check_trace=False)
+        self.assertEqual(seen, [False, False, False])
+
+    def test_fake_tensors_reach_the_fake_kernel(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            x = torch.empty(7, 4)
+            w = torch.empty(3, 4, 5)
+            offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+            out = gmm.grouped_mm(x, w, offs)
+        self.assertEqual(out.shape, (7, 5))
+
+    def test_compiled_graph_keeps_the_ops(self) -> None:
+        p, _ = _routing(9, 4, 2, 0)
+        counts: dict[str, int] = {}
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            for node in gm.graph.nodes:
+                counts[str(node.target)] = counts.get(str(node.target), 0) + 1
+            return gm
+
+        def f(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+            y, _h = gs.grouped_swiglu(x, w13, w2, p.offs, None, None, p.row_to_slot, p.slot_to_row)
+            return ops.unpermute(y, None, p)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=backend, fullgraph=True)
+        x, w13, w2 = torch.randn(9, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+        self.assertTrue(torch.equal(compiled(x, w13, w2), f(x, w13, w2)))
+        self.assertIn("torch_moe.grouped_swiglu.default", counts)
+        self.assertIn("torch_moe.unpermute.default", counts)
+
+
+instantiate_parametrized_tests(TestDirectCalls)
+
+if __name__ == "__main__":
+    run_tests()
