@@ -128,13 +128,27 @@ class TestCpuProbe(TestCase):
         self.assertEqual([P.memo(("test", 1), compute) for _ in range(3)], [1, 1, 1])
         with P.force(layout="as_is"):  # forcing may change what the answer derives from
             self.assertEqual(P.memo(("test", 1), compute), 2)
-        self.assertEqual(P.memo(("test", 1), compute), 3)
+            with P.force(layout="copy_a"):  # innermost wins: another state
+                self.assertEqual(P.memo(("test", 1), compute), 3)
+            self.assertEqual(P.memo(("test", 1), compute), 2)
+        self.assertEqual(P.memo(("test", 1), compute), 1)  # the unforced answers again
+        with P.force(layout="as_is"):  # the same forced state: its answers again
+            self.assertEqual(P.memo(("test", 1), compute), 2)
+        with P.force(layout="copy_b"):
+            self.assertEqual(P.memo(("test", 1), compute), 4)
         P.reset()
-        self.assertEqual(P.memo(("test", 1), compute), 4)
+        self.assertEqual(P.memo(("test", 1), compute), 5)
+        with P.force(layout="as_is"):  # reset forgot every state's answers
+            self.assertEqual(P.memo(("test", 1), compute), 6)
         with unittest.mock.patch.object(P, "_MEMO_MAX", 2):  # bounded: full, it starts over
             P.memo(("test", 2), compute)
-            self.assertEqual(P.memo(("test", 3), compute), 6)
+            self.assertEqual(P.memo(("test", 3), compute), 8)
             self.assertEqual(len(P._memo), 1)
+        with unittest.mock.patch.object(P, "_MEMO_STATES_MAX", 2):  # states bounded too
+            for layout in ("as_is", "copy_a", "copy_b"):
+                with P.force(layout=layout):
+                    P.memo(("test", 1), compute)
+            self.assertLessEqual(len(P._memos), 2)
 
     def test_grouped_mm_choice_follows_forced_decisions(self):
         # the memoized "torch._grouped_mm or the loop" answer for the same operands

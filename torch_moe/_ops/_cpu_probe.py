@@ -107,7 +107,20 @@ _lock = threading.RLock()
 _cache: dict[str, tuple[str, str]] = {}  # key -> (choice, how)
 _forced: list[dict[str, str]] = []  # force() stack, innermost last
 _env_forced: dict[str, str] | None = None
-_memo: dict[tuple[object, ...], Any] = {}  # hot-path lookups; cleared by force() and reset()
+# hot-path lookups, one table per force() state (a benchmark or test that enters the same
+# force() every step finds its answers again); reset() clears them all
+_MEMO_STATES_MAX = 64
+_memos: dict[tuple[object, ...], dict[tuple[object, ...], Any]] = {}
+_memo: dict[tuple[object, ...], Any] = _memos.setdefault((), {})
+
+
+def _select_memo() -> None:
+    """Point ``_memo`` at the table of the current force() stack (under ``_lock``)."""
+    global _memo
+    state = tuple(tuple(sorted(table.items())) for table in _forced)
+    if state not in _memos and len(_memos) >= _MEMO_STATES_MAX:
+        _memos.clear()
+    _memo = _memos.setdefault(state, {})
 
 
 # --------------------------------------------------------------------------------------
@@ -251,19 +264,20 @@ def force(choices: Mapping[str, str] | None = None, /, **kinds: str) -> Iterator
         _check_name(name, "force", choice)
     with _lock:
         _forced.append(table)
-        _memo.clear()
+        _select_memo()
     try:
         yield
     finally:
         with _lock:
             del _forced[next(i for i, t in enumerate(_forced) if t is table)]
-            _memo.clear()
+            _select_memo()
 
 
 def memo(key: tuple[object, ...], compute: Callable[[], T]) -> T:
     """A hot path's answer derived from decisions (``key`` names it and everything it
-    depends on besides them), computed once until :func:`force` or :func:`reset` change
-    the decisions: a kernel asks per call, a lookup costs a dict access."""
+    depends on besides them), computed once per :func:`force` state (measured decisions
+    never change until :func:`reset`): a kernel asks per call, a lookup costs a dict
+    access."""
     hit = _memo.get(key, _MISSING)
     if hit is _MISSING:
         if len(_memo) >= _MEMO_MAX:  # keys carry shapes: bounded under varying batches
@@ -277,7 +291,8 @@ def reset(env: bool = True) -> None:
     global _env_forced
     with _lock:
         _cache.clear()
-        _memo.clear()
+        _memos.clear()
+        _select_memo()
         if env:
             _env_forced = None
 
