@@ -27,12 +27,11 @@ from torch.testing._internal.common_utils import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_moe import ops
-from torch_moe._ops import _eager
+from torch_moe._ops import _eager, routing
 from torch_moe._ops import glu as glu_mod
 from torch_moe._ops import grouped_mm as gmm
 from torch_moe._ops import grouped_swiglu as gs
 from torch_moe._ops import permute as perm
-from torch_moe._ops import routing
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -278,6 +277,23 @@ class TestDirectCalls(TestCase):
         self.assertTrue(torch.equal(kw, ref) and torch.equal(short, ref))
         short.float().sum().backward()  # the autograd formula saw every (defaulted) input
         self.assertEqual(y.grad.shape, y.shape)
+
+    def test_an_op_without_autograd_takes_the_op_for_a_gradient(self) -> None:
+        rows, tokens = torch.randn(6, 4, requires_grad=True), torch.randn(3, 4)
+        s2r = torch.arange(6).view(3, 2)
+        calls: list[int] = []
+        real = perm.weighted_row_dot.op
+
+        def op(*args: Any) -> Any:
+            calls.append(1)
+            return real(*args)
+
+        with mock.patch.object(perm.weighted_row_dot, "op", op):
+            perm.weighted_row_dot(rows, tokens, s2r)
+            self.assertEqual(calls, [1])
+            with torch.no_grad():
+                perm.weighted_row_dot(rows, tokens, s2r)
+            self.assertEqual(calls, [1])
 
     def test_errors_are_the_kernels(self) -> None:
         x, w = torch.randn(6, 4), torch.randn(2, 4, 3)

@@ -63,8 +63,9 @@ class DirectOp:
     """``op`` (a ``torch.library.custom_op``), called directly where :func:`direct` holds:
     ``cpu_kernel(*args)``, and with autograd where grad mode is on and a tensor argument
     requires grad, an ``autograd.Function`` running ``cpu_kernel``, ``setup_context`` and
-    ``backward`` (the functions given to ``op.register_autograd``). Attributes other than
-    the call are the op's."""
+    ``backward`` (the functions given to ``op.register_autograd``); an op without them
+    called so takes the op (whatever it does about a gradient, the caller sees).
+    Attributes other than the call are the op's."""
 
     def __init__(
         self,
@@ -106,16 +107,15 @@ class DirectOp:
             args = bound.args
         if not direct(args):
             return self.op(*args)
+        grad = torch.is_grad_enabled() and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args
+        )
+        if grad and self._function is None:  # the op's own answer: no autograd formula
+            return self.op(*args)
         if len(args) < len(self._defaults):  # the autograd formula unpacks every input
             args = args + self._defaults[len(args) :]
+        run = self._function.apply if grad else self._kernel  # type: ignore[union-attr]
         if _profiler._is_profiler_enabled:
             with torch.profiler.record_function(self.name):
-                return self._run(args)
-        return self._run(args)
-
-    def _run(self, args: tuple[Any, ...]) -> Any:
-        if self._function is not None and torch.is_grad_enabled():
-            for a in args:
-                if isinstance(a, Tensor) and a.requires_grad:
-                    return self._function.apply(*args)
-        return self._kernel(*args)
+                return run(*args)
+        return run(*args)
