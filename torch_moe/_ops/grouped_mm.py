@@ -522,7 +522,9 @@ def _grouped_mm_default(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist(), offs)
 
 
-grouped_mm = torch.library.custom_op("torch_moe::grouped_mm", _grouped_mm_default, mutates_args=())
+@torch.library.custom_op("torch_moe::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    return _grouped_mm_default(x, w, offs)
 
 
 @grouped_mm.register_kernel("cuda")
@@ -554,9 +556,9 @@ def _grouped_mm_wgrad_default(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
         return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist(), offs)
 
 
-grouped_mm_wgrad = torch.library.custom_op(
-    "torch_moe::grouped_mm_wgrad", _grouped_mm_wgrad_default, mutates_args=()
-)
+@torch.library.custom_op("torch_moe::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+    return _grouped_mm_wgrad_default(x, dy, offs)
 
 
 @grouped_mm_wgrad.register_kernel("cuda")
@@ -639,9 +641,11 @@ def _gather_grouped_mm_default(
     return grouped_mm(_gathered_rows(x, row_to_slot, slot_to_row), w, offs)
 
 
-gather_grouped_mm = torch.library.custom_op(
-    "torch_moe::gather_grouped_mm", _gather_grouped_mm_default, mutates_args=()
-)
+@torch.library.custom_op("torch_moe::gather_grouped_mm", mutates_args=())
+def gather_grouped_mm(
+    x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor, slot_to_row: Tensor
+) -> Tensor:
+    return _gather_grouped_mm_default(x, w, offs, row_to_slot, slot_to_row)
 
 
 @gather_grouped_mm.register_fake

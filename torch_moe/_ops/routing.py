@@ -228,7 +228,31 @@ def _topk_route_default(
     return weights, ids, counts
 
 
-topk_route = torch.library.custom_op("torch_moe::topk_route", _topk_route_default, mutates_args=())
+@torch.library.custom_op("torch_moe::topk_route", mutates_args=())
+def topk_route(
+    logits: Tensor,
+    k: int,
+    score_func: str = "softmax",
+    expert_bias: Tensor | None = None,
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+    route_norm: bool = False,
+    route_scale: float = 1.0,
+    group_score: str = "top2_sum",
+    route_norm_eps: float = 1e-20,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _topk_route_default(
+        logits,
+        k,
+        score_func,
+        expert_bias,
+        num_expert_groups,
+        num_limited_groups,
+        route_norm,
+        route_scale,
+        group_score,
+        route_norm_eps,
+    )
 
 
 @topk_route.register_fake
@@ -292,9 +316,19 @@ def _topk_route_backward_default(
     return grad_TE.to(logits.dtype)
 
 
-topk_route_backward = torch.library.custom_op(
-    "torch_moe::topk_route_backward", _topk_route_backward_default, mutates_args=()
-)
+@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
+def topk_route_backward(
+    grad_weights: Tensor,
+    logits: Tensor,
+    expert_ids: Tensor,
+    score_func: str,
+    route_norm: bool,
+    route_scale: float,
+    route_norm_eps: float = 1e-20,
+) -> Tensor:
+    return _topk_route_backward_default(
+        grad_weights, logits, expert_ids, score_func, route_norm, route_scale, route_norm_eps
+    )
 
 
 @topk_route_backward.register_fake
