@@ -11,6 +11,9 @@ tensor subclasses, other devices, ``ENABLED = False``. A profiler still sees eac
 name; keyword and defaulted arguments bind as the op binds them."""
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -120,9 +123,10 @@ def _case(name: str, seed: int, tokens: int = 13, skew: bool = False) -> tuple[C
             rand(rows, hidden, grad=False),
         ]
     if name == "gather_grouped_mm":
-        return (
-            lambda x, w: gmm.gather_grouped_mm(x, w, p.offs, p.row_to_slot, p.slot_to_row)
-        ), [rand(tokens, dim), rand(experts, dim, 2 * hidden)]
+        return (lambda x, w: gmm.gather_grouped_mm(x, w, p.offs, p.row_to_slot, p.slot_to_row)), [
+            rand(tokens, dim),
+            rand(experts, dim, 2 * hidden),
+        ]
     if name == "glu":
         return (lambda h, r: glu_mod.glu(h, r, "swigluoai", 1.702, 7.0, True)), [
             rand(rows, 2 * hidden),
@@ -130,9 +134,9 @@ def _case(name: str, seed: int, tokens: int = 13, skew: bool = False) -> tuple[C
         ]
     if name == "topk_route":
         bias = torch.randn(experts, generator=g)
-        return (
-            lambda lg: routing.topk_route(lg, top_k, "sigmoid", bias, None, None, True, 2.5)
-        ), [rand(tokens, experts, dtype=F32)]
+        return (lambda lg: routing.topk_route(lg, top_k, "sigmoid", bias, None, None, True, 2.5)), [
+            rand(tokens, experts, dtype=F32)
+        ]
     raise AssertionError(name)
 
 
@@ -176,10 +180,10 @@ def _run(call: Callable, inputs: list) -> tuple[list, list, int]:
 
 
 class TestDirectCalls(TestCase):
-
     def setUp(self) -> None:
         super().setUp()
         self.enterContext(mock.patch.object(_eager, "ENABLED", True))  # even if the env says 0
+
     def assert_bitwise(self, a: list, b: list) -> None:
         self.assertEqual(len(a), len(b))
         for x, y in zip(a, b):
@@ -277,6 +281,26 @@ class TestDirectCalls(TestCase):
         self.assertTrue(torch.equal(kw, ref) and torch.equal(short, ref))
         short.float().sum().backward()  # the autograd formula saw every (defaulted) input
         self.assertEqual(y.grad.shape, y.shape)
+        # keywords after a skipped defaulted argument (row_weights, gather_index)
+        x, w13, w2 = torch.randn(13, 8), torch.randn(5, 6, 8), torch.randn(5, 8, 3)
+        with op_path():
+            ref_y, _ = gs.grouped_swiglu(
+                x, w13, w2, p.offs, None, None, p.row_to_slot, p.slot_to_row
+            )
+        with op_never_called(gs.grouped_swiglu):
+            y, _ = gs.grouped_swiglu(
+                x, w13, w2, p.offs, row_to_slot=p.row_to_slot, slot_to_row=p.slot_to_row
+            )
+        self.assertTrue(torch.equal(y, ref_y))
+
+    def test_environment_turns_it_off(self) -> None:
+        code = "import torch_moe._ops._eager as e; print(e.ENABLED)"
+        for value, want in (("0", "False"), ("1", "True")):
+            env = {**os.environ, "TORCH_MOE_DIRECT_OPS": value}
+            out = subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+            )
+            self.assertEqual(out.stdout.strip(), want)
 
     def test_an_op_without_autograd_takes_the_op_for_a_gradient(self) -> None:
         rows, tokens = torch.randn(6, 4, requires_grad=True), torch.randn(3, 4)
