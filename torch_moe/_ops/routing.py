@@ -45,7 +45,6 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops._dtypes import acc_dtype
-from torch_moe._ops._eager import DirectOp
 
 __all__ = ["GROUP_SCORES", "SCORE_FUNCS", "SIGMOID_SCORES", "topk_route", "topk_route_reference"]
 
@@ -201,7 +200,8 @@ def topk_route_reference(
     return weights_TK, expert_ids_TK, counts_E
 
 
-def _topk_route_default(
+@torch.library.custom_op("torch_moe::topk_route", mutates_args=())
+def topk_route(
     logits: Tensor,
     k: int,
     score_func: str = "softmax",
@@ -226,33 +226,6 @@ def _topk_route_default(
         route_norm_eps,
     )
     return weights, ids, counts
-
-
-@torch.library.custom_op("torch_moe::topk_route", mutates_args=())
-def topk_route(
-    logits: Tensor,
-    k: int,
-    score_func: str = "softmax",
-    expert_bias: Tensor | None = None,
-    num_expert_groups: int | None = None,
-    num_limited_groups: int | None = None,
-    route_norm: bool = False,
-    route_scale: float = 1.0,
-    group_score: str = "top2_sum",
-    route_norm_eps: float = 1e-20,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _topk_route_default(
-        logits,
-        k,
-        score_func,
-        expert_bias,
-        num_expert_groups,
-        num_limited_groups,
-        route_norm,
-        route_scale,
-        group_score,
-        route_norm_eps,
-    )
 
 
 @topk_route.register_fake
@@ -286,7 +259,8 @@ def _(
     return weights, ids, counts
 
 
-def _topk_route_backward_default(
+@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
+def topk_route_backward(
     grad_weights: Tensor,
     logits: Tensor,
     expert_ids: Tensor,
@@ -314,21 +288,6 @@ def _topk_route_backward_default(
         g_TK = chosen_TK * (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True))
         grad_TE.scatter_(1, expert_ids, g_TK)
     return grad_TE.to(logits.dtype)
-
-
-@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
-def topk_route_backward(
-    grad_weights: Tensor,
-    logits: Tensor,
-    expert_ids: Tensor,
-    score_func: str,
-    route_norm: bool,
-    route_scale: float,
-    route_norm_eps: float = 1e-20,
-) -> Tensor:
-    return _topk_route_backward_default(
-        grad_weights, logits, expert_ids, score_func, route_norm, route_scale, route_norm_eps
-    )
 
 
 @topk_route_backward.register_fake
@@ -368,7 +327,3 @@ def _backward(ctx, grad_weights, _grad_ids, _grad_counts):  # type: ignore[no-un
 
 
 topk_route.register_autograd(_backward, setup_context=_setup_context)
-
-# Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
-topk_route = DirectOp(topk_route, _topk_route_default, _setup_context, _backward)
-topk_route_backward = DirectOp(topk_route_backward, _topk_route_backward_default)
