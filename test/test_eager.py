@@ -312,11 +312,14 @@ class TestDirectCalls(TestCase):
             self.assertEqual(calls, [1])
 
     def test_errors_are_the_kernels(self) -> None:
-        x, w = torch.randn(6, 4), torch.randn(2, 4, 3)
+        x, w, dy = torch.randn(6, 4), torch.randn(2, 4, 3), torch.randn(6, 3)
+        bad = torch.tensor([4, 9], dtype=torch.int32)
         for enabled in (True, False):
             with mock.patch.object(_eager, "ENABLED", enabled):
-                with self.assertRaisesRegex(ValueError, "offs"):
-                    gmm.grouped_mm(x, w, torch.tensor([4, 9], dtype=torch.int32))
+                with self.assertRaisesRegex(ValueError, r"^grouped_mm: offs .* got offs=\[4, 9\]"):
+                    gmm.grouped_mm(x, w, bad)
+                with self.assertRaisesRegex(ValueError, r"^grouped_mm_wgrad: offs .*M \(6\)"):
+                    gmm.grouped_mm_wgrad(x, dy, bad)
 
     def test_profiler_sees_the_op_name(self) -> None:
         call, inputs = _case("grouped_swiglu", seed=1)
