@@ -34,7 +34,7 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch import Tensor
 
-__all__ = ["ENABLED", "DirectOp", "direct"]
+__all__ = ["ENABLED", "DirectOp", "direct", "direct_calls"]
 
 ENABLED = os.environ.get("TORCH_MOE_DIRECT_OPS", "1") != "0"
 
@@ -119,3 +119,14 @@ class DirectOp:
             with torch.profiler.record_function(self.name):
                 return run(*args)
         return run(*args)
+
+
+def direct_calls(
+    op: Any,
+    cpu_kernel: Callable[..., Any],
+    setup_context: Callable[..., None] | None = None,
+    backward: Callable[..., Any] | None = None,
+) -> Any:
+    """``DirectOp(op, ...)``, typed as what it stands in for: ``name = direct_calls(name,
+    ...)`` rebinds an op's module-level name, and callers keep the op's type."""
+    return DirectOp(op, cpu_kernel, setup_context, backward)

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from torch_moe._ops import _native
 from torch_moe._ops._dtypes import acc_dtype
-from torch_moe._ops._eager import DirectOp
+from torch_moe._ops._eager import direct_calls
 from torch_moe._ops.grouped_mm import _nonzero_strides
 from torch_moe._ops.grouped_swiglu import (
     _NATIVE_DTYPES,
@@ -489,5 +489,5 @@ def _backward(ctx, grad_a):  # type: ignore[no-untyped-def]
 glu.register_autograd(_backward, setup_context=_setup)
 
 # Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
-glu = DirectOp(glu, _glu_cpu, _setup, _backward)
-glu_backward = DirectOp(glu_backward, _glu_backward_cpu)
+glu = direct_calls(glu, _glu_cpu, _setup, _backward)
+glu_backward = direct_calls(glu_backward, _glu_backward_cpu)

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from torch_moe._ops import _cpu_probe
 from torch_moe._ops._dtypes import FLOAT_DTYPES
-from torch_moe._ops._eager import DirectOp
+from torch_moe._ops._eager import direct_calls
 from torch_moe._ops.permute import _check_maps, _check_rows, permute, unpermute
 
 __all__ = [
@@ -680,8 +680,8 @@ def _gather_mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
 gather_grouped_mm.register_autograd(_gather_mm_backward, setup_context=_setup_gather_mm)
 
 # Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
-grouped_mm = DirectOp(grouped_mm, _grouped_mm_default, _setup_mm, _mm_backward)
-grouped_mm_wgrad = DirectOp(grouped_mm_wgrad, _grouped_mm_wgrad_default)
-gather_grouped_mm = DirectOp(
+grouped_mm = direct_calls(grouped_mm, _grouped_mm_default, _setup_mm, _mm_backward)
+grouped_mm_wgrad = direct_calls(grouped_mm_wgrad, _grouped_mm_wgrad_default)
+gather_grouped_mm = direct_calls(
     gather_grouped_mm, _gather_grouped_mm_default, _setup_gather_mm, _gather_mm_backward
 )

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
-from torch_moe._ops._eager import DirectOp
+from torch_moe._ops._eager import direct_calls
 from torch_moe._ops.grouped_mm import (
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
@@ -1003,7 +1003,7 @@ def _act_backward_op(ctx, grad_a):  # type: ignore[no-untyped-def]
 swiglu.register_autograd(_act_backward_op, setup_context=_setup_act)
 
 # Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
-grouped_swiglu = DirectOp(grouped_swiglu, _grouped_swiglu_cpu, _setup, _backward)
-grouped_swiglu_backward = DirectOp(grouped_swiglu_backward, _grouped_swiglu_backward_cpu)
-swiglu = DirectOp(swiglu, _swiglu_cpu, _setup_act, _act_backward_op)
-swiglu_backward = DirectOp(swiglu_backward, _swiglu_backward_cpu)
+grouped_swiglu = direct_calls(grouped_swiglu, _grouped_swiglu_cpu, _setup, _backward)
+grouped_swiglu_backward = direct_calls(grouped_swiglu_backward, _grouped_swiglu_backward_cpu)
+swiglu = direct_calls(swiglu, _swiglu_cpu, _setup_act, _act_backward_op)
+swiglu_backward = direct_calls(swiglu_backward, _swiglu_backward_cpu)

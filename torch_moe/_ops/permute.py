@@ -40,7 +40,7 @@ from torch import Tensor
 
 from torch_moe._ops import _native
 from torch_moe._ops._dtypes import acc_dtype
-from torch_moe._ops._eager import DirectOp
+from torch_moe._ops._eager import direct_calls
 
 __all__ = [
     "gather_rows",
@@ -477,7 +477,7 @@ unpermute.register_autograd(_unpermute_backward, setup_context=_setup_unpermute)
 
 # Eager calls on plain CPU tensors run the kernels and autograd formulas above without the
 # ops' Python layers (``_eager.py``); everything else, and every attribute, is the op's.
-permute_indices = DirectOp(permute_indices, _permute_indices_cpu)
-permute = DirectOp(permute, _permute_cpu, _setup_permute, _permute_backward)
-unpermute = DirectOp(unpermute, _unpermute_cpu, _setup_unpermute, _unpermute_backward)
-weighted_row_dot = DirectOp(weighted_row_dot, _weighted_row_dot_cpu)
+permute_indices = direct_calls(permute_indices, _permute_indices_cpu)
+permute = direct_calls(permute, _permute_cpu, _setup_permute, _permute_backward)
+unpermute = direct_calls(unpermute, _unpermute_cpu, _setup_unpermute, _unpermute_backward)
+weighted_row_dot = direct_calls(weighted_row_dot, _weighted_row_dot_cpu)
