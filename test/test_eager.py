@@ -285,6 +285,15 @@ class TestDirectCalls(TestCase):
             )
         self.assertTrue(torch.equal(y, ref_y))
 
+    def test_a_missing_argument_is_refused_by_the_op(self) -> None:
+        y = torch.randn(4, 3)
+        for enabled in (True, False):
+            with mock.patch.object(_eager, "ENABLED", enabled):
+                with self.assertRaisesRegex(
+                    RuntimeError, "missing value for argument .slot_to_row."
+                ):
+                    perm.unpermute(y)
+
     def test_environment_turns_it_off(self) -> None:
         code = "import torch_moe._ops._eager as e; print(e.ENABLED)"
         for value, want in (("0", "False"), ("1", "True")):

@@ -80,6 +80,8 @@ class DirectOp:
         self._signature = inspect.signature(cpu_kernel)
         params = list(self._signature.parameters.values())
         self._defaults = tuple(p.default for p in params)
+        # fewer positional arguments than this is a call the op itself refuses
+        self._required = sum(p.default is inspect.Parameter.empty for p in params)
         self._function: type[torch.autograd.Function] | None = None
         if backward is not None:
             assert setup_context is not None, "an op with a backward has a setup_context"
@@ -105,7 +107,7 @@ class DirectOp:
             bound = self._signature.bind(*args, **kwargs)
             bound.apply_defaults()
             args = bound.args
-        if not direct(args):
+        if len(args) < self._required or not direct(args):
             return self.op(*args)
         grad = torch.is_grad_enabled() and any(
             isinstance(a, Tensor) and a.requires_grad for a in args
