@@ -127,6 +127,11 @@ def _case(name: str, seed: int, tokens: int = 13, skew: bool = False) -> tuple[C
             rand(tokens, dim),
             rand(experts, dim, 2 * hidden),
         ]
+    if name == "gather_grouped_mm_parameter":  # an HF module's transposed weight, as it is
+        return (lambda x, w: gmm.gather_grouped_mm(x, w, p.offs, p.row_to_slot, p.slot_to_row)), [
+            rand(tokens, dim),
+            torch.nn.Parameter(rand(experts, dim, 2 * hidden, grad=False)),
+        ]
     if name == "glu":
         return (lambda h, r: glu_mod.glu(h, r, "swigluoai", 1.702, 7.0, True)), [
             rand(rows, 2 * hidden),
@@ -147,6 +152,7 @@ CASES = [
     "grouped_mm",
     "grouped_mm_wgrad",
     "gather_grouped_mm",
+    "gather_grouped_mm_parameter",
     "glu",
 ]
 
@@ -154,7 +160,12 @@ CASES = [
 def _run(call: Callable, inputs: list) -> tuple[list, list, int]:
     """Outputs, the gradients of the inputs that require grad (a fixed random cotangent
     per float output), and the bytes autograd saved for the backward."""
-    inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+    inputs = [
+        torch.nn.Parameter(t.detach())
+        if isinstance(t, torch.nn.Parameter)
+        else t.detach().requires_grad_(t.requires_grad)
+        for t in inputs
+    ]
     saved: list[int] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -359,8 +370,14 @@ class TestTakesTheOp(TestCase):
 
     def test_other_devices_and_subclasses(self) -> None:
         self.assertFalse(_eager.direct((torch.ones(2), torch.ones(2, device="meta"))))
-        param = torch.nn.Parameter(torch.ones(2))  # a subclass, as DTensor is
-        self.assertFalse(_eager.direct((param,)))
+
+        class Sub(torch.Tensor):  # a subclass that sees torch functions, as DTensor does
+            pass
+
+        self.assertFalse(_eager.direct((torch.ones(2).as_subclass(Sub),)))
+        self.assertFalse(_eager.direct((torch.nn.Parameter(torch.ones(2, device="meta")),)))
+        # a Parameter overrides no torch function: an HF module's weight passed as it is
+        self.assertTrue(_eager.direct((torch.nn.Parameter(torch.ones(2)), torch.ones(2))))
 
     def test_dispatch_and_function_modes(self) -> None:
         class Mode(TorchDispatchMode):

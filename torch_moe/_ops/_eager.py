@@ -37,13 +37,17 @@ from torch import Tensor
 __all__ = ["ENABLED", "DirectOp", "direct", "direct_calls"]
 
 ENABLED = os.environ.get("TORCH_MOE_DIRECT_OPS", "1") != "0"
+# tensor types an op call may hold and still skip its layers: a Parameter passed as it is
+# (an HF module's transposed expert weight, say) is a plain tensor to every kernel
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def direct(args: tuple[Any, ...]) -> bool:
     """Whether an op call on ``args`` may skip the op's layers (module docstring): eager,
     no torch function / dispatch mode, functorch transform or TorchScript tracer active,
-    and every tensor argument a plain ``torch.Tensor`` on the CPU (lists are not looked
-    into: an op taking a list of tensors is not wrapped)."""
+    and every tensor argument a plain ``torch.Tensor`` or ``nn.Parameter`` (which
+    overrides no torch function) on the CPU (lists are not looked into: an op taking a
+    list of tensors is not wrapped)."""
     if torch.compiler.is_compiling() or not ENABLED:
         return False
     if (
@@ -54,7 +58,7 @@ def direct(args: tuple[Any, ...]) -> bool:
     ):
         return False
     for a in args:
-        if isinstance(a, Tensor) and (type(a) is not Tensor or not a.is_cpu):
+        if isinstance(a, Tensor) and (type(a) not in _PLAIN or not a.is_cpu):
             return False
     return True
 
