@@ -10,9 +10,11 @@ dtype lists (no module keeps its own copy).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["FLOAT_DTYPES", "FP8", "KERNEL_DTYPES", "acc_dtype"]
+__all__ = ["FLOAT_DTYPES", "FP8", "KERNEL_DTYPES", "acc_dtype", "no_cpu_autocast"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -22,3 +24,13 @@ FP8 = torch.float8_e4m3fn
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype routing math, reductions and combines run in: fp64 for fp64, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def no_cpu_autocast() -> contextlib.AbstractContextManager[object]:
+    """``torch.autocast("cpu", enabled=False)`` where CPU autocast is on, else a no-op: a
+    CPU kernel that decides its GEMMs' dtypes must not be recast by a caller's autocast
+    (compiled code, whose kernels run outside autocast, is not), and entering an autocast
+    context costs microseconds per kernel call where there is none to leave."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()

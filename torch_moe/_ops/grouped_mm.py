@@ -50,13 +50,12 @@ benchmarks/results/ops_cpu_202612.md):
 from __future__ import annotations
 
 import functools
-import itertools
 
 import torch
 from torch import Tensor
 
 from torch_moe._ops import _cpu_probe
-from torch_moe._ops._dtypes import FLOAT_DTYPES
+from torch_moe._ops._dtypes import FLOAT_DTYPES, no_cpu_autocast
 from torch_moe._ops._eager import direct_calls
 from torch_moe._ops.permute import _check_maps, _check_rows, permute, unpermute
 
@@ -144,8 +143,7 @@ def check_offs_values(name: str, offs: Tensor, num_rows: int) -> list[int] | Non
         )
         return None
     ends = offs.tolist()
-    bad = any(b < a for a, b in itertools.pairwise(ends))
-    bad = bad or bool(ends and (ends[0] < 0 or ends[-1] > num_rows))
+    bad = ends != sorted(ends) or bool(ends and (ends[0] < 0 or ends[-1] > num_rows))
     if bad:
         shown = ends if len(ends) <= 16 else [*ends[:8], "...", *ends[-8:]]
         raise ValueError(
@@ -286,8 +284,9 @@ def _torch_grouped_mm_cpu_ok(a: Tensor, b: Tensor, ends: list[int], k: int, n: i
 
 
 def _busy_groups(ends: list[int]) -> int:
-    """How many groups have rows."""
-    return sum(1 for s, e in zip([0, *ends], ends) if e > s)
+    """How many groups have rows: ends are non-decreasing (validated), so each busy group
+    adds one distinct value to {0, *ends}."""
+    return len({0, *ends}) - 1
 
 
 def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
@@ -461,7 +460,8 @@ def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None =
     run where it is allowed and faster."""
     if offs is not None and _use_torch_grouped_mm(x, w, ends, wgrad=False):
         out = torch._grouped_mm(x, w, offs=offs)
-        out[ends[-1] :].zero_()  # torch leaves these rows uninitialized
+        if ends[-1] < out.shape[0]:
+            out[ends[-1] :].zero_()  # torch leaves these rows uninitialized
         return out
     return _mm_loop(x, w, ends)
 
@@ -518,7 +518,7 @@ def _grouped_mm_default(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     # the op computes in its operands' dtype (upcasting bf16 where the CPU has no native
     # bf16 GEMM): a caller's autocast must not recast the GEMMs inside, which compiled
     # code (kernels outside autocast) would not do
-    with torch.autocast("cpu", enabled=False):
+    with no_cpu_autocast():
         return _grouped_mm_cpu(x, w, ends if ends is not None else offs.tolist(), offs)
 
 
@@ -552,7 +552,7 @@ def _grouped_mm_wgrad_default(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     """out[g] = x[rows of g]^T @ dy[rows of g]: [E, K, N], zero for empty groups."""
     _check_wgrad_inputs(x, dy, offs)
     ends = check_offs_values("grouped_mm_wgrad", offs, x.shape[0])
-    with torch.autocast("cpu", enabled=False):  # the operands' dtype (see grouped_mm)
+    with no_cpu_autocast():  # the operands' dtype (see grouped_mm)
         return _grouped_mm_wgrad_cpu(x, dy, ends if ends is not None else offs.tolist(), offs)
 
 

@@ -37,9 +37,10 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops import _cpu_probe, _native
-from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
+from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype, no_cpu_autocast
 from torch_moe._ops._eager import direct_calls
 from torch_moe._ops.grouped_mm import (
+    _busy_groups,
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
     _nonzero_strides,
@@ -314,10 +315,12 @@ def _act_chunk_rows(dtype: torch.dtype, hidden: int, threads: int | None = None)
     """Rows per elementwise chunk: the measured per-thread chunk (elements) times the
     threads (this process's by default), so that each thread's share of an op stays as
     large as measured."""
+    threads = torch.get_num_threads() if threads is None else threads
     per_thread = _ACT_CHUNK_ELEMS
     if per_thread is None:
-        per_thread = _cpu_probe.act_chunk(dtype, lambda: _measure_act_chunk(dtype))
-    threads = torch.get_num_threads() if threads is None else threads
+        per_thread = _cpu_probe.memo(
+            ("act_chunk", dtype), lambda: _cpu_probe.act_chunk(dtype, lambda: _measure_act_chunk(dtype))
+        )
     return max(1, per_thread * threads // max(1, hidden))
 
 
@@ -534,9 +537,13 @@ def _whole_path(dtype: torch.dtype, busy_groups: int, rows: int) -> bool:
 
 
 def _whole_path_for(dtype: torch.dtype, ends: list[int]) -> bool:
-    """``_whole_path`` for these group ends, at the mean rows of the non-empty groups."""
-    sizes = [n for n in _group_sizes(ends) if n]
-    return _whole_path(dtype, len(sizes), -(-sum(sizes) // max(1, len(sizes))))
+    """``_whole_path`` for these group ends (validated), at the mean rows of the non-empty
+    groups; memoized (the kernels ask per call)."""
+    busy = _busy_groups(ends)
+    rows = -(-ends[-1] // busy) if busy else 0
+    return _cpu_probe.memo(
+        ("swiglu_whole", dtype, busy, rows), lambda: _whole_path(dtype, busy, rows)
+    )
 
 
 def _measure_path(dtype: torch.dtype, rows: int) -> dict[str, float]:
@@ -641,7 +648,7 @@ def _grouped_swiglu_cpu(
     gather_index = _token_index(gather_index, row_to_slot, slot_to_row)
     ends = check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index)) or []
     forward = _forward_whole if _whole_path_for(w13.dtype, ends) else _forward_loop
-    with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
+    with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
         return forward(x, w13, w2, offs, ends, row_weights, gather_index)
 
 
@@ -707,7 +714,7 @@ def _grouped_swiglu_backward_cpu(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
     backward = _backward_whole if _whole_path_for(w13.dtype, ends) else _backward_loop
-    with torch.autocast("cpu", enabled=False):  # the kernel decides its GEMMs' dtypes
+    with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
         return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
 
 
