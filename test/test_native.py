@@ -13,8 +13,13 @@ without a limit and row weights, a chunk that ATen cuts into a piece per thread,
 the op and its backward; where they apply, and a build with other bits refused."""
 
 import contextlib
+import os
+import tempfile
+import threading
+import time
 import unittest
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -220,6 +225,36 @@ class TestNativeSwiGLU(TestCase):
             self.assertIn(f"-DCPU_CAPABILITY_{known}", flags)
             self.assertIn(f"-DCPU_CAPABILITY={known}", flags)
         self.assertNotIn("-ffp-contract=off", flags)  # ATen's build contracts; so must this
+
+    def test_stale_build_lock(self):
+        """A lock left by a killed build is removed (load would wait for it forever); a
+        fresh one (a build running elsewhere) is waited for and left alone."""
+        from torch.utils import cpp_extension
+
+        name = "torch_moe_cpu_locktest"
+        with (
+            tempfile.TemporaryDirectory() as d,
+            mock.patch.dict("os.environ", {"TORCH_EXTENSIONS_DIR": d}),
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
+            lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+            lock.touch()
+            old = time.time() - 2 * _native._STALE_LOCK_S
+            os.utime(lock, (old, old))
+            _native._clear_stale_lock(name)
+            self.assertFalse(lock.exists())
+            (w,) = caught
+            self.assertRegex(str(w.message), r"removing a stale build lock .*lock \(\d+ s old")
+            lock.touch()  # another process building: its lock goes when it is done
+            done = threading.Timer(0.3, lock.unlink)
+            done.start()
+            t0 = time.monotonic()
+            _native._clear_stale_lock(name)
+            self.assertGreaterEqual(time.monotonic() - t0, 0.25)
+            done.join()
+            self.assertEqual(len(caught), 1)  # no second warning
+            _native._clear_stale_lock(name)  # no lock: returns at once
 
     def test_failed_build_warns_once_and_falls_back(self):
         with (

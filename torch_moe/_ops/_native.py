@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ ENV = "TORCH_MOE_NATIVE"
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = [_CSRC / "swiglu_cpu.cpp", _CSRC / "permute_cpu.cpp"]
 _lock = threading.Lock()
+_STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
 _built: dict[str, Any] = {}  # capability -> the ops' namespace, or None
 
 # compiler flags per ATen CPU capability: the kernel's Vectorized<float> must have the
@@ -57,12 +59,40 @@ def _capability() -> str:
     return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
 
 
+def _clear_stale_lock(name: str) -> None:
+    """``load`` waits, without a limit, for the build directory's ``lock`` file to go; a
+    build process killed mid-build (a test run interrupted, say) leaves it behind, and
+    every later build would wait forever. Wait here while another process may still be
+    building (a build takes 10-20 s), and remove a lock older than ``_STALE_LOCK_S``."""
+    from torch.utils import cpp_extension
+
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    except Exception:  # a private helper: without it, load's own wait
+        return
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # removed meanwhile: the other build finished
+            return
+        if age > _STALE_LOCK_S:
+            warnings.warn(
+                f"torch_moe: removing a stale build lock {lock} ({age:.0f} s old, left by a "
+                "build that did not finish); building the native CPU kernels",
+                stacklevel=3,
+            )
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
+
+
 def _build(cap: str) -> Any:
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", *_CAPABILITY_FLAGS.get(cap, [])]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
+    _clear_stale_lock(f"torch_moe_cpu_{cap.lower()}")
     load(
         name=f"torch_moe_cpu_{cap.lower()}",
         sources=[str(src) for src in _SOURCES],
