@@ -319,7 +319,8 @@ def _act_chunk_rows(dtype: torch.dtype, hidden: int, threads: int | None = None)
     per_thread = _ACT_CHUNK_ELEMS
     if per_thread is None:
         per_thread = _cpu_probe.memo(
-            ("act_chunk", dtype), lambda: _cpu_probe.act_chunk(dtype, lambda: _measure_act_chunk(dtype))
+            ("act_chunk", dtype),
+            lambda: _cpu_probe.act_chunk(dtype, lambda: _measure_act_chunk(dtype)),
         )
     return max(1, per_thread * threads // max(1, hidden))
 
