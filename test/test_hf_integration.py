@@ -395,16 +395,19 @@ class TestExpertsBackend(_OneThread, TestCase):
         E, T, K, D = 5, 7, 3, 6
         b = torch.randn(E, D, dtype=torch.float64, requires_grad=True)
         ids = torch.stack([torch.randperm(E + 1)[:K] for _ in range(T)])  # E: a sentinel
+        ids[1] = torch.tensor([2, 2, E])  # one expert twice: its weights add
         w = torch.rand(T, K, dtype=torch.float64)
         w[0, ids[0] < E] = 0.0  # a routed slot of weight 0 still has a weight gradient
         w.requires_grad_()
         out = _ExpertBiasCombine.apply(b, ids, w)
         valid = ids < E
-        expected = (torch.where(valid, w, 0)[..., None] * b[ids.clamp(max=E - 1)]).sum(1)
+        b_ref, w_ref = b.detach().requires_grad_(), w.detach().requires_grad_()
+        expected = (torch.where(valid, w_ref, 0)[..., None] * b_ref[ids.clamp(max=E - 1)]).sum(1)
         self.assertEqual(out, expected, atol=1e-14, rtol=1e-14)
-        g = torch.randn(T, D, dtype=torch.float64)
+        g = torch.randn(T, D, dtype=torch.float64)  # signed: not the one-hot gradcheck probes
         out.backward(g)
-        gw = torch.where(valid, (g[:, None, :] * b[ids.clamp(max=E - 1)]).sum(-1), 0)
+        gb, gw = torch.autograd.grad(expected, (b_ref, w_ref), g)
+        self.assertEqual(b.grad, gb, atol=1e-14, rtol=1e-14)
         self.assertEqual(w.grad, gw, atol=1e-14, rtol=1e-14)
         self.assertTrue((w.grad[0][valid[0]] != 0).all())
         self.assertEqual(w.grad[~valid], torch.zeros(int((~valid).sum()), dtype=torch.float64))

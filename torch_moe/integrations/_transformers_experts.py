@@ -224,7 +224,7 @@ def experts_layout(experts: Any) -> ExpertsLayout:
             )
     flags = {f: bool(getattr(experts, f)) for f in LAYOUT_FLAGS}
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
-    weights = {}
+    shapes: dict[str, tuple[int, int, int]] = {}  # [E, in, out] of each weight
     for wname in (up_name, "down_proj"):
         w = getattr(experts, wname, None)
         if not isinstance(w, Tensor) or w.dim() != 3:
@@ -239,10 +239,11 @@ def experts_layout(experts: Any) -> ExpertsLayout:
                 f"expert weights are not supported (expected one of {_FLOAT_DTYPES}); use "
                 "set_precision() to run the experts' GEMMs in FP8/MX instead"
             )
-        weights[wname] = w if flags["is_transposed"] else w.transpose(-2, -1)  # [E, in, out]
-    up, down = weights[up_name], weights["down_proj"]
-    num_experts, dim, width = up.shape
-    if down.shape[0] != num_experts or down.shape[2] != dim:
+        e, rows, cols = w.shape
+        shapes[wname] = (e, rows, cols) if flags["is_transposed"] else (e, cols, rows)
+    up, down = shapes[up_name], shapes["down_proj"]
+    num_experts, dim, width = up
+    if down[0] != num_experts or down[2] != dim:
         raise ValueError(
             f"torch_moe experts backend: {name} (is_transposed={flags['is_transposed']}): "
             f"{up_name} {list(getattr(experts, up_name).shape)} and down_proj "
@@ -269,7 +270,7 @@ def experts_layout(experts: Any) -> ExpertsLayout:
         and flags["is_concatenated"]
         and not flags["has_bias"]
         and not flags["has_post_expert_norm"]
-        and width == 2 * down.shape[1]
+        and width == 2 * down[1]
     )
     glu: tuple[str, float, float | None, bool] | None = None
     if default_gate and silu:
