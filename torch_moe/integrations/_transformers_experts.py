@@ -72,6 +72,7 @@ from torch_moe import ops
 from torch_moe._ops import glu as _glu
 from torch_moe._ops import grouped_mm as _gmm
 from torch_moe._ops import permute as _perm
+from torch_moe._ops._dtypes import acc_dtype
 from torch_moe.nn.functional import grouped_swiglu
 from torch_moe.quantization import Recipe, scaled_grouped_mm
 
@@ -317,7 +318,7 @@ class _ExpertBiasCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, bias_ED: Tensor, ids_TK: Tensor, w_TK: Tensor) -> Tensor:  # type: ignore[override]
-        acc = torch.float64 if bias_ED.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(bias_ED.dtype)
         num_experts = bias_ED.shape[0]
         ids = ids_TK.clamp(max=num_experts)  # sentinels: column E, cut off below
         w_TE = torch.zeros(ids.shape[0], num_experts + 1, dtype=acc, device=bias_ED.device)
