@@ -30,7 +30,7 @@ from torch.testing._internal.common_utils import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_moe import ops
-from torch_moe._ops import _eager
+from torch_moe._ops import _cpu_probe, _eager, _native
 from torch_moe._ops import glu as glu_mod
 from torch_moe._ops import grouped_mm as gmm
 from torch_moe._ops import grouped_swiglu as gs
@@ -436,7 +436,203 @@ class TestTakesTheOp(TestCase):
         self.assertIn("torch_moe.unpermute.default", counts)
 
 
+def _combine_inputs(
+    tokens: int, dtype: torch.dtype, seed: int, weighted: bool, **routing: Any
+) -> tuple[Any, list]:
+    """The permutation and (x, w13, w2, row weights) of ``grouped_swiglu_combine`` at sizes
+    ``torch._grouped_mm`` takes (16-byte rows): 6 experts, top-2, D = 32, F = 16."""
+    g = torch.Generator().manual_seed(seed)
+    experts, top_k, dim, hidden = 6, 2, 32, 16
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, 0] += 1.5  # skewed: expert 0 busy, some experts empty
+    p = ops.permute_indices(logits.topk(top_k, dim=-1).indices, experts, **routing)
+    rows = p.row_to_slot.shape[0]
+    inputs = [
+        torch.randn(tokens, dim, generator=g).to(dtype),
+        (torch.randn(experts, 2 * hidden, dim, generator=g) * 0.3).to(dtype),
+        (torch.randn(experts, dim, hidden, generator=g) * 0.3).to(dtype),
+        torch.rand(rows, generator=g) if weighted else None,
+    ]
+    return p, inputs
+
+
+def _op_steps(x: Any, w13: Any, w2: Any, offs: Any, rw: Any, r2s: Any, s2r: Any) -> Any:
+    """What ``grouped_swiglu_combine`` stands for: the two ops."""
+    y, _h = gs.grouped_swiglu(x, w13, w2, offs, rw, None, r2s, s2r)
+    return perm.unpermute(y, s2r, r2s)
+
+
+# the decisions under which every kernel call is the lean path's (any machine), and one
+# that is not (the per-group GEMM loop)
+LEAN = dict(
+    half_gemm="native",
+    grouped_mm="torch",
+    few_rows="mm",
+    swiglu_path="whole",
+    act_kernel="native",
+    wgrad_a="as_is",
+)
+GENERAL = {**LEAN, "grouped_mm": "loop"}
+
+
+class TestSwiGLUCombine(TestCase):
+    """``grouped_swiglu_combine``: grouped_swiglu then the unweighted combine, in eager on
+    plain CPU tensors one autograd node (its lean kernels where every decision is the
+    common one): the values, every gradient and the saved tensors are the two ops', bit
+    for bit, and neither op is called; everywhere else it is the two ops."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))
+
+    def _compare(
+        self,
+        p: Any,
+        inputs: list,
+        grads: tuple[bool, ...],
+        lean: bool | None,
+        decisions: dict[str, str] | None = None,
+    ) -> None:
+        """Both ways on the same inputs; ``lean``: whether the lean kernels must run (None:
+        not checked)."""
+        maps = (p.row_to_slot, p.slot_to_row)
+        args = [
+            None if t is None else t.detach().requires_grad_(need)
+            for t, need in zip(inputs, grads, strict=True)
+        ]
+
+        def combined(x: Any, w13: Any, w2: Any, rw: Any) -> Any:
+            return gs.grouped_swiglu_combine(x, w13, w2, p.offs, rw, *maps)
+
+        def stepwise(x: Any, w13: Any, w2: Any, rw: Any) -> Any:
+            return _op_steps(x, w13, w2, p.offs, rw, *maps)
+
+        present = [t for t in args if t is not None]
+
+        def run(call: Callable) -> tuple[list, list, int]:
+            return _run(lambda *ts: call(*_fill(args, ts)), present)
+
+        with _cpu_probe.force(**(decisions or {})):
+            with op_path():
+                ref = run(stepwise)
+            spy_f = mock.patch.object(gs, "_lean_forward", wraps=gs._lean_forward)
+            spy_b = mock.patch.object(gs, "_lean_backward", wraps=gs._lean_backward)
+            with spy_f as fwd, spy_b as bwd:
+                with op_never_called(
+                    gs.grouped_swiglu, gs.grouped_swiglu_backward, perm.unpermute, perm.permute
+                ):
+                    got = run(combined)
+        self.assertEqual(len(got[0]), 1)
+        for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
+            self.assertEqual((a.dtype, a.shape), (b.dtype, b.shape))
+            self.assertTrue(torch.equal(a, b), "differs from the two ops' result")
+        self.assertLessEqual(got[2], ref[2])  # the maps are saved once, not twice
+        if lean is not None:
+            self.assertEqual(fwd.called, lean)
+            self.assertEqual(bwd.called, lean and any(grads))
+
+    @parametrize("dtype", [BF16, F32])
+    @parametrize("weighted", [True, False])
+    @parametrize("tokens", [1, 13, 40])
+    def test_same_as_the_ops(self, dtype: torch.dtype, weighted: bool, tokens: int) -> None:
+        p, inputs = _combine_inputs(tokens, dtype, seed=tokens, weighted=weighted)
+        needs = (True, True, True, weighted)
+        native = _native.available()
+        for decisions, lean in ((LEAN, native), (GENERAL, False)):
+            with self.subTest(decisions=decisions):
+                self._compare(p, inputs, needs, lean, decisions)
+
+    @parametrize("grads", [(False, True, True, True), (True, False, False, False), (False,) * 4])
+    def test_some_inputs_need_no_gradient(self, grads: tuple[bool, ...]) -> None:
+        p, inputs = _combine_inputs(13, BF16, seed=5, weighted=True)
+        self._compare(p, inputs, grads, _native.available(), LEAN)
+
+    @parametrize("routing", [dict(align=4), dict(capacity=3), dict(capacity=2, align=4)])
+    def test_padding_and_dropped_rows(self, routing: dict[str, int]) -> None:
+        # -1 rows inside the groups (align) and past the last one (capacity): zero rows in,
+        # no gradient out, a weight gradient of 0 past the last group
+        p, inputs = _combine_inputs(17, BF16, seed=3, weighted=True, **routing)
+        self.assertTrue(bool((p.row_to_slot < 0).any()))
+        self._compare(p, inputs, (True, True, True, True), _native.available(), LEAN)
+
+    def test_default_decisions_and_no_tokens(self) -> None:
+        for tokens in (0, 29):
+            p, inputs = _combine_inputs(tokens, BF16, seed=9, weighted=True)
+            self._compare(p, inputs, (True, True, True, True), None)
+
+    def test_no_grad_and_the_profiler_take_the_kernels(self) -> None:
+        p, (x, w13, w2, rw) = _combine_inputs(13, BF16, seed=2, weighted=True)
+        ref = _op_steps(x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row)
+        with _cpu_probe.force(**LEAN), op_never_called(gs.grouped_swiglu, perm.unpermute):
+            with torch.no_grad():
+                out = gs.grouped_swiglu_combine(
+                    x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row
+                )
+            self.assertTrue(torch.equal(out, ref))
+            # profiled: each kernel under its op's name (the lean kernels go unprofiled)
+            prof_args = [t.detach().requires_grad_() for t in (x, w13, w2)]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with mock.patch.object(gs, "_lean_forward", side_effect=AssertionError):
+                    out = gs.grouped_swiglu_combine(
+                        *prof_args, p.offs, rw, p.row_to_slot, p.slot_to_row
+                    )
+                    out.float().sum().backward()
+        self.assertTrue(torch.equal(out, ref))
+        names = {e.name for e in prof.events()}
+        for name in ("grouped_swiglu", "unpermute", "permute", "grouped_swiglu_backward"):
+            self.assertIn(f"torch_moe::{name}", names)
+
+    def test_double_backward_is_the_ops(self) -> None:
+        p, inputs = _combine_inputs(13, F32, seed=4, weighted=False)
+        got, ref = [], []
+        for out, enabled in ((got, True), (ref, False)):
+            x, w13, w2 = (t.detach().requires_grad_() for t in inputs[:3])
+            with mock.patch.object(_eager, "ENABLED", enabled):
+                y = gs.grouped_swiglu_combine(
+                    x, w13, w2, p.offs, None, p.row_to_slot, p.slot_to_row
+                )
+                out.extend(torch.autograd.grad(y.sum(), (x, w13), create_graph=True))
+        for a, b in zip(got, ref, strict=True):
+            self.assertTrue(torch.equal(a, b))
+            self.assertEqual(a.requires_grad, b.requires_grad)
+
+    def test_errors_are_the_ops(self) -> None:
+        p, (x, w13, w2, rw) = _combine_inputs(7, F32, seed=1, weighted=True)
+        bad = p.offs[:-1]
+        for enabled in (True, False):
+            with mock.patch.object(_eager, "ENABLED", enabled):
+                with self.assertRaisesRegex(ValueError, r"^grouped_swiglu: expected offs .* E=6"):
+                    gs.grouped_swiglu_combine(x, w13, w2, bad, rw, p.row_to_slot, p.slot_to_row)
+
+    def test_compiled_and_subclass_calls_take_the_ops(self) -> None:
+        p, (x, w13, w2, _rw) = _combine_inputs(9, F32, seed=6, weighted=False)
+        counts: dict[str, int] = {}
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            for node in gm.graph.nodes:
+                counts[str(node.target)] = counts.get(str(node.target), 0) + 1
+            return gm
+
+        def f(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+            return gs.grouped_swiglu_combine(x, w13, w2, p.offs, None, p.row_to_slot, p.slot_to_row)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=backend, fullgraph=True)
+        self.assertTrue(torch.equal(compiled(x, w13, w2), f(x, w13, w2)))
+        self.assertIn("torch_moe.grouped_swiglu.default", counts)
+        self.assertIn("torch_moe.unpermute.default", counts)
+        with op_path(), mock.patch.object(gs, "_SwiGLUCombine", side_effect=AssertionError):
+            self.assertTrue(torch.equal(f(x, w13, w2), compiled(x, w13, w2)))
+
+
+def _fill(args: list, present: tuple) -> list:
+    """``args`` with its non-None entries replaced, in order, by ``present``."""
+    it = iter(present)
+    return [None if a is None else next(it) for a in args]
+
+
 instantiate_parametrized_tests(TestDirectCalls)
+instantiate_parametrized_tests(TestSwiGLUCombine)
 
 if __name__ == "__main__":
     run_tests()

@@ -29,34 +29,47 @@ Backward (s = sigmoid(gate)):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any
 
 import torch
+import torch.autograd.profiler as _profiler
 from torch import Tensor
 
 from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype, no_cpu_autocast
-from torch_moe._ops._eager import direct_calls
+from torch_moe._ops._eager import direct, direct_calls
 from torch_moe._ops.grouped_mm import (
     _busy_groups,
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
     _nonzero_strides,
+    _use_torch_grouped_mm,
     check_offs_values,
     cpu_compute_dtype,
     grouped_mm,
     grouped_mm_wgrad,
     mm_cpu,
     mm_into,
+    wgrad_copies,
     wgrad_operand,
 )
-from torch_moe._ops.permute import gather_rows, unpermute
+from torch_moe._ops.permute import (
+    _native_combine,
+    _negative_positions,
+    _permute_rows,
+    _unpermute_rows,
+    gather_rows,
+    permute,
+    unpermute,
+)
 
 __all__ = [
     "grouped_swiglu",
     "grouped_swiglu_backward",
+    "grouped_swiglu_combine",
     "swiglu",
     "swiglu_backward",
     "swiglu_reference",
@@ -69,6 +82,7 @@ _ACT_CHUNK_ELEMS: int | None = None
 # the dtypes of h the native row kernels take (fp32 math; fp64 h stays on the ATen ops)
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NATIVE_CHECKED: dict[tuple[Any, torch.dtype], bool] = {}  # (kernels, h dtype): ATen's bits
+_MISSING: Any = object()
 
 
 def _check_inputs(
@@ -483,12 +497,19 @@ def _act_into_aten(h: Tensor, row_weights: Tensor | None, out: Tensor) -> None:
 
 
 def _act_backward_into(
-    h: Tensor, grad_a: Tensor, row_weights: Tensor | None, out_a: Tensor, out_dh: Tensor
+    h: Tensor,
+    grad_a: Tensor,
+    row_weights: Tensor | None,
+    out_a: Tensor,
+    out_dh: Tensor,
+    mod: Any = _MISSING,
 ) -> Tensor | None:
     """``_act_backward``'s function for one row chunk by the native row kernel or the ATen
     ops (the same bits; d row_weights is the same fp32 sum of the same products). Returns
-    d row_weights."""
-    mod = _native_kernels(h, grad_a, out_a, out_dh)
+    d row_weights. ``mod``: ``_native_kernels`` of these operands where the caller has it
+    (None: the ATen ops)."""
+    if mod is _MISSING:
+        mod = _native_kernels(h, grad_a, out_a, out_dh)
     if mod is None:
         return _act_backward_into_aten(h, grad_a, row_weights, out_a, out_dh)
     if row_weights is None:
@@ -627,10 +648,14 @@ def _forward_whole(
     h = _grouped_mm_cpu(x_rows, w13.transpose(-2, -1), ends, offs)
     del x_rows  # gathered: freed before A and Y are allocated
     a = w13.new_empty((rows, w2.shape[2]))
-    step = _act_chunk_rows(w13.dtype, w2.shape[2])
-    for r0 in range(0, rows, step):
-        r = slice(r0, r0 + step)
-        _act_into(h[r], None if row_weights is None else row_weights[r], a[r])
+    mod = _native_kernels(h, a)
+    if mod is not None:  # row by row, no temporaries: all rows in one call
+        mod.swiglu_forward(h, _native_weights(row_weights), a)
+    else:
+        step = _act_chunk_rows(w13.dtype, w2.shape[2])
+        for r0 in range(0, rows, step):
+            r = slice(r0, r0 + step)
+            _act_into_aten(h[r], None if row_weights is None else row_weights[r], a[r])
     return _grouped_mm_cpu(a, w2.transpose(-2, -1), ends, offs), h
 
 
@@ -741,14 +766,20 @@ def _backward_whole(
     grad_a = _grouped_mm_cpu(grad_y, w2, ends, offs)
     a = w13.new_empty((rows, hidden))
     dh = w13.new_empty((rows, 2 * hidden))
-    grad_rw = None if row_weights is None else torch.zeros_like(row_weights, dtype=acc)
-    step = _act_chunk_rows(dt, hidden)
-    for r0 in range(0, rows, step):
-        r = slice(r0, r0 + step)
-        rw = None if row_weights is None else row_weights[r]
-        grad_rw_r = _act_backward_into(h[r], grad_a[r], rw, a[r], dh[r])
-        if grad_rw is not None and grad_rw_r is not None:
-            grad_rw[r] = grad_rw_r
+    mod = _native_kernels(h, grad_a, a, dh)
+    grad_rw = None
+    if mod is not None and row_weights is None:  # row by row, no temporaries: one call
+        mod.swiglu_backward(h, grad_a, None, a, dh, None)
+    else:  # row chunks: the ATen ops' fp32 temporaries, or the native kernel's dA * a
+        step = _act_chunk_rows(dt, hidden)
+        if row_weights is not None:
+            grad_rw = row_weights.new_empty(row_weights.shape, dtype=acc)
+        for r0 in range(0, rows, step):
+            r = slice(r0, r0 + step)
+            rw = None if row_weights is None else row_weights[r]
+            grad_rw_r = _act_backward_into(h[r], grad_a[r], rw, a[r], dh[r], mod)
+            if grad_rw is not None and grad_rw_r is not None:
+                grad_rw[r] = grad_rw_r
     del grad_a
     if grad_h is not None:
         dh += grad_h
@@ -892,6 +923,315 @@ def _backward(ctx, grad_y, grad_h):  # type: ignore[no-untyped-def]
             dx = None
     grad_rw = grad_rw if row_weights is not None else None
     return dx, dw13, dw2, None, grad_rw, None, None, None
+
+
+# --------------------------------------------------------------------------------------
+# grouped_swiglu and the combine as one eager step
+
+
+def grouped_swiglu_combine(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    row_to_slot: Tensor,
+    slot_to_row: Tensor,
+) -> Tensor:
+    """``unpermute(grouped_swiglu(x, w13, w2, offs, row_weights, row_to_slot=row_to_slot,
+    slot_to_row=slot_to_row)[0], slot_to_row, row_to_slot)``: the SwiGLU experts from the
+    tokens x [T, D] back to the tokens (the combine unweighted: the routing weights are
+    the rows', folded into the activation). Returns [T, D] in the weights' dtype.
+
+    Design note. On plain CPU tensors in eager mode (``_eager.direct``) the two ops run as
+    one autograd node: their own CPU kernels and backward formulas, called in the order
+    the two ops call them, so the values, the gradients and the tensors saved are theirs
+    bit for bit (tests compare both ways); what goes is one op's wrapper, its autograd
+    node and the unpermute's checks of maps grouped_swiglu has checked. After each expert
+    GEMM the interpreter runs from cold caches, and on a 2-core EPYC (Zen 4) a transformers
+    Mixtral / Qwen3-MoE training step at 16 tokens spent ~0.4-0.9 ms per experts block in
+    those layers (benchmarks/results/hf_train_step_cpu_202612.md). Everywhere else
+    (compiling, modes, subclasses, DTensor, other devices, ``TORCH_MOE_DIRECT_OPS=0``) and
+    under a double backward this is the two ops, which the compiler and its passes see.
+    """
+    args = (x, w13, w2, offs, row_weights, row_to_slot, slot_to_row)
+    if not direct(args):
+        y, _h = grouped_swiglu(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
+        return unpermute(y, slot_to_row, row_to_slot)
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w13, w2, row_weights)
+    )
+    if grad:
+        return _SwiGLUCombine.apply(*args)
+    return _swiglu_combine_forward(*args)[0]  # h and the lean state freed
+
+
+def _swiglu_combine_forward(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    row_to_slot: Tensor,
+    slot_to_row: Tensor,
+) -> tuple[Tensor, Tensor, tuple[Any, int, Tensor, Tensor | None, int] | None]:
+    """(out [T, D], h, what the lean backward needs or None): grouped_swiglu's CPU kernel,
+    then unpermute's past its checks; by ``_lean_forward`` where ``_lean_plan`` holds."""
+    _check_inputs(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
+    rows = row_to_slot.shape[0]
+    ends = check_offs_values("grouped_swiglu", offs, rows) or []
+    # the lean kernels where the plan holds, unprofiled and outside autocast (elsewhere the
+    # kernels below, each under its op's profiler record and out of autocast)
+    plan = None
+    if x.shape[0] and not (_profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu")):
+        plan = _lean_plan(x, w13, w2, row_weights, ends, rows)
+    if plan is not None:
+        mod, step = plan
+        tokens = _token_index(None, row_to_slot, slot_to_row)
+        assert tokens is not None
+        empty = _negative_positions(tokens)  # read once, for the three gathers
+        out, h = _lean_forward(
+            mod, x, w13, w2, offs, row_weights, tokens, empty, slot_to_row, ends[-1]
+        )
+        return out, h, (mod, step, tokens, empty, ends[-1])
+    with _recorded("torch_moe::grouped_swiglu"):
+        y, h = _grouped_swiglu_cpu(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
+    if y.shape[0] == 0:  # the op's own edge (no tokens)
+        return unpermute(y, slot_to_row, row_to_slot), h, None
+    with _recorded("torch_moe::unpermute"):
+        return _unpermute_rows(y, slot_to_row, row_to_slot), h, None
+
+
+def _lean_plan(
+    x: Tensor, w13: Tensor, w2: Tensor, row_weights: Tensor | None, ends: list[int], rows: int
+) -> tuple[Any, int] | None:
+    """Whether every decision the two ops' CPU kernels take for this call, forward and
+    backward, is the common one: the whole-tensor path, all six GEMMs by
+    ``torch._grouped_mm`` (the weight gradients' operand as the transposed view, not a
+    copy), the activation and both combines by the native kernels: then (the native
+    kernels' ops, the activation's row chunk), with which ``_lean_*`` run the same
+    kernels on the same operands without asking each decision again (each ask is a few
+    Python calls, run from cold caches after every GEMM); else None. Memoized per force()
+    state on everything the decisions read: the operands' dtypes, shapes, strides and
+    alignment, the rows, the groups and the busy groups (the intermediate operands are
+    fresh, contiguous allocations of known shapes), the threads and whether the native
+    kernels are enabled."""
+    dt, busy = w13.dtype, _busy_groups(ends)
+    key = (
+        "swiglu_combine_lean",
+        x.dtype,
+        dt,
+        None if row_weights is None else row_weights.dtype,
+        *x.shape,
+        *w13.shape,
+        *w13.stride(),
+        *w2.stride(),
+        w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0,
+        rows,
+        ends[-1] if ends else 0,
+        len(ends),
+        busy,
+        torch.get_num_threads(),
+        _native.enabled(),
+    )
+    return _cpu_probe.memo(key, lambda: _decide_lean(x, w13, w2, ends, rows))
+
+
+def _decide_lean(
+    x: Tensor, w13: Tensor, w2: Tensor, ends: list[int], rows: int
+) -> tuple[Any, int] | None:
+    dt, busy = w13.dtype, _busy_groups(ends)
+    if not ends or ends[-1] == 0 or not _whole_path_for(dt, ends):
+        return None
+    if _native_combine(dt, False) is None or _native_combine(x.dtype, False) is None:
+        return None
+    dim, hidden = w13.shape[2], w2.shape[2]
+    # stand-ins for the fresh intermediates (the decisions read their metadata only)
+    x_rows, y_rows = w13.new_empty((rows, dim)), w13.new_empty((rows, dim))
+    h, dh = w13.new_empty((rows, 2 * hidden)), w13.new_empty((rows, 2 * hidden))
+    a = w13.new_empty((rows, hidden))
+    mod = _native_kernels(h, a)
+    if mod is None or _native_kernels(h, a, a, dh) is None:
+        return None
+    per_group = ends[-1] // busy
+    if wgrad_copies(dt, per_group, dim, hidden) or wgrad_copies(dt, per_group, 2 * hidden, dim):
+        return None  # wgrad_operand would copy dY (dW2) or dH (dW13)
+    gemms = (
+        (x_rows, w13.transpose(-2, -1), False),
+        (a, w2.transpose(-2, -1), False),
+        (y_rows, w2, False),
+        (y_rows.t(), a, True),
+        (dh.t(), x_rows, True),
+        (dh, w13, False),
+    )
+    if not all(_use_torch_grouped_mm(p, q, ends, wgrad) for p, q, wgrad in gemms):
+        return None
+    return mod, _act_chunk_rows(dt, hidden)
+
+
+def _gmm(x: Tensor, w: Tensor, offs: Tensor, end: int) -> Tensor:
+    """``_grouped_mm_cpu``'s ``torch._grouped_mm`` branch."""
+    out = torch._grouped_mm(x, w, offs=offs)
+    if end < out.shape[0]:
+        out[end:].zero_()
+    return out
+
+
+def _lean_rows(x: Tensor, tokens: Tensor, empty: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``gather_rows(x, tokens).to(dtype)`` with the -1 positions known (``empty``)."""
+    if empty is None:
+        return x.index_select(0, tokens).to(dtype)
+    return x.index_select(0, tokens.clamp(min=0)).index_fill_(0, empty, 0).to(dtype)
+
+
+def _lean_forward(
+    mod: Any,
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    tokens: Tensor,
+    empty: Tensor | None,
+    slot_to_row: Tensor,
+    end: int,
+) -> tuple[Tensor, Tensor]:
+    """``_forward_whole`` then the combine where ``_lean_plan`` holds: (out, h)."""
+    x_rows = _lean_rows(x, tokens, empty, w13.dtype)
+    h = _gmm(x_rows, w13.transpose(-2, -1), offs, end)
+    del x_rows
+    a = w13.new_empty((h.shape[0], w2.shape[2]))
+    mod.swiglu_forward(h, _native_weights(row_weights), a)
+    y = _gmm(a, w2.transpose(-2, -1), offs, end)
+    del a
+    out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
+    mod.combine(y, slot_to_row, out)
+    return out, h
+
+
+def _lean_backward(
+    mod: Any,
+    step: int,
+    grad_out: Tensor,
+    x: Tensor,
+    h: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    tokens: Tensor,
+    empty: Tensor | None,
+    slot_to_row: Tensor,
+    end: int,
+    need_x: bool,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
+    """The permute of ``grad_out``, ``_backward_whole`` and the combine of dX where
+    ``_lean_plan`` holds: (dx, dw13, dw2, d row_weights)."""
+    dt = w13.dtype
+    grad_y = _lean_rows(grad_out, tokens, empty, grad_out.dtype)
+    grad_a = _gmm(grad_y, w2, offs, end)
+    rows, hidden = h.shape[0], w2.shape[2]
+    a = w13.new_empty((rows, hidden))
+    dh = w13.new_empty((rows, 2 * hidden))
+    grad_rw = None
+    if row_weights is None:
+        mod.swiglu_backward(h, grad_a, None, a, dh, None)
+    else:
+        rw = row_weights.to(torch.float32).contiguous()  # _native_weights
+        grad_rw = row_weights.new_empty(row_weights.shape, dtype=acc_dtype(dt))
+        for r0 in range(0, rows, step):
+            r = slice(r0, r0 + step)
+            prod = a.new_empty(a[r].shape, dtype=torch.float32)
+            mod.swiglu_backward(h[r], grad_a[r], rw[r], a[r], dh[r], prod)
+            grad_rw[r] = prod.sum(-1)
+        grad_rw[end:] = 0
+    del grad_a
+    dw2 = torch._grouped_mm(grad_y.t(), a, offs=offs)
+    del a, grad_y
+    x_rows = _lean_rows(x, tokens, empty, dt)
+    dw13 = torch._grouped_mm(dh.t(), x_rows, offs=offs)
+    del x_rows
+    dx = None
+    if need_x:
+        dx_rows = _gmm(dh, w13, offs, end).to(x.dtype)
+        dx = dx_rows.new_empty((slot_to_row.shape[0], dx_rows.shape[1]))
+        mod.combine(dx_rows, slot_to_row, dx)
+    grad_rw = None if grad_rw is None or row_weights is None else grad_rw.to(row_weights.dtype)
+    return dx, dw13, dw2, grad_rw
+
+
+class _SwiGLUCombine(torch.autograd.Function):
+    """``grouped_swiglu_combine`` as one node: the forward of both ops, grouped_swiglu's
+    saved tensors, and the backward of both (unpermute's: the permute of the gradient)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        offs: Tensor,
+        row_weights: Tensor | None,
+        row_to_slot: Tensor,
+        slot_to_row: Tensor,
+    ) -> Tensor:
+        out, h, lean = _swiglu_combine_forward(
+            x, w13, w2, offs, row_weights, row_to_slot, slot_to_row
+        )
+        ctx.save_for_backward(x, h, w13, w2, offs, row_weights, row_to_slot, slot_to_row)
+        ctx.lean = lean
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, h, w13, w2, offs, row_weights, row_to_slot, slot_to_row = ctx.saved_tensors
+        none = (None,) * 7
+        if grad_out is None:
+            return none
+        if torch.is_grad_enabled() or x.shape[0] == 0:  # a double backward: the ops
+            grad_y = permute(grad_out, row_to_slot, slot_to_row)
+            saved = (x, h, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
+            grads = _backward(_Saved(saved, ctx.needs_input_grad), grad_y, None)
+            return (*grads[:5], None, None)
+        lean = ctx.lean
+        if lean is not None and not (
+            _profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu")
+        ):
+            mod, step, tokens, empty, end = lean
+            dx, dw13, dw2, grad_rw = _lean_backward(
+                mod, step, grad_out, x, h, w13, w2, offs, row_weights, tokens, empty,
+                slot_to_row, end, ctx.needs_input_grad[0],
+            )  # fmt: skip
+            return dx, dw13, dw2, None, grad_rw, None, None
+        with _recorded("torch_moe::permute"):
+            grad_y = _permute_rows(grad_out, row_to_slot, slot_to_row)
+        tokens = _token_index(None, row_to_slot, slot_to_row)
+        with _recorded("torch_moe::grouped_swiglu_backward"):
+            dx, dw13, dw2, grad_rw = _grouped_swiglu_backward_cpu(
+                grad_y, None, x, h, w13, w2, offs, row_weights, tokens
+            )
+        if ctx.needs_input_grad[0]:
+            with _recorded("torch_moe::unpermute"):
+                dx = _unpermute_rows(dx.to(x.dtype), slot_to_row, row_to_slot)
+        else:
+            dx = None
+        return dx, dw13, dw2, None, grad_rw if row_weights is not None else None, None, None
+
+
+class _Saved:
+    """What ``_backward`` reads of its ctx."""
+
+    def __init__(self, saved_tensors: tuple[Any, ...], needs_input_grad: tuple[bool, ...]):
+        self.saved_tensors = saved_tensors
+        self.needs_input_grad = needs_input_grad
+
+
+def _recorded(name: str) -> Any:
+    """A profiler record named as the op whose kernel runs (as ``DirectOp``'s)."""
+    if _profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 grouped_swiglu.register_autograd(_backward, setup_context=_setup)

@@ -346,6 +346,14 @@ def _permute_cpu(
         return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
     _check_maps("permute", row_to_slot, slot_to_row, weights)
     _check_rows("permute", "x", x, slot_to_row.shape[0])
+    return _permute_rows(x, row_to_slot, slot_to_row, weights)
+
+
+def _permute_rows(
+    x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    """The CPU kernel of ``permute`` past its checks (callers that hold validated maps and
+    x with T >= 1 rows: ``grouped_swiglu_combine``)."""
     top_k = slot_to_row.shape[1]
     empty = _negative_positions(row_to_slot)  # padding rows, or the rows a capacity left
     slots = row_to_slot if empty is None else row_to_slot.clamp(min=0)
@@ -367,6 +375,14 @@ def _unpermute_cpu(
         return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
+    return _unpermute_rows(y, slot_to_row, row_to_slot, weights)
+
+
+def _unpermute_rows(
+    y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    """The CPU kernel of ``unpermute`` past its checks (callers that hold validated maps,
+    y with M >= 1 rows and K >= 1: ``grouped_swiglu_combine``)."""
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     rows_ok = y.stride(-1) == 1 and type(y) is Tensor
     kernels = _native_combine(y.dtype, weights is not None) if rows_ok else None

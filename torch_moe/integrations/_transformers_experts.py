@@ -19,7 +19,8 @@ constants) and picks one of two paths:
   biases and no post-expert norm (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE and most of
   the 64 families). ``torch_moe.ops.permute_indices`` -> ``grouped_swiglu(x, w13, w2,
   offs, row_weights, row_to_slot=, slot_to_row=)`` (the permute's gather inside the op)
-  -> ``torch_moe.ops.unpermute`` (fp32 combine). The routing weight of each row is folded
+  -> ``torch_moe.ops.unpermute`` (fp32 combine; in eager on CPU tensors the two ops' kernels
+  as one autograd node, ``grouped_swiglu_combine``). The routing weight of each row is folded
   into the op, whose backward keeps only the tokens [T, D] and the pre-activation [M,
   2F]: neither a permuted input, nor the [M, D] expert output, nor the [M, F]
   activation is saved.
@@ -73,8 +74,21 @@ from torch_moe._ops import glu as _glu
 from torch_moe._ops import grouped_mm as _gmm
 from torch_moe._ops import permute as _perm
 from torch_moe._ops._dtypes import acc_dtype
-from torch_moe.nn.functional import grouped_swiglu
+from torch_moe._ops.grouped_swiglu import grouped_swiglu_combine
 from torch_moe.quantization import Recipe, scaled_grouped_mm
+
+# transformers' symbols the layout checks compare against, imported once (an import
+# statement in the check cost microseconds on every experts call); this module serves
+# ``torch_moe.integrations.transformers``, which needs transformers
+_HF_SYMBOLS: tuple[Any, Any, Any]
+try:
+    from transformers.activations import ReLUSquaredActivation, SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate as _default_gate_fn
+
+    _HF_SYMBOLS = (ReLUSquaredActivation, SiLUActivation, _default_gate_fn)
+except ImportError:  # pragma: no cover - an older transformers: the integration refuses it
+    _HF_SYMBOLS = (None, None, None)
+_ReLUSquaredActivation, _SiLUActivation, _default_apply_gate = _HF_SYMBOLS
 
 __all__ = ["RECIPE_ATTR", "ExpertsLayout", "experts_forward", "experts_layout"]
 
@@ -116,11 +130,7 @@ def _is_silu(act: Any) -> bool:
         return False
     if isinstance(act, nn.SiLU):
         return True
-    try:
-        from transformers.activations import SiLUActivation
-    except ImportError:  # pragma: no cover - transformers is what calls this backend
-        return False
-    return type(act) is SiLUActivation
+    return _SiLUActivation is not None and type(act) is _SiLUActivation
 
 
 # experts classes whose own _apply_gate is one of torch_moe::glu's activations: (its
@@ -169,17 +179,12 @@ def own_gate(experts: Any) -> tuple[str, float | None, float | None, bool] | Non
 
 def _is_relu2(act: Any) -> bool:
     """Whether ``act`` is transformers' squared ReLU (Nemotron-H's ungated experts)."""
-    try:
-        from transformers.activations import ReLUSquaredActivation
-    except ImportError:  # pragma: no cover - transformers is what calls this backend
-        return False
-    return type(act) is ReLUSquaredActivation
+    return _ReLUSquaredActivation is not None and type(act) is _ReLUSquaredActivation
 
 
 def _default_gate(experts: Any) -> bool:
-    from transformers.integrations.moe import _default_apply_gate
-
-    return getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+    default = _default_apply_gate
+    return default is not None and getattr(type(experts), "_apply_gate", None) is default
 
 
 def _unknown_flags() -> dict[str, Any]:
@@ -393,17 +398,17 @@ def experts_forward(
         rw_M = torch.where(perm.row_to_slot >= 0, rw_M, 0)
 
     if layout.fused and recipe is None:
-        # the op gathers each group's rows from the tokens itself (no [M, D] permuted input)
-        y_MD = grouped_swiglu(
+        # the op gathers each group's rows from the tokens itself (no [M, D] permuted input),
+        # then the unweighted combine (in eager on the CPU one autograd node for both)
+        out = grouped_swiglu_combine(
             x_TD,
             up_EDN.transpose(-2, -1),
             down_EFD.transpose(-2, -1),
             offs,
             rw_M,
-            row_to_slot=perm.row_to_slot,
-            slot_to_row=perm.slot_to_row,
+            perm.row_to_slot,
+            perm.slot_to_row,
         )
-        out = ops.unpermute(y_MD, None, perm)
         return out.to(hidden_states.dtype)
 
     if recipe is None:  # the rows gathered inside the GEMM: no [M, D] permuted input saved
