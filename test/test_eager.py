@@ -524,7 +524,7 @@ class TestSwiGLUCombine(TestCase):
                     got = run(combined)
         self.assertEqual(len(got[0]), 1)
         for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
-            self.assertEqual((a.dtype, a.shape), (b.dtype, b.shape))
+            self.assertEqual((a.dtype, a.shape, a.stride()), (b.dtype, b.shape, b.stride()))
             self.assertTrue(torch.equal(a, b), "differs from the two ops' result")
         self.assertLessEqual(got[2], ref[2])  # the maps are saved once, not twice
         if lean is not None:
@@ -625,6 +625,179 @@ class TestSwiGLUCombine(TestCase):
             self.assertTrue(torch.equal(f(x, w13, w2), compiled(x, w13, w2)))
 
 
+class TestGLUCombine(TestCase):
+    """``grouped_glu_combine``: the composed experts (gather_grouped_mm, an up bias, glu,
+    grouped_mm, the unweighted combine), in eager on plain CPU tensors one lean autograd
+    node where every decision is the common one: the values and every gradient are the
+    ops', bit for bit, in either weight orientation, with or without a bias; everywhere
+    else the ops."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))
+
+    def _inputs(
+        self, activation: str, transposed: bool, bias: bool, dtype: torch.dtype, **routing: Any
+    ) -> tuple[Any, list, tuple]:
+        g = torch.Generator().manual_seed(11)
+        tokens, experts, top_k, dim, hidden = 19, 6, 2, 32, 16
+        width = 2 * hidden if activation != "relu2" else hidden
+        logits = torch.randn(tokens, experts, generator=g)
+        logits[:, 0] += 1.5
+        ids = logits.topk(top_k, dim=-1).indices
+        p = ops.permute_indices(ids, experts, **routing)
+        rows = p.row_to_slot.shape[0]
+
+        def weight(e: int, k: int, n: int) -> torch.Tensor:  # [E, K, N] in either layout
+            w = (
+                torch.randn(e, n, k, generator=g)
+                if transposed
+                else torch.randn(e, k, n, generator=g)
+            )
+            w = (w * 0.3).to(dtype)
+            return w.transpose(-2, -1) if transposed else w
+
+        bias_rows = ids.reshape(-1).index_select(0, p.row_to_slot.clamp(min=0)) if bias else None
+        inputs = [
+            torch.randn(tokens, dim, generator=g).to(dtype),
+            weight(experts, dim, width),
+            weight(experts, hidden, dim),
+            torch.rand(rows, generator=g),
+            (torch.randn(experts, width, generator=g) * 0.1).to(dtype) if bias else None,
+        ]
+        glu_args = {
+            "swiglu": ("swiglu", 1.0, None, False),
+            "swigluoai": ("swigluoai", 1.702, 0.9, True),
+            "relu2": ("relu2", 1.0, None, False),
+        }[activation]
+        return (p, bias_rows), inputs, glu_args
+
+    def _compare(self, case: tuple, inputs: list, glu_args: tuple, needs: tuple, lean: bool,
+                 decisions: dict[str, str]) -> None:  # fmt: skip
+        (p, bias_rows) = case
+        args = [
+            None if t is None else t.detach().requires_grad_(n)
+            for t, n in zip(inputs, needs, strict=True)
+        ]
+        present = [t for t in args if t is not None]
+
+        def call(x: Any, w_up: Any, w_down: Any, rw: Any, bias: Any) -> Any:
+            return glu_mod.grouped_glu_combine(
+                x, w_up, w_down, p.offs, rw, p.row_to_slot, p.slot_to_row, *glu_args,
+                up_bias=bias, bias_rows=bias_rows,
+            )  # fmt: skip
+
+        def run() -> tuple[list, list, int]:
+            return _run(lambda *ts: call(*_fill(args, ts)), present)
+
+        with _cpu_probe.force(**decisions):
+            with op_path():
+                ref = run()
+            spy = mock.patch.object(
+                glu_mod, "_lean_backward_into", wraps=glu_mod._lean_backward_into
+            )
+            with spy as lean_bwd:
+                with (
+                    op_never_called(
+                        gmm.gather_grouped_mm, gmm.grouped_mm, glu_mod.glu, perm.unpermute
+                    )
+                    if lean
+                    else contextlib.nullcontext()
+                ):
+                    got = run()
+        for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
+            # the layout too: a weight gradient in its parameter's (no AccumulateGrad copy)
+            self.assertEqual((a.dtype, a.shape, a.stride()), (b.dtype, b.shape, b.stride()))
+            self.assertTrue(torch.equal(a, b), "differs from the ops' result")
+        self.assertLessEqual(got[2], ref[2])
+        self.assertEqual(lean_bwd.called, lean and any(needs))
+
+    @parametrize("activation", ["swiglu", "swigluoai", "relu2"])
+    @parametrize("transposed", [False, True])
+    @parametrize("bias", [False, True])
+    def test_same_as_the_ops(self, activation: str, transposed: bool, bias: bool) -> None:
+        case, inputs, glu_args = self._inputs(activation, transposed, bias, BF16)
+        needs = (True, True, True, True, bias)
+        native = _native.available()
+        for decisions, lean in ((LEAN, native), (GENERAL, False)):
+            with self.subTest(decisions=decisions):
+                self._compare(case, inputs, glu_args, needs, lean, decisions)
+
+    @parametrize(
+        "needs",
+        [
+            (False, True, True, False, True),
+            (True, False, False, True, False),
+            (False, False, True, False, False),
+        ],
+    )
+    def test_some_inputs_need_no_gradient(self, needs: tuple[bool, ...]) -> None:
+        case, inputs, glu_args = self._inputs("swigluoai", True, True, F32)
+        # the lean node where the up projection's inputs need a gradient (else the ops,
+        # which then save less)
+        lean = _native.available() and (needs[0] or needs[1] or needs[4])
+        self._compare(case, inputs, glu_args, needs, lean, LEAN)
+
+    @parametrize("routing", [dict(align=4), dict(capacity=5)])
+    def test_padding_and_dropped_rows(self, routing: dict[str, int]) -> None:
+        case, inputs, glu_args = self._inputs("swiglu", False, True, BF16, **routing)
+        self.assertTrue(bool((case[0].row_to_slot < 0).any()))
+        self._compare(case, inputs, glu_args, (True,) * 5, _native.available(), LEAN)
+
+    def test_double_backward_is_the_ops(self) -> None:
+        (p, bias_rows), inputs, glu_args = self._inputs("swigluoai", True, True, F32)
+        got, ref = [], []
+        with _cpu_probe.force(**LEAN):
+            for out, enabled in ((got, True), (ref, False)):
+                x, w_up, w_down, rw, bias = (t.detach().requires_grad_() for t in inputs)
+                with mock.patch.object(_eager, "ENABLED", enabled):
+                    y = glu_mod.grouped_glu_combine(
+                        x, w_up, w_down, p.offs, rw, p.row_to_slot, p.slot_to_row, *glu_args,
+                        up_bias=bias, bias_rows=bias_rows,
+                    )  # fmt: skip
+                    grads = torch.autograd.grad(y.sum(), (x, w_up, rw, bias), create_graph=True)
+                    out.extend(grads)
+                    # second order: as far as the ops go (glu_backward has no formula)
+                    with self.assertRaisesRegex(RuntimeError, "glu_backward.default but no"):
+                        torch.autograd.grad(grads[0].sum(), w_up)
+        for a, b in zip(got, ref, strict=True):
+            self.assertTrue(torch.equal(a, b))
+
+    @parametrize("transposed", [False, True])
+    def test_weight_gradients_in_the_weights_layout(self, transposed: bool) -> None:
+        # as autograd hands them over (AccumulateGrad would copy into the parameter's
+        # layout): the ops' own layout, the weight's, so that no copy is made
+        (p, bias_rows), inputs, glu_args = self._inputs("swigluoai", transposed, False, BF16)
+        got = []
+        with _cpu_probe.force(**LEAN):
+            for enabled in (True, False):
+                x, w_up, w_down = (t.detach().requires_grad_() for t in inputs[:3])
+                with mock.patch.object(_eager, "ENABLED", enabled):
+                    y = glu_mod.grouped_glu_combine(
+                        x, w_up, w_down, p.offs, inputs[3], p.row_to_slot, p.slot_to_row,
+                        *glu_args,
+                    )  # fmt: skip
+                    got.append(torch.autograd.grad(y.float().sum(), (w_up, w_down)))
+        for a, b, w in zip(got[0], got[1], inputs[1:3], strict=True):
+            self.assertEqual(a.stride(), b.stride())
+            self.assertEqual(a.stride(), w.stride())
+            self.assertTrue(torch.equal(a, b))
+
+    def test_bad_input(self) -> None:
+        (p, _rows), (x, w_up, w_down, rw, bias), glu_args = self._inputs("swiglu", False, True, F32)
+        args = (x, w_up, w_down, p.offs, rw, p.row_to_slot, p.slot_to_row, *glu_args)
+        with self.assertRaisesRegex(ValueError, "up_bias and bias_rows go together"):
+            glu_mod.grouped_glu_combine(*args, up_bias=bias)
+        for enabled in (True, False):
+            with mock.patch.object(_eager, "ENABLED", enabled):
+                with self.assertRaisesRegex(ValueError, r"^grouped_mm: offs .*got offs="):
+                    bad = p.offs.flip(0).contiguous()
+                    glu_mod.grouped_glu_combine(
+                        x.requires_grad_(), w_up, w_down, bad, rw, p.row_to_slot, p.slot_to_row,
+                        *glu_args,
+                    )  # fmt: skip
+
+
 def _fill(args: list, present: tuple) -> list:
     """``args`` with its non-None entries replaced, in order, by ``present``."""
     it = iter(present)
@@ -633,6 +806,7 @@ def _fill(args: list, present: tuple) -> list:
 
 instantiate_parametrized_tests(TestDirectCalls)
 instantiate_parametrized_tests(TestSwiGLUCombine)
+instantiate_parametrized_tests(TestGLUCombine)
 
 if __name__ == "__main__":
     run_tests()

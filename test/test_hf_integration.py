@@ -348,7 +348,9 @@ class TestExpertsBackend(_OneThread, TestCase):
                 seen.add(fn)
                 names.append(fn.name())
                 todo.extend(f for f, _ in fn.next_functions)
-            return [n for n in names if "torch_moe_glu" in n]
+            # the glu op's node, or in eager on the CPU the composed experts' one node
+            # (grouped_glu_combine: the ops' kernels, glu's among them)
+            return [n for n in names if "torch_moe_glu" in n or n.startswith("_GLUCombine")]
 
         for layout, glu in want.items():
             flags, act = LAYOUTS[layout]

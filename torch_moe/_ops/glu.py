@@ -44,19 +44,35 @@ import warnings
 from typing import Any
 
 import torch
+import torch.autograd.profiler as _profiler
 from torch import Tensor
 
-from torch_moe._ops import _native
-from torch_moe._ops._dtypes import acc_dtype
-from torch_moe._ops._eager import direct_calls
-from torch_moe._ops.grouped_mm import _nonzero_strides
+from torch_moe._ops import _cpu_probe, _native
+from torch_moe._ops._dtypes import acc_dtype, no_cpu_autocast
+from torch_moe._ops._eager import direct, direct_calls
+from torch_moe._ops.grouped_mm import (
+    _busy_groups,
+    _check_gather,
+    _check_mm_inputs,
+    _nonzero_strides,
+    _use_torch_grouped_mm,
+    check_offs_values,
+    experts_transposed,
+    gather_grouped_mm,
+    grouped_mm,
+    wgrad_copies,
+)
 from torch_moe._ops.grouped_swiglu import (
     _NATIVE_DTYPES,
     _act_chunk_rows,
     _check_act,
+    _gmm,
     _grad_rw_or_empty,
+    _lean_rows,
     _native_weights,
+    _token_index,
 )
+from torch_moe._ops.permute import _negative_positions, unpermute
 
 __all__ = [
     "ACTIVATIONS",
@@ -491,3 +507,306 @@ glu.register_autograd(_backward, setup_context=_setup)
 # Eager calls on plain CPU tensors skip the ops' Python layers (``_eager.py``).
 glu = direct_calls(glu, _glu_cpu, _setup, _backward)
 glu_backward = direct_calls(glu_backward, _glu_backward_cpu)
+
+
+# --------------------------------------------------------------------------------------
+# the composed experts from the tokens back to the tokens, as one eager step
+
+
+def grouped_glu_combine(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    row_to_slot: Tensor,
+    slot_to_row: Tensor,
+    activation: str,
+    alpha: float,
+    limit: float | None,
+    interleaved: bool,
+    up_bias: Tensor | None = None,
+    bias_rows: Tensor | None = None,
+) -> Tensor:
+    """The composed experts (``glu`` between two grouped GEMMs) from the tokens x [T, D]
+    back to the tokens, the combine unweighted (the routing weights are the rows', folded
+    into the activation)::
+
+        h = gather_grouped_mm(x, w_up, offs, row_to_slot, slot_to_row)   # [M, N]
+        h = h + up_bias.index_select(0, bias_rows)                       # with a bias
+        a = glu(h, row_weights, activation, alpha, limit, interleaved)
+        return unpermute(grouped_mm(a, w_down, offs), slot_to_row, row_to_slot)
+
+    ``w_up`` [E, D, N] and ``w_down`` [E, F, D] take any strides (an HF module's
+    transposed weights as they are); ``up_bias`` [E, N] and ``bias_rows`` [M] (each row's
+    expert) go together. Design note: as ``grouped_swiglu_combine``, in eager with
+    autograd on plain CPU tensors (``_eager.direct``), where every decision the ops'
+    CPU kernels take for the call is the common one (``_glu_lean_plan``), this is one
+    autograd node running those kernels on the same operands in the order the ops' own
+    backward formulas run them (and the bias's as autograd computes it), so the values
+    and the gradients are the ops' bit for bit; what goes is five Python autograd nodes,
+    two ATen ones and the decisions asked again after every GEMM. Everywhere else it is
+    the ops themselves.
+    """
+    if (up_bias is None) != (bias_rows is None):
+        raise ValueError("grouped_glu_combine: up_bias and bias_rows go together")
+    glu_args = (activation, alpha, limit, interleaved)
+    args = (x, w_up, w_down, offs, row_weights, row_to_slot, slot_to_row, up_bias, bias_rows)
+    # the lean node saves what the ops save where the up projection's inputs need a
+    # gradient (as in training, where the tokens do); otherwise the ops save less
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w_up, up_bias)
+    )
+    if (
+        grad
+        and x.shape[0]
+        and not (_profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu"))
+        and direct(args)
+    ):
+        ends = _checked_ends(x, w_up, w_down, offs, row_weights, row_to_slot, slot_to_row, glu_args)
+        plan = _glu_lean_plan(x, w_up, w_down, row_weights, ends, row_to_slot.shape[0], glu_args)
+        if plan is not None:
+            return _GLUCombine.apply(*args, glu_args, plan, ends[-1])
+    return _glu_ops(*args, glu_args)
+
+
+def _glu_ops(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    row_to_slot: Tensor,
+    slot_to_row: Tensor,
+    up_bias: Tensor | None,
+    bias_rows: Tensor | None,
+    glu_args: _GluArgs,
+) -> Tensor:
+    """``grouped_glu_combine`` by the ops themselves."""
+    h = gather_grouped_mm(x, w_up, offs, row_to_slot, slot_to_row)
+    if up_bias is not None:
+        h = h + up_bias.index_select(0, bias_rows)  # type: ignore[arg-type]
+    a = glu(h, row_weights, *glu_args)
+    return unpermute(grouped_mm(a, w_down, offs), slot_to_row, row_to_slot)
+
+
+def _checked_ends(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    row_to_slot: Tensor,
+    slot_to_row: Tensor,
+    glu_args: _GluArgs,
+) -> list[int]:
+    """The checks the four ops make of these operands (the same errors), and the group
+    ends."""
+    _check_gather(x, row_to_slot, slot_to_row)
+    rows = row_to_slot.shape[0]
+    _check_mm_inputs(x.new_empty((rows, x.shape[1])), w_up, offs)
+    h = w_up.new_empty((rows, w_up.shape[2]))
+    _check("glu", h, row_weights, *glu_args)
+    _check_mm_inputs(w_up.new_empty((rows, _width(h, glu_args[0]))), w_down, offs)
+    return check_offs_values("grouped_mm", offs, rows) or []
+
+
+def _glu_lean_plan(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    row_weights: Tensor | None,
+    ends: list[int],
+    rows: int,
+    glu_args: _GluArgs,
+) -> tuple[Any, int, bool, bool] | None:
+    """(the native kernels' ops, the activation's row chunk, whether w_down and w_up are
+    column-major per expert) where every decision the four ops' CPU kernels take for this
+    call is the common one: all six GEMMs by ``torch._grouped_mm`` with the weight
+    gradients' operand as the transposed view, the activation's native kernels, the
+    native combines; else None. Memoized per force() state on what the decisions read
+    (as ``grouped_swiglu``'s ``_lean_plan``)."""
+    busy = _busy_groups(ends)
+    key = (
+        "glu_combine_lean",
+        glu_args[0],
+        x.dtype,
+        w_up.dtype,
+        w_down.dtype,
+        None if row_weights is None else row_weights.dtype,
+        *x.shape,
+        *w_up.shape,
+        *w_up.stride(),
+        *w_down.shape,
+        *w_down.stride(),
+        w_up.data_ptr() % 16 == 0 and w_down.data_ptr() % 16 == 0,
+        rows,
+        ends[-1] if ends else 0,
+        len(ends),
+        busy,
+        torch.get_num_threads(),
+        _native.enabled(),
+    )
+    return _cpu_probe.memo(key, lambda: _decide_glu_lean(x, w_up, w_down, ends, rows, glu_args[0]))
+
+
+def _decide_glu_lean(
+    x: Tensor, w_up: Tensor, w_down: Tensor, ends: list[int], rows: int, activation: str
+) -> tuple[Any, int, bool, bool] | None:
+    dt = w_up.dtype
+    # (the native combine takes every dtype the native activations take)
+    if not ends or ends[-1] == 0 or x.dtype != dt or w_down.dtype != dt:
+        return None
+    dim, width = x.shape[1], w_up.shape[2]
+    # stand-ins for the fresh intermediates (the decisions read their metadata only)
+    x_rows, h, dh = x.new_empty((rows, dim)), w_up.new_empty((rows, width)), None
+    dh = w_up.new_empty((rows, width))  # as h
+    a = w_up.new_empty((rows, _width(h, activation)))
+    grad_y = w_up.new_empty((rows, dim))
+    mod = _native_kernels(activation, h, a)  # forward (out) and backward (dA) alike
+    if mod is None:
+        return None
+    down_t, up_t = experts_transposed(w_down), experts_transposed(w_up)
+    busy = _busy_groups(ends)
+    per_group = ends[-1] // busy
+    gemms = [
+        (x_rows, w_up, False),
+        (a, w_down, False),
+        (grad_y, w_down.transpose(-2, -1), False),
+        (dh, w_up.transpose(-2, -1), False),
+    ]
+    # the weight gradients (grouped_mm's / gather_grouped_mm's backward): dW in the
+    # weight's own layout, the wgrad operand the transposed view (no copy)
+    for dy, inp, transposed in ((grad_y, a, down_t), (dh, x_rows, up_t)):
+        first, second = (dy, inp) if transposed else (inp, dy)
+        if wgrad_copies(dt, per_group, first.shape[1], second.shape[1]):
+            return None
+        gemms.append((first.t(), second, True))
+    if not all(_use_torch_grouped_mm(p, q, ends, wgrad) for p, q, wgrad in gemms):
+        return None
+    return mod, _act_chunk_rows(dt, a.shape[1]), down_t, up_t
+
+
+class _GLUCombine(torch.autograd.Function):
+    """``grouped_glu_combine``'s lean node: the ops' CPU kernels where ``_glu_lean_plan``
+    holds, forward, and backward in the order of the ops' formulas (unpermute's, then
+    grouped_mm's, glu's, the bias's and gather_grouped_mm's)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        w_up: Tensor,
+        w_down: Tensor,
+        offs: Tensor,
+        row_weights: Tensor | None,
+        row_to_slot: Tensor,
+        slot_to_row: Tensor,
+        up_bias: Tensor | None,
+        bias_rows: Tensor | None,
+        glu_args: _GluArgs,
+        plan: tuple[Any, int, bool, bool],
+        end: int,
+    ) -> Tensor:
+        mod, step = plan[0], plan[1]
+        tokens = _token_index(None, row_to_slot, slot_to_row)
+        assert tokens is not None
+        empty = _negative_positions(tokens)  # read once, for the three gathers
+        h = _gmm(_lean_rows(x, tokens, empty, x.dtype), w_up, offs, end)
+        if up_bias is not None:
+            h = h + up_bias.index_select(0, bias_rows)  # type: ignore[arg-type]
+        a = h.new_empty((h.shape[0], _width(h, glu_args[0])))
+        _native_forward(mod, h, row_weights, glu_args, step, a)
+        y = _gmm(a, w_down, offs, end)
+        out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
+        mod.combine(y, slot_to_row, out)
+        ctx.save_for_backward(
+            x, w_up, w_down, offs, row_weights, row_to_slot, slot_to_row, h, a, bias_rows
+        )
+        # the bias (a parameter, not an activation) for its shape and a double backward
+        ctx.lean = (glu_args, plan, end, tokens, empty, up_bias)
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        saved = ctx.saved_tensors
+        x, w_up, w_down, offs, row_weights, row_to_slot, slot_to_row, h, a, bias_rows = saved
+        glu_args, plan, end, tokens, empty, up_bias = ctx.lean
+        needs = ctx.needs_input_grad
+        grads: list[Tensor | None] = [None] * 12
+        if grad_out is None:
+            return tuple(grads)
+        if torch.is_grad_enabled():  # a double backward: the ops' graph, recomputed
+            inputs = (x, w_up, w_down, offs, row_weights, row_to_slot, slot_to_row, up_bias)
+            wanted = [i for i in (0, 1, 2, 4, 7) if needs[i]]
+            out = _glu_ops(*inputs, bias_rows, glu_args)
+            got = torch.autograd.grad(
+                out, [inputs[i] for i in wanted], grad_out, create_graph=True, allow_unused=True
+            )
+            for i, g in zip(wanted, got, strict=True):
+                grads[i] = g
+            return tuple(grads)
+        with no_cpu_autocast():
+            _lean_backward_into(
+                grads, grad_out, x, w_up, w_down, offs, row_weights, slot_to_row, h, a,
+                bias_rows, up_bias, glu_args, plan, end, tokens, empty, needs,
+            )  # fmt: skip
+        return tuple(grads)
+
+
+def _lean_backward_into(
+    grads: list[Tensor | None],
+    grad_out: Tensor,
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    slot_to_row: Tensor,
+    h: Tensor,
+    a: Tensor,
+    bias_rows: Tensor | None,
+    up_bias: Tensor | None,
+    glu_args: _GluArgs,
+    plan: tuple[Any, int, bool, bool],
+    end: int,
+    tokens: Tensor,
+    empty: Tensor | None,
+    needs: tuple[bool, ...],
+) -> None:
+    """``_GLUCombine``'s gradients into ``grads`` (its inputs' order)."""
+    mod, step, down_t, up_t = plan
+    grad_y = _lean_rows(grad_out, tokens, empty, grad_out.dtype)  # unpermute's
+    # grouped_mm's: dA (what is upstream of a needs it), then dW_down in its own layout
+    grad_a = None
+    if needs[0] or needs[1] or needs[4] or needs[7]:
+        grad_a = _gmm(grad_y, w_down.transpose(-2, -1), offs, end)
+    if needs[2]:
+        if down_t:
+            grads[2] = torch._grouped_mm(grad_y.t(), a, offs=offs).transpose(-2, -1)
+        else:
+            grads[2] = torch._grouped_mm(a.t(), grad_y, offs=offs)
+    del grad_y
+    if grad_a is None:
+        return
+    # glu's
+    dh = torch.empty_like(h)
+    grad_rw = _native_backward(mod, grad_a, h, row_weights, glu_args, step, dh)
+    del grad_a
+    if needs[4] and row_weights is not None:
+        grads[4] = _grad_rw_or_empty(grad_rw, row_weights, h)
+    if needs[7] and up_bias is not None:  # the bias's, as autograd's IndexSelectBackward
+        grads[7] = torch.ops.aten.index_select_backward(dh, up_bias.shape, 0, bias_rows)
+    # gather_grouped_mm's: dX (the rows' gradients combined), then dW_up
+    if needs[0]:
+        grad_rows = _gmm(dh, w_up.transpose(-2, -1), offs, end)
+        grads[0] = grad_rows.new_empty((slot_to_row.shape[0], grad_rows.shape[1]))
+        mod.combine(grad_rows, slot_to_row, grads[0])
+        del grad_rows
+    if needs[1]:
+        rows = _lean_rows(x, tokens, empty, x.dtype)
+        if up_t:
+            grads[1] = torch._grouped_mm(dh.t(), rows, offs=offs).transpose(-2, -1)
+        else:
+            grads[1] = torch._grouped_mm(rows.t(), dh, offs=offs)

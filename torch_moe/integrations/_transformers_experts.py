@@ -345,6 +345,13 @@ class _ExpertBiasCombine(torch.autograd.Function):
         return grad_b, None, grad_w
 
 
+def _row_experts(ids_TK: Tensor, row_to_slot: Tensor, num_experts: int) -> Tensor:
+    """The expert of each permuted row; padding / sentinel rows read expert E-1's bias
+    (their GEMM rows are zero and their weight is 0, so they contribute nothing)."""
+    ids_flat = ids_TK.reshape(-1)
+    return ids_flat.index_select(0, row_to_slot.clamp(min=0)).clamp(max=num_experts - 1)
+
+
 def experts_forward(
     self: Any,
     hidden_states: Tensor,
@@ -411,6 +418,23 @@ def experts_forward(
         )
         return out.to(hidden_states.dtype)
 
+    fold = not layout.has_post_expert_norm
+    if recipe is None and layout.glu is not None and fold:
+        # the gate by torch_moe::glu between the two GEMMs, the weight folded in; in eager
+        # on the CPU the four ops (and the up bias) as one autograd node
+        row_expert_M = up_bias = None
+        if layout.has_bias:
+            row_expert_M = _row_experts(ids_TK, perm.row_to_slot, num_experts)
+            up_bias = getattr(self, f"{layout.up_name}_bias").to(dt)
+        out = _glu.grouped_glu_combine(
+            x_TD, up_EDN, down_EFD, offs, rw_M, perm.row_to_slot, perm.slot_to_row,
+            *layout.glu, up_bias=up_bias, bias_rows=row_expert_M,
+        )  # fmt: skip
+        if layout.has_bias:
+            bias = _ExpertBiasCombine.apply(self.down_proj_bias, ids_TK, weights_TK)
+            out = (out.to(bias.dtype) + bias).to(dt)
+        return out.to(hidden_states.dtype)
+
     if recipe is None:  # the rows gathered inside the GEMM: no [M, D] permuted input saved
         maps = (perm.row_to_slot, perm.slot_to_row)
         h_MN = _gmm.gather_grouped_mm(x_TD, up_EDN, offs, *maps)
@@ -419,16 +443,10 @@ def experts_forward(
         h_MN = _gemm(x_perm, up_EDN, offs, recipe)
     row_expert_M = None
     if layout.has_bias:
-        # expert of each row; padding / sentinel rows read expert E-1's bias (their GEMM
-        # rows are zero and their weight is 0, so they contribute nothing)
-        ids_flat = ids_TK.reshape(-1)
-        row_expert_M = ids_flat.index_select(0, perm.row_to_slot.clamp(min=0)).clamp(
-            max=num_experts - 1
-        )
+        row_expert_M = _row_experts(ids_TK, perm.row_to_slot, num_experts)
         up_bias = getattr(self, f"{layout.up_name}_bias").to(dt)
         h_MN = h_MN + up_bias.index_select(0, row_expert_M)
     # the weight goes after a nonlinear post-expert norm, otherwise into the activation
-    fold = not layout.has_post_expert_norm
     if layout.glu is not None:  # saves h (and the weights) and recomputes in its backward
         activation, alpha, limit, interleaved = layout.glu
         rw_glu = rw_M if fold else None
