@@ -8,8 +8,9 @@ interleaved clamped SwiGLU, composed path), in bf16, with each of transformers' 
 implementations ("eager": its per-expert loop, "grouped_mm", "batched_mm") and "torch_moe",
 in one process on the same weights and tokens. Per model and implementation:
 
-* step ms: median over ``--rounds`` rounds, the implementations interleaved in each round
-  (after one warm-up step each), and the ratio to torch_moe's. On CPU this is the
+* step ms: median over ``--rounds`` rounds, the implementations interleaved in a shuffled
+  order in each round (after one warm-up step each), and "x torch_moe": the median over
+  rounds of the step over torch_moe's in the same round. On CPU this is the
   process's CPU time (``time.process_time``) on ``--threads 1`` (the default): on a shared,
   loaded 2-core machine wall time and multi-threaded runs (OpenMP spin-waits) swing by
   several x between identical runs; one thread's CPU time is what an idle core's wall
@@ -49,6 +50,7 @@ import copy
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -228,9 +230,13 @@ def time_steps(
     rounds: int,
     device: str,
     calls: dict[str, Any] | None = None,
-) -> dict[str, float]:
-    """Median step time per implementation, interleaved; ``calls``: a compiled model per
-    implementation (its first call compiles: the warm-up)."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median step time per implementation, interleaved in a shuffled order per round (an
+    implementation always run right after another finds its caches in that one's state),
+    and the median over rounds of each one's step over torch_moe's in the same round
+    (steadier on a shared host than a ratio of medians; empty without torch_moe);
+    ``calls``: a compiled model per implementation (its first call compiles: the
+    warm-up)."""
     calls = calls or {}
     clock = time.perf_counter if device == "cuda" else time.process_time
     for impl in impls:  # warm-up
@@ -238,8 +244,9 @@ def time_steps(
             model.set_experts_implementation(impl)
         step(model, ids, calls.get(impl))
     times: dict[str, list[float]] = {impl: [] for impl in impls}
+    order = random.Random(0)
     for _ in range(rounds):
-        for impl in impls:
+        for impl in order.sample(impls, len(impls)):
             if impl != CONVERTED:
                 model.set_experts_implementation(impl)
             _sync(device)
@@ -247,7 +254,14 @@ def time_steps(
             step(model, ids, calls.get(impl))
             _sync(device)
             times[impl].append(clock() - t0)
-    return {impl: statistics.median(ts) for impl, ts in times.items()}
+    ratios = {}
+    if "torch_moe" in times:
+        ref = times["torch_moe"]
+        ratios = {
+            impl: statistics.median(a / b for a, b in zip(ts, ref, strict=True))
+            for impl, ts in times.items()
+        }
+    return {impl: statistics.median(ts) for impl, ts in times.items()}, ratios
 
 
 def compiled_rows(
@@ -268,7 +282,7 @@ def compiled_rows(
         for impl in impls
     }
     t0 = time.perf_counter()
-    times = time_steps(model, ids, impls, args.rounds, args.device, calls)
+    times, _ = time_steps(model, ids, impls, args.rounds, args.device, calls)
     wall = time.perf_counter() - t0
     rows = []
     for impl in impls:
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             converted.set_experts_implementation("eager")  # blocks it cannot convert
             tmt.to_torch_moe(converted)
             calls[CONVERTED] = converted
-        times = time_steps(model, ids, runs + list(calls), args.rounds, args.device, calls)
+        times, ratio = time_steps(model, ids, runs + list(calls), args.rounds, args.device, calls)
         saved, peak = {}, {}
         layers = len(experts_of(model))
         for impl in runs:
@@ -361,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
             t = times[CONVERTED]
             conv_peak = step_peak_bytes(calls[CONVERTED], ids, args.device)
             lines.append(
-                f"| {label} | {CONVERTED} | {t * 1e3:.0f} | {t / times['torch_moe']:.2f} | "
+                f"| {label} | {CONVERTED} | {t * 1e3:.0f} | {ratio[CONVERTED]:.2f} | "
                 f"{ids.numel() / t:.0f} | | | {conv_peak / 2**20:.0f} |"
             )
         for impl in impls:
@@ -370,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             t = times[impl]
             lines.append(
-                f"| {label} | {impl} | {t * 1e3:.0f} | {t / times['torch_moe']:.2f} | "
+                f"| {label} | {impl} | {t * 1e3:.0f} | {ratio[impl]:.2f} | "
                 f"{ids.numel() / t:.0f} | {saved[impl] / 2**20:.1f} | "
                 f"{saved[impl] / best_other:.2f} | {peak[impl] / 2**20:.0f} |"
             )
