@@ -798,6 +798,87 @@ class TestGLUCombine(TestCase):
                     )  # fmt: skip
 
 
+class TestExpertsNodesFuzz(TestCase):
+    """Both eager experts nodes against the ops on random routings (empty experts, skew,
+    padding, capacity drops, one token, K up to E), dtypes and orientations, under the
+    decisions that make them lean: bit for bit, outputs and every gradient."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))
+
+    @settings(max_examples=30, deadline=None)
+    @given(
+        tokens=st.integers(1, 33),
+        experts=st.integers(2, 7),
+        top_k=st.integers(1, 3),
+        routing=st.sampled_from([{}, {"align": 4}, {"capacity": 3}, {"capacity": 5, "align": 2}]),
+        seed=st.integers(0, 2**16),
+        dtype=st.sampled_from([BF16, F32]),
+        activation=st.sampled_from(["fused", "swiglu", "swigluoai", "relu2"]),
+        transposed=st.booleans(),
+        bias=st.booleans(),
+    )
+    def test_same_as_the_ops(
+        self, tokens: int, experts: int, top_k: int, routing: dict[str, int], seed: int,
+        dtype: torch.dtype, activation: str, transposed: bool, bias: bool,
+    ) -> None:  # fmt: skip
+        top_k = min(top_k, experts)
+        g = torch.Generator().manual_seed(seed)
+        dim, hidden = 16, 8
+        ids = torch.rand(tokens, experts, generator=g).pow(3).topk(top_k, dim=-1).indices
+        p = ops.permute_indices(ids, experts, **routing)
+        rows = p.row_to_slot.shape[0]
+        maps = (p.row_to_slot, p.slot_to_row)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * 0.3).to(dtype)
+
+        rw = torch.rand(rows, generator=g)
+        if activation == "fused":
+            inputs = [
+                rand(tokens, dim),
+                rand(experts, 2 * hidden, dim),
+                rand(experts, dim, hidden),
+                rw,
+            ]
+
+            def call(x: Any, w13: Any, w2: Any, r: Any) -> Any:
+                return gs.grouped_swiglu_combine(x, w13, w2, p.offs, r, *maps)
+
+        else:
+            width = hidden if activation == "relu2" else 2 * hidden
+            up = (
+                rand(experts, width, dim).transpose(-2, -1)
+                if transposed
+                else rand(experts, dim, width)
+            )
+            down = (
+                rand(experts, dim, hidden).transpose(-2, -1)
+                if transposed
+                else rand(experts, hidden, dim)
+            )
+            gated = activation != "relu2"
+            glu_args = (activation, 1.702, 0.7 if gated else None, transposed and gated)
+            bias_rows = ids.reshape(-1).index_select(0, p.row_to_slot.clamp(min=0))
+            inputs = [rand(tokens, dim), up, down, rw] + ([rand(experts, width)] if bias else [])
+
+            def call(x: Any, w_up: Any, w_down: Any, r: Any, b: Any = None) -> Any:
+                return glu_mod.grouped_glu_combine(
+                    x, w_up, w_down, p.offs, r, *maps, *glu_args,
+                    up_bias=b, bias_rows=None if b is None else bias_rows,
+                )  # fmt: skip
+
+        inputs = [t.requires_grad_() for t in inputs]
+        with _cpu_probe.force(**LEAN):
+            with op_path():
+                ref = _run(call, inputs)
+            got = _run(call, inputs)
+        for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
+            self.assertEqual((a.dtype, a.shape, a.stride()), (b.dtype, b.shape, b.stride()))
+            self.assertTrue(torch.equal(a, b), "differs from the ops' result")
+
+
 def _fill(args: list, present: tuple) -> list:
     """``args`` with its non-None entries replaced, in order, by ``present``."""
     it = iter(present)
@@ -807,6 +888,7 @@ def _fill(args: list, present: tuple) -> list:
 instantiate_parametrized_tests(TestDirectCalls)
 instantiate_parametrized_tests(TestSwiGLUCombine)
 instantiate_parametrized_tests(TestGLUCombine)
+instantiate_parametrized_tests(TestExpertsNodesFuzz)
 
 if __name__ == "__main__":
     run_tests()
