@@ -417,23 +417,31 @@ class TestTakesTheOp(TestCase):
 
     def test_compiled_graph_keeps_the_ops(self) -> None:
         p, _ = _routing(9, 4, 2, 0)
-        counts: dict[str, int] = {}
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-            for node in gm.graph.nodes:
-                counts[str(node.target)] = counts.get(str(node.target), 0) + 1
-            return gm
 
         def f(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
             y, _h = gs.grouped_swiglu(x, w13, w2, p.offs, None, None, p.row_to_slot, p.slot_to_row)
             return ops.unpermute(y, None, p)
 
-        torch._dynamo.reset()
-        compiled = torch.compile(f, backend=backend, fullgraph=True)
         x, w13, w2 = torch.randn(9, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3)
-        self.assertTrue(torch.equal(compiled(x, w13, w2), f(x, w13, w2)))
-        self.assertIn("torch_moe.grouped_swiglu.default", counts)
-        self.assertIn("torch_moe.unpermute.default", counts)
+        _compiled_keeps_the_ops(self, f, x, w13, w2)
+
+
+def _compiled_keeps_the_ops(test: TestCase, f: Callable, *args: torch.Tensor) -> Callable:
+    """``f`` compiled (fullgraph, a backend counting the graph's targets): the same values
+    as eager, and grouped_swiglu and unpermute in the graph. Returns the compiled ``f``."""
+    counts: dict[str, int] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        for node in gm.graph.nodes:
+            counts[str(node.target)] = counts.get(str(node.target), 0) + 1
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    test.assertTrue(torch.equal(compiled(*args), f(*args)))
+    test.assertIn("torch_moe.grouped_swiglu.default", counts)
+    test.assertIn("torch_moe.unpermute.default", counts)
+    return compiled
 
 
 def _combine_inputs(
@@ -523,9 +531,7 @@ class TestSwiGLUCombine(TestCase):
                 ):
                     got = run(combined)
         self.assertEqual(len(got[0]), 1)
-        for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
-            self.assertEqual((a.dtype, a.shape, a.stride()), (b.dtype, b.shape, b.stride()))
-            self.assertTrue(torch.equal(a, b), "differs from the two ops' result")
+        _assert_same_as_ops(self, got, ref)
         self.assertLessEqual(got[2], ref[2])  # the maps are saved once, not twice
         if lean is not None:
             self.assertEqual(fwd.called, lean)
@@ -562,7 +568,8 @@ class TestSwiGLUCombine(TestCase):
 
     def test_no_grad_and_the_profiler_take_the_kernels(self) -> None:
         p, (x, w13, w2, rw) = _combine_inputs(13, BF16, seed=2, weighted=True)
-        ref = _op_steps(x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row)
+        with _cpu_probe.force(**LEAN), op_path():  # the same decisions (bf16 GEMMs) both ways
+            ref = _op_steps(x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row)
         with _cpu_probe.force(**LEAN), op_never_called(gs.grouped_swiglu, perm.unpermute):
             with torch.no_grad():
                 out = gs.grouped_swiglu_combine(
@@ -606,21 +613,11 @@ class TestSwiGLUCombine(TestCase):
 
     def test_compiled_and_subclass_calls_take_the_ops(self) -> None:
         p, (x, w13, w2, _rw) = _combine_inputs(9, F32, seed=6, weighted=False)
-        counts: dict[str, int] = {}
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-            for node in gm.graph.nodes:
-                counts[str(node.target)] = counts.get(str(node.target), 0) + 1
-            return gm
 
         def f(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
             return gs.grouped_swiglu_combine(x, w13, w2, p.offs, None, p.row_to_slot, p.slot_to_row)
 
-        torch._dynamo.reset()
-        compiled = torch.compile(f, backend=backend, fullgraph=True)
-        self.assertTrue(torch.equal(compiled(x, w13, w2), f(x, w13, w2)))
-        self.assertIn("torch_moe.grouped_swiglu.default", counts)
-        self.assertIn("torch_moe.unpermute.default", counts)
+        compiled = _compiled_keeps_the_ops(self, f, x, w13, w2)
         with op_path(), mock.patch.object(gs, "_SwiGLUCombine", side_effect=AssertionError):
             self.assertTrue(torch.equal(f(x, w13, w2), compiled(x, w13, w2)))
 
@@ -705,10 +702,7 @@ class TestGLUCombine(TestCase):
                     else contextlib.nullcontext()
                 ):
                     got = run()
-        for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
-            # the layout too: a weight gradient in its parameter's (no AccumulateGrad copy)
-            self.assertEqual((a.dtype, a.shape, a.stride()), (b.dtype, b.shape, b.stride()))
-            self.assertTrue(torch.equal(a, b), "differs from the ops' result")
+        _assert_same_as_ops(self, got, ref)
         self.assertLessEqual(got[2], ref[2])
         self.assertEqual(lean_bwd.called, lean and any(needs))
 
@@ -767,7 +761,7 @@ class TestGLUCombine(TestCase):
     def test_weight_gradients_in_the_weights_layout(self, transposed: bool) -> None:
         # as autograd hands them over (AccumulateGrad would copy into the parameter's
         # layout): the ops' own layout, the weight's, so that no copy is made
-        (p, bias_rows), inputs, glu_args = self._inputs("swigluoai", transposed, False, BF16)
+        (p, _rows), inputs, glu_args = self._inputs("swigluoai", transposed, False, BF16)
         got = []
         with _cpu_probe.force(**LEAN):
             for enabled in (True, False):
@@ -874,9 +868,14 @@ class TestExpertsNodesFuzz(TestCase):
             with op_path():
                 ref = _run(call, inputs)
             got = _run(call, inputs)
-        for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
-            self.assertEqual((a.dtype, a.shape, a.stride()), (b.dtype, b.shape, b.stride()))
-            self.assertTrue(torch.equal(a, b), "differs from the ops' result")
+        _assert_same_as_ops(self, got, ref)
+
+
+def _assert_same_as_ops(test: TestCase, got: tuple, ref: tuple) -> None:
+    """``_run``'s outputs and gradients, bit for bit, with dtypes, shapes and strides."""
+    for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
+        test.assertEqual((a.dtype, a.shape, a.stride()), (b.dtype, b.shape, b.stride()))
+        test.assertTrue(torch.equal(a, b), "differs from the ops' result")
 
 
 def _fill(args: list, present: tuple) -> list:

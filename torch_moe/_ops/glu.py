@@ -68,6 +68,7 @@ from torch_moe._ops.grouped_swiglu import (
     _check_act,
     _gmm,
     _grad_rw_or_empty,
+    _lean_key,
     _lean_rows,
     _native_weights,
     _token_index,
@@ -626,27 +627,7 @@ def _glu_lean_plan(
     gradients' operand as the transposed view, the activation's native kernels, the
     native combines; else None. Memoized per force() state on what the decisions read
     (as ``grouped_swiglu``'s ``_lean_plan``)."""
-    busy = _busy_groups(ends)
-    key = (
-        "glu_combine_lean",
-        glu_args[0],
-        x.dtype,
-        w_up.dtype,
-        w_down.dtype,
-        None if row_weights is None else row_weights.dtype,
-        *x.shape,
-        *w_up.shape,
-        *w_up.stride(),
-        *w_down.shape,
-        *w_down.stride(),
-        w_up.data_ptr() % 16 == 0 and w_down.data_ptr() % 16 == 0,
-        rows,
-        ends[-1] if ends else 0,
-        len(ends),
-        busy,
-        torch.get_num_threads(),
-        _native.enabled(),
-    )
+    key = _lean_key("glu_combine_lean", x, w_up, w_down, row_weights, ends, rows, *glu_args)
     return _cpu_probe.memo(key, lambda: _decide_glu_lean(x, w_up, w_down, ends, rows, glu_args[0]))
 
 

@@ -1016,25 +1016,44 @@ def _lean_plan(
     alignment, the rows, the groups and the busy groups (the intermediate operands are
     fresh, contiguous allocations of known shapes), the threads and whether the native
     kernels are enabled."""
-    dt, busy = w13.dtype, _busy_groups(ends)
-    key = (
-        "swiglu_combine_lean",
+    key = _lean_key("swiglu_combine_lean", x, w13, w2, row_weights, ends, rows)
+    return _cpu_probe.memo(key, lambda: _decide_lean(x, w13, w2, ends, rows))
+
+
+def _lean_key(
+    kind: str,
+    x: Tensor,
+    w_a: Tensor,
+    w_b: Tensor,
+    row_weights: Tensor | None,
+    ends: list[int],
+    rows: int,
+    *extra: object,
+) -> tuple[object, ...]:
+    """What a lean plan's decisions read (``_lean_plan``, ``glu._glu_lean_plan``): the
+    tokens' and both weights' dtypes and shapes, the weights' strides and alignment, the
+    rows, the groups, the busy groups, the threads and whether the native kernels are
+    enabled (the tokens are gathered into fresh rows: their strides are not read)."""
+    return (
+        kind,
+        *extra,
         x.dtype,
-        dt,
+        w_a.dtype,
+        w_b.dtype,
         None if row_weights is None else row_weights.dtype,
         *x.shape,
-        *w13.shape,
-        *w13.stride(),
-        *w2.stride(),
-        w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0,
+        *w_a.shape,
+        *w_a.stride(),
+        *w_b.shape,
+        *w_b.stride(),
+        w_a.data_ptr() % 16 == 0 and w_b.data_ptr() % 16 == 0,
         rows,
         ends[-1] if ends else 0,
         len(ends),
-        busy,
+        _busy_groups(ends),
         torch.get_num_threads(),
         _native.enabled(),
     )
-    return _cpu_probe.memo(key, lambda: _decide_lean(x, w13, w2, ends, rows))
 
 
 def _decide_lean(

@@ -38,7 +38,9 @@ constants) and picks one of two paths:
   which saves no [T*K, D] tensor either). A post-expert norm is nonlinear, so there the
   routing weights go into the combine (``unpermute(y, weights)``) instead. Saved per row:
   h [N] and the weighted activation [F] (the down GEMM's wgrad input); the tokens once
-  (x [D] per row as well with a recipe, which permutes first).
+  (x [D] per row as well with a recipe, which permutes first). With the glu op and no
+  recipe, in eager on CPU tensors the up GEMM, up bias, glu, down GEMM and combine run as
+  one autograd node (``grouped_glu_combine``: the ops' kernels, bit for bit).
 
 Both paths run in the autocast dtype under autocast, otherwise in the weights' dtype (as
 transformers' ``grouped_mm`` casts the input to the weights' dtype), and return the input
