@@ -481,6 +481,7 @@ LEAN = dict(
     wgrad_a="as_is",
 )
 GENERAL = {**LEAN, "grouped_mm": "loop"}
+COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
 
 
 class TestSwiGLUCombine(TestCase):
@@ -544,7 +545,9 @@ class TestSwiGLUCombine(TestCase):
         p, inputs = _combine_inputs(tokens, dtype, seed=tokens, weighted=weighted)
         needs = (True, True, True, weighted)
         native = _native.available()
-        for decisions, lean in ((LEAN, native), (GENERAL, False)):
+        # a copied weight-gradient operand takes the ops' kernels (fp32 is never copied)
+        copied = native and dtype == F32
+        for decisions, lean in ((LEAN, native), (GENERAL, False), (COPIED_WGRAD, copied)):
             with self.subTest(decisions=decisions):
                 self._compare(p, inputs, needs, lean, decisions)
 
@@ -713,7 +716,7 @@ class TestGLUCombine(TestCase):
         case, inputs, glu_args = self._inputs(activation, transposed, bias, BF16)
         needs = (True, True, True, True, bias)
         native = _native.available()
-        for decisions, lean in ((LEAN, native), (GENERAL, False)):
+        for decisions, lean in ((LEAN, native), (GENERAL, False), (COPIED_WGRAD, False)):
             with self.subTest(decisions=decisions):
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
 

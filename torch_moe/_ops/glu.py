@@ -51,29 +51,26 @@ from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import acc_dtype, no_cpu_autocast
 from torch_moe._ops._eager import direct, direct_calls
 from torch_moe._ops.grouped_mm import (
-    _busy_groups,
     _check_gather,
     _check_mm_inputs,
     _nonzero_strides,
-    _use_torch_grouped_mm,
+    _torch_grouped_mm,
     check_offs_values,
     experts_transposed,
     gather_grouped_mm,
     grouped_mm,
-    wgrad_copies,
 )
 from torch_moe._ops.grouped_swiglu import (
     _NATIVE_DTYPES,
     _act_chunk_rows,
     _check_act,
-    _gmm,
     _grad_rw_or_empty,
     _lean_key,
-    _lean_rows,
     _native_weights,
     _token_index,
+    _torch_gemms,
 )
-from torch_moe._ops.permute import _negative_positions, unpermute
+from torch_moe._ops.permute import _negative_positions, gather_rows, unpermute
 
 __all__ = [
     "ACTIVATIONS",
@@ -640,30 +637,19 @@ def _decide_glu_lean(
         return None
     dim, width = x.shape[1], w_up.shape[2]
     # stand-ins for the fresh intermediates (the decisions read their metadata only)
-    x_rows, h, dh = x.new_empty((rows, dim)), w_up.new_empty((rows, width)), None
-    dh = w_up.new_empty((rows, width))  # as h
+    x_rows, grad_y = x.new_empty((rows, dim)), w_up.new_empty((rows, dim))
+    h, dh = w_up.new_empty((rows, width)), w_up.new_empty((rows, width))
     a = w_up.new_empty((rows, _width(h, activation)))
-    grad_y = w_up.new_empty((rows, dim))
     mod = _native_kernels(activation, h, a)  # forward (out) and backward (dA) alike
     if mod is None:
         return None
     down_t, up_t = experts_transposed(w_down), experts_transposed(w_up)
-    busy = _busy_groups(ends)
-    per_group = ends[-1] // busy
-    gemms = [
-        (x_rows, w_up, False),
-        (a, w_down, False),
-        (grad_y, w_down.transpose(-2, -1), False),
-        (dh, w_up.transpose(-2, -1), False),
-    ]
-    # the weight gradients (grouped_mm's / gather_grouped_mm's backward): dW in the
-    # weight's own layout, the wgrad operand the transposed view (no copy)
-    for dy, inp, transposed in ((grad_y, a, down_t), (dh, x_rows, up_t)):
-        first, second = (dy, inp) if transposed else (inp, dy)
-        if wgrad_copies(dt, per_group, first.shape[1], second.shape[1]):
-            return None
-        gemms.append((first.t(), second, True))
-    if not all(_use_torch_grouped_mm(p, q, ends, wgrad) for p, q, wgrad in gemms):
+    gemms = [(x_rows, w_up), (a, w_down), (grad_y, w_down.transpose(-2, -1))]
+    gemms.append((dh, w_up.transpose(-2, -1)))
+    # the weight gradients (grouped_mm's / gather_grouped_mm's backward) in each weight's
+    # own layout: grouped_mm_wgrad(dY, A)^T for a column-major weight, (A, dY) otherwise
+    wgrads = [(grad_y, a) if down_t else (a, grad_y), (dh, x_rows) if up_t else (x_rows, dh)]
+    if not _torch_gemms(ends, gemms, wgrads):
         return None
     return mod, _act_chunk_rows(dt, a.shape[1]), down_t, up_t
 
@@ -693,12 +679,12 @@ class _GLUCombine(torch.autograd.Function):
         tokens = _token_index(None, row_to_slot, slot_to_row)
         assert tokens is not None
         empty = _negative_positions(tokens)  # read once, for the three gathers
-        h = _gmm(_lean_rows(x, tokens, empty, x.dtype), w_up, offs, end)
+        h = _torch_grouped_mm(gather_rows(x, tokens, empty), w_up, offs, end)
         if up_bias is not None:
             h = h + up_bias.index_select(0, bias_rows)  # type: ignore[arg-type]
         a = h.new_empty((h.shape[0], _width(h, glu_args[0])))
         _native_forward(mod, h, row_weights, glu_args, step, a)
-        y = _gmm(a, w_down, offs, end)
+        y = _torch_grouped_mm(a, w_down, offs, end)
         out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
         mod.combine(y, slot_to_row, out)
         ctx.save_for_backward(
@@ -758,11 +744,11 @@ def _lean_backward_into(
 ) -> None:
     """``_GLUCombine``'s gradients into ``grads`` (its inputs' order)."""
     mod, step, down_t, up_t = plan
-    grad_y = _lean_rows(grad_out, tokens, empty, grad_out.dtype)  # unpermute's
+    grad_y = gather_rows(grad_out, tokens, empty)  # unpermute's
     # grouped_mm's: dA (what is upstream of a needs it), then dW_down in its own layout
     grad_a = None
     if needs[0] or needs[1] or needs[4] or needs[7]:
-        grad_a = _gmm(grad_y, w_down.transpose(-2, -1), offs, end)
+        grad_a = _torch_grouped_mm(grad_y, w_down.transpose(-2, -1), offs, end)
     if needs[2]:
         if down_t:
             grads[2] = torch._grouped_mm(grad_y.t(), a, offs=offs).transpose(-2, -1)
@@ -781,12 +767,12 @@ def _lean_backward_into(
         grads[7] = torch.ops.aten.index_select_backward(dh, up_bias.shape, 0, bias_rows)
     # gather_grouped_mm's: dX (the rows' gradients combined), then dW_up
     if needs[0]:
-        grad_rows = _gmm(dh, w_up.transpose(-2, -1), offs, end)
+        grad_rows = _torch_grouped_mm(dh, w_up.transpose(-2, -1), offs, end)
         grads[0] = grad_rows.new_empty((slot_to_row.shape[0], grad_rows.shape[1]))
         mod.combine(grad_rows, slot_to_row, grads[0])
         del grad_rows
     if needs[1]:
-        rows = _lean_rows(x, tokens, empty, x.dtype)
+        rows = gather_rows(x, tokens, empty)
         if up_t:
             grads[1] = torch._grouped_mm(dh.t(), rows, offs=offs).transpose(-2, -1)
         else:

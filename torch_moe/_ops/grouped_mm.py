@@ -459,11 +459,17 @@ def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None =
     """Group ends ``ends`` (validated); ``offs``, their tensor, lets ``torch._grouped_mm``
     run where it is allowed and faster."""
     if offs is not None and _use_torch_grouped_mm(x, w, ends, wgrad=False):
-        out = torch._grouped_mm(x, w, offs=offs)
-        if ends[-1] < out.shape[0]:
-            out[ends[-1] :].zero_()  # torch leaves these rows uninitialized
-        return out
+        return _torch_grouped_mm(x, w, offs, ends[-1])
     return _mm_loop(x, w, ends)
+
+
+def _torch_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int) -> Tensor:
+    """``torch._grouped_mm(x, w, offs)`` with rows at or past ``end`` (``offs[-1]``) zero:
+    torch leaves them uninitialized."""
+    out = torch._grouped_mm(x, w, offs=offs)
+    if end < out.shape[0]:
+        out[end:].zero_()
+    return out
 
 
 def _grouped_mm_wgrad_cpu(

@@ -46,6 +46,7 @@ from torch_moe._ops.grouped_mm import (
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
     _nonzero_strides,
+    _torch_grouped_mm,
     _use_torch_grouped_mm,
     check_offs_values,
     cpu_compute_dtype,
@@ -520,6 +521,37 @@ def _act_backward_into(
     return prod.sum(-1)
 
 
+def _act_backward_rows(
+    h: Tensor,
+    grad_a: Tensor,
+    row_weights: Tensor | None,
+    a: Tensor,
+    dh: Tensor,
+    mod: Any,
+    step: int | None = None,
+) -> Tensor | None:
+    """``_act_backward_into`` over all rows of h: by the native kernels (``mod``, or None:
+    the ATen ops) in one call where there are no row weights (row by row, no
+    temporaries), else in row chunks of ``step`` (default: the measured chunk), whose
+    fp32 temporaries (the ATen ops', or the native kernels' dA * a) hold one chunk.
+    Returns d row_weights (fp32 / fp64) or None."""
+    if mod is not None and row_weights is None:
+        mod.swiglu_backward(h, grad_a, None, a, dh, None)
+        return None
+    if step is None:
+        step = _act_chunk_rows(h.dtype, a.shape[1])
+    grad_rw = None
+    if row_weights is not None:
+        grad_rw = row_weights.new_empty(row_weights.shape, dtype=acc_dtype(h.dtype))
+    for r0 in range(0, h.shape[0], step):
+        r = slice(r0, r0 + step)
+        rw = None if row_weights is None else row_weights[r]
+        grad_rw_r = _act_backward_into(h[r], grad_a[r], rw, a[r], dh[r], mod)
+        if grad_rw is not None and grad_rw_r is not None:
+            grad_rw[r] = grad_rw_r
+    return grad_rw
+
+
 def _act_backward_into_aten(
     h: Tensor, grad_a: Tensor, row_weights: Tensor | None, out_a: Tensor, out_dh: Tensor
 ) -> Tensor | None:
@@ -673,6 +705,19 @@ def _grouped_swiglu_cpu(
     _check_inputs(x, w13, w2, offs, row_weights, gather_index, row_to_slot, slot_to_row)
     gather_index = _token_index(gather_index, row_to_slot, slot_to_row)
     ends = check_offs_values("grouped_swiglu", offs, _num_rows(x, gather_index)) or []
+    return _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, gather_index)
+
+
+def _grouped_swiglu_checked(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    ends: list[int],
+    row_weights: Tensor | None,
+    gather_index: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """``_grouped_swiglu_cpu`` past its checks (the group ends read)."""
     forward = _forward_whole if _whole_path_for(w13.dtype, ends) else _forward_loop
     with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
         return forward(x, w13, w2, offs, ends, row_weights, gather_index)
@@ -761,25 +806,12 @@ def _backward_whole(
     rows."""
     rows, hidden = h.shape[0], w2.shape[2]
     dt = w13.dtype
-    acc = acc_dtype(dt)
     grad_y = _nonzero_strides(grad_y)
     grad_a = _grouped_mm_cpu(grad_y, w2, ends, offs)
     a = w13.new_empty((rows, hidden))
     dh = w13.new_empty((rows, 2 * hidden))
     mod = _native_kernels(h, grad_a, a, dh)
-    grad_rw = None
-    if mod is not None and row_weights is None:  # row by row, no temporaries: one call
-        mod.swiglu_backward(h, grad_a, None, a, dh, None)
-    else:  # row chunks: the ATen ops' fp32 temporaries, or the native kernel's dA * a
-        step = _act_chunk_rows(dt, hidden)
-        if row_weights is not None:
-            grad_rw = row_weights.new_empty(row_weights.shape, dtype=acc)
-        for r0 in range(0, rows, step):
-            r = slice(r0, r0 + step)
-            rw = None if row_weights is None else row_weights[r]
-            grad_rw_r = _act_backward_into(h[r], grad_a[r], rw, a[r], dh[r], mod)
-            if grad_rw is not None and grad_rw_r is not None:
-                grad_rw[r] = grad_rw_r
+    grad_rw = _act_backward_rows(h, grad_a, row_weights, a, dh, mod)
     del grad_a
     if grad_h is not None:
         dh += grad_h
@@ -995,7 +1027,8 @@ def _swiglu_combine_forward(
         )
         return out, h, (mod, step, tokens, empty, ends[-1])
     with _recorded("torch_moe::grouped_swiglu"):
-        y, h = _grouped_swiglu_cpu(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
+        tokens = _token_index(None, row_to_slot, slot_to_row)
+        y, h = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
     if y.shape[0] == 0:  # the op's own edge (no tokens)
         return unpermute(y, slot_to_row, row_to_slot), h, None
     with _recorded("torch_moe::unpermute"):
@@ -1059,7 +1092,7 @@ def _lean_key(
 def _decide_lean(
     x: Tensor, w13: Tensor, w2: Tensor, ends: list[int], rows: int
 ) -> tuple[Any, int] | None:
-    dt, busy = w13.dtype, _busy_groups(ends)
+    dt = w13.dtype
     if not ends or ends[-1] == 0 or not _whole_path_for(dt, ends):
         return None
     if _native_combine(dt, False) is None or _native_combine(x.dtype, False) is None:
@@ -1069,38 +1102,28 @@ def _decide_lean(
     x_rows, y_rows = w13.new_empty((rows, dim)), w13.new_empty((rows, dim))
     h, dh = w13.new_empty((rows, 2 * hidden)), w13.new_empty((rows, 2 * hidden))
     a = w13.new_empty((rows, hidden))
-    mod = _native_kernels(h, a)
-    if mod is None or _native_kernels(h, a, a, dh) is None:
+    mod = _native_kernels(h, a)  # dA and dH are fresh [M, F] / [M, 2F] in h's dtype too
+    if mod is None:
         return None
-    per_group = ends[-1] // busy
-    if wgrad_copies(dt, per_group, dim, hidden) or wgrad_copies(dt, per_group, 2 * hidden, dim):
-        return None  # wgrad_operand would copy dY (dW2) or dH (dW13)
-    gemms = (
-        (x_rows, w13.transpose(-2, -1), False),
-        (a, w2.transpose(-2, -1), False),
-        (y_rows, w2, False),
-        (y_rows.t(), a, True),
-        (dh.t(), x_rows, True),
-        (dh, w13, False),
-    )
-    if not all(_use_torch_grouped_mm(p, q, ends, wgrad) for p, q, wgrad in gemms):
+    gemms = [(x_rows, w13.transpose(-2, -1)), (a, w2.transpose(-2, -1)), (y_rows, w2), (dh, w13)]
+    if not _torch_gemms(ends, gemms, wgrads=[(y_rows, a), (dh, x_rows)]):
         return None
     return mod, _act_chunk_rows(dt, hidden)
 
 
-def _gmm(x: Tensor, w: Tensor, offs: Tensor, end: int) -> Tensor:
-    """``_grouped_mm_cpu``'s ``torch._grouped_mm`` branch."""
-    out = torch._grouped_mm(x, w, offs=offs)
-    if end < out.shape[0]:
-        out[end:].zero_()
-    return out
-
-
-def _lean_rows(x: Tensor, tokens: Tensor, empty: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """``gather_rows(x, tokens).to(dtype)`` with the -1 positions known (``empty``)."""
-    if empty is None:
-        return x.index_select(0, tokens).to(dtype)
-    return x.index_select(0, tokens.clamp(min=0)).index_fill_(0, empty, 0).to(dtype)
+def _torch_gemms(
+    ends: list[int], gemms: list[tuple[Tensor, Tensor]], wgrads: list[tuple[Tensor, Tensor]]
+) -> bool:
+    """Whether ``grouped_mm``'s CPU kernel runs every ``(x, w)`` of ``gemms`` and
+    ``grouped_mm_wgrad``'s every ``(x, dy)`` of ``wgrads`` by ``torch._grouped_mm``, the
+    weight gradients' operand ``wgrad_operand(x)`` the transposed view (not a copy): the
+    lean plans' GEMM decisions, asked of stand-ins with the operands' metadata."""
+    per_group = ends[-1] // _busy_groups(ends)
+    if any(wgrad_copies(x.dtype, per_group, x.shape[1], dy.shape[1]) for x, dy in wgrads):
+        return False
+    return all(_use_torch_grouped_mm(x, w, ends, False) for x, w in gemms) and all(
+        _use_torch_grouped_mm(x.t(), dy, ends, True) for x, dy in wgrads
+    )
 
 
 def _lean_forward(
@@ -1116,12 +1139,12 @@ def _lean_forward(
     end: int,
 ) -> tuple[Tensor, Tensor]:
     """``_forward_whole`` then the combine where ``_lean_plan`` holds: (out, h)."""
-    x_rows = _lean_rows(x, tokens, empty, w13.dtype)
-    h = _gmm(x_rows, w13.transpose(-2, -1), offs, end)
+    x_rows = gather_rows(x, tokens, empty).to(w13.dtype)
+    h = _torch_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end)
     del x_rows
     a = w13.new_empty((h.shape[0], w2.shape[2]))
     mod.swiglu_forward(h, _native_weights(row_weights), a)
-    y = _gmm(a, w2.transpose(-2, -1), offs, end)
+    y = _torch_grouped_mm(a, w2.transpose(-2, -1), offs, end)
     del a
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     mod.combine(y, slot_to_row, out)
@@ -1147,32 +1170,23 @@ def _lean_backward(
     """The permute of ``grad_out``, ``_backward_whole`` and the combine of dX where
     ``_lean_plan`` holds: (dx, dw13, dw2, d row_weights)."""
     dt = w13.dtype
-    grad_y = _lean_rows(grad_out, tokens, empty, grad_out.dtype)
-    grad_a = _gmm(grad_y, w2, offs, end)
+    grad_y = gather_rows(grad_out, tokens, empty)
+    grad_a = _torch_grouped_mm(grad_y, w2, offs, end)
     rows, hidden = h.shape[0], w2.shape[2]
     a = w13.new_empty((rows, hidden))
     dh = w13.new_empty((rows, 2 * hidden))
-    grad_rw = None
-    if row_weights is None:
-        mod.swiglu_backward(h, grad_a, None, a, dh, None)
-    else:
-        rw = row_weights.to(torch.float32).contiguous()  # _native_weights
-        grad_rw = row_weights.new_empty(row_weights.shape, dtype=acc_dtype(dt))
-        for r0 in range(0, rows, step):
-            r = slice(r0, r0 + step)
-            prod = a.new_empty(a[r].shape, dtype=torch.float32)
-            mod.swiglu_backward(h[r], grad_a[r], rw[r], a[r], dh[r], prod)
-            grad_rw[r] = prod.sum(-1)
-        grad_rw[end:] = 0
+    grad_rw = _act_backward_rows(h, grad_a, row_weights, a, dh, mod, step)
+    if grad_rw is not None:
+        grad_rw[end:] = 0  # rows past the last group belong to no expert
     del grad_a
     dw2 = torch._grouped_mm(grad_y.t(), a, offs=offs)
     del a, grad_y
-    x_rows = _lean_rows(x, tokens, empty, dt)
+    x_rows = gather_rows(x, tokens, empty).to(dt)
     dw13 = torch._grouped_mm(dh.t(), x_rows, offs=offs)
     del x_rows
     dx = None
     if need_x:
-        dx_rows = _gmm(dh, w13, offs, end).to(x.dtype)
+        dx_rows = _torch_grouped_mm(dh, w13, offs, end).to(x.dtype)
         dx = dx_rows.new_empty((slot_to_row.shape[0], dx_rows.shape[1]))
         mod.combine(dx_rows, slot_to_row, dx)
     grad_rw = None if grad_rw is None or row_weights is None else grad_rw.to(row_weights.dtype)

@@ -54,14 +54,20 @@ __all__ = [
 ]
 
 
-def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+_UNREAD: Any = object()  # gather_rows: the -1 positions not read yet
+
+
+def gather_rows(x: Tensor, index: Tensor, empty: Any = _UNREAD) -> Tensor:
     """``x[index]`` with zero rows where ``index == -1`` (any dtype, float8 included): the
-    row gather of ``permute`` given each row's token (``row_to_slot // K``, -1 stays -1)."""
+    row gather of ``permute`` given each row's token (``row_to_slot // K``, -1 stays -1).
+    ``empty``: on the CPU, ``_negative_positions(index)`` where the caller has read it
+    already (a gather repeated over one index reads it once)."""
     if x.dtype.itemsize == 1 and x.is_floating_point():  # float8: no masked_fill kernel
-        return gather_rows(x.view(torch.uint8), index).view(x.dtype)
+        return gather_rows(x.view(torch.uint8), index, empty).view(x.dtype)
     if index.device.type == "cpu" and type(index) is Tensor:  # real CPU values: -1 rows
         # filled by position, not a masked pass over every row (a host read: CPU only)
-        empty = _negative_positions(index)
+        if empty is _UNREAD:
+            empty = _negative_positions(index)
         if empty is None:
             return x.index_select(0, index)
         return x.index_select(0, index.clamp(min=0)).index_fill_(0, empty, 0)

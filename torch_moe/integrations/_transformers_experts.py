@@ -185,8 +185,8 @@ def _is_relu2(act: Any) -> bool:
 
 
 def _default_gate(experts: Any) -> bool:
-    default = _default_apply_gate
-    return default is not None and getattr(type(experts), "_apply_gate", None) is default
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    return _default_apply_gate is not None and apply_gate is _default_apply_gate
 
 
 def _unknown_flags() -> dict[str, Any]:
