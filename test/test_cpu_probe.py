@@ -22,6 +22,7 @@ from torch.testing._internal.common_utils import (
 )
 
 from torch_moe._ops import _cpu_probe as P
+from torch_moe._ops import _native
 from torch_moe._ops import grouped_mm as grouped_mm_module
 from torch_moe._ops import grouped_swiglu as grouped_swiglu_module
 from torch_moe._ops.grouped_mm import cpu_compute_dtype, grouped_mm_wgrad, mm_into
@@ -428,12 +429,60 @@ class TestForcedDecisions(TestCase):
         w = torch.randn(4, 48, 32, dtype=torch.bfloat16).transpose(-2, -1)  # x @ w^T
         gmm = unittest.mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm)
         few = unittest.mock.patch.object(P, "few_rows_mm", wraps=P.few_rows_mm)
-        forced = dict(half_gemm="native", grouped_mm="torch", few_rows=few_rows)
+        forced = dict(half_gemm="native", grouped_mm="torch", few_rows=few_rows, few_gemm="aten")
         with P.force(**forced), gmm as fused, few as way:
             out = grouped_mm(x, w, offs)
         self.assertEqual((fused.called, way.called), (few_rows == "mm", few_rows != "mm"))
         assert_gemm_within(self, out, x, w, offs, "forward")
         self.assertTrue((out[4:] == 0).all())
+
+    @parametrize("dtype", [torch.bfloat16, torch.float16])
+    @parametrize("col_major", [False, True])
+    @parametrize("few_gemm", ["aten", "native"])
+    def test_grouped_mm_few_gemm(self, dtype, col_major, few_gemm):
+        # a few rows per group: the native few-rows kernel where forced (and built), else
+        # ATen's; both within the GEMM rounding bound, the rows past the groups zero, and
+        # through the op's backward too (dX by the same decision, dW by ATen's)
+        offs = _offs([2, 0, 3, 1, 4])
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(12, 40, generator=g).to(dtype).requires_grad_()  # 2 rows past
+        if col_major:
+            w = torch.randn(5, 72, 40, generator=g).to(dtype).transpose(-2, -1)
+        else:
+            w = torch.randn(5, 40, 72, generator=g).to(dtype)
+        w.requires_grad_()
+        native = unittest.mock.patch.object(
+            grouped_mm_module, "_few_rows_mm", wraps=grouped_mm_module._few_rows_mm
+        )
+        with P.force(half_gemm="native", few_gemm=few_gemm), native as called:
+            out = grouped_mm(x, w, offs)
+            gy = torch.randn(out.shape, generator=g).to(dtype)
+            dx, dw = torch.autograd.grad(out, (x, w), gy)
+        used = few_gemm == "native" and _native.available()
+        self.assertEqual(called.call_count, 2 if used else 0)  # forward and dX
+        assert_gemm_within(self, out, x, w, offs, "forward")
+        assert_gemm_within(self, dx, gy, w.transpose(-2, -1), offs, "dX")
+        assert_gemm_within(self, dw, x, gy, offs, "dW", wgrad=True)
+        self.assertTrue((out[10:] == 0).all() and (dx[10:] == 0).all())
+
+    def test_few_gemm_never_without_the_kernel(self):
+        # forced "native" where the native library is disabled: ATen's GEMMs, no error
+        x, w = torch.randn(6, 32).to(torch.bfloat16), torch.randn(3, 32, 48).to(torch.bfloat16)
+        with unittest.mock.patch.dict(os.environ, {_native.ENV: "0"}), P.force(few_gemm="native"):
+            self.assertFalse(grouped_mm_module._few_gemm(x, w, [2, 4, 6]))
+
+    def test_few_gemm_only_where_it_applies(self):
+        bf = torch.bfloat16
+        w = torch.randn(3, 32, 48).to(bf)
+        with P.force(few_gemm="native"):
+            few = grouped_mm_module._few_gemm
+            self.assertEqual(few(torch.randn(6, 32).to(bf), w, [2, 4, 6]), _native.available())
+            self.assertFalse(few(torch.randn(6, 32), w.float(), [2, 4, 6]))  # fp32
+            self.assertFalse(few(torch.randn(32, 6).to(bf).t(), w, [2, 4, 6]))  # strided x
+            self.assertFalse(few(torch.randn(6, 32).to(bf), w[:, :, ::2], [2, 4, 6]))
+            many = torch.randn(99, 32).to(bf)  # 33 rows per group
+            self.assertFalse(few(many, w, [33, 66, 99]))
+            self.assertFalse(few(many, w, [0, 0, 0]))  # no rows
 
     def test_grouped_mm_torch_kernel_keeps_checks(self):
         x = torch.randn(10, 16, requires_grad=True)

@@ -479,9 +479,11 @@ LEAN = dict(
     swiglu_path="whole",
     act_kernel="native",
     wgrad_a="as_is",
+    few_gemm="aten",
 )
 GENERAL = {**LEAN, "grouped_mm": "loop"}
 COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
+FEW_GEMM = {**LEAN, "few_gemm": "native"}  # the native few-rows GEMM: the ops' kernels
 
 
 class TestSwiGLUCombine(TestCase):
@@ -547,7 +549,10 @@ class TestSwiGLUCombine(TestCase):
         native = _native.available()
         # a copied weight-gradient operand takes the ops' kernels (fp32 is never copied)
         copied = native and dtype == F32
-        for decisions, lean in ((LEAN, native), (GENERAL, False), (COPIED_WGRAD, copied)):
+        # the few-rows GEMM takes half dtypes only: fp32 stays lean
+        few = native and dtype == F32
+        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, copied), (FEW_GEMM, few)]
+        for decisions, lean in cases:
             with self.subTest(decisions=decisions):
                 self._compare(p, inputs, needs, lean, decisions)
 
@@ -716,7 +721,12 @@ class TestGLUCombine(TestCase):
         case, inputs, glu_args = self._inputs(activation, transposed, bias, BF16)
         needs = (True, True, True, True, bias)
         native = _native.available()
-        for decisions, lean in ((LEAN, native), (GENERAL, False), (COPIED_WGRAD, False)):
+        for decisions, lean in (
+            (LEAN, native),
+            (GENERAL, False),
+            (COPIED_WGRAD, False),
+            (FEW_GEMM, False),
+        ):
             with self.subTest(decisions=decisions):
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
 
@@ -798,7 +808,8 @@ class TestGLUCombine(TestCase):
 class TestExpertsNodesFuzz(TestCase):
     """Both eager experts nodes against the ops on random routings (empty experts, skew,
     padding, capacity drops, one token, K up to E), dtypes and orientations, under the
-    decisions that make them lean: bit for bit, outputs and every gradient."""
+    decisions that make them lean (or take the native few-rows GEMMs): bit for bit,
+    outputs and every gradient."""
 
     def setUp(self) -> None:
         super().setUp()
@@ -815,10 +826,11 @@ class TestExpertsNodesFuzz(TestCase):
         activation=st.sampled_from(["fused", "swiglu", "swigluoai", "relu2"]),
         transposed=st.booleans(),
         bias=st.booleans(),
+        few_gemm=st.booleans(),
     )
     def test_same_as_the_ops(
         self, tokens: int, experts: int, top_k: int, routing: dict[str, int], seed: int,
-        dtype: torch.dtype, activation: str, transposed: bool, bias: bool,
+        dtype: torch.dtype, activation: str, transposed: bool, bias: bool, few_gemm: bool,
     ) -> None:  # fmt: skip
         top_k = min(top_k, experts)
         g = torch.Generator().manual_seed(seed)
@@ -867,7 +879,7 @@ class TestExpertsNodesFuzz(TestCase):
                 )  # fmt: skip
 
         inputs = [t.requires_grad_() for t in inputs]
-        with _cpu_probe.force(**LEAN):
+        with _cpu_probe.force(**(FEW_GEMM if few_gemm else LEAN)):
             with op_path():
                 ref = _run(call, inputs)
             got = _run(call, inputs)

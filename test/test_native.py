@@ -25,6 +25,7 @@ from unittest import mock
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cpu_probe import assert_gemm_within
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -768,6 +769,84 @@ class TestNativePermute(TestCase):
         ):
             with self.assertRaisesRegex(RuntimeError, "combine_cpu: expected y"):
                 _native.kernels().combine(*args)
+
+
+def _few_mm(x, w, offs):
+    out = x.new_empty((x.shape[0], w.shape[2]))
+    _native.kernels().few_rows_mm(x, w, offs, out)
+    return out
+
+
+def _few_weight(groups, k, n, dtype, layout, g):
+    """[groups, k, n] in a layout: row-major, column-major, or either as a slice of a
+    wider weight (a row / column stride larger than the width)."""
+    if layout == "row":
+        return torch.randn(groups, k, n, generator=g).to(dtype)
+    if layout == "col":
+        return torch.randn(groups, n, k, generator=g).to(dtype).transpose(-2, -1)
+    if layout == "row_slice":
+        return torch.randn(groups, k, n + 24, generator=g).to(dtype)[:, :, 3 : 3 + n]
+    return torch.randn(groups, n + 24, k, generator=g).to(dtype)[:, 5 : 5 + n].transpose(-2, -1)
+
+
+@instantiate_parametrized_tests
+@needs_native
+class TestNativeFewRowsMM(TestCase):
+    """``few_rows_mm`` (the grouped GEMM of a few rows per group): within the GEMM
+    rounding bound of the float64 product in every dtype and weight layout, with ragged
+    K and N (vector tails), empty groups and rows past the groups (zero); the same bits
+    on any thread count; bad operands refused by message."""
+
+    @parametrize("dtype", [BF16, F16, F32])
+    @parametrize("layout", ["row", "col", "row_slice", "col_slice"])
+    def test_within_the_gemm_bound(self, dtype, layout):
+        g = torch.Generator().manual_seed(11)
+        for sizes, k, n in (([2, 0, 5, 1], 37, 70), ([9, 4], 64, 128), ([1, 1, 0, 3], 8, 5)):
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            x = torch.randn(int(offs[-1]) + 2, k, generator=g).to(dtype)  # 2 rows past
+            w = _few_weight(len(sizes), k, n, dtype, layout, g)
+            got = _few_mm(x, w, offs)
+            assert_gemm_within(self, got, x, w, offs, f"{sizes} k={k} n={n}")
+            self.assertTrue((got[int(offs[-1]) :] == 0).all())
+
+    @parametrize("layout", ["row", "col"])
+    def test_same_bits_on_any_thread_count(self, layout):
+        g = torch.Generator().manual_seed(2)
+        offs = torch.tensor([3, 3, 7, 12, 16], dtype=torch.int32)
+        x = torch.randn(16, 96, generator=g).to(BF16)
+        w = _few_weight(5, 96, 300, BF16, layout, g)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = _few_mm(x, w, offs)
+            torch.set_num_threads(2)
+            two = _few_mm(x, w, offs)
+        finally:
+            torch.set_num_threads(threads)
+        self.assertTrue(torch.equal(one.view(torch.int16), two.view(torch.int16)))
+
+    def test_no_rows(self):
+        offs = torch.zeros(3, dtype=torch.int32)
+        got = _few_mm(torch.randn(0, 16).to(BF16), torch.randn(3, 16, 8).to(BF16), offs)
+        self.assertEqual(got.shape, (0, 8))
+
+    def test_bad_operands(self):
+        x, w = torch.randn(6, 16).to(BF16), torch.randn(3, 16, 8).to(BF16)
+        offs = torch.tensor([2, 4, 6], dtype=torch.int32)
+        out = x.new_empty((6, 8))
+        cases = [
+            ((x.t().contiguous().t(), w, offs, out), r"x must be contiguous"),
+            ((x, w[:, :, ::2], offs, x.new_empty((6, 4))), r"row- or column-major"),
+            ((x.float(), w, offs, out), r"out must be a contiguous \[M, N\] tensor"),
+            ((x, w, offs.long(), out), r"offs must be a contiguous int32 tensor of 3"),
+            ((x, w, offs[:2], out), r"offs must be a contiguous int32 tensor of 3"),
+            ((x, w, torch.tensor([4, 2, 6], dtype=torch.int32), out), r"got 2 at group 1"),
+            ((x, w, torch.tensor([2, 4, 7], dtype=torch.int32), out), r"x's 6 rows, got 7"),
+            ((x, torch.randn(3, 12, 8).to(BF16), offs, out), r"x \[M, K\] and w \[E, K, N\]"),
+        ]
+        for args, msg in cases:
+            with self.subTest(msg=msg), self.assertRaisesRegex(RuntimeError, msg):
+                _native.kernels().few_rows_mm(*args)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the 
 Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
 row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
 ``<cls>``: which of m, k, n (a [m, k], b [k, n]) is smallest and whether it is under 128
-(``m_small``, ``k_large``...); ``<r>``: the rows (per group for ``swiglu_path`` and
-``wgrad_a``) rounded up to a power of two; ``<k>``, ``<n>``: the weight gradient's output
-rows and columns, rounded up to powers of two and capped (``wgrad_a``, half dtypes
-multiplied natively only).
+(``m_small``, ``k_large``...); ``<r>``: the rows (per group for ``swiglu_path``,
+``wgrad_a`` and ``few_gemm``) rounded up to a power of two; ``<k>``, ``<n>``: the weight
+gradient's output rows and columns, rounded up to powers of two and capped (``wgrad_a``,
+half dtypes multiplied natively only); ``<b>``: the weight's layout (n / t); ``<g>``: the
+busy groups, rounded up to a power of two and capped at 64.
 
 ==============================  ====================  ======  ==============================
 key                             choices               margin  used by
@@ -33,6 +34,8 @@ key                             choices               margin  used by
 ``layout:<dt>:<ab>:<cls>``      **as_is**, copy_a/b   10%     ``mm_into``, ``mm_cpu``
 ``few_rows:<dt>:<ab>:m<r>``     **mm**, mv, swap      10%     ``mm_into``, m <= 16 rows
 ``grouped_mm:<dt>:<ab>:<cls>``  **loop**, torch       5%      ``grouped_mm`` (CPU kernels)
+``few_gemm:<dt>:<b>:r<r>:g<g>`` **aten**, native      10%     ``grouped_mm`` (CPU kernels,
+                                                              <= 32 rows per group)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -96,6 +99,7 @@ KINDS = (
     "act_chunk",
     "swiglu_path",
     "act_kernel",
+    "few_gemm",
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
@@ -228,6 +232,7 @@ _CHOICES = {
     "wgrad_a": ("as_is", "transpose"),
     "swiglu_path": ("loop", "whole"),
     "act_kernel": ("aten", "native"),
+    "few_gemm": ("aten", "native"),
 }
 
 
@@ -697,6 +702,23 @@ def swiglu_path(
     buffers, reused)."""
     r = _pow2_at_least(rows)
     return decide(f"swiglu_path:{_dt(dtype)}:r{r}", lambda: measure(r), default="loop", margin=0.05)
+
+
+def few_gemm(
+    dtype: torch.dtype,
+    col_major: bool,
+    rows: int,
+    groups: int,
+    measure: Callable[[], Mapping[str, float]],
+) -> str:
+    """``"native"`` if the compiled few-rows grouped GEMM (``_native.py``: each expert's
+    weight read once for all of its rows, converted in registers, one call for all
+    groups) beats the better ATen way (``torch._grouped_mm`` or the per-group loop) by
+    over 10% at about ``rows`` rows per group over ``groups`` busy groups (powers of
+    two) with the weight row- or column-major (``<b>``: n / t), else ``"aten"``."""
+    b = "t" if col_major else "n"
+    key = f"few_gemm:{_dt(dtype)}:{b}:r{_pow2_at_least(rows)}:g{_pow2_at_least(groups)}"
+    return decide(key, measure, default="aten")
 
 
 def act_kernel(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:

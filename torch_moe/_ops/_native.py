@@ -9,7 +9,10 @@ same bits (its header says how), and the composed experts' activations (the glu 
 in one pass over each chunk cut as ATen's loops cut it. Likewise the permutation's index sort and the
 unweighted combine (``csrc/permute_cpu.cpp``): a dozen ATen calls each, whose per-call
 cost (the interpreter and the dispatcher run from cold caches after the expert GEMMs)
-is most of a small batch's overhead, become one call with the same integers / bits.
+is most of a small batch's overhead, become one call with the same integers / bits. And
+a grouped GEMM of a few rows per group (``csrc/grouped_mm_cpu.cpp``): one call for all
+groups that reads each expert's weight once, where the probe's ``few_gemm`` measured it
+faster than ``torch._grouped_mm`` (not ATen's bits: fp32 sums in another order).
 They are prototypes of ATen kernels; until those exist they are built here, once per
 machine and CPU capability, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``)
 as one library of plain ``torch.ops.torch_moe_cpu`` ops, which takes 10-20 s with a C++
@@ -37,7 +40,7 @@ __all__ = ["ENV", "available", "kernels"]
 
 ENV = "TORCH_MOE_NATIVE"
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = [_CSRC / "swiglu_cpu.cpp", _CSRC / "permute_cpu.cpp"]
+_SOURCES = [_CSRC / name for name in ("swiglu_cpu.cpp", "permute_cpu.cpp", "grouped_mm_cpu.cpp")]
 _lock = threading.Lock()
 _STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
 _built: dict[str, Any] = {}  # capability -> the ops' namespace, or None
@@ -106,7 +109,7 @@ def _build(cap: str) -> Any:
 def kernels() -> Any:
     """The compiled kernels' ops (``torch.ops.torch_moe_cpu``: ``swiglu_forward``,
     ``swiglu_backward``, ``glu_oai_*``, ``glu_swiglu_*``, ``relu2_*``, ``permute_indices``,
-    ``combine``), or None where disabled or the build failed."""
+    ``combine``, ``few_rows_mm``), or None where disabled or the build failed."""
     if not enabled():
         return None
     cap = _capability()

@@ -1,0 +1,314 @@
+// A grouped GEMM of a few rows per group (torch_moe's CPU grouped_mm kernels, where the
+// CPU probe's few_gemm decision measured it faster): an MoE step of a few tokens gives
+// each expert a few rows, and a GEMM of 1-32 rows against a [K, N] expert weight is
+// bound by reading that weight. oneDNN's half-precision GEMMs pack the weight into their
+// blocked layout on every call, so each call reads the weight, writes a packed copy and
+// reads it again (on a 2-core AMD EPYC Zen 4, 6-8 GB/s for 4 rows per expert, a fifth of
+// the core's streaming read rate). This kernel reads each weight element once and
+// applies it to every row of its group:
+//
+//   few_rows_mm:  out[rows of g] = x[rows of g] @ w[g]      x [M, K], w [E, K, N]
+//
+// with w[g] row-major (rows of N contiguous: register blocks of 4 rows x 4 vectors of
+// columns, k in panels of ~32 KB of weight rows, which stay in L2 while every column
+// block passes over them) or column-major (columns contiguous over K: dot products of 4
+// rows x 4 columns, reduced at the end; on CPUs with AVX512-BF16 by vdpbf16ps, which
+// sums pairs of exact bf16 products in fp32). Math in fp32, one rounding into the output
+// dtype (float, bfloat16, half). The sums run in a fixed order for any thread count
+// (each output element belongs to one task: a group's column block), so results are
+// deterministic; they are not ATen's bits (its blocking orders the sums otherwise),
+// which is why the probe's choice, not a constant, says where this runs. Rows at or past
+// the last group's end are zero; x must be contiguous.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+constexpr int64_t kV = fVec::size();
+constexpr int kRows = 4;           // rows per register block
+constexpr int kCols = 4;           // fp32 vectors of output columns per register block (NN)
+constexpr int64_t kPanel = 32 << 10;  // bytes of weight rows per k-panel (row-major form;
+                                      // 16-256 KB measured, 32 the steadiest)
+
+// kCols fp32 vectors from kCols * kV consecutive elements of T
+template <typename T>
+inline void load_cols(const T* p, fVec* out) {
+  for (int j = 0; j < kCols; ++j) {
+    out[j] = fVec::loadu(p + j * kV);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+template <>
+inline void load_cols<c10::BFloat16>(const c10::BFloat16* p, fVec* out) {
+  using hVec = Vectorized<c10::BFloat16>;  // 2 * kV elements
+  for (int j = 0; j < kCols; j += 2) {
+    auto [lo, hi] = at::vec::convert_bfloat16_float(hVec::loadu(p + j * kV));
+    out[j] = lo;
+    out[j + 1] = hi;
+  }
+}
+
+template <>
+inline void load_cols<c10::Half>(const c10::Half* p, fVec* out) {
+  using hVec = Vectorized<c10::Half>;
+  for (int j = 0; j < kCols; j += 2) {
+    auto [lo, hi] = at::vec::convert_half_float(hVec::loadu(p + j * kV));
+    out[j] = lo;
+    out[j + 1] = hi;
+  }
+}
+#else
+template <>
+inline void load_cols<c10::BFloat16>(const c10::BFloat16* p, fVec* out) {
+  float buf[kCols * kV];
+  for (int64_t i = 0; i < kCols * kV; ++i) buf[i] = static_cast<float>(p[i]);
+  for (int j = 0; j < kCols; ++j) out[j] = fVec::loadu(buf + j * kV);
+}
+
+template <>
+inline void load_cols<c10::Half>(const c10::Half* p, fVec* out) {
+  float buf[kCols * kV];
+  for (int64_t i = 0; i < kCols * kV; ++i) buf[i] = static_cast<float>(p[i]);
+  for (int j = 0; j < kCols; ++j) out[j] = fVec::loadu(buf + j * kV);
+}
+#endif
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  at::vec::convert(src, dst, n);
+}
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  at::vec::convert(src, dst, n);  // round to nearest even, as a tensor copy
+}
+
+// out[r, n] for r < m rows of x (fp32 [m, K]) and a row-major weight w [K, N] (row
+// stride ldw); columns [n0, n1) in register blocks of kCols vectors, k in panels.
+template <typename T>
+void nn_block(const float* xf, int64_t m, int64_t K, const T* w, int64_t ldw, int64_t n0,
+              int64_t n1, T* out, int64_t ldo, float* acc) {
+  constexpr int64_t kW = kCols * kV;
+  const int64_t width = n1 - n0;
+  const int64_t panel = std::max<int64_t>(4, kPanel / std::max<int64_t>(1, width * sizeof(T)));
+  for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i0));
+    std::fill(acc, acc + kRows * width, 0.0f);
+    for (int64_t k0 = 0; k0 < K; k0 += panel) {
+      const int64_t k1 = std::min(K, k0 + panel);
+      int64_t n = 0;
+      for (; n + kW <= width; n += kW) {
+        fVec c[kRows][kCols];
+        for (int a = 0; a < kRows; ++a)
+          for (int j = 0; j < kCols; ++j) c[a][j] = fVec::loadu(acc + a * width + n + j * kV);
+        for (int64_t k = k0; k < k1; ++k) {
+          fVec wv[kCols];
+          load_cols(w + k * ldw + n0 + n, wv);
+          for (int a = 0; a < kRows; ++a) {  // a constant bound: c stays in registers
+            if (a >= rows) break;
+            const fVec xv(xf[(i0 + a) * K + k]);
+            for (int j = 0; j < kCols; ++j) c[a][j] = at::vec::fmadd(xv, wv[j], c[a][j]);
+          }
+        }
+        for (int a = 0; a < kRows; ++a)
+          for (int j = 0; j < kCols; ++j) c[a][j].store(acc + a * width + n + j * kV);
+      }
+      for (; n < width; ++n) {  // the last columns (fewer than a block), scalar
+        for (int a = 0; a < rows; ++a) {
+          float s = acc[a * width + n];
+          for (int64_t k = k0; k < k1; ++k)
+            s += xf[(i0 + a) * K + k] * static_cast<float>(w[k * ldw + n0 + n]);
+          acc[a * width + n] = s;
+        }
+      }
+    }
+    for (int a = 0; a < rows; ++a) from_float(acc + a * width, out + (i0 + a) * ldo + n0, width);
+  }
+}
+
+// out[r, n] = dot(x[r, :], w[n, :]) for a column-major weight (its column n contiguous
+// over K: w[n * ldw + k]); columns [n0, n1), rows and columns in blocks of kRows; the
+// weight's elements converted in registers, kCols vectors of K per step.
+template <typename T>
+void nt_block(const float* xf, int64_t m, int64_t K, const T* w, int64_t ldw, int64_t n0,
+              int64_t n1, T* out, int64_t ldo) {
+  constexpr int64_t kW = kCols * kV;
+  const int64_t kb = K / kW * kW;
+  float res[kRows][kRows];
+  for (int64_t n = n0; n < n1; n += kRows) {
+    const int cols = static_cast<int>(std::min<int64_t>(kRows, n1 - n));
+    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i0));
+      fVec c[kRows][kRows];
+      for (int a = 0; a < kRows; ++a)
+        for (int b = 0; b < kRows; ++b) c[a][b] = fVec(0.0f);
+      for (int64_t k = 0; k < kb; k += kW) {
+        fVec wv[kRows][kCols];
+        for (int b = 0; b < kRows; ++b) load_cols(w + (n + std::min(b, cols - 1)) * ldw + k, wv[b]);
+        for (int a = 0; a < kRows; ++a) {  // constant bounds: c stays in registers
+          if (a >= rows) break;
+          for (int j = 0; j < kCols; ++j) {
+            const fVec xv = fVec::loadu(xf + (i0 + a) * K + k + j * kV);
+            for (int b = 0; b < kRows; ++b) c[a][b] = at::vec::fmadd(xv, wv[b][j], c[a][b]);
+          }
+        }
+      }
+      for (int a = 0; a < rows; ++a) {
+        for (int b = 0; b < cols; ++b) {
+          float s = at::vec::vec_reduce_all<float>(
+              [](fVec& u, fVec& v) { return u + v; }, c[a][b]);
+          for (int64_t k = kb; k < K; ++k)
+            s += xf[(i0 + a) * K + k] * static_cast<float>(w[(n + b) * ldw + k]);
+          res[a][b] = s;
+        }
+        from_float(res[a], out + (i0 + a) * ldo + n, cols);
+      }
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The column-major form for bf16 on CPUs with AVX512-BF16: vdpbf16ps adds the products
+// of bf16 pairs (exact in fp32) to fp32 lanes, 32 multiply-adds per instruction, as
+// oneDNN's bf16 kernels do on such CPUs (it treats denormal bf16 inputs as zero).
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_block_dpbf16(
+    const c10::BFloat16* x, int64_t m, int64_t K, const c10::BFloat16* w, int64_t ldw,
+    int64_t n0, int64_t n1, c10::BFloat16* out, int64_t ldo) {
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
+  const int64_t kb = K / 32 * 32;
+  float res[kRows][kRows];
+  for (int64_t n = n0; n < n1; n += kRows) {
+    const int cols = static_cast<int>(std::min<int64_t>(kRows, n1 - n));
+    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i0));
+      __m512 c[kRows][kRows];
+      for (int a = 0; a < kRows; ++a)
+        for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < kb; k += 32) {
+        __m512bh wv[kRows];
+        for (int b = 0; b < kRows; ++b)
+          wv[b] = (__m512bh)_mm512_loadu_si512(wp + (n + std::min(b, cols - 1)) * ldw + k);
+        for (int a = 0; a < kRows; ++a) {
+          if (a >= rows) break;
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + (i0 + a) * K + k);
+          for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_dpbf16_ps(c[a][b], xv, wv[b]);
+        }
+      }
+      for (int a = 0; a < rows; ++a) {
+        for (int b = 0; b < cols; ++b) {
+          float s = _mm512_reduce_add_ps(c[a][b]);
+          for (int64_t k = kb; k < K; ++k)
+            s += static_cast<float>(x[(i0 + a) * K + k]) * static_cast<float>(w[(n + b) * ldw + k]);
+          res[a][b] = s;
+        }
+        from_float(res[a], out + (i0 + a) * ldo + n, cols);
+      }
+    }
+  }
+}
+#endif
+
+template <typename T>
+void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* ends,
+                      at::Tensor& out) {
+  const int64_t groups = w.size(0), K = w.size(1), N = w.size(2), M = x.size(0);
+  const bool row_major = w.stride(2) == 1;  // else column-major: w.stride(1) == 1
+  const int64_t ldw = row_major ? w.stride(1) : w.stride(2);
+  const T* xp = x.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  // tasks: (group, column block); each task owns its output elements
+  const int64_t cols_per_task = row_major ? N : 64;
+  const int64_t col_tasks = (N + cols_per_task - 1) / cols_per_task;
+  std::vector<int64_t> starts(groups + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) starts[g + 1] = ends[g];
+  at::parallel_for(0, groups * col_tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> xf, scratch;
+    int64_t converted = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / col_tasks, c = t % col_tasks;
+      const int64_t r0 = starts[g], m = starts[g + 1] - r0;
+      if (m <= 0) continue;
+      if (converted != g) {
+        xf.resize(m * K);
+        to_float(xp + r0 * K, xf.data(), m * K);
+        converted = g;
+      }
+      const int64_t n0 = c * cols_per_task, n1 = std::min(N, n0 + cols_per_task);
+      const T* wg = wp + g * w.stride(0);
+      if (row_major) {
+        scratch.resize(kRows * (n1 - n0));
+        nn_block(xf.data(), m, K, wg, ldw, n0, n1, op + r0 * N, N, scratch.data());
+      } else {
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (has_avx512_bf16()) {
+            nt_block_dpbf16(xp + r0 * K, m, K, wg, ldw, n0, n1, op + r0 * N, N);
+            continue;
+          }
+        }
+#endif
+        nt_block(xf.data(), m, K, wg, ldw, n0, n1, op + r0 * N, N);
+      }
+    }
+  });
+  const int64_t end = groups ? ends[groups - 1] : 0;
+  if (end < M) std::memset(op + end * N, 0, (M - end) * N * sizeof(T));
+}
+
+void few_rows_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                 at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "few_rows_mm: x [M, K] "
+              "and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.is_contiguous() && (w.stride(2) == 1 || w.stride(1) == 1),
+              "few_rows_mm: x must be contiguous and w row- or column-major per group");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == x.scalar_type() &&
+                  out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == w.size(2),
+              "few_rows_mm: out must be a contiguous [M, N] tensor of x's dtype");
+  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == w.size(0) &&
+                  offs.is_contiguous(),
+              "few_rows_mm: offs must be a contiguous int32 tensor of ", w.size(0), " group ends");
+  const int32_t* ends = offs.const_data_ptr<int32_t>();
+  for (int64_t g = 0, prev = 0; g < offs.size(0); prev = ends[g], ++g) {
+    TORCH_CHECK(ends[g] >= prev && ends[g] <= x.size(0), "few_rows_mm: offs must be "
+                "non-decreasing and at most x's ", x.size(0), " rows, got ", ends[g],
+                " at group ", g);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "few_rows_mm",
+                                  [&] { few_rows_mm_impl<scalar_t>(x, w, ends, out); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
+  m.def("few_rows_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
+  m.impl("few_rows_mm", &few_rows_mm);
+}
