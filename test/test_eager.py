@@ -483,7 +483,7 @@ LEAN = dict(
 )
 GENERAL = {**LEAN, "grouped_mm": "loop"}
 COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
-FEW_GEMM = {**LEAN, "few_gemm": "native"}  # the native few-rows GEMM: the ops' kernels
+FEW_GEMM = {**LEAN, "few_gemm": "native"}  # half dtypes: the native few-rows GEMMs
 
 
 class TestSwiGLUCombine(TestCase):
@@ -528,7 +528,8 @@ class TestSwiGLUCombine(TestCase):
                 ref = run(stepwise)
             spy_f = mock.patch.object(gs, "_lean_forward", wraps=gs._lean_forward)
             spy_b = mock.patch.object(gs, "_lean_backward", wraps=gs._lean_backward)
-            with spy_f as fwd, spy_b as bwd:
+            spy_mm = mock.patch.object(gs, "_whole_grouped_mm", wraps=gs._whole_grouped_mm)
+            with spy_f as fwd, spy_b as bwd, spy_mm as gemms:
                 with op_never_called(
                     gs.grouped_swiglu, gs.grouped_swiglu_backward, perm.unpermute, perm.permute
                 ):
@@ -539,6 +540,7 @@ class TestSwiGLUCombine(TestCase):
         if lean is not None:
             self.assertEqual(fwd.called, lean)
             self.assertEqual(bwd.called, lean and any(grads))
+            _assert_lean_gemms(self, gemms, lean, decisions, inputs[1].dtype)
 
     @parametrize("dtype", [BF16, F32])
     @parametrize("weighted", [True, False])
@@ -549,9 +551,7 @@ class TestSwiGLUCombine(TestCase):
         native = _native.available()
         # a copied weight-gradient operand takes the ops' kernels (fp32 is never copied)
         copied = native and dtype == F32
-        # the few-rows GEMM takes half dtypes only: fp32 stays lean
-        few = native and dtype == F32
-        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, copied), (FEW_GEMM, few)]
+        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, copied), (FEW_GEMM, native)]
         for decisions, lean in cases:
             with self.subTest(decisions=decisions):
                 self._compare(p, inputs, needs, lean, decisions)
@@ -701,7 +701,10 @@ class TestGLUCombine(TestCase):
             spy = mock.patch.object(
                 glu_mod, "_lean_backward_into", wraps=glu_mod._lean_backward_into
             )
-            with spy as lean_bwd:
+            spy_mm = mock.patch.object(
+                glu_mod, "_whole_grouped_mm", wraps=glu_mod._whole_grouped_mm
+            )
+            with spy as lean_bwd, spy_mm as gemms:
                 with (
                     op_never_called(
                         gmm.gather_grouped_mm, gmm.grouped_mm, glu_mod.glu, perm.unpermute
@@ -713,6 +716,7 @@ class TestGLUCombine(TestCase):
         _assert_same_as_ops(self, got, ref)
         self.assertLessEqual(got[2], ref[2])
         self.assertEqual(lean_bwd.called, lean and any(needs))
+        _assert_lean_gemms(self, gemms, lean, decisions, inputs[1].dtype)
 
     @parametrize("activation", ["swiglu", "swigluoai", "relu2"])
     @parametrize("transposed", [False, True])
@@ -721,12 +725,8 @@ class TestGLUCombine(TestCase):
         case, inputs, glu_args = self._inputs(activation, transposed, bias, BF16)
         needs = (True, True, True, True, bias)
         native = _native.available()
-        for decisions, lean in (
-            (LEAN, native),
-            (GENERAL, False),
-            (COPIED_WGRAD, False),
-            (FEW_GEMM, False),
-        ):
+        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, False), (FEW_GEMM, native)]
+        for decisions, lean in cases:
             with self.subTest(decisions=decisions):
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
 
@@ -884,6 +884,20 @@ class TestExpertsNodesFuzz(TestCase):
                 ref = _run(call, inputs)
             got = _run(call, inputs)
         _assert_same_as_ops(self, got, ref)
+
+
+def _assert_lean_gemms(
+    test: TestCase, gemms: Any, lean: bool, decisions: dict[str, str] | None, dtype: torch.dtype
+) -> None:
+    """The lean kernels' x @ w GEMMs (``_whole_grouped_mm`` calls) took the native
+    few-rows kernel exactly where it was forced, for half dtypes (none ran off the lean
+    path)."""
+    if not lean:
+        test.assertFalse(gemms.called)
+        return
+    few = (decisions or {}).get("few_gemm") == "native" and dtype in (BF16, torch.float16)
+    test.assertTrue(gemms.called)
+    test.assertEqual({c.args[-1] for c in gemms.call_args_list}, {few})
 
 
 def _assert_same_as_ops(test: TestCase, got: tuple, ref: tuple) -> None:

@@ -506,9 +506,19 @@ def _few_rows_mm(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None) -> 
     """The native few-rows kernel (rows past ``ends[-1]`` zero)."""
     if offs is None or offs.dtype != torch.int32 or not offs.is_contiguous():
         offs = torch.tensor(ends, dtype=torch.int32)
-    out = x.new_empty((x.shape[0], w.shape[2]))
-    _native.kernels().few_rows_mm(x, w, offs, out)
-    return out
+    return _whole_grouped_mm(x, w, offs, ends[-1], few=True)
+
+
+def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, few: bool) -> Tensor:
+    """One call for all groups, rows at or past ``end`` zero: the native few-rows kernel
+    (``few``, where ``_few_gemm`` holds) or ``torch._grouped_mm`` (where
+    ``_use_torch_grouped_mm`` holds). The eager nodes' lean kernels take their GEMMs
+    through this, as their plans decided."""
+    if few:
+        out = x.new_empty((x.shape[0], w.shape[2]))
+        _native.kernels().few_rows_mm(x, w, offs, out)
+        return out
+    return _torch_grouped_mm(x, w, offs, end)
 
 
 def _measure_few_gemm(

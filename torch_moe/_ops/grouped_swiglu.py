@@ -43,11 +43,12 @@ from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype, no_cpu_autocast
 from torch_moe._ops._eager import direct, direct_calls
 from torch_moe._ops.grouped_mm import (
     _busy_groups,
+    _few_gemm,
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
     _nonzero_strides,
-    _torch_grouped_mm,
     _use_torch_grouped_mm,
+    _whole_grouped_mm,
     check_offs_values,
     cpu_compute_dtype,
     grouped_mm,
@@ -1006,7 +1007,7 @@ def _swiglu_combine_forward(
     row_weights: Tensor | None,
     row_to_slot: Tensor,
     slot_to_row: Tensor,
-) -> tuple[Tensor, Tensor, tuple[Any, int, Tensor, Tensor | None, int] | None]:
+) -> tuple[Tensor, Tensor, tuple[Any, ...] | None]:
     """(out [T, D], h, what the lean backward needs or None): grouped_swiglu's CPU kernel,
     then unpermute's past its checks; by ``_lean_forward`` where ``_lean_plan`` holds."""
     _check_inputs(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
@@ -1018,14 +1019,14 @@ def _swiglu_combine_forward(
     if x.shape[0] and not (_profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu")):
         plan = _lean_plan(x, w13, w2, row_weights, ends, rows)
     if plan is not None:
-        mod, step = plan
+        mod, step, few = plan
         tokens = _token_index(None, row_to_slot, slot_to_row)
         assert tokens is not None
         empty = _negative_positions(tokens)  # read once, for the three gathers
         out, h = _lean_forward(
-            mod, x, w13, w2, offs, row_weights, tokens, empty, slot_to_row, ends[-1]
+            mod, x, w13, w2, offs, row_weights, tokens, empty, slot_to_row, ends[-1], few
         )
-        return out, h, (mod, step, tokens, empty, ends[-1])
+        return out, h, (mod, step, tokens, empty, ends[-1], few)
     with _recorded("torch_moe::grouped_swiglu"):
         tokens = _token_index(None, row_to_slot, slot_to_row)
         y, h = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
@@ -1035,14 +1036,19 @@ def _swiglu_combine_forward(
         return _unpermute_rows(y, slot_to_row, row_to_slot), h, None
 
 
+_LeanPlan = tuple[Any, int, tuple[bool, ...]]  # (native ops, act row chunk, few-rows GEMMs)
+
+
 def _lean_plan(
     x: Tensor, w13: Tensor, w2: Tensor, row_weights: Tensor | None, ends: list[int], rows: int
-) -> tuple[Any, int] | None:
+) -> _LeanPlan | None:
     """Whether every decision the two ops' CPU kernels take for this call, forward and
-    backward, is the common one: the whole-tensor path, all six GEMMs by
-    ``torch._grouped_mm`` (the weight gradients' operand as the transposed view, not a
+    backward, is the common one: the whole-tensor path, all six GEMMs by one call each
+    (``torch._grouped_mm``, or for the four of x @ w the native few-rows kernel where
+    ``few_gemm`` says so; the weight gradients' operand as the transposed view, not a
     copy), the activation and both combines by the native kernels: then (the native
-    kernels' ops, the activation's row chunk), with which ``_lean_*`` run the same
+    kernels' ops, the activation's row chunk, which GEMMs take the few-rows kernel: h,
+    y, dA, dX), with which ``_lean_*`` run the same
     kernels on the same operands without asking each decision again (each ask is a few
     Python calls, run from cold caches after every GEMM); else None. Memoized per force()
     state on everything the decisions read: the operands' dtypes, shapes, strides and
@@ -1091,7 +1097,7 @@ def _lean_key(
 
 def _decide_lean(
     x: Tensor, w13: Tensor, w2: Tensor, ends: list[int], rows: int
-) -> tuple[Any, int] | None:
+) -> _LeanPlan | None:
     dt = w13.dtype
     if not ends or ends[-1] == 0 or not _whole_path_for(dt, ends):
         return None
@@ -1106,24 +1112,30 @@ def _decide_lean(
     if mod is None:
         return None
     gemms = [(x_rows, w13.transpose(-2, -1)), (a, w2.transpose(-2, -1)), (y_rows, w2), (dh, w13)]
-    if not _torch_gemms(ends, gemms, wgrads=[(y_rows, a), (dh, x_rows)]):
+    few = _lean_gemms(ends, gemms, wgrads=[(y_rows, a), (dh, x_rows)])
+    if few is None:
         return None
-    return mod, _act_chunk_rows(dt, hidden)
+    return mod, _act_chunk_rows(dt, hidden), few
 
 
-def _torch_gemms(
+def _lean_gemms(
     ends: list[int], gemms: list[tuple[Tensor, Tensor]], wgrads: list[tuple[Tensor, Tensor]]
-) -> bool:
-    """Whether ``grouped_mm``'s CPU kernel runs every ``(x, w)`` of ``gemms`` and
-    ``grouped_mm_wgrad``'s every ``(x, dy)`` of ``wgrads`` by ``torch._grouped_mm``, the
-    weight gradients' operand ``wgrad_operand(x)`` the transposed view (not a copy): the
-    lean plans' GEMM decisions, asked of stand-ins with the operands' metadata."""
+) -> tuple[bool, ...] | None:
+    """The lean plans' GEMM decisions, asked of stand-ins with the operands' metadata:
+    for each ``(x, w)`` of ``gemms``, True where ``grouped_mm``'s CPU kernel runs it by
+    the native few-rows kernel and False where by ``torch._grouped_mm``; None where one
+    takes another way, or where ``grouped_mm_wgrad``'s kernel does not run every ``(x,
+    dy)`` of ``wgrads`` by ``torch._grouped_mm`` with the weight gradients' operand
+    ``wgrad_operand(x)`` as the transposed view (not a copy)."""
     per_group = ends[-1] // _busy_groups(ends)
     if any(wgrad_copies(x.dtype, per_group, x.shape[1], dy.shape[1]) for x, dy in wgrads):
-        return False
-    return all(_use_torch_grouped_mm(x, w, ends, False) for x, w in gemms) and all(
-        _use_torch_grouped_mm(x.t(), dy, ends, True) for x, dy in wgrads
-    )
+        return None
+    if not all(_use_torch_grouped_mm(x.t(), dy, ends, True) for x, dy in wgrads):
+        return None
+    few = tuple(_few_gemm(x, w, ends) for x, w in gemms)
+    if not all(f or _use_torch_grouped_mm(x, w, ends, False) for f, (x, w) in zip(few, gemms)):
+        return None
+    return few
 
 
 def _lean_forward(
@@ -1137,14 +1149,15 @@ def _lean_forward(
     empty: Tensor | None,
     slot_to_row: Tensor,
     end: int,
+    few: tuple[bool, ...],
 ) -> tuple[Tensor, Tensor]:
     """``_forward_whole`` then the combine where ``_lean_plan`` holds: (out, h)."""
     x_rows = gather_rows(x, tokens, empty).to(w13.dtype)
-    h = _torch_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end)
+    h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, few[0])
     del x_rows
     a = w13.new_empty((h.shape[0], w2.shape[2]))
     mod.swiglu_forward(h, _native_weights(row_weights), a)
-    y = _torch_grouped_mm(a, w2.transpose(-2, -1), offs, end)
+    y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, few[1])
     del a
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     mod.combine(y, slot_to_row, out)
@@ -1165,13 +1178,14 @@ def _lean_backward(
     empty: Tensor | None,
     slot_to_row: Tensor,
     end: int,
+    few: tuple[bool, ...],
     need_x: bool,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
     """The permute of ``grad_out``, ``_backward_whole`` and the combine of dX where
     ``_lean_plan`` holds: (dx, dw13, dw2, d row_weights)."""
     dt = w13.dtype
     grad_y = gather_rows(grad_out, tokens, empty)
-    grad_a = _torch_grouped_mm(grad_y, w2, offs, end)
+    grad_a = _whole_grouped_mm(grad_y, w2, offs, end, few[2])
     rows, hidden = h.shape[0], w2.shape[2]
     a = w13.new_empty((rows, hidden))
     dh = w13.new_empty((rows, 2 * hidden))
@@ -1186,7 +1200,7 @@ def _lean_backward(
     del x_rows
     dx = None
     if need_x:
-        dx_rows = _torch_grouped_mm(dh, w13, offs, end).to(x.dtype)
+        dx_rows = _whole_grouped_mm(dh, w13, offs, end, few[3]).to(x.dtype)
         dx = dx_rows.new_empty((slot_to_row.shape[0], dx_rows.shape[1]))
         mod.combine(dx_rows, slot_to_row, dx)
     grad_rw = None if grad_rw is None or row_weights is None else grad_rw.to(row_weights.dtype)
@@ -1231,10 +1245,10 @@ class _SwiGLUCombine(torch.autograd.Function):
         if lean is not None and not (
             _profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu")
         ):
-            mod, step, tokens, empty, end = lean
+            mod, step, tokens, empty, end, few = lean
             dx, dw13, dw2, grad_rw = _lean_backward(
                 mod, step, grad_out, x, h, w13, w2, offs, row_weights, tokens, empty,
-                slot_to_row, end, ctx.needs_input_grad[0],
+                slot_to_row, end, few, ctx.needs_input_grad[0],
             )  # fmt: skip
             return dx, dw13, dw2, None, grad_rw, None, None
         with _recorded("torch_moe::permute"):
