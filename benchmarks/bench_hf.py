@@ -61,6 +61,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.nn.functional as F
 import transformers
+from bench_ops import print_decisions
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -393,6 +394,9 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(lines[-len(impls) - len(calls) :]), file=sys.stderr, flush=True)
         del model
     print("\n".join(lines))
+    if args.device == "cpu":  # the CPU kernels' measured decisions (they differ by machine)
+        print()
+        print_decisions()
 
 
 if __name__ == "__main__":
