@@ -46,14 +46,15 @@ benchmarks/results/ops_cpu_202612.md):
   correct: 16-byte aligned K, N and strides, offs validated here first, rows past
   ``offs[-1]`` zeroed here.
 * a few rows per group (up to 32, half dtypes): the native kernel
-  ``torch_moe_cpu::few_rows_mm`` (``csrc/grouped_mm_cpu.cpp``: each expert's weight
-  read once, converted in registers and applied to all of the group's rows, fp32 sums
-  in a fixed order) where the probe's ``few_gemm`` found it faster than the better of
-  the two above. oneDNN packs a half-precision weight on every call, which for 4 rows
-  per expert is most of the GEMM: 1.1-1.9x at 8-32 experts of 512-2880 x 1024-5760,
-  one thread of a Zen 4 EPYC. Its sums are ordered otherwise than oneDNN's (the same
-  fp32 accumulation and one rounding, not the same bits), so every path that must
-  match another bit for bit (the eager nodes' lean kernels) asks the same decision.
+  ``torch_moe_cpu::few_rows_mm`` (``csrc/grouped_mm_cpu.cpp``: one call for all groups,
+  each expert's weight read once, converted in registers and applied to all of the
+  group's rows, fp32 sums in a fixed order) where the probe's ``few_gemm`` found it
+  faster than the better of the two above, which run one oneDNN GEMM per group (its
+  set-up and the packing of its weight each time): at 1-8 rows per expert, and most
+  with many small experts (benchmarks/results/hf_train_step_cpu_202612.md). Its sums are
+  ordered otherwise than oneDNN's (the same fp32 accumulation and one rounding, not the
+  same bits), so every path that must match another bit for bit (the eager nodes' lean
+  kernels) asks the same decision.
 """
 
 from __future__ import annotations
@@ -477,8 +478,8 @@ def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
     """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: a half dtype
     on CPU tensors, ``x`` contiguous, ``w`` row- or column-major per group, at most
     ``_FEW_GEMM_ROWS`` rows per busy group, the kernel built, and the probe's
-    ``few_gemm`` (per dtype, weight layout and rows, a power of two) measured it faster.
-    Memoized on what it reads."""
+    ``few_gemm`` (per dtype, weight layout, rows and busy groups, powers of two)
+    measured it faster. Memoized on what it reads."""
     if not ends or ends[-1] == 0 or x.dtype not in _FEW_GEMM_DTYPES or w.dtype != x.dtype:
         return False
     busy = _busy_groups(ends)

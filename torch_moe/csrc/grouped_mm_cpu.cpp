@@ -1,11 +1,11 @@
 // A grouped GEMM of a few rows per group (torch_moe's CPU grouped_mm kernels, where the
 // CPU probe's few_gemm decision measured it faster): an MoE step of a few tokens gives
-// each expert a few rows, and a GEMM of 1-32 rows against a [K, N] expert weight is
-// bound by reading that weight. oneDNN's half-precision GEMMs pack the weight into their
-// blocked layout on every call, so each call reads the weight, writes a packed copy and
-// reads it again (on a 2-core AMD EPYC Zen 4, 6-8 GB/s for 4 rows per expert, a fifth of
-// the core's streaming read rate). This kernel reads each weight element once and
-// applies it to every row of its group:
+// each expert a few rows, and a GEMM of 1-32 rows against a [K, N] expert weight does
+// little more than read that weight. torch._grouped_mm (or torch_moe's loop) runs one
+// oneDNN GEMM per group, each with its own set-up and a packing of its half-precision
+// weight into oneDNN's blocked layout. This kernel is one call for all groups that reads
+// each weight element once, converts it in registers and applies it to every row of its
+// group (measured against those in benchmarks/results/hf_train_step_cpu_202612.md):
 //
 //   few_rows_mm:  out[rows of g] = x[rows of g] @ w[g]      x [M, K], w [E, K, N]
 //
