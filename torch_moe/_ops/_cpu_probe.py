@@ -25,7 +25,7 @@ row-major, t column-major; nt, the one every BLAS takes fastest, is never probed
 ``wgrad_a`` and ``few_gemm``) rounded up to a power of two; ``<k>``, ``<n>``: the weight
 gradient's output rows and columns, rounded up to powers of two and capped (``wgrad_a``,
 half dtypes multiplied natively only); ``<b>``: the weight's layout (n / t); ``<g>``: the
-busy groups, rounded up to a power of two and capped at 64.
+busy groups, rounded up to a power of two and clamped to 8-32.
 
 ==============================  ====================  ======  ==============================
 key                             choices               margin  used by

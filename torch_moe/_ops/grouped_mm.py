@@ -471,15 +471,16 @@ def _few_rows_way(x: Tensor, w: Tensor, ends: list[int]) -> bool:
 _FEW_GEMM_ROWS = 32  # rows per busy group up to which few_gemm decides (past them the
 # weight's reads are amortized over enough rows for the packed GEMMs)
 _FEW_GEMM_DTYPES = (torch.bfloat16, torch.float16)
-_FEW_GEMM_GROUPS = 64  # the probe's groups stop here (a call's fixed costs are amortized)
+_FEW_GEMM_GROUPS = (8, 32)  # the probe's groups, clamped: its cost grows with them (up
+# to ~0.2 s a key at 32), and past 32 groups per-group costs are amortized alike
 
 
 def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
     """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: a half dtype
     on CPU tensors, ``x`` contiguous, ``w`` row- or column-major per group, at most
     ``_FEW_GEMM_ROWS`` rows per busy group, the kernel built, and the probe's
-    ``few_gemm`` (per dtype, weight layout, rows and busy groups, powers of two)
-    measured it faster. Memoized on what it reads."""
+    ``few_gemm`` (per dtype, weight layout, rows and busy groups: powers of two, the
+    groups clamped to 8-32) measured it faster. Memoized on what it reads."""
     if not ends or ends[-1] == 0 or x.dtype not in _FEW_GEMM_DTYPES or w.dtype != x.dtype:
         return False
     busy = _busy_groups(ends)
@@ -490,15 +491,15 @@ def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
         return False
     col_major = w.stride(2) != 1
     pow2 = _cpu_probe._pow2_at_least
-    key = ("few_gemm", x.dtype, col_major, pow2(rows), pow2(busy), _native.enabled())
-    return _cpu_probe.memo(key, lambda: _decide_few_gemm(x.dtype, col_major, rows, busy))
+    groups = min(max(pow2(busy), _FEW_GEMM_GROUPS[0]), _FEW_GEMM_GROUPS[1])
+    key = ("few_gemm", x.dtype, col_major, pow2(rows), groups, _native.enabled())
+    return _cpu_probe.memo(key, lambda: _decide_few_gemm(x.dtype, col_major, rows, groups))
 
 
 def _decide_few_gemm(dtype: torch.dtype, col_major: bool, rows: int, groups: int) -> bool:
     mod = _native.kernels()
     if mod is None:
         return False
-    groups = min(_cpu_probe._pow2_at_least(groups), _FEW_GEMM_GROUPS)
     measure = functools.partial(_measure_few_gemm, mod, dtype, col_major, rows, groups)
     return _cpu_probe.few_gemm(dtype, col_major, rows, groups, measure) == "native"
 
