@@ -484,6 +484,11 @@ LEAN = dict(
 GENERAL = {**LEAN, "grouped_mm": "loop"}
 COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
 FEW_GEMM = {**LEAN, "few_gemm": "native"}  # half dtypes: the native few-rows GEMMs
+# ... for column-major weights only (every row and group class of bf16 forced by key)
+FEW_GEMM_T = {
+    **LEAN,
+    **{f"few_gemm:bf16:t:r{2**i}:g{g}": "native" for i in range(6) for g in (8, 16, 32)},
+}
 
 
 class TestSwiGLUCombine(TestCase):
@@ -555,6 +560,14 @@ class TestSwiGLUCombine(TestCase):
         for decisions, lean in cases:
             with self.subTest(decisions=decisions):
                 self._compare(p, inputs, needs, lean, decisions)
+
+    def test_few_rows_gemms_decided_per_gemm(self) -> None:
+        # w2 stored column-major (w13 row-major) and the few-rows GEMM forced for
+        # column-major weights only: h and dA take it, y and dX do not; the lean node must
+        # follow each GEMM's own decision to keep the ops' bits
+        p, inputs = _combine_inputs(13, BF16, seed=5, weighted=True)
+        inputs[2] = inputs[2].transpose(-2, -1).contiguous().transpose(-2, -1)
+        self._compare(p, inputs, (True,) * 4, _native.available(), FEW_GEMM_T)
 
     @parametrize("grads", [(False, True, True, True), (True, False, False, False), (False,) * 4])
     def test_some_inputs_need_no_gradient(self, grads: tuple[bool, ...]) -> None:
@@ -730,6 +743,15 @@ class TestGLUCombine(TestCase):
             with self.subTest(decisions=decisions):
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
 
+    def test_few_rows_gemms_decided_per_gemm(self) -> None:
+        # the up weight column-major, the down weight row-major, and the few-rows GEMM
+        # forced for column-major weights only: h and dA take it, y and dX do not; the
+        # lean node must follow each GEMM's own decision to keep the ops' bits
+        case, inputs, glu_args = self._inputs("swiglu", True, False, BF16)
+        inputs[2] = inputs[2].contiguous()  # [E, F, D] row-major
+        needs = (True, True, True, True, False)
+        self._compare(case, inputs, glu_args, needs, _native.available(), FEW_GEMM_T)
+
     @parametrize(
         "needs",
         [
@@ -895,9 +917,16 @@ def _assert_lean_gemms(
     if not lean:
         test.assertFalse(gemms.called)
         return
-    few = (decisions or {}).get("few_gemm") == "native" and dtype in (BF16, torch.float16)
     test.assertTrue(gemms.called)
-    test.assertEqual({c.args[-1] for c in gemms.call_args_list}, {few})
+    flags = {c.args[-1] for c in gemms.call_args_list}
+    if any(k.startswith("few_gemm:") for k in decisions or {}):  # forced per layout:
+        # each GEMM by the native kernel exactly where its weight is column-major
+        for c in gemms.call_args_list:
+            test.assertEqual(c.args[-1], c.args[1].stride(2) != 1)
+        test.assertEqual(flags, {True, False})
+        return
+    few = (decisions or {}).get("few_gemm") == "native" and dtype in (BF16, torch.float16)
+    test.assertEqual(flags, {few})
 
 
 def _assert_same_as_ops(test: TestCase, got: tuple, ref: tuple) -> None:

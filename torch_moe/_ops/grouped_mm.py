@@ -322,7 +322,6 @@ def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) ->
         ends[-1],
         len(ends),
         _busy_groups(ends),
-        _native.enabled(),  # the few-rows kernel's turn comes first where it built
     )
     return _cpu_probe.memo(key, lambda: _decide_torch_grouped_mm(a, b, ends, wgrad))
 
@@ -337,7 +336,7 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
         m, k, n = rows, a.shape[1], b.shape[2]
         ab = _cpu_probe.layout_of(a, b[0])
         ok = _torch_grouped_mm_cpu_ok(a, b, ends, k, n)
-    if not ok or (not wgrad and (_few_gemm(a, b, ends) or _few_rows_way(a, b, ends))):
+    if not ok or (not wgrad and _few_rows_way(a, b, ends)):
         return False
     cls = _cpu_probe.shape_class(m, k, n)
     dtype = a.dtype
