@@ -64,12 +64,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import platform
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -355,6 +356,18 @@ def _one_thread() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
+def cycled(sets: Sequence[T], run: Callable[[T], object]) -> Callable[[], None]:
+    """A candidate for :func:`time_candidates`: ``run`` on the next of ``sets`` at each
+    call, in a turn of its own through them (so that its calls do not all find their
+    operands in cache, whatever the other candidates run)."""
+    it = itertools.cycle(sets)
+
+    def candidate() -> None:
+        run(next(it))
+
+    return candidate
+
+
 def time_candidates(
     candidates: Mapping[str, Callable[[], object]], budget_s: float = _PROBE_BUDGET_S
 ) -> dict[str, float]:
@@ -493,19 +506,12 @@ def _measure_half_gemm(dtype: torch.dtype) -> dict[str, float]:
         (_operand(m, k, False, dtype), _operand(k, n, True, dtype), torch.empty(m, n, dtype=dtype))
         for _ in range(_OPERAND_SETS)
     ]
-    it = {"native": 0, "fp32": 0}
-
-    def native() -> None:
-        a, b, out = sets[it["native"] % len(sets)]
-        it["native"] += 1
-        torch.mm(a, b, out=out)
-
-    def fp32() -> None:
-        a, b, out = sets[it["fp32"] % len(sets)]
-        it["fp32"] += 1
-        out.copy_(torch.mm(a.float(), b.float()))
-
-    return time_candidates({"native": native, "fp32": fp32})
+    return time_candidates(
+        {
+            "native": cycled(sets, lambda s: torch.mm(s[0], s[1], out=s[2])),
+            "fp32": cycled(sets, lambda s: s[2].copy_(torch.mm(s[0].float(), s[1].float()))),
+        }
+    )
 
 
 def half_gemm(dtype: torch.dtype) -> str:

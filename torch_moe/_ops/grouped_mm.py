@@ -490,8 +490,8 @@ def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
         return False
     col_major = w.stride(2) != 1
     pow2 = _cpu_probe._pow2_at_least
-    groups = min(max(pow2(busy), _FEW_GEMM_GROUPS[0]), _FEW_GEMM_GROUPS[1])
-    key = ("few_gemm", x.dtype, col_major, pow2(rows), groups, _native.enabled())
+    rows, groups = pow2(rows), min(max(pow2(busy), _FEW_GEMM_GROUPS[0]), _FEW_GEMM_GROUPS[1])
+    key = ("few_gemm", x.dtype, col_major, rows, groups, _native.enabled())
     return _cpu_probe.memo(key, lambda: _decide_few_gemm(x.dtype, col_major, rows, groups))
 
 
@@ -527,12 +527,11 @@ def _measure_few_gemm(
 ) -> dict[str, float]:
     """Seconds of the native kernel and of the better ATen way (``torch._grouped_mm``,
     else the loop) on ``groups`` groups of ``rows`` rows, K = N = 512 (groups / 2 MiB of
-    weights per operand set, the sets cycled: the weights come from memory, as in a
-    step). Many small groups favour the native kernel (one call, no GEMM set up per
+    weights per operand set, each candidate cycling through the sets: the weights come
+    from memory, as in a step). Many small groups favour the native kernel (one call, no GEMM set up per
     group), large weights read by few groups much less."""
     k = n = 512
-    pow2 = _cpu_probe._pow2_at_least(rows)
-    ends = [pow2 * (g + 1) for g in range(groups)]
+    ends = [rows * (g + 1) for g in range(groups)]
     offs = torch.tensor(ends, dtype=torch.int32)
     sets = []
     for _ in range(_cpu_probe._OPERAND_SETS):  # constant values: the rates do not depend on them
@@ -540,26 +539,15 @@ def _measure_few_gemm(
         sets.append(
             (torch.full((ends[-1], k), 0.25, dtype=dtype), w.transpose(-2, -1) if col_major else w)
         )
-    count = [0]
-
-    def run(how: str) -> Callable[[], None]:
-        def fn() -> None:
-            x, w = sets[count[0] % len(sets)]
-            count[0] += 1
-            if how == "native":
-                mod.few_rows_mm(x, w, offs, x.new_empty((x.shape[0], n)))
-            elif how == "torch":
-                torch._grouped_mm(x, w, offs=offs)
-            else:
-                _mm_loop(x, w, ends)
-
-        return fn
-
-    x0, w0 = sets[0]
-    ways = ["native", "loop"]
-    if _torch_grouped_mm_cpu_ok(x0, w0, ends, k, n):
-        ways.append("torch")
-    times = _cpu_probe.time_candidates({how: run(how) for how in ways})
+    ways: dict[str, Callable[[tuple[Tensor, Tensor]], object]] = {
+        "native": lambda s: mod.few_rows_mm(*s, offs, s[0].new_empty((s[0].shape[0], n))),
+        "loop": lambda s: _mm_loop(*s, ends),
+    }
+    if _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n):
+        ways["torch"] = lambda s: torch._grouped_mm(*s, offs=offs)
+    times = _cpu_probe.time_candidates(
+        {how: _cpu_probe.cycled(sets, run) for how, run in ways.items()}
+    )
     return {
         "aten": min(t for how, t in times.items() if how != "native"),
         "native": times["native"],
