@@ -540,15 +540,13 @@ def _measure_layout(dtype: torch.dtype, ab: str, cls: str) -> dict[str, float]:
         )
         for _ in range(_OPERAND_SETS)
     ]
-    count = [0]
 
     def run(copy_a: bool, copy_b: bool) -> Callable[[], None]:
-        def fn() -> None:
-            a, b, out = sets[count[0] % len(sets)]
-            count[0] += 1
+        def fn(s: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+            a, b, out = s
             torch.mm(_other_layout(a) if copy_a else a, _other_layout(b) if copy_b else b, out=out)
 
-        return fn
+        return cycled(sets, fn)
 
     return time_candidates(
         {"as_is": run(False, False), "copy_a": run(True, False), "copy_b": run(False, True)}
@@ -600,18 +598,16 @@ def _measure_few_rows(
         )
         for _ in range(_OPERAND_SETS)
     ]
-    count = [0]
 
     def run(how: str) -> Callable[[], None]:
-        def fn() -> None:
-            a, b, out = sets[count[0] % len(sets)]
-            count[0] += 1
+        def fn(s: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+            a, b, out = s
             if how == "mm":
                 general(a, b, out)
             else:
                 few_rows_mm(a, b, out, how)
 
-        return fn
+        return cycled(sets, fn)
 
     return time_candidates({how: run(how) for how in ("mm", "mv", "swap")})
 
