@@ -801,7 +801,10 @@ class TestNativeFewRowsMM(TestCase):
     @parametrize("layout", ["row", "col", "row_slice", "col_slice"])
     def test_within_the_gemm_bound(self, dtype, layout):
         g = torch.Generator().manual_seed(11)
-        for sizes, k, n in (([2, 0, 5, 1], 37, 70), ([9, 4], 64, 128), ([1, 1, 0, 3], 8, 5)):
+        cases = (([2, 0, 5, 1], 37, 70), ([9, 4], 64, 128), ([1, 1, 0, 3], 8, 5))
+        # one- and two-row groups over whole vectors and a tail (the column stream form)
+        cases += (([1, 2, 0, 3], 200, 70),)
+        for sizes, k, n in cases:
             offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
             x = torch.randn(int(offs[-1]) + 2, k, generator=g).to(dtype)  # 2 rows past
             w = _few_weight(len(sizes), k, n, dtype, layout, g)
@@ -824,6 +827,20 @@ class TestNativeFewRowsMM(TestCase):
         finally:
             torch.set_num_threads(threads)
         self.assertTrue(torch.equal(one.view(torch.int16), two.view(torch.int16)))
+
+    @parametrize("dtype", [BF16, F32])
+    def test_columns_by_themselves(self, dtype):
+        # a column-major weight's columns are read in blocks drawn from runs of columns
+        # that depend on the width: any slice of the columns gives the same bits
+        g = torch.Generator().manual_seed(5)
+        offs = torch.tensor([1, 3, 3, 7], dtype=torch.int32)
+        x = torch.randn(7, 80, generator=g).to(dtype)
+        w = _few_weight(4, 80, 203, dtype, "col", g)
+        whole = _few_mm(x, w, offs)
+        for a, b in ((0, 203), (1, 200), (7, 9), (50, 203), (3, 4)):
+            part = _few_mm(x, w[:, :, a:b], offs)
+            with self.subTest(columns=(a, b)):
+                self.assertTrue(torch.equal(part, whole[:, a:b]))
 
     def test_no_rows(self):
         offs = torch.zeros(3, dtype=torch.int32)

@@ -12,9 +12,10 @@
 // with w[g] row-major (rows of N contiguous: register blocks of 4 rows x 4 vectors of
 // columns, k in panels of ~32 KB of weight rows, which stay in L2 while every column
 // block passes over them) or column-major (columns contiguous over K: dot products of 4
-// rows x 4 columns, reduced at the end; on CPUs with AVX512-BF16 by vdpbf16ps, which
-// sums pairs of exact bf16 products in fp32). Math in fp32, one rounding into the output
-// dtype (float, bfloat16, half). The sums run in a fixed order for any thread count
+// rows x 4 columns, the 4 columns drawn from 4 runs of columns so that each weight load
+// walks one run front to back, reduced at the end; on CPUs with AVX512-BF16 by
+// vdpbf16ps, which sums pairs of exact bf16 products in fp32). Math in fp32, one rounding
+// into the output dtype (float, bfloat16, half). The sums run in a fixed order for any thread count
 // (each output element belongs to one task: a group's column block), so results are
 // deterministic; they are not ATen's bits (its blocking orders the sums otherwise),
 // which is why the probe's choice, not a constant, says where this runs. Rows at or past
@@ -145,42 +146,86 @@ void nn_block(const float* xf, int64_t m, int64_t K, const T* w, int64_t ldw, in
   }
 }
 
-// out[r, n] = dot(x[r, :], w[n, :]) for a column-major weight (its column n contiguous
-// over K: w[n * ldw + k]); columns [n0, n1), rows and columns in blocks of kRows; the
-// weight's elements converted in registers, kCols vectors of K per step.
+// The column-major forms' blocks of kRows columns: block j of [n0, n1) takes column j of
+// each of kRows equal runs of consecutive columns (then the few left over, together), so
+// that each of the block's kRows weight loads walks one run of columns front to back, a
+// stream the hardware prefetchers follow across columns. A block of kRows neighbouring
+// columns instead starts kRows streams, each a column long, at every block, which the
+// prefetchers barely follow where columns are short (benchmarks/results/cpu_floor_cpu_202612.md,
+// twenty-sixth session). Which block a column falls in changes no sum: each output
+// element is one dot product in k order.
+inline int64_t column_runs(int64_t n0, int64_t n1) { return (n1 - n0) / kRows; }  // run length
+
+inline int64_t column_blocks(int64_t n0, int64_t n1) {
+  const int64_t run = column_runs(n0, n1);
+  return run + (n0 + run * kRows < n1 ? 1 : 0);
+}
+
+// Block blk's columns into col[kRows] (a last, partial block repeats its last column);
+// returns how many are distinct. Inlined where col is a block's local array, so that the
+// compiler keeps the columns in registers (an array living across the blocks halved the
+// rate at 16 rows).
+__attribute__((always_inline)) inline int block_columns(int64_t n0, int64_t n1, int64_t blk,
+                                                        int64_t* col) {
+  const int64_t run = column_runs(n0, n1);
+  if (blk < run) {
+    for (int b = 0; b < kRows; ++b) col[b] = n0 + b * run + blk;
+    return kRows;
+  }
+  const int64_t first = n0 + run * kRows;
+  const int cols = static_cast<int>(n1 - first);
+  for (int b = 0; b < kRows; ++b) col[b] = first + std::min(b, cols - 1);
+  return cols;
+}
+
+// out[r, n] = dot(x[r, :], w[n, :]) for R rows of x (fp32) and the columns col[0..cols)
+// of a column-major weight (its column n contiguous over K: w[n * ldw + k]), the weight's
+// elements converted in registers, kCols vectors of K per step. R is a template argument
+// so that the R x kRows accumulators stay in registers (with a run-time row count the
+// compiler kept some on the stack: loads and stores every step).
+template <int R, typename T>
+void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t* col, int cols,
+             T* out, int64_t ldo) {
+  constexpr int64_t kW = kCols * kV;
+  const int64_t kb = K / kW * kW;
+  fVec c[R][kRows];
+  for (int a = 0; a < R; ++a)
+    for (int b = 0; b < kRows; ++b) c[a][b] = fVec(0.0f);
+  for (int64_t k = 0; k < kb; k += kW) {
+    fVec wv[kRows][kCols];
+    for (int b = 0; b < kRows; ++b) load_cols(w + col[b] * ldw + k, wv[b]);
+    for (int a = 0; a < R; ++a) {
+      for (int j = 0; j < kCols; ++j) {
+        const fVec xv = fVec::loadu(xf + a * K + k + j * kV);
+        for (int b = 0; b < kRows; ++b) c[a][b] = at::vec::fmadd(xv, wv[b][j], c[a][b]);
+      }
+    }
+  }
+  for (int a = 0; a < R; ++a) {
+    for (int b = 0; b < cols; ++b) {
+      float s = at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; }, c[a][b]);
+      for (int64_t k = kb; k < K; ++k) s += xf[a * K + k] * static_cast<float>(w[col[b] * ldw + k]);
+      out[a * ldo + col[b]] = static_cast<T>(s);  // round to nearest even, as a tensor copy
+    }
+  }
+}
+
+// The column-major form: out[r, n] for r < m rows of x (fp32 [m, K]) and columns [n0, n1)
+// in the blocks of block_columns, rows in tiles of up to kRows.
 template <typename T>
 void nt_block(const float* xf, int64_t m, int64_t K, const T* w, int64_t ldw, int64_t n0,
               int64_t n1, T* out, int64_t ldo) {
-  constexpr int64_t kW = kCols * kV;
-  const int64_t kb = K / kW * kW;
-  float res[kRows][kRows];
-  for (int64_t n = n0; n < n1; n += kRows) {
-    const int cols = static_cast<int>(std::min<int64_t>(kRows, n1 - n));
+  for (int64_t blk = 0, blocks = column_blocks(n0, n1); blk < blocks; ++blk) {
+    int64_t col[kRows];
+    const int cols = block_columns(n0, n1, blk, col);
     for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i0));
-      fVec c[kRows][kRows];
-      for (int a = 0; a < kRows; ++a)
-        for (int b = 0; b < kRows; ++b) c[a][b] = fVec(0.0f);
-      for (int64_t k = 0; k < kb; k += kW) {
-        fVec wv[kRows][kCols];
-        for (int b = 0; b < kRows; ++b) load_cols(w + (n + std::min(b, cols - 1)) * ldw + k, wv[b]);
-        for (int a = 0; a < kRows; ++a) {  // constant bounds: c stays in registers
-          if (a >= rows) break;
-          for (int j = 0; j < kCols; ++j) {
-            const fVec xv = fVec::loadu(xf + (i0 + a) * K + k + j * kV);
-            for (int b = 0; b < kRows; ++b) c[a][b] = at::vec::fmadd(xv, wv[b][j], c[a][b]);
-          }
-        }
-      }
-      for (int a = 0; a < rows; ++a) {
-        for (int b = 0; b < cols; ++b) {
-          float s = at::vec::vec_reduce_all<float>(
-              [](fVec& u, fVec& v) { return u + v; }, c[a][b]);
-          for (int64_t k = kb; k < K; ++k)
-            s += xf[(i0 + a) * K + k] * static_cast<float>(w[(n + b) * ldw + k]);
-          res[a][b] = s;
-        }
-        from_float(res[a], out + (i0 + a) * ldo + n, cols);
+      const float* x = xf + i0 * K;
+      T* o = out + i0 * ldo;
+      switch (std::min<int64_t>(kRows, m - i0)) {
+        case 1: nt_tile<1>(x, K, w, ldw, col, cols, o, ldo); break;
+        case 2: nt_tile<2>(x, K, w, ldw, col, cols, o, ldo); break;
+        case 3: nt_tile<3>(x, K, w, ldw, col, cols, o, ldo); break;
+        default: nt_tile<4>(x, K, w, ldw, col, cols, o, ldo);
       }
     }
   }
@@ -195,38 +240,49 @@ bool has_avx512_bf16() {
   return yes;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_block_dpbf16(
-    const c10::BFloat16* x, int64_t m, int64_t K, const c10::BFloat16* w, int64_t ldw,
-    int64_t n0, int64_t n1, c10::BFloat16* out, int64_t ldo) {
+// nt_tile for bf16 by vdpbf16ps
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpbf16(
+    const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t ldw, const int64_t* col,
+    int cols, c10::BFloat16* out, int64_t ldo) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
   const int64_t kb = K / 32 * 32;
-  float res[kRows][kRows];
-  for (int64_t n = n0; n < n1; n += kRows) {
-    const int cols = static_cast<int>(std::min<int64_t>(kRows, n1 - n));
+  __m512 c[R][kRows];
+  for (int a = 0; a < R; ++a)
+    for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kb; k += 32) {
+    __m512bh wv[kRows];
+    for (int b = 0; b < kRows; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wp + col[b] * ldw + k);
+    for (int a = 0; a < R; ++a) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + a * K + k);
+      for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_dpbf16_ps(c[a][b], xv, wv[b]);
+    }
+  }
+  for (int a = 0; a < R; ++a) {
+    for (int b = 0; b < cols; ++b) {
+      float s = _mm512_reduce_add_ps(c[a][b]);
+      for (int64_t k = kb; k < K; ++k)
+        s += static_cast<float>(x[a * K + k]) * static_cast<float>(w[col[b] * ldw + k]);
+      out[a * ldo + col[b]] = c10::BFloat16(s);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_block_dpbf16(
+    const c10::BFloat16* x, int64_t m, int64_t K, const c10::BFloat16* w, int64_t ldw,
+    int64_t n0, int64_t n1, c10::BFloat16* out, int64_t ldo) {
+  for (int64_t blk = 0, blocks = column_blocks(n0, n1); blk < blocks; ++blk) {
+    int64_t col[kRows];
+    const int cols = block_columns(n0, n1, blk, col);
     for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i0));
-      __m512 c[kRows][kRows];
-      for (int a = 0; a < kRows; ++a)
-        for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < kb; k += 32) {
-        __m512bh wv[kRows];
-        for (int b = 0; b < kRows; ++b)
-          wv[b] = (__m512bh)_mm512_loadu_si512(wp + (n + std::min(b, cols - 1)) * ldw + k);
-        for (int a = 0; a < kRows; ++a) {
-          if (a >= rows) break;
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + (i0 + a) * K + k);
-          for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_dpbf16_ps(c[a][b], xv, wv[b]);
-        }
-      }
-      for (int a = 0; a < rows; ++a) {
-        for (int b = 0; b < cols; ++b) {
-          float s = _mm512_reduce_add_ps(c[a][b]);
-          for (int64_t k = kb; k < K; ++k)
-            s += static_cast<float>(x[(i0 + a) * K + k]) * static_cast<float>(w[(n + b) * ldw + k]);
-          res[a][b] = s;
-        }
-        from_float(res[a], out + (i0 + a) * ldo + n, cols);
+      const c10::BFloat16* xr = x + i0 * K;
+      c10::BFloat16* o = out + i0 * ldo;
+      switch (std::min<int64_t>(kRows, m - i0)) {
+        case 1: nt_tile_dpbf16<1>(xr, K, w, ldw, col, cols, o, ldo); break;
+        case 2: nt_tile_dpbf16<2>(xr, K, w, ldw, col, cols, o, ldo); break;
+        case 3: nt_tile_dpbf16<3>(xr, K, w, ldw, col, cols, o, ldo); break;
+        default: nt_tile_dpbf16<4>(xr, K, w, ldw, col, cols, o, ldo);
       }
     }
   }
@@ -243,7 +299,15 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
   const T* wp = w.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   // tasks: (group, column block); each task owns its output elements
-  const int64_t cols_per_task = row_major ? N : 64;
+  // column-major: 256 columns per task (runs of 64 in its blocks), fewer where that
+  // leaves under four tasks per thread
+  int64_t cols_per_task = N;
+  if (!row_major) {
+    cols_per_task = 256;
+    const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+    while (cols_per_task > 64 && groups * ((N + cols_per_task - 1) / cols_per_task) < want)
+      cols_per_task /= 2;
+  }
   const int64_t col_tasks = (N + cols_per_task - 1) / cols_per_task;
   std::vector<int64_t> starts(groups + 1, 0);
   for (int64_t g = 0; g < groups; ++g) starts[g + 1] = ends[g];
