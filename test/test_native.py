@@ -842,6 +842,27 @@ class TestNativeFewRowsMM(TestCase):
             with self.subTest(columns=(a, b)):
                 self.assertTrue(torch.equal(part, whole[:, a:b]))
 
+    @parametrize("dtype", [BF16, F32])
+    @parametrize("layout", ["row", "col"])
+    def test_a_row_whatever_its_group(self, dtype, layout):
+        # groups of 1-4 rows and larger ones take different loops (row tiles, the row-major
+        # form's stream of weight rows): a row's sums run in one order all the same, so
+        # the same row against the same weight gives the same bits in a group of any size
+        g = torch.Generator().manual_seed(8)
+        k, n = 150, 90
+        if layout == "row":
+            w = torch.randn(1, k, n, generator=g).to(dtype).expand(2, k, n).contiguous()
+        else:
+            w = torch.randn(1, n, k, generator=g).to(dtype).expand(2, n, k).contiguous()
+            w = w.transpose(-2, -1)
+        big = torch.randn(9, k, generator=g).to(dtype)
+        for rows in (1, 2, 3, 4, 5, 8):
+            x = torch.cat([big[:rows], big])
+            offs = torch.tensor([rows, rows + 9], dtype=torch.int32)
+            got = _few_mm(x, w, offs)
+            with self.subTest(rows=rows):
+                self.assertTrue(torch.equal(got[:rows], got[rows : 2 * rows]))
+
     def test_no_rows(self):
         offs = torch.zeros(3, dtype=torch.int32)
         got = _few_mm(torch.randn(0, 16).to(BF16), torch.randn(3, 16, 8).to(BF16), offs)

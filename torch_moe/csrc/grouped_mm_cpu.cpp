@@ -35,6 +35,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -103,47 +104,93 @@ inline void from_float(const float* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);  // round to nearest even, as a tensor copy
 }
 
+// One panel's part of nn_block for R rows (a template argument: the R x kCols
+// accumulators stay in registers): acc[a * width + n] += x[a, k] * w[k, n0 + n] over k in
+// [k0, k1), columns in register blocks of kCols vectors, the last ones scalar.
+template <int R, typename T>
+void nn_panel(const float* xf, int64_t K, const T* w, int64_t ldw, int64_t n0, int64_t width,
+              int64_t k0, int64_t k1, float* acc) {
+  constexpr int64_t kW = kCols * kV;
+  int64_t n = 0;
+  for (; n + kW <= width; n += kW) {
+    fVec c[R][kCols];
+    for (int a = 0; a < R; ++a)
+      for (int j = 0; j < kCols; ++j) c[a][j] = fVec::loadu(acc + a * width + n + j * kV);
+    for (int64_t k = k0; k < k1; ++k) {
+      fVec wv[kCols];
+      load_cols(w + k * ldw + n0 + n, wv);
+      for (int a = 0; a < R; ++a) {
+        const fVec xv(xf[a * K + k]);
+        for (int j = 0; j < kCols; ++j) c[a][j] = at::vec::fmadd(xv, wv[j], c[a][j]);
+      }
+    }
+    for (int a = 0; a < R; ++a)
+      for (int j = 0; j < kCols; ++j) c[a][j].store(acc + a * width + n + j * kV);
+  }
+  for (; n < width; ++n) {  // the last columns (fewer than a block), one fma per product
+    for (int a = 0; a < R; ++a) {  // as in the vector lanes
+      float s = acc[a * width + n];
+      for (int64_t k = k0; k < k1; ++k)
+        s = std::fma(xf[a * K + k], static_cast<float>(w[k * ldw + n0 + n]), s);
+      acc[a * width + n] = s;
+    }
+  }
+}
+
 // out[r, n] for r < m rows of x (fp32 [m, K]) and a row-major weight w [K, N] (row
-// stride ldw); columns [n0, n1) in register blocks of kCols vectors, k in panels.
+// stride ldw), columns [n0, n1): k in panels of ~kPanel bytes of weight rows, outermost,
+// so that each panel is read from memory once and stays in L2 while every tile of kRows
+// rows passes over it; the sums in acc (m x width floats).
 template <typename T>
 void nn_block(const float* xf, int64_t m, int64_t K, const T* w, int64_t ldw, int64_t n0,
               int64_t n1, T* out, int64_t ldo, float* acc) {
-  constexpr int64_t kW = kCols * kV;
   const int64_t width = n1 - n0;
   const int64_t panel = std::max<int64_t>(4, kPanel / std::max<int64_t>(1, width * sizeof(T)));
-  for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i0));
-    std::fill(acc, acc + kRows * width, 0.0f);
-    for (int64_t k0 = 0; k0 < K; k0 += panel) {
-      const int64_t k1 = std::min(K, k0 + panel);
-      int64_t n = 0;
-      for (; n + kW <= width; n += kW) {
-        fVec c[kRows][kCols];
-        for (int a = 0; a < kRows; ++a)
-          for (int j = 0; j < kCols; ++j) c[a][j] = fVec::loadu(acc + a * width + n + j * kV);
-        for (int64_t k = k0; k < k1; ++k) {
-          fVec wv[kCols];
-          load_cols(w + k * ldw + n0 + n, wv);
-          for (int a = 0; a < kRows; ++a) {  // a constant bound: c stays in registers
-            if (a >= rows) break;
-            const fVec xv(xf[(i0 + a) * K + k]);
-            for (int j = 0; j < kCols; ++j) c[a][j] = at::vec::fmadd(xv, wv[j], c[a][j]);
-          }
-        }
-        for (int a = 0; a < kRows; ++a)
-          for (int j = 0; j < kCols; ++j) c[a][j].store(acc + a * width + n + j * kV);
-      }
-      for (; n < width; ++n) {  // the last columns (fewer than a block), scalar
-        for (int a = 0; a < rows; ++a) {
-          float s = acc[a * width + n];
-          for (int64_t k = k0; k < k1; ++k)
-            s += xf[(i0 + a) * K + k] * static_cast<float>(w[k * ldw + n0 + n]);
-          acc[a * width + n] = s;
-        }
+  std::fill(acc, acc + m * width, 0.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += panel) {
+    const int64_t k1 = std::min(K, k0 + panel);
+    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+      const float* x = xf + i0 * K;
+      float* c = acc + i0 * width;
+      switch (std::min<int64_t>(kRows, m - i0)) {
+        case 1: nn_panel<1>(x, K, w, ldw, n0, width, k0, k1, c); break;
+        case 2: nn_panel<2>(x, K, w, ldw, n0, width, k0, k1, c); break;
+        case 3: nn_panel<3>(x, K, w, ldw, n0, width, k0, k1, c); break;
+        default: nn_panel<4>(x, K, w, ldw, n0, width, k0, k1, c);
       }
     }
-    for (int a = 0; a < rows; ++a) from_float(acc + a * width, out + (i0 + a) * ldo + n0, width);
   }
+  for (int64_t a = 0; a < m; ++a) from_float(acc + a * width, out + a * ldo + n0, width);
+}
+
+// The row-major form for a group of one row: the weight's rows in order, each passing
+// over all of the columns and adding its products to fp32 sums in acc (width floats, in
+// L1), so that the weight is read front to back as one stream. nn_block's register blocks
+// instead walk down a panel's rows 128 bytes at a time, a short stream per row (at two or
+// more rows the sums' loads and stores here cost more than that). Per element the
+// products are added in k order, one fmadd each, as nn_block does: the same bits (a test
+// checks it).
+template <typename T>
+void nn_row(const float* xf, int64_t K, const T* w, int64_t ldw, int64_t n0, int64_t width,
+            T* out, float* acc) {
+  constexpr int64_t kW = kCols * kV;
+  const int64_t wb = width / kW * kW;
+  std::fill(acc, acc + width, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    const fVec xv(xf[k]);
+    for (int64_t n = 0; n < wb; n += kW) {
+      fVec wv[kCols];
+      load_cols(w + k * ldw + n0 + n, wv);
+      for (int j = 0; j < kCols; ++j)
+        at::vec::fmadd(xv, wv[j], fVec::loadu(acc + n + j * kV)).store(acc + n + j * kV);
+    }
+  }
+  for (int64_t n = wb; n < width; ++n) {  // the last columns (fewer than a block), one fma
+    float s = 0.0f;                       // per product as in the vector lanes
+    for (int64_t k = 0; k < K; ++k) s = std::fma(xf[k], static_cast<float>(w[k * ldw + n0 + n]), s);
+    acc[n] = s;
+  }
+  from_float(acc, out + n0, width);
 }
 
 // The column-major forms' blocks of kRows columns: block j of [n0, n1) takes column j of
@@ -326,8 +373,12 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
       const int64_t n0 = c * cols_per_task, n1 = std::min(N, n0 + cols_per_task);
       const T* wg = wp + g * w.stride(0);
       if (row_major) {
-        scratch.resize(kRows * (n1 - n0));
-        nn_block(xf.data(), m, K, wg, ldw, n0, n1, op + r0 * N, N, scratch.data());
+        scratch.resize(m * (n1 - n0));
+        if (m == 1) {
+          nn_row(xf.data(), K, wg, ldw, n0, n1 - n0, op + r0 * N, scratch.data());
+        } else {
+          nn_block(xf.data(), m, K, wg, ldw, n0, n1, op + r0 * N, N, scratch.data());
+        }
       } else {
 #if defined(CPU_CAPABILITY_AVX512)
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
