@@ -549,7 +549,9 @@ class TestForcedDecisions(TestCase):
     )
     @parametrize("gather", [False, True])
     @parametrize("path", ["loop", "whole"])  # whole: taken where half_gemm is native
-    def test_grouped_swiglu(self, half_gemm, paths, gather, path):
+    # native: the few-rows kernel, which also takes an upcasting CPU to the whole path
+    @parametrize("few_gemm", ["aten", "native"])
+    def test_grouped_swiglu(self, half_gemm, paths, gather, path, few_gemm):
         act_chunk, few_rows, wgrad_a = paths
         dtype = torch.bfloat16
         offs = _offs([5, 0, 19, 4])  # groups under and over FEW_ROWS rows
@@ -563,7 +565,7 @@ class TestForcedDecisions(TestCase):
         grad_y = torch.randn(m, dim, dtype=dtype)
         op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
         forced = dict(half_gemm=half_gemm, act_chunk=act_chunk, few_rows=few_rows, layout="as_is")
-        forced.update(swiglu_path=path, wgrad_a=wgrad_a)
+        forced.update(swiglu_path=path, wgrad_a=wgrad_a, few_gemm=few_gemm)
         copy = unittest.mock.patch.object(
             grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
         )
@@ -573,7 +575,16 @@ class TestForcedDecisions(TestCase):
             )
             for f in ("_forward_whole", "_backward_whole")
         ]
-        with P.force(**forced), whole[0] as fwd_whole, whole[1] as bwd_whole, copy as copied:
+        few_kernel = unittest.mock.patch.object(
+            grouped_mm_module, "_few_rows_mm", wraps=grouped_mm_module._few_rows_mm
+        )
+        with (
+            P.force(**forced),
+            whole[0] as fwd_whole,
+            whole[1] as bwd_whole,
+            copy as copied,
+            few_kernel as few,
+        ):
             if gather:
                 y, h = op(tokens, w13, w2, offs, rw, index)
                 dx, dw13, dw2, drw = bwd(grad_y, None, tokens, h, w13, w2, offs, rw, index)
@@ -600,9 +611,12 @@ class TestForcedDecisions(TestCase):
             tolerances.assert_rounding_level(self, got, want[name], emulated[name], msg=name)
         self.assertTrue((dx[28:] == 0).all())
         self.assertEqual(drw.dtype, torch.float32)
-        # the whole-tensor path runs exactly where forced and the GEMMs are native
-        taken = path == "whole" and half_gemm == "native"
+        # the whole-tensor path runs exactly where forced and the GEMMs are native, or
+        # where they upcast and the few-rows kernel takes every GEMM of x @ w; there the
+        # kernel runs
+        taken = path == "whole" if half_gemm == "native" else few_gemm == "native"
         self.assertEqual((fwd_whole.called, bwd_whole.called), (taken, taken))
+        self.assertEqual(few.called, taken and few_gemm == "native")
         # the weight gradients' operands are copied exactly where forced and native: both
         # (dY for dW2, dH for dW13) on either path
         copies = copied.call_count

@@ -475,24 +475,36 @@ _FEW_GEMM_GROUPS = (8, 32)  # the probe's groups, clamped: its cost grows with t
 
 
 def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
-    """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: a half dtype
-    on CPU tensors, ``x`` contiguous, ``w`` row- or column-major per group, at most
-    ``_FEW_GEMM_ROWS`` rows per busy group, the kernel built, and the probe's
-    ``few_gemm`` (per dtype, weight layout, rows and busy groups: powers of two, the
-    groups clamped to 8-32) measured it faster. Memoized on what it reads."""
-    if not ends or ends[-1] == 0 or x.dtype not in _FEW_GEMM_DTYPES or w.dtype != x.dtype:
+    """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: CPU tensors,
+    ``x`` contiguous, and :func:`few_gemm_weight` for ``w``."""
+    if x.device.type != "cpu" or not x.is_contiguous() or x.dtype != w.dtype:
         return False
-    busy = _busy_groups(ends)
-    rows = -(-ends[-1] // busy)
-    if rows > _FEW_GEMM_ROWS or x.device.type != "cpu" or not x.is_contiguous():
+    return few_gemm_weight(w, ends)
+
+
+def few_gemm_weight(w: Tensor, ends: list[int]) -> bool:
+    """Whether the native few-rows kernel multiplies rows of ``w``'s dtype in these groups
+    by ``w`` [E, K, N]: a half dtype, ``w`` row- or column-major per group, at most
+    ``_FEW_GEMM_ROWS`` rows per busy group, and :func:`few_gemm_class`."""
+    if not ends or ends[-1] == 0 or w.dtype not in _FEW_GEMM_DTYPES:
         return False
     if w.stride(2) != 1 and w.stride(1) != 1:
         return False
-    col_major = w.stride(2) != 1
+    busy = _busy_groups(ends)
+    return few_gemm_class(w.dtype, w.stride(2) != 1, -(-ends[-1] // busy), busy)
+
+
+def few_gemm_class(dtype: torch.dtype, col_major: bool, rows: int, busy: int) -> bool:
+    """The few-rows kernel's decision for ``busy`` groups of about ``rows`` rows of a half
+    dtype and a weight of this layout: the kernel built, at most ``_FEW_GEMM_ROWS`` rows,
+    and the probe's ``few_gemm`` (per dtype, weight layout, rows and busy groups: powers of
+    two, the groups clamped to 8-32) measured it faster. Memoized on what it reads."""
+    if rows > _FEW_GEMM_ROWS or rows < 1 or dtype not in _FEW_GEMM_DTYPES:
+        return False
     pow2 = _cpu_probe._pow2_at_least
     rows, groups = pow2(rows), min(max(pow2(busy), _FEW_GEMM_GROUPS[0]), _FEW_GEMM_GROUPS[1])
-    key = ("few_gemm", x.dtype, col_major, rows, groups, _native.enabled())
-    return _cpu_probe.memo(key, lambda: _decide_few_gemm(x.dtype, col_major, rows, groups))
+    key = ("few_gemm", dtype, col_major, rows, groups, _native.enabled())
+    return _cpu_probe.memo(key, lambda: _decide_few_gemm(dtype, col_major, rows, groups))
 
 
 def _decide_few_gemm(dtype: torch.dtype, col_major: bool, rows: int, groups: int) -> bool:

@@ -51,6 +51,7 @@ from torch_moe._ops.grouped_mm import (
     _whole_grouped_mm,
     check_offs_values,
     cpu_compute_dtype,
+    few_gemm_class,
     grouped_mm,
     grouped_mm_wgrad,
     mm_cpu,
@@ -582,22 +583,56 @@ def _group_sizes(ends: list[int]) -> list[int]:
     return [end - start for start, end in zip([0, *ends[:-1]], ends)]
 
 
-def _whole_path(dtype: torch.dtype, busy_groups: int, rows: int) -> bool:
-    """Whether the CPU kernels take the whole-tensor path (``_cpu_probe.swiglu_path``) for
-    ``busy_groups`` non-empty groups of about ``rows`` rows: only where the CPU multiplies
-    the dtype natively (no per-group conversion to save) and for two or more groups."""
-    if cpu_compute_dtype(dtype) != dtype or busy_groups < 2:
+# whether the weights of the GEMMs x @ w13^T, a @ w2^T, dY @ w2 and dH @ w13 are
+# column-major per group, for MoE's own [E, 2F, D] / [E, D, F] experts
+MOE_LAYOUT = (True, True, False, False)
+
+
+def _whole_path(
+    dtype: torch.dtype,
+    busy_groups: int,
+    rows: int,
+    col_major: tuple[bool | None, ...] = MOE_LAYOUT,
+) -> bool:
+    """Whether the CPU kernels take the whole-tensor path for ``busy_groups`` non-empty
+    groups of about ``rows`` rows, the weights of the four GEMMs of x @ w column-major per
+    group where ``col_major`` says True, row-major where False, neither where None (see
+    ``MOE_LAYOUT``). Where the CPU multiplies the dtype natively: for two or more groups,
+    as ``_cpu_probe.swiglu_path`` measured. Where it upcasts half GEMMs to fp32: where each
+    of the four GEMMs takes the native few-rows kernel (``few_gemm_class``), which
+    converts the weights in registers, where the loop would convert each group's whole
+    weights to fp32."""
+    if cpu_compute_dtype(dtype) != dtype:
+        return (
+            busy_groups > 0
+            and None not in col_major
+            and all(few_gemm_class(dtype, bool(cm), rows, busy_groups) for cm in set(col_major))
+        )
+    if busy_groups < 2:
         return False
     return _cpu_probe.swiglu_path(dtype, rows, functools.partial(_measure_path, dtype)) == "whole"
 
 
-def _whole_path_for(dtype: torch.dtype, ends: list[int]) -> bool:
-    """``_whole_path`` for these group ends (validated), at the mean rows of the non-empty
-    groups; memoized (the kernels ask per call)."""
+def _col_major(w: Tensor) -> bool | None:
+    """Whether ``w`` [E, K, N] is column-major per group (True), row-major (False) or
+    neither (None)."""
+    return False if w.stride(2) == 1 else (True if w.stride(1) == 1 else None)
+
+
+def _whole_path_for(w13: Tensor, w2: Tensor, ends: list[int]) -> bool:
+    """``_whole_path`` for these weights and group ends (validated), at the mean rows of
+    the non-empty groups; memoized (the kernels ask per call)."""
     busy = _busy_groups(ends)
     rows = -(-ends[-1] // busy) if busy else 0
+    col_major = (
+        _col_major(w13.transpose(-2, -1)),
+        _col_major(w2.transpose(-2, -1)),
+        _col_major(w2),
+        _col_major(w13),
+    )
     return _cpu_probe.memo(
-        ("swiglu_whole", dtype, busy, rows), lambda: _whole_path(dtype, busy, rows)
+        ("swiglu_whole", w13.dtype, busy, rows, col_major),
+        lambda: _whole_path(w13.dtype, busy, rows, col_major),
     )
 
 
@@ -719,7 +754,7 @@ def _grouped_swiglu_checked(
     gather_index: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """``_grouped_swiglu_cpu`` past its checks (the group ends read)."""
-    forward = _forward_whole if _whole_path_for(w13.dtype, ends) else _forward_loop
+    forward = _forward_whole if _whole_path_for(w13, w2, ends) else _forward_loop
     with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
         return forward(x, w13, w2, offs, ends, row_weights, gather_index)
 
@@ -785,7 +820,7 @@ def _grouped_swiglu_backward_cpu(
     gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
-    backward = _backward_whole if _whole_path_for(w13.dtype, ends) else _backward_loop
+    backward = _backward_whole if _whole_path_for(w13, w2, ends) else _backward_loop
     with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
         return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
 
@@ -1099,7 +1134,7 @@ def _decide_lean(
     x: Tensor, w13: Tensor, w2: Tensor, ends: list[int], rows: int
 ) -> _LeanPlan | None:
     dt = w13.dtype
-    if not ends or ends[-1] == 0 or not _whole_path_for(dt, ends):
+    if not ends or ends[-1] == 0 or not _whole_path_for(w13, w2, ends):
         return None
     if _native_combine(dt, False) is None or _native_combine(x.dtype, False) is None:
         return None
