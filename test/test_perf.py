@@ -528,6 +528,39 @@ class TestMemory(TestCase):
             measured, predicted = _measured_and_predicted_peak(1024, 64, 512, 4, 2)
         self.assertLess(abs(predicted / measured - 1), 0.03, msg=f"{predicted} vs {measured}")
 
+    @parametrize("few_gemm", ["aten", "native"])
+    @parametrize("shape", [(64, 256, 512, 8, 2), (32, 512, 256, 16, 2)])
+    def test_peak_memory_where_half_gemms_upcast(self, few_gemm, shape):
+        # a CPU that upcasts bf16 GEMMs, at a few rows per expert: the loop path, each
+        # group's GEMMs converting their operands to fp32, or (the few-rows kernel taking
+        # every GEMM of x @ w) the whole path, whose weight gradients alone convert (the
+        # model counted the loop's conversions there too: 4-8% under)
+        forced = dict(half_gemm="fp32", few_gemm=few_gemm, act_chunk="32768", layout="as_is")
+        with _cpu_probe.force(**forced, few_rows="mm"):
+            measured, predicted = _measured_and_predicted_peak(*shape)
+        tol = 0.02 if few_gemm == "native" and _native.available() else 0.05  # else loop
+        self.assertLess(abs(predicted / measured - 1), tol, msg=f"{predicted} vs {measured}")
+
+    @parametrize("few_gemm", ["aten", "native"])
+    def test_inference_peak_memory_where_half_gemms_upcast(self, few_gemm):
+        # decode-sized inference on a CPU that upcasts bf16 GEMMs: the loop path converts
+        # each group's weights to fp32, the whole path's few-rows kernel converts nothing
+        # (the model counted a weight's conversion there: ~30x over)
+        T, D, Fh, E, K = 16, 256, 256, 16, 2
+        torch.manual_seed(0)
+        moe = MoE(D, Fh, E, K, dtype=torch.bfloat16).eval()
+        x = torch.randn(T, D, dtype=torch.bfloat16)
+        with torch.no_grad():
+            groups = [float(v) for v in moe.router(x)[2].tolist()]
+        forced = dict(half_gemm="fp32", few_gemm=few_gemm, layout="as_is", few_rows="mm")
+        with _cpu_probe.force(**forced, act_chunk="32768"), torch.inference_mode():
+            moe(x)
+            measured = _peak_allocated(lambda: moe(x))
+            w = MoEWorkload(T, D, Fh, E, K, backward=False)
+            m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
+        predicted = m["peak"] - m["weights"] - T * D * 2
+        self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
+
     def test_peak_memory_with_the_weight_gradients_copies(self):
         # the whole path's weight gradients with their first operand as it is and copied
         # row-major (dH [M, 2F] live twice): both within 3%, and the copy's ~2 MiB seen by

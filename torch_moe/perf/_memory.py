@@ -406,17 +406,20 @@ def _inference_bytes(
     before the routed experts) to the final sum."""
     T, D, F, E, K = w.tokens, w.dim, w.hidden_dim, w.num_experts, w.top_k
     b = w.element_size
-    r = min(m if not _swiglu_whole(w, groups) else M, _act_chunk_rows(w, threads))
+    whole = _swiglu_whole(w, groups)
+    r = min(m if not whole else M, _act_chunk_rows(w, threads))
     fp32 = _act_fp32_bytes(w, r, backward=False)  # one chunk's fp32 copy of h (ATen ops)
     # the logits, the routing's ids and weights, its row maps, the token index and the
     # rows' weights: held by the layer's forward until it returns
     maps = T * E * 4 + M * (8 + 8 + 4) + T * K * (8 + 8 + 4) + E * 4
     router = T * D * 4 + T * E * 4
-    # where the GEMMs upcast (c != b), each group's GEMM converts its operands (the rows
-    # and the expert's weight) and computes its product in c
-    up1 = m * (D + 2 * F) * c + 2 * F * D * c if c != b else 0.0
-    up2 = m * (F + D) * c + F * D * c if c != b else 0.0
-    if _swiglu_whole(w, groups):
+    # where the GEMMs upcast (c != b), each group's GEMM on the loop path converts its
+    # operands (the rows and the expert's weight) and computes its product in c; the
+    # whole path, taken there only where the native few-rows kernel runs the GEMMs,
+    # converts in registers
+    up1 = m * (D + 2 * F) * c + 2 * F * D * c if c != b and not whole else 0.0
+    up2 = m * (F + D) * c + F * D * c if c != b and not whole else 0.0
+    if whole:
         experts = max(
             M * (D + 2 * F) * b + up1,  # the first GEMM: the gathered rows and h
             M * 3 * F * b + fp32,  # the activation: h, A and one chunk
@@ -554,8 +557,13 @@ def memory(
         # dW2 with A and dH live; then (A freed) dW13 with the input rows [M, D] gathered
         # again where the experts gather from the tokens; then (those freed) dX
         gather = Mc * D * b if _gathered(w) else 0.0
-        dw2 = 3 * Mc * F * b + copy2
-        dw13 = 2 * Mc * F * b + gather + copy13
+        # where the GEMMs upcast (the whole path's GEMMs of x @ w by the few-rows kernel),
+        # each group's weight gradient converts its two operands and computes its
+        # product [K, N] in c
+        up2 = (m * (D + F) + D * F) * c if c != b else 0.0
+        up13 = (m * (2 * F + D) + 2 * F * D) * c if c != b else 0.0
+        dw2 = 3 * Mc * F * b + copy2 + up2
+        dw13 = 2 * Mc * F * b + gather + copy13 + up13
         dx = 2 * Mc * F * b + Mc * D * b
         gemms = base + with_own + max(dw2, dw13, dx)
         dyn = max(act, gemms, side_phase)
