@@ -35,7 +35,9 @@ key                             choices               margin  used by
 ``few_rows:<dt>:<ab>:m<r>``     **mm**, mv, swap      10%     ``mm_into``, m <= 16 rows
 ``grouped_mm:<dt>:<ab>:<cls>``  **loop**, torch       5%      ``grouped_mm`` (CPU kernels)
 ``few_gemm:<dt>:<b>:r<r>:g<g>`` **aten**, native      10%     ``grouped_mm`` (CPU kernels,
-                                                              <= 32 rows per group)
+                                                              <= 32 rows per group);
+                                                              ``grouped_swiglu``'s path
+                                                              where half GEMMs upcast
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
