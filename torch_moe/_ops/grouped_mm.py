@@ -475,20 +475,12 @@ _FEW_GEMM_GROUPS = (8, 32)  # the probe's groups, clamped: its cost grows with t
 
 
 def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
-    """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: CPU tensors,
-    ``x`` contiguous, and :func:`few_gemm_weight` for ``w``."""
-    if x.device.type != "cpu" or not x.is_contiguous() or x.dtype != w.dtype:
+    """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: CPU tensors of a
+    half dtype, ``x`` contiguous, ``w`` row- or column-major per group, and
+    :func:`few_gemm_class` at the rows per busy group."""
+    if not ends or ends[-1] == 0 or x.dtype != w.dtype or x.device.type != "cpu":
         return False
-    return few_gemm_weight(w, ends)
-
-
-def few_gemm_weight(w: Tensor, ends: list[int]) -> bool:
-    """Whether the native few-rows kernel multiplies rows of ``w``'s dtype in these groups
-    by ``w`` [E, K, N]: a half dtype, ``w`` row- or column-major per group, at most
-    ``_FEW_GEMM_ROWS`` rows per busy group, and :func:`few_gemm_class`."""
-    if not ends or ends[-1] == 0 or w.dtype not in _FEW_GEMM_DTYPES:
-        return False
-    if w.stride(2) != 1 and w.stride(1) != 1:
+    if not x.is_contiguous() or (w.stride(2) != 1 and w.stride(1) != 1):
         return False
     busy = _busy_groups(ends)
     return few_gemm_class(w.dtype, w.stride(2) != 1, -(-ends[-1] // busy), busy)
