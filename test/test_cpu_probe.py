@@ -614,9 +614,10 @@ class TestForcedDecisions(TestCase):
         # the whole-tensor path runs exactly where forced and the GEMMs are native, or
         # where they upcast and the few-rows kernel takes every GEMM of x @ w; there the
         # kernel runs
-        taken = path == "whole" if half_gemm == "native" else few_gemm == "native"
+        kernel = few_gemm == "native" and _native.available()
+        taken = path == "whole" if half_gemm == "native" else kernel
         self.assertEqual((fwd_whole.called, bwd_whole.called), (taken, taken))
-        self.assertEqual(few.called, taken and few_gemm == "native")
+        self.assertEqual(few.called, taken and kernel)
         # the weight gradients' operands are copied exactly where forced and native: both
         # (dY for dW2, dH for dW13) on either path
         copies = copied.call_count
@@ -624,6 +625,38 @@ class TestForcedDecisions(TestCase):
             copies,
             (2 if taken else 2 * 3) if half_gemm == "native" and wgrad_a == "transpose" else 0,
         )
+
+    @parametrize("forward_few", [False, True])
+    @parametrize("backward_few", [False, True])
+    def test_grouped_swiglu_upcast_paths_per_direction(self, forward_few, backward_few):
+        # where half GEMMs upcast, each direction takes the whole path where the few-rows
+        # kernel takes both of its GEMMs of x @ w: the forward's weights column-major
+        # (w13^T, w2^T), the backward's row-major (w2, w13); 3 busy groups of 28 rows: the
+        # keys' 16 rows and 8 groups
+        offs = _offs([5, 0, 19, 4])
+        x = torch.randn(28, 16, dtype=torch.bfloat16)
+        w13 = torch.randn(4, 12, 16, dtype=torch.bfloat16) * 0.5
+        w2 = torch.randn(4, 16, 6, dtype=torch.bfloat16) * 0.5
+        few = {True: "native", False: "aten"}
+        forced = {
+            "half_gemm": "fp32",
+            "few_gemm:bf16:t:r16:g8": few[forward_few],
+            "few_gemm:bf16:n:r16:g8": few[backward_few],
+        }
+        spies = [
+            unittest.mock.patch.object(
+                grouped_swiglu_module, f, wraps=getattr(grouped_swiglu_module, f)
+            )
+            for f in ("_forward_whole", "_backward_whole")
+        ]
+        op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
+        with P.force(forced), spies[0] as fwd_whole, spies[1] as bwd_whole:
+            y, h = op(x, w13, w2, offs)
+            dx, dw13, dw2, _ = bwd(torch.randn_like(y), None, x, h, w13, w2, offs)
+        native = _native.available()
+        self.assertEqual(fwd_whole.called, forward_few and native)
+        self.assertEqual(bwd_whole.called, backward_few and native)
+        assert_gemm_within(self, h, x, w13.transpose(-2, -1), offs, "h")
 
     @parametrize("act_chunk", ["4", "1048576"])
     def test_grouped_swiglu_act_chunk_float64(self, act_chunk):

@@ -583,25 +583,24 @@ def _group_sizes(ends: list[int]) -> list[int]:
     return [end - start for start, end in zip([0, *ends[:-1]], ends)]
 
 
-# whether the weights of the GEMMs x @ w13^T, a @ w2^T, dY @ w2 and dH @ w13 are
-# column-major per group, for MoE's own [E, 2F, D] / [E, D, F] experts
-MOE_LAYOUT = (True, True, False, False)
+# whether the weights of a direction's two GEMMs of x @ w are column-major per group, for
+# MoE's own [E, 2F, D] / [E, D, F] experts: forward x @ w13^T and a @ w2^T, backward
+# dY @ w2 and dH @ w13
+MOE_FORWARD, MOE_BACKWARD = (True, True), (False, False)
 
 
 def _whole_path(
-    dtype: torch.dtype,
-    busy_groups: int,
-    rows: int,
-    col_major: tuple[bool | None, ...] = MOE_LAYOUT,
+    dtype: torch.dtype, busy_groups: int, rows: int, col_major: tuple[bool | None, ...]
 ) -> bool:
-    """Whether the CPU kernels take the whole-tensor path for ``busy_groups`` non-empty
-    groups of about ``rows`` rows, the weights of the four GEMMs of x @ w column-major per
-    group where ``col_major`` says True, row-major where False, neither where None (see
-    ``MOE_LAYOUT``). Where the CPU multiplies the dtype natively: for two or more groups,
-    as ``_cpu_probe.swiglu_path`` measured. Where it upcasts half GEMMs to fp32: where each
-    of the four GEMMs takes the native few-rows kernel (``few_gemm_class``), which
-    converts the weights in registers, where the loop would convert each group's whole
-    weights to fp32."""
+    """Whether a direction of the CPU kernels takes the whole-tensor path for
+    ``busy_groups`` non-empty groups of about ``rows`` rows, the weights of its two GEMMs
+    of x @ w column-major per group where ``col_major`` says True, row-major where False,
+    neither where None (``MOE_FORWARD``, ``MOE_BACKWARD``). Where the CPU multiplies the
+    dtype natively: both directions for two or more groups, as ``_cpu_probe.swiglu_path``
+    measured. Where it upcasts half GEMMs to fp32: where both GEMMs take the native
+    few-rows kernel (``few_gemm_class``), which converts the weights in registers, where
+    the loop would convert each group's whole weights to fp32 (each direction on its own:
+    an inference forward needs only its own GEMMs' kernel)."""
     if cpu_compute_dtype(dtype) != dtype:
         return (
             busy_groups > 0
@@ -619,17 +618,16 @@ def _col_major(w: Tensor) -> bool | None:
     return False if w.stride(2) == 1 else (True if w.stride(1) == 1 else None)
 
 
-def _whole_path_for(w13: Tensor, w2: Tensor, ends: list[int]) -> bool:
-    """``_whole_path`` for these weights and group ends (validated), at the mean rows of
-    the non-empty groups; memoized (the kernels ask per call)."""
+def _whole_path_for(w13: Tensor, w2: Tensor, ends: list[int], backward: bool) -> bool:
+    """``_whole_path`` of the forward or the backward for these weights and group ends
+    (validated), at the mean rows of the non-empty groups; memoized (the kernels ask per
+    call)."""
     busy = _busy_groups(ends)
     rows = -(-ends[-1] // busy) if busy else 0
-    col_major = (
-        _col_major(w13.transpose(-2, -1)),
-        _col_major(w2.transpose(-2, -1)),
-        _col_major(w2),
-        _col_major(w13),
-    )
+    if backward:
+        col_major = (_col_major(w2), _col_major(w13))
+    else:
+        col_major = (_col_major(w13.transpose(-2, -1)), _col_major(w2.transpose(-2, -1)))
     return _cpu_probe.memo(
         ("swiglu_whole", w13.dtype, busy, rows, col_major),
         lambda: _whole_path(w13.dtype, busy, rows, col_major),
@@ -754,7 +752,7 @@ def _grouped_swiglu_checked(
     gather_index: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """``_grouped_swiglu_cpu`` past its checks (the group ends read)."""
-    forward = _forward_whole if _whole_path_for(w13, w2, ends) else _forward_loop
+    forward = _forward_whole if _whole_path_for(w13, w2, ends, False) else _forward_loop
     with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
         return forward(x, w13, w2, offs, ends, row_weights, gather_index)
 
@@ -820,7 +818,7 @@ def _grouped_swiglu_backward_cpu(
     gather_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ends = offs.tolist()
-    backward = _backward_whole if _whole_path_for(w13, w2, ends) else _backward_loop
+    backward = _backward_whole if _whole_path_for(w13, w2, ends, True) else _backward_loop
     with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
         return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
 
@@ -1134,7 +1132,9 @@ def _decide_lean(
     x: Tensor, w13: Tensor, w2: Tensor, ends: list[int], rows: int
 ) -> _LeanPlan | None:
     dt = w13.dtype
-    if not ends or ends[-1] == 0 or not _whole_path_for(w13, w2, ends):
+    if not ends or ends[-1] == 0:
+        return None
+    if not (_whole_path_for(w13, w2, ends, False) and _whole_path_for(w13, w2, ends, True)):
         return None
     if _native_combine(dt, False) is None or _native_combine(x.dtype, False) is None:
         return None

@@ -354,13 +354,16 @@ def _symmetric_wgrad(precision: str) -> bool:
     return symmetric(precision)
 
 
-def _swiglu_whole(w: MoEWorkload, groups: list[float]) -> bool:
+def _swiglu_whole(w: MoEWorkload, groups: list[float], backward: bool) -> bool:
     """Whether this CPU's ``grouped_swiglu`` kernels take their whole-tensor path for the
-    workload (the same measured decision, ``torch_moe._ops._cpu_probe.swiglu_path``)."""
+    workload's forward or backward (the same measured decisions: ``swiglu_path`` where
+    the CPU multiplies bf16 natively, ``few_gemm`` where it upcasts)."""
     from torch_moe._ops import grouped_swiglu as _gs
 
     busy = [g for g in groups if g >= 1]
-    return _gs._whole_path(w.dtype, len(busy), -(-round(sum(busy)) // max(1, len(busy))))
+    rows = -(-round(sum(busy)) // max(1, len(busy)))
+    layout = _gs.MOE_BACKWARD if backward else _gs.MOE_FORWARD
+    return _gs._whole_path(w.dtype, len(busy), rows, layout)
 
 
 def _rows_per_busy_group(groups: list[float]) -> int:
@@ -406,7 +409,7 @@ def _inference_bytes(
     before the routed experts) to the final sum."""
     T, D, F, E, K = w.tokens, w.dim, w.hidden_dim, w.num_experts, w.top_k
     b = w.element_size
-    whole = _swiglu_whole(w, groups)
+    whole = _swiglu_whole(w, groups, backward=False)
     r = min(m if not whole else M, _act_chunk_rows(w, threads))
     fp32 = _act_fp32_bytes(w, r, backward=False)  # one chunk's fp32 copy of h (ATen ops)
     # the logits, the routing's ids and weights, its row maps, the token index and the
@@ -544,7 +547,7 @@ def memory(
         C, rows_grad = w.num_chunks, local_rows * D * b
         before = max((C - 2) / C * expert_grads + rows_grad, (C - 1) / C * expert_grads)
         with_own = max((C - 1) / C * expert_grads + rows_grad, expert_grads)
-    if w.precision == "bf16" and cpu and _swiglu_whole(w, groups):
+    if w.precision == "bf16" and cpu and _swiglu_whole(w, groups, backward=True):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13, the
         # weight gradients' first operands (dY [M, D], dH [M, 2F]) copied row-major
