@@ -421,18 +421,22 @@ class TestForcedDecisions(TestCase):
         self.assertEqual(got.view(bits), x.t().contiguous().view(bits))
 
     @parametrize("few_rows", ["mm", "mv", "swap"])
-    def test_grouped_mm_few_rows_per_group(self, few_rows):
-        # decode: a row or two per expert. torch._grouped_mm runs one GEMM per group, so
-        # where the few-rows decision picked another way the loop runs, which applies it
+    @parametrize("kernel", ["torch", "loop"])
+    def test_grouped_mm_few_rows_per_group(self, few_rows, kernel):
+        # decode: a row or two per expert. torch._grouped_mm runs one GEMM per group, the
+        # loop applies the few-rows decision's way; which of them runs is the grouped_mm
+        # decision of the rows' own class (r2 here), measured with the ways in the loop
         offs = _offs([1, 0, 2, 1])
         x = torch.randn(5, 32, dtype=torch.bfloat16)  # a row past the last group
         w = torch.randn(4, 48, 32, dtype=torch.bfloat16).transpose(-2, -1)  # x @ w^T
         gmm = unittest.mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm)
         few = unittest.mock.patch.object(P, "few_rows_mm", wraps=P.few_rows_mm)
-        forced = dict(half_gemm="native", grouped_mm="torch", few_rows=few_rows, few_gemm="aten")
-        with P.force(**forced), gmm as fused, few as way:
+        forced = {"half_gemm": "native", "few_rows": few_rows, "few_gemm": "aten"}
+        forced["grouped_mm:bf16:nt:r2"] = kernel
+        with P.force(forced), gmm as fused, few as way:
             out = grouped_mm(x, w, offs)
-        self.assertEqual((fused.called, way.called), (few_rows == "mm", few_rows != "mm"))
+        looped = kernel == "loop"
+        self.assertEqual((fused.called, way.called), (not looped, looped and few_rows != "mm"))
         assert_gemm_within(self, out, x, w, offs, "forward")
         self.assertTrue((out[4:] == 0).all())
 

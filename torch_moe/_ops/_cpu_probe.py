@@ -21,8 +21,9 @@ and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the 
 Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
 row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
 ``<cls>``: which of m, k, n (a [m, k], b [k, n]) is smallest and whether it is under 128
-(``m_small``, ``k_large``...); ``<r>``: the rows (per group for ``swiglu_path``,
-``wgrad_a`` and ``few_gemm``) rounded up to a power of two; ``<k>``, ``<n>``: the weight
+(``m_small``, ``k_large``...; ``r<r>`` for ``grouped_mm`` at up to 16 rows per group);
+``<r>``: the rows (per group for ``swiglu_path``, ``wgrad_a``, ``few_gemm`` and
+``grouped_mm``) rounded up to a power of two; ``<k>``, ``<n>``: the weight
 gradient's output rows and columns, rounded up to powers of two and capped (``wgrad_a``,
 half dtypes multiplied natively only); ``<b>``: the weight's layout (n / t); ``<g>``: the
 busy groups, rounded up to a power of two and clamped to 8-32.

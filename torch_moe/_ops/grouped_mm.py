@@ -303,8 +303,9 @@ def _busy_groups(ends: list[int]) -> int:
 
 def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """``torch._grouped_mm(a, b, offs)`` (a [M, K] x b [E, K, N], or for ``wgrad``
-    a [K, M] x b [M, N]) instead of the loop: allowed, measured faster, and (forward) not
-    where a few rows per group take a way of their own (``_few_rows_way``). Memoized on
+    a [K, M] x b [M, N]) instead of the loop: allowed and measured faster (forward, at up
+    to ``FEW_ROWS`` rows per group, at those rows: the loop's GEMMs then take their own
+    few-rows ways). Memoized on
     what it reads (the probe's decisions aside): operands' dtypes, shapes, strides and
     alignment, the rows and the busy groups."""
     if not ends or ends[-1] == 0:
@@ -336,9 +337,16 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
         m, k, n = rows, a.shape[1], b.shape[2]
         ab = _cpu_probe.layout_of(a, b[0])
         ok = _torch_grouped_mm_cpu_ok(a, b, ends, k, n)
-    if not ok or (not wgrad and _few_rows_way(a, b, ends)):
+    if not ok:
         return False
-    cls = _cpu_probe.shape_class(m, k, n)
+    busy = _busy_groups(ends)
+    few = -(-ends[-1] // busy)
+    if not wgrad and few <= _cpu_probe.FEW_ROWS:
+        # a few rows per group: the loop applies mm_into's few-rows ways (mv / swap) and
+        # torch._grouped_mm runs one GEMM per group; measured at these rows
+        cls = f"r{_cpu_probe._pow2_at_least(few)}"
+    else:
+        cls = _cpu_probe.shape_class(m, k, n)
     dtype = a.dtype
     return (
         _cpu_probe.grouped_mm(dtype, ab, cls, lambda: _measure_grouped_mm(dtype, ab, cls, wgrad))
@@ -397,10 +405,14 @@ def _measure_wgrad_a(dtype: torch.dtype, rows: int, k: int, n: int) -> dict[str,
 
 
 def _measure_grouped_mm(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dict[str, float]:
-    """Seconds of ``torch._grouped_mm`` and of the loop on 8 groups of the shape class."""
+    """Seconds of ``torch._grouped_mm`` and of the loop on 8 groups of the shape class
+    (``r<r>``: r rows per group, K = N = 256)."""
     groups = 8
-    small = 64 if cls.endswith("_small") else 256
-    dims = {d: (small if d == cls[0] else 256) for d in "mkn"}
+    if cls.startswith("r"):
+        dims = {"m": int(cls[1:]), "k": 256, "n": 256}
+    else:
+        small = 64 if cls.endswith("_small") else 256
+        dims = {d: (small if d == cls[0] else 256) for d in "mkn"}
     rows = dims["k"] if wgrad else dims["m"]
     ends = [rows * (g + 1) for g in range(groups)]
     offs = torch.tensor(ends, dtype=torch.int32)
@@ -451,20 +463,6 @@ def _wgrad_loop(a: Tensor, dy: Tensor, ends: list[int]) -> Tensor:
             out[g].zero_()
         start = end
     return out
-
-
-def _few_rows_way(x: Tensor, w: Tensor, ends: list[int]) -> bool:
-    """Whether groups of a few rows each (decode: a token or two per expert) take a way of
-    their own (``mv`` / ``swap``, measured by ``few_rows`` at the mean rows of the busy
-    groups), which the per-group loop applies through ``mm_into`` and ``torch._grouped_mm``
-    does not (it runs one GEMM per group)."""
-    busy = _busy_groups(ends)
-    if not busy or x.dtype != w.dtype or x.dtype == torch.float64:
-        return False
-    rows = -(-ends[-1] // busy)
-    if rows > _cpu_probe.FEW_ROWS:
-        return False
-    return _cpu_probe.few_rows(x.dtype, x[:rows], w[0], _mm_into) != "mm"
 
 
 _FEW_GEMM_ROWS = 32  # rows per busy group up to which few_gemm decides (past them the
