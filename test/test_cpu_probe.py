@@ -341,6 +341,16 @@ def _offs(sizes):
     return torch.tensor(sizes).cumsum(0).to(torch.int32)
 
 
+def _whole_path_spies():
+    """Spies on grouped_swiglu's whole-tensor forward and backward (which path ran)."""
+    return [
+        unittest.mock.patch.object(
+            grouped_swiglu_module, f, wraps=getattr(grouped_swiglu_module, f)
+        )
+        for f in ("_forward_whole", "_backward_whole")
+    ]
+
+
 class TestForcedDecisions(TestCase):
     """Both (all) outcomes of every decision, forced, against the float64 oracles: the
     kernels' results are specified, whichever path this machine measures faster."""
@@ -573,12 +583,7 @@ class TestForcedDecisions(TestCase):
         copy = unittest.mock.patch.object(
             grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
         )
-        whole = [
-            unittest.mock.patch.object(
-                grouped_swiglu_module, f, wraps=getattr(grouped_swiglu_module, f)
-            )
-            for f in ("_forward_whole", "_backward_whole")
-        ]
+        whole = _whole_path_spies()
         few_kernel = unittest.mock.patch.object(
             grouped_mm_module, "_few_rows_mm", wraps=grouped_mm_module._few_rows_mm
         )
@@ -647,12 +652,7 @@ class TestForcedDecisions(TestCase):
             "few_gemm:bf16:t:r16:g8": few[forward_few],
             "few_gemm:bf16:n:r16:g8": few[backward_few],
         }
-        spies = [
-            unittest.mock.patch.object(
-                grouped_swiglu_module, f, wraps=getattr(grouped_swiglu_module, f)
-            )
-            for f in ("_forward_whole", "_backward_whole")
-        ]
+        spies = _whole_path_spies()
         op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
         grad_y = torch.randn(28, 16, dtype=torch.bfloat16)
         with P.force(forced), spies[0] as fwd_whole, spies[1] as bwd_whole:

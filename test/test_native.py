@@ -802,7 +802,8 @@ class TestNativeFewRowsMM(TestCase):
     def test_within_the_gemm_bound(self, dtype, layout):
         g = torch.Generator().manual_seed(11)
         cases = (([2, 0, 5, 1], 37, 70), ([9, 4], 64, 128), ([1, 1, 0, 3], 8, 5))
-        # one- and two-row groups over whole vectors and a tail (the column stream form)
+        # one- and two-row groups over whole vectors and a tail (the row tiles of 1-2 rows,
+        # the row-major form's one-row stream)
         cases += (([1, 2, 0, 3], 200, 70),)
         for sizes, k, n in cases:
             offs = torch.tensor(sizes).cumsum(0).to(torch.int32)

@@ -472,16 +472,23 @@ _FEW_GEMM_GROUPS = (8, 32)  # the probe's groups, clamped: its cost grows with t
 # to ~0.2 s a key at 32), and past 32 groups per-group costs are amortized alike
 
 
+def weight_col_major(w: Tensor) -> bool | None:
+    """Whether ``w`` [E, K, N] is column-major per group (True), row-major (False) or
+    neither (None): the layouts the native few-rows kernel takes."""
+    return False if w.stride(2) == 1 else (True if w.stride(1) == 1 else None)
+
+
 def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
     """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: CPU tensors of a
     half dtype, ``x`` contiguous, ``w`` row- or column-major per group, and
     :func:`few_gemm_class` at the rows per busy group."""
     if not ends or ends[-1] == 0 or x.dtype != w.dtype or x.device.type != "cpu":
         return False
-    if not x.is_contiguous() or (w.stride(2) != 1 and w.stride(1) != 1):
+    col_major = weight_col_major(w)
+    if not x.is_contiguous() or col_major is None:
         return False
     busy = _busy_groups(ends)
-    return few_gemm_class(w.dtype, w.stride(2) != 1, -(-ends[-1] // busy), busy)
+    return few_gemm_class(w.dtype, col_major, -(-ends[-1] // busy), busy)
 
 
 def few_gemm_class(dtype: torch.dtype, col_major: bool, rows: int, busy: int) -> bool:
@@ -530,8 +537,8 @@ def _measure_few_gemm(
     """Seconds of the native kernel and of the better ATen way (``torch._grouped_mm``,
     else the loop) on ``groups`` groups of ``rows`` rows, K = N = 512 (groups / 2 MiB of
     weights per operand set, each candidate cycling through the sets: the weights come
-    from memory, as in a step). Many small groups favour the native kernel (one call, no GEMM set up per
-    group), large weights read by few groups much less."""
+    from memory, as in a step). Many small groups favour the native kernel (one call, no
+    GEMM set up per group), large weights read by few groups much less."""
     k = n = 512
     ends = [rows * (g + 1) for g in range(groups)]
     offs = torch.tensor(ends, dtype=torch.int32)

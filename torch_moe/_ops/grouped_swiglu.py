@@ -56,6 +56,7 @@ from torch_moe._ops.grouped_mm import (
     grouped_mm_wgrad,
     mm_cpu,
     mm_into,
+    weight_col_major,
     wgrad_copies,
     wgrad_operand,
 )
@@ -612,12 +613,6 @@ def _whole_path(
     return _cpu_probe.swiglu_path(dtype, rows, functools.partial(_measure_path, dtype)) == "whole"
 
 
-def _col_major(w: Tensor) -> bool | None:
-    """Whether ``w`` [E, K, N] is column-major per group (True), row-major (False) or
-    neither (None)."""
-    return False if w.stride(2) == 1 else (True if w.stride(1) == 1 else None)
-
-
 def _whole_path_for(w13: Tensor, w2: Tensor, ends: list[int], backward: bool) -> bool:
     """``_whole_path`` of the forward or the backward for these weights and group ends
     (validated), at the mean rows of the non-empty groups; memoized (the kernels ask per
@@ -625,9 +620,9 @@ def _whole_path_for(w13: Tensor, w2: Tensor, ends: list[int], backward: bool) ->
     busy = _busy_groups(ends)
     rows = -(-ends[-1] // busy) if busy else 0
     if backward:
-        col_major = (_col_major(w2), _col_major(w13))
+        col_major = (weight_col_major(w2), weight_col_major(w13))
     else:
-        col_major = (_col_major(w13.transpose(-2, -1)), _col_major(w2.transpose(-2, -1)))
+        col_major = (weight_col_major(w13.mT), weight_col_major(w2.mT))
     return _cpu_probe.memo(
         ("swiglu_whole", w13.dtype, busy, rows, col_major),
         lambda: _whole_path(w13.dtype, busy, rows, col_major),
