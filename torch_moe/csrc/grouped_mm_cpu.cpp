@@ -104,9 +104,27 @@ inline void from_float(const float* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);  // round to nearest even, as a tensor copy
 }
 
-// One panel's part of nn_block for R rows (a template argument: the R x kCols
-// accumulators stay in registers): acc[a * width + n] += x[a, k] * w[k, n0 + n] over k in
-// [k0, k1), columns in register blocks of kCols vectors, the last ones scalar.
+// Calls tile(std::integral_constant<int, R>(), i0) for the tiles [i0, i0 + R) of m rows,
+// R = kRows but for the last tile. The kernels' tiles take R as a template argument so
+// that their R x kRows (R x kCols) accumulators stay in registers: with a run-time row
+// count GCC kept some on the stack, a load and a store per step (half the rate at 16
+// rows).
+template <typename Tile>
+inline void for_row_tiles(int64_t m, Tile&& tile) {
+  static_assert(kRows == 4, "one case per tile height");
+  for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+    switch (std::min<int64_t>(kRows, m - i0)) {
+      case 1: tile(std::integral_constant<int, 1>(), i0); break;
+      case 2: tile(std::integral_constant<int, 2>(), i0); break;
+      case 3: tile(std::integral_constant<int, 3>(), i0); break;
+      default: tile(std::integral_constant<int, kRows>(), i0);
+    }
+  }
+}
+
+// One panel's part of nn_block for R rows (see for_row_tiles): acc[a * width + n] +=
+// x[a, k] * w[k, n0 + n] over k in [k0, k1), columns in register blocks of kCols vectors,
+// the last ones scalar.
 template <int R, typename T>
 void nn_panel(const float* xf, int64_t K, const T* w, int64_t ldw, int64_t n0, int64_t width,
               int64_t k0, int64_t k1, float* acc) {
@@ -149,16 +167,10 @@ void nn_block(const float* xf, int64_t m, int64_t K, const T* w, int64_t ldw, in
   std::fill(acc, acc + m * width, 0.0f);
   for (int64_t k0 = 0; k0 < K; k0 += panel) {
     const int64_t k1 = std::min(K, k0 + panel);
-    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const float* x = xf + i0 * K;
-      float* c = acc + i0 * width;
-      switch (std::min<int64_t>(kRows, m - i0)) {
-        case 1: nn_panel<1>(x, K, w, ldw, n0, width, k0, k1, c); break;
-        case 2: nn_panel<2>(x, K, w, ldw, n0, width, k0, k1, c); break;
-        case 3: nn_panel<3>(x, K, w, ldw, n0, width, k0, k1, c); break;
-        default: nn_panel<4>(x, K, w, ldw, n0, width, k0, k1, c);
-      }
-    }
+    for_row_tiles(m, [&](auto rows, int64_t i0) {
+      nn_panel<decltype(rows)::value>(xf + i0 * K, K, w, ldw, n0, width, k0, k1,
+                                      acc + i0 * width);
+    });
   }
   for (int64_t a = 0; a < m; ++a) from_float(acc + a * width, out + a * ldo + n0, width);
 }
@@ -209,11 +221,8 @@ inline int64_t column_blocks(int64_t n0, int64_t n1) {
 }
 
 // Block blk's columns into col[kRows] (a last, partial block repeats its last column);
-// returns how many are distinct. Inlined where col is a block's local array, so that the
-// compiler keeps the columns in registers (an array living across the blocks halved the
-// rate at 16 rows).
-__attribute__((always_inline)) inline int block_columns(int64_t n0, int64_t n1, int64_t blk,
-                                                        int64_t* col) {
+// returns how many are distinct.
+inline int block_columns(int64_t n0, int64_t n1, int64_t blk, int64_t* col) {
   const int64_t run = column_runs(n0, n1);
   if (blk < run) {
     for (int b = 0; b < kRows; ++b) col[b] = n0 + b * run + blk;
@@ -227,9 +236,7 @@ __attribute__((always_inline)) inline int block_columns(int64_t n0, int64_t n1, 
 
 // out[r, n] = dot(x[r, :], w[n, :]) for R rows of x (fp32) and the columns col[0..cols)
 // of a column-major weight (its column n contiguous over K: w[n * ldw + k]), the weight's
-// elements converted in registers, kCols vectors of K per step. R is a template argument
-// so that the R x kRows accumulators stay in registers (with a run-time row count the
-// compiler kept some on the stack: loads and stores every step).
+// elements converted in registers, kCols vectors of K per step (R: see for_row_tiles).
 template <int R, typename T>
 void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t* col, int cols,
              T* out, int64_t ldo) {
@@ -257,24 +264,15 @@ void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t*
   }
 }
 
-// The column-major form: out[r, n] for r < m rows of x (fp32 [m, K]) and columns [n0, n1)
-// in the blocks of block_columns, rows in tiles of up to kRows.
-template <typename T>
-void nt_block(const float* xf, int64_t m, int64_t K, const T* w, int64_t ldw, int64_t n0,
-              int64_t n1, T* out, int64_t ldo) {
+// The column-major form: columns [n0, n1) in the blocks of block_columns, m rows in
+// tiles; tile(R, i0, col, cols) computes the tile of rows [i0, i0 + R) and those columns
+// (nt_tile, or nt_tile_dpbf16).
+template <typename Tile>
+void nt_blocks(int64_t m, int64_t n0, int64_t n1, Tile&& tile) {
   for (int64_t blk = 0, blocks = column_blocks(n0, n1); blk < blocks; ++blk) {
     int64_t col[kRows];
     const int cols = block_columns(n0, n1, blk, col);
-    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const float* x = xf + i0 * K;
-      T* o = out + i0 * ldo;
-      switch (std::min<int64_t>(kRows, m - i0)) {
-        case 1: nt_tile<1>(x, K, w, ldw, col, cols, o, ldo); break;
-        case 2: nt_tile<2>(x, K, w, ldw, col, cols, o, ldo); break;
-        case 3: nt_tile<3>(x, K, w, ldw, col, cols, o, ldo); break;
-        default: nt_tile<4>(x, K, w, ldw, col, cols, o, ldo);
-      }
-    }
+    for_row_tiles(m, [&](auto rows, int64_t i0) { tile(rows, i0, col, cols); });
   }
 }
 
@@ -287,7 +285,7 @@ bool has_avx512_bf16() {
   return yes;
 }
 
-// nt_tile for bf16 by vdpbf16ps
+// nt_tile for bf16 by vdpbf16ps (x in bf16 here)
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpbf16(
     const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t ldw, const int64_t* col,
@@ -316,24 +314,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpb
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_block_dpbf16(
-    const c10::BFloat16* x, int64_t m, int64_t K, const c10::BFloat16* w, int64_t ldw,
-    int64_t n0, int64_t n1, c10::BFloat16* out, int64_t ldo) {
-  for (int64_t blk = 0, blocks = column_blocks(n0, n1); blk < blocks; ++blk) {
-    int64_t col[kRows];
-    const int cols = block_columns(n0, n1, blk, col);
-    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const c10::BFloat16* xr = x + i0 * K;
-      c10::BFloat16* o = out + i0 * ldo;
-      switch (std::min<int64_t>(kRows, m - i0)) {
-        case 1: nt_tile_dpbf16<1>(xr, K, w, ldw, col, cols, o, ldo); break;
-        case 2: nt_tile_dpbf16<2>(xr, K, w, ldw, col, cols, o, ldo); break;
-        case 3: nt_tile_dpbf16<3>(xr, K, w, ldw, col, cols, o, ldo); break;
-        default: nt_tile_dpbf16<4>(xr, K, w, ldw, col, cols, o, ldo);
-      }
-    }
-  }
-}
 #endif
 
 template <typename T>
@@ -380,15 +360,23 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
           nn_block(xf.data(), m, K, wg, ldw, n0, n1, op + r0 * N, N, scratch.data());
         }
       } else {
+        T* o = op + r0 * N;
 #if defined(CPU_CAPABILITY_AVX512)
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (has_avx512_bf16()) {
-            nt_block_dpbf16(xp + r0 * K, m, K, wg, ldw, n0, n1, op + r0 * N, N);
+            const T* x = xp + r0 * K;
+            nt_blocks(m, n0, n1, [&](auto rows, int64_t i0, const int64_t* col, int cols) {
+              nt_tile_dpbf16<decltype(rows)::value>(x + i0 * K, K, wg, ldw, col, cols,
+                                                    o + i0 * N, N);
+            });
             continue;
           }
         }
 #endif
-        nt_block(xf.data(), m, K, wg, ldw, n0, n1, op + r0 * N, N);
+        nt_blocks(m, n0, n1, [&](auto rows, int64_t i0, const int64_t* col, int cols) {
+          nt_tile<decltype(rows)::value>(xf.data() + i0 * K, K, wg, ldw, col, cols, o + i0 * N,
+                                         N);
+        });
       }
     }
   });
