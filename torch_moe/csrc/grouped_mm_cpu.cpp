@@ -13,8 +13,8 @@
 // columns, k in panels of ~32 KB of weight rows, which stay in L2 while every column
 // block passes over them) or column-major (columns contiguous over K: dot products of 4
 // rows x 4 columns, the 4 columns drawn from 4 runs of columns so that each weight load
-// walks one run front to back, reduced at the end; on CPUs with AVX512-BF16 by
-// vdpbf16ps, which sums pairs of exact bf16 products in fp32). Math in fp32, one rounding
+// walks one run front to back, the lines ahead prefetched in software, reduced at the
+// end; on CPUs with AVX512-BF16 by vdpbf16ps, which sums pairs of exact bf16 products in fp32). Math in fp32, one rounding
 // into the output dtype (float, bfloat16, half). The sums run in a fixed order for any thread count
 // (each output element belongs to one task: a group's column block), so results are
 // deterministic; they are not ATen's bits (its blocking orders the sums otherwise),
@@ -30,7 +30,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -234,12 +234,29 @@ inline int block_columns(int64_t n0, int64_t n1, int64_t blk, int64_t* col) {
   return cols;
 }
 
+// Software prefetch for the column-major forms (nt_blocks says which tile asks for it):
+// the cache lines `ahead` elements past a weight load's address, one per line the load
+// spans. The hardware prefetchers run too short a way ahead on the weight's runs of
+// columns, and nothing reads memory while a block's later row tiles work from L1
+// (groups of 2-16 rows up to 1.8x faster with it: benchmarks/results/cpu_floor_cpu_202612.md,
+// twenty-seventh session).
+template <typename T, int64_t kElems>
+inline void prefetch_ahead(const T* p, int64_t ahead) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  for (int64_t i = 0; i < kElems; i += 64 / static_cast<int64_t>(sizeof(T)))
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead + i), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p + ahead);
+#endif
+}
+
 // out[r, n] = dot(x[r, :], w[n, :]) for R rows of x (fp32) and the columns col[0..cols)
 // of a column-major weight (its column n contiguous over K: w[n * ldw + k]), the weight's
-// elements converted in registers, kCols vectors of K per step (R: see for_row_tiles).
+// elements converted in registers, kCols vectors of K per step (R: see for_row_tiles);
+// `ahead`, where not 0, prefetches each weight load's lines that many elements ahead.
 template <int R, typename T>
 void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t* col, int cols,
-             T* out, int64_t ldo) {
+             T* out, int64_t ldo, int64_t ahead) {
   constexpr int64_t kW = kCols * kV;
   const int64_t kb = K / kW * kW;
   fVec c[R][kRows];
@@ -247,7 +264,10 @@ void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t*
     for (int b = 0; b < kRows; ++b) c[a][b] = fVec(0.0f);
   for (int64_t k = 0; k < kb; k += kW) {
     fVec wv[kRows][kCols];
-    for (int b = 0; b < kRows; ++b) load_cols(w + col[b] * ldw + k, wv[b]);
+    for (int b = 0; b < kRows; ++b) {
+      if (ahead) prefetch_ahead<T, kW>(w + col[b] * ldw + k, ahead);
+      load_cols(w + col[b] * ldw + k, wv[b]);
+    }
     for (int a = 0; a < R; ++a) {
       for (int j = 0; j < kCols; ++j) {
         const fVec xv = fVec::loadu(xf + a * K + k + j * kV);
@@ -265,14 +285,22 @@ void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t*
 }
 
 // The column-major form: columns [n0, n1) in the blocks of block_columns, m rows in
-// tiles; tile(R, i0, col, cols) computes the tile of rows [i0, i0 + R) and those columns
-// (nt_tile, or nt_tile_dpbf16).
-template <typename Tile>
-void nt_blocks(int64_t m, int64_t n0, int64_t n1, Tile&& tile) {
+// tiles; tile(R, i0, col, cols, ahead) computes the tile of rows [i0, i0 + R) and those
+// columns (nt_tile, or nt_tile_dpbf16), prefetching `ahead` elements ahead of its weight
+// loads: the first row tile kPrefetch bytes down the block's runs, the second the next
+// block's columns (the next ones of each run, ldw elements on), which the first tile
+// then finds in cache while the block's later tiles keep memory busy.
+constexpr int64_t kPrefetch = 2 << 10;  // bytes (1-4 KB measured alike)
+
+template <typename T, typename Tile>
+void nt_blocks(int64_t m, int64_t n0, int64_t n1, int64_t ldw, Tile&& tile) {
+  const int64_t ahead = kPrefetch / static_cast<int64_t>(sizeof(T));
   for (int64_t blk = 0, blocks = column_blocks(n0, n1); blk < blocks; ++blk) {
     int64_t col[kRows];
     const int cols = block_columns(n0, n1, blk, col);
-    for_row_tiles(m, [&](auto rows, int64_t i0) { tile(rows, i0, col, cols); });
+    for_row_tiles(m, [&](auto rows, int64_t i0) {
+      tile(rows, i0, col, cols, i0 == 0 ? ahead : (i0 == kRows ? ldw : 0));
+    });
   }
 }
 
@@ -289,7 +317,7 @@ bool has_avx512_bf16() {
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpbf16(
     const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t ldw, const int64_t* col,
-    int cols, c10::BFloat16* out, int64_t ldo) {
+    int cols, c10::BFloat16* out, int64_t ldo, int64_t ahead) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
   const int64_t kb = K / 32 * 32;
@@ -298,7 +326,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpb
     for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kb; k += 32) {
     __m512bh wv[kRows];
-    for (int b = 0; b < kRows; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wp + col[b] * ldw + k);
+    for (int b = 0; b < kRows; ++b) {
+      if (ahead) prefetch_ahead<uint16_t, 32>(wp + col[b] * ldw + k, ahead);
+      wv[b] = (__m512bh)_mm512_loadu_si512(wp + col[b] * ldw + k);
+    }
     for (int a = 0; a < R; ++a) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + a * K + k);
       for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_dpbf16_ps(c[a][b], xv, wv[b]);
@@ -365,18 +396,20 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (has_avx512_bf16()) {
             const T* x = xp + r0 * K;
-            nt_blocks(m, n0, n1, [&](auto rows, int64_t i0, const int64_t* col, int cols) {
-              nt_tile_dpbf16<decltype(rows)::value>(x + i0 * K, K, wg, ldw, col, cols,
-                                                    o + i0 * N, N);
-            });
+            nt_blocks<T>(m, n0, n1, ldw,
+                         [&](auto rows, int64_t i0, const int64_t* col, int cols, int64_t ahead) {
+                           nt_tile_dpbf16<decltype(rows)::value>(x + i0 * K, K, wg, ldw, col,
+                                                                 cols, o + i0 * N, N, ahead);
+                         });
             continue;
           }
         }
 #endif
-        nt_blocks(m, n0, n1, [&](auto rows, int64_t i0, const int64_t* col, int cols) {
-          nt_tile<decltype(rows)::value>(xf.data() + i0 * K, K, wg, ldw, col, cols, o + i0 * N,
-                                         N);
-        });
+        nt_blocks<T>(m, n0, n1, ldw,
+                     [&](auto rows, int64_t i0, const int64_t* col, int cols, int64_t ahead) {
+                       nt_tile<decltype(rows)::value>(xf.data() + i0 * K, K, wg, ldw, col, cols,
+                                                      o + i0 * N, N, ahead);
+                     });
       }
     }
   });
