@@ -830,13 +830,15 @@ class TestNativeFewRowsMM(TestCase):
         self.assertTrue(torch.equal(one.view(torch.int16), two.view(torch.int16)))
 
     @parametrize("dtype", [BF16, F32])
-    def test_columns_by_themselves(self, dtype):
-        # a column-major weight's columns are read in blocks drawn from runs of columns
-        # that depend on the width: any slice of the columns gives the same bits
+    @parametrize("layout", ["row", "col"])
+    def test_columns_by_themselves(self, dtype, layout):
+        # the columns are read in blocks that depend on the width (a column-major weight's
+        # drawn from runs of columns, a row-major one's of 64 or 128 columns by group
+        # size, the last one partial): any slice of the columns gives the same bits
         g = torch.Generator().manual_seed(5)
         offs = torch.tensor([1, 3, 3, 7], dtype=torch.int32)
         x = torch.randn(7, 80, generator=g).to(dtype)
-        w = _few_weight(4, 80, 203, dtype, "col", g)
+        w = _few_weight(4, 80, 203, dtype, layout, g)
         whole = _few_mm(x, w, offs)
         for a, b in ((0, 203), (1, 200), (7, 9), (50, 203), (3, 4)):
             part = _few_mm(x, w[:, :, a:b], offs)

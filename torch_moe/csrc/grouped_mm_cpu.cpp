@@ -14,12 +14,15 @@
 // block passes over them) or column-major (columns contiguous over K: dot products of 4
 // rows x 4 columns, the 4 columns drawn from 4 runs of columns so that each weight load
 // walks one run front to back, the lines ahead prefetched in software, reduced at the
-// end; on CPUs with AVX512-BF16 by vdpbf16ps, which sums pairs of exact bf16 products in fp32). Math in fp32, one rounding
-// into the output dtype (float, bfloat16, half). The sums run in a fixed order for any thread count
-// (each output element belongs to one task: a group's column block), so results are
-// deterministic; they are not ATen's bits (its blocking orders the sums otherwise),
-// which is why the probe's choice, not a constant, says where this runs. Rows at or past
-// the last group's end are zero; x must be contiguous.
+// end). On CPUs with AVX512-BF16, bf16 in both layouts by vdpbf16ps, which adds the
+// products of pairs of bf16 (exact in fp32) to fp32 sums: the column-major form's dot
+// products pair neighbouring k, the row-major form interleaves weight rows k and k + 1
+// (below). Math in fp32, one rounding into the output dtype (float, bfloat16, half). The
+// sums run in a fixed order for any thread count and group size (each output element
+// belongs to one task, a group's column block, and is one sequence of operations), so
+// results are deterministic; they are not ATen's bits (its blocking orders the sums
+// otherwise), which is why the probe's choice, not a constant, says where this runs.
+// Rows at or past the last group's end are zero; x must be contiguous.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -345,6 +348,124 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpb
   }
 }
 
+
+// The row-major form for bf16 on CPUs with AVX512-BF16. vdpbf16ps multiplies pairs of
+// bf16 along k, so weight rows k and k + 1 are interleaved (vpunpck{l,h}wd: of 32
+// columns, the low half takes columns 0-3, 8-11, 16-19 and 24-27, each with its pair,
+// the high half the others) and each x row's (x[k], x[k + 1]) is broadcast as one 32-bit
+// pair; the sums are put back in column order once, at the end. An odd K's last weight
+// row pairs with zero. Every output element is the same sequence of vdpbf16ps, k pairs
+// in order from zero, whatever its tile, block or group size: a row's bits do not depend
+// on its group (as in the fp32 forms). The fp32 forms' register blocks convert 4 vectors
+// of weight per fma step; here a step takes 64 products per instruction.
+constexpr int64_t kNnAhead = 32;  // weight rows the first row tile prefetches ahead (16-32
+                                  // measured alike)
+#define TORCH_MOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+#define TORCH_MOE_BF16_INLINE TORCH_MOE_BF16_TARGET inline __attribute__((always_inline))
+
+// The mask of the first `cols` of 32 columns
+inline __mmask32 first_columns(int64_t cols) {
+  return cols >= 32 ? ~__mmask32(0) : (cols <= 0 ? 0 : (__mmask32(1) << cols) - 1);
+}
+
+// Columns [0, 32) of weight rows k (at p) and k + 1 (zero where !kSecond), those in
+// `mask` (the rest zero, not read), interleaved into lo / hi as above.
+template <bool kSecond>
+TORCH_MOE_BF16_INLINE void load_row_pair(const uint16_t* p, int64_t ldw, __mmask32 mask,
+                                         __m512i& lo, __m512i& hi) {
+  const bool full = mask == ~__mmask32(0);
+  const __m512i a0 = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p);
+  const __m512i a1 = kSecond ? (full ? _mm512_loadu_si512(p + ldw) : _mm512_maskz_loadu_epi16(mask, p + ldw)) : _mm512_setzero_si512();
+  lo = _mm512_unpacklo_epi16(a0, a1);
+  hi = _mm512_unpackhi_epi16(a0, a1);
+}
+
+// (x[k], x[k + 1]) (x[k + 1] zero where !kSecond) broadcast to every 32-bit lane
+template <bool kSecond>
+TORCH_MOE_BF16_INLINE __m512bh x_pair(const uint16_t* x) {
+  uint32_t v = x[0];
+  if (kSecond) std::memcpy(&v, x, sizeof(v));
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+}
+
+// 32 sums in lo / hi order back into column order, as floats at out[0, 32)
+TORCH_MOE_BF16_TARGET inline void store_in_order(__m512 lo, __m512 hi, float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                           29, 30, 31);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo, first, hi));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, second, hi));
+}
+
+// acc[a * 32 * H + n] = x[a, :] . w[:, n] for R rows of x (bf16, row stride K) and the
+// `cols` (<= 32 * H) columns of a row-major weight from w (row stride ldw), the whole of
+// K in registers; `ahead`, where not 0, prefetches the weight rows that far ahead.
+// (One k pair of it, c the accumulators: 2 per 32 columns.)
+template <int R, int H, bool kSecond>
+TORCH_MOE_BF16_INLINE void nn_step_dpbf16(const uint16_t* x, int64_t K, const uint16_t* w,
+                                          int64_t ldw, const __mmask32* mask, int64_t ahead,
+                                          int64_t k, __m512 (&c)[R][2 * H]) {
+  __m512i lo[H], hi[H];
+  for (int h = 0; h < H; ++h) {
+    const uint16_t* p = w + k * ldw + 32 * h;
+    if (ahead) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead * ldw), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + (ahead + 1) * ldw), _MM_HINT_T0);
+    }
+    load_row_pair<kSecond>(p, ldw, mask[h], lo[h], hi[h]);
+  }
+  for (int a = 0; a < R; ++a) {
+    const __m512bh xv = x_pair<kSecond>(x + a * K + k);
+    for (int h = 0; h < H; ++h) {
+      c[a][2 * h] = _mm512_dpbf16_ps(c[a][2 * h], xv, (__m512bh)lo[h]);
+      c[a][2 * h + 1] = _mm512_dpbf16_ps(c[a][2 * h + 1], xv, (__m512bh)hi[h]);
+    }
+  }
+}
+
+template <int R, int H>
+TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const uint16_t* w,
+                                          int64_t ldw, int64_t cols, float* acc,
+                                          int64_t ahead) {
+  __m512 c[R][2 * H];
+  __mmask32 mask[H];
+  for (int a = 0; a < R; ++a)
+    for (int j = 0; j < 2 * H; ++j) c[a][j] = _mm512_setzero_ps();
+  for (int h = 0; h < H; ++h) mask[h] = first_columns(cols - 32 * h);
+  const int64_t kp = K / 2 * 2;
+  for (int64_t k = 0; k < kp; k += 2)
+    nn_step_dpbf16<R, H, true>(x, K, w, ldw, mask, ahead, k, c);
+  if (kp < K) nn_step_dpbf16<R, H, false>(x, K, w, ldw, mask, ahead, kp, c);
+  for (int a = 0; a < R; ++a)
+    for (int h = 0; h < H; ++h)
+      store_in_order(c[a][2 * h], c[a][2 * h + 1], acc + (a * H + h) * 32);
+}
+
+// The row-major form for m rows: columns [n0, n1) in blocks of 32 * H (H = 8 for one row:
+// a longer stretch of each weight row read at a time, 0.85-1.0x the fp32 form's one
+// stream of whole rows, where 2 gave 0.7x; else 2, 16 accumulators for 4 rows),
+// rows in tiles (the first prefetching down the weight's rows; the later ones find the
+// block's strip of rows in L2); the sums in acc (m x 32 * H floats), rounded into out.
+template <int H>
+void nn_blocks_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K, const c10::BFloat16* w,
+                      int64_t ldw, int64_t n0, int64_t n1, c10::BFloat16* out, int64_t ldo,
+                      float* acc) {
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+  const int64_t width = 32 * H;
+  for (int64_t n = n0; n < n1; n += width) {
+    const int64_t cols = std::min(width, n1 - n);
+    const uint16_t* wn = reinterpret_cast<const uint16_t*>(w) + n;
+    for_row_tiles(m, [&](auto rows, int64_t i0) {
+      nn_tile_dpbf16<decltype(rows)::value, H>(xp + i0 * K, K, wn, ldw, cols, acc + i0 * width,
+                                               i0 == 0 ? kNnAhead : 0);
+    });
+    for (int64_t a = 0; a < m; ++a) from_float(acc + a * width, out + a * ldo + n, cols);
+  }
+}
+
+#undef TORCH_MOE_BF16_INLINE
+#undef TORCH_MOE_BF16_TARGET
 #endif
 
 template <typename T>
@@ -369,6 +490,10 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
   const int64_t col_tasks = (N + cols_per_task - 1) / cols_per_task;
   std::vector<int64_t> starts(groups + 1, 0);
   for (int64_t g = 0; g < groups; ++g) starts[g + 1] = ends[g];
+  bool dpbf16 = false;  // bf16 by vdpbf16ps, x read as it is
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) dpbf16 = has_avx512_bf16();
+#endif
   at::parallel_for(0, groups * col_tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> xf, scratch;
     int64_t converted = -1;
@@ -376,35 +501,43 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
       const int64_t g = t / col_tasks, c = t % col_tasks;
       const int64_t r0 = starts[g], m = starts[g + 1] - r0;
       if (m <= 0) continue;
-      if (converted != g) {
+      if (!dpbf16 && converted != g) {
         xf.resize(m * K);
         to_float(xp + r0 * K, xf.data(), m * K);
         converted = g;
       }
       const int64_t n0 = c * cols_per_task, n1 = std::min(N, n0 + cols_per_task);
       const T* wg = wp + g * w.stride(0);
+      T* o = op + r0 * N;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (dpbf16) {
+          const T* xg = xp + r0 * K;
+          if (!row_major) {
+            nt_blocks<T>(m, n0, n1, ldw,
+                         [&](auto rows, int64_t i0, const int64_t* col, int cols, int64_t ahead) {
+                           nt_tile_dpbf16<decltype(rows)::value>(xg + i0 * K, K, wg, ldw, col,
+                                                                 cols, o + i0 * N, N, ahead);
+                         });
+          } else if (m == 1) {
+            scratch.resize(256);
+            nn_blocks_dpbf16<8>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
+          } else {
+            scratch.resize(m * 64);
+            nn_blocks_dpbf16<2>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
+          }
+          continue;
+        }
+      }
+#endif
       if (row_major) {
         scratch.resize(m * (n1 - n0));
         if (m == 1) {
-          nn_row(xf.data(), K, wg, ldw, n0, n1 - n0, op + r0 * N, scratch.data());
+          nn_row(xf.data(), K, wg, ldw, n0, n1 - n0, o, scratch.data());
         } else {
-          nn_block(xf.data(), m, K, wg, ldw, n0, n1, op + r0 * N, N, scratch.data());
+          nn_block(xf.data(), m, K, wg, ldw, n0, n1, o, N, scratch.data());
         }
       } else {
-        T* o = op + r0 * N;
-#if defined(CPU_CAPABILITY_AVX512)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (has_avx512_bf16()) {
-            const T* x = xp + r0 * K;
-            nt_blocks<T>(m, n0, n1, ldw,
-                         [&](auto rows, int64_t i0, const int64_t* col, int cols, int64_t ahead) {
-                           nt_tile_dpbf16<decltype(rows)::value>(x + i0 * K, K, wg, ldw, col,
-                                                                 cols, o + i0 * N, N, ahead);
-                         });
-            continue;
-          }
-        }
-#endif
         nt_blocks<T>(m, n0, n1, ldw,
                      [&](auto rows, int64_t i0, const int64_t* col, int cols, int64_t ahead) {
                        nt_tile<decltype(rows)::value>(xf.data() + i0 * K, K, wg, ldw, col, cols,
