@@ -107,6 +107,17 @@ inline void from_float(const float* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);  // round to nearest even, as a tensor copy
 }
 
+// One product added as a vector lane adds it (at::vec::fmadd): fused where the build has
+// FMA (AVX2, AVX512), a multiply and an add in the DEFAULT build, so that a column in a
+// scalar tail gets the bits it gets in a vector.
+inline float lane_fma(float a, float b, float c) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // Calls tile(std::integral_constant<int, R>(), i0) for the tiles [i0, i0 + R) of m rows,
 // R = kRows but for the last tile. The kernels' tiles take R as a template argument so
 // that their R x kRows (R x kCols) accumulators stay in registers: with a run-time row
@@ -152,7 +163,7 @@ void nn_panel(const float* xf, int64_t K, const T* w, int64_t ldw, int64_t n0, i
     for (int a = 0; a < R; ++a) {  // as in the vector lanes
       float s = acc[a * width + n];
       for (int64_t k = k0; k < k1; ++k)
-        s = std::fma(xf[a * K + k], static_cast<float>(w[k * ldw + n0 + n]), s);
+        s = lane_fma(xf[a * K + k], static_cast<float>(w[k * ldw + n0 + n]), s);
       acc[a * width + n] = s;
     }
   }
@@ -202,7 +213,8 @@ void nn_row(const float* xf, int64_t K, const T* w, int64_t ldw, int64_t n0, int
   }
   for (int64_t n = wb; n < width; ++n) {  // the last columns (fewer than a block), one fma
     float s = 0.0f;                       // per product as in the vector lanes
-    for (int64_t k = 0; k < K; ++k) s = std::fma(xf[k], static_cast<float>(w[k * ldw + n0 + n]), s);
+    for (int64_t k = 0; k < K; ++k)
+      s = lane_fma(xf[k], static_cast<float>(w[k * ldw + n0 + n]), s);
     acc[n] = s;
   }
   from_float(acc, out + n0, width);
