@@ -455,8 +455,8 @@ TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const ui
 }
 
 // The row-major form for m rows: columns [n0, n1) in blocks of 32 * H (H = 8 for one row:
-// a longer stretch of each weight row read at a time, 0.85-1.0x the fp32 form's one
-// stream of whole rows, where 2 gave 0.7x; else 2, 16 accumulators for 4 rows),
+// a longer stretch of each weight row read at a time, 0.8-1.1x the fp32 form's one
+// stream of whole rows, where 2 gave 0.7-0.8x; else 2, 16 accumulators for 4 rows),
 // rows in tiles (the first prefetching down the weight's rows; the later ones find the
 // block's strip of rows in L2); the sums in acc (m x 32 * H floats), rounded into out.
 template <int H>
