@@ -866,6 +866,19 @@ class TestNativeFewRowsMM(TestCase):
             with self.subTest(rows=rows):
                 self.assertTrue(torch.equal(got[:rows], got[rows : 2 * rows]))
 
+    @parametrize("layout", ["row", "col"])
+    def test_odd_k_reads_nothing_past_a_row(self, layout):
+        # an odd K's last product pairs with zero (the row-major vdpbf16ps form) or runs
+        # in a scalar tail: x[r, K] (the next row's first element, here inf) must not be
+        # read, or 0 * inf makes the row NaN
+        g = torch.Generator().manual_seed(9)
+        k, n = 37, 70
+        x = torch.randn(5, k, generator=g).to(BF16)
+        x[1:, 0] = float("inf")
+        w = _few_weight(1, k, n, BF16, layout, g)
+        got = _few_mm(x, w, torch.tensor([5], dtype=torch.int32))
+        assert_gemm_within(self, got[:1], x[:1], w, torch.tensor([1], dtype=torch.int32), "row 0")
+
     def test_no_rows(self):
         offs = torch.zeros(3, dtype=torch.int32)
         got = _few_mm(torch.randn(0, 16).to(BF16), torch.randn(3, 16, 8).to(BF16), offs)

@@ -360,7 +360,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpb
   }
 }
 
-
 // The row-major form for bf16 on CPUs with AVX512-BF16. vdpbf16ps multiplies pairs of
 // bf16 along k, so weight rows k and k + 1 are interleaved (vpunpck{l,h}wd: of 32
 // columns, the low half takes columns 0-3, 8-11, 16-19 and 24-27, each with its pair,
@@ -372,8 +371,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpb
 // of weight per fma step; here a step takes 64 products per instruction.
 constexpr int64_t kNnAhead = 32;  // weight rows the first row tile prefetches ahead (16-32
                                   // measured alike)
+constexpr int kNnHalves = 2;        // 32-column halves per block: 16 accumulators for 4 rows
+constexpr int kNnHalvesOneRow = 8;  // for a one-row group (nn_blocks_dpbf16 says why)
 #define TORCH_MOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 #define TORCH_MOE_BF16_INLINE TORCH_MOE_BF16_TARGET inline __attribute__((always_inline))
 
 // The mask of the first `cols` of 32 columns
@@ -386,9 +386,10 @@ inline __mmask32 first_columns(int64_t cols) {
 template <bool kSecond>
 TORCH_MOE_BF16_INLINE void load_row_pair(const uint16_t* p, int64_t ldw, __mmask32 mask,
                                          __m512i& lo, __m512i& hi) {
-  const bool full = mask == ~__mmask32(0);
+  const bool full = mask == ~__mmask32(0);  // masked loads only in a block's tail
   const __m512i a0 = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p);
-  const __m512i a1 = kSecond ? (full ? _mm512_loadu_si512(p + ldw) : _mm512_maskz_loadu_epi16(mask, p + ldw)) : _mm512_setzero_si512();
+  __m512i a1 = _mm512_setzero_si512();
+  if (kSecond) a1 = full ? _mm512_loadu_si512(p + ldw) : _mm512_maskz_loadu_epi16(mask, p + ldw);
   lo = _mm512_unpacklo_epi16(a0, a1);
   hi = _mm512_unpackhi_epi16(a0, a1);
 }
@@ -532,11 +533,11 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
                                                                  cols, o + i0 * N, N, ahead);
                          });
           } else if (m == 1) {
-            scratch.resize(256);
-            nn_blocks_dpbf16<8>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
+            scratch.resize(32 * kNnHalvesOneRow);
+            nn_blocks_dpbf16<kNnHalvesOneRow>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
           } else {
-            scratch.resize(m * 64);
-            nn_blocks_dpbf16<2>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
+            scratch.resize(m * 32 * kNnHalves);
+            nn_blocks_dpbf16<kNnHalves>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
           }
           continue;
         }
