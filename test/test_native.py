@@ -803,7 +803,7 @@ class TestNativeFewRowsMM(TestCase):
         g = torch.Generator().manual_seed(11)
         cases = (([2, 0, 5, 1], 37, 70), ([9, 4], 64, 128), ([1, 1, 0, 3], 8, 5))
         # one- and two-row groups over whole vectors and a tail (the row tiles of 1-2 rows,
-        # the row-major form's one-row stream)
+        # a one-row group's own form of a row-major weight)
         cases += (([1, 2, 0, 3], 200, 70),)
         for sizes, k, n in cases:
             offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
@@ -833,7 +833,7 @@ class TestNativeFewRowsMM(TestCase):
     @parametrize("layout", ["row", "col"])
     def test_columns_by_themselves(self, dtype, layout):
         # the columns are read in blocks that depend on the width (a column-major weight's
-        # drawn from runs of columns, a row-major one's of 64 or 128 columns by group
+        # drawn from runs of columns, a row-major one's of 64 or 256 columns by group
         # size, the last one partial): any slice of the columns gives the same bits
         g = torch.Generator().manual_seed(5)
         offs = torch.tensor([1, 3, 3, 7], dtype=torch.int32)

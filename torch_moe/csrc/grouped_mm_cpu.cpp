@@ -249,10 +249,11 @@ inline int block_columns(int64_t n0, int64_t n1, int64_t blk, int64_t* col) {
   return cols;
 }
 
-// Software prefetch for the column-major forms (nt_blocks says which tile asks for it):
-// the cache lines `ahead` elements past a weight load's address, one per line the load
-// spans. The hardware prefetchers run too short a way ahead on the weight's runs of
-// columns, and nothing reads memory while a block's later row tiles work from L1
+// Software prefetch (for the column-major forms nt_blocks says which tile asks for it;
+// the row-major vdpbf16ps form below prefetches rows ahead alike): the cache lines
+// `ahead` elements past a weight load's address, one per line the load spans. The
+// hardware prefetchers run too short a way ahead on the weight's runs of columns, and
+// nothing reads memory while a block's later row tiles work from L1
 // (groups of 2-16 rows up to 1.8x faster with it: benchmarks/results/cpu_floor_cpu_202612.md,
 // twenty-seventh session).
 template <typename T, int64_t kElems>
@@ -328,9 +329,12 @@ bool has_avx512_bf16() {
   return yes;
 }
 
+#define TORCH_MOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TORCH_MOE_BF16_INLINE TORCH_MOE_BF16_TARGET inline __attribute__((always_inline))
+
 // nt_tile for bf16 by vdpbf16ps (x in bf16 here)
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpbf16(
+TORCH_MOE_BF16_TARGET void nt_tile_dpbf16(
     const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t ldw, const int64_t* col,
     int cols, c10::BFloat16* out, int64_t ldo, int64_t ahead) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
@@ -368,13 +372,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void nt_tile_dpb
 // row pairs with zero. Every output element is the same sequence of vdpbf16ps, k pairs
 // in order from zero, whatever its tile, block or group size: a row's bits do not depend
 // on its group (as in the fp32 forms). The fp32 forms' register blocks convert 4 vectors
-// of weight per fma step; here a step takes 64 products per instruction.
+// of weight per fma step; here an instruction takes 32 products.
 constexpr int64_t kNnAhead = 32;  // weight rows the first row tile prefetches ahead (16-32
                                   // measured alike)
 constexpr int kNnHalves = 2;        // 32-column halves per block: 16 accumulators for 4 rows
 constexpr int kNnHalvesOneRow = 8;  // for a one-row group (nn_blocks_dpbf16 says why)
-#define TORCH_MOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define TORCH_MOE_BF16_INLINE TORCH_MOE_BF16_TARGET inline __attribute__((always_inline))
 
 // The mask of the first `cols` of 32 columns
 inline __mmask32 first_columns(int64_t cols) {
@@ -422,9 +424,9 @@ TORCH_MOE_BF16_INLINE void nn_step_dpbf16(const uint16_t* x, int64_t K, const ui
   __m512i lo[H], hi[H];
   for (int h = 0; h < H; ++h) {
     const uint16_t* p = w + k * ldw + 32 * h;
-    if (ahead) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + ahead * ldw), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + (ahead + 1) * ldw), _MM_HINT_T0);
+    if (ahead) {  // the same columns of rows k + ahead and k + 1 + ahead
+      prefetch_ahead<uint16_t, 32>(p, ahead * ldw);
+      prefetch_ahead<uint16_t, 32>(p + ldw, ahead * ldw);
     }
     load_row_pair<kSecond>(p, ldw, mask[h], lo[h], hi[h]);
   }
