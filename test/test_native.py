@@ -226,6 +226,44 @@ class TestNativeSwiGLU(TestCase):
             self.assertIn(f"-DCPU_CAPABILITY_{known}", flags)
             self.assertIn(f"-DCPU_CAPABILITY={known}", flags)
         self.assertNotIn("-ffp-contract=off", flags)  # ATen's build contracts; so must this
+        # at::parallel_for is an omp region compiled into the kernels: without -fopenmp
+        # each runs on one thread whatever torch.get_num_threads() says
+        omp = _native._openmp()
+        self.assertEqual("-fopenmp" in flags, omp)
+        self.assertEqual("-fopenmp" in call.kwargs["extra_ldflags"], omp)
+
+    @parametrize("openmp", [True, False])
+    def test_openmp_where_torch_runs_openmp(self, openmp):
+        info = (
+            "ATen parallel backend: OpenMP"
+            if openmp
+            else "ATen parallel backend: native thread pool"
+        )
+        with (
+            mock.patch("torch.__config__.parallel_info", return_value=info),
+            mock.patch("sys.platform", "linux"),
+            mock.patch("torch.backends.openmp.is_available", return_value=True),
+        ):
+            self.assertEqual(_native._openmp(), openmp)
+        with mock.patch("sys.platform", "darwin"):
+            self.assertFalse(_native._openmp())
+
+    @needs_native
+    @unittest.skipUnless(_native._openmp(), "torch's parallel backend is not OpenMP here")
+    def test_kernels_run_on_torchs_threads(self):
+        # the kernels' at::parallel_for regions fan out over torch's intra-op threads (a
+        # build without -fopenmp ran every kernel on the calling thread)
+        mod = _native.kernels()
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                self.assertEqual(mod.parallel_threads(64), n)
+                self.assertEqual(mod.parallel_threads(1), 1)  # one task: one thread
+        finally:
+            torch.set_num_threads(threads)
+        with self.assertRaisesRegex(RuntimeError, "tasks must be >= 1, got 0"):
+            mod.parallel_threads(0)
 
     def test_stale_build_lock(self):
         """A lock left by a killed build is removed (load would wait for it forever); a

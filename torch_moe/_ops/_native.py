@@ -17,6 +17,9 @@ They are prototypes of ATen kernels; until those exist they are built here, once
 machine and CPU capability, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``)
 as one library of plain ``torch.ops.torch_moe_cpu`` ops, which takes 10-20 s with a C++
 compiler and under a second to load afterwards.
+Where torch's parallel backend is OpenMP it is compiled with OpenMP too, so that the
+kernels' ``at::parallel_for`` loops run on torch's intra-op threads (``_openmp``; before,
+they ran on one thread whatever ``torch.get_num_threads()`` was).
 
 ``TORCH_MOE_NATIVE=0`` never builds it. A failed build (no compiler, say) warns once and
 the ATen ops run instead, with the same results; whether the activation kernel is used
@@ -28,6 +31,7 @@ wherever they built.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
@@ -40,7 +44,10 @@ __all__ = ["ENV", "available", "kernels"]
 
 ENV = "TORCH_MOE_NATIVE"
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("swiglu_cpu.cpp", "permute_cpu.cpp", "grouped_mm_cpu.cpp")]
+_SOURCES = [
+    _CSRC / name
+    for name in ("swiglu_cpu.cpp", "permute_cpu.cpp", "grouped_mm_cpu.cpp", "parallel_cpu.cpp")
+]
 _lock = threading.Lock()
 _STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
 _built: dict[str, Any] = {}  # capability -> the ops' namespace, or None
@@ -89,17 +96,36 @@ def _clear_stale_lock(name: str) -> None:
         time.sleep(0.5)
 
 
+def _openmp() -> bool:
+    """Whether to compile the kernels with OpenMP: ``at::parallel_for`` is a header
+    template whose threads come from an ``omp parallel`` region compiled into the
+    caller, so without ``-fopenmp`` every kernel runs on one thread whatever
+    ``torch.get_num_threads()`` says. Where torch's own backend is OpenMP (Linux wheels:
+    GNU OpenMP, ``libgomp.so.1``), linking ``-fopenmp`` resolves to the runtime torch has
+    already loaded, so both share one thread pool."""
+    return (
+        sys.platform.startswith("linux")
+        and torch.backends.openmp.is_available()
+        and "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+    )
+
+
 def _build(cap: str) -> Any:
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", *_CAPABILITY_FLAGS.get(cap, [])]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
+    ldflags = []
+    if _openmp():
+        flags.append("-fopenmp")
+        ldflags.append("-fopenmp")
     _clear_stale_lock(f"torch_moe_cpu_{cap.lower()}")
     load(
         name=f"torch_moe_cpu_{cap.lower()}",
         sources=[str(src) for src in _SOURCES],
         extra_cflags=flags,
+        extra_ldflags=ldflags,
         is_python_module=False,  # registers torch.ops.torch_moe_cpu (no pybind11: builds faster)
         verbose=False,
     )
@@ -109,7 +135,7 @@ def _build(cap: str) -> Any:
 def kernels() -> Any:
     """The compiled kernels' ops (``torch.ops.torch_moe_cpu``: ``swiglu_forward``,
     ``swiglu_backward``, ``glu_oai_*``, ``glu_swiglu_*``, ``relu2_*``, ``permute_indices``,
-    ``combine``, ``few_rows_mm``), or None where disabled or the build failed."""
+    ``combine``, ``few_rows_mm``, ``parallel_threads``), or None where disabled or the build failed."""
     if not enabled():
         return None
     cap = _capability()
