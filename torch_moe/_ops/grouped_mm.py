@@ -301,6 +301,13 @@ def _busy_groups(ends: list[int]) -> int:
     return len({0, *ends}) - 1
 
 
+def rows_per_busy_group(ends: list[int]) -> tuple[int, int]:
+    """(busy groups, their rows each rounded up): the shape class every few-rows decision
+    reads (0 rows where no group has any)."""
+    busy = _busy_groups(ends)
+    return busy, -(-ends[-1] // busy) if busy else 0
+
+
 def _use_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """``torch._grouped_mm(a, b, offs)`` (a [M, K] x b [E, K, N], or for ``wgrad``
     a [K, M] x b [M, N]) instead of the loop: allowed and measured faster (forward, at up
@@ -339,8 +346,7 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
         ok = _torch_grouped_mm_cpu_ok(a, b, ends, k, n)
     if not ok:
         return False
-    busy = _busy_groups(ends)
-    few = -(-ends[-1] // busy)
+    _, few = rows_per_busy_group(ends)
     if not wgrad and few <= _cpu_probe.FEW_ROWS:
         # a few rows per group: the loop applies mm_into's few-rows ways (mv / swap) and
         # torch._grouped_mm runs one GEMM per group; measured at these rows
@@ -487,8 +493,8 @@ def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
     col_major = weight_col_major(w)
     if not x.is_contiguous() or col_major is None:
         return False
-    busy = _busy_groups(ends)
-    return few_gemm_class(w.dtype, col_major, -(-ends[-1] // busy), busy)
+    busy, rows = rows_per_busy_group(ends)
+    return few_gemm_class(w.dtype, col_major, rows, busy)
 
 
 def few_gemm_class(dtype: torch.dtype, col_major: bool, rows: int, busy: int) -> bool:

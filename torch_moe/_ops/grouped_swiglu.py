@@ -56,6 +56,7 @@ from torch_moe._ops.grouped_mm import (
     grouped_mm_wgrad,
     mm_cpu,
     mm_into,
+    rows_per_busy_group,
     weight_col_major,
     wgrad_copies,
     wgrad_operand,
@@ -617,8 +618,7 @@ def _whole_path_for(w13: Tensor, w2: Tensor, ends: list[int], backward: bool) ->
     """``_whole_path`` of the forward or the backward for these weights and group ends
     (validated), at the mean rows of the non-empty groups; memoized (the kernels ask per
     call)."""
-    busy = _busy_groups(ends)
-    rows = -(-ends[-1] // busy) if busy else 0
+    busy, rows = rows_per_busy_group(ends)
     if backward:
         col_major = (weight_col_major(w2), weight_col_major(w13))
     else:
