@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices(
 // thread waited on every row's first lines (10-12 GB/s from DRAM on a Zen 5 EPYC, a third
 // of a contiguous read); so while summing one row the loop prefetches, line for line, the
 // row kAheadBytes further on in the token order (into the next token's rows at the end),
-// about as far as the memory latency times one core's read bandwidth: 2.1-2.4x there
+// about as far as the memory latency times one core's read bandwidth: 1.7-2.4x there
 // from DRAM at 2-14 KB rows, and no slower from the last-level cache.
 constexpr int64_t kAheadBytes = 6144;
 
