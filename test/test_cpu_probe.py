@@ -119,6 +119,41 @@ class TestCpuProbe(TestCase):
         P.decide("layout:test", measure, default="as_is")
         self.assertEqual(len(calls), 2)
 
+    def test_threads_and_clock_of_a_probe(self):
+        # probes time one thread in its CPU time; few_gemm's (threads=True) the caller's
+        # threads in wall time (the native kernel and oneDNN scale differently)
+        seen = {}
+
+        def measure(name):
+            def run():
+                clock = P._clock
+                with unittest.mock.patch.object(P.time, "thread_time", return_value=-1.0):
+                    seen[name] = (torch.get_num_threads(), clock() != -1.0)
+                return {"aten": 1.0, "native": 2.0}
+
+            return run
+
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            P.decide("few_gemm:test:one", measure("one"), default="aten")
+            P.decide("few_gemm:test:all", measure("all"), default="aten", threads=True)
+            self.assertEqual(torch.get_num_threads(), 2)
+            torch.set_num_threads(1)  # one thread: no other thread to count
+            P.decide("few_gemm:test:all1", measure("all1"), default="aten", threads=True)
+        finally:
+            torch.set_num_threads(threads)
+        thread_clock = P._THREAD_CLOCK  # without one (other OSes) every probe is wall time
+        self.assertEqual(seen["one"], (1, not thread_clock))
+        self.assertEqual(seen["all"], (2, True))
+        self.assertEqual(seen["all1"], (1, not thread_clock))
+        self.assertFalse(P._wall_clock)  # restored after the probe
+        calls = []
+        with unittest.mock.patch.object(P, "decide", side_effect=lambda *a, **k: calls.append(k)):
+            P.few_gemm(torch.bfloat16, True, 16, 8, lambda: {})
+            P.act_kernel(torch.bfloat16, lambda: {})
+        self.assertEqual([c.get("threads", False) for c in calls], [True, False])
+
     def test_memo_until_decisions_change(self):
         calls = []
 

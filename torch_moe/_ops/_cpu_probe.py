@@ -17,6 +17,11 @@ that near-ties do not flip between runs. A probe takes a few to a few tens of
 milliseconds (``_PROBE_BUDGET_S`` bounds its rounds); its result is cached per process
 and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the machine
 (CPU model and flags, torch version, thread count), which also makes it reproducible.
+The one exception is ``few_gemm``, whose candidates scale differently with threads (the
+native kernel shares all groups' work out in one parallel region; oneDNN splits each
+small GEMM by itself, and gains little from a second thread at a few rows): it is timed
+on the caller's threads, in wall time (the minimum over rounds), so that a two-thread
+process does not take a one-thread ranking (at 16 rows per expert they differ).
 
 Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
 row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
@@ -359,6 +364,18 @@ def _one_thread() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def _all_threads() -> Iterator[None]:
+    """Probes of :func:`decide` with ``threads``: the caller's threads, timed in wall time
+    (a thread's CPU time would leave out the others' share)."""
+    global _wall_clock
+    _wall_clock = torch.get_num_threads() > 1
+    try:
+        yield
+    finally:
+        _wall_clock = False
+
+
 def cycled(sets: Sequence[T], run: Callable[[T], object]) -> Callable[[], None]:
     """A candidate for :func:`time_candidates`: ``run`` on the next of ``sets`` at each
     call, in a turn of its own through them (so that its calls do not all find their
@@ -377,7 +394,8 @@ def time_candidates(
     """Min seconds per call of each candidate: one warm-up call each, then rounds (each
     candidate once per round) until ``_MAX_ROUNDS`` or ``budget_s`` of wall time (at
     least two rounds). Timed in the calling thread's CPU time (probes run on one thread):
-    the time other processes hold the core is not counted."""
+    the time other processes hold the core is not counted; in wall time inside
+    :func:`_all_threads`."""
     for fn in candidates.values():
         fn()
     best = dict.fromkeys(candidates, float("inf"))
@@ -393,7 +411,10 @@ def time_candidates(
 
 
 def _clock() -> float:
-    return time.thread_time() if _THREAD_CLOCK else time.perf_counter()
+    return time.thread_time() if _THREAD_CLOCK and not _wall_clock else time.perf_counter()
+
+
+_wall_clock = False  # set by _all_threads while a probe times several threads
 
 
 try:  # the thread's CPU time where the OS has a per-thread clock
@@ -416,11 +437,13 @@ def decide(
     default: str,
     margin: float = 0.1,
     choose: Callable[[Mapping[str, float]], str] | None = None,
+    threads: bool = False,
 ) -> str:
     """The choice for ``key``: forced, cached (process, then disk), or measured now.
 
     ``measure()`` returns seconds per candidate (see :func:`time_candidates`); the choice
     is ``choose(times)`` if given, else :func:`pick` with ``default`` and ``margin``.
+    ``threads``: measured on the caller's threads in wall time, not on one thread.
     """
     forced = _forced_choice(key)
     if forced is not None:
@@ -438,7 +461,9 @@ def decide(
             from torch.utils._python_dispatch import _disable_current_modes
 
             # plain tensors, timed as they run: no dispatch mode or autograd; one thread
-            with _disable_current_modes(), torch.no_grad(), _one_thread():
+            # unless the candidates' ranking depends on the threads
+            how_timed = _all_threads() if threads else _one_thread()
+            with _disable_current_modes(), torch.no_grad(), how_timed:
                 times = measure()
             choice = choose(times) if choose is not None else pick(times, default, margin)
             how = "measured: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
@@ -720,10 +745,11 @@ def few_gemm(
     weight read once for all of its rows, converted in registers, one call for all
     groups) beats the better ATen way (``torch._grouped_mm`` or the per-group loop) by
     over 10% at about ``rows`` rows per group over ``groups`` busy groups (powers of
-    two) with the weight row- or column-major (``<b>``: n / t), else ``"aten"``."""
+    two) with the weight row- or column-major (``<b>``: n / t), else ``"aten"``. Timed
+    on the caller's threads (module note)."""
     b = "t" if col_major else "n"
     key = f"few_gemm:{_dt(dtype)}:{b}:r{_pow2_at_least(rows)}:g{_pow2_at_least(groups)}"
-    return decide(key, measure, default="aten")
+    return decide(key, measure, default="aten", threads=True)
 
 
 def act_kernel(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:
