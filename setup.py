@@ -26,7 +26,7 @@ setup(
     package_data={
         "torch_moe._triton": ["moe_decode_configs.json"],
         # the native CPU kernels' sources, compiled on first use (torch_moe/_ops/_native.py)
-        "torch_moe": ["csrc/*.cpp"],
+        "torch_moe": ["csrc/*.cpp", "csrc/*.h"],
     },
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6"],

@@ -242,7 +242,6 @@ class TestNativeSwiGLU(TestCase):
         with (
             mock.patch("torch.__config__.parallel_info", return_value=info),
             mock.patch("sys.platform", "linux"),
-            mock.patch("torch.backends.openmp.is_available", return_value=True),
         ):
             self.assertEqual(_native._openmp(), openmp)
         with mock.patch("sys.platform", "darwin"):

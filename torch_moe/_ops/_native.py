@@ -105,7 +105,6 @@ def _openmp() -> bool:
     already loaded, so both share one thread pool."""
     return (
         sys.platform.startswith("linux")
-        and torch.backends.openmp.is_available()
         and "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
     )
 

@@ -24,6 +24,8 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
+#include "vec_convert.h"
+
 #include <algorithm>
 #include <cstring>
 #include <optional>
@@ -115,16 +117,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices(
 // from DRAM at 2-14 KB rows, and no slower from the last-level cache.
 constexpr int64_t kAheadBytes = 6144;
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-inline auto to_float(const at::vec::Vectorized<at::BFloat16>& v) {
-  return at::vec::convert_bfloat16_float(v);
-}
-
-inline auto to_float(const at::vec::Vectorized<at::Half>& v) {
-  return at::vec::convert_half_float(v);
-}
-#endif
-
 // a[0:n] = src[0:n] (first) or a[0:n] += src[0:n] in Acc, while prefetching pre[0:n]:
 // one prefetch per vector load (a 64-byte line with AVX512, half of one with AVX2)
 template <typename T, typename Acc>
@@ -136,7 +128,7 @@ inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first) {
     using hVec = at::vec::Vectorized<T>;
     for (; i + hVec::size() <= n; i += hVec::size()) {
       __builtin_prefetch(pre + i, 0, 3);
-      auto [lo, hi] = to_float(hVec::loadu(src + i));
+      auto [lo, hi] = torch_moe_cpu::to_float(hVec::loadu(src + i));
       if (!first) {
         lo = fVec::loadu(a + i) + lo;
         hi = fVec::loadu(a + i + fVec::size()) + hi;

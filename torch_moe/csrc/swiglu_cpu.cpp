@@ -32,6 +32,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vec_convert.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -58,13 +60,7 @@ inline void load_row<float>(const float* src, float* dst, int64_t n) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-inline auto to_float(const Vectorized<at::BFloat16>& v) {
-  return at::vec::convert_bfloat16_float(v);
-}
-
-inline auto to_float(const Vectorized<at::Half>& v) {
-  return at::vec::convert_half_float(v);
-}
+using torch_moe_cpu::to_float;
 
 // half-precision rows: a vector of T converts into two fp32 vectors
 template <typename T>
