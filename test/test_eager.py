@@ -30,7 +30,7 @@ from torch.testing._internal.common_utils import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_moe import ops
-from torch_moe._ops import _cpu_probe, _eager, _native
+from torch_moe._ops import _cpu_probe, _eager, _native, routing
 from torch_moe._ops import glu as glu_mod
 from torch_moe._ops import grouped_mm as gmm
 from torch_moe._ops import grouped_swiglu as gs
@@ -132,6 +132,15 @@ def _case(name: str, seed: int, tokens: int = 13, skew: bool = False) -> tuple[C
             rand(tokens, dim),
             torch.nn.Parameter(rand(experts, dim, 2 * hidden, grad=False)),
         ]
+    if name == "topk_route":  # softmax, normalized and scaled weights
+        return (lambda lg: routing.topk_route(lg, top_k, "softmax", None, None, None, True, 2.5)), [
+            rand(tokens, experts, dtype=F32)
+        ]
+    if name == "topk_route_grouped":  # bf16 logits, sigmoid, selection bias, limited groups
+        bias = torch.randn(experts, generator=g)
+        return (
+            lambda lg: routing.topk_route(lg, top_k, "sigmoid", bias, experts, 3, True, 1.0, "max")
+        ), [rand(tokens, experts)]
     if name == "glu":
         return (lambda h, r: glu_mod.glu(h, r, "swigluoai", 1.702, 7.0, True)), [
             rand(rows, 2 * hidden),
@@ -154,6 +163,8 @@ CASES = [
     "gather_grouped_mm",
     "gather_grouped_mm_parameter",
     "glu",
+    "topk_route",
+    "topk_route_grouped",
 ]
 
 
@@ -219,6 +230,8 @@ class TestDirectCalls(TestCase):
             gmm.gather_grouped_mm,
             glu_mod.glu,
             glu_mod.glu_backward,
+            routing.topk_route,
+            routing.topk_route_backward,
         ]
         with op_never_called(*wrapped):
             out, grads, saved = _run(call, inputs)

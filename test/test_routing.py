@@ -311,6 +311,28 @@ class TestTopKRoute(TestCase):
         with self.assertRaisesRegex(RuntimeError, "^" + re.escape(msg)):
             topk_route(x, 2)
 
+    @parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+    @parametrize("experts", [3, 8, 64, 257])
+    def test_value_check_at_every_position(self, dtype, experts):
+        # the check is one row reduction: a bad value anywhere in a row (the vector body or
+        # the tail of a wide row, a transposed view) is found, an allowed -inf is not refused
+        g = torch.Generator().manual_seed(experts)
+        for pos in range(experts):
+            for bad in [math.nan, math.inf]:
+                x = torch.randn(6, experts, generator=g).to(dtype)
+                x[4, pos] = bad
+                for logits in [x, x.t().contiguous().t()]:
+                    with self.assertRaisesRegex(RuntimeError, "logits contain NaN or \\+inf"):
+                        _routing._check_values(logits)
+            x = torch.randn(6, experts, generator=g).to(dtype)
+            x[2] = -math.inf
+            with self.assertRaisesRegex(RuntimeError, "a row with no finite logit"):
+                _routing._check_values(x)
+            x[2, pos] = -1e4  # one finite logit left: allowed
+            x[3, :pos] = -math.inf
+            _routing._check_values(x)
+        _routing._check_values(torch.empty(0, experts, dtype=dtype))  # no tokens
+
 
 instantiate_parametrized_tests(TestTopKRoute)
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops._dtypes import acc_dtype
+from torch_moe._ops._eager import direct_calls
 
 __all__ = ["GROUP_SCORES", "SCORE_FUNCS", "SIGMOID_SCORES", "topk_route", "topk_route_reference"]
 
@@ -126,8 +127,9 @@ def _check_inputs(
 
 
 def _check_values(logits: Tensor) -> None:
-    # NaN < inf and inf < inf are both False: one comparison finds NaN and +inf
-    ok = (logits < math.inf).all() & torch.isfinite(logits).any(-1).all()
+    # a row's max is finite exactly when the row holds no NaN (amax propagates it), no
+    # +inf and some finite value: one reduction, not three passes over [T, E]
+    ok = torch.isfinite(logits.amax(dim=-1)).all()
     torch._assert_async(
         ok,
         "topk_route: logits contain NaN or +inf, or a row with no finite logit "
@@ -259,8 +261,7 @@ def _(
     return weights, ids, counts
 
 
-@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
-def topk_route_backward(
+def _topk_route_backward_impl(
     grad_weights: Tensor,
     logits: Tensor,
     expert_ids: Tensor,
@@ -288,6 +289,21 @@ def topk_route_backward(
         g_TK = chosen_TK * (g_TK - (g_TK * chosen_TK).sum(-1, keepdim=True))
         grad_TE.scatter_(1, expert_ids, g_TK)
     return grad_TE.to(logits.dtype)
+
+
+@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
+def topk_route_backward(
+    grad_weights: Tensor,
+    logits: Tensor,
+    expert_ids: Tensor,
+    score_func: str,
+    route_norm: bool,
+    route_scale: float,
+    route_norm_eps: float = 1e-20,
+) -> Tensor:
+    return _topk_route_backward_impl(
+        grad_weights, logits, expert_ids, score_func, route_norm, route_scale, route_norm_eps
+    )
 
 
 @topk_route_backward.register_fake
@@ -327,3 +343,8 @@ def _backward(ctx, grad_weights, _grad_ids, _grad_counts):  # type: ignore[no-un
 
 
 topk_route.register_autograd(_backward, setup_context=_setup_context)
+
+# eager calls on plain CPU tensors skip the ops' Python layers (torch_moe/_ops/_eager.py):
+# routing is one call per layer, but at a few tokens its layers cost more than its math
+topk_route = direct_calls(topk_route, topk_route_reference, _setup_context, _backward)
+topk_route_backward = direct_calls(topk_route_backward, _topk_route_backward_impl)
