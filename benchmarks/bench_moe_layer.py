@@ -39,6 +39,7 @@ import functools
 import statistics
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import bench_ops
 import torch
@@ -61,6 +62,7 @@ from torch import Tensor, nn
 
 import torch_moe  # noqa: F401
 import torch_moe.nn.modules.moe as moe_module
+from torch_moe._ops.permute import unpermute as unpermute_rows
 from torch_moe.nn import MoE
 
 SHAPES = [(1792, 8, 2), (384, 32, 6), (256, 64, 8)]  # (F, E, K)
@@ -129,13 +131,20 @@ def fwd_bwd(module: nn.Module, x: Tensor, grad: Tensor) -> None:
 
 @contextlib.contextmanager
 def swapped_swiglu(fn: Callable[..., Tensor]) -> Iterator[None]:
-    """MoE layers call ``fn`` as their ``grouped_swiglu`` inside the block."""
-    current = moe_module.grouped_swiglu
-    moe_module.grouped_swiglu = fn
+    """MoE layers call ``fn`` as their ``grouped_swiglu`` inside the block, and where they
+    combine in the experts (``grouped_swiglu_combine``), ``fn`` then today's unpermute."""
+
+    def combine(*args: Any) -> Tensor:
+        x, w13, w2, offs, row_weights, row_to_slot, slot_to_row = args
+        y = fn(x, w13, w2, offs, row_weights, row_to_slot=row_to_slot, slot_to_row=slot_to_row)
+        return unpermute_rows(y, slot_to_row, row_to_slot)
+
+    current = moe_module.grouped_swiglu, moe_module.grouped_swiglu_combine
+    moe_module.grouped_swiglu, moe_module.grouped_swiglu_combine = fn, combine
     try:
         yield
     finally:
-        moe_module.grouped_swiglu = current
+        moe_module.grouped_swiglu, moe_module.grouped_swiglu_combine = current
 
 
 def saved_bytes_per_token(module: nn.Module, x: Tensor) -> float:

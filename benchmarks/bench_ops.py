@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import os
 import platform
 import resource
@@ -50,6 +51,7 @@ import torch_moe  # noqa: F401
 from torch_moe import ops
 from torch_moe._ops import _cpu_probe
 from torch_moe._ops.grouped_mm import cpu_compute_dtype
+from torch_moe._ops.permute import permute as permute_rows
 from torch_moe.nn.functional import grouped_swiglu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -251,8 +253,20 @@ def load_baseline(rev: str) -> types.SimpleNamespace:
         ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True
     ).stdout.strip()
     swiglu = mods["grouped_swiglu"].grouped_swiglu
+    gathers = "row_to_slot" in inspect.signature(swiglu).parameters
 
-    def grouped_swiglu_base(x, w13, w2, offs, row_weights=None):  # type: ignore[no-untyped-def]
+    def grouped_swiglu_base(  # type: ignore[no-untyped-def]
+        x, w13, w2, offs, row_weights=None, row_to_slot=None, slot_to_row=None
+    ):
+        """The revision's op; the layer's permutation form (rows gathered from the tokens)
+        by the op where the revision has it, else by today's permute first."""
+        if row_to_slot is None:
+            return swiglu(x, w13, w2, offs, row_weights)[0]
+        if gathers:
+            return swiglu(
+                x, w13, w2, offs, row_weights, row_to_slot=row_to_slot, slot_to_row=slot_to_row
+            )[0]
+        x = permute_rows(x.to(w13.dtype), row_to_slot, slot_to_row)
         return swiglu(x, w13, w2, offs, row_weights)[0]
 
     return types.SimpleNamespace(

@@ -35,6 +35,7 @@ from torch_moe._ops import glu as glu_mod
 from torch_moe._ops import grouped_mm as gmm
 from torch_moe._ops import grouped_swiglu as gs
 from torch_moe._ops import permute as perm
+from torch_moe.nn import MoE
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -942,6 +943,100 @@ def _assert_lean_gemms(
     test.assertEqual(flags, {few})
 
 
+class TestMoELayerNode(TestCase):
+    """``torch_moe.nn.MoE`` without expert parallelism runs its SwiGLU experts and the
+    combine through ``grouped_swiglu_combine`` (in eager on CPU tensors one autograd
+    node): the layer's output and every gradient (input, router, experts, shared experts)
+    are the ops', bit for bit, and it saves no more for the backward."""
+
+    def _step(self, moe: MoE, x: torch.Tensor, grad: torch.Tensor, autocast: bool) -> tuple:
+        moe.zero_grad(set_to_none=True)
+        x = x.detach().requires_grad_()
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        amp = torch.autocast("cpu", dtype=BF16) if autocast else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+            y = moe(x)
+        y.backward(grad.to(y.dtype))
+        grads = [x.grad] + [p.grad for p in moe.parameters()]
+        return [y], grads, sum(saved)
+
+    @parametrize(
+        "case", ["bf16", "fp32", "capacity", "shared", "autocast", "aux_losses", "no_tokens"]
+    )
+    def test_same_as_the_ops(self, case: str) -> None:
+        kw: dict[str, Any] = dict(route_norm=True)
+        dtype, tokens = BF16, 23
+        if case == "fp32":
+            dtype = F32
+        elif case == "capacity":  # dropped assignments: -1 slots
+            kw["capacity_factor"] = 0.75
+        elif case == "shared":  # a gated shared expert between the experts and the sum
+            kw.update(shared_hidden_dim=24, shared_gate=True)
+        elif case == "autocast":
+            dtype = F32
+        elif case == "aux_losses":
+            kw.update(aux_loss="switch", aux_loss_coeff=0.01, z_loss_coeff=0.001)
+        elif case == "no_tokens":
+            tokens = 0
+        torch.manual_seed(len(case))
+        moe = MoE(32, 16, 6, 2, dtype=dtype, **kw)
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(tokens, 32, generator=g).to(dtype)
+        grad = torch.randn(tokens, 32, generator=g)
+        with op_path():
+            ref = self._step(moe, x, grad, case == "autocast")
+        spy = mock.patch.object(gs, "_SwiGLUCombine", wraps=gs._SwiGLUCombine)
+        with spy as node, op_never_called(gs.grouped_swiglu, perm.unpermute):
+            got = self._step(moe, x, grad, case == "autocast")
+        _assert_same_as_ops(self, got, ref)
+        self.assertLessEqual(got[2], ref[2])
+        self.assertTrue(node.apply.called)
+
+    @parametrize("kind", ["swiglu", "composed", "recipe"])
+    def test_experts_combine_is_the_unpermute_of_their_rows(self, kind: str) -> None:
+        # GroupedExperts(combine=True) against its rows summed back by the unpermute op, in
+        # the value and in every gradient: SwiGLU experts by the node, experts with biases
+        # and a clamped activation, and an FP8 recipe's, by their rows and the op
+        kw: dict[str, Any] = {
+            "swiglu": {},
+            "composed": dict(activation="swigluoai", swiglu_limit=7.0, experts_bias=True),
+            "recipe": dict(precision="fp8_rowwise"),
+        }[kind]
+        torch.manual_seed(1)
+        moe = MoE(32, 32, 4, 2, dtype=BF16, **kw)
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(19, 32, generator=g).to(BF16)
+        ids = torch.randn(19, 4, generator=g).topk(2, dim=-1).indices
+        p = ops.permute_indices(ids, 4)
+        rw = torch.rand(p.row_to_slot.shape[0], generator=g)
+        maps = (p.row_to_slot, p.slot_to_row)
+        cot = torch.randn(19, 32, generator=g).to(BF16)
+
+        def run(combine: bool) -> list:
+            moe.zero_grad(set_to_none=True)
+            xx, rr = x.detach().requires_grad_(), rw.detach().requires_grad_()
+            if combine:
+                out = moe.experts(xx, p.offs, rr, permutation=maps, combine=True)
+            else:
+                out = ops.unpermute(moe.experts(xx, p.offs, rr, permutation=maps), None, p)
+            out.backward(cot)
+            return [out, xx.grad, rr.grad] + [q.grad for q in moe.experts.parameters()]
+
+        ref, got = run(False), run(True)
+        for a, b in zip(got, ref, strict=True):
+            self.assertTrue(torch.equal(a, b), "differs from the rows' unpermute")
+
+    def test_combine_needs_the_permutation(self) -> None:
+        experts = MoE(32, 16, 4, 2).experts
+        with self.assertRaisesRegex(ValueError, "combine=True needs the permutation"):
+            experts(torch.randn(4, 32), torch.tensor([1, 2, 3, 4], dtype=torch.int32), combine=True)
+
+
 def _assert_same_as_ops(test: TestCase, got: tuple, ref: tuple) -> None:
     """``_run``'s outputs and gradients, bit for bit, with dtypes, shapes and strides."""
     for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
@@ -959,6 +1054,7 @@ instantiate_parametrized_tests(TestDirectCalls)
 instantiate_parametrized_tests(TestSwiGLUCombine)
 instantiate_parametrized_tests(TestGLUCombine)
 instantiate_parametrized_tests(TestExpertsNodesFuzz)
+instantiate_parametrized_tests(TestMoELayerNode)
 
 if __name__ == "__main__":
     run_tests()

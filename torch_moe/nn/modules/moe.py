@@ -86,7 +86,7 @@ from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.fused_experts import DECODE_MAX_ROWS, decode_block_m
 from torch_moe._ops.glu import gated
-from torch_moe._ops.grouped_swiglu import swiglu
+from torch_moe._ops.grouped_swiglu import grouped_swiglu_combine, swiglu
 from torch_moe.nn.functional import (
     check_activation,
     glu_activation,
@@ -436,6 +436,7 @@ class GroupedExperts(nn.Module):
         expert_range: tuple[int, int] | None = None,
         weights: tuple[Tensor, ...] | None = None,
         permutation: tuple[Tensor, Tensor] | None = None,
+        combine: bool = False,
     ) -> Tensor:
         """``x`` [M, D] rows sorted by expert with group ends ``offs``; ``expert_range``
         (l0, l1): the rows are for experts l0..l1-1 of the weights this rank holds (the
@@ -446,7 +447,13 @@ class GroupedExperts(nn.Module):
         permuted input is neither materialized nor saved, x is converted row by row to
         the dtype the experts run in), and so does the composed experts' first GEMM
         (``gather_grouped_mm``, on x in that dtype; the rows are not saved); a recipe
-        permutes first."""
+        permutes first. ``combine`` (with ``permutation``): the rows' outputs summed back
+        to their tokens, [T, D] (``unpermute`` without weights: the routing weights are the
+        rows', folded in); for SwiGLU experts without a recipe by
+        ``grouped_swiglu_combine``, which in eager on CPU tensors runs both ops as one
+        autograd node (the same values, gradients and saved tensors)."""
+        if combine and permutation is None:
+            raise ValueError("GroupedExperts.forward: combine=True needs the permutation")
         b13: Tensor | None
         b2: Tensor | None
         if weights is not None:
@@ -466,6 +473,7 @@ class GroupedExperts(nn.Module):
                 if b13 is not None and b2 is not None:
                     b13, b2 = b13[l0:l1], b2[l0:l1]
         dt = _expert_dtype(x, w13)
+        orig_permutation = permutation
         if permutation is not None and self.recipe is not None:
             x = _perm.permute(x, *permutation)  # a recipe runs on permuted rows
             permutation = None
@@ -479,15 +487,21 @@ class GroupedExperts(nn.Module):
         # compiled code, whose kernels run outside autocast)
         with torch.autocast(x.device.type, enabled=False):
             if self.composed:
-                return self._composed(x, w13, w2, b13, b2, offs, row_weights, permutation)
-            if self.recipe is None:
+                y = self._composed(x, w13, w2, b13, b2, offs, row_weights, permutation)
+            elif self.recipe is None:
                 rts, s2r = (None, None) if permutation is None else permutation
-                return grouped_swiglu(
-                    x, w13, w2, offs, row_weights, row_to_slot=rts, slot_to_row=s2r
-                )
-            h_M2F = scaled_grouped_mm(x, w13.transpose(-2, -1), offs, self.recipe)
-            a_MF = swiglu(h_M2F, row_weights)
-            return scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
+                if combine:
+                    assert rts is not None and s2r is not None
+                    return grouped_swiglu_combine(x, w13, w2, offs, row_weights, rts, s2r)
+                y = grouped_swiglu(x, w13, w2, offs, row_weights, row_to_slot=rts, slot_to_row=s2r)
+            else:
+                h_M2F = scaled_grouped_mm(x, w13.transpose(-2, -1), offs, self.recipe)
+                a_MF = swiglu(h_M2F, row_weights)
+                y = scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
+        if combine:
+            assert orig_permutation is not None
+            return _perm.unpermute(y, orig_permutation[1], orig_permutation[0])
+        return y
 
     def _composed(
         self,
@@ -1010,8 +1024,8 @@ class MoE(nn.Module):
         align = _group_align(self.experts.recipe, x_TD.device)
         perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
         row_w = _row_weights(weights_TK, perm.row_to_slot, capacity is None and align == 1)
-        y_perm, shared = self._experts(x_TD, perm, row_w)
-        out = ops.unpermute(y_perm, None, perm)
+        y, shared = self._experts(x_TD, perm, row_w)
+        out = y if self.dispatcher is None else ops.unpermute(y, None, perm)
         if shared is not None:
             out = out + shared
 
@@ -1127,11 +1141,12 @@ class MoE(nn.Module):
     def _experts(
         self, x_TD: Tensor, perm: ops.MoEPermutation, row_w: Tensor, with_shared: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """The routed experts' rows [M, D] and the shared experts' output [T, D] (or None).
+        """The routed experts' output and the shared experts' output [T, D] (or None).
 
-        Without expert parallelism the experts gather their rows from the tokens
-        (``GroupedExperts.forward(permutation=...)``: no [M, D] permuted input saved);
-        with it the permuted rows are what the exchange sends.
+        Without expert parallelism the experts gather their rows from the tokens and sum
+        them back (``GroupedExperts.forward(permutation=..., combine=True)``: no [M, D]
+        permuted input saved; the output is the tokens' [T, D]); with it the output is
+        the permuted rows [M, D], which the exchange sends and returns.
 
         Expert-parallel schedule (``self.dispatcher``): the counts exchange, then per chunk
         of local experts dispatch -> experts -> combine; the shared experts run after the
@@ -1148,7 +1163,7 @@ class MoE(nn.Module):
             if self.shared_experts is not None and with_shared:
                 shared = self.shared_experts(x_TD.to(shared_dtype))
             maps = (perm.row_to_slot, perm.slot_to_row)
-            return self.experts(x_TD, perm.offs, row_w, permutation=maps), shared
+            return self.experts(x_TD, perm.offs, row_w, permutation=maps, combine=True), shared
         x_perm = _perm.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
         counts = dispatcher.plan(perm.offs)  # type: ignore[operator]
         y_perm: Tensor | None = None  # type: ignore[no-redef]
