@@ -455,6 +455,7 @@ class GroupedExperts(nn.Module):
         autograd node (the same values, gradients and saved tensors)."""
         if combine and permutation is None:
             raise ValueError("GroupedExperts.forward: combine=True needs the permutation")
+        combine_maps = permutation if combine else None  # (row_to_slot, slot_to_row)
         b13: Tensor | None
         b2: Tensor | None
         if weights is not None:
@@ -474,7 +475,6 @@ class GroupedExperts(nn.Module):
                 if b13 is not None and b2 is not None:
                     b13, b2 = b13[l0:l1], b2[l0:l1]
         dt = _expert_dtype(x, w13)
-        orig_permutation = permutation
         if permutation is not None and self.recipe is not None:
             x = _perm.permute(x, *permutation)  # a recipe runs on permuted rows
             permutation = None
@@ -490,18 +490,16 @@ class GroupedExperts(nn.Module):
             if self.composed:
                 y = self._composed(x, w13, w2, b13, b2, offs, row_weights, permutation)
             elif self.recipe is None:
+                if combine_maps is not None:
+                    return grouped_swiglu_combine(x, w13, w2, offs, row_weights, *combine_maps)
                 rts, s2r = (None, None) if permutation is None else permutation
-                if combine:
-                    assert rts is not None and s2r is not None
-                    return grouped_swiglu_combine(x, w13, w2, offs, row_weights, rts, s2r)
                 y = grouped_swiglu(x, w13, w2, offs, row_weights, row_to_slot=rts, slot_to_row=s2r)
             else:
                 h_M2F = scaled_grouped_mm(x, w13.transpose(-2, -1), offs, self.recipe)
                 a_MF = swiglu(h_M2F, row_weights)
                 y = scaled_grouped_mm(a_MF, w2.transpose(-2, -1), offs, self.recipe)
-        if combine:
-            assert orig_permutation is not None
-            return _perm.unpermute(y, orig_permutation[1], orig_permutation[0])
+        if combine_maps is not None:
+            return _perm.unpermute(y, combine_maps[1], combine_maps[0])
         return y
 
     def _composed(
@@ -586,20 +584,14 @@ class GroupedExperts(nn.Module):
         experts without a recipe or ``block_m`` take ``grouped_swiglu_combine``'s eager
         form there (the same kernels, one call) where its direct path holds."""
         if combine:
-            if self.recipe is None and block_m is None and not self.composed:
-                w13, w2 = self._local_weights()
+            w13, w2 = self._local_weights()
+            maps = (row_to_slot, slot_to_row)
+            node = self.recipe is None and block_m is None and not self.composed
+            if node and _eager.direct((x, w13, w2, offs, row_weights, *maps)):
                 dt = _expert_dtype(x, w13)
-                args = (
-                    x.to(dt),
-                    w13.to(dt),
-                    w2.to(dt),
-                    offs,
-                    row_weights,
-                    row_to_slot,
-                    slot_to_row,
+                return grouped_swiglu_combine(
+                    x.to(dt), w13.to(dt), w2.to(dt), offs, row_weights, *maps
                 )
-                if _eager.direct(args):
-                    return grouped_swiglu_combine(*args)
             y = self.forward_tokens(x, row_to_slot, slot_to_row, offs, row_weights, block_m)
             return _perm.unpermute(y, slot_to_row, row_to_slot)
         if self.composed:  # the training forward on the gathered rows
