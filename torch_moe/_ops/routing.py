@@ -291,19 +291,10 @@ def _topk_route_backward_impl(
     return grad_TE.to(logits.dtype)
 
 
-@torch.library.custom_op("torch_moe::topk_route_backward", mutates_args=())
-def topk_route_backward(
-    grad_weights: Tensor,
-    logits: Tensor,
-    expert_ids: Tensor,
-    score_func: str,
-    route_norm: bool,
-    route_scale: float,
-    route_norm_eps: float = 1e-20,
-) -> Tensor:
-    return _topk_route_backward_impl(
-        grad_weights, logits, expert_ids, score_func, route_norm, route_scale, route_norm_eps
-    )
+# the op's schema is the function's: one signature for the op and its direct calls
+topk_route_backward = torch.library.custom_op(
+    "torch_moe::topk_route_backward", _topk_route_backward_impl, mutates_args=()
+)
 
 
 @topk_route_backward.register_fake
