@@ -949,6 +949,10 @@ class TestMoELayerNode(TestCase):
     node): the layer's output and every gradient (input, router, experts, shared experts)
     are the ops', bit for bit, and it saves no more for the backward."""
 
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))  # even if the env says 0
+
     def _step(self, moe: MoE, x: torch.Tensor, grad: torch.Tensor, autocast: bool) -> tuple:
         moe.zero_grad(set_to_none=True)
         x = x.detach().requires_grad_()
