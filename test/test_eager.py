@@ -1035,19 +1035,28 @@ class TestMoELayerNode(TestCase):
         for a, b in zip(got, ref, strict=True):
             self.assertTrue(torch.equal(a, b), "differs from the rows' unpermute")
 
-    def test_without_autograd_the_ops_free_h_first(self) -> None:
-        # training mode under no_grad (a reentrant checkpoint's first forward): the ops,
-        # which free the pre-activation before the combine, not the node's forward
+    def test_without_autograd_one_call_too(self) -> None:
+        # training mode under no_grad (a reentrant checkpoint's first forward) and eval
+        # mode under inference_mode: the node's forward (which frees h before the combine,
+        # as the ops do: test_perf's inference peaks), no op, the training values
         torch.manual_seed(2)
         moe = MoE(32, 16, 6, 2, route_norm=True, dtype=BF16)
-        x = torch.randn(9, 32, generator=torch.Generator().manual_seed(2)).to(BF16)
-        with torch.enable_grad():
-            want = moe(x.requires_grad_()).detach()
-        spy = mock.patch.object(gs, "_swiglu_combine_forward", wraps=gs._swiglu_combine_forward)
-        with torch.no_grad(), spy as node:
-            got = moe(x.detach())
-        self.assertFalse(node.called)
-        self.assertTrue(torch.equal(got, want))
+        for tokens in (0, 1, 9, 40):
+            x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(2)).to(BF16)
+            with torch.enable_grad():
+                want = moe.train()(x.requires_grad_()).detach()
+            for mode in ("no_grad", "inference"):
+                with self.subTest(tokens=tokens, mode=mode):
+                    spy = mock.patch.object(
+                        gs, "_swiglu_combine_forward", wraps=gs._swiglu_combine_forward
+                    )
+                    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+                    moe.train(mode == "no_grad")
+                    with ctx, spy as node, op_never_called(gs.grouped_swiglu, perm.unpermute):
+                        got = moe(x.detach())
+                    self.assertTrue(node.called)
+                    self.assertFalse(node.call_args.kwargs.get("keep_h", True))
+                    self.assertTrue(torch.equal(got, want))
 
     def test_combine_needs_the_permutation(self) -> None:
         experts = MoE(32, 16, 4, 2).experts

@@ -1017,14 +1017,15 @@ def grouped_swiglu_combine(
     """
     args = (x, w13, w2, offs, row_weights, row_to_slot, slot_to_row)
     if not direct(args):
-        y, _h = grouped_swiglu(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
-        return unpermute(y, slot_to_row, row_to_slot)
+        y = grouped_swiglu(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)[0]
+        return unpermute(y, slot_to_row, row_to_slot)  # h freed before the combine
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w13, w2, row_weights)
     )
     if grad:
         return _SwiGLUCombine.apply(*args)
-    return _swiglu_combine_forward(*args)[0]  # h and the lean state freed
+    # h freed before the combine, as the two ops free it (the same peak)
+    return _swiglu_combine_forward(*args, keep_h=False)[0]
 
 
 def _swiglu_combine_forward(
@@ -1035,9 +1036,11 @@ def _swiglu_combine_forward(
     row_weights: Tensor | None,
     row_to_slot: Tensor,
     slot_to_row: Tensor,
-) -> tuple[Tensor, Tensor, tuple[Any, ...] | None]:
+    keep_h: bool = True,
+) -> tuple[Tensor, Tensor | None, tuple[Any, ...] | None]:
     """(out [T, D], h, what the lean backward needs or None): grouped_swiglu's CPU kernel,
-    then unpermute's past its checks; by ``_lean_forward`` where ``_lean_plan`` holds."""
+    then unpermute's past its checks; by ``_lean_forward`` where ``_lean_plan`` holds.
+    Without ``keep_h`` (no backward) h is freed before the combine and None returned."""
     _check_inputs(x, w13, w2, offs, row_weights, None, row_to_slot, slot_to_row)
     rows = row_to_slot.shape[0]
     ends = check_offs_values("grouped_swiglu", offs, rows) or []
@@ -1052,12 +1055,14 @@ def _swiglu_combine_forward(
         assert tokens is not None
         empty = _negative_positions(tokens)  # read once, for the three gathers
         out, h = _lean_forward(
-            mod, x, w13, w2, offs, row_weights, tokens, empty, slot_to_row, ends[-1], few
+            mod, x, w13, w2, offs, row_weights, tokens, empty, slot_to_row, ends[-1], few, keep_h
         )
         return out, h, (mod, step, tokens, empty, ends[-1], few)
     with _recorded("torch_moe::grouped_swiglu"):
         tokens = _token_index(None, row_to_slot, slot_to_row)
-        y, h = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
+        y, kept = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
+    h = kept if keep_h else None
+    del kept
     if y.shape[0] == 0:  # the op's own edge (no tokens)
         return unpermute(y, slot_to_row, row_to_slot), h, None
     with _recorded("torch_moe::unpermute"):
@@ -1182,8 +1187,10 @@ def _lean_forward(
     slot_to_row: Tensor,
     end: int,
     few: tuple[bool, ...],
-) -> tuple[Tensor, Tensor]:
-    """``_forward_whole`` then the combine where ``_lean_plan`` holds: (out, h)."""
+    keep_h: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """``_forward_whole`` then the combine where ``_lean_plan`` holds: (out, h), h None
+    (freed before the combine) without ``keep_h``."""
     x_rows = gather_rows(x, tokens, empty).to(w13.dtype)
     h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, few[0])
     del x_rows
@@ -1191,9 +1198,11 @@ def _lean_forward(
     mod.swiglu_forward(h, _native_weights(row_weights), a)
     y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, few[1])
     del a
+    kept = h if keep_h else None
+    del h
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     mod.combine(y, slot_to_row, out)
-    return out, h
+    return out, kept
 
 
 def _lean_backward(

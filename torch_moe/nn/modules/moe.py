@@ -79,6 +79,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from torch_moe import ops
+from torch_moe._ops import _eager
 from torch_moe._ops import grouped_mm as _gmm
 from torch_moe._ops import grouped_swiglu as _swiglu_ops
 from torch_moe._ops import permute as _perm
@@ -449,7 +450,7 @@ class GroupedExperts(nn.Module):
         (``gather_grouped_mm``, on x in that dtype; the rows are not saved); a recipe
         permutes first. ``combine`` (with ``permutation``): the rows' outputs summed back
         to their tokens, [T, D] (``unpermute`` without weights: the routing weights are the
-        rows', folded in); with autograd, for SwiGLU experts without a recipe, by
+        rows', folded in); for SwiGLU experts without a recipe by
         ``grouped_swiglu_combine``, which in eager on CPU tensors runs both ops as one
         autograd node (the same values, gradients and saved tensors)."""
         if combine and permutation is None:
@@ -489,9 +490,7 @@ class GroupedExperts(nn.Module):
             if self.composed:
                 y = self._composed(x, w13, w2, b13, b2, offs, row_weights, permutation)
             elif self.recipe is None:
-                if combine_maps is not None and torch.is_grad_enabled():
-                    # one node where h is saved anyway; without autograd the ops free h
-                    # before the combine (the node's forward holds it to the end)
+                if combine_maps is not None:
                     return grouped_swiglu_combine(x, w13, w2, offs, row_weights, *combine_maps)
                 rts, s2r = (None, None) if permutation is None else permutation
                 y = grouped_swiglu(x, w13, w2, offs, row_weights, row_to_slot=rts, slot_to_row=s2r)
@@ -570,6 +569,7 @@ class GroupedExperts(nn.Module):
         offs: Tensor,
         row_weights: Tensor,
         block_m: int | None = None,
+        combine: bool = False,
     ) -> Tensor:
         """Inference (no autograd): the experts on the expert-sorted rows of the tokens
         ``x`` [T, D] that ``row_to_slot`` / ``slot_to_row`` (``permute_indices``) describe,
@@ -579,7 +579,21 @@ class GroupedExperts(nn.Module):
         the weights' quantization cached until they change, the SwiGLU quantized in one op.
         The same values as ``forward`` on ``permute(x)`` (bit for bit on CPU). With
         ``block_m`` (from :meth:`decode_block_m`, the rows permuted with that alignment)
-        the fused decode kernels (``torch_moe::fused_experts``)."""
+        the fused decode kernels (``torch_moe::fused_experts``). ``combine``: the rows'
+        outputs summed back to their tokens, [T, D] (``unpermute`` without weights); SwiGLU
+        experts without a recipe or ``block_m`` take ``grouped_swiglu_combine``'s eager
+        form there (the same kernels, one call) where its direct path holds."""
+        if combine:
+            w13, w2 = self._local_weights()
+            maps = (row_to_slot, slot_to_row)
+            node = self.recipe is None and block_m is None and not self.composed
+            if node and _eager.direct((x, w13, w2, offs, row_weights, *maps)):
+                dt = _expert_dtype(x, w13)
+                return grouped_swiglu_combine(
+                    x.to(dt), w13.to(dt), w2.to(dt), offs, row_weights, *maps
+                )
+            y = self.forward_tokens(x, row_to_slot, slot_to_row, offs, row_weights, block_m)
+            return _perm.unpermute(y, slot_to_row, row_to_slot)
         if self.composed:  # the training forward on the gathered rows
             x_perm = _perm.permute(x, row_to_slot, slot_to_row)
             return self.forward(x_perm, offs, row_weights)
@@ -1088,10 +1102,13 @@ class MoE(nn.Module):
             shared = self.shared_experts(x_TD.to(shared_dtype))
         dispatcher = self.dispatcher
         if dispatcher is None:
-            y_perm = self.experts.forward_tokens(
-                x_TD, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w, block_m
+            out = self.experts.forward_tokens(
+                x_TD, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w, block_m, combine=True
             )
-        elif getattr(dispatcher, "mode", "training") == "low_latency":
+            if shared is not None:
+                out = out + shared
+            return out.view(*shape[:-1], self.dim)
+        if getattr(dispatcher, "mode", "training") == "low_latency":
             y_perm = dispatcher.run_low_latency(  # type: ignore[operator]
                 self.experts, x_TD, ids_TK, perm, row_w
             )
