@@ -1060,9 +1060,9 @@ def _swiglu_combine_forward(
         return out, h, (mod, step, tokens, empty, ends[-1], few)
     with _recorded("torch_moe::grouped_swiglu"):
         tokens = _token_index(None, row_to_slot, slot_to_row)
-        y, kept = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
-    h = kept if keep_h else None
-    del kept
+        y, h = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
+    if not keep_h:
+        h = None  # freed before the combine
     if y.shape[0] == 0:  # the op's own edge (no tokens)
         return unpermute(y, slot_to_row, row_to_slot), h, None
     with _recorded("torch_moe::unpermute"):
@@ -1198,11 +1198,11 @@ def _lean_forward(
     mod.swiglu_forward(h, _native_weights(row_weights), a)
     y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, few[1])
     del a
-    kept = h if keep_h else None
-    del h
+    if not keep_h:
+        h = None  # freed before the combine
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     mod.combine(y, slot_to_row, out)
-    return out, kept
+    return out, h
 
 
 def _lean_backward(

@@ -584,14 +584,14 @@ class GroupedExperts(nn.Module):
         experts without a recipe or ``block_m`` take ``grouped_swiglu_combine``'s eager
         form there (the same kernels, one call) where its direct path holds."""
         if combine:
-            w13, w2 = self._local_weights()
-            maps = (row_to_slot, slot_to_row)
-            node = self.recipe is None and block_m is None and not self.composed
-            if node and _eager.direct((x, w13, w2, offs, row_weights, *maps)):
-                dt = _expert_dtype(x, w13)
-                return grouped_swiglu_combine(
-                    x.to(dt), w13.to(dt), w2.to(dt), offs, row_weights, *maps
-                )
+            if self.recipe is None and block_m is None and not self.composed:
+                w13, w2 = self._local_weights()
+                maps = (row_to_slot, slot_to_row)
+                if _eager.direct((x, w13, w2, offs, row_weights, *maps)):
+                    dt = _expert_dtype(x, w13)
+                    return grouped_swiglu_combine(
+                        x.to(dt), w13.to(dt), w2.to(dt), offs, row_weights, *maps
+                    )
             y = self.forward_tokens(x, row_to_slot, slot_to_row, offs, row_weights, block_m)
             return _perm.unpermute(y, slot_to_row, row_to_slot)
         if self.composed:  # the training forward on the gathered rows
