@@ -1060,9 +1060,9 @@ def _swiglu_combine_forward(
         return out, h, (mod, step, tokens, empty, ends[-1], few)
     with _recorded("torch_moe::grouped_swiglu"):
         tokens = _token_index(None, row_to_slot, slot_to_row)
-        y, h = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
-    if not keep_h:
-        h = None  # freed before the combine
+        y, kept = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
+    h = kept if keep_h else None
+    del kept
     if y.shape[0] == 0:  # the op's own edge (no tokens)
         return unpermute(y, slot_to_row, row_to_slot), h, None
     with _recorded("torch_moe::unpermute"):
@@ -1198,11 +1198,11 @@ def _lean_forward(
     mod.swiglu_forward(h, _native_weights(row_weights), a)
     y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, few[1])
     del a
-    if not keep_h:
-        h = None  # freed before the combine
+    kept = h if keep_h else None  # a second name: h stays a Tensor for the type checker
+    del h  # without keep_h, freed before the combine
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     mod.combine(y, slot_to_row, out)
-    return out, h
+    return out, kept
 
 
 def _lean_backward(
