@@ -940,6 +940,110 @@ class TestCalibrationGemmCalls(TestCase):
         self.assertEqual(seen, ["nn" if wgrad_a == "transpose" else "tn"] * C._GROUPS)
 
 
+class TestCalibrateDevice(TestCase):
+    """``calibrate(device=...)``: an accelerator's rates measured with the library's own
+    calls (``torch_moe.perf._calibrate_gpu``). The same code runs on a CPU device here; the
+    rates' arithmetic is checked against a fixed time per call."""
+
+    def test_every_rate_the_model_reads_is_measured(self):
+        from torch_moe.perf import _calibrate_gpu as G
+        from torch_moe.quantization import RECIPES
+
+        hw = G.measure(torch.device("cpu"), quick=True)
+        self.assertEqual(hw.kind, "gpu")
+        preset = Hardware.preset("h200")
+        for name in RECIPES:
+            for phase in ("forward", "dgrad", "wgrad"):
+                key = f"{name}:{phase}"
+                self.assertNotEqual(hw.gemm_rate[key], preset.gemm_rate[key], key)
+        for key in ("bf16", "fp16", "fp32"):
+            self.assertTrue(0 < hw.gemm_rate[key] < math.inf, key)
+        measured = {k for k, v in hw.kernel_rates.items() if v != preset.kernel_rates.get(k)}
+        from torch_moe.perf._calibrate import _kernel_factories
+
+        self.assertEqual(measured, set(_kernel_factories(torch.bfloat16, "cpu")))
+        self.assertGreater(hw.launch_overhead, 0)
+        self.assertIn("measured", hw.sources["gemm_rate"])
+        self.assertIn("preset h200", hw.sources["links"])
+        for precision in ("bf16", "fp8_rowwise", "mxfp8"):
+            p = predict(MoEWorkload(256, 256, 256, 8, 2, precision=precision), hw)
+            self.assertTrue(0 < p.time < math.inf, precision)
+
+    def test_rates_are_work_over_time(self):
+        from torch_moe.perf import _calibrate_gpu as G
+        from torch_moe.perf._model import _kernel_bytes
+
+        calls = []
+        first = [1e-3, 3e-3, 2e-3]  # bf16 forward, bf16 wgrad, fp32 forward; then 1 ms
+
+        def seconds(fn, device, samples=5):
+            calls.append(fn)
+            return first[len(calls) - 1] if len(calls) <= len(first) else 1e-3
+
+        with mock.patch.object(G, "_seconds", seconds):
+            hw = G.measure(torch.device("cpu"), quick=True)
+        flops = 2.0 * (2 * 128) * 256 * 256  # quick: 2 groups of 128 rows, K = N = 256
+        bf16 = (flops / 1e-3 + flops / 3e-3) / 2  # the median of forward and wgrad
+        self.assertEqual(hw.gemm_rate["bf16"], bf16, rtol=1e-12, atol=0)
+        self.assertEqual(hw.gemm_rate["fp16"], bf16, rtol=1e-12, atol=0)
+        self.assertEqual(hw.gemm_rate["fp32"], flops / 2e-3, rtol=1e-12, atol=0)
+        self.assertEqual(hw.gemm_rate["fp8_rowwise:wgrad"], flops / 1e-3, rtol=1e-12, atol=0)
+        self.assertEqual(hw.mem_bandwidth, 2 * 2**20 / 1e-3, rtol=1e-12, atol=0)
+        self.assertEqual(hw.kernel_rates["q.fp8_row"], 2**12 * _kernel_bytes("q.fp8_row", 2) / 1e-3)
+        self.assertEqual(hw.kernel_rates["copy"], 2**14 / 1e-3)
+        self.assertEqual(hw.kernel_rates["sort"], 2**12 * _kernel_bytes("sort", 2) / 1e-3)
+        self.assertGreater(len(calls), 20)
+
+    @parametrize(
+        "device_name, preset",
+        [
+            ("NVIDIA H100 80GB HBM3", "h100"),
+            ("NVIDIA H200", "h200"),
+            ("NVIDIA B200", "b200"),
+            ("NVIDIA A100-SXM4-80GB", "h200"),
+        ],
+    )
+    def test_unmeasured_terms_from_the_gpus_preset(self, device_name, preset):
+        from torch_moe.perf import _calibrate_gpu as G
+
+        name, hw = G._base_preset(device_name)
+        self.assertEqual(name, preset)
+        self.assertEqual(hw.tile_m, Hardware.preset(preset).tile_m)
+
+    def test_cached_per_process_and_on_disk(self):
+        from torch_moe.perf import _calibrate_gpu as G
+
+        fake = _cpu_hardware()
+        dev = torch.device("cpu")
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch.dict(os.environ, {"XDG_CACHE_HOME": tmp}),
+            mock.patch.dict(G._CACHE, clear=True),
+            mock.patch.object(G, "measure", return_value=fake) as measure,
+        ):
+            first = G.calibrate_device(dev, quick=True)
+            self.assertIs(G.calibrate_device(dev, quick=True), first)
+            G._CACHE.clear()
+            self.assertEqual(G.calibrate_device(dev, quick=True).to_json(), fake.to_json())
+            self.assertEqual(measure.call_count, 1)  # the second process read the disk
+            G.calibrate_device(dev, quick=True, refresh=True)
+            G.calibrate_device(dev, quick=True, cache=False)
+            self.assertEqual(measure.call_count, 3)
+
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "device must name a torch device, got 'gpu0'"):
+            Hardware.calibrate(device="gpu0")
+        with self.assertRaisesRegex(
+            ValueError, r"threads, passes apply to the CPU only, not to device='cuda'"
+        ):
+            Hardware.calibrate(device="cuda", threads=(1,), passes=3)
+        if not torch.cuda.is_available():
+            with self.assertRaisesRegex(
+                RuntimeError, r"device='cuda:0' but torch.cuda.is_available\(\) is False"
+            ):
+                Hardware.calibrate(device="cuda:0")
+
+
 class TestCalibrationInterleave(TestCase):
     """``calibrate(interleave=fn)``: ``fn(i)`` runs after pass ``i``, with the caller's
     thread count, outside the budget, and the result is a fresh measurement."""
@@ -1062,6 +1166,7 @@ class TestCalibrateInGroup(GlooContinuousTest):
 instantiate_parametrized_tests(TestMoEWorkload)
 instantiate_parametrized_tests(TestMemory)
 instantiate_parametrized_tests(TestCalibrationGemmCalls)
+instantiate_parametrized_tests(TestCalibrateDevice)
 
 if __name__ == "__main__":
     run_tests()

@@ -8,6 +8,7 @@ capacity, redundant experts) by predicted step time within a memory limit::
     from torch_moe.perf import Hardware, MoEWorkload, advise, predict
 
     hw = Hardware.calibrate()                      # this machine, <= 60 s, cached
+    gpu = Hardware.calibrate(device="cuda")        # a GPU's rates, ~10 s, cached
     w = MoEWorkload(4096, 1024, 512, 64, 8, routing_skew=1.0)
     p = predict(w, hw)
     print(p.table(), p.memory_table())
@@ -22,7 +23,9 @@ Design. An analytical, kernel-aware model (:mod:`torch_moe.perf._model`) over a 
 description (:class:`Hardware`) that is either measured on this machine
 (:func:`calibrate`: GEMM table over (rows per group, K, N, dtype, layout), the library's
 elementwise and quantize kernels, host overheads, alpha-beta of the process group's
-transport and the EP layer's host work beyond it) or built from datasheets and this
+transport and the EP layer's host work beyond it; on a GPU, ``calibrate(device="cuda")``:
+its GEMM rate per compute key and recipe, its kernels' rates, copy bandwidth and launch
+cost, :mod:`torch_moe.perf._calibrate_gpu`) or built from datasheets and this
 repository's H200 measurements (:meth:`Hardware.preset`). Routing statistics (Zipf skew ->
 expected loads, distinct ranks / nodes per token, expected maximum rank load) are closed
 forms (:mod:`torch_moe.perf._workload`). Validation against measured layer steps on this

@@ -1,4 +1,5 @@
-"""``calibrate()``: measure this machine's rates for the performance model (CPU hosts).
+"""``calibrate()``: measure this machine's rates for the performance model (CPU hosts; an
+accelerator: :mod:`torch_moe.perf._calibrate_gpu`).
 
 Legend: m, k, n GEMM dims (see :mod:`torch_moe.perf._hardware`); T tokens, D dim,
 F hidden dim, E experts, K top-k.
@@ -151,6 +152,7 @@ def _sources_hash() -> str:
             *(p.relative_to(root) for p in (root / "quantization").glob("*.py")),
             Path("nn/modules/moe.py"),
             Path("perf/_calibrate.py"),
+            Path("perf/_calibrate_gpu.py"),
         ]
     ):
         try:
@@ -549,8 +551,19 @@ def _call_permute(
     return make(n, which, backward)
 
 
-def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[], object]]]:
-    """kernel name -> (element count -> a closure running one call)."""
+# a quantize kernel and its dequantize: (() -> (q, scale), (q, scale) -> tensor)
+_QuantPair = tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Callable[..., object]]
+
+
+def _kernel_factories(
+    cdt: torch.dtype, device: torch.device | str = "cpu"
+) -> dict[str, Callable[[int], Callable[[], object]]]:
+    """kernel name -> (element count -> a closure running one call) on ``device``.
+
+    On a CPU each kernel is the one the layer's CPU path runs; on an accelerator the
+    activation is the dense SwiGLU formula (what the device-generic experts compute) and a
+    quantize kernel quantizes only (its GEMM dequantizes in the kernel), where the CPU's
+    emulation also dequantizes."""
     import torch.nn.functional as F
 
     from torch_moe import ops
@@ -558,11 +571,12 @@ def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[]
     from torch_moe._ops.grouped_swiglu import _act, _act_backward
 
     bf16 = torch.bfloat16
+    on_cpu = torch.device(device).type == "cpu"
     f: dict[str, Callable[[int], Callable[[], object]]] = {}
 
     def cast(src: torch.dtype, dst: torch.dtype) -> Callable[[int], Callable[[], object]]:
         def make(n: int) -> Callable[[], object]:
-            x = torch.randn(n, dtype=src)
+            x = torch.randn(n, dtype=src, device=device)
             return lambda: x.to(dst)
 
         return make
@@ -571,13 +585,14 @@ def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[]
     f["cast.fp32_bf16"] = cast(torch.float32, bf16)
 
     def add(n: int) -> Callable[[], object]:
-        a, b = torch.randn(n, dtype=bf16), torch.randn(n, dtype=bf16)
+        a = torch.randn(n, dtype=bf16, device=device)
+        b = torch.randn(n, dtype=bf16, device=device)
         return lambda: a + b
 
     f["add"] = add
 
     def copy(n: int) -> Callable[[], object]:  # n bytes
-        src = torch.ones(n, dtype=torch.uint8)
+        src = torch.ones(n, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
 
@@ -587,7 +602,7 @@ def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[]
 
     def route(n: int, backward: bool) -> Callable[[], object]:
         t = max(1, n // num_experts)
-        logits = torch.randn(t, num_experts, requires_grad=True)
+        logits = torch.randn(t, num_experts, device=device, requires_grad=True)
         if not backward:
             return lambda: ops.topk_route(logits.detach(), k)
         w, _, _ = ops.topk_route(logits, k)
@@ -599,7 +614,7 @@ def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[]
 
     def sort(n: int) -> Callable[[], object]:
         t = max(1, n // k)
-        ids = torch.randint(0, num_experts, (t, k))
+        ids = torch.randint(0, num_experts, (t, k), device=device)
         return lambda: ops.permute_indices(ids, num_experts)
 
     f["sort"] = sort
@@ -608,16 +623,16 @@ def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[]
 
     def permute(n: int, which: str, backward: bool) -> Callable[[], object]:
         t = max(1, n // (2 * dim))
-        ids = torch.randint(0, num_experts, (t, 2))
+        ids = torch.randint(0, num_experts, (t, 2), device=device)
         perm = ops.permute_indices(ids, num_experts)
         if which == "permute":
-            x = torch.randn(t, dim, dtype=bf16, requires_grad=True)
+            x = torch.randn(t, dim, dtype=bf16, device=device, requires_grad=True)
 
             def fwd() -> torch.Tensor:
                 return torch.ops.torch_moe.permute(x, perm.row_to_slot, perm.slot_to_row)
 
         else:
-            x = torch.randn(t * 2, dim, dtype=bf16, requires_grad=True)
+            x = torch.randn(t * 2, dim, dtype=bf16, device=device, requires_grad=True)
 
             def fwd() -> torch.Tensor:
                 return ops.unpermute(x, None, perm)
@@ -653,12 +668,13 @@ def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[]
         out_dh = torch.empty(_GROUPS * rows, 2 * hidden, dtype=cdt)
         return lambda: _act_backward(h[(r := rng())], ga[r], rw[r], out_a[r], out_dh[r])
 
-    f["act.fwd"] = lambda n: act(n, False)
-    f["act.bwd"] = lambda n: act(n, True)
+    if on_cpu:
+        f["act.fwd"] = lambda n: act(n, False)
+        f["act.bwd"] = lambda n: act(n, True)
 
     def dense_act(n: int, backward: bool) -> Callable[[], object]:
         rows = max(1, n // hidden)
-        h = torch.randn(rows, 2 * hidden, dtype=bf16, requires_grad=True)
+        h = torch.randn(rows, 2 * hidden, dtype=bf16, device=device, requires_grad=True)
 
         def fwd() -> torch.Tensor:
             gate, up = h.chunk(2, dim=-1)
@@ -672,45 +688,53 @@ def _kernel_factories(cdt: torch.dtype) -> dict[str, Callable[[int], Callable[[]
 
     f["dense_act.fwd"] = lambda n: dense_act(n, False)
     f["dense_act.bwd"] = lambda n: dense_act(n, True)
+    if not on_cpu:  # the device-generic experts' activation is the dense formula
+        f["act.fwd"], f["act.bwd"] = f["dense_act.fwd"], f["dense_act.bwd"]
 
     cols = 256
 
     def quant(kind: str) -> Callable[[int], Callable[[], object]]:
         def make(n: int) -> Callable[[], object]:
             rows = max(128, (n // cols) // 128 * 128)
-            x = torch.randn(rows, cols, dtype=bf16)
-            if kind == "q.fp8_tensor":
-                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (-1, -1)), (-1, -1))
-            if kind == "q.fp8_row":
-                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (1, -1)), (1, -1))
-            if kind == "q.fp8_col":
-                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (-1, 1)), (-1, 1))
-            if kind == "q.fp8_1x128":
-                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (1, 128)), (1, 128))
-            if kind == "q.fp8_128x128":
-                return lambda: Q.dequantize_fp8(*Q.quantize_fp8(x, (128, 128)), (128, 128))
-            if kind == "q.mx_row":
-                return lambda: Q.dequantize_mx(
-                    *Q.quantize_mx(x, dim=-1, block=32), dim=-1, block=32
+            x = torch.randn(rows, cols, dtype=bf16, device=device)
+            offs = torch.linspace(0, rows, 9, device=device)[1:].round().to(torch.int32)
+
+            def fp8(block: tuple[int, int]) -> _QuantPair:
+                return (
+                    lambda: Q.quantize_fp8(x, block),
+                    lambda q, s: Q.dequantize_fp8(q, s, block),
                 )
-            if kind == "q.mx_col":
-                return lambda: Q.dequantize_mx(
-                    *Q.quantize_mx(x, dim=-2, block=32), dim=-2, block=32
+
+            def mx(dim: int) -> _QuantPair:
+                return (
+                    lambda: Q.quantize_mx(x, dim=dim, block=32),
+                    lambda q, s: Q.dequantize_mx(q, s, dim=dim, block=32),
                 )
-            offs = torch.linspace(0, rows, 9)[1:].round().to(torch.int32)
-            if kind == "qj.fp8_group":
-                return lambda: Q.dequantize_jagged(
-                    *Q.quantize_jagged(x, offs, block=-1, fmt="fp8"), offs, block=-1
+
+            def jagged(block: int, fmt: str) -> _QuantPair:
+                return (
+                    lambda: Q.quantize_jagged(x, offs, block=block, fmt=fmt),
+                    lambda q, s: Q.dequantize_jagged(q, s, offs, block=block),
                 )
-            if kind == "qj.fp8_128":
-                return lambda: Q.dequantize_jagged(
-                    *Q.quantize_jagged(x, offs, block=128, fmt="fp8"), offs, block=128
-                )
-            if kind == "qj.mx_32":
-                return lambda: Q.dequantize_jagged(
-                    *Q.quantize_jagged(x, offs, block=32, fmt="mx"), offs, block=32
-                )
-            raise ValueError(f"unknown quantize kind {kind!r}")
+
+            pairs = {
+                "q.fp8_tensor": lambda: fp8((-1, -1)),
+                "q.fp8_row": lambda: fp8((1, -1)),
+                "q.fp8_col": lambda: fp8((-1, 1)),
+                "q.fp8_1x128": lambda: fp8((1, 128)),
+                "q.fp8_128x128": lambda: fp8((128, 128)),
+                "q.mx_row": lambda: mx(-1),
+                "q.mx_col": lambda: mx(-2),
+                "qj.fp8_group": lambda: jagged(-1, "fp8"),
+                "qj.fp8_128": lambda: jagged(128, "fp8"),
+                "qj.mx_32": lambda: jagged(32, "mx"),
+            }
+            if kind not in pairs:
+                raise ValueError(f"unknown quantize kind {kind!r}")
+            quantize, dequantize = pairs[kind]()
+            if not on_cpu:
+                return quantize
+            return lambda: dequantize(*quantize())
 
         return make
 
@@ -1197,6 +1221,7 @@ def calibrate(
     group: Any = None,
     statistic: Statistic = "median",
     interleave: Callable[[int], object] | None = None,
+    device: torch.device | str | None = None,
 ) -> Hardware:
     """Measure this machine (see the module docstring) and return its :class:`Hardware`.
 
@@ -1226,9 +1251,44 @@ def calibrate(
             count against ``budget_s``. Implies a fresh measurement (the result is
             still cached for later calls); with ``passes=N`` it is called up to N times.
 
+        device: an accelerator to measure instead of the CPU (``"cuda"``, ``"cuda:1"``):
+            its GEMM, elementwise-kernel, copy and launch rates
+            (:mod:`torch_moe.perf._calibrate_gpu`; a ``Hardware(kind="gpu")`` whose tile
+            rows and links come from the GPU's datasheet preset). ``threads``, ``passes``,
+            ``budget_s``, ``statistic``, ``interleave`` and ``group`` are CPU options
+            and must keep their defaults then.
+
     Takes up to ``budget_s`` (55 s) the first time on 2 cores (``quick``: a few seconds);
-    later calls in the process or on the machine read the cache.
+    later calls in the process or on the machine read the cache. An accelerator takes
+    about 10 s (most of it compiling the Triton kernels of the recipes).
     """
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"calibrate: device must name a torch device, got {device!r}") from e
+        if dev.type != "cpu":
+            cpu_options = {
+                "threads": threads is None,
+                "passes": passes == 2,
+                "budget_s": budget_s == 55.0,
+                "statistic": statistic == "median",
+                "interleave": interleave is None,
+                "group": group is None,
+            }
+            changed = [k for k, default in cpu_options.items() if not default]
+            if changed:
+                raise ValueError(
+                    f"calibrate: {', '.join(changed)} apply to the CPU only, not to "
+                    f"device={device!r}"
+                )
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"calibrate: device={device!r} but torch.cuda.is_available() is False"
+                )
+            from torch_moe.perf._calibrate_gpu import calibrate_device
+
+            return calibrate_device(dev, quick=quick, cache=cache, refresh=refresh)
     if threads is None:
         threads = (torch.get_num_threads(),)
     if not threads or any(not isinstance(t, int) or t < 1 for t in threads):
