@@ -10,15 +10,21 @@ wins, and consecutive batches with the same winner merge into one bound of the t
     python benchmarks/tune_moe_decode.py --dim 7168 --hidden 2048 --experts 256
     python benchmarks/tune_moe_decode.py --dry-run             # candidates and their spills (no GPU)
 
+The static check compiles the candidates in --jobs processes (one per CPU by default).
+
 Without --write the table is printed only.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
+import multiprocessing
+import os
 import statistics
 import sys
 
@@ -36,19 +42,30 @@ CANDIDATES = [
 ]
 
 
-def spill_free(configs, scale_mode=None):
-    """The candidates whose both kernels compile for sm_90a without spills."""
+def _spills(c, scale_mode=None):
+    """Register spills of both kernels (w13, w2) for candidate ``c``, compiled for sm_90a."""
     from torch_moe._triton import moe_decode as MD
 
+    cfg = MD.DecodeConfig(*c)
+    return [
+        MD.compile_for_sm90(k, 64, scale_mode=scale_mode, config=cfg).n_spills
+        for k in ("w13", "w2")
+    ]
+
+
+def spill_free(configs, scale_mode=None, jobs=1):
+    """The candidates whose both kernels compile for sm_90a without spills (``jobs``
+    processes compile them; the check needs no GPU and runs before CUDA is initialized)."""
+    if jobs > 1:
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            spills = list(pool.map(functools.partial(_spills, scale_mode=scale_mode), configs))
+    else:
+        spills = [_spills(c, scale_mode) for c in configs]
     ok = []
-    for c in configs:
-        cfg = MD.DecodeConfig(*c)
-        spills = [
-            MD.compile_for_sm90(k, 64, scale_mode=scale_mode, config=cfg).n_spills
-            for k in ("w13", "w2")
-        ]
-        print(f"  {c}: spills w13/w2 = {spills}")
-        if not any(spills):
+    for c, s in zip(configs, spills):
+        print(f"  {c}: spills w13/w2 = {s}")
+        if not any(s):
             ok.append(c)
     return ok
 
@@ -102,9 +119,13 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--dry-run", action="store_true", help="list spill-free candidates only")
     p.add_argument("--write", action="store_true", help="write the table to the JSON file")
+    p.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1,
+        help="processes for the static check (default: one per CPU)",
+    )  # fmt: skip
     args = p.parse_args()
     print(f"# {len(CANDIDATES)} candidates; sm_90a static check:")
-    candidates = spill_free(CANDIDATES)
+    candidates = spill_free(CANDIDATES, jobs=args.jobs)
     print(f"# {len(candidates)} compile without spills")
     if args.dry_run:
         return 0
