@@ -125,8 +125,14 @@ def main() -> int:
     )  # fmt: skip
     args = p.parse_args()
     print(f"# {len(CANDIDATES)} candidates; sm_90a static check:")
-    candidates = spill_free(CANDIDATES, jobs=args.jobs)
-    print(f"# {len(candidates)} compile without spills")
+    try:
+        candidates = spill_free(CANDIDATES, jobs=args.jobs)
+        print(f"# {len(candidates)} compile without spills")
+    except Exception as e:  # the AOT path follows Triton's compiler API, which moves
+        if args.dry_run:
+            raise
+        print(f"# static check failed ({type(e).__name__}: {e}); timing every candidate")
+        candidates = list(CANDIDATES)
     if args.dry_run:
         return 0
     if not torch.cuda.is_available():
