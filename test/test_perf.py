@@ -1162,6 +1162,21 @@ class TestCalibrateInGroup(GlooContinuousTest):
         p = predict(w, hw, ranks_on_host=2)
         self.assertEqual(p.breakdown["ep_host"], link.host_time("p2p", True, 8, 1))
 
+    def test_accelerator_link_is_alpha_beta_alone(self):
+        # calibrate(device=...) in a group: the link measured on that device's tensors
+        # (here the CPU's: gloo), without the CPU hosts' EP term
+        from torch_moe.perf import _calibrate as C
+
+        gpu = Hardware.preset("h200")
+        hw = C._with_group_link(gpu, None, True, "test", True, torch.device("cpu"))
+        self.assertIn("measured: gloo, world 2", hw.intra_link.source)
+        self.assertNotIn("EP host work", hw.intra_link.source)
+        self.assertEqual(hw.intra_link.exchange_overhead, {})
+        self.assertIs(hw.inter_link, hw.intra_link)
+        self.assertEqual(hw.sources["links"], hw.intra_link.source)
+        self.assertGreater(hw.intra_link.bandwidth, 0)
+        self.assertEqual(hw.gemm_rate, gpu.gemm_rate)
+
 
 instantiate_parametrized_tests(TestMoEWorkload)
 instantiate_parametrized_tests(TestMemory)

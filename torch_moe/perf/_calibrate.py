@@ -890,10 +890,19 @@ def _overheads(mins: _Samples, t: int, quick: bool) -> dict[str, tuple[float, fl
 # links (inside a process group)
 
 
-def _group_samples(fns: list[Callable[[], object]], reps: int, group: Any) -> torch.Tensor:
+def _group_samples(
+    fns: list[Callable[[], object]], reps: int, group: Any, device: torch.device | None = None
+) -> torch.Tensor:
     """[len(fns), reps] float64: the slowest rank's seconds of each fn in ``reps``
-    interleaved rounds (one warm-up call each, a barrier before every call)."""
+    interleaved rounds (one warm-up call each, a barrier before every call). On a CUDA
+    ``device`` (an NCCL group) each call is timed to the end of its work on the device."""
     import torch.distributed as dist
+
+    cuda = device is not None and device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
 
     for fn in fns:
         fn()
@@ -901,27 +910,38 @@ def _group_samples(fns: list[Callable[[], object]], reps: int, group: Any) -> to
     for r in range(reps):
         for i, fn in enumerate(fns):
             dist.barrier(group=group)
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[i, r] = time.perf_counter() - t0
+    times = times.to(device) if cuda else times
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return times
+    return times.cpu()
 
 
-def _group_times(fns: list[Callable[[], object]], reps: int, group: Any) -> list[float]:
+def _group_times(
+    fns: list[Callable[[], object]], reps: int, group: Any, device: torch.device | None = None
+) -> list[float]:
     """Per fn, the median of :func:`_group_samples`."""
-    return _group_samples(fns, reps, group).median(dim=1).values.tolist()
+    return _group_samples(fns, reps, group, device).median(dim=1).values.tolist()
 
 
-def _group_time(fn: Callable[[], object], reps: int, group: Any) -> float:
-    return _group_times([fn], reps, group)[0]
+def _group_time(
+    fn: Callable[[], object], reps: int, group: Any, device: torch.device | None = None
+) -> float:
+    return _group_times([fn], reps, group, device)[0]
 
 
 _LATENCY_MESSAGES = 64  # messages per peer of the per-message latency probe
 
 
-def _measure_link(group: Any, quick: bool = False) -> Link:
+def _measure_link(group: Any, quick: bool = False, device: torch.device | None = None) -> Link:
+    """The group's alpha-beta (module docstring), on tensors of ``device`` (default: the
+    CPU, for gloo; a CUDA device for NCCL)."""
     import torch.distributed as dist
+
+    dev = device or torch.device("cpu")
 
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -931,8 +951,8 @@ def _measure_link(group: Any, quick: bool = False) -> Link:
     def messages(n: int, nbytes: int) -> Callable[[], object]:
         """``nbytes`` to and from every peer, in ``n`` point-to-point messages each way."""
         per = max(1, nbytes // 4 // n)
-        send = {g: [torch.ones(per) for _ in range(n)] for g in granks}
-        recv = {g: [torch.empty(per) for _ in range(n)] for g in granks}
+        send = {g: [torch.ones(per, device=dev) for _ in range(n)] for g in granks}
+        recv = {g: [torch.empty(per, device=dev) for _ in range(n)] for g in granks}
 
         def run() -> None:
             ops_ = []
@@ -951,20 +971,21 @@ def _measure_link(group: Any, quick: bool = False) -> Link:
     # spell of the host moves both: 1 vs 16 messages and a difference of medians varied
     # 0-185 us between calibrations on a 2-vCPU VM, 1 vs 64 paired 32-90 us)
     reps = 3 if quick else 9
-    pair = _group_samples([messages(1, 2**20), messages(_LATENCY_MESSAGES, 2**20)], reps, group)
+    fns = [messages(1, 2**20), messages(_LATENCY_MESSAGES, 2**20)]
+    pair = _group_samples(fns, reps, group, dev)
     extra = (pair[1] - pair[0]).median().item()
     latency = max(0.0, extra / ((_LATENCY_MESSAGES - 1) * len(peers)))
 
     def a2a(nbytes: int) -> Callable[[], object]:
         per = max(1, nbytes // 4 // world)
-        x = torch.randn(per * world)
+        x = torch.randn(per * world, device=dev)
         y = torch.empty_like(x)
         return lambda: dist.all_to_all_single(y, x, group=group)
 
-    coll = _group_time(a2a(world * 8 * 4), reps, group)
+    coll = _group_time(a2a(world * 8 * 4), reps, group, dev)
     rates = []
     for nbytes in (2**20, 2**22) if quick else (2**20, 2**23, 2**25):
-        t = _group_time(a2a(nbytes), 3 if quick else 5, group)
+        t = _group_time(a2a(nbytes), 3 if quick else 5, group, dev)
         rates.append(nbytes * (world - 1) / world / max(t - coll, 1e-9))
     bandwidth = statistics.median(rates)
     backend = dist.get_backend(group)
@@ -1255,8 +1276,9 @@ def calibrate(
             its GEMM, elementwise-kernel, copy and launch rates
             (:mod:`torch_moe.perf._calibrate_gpu`; a ``Hardware(kind="gpu")`` whose tile
             rows and links come from the GPU's datasheet preset). ``threads``, ``passes``,
-            ``budget_s``, ``statistic``, ``interleave`` and ``group`` are CPU options
-            and must keep their defaults then.
+            ``budget_s``, ``statistic`` and ``interleave`` are CPU options and must keep
+            their defaults then; inside a process group (NCCL) the link is measured on
+            tensors of ``device``, its alpha-beta alone (the EP host term is a CPU one).
 
     Takes up to ``budget_s`` (55 s) the first time on 2 cores (``quick``: a few seconds);
     later calls in the process or on the machine read the cache. An accelerator takes
@@ -1274,7 +1296,6 @@ def calibrate(
                 "budget_s": budget_s == 55.0,
                 "statistic": statistic == "median",
                 "interleave": interleave is None,
-                "group": group is None,
             }
             changed = [k for k, default in cpu_options.items() if not default]
             if changed:
@@ -1288,7 +1309,9 @@ def calibrate(
                 )
             from torch_moe.perf._calibrate_gpu import calibrate_device
 
-            return calibrate_device(dev, quick=quick, cache=cache, refresh=refresh)
+            measured = calibrate_device(dev, quick=quick, cache=cache, refresh=refresh)
+            fp_key = repr(sorted(measured.fingerprint.items()))
+            return _with_group_link(measured, group, quick, fp_key, refresh or not cache, dev)
     if threads is None:
         threads = (torch.get_num_threads(),)
     if not threads or any(not isinstance(t, int) or t < 1 for t in threads):
@@ -1321,20 +1344,38 @@ def calibrate(
                 pass
     if cache:
         _PROCESS_CACHE[key] = hw
-    link = _group_link(group, hw, quick, key, refresh or not cache)
-    if link is not None:
-        hw = dataclasses.replace(
-            hw, intra_link=link, inter_link=link, sources={**hw.sources, "links": link.source}
-        )
-    return hw
+    return _with_group_link(hw, group, quick, key, refresh or not cache)
+
+
+def _with_group_link(
+    hw: Hardware,
+    group: Any,
+    quick: bool,
+    hw_key: str,
+    refresh: bool,
+    device: torch.device | None = None,
+) -> Hardware:
+    """``hw`` with the process group's measured link, where there is a group of 2+ ranks."""
+    link = _group_link(group, hw, quick, hw_key, refresh, device)
+    if link is None:
+        return hw
+    return dataclasses.replace(
+        hw, intra_link=link, inter_link=link, sources={**hw.sources, "links": link.source}
+    )
 
 
 def _group_link(
-    group: Any, hw: Hardware, quick: bool = False, hw_key: str = "", refresh: bool = False
+    group: Any,
+    hw: Hardware,
+    quick: bool = False,
+    hw_key: str = "",
+    refresh: bool = False,
+    device: torch.device | None = None,
 ) -> Link | None:
     """The group's link, measured once per process for each (world size, backend, quick,
     compute calibration), or again on ``refresh``: its EP host term is a residual of that
-    calibration's model."""
+    calibration's model (CPU hosts; an accelerator's link is its alpha-beta alone,
+    measured on tensors of ``device``)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -1345,7 +1386,7 @@ def _group_link(
     backend = str(dist.get_backend(group))
     cached = None if refresh else _LINK_CACHE.get((world, backend, quick, hw_key))
     if cached is None:
-        cached = _measure_link(group, quick)
+        cached = _measure_link(group, quick, device)
         if hw.kind == "cpu":  # the rest of the EP step, given this link
             probe_hw = dataclasses.replace(hw, intra_link=cached, inter_link=cached)
             overhead = _measure_exchange_overhead(group, probe_hw, rounds=3 if quick else 9)

@@ -22,6 +22,9 @@ none), saying which is which in ``Hardware.sources``:
 * Copy bandwidth: a 256 MiB device-to-device copy, bytes read + written.
 * Launch cost: the wall time per call of a chain of one-element adds issued from Python
   (the host cost of a launch; the model charges it once per kernel).
+* Links: inside a process group of two or more ranks (``calibrate(device=..., group=...)``,
+  collective), the group's alpha-beta measured on device tensors as the CPU calibration
+  measures gloo's (:func:`torch_moe.perf._calibrate._measure_link`); otherwise the preset's.
 
 Timing: CUDA events around a batch of calls after two warm-up calls, the median of five
 batches (``torch.cuda.synchronize`` before and after); on a CPU device, for tests, the wall
