@@ -1,9 +1,13 @@
 """The fused small-batch expert kernels (torch_moe._triton.moe_decode) against the layer's
-inference path (``permute_indices`` + ``torch_moe::grouped_swiglu`` with the gather fused),
-on a CUDA GPU: time per call (routing result -> expert outputs of the padded rows, both
-including ``permute_indices``), the weight bytes of the experts the batch touches divided by
-that time (decode is bound by reading them), and the fused/unfused ratio. bf16 weights and
-FP8 e4m3 rowwise weights (weight-only, dequantized in registers).
+inference path (``permute_indices`` + ``torch_moe::grouped_swiglu`` with the gather fused)
+and against the plain peer, ``torch._grouped_mm`` with the gather and the scatter as
+separate ATen ops (``index_select``, SwiGLU, ``index_add_``), on a CUDA GPU: time per call
+(routing result -> expert outputs, each including ``permute_indices``; the peer's output
+is the tokens'), the weight bytes of the experts the batch touches divided by that time
+(decode is bound by reading them) and its share of the copy bandwidth measured in the same
+run (issue target: >= 80% at T = 1-64 for bf16 weights), and the fused/unfused and
+fused/peer ratios. bf16 weights and FP8 e4m3 rowwise weights (weight-only, dequantized in
+registers).
 
     python benchmarks/bench_moe_decode.py                     # Qwen3-30B-A3B-like experts
     python benchmarks/bench_moe_decode.py --tokens 1,4,16,64 --dim 7168 --hidden 2048 --experts 256
@@ -33,7 +37,31 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps * 1e3  # us
 
 
-def _bench(T, E, K, bf16, fp8, args, gen) -> str | None:
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second of a 1 GiB device copy (median of 20)."""
+    src = torch.ones(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = [_time(lambda: dst.copy_(src), 1) for _ in range(20)]
+    return 2 * 2**30 / (statistics.median(times) / 1e6)
+
+
+def grouped_mm_peer(x, w13, w2, ids, weights, num_experts):  # type: ignore[no-untyped-def]
+    """The experts by ``torch._grouped_mm`` with the gather and the scatter as separate ops:
+    x [T, D], w13 [E, 2F, D], w2 [E, D, F], ids / weights [T, K] -> [T, D]."""
+    K = ids.shape[1]
+    F = w2.shape[2]
+    perm = ops.permute_indices(ids, num_experts)
+    tok = torch.div(perm.row_to_slot, K, rounding_mode="floor")
+    rows = x.index_select(0, tok)
+    h = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=perm.offs)
+    rw = weights.reshape(-1).index_select(0, perm.row_to_slot).to(h.dtype)
+    a = torch.nn.functional.silu(h[:, :F]) * h[:, F:] * rw[:, None]
+    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=perm.offs)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def _bench(T, E, K, bf16, fp8, args, gen, copy_bps) -> str | None:
     """One table row for T tokens, or None when the fused output is wrong."""
     from torch_moe._triton import moe_decode as MD
 
@@ -74,7 +102,17 @@ def _bench(T, E, K, bf16, fp8, args, gen) -> str | None:
     if err > 1e-2:
         print(f"bench_moe_decode: fused output differs from unfused at T={T}: rel err {err:.3g}")
         return None
-    cands = {"unfused": unfused, "bf16": lambda: fused(False), "fp8": lambda: fused(True)}
+    peer = grouped_mm_peer(x, w13, w2, ids, weights, E).float()
+    err = ((peer - ref).norm() / ref.norm()).item()
+    if err > 1e-2:
+        print(f"bench_moe_decode: the grouped_mm peer differs at T={T}: rel err {err:.3g}")
+        return None
+    cands = {
+        "unfused": unfused,
+        "peer": lambda: grouped_mm_peer(x, w13, w2, ids, weights, E),
+        "bf16": lambda: fused(False),
+        "fp8": lambda: fused(True),
+    }
     for fn in cands.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in cands}
@@ -83,10 +121,12 @@ def _bench(T, E, K, bf16, fp8, args, gen) -> str | None:
             times[k].append(_time(fn, args.reps))
     med = {k: statistics.median(v) for k, v in times.items()}
     wbytes = hit * 3 * F * D
+    bf16_bps = 2 * wbytes / (med["bf16"] / 1e6)
     return (
-        f"| {T} | {hit} | {med['unfused']:.1f} | {med['bf16']:.1f} | {med['fp8']:.1f} | "
-        f"{med['bf16'] / med['unfused']:.2f} | {2 * wbytes / med['bf16'] / 1e3:.0f} | "
-        f"{wbytes / med['fp8'] / 1e3:.0f} |"
+        f"| {T} | {hit} | {med['unfused']:.1f} | {med['peer']:.1f} | {med['bf16']:.1f} | "
+        f"{med['fp8']:.1f} | {med['bf16'] / med['unfused']:.2f} | "
+        f"{med['bf16'] / med['peer']:.2f} | {bf16_bps / 1e9:.0f} | "
+        f"{bf16_bps / copy_bps:.0%} | {wbytes / med['fp8'] / 1e3:.0f} |"
     )
 
 
@@ -114,13 +154,16 @@ def main() -> int:
     w2 = (torch.randn(E, D, F, device=dev, generator=gen) / F**0.5).bfloat16()
     q13, s13 = quantize_fp8(w13, [1, -1])
     q2, s2 = quantize_fp8(w2, [1, -1])
+    copy_bps = copy_bandwidth(dev)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; E={E} D={D} F={F} K={K}")
+    print(f"# copy bandwidth (1 GiB, read + written): {copy_bps / 1e9:.0f} GB/s")
     print(
-        "| T | experts hit | unfused us | fused bf16 us | fused fp8 us | fused/unfused | bf16 GB/s | fp8 GB/s |"
+        "| T | experts hit | unfused us | grouped_mm peer us | fused bf16 us | fused fp8 us | "
+        "fused/unfused | fused/peer | bf16 GB/s | bf16 / copy | fp8 GB/s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for T in (int(t) for t in args.tokens.split(",")):
-        row = _bench(T, E, K, (w13, w2), (q13, s13, q2, s2), args, gen)
+        row = _bench(T, E, K, (w13, w2), (q13, s13, q2, s2), args, gen, copy_bps)
         if row is None:
             return 1
         print(row)
