@@ -976,7 +976,7 @@ class TestCalibrateDevice(TestCase):
         calls = []
         first = [1e-3, 3e-3, 2e-3]  # bf16 forward, bf16 wgrad, fp32 forward; then 1 ms
 
-        def seconds(fn, device, samples=5):
+        def seconds(fn, device, **timing):
             calls.append(fn)
             return first[len(calls) - 1] if len(calls) <= len(first) else 1e-3
 

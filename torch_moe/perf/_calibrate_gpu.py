@@ -28,7 +28,8 @@ none), saying which is which in ``Hardware.sources``:
 
 Timing: CUDA events around a batch of calls after two warm-up calls, the median of five
 batches (``torch.cuda.synchronize`` before and after); on a CPU device, for tests, the wall
-clock. ``quick`` shrinks every size (a smoke run in seconds).
+clock. ``quick`` shrinks every size and times three batches of ~2 ms (a smoke run, under a
+second on a CPU).
 """
 
 from __future__ import annotations
@@ -58,15 +59,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, samples: int = 5) -> float:
-    """Median seconds per call of ``fn`` (batches sized to ~``_BATCH_SECONDS``)."""
+def _seconds(
+    fn: Callable[[], object], device: torch.device, samples: int = 5, batch: float = _BATCH_SECONDS
+) -> float:
+    """Median seconds per call of ``fn`` over ``samples`` batches of ~``batch`` seconds."""
     for _ in range(2):
         fn()
     _sync(device)
     t0 = time.perf_counter()
     fn()
     _sync(device)
-    reps = max(1, min(1000, int(_BATCH_SECONDS / max(time.perf_counter() - t0, 1e-7))))
+    reps = max(1, min(1000, int(batch / max(time.perf_counter() - t0, 1e-7))))
     times = []
     for _ in range(samples):
         if device.type == "cuda":
@@ -86,6 +89,11 @@ def _seconds(fn: Callable[[], object], device: torch.device, samples: int = 5) -
     return statistics.median(times)
 
 
+def _timing(quick: bool) -> dict[str, Any]:
+    """``_seconds``' batches: three of ~2 ms for a quick (smoke) calibration."""
+    return {"samples": 3, "batch": _BATCH_SECONDS / 10} if quick else {}
+
+
 def _gemm_rates(device: torch.device, quick: bool) -> tuple[dict[str, float], list[str]]:
     """Measured GEMM rates (FLOP/s) per compute key, and the keys left to the preset."""
     from torch_moe import ops
@@ -94,6 +102,7 @@ def _gemm_rates(device: torch.device, quick: bool) -> tuple[dict[str, float], li
     # the module (the package's attribute of that name is the function)
     S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
 
+    t = _timing(quick)
     groups, rows, k, n = (2, 128, 256, 256) if quick else (8, 2048, 4096, 4096)
     m = groups * rows
     offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * rows
@@ -108,11 +117,11 @@ def _gemm_rates(device: torch.device, quick: bool) -> tuple[dict[str, float], li
         return x, w, dy
 
     x, w, dy = operands(bf16)
-    fwd = flops / _seconds(lambda: ops.grouped_mm(x, w, offs), device)
-    wgrad = flops / _seconds(lambda: torch.ops.torch_moe.grouped_mm_wgrad(x, dy, offs), device)
+    fwd = flops / _seconds(lambda: ops.grouped_mm(x, w, offs), device, **t)
+    wgrad = flops / _seconds(lambda: torch.ops.torch_moe.grouped_mm_wgrad(x, dy, offs), device, **t)
     rates["bf16"] = rates["fp16"] = statistics.median([fwd, wgrad])
     xf, wf, _ = operands(torch.float32)
-    rates["fp32"] = flops / _seconds(functools.partial(ops.grouped_mm, xf, wf, offs), device)
+    rates["fp32"] = flops / _seconds(functools.partial(ops.grouped_mm, xf, wf, offs), device, **t)
     del xf, wf  # the recipes' operands are quantized from the bf16 ones
 
     skipped = []
@@ -122,7 +131,7 @@ def _gemm_rates(device: torch.device, quick: bool) -> tuple[dict[str, float], li
             if call is None:
                 skipped.append(f"{name}:{phase}")
             else:
-                rates[f"{name}:{phase}"] = flops / _seconds(call, device)
+                rates[f"{name}:{phase}"] = flops / _seconds(call, device, **t)
     return rates, skipped
 
 
@@ -167,7 +176,7 @@ def _kernel_rates(device: torch.device, quick: bool) -> dict[str, float]:
     with torch.enable_grad():
         for name, make in _kernel_factories(torch.bfloat16, device).items():
             size = n * 4 if name == "copy" else n  # copy counts bytes, not elements
-            sec = _seconds(make(size), device)
+            sec = _seconds(make(size), device, **_timing(quick))
             rates[name] = size * _kernel_bytes(name, 2) / sec
     return rates
 
@@ -176,7 +185,7 @@ def _copy_bandwidth(device: torch.device, quick: bool) -> float:
     nbytes = 2**20 if quick else 2**28
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2.0 * nbytes / _seconds(lambda: dst.copy_(src), device)
+    return 2.0 * nbytes / _seconds(lambda: dst.copy_(src), device, **_timing(quick))
 
 
 def _launch_cost(device: torch.device) -> float:
