@@ -7,6 +7,8 @@ inputs (so the routing changes) over four token counts, compiled with
 input gradients, parameter gradients and the load statistics must be bitwise equal),
 counting compiled frames: one recompile (the first new token count makes the token dim
 dynamic; or none where a test marks it dynamic up front) and no graph break. No dynamo config is set.
+``TestMoECompileDevice`` repeats the fullgraph test on CUDA (bf16 parameters, dims of 128:
+the FP8 kernels' blocks), where the recipes run the Triton kernels; ``.ci/gpu`` runs it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import copy
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
+from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -32,11 +35,11 @@ D = F = 32  # multiples of 32 (MX blocks) in every GEMM
 EXACT = dict(atol=0, rtol=0)
 
 
-def _layer(precision, **kw):
+def _layer(precision, dim=D, **kw):
     torch.manual_seed(0)
     moe = MoE(
-        D,
-        F,
+        dim,
+        dim,
         4,
         2,
         precision=precision,
@@ -54,18 +57,30 @@ def _step(fn, module, x, grad_out, autocast, dynamic=False):
     x = x.detach().clone().requires_grad_()
     if dynamic:  # one compile instead of two: the variants test the layer, not guards
         torch._dynamo.mark_dynamic(x, 0)
-    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+    with torch.autocast(x.device.type, torch.bfloat16, enabled=autocast):
         out = fn(x)
     out.backward(grad_out.to(out.dtype))
     grads = {n: p.grad for n, p in module.named_parameters()}
     return out.detach(), x.grad, grads
 
 
-class TestMoECompile(TestCase):
-    def _check(self, precision, *, steps=20, autocast=False, ckpt=False, dynamic=False, **kw):
+class _CompileChecks(TestCase):
+    def _check(
+        self,
+        precision,
+        *,
+        steps=20,
+        autocast=False,
+        ckpt=False,
+        dynamic=False,
+        device="cpu",
+        dim=D,
+        dtype=None,
+        **kw,
+    ):
         torch._dynamo.reset()
         counters.clear()
-        eager = _layer(precision, **kw)
+        eager = _layer(precision, dim, device=device, dtype=dtype, **kw)
         moe = copy.deepcopy(eager)
         backend = CompileCounterWithBackend("aot_eager")
 
@@ -76,8 +91,8 @@ class TestMoECompile(TestCase):
         gen = torch.Generator().manual_seed(1)
         for step in range(steps):
             num_tokens = TOKENS[step % len(TOKENS)]
-            x = torch.randn(num_tokens, D, generator=gen)
-            grad_out = torch.randn(num_tokens, D, generator=gen)
+            x = torch.randn(num_tokens, dim, generator=gen).to(device, dtype)
+            grad_out = torch.randn(num_tokens, dim, generator=gen).to(device, dtype)
             ref = _step(run(eager), eager, x, grad_out, autocast)
             got = _step(compiled, moe, x, grad_out, autocast, dynamic)
             self.assertEqual(got[0], ref[0], **EXACT, msg=f"step {step}: output")
@@ -89,6 +104,8 @@ class TestMoECompile(TestCase):
         self.assertEqual(dict(counters["graph_break"]), {})
         self.assertLessEqual(backend.frame_count, 1 if dynamic else 2, msg="recompiles")
 
+
+class TestMoECompile(_CompileChecks):
     @parametrize("precision", ["bf16", *RECIPES])
     def test_fullgraph(self, precision):
         # bf16 takes Dynamo's default path (a static frame, then one dynamic recompile at the
@@ -126,7 +143,21 @@ class TestMoECompile(TestCase):
         )
 
 
+class TestMoECompileDevice(_CompileChecks):
+    """Device-generic (instantiate_device_type_tests): .ci/gpu runs it on cuda; on the CPU
+    ``TestMoECompile`` covers the same and more."""
+
+    @onlyCUDA
+    @parametrize("precision", ["bf16", *RECIPES])
+    def test_fullgraph(self, device, precision):
+        self._check(
+            precision, steps=8, dynamic=True, device=device, dim=128, dtype=torch.bfloat16,
+            expert_bias=True,
+        )  # fmt: skip
+
+
 instantiate_parametrized_tests(TestMoECompile)
+instantiate_device_type_tests(TestMoECompileDevice, globals())
 
 if __name__ == "__main__":
     run_tests()
