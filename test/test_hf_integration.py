@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -119,7 +120,8 @@ def _run(model, ids, impl=None):
         model.set_experts_implementation(impl)
     model.zero_grad(set_to_none=True)
     logits = model(ids).logits
-    g = torch.randn(logits.shape, generator=torch.Generator().manual_seed(7)).to(logits.dtype)
+    g = torch.randn(logits.shape, generator=torch.Generator().manual_seed(7))
+    g = g.to(logits.device, logits.dtype)
     (logits.float() * g.float()).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach().clone(), grads
@@ -240,6 +242,32 @@ LAYOUTS = {
     "post_norm": ({"has_post_expert_norm": True}, "silu"),
     "post_norm_bias": ({"has_post_expert_norm": True, "has_bias": True}, "silu"),
 }
+
+
+def _check_bf16_against_grouped_mm(test, family, device):
+    """The bf16 model on ``device`` with the torch_moe backend against transformers'
+    grouped_mm backend, both judged against the fp32 model with the same weights."""
+    model = tiny_model(family, dtype=torch.bfloat16).to(device)
+    ids = _ids().to(device)
+    truth, truth_g = _run(copy.deepcopy(model).float(), ids, "eager")
+    ref, ref_g = _run(model, ids, "grouped_mm")
+    out, out_g = _run(model, ids, "torch_moe")
+    # NB (tolerance): bf16 rounding through attention, norms and two MoE layers moves
+    # grouped_mm's logits and gradients by 2-17% (relative L2) from the fp32 model with
+    # the same weights, and torch_moe rounds differently (SwiGLU in fp32 with the
+    # routing weight folded in, one rounding per expert op; fp32 combine). Stated
+    # tolerance, judged against the fp32 model: per tensor, torch_moe's relative L2
+    # error <= 4x grouped_mm's + 2 bf16 eps (a wrong gradient is O(1) off), and summed
+    # over all tensors <= 1.5x grouped_mm's (measured 0.31-1.04x on the CPU).
+    test.assertEqual(sorted(out_g), sorted(ref_g))
+    tensors = [("logits", out, ref, truth)] + [(n, out_g[n], ref_g[n], truth_g[n]) for n in ref_g]
+    err_tm = err_gm = 0.0
+    for n, a, r, t in tensors:
+        a, r, t = a.float(), r.float(), t.float()
+        e_tm, e_gm = ((a - t).norm() / t.norm()).item(), ((r - t).norm() / t.norm()).item()
+        test.assertLessEqual(e_tm, 4 * e_gm + 2 * BF16_EPS, msg=n)
+        err_tm, err_gm = err_tm + e_tm, err_gm + e_gm
+    test.assertLessEqual(err_tm, 1.5 * err_gm)
 
 
 @unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
@@ -445,29 +473,7 @@ class TestExpertsBackend(_OneThread, TestCase):
 
     @parametrize("family", FAMILIES)
     def test_model_matches_grouped_mm_bf16(self, family):
-        model = tiny_model(family, dtype=torch.bfloat16)
-        ids = _ids()
-        truth, truth_g = _run(copy.deepcopy(model).float(), ids, "eager")
-        ref, ref_g = _run(model, ids, "grouped_mm")
-        out, out_g = _run(model, ids, "torch_moe")
-        # NB (tolerance): bf16 rounding through attention, norms and two MoE layers moves
-        # grouped_mm's logits and gradients by 2-17% (relative L2) from the fp32 model with
-        # the same weights, and torch_moe rounds differently (SwiGLU in fp32 with the
-        # routing weight folded in, one rounding per expert op; fp32 combine). Stated
-        # tolerance, judged against the fp32 model: per tensor, torch_moe's relative L2
-        # error <= 4x grouped_mm's + 2 bf16 eps (a wrong gradient is O(1) off), and summed
-        # over all tensors <= 1.5x grouped_mm's (measured 0.31-1.04x).
-        self.assertEqual(sorted(out_g), sorted(ref_g))
-        tensors = [("logits", out, ref, truth)] + [
-            (n, out_g[n], ref_g[n], truth_g[n]) for n in ref_g
-        ]
-        err_tm = err_gm = 0.0
-        for n, a, r, t in tensors:
-            a, r, t = a.float(), r.float(), t.float()
-            e_tm, e_gm = ((a - t).norm() / t.norm()).item(), ((r - t).norm() / t.norm()).item()
-            self.assertLessEqual(e_tm, 4 * e_gm + 2 * BF16_EPS, msg=n)
-            err_tm, err_gm = err_tm + e_tm, err_gm + e_gm
-        self.assertLessEqual(err_tm, 1.5 * err_gm)
+        _check_bf16_against_grouped_mm(self, family, "cpu")
 
     @parametrize("family", ["mixtral", "gpt_oss"])
     def test_generate_greedy(self, family):
@@ -1101,6 +1107,24 @@ class TestFinetuneExample(_OneThread, TestCase):
             loss = torch.tensor([r["loss"] for r in runs[impl]])
             self.assertEqual(loss, eager, atol=0, rtol=BF16_EPS, msg=impl)
 
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "needs transformers 5.x")
+class TestExpertsBackendDevice(TestCase):
+    """Device-generic (instantiate_device_type_tests): .ci/gpu runs it on cuda (the CUDA
+    paths of the torch_moe backend against transformers' grouped_mm there)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        import torch_moe.integrations.transformers  # noqa: F401  (registers "torch_moe")
+
+    @onlyCUDA
+    @parametrize("family", FAMILIES)
+    def test_model_matches_grouped_mm_bf16(self, device, family):
+        _check_bf16_against_grouped_mm(self, family, device)
+
+
+instantiate_device_type_tests(TestExpertsBackendDevice, globals())
 
 if __name__ == "__main__":
     run_tests()
