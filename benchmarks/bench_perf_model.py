@@ -313,8 +313,11 @@ def zipf(e: int, s: float) -> torch.Tensor:
     return torch.arange(1, e + 1, dtype=torch.float64) ** (-s)
 
 
-def build(cfg: Config, seed: int) -> tuple[MoE, torch.Tensor, torch.Tensor, bool]:
-    """The layer, its input and output gradient; Gumbel-controlled routing when D >= E."""
+def build(
+    cfg: Config, seed: int, device: torch.device | str = "cpu"
+) -> tuple[MoE, torch.Tensor, torch.Tensor, bool]:
+    """The layer, its input and output gradient; Gumbel-controlled routing when D >= E. On
+    another ``device`` the input and the gradient are the CPU's draws, moved there."""
     torch.manual_seed(seed)
     dtype = cfg.torch_dtype
     moe = MoE(
@@ -327,6 +330,7 @@ def build(cfg: Config, seed: int) -> tuple[MoE, torch.Tensor, torch.Tensor, bool
         capacity_factor=cfg.capacity,
         precision=cfg.precision,
         dtype=dtype,
+        device=device,
     )
     x = torch.randn(cfg.tokens, cfg.dim, dtype=dtype) * 0.5
     controlled = cfg.dim >= cfg.experts
@@ -339,8 +343,8 @@ def build(cfg: Config, seed: int) -> tuple[MoE, torch.Tensor, torch.Tensor, bool
             -torch.log(torch.rand(cfg.tokens, cfg.experts, generator=g, dtype=torch.float64))
         )
         x[:, : cfg.experts] = (zipf(cfg.experts, cfg.skew).log() + gumbel).to(dtype)
-    x.requires_grad_(True)
-    grad = torch.randn(cfg.tokens, cfg.dim, dtype=dtype)
+    x = x.to(device).requires_grad_(True)
+    grad = torch.randn(cfg.tokens, cfg.dim, dtype=dtype).to(device)
     return moe, x, grad, controlled
 
 

@@ -53,6 +53,7 @@ import torch
 from bench_ops import interleaved
 from bench_perf_model import (
     Config,
+    build,
     err,
     peak_memory,
     quantile,
@@ -60,7 +61,6 @@ from bench_perf_model import (
     step_fn,
     summary_rows,
     workload_of,
-    zipf,
 )
 
 from torch_moe.nn import MoE
@@ -141,40 +141,6 @@ def device_rates(device: torch.device, quick: bool, reps: int) -> tuple[float, i
     return gemm, n, copy, nbytes
 
 
-def build_on(
-    cfg: Config, seed: int, device: torch.device
-) -> tuple[MoE, torch.Tensor, torch.Tensor]:
-    """``bench_perf_model.build`` made on ``device``: the layer, its input and output
-    gradient, the routing Gumbel-controlled (needs D >= E)."""
-    if cfg.dim < cfg.experts:
-        raise ValueError(f"{cfg.name}: the controlled routing needs D >= E")
-    torch.manual_seed(seed)
-    dtype = cfg.torch_dtype
-    moe = MoE(
-        cfg.dim,
-        cfg.hidden,
-        cfg.experts,
-        cfg.top_k,
-        route_norm=True,
-        shared_hidden_dim=cfg.shared,
-        capacity_factor=cfg.capacity,
-        precision=cfg.precision,
-        dtype=dtype,
-        device=device,
-    )
-    with torch.no_grad():
-        moe.router.weight.zero_()
-        moe.router.weight[:, : cfg.experts] = torch.eye(cfg.experts, dtype=dtype, device=device)
-    g = torch.Generator().manual_seed(seed + 1)  # on the CPU: the same draws on any device
-    uniform = torch.rand(cfg.tokens, cfg.experts, generator=g, dtype=torch.float64)
-    logits = zipf(cfg.experts, cfg.skew).log() - torch.log(-torch.log(uniform))
-    x = torch.randn(cfg.tokens, cfg.dim, dtype=dtype, device=device) * 0.5
-    x[:, : cfg.experts] = logits.to(device=device, dtype=dtype)
-    x.requires_grad_(True)
-    grad = torch.randn(cfg.tokens, cfg.dim, dtype=dtype, device=device)
-    return moe, x, grad
-
-
 def cuda_step_peak(moe: MoE, x: torch.Tensor, step: Callable[[], None]) -> float:
     """Bytes allocated at the peak of one step above what was allocated before it (the last
     step's gradients freed first)."""
@@ -193,7 +159,9 @@ def measure(
     cfg: Config, seed: int, device: torch.device, reps: int
 ) -> tuple[float, float, MoEWorkload]:
     """(seconds of a forward + backward step, its peak bytes, the workload) of ``cfg``."""
-    moe, x, grad = build_on(cfg, seed, device)
+    if cfg.dim < cfg.experts:
+        raise ValueError(f"{cfg.name}: the controlled routing needs D >= E")
+    moe, x, grad, _ = build(cfg, seed, device)
     moe.train()
     step = step_fn(moe, x, grad)
     step()  # Triton compiles, the allocator's blocks
