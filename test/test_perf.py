@@ -994,6 +994,39 @@ class TestCalibrateDevice(TestCase):
         self.assertEqual(hw.kernel_rates["sort"], 2**12 * _kernel_bytes("sort", 2) / 1e-3)
         self.assertGreater(len(calls), 20)
 
+    def test_a_kernel_missing_on_the_device_keeps_the_preset(self):
+        from torch_moe.perf import _calibrate as C
+        from torch_moe.perf import _calibrate_gpu as G
+
+        real_call, real_factories = G._recipe_call, C._kernel_factories
+
+        def recipe_call(S, g, wgrad, *args):
+            if wgrad:
+                raise NotImplementedError("no wgrad kernel here\nsecond line")
+            return real_call(S, g, wgrad, *args)
+
+        def factories(cdt, device="cpu"):
+            def broken(n):
+                raise RuntimeError("sort is missing")
+
+            return {**real_factories(cdt, device), "sort": broken}
+
+        with (
+            mock.patch.object(G, "_recipe_call", recipe_call),
+            mock.patch.object(C, "_kernel_factories", factories),
+        ):
+            hw = G.measure(torch.device("cpu"), quick=True)
+        preset = Hardware.preset("h200")
+        key = "fp8_rowwise:wgrad"
+        self.assertEqual(hw.gemm_rate[key], preset.gemm_rate[key])
+        self.assertNotEqual(
+            hw.gemm_rate["fp8_rowwise:forward"], preset.gemm_rate["fp8_rowwise:forward"]
+        )
+        self.assertIn(f"{key} (NotImplementedError: no wgrad kernel here)", hw.sources["gemm_rate"])
+        self.assertNotIn("sort", hw.kernel_rates)  # the model falls back to the bandwidth
+        self.assertIn("unpermute.fwd", hw.kernel_rates)
+        self.assertIn("sort (RuntimeError: sort is missing)", hw.sources["kernels"])
+
     @parametrize(
         "device_name, preset",
         [

@@ -11,11 +11,14 @@ none), saying which is which in ``Hardware.sources``:
 
 * GEMMs: ``torch_moe.ops.grouped_mm`` forward and ``torch_moe::grouped_mm_wgrad`` on
   balanced groups (8 groups of 2048 rows, K = N = 4096; the rate of ``"bf16"`` is the
-  median of the two, as the preset's), ``"fp32"`` the forward in fp32; each recipe's three
-  GEMMs as ``torch_moe::scaled_grouped_mm`` / ``scaled_grouped_mm_wgrad`` on operands
-  quantized ahead (the kernel alone: the model adds the quantize kernels itself), where
-  the recipe's GEMM decomposes into quantize ops and that op
-  (:func:`torch_moe.quantization.scaled_grouped_mm.decomposable`); others keep the preset.
+  median of the two, as the preset's), ``"fp32"`` a dense fp32 ``mm`` of as many rows (the
+  router's GEMM; without TF32, as torch's default); each recipe's three GEMMs as
+  ``torch_moe::scaled_grouped_mm`` / ``scaled_grouped_mm_wgrad`` on operands quantized
+  ahead (the kernel alone: the model adds the quantize kernels itself), where the recipe's
+  GEMM decomposes into quantize ops and that op
+  (:func:`torch_moe.quantization.scaled_grouped_mm.decomposable`). A GEMM or kernel that
+  is not decomposable or fails on the device keeps the preset's rate, named in
+  ``sources``.
 * Elementwise kernels: the calibration's kernel set (routing, sort, permute, unpermute,
   activation, casts, adds, copies, every quantize kind) at 2^24 elements, each rate the
   bytes the model counts for it (``_model._kernel_bytes``) over the median time.
@@ -120,18 +123,23 @@ def _gemm_rates(device: torch.device, quick: bool) -> tuple[dict[str, float], li
     fwd = flops / _seconds(lambda: ops.grouped_mm(x, w, offs), device, **t)
     wgrad = flops / _seconds(lambda: torch.ops.torch_moe.grouped_mm_wgrad(x, dy, offs), device, **t)
     rates["bf16"] = rates["fp16"] = statistics.median([fwd, wgrad])
-    xf, wf, _ = operands(torch.float32)
-    rates["fp32"] = flops / _seconds(functools.partial(ops.grouped_mm, xf, wf, offs), device, **t)
+    # fp32: a dense mm of the same size (the router's GEMM; fp32 experts are rare here)
+    xf, wf = x.float(), w[0].float()
+    rates["fp32"] = flops / _seconds(functools.partial(torch.mm, xf, wf), device, **t)
     del xf, wf  # the recipes' operands are quantized from the bf16 ones
 
     skipped = []
     for name, recipe in RECIPES.items():
         for phase in ("forward", "dgrad", "wgrad"):
-            call = _recipe_call(S, getattr(recipe, phase), phase == "wgrad", x, w, dy, offs)
-            if call is None:
-                skipped.append(f"{name}:{phase}")
-            else:
-                rates[f"{name}:{phase}"] = flops / _seconds(call, device, **t)
+            key = f"{name}:{phase}"
+            try:
+                call = _recipe_call(S, getattr(recipe, phase), phase == "wgrad", x, w, dy, offs)
+                if call is None:
+                    skipped.append(f"{key} (not decomposable)")
+                    continue
+                rates[key] = flops / _seconds(call, device, **t)
+            except (RuntimeError, NotImplementedError, ValueError) as e:  # a kernel missing here
+                skipped.append(f"{key} ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
     return rates, skipped
 
 
@@ -166,19 +174,24 @@ def _recipe_call(
     )
 
 
-def _kernel_rates(device: torch.device, quick: bool) -> dict[str, float]:
-    """Bytes per second of each elementwise kernel the model charges (at 2^24 elements)."""
+def _kernel_rates(device: torch.device, quick: bool) -> tuple[dict[str, float], list[str]]:
+    """Bytes per second of each elementwise kernel the model charges (at 2^24 elements), and
+    the kernels that failed on this device (the preset keeps their rates)."""
     from torch_moe.perf._calibrate import _kernel_factories
     from torch_moe.perf._model import _kernel_bytes
 
     n = 2**12 if quick else 2**24
-    rates = {}
+    rates, failed = {}, []
     with torch.enable_grad():
         for name, make in _kernel_factories(torch.bfloat16, device).items():
             size = n * 4 if name == "copy" else n  # copy counts bytes, not elements
-            sec = _seconds(make(size), device, **_timing(quick))
+            try:
+                sec = _seconds(make(size), device, **_timing(quick))
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                failed.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                continue
             rates[name] = size * _kernel_bytes(name, 2) / sec
-    return rates
+    return rates, failed
 
 
 def _copy_bandwidth(device: torch.device, quick: bool) -> float:
@@ -227,7 +240,7 @@ def measure(device: torch.device, quick: bool = False) -> Hardware:
     name = _device_name(device)
     base_name, base = _base_preset(name)
     gemm, skipped = _gemm_rates(device, quick)
-    kernels = _kernel_rates(device, quick)
+    kernels, kernels_failed = _kernel_rates(device, quick)
     bandwidth = _copy_bandwidth(device, quick)
     launch = _launch_cost(device)
     capacity = (
@@ -237,14 +250,17 @@ def measure(device: torch.device, quick: bool = False) -> Hardware:
     )
     size = "quick sizes" if quick else "8 x 2048 rows, K = N = 4096"
     kept = ", ".join(skipped) if skipped else "none"
+    kernels_kept = (
+        f"; from preset {base_name}: " + ", ".join(kernels_failed) if kernels_failed else ""
+    )
     sources = {
         **{k: f"preset {base_name}: {v}" for k, v in base.sources.items()},
         "gemm_rate": f"measured ({size}): bf16 / fp16 the median of grouped_mm forward and "
-        "grouped_mm_wgrad, fp32 forward, each recipe's decomposable GEMMs as "
+        "grouped_mm_wgrad, fp32 a dense mm of as many rows, each recipe's GEMMs as "
         f"scaled_grouped_mm on operands quantized ahead; from preset {base_name}: {kept}",
         "quantize": "measured: the quantize kernels alone, 2^24 elements",
         "kernels": "measured: the calibration's elementwise kernels, 2^24 elements "
-        "(the activation as the dense SwiGLU formula)",
+        f"(the activation as the dense SwiGLU formula){kernels_kept}",
         "mem_bandwidth": "measured: 256 MiB device copy, read + written",
         "launch_overhead": "measured: wall time per one-element add issued from Python",
         "memory_capacity": "measured: device total memory"
