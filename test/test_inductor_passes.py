@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.utils import fresh_cache, run_and_get_code
 from torch.testing import FileCheck
+from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -68,9 +69,10 @@ def _backend(record: dict):
     )
 
 
-def _layer(precision):
+def _layer(precision, dim=D, device=None, dtype=None):
     torch.manual_seed(0)
-    return MoE(D, F, E, K, precision=precision, shared_hidden_dim=16).train()
+    moe = MoE(dim, dim, E, K, precision=precision, shared_hidden_dim=16, device=device, dtype=dtype)
+    return moe.train()
 
 
 def _run(module, x, grad_out):
@@ -715,7 +717,63 @@ class TestEPChunkPass(TestCase):
             self.assertIsInstance(inductor_config.pre_grad_custom_pass, TI.EPChunkPass)
 
 
+class TestPassesDevice(TestCase):
+    """Device-generic (instantiate_device_type_tests): .ci/gpu runs it on cuda, where the
+    recipes' fused ops run their Triton kernels (bf16 parameters, dims of 128)."""
+
+    def _steps(self, compiled, eager, device, dim):
+        gen = torch.Generator().manual_seed(1)
+        results = []
+        for num_tokens in (64, 40):
+            x = torch.randn(num_tokens, dim, generator=gen).to(device, torch.bfloat16)
+            g = torch.randn(num_tokens, dim, generator=gen).to(device, torch.bfloat16)
+            results.append((_run(compiled, x, g), _run(eager, x, g)))
+        return results
+
+    @onlyCUDA
+    @parametrize("precision", ["bf16", *RECIPES])
+    def test_passes_bit_for_bit(self, device, precision):
+        # the joint-graph passes (the fusions into permute / SwiGLU / the combine's backward,
+        # the cached weight quantization) keep eager's values on the device's kernels too
+        torch._dynamo.reset()
+        clear_weight_cache()
+        eager = _layer(precision, 128, device, torch.bfloat16)
+        moe = copy.deepcopy(eager)
+        record: dict = {}
+        compiled = torch.compile(moe, backend=_backend(record), fullgraph=True)
+        with TI.config.patch(inline_swiglu=False):
+            for got, ref in self._steps(compiled, eager, device, 128):
+                _assert_same(self, got, ref, **EXACT)
+        if precision != "bf16":
+            self.assertGreater(sum(record["counts"].values()), 0, msg=record["counts"])
+
+    @onlyCUDA
+    def test_generated_code_fp8(self, device):
+        """Inductor with the passes on the device: the fused quantize ops in the code, the
+        values within bf16 rounding of eager (Inductor's own kernels run the glue)."""
+        torch._dynamo.reset()
+        clear_weight_cache()
+        eager = _layer("fp8_rowwise", 128, device, torch.bfloat16)
+        moe = copy.deepcopy(eager)
+        compiled = torch.compile(moe, fullgraph=True, options=TI.options())
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 128, generator=gen).to(device, torch.bfloat16)
+        g = torch.randn(64, 128, generator=gen).to(device, torch.bfloat16)
+        got, (fwd, bwd) = run_and_get_code(lambda: _run(compiled, x, g))
+        ref = _run(eager, x, g)
+        # NB (tolerance): bf16 outputs and gradients whose glue Inductor fuses and rounds
+        # in another order; a wrong fusion is O(1) off
+        _assert_same(self, got, ref, atol=5e-2, rtol=5e-2)
+        ops_ = "torch.ops.torch_moe."
+        FileCheck().check(f"{ops_}permute_quantize.default(").check(
+            f"{ops_}scaled_grouped_mm.default("
+        ).check(f"{ops_}swiglu_quantize.default(").run(fwd)
+        for op in ("permute_quantize_jagged", "swiglu_quantize_jagged", "scaled_grouped_mm_wgrad"):
+            FileCheck().check(f"{ops_}{op}.default(").run(bwd)
+
+
 instantiate_parametrized_tests(TestPasses)
+instantiate_device_type_tests(TestPassesDevice, globals())
 
 if __name__ == "__main__":
     run_tests()
