@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -106,6 +107,25 @@ def tune_batch(T, w13, w2, K, candidates, rounds, reps):
     return best, med[best]
 
 
+def merged_table(table: dict[int, list[int]]) -> dict[str, list[int]]:
+    """Routed-row bound -> config, keeping a bound only where the winner changes after it
+    (the last bound stands for every larger batch)."""
+    merged: dict[str, list[int]] = {}
+    bounds = sorted(table)
+    for i, bound in enumerate(bounds):
+        last = i == len(bounds) - 1
+        if last or table[bounds[i + 1]] != table[bound]:
+            merged[str(1 << 30 if last else bound)] = table[bound]
+    return merged
+
+
+def write_table(path: Path, name: str, merged: dict[str, list[int]]) -> None:
+    """Set ``name``'s entry of the JSON table at ``path``."""
+    data = json.loads(path.read_text())
+    data[name] = merged
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -150,22 +170,14 @@ def main() -> int:
     while T <= args.max_tokens:
         best, us = tune_batch(T, w13, w2, K, candidates, args.rounds, args.reps)
         default = dataclasses.astuple(MD.config_for(T * K, configs=MD.CONFIGS))
-        print(f"T={T:5d} rows={T * K:6d}: {best} {us:8.1f} us (default {default})")
+        print(f"T={T:5d} rows={T * K:6d}: {best} {us:8.1f} us (default {default})", flush=True)
         table[T * K] = list(best)
+        if args.write:  # after every batch: a run cut short still leaves the batches it timed
+            write_table(MD._CONFIG_FILE, name, merged_table(table))
         T *= 2
-    merged: dict[str, list[int]] = {}
-    bounds = sorted(table)
-    for i, bound in enumerate(bounds):  # keep a bound where the winner changes after it
-        last = i == len(bounds) - 1
-        if last or table[bounds[i + 1]] != table[bound]:
-            merged[str(1 << 30 if last else bound)] = table[bound]
-    print(json.dumps({name: merged}))
+    print(json.dumps({name: merged_table(table)}))
     if args.write:
-        path = MD._CONFIG_FILE
-        data = json.loads(path.read_text())
-        data[name] = merged
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {name!r} to {path}")
+        print(f"wrote {name!r} to {MD._CONFIG_FILE}")
     return 0
 
 
