@@ -123,7 +123,9 @@ def write_table(path: Path, name: str, merged: dict[str, list[int]]) -> None:
     """Set ``name``'s entry of the JSON table at ``path``."""
     data = json.loads(path.read_text())
     data[name] = merged
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    tmp = path.with_suffix(".tmp")  # replaced whole: a kill mid-write leaves the old table
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def main() -> int:
