@@ -1044,6 +1044,7 @@ class TestCalibrateDevice(TestCase):
         self.assertEqual(hw.tile_m, Hardware.preset(preset).tile_m)
 
     def test_cached_per_process_and_on_disk(self):
+        from torch_moe.perf import _calibrate as C
         from torch_moe.perf import _calibrate_gpu as G
 
         fake = _cpu_hardware()
@@ -1051,12 +1052,12 @@ class TestCalibrateDevice(TestCase):
         with (
             tempfile.TemporaryDirectory() as tmp,
             mock.patch.dict(os.environ, {"XDG_CACHE_HOME": tmp}),
-            mock.patch.dict(G._CACHE, clear=True),
+            mock.patch.dict(C._PROCESS_CACHE, clear=True),
             mock.patch.object(G, "measure", return_value=fake) as measure,
         ):
             first = G.calibrate_device(dev, quick=True)
             self.assertIs(G.calibrate_device(dev, quick=True), first)
-            G._CACHE.clear()
+            C._PROCESS_CACHE.clear()
             self.assertEqual(G.calibrate_device(dev, quick=True).to_json(), fake.to_json())
             self.assertEqual(measure.call_count, 1)  # the second process read the disk
             G.calibrate_device(dev, quick=True, refresh=True)

@@ -66,6 +66,7 @@ import contextvars
 import dataclasses
 import functools
 import hashlib
+import inspect
 import math
 import os
 import platform
@@ -1290,14 +1291,10 @@ def calibrate(
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"calibrate: device must name a torch device, got {device!r}") from e
         if dev.type != "cpu":
-            cpu_options = {
-                "threads": threads is None,
-                "passes": passes == 2,
-                "budget_s": budget_s == 55.0,
-                "statistic": statistic == "median",
-                "interleave": interleave is None,
-            }
-            changed = [k for k, default in cpu_options.items() if not default]
+            given = dict(threads=threads, passes=passes, budget_s=budget_s,
+                         statistic=statistic, interleave=interleave)  # fmt: skip
+            defaults = inspect.signature(calibrate).parameters
+            changed = [k for k, v in given.items() if v != defaults[k].default]
             if changed:
                 raise ValueError(
                     f"calibrate: {', '.join(changed)} apply to the CPU only, not to "
@@ -1325,6 +1322,19 @@ def calibrate(
     if interleave is not None and not callable(interleave):
         raise TypeError(f"calibrate: interleave must be callable, got {interleave!r}")
     refresh = refresh or interleave is not None
+    hw = _cached(
+        key,
+        lambda: _measure_compute(threads, quick, passes, budget_s, statistic, interleave),
+        cache,
+        refresh,
+    )
+    return _with_group_link(hw, group, quick, key, refresh or not cache)
+
+
+def _cached(key: str, measure: Callable[[], Hardware], cache: bool, refresh: bool) -> Hardware:
+    """The :class:`Hardware` stored under ``key`` (in this process, else on disk), or
+    ``measure()``'s on a miss, on ``refresh`` or without ``cache``; stored (the file
+    replaced whole) unless ``cache`` is off."""
     hw = None if refresh or not cache else _PROCESS_CACHE.get(key)
     path = _cache_dir() / f"{key}.json"
     if hw is None and cache and not refresh and path.exists():
@@ -1333,7 +1343,7 @@ def calibrate(
         except (ValueError, KeyError, TypeError):
             hw = None
     if hw is None:
-        hw = _measure_compute(threads, quick, passes, budget_s, statistic, interleave)
+        hw = measure()
         if cache:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -1344,7 +1354,7 @@ def calibrate(
                 pass
     if cache:
         _PROCESS_CACHE[key] = hw
-    return _with_group_link(hw, group, quick, key, refresh or not cache)
+    return hw
 
 
 def _with_group_link(

@@ -44,7 +44,6 @@ import importlib
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,7 +52,6 @@ from torch_moe.perf._hardware import Hardware
 
 __all__ = ["calibrate_device"]
 
-_CACHE: dict[str, Hardware] = {}
 _BATCH_SECONDS = 0.02  # one timed batch: long enough for event resolution and launch gaps
 
 
@@ -280,41 +278,14 @@ def measure(device: torch.device, quick: bool = False) -> Hardware:
     )
 
 
-def _cache_path(key: str) -> Path:
-    from torch_moe.perf._calibrate import _cache_dir
-
-    return _cache_dir() / f"gpu-{key}.json"
-
-
 def calibrate_device(
     device: torch.device, *, quick: bool = False, cache: bool = True, refresh: bool = False
 ) -> Hardware:
     """The measured :class:`Hardware` of accelerator ``device``, cached per process and on
-    disk by device name, torch version, the library sources and ``quick``."""
-    from torch_moe.perf._calibrate import _sources_hash
+    disk (as the CPU calibration) by device name, torch version, the library sources and
+    ``quick``."""
+    from torch_moe.perf._calibrate import _cached, _sources_hash
 
     spec: Any = (_device_name(device), torch.__version__, _sources_hash(), quick)
-    key = hashlib.sha256(repr(spec).encode()).hexdigest()[:20]
-    if cache and not refresh:
-        if key in _CACHE:
-            return _CACHE[key]
-        path = _cache_path(key)
-        if path.exists():
-            try:
-                hw = Hardware.from_json(path.read_text())
-                _CACHE[key] = hw
-                return hw
-            except (ValueError, KeyError, TypeError):
-                pass
-    hw = measure(device, quick)
-    if cache:
-        _CACHE[key] = hw
-        path = _cache_path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(hw.to_json())
-            tmp.replace(path)
-        except OSError:
-            pass
-    return hw
+    key = "gpu-" + hashlib.sha256(repr(spec).encode()).hexdigest()[:20]
+    return _cached(key, lambda: measure(device, quick), cache, refresh)
