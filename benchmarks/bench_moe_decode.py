@@ -25,6 +25,7 @@ import torch
 
 import torch_moe  # noqa: F401  (registers the ops)
 from torch_moe import ops
+from torch_moe.perf import _calibrate_gpu  # its copy bandwidth: the calibration's own
 
 
 def _time(fn, reps: int) -> float:
@@ -35,15 +36,6 @@ def _time(fn, reps: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps * 1e3  # us
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes read + written per second of a 1 GiB device copy (median of 20)."""
-    src = torch.ones(2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = [_time(lambda: dst.copy_(src), 1) for _ in range(20)]
-    return 2 * 2**30 / (statistics.median(times) / 1e6)
 
 
 def grouped_mm_peer(x, w13, w2, ids, weights, num_experts):  # type: ignore[no-untyped-def]
@@ -154,9 +146,9 @@ def main() -> int:
     w2 = (torch.randn(E, D, F, device=dev, generator=gen) / F**0.5).bfloat16()
     q13, s13 = quantize_fp8(w13, [1, -1])
     q2, s2 = quantize_fp8(w2, [1, -1])
-    copy_bps = copy_bandwidth(dev)
+    copy_bps = _calibrate_gpu._copy_bandwidth(torch.device(dev), quick=False)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; E={E} D={D} F={F} K={K}")
-    print(f"# copy bandwidth (1 GiB, read + written): {copy_bps / 1e9:.0f} GB/s")
+    print(f"# copy bandwidth (256 MiB, read + written): {copy_bps / 1e9:.0f} GB/s")
     print(
         "| T | experts hit | unfused us | grouped_mm peer us | fused bf16 us | fused fp8 us | "
         "fused/unfused | fused/peer | bf16 GB/s | bf16 / copy | fp8 GB/s |"

@@ -1,8 +1,6 @@
 """Does torch_moe.perf predict a MoE layer step on a CUDA GPU?
 
-Measures on the device: the copy bandwidth (a bf16 clone of 512 MiB, bytes read + written
-over its time), the dense bf16 GEMM rate (an 8192^3 ``torch.mm``), and for a sweep of 16
-``torch_moe.nn.MoE`` layers (D 2048-7168, F 768-2048, E 8-128, K 2-8, T 2048-8192: coarse
+Measures on the device, for a sweep of 16 ``torch_moe.nn.MoE`` layers (D 2048-7168, F 768-2048, E 8-128, K 2-8, T 2048-8192: coarse
 and fine-grained experts, 64 to 4096 tokens per expert, bf16 with uniform and Zipf-skewed
 routing, ``fp8_rowwise`` and ``fp8_blockwise``) the time of one forward + backward step and
 its peak memory. Then compares each step with ``torch_moe.perf.predict`` on:
@@ -126,20 +124,6 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, reps: int) 
     window_ms = max(100.0, reps * (time.perf_counter() - t0) * 1e3)
     ms = triton.testing.do_bench(fn, warmup=25, rep=window_ms, return_mode="median")
     return float(ms) / 1e3
-
-
-def device_rates(device: torch.device, quick: bool, reps: int) -> tuple[float, int, float, int]:
-    """(dense bf16 GEMM FLOP/s, its n, copy bytes/s, the copied bytes) on ``device``."""
-    n = 1024 if quick else 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    torch.mm(a, b)
-    gemm = 2.0 * n**3 / seconds_per_call(lambda: torch.mm(a, b), device, reps)
-    src = torch.ones(2**24 if quick else 2**28, device=device, dtype=torch.bfloat16)
-    nbytes = src.numel() * src.element_size()
-    src.clone()
-    copy = 2.0 * nbytes / seconds_per_call(src.clone, device, reps)
-    return gemm, n, copy, nbytes
 
 
 def cuda_step_peak(moe: MoE, x: torch.Tensor, step: Callable[[], None]) -> float:
@@ -306,24 +290,18 @@ def main() -> int:
     ]
     print(head[0], file=sys.stderr, flush=True)  # progress; the report comes at the end
 
-    gemm, n, copy, nbytes = device_rates(device, quick, args.reps)
-    preset = Hardware.preset(args.preset)
     hws: dict[str, Hardware] = {}
     if device.type == "cuda":
-        hws["a"] = preset
+        hws["a"] = Hardware.preset(args.preset)
         desc_a = f"`Hardware.preset({args.preset!r})` as it is"
-    else:
+        hws["b"] = calibrate(device=device)
+    else:  # this CPU's quick calibration, and the accelerator calibration's code on it
         hws["a"] = calibrate(quick=True)
         desc_a = "`torch_moe.perf.calibrate(quick=True)` of this CPU"
-    if device.type == "cuda":
-        hws["b"] = calibrate(device=device)
-    else:  # the accelerator calibration's code, on this CPU
         hws["b"] = _calibrate_gpu.measure(device, quick=True)
     b = hws["b"]
     head += [
-        f"# measured: dense bf16 mm {n}^3 {gemm / 1e12:.1f} TFLOP/s, copy (bf16 clone of "
-        f"{nbytes / 2**20:.0f} MiB, read + written) {copy / 1e9:.0f} GB/s; "
-        f"{time.perf_counter() - start:.1f} s so far",
+        f"# calibrated in {time.perf_counter() - start:.1f} s",
         f"# (a) {desc_a}: bf16 {hws['a'].gemm_rate['bf16'] / 1e12:.3g} TFLOP/s, memory "
         f"{hws['a'].mem_bandwidth / 1e9:.0f} GB/s",
         f"# (b) torch_moe.perf.calibrate(device={str(device)!r}): {b.name}: bf16 "
