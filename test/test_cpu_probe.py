@@ -277,11 +277,34 @@ class TestCpuProbe(TestCase):
         # the dtype, the layout pair and the shape class, and the result is the product
         x, w = torch.randn(64, 32), torch.randn(2, 32, 48)
         offs = torch.tensor([32, 64], dtype=torch.int32)
-        out = grouped_mm(x, w, offs)
+        with P.force(threads_mm="aten"):  # (on 2+ threads asked first)
+            out = grouped_mm(x, w, offs)
         self.assertEqual(out, torch.cat([x[:32] @ w[0], x[32:] @ w[1]]), atol=1e-5, rtol=1e-5)
         keys = [k for k in P.decisions() if k.startswith("grouped_mm:")]
         self.assertTrue(keys, msg=f"no grouped_mm decision in {P.decisions()}")
         self.assertTrue(all(k.startswith("grouped_mm:fp32:") for k in keys), msg=str(keys))
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_threads_mm_decision_measured_on_two_threads_only(self):
+        # measured from scratch through the op on two threads: its key names the dtype,
+        # the layout pair, the shape class and the threads, the result is the product;
+        # on one thread it is not asked
+        x, w = torch.randn(64, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
+        offs = torch.tensor([32, 64], dtype=torch.int32)
+        want = torch.cat([x[:32] @ w[0], x[32:] @ w[1]])
+        threads = torch.get_num_threads()
+        try:
+            with P.force(half_gemm="native"):
+                torch.set_num_threads(1)
+                self.assertEqual(grouped_mm(x, w, offs), want, atol=1e-2, rtol=1e-2)
+                self.assertFalse([k for k in P.decisions() if k.startswith("threads_mm:")])
+                torch.set_num_threads(2)
+                self.assertEqual(grouped_mm(x, w, offs), want, atol=1e-2, rtol=1e-2)
+        finally:
+            torch.set_num_threads(threads)
+        keys = [k for k in P.decisions() if k.startswith("threads_mm:")]
+        self.assertEqual(keys, ["threads_mm:bf16:nn:m_small:t2"])
+        self.assertRegex(P.decisions()[keys[0]], r"^(aten|native) \(measured: aten .* native ")
 
     def test_probes_return_a_choice(self):
         # the real probes on this machine (no timing asserted): what they return is valid
@@ -393,6 +416,8 @@ class TestForcedDecisions(TestCase):
     def setUp(self):
         super().setUp()
         torch.manual_seed(0)
+        # the per-group kernels below; the threaded ones (2+ threads) by their own test
+        self.enterContext(P.force(threads_mm="aten"))
 
     @parametrize("dtype", [torch.bfloat16, torch.float32])
     @parametrize("half_gemm", ["native", "fp32"])
@@ -424,6 +449,48 @@ class TestForcedDecisions(TestCase):
         assert_gemm_within(self, dw, x, grad, offs, "dW", wgrad=True)
         self.assertTrue((out[40:] == 0).all())
         self.assertTrue((x.grad[40:] == 0).all())  # torch._grouped_mm leaves these unset
+        self.assertTrue((w_leaf.grad[1] == 0).all())  # the empty group
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @parametrize("half_gemm", ["native", "fp32"])
+    @parametrize("layout", ["as_is", "copy_b"])
+    @parametrize("col_major", [False, True])
+    def test_grouped_mm_threaded(self, dtype, half_gemm, layout, col_major):
+        # forced on two threads: forward, dX and dW by the threaded kernels where they
+        # compute what the loop does (the dtype multiplied as it is, the operands in their
+        # own layouts, forward over FEW_ROWS rows per busy group), within the GEMM bound
+        offs = _offs([37, 0, 61, 18, 90])  # 4 busy groups of 52 rows on average
+        m = 210  # 4 rows past the last group
+        x = torch.randn(m, 24, dtype=dtype, requires_grad=True)
+        shape = (5, 40, 24) if col_major else (5, 24, 40)
+        w_leaf = torch.randn(*shape, dtype=dtype, requires_grad=True)
+        w = w_leaf.transpose(-2, -1) if col_major else w_leaf
+        grad = torch.randn(m, 40, dtype=dtype)
+        spies = [
+            unittest.mock.patch.object(grouped_mm_module, f, wraps=getattr(grouped_mm_module, f))
+            for f in ("_threaded_mm", "_threaded_wgrad")
+        ]
+        forced = dict(half_gemm=half_gemm, threads_mm="native", layout=layout, wgrad_a="as_is")
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            with P.force(**forced), spies[0] as fwd, spies[1] as wgrad:
+                out = grouped_mm(x, w, offs)
+                out.backward(grad)
+        finally:
+            torch.set_num_threads(threads)
+        # forward and dX: one row-major x column-major (never copied), the other
+        # row-major x row-major; dW column-major x row-major
+        native = dtype != torch.float32 and half_gemm == "native"  # (half dtypes only)
+        self.assertEqual(fwd.call_count, (2 if layout == "as_is" else 1) if native else 0)
+        self.assertEqual(wgrad.call_count, 1 if native and layout == "as_is" else 0)
+        assert_gemm_within(self, out, x, w, offs, "forward")
+        assert_gemm_within(self, x.grad, grad, w.detach().transpose(-2, -1), offs, "dX")
+        dw = w_leaf.grad.transpose(-2, -1) if col_major else w_leaf.grad
+        assert_gemm_within(self, dw, x, grad, offs, "dW", wgrad=True)
+        self.assertTrue((out[206:] == 0).all())
+        self.assertTrue((x.grad[206:] == 0).all())
         self.assertTrue((w_leaf.grad[1] == 0).all())  # the empty group
 
     @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

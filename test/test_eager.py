@@ -478,6 +478,17 @@ def _combine_inputs(
     return p, inputs
 
 
+@contextlib.contextmanager
+def two_threads() -> Iterator[None]:
+    """At least two intra-op threads: the threaded grouped GEMMs run only there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _op_steps(x: Any, w13: Any, w2: Any, offs: Any, rw: Any, r2s: Any, s2r: Any) -> Any:
     """What ``grouped_swiglu_combine`` stands for: the two ops."""
     y, _h = gs.grouped_swiglu(x, w13, w2, offs, rw, None, r2s, s2r)
@@ -494,10 +505,12 @@ LEAN = dict(
     act_kernel="native",
     wgrad_a="as_is",
     few_gemm="aten",
+    threads_mm="aten",
 )
 GENERAL = {**LEAN, "grouped_mm": "loop"}
 COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
 FEW_GEMM = {**LEAN, "few_gemm": "native"}  # half dtypes: the native few-rows GEMMs
+THREADS = {**LEAN, "threads_mm": "native"}  # the threaded grouped GEMMs (on 2+ threads)
 # ... for column-major weights only (every row and group class of bf16 forced by key)
 FEW_GEMM_T = {
     **LEAN,
@@ -563,7 +576,7 @@ class TestSwiGLUCombine(TestCase):
 
     @parametrize("dtype", [BF16, F32])
     @parametrize("weighted", [True, False])
-    @parametrize("tokens", [1, 13, 40])
+    @parametrize("tokens", [1, 13, 40, 96])
     def test_same_as_the_ops(self, dtype: torch.dtype, weighted: bool, tokens: int) -> None:
         p, inputs = _combine_inputs(tokens, dtype, seed=tokens, weighted=weighted)
         needs = (True, True, True, weighted)
@@ -571,8 +584,9 @@ class TestSwiGLUCombine(TestCase):
         # a copied weight-gradient operand takes the ops' kernels (fp32 is never copied)
         copied = native and dtype == F32
         cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, copied), (FEW_GEMM, native)]
+        cases.append((THREADS, native))
         for decisions, lean in cases:
-            with self.subTest(decisions=decisions):
+            with self.subTest(decisions=decisions), two_threads():
                 self._compare(p, inputs, needs, lean, decisions)
 
     def test_few_rows_gemms_decided_per_gemm(self) -> None:
@@ -753,8 +767,9 @@ class TestGLUCombine(TestCase):
         needs = (True, True, True, True, bias)
         native = _native.available()
         cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, False), (FEW_GEMM, native)]
+        cases.append((THREADS, native))
         for decisions, lean in cases:
-            with self.subTest(decisions=decisions):
+            with self.subTest(decisions=decisions), two_threads():
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
 
     def test_few_rows_gemms_decided_per_gemm(self) -> None:
@@ -862,11 +877,12 @@ class TestExpertsNodesFuzz(TestCase):
         activation=st.sampled_from(["fused", "swiglu", "swigluoai", "relu2"]),
         transposed=st.booleans(),
         bias=st.booleans(),
-        few_gemm=st.booleans(),
+        decisions=st.sampled_from([LEAN, FEW_GEMM, THREADS]),
     )
     def test_same_as_the_ops(
         self, tokens: int, experts: int, top_k: int, routing: dict[str, int], seed: int,
-        dtype: torch.dtype, activation: str, transposed: bool, bias: bool, few_gemm: bool,
+        dtype: torch.dtype, activation: str, transposed: bool, bias: bool,
+        decisions: dict[str, str],
     ) -> None:  # fmt: skip
         top_k = min(top_k, experts)
         g = torch.Generator().manual_seed(seed)
@@ -915,7 +931,7 @@ class TestExpertsNodesFuzz(TestCase):
                 )  # fmt: skip
 
         inputs = [t.requires_grad_() for t in inputs]
-        with _cpu_probe.force(**(FEW_GEMM if few_gemm else LEAN)):
+        with _cpu_probe.force(**decisions), two_threads():
             with op_path():
                 ref = _run(call, inputs)
             got = _run(call, inputs)
@@ -926,21 +942,32 @@ def _assert_lean_gemms(
     test: TestCase, gemms: Any, lean: bool, decisions: dict[str, str] | None, dtype: torch.dtype
 ) -> None:
     """The lean kernels' x @ w GEMMs (``_whole_grouped_mm`` calls) took the native
-    few-rows kernel exactly where it was forced, for half dtypes (none ran off the lean
-    path)."""
+    few-rows kernel exactly where it was forced, for half dtypes, the threaded kernel
+    where that was forced and the rows allow it, ``torch._grouped_mm`` elsewhere (none ran
+    off the lean path)."""
     if not lean:
         test.assertFalse(gemms.called)
         return
     test.assertTrue(gemms.called)
-    flags = {c.args[-1] for c in gemms.call_args_list}
+    ways = {c.args[-1] for c in gemms.call_args_list}
     if any(k.startswith("few_gemm:") for k in decisions or {}):  # forced per layout:
         # each GEMM by the native kernel exactly where its weight is column-major
         for c in gemms.call_args_list:
-            test.assertEqual(c.args[-1], c.args[1].stride(2) != 1)
-        test.assertEqual(flags, {True, False})
+            test.assertEqual(c.args[-1] == "few", c.args[1].stride(2) != 1)
+        test.assertEqual(ways, {"few", "torch"})
         return
-    few = (decisions or {}).get("few_gemm") == "native" and dtype in (BF16, torch.float16)
-    test.assertEqual(flags, {few})
+    decisions = decisions or {}
+    if decisions.get("few_gemm") == "native" and dtype in (BF16, torch.float16):
+        test.assertEqual(ways, {"few"})
+    elif decisions.get("threads_mm") == "native" and dtype in (BF16, torch.float16):
+        # forward GEMMs of more than FEW_ROWS rows per group are threaded (fewer: torch's;
+        # its tests hold two threads)
+        test.assertTrue(ways <= {"threads", "torch"}, msg=str(ways))
+        for c in gemms.call_args_list:
+            rows = gmm.rows_per_busy_group(c.args[2].tolist())[1]
+            test.assertEqual(c.args[-1] == "threads", rows > _cpu_probe.FEW_ROWS)
+    else:
+        test.assertEqual(ways, {"torch"})
 
 
 class TestMoELayerNode(TestCase):

@@ -940,5 +940,127 @@ class TestNativeFewRowsMM(TestCase):
                 _native.kernels().few_rows_mm(*args)
 
 
+@contextlib.contextmanager
+def _threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _threaded_mm(x, w, offs):
+    out = torch.full((x.shape[0], w.shape[2]), float("nan"), dtype=x.dtype)  # all written
+    _native.kernels().threaded_grouped_mm(x, w, offs, out)
+    return out
+
+
+def _threaded_wgrad(a, dy, offs):
+    out = torch.full((offs.shape[0], a.shape[0], dy.shape[1]), float("nan"), dtype=a.dtype)
+    _native.kernels().threaded_grouped_mm_wgrad(a, dy, offs, out)
+    return out
+
+
+# group sizes: empty groups, groups under the 16-row cut unit, a group that holds more
+# than one thread's share, and groups that two or three threads' shares cut through
+_THREADED_SIZES = ([20, 0, 17, 3, 40], [5, 0, 0, 2], [300], [0, 130, 1, 1, 70, 0], [0, 0])
+
+
+@instantiate_parametrized_tests
+@needs_native
+class TestNativeThreadedGroupedMM(TestCase):
+    """``threaded_grouped_mm`` / ``threaded_grouped_mm_wgrad`` (the groups' work shared
+    out over the threads, groups on a share's edge split by output rows): within the
+    GEMM rounding bound of the float64 product in every dtype and operand layout, on 1-3
+    threads, with empty groups (zero weight gradients), rows past the groups (zero) and
+    every element written; the caller's grad mode in the pool's threads; bad operands
+    refused by message."""
+
+    @parametrize("dtype", [BF16, F16, F32])
+    @parametrize("layout", ["row", "col", "row_slice", "col_slice"])
+    def test_forward_within_the_gemm_bound(self, dtype, layout):
+        g = torch.Generator().manual_seed(3)
+        for sizes in _THREADED_SIZES:
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            end = int(offs[-1])
+            x = torch.randn(end + 3, 40, generator=g).to(dtype)  # 3 rows past the groups
+            w = _few_weight(len(sizes), 40, 24, dtype, layout, g)
+            for threads in (1, 2, 3):
+                with self.subTest(sizes=sizes, threads=threads), _threads(threads):
+                    got = _threaded_mm(x, w, offs)
+                    assert_gemm_within(self, got, x, w, offs, f"{sizes} on {threads}")
+                    self.assertTrue((got[end:] == 0).all())
+
+    @parametrize("dtype", [BF16, F16, F32])
+    @parametrize("a_layout", ["view", "copy"])
+    def test_wgrad_within_the_gemm_bound(self, dtype, a_layout):
+        # a [K, M]: x^T as the column-major view, or a row-major copy of it; its K (the
+        # output rows that the shares are cut by) over several 16-row units and a tail
+        g = torch.Generator().manual_seed(4)
+        for sizes in _THREADED_SIZES:
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            x = torch.randn(int(offs[-1]) + 3, 37, generator=g).to(dtype)
+            dy = torch.randn(x.shape[0], 20, generator=g).to(dtype)
+            a = x.t() if a_layout == "view" else x.t().contiguous()
+            for threads in (1, 2, 3):
+                with self.subTest(sizes=sizes, threads=threads), _threads(threads):
+                    got = _threaded_wgrad(a, dy, offs)
+                    assert_gemm_within(self, got, x, dy, offs, f"{sizes}", wgrad=True)
+                    for g_, size in enumerate(sizes):
+                        if size == 0:
+                            self.assertTrue((got[g_] == 0).all())
+
+    def test_deterministic(self):
+        g = torch.Generator().manual_seed(5)
+        offs = torch.tensor([70, 70, 171, 260], dtype=torch.int32)
+        x, w = torch.randn(260, 64, generator=g).to(BF16), torch.randn(4, 64, 48).to(BF16)
+        with _threads(2):
+            first = _threaded_mm(x, w, offs)
+            for _ in range(3):
+                self.assertTrue(torch.equal(_threaded_mm(x, w, offs), first))
+
+    def test_callers_grad_mode_in_the_pool(self):
+        # a parameter as an operand under no_grad (the experts' backward passes its
+        # weights so): the pool's threads must multiply under the caller's grad mode, not
+        # their own (grad enabled, and ATen's out= GEMMs refuse tensors that need grad)
+        x = torch.randn(256, 32)
+        w = torch.randn(2, 32, 16, requires_grad=True)
+        dy = torch.randn(256, 16, requires_grad=True)
+        offs = torch.tensor([100, 256], dtype=torch.int32)
+        with _threads(2), torch.no_grad():
+            got = _threaded_mm(x, w, offs)
+            dw = _threaded_wgrad(x.t(), dy, offs)
+        self.assertEqual(got, torch.cat([x[:100] @ w[0], x[100:] @ w[1]]).detach())
+        self.assertEqual(dw[1], (x[100:].t() @ dy[100:]).detach())
+
+    def test_bad_operands(self):
+        mod = _native.kernels()
+        x, w = torch.randn(6, 16).to(BF16), torch.randn(3, 16, 8).to(BF16)
+        offs = torch.tensor([2, 4, 6], dtype=torch.int32)
+        out = x.new_empty((6, 8))
+        cases = [
+            ((x, w, offs, out.float()), r"out must be a contiguous \[M, N\] tensor"),
+            ((x, w, offs, out.t().contiguous().t()), r"out must be a contiguous"),
+            ((x, w, offs.long(), out), r"offs must be a contiguous int32 tensor of 3"),
+            ((x, w, torch.tensor([4, 2, 6], dtype=torch.int32), out), r"got 2 at group 1"),
+            ((x, w, torch.tensor([2, 4, 7], dtype=torch.int32), out), r"the 6 rows, got 7"),
+            ((x, torch.randn(3, 12, 8).to(BF16), offs, out), r"x \[M, K\] and w \[E, K, N\]"),
+        ]
+        for args, msg in cases:
+            with self.subTest(msg=msg), self.assertRaisesRegex(RuntimeError, msg):
+                mod.threaded_grouped_mm(*args)
+        dy, dw = torch.randn(6, 8).to(BF16), torch.empty(3, 16, 8).to(BF16)
+        cases = [
+            ((x.t(), dy, offs, dw[:2]), r"out must be a contiguous \[E, K, N\] tensor"),
+            ((x.t(), dy.float(), offs, dw), r"out must be a contiguous \[E, K, N\] tensor"),
+            ((x, dy, offs, dw), r"a \[K, M\] and dy \[M, N\]"),
+            ((x.t(), dy, torch.tensor([2, 7, 7], dtype=torch.int32), dw), r"got 7 at group 1"),
+        ]
+        for args, msg in cases:
+            with self.subTest(msg=msg), self.assertRaisesRegex(RuntimeError, msg):
+                mod.threaded_grouped_mm_wgrad(*args)
+
+
 if __name__ == "__main__":
     run_tests()

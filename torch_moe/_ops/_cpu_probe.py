@@ -17,11 +17,12 @@ that near-ties do not flip between runs. A probe takes a few to a few tens of
 milliseconds (``_PROBE_BUDGET_S`` bounds its rounds); its result is cached per process
 and, when ``TORCH_MOE_CPU_PROBE_CACHE`` names a JSON file, on disk keyed by the machine
 (CPU model and flags, torch version, thread count), which also makes it reproducible.
-The one exception is ``few_gemm``, whose candidates scale differently with threads (the
-native kernel shares all groups' work out in one parallel region; oneDNN splits each
-small GEMM by itself, and gains little from a second thread at a few rows): it is timed
-on the caller's threads, in wall time (the minimum over rounds), so that a two-thread
-process does not take a one-thread ranking (at 16 rows per expert they differ).
+The exceptions are ``few_gemm`` and ``threads_mm``, whose candidates scale differently
+with threads (the native kernels share all groups' work out in one parallel region;
+oneDNN splits each small GEMM by itself, and gains little from a second thread at a few
+rows): they are timed on the caller's threads, in wall time (the minimum over rounds),
+so that a two-thread process does not take a one-thread ranking (at 16 rows per expert
+they differ); ``threads_mm`` is only asked on two or more threads, and its key names them.
 
 Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
 row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
@@ -31,7 +32,7 @@ row-major, t column-major; nt, the one every BLAS takes fastest, is never probed
 ``grouped_mm``) rounded up to a power of two; ``<k>``, ``<n>``: the weight
 gradient's output rows and columns, rounded up to powers of two and capped (``wgrad_a``,
 half dtypes multiplied natively only); ``<b>``: the weight's layout (n / t); ``<g>``: the
-busy groups, rounded up to a power of two and clamped to 8-32.
+busy groups, rounded up to a power of two and clamped to 8-32; ``<t>``: the intra-op threads.
 
 ==============================  ====================  ======  ==============================
 key                             choices               margin  used by
@@ -44,6 +45,10 @@ key                             choices               margin  used by
                                                               <= 32 rows per group);
                                                               ``grouped_swiglu``'s path
                                                               where half GEMMs upcast
+``threads_mm:<dt>:<ab>:<cls>``  aten, **native**      10%     ``grouped_mm``,
+                                                              ``grouped_mm_wgrad`` (CPU
+                                                              kernels, >= 2 threads; the
+                                                              key ends in ``:t<t>``)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -109,6 +114,7 @@ KINDS = (
     "swiglu_path",
     "act_kernel",
     "few_gemm",
+    "threads_mm",
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
@@ -242,6 +248,7 @@ _CHOICES = {
     "swiglu_path": ("loop", "whole"),
     "act_kernel": ("aten", "native"),
     "few_gemm": ("aten", "native"),
+    "threads_mm": ("aten", "native"),
 }
 
 
@@ -750,6 +757,29 @@ def few_gemm(
     b = "t" if col_major else "n"
     key = f"few_gemm:{_dt(dtype)}:{b}:r{_pow2_at_least(rows)}:g{_pow2_at_least(groups)}"
     return decide(key, measure, default="aten", threads=True)
+
+
+def threads_mm(
+    dtype: torch.dtype,
+    ab: str,
+    cls: str,
+    threads: int,
+    measure: Callable[[], Mapping[str, float]],
+) -> str:
+    """``"aten"`` if the better ATen way (``torch._grouped_mm`` or the per-group loop, each
+    group's GEMM split over all threads) beats the compiled threaded grouped GEMM
+    (``_native.py``: each thread runs its equal share of the groups' work as one-thread
+    GEMMs) by over 10% for this dtype, layout pair and shape class on ``threads``
+    threads, else ``"native"``. Timed on the caller's threads (module note).
+
+    The threaded kernel is the default, unlike the other kernels here: inside a layer's
+    step (operands cold from the ops between the GEMMs) it measured 1-13% faster per
+    grouped GEMM and 10-20% per bf16 step on two threads (E8 / E32 / E64 of
+    benchmarks/bench_moe_layer.py, benchmarks/results/cpu_floor_cpu_202612.md), while a
+    probe's operands, small and warm, time the two ways within about 10% of each other
+    in either order; so the probe keeps it unless the ATen way is clearly faster."""
+    key = f"threads_mm:{_dt(dtype)}:{ab}:{cls}:t{threads}"
+    return decide(key, measure, default="native", margin=0.1, threads=True)
 
 
 def act_kernel(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:

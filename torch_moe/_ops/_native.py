@@ -12,7 +12,10 @@ cost (the interpreter and the dispatcher run from cold caches after the expert G
 is most of a small batch's overhead, become one call with the same integers / bits. And
 a grouped GEMM of a few rows per group (``csrc/grouped_mm_cpu.cpp``): one call for all
 groups that reads each expert's weight once, where the probe's ``few_gemm`` measured it
-faster than ``torch._grouped_mm`` (not ATen's bits: fp32 sums in another order).
+faster than ``torch._grouped_mm`` (not ATen's bits: fp32 sums in another order), and
+on two or more threads a grouped GEMM that gives each thread an equal share of the
+groups' work as one-thread ATen GEMMs (``csrc/grouped_mm_threads_cpu.cpp``), where the
+probe's ``threads_mm`` measured that faster than every group's GEMM split over all threads.
 They are prototypes of ATen kernels; until those exist they are built here, once per
 machine and CPU capability, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``)
 as one library of plain ``torch.ops.torch_moe_cpu`` ops, which takes 10-20 s with a C++
@@ -46,7 +49,13 @@ ENV = "TORCH_MOE_NATIVE"
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = [
     _CSRC / name
-    for name in ("swiglu_cpu.cpp", "permute_cpu.cpp", "grouped_mm_cpu.cpp", "parallel_cpu.cpp")
+    for name in (
+        "swiglu_cpu.cpp",
+        "permute_cpu.cpp",
+        "grouped_mm_cpu.cpp",
+        "grouped_mm_threads_cpu.cpp",
+        "parallel_cpu.cpp",
+    )
 ]
 _lock = threading.Lock()
 _STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
@@ -134,7 +143,8 @@ def _build(cap: str) -> Any:
 def kernels() -> Any:
     """The compiled kernels' ops (``torch.ops.torch_moe_cpu``: ``swiglu_forward``,
     ``swiglu_backward``, ``glu_oai_*``, ``glu_swiglu_*``, ``relu2_*``, ``permute_indices``,
-    ``combine``, ``few_rows_mm``, ``parallel_threads``), or None where disabled or the build failed."""
+    ``combine``, ``few_rows_mm``, ``threaded_grouped_mm``, ``threaded_grouped_mm_wgrad``,
+    ``parallel_threads``), or None where disabled or the build failed."""
     if not enabled():
         return None
     cap = _capability()

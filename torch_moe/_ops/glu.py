@@ -55,6 +55,7 @@ from torch_moe._ops.grouped_mm import (
     _check_mm_inputs,
     _nonzero_strides,
     _whole_grouped_mm,
+    _whole_grouped_mm_wgrad,
     check_offs_values,
     experts_transposed,
     gather_grouped_mm,
@@ -256,9 +257,9 @@ def _rows_per_chunk(h: Tensor, activation: str) -> int:
 
 _NATIVE_ACTIVATIONS = ("swiglu", "swigluoai", "relu2")
 _GluArgs = tuple[str, float, float | None, bool]  # (activation, alpha, limit, interleaved)
-# (native ops, act row chunk, w_down / w_up column-major, which GEMMs take the few-rows
-# kernel: h, y, dA, dX rows)
-_GluPlan = tuple[Any, int, bool, bool, tuple[bool, ...]]
+# (native ops, act row chunk, w_down / w_up column-major, the GEMMs' ways: h, y, dA, dX
+# rows, dW_down, dW_up, as grouped_swiglu's ``_lean_gemms``)
+_GluPlan = tuple[Any, int, bool, bool, tuple[str, ...]]
 # (kernels, activation, dtype): whether they gave the ATen chunks' bits
 _NATIVE_CHECKED: dict[tuple[Any, str, torch.dtype], bool] = {}
 
@@ -622,10 +623,11 @@ def _glu_lean_plan(
     glu_args: _GluArgs,
 ) -> _GluPlan | None:
     """(the native kernels' ops, the activation's row chunk, whether w_down and w_up are
-    column-major per expert, which GEMMs take the few-rows kernel) where every decision
-    the four ops' CPU kernels take for this call is the common one: all six GEMMs by one
-    call each (``torch._grouped_mm``, or the native few-rows kernel for the four of x @ w
-    where ``few_gemm`` says so) with the weight gradients' operand as the transposed
+    column-major per expert, each GEMM's way) where every decision the four ops' CPU
+    kernels take for this call is the common one: all six GEMMs by one call each
+    (``torch._grouped_mm``, the native threaded kernel where ``threads_mm`` says so, or
+    the native few-rows kernel for the four of x @ w where ``few_gemm`` says so) with the
+    weight gradients' operand as the transposed
     view, the activation's native kernels, the native combines; else None. Memoized per
     force() state on what the decisions read (as ``grouped_swiglu``'s ``_lean_plan``)."""
     key = _lean_key("glu_combine_lean", x, w_up, w_down, row_weights, ends, rows, *glu_args)
@@ -653,10 +655,10 @@ def _decide_glu_lean(
     # the weight gradients (grouped_mm's / gather_grouped_mm's backward) in each weight's
     # own layout: grouped_mm_wgrad(dY, A)^T for a column-major weight, (A, dY) otherwise
     wgrads = [(grad_y, a) if down_t else (a, grad_y), (dh, x_rows) if up_t else (x_rows, dh)]
-    few = _lean_gemms(ends, gemms, wgrads)
-    if few is None:
+    ways = _lean_gemms(ends, gemms, wgrads)
+    if ways is None:
         return None
-    return mod, _act_chunk_rows(dt, a.shape[1]), down_t, up_t, few
+    return mod, _act_chunk_rows(dt, a.shape[1]), down_t, up_t, ways
 
 
 class _GLUCombine(torch.autograd.Function):
@@ -680,16 +682,16 @@ class _GLUCombine(torch.autograd.Function):
         plan: _GluPlan,
         end: int,
     ) -> Tensor:
-        mod, step, few = plan[0], plan[1], plan[4]
+        mod, step, ways = plan[0], plan[1], plan[4]
         tokens = _token_index(None, row_to_slot, slot_to_row)
         assert tokens is not None
         empty = _negative_positions(tokens)  # read once, for the three gathers
-        h = _whole_grouped_mm(gather_rows(x, tokens, empty), w_up, offs, end, few[0])
+        h = _whole_grouped_mm(gather_rows(x, tokens, empty), w_up, offs, end, ways[0])
         if up_bias is not None:
             h = h + up_bias.index_select(0, bias_rows)  # type: ignore[arg-type]
         a = h.new_empty((h.shape[0], _width(h, glu_args[0])))
         _native_forward(mod, h, row_weights, glu_args, step, a)
-        y = _whole_grouped_mm(a, w_down, offs, end, few[1])
+        y = _whole_grouped_mm(a, w_down, offs, end, ways[1])
         out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
         mod.combine(y, slot_to_row, out)
         ctx.save_for_backward(
@@ -748,17 +750,17 @@ def _lean_backward_into(
     needs: tuple[bool, ...],
 ) -> None:
     """``_GLUCombine``'s gradients into ``grads`` (its inputs' order)."""
-    mod, step, down_t, up_t, few = plan
+    mod, step, down_t, up_t, ways = plan
     grad_y = gather_rows(grad_out, tokens, empty)  # unpermute's
     # grouped_mm's: dA (what is upstream of a needs it), then dW_down in its own layout
     grad_a = None
     if needs[0] or needs[1] or needs[4] or needs[7]:
-        grad_a = _whole_grouped_mm(grad_y, w_down.transpose(-2, -1), offs, end, few[2])
+        grad_a = _whole_grouped_mm(grad_y, w_down.transpose(-2, -1), offs, end, ways[2])
     if needs[2]:
         if down_t:
-            grads[2] = torch._grouped_mm(grad_y.t(), a, offs=offs).transpose(-2, -1)
+            grads[2] = _whole_grouped_mm_wgrad(grad_y.t(), a, offs, ways[4]).transpose(-2, -1)
         else:
-            grads[2] = torch._grouped_mm(a.t(), grad_y, offs=offs)
+            grads[2] = _whole_grouped_mm_wgrad(a.t(), grad_y, offs, ways[4])
     del grad_y
     if grad_a is None:
         return
@@ -772,13 +774,13 @@ def _lean_backward_into(
         grads[7] = torch.ops.aten.index_select_backward(dh, up_bias.shape, 0, bias_rows)
     # gather_grouped_mm's: dX (the rows' gradients combined), then dW_up
     if needs[0]:
-        grad_rows = _whole_grouped_mm(dh, w_up.transpose(-2, -1), offs, end, few[3])
+        grad_rows = _whole_grouped_mm(dh, w_up.transpose(-2, -1), offs, end, ways[3])
         grads[0] = grad_rows.new_empty((slot_to_row.shape[0], grad_rows.shape[1]))
         mod.combine(grad_rows, slot_to_row, grads[0])
         del grad_rows
     if needs[1]:
         rows = gather_rows(x, tokens, empty)
         if up_t:
-            grads[1] = torch._grouped_mm(dh.t(), rows, offs=offs).transpose(-2, -1)
+            grads[1] = _whole_grouped_mm_wgrad(dh.t(), rows, offs, ways[5]).transpose(-2, -1)
         else:
-            grads[1] = torch._grouped_mm(rows.t(), dh, offs=offs)
+            grads[1] = _whole_grouped_mm_wgrad(rows.t(), dh, offs, ways[5])

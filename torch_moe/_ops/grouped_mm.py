@@ -55,11 +55,24 @@ benchmarks/results/ops_cpu_202612.md):
   ordered otherwise than oneDNN's (the same fp32 accumulation and one rounding, not the
   same bits), so every path that must match another bit for bit (the eager nodes' lean
   kernels) asks the same decision.
+* threads: on two or more intra-op threads, the native kernels
+  ``torch_moe_cpu::threaded_grouped_mm`` / ``threaded_grouped_mm_wgrad``
+  (``csrc/grouped_mm_threads_cpu.cpp``) where the probe's ``threads_mm`` found them faster
+  than the way above on the caller's threads: each thread runs its equal share of the
+  groups' work end to end as one-thread GEMMs (a group on a share's edge split between
+  two threads by output rows), instead of every group's GEMM split over all threads
+  (a few hundred rows is small for that, and a router's uneven counts load the threads
+  unevenly; bf16 layer GEMMs on two threads 1.13-1.32x -> 1.00-1.09x the large-GEMM
+  floor, benchmarks/results/cpu_floor_cpu_202612.md). The same ``mm`` per piece, so the
+  same math; where the GEMM library orders a product's sums alike for any split of its
+  rows (oneDNN, as measured here) the same bits. Half dtypes only: fp32 GEMMs (MKL) of
+  a few rows sum in another order on one thread than on several.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -360,6 +373,143 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
     )
 
 
+def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
+    """Whether the native threaded kernel runs ``a @ b`` per group (``wgrad``: a [K, M] x b
+    [M, N] per group's rows, else a [M, K] x b [E, K, N]): two or more threads, the kernels
+    built, and :func:`_decide_threaded`. Memoized on what it reads (the probe's decisions
+    aside), the threads included."""
+    threads = torch.get_num_threads()
+    if threads < 2 or not ends or ends[-1] == 0 or not _native.enabled():
+        return False
+    key = (
+        "threaded",
+        wgrad,
+        a.dtype,
+        b.dtype,
+        *a.shape,
+        *a.stride(),
+        *b.shape,
+        *b.stride(),
+        ends[-1],
+        len(ends),
+        _busy_groups(ends),
+        threads,
+    )
+    return _cpu_probe.memo(key, lambda: _decide_threaded(a, b, ends, wgrad, threads))
+
+
+def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads: int) -> bool:
+    """Where the threaded kernel computes what the loop computes: a half dtype this CPU
+    multiplies natively (oneDNN's bf16 / fp16 GEMMs; fp32 ones, MKL's, sum a product of a
+    few rows in another order on one thread than on two, and the emulated recipes'
+    kernels must give fp32 ``grouped_mm``'s bits), the operands multiplied in their own
+    layouts (the ``layout`` decision keeps both) and, forward, more than ``FEW_ROWS`` rows
+    per busy group (fewer take the few-rows ways); then the probe's ``threads_mm`` at the
+    dtype, layouts, shape class and threads."""
+    dtype = a.dtype
+    if b.dtype != dtype or dtype not in _FEW_GEMM_DTYPES or cpu_compute_dtype(dtype) != dtype:
+        return False
+    if _threaded_kernels() is None:
+        return False
+    _, rows = rows_per_busy_group(ends)
+    if wgrad:  # out[g] [K, N] = a[:, rows of g] @ b[rows of g]
+        a_g, b_g = a[:, :rows], b[:rows]
+    else:
+        if rows <= _cpu_probe.FEW_ROWS:
+            return False
+        a_g, b_g = a[:rows], b[0]
+    if _layout_choice(dtype, a_g, b_g) != "as_is":
+        return False
+    m, k, n = a_g.shape[0], a_g.shape[1], b_g.shape[1]
+    ab = _cpu_probe.layout_of(a_g, b_g)
+    cls = _cpu_probe.shape_class(m, k, n)
+    measure = functools.partial(_measure_threaded, dtype, ab, cls, wgrad)
+    return _cpu_probe.threads_mm(dtype, ab, cls, threads, measure) == "native"
+
+
+def _threaded_kernels() -> Any:
+    mod = _native.kernels()
+    return mod if mod is not None and hasattr(mod, "threaded_grouped_mm") else None
+
+
+def _measure_threaded(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dict[str, float]:
+    """Seconds of the threaded kernel and of the better ATen way (``torch._grouped_mm``
+    where it is allowed, the loop) on the caller's threads: 8 groups of the shape class
+    (``_measure_grouped_mm``'s dims), the groups' rows uneven around it as a router's
+    counts are (-15..+15), operands cycled through sets (not all in cache)."""
+    groups, mod = 8, _threaded_kernels()
+    small = 64 if cls.endswith("_small") else 256
+    dims = {d: (small if d == cls[0] else 256) for d in "mkn"}
+    base = dims["k"] if wgrad else dims["m"]
+    ends = list(itertools.accumulate(base + (g * 37) % 31 - 15 for g in range(groups)))
+    offs = torch.tensor(ends, dtype=torch.int32)
+    total = ends[-1]
+
+    def operand(shape: tuple[int, ...], col_major: bool) -> Tensor:
+        if not col_major:
+            return torch.full(shape, 0.5, dtype=dtype)
+        return torch.full((*shape[:-2], shape[-1], shape[-2]), 0.5, dtype=dtype).transpose(-2, -1)
+
+    ways: dict[str, Callable[[tuple[Tensor, Tensor]], object]]
+    if wgrad:  # a [K, M], b = dy [M, N]
+        sets = [
+            (operand((dims["m"], total), ab[0] == "t"), operand((total, dims["n"]), ab[1] == "t"))
+            for _ in range(_cpu_probe._OPERAND_SETS)
+        ]
+        k, n = dims["m"], dims["n"]
+
+        def native(s: tuple[Tensor, Tensor]) -> None:
+            mod.threaded_grouped_mm_wgrad(*s, offs, s[0].new_empty((groups, k, n)))
+
+        ways = {"native": native, "loop": lambda s: _wgrad_loop(*s, ends)}
+        ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n)
+    else:
+        sets = [
+            (
+                operand((total, dims["k"]), ab[0] == "t"),
+                operand((groups, dims["k"], dims["n"]), ab[1] == "t"),
+            )
+            for _ in range(_cpu_probe._OPERAND_SETS)
+        ]
+        n = dims["n"]
+
+        def native(s: tuple[Tensor, Tensor]) -> None:
+            mod.threaded_grouped_mm(*s, offs, s[0].new_empty((total, n)))
+
+        ways = {"native": native, "loop": lambda s: _mm_loop(*s, ends)}
+        ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, dims["k"], n)
+    if ok:
+        ways["torch"] = lambda s: torch._grouped_mm(*s, offs=offs)
+    times = _cpu_probe.time_candidates(
+        {how: _cpu_probe.cycled(sets, run) for how, run in ways.items()}
+    )
+    return {
+        "aten": min(t for how, t in times.items() if how != "native"),
+        "native": times["native"],
+    }
+
+
+def _threaded_mm(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None) -> Tensor:
+    """The threaded kernel's forward (rows past ``ends[-1]`` zero)."""
+    out = x.new_empty((x.shape[0], w.shape[2]))
+    _threaded_kernels().threaded_grouped_mm(x, w, _offs_tensor(ends, offs), out)
+    return out
+
+
+def _threaded_wgrad(a: Tensor, dy: Tensor, ends: list[int], offs: Tensor | None) -> Tensor:
+    """The threaded kernel's weight gradient (empty groups zero)."""
+    out = a.new_empty((len(ends), a.shape[0], dy.shape[1]))
+    _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, _offs_tensor(ends, offs), out)
+    return out
+
+
+def _offs_tensor(ends: list[int], offs: Tensor | None) -> Tensor:
+    """``offs`` as the native kernels take it (contiguous int32), else made from ``ends``."""
+    if offs is None or offs.dtype != torch.int32 or not offs.is_contiguous():
+        return torch.tensor(ends, dtype=torch.int32)
+    return offs
+
+
 _T_BLOCK = 64  # rows per copy of transposed_copy (ATen's strided copy is fastest narrow)
 
 
@@ -520,21 +670,48 @@ def _decide_few_gemm(dtype: torch.dtype, col_major: bool, rows: int, groups: int
 
 def _few_rows_mm(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None) -> Tensor:
     """The native few-rows kernel (rows past ``ends[-1]`` zero)."""
-    if offs is None or offs.dtype != torch.int32 or not offs.is_contiguous():
-        offs = torch.tensor(ends, dtype=torch.int32)
-    return _whole_grouped_mm(x, w, offs, ends[-1], few=True)
+    return _whole_grouped_mm(x, w, _offs_tensor(ends, offs), ends[-1], "few")
 
 
-def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, few: bool) -> Tensor:
-    """One call for all groups, rows at or past ``end`` zero: the native few-rows kernel
-    (``few``, where ``_few_gemm`` holds) or ``torch._grouped_mm`` (where
+def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) -> Tensor:
+    """One call for all groups, rows at or past ``end`` zero, by ``way``: ``"few"``, the
+    native few-rows kernel (where ``_few_gemm`` holds), ``"threads"``, the threaded kernel
+    (where ``_threaded`` holds), or ``"torch"``, ``torch._grouped_mm`` (where
     ``_use_torch_grouped_mm`` holds). The eager nodes' lean kernels take their GEMMs
-    through this, as their plans decided."""
-    if few:
+    through this, as their plans decided (:func:`whole_way`)."""
+    if way == "few":
         out = x.new_empty((x.shape[0], w.shape[2]))
         _native.kernels().few_rows_mm(x, w, offs, out)
         return out
+    if way == "threads":
+        out = x.new_empty((x.shape[0], w.shape[2]))
+        _threaded_kernels().threaded_grouped_mm(x, w, offs, out)
+        return out
     return _torch_grouped_mm(x, w, offs, end)
+
+
+def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Tensor:
+    """``out[g] = a[:, rows of g] @ dy[rows of g]`` in one call by ``way`` (``"threads"``
+    or ``"torch"``, as :func:`whole_way` decided); empty groups zero."""
+    if way == "threads":
+        out = a.new_empty((offs.shape[0], a.shape[0], dy.shape[1]))
+        _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, offs, out)
+        return out
+    return torch._grouped_mm(a, dy, offs=offs)
+
+
+def whole_way(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> str | None:
+    """How the CPU kernel runs this grouped GEMM when that is one call for all groups:
+    ``"few"``, ``"threads"`` or ``"torch"`` (:func:`_whole_grouped_mm`'s ways; ``"few"``
+    forward only), or None where it takes the per-group loop (``wgrad``: ``a`` is the
+    weight gradients' operand, ``wgrad_operand``'s result)."""
+    if not wgrad and _few_gemm(a, b, ends):
+        return "few"
+    if _threaded(a, b, ends, wgrad):
+        return "threads"
+    if _use_torch_grouped_mm(a, b, ends, wgrad):
+        return "torch"
+    return None
 
 
 def _measure_few_gemm(
@@ -574,6 +751,8 @@ def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None =
     (or the native few-rows kernel) run where it is allowed and faster."""
     if _few_gemm(x, w, ends):
         return _few_rows_mm(x, w, ends, offs)
+    if _threaded(x, w, ends, wgrad=False):
+        return _threaded_mm(x, w, ends, offs)
     if offs is not None and _use_torch_grouped_mm(x, w, ends, wgrad=False):
         return _torch_grouped_mm(x, w, offs, ends[-1])
     return _mm_loop(x, w, ends)
@@ -592,6 +771,8 @@ def _grouped_mm_wgrad_cpu(
     x: Tensor, dy: Tensor, ends: list[int], offs: Tensor | None = None
 ) -> Tensor:
     a = wgrad_operand(x, dy.shape[1], ends)
+    if _threaded(a, dy, ends, wgrad=True):
+        return _threaded_wgrad(a, dy, ends, offs)
     if offs is not None and _use_torch_grouped_mm(a, dy, ends, wgrad=True):
         return torch._grouped_mm(a, dy, offs=offs)  # empty groups come back zero
     return _wgrad_loop(a, dy, ends)

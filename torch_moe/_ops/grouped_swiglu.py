@@ -43,12 +43,11 @@ from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype, no_cpu_autocast
 from torch_moe._ops._eager import direct, direct_calls
 from torch_moe._ops.grouped_mm import (
     _busy_groups,
-    _few_gemm,
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
     _nonzero_strides,
-    _use_torch_grouped_mm,
     _whole_grouped_mm,
+    _whole_grouped_mm_wgrad,
     check_offs_values,
     cpu_compute_dtype,
     few_gemm_class,
@@ -60,6 +59,7 @@ from torch_moe._ops.grouped_mm import (
     weight_col_major,
     wgrad_copies,
     wgrad_operand,
+    whole_way,
 )
 from torch_moe._ops.permute import (
     _native_combine,
@@ -1050,14 +1050,14 @@ def _swiglu_combine_forward(
     if x.shape[0] and not (_profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu")):
         plan = _lean_plan(x, w13, w2, row_weights, ends, rows)
     if plan is not None:
-        mod, step, few = plan
+        mod, step, ways = plan
         tokens = _token_index(None, row_to_slot, slot_to_row)
         assert tokens is not None
         empty = _negative_positions(tokens)  # read once, for the three gathers
         out, h = _lean_forward(
-            mod, x, w13, w2, offs, row_weights, tokens, empty, slot_to_row, ends[-1], few, keep_h
+            mod, x, w13, w2, offs, row_weights, tokens, empty, slot_to_row, ends[-1], ways, keep_h
         )
-        return out, h, (mod, step, tokens, empty, ends[-1], few)
+        return out, h, (mod, step, tokens, empty, ends[-1], ways)
     with _recorded("torch_moe::grouped_swiglu"):
         tokens = _token_index(None, row_to_slot, slot_to_row)
         y, kept = _grouped_swiglu_checked(x, w13, w2, offs, ends, row_weights, tokens)
@@ -1069,7 +1069,7 @@ def _swiglu_combine_forward(
         return _unpermute_rows(y, slot_to_row, row_to_slot), h, None
 
 
-_LeanPlan = tuple[Any, int, tuple[bool, ...]]  # (native ops, act row chunk, few-rows GEMMs)
+_LeanPlan = tuple[Any, int, tuple[str, ...]]  # (native ops, act row chunk, the GEMMs' ways)
 
 
 def _lean_plan(
@@ -1077,11 +1077,12 @@ def _lean_plan(
 ) -> _LeanPlan | None:
     """Whether every decision the two ops' CPU kernels take for this call, forward and
     backward, is the common one: the whole-tensor path, all six GEMMs by one call each
-    (``torch._grouped_mm``, or for the four of x @ w the native few-rows kernel where
-    ``few_gemm`` says so; the weight gradients' operand as the transposed view, not a
-    copy), the activation and both combines by the native kernels: then (the native
-    kernels' ops, the activation's row chunk, which GEMMs take the few-rows kernel: h,
-    y, dA, dX), with which ``_lean_*`` run the same kernels on the same operands without
+    (``torch._grouped_mm``, the native threaded kernel where ``threads_mm`` says so, or
+    for the four of x @ w the native few-rows kernel where ``few_gemm`` says so; the
+    weight gradients' operand as the transposed view, not a copy), the activation and
+    both combines by the native kernels: then (the native kernels' ops, the activation's
+    row chunk, each GEMM's way: h, y, dA, dX, dW2, dW13), with which ``_lean_*`` run the
+    same kernels on the same operands without
     asking each decision again (each ask is a few Python calls, run from cold caches
     after every GEMM); else None. Memoized per force()
     state on everything the decisions read: the operands' dtypes, shapes, strides and
@@ -1149,30 +1150,27 @@ def _decide_lean(
     if mod is None:
         return None
     gemms = [(x_rows, w13.transpose(-2, -1)), (a, w2.transpose(-2, -1)), (y_rows, w2), (dh, w13)]
-    few = _lean_gemms(ends, gemms, wgrads=[(y_rows, a), (dh, x_rows)])
-    if few is None:
+    ways = _lean_gemms(ends, gemms, wgrads=[(y_rows, a), (dh, x_rows)])
+    if ways is None:
         return None
-    return mod, _act_chunk_rows(dt, hidden), few
+    return mod, _act_chunk_rows(dt, hidden), ways
 
 
 def _lean_gemms(
     ends: list[int], gemms: list[tuple[Tensor, Tensor]], wgrads: list[tuple[Tensor, Tensor]]
-) -> tuple[bool, ...] | None:
-    """The lean plans' GEMM decisions, asked of stand-ins with the operands' metadata:
-    for each ``(x, w)`` of ``gemms``, True where ``grouped_mm``'s CPU kernel runs it by
-    the native few-rows kernel and False where by ``torch._grouped_mm``; None where one
-    takes another way, or where ``grouped_mm_wgrad``'s kernel does not run every ``(x,
-    dy)`` of ``wgrads`` by ``torch._grouped_mm`` with the weight gradients' operand
-    ``wgrad_operand(x)`` as the transposed view (not a copy)."""
+) -> tuple[str, ...] | None:
+    """The lean plans' GEMM decisions, asked of stand-ins with the operands' metadata: the
+    way (``whole_way``: ``"few"``, ``"threads"``, ``"torch"``) ``grouped_mm``'s CPU kernel
+    runs each ``(x, w)`` of ``gemms`` by, then ``grouped_mm_wgrad``'s each ``(x, dy)`` of
+    ``wgrads`` (``"threads"``, ``"torch"``); None where one takes the per-group loop, or
+    where a weight gradient's operand ``wgrad_operand(x)`` is a copy, not the transposed
+    view."""
     per_group = ends[-1] // _busy_groups(ends)
     if any(wgrad_copies(x.dtype, per_group, x.shape[1], dy.shape[1]) for x, dy in wgrads):
         return None
-    if not all(_use_torch_grouped_mm(x.t(), dy, ends, True) for x, dy in wgrads):
-        return None
-    few = tuple(_few_gemm(x, w, ends) for x, w in gemms)
-    if not all(f or _use_torch_grouped_mm(x, w, ends, False) for f, (x, w) in zip(few, gemms)):
-        return None
-    return few
+    ways = [whole_way(x, w, ends, False) for x, w in gemms]
+    ways += [whole_way(x.t(), dy, ends, True) for x, dy in wgrads]
+    return None if None in ways else tuple(way for way in ways if way is not None)
 
 
 def _lean_forward(
@@ -1186,17 +1184,17 @@ def _lean_forward(
     empty: Tensor | None,
     slot_to_row: Tensor,
     end: int,
-    few: tuple[bool, ...],
+    ways: tuple[str, ...],
     keep_h: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """``_forward_whole`` then the combine where ``_lean_plan`` holds: (out, h), h None
     (freed before the combine) without ``keep_h``."""
     x_rows = gather_rows(x, tokens, empty).to(w13.dtype)
-    h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, few[0])
+    h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, ways[0])
     del x_rows
     a = w13.new_empty((h.shape[0], w2.shape[2]))
     mod.swiglu_forward(h, _native_weights(row_weights), a)
-    y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, few[1])
+    y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, ways[1])
     del a
     kept = h if keep_h else None  # a second name: h stays a Tensor for the type checker
     del h  # without keep_h, freed before the combine
@@ -1219,14 +1217,14 @@ def _lean_backward(
     empty: Tensor | None,
     slot_to_row: Tensor,
     end: int,
-    few: tuple[bool, ...],
+    ways: tuple[str, ...],
     need_x: bool,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
     """The permute of ``grad_out``, ``_backward_whole`` and the combine of dX where
     ``_lean_plan`` holds: (dx, dw13, dw2, d row_weights)."""
     dt = w13.dtype
     grad_y = gather_rows(grad_out, tokens, empty)
-    grad_a = _whole_grouped_mm(grad_y, w2, offs, end, few[2])
+    grad_a = _whole_grouped_mm(grad_y, w2, offs, end, ways[2])
     rows, hidden = h.shape[0], w2.shape[2]
     a = w13.new_empty((rows, hidden))
     dh = w13.new_empty((rows, 2 * hidden))
@@ -1234,14 +1232,14 @@ def _lean_backward(
     if grad_rw is not None:
         grad_rw[end:] = 0  # rows past the last group belong to no expert
     del grad_a
-    dw2 = torch._grouped_mm(grad_y.t(), a, offs=offs)
+    dw2 = _whole_grouped_mm_wgrad(grad_y.t(), a, offs, ways[4])
     del a, grad_y
     x_rows = gather_rows(x, tokens, empty).to(dt)
-    dw13 = torch._grouped_mm(dh.t(), x_rows, offs=offs)
+    dw13 = _whole_grouped_mm_wgrad(dh.t(), x_rows, offs, ways[5])
     del x_rows
     dx = None
     if need_x:
-        dx_rows = _whole_grouped_mm(dh, w13, offs, end, few[3]).to(x.dtype)
+        dx_rows = _whole_grouped_mm(dh, w13, offs, end, ways[3]).to(x.dtype)
         dx = dx_rows.new_empty((slot_to_row.shape[0], dx_rows.shape[1]))
         mod.combine(dx_rows, slot_to_row, dx)
     grad_rw = None if grad_rw is None or row_weights is None else grad_rw.to(row_weights.dtype)
@@ -1286,10 +1284,10 @@ class _SwiGLUCombine(torch.autograd.Function):
         if lean is not None and not (
             _profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu")
         ):
-            mod, step, tokens, empty, end, few = lean
+            mod, step, tokens, empty, end, ways = lean
             dx, dw13, dw2, grad_rw = _lean_backward(
                 mod, step, grad_out, x, h, w13, w2, offs, row_weights, tokens, empty,
-                slot_to_row, end, few, ctx.needs_input_grad[0],
+                slot_to_row, end, ways, ctx.needs_input_grad[0],
             )  # fmt: skip
             return dx, dw13, dw2, None, grad_rw, None, None
         with _recorded("torch_moe::permute"):

@@ -84,6 +84,12 @@ output): within 3.5% of the allocator's peak on each path (test_perf). Other dev
 recipes and EP keep the older estimate (the permuted rows, h and y materialized), not
 validated against measurements.
 
+Not modelled: the GEMM library's own scratch (oneDNN packs operands into buffers of its
+own, 0.1-0.8 MiB a bf16 GEMM at the benchmarks' shapes), held once per GEMM, and once
+per thread where the CPU's threaded grouped GEMM runs a GEMM on each thread
+(``threads_mm``): well under 1% of a step's peak at realistic sizes, 5-10% of the small
+layers of test_perf (which time the GEMMs split over the threads).
+
 The expected largest group is ``lam_max + sqrt(lam_max) * z_E`` rows (``z_E`` the expected
 maximum of E standard normals: the multinomial noise of the routing).
 

@@ -1,0 +1,152 @@
+// A grouped GEMM whose groups are shared out over the intra-op threads (torch_moe's CPU
+// grouped_mm kernels, where the CPU probe's threads_mm decision measured it faster than
+// torch._grouped_mm or the per-group loop on the caller's threads):
+//
+//   threaded_grouped_mm:        out[rows of g] = x[rows of g] @ w[g]     x [M, K], w [E, K, N]
+//   threaded_grouped_mm_wgrad:  out[g] = a[:, rows of g] @ dy[rows of g] a [K, M], dy [M, N]
+//
+// torch._grouped_mm and the loop run one GEMM per group, each split by oneDNN over all
+// threads. An expert's GEMM of a few hundred rows is small for that: the split leaves a
+// thread a few dozen rows or a narrow band of columns, and group sizes that are not a
+// multiple of the GEMM's row block (a router's counts never are) load the threads
+// unevenly, every group again (at the bf16 layer shapes of benchmarks/bench_moe_layer.py
+// on two threads the six GEMMs ran at 1.13-1.32x the large-GEMM floor that way, 1.00-1.09x
+// here). This kernel lays the groups' work end to end (rows x K x N), cuts it into one
+// equal contiguous range per thread and runs each range's GEMMs on its thread alone: a
+// group inside a range is one GEMM, a group on a range's edge is split between two
+// threads, by rows in the forward (its output rows) and by the output's rows (the K of
+// [K, N]) in the weight gradient, so that no output element is summed by two threads.
+// The cuts fall on multiples of 16 rows.
+//
+// Each piece is one at::mm_out on views of the operands (row- or column-major, as given),
+// so the math is ATen's: its dtype, its accumulation, one rounding into out. In a parallel
+// region ATen and oneDNN run a GEMM on the calling thread alone. The pool's threads take
+// the caller's thread-local state (grad mode, dispatch keys) for their GEMMs. The pieces depend only
+// on the group ends and the thread count, so results are deterministic for a given
+// thread count; oneDNN orders a product's sums the same for any split of its rows or
+// columns on the machines measured here (test_ops checks the bits against the loop's
+// where that holds and the values always), but a GEMM library need not.
+// Rows of out at or past the last group's end are zero (forward); a weight gradient's
+// empty groups are zero.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kAlign = 16;  // pieces cut at multiples of this many rows
+
+// The group ends of offs, checked: non-decreasing, within [0, rows].
+std::vector<int64_t> read_ends(const at::Tensor& offs, int64_t groups, int64_t rows,
+                               const char* name) {
+  TORCH_CHECK(offs.dim() == 1 && offs.scalar_type() == at::kInt && offs.size(0) == groups &&
+                  offs.is_contiguous(),
+              name, ": offs must be a contiguous int32 tensor of ", groups, " group ends");
+  const int32_t* p = offs.const_data_ptr<int32_t>();
+  std::vector<int64_t> ends(p, p + groups);
+  for (int64_t g = 0, prev = 0; g < groups; prev = ends[g], ++g) {
+    TORCH_CHECK(ends[g] >= prev && ends[g] <= rows, name, ": offs must be non-decreasing and "
+                "at most the ", rows, " rows, got ", ends[g], " at group ", g);
+  }
+  return ends;
+}
+
+// Where a thread's range starts inside group g: the group's share of the range's start
+// point, as a cut of its `extent` split rows (its rows, or the output's rows), rounded to
+// kAlign. Both threads that share a group compute the cut from the same boundary.
+int64_t cut(int64_t boundary, int64_t start, int64_t rows, int64_t extent) {
+  if (boundary <= start) return 0;
+  if (boundary >= start + rows) return extent;
+  const double share = static_cast<double>(boundary - start) / static_cast<double>(rows);
+  const int64_t at = static_cast<int64_t>(share * static_cast<double>(extent) / kAlign + 0.5);
+  return std::min(extent, at * kAlign);
+}
+
+// Runs piece(g, lo, hi) for every group g with rows and its split rows [lo, hi) of
+// `extent(g)`, each range of the groups' end-to-end rows on one thread.
+template <typename Extent, typename Piece>
+void split_groups(const std::vector<int64_t>& ends, Extent extent, Piece piece) {
+  const int64_t groups = static_cast<int64_t>(ends.size());
+  const int64_t total = groups ? ends.back() : 0;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  auto run = [&](int64_t t) {
+    const int64_t b0 = total * t / threads, b1 = total * (t + 1) / threads;
+    for (int64_t g = 0, start = 0; g < groups; start = ends[g], ++g) {
+      const int64_t rows = ends[g] - start;
+      if (rows <= 0 || start >= b1 || start + rows <= b0) continue;
+      const int64_t n = extent(g, rows);
+      const int64_t lo = cut(b0, start, rows, n), hi = cut(b1, start, rows, n);
+      if (hi > lo) piece(g, start, rows, lo, hi);
+    }
+  };
+  if (threads == 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < threads; ++t) run(t);
+    return;
+  }
+  // the pieces' GEMMs dispatch from the pool's threads, which do not inherit the caller's
+  // thread-local state (grad mode, the dispatch keys excluded below autograd): take it
+  const at::ThreadLocalState state;
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    const at::ThreadLocalStateGuard guard(state);
+    for (int64_t t = t0; t < t1; ++t) run(t);
+  });
+}
+
+void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
+                         at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "threaded_grouped_mm: "
+              "x [M, K] and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
+                  out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  out.size(1) == w.size(2),
+              "threaded_grouped_mm: out must be a contiguous [M, N] tensor of x's dtype");
+  const auto ends = read_ends(offs, w.size(0), x.size(0), "threaded_grouped_mm");
+  split_groups(
+      ends, [](int64_t, int64_t rows) { return rows; },
+      [&](int64_t g, int64_t start, int64_t, int64_t lo, int64_t hi) {
+        auto o = out.narrow(0, start + lo, hi - lo);
+        at::mm_out(o, x.narrow(0, start + lo, hi - lo), w[g]);
+      });
+  const int64_t end = ends.empty() ? 0 : ends.back();
+  if (end < out.size(0)) out.narrow(0, end, out.size(0) - end).zero_();
+}
+
+void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
+                               const at::Tensor& offs, at::Tensor& out) {
+  TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && a.size(1) == dy.size(0),
+              "threaded_grouped_mm_wgrad: a [K, M] and dy [M, N] expected, got ", a.sizes(),
+              " and ", dy.sizes());
+  TORCH_CHECK(dy.scalar_type() == a.scalar_type() && out.scalar_type() == a.scalar_type() &&
+                  out.dim() == 3 && out.is_contiguous() && out.size(0) == offs.size(0) &&
+                  out.size(1) == a.size(0) && out.size(2) == dy.size(1),
+              "threaded_grouped_mm_wgrad: out must be a contiguous [E, K, N] tensor of a's "
+              "dtype");
+  const auto ends = read_ends(offs, out.size(0), a.size(1), "threaded_grouped_mm_wgrad");
+  for (int64_t g = 0, start = 0; g < out.size(0); start = ends[g], ++g) {
+    if (ends[g] == start) out[g].zero_();
+  }
+  const int64_t k = a.size(0);
+  split_groups(
+      ends, [k](int64_t, int64_t) { return k; },
+      [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
+        auto o = out[g].narrow(0, lo, hi - lo);
+        at::mm_out(o, a.narrow(0, lo, hi - lo).narrow(1, start, rows), dy.narrow(0, start, rows));
+      });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
+  m.def("threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out) -> ()");
+  m.def("threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
+  m.impl("threaded_grouped_mm", &threaded_grouped_mm);
+  m.impl("threaded_grouped_mm_wgrad", &threaded_grouped_mm_wgrad);
+}
