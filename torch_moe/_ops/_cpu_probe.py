@@ -772,12 +772,13 @@ def threads_mm(
     GEMMs) by over 10% for this dtype, layout pair and shape class on ``threads``
     threads, else ``"native"``. Timed on the caller's threads (module note).
 
-    The threaded kernel is the default, unlike the other kernels here: inside a layer's
-    step (operands cold from the ops between the GEMMs) it measured 1-13% faster per
-    grouped GEMM and 10-20% per bf16 step on two threads (E8 / E32 / E64 of
-    benchmarks/bench_moe_layer.py, benchmarks/results/cpu_floor_cpu_202612.md), while a
-    probe's operands, small and warm, time the two ways within about 10% of each other
-    in either order; so the probe keeps it unless the ATen way is clearly faster."""
+    The threaded kernel is the default, unlike the other kernels here: its one barrier
+    per call, against one per group, is what its gain mostly is on a shared machine (a
+    bf16 layer step on two threads 9-20% faster while another process loaded the
+    machine, -2% / +4% / +5% at E8 / E32 / E64 of benchmarks/bench_moe_layer.py while it
+    was quiet: benchmarks/results/cpu_floor_cpu_202612.md), and a probe's minimum over
+    a few rounds on small operands sees the quiet case only, within about 10% either
+    way; so the probe keeps it unless the ATen way is clearly faster."""
     key = f"threads_mm:{_dt(dtype)}:{ab}:{cls}:t{threads}"
     return decide(key, measure, default="native", margin=0.1, threads=True)
 

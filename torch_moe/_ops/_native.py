@@ -14,8 +14,9 @@ a grouped GEMM of a few rows per group (``csrc/grouped_mm_cpu.cpp``): one call f
 groups that reads each expert's weight once, where the probe's ``few_gemm`` measured it
 faster than ``torch._grouped_mm`` (not ATen's bits: fp32 sums in another order), and
 on two or more threads a grouped GEMM that gives each thread an equal share of the
-groups' work as one-thread ATen GEMMs (``csrc/grouped_mm_threads_cpu.cpp``), where the
-probe's ``threads_mm`` measured that faster than every group's GEMM split over all threads.
+groups' work as one-thread ATen GEMMs (``csrc/grouped_mm_threads_cpu.cpp``) instead of
+every group's GEMM split over all threads, unless the probe's ``threads_mm`` measured
+that slower.
 They are prototypes of ATen kernels; until those exist they are built here, once per
 machine and CPU capability, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``)
 as one library of plain ``torch.ops.torch_moe_cpu`` ops, which takes 10-20 s with a C++

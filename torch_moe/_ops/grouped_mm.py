@@ -57,16 +57,18 @@ benchmarks/results/ops_cpu_202612.md):
   kernels) asks the same decision.
 * threads: on two or more intra-op threads, the native kernels
   ``torch_moe_cpu::threaded_grouped_mm`` / ``threaded_grouped_mm_wgrad``
-  (``csrc/grouped_mm_threads_cpu.cpp``) where the probe's ``threads_mm`` found them faster
-  than the way above on the caller's threads: each thread runs its equal share of the
-  groups' work end to end as one-thread GEMMs (a group on a share's edge split between
-  two threads by output rows), instead of every group's GEMM split over all threads
-  (a few hundred rows is small for that, and a router's uneven counts load the threads
-  unevenly; bf16 layer GEMMs on two threads 1.13-1.32x -> 1.00-1.09x the large-GEMM
-  floor, benchmarks/results/cpu_floor_cpu_202612.md). The same ``mm`` per piece, so the
+  (``csrc/grouped_mm_threads_cpu.cpp``) unless the probe's ``threads_mm`` found the way
+  above faster on the caller's threads: each thread runs its equal share of the groups'
+  work end to end as one-thread GEMMs (a group on a share's edge split between two
+  threads by output columns, or rows of a weight gradient), instead of every group's
+  GEMM split over all threads, each a barrier for all of them (a few hundred rows is
+  small for that, a router's uneven counts load the threads unevenly, and on a shared
+  machine every barrier waits for the slowest thread: the bf16 layer step on two
+  threads 9-20% faster on a loaded machine, -2% / +4% / +5% at E8 / E32 / E64 on a quiet
+  one, benchmarks/results/cpu_floor_cpu_202612.md). The same ``mm`` per piece, so the
   same math; where the GEMM library orders a product's sums alike for any split of its
-  rows (oneDNN, as measured here) the same bits. Half dtypes only: fp32 GEMMs (MKL) of
-  a few rows sum in another order on one thread than on several.
+  rows and columns (oneDNN's bf16, as measured here) the same bits. Half dtypes only:
+  fp32 GEMMs (MKL) of a few rows sum in another order on one thread than on several.
 """
 
 from __future__ import annotations

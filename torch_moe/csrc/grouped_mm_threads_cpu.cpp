@@ -7,16 +7,17 @@
 //
 // torch._grouped_mm and the loop run one GEMM per group, each split by oneDNN over all
 // threads. An expert's GEMM of a few hundred rows is small for that: the split leaves a
-// thread a few dozen rows or a narrow band of columns, and group sizes that are not a
+// thread a few dozen rows or a narrow band of columns, group sizes that are not a
 // multiple of the GEMM's row block (a router's counts never are) load the threads
-// unevenly, every group again (at the bf16 layer shapes of benchmarks/bench_moe_layer.py
-// on two threads the six GEMMs ran at 1.13-1.32x the large-GEMM floor that way, 1.00-1.09x
-// here). This kernel lays the groups' work end to end (rows x K x N), cuts it into one
+// unevenly, and the end of every group's GEMM is a barrier for all threads, which on a
+// shared machine waits for the slowest one (the bf16 layer steps of
+// benchmarks/bench_moe_layer.py on two threads: benchmarks/results/cpu_floor_cpu_202612.md). This kernel lays the groups' work end to end (rows x K x N), cuts it into one
 // equal contiguous range per thread and runs each range's GEMMs on its thread alone: a
 // group inside a range is one GEMM, a group on a range's edge is split between two
-// threads, by rows in the forward (its output rows) and by the output's rows (the K of
-// [K, N]) in the weight gradient, so that no output element is summed by two threads.
-// The cuts fall on multiples of 16 rows.
+// threads, by the output's columns in the forward (each thread packs only its columns of
+// the expert's weight; split by rows, both would pack all of it) and by the output's rows
+// (the K of [K, N]) in the weight gradient, so that no output element is summed by two
+// threads. The cuts fall on multiples of 16 columns or rows.
 //
 // Each piece is one at::mm_out on views of the operands (row- or column-major, as given),
 // so the math is ATen's: its dtype, its accumulation, one rounding into out. In a parallel
@@ -39,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t kAlign = 16;  // pieces cut at multiples of this many rows
+constexpr int64_t kAlign = 16;  // pieces cut at multiples of this many columns / rows
 
 // The group ends of offs, checked: non-decreasing, within [0, rows].
 std::vector<int64_t> read_ends(const at::Tensor& offs, int64_t groups, int64_t rows,
@@ -57,8 +58,8 @@ std::vector<int64_t> read_ends(const at::Tensor& offs, int64_t groups, int64_t r
 }
 
 // Where a thread's range starts inside group g: the group's share of the range's start
-// point, as a cut of its `extent` split rows (its rows, or the output's rows), rounded to
-// kAlign. Both threads that share a group compute the cut from the same boundary.
+// point, as a cut of its `extent` (the output's columns, or its rows), rounded to kAlign.
+// Both threads that share a group compute the cut from the same boundary.
 int64_t cut(int64_t boundary, int64_t start, int64_t rows, int64_t extent) {
   if (boundary <= start) return 0;
   if (boundary >= start + rows) return extent;
@@ -67,8 +68,8 @@ int64_t cut(int64_t boundary, int64_t start, int64_t rows, int64_t extent) {
   return std::min(extent, at * kAlign);
 }
 
-// Runs piece(g, lo, hi) for every group g with rows and its split rows [lo, hi) of
-// `extent(g)`, each range of the groups' end-to-end rows on one thread.
+// Runs piece(g, start, rows, lo, hi) for every group g with rows and its part [lo, hi)
+// of `extent(g, rows)`, each range of the groups' end-to-end rows on one thread.
 template <typename Extent, typename Piece>
 void split_groups(const std::vector<int64_t>& ends, Extent extent, Piece piece) {
   const int64_t groups = static_cast<int64_t>(ends.size());
@@ -106,11 +107,12 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
                   out.size(1) == w.size(2),
               "threaded_grouped_mm: out must be a contiguous [M, N] tensor of x's dtype");
   const auto ends = read_ends(offs, w.size(0), x.size(0), "threaded_grouped_mm");
+  const int64_t n = w.size(2);
   split_groups(
-      ends, [](int64_t, int64_t rows) { return rows; },
-      [&](int64_t g, int64_t start, int64_t, int64_t lo, int64_t hi) {
-        auto o = out.narrow(0, start + lo, hi - lo);
-        at::mm_out(o, x.narrow(0, start + lo, hi - lo), w[g]);
+      ends, [n](int64_t, int64_t) { return n; },
+      [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
+        auto o = out.narrow(0, start, rows).narrow(1, lo, hi - lo);
+        at::mm_out(o, x.narrow(0, start, rows), w[g].narrow(1, lo, hi - lo));
       });
   const int64_t end = ends.empty() ? 0 : ends.back();
   if (end < out.size(0)) out.narrow(0, end, out.size(0) - end).zero_();
