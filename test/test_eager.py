@@ -510,7 +510,8 @@ LEAN = dict(
 GENERAL = {**LEAN, "grouped_mm": "loop"}
 COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
 FEW_GEMM = {**LEAN, "few_gemm": "native"}  # half dtypes: the native few-rows GEMMs
-THREADS = {**LEAN, "threads_mm": "native"}  # the threaded grouped GEMMs (on 2+ threads)
+# the threaded grouped GEMMs (on 2+ threads; they multiply operands in their own layouts)
+THREADS = {**LEAN, "threads_mm": "native", "layout": "as_is"}
 # ... for column-major weights only (every row and group class of bf16 forced by key)
 FEW_GEMM_T = {
     **LEAN,

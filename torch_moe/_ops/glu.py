@@ -627,9 +627,9 @@ def _glu_lean_plan(
     kernels take for this call is the common one: all six GEMMs by one call each
     (``torch._grouped_mm``, the native threaded kernel where ``threads_mm`` says so, or
     the native few-rows kernel for the four of x @ w where ``few_gemm`` says so) with the
-    weight gradients' operand as the transposed
-    view, the activation's native kernels, the native combines; else None. Memoized per
-    force() state on what the decisions read (as ``grouped_swiglu``'s ``_lean_plan``)."""
+    weight gradients' operand as the transposed view, the activation's native kernels,
+    the native combines; else None. Memoized per force() state on what the decisions
+    read (as ``grouped_swiglu``'s ``_lean_plan``)."""
     key = _lean_key("glu_combine_lean", x, w_up, w_down, row_weights, ends, rows, *glu_args)
     return _cpu_probe.memo(key, lambda: _decide_glu_lean(x, w_up, w_down, ends, rows, glu_args[0]))
 

@@ -480,7 +480,18 @@ def _measure_threaded(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dic
 
         ways = {"native": native, "loop": lambda s: _mm_loop(*s, ends)}
         ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, dims["k"], n)
-    if ok:
+    return _native_against_aten(ways, sets, offs, ok)
+
+
+def _native_against_aten(
+    ways: dict[str, Callable[[tuple[Tensor, Tensor]], object]],
+    sets: list[tuple[Tensor, Tensor]],
+    offs: Tensor,
+    torch_ok: bool,
+) -> dict[str, float]:
+    """Seconds of ``ways["native"]`` and of the fastest other way (``torch._grouped_mm``
+    on ``offs`` too where ``torch_ok``), each cycling through the operand ``sets``."""
+    if torch_ok:
         ways["torch"] = lambda s: torch._grouped_mm(*s, offs=offs)
     times = _cpu_probe.time_candidates(
         {how: _cpu_probe.cycled(sets, run) for how, run in ways.items()}
@@ -737,15 +748,7 @@ def _measure_few_gemm(
         "native": lambda s: mod.few_rows_mm(*s, offs, s[0].new_empty((s[0].shape[0], n))),
         "loop": lambda s: _mm_loop(*s, ends),
     }
-    if _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n):
-        ways["torch"] = lambda s: torch._grouped_mm(*s, offs=offs)
-    times = _cpu_probe.time_candidates(
-        {how: _cpu_probe.cycled(sets, run) for how, run in ways.items()}
-    )
-    return {
-        "aten": min(t for how, t in times.items() if how != "native"),
-        "native": times["native"],
-    }
+    return _native_against_aten(ways, sets, offs, _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n))
 
 
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None = None) -> Tensor:

@@ -1082,10 +1082,9 @@ def _lean_plan(
     weight gradients' operand as the transposed view, not a copy), the activation and
     both combines by the native kernels: then (the native kernels' ops, the activation's
     row chunk, each GEMM's way: h, y, dA, dX, dW2, dW13), with which ``_lean_*`` run the
-    same kernels on the same operands without
-    asking each decision again (each ask is a few Python calls, run from cold caches
-    after every GEMM); else None. Memoized per force()
-    state on everything the decisions read: the operands' dtypes, shapes, strides and
+    same kernels on the same operands without asking each decision again (each ask is a
+    few Python calls, run from cold caches after every GEMM); else None. Memoized per
+    force() state on everything the decisions read: the operands' dtypes, shapes, strides and
     alignment, the rows, the groups and the busy groups (the intermediate operands are
     fresh, contiguous allocations of known shapes), the threads and whether the native
     kernels are enabled."""

@@ -1,6 +1,6 @@
 // A grouped GEMM whose groups are shared out over the intra-op threads (torch_moe's CPU
-// grouped_mm kernels, where the CPU probe's threads_mm decision measured it faster than
-// torch._grouped_mm or the per-group loop on the caller's threads):
+// grouped_mm kernels on two or more threads, unless the CPU probe's threads_mm decision
+// measured torch._grouped_mm or the per-group loop faster on the caller's threads):
 //
 //   threaded_grouped_mm:        out[rows of g] = x[rows of g] @ w[g]     x [M, K], w [E, K, N]
 //   threaded_grouped_mm_wgrad:  out[g] = a[:, rows of g] @ dy[rows of g] a [K, M], dy [M, N]
