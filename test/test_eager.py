@@ -14,6 +14,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import unittest
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -589,6 +590,29 @@ class TestSwiGLUCombine(TestCase):
         for decisions, lean in cases:
             with self.subTest(decisions=decisions), two_threads():
                 self._compare(p, inputs, needs, lean, decisions)
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_threaded_gemms_run_where_forced(self) -> None:
+        # bf16, 32 rows per busy group, threads_mm forced on two threads: the lean node's
+        # six GEMMs all by the threaded kernels (four x @ w, both weight gradients), the
+        # values the ops' (which take the same kernels)
+        p, inputs = _combine_inputs(96, BF16, seed=3, weighted=True)
+        real = gmm._threaded_kernels()
+        calls: list[str] = []
+
+        class Recording:
+            def __getattr__(self, name: str) -> Any:
+                def call(*args: Any) -> Any:
+                    calls.append(name)
+                    return getattr(real, name)(*args)
+
+                return call
+
+        with two_threads(), mock.patch.object(gmm, "_threaded_kernels", Recording):
+            self._compare(p, inputs, (True,) * 4, True, THREADS)
+        # the ops' run (reference) and the node's: each four forward-type and two wgrads
+        self.assertEqual(calls.count("threaded_grouped_mm"), 8, msg=str(calls))
+        self.assertEqual(calls.count("threaded_grouped_mm_wgrad"), 4, msg=str(calls))
 
     def test_few_rows_gemms_decided_per_gemm(self) -> None:
         # w2 stored column-major (w13 row-major) and the few-rows GEMM forced for
