@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import torch
+from bench_moe_decode import _time  # us per call, by CUDA events
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
@@ -69,16 +70,6 @@ def spill_free(configs, scale_mode=None, jobs=1):
         if not any(s):
             ok.append(c)
     return ok
-
-
-def _time(fn, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
 
 
 def tune_batch(T, w13, w2, K, candidates, rounds, reps):
