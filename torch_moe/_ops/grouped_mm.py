@@ -105,6 +105,8 @@ __all__ = [
 
 _DTYPES = FLOAT_DTYPES
 _FULL = (torch.float32, torch.float64)  # always multiplied as they are
+# what the threaded kernels take: oneDNN's half GEMMs, the same bits for any split
+_THREADED_DTYPES = (torch.bfloat16, torch.float16)
 _TORCH_GROUPED_MM_CPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -409,7 +411,7 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     per busy group (fewer take the few-rows ways); then the probe's ``threads_mm`` at the
     dtype, layouts, shape class and threads."""
     dtype = a.dtype
-    if b.dtype != dtype or dtype not in _FEW_GEMM_DTYPES or cpu_compute_dtype(dtype) != dtype:
+    if b.dtype != dtype or dtype not in _THREADED_DTYPES or cpu_compute_dtype(dtype) != dtype:
         return False
     if _threaded_kernels() is None:
         return False
