@@ -11,22 +11,26 @@
 // multiple of the GEMM's row block (a router's counts never are) load the threads
 // unevenly, and the end of every group's GEMM is a barrier for all threads, which on a
 // shared machine waits for the slowest one (the bf16 layer steps of
-// benchmarks/bench_moe_layer.py on two threads: benchmarks/results/cpu_floor_cpu_202612.md). This kernel lays the groups' work end to end (rows x K x N), cuts it into one
-// equal contiguous range per thread and runs each range's GEMMs on its thread alone: a
-// group inside a range is one GEMM, a group on a range's edge is split between two
-// threads, by the output's columns in the forward (each thread packs only its columns of
-// the expert's weight; split by rows, both would pack all of it) and by the output's rows
+// benchmarks/bench_moe_layer.py on two threads: benchmarks/results/cpu_floor_cpu_202612.md).
+// This kernel lays the groups' work end to end (rows x K x N), cuts it into one equal
+// contiguous range per thread and runs each range's GEMMs on its thread alone: a group
+// inside a range is one GEMM, a group on a range's edge is split between two threads, by
+// the output's columns in the forward (each thread packs only its columns of the
+// expert's weight; split by rows, both would pack all of it) and by the output's rows
 // (the K of [K, N]) in the weight gradient, so that no output element is summed by two
 // threads. The cuts fall on multiples of 16 columns or rows.
 //
 // Each piece is one at::mm_out on views of the operands (row- or column-major, as given),
 // so the math is ATen's: its dtype, its accumulation, one rounding into out. In a parallel
 // region ATen and oneDNN run a GEMM on the calling thread alone. The pool's threads take
-// the caller's thread-local state (grad mode, dispatch keys) for their GEMMs. The pieces depend only
-// on the group ends and the thread count, so results are deterministic for a given
-// thread count; oneDNN orders a product's sums the same for any split of its rows or
-// columns on the machines measured here (test_ops checks the bits against the loop's
-// where that holds and the values always), but a GEMM library need not.
+// the caller's thread-local state (grad mode, dispatch keys) for their GEMMs. The pieces
+// depend only on the group ends and the thread count, so results are deterministic for a
+// given thread count. oneDNN's bf16 GEMMs gave every element the same bits for any split
+// of its rows or columns and any thread count on the machines measured here, MKL's fp32
+// ones of a few rows did not; a GEMM library need not, so the Python side sends half
+// dtypes only, and every path that must match another bit for bit asks the same decision
+// (test_native checks the values against float64 on 1-3 threads, test_eager the eager
+// nodes' bits against the ops', which take the same kernels).
 // Rows of out at or past the last group's end are zero (forward); a weight gradient's
 // empty groups are zero.
 
