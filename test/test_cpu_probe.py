@@ -6,6 +6,7 @@ float64 oracles (naive.py) within bounds derived from the dtype's rounding
 (tolerances.py). No timing is asserted.
 """
 
+import contextlib
 import json
 import os
 import tempfile
@@ -133,16 +134,12 @@ class TestCpuProbe(TestCase):
 
             return run
 
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(2)
+        with intra_op_threads(2):
             P.decide("few_gemm:test:one", measure("one"), default="aten")
             P.decide("few_gemm:test:all", measure("all"), default="aten", threads=True)
             self.assertEqual(torch.get_num_threads(), 2)
-            torch.set_num_threads(1)  # one thread: no other thread to count
+        with intra_op_threads(1):  # one thread: no other thread to count
             P.decide("few_gemm:test:all1", measure("all1"), default="aten", threads=True)
-        finally:
-            torch.set_num_threads(threads)
         thread_clock = P._THREAD_CLOCK  # without one (other OSes) every probe is wall time
         self.assertEqual(seen["one"], (1, not thread_clock))
         self.assertEqual(seen["all"], (2, True))
@@ -292,16 +289,12 @@ class TestCpuProbe(TestCase):
         x, w = torch.randn(64, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
         offs = torch.tensor([32, 64], dtype=torch.int32)
         want = torch.cat([x[:32] @ w[0], x[32:] @ w[1]])
-        threads = torch.get_num_threads()
-        try:
-            with P.force(half_gemm="native"):
-                torch.set_num_threads(1)
+        with P.force(half_gemm="native"):
+            with intra_op_threads(1):
                 self.assertEqual(grouped_mm(x, w, offs), want, atol=1e-2, rtol=1e-2)
                 self.assertFalse([k for k in P.decisions() if k.startswith("threads_mm:")])
-                torch.set_num_threads(2)
+            with intra_op_threads(2):
                 self.assertEqual(grouped_mm(x, w, offs), want, atol=1e-2, rtol=1e-2)
-        finally:
-            torch.set_num_threads(threads)
         keys = [k for k in P.decisions() if k.startswith("threads_mm:")]
         self.assertEqual(keys, ["threads_mm:bf16:nn:m_small:t2"])
         self.assertRegex(P.decisions()[keys[0]], r"^(aten|native) \(measured: aten .* native ")
@@ -381,6 +374,17 @@ class TestCpuProbe(TestCase):
             with unittest.mock.patch.dict(os.environ, {"DNNL_MAX_CPU_ISA": "AVX2"}):
                 self.assertEqual(P.isa_cap(), ("DNNL_MAX_CPU_ISA", "AVX2"))
                 self.assertNotEqual(P.machine_key(), uncapped)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n):
+    """torch's intra-op threads set to ``n`` inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def assert_gemm_within(test, got, a, b, offs, msg, wgrad=False):
@@ -472,14 +476,9 @@ class TestForcedDecisions(TestCase):
             for f in ("_threaded_mm", "_threaded_wgrad")
         ]
         forced = dict(half_gemm=half_gemm, threads_mm="native", layout=layout, wgrad_a="as_is")
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(2)
-            with P.force(**forced), spies[0] as fwd, spies[1] as wgrad:
-                out = grouped_mm(x, w, offs)
-                out.backward(grad)
-        finally:
-            torch.set_num_threads(threads)
+        with intra_op_threads(2), P.force(**forced), spies[0] as fwd, spies[1] as wgrad:
+            out = grouped_mm(x, w, offs)
+            out.backward(grad)
         # forward and dX: one row-major x column-major (never copied), the other
         # row-major x row-major; dW column-major x row-major
         native = dtype != torch.float32 and half_gemm == "native"  # (half dtypes only)

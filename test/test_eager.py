@@ -22,6 +22,7 @@ from unittest import mock
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cpu_probe import intra_op_threads
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -479,15 +480,9 @@ def _combine_inputs(
     return p, inputs
 
 
-@contextlib.contextmanager
-def two_threads() -> Iterator[None]:
+def two_threads() -> contextlib.AbstractContextManager[None]:
     """At least two intra-op threads: the threaded grouped GEMMs run only there."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(2, before))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return intra_op_threads(max(2, torch.get_num_threads()))
 
 
 def _op_steps(x: Any, w13: Any, w2: Any, offs: Any, rw: Any, r2s: Any, s2r: Any) -> Any:

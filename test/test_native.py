@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_probe import assert_gemm_within
+from test_cpu_probe import assert_gemm_within, intra_op_threads
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -99,12 +99,8 @@ class TestNativeSwiGLU(TestCase):
         # ATen splits an op over threads at element ranges; the kernel at rows: the same
         # values either way, where the rows are whole multiples of a vector block
         h, grad_a, rw = _operands(257, 96, BF16, BF16, seed=3)
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(threads)
+        with intra_op_threads(threads):
             aten, native = _both(h, grad_a, rw)
-        finally:
-            torch.set_num_threads(before)
         for want, got in zip(aten, native, strict=True):
             self.assertEqual(got, want, atol=0, rtol=0)
 
@@ -253,14 +249,10 @@ class TestNativeSwiGLU(TestCase):
         # the kernels' at::parallel_for regions fan out over torch's intra-op threads (a
         # build without -fopenmp ran every kernel on the calling thread)
         mod = _native.kernels()
-        threads = torch.get_num_threads()
-        try:
-            for n in (1, 2, 3):
-                torch.set_num_threads(n)
+        for n in (1, 2, 3):
+            with intra_op_threads(n):
                 self.assertEqual(mod.parallel_threads(64), n)
                 self.assertEqual(mod.parallel_threads(1), 1)  # one task: one thread
-        finally:
-            torch.set_num_threads(threads)
         with self.assertRaisesRegex(RuntimeError, "tasks must be >= 1, got 0"):
             mod.parallel_threads(0)
 
@@ -521,9 +513,7 @@ class TestNativeGluOai(TestCase):
         # a chunk of 40 x 1001 > ATen's grain (32768) elements: with two threads ATen cuts
         # it into two pieces of 20020, each with its own scalar tail; the kernel must too
         # (and a 37 x 999 chunk's two pieces split a row: by-row cuts restart there)
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(threads)
+        with intra_op_threads(threads):
             for rows, hidden in ((40, 1001), (37, 999)):
                 h, grad_a, rw = _operands(rows, hidden, F32, F32, seed=5)
                 for activation, limit, interleaved in (
@@ -537,8 +527,6 @@ class TestNativeGluOai(TestCase):
                         )
                         for w, g in zip(want, got, strict=True):
                             self.assertEqual(g, w, atol=0, rtol=0, msg=f"{activation} {step}")
-        finally:
-            torch.set_num_threads(before)
 
     @needs_native
     @given(
@@ -856,14 +844,10 @@ class TestNativeFewRowsMM(TestCase):
         offs = torch.tensor([3, 3, 7, 12, 16], dtype=torch.int32)
         x = torch.randn(16, 96, generator=g).to(BF16)
         w = _few_weight(5, 96, 300, BF16, layout, g)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
+        with intra_op_threads(1):
             one = _few_mm(x, w, offs)
-            torch.set_num_threads(2)
+        with intra_op_threads(2):
             two = _few_mm(x, w, offs)
-        finally:
-            torch.set_num_threads(threads)
         self.assertTrue(torch.equal(one.view(torch.int16), two.view(torch.int16)))
 
     @parametrize("dtype", [BF16, F32])
@@ -940,16 +924,6 @@ class TestNativeFewRowsMM(TestCase):
                 _native.kernels().few_rows_mm(*args)
 
 
-@contextlib.contextmanager
-def _threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _threaded_mm(x, w, offs):
     out = torch.full((x.shape[0], w.shape[2]), float("nan"), dtype=x.dtype)  # all written
     _native.kernels().threaded_grouped_mm(x, w, offs, out)
@@ -987,7 +961,7 @@ class TestNativeThreadedGroupedMM(TestCase):
             x = torch.randn(end + 3, 40, generator=g).to(dtype)  # 3 rows past the groups
             w = _few_weight(len(sizes), 40, 24, dtype, layout, g)
             for threads in (1, 2, 3):
-                with self.subTest(sizes=sizes, threads=threads), _threads(threads):
+                with self.subTest(sizes=sizes, threads=threads), intra_op_threads(threads):
                     got = _threaded_mm(x, w, offs)
                     assert_gemm_within(self, got, x, w, offs, f"{sizes} on {threads}")
                     self.assertTrue((got[end:] == 0).all())
@@ -1004,7 +978,7 @@ class TestNativeThreadedGroupedMM(TestCase):
             dy = torch.randn(x.shape[0], 20, generator=g).to(dtype)
             a = x.t() if a_layout == "view" else x.t().contiguous()
             for threads in (1, 2, 3):
-                with self.subTest(sizes=sizes, threads=threads), _threads(threads):
+                with self.subTest(sizes=sizes, threads=threads), intra_op_threads(threads):
                     got = _threaded_wgrad(a, dy, offs)
                     assert_gemm_within(self, got, x, dy, offs, f"{sizes}", wgrad=True)
                     for g_, size in enumerate(sizes):
@@ -1015,7 +989,7 @@ class TestNativeThreadedGroupedMM(TestCase):
         g = torch.Generator().manual_seed(5)
         offs = torch.tensor([70, 70, 171, 260], dtype=torch.int32)
         x, w = torch.randn(260, 64, generator=g).to(BF16), torch.randn(4, 64, 48).to(BF16)
-        with _threads(2):
+        with intra_op_threads(2):
             first = _threaded_mm(x, w, offs)
             for _ in range(3):
                 self.assertTrue(torch.equal(_threaded_mm(x, w, offs), first))
@@ -1028,7 +1002,7 @@ class TestNativeThreadedGroupedMM(TestCase):
         w = torch.randn(2, 32, 16, requires_grad=True)
         dy = torch.randn(256, 16, requires_grad=True)
         offs = torch.tensor([100, 256], dtype=torch.int32)
-        with _threads(2), torch.no_grad():
+        with intra_op_threads(2), torch.no_grad():
             got = _threaded_mm(x, w, offs)
             dw = _threaded_wgrad(x.t(), dy, offs)
         self.assertEqual(got, torch.cat([x[:100] @ w[0], x[100:] @ w[1]]).detach())
