@@ -299,6 +299,44 @@ class TestCpuProbe(TestCase):
         self.assertEqual(keys, ["threads_mm:bf16:nn:m_small:t2"])
         self.assertRegex(P.decisions()[keys[0]], r"^(aten|native) \(measured: aten .* native ")
 
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_row_split_takes_the_threaded_kernel_on_one_thread(self):
+        # on one thread the threaded kernel runs a forward only for its row split: where
+        # row_split splits and a group's rows would be split (481 = 13 x 37: oneDNN's
+        # blocks of 37 rows; 480 and 100 are not), then as threads_mm measured it on one
+        # thread; the product either way, the split's bits as the other way's
+        x, w = torch.randn(600, 32).bfloat16(), torch.randn(3, 32, 48).bfloat16()
+        spy = unittest.mock.patch.object(
+            grouped_mm_module, "_threaded_mm", wraps=grouped_mm_module._threaded_mm
+        )
+        outs = {}
+        for split in ("split", "one"):
+            for sizes in ([481, 0, 100], [480, 0, 100]):
+                P.reset()
+                offs = _offs(sizes)
+                n = int(offs[-1])
+                with self.subTest(split=split, sizes=sizes), intra_op_threads(1), spy as threaded:
+                    with P.force(half_gemm="native", layout="as_is", row_split=split):
+                        outs[split, sizes[0]] = grouped_mm(x[:n], w, offs)
+                    want = split == "split" and sizes[0] == 481
+                    keys = [k for k in P.decisions() if k.startswith("threads_mm:")]
+                    self.assertEqual(keys, ["threads_mm:bf16:nn:k_small:t1"] if want else [])
+                    self.assertEqual(
+                        threaded.called, want and P.decisions()[keys[0]].startswith("native")
+                    )
+                    assert_gemm_within(self, outs[split, sizes[0]], x[:n], w, offs, f"{split}")
+        self.assertTrue(torch.equal(outs["split", 481], outs["one", 481]))
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_row_split_decision_measured(self):
+        # measured from scratch, once per dtype, on one thread: the key names the dtype
+        with intra_op_threads(2):
+            self.assertIn(grouped_mm_module._split_rows(torch.bfloat16), (True, False))
+        self.assertFalse(grouped_mm_module._split_rows(torch.float32))  # not the kernel's
+        got = P.decisions()
+        self.assertEqual([k for k in got if k.startswith("row_split:")], ["row_split:bf16"])
+        self.assertRegex(got["row_split:bf16"], r"^(one|split) \(measured: one .* split ")
+
     def test_probes_return_a_choice(self):
         # the real probes on this machine (no timing asserted): what they return is valid
         self.assertIn(P.half_gemm(torch.bfloat16), ("native", "fp32"))

@@ -578,6 +578,9 @@ class TestNativeGluOai(TestCase):
     @needs_native
     def test_op_runs_the_kernel(self):
         h, grad_a, rw = _operands(9, 40, BF16, BF16, seed=0)
+        # the kernels' one-time check against the ATen chunks first (run alone, this test
+        # would otherwise count the check's ATen calls)
+        _glu_op(h, grad_a, rw, 7.0, True, native=True)
         spy = mock.patch.object(glu_mod, "_forward", wraps=glu_mod._forward)
         with spy as aten:
             _glu_op(h, grad_a, rw, 7.0, True, native=True)
@@ -924,9 +927,9 @@ class TestNativeFewRowsMM(TestCase):
                 _native.kernels().few_rows_mm(*args)
 
 
-def _threaded_mm(x, w, offs):
+def _threaded_mm(x, w, offs, split_rows=False):
     out = torch.full((x.shape[0], w.shape[2]), float("nan"), dtype=x.dtype)  # all written
-    _native.kernels().threaded_grouped_mm(x, w, offs, out)
+    _native.kernels().threaded_grouped_mm(x, w, offs, out, split_rows)
     return out
 
 
@@ -984,6 +987,44 @@ class TestNativeThreadedGroupedMM(TestCase):
                     for g_, size in enumerate(sizes):
                         if size == 0:
                             self.assertTrue((got[g_] == 0).all())
+
+    @parametrize("dtype", [BF16, F16, F32])
+    def test_row_split_within_the_gemm_bound(self, dtype):
+        # groups whose rows oneDNN would cut into blocks under 64 rows (481 = 13 x 37, 259
+        # = 7 x 37, 578 = 17 x 34) run split, next to ones it blocks well (480, 257) and
+        # short ones; on 1-3 threads (shares cut the long groups by columns); the half
+        # dtypes' bits as unsplit (the kernel's claim, which test_eager's bitwise
+        # comparisons rest on)
+        g = torch.Generator().manual_seed(6)
+        sizes = [481, 0, 259, 30, 578, 480, 257]
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        end = int(offs[-1])
+        x = torch.randn(end + 2, 24, generator=g).to(dtype)
+        for layout in ("row", "col"):
+            w = _few_weight(len(sizes), 24, 40, dtype, layout, g)
+            for threads in (1, 2, 3):
+                with self.subTest(layout=layout, threads=threads), intra_op_threads(threads):
+                    got = _threaded_mm(x, w, offs, split_rows=True)
+                    assert_gemm_within(self, got, x, w, offs, f"{layout} on {threads}")
+                    self.assertTrue((got[end:] == 0).all())
+                    if dtype != F32:
+                        self.assertTrue(torch.equal(got, _threaded_mm(x, w, offs)))
+
+    def test_row_split_where_onednn_blocks_small(self):
+        # one GEMM per group unless oneDNN's AVX-512 blocking (the largest of 32-256 rows
+        # with the least padding) leaves blocks under 64 rows: then ceil(rows / 256) GEMMs
+        x, w = torch.randn(600, 16).to(BF16), torch.randn(1, 16, 8).to(BF16)
+        want = {481: 2, 480: 1, 482: 1, 256: 1, 259: 2, 578: 3, 577: 3, 545: 1, 300: 1}
+        parts = {rows: _native.kernels().row_split_parts(rows) for rows in want}
+        self.assertEqual(parts, want)
+        for rows, gemms in want.items():
+            offs = torch.tensor([rows], dtype=torch.int32)
+            for split, n in ((True, gemms), (False, 1)):
+                with self.subTest(rows=rows, split=split), intra_op_threads(1):
+                    with torch.profiler.profile() as prof:
+                        _threaded_mm(x[:rows], w, offs, split_rows=split)
+                    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
+                    self.assertEqual(calls, n)
 
     def test_deterministic(self):
         g = torch.Generator().manual_seed(5)

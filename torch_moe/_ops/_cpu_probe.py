@@ -22,7 +22,16 @@ with threads (the native kernels share all groups' work out in one parallel regi
 oneDNN splits each small GEMM by itself, and gains little from a second thread at a few
 rows): they are timed on the caller's threads, in wall time (the minimum over rounds),
 so that a two-thread process does not take a one-thread ranking (at 16 rows per expert
-they differ); ``threads_mm`` is only asked on two or more threads, and its key names them.
+they differ); ``threads_mm`` is asked on one thread only where the threaded kernel splits
+rows (``row_split``, below), and its key names the threads.
+
+``row_split`` is the one decision about a library's internals: whether the threaded
+kernel runs a group's forward GEMM as several GEMMs of at most 256 rows where oneDNN would
+cut its rows into blocks of under 64 (``csrc/grouped_mm_threads_cpu.cpp``: oneDNN 3's
+AVX-512 matmul picks the block of 32-256 rows with the least padding, so 481 = 13 x 37
+rows run as 13 blocks of 37, 15-40% slower than 480). It is timed, not assumed: on 481
+rows, split against not, so that a oneDNN that blocks otherwise (AMX, another version)
+keeps its one GEMM.
 
 Decisions. ``<dt>``: bf16 / fp16 / fp32; ``<ab>``: the layouts of ``a @ b`` (n
 row-major, t column-major; nt, the one every BLAS takes fastest, is never probed);
@@ -47,8 +56,12 @@ key                             choices               margin  used by
                                                               where half GEMMs upcast
 ``threads_mm:<dt>:<ab>:<cls>``  aten, **native**      10%     ``grouped_mm``,
                                                               ``grouped_mm_wgrad`` (CPU
-                                                              kernels, >= 2 threads; the
-                                                              key ends in ``:t<t>``)
+                                                              kernels, >= 2 threads, or
+                                                              one where ``row_split``
+                                                              splits; the key ends in
+                                                              ``:t<t>``)
+``row_split:<dt>``              **one**, split        10%     the threaded kernel's
+                                                              forward GEMMs (CPU)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -115,6 +128,7 @@ KINDS = (
     "act_kernel",
     "few_gemm",
     "threads_mm",
+    "row_split",
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
@@ -249,6 +263,7 @@ _CHOICES = {
     "act_kernel": ("aten", "native"),
     "few_gemm": ("aten", "native"),
     "threads_mm": ("aten", "native"),
+    "row_split": ("one", "split"),
 }
 
 
@@ -383,16 +398,24 @@ def _all_threads() -> Iterator[None]:
         _wall_clock = False
 
 
-def cycled(sets: Sequence[T], run: Callable[[T], object]) -> Callable[[], None]:
-    """A candidate for :func:`time_candidates`: ``run`` on the next of ``sets`` at each
-    call, in a turn of its own through them (so that its calls do not all find their
-    operands in cache, whatever the other candidates run)."""
+def cycled(
+    sets: Sequence[T], runs: Mapping[str, Callable[[T], object]]
+) -> dict[str, Callable[[], None]]:
+    """Candidates for :func:`time_candidates`: each calls its function of ``runs`` on the
+    next of ``sets`` in one cycle that all of them share, so that every call finds its
+    operands as long out of use as any other's (``len(sets)`` calls earlier) and not all in
+    cache. Cycles of their own, in step, would hand every candidate but the first of a
+    round the operands that the first had just loaded: timed warm against a cold one
+    (15% at the threaded kernel's 256-row probe)."""
     it = itertools.cycle(sets)
 
-    def candidate() -> None:
-        run(next(it))
+    def candidate(run: Callable[[T], object]) -> Callable[[], None]:
+        def call() -> None:
+            run(next(it))
 
-    return candidate
+        return call
+
+    return {name: candidate(run) for name, run in runs.items()}
 
 
 def time_candidates(
@@ -531,6 +554,9 @@ def _operand(rows: int, cols: int, col_major: bool, dtype: torch.dtype) -> torch
     return torch.randn(rows, cols).to(dtype)
 
 
+_Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a, b, out of a probe's mm
+
+
 def _other_layout(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if transposed(t) else t.t().contiguous().t()
 
@@ -542,10 +568,13 @@ def _measure_half_gemm(dtype: torch.dtype) -> dict[str, float]:
         for _ in range(_OPERAND_SETS)
     ]
     return time_candidates(
-        {
-            "native": cycled(sets, lambda s: torch.mm(s[0], s[1], out=s[2])),
-            "fp32": cycled(sets, lambda s: s[2].copy_(torch.mm(s[0].float(), s[1].float()))),
-        }
+        cycled(
+            sets,
+            {
+                "native": lambda s: torch.mm(s[0], s[1], out=s[2]),
+                "fp32": lambda s: s[2].copy_(torch.mm(s[0].float(), s[1].float())),
+            },
+        )
     )
 
 
@@ -576,15 +605,18 @@ def _measure_layout(dtype: torch.dtype, ab: str, cls: str) -> dict[str, float]:
         for _ in range(_OPERAND_SETS)
     ]
 
-    def run(copy_a: bool, copy_b: bool) -> Callable[[], None]:
-        def fn(s: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    def run(copy_a: bool, copy_b: bool) -> Callable[[_Operands], None]:
+        def fn(s: _Operands) -> None:
             a, b, out = s
             torch.mm(_other_layout(a) if copy_a else a, _other_layout(b) if copy_b else b, out=out)
 
-        return cycled(sets, fn)
+        return fn
 
     return time_candidates(
-        {"as_is": run(False, False), "copy_a": run(True, False), "copy_b": run(False, True)}
+        cycled(
+            sets,
+            {"as_is": run(False, False), "copy_a": run(True, False), "copy_b": run(False, True)},
+        )
     )
 
 
@@ -634,17 +666,17 @@ def _measure_few_rows(
         for _ in range(_OPERAND_SETS)
     ]
 
-    def run(how: str) -> Callable[[], None]:
-        def fn(s: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    def run(how: str) -> Callable[[_Operands], None]:
+        def fn(s: _Operands) -> None:
             a, b, out = s
             if how == "mm":
                 general(a, b, out)
             else:
                 few_rows_mm(a, b, out, how)
 
-        return cycled(sets, fn)
+        return fn
 
-    return time_candidates({how: run(how) for how in ("mm", "mv", "swap")})
+    return time_candidates(cycled(sets, {how: run(how) for how in ("mm", "mv", "swap")}))
 
 
 def few_rows_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, how: str) -> None:
@@ -781,6 +813,13 @@ def threads_mm(
     way; so the probe keeps it unless the ATen way is clearly faster."""
     key = f"threads_mm:{_dt(dtype)}:{ab}:{cls}:t{threads}"
     return decide(key, measure, default="native", margin=0.1, threads=True)
+
+
+def row_split(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:
+    """``"split"`` if the threaded grouped GEMM's forward runs faster with a group whose
+    rows oneDNN would cut into blocks of under 64 rows split into GEMMs of at most 256
+    rows (module note) by over 10% on one thread, else ``"one"``."""
+    return decide(f"row_split:{_dt(dtype)}", measure, default="one")
 
 
 def act_kernel(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:

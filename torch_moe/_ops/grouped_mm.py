@@ -318,6 +318,11 @@ def _busy_groups(ends: list[int]) -> int:
     return len({0, *ends}) - 1
 
 
+def group_sizes(ends: list[int]) -> list[int]:
+    """Each group's rows, from its (validated) ends."""
+    return [end - start for start, end in zip([0, *ends[:-1]], ends)]
+
+
 def rows_per_busy_group(ends: list[int]) -> tuple[int, int]:
     """(busy groups, their rows each rounded up): the shape class every few-rows decision
     reads (0 rows where no group has any)."""
@@ -379,11 +384,14 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
 
 def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """Whether the native threaded kernel runs ``a @ b`` per group (``wgrad``: a [K, M] x b
-    [M, N] per group's rows, else a [M, K] x b [E, K, N]): two or more threads, the kernels
-    built, and :func:`_decide_threaded`. Memoized on what it reads (the probe's decisions
-    aside), the threads included."""
+    [M, N] per group's rows, else a [M, K] x b [E, K, N]): the kernels built, two or more
+    threads (or one, forward, where :func:`_split_rows` and :func:`splits_rows` hold),
+    and :func:`_decide_threaded`. Memoized on what it reads (the probe's decisions aside), the
+    threads included."""
     threads = torch.get_num_threads()
-    if threads < 2 or not ends or ends[-1] == 0 or not _native.enabled():
+    if not ends or ends[-1] == 0 or not _native.enabled():
+        return False
+    if threads < 2 and (wgrad or not splits_rows(ends)):
         return False
     key = (
         "threaded",
@@ -399,6 +407,7 @@ def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
         _busy_groups(ends),
         threads,
     )
+    # (on one thread the test above read splits_rows, which the key does not hold)
     return _cpu_probe.memo(key, lambda: _decide_threaded(a, b, ends, wgrad, threads))
 
 
@@ -414,6 +423,8 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     if b.dtype != dtype or dtype not in _THREADED_DTYPES or cpu_compute_dtype(dtype) != dtype:
         return False
     if _threaded_kernels() is None:
+        return False
+    if threads < 2 and not _split_rows(dtype):
         return False
     _, rows = rows_per_busy_group(ends)
     if wgrad:  # out[g] [K, N] = a[:, rows of g] @ b[rows of g]
@@ -434,6 +445,51 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
 def _threaded_kernels() -> Any:
     mod = _native.kernels()
     return mod if mod is not None and hasattr(mod, "threaded_grouped_mm") else None
+
+
+def splits_rows(ends: list[int]) -> bool:
+    """Whether the threaded kernel's row split (``row_split``) would cut one of these
+    groups' forward GEMMs: on one thread, where it has no threads to share the work out
+    over, that split is its only gain, so there it runs only where this holds (memoized
+    decisions of a grouped GEMM's way on one thread must hold it in their keys)."""
+    return _threaded_kernels() is not None and any(_split_parts(r) > 1 for r in group_sizes(ends))
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_parts(rows: int) -> int:
+    return _threaded_kernels().row_split_parts(rows)
+
+
+def _split_rows(dtype: torch.dtype) -> bool:
+    """Whether the threaded kernel's forward splits the GEMMs that oneDNN would cut into
+    small row blocks (``_cpu_probe.row_split``; half dtypes the kernel takes)."""
+    if dtype not in _THREADED_DTYPES or _threaded_kernels() is None:
+        return False
+    return _cpu_probe.memo(
+        ("row_split", dtype),
+        lambda: (
+            _cpu_probe.row_split(dtype, functools.partial(_measure_row_split, dtype)) == "split"
+        ),
+    )
+
+
+def _measure_row_split(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the threaded kernel's forward on 2 groups of 481 rows (13 x 37: oneDNN 3
+    on AVX-512 blocks them by 37) at K = N = 512, with and without its row split, operand
+    sets cycled."""
+    mod, rows, dim = _threaded_kernels(), 481, 512
+    offs = torch.tensor([rows, 2 * rows], dtype=torch.int32)
+    sets = [
+        (torch.full((2 * rows, dim), 0.5, dtype=dtype), torch.full((2, dim, dim), 0.5, dtype=dtype))
+        for _ in range(_cpu_probe._OPERAND_SETS)
+    ]
+
+    def run(split: bool) -> Callable[[tuple[Tensor, Tensor]], None]:
+        return lambda s: mod.threaded_grouped_mm(*s, offs, s[0].new_empty((2 * rows, dim)), split)
+
+    return _cpu_probe.time_candidates(
+        _cpu_probe.cycled(sets, {"one": run(False), "split": run(True)})
+    )
 
 
 def _measure_threaded(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dict[str, float]:
@@ -477,8 +533,10 @@ def _measure_threaded(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dic
         ]
         n = dims["n"]
 
+        split = _split_rows(dtype)
+
         def native(s: tuple[Tensor, Tensor]) -> None:
-            mod.threaded_grouped_mm(*s, offs, s[0].new_empty((total, n)))
+            mod.threaded_grouped_mm(*s, offs, s[0].new_empty((total, n)), split)
 
         ways = {"native": native, "loop": lambda s: _mm_loop(*s, ends)}
         ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, dims["k"], n)
@@ -495,9 +553,7 @@ def _native_against_aten(
     on ``offs`` too where ``torch_ok``), each cycling through the operand ``sets``."""
     if torch_ok:
         ways["torch"] = lambda s: torch._grouped_mm(*s, offs=offs)
-    times = _cpu_probe.time_candidates(
-        {how: _cpu_probe.cycled(sets, run) for how, run in ways.items()}
-    )
+    times = _cpu_probe.time_candidates(_cpu_probe.cycled(sets, ways))
     return {
         "aten": min(t for how, t in times.items() if how != "native"),
         "native": times["native"],
@@ -507,7 +563,9 @@ def _native_against_aten(
 def _threaded_mm(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None) -> Tensor:
     """The threaded kernel's forward (rows past ``ends[-1]`` zero)."""
     out = x.new_empty((x.shape[0], w.shape[2]))
-    _threaded_kernels().threaded_grouped_mm(x, w, _offs_tensor(ends, offs), out)
+    _threaded_kernels().threaded_grouped_mm(
+        x, w, _offs_tensor(ends, offs), out, _split_rows(x.dtype)
+    )
     return out
 
 
@@ -700,7 +758,7 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
         return out
     if way == "threads":
         out = x.new_empty((x.shape[0], w.shape[2]))
-        _threaded_kernels().threaded_grouped_mm(x, w, offs, out)
+        _threaded_kernels().threaded_grouped_mm(x, w, offs, out, _split_rows(x.dtype))
         return out
     return _torch_grouped_mm(x, w, offs, end)
 

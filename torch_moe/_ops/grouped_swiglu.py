@@ -51,11 +51,13 @@ from torch_moe._ops.grouped_mm import (
     check_offs_values,
     cpu_compute_dtype,
     few_gemm_class,
+    group_sizes,
     grouped_mm,
     grouped_mm_wgrad,
     mm_cpu,
     mm_into,
     rows_per_busy_group,
+    splits_rows,
     weight_col_major,
     wgrad_copies,
     wgrad_operand,
@@ -581,10 +583,6 @@ def _act_backward_into_aten(
     return grad_rw
 
 
-def _group_sizes(ends: list[int]) -> list[int]:
-    return [end - start for start, end in zip([0, *ends[:-1]], ends)]
-
-
 # whether the weights of a direction's two GEMMs of x @ w are column-major per group, for
 # MoE's own [E, 2F, D] / [E, D, F] experts: forward x @ w13^T and a @ w2^T, backward
 # dY @ w2 and dH @ w13
@@ -670,7 +668,7 @@ def _forward_loop(
     h = w13.new_empty((rows, 2 * hidden))
     y = w13.new_empty((rows, x.shape[1]))
     step = _act_chunk_rows(dt, hidden)
-    a_buf = torch.empty((max(_group_sizes(ends), default=0), hidden), dtype=cdt)
+    a_buf = torch.empty((max(group_sizes(ends), default=0), hidden), dtype=cdt)
     start = 0
     for g, end in enumerate(ends):
         if end > start:
@@ -882,7 +880,7 @@ def _backward_loop(
     hidden = w2.shape[2]
     step = _act_chunk_rows(dt, hidden)
     # one expert's [rows, F] / [rows, 2F] operands, reused by every group
-    most = max(_group_sizes(ends), default=0)
+    most = max(group_sizes(ends), default=0)
     a_buf = torch.empty((most, hidden), dtype=cdt)
     dh_buf = torch.empty((most, 2 * hidden), dtype=cdt)
     ga_buf = torch.empty((most, hidden), dtype=cdt) if native else None
@@ -1086,8 +1084,8 @@ def _lean_plan(
     few Python calls, run from cold caches after every GEMM); else None. Memoized per
     force() state on everything the decisions read: the operands' dtypes, shapes, strides and
     alignment, the rows, the groups and the busy groups (the intermediate operands are
-    fresh, contiguous allocations of known shapes), the threads and whether the native
-    kernels are enabled."""
+    fresh, contiguous allocations of known shapes), the threads (on one, whether a group's
+    rows are split: ``splits_rows``) and whether the native kernels are enabled."""
     key = _lean_key("swiglu_combine_lean", x, w13, w2, row_weights, ends, rows)
     return _cpu_probe.memo(key, lambda: _decide_lean(x, w13, w2, ends, rows))
 
@@ -1104,8 +1102,9 @@ def _lean_key(
 ) -> tuple[object, ...]:
     """What a lean plan's decisions read (``_lean_plan``, ``glu._glu_lean_plan``): the
     tokens' and both weights' dtypes and shapes, the weights' strides and alignment, the
-    rows, the groups, the busy groups, the threads and whether the native kernels are
-    enabled (the tokens are gathered into fresh rows: their strides are not read)."""
+    rows, the groups, the busy groups, the threads (on one, ``splits_rows``) and whether
+    the native kernels are enabled (the tokens are gathered into fresh rows: their strides
+    are not read)."""
     return (
         kind,
         *extra,
@@ -1124,6 +1123,7 @@ def _lean_key(
         len(ends),
         _busy_groups(ends),
         torch.get_num_threads(),
+        torch.get_num_threads() < 2 and splits_rows(ends),  # (the threaded GEMMs' rule)
         _native.enabled(),
     )
 

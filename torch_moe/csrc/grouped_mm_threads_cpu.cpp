@@ -33,6 +33,16 @@
 // nodes' bits against the ops', which take the same kernels).
 // Rows of out at or past the last group's end are zero (forward); a weight gradient's
 // empty groups are zero.
+//
+// split_rows (forward; the CPU probe's row_split decision): oneDNN's bf16 / fp16 matmul on
+// AVX-512 without AMX (oneDNN 3.x) cuts a GEMM's M rows into equal blocks of 32 to 256
+// rows, the largest block with the fewest padded rows. A router's count such as 481 =
+// 13 x 37 so gets 13 blocks of 37 rows, each of which streams the packed weight again and
+// ends in a one-row tail of the micro-kernel: 15-40% slower than 480 or 482 rows on the
+// machines measured (about one count in 14 between 257 and 700 gets blocks under 64
+// rows). With split_rows a piece whose rows oneDNN would so block runs as ceil(rows / 256)
+// GEMMs of near-equal rows instead, one block each, at the price of packing the weight
+// once per GEMM. The bits do not change: a row's sums do not depend on the row blocks.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,6 +55,45 @@
 namespace {
 
 constexpr int64_t kAlign = 16;  // pieces cut at multiples of this many columns / rows
+constexpr int64_t kMaxBlock = 256, kMinBlock = 32;  // oneDNN's row blocks (header)
+constexpr int64_t kSmallBlock = 64;                  // blocks under this split a GEMM
+
+// The row block oneDNN's AVX-512 matmul takes for `rows` rows on one thread: the largest
+// of kMinBlock..kMaxBlock rows (at most `rows`) with the fewest padded rows.
+int64_t onednn_row_block(int64_t rows) {
+  int64_t best = std::min(rows, kMaxBlock), least_pad = -1;
+  for (int64_t m = best; m >= std::min(rows, kMinBlock); --m) {
+    const int64_t pad = (rows + m - 1) / m * m - rows;
+    if (least_pad < 0 || pad < least_pad) {
+      least_pad = pad;
+      best = m;
+    }
+  }
+  return best;
+}
+
+// How many GEMMs split_rows runs `rows` rows as: near-equal pieces of at most kMaxBlock
+// rows where onednn_row_block leaves blocks under kSmallBlock rows (header), else one.
+int64_t row_split_parts(int64_t rows) {
+  if (rows <= kMaxBlock || onednn_row_block(rows) >= kSmallBlock) return 1;
+  return (rows + kMaxBlock - 1) / kMaxBlock;
+}
+
+// out = x @ w on this thread, with split_rows as row_split_parts pieces.
+void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool split_rows) {
+  const int64_t rows = x.size(0);
+  const int64_t parts = split_rows ? row_split_parts(rows) : 1;
+  if (parts == 1) {
+    at::mm_out(out, x, w);
+    return;
+  }
+  for (int64_t p = 0, r0 = 0; p < parts; ++p) {
+    const int64_t r1 = rows * (p + 1) / parts;
+    auto o = out.narrow(0, r0, r1 - r0);
+    at::mm_out(o, x.narrow(0, r0, r1 - r0), w);
+    r0 = r1;
+  }
+}
 
 // The group ends of offs, checked: non-decreasing, within [0, rows].
 std::vector<int64_t> read_ends(const at::Tensor& offs, int64_t groups, int64_t rows,
@@ -103,7 +152,7 @@ void split_groups(const std::vector<int64_t>& ends, Extent extent, Piece piece) 
 }
 
 void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                         at::Tensor& out) {
+                         at::Tensor& out, bool split_rows) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "threaded_grouped_mm: "
               "x [M, K] and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
@@ -116,7 +165,7 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
       ends, [n](int64_t, int64_t) { return n; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
         auto o = out.narrow(0, start, rows).narrow(1, lo, hi - lo);
-        at::mm_out(o, x.narrow(0, start, rows), w[g].narrow(1, lo, hi - lo));
+        mm_rows(o, x.narrow(0, start, rows), w[g].narrow(1, lo, hi - lo), split_rows);
       });
   const int64_t end = ends.empty() ? 0 : ends.back();
   if (end < out.size(0)) out.narrow(0, end, out.size(0) - end).zero_();
@@ -148,8 +197,11 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
-  m.def("threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out) -> ()");
+  m.def(
+      "threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool split_rows=False)"
+      " -> ()");
   m.def("threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out) -> ()");
+  m.def("row_split_parts(int rows) -> int", &row_split_parts);
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
