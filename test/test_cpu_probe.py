@@ -331,8 +331,8 @@ class TestCpuProbe(TestCase):
     def test_row_split_decision_measured(self):
         # measured from scratch, once per dtype, on one thread: the key names the dtype
         with intra_op_threads(2):
-            self.assertIn(grouped_mm_module._split_rows(torch.bfloat16), (True, False))
-        self.assertFalse(grouped_mm_module._split_rows(torch.float32))  # not the kernel's
+            self.assertIn(grouped_mm_module._row_split_on(torch.bfloat16), (True, False))
+        self.assertFalse(grouped_mm_module._row_split_on(torch.float32))  # not the kernel's
         got = P.decisions()
         self.assertEqual([k for k in got if k.startswith("row_split:")], ["row_split:bf16"])
         self.assertRegex(got["row_split:bf16"], r"^(one|split) \(measured: one .* split ")

@@ -385,7 +385,7 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
 def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """Whether the native threaded kernel runs ``a @ b`` per group (``wgrad``: a [K, M] x b
     [M, N] per group's rows, else a [M, K] x b [E, K, N]): the kernels built, two or more
-    threads (or one, forward, where :func:`_split_rows` and :func:`splits_rows` hold),
+    threads (or one, forward, where :func:`_row_split_on` and :func:`splits_rows` hold),
     and :func:`_decide_threaded`. Memoized on what it reads (the probe's decisions aside), the
     threads included."""
     threads = torch.get_num_threads()
@@ -424,7 +424,8 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
         return False
     if _threaded_kernels() is None:
         return False
-    if threads < 2 and not _split_rows(dtype):
+    split = _row_split_on(dtype)  # (asked here, not inside threads_mm's measurement)
+    if threads < 2 and not split:
         return False
     _, rows = rows_per_busy_group(ends)
     if wgrad:  # out[g] [K, N] = a[:, rows of g] @ b[rows of g]
@@ -438,7 +439,7 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     m, k, n = a_g.shape[0], a_g.shape[1], b_g.shape[1]
     ab = _cpu_probe.layout_of(a_g, b_g)
     cls = _cpu_probe.shape_class(m, k, n)
-    measure = functools.partial(_measure_threaded, dtype, ab, cls, wgrad)
+    measure = functools.partial(_measure_threaded, dtype, ab, cls, wgrad, split)
     return _cpu_probe.threads_mm(dtype, ab, cls, threads, measure) == "native"
 
 
@@ -460,7 +461,7 @@ def _split_parts(rows: int) -> int:
     return _threaded_kernels().row_split_parts(rows)
 
 
-def _split_rows(dtype: torch.dtype) -> bool:
+def _row_split_on(dtype: torch.dtype) -> bool:
     """Whether the threaded kernel's forward splits the GEMMs that oneDNN would cut into
     small row blocks (``_cpu_probe.row_split``; half dtypes the kernel takes)."""
     if dtype not in _THREADED_DTYPES or _threaded_kernels() is None:
@@ -492,11 +493,14 @@ def _measure_row_split(dtype: torch.dtype) -> dict[str, float]:
     )
 
 
-def _measure_threaded(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dict[str, float]:
-    """Seconds of the threaded kernel and of the better ATen way (``torch._grouped_mm``
-    where it is allowed, the loop) on the caller's threads: 8 groups of the shape class
-    (``_measure_grouped_mm``'s dims), the groups' rows uneven around it as a router's
-    counts are (-15..+15), operands cycled through sets (not all in cache)."""
+def _measure_threaded(
+    dtype: torch.dtype, ab: str, cls: str, wgrad: bool, split: bool
+) -> dict[str, float]:
+    """Seconds of the threaded kernel (its forward with the row split where ``split``) and
+    of the better ATen way (``torch._grouped_mm`` where it is allowed, the loop) on the
+    caller's threads: 8 groups of the shape class (``_measure_grouped_mm``'s dims), the
+    groups' rows uneven around it as a router's counts are (-15..+15), operands cycled
+    through sets (not all in cache)."""
     groups, mod = 8, _threaded_kernels()
     small = 64 if cls.endswith("_small") else 256
     dims = {d: (small if d == cls[0] else 256) for d in "mkn"}
@@ -533,8 +537,6 @@ def _measure_threaded(dtype: torch.dtype, ab: str, cls: str, wgrad: bool) -> dic
         ]
         n = dims["n"]
 
-        split = _split_rows(dtype)
-
         def native(s: tuple[Tensor, Tensor]) -> None:
             mod.threaded_grouped_mm(*s, offs, s[0].new_empty((total, n)), split)
 
@@ -564,7 +566,7 @@ def _threaded_mm(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None) -> 
     """The threaded kernel's forward (rows past ``ends[-1]`` zero)."""
     out = x.new_empty((x.shape[0], w.shape[2]))
     _threaded_kernels().threaded_grouped_mm(
-        x, w, _offs_tensor(ends, offs), out, _split_rows(x.dtype)
+        x, w, _offs_tensor(ends, offs), out, _row_split_on(x.dtype)
     )
     return out
 
@@ -758,7 +760,7 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
         return out
     if way == "threads":
         out = x.new_empty((x.shape[0], w.shape[2]))
-        _threaded_kernels().threaded_grouped_mm(x, w, offs, out, _split_rows(x.dtype))
+        _threaded_kernels().threaded_grouped_mm(x, w, offs, out, _row_split_on(x.dtype))
         return out
     return _torch_grouped_mm(x, w, offs, end)
 
