@@ -265,6 +265,19 @@ class TestCpuProbe(TestCase):
         keys = [k for k in P.decisions() if k.startswith("wgrad_a:")]
         self.assertEqual(keys, ["wgrad_a:bf16:r512:k32:n64"])
 
+    def test_cycled_candidates_share_one_cycle(self):
+        # every call of any candidate takes the next operand set of one shared cycle, so
+        # each finds its operands as long out of use as the others (cycles of their own,
+        # in step, handed all but a round's first the operands it had just loaded)
+        seen = []
+        runs = {name: (lambda s, name=name: seen.append(s)) for name in ("a", "b", "c")}
+        candidates = P.cycled([0, 1], runs)
+        self.assertEqual(list(candidates), ["a", "b", "c"])
+        for _ in range(3):
+            for call in candidates.values():
+                self.assertIsNone(call())
+        self.assertEqual(seen, [0, 1, 0, 1, 0, 1, 0, 1, 0])
+
     def test_act_chunk_picks_largest_near_fastest(self):
         times = {"32768": 1.05, "65536": 1.0, "131072": 0.98, "262144": 1.3}
         self.assertEqual(P.act_chunk(torch.bfloat16, lambda: times), 131072)
