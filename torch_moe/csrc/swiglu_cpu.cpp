@@ -200,8 +200,8 @@ using torch_moe_cpu::from_float;
 // over them. The same operations on the same values, element by element, and the same
 // vector / scalar split (blocks of two vectors, then scalars) as the buffered kernel,
 // whose conversions (at::vec::convert) round the same vectors and scalars alike: the same
-// bits. (The forward keeps its buffers: converted in registers it ran as fast alone and
-// up to 20% slower inside a layer step.)
+// bits. (The forward keeps its buffers: converted in registers it gained alone at one
+// width of three measured and nothing measurable inside a layer step.)
 // h: gate then up; ga: dA; out_a: a; dh: dGate then dUp (p, w as backward_vec's)
 template <typename T>
 inline void backward_row_half(
