@@ -391,7 +391,7 @@ def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     threads = torch.get_num_threads()
     if not ends or ends[-1] == 0 or not _native.enabled():
         return False
-    if threads < 2 and (wgrad or not splits_rows(ends)):
+    if threads < 2 and (wgrad or not splits_rows(a.dtype, ends)):
         return False
     key = (
         "threaded",
@@ -448,12 +448,15 @@ def _threaded_kernels() -> Any:
     return mod if mod is not None and hasattr(mod, "threaded_grouped_mm") else None
 
 
-def splits_rows(ends: list[int]) -> bool:
+def splits_rows(dtype: torch.dtype, ends: list[int]) -> bool:
     """Whether the threaded kernel's row split (``row_split``) would cut one of these
-    groups' forward GEMMs: on one thread, where it has no threads to share the work out
-    over, that split is its only gain, so there it runs only where this holds (memoized
-    decisions of a grouped GEMM's way on one thread must hold it in their keys)."""
-    return _threaded_kernels() is not None and any(_split_parts(r) > 1 for r in group_sizes(ends))
+    groups' forward GEMMs in ``dtype``: on one thread, where it has no threads to share
+    the work out over, that split is its only gain, so there it runs only where this
+    holds (memoized decisions of a grouped GEMM's way on one thread must hold it in their
+    keys). False without reading the groups for a dtype the kernel does not take."""
+    if dtype not in _THREADED_DTYPES or _threaded_kernels() is None:
+        return False
+    return any(_split_parts(r) > 1 for r in group_sizes(ends))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -564,18 +567,12 @@ def _native_against_aten(
 
 def _threaded_mm(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None) -> Tensor:
     """The threaded kernel's forward (rows past ``ends[-1]`` zero)."""
-    out = x.new_empty((x.shape[0], w.shape[2]))
-    _threaded_kernels().threaded_grouped_mm(
-        x, w, _offs_tensor(ends, offs), out, _row_split_on(x.dtype)
-    )
-    return out
+    return _whole_grouped_mm(x, w, _offs_tensor(ends, offs), ends[-1], "threads")
 
 
 def _threaded_wgrad(a: Tensor, dy: Tensor, ends: list[int], offs: Tensor | None) -> Tensor:
     """The threaded kernel's weight gradient (empty groups zero)."""
-    out = a.new_empty((len(ends), a.shape[0], dy.shape[1]))
-    _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, _offs_tensor(ends, offs), out)
-    return out
+    return _whole_grouped_mm_wgrad(a, dy, _offs_tensor(ends, offs), "threads")
 
 
 def _offs_tensor(ends: list[int], offs: Tensor | None) -> Tensor:

@@ -1123,7 +1123,7 @@ def _lean_key(
         len(ends),
         _busy_groups(ends),
         torch.get_num_threads(),
-        torch.get_num_threads() < 2 and splits_rows(ends),  # (the threaded GEMMs' rule)
+        torch.get_num_threads() < 2 and splits_rows(w_a.dtype, ends),  # (threaded GEMMs)
         _native.enabled(),
     )
 
