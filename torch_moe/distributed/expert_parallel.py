@@ -142,7 +142,8 @@ class ExpertParallelDispatcher(nn.Module):
             x, row_weights, counts, self.group_name, self.num_experts, l0, l1,
             self.exchange, self.node_size, self.fp8,
         )  # fmt: skip
-        offs = chunk_offsets(counts, self.num_experts, self.world, l0, l1)
+        # the counts live on the host (plan's one sync); the experts want offs beside x
+        offs = chunk_offsets(counts, self.num_experts, self.world, l0, l1).to(x_recv.device)
         return x_recv, (w_recv if row_weights is not None else None), offs
 
     def combine(self, y: Tensor, counts: Tensor, chunk: tuple[int, int], num_rows: int) -> Tensor:
@@ -176,7 +177,7 @@ class ExpertParallelDispatcher(nn.Module):
         """Complete a :meth:`dispatch_start`: what :meth:`dispatch` returns."""
         tensors = [x] if row_weights is None else [x, row_weights]
         outs = _ops.ep_wait(handle, tensors, "dispatch", -1)
-        offs = chunk_offsets(counts, self.num_experts, self.world, *chunk)
+        offs = chunk_offsets(counts, self.num_experts, self.world, *chunk).to(outs[0].device)
         return outs[0], (outs[1] if row_weights is not None else None), offs
 
     def combine_start(

@@ -342,7 +342,7 @@ def hierarchical_all_to_all_single(
         row = [1, *(int(n) for n in input_split_sizes), *(int(n) for n in output_split_sizes)]
     else:
         row = [0] * (2 * size + 1)
-    mine = torch.tensor(row, dtype=torch.int64)
+    mine = torch.tensor(row, dtype=torch.int64, device=x.device)  # NCCL: on the GPU
     rows = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(rows, mine, group=group)
     table = torch.stack(rows).tolist()
