@@ -544,6 +544,16 @@ class TestExpertsBackend(_OneThread, TestCase):
 
         with self.assertRaisesRegex(TypeError, r"Linear has no layout flag\(s\) \['has_gate'"):
             tmt.experts_forward(torch.nn.Linear(2, 2), torch.zeros(1, 2), None, None)
+        # transformers before has_post_expert_norm (5.17, on the H200 image): absent is False
+        experts = _toy_experts_class({}, "silu")(_ToyConfig())
+        del experts.has_post_expert_norm
+        self.assertFalse(tmt.experts_layout(experts).has_post_expert_norm)
+        self.assertTrue(tmt.experts_layout(experts).fused)
+        del experts.has_bias
+        with self.assertRaisesRegex(
+            TypeError, r"_ToyExperts has no layout flag\(s\) \['has_bias'\]"
+        ):
+            tmt.experts_layout(experts)
         experts = _toy_experts_class({}, "silu")(_ToyConfig())
         experts.gate_up_proj.data = experts.gate_up_proj.data.to(torch.float8_e4m3fn)
         with self.assertRaisesRegex(ValueError, r"gate_up_proj has dtype torch.float8_e4m3fn"):

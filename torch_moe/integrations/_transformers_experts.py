@@ -97,6 +97,9 @@ __all__ = ["RECIPE_ATTR", "ExpertsLayout", "experts_forward", "experts_layout"]
 # attribute of an experts module holding its low-precision Recipe (None: compute dtype)
 RECIPE_ATTR = "_torch_moe_recipe"
 LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias", "has_post_expert_norm")
+# the flags every transformers 5 experts module has; a later one absent means False
+# (transformers 5.17, on the H200 image, has no has_post_expert_norm)
+REQUIRED_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")
 # torch._scaled_grouped_mm on CUDA wants every group's rows padded to a multiple of 16
 _SCALED_GROUP_ALIGN = 16
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -217,7 +220,7 @@ def experts_layout(experts: Any) -> ExpertsLayout:
     non-default value.
     """
     name = type(experts).__name__
-    missing = [f for f in LAYOUT_FLAGS if not hasattr(experts, f)]
+    missing = [f for f in REQUIRED_FLAGS if not hasattr(experts, f)]
     if missing:
         raise TypeError(
             f"torch_moe experts backend: {name} has no layout flag(s) {missing}; it is not a "
@@ -230,7 +233,7 @@ def experts_layout(experts: Any) -> ExpertsLayout:
                 f"torch_moe experts backend: {name} has the layout flag {flag}={value!r}, which "
                 f"this backend does not implement (it knows {list(LAYOUT_FLAGS)})"
             )
-    flags = {f: bool(getattr(experts, f)) for f in LAYOUT_FLAGS}
+    flags = {f: bool(getattr(experts, f, False)) for f in LAYOUT_FLAGS}
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     shapes: dict[str, tuple[int, int, int]] = {}  # [E, in, out] of each weight
     for wname in (up_name, "down_proj"):

@@ -50,8 +50,8 @@ from torch_moe.integrations._transformers_convert import (
     torch_moe_blocks,
 )
 from torch_moe.integrations._transformers_experts import (
-    LAYOUT_FLAGS,
     RECIPE_ATTR,
+    REQUIRED_FLAGS,
     ExpertsLayout,
     experts_forward,
     experts_layout,
@@ -138,7 +138,7 @@ def experts_modules(model: nn.Module) -> list[tuple[str, Any]]:
     return [
         (n, m)
         for n, m in model.named_modules()
-        if all(hasattr(m, f) for f in LAYOUT_FLAGS) and hasattr(m, "down_proj")
+        if all(hasattr(m, f) for f in REQUIRED_FLAGS) and hasattr(m, "down_proj")
     ]
 
 
