@@ -172,6 +172,40 @@ class TestCudaLogicOnCPU(TestCase):
             S._select(g, torch.zeros(4, 128), torch.zeros(2, 128, 256), torch.bfloat16), "emulate"
         )
 
+    def test_decomposed_op_runs_eager_kernel(self):
+        """torch_moe::scaled_grouped_mm (a compiled graph's decomposition) takes
+        torch._scaled_grouped_mm exactly where the high-precision op does for the same
+        GEMM, and Triton where that op takes Triton: compiled == eager bit for bit on the
+        device (the first H200 run found the decomposed dgrad on Triton, eager on torch)."""
+        seen = set()
+        for name, recipe in RECIPES.items():
+            for g in (recipe.forward, recipe.dgrad):
+                if not S.decomposable(g):
+                    continue
+                scale_dtype = torch.uint8 if g.lhs.fmt == "mx" else torch.float32
+                for k, n in ((128, 256), (120, 256), (128, 40)):
+                    for out in (torch.bfloat16, torch.float32):
+                        for cap, has in (((9, 0), True), ((10, 0), True), ((9, 0), False)):
+                            eager = S.gemm_kernel(g, k, n, out, "cuda", cap, has)
+                            op = S.scaled_op_kernel(
+                                scale_dtype, g.lhs.inner, g.rhs.outer, k, n, out, cap, has
+                            )
+                            self.assertIn(eager, ("torch", "triton"), msg=name)
+                            self.assertEqual(op, eager, msg=(name, g, k, n, out, cap, has))
+                            seen.add(eager)
+        self.assertEqual(seen, {"torch", "triton"})  # both branches were compared
+
+    def test_torch_scales(self):
+        """Rowwise / tensorwise scales in torch._scaled_grouped_mm's shapes: [M] and [E, n]."""
+        sa, sb = S._torch_scales(torch.arange(3.0)[:, None], torch.ones(2, 1, 4), 3, 2, 4)
+        self.assertEqual(sa, torch.arange(3.0))
+        self.assertEqual(list(sb.shape), [2, 4])
+        sa, sb = S._torch_scales(
+            torch.full((1, 1), 2.0), torch.tensor([3.0, 4.0])[:, None, None], 5, 2, 4
+        )
+        self.assertEqual(sa, torch.full((5,), 2.0))
+        self.assertEqual(sb, torch.tensor([[3.0] * 4, [4.0] * 4]))
+
     def test_dispatch_passes_the_operands_through(self):
         """Whichever kernel is chosen, the GEMM runner calls it with the operands, offs, the
         GEMM's recipe entry and the output dtype unchanged (the CUDA branches only launch)."""

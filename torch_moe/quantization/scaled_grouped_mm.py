@@ -39,7 +39,9 @@ GEMMs (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block 
 loop (blockwise, MX) or once in the epilogue (rowwise, tensorwise, per-group wgrad); rowwise
 and tensorwise forward / dgrad with bf16 operands on Hopper go to ``torch._scaled_grouped_mm``.
 Which kernel runs is decided by :func:`gemm_kernel`, a plain function of the recipe, the
-shapes and the device (tested on CPU). All equal the emulation up to fp32 summation order.
+shapes and the device (tested on CPU); ``torch_moe::scaled_grouped_mm`` (what a compiled
+graph decomposes these ops into) picks by the same rule (:func:`scaled_op_kernel`), so the
+compiled layer runs eager's kernels. All equal the emulation up to fp32 summation order.
 
 NB: the weight is quantized twice (along K for forward, along N for dgrad) and the
 activations twice (along K for forward, along M in per-expert jagged blocks for wgrad), as
@@ -89,6 +91,7 @@ __all__ = [
     "scaled_grouped_mm",
     "scaled_grouped_mm_reference",
     "scaled_grouped_mm_wgrad_reference",
+    "scaled_op_kernel",
     "wgrad_kernel",
 ]
 
@@ -365,6 +368,15 @@ def _scaled_grouped_mm_cuda(
 
     _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
     check_offs_values("scaled_grouped_mm", offs, a.shape[0])
+    (M, k), (E, _, n) = a.shape, b.shape
+    capability = torch.cuda.get_device_capability(a.device)
+    has_torch = hasattr(torch, "_scaled_grouped_mm")
+    if (
+        scaled_op_kernel(scale_a.dtype, block_k, block_n, k, n, out_dtype, capability, has_torch)
+        == "torch"
+    ):
+        # what the high-precision op runs for this GEMM: a decomposed graph equals eager
+        return _torch_scaled(a, b, *_torch_scales(scale_a, scale_b, M, E, n), offs)
     sa, sb = _fp32_scales(scale_a), _fp32_scales(scale_b)
     return TK.scaled_grouped_mm(
         a, b, sa, sb, offs, block_k=block_k, block_n=block_n, out_dtype=out_dtype
@@ -693,18 +705,62 @@ def gemm_kernel(
     lhs, rhs = g.lhs, g.rhs
     if device_type != "cuda" or lhs is None or rhs is None:
         return "emulate"
-    if (
-        lhs.fmt == rhs.fmt == "fp8"
-        and (lhs.outer, lhs.inner) in _PER_ROW
-        and (rhs.outer, rhs.inner) in _PER_ROW
+    if lhs.fmt == rhs.fmt and torch_scaled_takes(
+        lhs.fmt, (lhs.outer, lhs.inner), (rhs.outer, rhs.inner), k, n, out_dtype,
+        capability, has_torch_scaled_grouped_mm,
+    ):  # fmt: skip
+        return "torch"
+    return "triton" if _triton_takes(g) else "emulate"
+
+
+def torch_scaled_takes(
+    fmt: str,
+    lhs_block: tuple[int, int],
+    rhs_block: tuple[int, int],
+    k: int,
+    n: int,
+    out_dtype: torch.dtype,
+    capability: tuple[int, int] | None,
+    has_torch_scaled_grouped_mm: bool,
+) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` runs a [M, k] @ [E, k, n] FP8 GEMM whose operands
+    are quantized in (outer, inner) blocks ``lhs_block`` / ``rhs_block``: rowwise or
+    tensorwise e4m3 on both, bf16 out, k and n multiples of 16, sm_90. The one rule for the
+    high-precision ops (:func:`gemm_kernel`) and ``torch_moe::scaled_grouped_mm`` on CUDA,
+    so that a compiled graph's decomposition runs the kernel eager runs (bit for bit)."""
+    return (
+        fmt == "fp8"
+        and lhs_block in _PER_ROW
+        and rhs_block in _PER_ROW
         and out_dtype == torch.bfloat16
         and k % 16 == 0
         and n % 16 == 0
         and has_torch_scaled_grouped_mm
         and capability == (9, 0)
-    ):
+    )
+
+
+def scaled_op_kernel(
+    scale_dtype: torch.dtype,
+    block_k: int,
+    block_n: int,
+    k: int,
+    n: int,
+    out_dtype: torch.dtype,
+    capability: tuple[int, int] | None,
+    has_torch_scaled_grouped_mm: bool,
+) -> Kernel:
+    """Which kernel ``torch_moe::scaled_grouped_mm`` runs on CUDA for operands quantized in
+    K blocks ``block_k`` and (B's) N blocks ``block_n`` with scales of ``scale_dtype``:
+    ``"torch"`` where :func:`torch_scaled_takes` (A's rowwise or tensorwise scales both
+    qualify), else ``"triton"``."""
+    fmt = "mx" if scale_dtype == torch.uint8 else "fp8"
+    if torch_scaled_takes(
+        fmt, (1, block_k), (block_n, block_k), k, n, out_dtype, capability,
+        has_torch_scaled_grouped_mm,
+    ):  # fmt: skip
         return "torch"
-    return "triton" if _triton_takes(g) else "emulate"
+    return "triton"
 
 
 def wgrad_kernel(g: GemmQuant, device_type: str) -> Kernel:
@@ -787,19 +843,26 @@ def torch_scaled_operands(
     lhs, rhs = g.lhs, g.rhs
     if lhs is None or rhs is None:
         raise ValueError(f"torch_scaled_operands: {g} runs in bf16")
-    M = a.shape[0]
-    E, _, n = b.shape
     qa, qb, sa, sb = _kernel_operands(a, b, lhs, rhs)  # (interpreted on CPU tensors)
-    sa = sa.reshape(-1).expand(M).contiguous()
-    sb = sb.reshape(E, -1).expand(E, n).contiguous()
-    return qa, qb, sa, sb
+    return qa, qb, *_torch_scales(sa, sb, a.shape[0], b.shape[0], b.shape[2])
+
+
+def _torch_scales(sa: Tensor, sb: Tensor, M: int, E: int, n: int) -> tuple[Tensor, Tensor]:
+    """Rowwise or tensorwise scales ([M or 1, 1], [E, 1, n or 1]) as torch takes them."""
+    return sa.reshape(-1).expand(M).contiguous(), sb.reshape(E, -1).expand(E, n).contiguous()
+
+
+def _torch_scaled(qa: Tensor, qb: Tensor, sa: Tensor, sb: Tensor, offs: Tensor) -> Tensor:
+    """``torch._scaled_grouped_mm`` on e4m3 operands and torch's scales; bf16 out."""
+    if qb.stride(-2) != 1:  # torch wants b column-major (K-major)
+        qb = qb.transpose(-2, -1).contiguous().transpose(-2, -1)
+    out = torch._scaled_grouped_mm(qa.contiguous(), qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+    return zero_tail_(out, offs)  # rows past the last group are not written
 
 
 def _torch_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant) -> Tensor:
     """FP8 rowwise / tensorwise forward or dgrad on ``torch._scaled_grouped_mm``; bf16 out."""
-    qa, qb, sa, sb = torch_scaled_operands(a, b, g)
-    out = torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
-    return zero_tail_(out, offs)  # rows past the last group are not written
+    return _torch_scaled(*torch_scaled_operands(a, b, g), offs)
 
 
 def _quantize_jagged_mmajor(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
