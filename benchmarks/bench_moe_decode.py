@@ -12,7 +12,11 @@ registers).
     python benchmarks/bench_moe_decode.py                     # Qwen3-30B-A3B-like experts
     python benchmarks/bench_moe_decode.py --tokens 1,4,16,64 --dim 7168 --hidden 2048 --experts 256
 
-Medians of interleaved repetitions, CUDA events. Needs a GPU (exits with a message without).
+Device time: each path captured --reps times in one CUDA graph and replayed (how decode is
+served; a path that cannot be captured shows nan and says why); the last column times the
+same calls launched from Python, which at decode sizes measures the host (the first H200
+run, eager only, read 0.9-1.8 ms per call for every path). Medians of interleaved rounds,
+CUDA events. Needs a GPU (exits with a message without).
 """
 
 from __future__ import annotations
@@ -36,6 +40,26 @@ def _time(fn, reps: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps * 1e3  # us
+
+
+def graphed(fn, calls: int):  # type: ignore[no-untyped-def]
+    """``fn`` captured ``calls`` times back to back in one CUDA graph (how a decode step is
+    served: no host launch cost), or None (and why) when ``fn`` cannot be captured. The
+    graph reads the tensors ``fn`` uses: keep them alive while it replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture (allocator, compiles)
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception as e:  # a host sync inside fn: report it, time it eager only
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    return graph, ""
 
 
 def grouped_mm_peer(x, w13, w2, ids, weights, num_experts):  # type: ignore[no-untyped-def]
@@ -107,18 +131,30 @@ def _bench(T, E, K, bf16, fp8, args, gen, copy_bps) -> str | None:
     }
     for fn in cands.values():
         fn()
-    times: dict[str, list[float]] = {k: [] for k in cands}
+    # device time: each candidate replayed from a CUDA graph of args.reps calls; eager
+    # (host launches, Python) as well, which at these sizes measures the host
+    runs = dict(cands)
+    for k, fn in cands.items():
+        graph, why = graphed(fn, args.reps)
+        if graph is None:
+            print(f"# T={T} {k}: not capturable ({why})")
+        else:
+            runs["g:" + k] = graph.replay
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.rounds):  # interleaved
-        for k, fn in cands.items():
-            times[k].append(_time(fn, args.reps))
+        for k, fn in runs.items():
+            reps = 1 if k.startswith("g:") else args.reps
+            times[k].append(_time(fn, reps) / (args.reps if k.startswith("g:") else 1))
     med = {k: statistics.median(v) for k, v in times.items()}
+    dev = {k: med.get("g:" + k, float("nan")) for k in cands}
     wbytes = hit * 3 * F * D
-    bf16_bps = 2 * wbytes / (med["bf16"] / 1e6)
+    bf16_bps = 2 * wbytes / (dev["bf16"] / 1e6)
     return (
-        f"| {T} | {hit} | {med['unfused']:.1f} | {med['peer']:.1f} | {med['bf16']:.1f} | "
-        f"{med['fp8']:.1f} | {med['bf16'] / med['unfused']:.2f} | "
-        f"{med['bf16'] / med['peer']:.2f} | {bf16_bps / 1e9:.0f} | "
-        f"{bf16_bps / copy_bps:.0%} | {wbytes / med['fp8'] / 1e3:.0f} |"
+        f"| {T} | {hit} | {dev['unfused']:.1f} | {dev['peer']:.1f} | {dev['bf16']:.1f} | "
+        f"{dev['fp8']:.1f} | {dev['bf16'] / dev['unfused']:.2f} | "
+        f"{dev['bf16'] / dev['peer']:.2f} | {bf16_bps / 1e9:.0f} | "
+        f"{bf16_bps / copy_bps:.0%} | {wbytes / dev['fp8'] / 1e3:.0f} | "
+        f"{med['unfused']:.0f} / {med['peer']:.0f} / {med['bf16']:.0f} / {med['fp8']:.0f} |"
     )
 
 
@@ -151,9 +187,10 @@ def main() -> int:
     print(f"# copy bandwidth (256 MiB, read + written): {copy_bps / 1e9:.0f} GB/s")
     print(
         "| T | experts hit | unfused us | grouped_mm peer us | fused bf16 us | fused fp8 us | "
-        "fused/unfused | fused/peer | bf16 GB/s | bf16 / copy | fp8 GB/s |"
+        "fused/unfused | fused/peer | bf16 GB/s | bf16 / copy | fp8 GB/s | "
+        "eager us: unfused / peer / bf16 / fp8 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in (int(t) for t in args.tokens.split(",")):
         row = _bench(T, E, K, (w13, w2), (q13, s13, q2, s2), args, gen, copy_bps)
         if row is None:

@@ -2,8 +2,9 @@
 GPU and write them to ``torch_moe/_triton/moe_decode_configs.json`` under the GPU's name.
 
 For every batch (T = 1, 2, 4 ... --max-tokens tokens, T*K routed rows) each candidate
-config that compiles for sm_90a without register spills is timed on both kernels (CUDA
-events, median of interleaved rounds, bf16 weights, the expert shape given); the fastest
+config that compiles for sm_90a without register spills, and within the shared memory an
+sm_90 block may take, is timed on both kernels (replayed from a CUDA graph, CUDA events,
+median of interleaved rounds, bf16 weights, the expert shape given); the fastest
 wins, and consecutive batches with the same winner merge into one bound of the table.
 
     python benchmarks/tune_moe_decode.py                       # Qwen3-30B-A3B-like experts
@@ -30,7 +31,8 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_moe_decode import _time  # us per call, by CUDA events
+from bench_moe_decode import _time, graphed  # us per call, by CUDA events; CUDA graph
+from triton.runtime.errors import OutOfResources
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
@@ -44,15 +46,19 @@ CANDIDATES = [
 ]
 
 
+# shared memory one sm_90 (H100 / H200) thread block may opt in to: 227 KiB
+SM90_MAX_SHARED = 232448
+
+
 def _spills(c, scale_mode=None):
-    """Register spills of both kernels (w13, w2) for candidate ``c``, compiled for sm_90a."""
+    """Register spills of both kernels (w13, w2) for candidate ``c``, compiled for sm_90a,
+    plus the bytes of shared memory over what an sm_90 block may take."""
     from torch_moe._triton import moe_decode as MD
 
     cfg = MD.DecodeConfig(*c)
-    return [
-        MD.compile_for_sm90(k, 64, scale_mode=scale_mode, config=cfg).n_spills
-        for k in ("w13", "w2")
-    ]
+    kernels = [MD.compile_for_sm90(k, 64, scale_mode=scale_mode, config=cfg) for k in ("w13", "w2")]
+    # more shared memory than an sm_90 block may take fails at launch: count it as a spill
+    return [k.n_spills + max(0, k.shared - SM90_MAX_SHARED) for k in kernels]
 
 
 def spill_free(configs, scale_mode=None, jobs=1):
@@ -87,12 +93,21 @@ def tune_batch(T, w13, w2, K, candidates, rounds, reps):
         perm = ops.permute_indices(ids, E, align=cfg.block_m)
         rw = torch.cat([weights.reshape(-1), weights.new_zeros(1)])[perm.row_to_slot]
         args = (x, w13, w2, perm.row_to_slot, perm.offs, rw, K)
-        runs[c] = (args, cfg)
-        MD.moe_decode(*args, config=cfg)  # compile
-    times: dict[tuple, list[float]] = {c: [] for c in candidates}
+        try:
+            MD.moe_decode(*args, config=cfg)  # compile
+        except OutOfResources as e:  # more shared memory than this GPU has: not a candidate
+            print(f"  {c}: {e}")
+            continue
+        # the kernels' device time: reps calls replayed from one CUDA graph (launched from
+        # Python, decode-sized calls time the host, not the tiles)
+        graph, why = graphed(lambda a=args, g=cfg: MD.moe_decode(*a, config=g), reps)
+        if graph is None:
+            raise RuntimeError(f"tune_moe_decode: moe_decode did not capture: {why}")
+        runs[c] = (graph, args)  # the graph reads args' memory: keep them alive with it
+    times: dict[tuple, list[float]] = {c: [] for c in runs}
     for _ in range(rounds):
-        for c, (args, cfg) in runs.items():
-            times[c].append(_time(lambda a=args, g=cfg: MD.moe_decode(*a, config=g), reps))
+        for c, (graph, _args) in runs.items():
+            times[c].append(_time(graph.replay, 1) / reps)
     med = {c: statistics.median(v) for c, v in times.items()}
     best = min(med, key=med.__getitem__)
     return best, med[best]
