@@ -170,6 +170,14 @@ def gemm_rows(shape: str, device: str, recipes: list[str]) -> list[list[str]]:
         add("w13 wgrad", "bf16 torch._grouped_mm", ref_ms, flops, ref_ms)
         for name in recipes:
             g = RECIPES[name].wgrad
+            qx, qdy, sx, sdy, gfb, block = S.kernel_wgrad_operands(x, dy, offs, g)
+            k_ms = bench_ms(
+                lambda a=(qx, qdy, sx, sdy, offs, gfb, block): TK.scaled_grouped_mm_wgrad(
+                    *a, out_dtype=dt
+                ),
+                device,
+            )
+            add("w13 wgrad", f"{name} kernel", k_ms, flops, ref_ms)
             e_ms = bench_ms(lambda g=g: S._kernel_wgrad(x, dy, offs, g, dt), device)
             add("w13 wgrad", f"{name} e2e", e_ms, flops, ref_ms)
     return rows

@@ -151,6 +151,31 @@ class _QuantizeChecks:
                     dw, S._emulate_wgrad(x, dy, offs, r.wgrad, torch.float32), tol * 10
                 )
 
+    def check_wgrad_outside_groups(self):
+        """The per-group / per-tensor wgrad steps on 16-row boundaries, so its steps read rows
+        of the neighbouring groups and past the last group (never written by the quantizer):
+        e4m3 NaN bytes there change nothing, bit for bit (each operand is zeroed outside
+        the group in registers). Groups start off the 16-row grid, one is empty, one shorter
+        than a step. Triton's interpreter reads a NaN byte as 480 (it catches a kernel that
+        keeps those rows in one operand); on CUDA they are NaN (a kernel that zeroes only
+        one operand gives 0 * NaN = NaN)."""
+        g = torch.Generator().manual_seed(3)
+        offs = make_offs([21, 0, 5, 40], self.device)
+        m = int(offs[-1]) + 11
+        x = torch.randn(m, 48, generator=g).to(self.device)
+        dy = torch.randn(m, 32, generator=g).to(self.device)
+        for name in ("fp8_rowwise", "fp8_tensorwise"):
+            wg = RECIPES[name].wgrad
+            qx, qdy, sx, sdy, gfb, block = S.kernel_wgrad_operands(x, dy, offs, wg)
+            outs = []
+            for fill in (0x00, 0x7F):  # zero, an e4m3 NaN
+                for q in (qx, qdy):
+                    q.view(torch.uint8)[int(offs[-1]) :] = fill
+                outs.append(TK.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, gfb, block))
+            self.assertFalse(outs[1].isnan().any(), msg=name)
+            self.assertEqual(outs[1], outs[0], atol=0, rtol=0, msg=name)
+            self._assert_close(outs[0], S._emulate_wgrad(x, dy, offs, wg, torch.float32), 1e-4)
+
 
 def emulate_torch_scaled_grouped_mm(qa, qb, sa, sb, offs):
     """What ``torch._scaled_grouped_mm`` computes, exactly (float64, test/naive.py's loop):
@@ -306,6 +331,9 @@ class TestTritonQuantizeInterpreted(_QuantizeChecks, TestCase):
         recipes = [name for name in RECIPES if name != "mxfp8_rceil"]
         self.check_gemms([20, 0, 37, 9], 160, 64, tol=2e-5, recipes=recipes)
 
+    def test_wgrad_ignores_rows_outside_groups(self):
+        self.check_wgrad_outside_groups()
+
     def test_tensorwise_given_scale(self):
         # whole-matrix blocks larger than one program: torch amax, then the kernel's one pass
         from unittest import mock
@@ -433,6 +461,10 @@ class TestTritonQuantizeDevice(_QuantizeChecks, TestCase):
     @onlyCUDA
     def test_jagged_cuda(self, device):
         self.check_jagged([0, 500, 0, 129, 1700, 3], 200)
+
+    @onlyCUDA
+    def test_wgrad_ignores_rows_outside_groups_cuda(self, device):
+        self.check_wgrad_outside_groups()
 
     @onlyCUDA
     def test_gemms_match_emulation_cuda(self, device):

@@ -291,13 +291,25 @@ def _scaled_gmm_wgrad_kernel(
                 a_ptrs += SCALE_M * stride_am
                 b_ptrs += SCALE_M * stride_bm
         else:
-            rows0 = start.to(tl.int64) + arange_m
+            # Steps start on a multiple of 16 rows at or before the group's first, and the
+            # loads are masked along M by M alone: the compiler then knows every step's
+            # M-major tile is 16-byte aligned with masks constant over 16 rows, loads it in
+            # vectors and pipelines it (cp.async). Masked by the group's own bounds, it
+            # loaded single bytes, unpipelined (sm_90 PTX: 128 ld.global.b8, no cp.async).
+            first = start // 16 * 16
+            rows0 = first.to(tl.int64) + arange_m
             a_ptrs = a_ptr + ks[:, None] * stride_ak + rows0[None, :] * stride_am
             b_ptrs = b_ptr + rows0[:, None] * stride_bm + ns[None, :] * stride_bn
-            for m0 in tl.range(start, end, BLOCK_M):
-                m_mask = arange_m < end - m0
-                a = tl.load(a_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+            for m0 in tl.range(first, end, BLOCK_M):
+                m = m0 + arange_m
+                in_m = m < M
+                a = tl.load(a_ptrs, mask=k_mask[:, None] & in_m[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=in_m[:, None] & n_mask[None, :], other=0.0)
+                # the rows of the neighbouring groups (or past the last group: never written)
+                # zeroed in registers, in both operands (0 * a NaN byte is NaN)
+                mine = (m >= start) & (m < end)
+                a = tl.where(mine[None, :], a, 0.0)
+                b = tl.where(mine[:, None], b, 0.0)
                 acc = _chain_dot(a, b, acc, DOT_FP32)
                 a_ptrs += BLOCK_M * stride_am
                 b_ptrs += BLOCK_M * stride_bm
@@ -340,8 +352,8 @@ def _wgrad_config(scale_m: int, interpret: bool) -> _Config:
         return _Config(64, 16, 16, 1, 1) if interpret else _Config(64, 128, 128, 8, 3)
     if interpret:
         return _Config(scale_m or 16, 16, 16, num_warps=1, num_stages=1)
-    if scale_m == 0:  # token-order operands, masked along M: a short M step stays spill-free
-        return _Config(32, 128, 128, num_warps=8, num_stages=3)
+    if scale_m == 0:  # token order, rows outside the group zeroed in registers: 64-row
+        return _Config(64, 128, 128, num_warps=8, num_stages=3)  # steps (128 spill)
     return _Config(128, 128, 128, num_warps=8, num_stages=3)
 
 

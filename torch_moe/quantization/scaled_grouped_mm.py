@@ -886,8 +886,18 @@ def _kernel_wgrad(
     x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype
 ) -> Tensor:
     """FP8 wgrad: x_g^T dy_g per group, both quantized M-major in jagged per-group blocks."""
-    from torch_moe._triton import quantize as TQ
     from torch_moe._triton import scaled_grouped_mm as TK
+
+    qx, qdy, sx, sdy, gfb, block = kernel_wgrad_operands(x, dy, offs, g)
+    return TK.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, gfb, block, out_dtype=out_dtype)
+
+
+def kernel_wgrad_operands(
+    x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """The Triton scaled wgrad's arguments: both operands quantized M-major by the Triton
+    kernels, ``(qx, qdy, sx, sdy, group_first_block, block)``."""
+    from torch_moe._triton import quantize as TQ
 
     lhs, rhs = g.lhs, g.rhs
     if lhs is None or rhs is None:
@@ -901,7 +911,7 @@ def _kernel_wgrad(
         if tensorwise
         else TQ.jagged_block_table(offs, x.shape[0], block)[2]
     )
-    return TK.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, gfb, block, out_dtype=out_dtype)
+    return qx, qdy, sx, sdy, gfb, block
 
 
 def _run_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype) -> Tensor:
