@@ -27,6 +27,7 @@ of each FP8 recipe runs early (a cut run still has both), the rest after the bf1
 
     python benchmarks/check_perf_gpu.py --out perf_gpu.md     # CUDA: ~60-90 s on an H200
     python benchmarks/check_perf_gpu.py --only 'E128|fp8'     # a subset (regex on the label)
+    python benchmarks/check_perf_gpu.py --profile 6           # + the top kernels of 6 steps
     python benchmarks/check_perf_gpu.py --device cpu --quick  # smoke test, seconds
 
 On a CPU (a smoke test of the script; ``--quick`` implied: three tiny layers), (a) is
@@ -141,9 +142,10 @@ def cuda_step_peak(moe: MoE, x: torch.Tensor, step: Callable[[], None]) -> float
 
 
 def measure(
-    cfg: Config, seed: int, device: torch.device, reps: int
-) -> tuple[float, float, MoEWorkload]:
-    """(seconds of a forward + backward step, its peak bytes, the workload) of ``cfg``."""
+    cfg: Config, seed: int, device: torch.device, reps: int, profile: bool = False
+) -> tuple[float, float, MoEWorkload, list[tuple[str, float]]]:
+    """(seconds of a forward + backward step, its peak bytes, the workload, its top kernels
+    when ``profile``) of ``cfg``."""
     if cfg.dim < cfg.experts:
         raise ValueError(f"{cfg.name}: the controlled routing needs D >= E")
     moe, x, grad, _ = build(cfg, seed, device)
@@ -157,7 +159,25 @@ def measure(
         dynamic = peak_memory(moe, x, grad)
     peak = resident_bytes(moe, x) + dynamic
     seconds = seconds_per_call(step, device, reps)
-    return seconds, peak, workload_of(cfg, moe, True, None)
+    kernels = profile_step(step, device) if profile else []
+    return seconds, peak, workload_of(cfg, moe, True, None), kernels
+
+
+def profile_step(
+    step: Callable[[], None], device: torch.device, top: int = 12
+) -> list[tuple[str, float]]:
+    """The ``top`` kernels of one step by their own time (seconds), from torch.profiler: CUDA
+    kernels on a GPU, CPU ops on a CPU (a smoke test)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    times = [(e.key, getattr(e, attr, 0.0) / 1e6) for e in prof.key_averages()]
+    return sorted((t for t in times if t[1] > 0), key=lambda t: -t[1])[:top]
 
 
 def free(device: torch.device) -> None:
@@ -209,6 +229,22 @@ def report(
             parts = r["pred"][last].breakdown
             cells = " | ".join(f"{parts.get(c, 0.0) * 1e3:.3f}" for c in comps)
             lines.append(f"| {r['label']} | {cells} |")
+    lines.append(f"\n## Calibrated rates of ({keys[-1]})\n")
+    hw = hws[keys[-1]]
+    lines.append("| kernel | GB/s | x copy bandwidth |")
+    lines.append("|---|---|---|")
+    for name, rate in sorted(hw.kernel_rates.items()):
+        lines.append(f"| {name} | {rate / 1e9:.0f} | {rate / hw.mem_bandwidth:.2f} |")
+    lines.append("\n| GEMM | TFLOP/s |\n|---|---|")
+    lines += [f"| {k} | {v / 1e12:.3g} |" for k, v in sorted(hw.gemm_rate.items())]
+    for r in rows:
+        if r["kernels"]:
+            lines.append(f"\n## Measured kernels of one step: {r['label']} (own time)\n")
+            lines.append("| kernel | ms | share of the step |\n|---|---|---|")
+            lines += [
+                f"| {name[:90]} | {sec * 1e3:.3f} | {sec / r['time']:.1%} |"
+                for name, sec in r["kernels"]
+            ]
     lines.append(
         f"\n## Summary over {len(rows)} configurations (targets: time median |error| <= "
         f"{TIME_TARGET[0]:.0%} and p90 <= {TIME_TARGET[1]:.0%}; memory every configuration "
@@ -258,6 +294,12 @@ def main() -> int:
     p.add_argument("--only", help="only the configurations whose label or name matches (regex)")
     p.add_argument("--reps", type=int, default=20, help="timed steps per configuration (least)")
     p.add_argument("--preset", default="h200", help="the hardware preset of (a)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="profile one step of the first N configurations: their top kernels' own time",
+    )
     p.add_argument(
         "--budget-s",
         type=float,
@@ -338,7 +380,9 @@ def main() -> int:
             continue
         t0 = time.perf_counter()
         try:
-            seconds, peak, w = measure(cfg, i, device, args.reps)
+            seconds, peak, w, kernels = measure(
+                cfg, i, device, args.reps, profile=len(rows) < args.profile
+            )
             preds: dict[str, Prediction] = {k: predict(w, hw) for k, hw in hws.items()}
         except Exception as e:  # one failing configuration does not end the sweep
             failed.append(f"{label}: failed: {type(e).__name__}: {e}")
@@ -356,6 +400,7 @@ def main() -> int:
                 pred=preds,
                 err={k: err(pr.time, seconds) for k, pr in preds.items()},
                 mem_err={k: err(pr.memory["peak"], peak) for k, pr in preds.items()},
+                kernels=kernels,
             )
         )
         errs = " ".join(f"({k}) {v:+.1%}" for k, v in rows[-1]["err"].items())
