@@ -369,7 +369,9 @@ def _scaled_grouped_mm_cuda(
     _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
     check_offs_values("scaled_grouped_mm", offs, a.shape[0])
     (M, k), (E, _, n) = a.shape, b.shape
-    capability = torch.cuda.get_device_capability(a.device)
+    # (CPU tensors: the Triton kernel in the interpreter, as the tests run it)
+    cuda = a.device.type == "cuda"
+    capability = torch.cuda.get_device_capability(a.device) if cuda else None
     has_torch = hasattr(torch, "_scaled_grouped_mm")
     if (
         scaled_op_kernel(scale_a.dtype, block_k, block_n, k, n, out_dtype, capability, has_torch)
