@@ -256,6 +256,77 @@ class TestPermute(TestCase):
             ops.unpermute(torch.randn(8, 3), torch.rand(4, 3), perm)
 
 
+class TestPermutePlan(TestCase):
+    """The CUDA kernel of permute_indices for decode-sized batches (one Triton program, run
+    here in Triton's interpreter on CPU tensors) equals the ATen reference bit for bit."""
+
+    def _check(self, ids, num_experts, align):
+        from torch_moe._ops.permute import _permute_indices_cuda, permute_indices_reference
+        from torch_moe._triton import permute as TP
+
+        want = permute_indices_reference(ids, num_experts, align)
+        with mock.patch.object(TP, "permute_plan", wraps=TP.permute_plan) as plan:
+            got = _permute_indices_cuda(ids, num_experts, align)
+        plan.assert_called_once()  # the CUDA kernel took the one-program path
+        for name, g, w in zip(("row_to_slot", "slot_to_row", "offs", "num_dropped"), got, want):
+            self.assertEqual(g.dtype, w.dtype, msg=name)
+            self.assertEqual(g, w, atol=0, rtol=0, msg=(name, tuple(ids.shape), num_experts, align))
+
+    def test_matches_reference(self):
+        # single token (decode), K == E, skew onto one expert, empty experts, E past one
+        # counting chunk (33, 100), T*K past one ranking chunk and not a power of two, int32
+        for (T, E, K, skew), align in (
+            ((1, 128, 8, "uniform"), 16),
+            ((1, 1, 1, "uniform"), 1),
+            ((3, 4, 4, "uniform"), 1),
+            ((17, 6, 3, "one_expert"), 16),
+            ((31, 33, 2, "empty_experts"), 4),
+            ((40, 100, 1, "one_expert"), 64),
+            ((9, 8, 2, "uniform"), 3),  # align not a power of two
+        ):
+            ids = _ids(T, E, K, skew, seed=T)
+            self._check(ids.int() if T == 3 else ids, E, align)
+        # every assignment to one expert (the ranking's longest run)
+        self._check(torch.zeros(48, 1, dtype=torch.long), 5, 16)
+
+    def test_range_and_limits(self):
+        from torch_moe._ops.permute import _permute_indices_cuda, permute_indices_reference
+        from torch_moe._triton import permute as TP
+
+        ids = _ids(4, 4, 2)
+        with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=3\)"):
+            TP.permute_plan(ids, 3, 16)
+        with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=4\)"):
+            TP.permute_plan(ids - 1, 4, 1)
+        with self.assertRaisesRegex(ValueError, r"takes 1 to 1024 assignments, got T\*K = 1025"):
+            TP.permute_plan(torch.zeros(1025, 1, dtype=torch.long), 2, 1)
+        with self.assertRaisesRegex(ValueError, r"takes 1 to 1024 assignments, got T\*K = 0"):
+            TP.permute_plan(torch.zeros(0, 2, dtype=torch.long), 2, 1)
+        self.assertTrue(TP.plan_takes(1024, None))
+        self.assertFalse(TP.plan_takes(1025, None))
+        self.assertFalse(TP.plan_takes(0, None))
+        self.assertFalse(TP.plan_takes(8, 4))  # capacity: the reference
+        # the CUDA kernel hands the rest to the reference (mocked: the reference's own run)
+        with mock.patch.object(TP, "permute_plan", side_effect=AssertionError("no plan")):
+            for ids, cap in (
+                (torch.zeros(0, 2, dtype=torch.long), None),
+                (_ids(600, 8, 2), None),
+                (_ids(5, 4, 2), 1),
+            ):
+                got = _permute_indices_cuda(ids, 8 if ids.shape[0] == 600 else 4, 16, cap)
+                want = permute_indices_reference(ids, 8 if ids.shape[0] == 600 else 4, 16, cap)
+                for g, w in zip(got, want):
+                    self.assertEqual(g, w, atol=0, rtol=0)
+
+    def test_static_sm90(self):
+        """Compiles for sm_90a without spills at every launch shape (no GPU needed)."""
+        from torch_moe._triton import permute as TP
+
+        for n in (8, 256, 1024):
+            k = TP.compile_for_sm90(n)
+            self.assertEqual(k.n_spills, 0, msg=f"{n} assignments: {k.ptxas_log}")
+
+
 class TestPermuteChecks(TestCase):
     def test_reference_checks_y_and_weights(self):
         from torch_moe._ops import permute as m

@@ -149,6 +149,20 @@ def permute_indices(
     return permute_indices_reference(expert_ids, num_experts, align, capacity)
 
 
+@permute_indices.register_kernel("cuda")
+def _permute_indices_cuda(
+    expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Decode-sized dropless batches in one Triton program (the ATen reference is some twenty
+    kernels: torch_moe._triton.permute); the rest by the reference."""
+    from torch_moe._triton import permute as TP
+
+    _check_index_inputs(expert_ids, num_experts, align, capacity)
+    if TP.plan_takes(expert_ids.numel(), capacity):
+        return TP.permute_plan(expert_ids, num_experts, align)
+    return permute_indices_reference(expert_ids, num_experts, align, capacity)
+
+
 @permute_indices.register_kernel("cpu")
 def _permute_indices_cpu(
     expert_ids: Tensor, num_experts: int, align: int = 1, capacity: int | None = None

@@ -1,0 +1,167 @@
+"""Triton kernel of ``torch_moe::permute_indices`` for decode-sized batches on CUDA.
+
+``permute_indices`` (dropless) sorts the T*K assignments by expert and pads every group to
+a multiple of ``align`` rows. Written in ATen ops it is some twenty small kernels (a range
+check, a radix sort, a histogram, cumsums, gathers and scatters), which at decode sizes
+cost more than the expert GEMMs themselves: on an H200 at T=1, K=8, E=128 the permutation
+and the fused experts took 118 us in a CUDA graph, the fused experts alone 50 us. Here one
+program does it all for up to :data:`PLAN_MAX_ROWS` assignments:
+
+1. every row of ``row_to_slot`` set to -1 (padding);
+2. per chunk of experts, the assignments' counts (a compare-and-sum over the slots), padded
+   to ``align``, and their running sum: the group ends ``offs`` and starts;
+3. per slot, its rank among the earlier slots of its expert (compare-and-sum over chunks
+   of slots: a stable sort), so its row is its group's start + its rank; then
+   ``slot_to_row[slot] = row`` and ``row_to_slot[row] = slot``.
+
+The outputs equal :func:`torch_moe._ops.permute.permute_indices_reference` bit for bit
+(tested in Triton's interpreter). A range error in ``expert_ids`` is reported the
+reference's way, by ``torch._assert_async`` on a flag the kernel writes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_moe._triton.grouped_mm import _interpreted, _use_interpreter
+
+__all__ = ["PLAN_MAX_ROWS", "compile_for_sm90", "permute_plan", "plan_takes"]
+
+# The most assignments (T*K) one program sorts: the fused decode kernels' bound
+# (torch_moe._ops.fused_experts.DECODE_MAX_ROWS). Its compare-and-sum work grows as
+# T*K * (T*K + E), about a million compares here: a few microseconds on one SM.
+PLAN_MAX_ROWS = 1024
+_FILL_CHUNK = 1024  # rows per -1 fill step
+
+
+def _launch(n: int) -> tuple[int, int, int]:
+    """(NB, chunk, num_warps) for n assignments: NB x chunk compares per counting / ranking
+    step, at most 8192, at most 64 per thread (sm_90: 1024 assignments in 4 warps with
+    32-wide chunks spilled 6 KB; 8-wide chunks in 8 warps spill nothing)."""
+    nb = max(16, triton.next_power_of_2(n))
+    warps = 4 if nb <= 256 else 8
+    return nb, max(4, min(32, 8192 // nb)), warps
+
+
+# NB: builtins only (tl.reduce, tl.associative_scan with the standard combine function, no
+# tl.sum / tl.cumsum / tl.zeros, which are @triton.jit helpers): the launcher runs the
+# kernel in the interpreter for CPU tensors whatever TRITON_INTERPRET said at import (see
+# torch_moe/_triton/grouped_mm.py).
+_add = tl.standard._sum_combine
+
+
+@triton.jit
+def _permute_plan_kernel(
+    ids_ptr,  # *i32 or *i64 [N]: the flattened expert_ids
+    r2s_ptr,  # *i64 [M]: row -> slot (-1: padding)
+    s2r_ptr,  # *i64 [N]: slot -> row
+    offs_ptr,  # *i32 [E]: group ends
+    starts_ptr,  # *i32 [E]: group starts (scratch)
+    ok_ptr,  # *i32 [1]: 1 when every id lies in [0, E)
+    dropped_ptr,  # *i64 []: 0 (dropless)
+    N,
+    E,
+    M,
+    ALIGN: tl.constexpr,
+    NB: tl.constexpr,  # a power of two >= N
+    EC: tl.constexpr,
+    JC: tl.constexpr,
+    MC: tl.constexpr,
+):
+    i = tl.arange(0, NB)
+    valid = i < N
+    e = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    in_range = valid & (e >= 0) & (e < E)
+    bad = tl.reduce((valid & ~in_range).to(tl.int32), 0, _add)
+    tl.store(ok_ptr, (bad == 0).to(tl.int32))
+    tl.store(dropped_ptr, tl.full((), 0, tl.int64))
+    e = tl.where(in_range, e, -1)  # an out-of-range id matches no expert
+    for m0 in range(0, M, MC):
+        rows = m0 + tl.arange(0, MC)
+        tl.store(r2s_ptr + rows, tl.full((MC,), -1, tl.int64), mask=rows < M)
+    end = tl.full((), 0, tl.int32)
+    for e0 in range(0, E, EC):
+        ex = e0 + tl.arange(0, EC)
+        count = tl.reduce((e[:, None] == ex[None, :]).to(tl.int32), 0, _add)
+        padded = (count + ALIGN - 1) // ALIGN * ALIGN
+        ends = end + tl.associative_scan(padded, 0, _add)
+        tl.store(offs_ptr + ex, ends, mask=ex < E)
+        tl.store(starts_ptr + ex, ends - padded, mask=ex < E)
+        end += tl.reduce(padded, 0, _add)
+    tl.debug_barrier()  # the starts (and the -1 rows) before any thread reads them
+    rank = tl.full((NB,), 0, dtype=tl.int32)
+    for j0 in range(0, N, JC):
+        j = j0 + tl.arange(0, JC)
+        ej = tl.load(ids_ptr + j, mask=j < N, other=-1).to(tl.int32)
+        earlier = (ej[None, :] == e[:, None]) & (j[None, :] < i[:, None])
+        rank += tl.reduce(earlier.to(tl.int32), 1, _add)
+    row = tl.load(starts_ptr + e, mask=in_range, other=0) + rank
+    tl.store(s2r_ptr + i, row.to(tl.int64), mask=in_range)
+    tl.store(r2s_ptr + row, i.to(tl.int64), mask=in_range)
+
+
+def plan_takes(num_assignments: int, capacity: int | None) -> bool:
+    """Whether :func:`permute_plan` runs ``permute_indices`` on CUDA: dropless, and
+    1 to :data:`PLAN_MAX_ROWS` assignments (T*K)."""
+    return capacity is None and 0 < num_assignments <= PLAN_MAX_ROWS
+
+
+def permute_plan(
+    expert_ids: torch.Tensor, num_experts: int, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``permute_indices(expert_ids, num_experts, align)`` (dropless) in one program:
+    ``(row_to_slot [M], slot_to_row [T, K], offs [E] int32, num_dropped)``, M = T*K +
+    E*(align - 1). CPU tensors run in Triton's interpreter (the tests)."""
+    T, K = expert_ids.shape
+    n = T * K
+    if not plan_takes(n, None):
+        raise ValueError(
+            f"permute_plan: takes 1 to {PLAN_MAX_ROWS} assignments, got T*K = {n} "
+            "(permute_indices runs the ATen reference there)"
+        )
+    if num_experts < 1 or align < 1:
+        raise ValueError(
+            f"permute_plan: num_experts and align must be >= 1, got {num_experts}, {align}"
+        )
+    dev = expert_ids.device
+    m = n + num_experts * (align - 1)
+    ids = expert_ids.reshape(-1).contiguous()
+    row_to_slot = torch.empty(m, dtype=torch.int64, device=dev)
+    slot_to_row = torch.empty(n, dtype=torch.int64, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    ok = torch.empty(1, dtype=torch.int32, device=dev)
+    dropped = torch.empty((), dtype=torch.int64, device=dev)
+    kernel = _interpreted(_permute_plan_kernel) if _use_interpreter(ids) else _permute_plan_kernel
+    nb, chunk, warps = _launch(n)
+    kernel[(1,)](
+        ids, row_to_slot, slot_to_row, offs, starts, ok, dropped, n, num_experts, m,
+        ALIGN=align, NB=nb, EC=chunk, JC=chunk, MC=_FILL_CHUNK, num_warps=warps,
+    )  # fmt: skip
+    torch._assert_async(
+        ok, f"permute_indices: expert_ids must lie in [0, num_experts={num_experts})"
+    )
+    return row_to_slot, slot_to_row.view(T, K), offs, dropped
+
+
+def compile_for_sm90(
+    num_assignments: int = PLAN_MAX_ROWS, num_experts: int = 256, align: int = 64
+) -> Any:
+    """AOT-compile the kernel for sm_90a at ``num_assignments`` (no GPU needed); returns
+    :class:`torch_moe._triton.grouped_mm.Sm90Kernel` (PTX, registers, spills)."""
+    from torch_moe._triton.grouped_mm import _Config, compile_jit_for_sm90
+
+    meta = functools.partial(torch.empty, device="meta")
+    n, m = num_assignments, num_assignments + num_experts * (align - 1)
+    i64, i32 = torch.int64, torch.int32
+    args = [meta(n, dtype=i64), meta(m, dtype=i64), meta(n, dtype=i64), meta(num_experts, dtype=i32),
+            meta(num_experts, dtype=i32), meta(1, dtype=i32), meta((), dtype=i64), n, num_experts, m]  # fmt: skip
+    nb, chunk, warps = _launch(n)
+    params = dict(ALIGN=align, NB=nb, EC=chunk, JC=chunk, MC=_FILL_CHUNK)
+    cfg = _Config(0, 0, 0, warps, 1)
+    return compile_jit_for_sm90("permute_plan", _permute_plan_kernel, args, params, cfg)
