@@ -1,6 +1,7 @@
 # Owner(s): ["module: moe"]
 """Tests for permute_indices / permute / unpermute against naive per-token loops."""
 
+import unittest
 from unittest import mock
 
 import naive
@@ -317,6 +318,32 @@ class TestPermutePlan(TestCase):
                 want = permute_indices_reference(ids, 8 if ids.shape[0] == 600 else 4, 16, cap)
                 for g, w in zip(got, want):
                     self.assertEqual(g, w, atol=0, rtol=0)
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs a CUDA GPU")
+    def test_plan_cuda(self):
+        """On the GPU (compiled kernel): the reference's integers, and in a CUDA graph (the
+        decode path captures it) the replay follows new ids in the same buffers."""
+        cases = [((1, 128, 8), 16), ((64, 128, 8), 16), ((128, 256, 8), 64), ((5, 3, 3), 1)]
+        for (T, E, K), align in cases:
+            ids = _ids(T, E, K, seed=T)
+            got = ops.permute_indices(ids.cuda(), E, align=align)
+            want = ops.permute_indices(ids, E, align=align)
+            for g, w in zip(
+                (got.row_to_slot, got.slot_to_row, got.offs),
+                (want.row_to_slot, want.slot_to_row, want.offs),
+            ):
+                self.assertEqual(g.cpu(), w, atol=0, rtol=0, msg=(T, E, K, align))
+        ids = _ids(16, 128, 8, seed=1).cuda()
+        static = ids.clone()
+        torch.ops.torch_moe.permute_indices(static, 128, 16, None)  # compile off the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch.ops.torch_moe.permute_indices(static, 128, 16, None)
+        static.copy_(ids.flip(0))
+        graph.replay()
+        want = ops.permute_indices(ids.flip(0).cpu(), 128, align=16)
+        self.assertEqual(out[0].cpu(), want.row_to_slot, atol=0, rtol=0)
+        self.assertEqual(out[2].cpu(), want.offs, atol=0, rtol=0)
 
     def test_static_sm90(self):
         """Compiles for sm_90a without spills at every launch shape (no GPU needed)."""
