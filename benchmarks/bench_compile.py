@@ -26,6 +26,7 @@ import sys
 
 import torch
 from bench_ops import DTYPES, gemm_rate, interleaved
+from check_perf_gpu import profile_step
 from torch.profiler import ProfilerActivity, profile
 
 import torch_moe._inductor as TI
@@ -121,6 +122,11 @@ def main() -> None:
         action="store_true",
         help="keep grouped_swiglu an op (torch_moe._inductor.config.inline_swiglu = False)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the table: the top kernels (own time) of one eager and one +passes step",
+    )
     args = p.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -150,6 +156,7 @@ def main() -> None:
     print(header)
     print("|---" * (header.count("|") - 1) + "|", flush=True)
     mib = 2.0**20
+    profiles: list[tuple[str, list[tuple[str, float]]]] = []
     for shape in args.shapes.split(","):
         f, e, k = DSV3 if shape == "dsv3" else SHAPES[int(shape)]
         for precision in args.precisions.split(","):
@@ -189,6 +196,16 @@ def main() -> None:
                 f"{peaks['compiled'] - peaks['passes']:.0f} |",
                 flush=True,
             )
+            if args.profile:
+                for name in ("eager", "passes"):
+                    top = profile_step(fns[name], torch.device(DEVICE))
+                    profiles.append(
+                        (f"{f}, {e}, {k} {precision} {name}: {times[name] * 1e3:.2f} ms", top)
+                    )
+    for title, top in profiles:
+        print(f"\n{title}, top kernels (own time)\n\n| kernel | ms |\n|---|---|")
+        for kernel, sec in top:
+            print(f"| {kernel[:90]} | {sec * 1e3:.3f} |")
 
 
 if __name__ == "__main__":
