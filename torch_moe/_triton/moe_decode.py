@@ -13,10 +13,13 @@ Two kernels, one per projection, the layout of vLLM's fused MoE:
   permuted [M, D] input is never written;
 * the first GEMM computes the gate and the up tile of the same columns together and applies
   SwiGLU and the routing weight in its epilogue, writing only a [M, F];
-* each row block belongs to one expert (``permute_indices(align=BLOCK_M)``), given by a
-  block table computed on the device from the group ends: no host sync, and every shape
-  depends only on T (the kernels can be captured in a CUDA graph). Blocks past the last
-  expert's rows exit early.
+* each row block belongs to one expert (``permute_indices(align=BLOCK_M)``), which each
+  program finds itself from the group ends (the number of ends at or before its first
+  row: :func:`block_experts` is that lookup in ATen ops, the tests' reference): no host
+  sync, no table kernels, and every shape depends only on T (the kernels can be captured
+  in a CUDA graph). Blocks past the last expert's rows exit early. The first program of
+  the first kernel also checks that every group ends on a multiple of BLOCK_M (a flag the
+  launcher asserts on, ``torch._assert_async``).
 
 The K rows of a token are then summed in fp32 in a fixed order by ``torch_moe::unpermute``
 (deterministic). FP8 weights (inference): ``w13`` / ``w2`` in e4m3 with fp32 scales per
@@ -133,18 +136,32 @@ def _load_w(w_ptr, e, ns, ks, n_mask, k_mask, stride_we, stride_wn, stride_wk, s
 
 
 @triton.jit
+def _block_expert(offs_ptr, E, row0, E_BLOCK: tl.constexpr):
+    """(expert whose group holds row ``row0`` or -1 past the last group, the group ends
+    [E_BLOCK] with 0 past E): the count of group ends at or before row0."""
+    g = tl.arange(0, E_BLOCK)
+    ends = tl.load(offs_ptr + g, mask=g < E, other=0)
+    count = tl.reduce(((ends <= row0) & (g < E)).to(tl.int32), 0, tl.standard._sum_combine)
+    return tl.where(count < E, count, -1), ends
+
+
+@triton.jit
 def _w13_kernel(
-    x_ptr, w_ptr, s_ptr, a_ptr, rw_ptr, r2s_ptr, block_expert_ptr,
-    M, D, F, TOP_K,
+    x_ptr, w_ptr, s_ptr, a_ptr, rw_ptr, r2s_ptr, offs_ptr, ok_ptr,
+    M, D, F, TOP_K, E,
     stride_xm, stride_xd, stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk, stride_am, stride_af,
     SCALE_MODE: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    E_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """a[rows of block m, columns of block n] = silu(gate) * up * rw (module docstring)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
+    e, ends = _block_expert(offs_ptr, E, pid_m * BLOCK_M, E_BLOCK)
+    if (pid_m == 0) & (pid_n == 0):  # every group a whole number of blocks
+        bad = tl.reduce((ends % BLOCK_M != 0).to(tl.int32), 0, tl.standard._sum_combine)
+        tl.store(ok_ptr, (bad == 0).to(tl.int32))
     if e < 0:  # a block past the last expert's rows
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -183,12 +200,13 @@ def _w13_kernel(
 
 @triton.jit
 def _w2_kernel(
-    a_ptr, w_ptr, s_ptr, y_ptr, block_expert_ptr,
-    M, F, D,
+    a_ptr, w_ptr, s_ptr, y_ptr, offs_ptr,
+    M, F, D, E,
     stride_am, stride_af, stride_we, stride_wn, stride_wk,
     stride_se, stride_sn, stride_sk, stride_ym, stride_yd,
     SCALE_MODE: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    E_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """y[rows of block m, columns of block n] = a[rows] @ w2[e]^T."""
     pid_m = tl.program_id(0)
@@ -198,7 +216,7 @@ def _w2_kernel(
     n_mask = ns < D
     out_ptrs = y_ptr + rows[:, None] * stride_ym + ns[None, :] * stride_yd
     out_mask = (rows < M)[:, None] & n_mask[None, :]
-    e = tl.load(block_expert_ptr + pid_m)
+    e, _ends = _block_expert(offs_ptr, E, pid_m * BLOCK_M, E_BLOCK)
     if e < 0:  # no expert's rows: zeros, as the unfused path leaves them
         tl.store(
             out_ptrs, tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=y_ptr.dtype.element_ty), mask=out_mask
@@ -222,8 +240,9 @@ def _w2_kernel(
 
 
 def block_experts(offs: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """Expert of every BLOCK_M-row block of the padded expert-sorted rows (-1: none), on the
-    device from the group ends ``offs`` (each group a multiple of block_m rows)."""
+    """Expert of every BLOCK_M-row block of the padded expert-sorted rows (-1: none) from the
+    group ends ``offs`` (each group a multiple of block_m rows): the lookup each program of
+    the kernels makes for itself (``_block_expert``), in ATen ops (the tests' reference)."""
     starts = torch.arange(0, num_rows, block_m, device=offs.device)
     expert = torch.searchsorted(offs.to(torch.int64), starts, right=True)
     return torch.where(expert < offs.shape[0], expert, -1).to(torch.int32)
@@ -307,15 +326,11 @@ def moe_decode(
     _check(x, w13, w2, row_to_slot, offs, row_weights, top_k, w13_scale, w2_scale, scale_mode)
     interpret = _use_interpreter(x)
     cfg = config or config_for(x.shape[0] * top_k, interpret)
-    torch._assert_async(
-        (offs % cfg.block_m == 0).all(),
-        f"moe_decode: every group must end on a multiple of BLOCK_M={cfg.block_m} "
-        f"(permute_indices(align=config_for(T*K).block_m))",
-    )
     M = row_to_slot.shape[0]
     D = x.shape[1]
+    E = w13.shape[0]
     F = w13.shape[1] // 2
-    table = block_experts(offs, M, cfg.block_m)
+    ok = torch.empty(1, dtype=torch.int32, device=x.device)  # the groups' alignment
     compute = torch.float32 if interpret else x.dtype
     a = torch.empty((M, F), dtype=compute, device=x.device)
     y = torch.empty((M, D), dtype=compute, device=x.device)
@@ -327,23 +342,31 @@ def moe_decode(
     k13 = _interpreted(_w13_kernel) if interpret else _w13_kernel
     k2 = _interpreted(_w2_kernel) if interpret else _w2_kernel
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    e_block = triton.next_power_of_2(E)
     if M == 0:
         return y.to(x.dtype)
     k13[(grid_m, triton.cdiv(F, cfg.block_n))](
-        x, w13, s13, a, row_weights, row_to_slot, table,
-        M, D, F, top_k,
+        x, w13, s13, a, row_weights, row_to_slot, offs, ok,
+        M, D, F, top_k, E,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         se13, sn13, sk13, a.stride(0), a.stride(1),
         SCALE_MODE=mode, DOT_FP32=interpret, INPUT_PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_BLOCK=e_block,
+        **launch,
     )  # fmt: skip
+    torch._assert_async(
+        ok,
+        f"moe_decode: every group must end on a multiple of BLOCK_M={cfg.block_m} "
+        f"(permute_indices(align=config_for(T*K).block_m))",
+    )
     k2[(grid_m, triton.cdiv(D, cfg.block_n))](
-        a, w2, s2, y, table,
-        M, F, D,
+        a, w2, s2, y, offs,
+        M, F, D, E,
         a.stride(0), a.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         se2, sn2, sk2, y.stride(0), y.stride(1),
         SCALE_MODE=mode, DOT_FP32=interpret, INPUT_PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_BLOCK=e_block,
+        **launch,
     )  # fmt: skip
     return y.to(x.dtype)
 
@@ -365,19 +388,20 @@ def compile_for_sm90(
     mode = _SCALE_MODES[scale_mode]
     s13 = meta(E, 2 * F, 1) if scale_mode == "rowwise" else meta(E, 2 * F // 128, D // 128)
     s2 = meta(E, D, 1) if scale_mode == "rowwise" else meta(E, D // 128, F // 128)
-    table = meta(M // cfg.block_m, dtype=torch.int32)
+    offs = meta(E, dtype=torch.int32)
     common = dict(SCALE_MODE=mode, DOT_FP32=False, INPUT_PRECISION=_input_precision(dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k)  # fmt: skip
+                  BLOCK_K=cfg.block_k, E_BLOCK=triton.next_power_of_2(E))  # fmt: skip
     if kernel == "w13":
         x, w, a = meta(T, D, dtype=dtype), meta(E, 2 * F, D, dtype=wdt), meta(M, F, dtype=dtype)
         s = s13 if scale_mode else meta(1, dtype=torch.float32)
-        args = [x, w, s, a, meta(M), meta(M, dtype=torch.int64), table, M, D, F, 8,
-                D, 1, 2 * F * D, D, 1, *(s.stride() if scale_mode else (0, 0, 0)), F, 1]  # fmt: skip
+        args = [x, w, s, a, meta(M), meta(M, dtype=torch.int64), offs, meta(1, dtype=torch.int32),
+                M, D, F, 8, E, D, 1, 2 * F * D, D, 1, *(s.stride() if scale_mode else (0, 0, 0)),
+                F, 1]  # fmt: skip
         fn = _w13_kernel
     elif kernel == "w2":
         a, w, y = meta(M, F, dtype=dtype), meta(E, D, F, dtype=wdt), meta(M, D, dtype=dtype)
         s = s2 if scale_mode else meta(1, dtype=torch.float32)
-        args = [a, w, s, y, table, M, F, D, F, 1, D * F, F, 1,
+        args = [a, w, s, y, offs, M, F, D, E, F, 1, D * F, F, 1,
                 *(s.stride() if scale_mode else (0, 0, 0)), D, 1]  # fmt: skip
         fn = _w2_kernel
     else:
