@@ -37,6 +37,7 @@ from triton.runtime.errors import OutOfResources
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
+from torch_moe._triton.grouped_mm import SM90_MAX_SHARED
 
 CANDIDATES = [
     (bm, bn, bk, warps, stages)
@@ -45,10 +46,6 @@ CANDIDATES = [
     )
     if not (bm == 16 and warps == 8)  # 16-row tiles: mma.sync, 4 warps fill them
 ]
-
-
-# shared memory one sm_90 (H100 / H200) thread block may opt in to: 227 KiB
-SM90_MAX_SHARED = 232448
 
 
 def _spills(c, scale_mode=None):

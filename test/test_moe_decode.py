@@ -28,7 +28,7 @@ from torch.testing._internal.common_utils import (
 
 from torch_moe import ops
 from torch_moe._triton import moe_decode as MD
-from torch_moe._triton.grouped_mm import _ptxas_path
+from torch_moe._triton.grouped_mm import SM90_MAX_SHARED, _ptxas_path
 from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
 
@@ -280,6 +280,7 @@ class TestMoEDecodeSm90(TestCase):
             k = MD.compile_for_sm90(kernel, 64, scale_mode=scale_mode, config=cfg)
             ptx = k.compiled.asm["ptx"]
             self.assertEqual(k.n_spills, 0, msg=f"{cfg}: {k.ptxas_log}")
+            self.assertLessEqual(k.shared, SM90_MAX_SHARED, msg=str(cfg))  # or no launch
             if cfg.block_m >= 64:
                 self.assertIn("wgmma.mma_async", ptx, msg=str(cfg))
             else:

@@ -572,6 +572,11 @@ def grouped_mm_wgrad(
 # --------------------------------------------------------------------------------------
 
 
+# shared memory one sm_90 (H100 / H200) thread block may opt in to: 227 KiB; a kernel
+# compiled for more fails at launch (Triton's OutOfResources)
+SM90_MAX_SHARED = 232448
+
+
 @dataclasses.dataclass
 class Sm90Kernel:
     """A kernel compiled for sm_90a, with ptxas's resource report."""
