@@ -350,8 +350,88 @@ class TestPermutePlan(TestCase):
         from torch_moe._triton import permute as TP
 
         for n in (8, 256, 1024):
-            k = TP.compile_for_sm90(n)
+            k = TP.compile_for_sm90("plan", n)
             self.assertEqual(k.n_spills, 0, msg=f"{n} assignments: {k.ptxas_log}")
+        for kernel in ("permute", "unpermute"):
+            k = TP.compile_for_sm90(kernel)
+            self.assertEqual(k.n_spills, 0, msg=f"{kernel}: {k.ptxas_log}")
+            self.assertIn("ld.global.v", k.asm["ptx"])  # rows read in vectors
+
+
+class TestPermuteRowKernels(TestCase):
+    """The CUDA kernels of permute / unpermute (one Triton kernel each, here in Triton's
+    interpreter on CPU tensors) equal the references bit for bit: padding rows, dropped
+    slots (with NaN weights, which the reference masks), D past one block, T = 0."""
+
+    def _cases(self):
+        g = torch.Generator().manual_seed(7)
+        for (T, E, K, skew), align, cap, D in (
+            ((13, 4, 2, "uniform"), 1, None, 40),
+            ((9, 8, 3, "one_expert"), 16, None, 130),
+            ((20, 4, 2, "one_expert"), 1, 3, 17),
+            ((0, 4, 2, "uniform"), 4, None, 8),
+        ):
+            perm = ops.permute_indices(_ids(T, E, K, skew, seed=T), E, align=align, capacity=cap)
+            w = torch.rand(T, K, generator=g)
+            w[perm.slot_to_row < 0] = float("nan")  # dropped: masked, never multiplied
+            yield perm, D, w, g
+
+    def test_match_references(self):
+        from torch_moe._ops.permute import (
+            _permute_cuda,
+            _unpermute_cuda,
+            permute_rows_reference,
+            unpermute_rows_reference,
+        )
+        from torch_moe._triton import permute as TP
+
+        checked = 0
+        for perm, D, w, g in self._cases():
+            T = perm.slot_to_row.shape[0]
+            r2s, s2r = perm.row_to_slot, perm.slot_to_row
+            for dt in (torch.bfloat16, torch.float16, torch.float32):
+                x = torch.randn(T, D, generator=g).to(dt)
+                y = torch.randn(r2s.shape[0], D, generator=g).to(dt)
+                for weights in (None, w, w.to(dt)):
+                    with mock.patch.object(TP, "unpermute_rows", wraps=TP.unpermute_rows) as spy:
+                        got = _unpermute_cuda(y, s2r, r2s, weights)
+                    spy.assert_called_once()
+                    want = unpermute_rows_reference(y, s2r, r2s, weights)
+                    self.assertEqual(got, want, atol=0, rtol=0, exact_dtype=True)
+                    got = _permute_cuda(x, r2s, s2r, weights)
+                    want = permute_rows_reference(x, r2s, s2r, weights)
+                    self.assertEqual(got, want, atol=0, rtol=0, exact_dtype=True)
+                    checked += 1
+        self.assertEqual(checked, 36)
+        # what the kernels do not take goes to the references: fp64, rows not unit-stride
+        perm, D, w, g = next(iter(self._cases()))
+        y = torch.randn(perm.row_to_slot.shape[0], 2 * D, generator=g)[:, ::2]
+        self.assertFalse(TP.rows_take(y, None))
+        self.assertFalse(TP.rows_take(y.double().contiguous(), None))
+        self.assertFalse(TP.rows_take(y.contiguous(), w.double()))
+        with mock.patch.object(TP, "unpermute_rows", side_effect=AssertionError("kernel")):
+            got = _unpermute_cuda(y, perm.slot_to_row, perm.row_to_slot, w)
+        self.assertEqual(
+            got, unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, w), atol=0, rtol=0
+        )
+
+    @unittest.skipIf(not torch.cuda.is_available(), "needs a CUDA GPU")
+    def test_rows_cuda(self):
+        """On the GPU the ops (and so their autograd formulas) run the kernels: the CPU
+        references' values bit for bit (bf16 rounds to nearest on both)."""
+        for perm, D, w, g in self._cases():
+            T = perm.slot_to_row.shape[0]
+            dev = [t.cuda() for t in (perm.row_to_slot, perm.slot_to_row)]
+            x = torch.randn(T, D, generator=g).bfloat16()
+            y = torch.randn(perm.row_to_slot.shape[0], D, generator=g).bfloat16()
+            for weights in (None, w):
+                wd = None if weights is None else weights.cuda()
+                got = torch.ops.torch_moe.unpermute(y.cuda(), dev[1], dev[0], wd)
+                want = torch.ops.torch_moe.unpermute(y, perm.slot_to_row, perm.row_to_slot, weights)
+                self.assertEqual(got.cpu(), want, atol=0, rtol=0)
+                got = torch.ops.torch_moe.permute(x.cuda(), dev[0], dev[1], wd)
+                want = torch.ops.torch_moe.permute(x, perm.row_to_slot, perm.slot_to_row, weights)
+                self.assertEqual(got.cpu(), want, atol=0, rtol=0)
 
 
 class TestPermuteChecks(TestCase):

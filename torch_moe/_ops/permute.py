@@ -271,6 +271,20 @@ def permute(
     return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
 
 
+@permute.register_kernel("cuda")
+def _permute_cuda(
+    x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    """One Triton kernel (torch_moe._triton.permute) where it takes x; the reference else."""
+    from torch_moe._triton import permute as TP
+
+    if not TP.rows_take(x, weights):
+        return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
+    _check_maps("permute", row_to_slot, slot_to_row, weights)
+    _check_rows("permute", "x", x, slot_to_row.shape[0])
+    return TP.permute_rows(x, row_to_slot, slot_to_row, weights)
+
+
 @permute.register_fake
 def _(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None) -> Tensor:
     _check_maps("permute", row_to_slot, slot_to_row, weights)
@@ -283,6 +297,20 @@ def unpermute(
     y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None
 ) -> Tensor:
     return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
+
+
+@unpermute.register_kernel("cuda")
+def _unpermute_cuda(
+    y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None
+) -> Tensor:
+    """One Triton kernel (torch_moe._triton.permute) where it takes y; the reference else."""
+    from torch_moe._triton import permute as TP
+
+    if not TP.rows_take(y, weights):
+        return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
+    _check_maps("unpermute", row_to_slot, slot_to_row, weights)
+    _check_rows("unpermute", "y", y, row_to_slot.shape[0])
+    return TP.unpermute_rows(y, slot_to_row, row_to_slot, weights)
 
 
 @unpermute.register_fake

@@ -1,4 +1,16 @@
-"""Triton kernel of ``torch_moe::permute_indices`` for decode-sized batches on CUDA.
+"""Triton kernels of the permute family on CUDA: ``permute_indices`` for decode-sized
+batches, and the row gather (``permute``) and the fp32 combine (``unpermute``) each as one
+kernel where the ATen references launch a few kernels per row pass (the combine some five
+per k: 40 for K = 8, which an eager GPU step pays in launch time).
+
+The row kernels: ``permute`` reads row ``row_to_slot[r] // K`` of x (scaled in fp32 by the
+slot's weight and rounded once, where weights are given) into row r, zero where the slot
+is -1; ``unpermute`` sums, for each token, its K rows in fp32 in the order k = 0..K-1
+(weighted: each product rounded to fp32 before its add, as the reference's separate
+kernels round it; the launch turns off FMA contraction), zero for a -1 row. Both equal the
+references bit for bit (tested in Triton's interpreter).
+
+The sort:
 
 ``permute_indices`` (dropless) sorts the T*K assignments by expert and pads every group to
 a multiple of ``align`` rows. Written in ATen ops it is some twenty small kernels (a range
@@ -30,7 +42,15 @@ import triton.language as tl
 
 from torch_moe._triton.grouped_mm import _interpreted, _use_interpreter
 
-__all__ = ["PLAN_MAX_ROWS", "compile_for_sm90", "permute_plan", "plan_takes"]
+__all__ = [
+    "PLAN_MAX_ROWS",
+    "compile_for_sm90",
+    "permute_plan",
+    "permute_rows",
+    "plan_takes",
+    "rows_take",
+    "unpermute_rows",
+]
 
 # The most assignments (T*K) one program sorts: the fused decode kernels' bound
 # (torch_moe._ops.fused_experts.DECODE_MAX_ROWS). Its compare-and-sum work grows as
@@ -149,19 +169,158 @@ def permute_plan(
     return row_to_slot, slot_to_row.view(T, K), offs, dropped
 
 
+@triton.jit
+def _permute_rows_kernel(
+    x_ptr, r2s_ptr, w_ptr, out_ptr, M, D, TOP_K,
+    stride_x, stride_o,
+    HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    r_mask = rows < M
+    d_mask = ds < D
+    slot = tl.load(r2s_ptr + rows, mask=r_mask, other=-1)
+    ok = slot >= 0
+    tok = tl.where(ok, slot // TOP_K, 0)
+    mask = ok[:, None] & d_mask[None, :]
+    v = tl.load(x_ptr + tok[:, None] * stride_x + ds[None, :], mask=mask, other=0.0)
+    if HAS_W:
+        w = tl.load(w_ptr + tl.where(ok, slot, 0), mask=ok, other=0.0).to(tl.float32)
+        v = tl.where(mask, v.to(tl.float32) * w[:, None], 0.0)
+    out_ptrs = out_ptr + rows[:, None] * stride_o + ds[None, :]
+    tl.store(out_ptrs, v.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _unpermute_rows_kernel(
+    y_ptr, s2r_ptr, w_ptr, out_ptr, T, D, TOP_K,
+    stride_y, stride_o,
+    HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    ts = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_mask = ts < T
+    d_mask = ds < D
+    acc = tl.full((BLOCK_R, BLOCK_D), 0.0, dtype=tl.float32)
+    for k in range(TOP_K):
+        row = tl.load(s2r_ptr + ts * TOP_K + k, mask=t_mask, other=-1)
+        ok = row >= 0
+        mask = ok[:, None] & d_mask[None, :]
+        v = tl.load(
+            y_ptr + tl.where(ok, row, 0)[:, None] * stride_y + ds[None, :], mask=mask, other=0.0
+        )
+        v = v.to(tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + ts * TOP_K + k, mask=t_mask, other=0.0).to(tl.float32)
+            v = tl.where(mask, v * w[:, None], 0.0)
+        acc = acc + v
+    out_ptrs = out_ptr + ts[:, None] * stride_o + ds[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & d_mask[None, :])
+
+
+_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BLOCK_ROWS, _BLOCK_D = 16, 128
+
+
+def rows_take(t: torch.Tensor, weights: torch.Tensor | None) -> bool:
+    """Whether the row kernels run ``permute`` / ``unpermute`` of t (its rows unit-stride,
+    bf16 / fp16 / fp32, weights of those dtypes): else the references."""
+    return (
+        t.dtype in _ROW_DTYPES
+        and (t.shape[1] <= 1 or t.stride(1) == 1)
+        and (weights is None or weights.dtype in _ROW_DTYPES)
+    )
+
+
+def _out_dtype(t: torch.Tensor) -> torch.dtype:
+    # the interpreter's fp32 -> bf16 store truncates (the GPU's rounds to nearest): it
+    # writes fp32, which torch then rounds
+    return torch.float32 if t.dtype == torch.bfloat16 and _use_interpreter(t) else t.dtype
+
+
+def _launch_rows(
+    kernel: Any, grid: tuple[int, int], args: list, has_w: bool, t: torch.Tensor
+) -> None:
+    interpret = _use_interpreter(t)
+    fn = _interpreted(kernel) if interpret else kernel
+    options = {} if interpret else {"enable_fp_fusion": False}  # products rounded first
+    fn[grid](*args, HAS_W=has_w, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4, **options)
+
+
+def permute_rows(
+    x: torch.Tensor,
+    row_to_slot: torch.Tensor,
+    slot_to_row: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """``torch_moe::permute`` in one kernel (the maps and x checked by the caller)."""
+    M, D, K = row_to_slot.shape[0], x.shape[1], slot_to_row.shape[1]
+    if M == 0 or D == 0 or x.shape[0] == 0:  # (T == 0: only padding rows)
+        return x.new_zeros((M, D))
+    out = torch.empty((M, D), dtype=_out_dtype(x), device=x.device)
+    w = weights.reshape(-1).contiguous() if weights is not None else x
+    grid = (triton.cdiv(M, _BLOCK_ROWS), triton.cdiv(D, _BLOCK_D))
+    args = [x, row_to_slot.contiguous(), w, out, M, D, K, x.stride(0), out.stride(0)]
+    _launch_rows(_permute_rows_kernel, grid, args, weights is not None, x)
+    return out.to(x.dtype)
+
+
+def unpermute_rows(
+    y: torch.Tensor,
+    slot_to_row: torch.Tensor,
+    row_to_slot: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """``torch_moe::unpermute`` in one kernel (the maps and y checked by the caller)."""
+    (T, K), D = slot_to_row.shape, y.shape[1]
+    if T == 0 or D == 0 or y.shape[0] == 0:  # (no rows: every slot was dropped)
+        return y.new_zeros((T, D))
+    out = torch.empty((T, D), dtype=_out_dtype(y), device=y.device)
+    w = weights.contiguous() if weights is not None else y
+    grid = (triton.cdiv(T, _BLOCK_ROWS), triton.cdiv(D, _BLOCK_D))
+    args = [y, slot_to_row.contiguous(), w, out, T, D, K, y.stride(0), out.stride(0)]
+    _launch_rows(_unpermute_rows_kernel, grid, args, weights is not None, y)
+    return out.to(y.dtype)
+
+
 def compile_for_sm90(
-    num_assignments: int = PLAN_MAX_ROWS, num_experts: int = 256, align: int = 64
+    kernel: str = "plan",
+    num_assignments: int = PLAN_MAX_ROWS,
+    num_experts: int = 256,
+    align: int = 64,
+    dim: int = 7168,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Any:
-    """AOT-compile the kernel for sm_90a at ``num_assignments`` (no GPU needed); returns
-    :class:`torch_moe._triton.grouped_mm.Sm90Kernel` (PTX, registers, spills)."""
+    """AOT-compile ``"plan"`` (the sort, at ``num_assignments``), ``"permute"`` or
+    ``"unpermute"`` (the row kernels, weighted, rows of ``dim`` in ``dtype``, top-8) for
+    sm_90a (no GPU needed); returns :class:`torch_moe._triton.grouped_mm.Sm90Kernel` (PTX,
+    registers, spills)."""
     from torch_moe._triton.grouped_mm import _Config, compile_jit_for_sm90
 
     meta = functools.partial(torch.empty, device="meta")
     n, m = num_assignments, num_assignments + num_experts * (align - 1)
     i64, i32 = torch.int64, torch.int32
-    args = [meta(n, dtype=i64), meta(m, dtype=i64), meta(n, dtype=i64), meta(num_experts, dtype=i32),
-            meta(num_experts, dtype=i32), meta(1, dtype=i32), meta((), dtype=i64), n, num_experts, m]  # fmt: skip
-    nb, chunk, warps = _launch(n)
-    params = dict(ALIGN=align, NB=nb, EC=chunk, JC=chunk, MC=_FILL_CHUNK)
-    cfg = _Config(0, 0, 0, warps, 1)
-    return compile_jit_for_sm90("permute_plan", _permute_plan_kernel, args, params, cfg)
+    if kernel == "plan":
+        args = [meta(n, dtype=i64), meta(m, dtype=i64), meta(n, dtype=i64), meta(num_experts, dtype=i32),
+                meta(num_experts, dtype=i32), meta(1, dtype=i32), meta((), dtype=i64), n, num_experts, m]  # fmt: skip
+        nb, chunk, warps = _launch(n)
+        params = dict(ALIGN=align, NB=nb, EC=chunk, JC=chunk, MC=_FILL_CHUNK)
+        fn = _permute_plan_kernel
+    elif kernel in ("permute", "unpermute"):
+        T, K = 4096, 8
+        rows = meta(T * K, dim, dtype=dtype)
+        tokens = meta(T, dim, dtype=dtype)
+        w = meta(T * K, dtype=torch.float32)
+        if kernel == "permute":
+            args = [tokens, meta(T * K, dtype=i64), w, rows, T * K, dim, K, dim, dim]
+            fn = _permute_rows_kernel
+        else:
+            args = [rows, meta(T * K, dtype=i64), w, tokens, T, dim, K, dim, dim]
+            fn = _unpermute_rows_kernel
+        params = dict(HAS_W=True, BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D)
+        warps = 4
+    else:
+        raise ValueError(
+            f"compile_for_sm90: kernel must be plan, permute or unpermute, got {kernel!r}"
+        )
+    return compile_jit_for_sm90(f"permute_{kernel}", fn, args, params, _Config(0, 0, 0, warps, 1))
