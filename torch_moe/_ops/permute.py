@@ -271,18 +271,31 @@ def permute(
     return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
 
 
+def _rows_cuda(
+    name: str, t: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None
+) -> Tensor:
+    """``permute`` (name "permute", t = x) or ``unpermute`` (t = y) on CUDA: one Triton
+    kernel (torch_moe._triton.permute) where it takes t, the reference else."""
+    from torch_moe._triton import permute as TP
+
+    forward = name == "permute"
+    if not TP.rows_take(t, weights):
+        if forward:
+            return permute_rows_reference(t, row_to_slot, slot_to_row, weights)
+        return unpermute_rows_reference(t, slot_to_row, row_to_slot, weights)
+    _check_maps(name, row_to_slot, slot_to_row, weights)
+    if forward:
+        _check_rows(name, "x", t, slot_to_row.shape[0])
+        return TP.permute_rows(t, row_to_slot, slot_to_row, weights)
+    _check_rows(name, "y", t, row_to_slot.shape[0])
+    return TP.unpermute_rows(t, slot_to_row, row_to_slot, weights)
+
+
 @permute.register_kernel("cuda")
 def _permute_cuda(
     x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, weights: Tensor | None = None
 ) -> Tensor:
-    """One Triton kernel (torch_moe._triton.permute) where it takes x; the reference else."""
-    from torch_moe._triton import permute as TP
-
-    if not TP.rows_take(x, weights):
-        return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
-    _check_maps("permute", row_to_slot, slot_to_row, weights)
-    _check_rows("permute", "x", x, slot_to_row.shape[0])
-    return TP.permute_rows(x, row_to_slot, slot_to_row, weights)
+    return _rows_cuda("permute", x, row_to_slot, slot_to_row, weights)
 
 
 @permute.register_fake
@@ -303,14 +316,7 @@ def unpermute(
 def _unpermute_cuda(
     y: Tensor, slot_to_row: Tensor, row_to_slot: Tensor, weights: Tensor | None = None
 ) -> Tensor:
-    """One Triton kernel (torch_moe._triton.permute) where it takes y; the reference else."""
-    from torch_moe._triton import permute as TP
-
-    if not TP.rows_take(y, weights):
-        return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
-    _check_maps("unpermute", row_to_slot, slot_to_row, weights)
-    _check_rows("unpermute", "y", y, row_to_slot.shape[0])
-    return TP.unpermute_rows(y, slot_to_row, row_to_slot, weights)
+    return _rows_cuda("unpermute", y, row_to_slot, slot_to_row, weights)
 
 
 @unpermute.register_fake

@@ -170,15 +170,20 @@ def permute_plan(
 
 
 @triton.jit
+def _row_tile(n, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's BLOCK_R rows (of n) and BLOCK_D columns (of D), and their masks."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return rows, ds, rows < n, ds < D
+
+
+@triton.jit
 def _permute_rows_kernel(
     x_ptr, r2s_ptr, w_ptr, out_ptr, M, D, TOP_K,
     stride_x, stride_o,
     HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    r_mask = rows < M
-    d_mask = ds < D
+    rows, ds, r_mask, d_mask = _row_tile(M, D, BLOCK_R, BLOCK_D)
     slot = tl.load(r2s_ptr + rows, mask=r_mask, other=-1)
     ok = slot >= 0
     tok = tl.where(ok, slot // TOP_K, 0)
@@ -197,10 +202,7 @@ def _unpermute_rows_kernel(
     stride_y, stride_o,
     HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    ts = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    t_mask = ts < T
-    d_mask = ds < D
+    ts, ds, t_mask, d_mask = _row_tile(T, D, BLOCK_R, BLOCK_D)
     acc = tl.full((BLOCK_R, BLOCK_D), 0.0, dtype=tl.float32)
     for k in range(TOP_K):
         row = tl.load(s2r_ptr + ts * TOP_K + k, mask=t_mask, other=-1)
