@@ -5,6 +5,7 @@ import unittest
 from unittest import mock
 
 import naive
+import tolerances
 import torch
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -352,7 +353,7 @@ class TestPermutePlan(TestCase):
         for n in (8, 256, 1024):
             k = TP.compile_for_sm90("plan", n)
             self.assertEqual(k.n_spills, 0, msg=f"{n} assignments: {k.ptxas_log}")
-        for kernel in ("permute", "unpermute"):
+        for kernel in ("permute", "unpermute", "row_dot"):
             k = TP.compile_for_sm90(kernel)
             self.assertEqual(k.n_spills, 0, msg=f"{kernel}: {k.ptxas_log}")
             self.assertIn("ld.global.v", k.asm["ptx"])  # rows read in vectors
@@ -414,6 +415,40 @@ class TestPermuteRowKernels(TestCase):
         self.assertEqual(
             got, unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, w), atol=0, rtol=0
         )
+
+    def test_row_dot(self):
+        """weighted_row_dot's kernel (the combine weights' gradient): each dot within the
+        fp32 accumulation bound of the exact one (its sum order is the kernel's own, as
+        the reference's is ATen's), dropped slots exactly 0, D past one block."""
+        from torch_moe._ops.permute import _weighted_row_dot_cuda
+        from torch_moe._triton import permute as TP
+
+        calls = 0
+        for perm, D, _w, g in self._cases():
+            T = perm.slot_to_row.shape[0]
+            for dt in (torch.bfloat16, torch.float32):
+                rows = torch.randn(perm.row_to_slot.shape[0], D, generator=g).to(dt)
+                tokens = torch.randn(T, D, generator=g).to(dt)
+                with mock.patch.object(TP, "row_dot", wraps=TP.row_dot) as spy:
+                    got = _weighted_row_dot_cuda(rows, tokens, perm.slot_to_row)
+                calls += spy.call_count
+                self.assertEqual(got.dtype, torch.float32)
+                valid = perm.slot_to_row >= 0
+                gathered = rows.double()[perm.slot_to_row.clamp(min=0)]  # [T, K, D]
+                exact = (gathered * tokens.double()[:, None, :]).sum(-1) * valid
+                products = (gathered.abs() * tokens.double().abs()[:, None, :]).sum(-1)
+                bound = tolerances.gemm_bound(
+                    products, max(D, 1), exact, torch.float32, torch.float32
+                )
+                tolerances.assert_within(self, got, exact, bound, msg=f"{dt} D={D}")
+                self.assertTrue(torch.equal(got[~valid], torch.zeros_like(got[~valid])))
+        self.assertEqual(calls, 8)
+        with self.assertRaisesRegex(
+            ValueError, r"weighted_row_dot: rows, tokens and slot_to_row disagree"
+        ):
+            _weighted_row_dot_cuda(
+                torch.zeros(4, 3), torch.zeros(2, 5), torch.zeros(2, 2, dtype=torch.long)
+            )
 
     @unittest.skipIf(not torch.cuda.is_available(), "needs a CUDA GPU")
     def test_rows_cuda(self):

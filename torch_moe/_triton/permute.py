@@ -8,7 +8,9 @@ slot's weight and rounded once, where weights are given) into row r, zero where 
 is -1; ``unpermute`` sums, for each token, its K rows in fp32 in the order k = 0..K-1
 (weighted: each product rounded to fp32 before its add, as the reference's separate
 kernels round it; the launch turns off FMA contraction), zero for a -1 row. Both equal the
-references bit for bit (tested in Triton's interpreter).
+references bit for bit (tested in Triton's interpreter). ``weighted_row_dot`` (the combine
+weights' gradient) is one kernel too: each slot's dot over D in fp32, in the kernel's own
+summation order (the reference's is ATen's: within fp32 rounding of each other).
 
 The sort:
 
@@ -48,6 +50,7 @@ __all__ = [
     "permute_plan",
     "permute_rows",
     "plan_takes",
+    "row_dot",
     "rows_take",
     "unpermute_rows",
 ]
@@ -220,6 +223,31 @@ def _unpermute_rows_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _row_dot_kernel(
+    rows_ptr, tok_ptr, s2r_ptr, out_ptr, T, D, TOP_K,
+    stride_r, stride_t,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[t, k] = <rows[slot_to_row[t, k]], tokens[t]> in fp32 (0 for a dropped slot),
+    k = program_id(1)."""
+    ts = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1)
+    t_mask = ts < T
+    row = tl.load(s2r_ptr + ts * TOP_K + k, mask=t_mask, other=-1)
+    ok = row >= 0
+    acc = tl.full((BLOCK_R,), 0.0, dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        mask = ok[:, None] & (ds < D)[None, :]
+        r = tl.load(
+            rows_ptr + tl.where(ok, row, 0)[:, None] * stride_r + ds[None, :], mask=mask, other=0.0
+        )
+        x = tl.load(tok_ptr + ts[:, None] * stride_t + ds[None, :], mask=mask, other=0.0)
+        acc += tl.reduce(r.to(tl.float32) * x.to(tl.float32), 1, _add)
+    tl.store(out_ptr + ts * TOP_K + k, acc, mask=t_mask)
+
+
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK_ROWS, _BLOCK_D = 16, 128
 
@@ -285,6 +313,23 @@ def unpermute_rows(
     return out.to(y.dtype)
 
 
+def row_dot(rows: torch.Tensor, tokens: torch.Tensor, slot_to_row: torch.Tensor) -> torch.Tensor:
+    """``torch_moe::weighted_row_dot`` in one kernel (its arguments checked by the caller):
+    fp32 [T, K]; each dot summed over D in the kernel's own order (within fp32 rounding of
+    the reference's, which sums in ATen's)."""
+    (T, K), D = slot_to_row.shape, rows.shape[1]
+    out = torch.zeros((T, K), dtype=torch.float32, device=rows.device)
+    if T == 0 or K == 0 or rows.shape[0] == 0:
+        return out
+    grid = (triton.cdiv(T, _BLOCK_ROWS), K)
+    fn = _interpreted(_row_dot_kernel) if _use_interpreter(rows) else _row_dot_kernel
+    fn[grid](
+        rows, tokens, slot_to_row.contiguous(), out, T, D, K, rows.stride(0), tokens.stride(0),
+        BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def compile_for_sm90(
     kernel: str = "plan",
     num_assignments: int = PLAN_MAX_ROWS,
@@ -293,10 +338,10 @@ def compile_for_sm90(
     dim: int = 7168,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Any:
-    """AOT-compile ``"plan"`` (the sort, at ``num_assignments``), ``"permute"`` or
-    ``"unpermute"`` (the row kernels, weighted, rows of ``dim`` in ``dtype``, top-8) for
-    sm_90a (no GPU needed); returns :class:`torch_moe._triton.grouped_mm.Sm90Kernel` (PTX,
-    registers, spills)."""
+    """AOT-compile ``"plan"`` (the sort, at ``num_assignments``), ``"permute"``,
+    ``"unpermute"`` or ``"row_dot"`` (the row kernels, weighted, rows of ``dim`` in
+    ``dtype``, top-8) for sm_90a (no GPU needed); returns
+    :class:`torch_moe._triton.grouped_mm.Sm90Kernel` (PTX, registers, spills)."""
     from torch_moe._triton.grouped_mm import _Config, compile_jit_for_sm90
 
     meta = functools.partial(torch.empty, device="meta")
@@ -308,6 +353,12 @@ def compile_for_sm90(
         nb, chunk, warps = _launch(n)
         params = dict(ALIGN=align, NB=nb, EC=chunk, JC=chunk, MC=_FILL_CHUNK)
         fn = _permute_plan_kernel
+    elif kernel == "row_dot":
+        T, K = 4096, 8
+        args = [meta(T * K, dim, dtype=dtype), meta(T, dim, dtype=dtype), meta(T * K, dtype=i64),
+                meta(T * K, dtype=torch.float32), T, dim, K, dim, dim]  # fmt: skip
+        params = dict(BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D)
+        fn, warps = _row_dot_kernel, 4
     elif kernel in ("permute", "unpermute"):
         T, K = 4096, 8
         rows = meta(T * K, dim, dtype=dtype)
