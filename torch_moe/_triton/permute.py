@@ -174,8 +174,9 @@ def permute_plan(
 
 @triton.jit
 def _row_tile(n, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's BLOCK_R rows (of n) and BLOCK_D columns (of D), and their masks."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """This program's BLOCK_R rows (of n) and BLOCK_D columns (of D), and their masks; the
+    rows in int64 (a row times its stride passes 2^31 elements at large batches)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     return rows, ds, rows < n, ds < D
 
@@ -231,7 +232,7 @@ def _row_dot_kernel(
 ):  # fmt: skip
     """out[t, k] = <rows[slot_to_row[t, k]], tokens[t]> in fp32 (0 for a dropped slot),
     k = program_id(1)."""
-    ts = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ts = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1)
     t_mask = ts < T
     row = tl.load(s2r_ptr + ts * TOP_K + k, mask=t_mask, other=-1)
