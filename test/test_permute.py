@@ -300,6 +300,8 @@ class TestPermutePlan(TestCase):
             TP.permute_plan(ids, 3, 16)
         with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=4\)"):
             TP.permute_plan(ids - 1, 4, 1)
+        with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=4\)"):
+            TP.permute_plan(ids + 2**32, 4, 1)  # not wrapped into range by an int32 cast
         with self.assertRaisesRegex(ValueError, r"takes 1 to 1024 assignments, got T\*K = 1025"):
             TP.permute_plan(torch.zeros(1025, 1, dtype=torch.long), 2, 1)
         with self.assertRaisesRegex(ValueError, r"takes 1 to 1024 assignments, got T\*K = 0"):

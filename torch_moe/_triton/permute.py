@@ -98,8 +98,9 @@ def _permute_plan_kernel(
 ):
     i = tl.arange(0, NB)
     valid = i < N
-    e = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
-    in_range = valid & (e >= 0) & (e < E)
+    e = tl.load(ids_ptr + i, mask=valid, other=0)
+    in_range = valid & (e >= 0) & (e < E)  # in the ids' own dtype: no int32 wrap first
+    e = e.to(tl.int32)
     bad = tl.reduce((valid & ~in_range).to(tl.int32), 0, _add)
     tl.store(ok_ptr, (bad == 0).to(tl.int32))
     tl.store(dropped_ptr, tl.full((), 0, tl.int64))
