@@ -62,6 +62,25 @@ def graphed(fn, calls: int):  # type: ignore[no-untyped-def]
     return graph, ""
 
 
+def timed_medians(cands: dict, reps: int, rounds: int, label: str) -> dict[str, float]:
+    """Median us per call of each candidate over interleaved rounds: launched from Python
+    (key ``k``, ``reps`` calls a round) and replayed from a CUDA graph of ``reps`` calls (key
+    ``"g:" + k``; absent, and said, where ``fn`` cannot be captured)."""
+    runs = dict(cands)
+    for k, fn in cands.items():
+        graph, why = graphed(fn, reps)
+        if graph is None:
+            print(f"# {label} {k}: not capturable ({why})")
+        else:
+            runs["g:" + k] = graph.replay  # (the bound method keeps the graph alive)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, fn in runs.items():
+            replay = k.startswith("g:")
+            times[k].append(_time(fn, 1 if replay else reps) / (reps if replay else 1))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def grouped_mm_peer(x, w13, w2, ids, weights, num_experts):  # type: ignore[no-untyped-def]
     """The experts by ``torch._grouped_mm`` with the gather and the scatter as separate ops:
     x [T, D], w13 [E, 2F, D], w2 [E, D, F], ids / weights [T, K] -> [T, D]."""
@@ -133,19 +152,7 @@ def _bench(T, E, K, bf16, fp8, args, gen, copy_bps) -> str | None:
         fn()
     # device time: each candidate replayed from a CUDA graph of args.reps calls; eager
     # (host launches, Python) as well, which at these sizes measures the host
-    runs = dict(cands)
-    for k, fn in cands.items():
-        graph, why = graphed(fn, args.reps)
-        if graph is None:
-            print(f"# T={T} {k}: not capturable ({why})")
-        else:
-            runs["g:" + k] = graph.replay
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(args.rounds):  # interleaved
-        for k, fn in runs.items():
-            reps = 1 if k.startswith("g:") else args.reps
-            times[k].append(_time(fn, reps) / (args.reps if k.startswith("g:") else 1))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = timed_medians(cands, args.reps, args.rounds, f"T={T}")
     dev = {k: med.get("g:" + k, float("nan")) for k in cands}
     wbytes = hit * 3 * F * D
     bf16_bps = 2 * wbytes / (dev["bf16"] / 1e6)

@@ -16,11 +16,10 @@ Medians of interleaved rounds, CUDA events. Needs a GPU (exits with a message wi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
-from bench_moe_decode import _time, graphed  # us per call (CUDA events); a CUDA graph
+from bench_moe_decode import timed_medians  # graph and eager us per call
 
 import torch_moe
 from torch_moe._ops import permute as P
@@ -84,22 +83,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for T in (int(t) for t in args.tokens.split(",")):
         for name, (kernel, reference) in _pairs(T, E, K, D, args.align, gen).items():
-            runs = {"k": kernel, "r": reference}
-            for key, fn in list(runs.items()):
-                graph, why = graphed(fn, args.reps)
-                if graph is None:
-                    print(f"# T={T} {name} {key}: not capturable ({why})")
-                else:
-                    runs["g" + key] = graph.replay
-            times: dict[str, list[float]] = {key: [] for key in runs}
-            for _ in range(args.rounds):  # interleaved
-                for key, fn in runs.items():
-                    graph_run = key.startswith("g")
-                    times[key].append(
-                        _time(fn, 1 if graph_run else args.reps) / (args.reps if graph_run else 1)
-                    )
-            med = {key: statistics.median(v) for key, v in times.items()}
-            g_k, g_r = med.get("gk", float("nan")), med.get("gr", float("nan"))
+            cands = {"k": kernel, "r": reference}
+            med = timed_medians(cands, args.reps, args.rounds, f"T={T} {name}")
+            g_k, g_r = med.get("g:k", float("nan")), med.get("g:r", float("nan"))
             print(
                 f"| {T} | {name} | {g_k:.1f} | {g_r:.1f} | {g_r / g_k:.2f} | {med['k']:.1f} | "
                 f"{med['r']:.1f} | {med['r'] / med['k']:.2f} |",
