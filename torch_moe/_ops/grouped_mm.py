@@ -420,9 +420,7 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     per busy group (fewer take the few-rows ways); then the probe's ``threads_mm`` at the
     dtype, layouts, shape class and threads."""
     dtype = a.dtype
-    if b.dtype != dtype or dtype not in _THREADED_DTYPES or cpu_compute_dtype(dtype) != dtype:
-        return False
-    if _threaded_kernels() is None:
+    if b.dtype != dtype or not _threaded_takes(dtype) or cpu_compute_dtype(dtype) != dtype:
         return False
     split = _row_split_on(dtype)  # (asked here, not inside threads_mm's measurement)
     if threads < 2 and not split:
@@ -443,6 +441,11 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     return _cpu_probe.threads_mm(dtype, ab, cls, threads, measure) == "native"
 
 
+def _threaded_takes(dtype: torch.dtype) -> bool:
+    """Whether the native threaded kernels are built and take ``dtype``."""
+    return dtype in _THREADED_DTYPES and _threaded_kernels() is not None
+
+
 def _threaded_kernels() -> Any:
     mod = _native.kernels()
     return mod if mod is not None and hasattr(mod, "threaded_grouped_mm") else None
@@ -454,7 +457,7 @@ def splits_rows(dtype: torch.dtype, ends: list[int]) -> bool:
     the work out over, that split is its only gain, so there it runs only where this
     holds (memoized decisions of a grouped GEMM's way on one thread must hold it in their
     keys). False without reading the groups for a dtype the kernel does not take."""
-    if dtype not in _THREADED_DTYPES or _threaded_kernels() is None:
+    if not _threaded_takes(dtype):
         return False
     return any(_split_parts(r) > 1 for r in group_sizes(ends))
 
@@ -467,7 +470,7 @@ def _split_parts(rows: int) -> int:
 def _row_split_on(dtype: torch.dtype) -> bool:
     """Whether the threaded kernel's forward splits the GEMMs that oneDNN would cut into
     small row blocks (``_cpu_probe.row_split``; half dtypes the kernel takes)."""
-    if dtype not in _THREADED_DTYPES or _threaded_kernels() is None:
+    if not _threaded_takes(dtype):
         return False
     return _cpu_probe.memo(
         ("row_split", dtype),
