@@ -370,13 +370,8 @@ def _scaled_grouped_mm_cuda(
     check_offs_values("scaled_grouped_mm", offs, a.shape[0])
     (M, k), (E, _, n) = a.shape, b.shape
     # (CPU tensors: the Triton kernel in the interpreter, as the tests run it)
-    cuda = a.device.type == "cuda"
-    capability = torch.cuda.get_device_capability(a.device) if cuda else None
-    has_torch = hasattr(torch, "_scaled_grouped_mm")
-    if (
-        scaled_op_kernel(scale_a.dtype, block_k, block_n, k, n, out_dtype, capability, has_torch)
-        == "torch"
-    ):
+    env = _torch_scaled_env(a.device)
+    if scaled_op_kernel(scale_a.dtype, block_k, block_n, k, n, out_dtype, *env) == "torch":
         # what the high-precision op runs for this GEMM: a decomposed graph equals eager
         return _torch_scaled(a, b, *_torch_scales(scale_a, scale_b, M, E, n), offs)
     sa, sb = _fp32_scales(scale_a), _fp32_scales(scale_b)
@@ -783,11 +778,17 @@ def _triton_takes(g: GemmQuant) -> bool:
     return lhs.inner in (-1, 32, 128) and rhs.outer in (-1, 1, 128)
 
 
+def _torch_scaled_env(device: torch.device) -> tuple[tuple[int, int] | None, bool]:
+    """(the device's capability, None off CUDA; whether torch has ``_scaled_grouped_mm``):
+    what :func:`torch_scaled_takes` reads of the machine."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return capability, hasattr(torch, "_scaled_grouped_mm")
+
+
 def _select(g: GemmQuant, a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Kernel:
-    dev = a.device
-    capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    has_torch = hasattr(torch, "_scaled_grouped_mm")
-    return gemm_kernel(g, a.shape[1], b.shape[2], out_dtype, dev.type, capability, has_torch)
+    return gemm_kernel(
+        g, a.shape[1], b.shape[2], out_dtype, a.device.type, *_torch_scaled_env(a.device)
+    )
 
 
 def _quantize_kmajor(t: Tensor, op: OperandQuant, out: Tensor, along_rows: bool) -> Tensor:
