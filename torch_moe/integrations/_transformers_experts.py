@@ -97,9 +97,10 @@ __all__ = ["RECIPE_ATTR", "ExpertsLayout", "experts_forward", "experts_layout"]
 # attribute of an experts module holding its low-precision Recipe (None: compute dtype)
 RECIPE_ATTR = "_torch_moe_recipe"
 LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias", "has_post_expert_norm")
-# the flags every transformers 5 experts module has; a later one absent means False
-# (transformers 5.17, on the H200 image, has no has_post_expert_norm)
-REQUIRED_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")
+# flags added after the decorator's first release: absent means False (transformers 5.17,
+# on the H200 image, has no has_post_expert_norm); the others every experts module has
+_LATER_FLAGS = ("has_post_expert_norm",)
+REQUIRED_FLAGS = tuple(f for f in LAYOUT_FLAGS if f not in _LATER_FLAGS)
 # torch._scaled_grouped_mm on CUDA wants every group's rows padded to a multiple of 16
 _SCALED_GROUP_ALIGN = 16
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
