@@ -157,10 +157,10 @@ def _permute_indices_cuda(
     kernels: torch_moe._triton.permute); the rest by the reference."""
     from torch_moe._triton import permute as TP
 
-    _check_index_inputs(expert_ids, num_experts, align, capacity)
     if TP.plan_takes(expert_ids.numel(), capacity):
+        _check_index_inputs(expert_ids, num_experts, align, capacity)
         return TP.permute_plan(expert_ids, num_experts, align)
-    return permute_indices_reference(expert_ids, num_experts, align, capacity)
+    return permute_indices_reference(expert_ids, num_experts, align, capacity)  # (checks)
 
 
 @permute_indices.register_kernel("cpu")
