@@ -17,6 +17,8 @@ import dataclasses
 import unittest
 
 import torch
+import triton
+import triton.language as tl
 from tolerances import assert_within, swiglu_bound
 from torch.testing._internal.common_utils import (
     TEST_WITH_SLOW,
@@ -28,7 +30,8 @@ from torch.testing._internal.common_utils import (
 
 from torch_moe import ops
 from torch_moe._triton import moe_decode as MD
-from torch_moe._triton.grouped_mm import SM90_MAX_SHARED, _ptxas_path
+from torch_moe._triton.grouped_mm import SM90_MAX_SHARED, _interpreted, _ptxas_path
+from torch_moe._triton.moe_decode import _block_expert
 from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
 
@@ -74,6 +77,14 @@ def oracle(x, w13, w2, perm, rw, K):
             exact[rows], bound[rows] = y, b
         start = end
     return exact, bound
+
+
+@triton.jit
+def _block_expert_kernel(offs_ptr, E, out_ptr, BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr):
+    """out[b] = the expert of block b, by the decode kernels' own lookup."""
+    b = tl.program_id(0)
+    e, _ends = _block_expert(offs_ptr, E, b * BLOCK_M, E_BLOCK)
+    tl.store(out_ptr + b, e)
 
 
 @instantiate_parametrized_tests
@@ -144,11 +155,21 @@ class TestMoEDecode(TestCase):
         exact, bound = oracle(x, d13, d2, perm, rw, K)
         assert_within(self, y, exact, bound)
 
-    def test_block_experts(self):
-        # groups of 16, 0, 32 and 16 rows over 80 padded rows: blocks 0 | 1 1 | 3 | past the end
+    def test_block_expert(self):
+        # each program's lookup (the kernels' _block_expert, run by a kernel of the test in
+        # Triton's interpreter): groups of 16, 0, 32 and 16 rows over 80 padded rows give
+        # blocks 0 | 2 2 | 3 | past the end (-1); the empty group 1 owns no block
         offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32)
-        table = MD.block_experts(offs, 80, 16)
+        table = torch.full((5,), -9, dtype=torch.int32)
+        _interpreted(_block_expert_kernel)[(5,)](offs, 4, table, BLOCK_M=16, E_BLOCK=4)
         self.assertEqual(table.tolist(), [0, 2, 2, 3, -1])
+        # the same by the plain-PyTorch rule (the number of group ends at or before each
+        # block's first row), over uneven groups with E not a power of two
+        ends = torch.tensor([0, 32, 32, 96, 128, 128, 160], dtype=torch.int32)
+        table = torch.empty(12, dtype=torch.int32)
+        _interpreted(_block_expert_kernel)[(12,)](ends, 7, table, BLOCK_M=16, E_BLOCK=8)
+        want = torch.searchsorted(ends, torch.arange(0, 192, 16, dtype=torch.int32), right=True)
+        self.assertEqual(table, torch.where(want < 7, want, -1).int(), atol=0, rtol=0)
 
     def test_config_tables(self):
         # every table in the data file: bounds increasing, configs well formed; an

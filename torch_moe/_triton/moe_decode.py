@@ -15,8 +15,7 @@ Two kernels, one per projection, the layout of vLLM's fused MoE:
   SwiGLU and the routing weight in its epilogue, writing only a [M, F];
 * each row block belongs to one expert (``permute_indices(align=BLOCK_M)``), which each
   program finds itself from the group ends (the number of ends at or before its first
-  row: :func:`block_experts` is that lookup in ATen ops, the tests' reference): no host
-  sync, no table kernels, and every shape depends only on T (the kernels can be captured
+  row, ``_block_expert``): no host sync, no table kernels, and every shape depends only on T (the kernels can be captured
   in a CUDA graph). Blocks past the last expert's rows exit early. The first program of
   the first kernel also checks that every group ends on a multiple of BLOCK_M (a flag the
   launcher asserts on, ``torch._assert_async``).
@@ -237,15 +236,6 @@ def _w2_kernel(
             w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
     tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-def block_experts(offs: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """Expert of every BLOCK_M-row block of the padded expert-sorted rows (-1: none) from the
-    group ends ``offs`` (each group a multiple of block_m rows): the lookup each program of
-    the kernels makes for itself (``_block_expert``), in ATen ops (the tests' reference)."""
-    starts = torch.arange(0, num_rows, block_m, device=offs.device)
-    expert = torch.searchsorted(offs.to(torch.int64), starts, right=True)
-    return torch.where(expert < offs.shape[0], expert, -1).to(torch.int32)
 
 
 def _scale_args(scale: torch.Tensor | None) -> tuple[Any, int, int, int]:
