@@ -201,22 +201,31 @@ class TestPermute(TestCase):
         self.assertEqual(x.grad, torch.full((9, 4), 2.0))
 
     def test_opcheck(self):
-        ids = _ids(12, 4, 2, "one_expert")
-        for align, cap in [(1, None), (4, 2)]:
-            torch.library.opcheck(torch.ops.torch_moe.permute_indices.default, (ids, 4, align, cap))
-            perm = ops.permute_indices(ids, 4, align=align, capacity=cap)
-            x = torch.randn(12, 5, requires_grad=True)
-            w = torch.rand(12, 2, requires_grad=True)
-            y = torch.randn(perm.row_to_slot.shape[0], 5, requires_grad=True)
-            torch.library.opcheck(
-                torch.ops.torch_moe.permute.default, (x, perm.row_to_slot, perm.slot_to_row, w)
-            )
-            torch.library.opcheck(
-                torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, w)
-            )
-            torch.library.opcheck(
-                torch.ops.torch_moe.unpermute.default, (y, perm.slot_to_row, perm.row_to_slot, None)
-            )
+        """The four ops' schemas, fake kernels and autograd formulas on every device here:
+        on CUDA that is the Triton kernels (plan, rows, row dot) where they take the inputs
+        (dropless decode-sized plans; bf16 rows), the references where they do not."""
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        for device, dtype in [(d, t) for d in devices for t in (torch.float32, torch.bfloat16)]:
+            ids = _ids(12, 4, 2, "one_expert").to(device)
+            for align, cap in [(1, None), (4, 2)]:
+                with self.subTest(device=device, dtype=dtype, align=align, cap=cap):
+                    self._opcheck(ids, align, cap, dtype)
+
+    def _opcheck(self, ids, align, cap, dtype):
+        device = ids.device
+        torch.library.opcheck(torch.ops.torch_moe.permute_indices.default, (ids, 4, align, cap))
+        perm = ops.permute_indices(ids, 4, align=align, capacity=cap)
+        s2r, r2s = perm.slot_to_row, perm.row_to_slot
+
+        def leaf(*shape, rand=torch.randn):
+            return rand(*shape, device=device).to(dtype).requires_grad_()
+
+        x, w, y = leaf(12, 5), leaf(12, 2, rand=torch.rand), leaf(r2s.shape[0], 5)
+        torch.library.opcheck(torch.ops.torch_moe.permute.default, (x, r2s, s2r, w))
+        torch.library.opcheck(torch.ops.torch_moe.unpermute.default, (y, s2r, r2s, w))
+        torch.library.opcheck(torch.ops.torch_moe.unpermute.default, (y, s2r, r2s, None))
+        rows, tokens = y.detach(), x.detach()
+        torch.library.opcheck(torch.ops.torch_moe.weighted_row_dot.default, (rows, tokens, s2r))
 
     def test_compile_fullgraph(self):
         ids = _ids(16, 4, 2)
