@@ -42,9 +42,12 @@ from torch_moe._triton.grouped_mm import SM90_MAX_SHARED
 CANDIDATES = [
     (bm, bn, bk, warps, stages)
     for bm, bn, bk, warps, stages in itertools.product(
-        (16, 32, 64), (64, 128), (64, 128), (4, 8), (2, 3, 4)
+        (16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (2, 3, 4)
     )
     if not (bm == 16 and warps == 8)  # 16-row tiles: mma.sync, 4 warps fill them
+    # 32-column tiles for the fewest rows only: at T = 1 (8 experts of 16 rows, F = 768)
+    # 128 columns give the w13 kernel 48 programs on the H200's 132 SMs, 32 give 192
+    and (bn > 32 or (bm == 16 and warps == 4))
 ]
 
 
