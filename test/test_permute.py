@@ -208,7 +208,7 @@ class TestPermute(TestCase):
         for device, dtype in [(d, t) for d in devices for t in (torch.float32, torch.bfloat16)]:
             ids = _ids(12, 4, 2, "one_expert").to(device)
             for align, cap in [(1, None), (4, 2)]:
-                with self.subTest(device=device, dtype=dtype, align=align, cap=cap):
+                with self.subTest(device=device, dtype=str(dtype), align=align, cap=cap):
                     self._opcheck(ids, align, cap, dtype)
 
     def _opcheck(self, ids, align, cap, dtype):
