@@ -46,7 +46,7 @@ def _pairs(T: int, E: int, K: int, D: int, align: int, gen: torch.Generator) -> 
         ),
         "weighted_row_dot": (
             lambda: TP.row_dot(y, x, s2r),
-            lambda: P._weighted_row_dot(y, x, s2r, max(1, T)),
+            lambda: P.weighted_row_dot_reference(y, x, s2r),
         ),
     }
     if TP.plan_takes(T * K, None):

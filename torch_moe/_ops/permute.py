@@ -51,6 +51,7 @@ __all__ = [
     "unpermute",
     "unpermute_rows_reference",
     "weighted_row_dot",
+    "weighted_row_dot_reference",
 ]
 
 
@@ -475,7 +476,7 @@ def weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tenso
 
     The gradient of the combine/dispatch weights.
     """
-    return _weighted_row_dot(rows, tokens, slot_to_row, max(1, slot_to_row.shape[0]))
+    return weighted_row_dot_reference(rows, tokens, slot_to_row)
 
 
 @weighted_row_dot.register_kernel("cpu")
@@ -510,6 +511,13 @@ def _check_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> None:
         )
 
 
+def weighted_row_dot_reference(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
+    """``weighted_row_dot`` over the whole [T, D] at once (the op's default and the CUDA
+    kernel's fallback; the CPU kernel runs the same in row chunks)."""
+    _check_row_dot(rows, tokens, slot_to_row)
+    return _weighted_row_dot(rows, tokens, slot_to_row, max(1, slot_to_row.shape[0]))
+
+
 @weighted_row_dot.register_kernel("cuda")
 def _weighted_row_dot_cuda(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
     """One Triton kernel where it takes rows and tokens (the reference launches ~5 kernels
@@ -517,7 +525,7 @@ def _weighted_row_dot_cuda(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) ->
     from torch_moe._triton import permute as TP
 
     if not (TP.rows_take(rows, None) and TP.rows_take(tokens, None)):
-        return _weighted_row_dot(rows, tokens, slot_to_row, max(1, slot_to_row.shape[0]))
+        return weighted_row_dot_reference(rows, tokens, slot_to_row)  # (checks)
     _check_row_dot(rows, tokens, slot_to_row)
     return TP.row_dot(rows, tokens, slot_to_row)
 
