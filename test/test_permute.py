@@ -368,6 +368,10 @@ class TestPermutePlan(TestCase):
             k = TP.compile_for_sm90(kernel)
             self.assertEqual(k.n_spills, 0, msg=f"{kernel}: {k.ptxas_log}")
             self.assertIn("ld.global.v", k.asm["ptx"])  # rows read in vectors
+        with self.assertRaisesRegex(
+            ValueError, r"kernel must be plan, permute, unpermute or row_dot, got 'rows'"
+        ):
+            TP.compile_for_sm90("rows")
 
 
 class TestPermuteRowKernels(TestCase):

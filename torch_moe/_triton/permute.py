@@ -376,6 +376,6 @@ def compile_for_sm90(
         warps = 4
     else:
         raise ValueError(
-            f"compile_for_sm90: kernel must be plan, permute or unpermute, got {kernel!r}"
+            f"compile_for_sm90: kernel must be plan, permute, unpermute or row_dot, got {kernel!r}"
         )
     return compile_jit_for_sm90(f"permute_{kernel}", fn, args, params, _Config(0, 0, 0, warps, 1))
