@@ -49,7 +49,7 @@ import torch
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
-from torch_moe._ops import _cpu_probe
+from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops.grouped_mm import cpu_compute_dtype
 from torch_moe._ops.permute import permute as permute_rows
 from torch_moe.nn.functional import grouped_swiglu
@@ -118,6 +118,18 @@ def square_mm(dtype: torch.dtype, n: int) -> Callable[[], object]:
 def gemm_rate(dtype: torch.dtype, n: int, reps: int) -> float:
     """FLOP/s of a large square mm, the fastest operand layout (A @ B^T)."""
     return 2 * n**3 / interleaved({"mm": square_mm(dtype, n)}, reps)["mm"]
+
+
+def native_mm_rate(dtype: torch.dtype, n: int, reps: int) -> float | None:
+    """FLOP/s of torch_moe's packed bf16 GEMM (``csrc/gemm_bf16_cpu.cpp``, what the threaded
+    grouped kernel runs where the probe's ``gemm_kernel`` chose it) on the floor's square
+    ``A @ B^T``, or None where it does not run (not bf16, no AVX512-BF16, not built)."""
+    mod = _native.kernels()
+    if dtype != torch.bfloat16 or mod is None or not mod.bf16_mm_available():
+        return None
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype).t()
+    out = a.new_empty((n, n))
+    return 2 * n**3 / interleaved({"mm": lambda: mod.bf16_mm(a, b, out)}, reps)["mm"]
 
 
 def floor_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -198,13 +210,21 @@ def page_faults(fn: Callable[[], object], reps: int = 3) -> tuple[float, float]:
     return (after.ru_minflt - before.ru_minflt) / reps, (after.ru_stime - before.ru_stime) / reps
 
 
-def floor_line(name: str, dtype: torch.dtype, rate: float, rate32: float) -> str:
+def floor_line(
+    name: str, dtype: torch.dtype, rate: float, rate32: float, native_rate: float | None = None
+) -> str:
     native = floor_dtype(dtype) == dtype
     which = f"{name} (native)" if native else "fp32 (this CPU upcasts " + name + ")"
-    return (
+    line = (
         f"# large mm: {rate / 1e9:.1f} GFLOP/s in {name}, {rate32 / 1e9:.1f} GFLOP/s in fp32; "
         f"the floor is the {which} rate"
     )
+    if native_rate is not None:
+        line += (
+            f"; torch_moe's own bf16 GEMM (csrc/gemm_bf16_cpu.cpp) {native_rate / 1e9:.1f} "
+            "GFLOP/s on the same mm (x native mm: against that rate)"
+        )
+    return line
 
 
 def print_decisions() -> None:
@@ -347,7 +367,8 @@ def main() -> None:
     rate32 = gemm_rate(torch.float32, floor_size(torch.float32), 3)
     bw = copy_bandwidth(args.reps)
     esize = torch.empty((), dtype=dtype).element_size()
-    print(floor_line(args.dtype, dtype, rate, rate32) + f"; copy: {bw / 1e9:.2f} GB/s")
+    native_rate = native_mm_rate(dtype, floor_size(dtype), 3)
+    print(floor_line(args.dtype, dtype, rate, rate32, native_rate) + f"; copy: {bw / 1e9:.2f} GB/s")
     print(f"# M={m} (T={t}, K={k}), D={d}, F={f}, E={e}, {args.dtype}, {timing}")
     if base is not None:
         print(f"# baseline: grouped_mm / grouped_swiglu of {base.rev}")

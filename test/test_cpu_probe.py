@@ -302,7 +302,8 @@ class TestCpuProbe(TestCase):
         x, w = torch.randn(64, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
         offs = torch.tensor([32, 64], dtype=torch.int32)
         want = torch.cat([x[:32] @ w[0], x[32:] @ w[1]])
-        with P.force(half_gemm="native"):
+        # (oneDNN's GEMMs: with the native GEMM it is asked on one thread too, below)
+        with P.force(half_gemm="native", gemm_kernel="aten"):
             with intra_op_threads(1):
                 self.assertEqual(grouped_mm(x, w, offs), want, atol=1e-2, rtol=1e-2)
                 self.assertFalse([k for k in P.decisions() if k.startswith("threads_mm:")])
@@ -311,6 +312,43 @@ class TestCpuProbe(TestCase):
         keys = [k for k in P.decisions() if k.startswith("threads_mm:")]
         self.assertEqual(keys, ["threads_mm:bf16:nn:m_small:t2"])
         self.assertRegex(P.decisions()[keys[0]], r"^(aten|native) \(measured: aten .* native ")
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_gemm_kernel_takes_the_threaded_kernel_on_one_thread(self):
+        # with the native GEMM the threaded kernel is a candidate on one thread, forward
+        # and weight gradient: threads_mm measured there under its own key (":gemm"), the
+        # product either way; without it, not asked (no row split here: 100 rows)
+        x, w = torch.randn(160, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
+        dy = torch.randn(160, 24).bfloat16()
+        offs = _offs([100, 60])
+        for kernel in ("native", "aten"):
+            P.reset()
+            with self.subTest(kernel=kernel), intra_op_threads(1):
+                with P.force(half_gemm="native", layout="as_is", gemm_kernel=kernel):
+                    out = grouped_mm(x, w, offs)
+                    dw = grouped_mm_wgrad(x, dy, offs)
+                keys = sorted(k for k in P.decisions() if k.startswith("threads_mm:"))
+                if kernel == "native" and native_gemm_available():
+                    self.assertEqual(len(keys), 2)
+                    self.assertTrue(all(k.endswith(":t1:gemm") for k in keys), keys)
+                else:
+                    self.assertEqual(keys, [])
+                assert_gemm_within(self, out, x, w, offs, kernel)
+                assert_gemm_within(self, dw, x, dy, offs, kernel, wgrad=True)
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_gemm_kernel_decision_measured(self):
+        # measured once, for bf16 only, where the kernel runs here; fp16 and fp32 never ask
+        got = grouped_mm_module.native_gemm_on(torch.bfloat16)
+        self.assertFalse(grouped_mm_module.native_gemm_on(torch.float16))
+        self.assertFalse(grouped_mm_module.native_gemm_on(torch.float32))
+        keys = [k for k in P.decisions() if k.startswith("gemm_kernel:")]
+        if not native_gemm_available():
+            self.assertEqual((got, keys), (False, []))
+            return
+        self.assertEqual(keys, ["gemm_kernel:bf16"])
+        self.assertRegex(P.decisions()[keys[0]], r"^(aten|native) \(measured: aten .* native ")
+        self.assertEqual(got, P.decisions()[keys[0]].startswith("native"))
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_row_split_takes_the_threaded_kernel_on_one_thread(self):
@@ -329,7 +367,10 @@ class TestCpuProbe(TestCase):
                 offs = _offs(sizes)
                 n = int(offs[-1])
                 with self.subTest(split=split, sizes=sizes), intra_op_threads(1), spy as threaded:
-                    with P.force(half_gemm="native", layout="as_is", row_split=split):
+                    # (oneDNN's GEMMs: the native GEMM has a one-thread gain of its own)
+                    with P.force(
+                        half_gemm="native", layout="as_is", row_split=split, gemm_kernel="aten"
+                    ):
                         outs[split, sizes[0]] = grouped_mm(x[:n], w, offs)
                     want = split == "split" and sizes[0] == 481
                     keys = [k for k in P.decisions() if k.startswith("threads_mm:")]
@@ -448,6 +489,11 @@ def assert_gemm_within(test, got, a, b, offs, msg, wgrad=False):
     n = int(sizes.max()) if wgrad else a.shape[1]
     bound = tolerances.gemm_bound(products, max(n, 1), exact, torch.float32, got.dtype)
     tolerances.assert_within(test, got, exact, bound, msg)
+
+
+def native_gemm_available():
+    """Whether the native bf16 GEMM runs here (an AVX-512 build, a CPU with AVX512-BF16)."""
+    return _native.available() and _native.kernels().bf16_mm_available()
 
 
 def _offs(sizes):

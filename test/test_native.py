@@ -1080,5 +1080,167 @@ class TestNativeThreadedGroupedMM(TestCase):
                 mod.threaded_grouped_mm_wgrad(*args)
 
 
+def _bf16_mm_available():
+    return _native.available() and _native.kernels().bf16_mm_available()
+
+
+needs_bf16_gemm = unittest.skipUnless(
+    _bf16_mm_available(), "the native bf16 GEMM needs an AVX-512 build on a CPU with AVX512-BF16"
+)
+
+
+def _operand(rows, cols, layout, g):
+    """A bf16 [rows, cols] matrix: row- or column-major, or either as a slice of a wider one
+    (a row / column stride past the width)."""
+    if layout == "row":
+        return torch.randn(rows, cols, generator=g).to(BF16)
+    if layout == "col":
+        return torch.randn(cols, rows, generator=g).to(BF16).t()
+    if layout == "row_slice":
+        return torch.randn(rows, cols + 9, generator=g).to(BF16)[:, 3 : 3 + cols]
+    return torch.randn(cols + 9, rows, generator=g).to(BF16)[5 : 5 + cols].t()
+
+
+def _bf16_mm(a, b):
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=BF16)  # every element written
+    ran = _native.kernels().bf16_mm(a, b, out)
+    return ran, out
+
+
+_LAYOUTS = ["row", "col", "row_slice", "col_slice"]
+
+
+@instantiate_parametrized_tests
+@needs_bf16_gemm
+class TestNativeBF16GEMM(TestCase):
+    """``bf16_mm`` (the packed AVX512-BF16 GEMM the threaded kernel's pieces run where the
+    probe's ``gemm_kernel`` says so): within the GEMM rounding bound of the float64 product
+    for every layout of both operands, with tails of the 6-row tiles and 64-column panels,
+    one and several K blocks, one and several passes over the rows; bits that depend on K
+    only (any row or column slice, either layout, the same bits), K's blocks summed from
+    zero; where it does not apply it runs nothing and says so."""
+
+    @parametrize("a_layout", _LAYOUTS)
+    @parametrize("b_layout", _LAYOUTS)
+    def test_within_the_gemm_bound(self, a_layout, b_layout):
+        g = torch.Generator().manual_seed(21)
+        # (M, K, N): tails of the 6-row tile and the 64-column panel, K under one 16-pair
+        # transpose, over a 512-element K block, and K large enough for several passes
+        # odd K too (its last element paired with zero)
+        cases = ((1, 2, 1), (7, 30, 65), (13, 64, 64), (6, 1026, 130), (300, 2048, 70))
+        cases += ((5, 1, 3), (9, 37, 64), (4, 1025, 17))
+        for m, k, n in cases:
+            a, b = _operand(m, k, a_layout, g), _operand(k, n, b_layout, g)
+            ran, got = _bf16_mm(a, b)
+            self.assertTrue(ran)
+            one = torch.tensor([m], dtype=torch.int32)
+            assert_gemm_within(self, got, a, b.unsqueeze(0), one, f"{m}x{k}x{n}")
+
+    def test_bits_depend_on_k_only(self):
+        # a row's products in a tile of 1-6 rows, a column in a full or a tail panel, the
+        # rows in one pass or several, a and b in either layout: the same bits
+        g = torch.Generator().manual_seed(22)
+        m, k, n = 301, 1100, 150
+        a, b = torch.randn(m, k, generator=g).to(BF16), torch.randn(k, n, generator=g).to(BF16)
+        whole = _bf16_mm(a, b)[1]
+        for a_, b_ in ((a.t().contiguous().t(), b), (a, b.t().contiguous().t())):
+            self.assertTrue(torch.equal(_bf16_mm(a_, b_)[1], whole))
+        for (r0, r1), (c0, c1) in (
+            ((0, 1), (0, 150)),
+            ((5, 12), (64, 129)),
+            ((300, 301), (149, 150)),
+        ):
+            with self.subTest(rows=(r0, r1), cols=(c0, c1)):
+                part = _bf16_mm(a[r0:r1], b[:, c0:c1])[1]
+                self.assertTrue(torch.equal(part, whole[r0:r1, c0:c1]))
+
+    def test_k_blocks_summed_from_zero(self):
+        # K = 1024: two blocks of 512 products, each summed from zero, then added. Block one
+        # is 2^25 then 511 ones (each below half an fp32 ulp of 2^25: lost), block two -2^25
+        # then 511 ones: the blocks give 2^25 and -2^25, the product 0. One running sum
+        # would lose the first 511 ones and keep the last: 511.
+        a = torch.ones(1, 1024, dtype=BF16)
+        a[0, 0], a[0, 512] = 2.0**25, -(2.0**25)
+        b = torch.ones(1024, 1, dtype=BF16)
+        self.assertEqual(_bf16_mm(a, b)[1].item(), 0.0)
+        self.assertEqual(_bf16_mm(a[:, :512], b[:512])[1].item(), 2.0**25)
+
+    def test_only_where_it_applies(self):
+        a, b = torch.randn(8, 6).to(BF16), torch.randn(6, 4).to(BF16)
+        out = torch.empty(8, 4, dtype=BF16)
+        cases = {
+            "fp16": (a.half(), b.half(), out.half()),
+            "fp32": (a.float(), b.float(), out.float()),
+            "a strided both ways": (torch.randn(8, 12).to(BF16)[::2, ::2], b, out[:4]),
+            "b strided both ways": (a, torch.randn(12, 8).to(BF16)[::2, ::2], out),
+            "out column-major": (a, b, torch.empty(4, 8, dtype=BF16).t()),
+            "shapes": (a, b[:4], out),
+        }
+        for name, (x, y, o) in cases.items():
+            o.fill_(7)
+            with self.subTest(name):
+                self.assertFalse(_native.kernels().bf16_mm(x, y, o))
+                self.assertTrue((o == 7).all())
+
+    @parametrize("a_layout", ["row", "col"])
+    @parametrize("b_layout", ["row", "col"])
+    def test_odd_k_reads_nothing_past_a_row(self, a_layout, b_layout):
+        # an odd K's last element pairs with zero: the element after it (the next row's or
+        # column's first, here inf) must not be read, or 0 * inf makes the sums NaN
+        g = torch.Generator().manual_seed(24)
+        k = 37
+        a = torch.randn(5, k + 1, generator=g).to(BF16)
+        b = torch.randn(k + 1, 70, generator=g).to(BF16)
+        a[:, k], b[k] = float("inf"), float("inf")
+        a = a if a_layout == "row" else a.t().contiguous().t()
+        b = b if b_layout == "row" else b.t().contiguous().t()
+        a_, b_ = a[:, :k], b[:k]  # each row / column followed by an inf
+        ran, got = _bf16_mm(a_, b_)
+        self.assertTrue(ran)
+        assert_gemm_within(self, got, a_, b_.unsqueeze(0), torch.tensor([5], dtype=torch.int32), "")
+
+    def test_empty(self):
+        ran, got = _bf16_mm(torch.empty(5, 0, dtype=BF16), torch.empty(0, 3, dtype=BF16))
+        self.assertTrue(ran)
+        self.assertTrue((got == 0).all())
+        self.assertTrue(_bf16_mm(torch.empty(0, 4, dtype=BF16), torch.randn(4, 3).to(BF16))[0])
+
+    @parametrize("layout", ["row", "col"])
+    def test_threaded_kernel_pieces(self, layout):
+        # the threaded kernel with native_gemm: within the bound, the same bits on 1-3
+        # threads (a group on a share's edge split by columns / output rows), each group's
+        # rows the bits of bf16_mm on that group alone
+        g = torch.Generator().manual_seed(23)
+        sizes = [300, 0, 37, 130, 1]
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        end = int(offs[-1])
+        x = torch.randn(end + 2, 64, generator=g).to(BF16)
+        w = _few_weight(len(sizes), 64, 90, BF16, layout, g)
+        dy = torch.randn(end + 2, 70, generator=g).to(BF16)
+        got, dws = {}, {}
+        for threads in (1, 2, 3):
+            with intra_op_threads(threads):
+                out = torch.full((end + 2, 90), float("nan"), dtype=BF16)
+                _native.kernels().threaded_grouped_mm(x, w, offs, out, False, True)
+                dw = torch.full((len(sizes), 64, 70), float("nan"), dtype=BF16)
+                _native.kernels().threaded_grouped_mm_wgrad(x.t(), dy, offs, dw, True)
+            got[threads], dws[threads] = out, dw
+            assert_gemm_within(self, out, x, w, offs, f"on {threads}")
+            assert_gemm_within(self, dw, x, dy, offs, f"wgrad on {threads}", wgrad=True)
+            self.assertTrue((out[end:] == 0).all() and (dw[1] == 0).all())
+        for threads in (2, 3):
+            self.assertTrue(torch.equal(got[threads], got[1]))
+            self.assertTrue(torch.equal(dws[threads], dws[1]))
+        start = 0
+        for e, stop in enumerate(offs.tolist()):
+            if stop > start:
+                want = _bf16_mm(x[start:stop], w[e])[1]
+                self.assertTrue(torch.equal(got[1][start:stop], want))
+                self.assertTrue(
+                    torch.equal(dws[1][e], _bf16_mm(x[start:stop].t(), dy[start:stop])[1])
+                )
+            start = stop
+
+
 if __name__ == "__main__":
     run_tests()

@@ -23,7 +23,8 @@ oneDNN splits each small GEMM by itself, and gains little from a second thread a
 rows): they are timed on the caller's threads, in wall time (the minimum over rounds),
 so that a two-thread process does not take a one-thread ranking (at 16 rows per expert
 they differ); ``threads_mm`` is asked on one thread only where the threaded kernel splits
-rows (``row_split``, below), and its key names the threads.
+rows (``row_split``, below) or runs the native GEMM (``gemm_kernel``), and its key names
+the threads (and ends in ``:gemm`` with the native GEMM).
 
 ``row_split`` is the one decision about a library's internals: whether the threaded
 kernel runs a group's forward GEMM as several GEMMs of at most 256 rows where oneDNN would
@@ -62,6 +63,9 @@ key                             choices               margin  used by
                                                               ``:t<t>``)
 ``row_split:<dt>``              **one**, split        10%     the threaded kernel's
                                                               forward GEMMs (CPU)
+``gemm_kernel:<dt>``            **aten**, native      5%      the threaded kernel's
+                                                              GEMMs (CPU, bf16 on
+                                                              AVX512-BF16)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -129,6 +133,7 @@ KINDS = (
     "few_gemm",
     "threads_mm",
     "row_split",
+    "gemm_kernel",
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
@@ -264,6 +269,7 @@ _CHOICES = {
     "few_gemm": ("aten", "native"),
     "threads_mm": ("aten", "native"),
     "row_split": ("one", "split"),
+    "gemm_kernel": ("aten", "native"),
 }
 
 
@@ -797,6 +803,7 @@ def threads_mm(
     cls: str,
     threads: int,
     measure: Callable[[], Mapping[str, float]],
+    native_gemm: bool = False,
 ) -> str:
     """``"aten"`` if the better ATen way (``torch._grouped_mm`` or the per-group loop, each
     group's GEMM split over all threads) beats the compiled threaded grouped GEMM
@@ -811,8 +818,18 @@ def threads_mm(
     was quiet: benchmarks/results/cpu_floor_cpu_202612.md), and a probe's minimum over
     a few rounds on small operands sees the quiet case only, within about 10% either
     way; so the probe keeps it unless the ATen way is clearly faster."""
-    key = f"threads_mm:{_dt(dtype)}:{ab}:{cls}:t{threads}"
+    key = f"threads_mm:{_dt(dtype)}:{ab}:{cls}:t{threads}" + (":gemm" if native_gemm else "")
     return decide(key, measure, default="native", margin=0.1, threads=True)
+
+
+def gemm_kernel(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:
+    """``"native"`` if the threaded grouped GEMM's pieces run faster by the compiled packed
+    bf16 GEMM (``csrc/gemm_bf16_cpu.cpp``: AVX512-BF16, each operand packed once per call)
+    than by ATen's GEMM (oneDNN's) by over 5% on one thread, forward and backward
+    layouts together, else ``"aten"``. Where it is ``"native"``, the threaded kernel is a
+    candidate on one thread too (``threads_mm`` then measures it there, key ending in
+    ``:gemm``)."""
+    return decide(f"gemm_kernel:{_dt(dtype)}", measure, default="aten", margin=0.05)
 
 
 def row_split(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:

@@ -55,6 +55,7 @@ _SOURCES = [
         "permute_cpu.cpp",
         "grouped_mm_cpu.cpp",
         "grouped_mm_threads_cpu.cpp",
+        "gemm_bf16_cpu.cpp",
         "parallel_cpu.cpp",
     )
 ]

@@ -69,6 +69,16 @@ benchmarks/results/ops_cpu_202612.md):
   same math; where the GEMM library orders a product's sums alike for any split of its
   rows and columns (oneDNN's bf16, as measured here) the same bits. Half dtypes only:
   fp32 GEMMs (MKL) of a few rows sum in another order on one thread than on several.
+* the GEMM itself (bf16 on AVX512-BF16 CPUs): the threaded kernels' pieces run the native
+  packed GEMM ``csrc/gemm_bf16_cpu.cpp`` instead of oneDNN's where the probe's
+  ``gemm_kernel`` found it faster (each operand packed once per call, rows of ``a`` kept
+  in L2 while the packed weight passes over them; oneDNN repacks the weight for every
+  block of rows: 417-443 against 470-500 GFLOP/s for an MoE layer's expert GEMMs on the
+  EPYCs measured). Then the threaded kernel also runs on one thread (``threads_mm``
+  measures it there). Its sums are in a fixed order that depends on K only (the same
+  bits for any split and thread count; oneDNN's bits for K <= 1024 on the machines
+  measured, not beyond), so, as with the few-rows kernel, paths that must match bit for
+  bit ask the same decisions.
 """
 
 from __future__ import annotations
@@ -385,13 +395,14 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
 def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """Whether the native threaded kernel runs ``a @ b`` per group (``wgrad``: a [K, M] x b
     [M, N] per group's rows, else a [M, K] x b [E, K, N]): the kernels built, two or more
-    threads (or one, forward, where :func:`_row_split_on` and :func:`splits_rows` hold),
-    and :func:`_decide_threaded`. Memoized on what it reads (the probe's decisions aside), the
+    threads (or one, where :func:`native_gemm_on` holds, or forward where
+    :func:`_row_split_on` and :func:`splits_rows` do), and :func:`_decide_threaded`. Memoized on what it reads (the probe's decisions aside), the
     threads included."""
     threads = torch.get_num_threads()
     if not ends or ends[-1] == 0 or not _native.enabled():
         return False
-    if threads < 2 and (wgrad or not splits_rows(a.dtype, ends)):
+    one_thread_gain = native_gemm_on(a.dtype) or (not wgrad and splits_rows(a.dtype, ends))
+    if threads < 2 and not one_thread_gain:
         return False
     key = (
         "threaded",
@@ -423,7 +434,8 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     if b.dtype != dtype or not _threaded_takes(dtype) or cpu_compute_dtype(dtype) != dtype:
         return False
     split = _row_split_on(dtype)  # (asked here, not inside threads_mm's measurement)
-    if threads < 2 and not split:
+    gemm = native_gemm_on(dtype)
+    if threads < 2 and not split and not gemm:
         return False
     _, rows = rows_per_busy_group(ends)
     if wgrad:  # out[g] [K, N] = a[:, rows of g] @ b[rows of g]
@@ -437,8 +449,8 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     m, k, n = a_g.shape[0], a_g.shape[1], b_g.shape[1]
     ab = _cpu_probe.layout_of(a_g, b_g)
     cls = _cpu_probe.shape_class(m, k, n)
-    measure = functools.partial(_measure_threaded, dtype, ab, cls, wgrad, split)
-    return _cpu_probe.threads_mm(dtype, ab, cls, threads, measure) == "native"
+    measure = functools.partial(_measure_threaded, dtype, ab, cls, wgrad, split, gemm)
+    return _cpu_probe.threads_mm(dtype, ab, cls, threads, measure, gemm) == "native"
 
 
 def _threaded_takes(dtype: torch.dtype) -> bool:
@@ -480,6 +492,59 @@ def _row_split_on(dtype: torch.dtype) -> bool:
     )
 
 
+def native_gemm_on(dtype: torch.dtype) -> bool:
+    """Whether the threaded kernel's GEMMs run by the native packed bf16 GEMM
+    (``csrc/gemm_bf16_cpu.cpp``) instead of ATen's: bf16 multiplied natively, a CPU with
+    AVX512-BF16 (and no ISA cap below it: ``_cpu_probe.cpu_isa``) and the probe's
+    ``gemm_kernel`` choice. Memoized (a call per grouped GEMM)."""
+    if dtype != torch.bfloat16:
+        return False
+    return _cpu_probe.memo(("native_gemm", dtype), functools.partial(_decide_native_gemm, dtype))
+
+
+def _decide_native_gemm(dtype: torch.dtype) -> bool:
+    if not _threaded_takes(dtype) or cpu_compute_dtype(dtype) != dtype:
+        return False
+    mod = _threaded_kernels()
+    if not hasattr(mod, "bf16_mm_available") or not mod.bf16_mm_available():
+        return False
+    if _cpu_probe.cpu_isa() not in ("AVX512-BF16", "AMX"):
+        return False
+    measure = functools.partial(_measure_gemm_kernel, dtype)
+    return _cpu_probe.gemm_kernel(dtype, measure) == "native"
+
+
+def _measure_gemm_kernel(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the threaded kernel's GEMMs by ATen and by the native GEMM on 4 groups of
+    about 256 rows, K = 1024, N = 512 (2 MiB of weights per operand set, sets cycled): the
+    forward (x @ w^T, w column-major) and the backward's (dh @ w, row-major) together."""
+    mod, groups, k, n = _threaded_kernels(), 4, 1024, 512
+    ends = list(itertools.accumulate(256 + (g * 37) % 31 - 15 for g in range(groups)))
+    offs = torch.tensor(ends, dtype=torch.int32)
+    sets = [
+        (
+            torch.full((ends[-1], k), 0.5, dtype=dtype),
+            torch.full((groups, n, k), 0.5, dtype=dtype),
+            torch.full((ends[-1], n), 0.25, dtype=dtype),
+        )
+        for _ in range(_cpu_probe._OPERAND_SETS)
+    ]
+
+    def run(native: bool) -> Callable[[tuple[Tensor, Tensor, Tensor]], None]:
+        def fn(s: tuple[Tensor, Tensor, Tensor]) -> None:
+            x, w, dh = s
+            mod.threaded_grouped_mm(
+                x, w.transpose(-2, -1), offs, x.new_empty((ends[-1], n)), False, native
+            )
+            mod.threaded_grouped_mm(dh, w, offs, x.new_empty((ends[-1], k)), False, native)
+
+        return fn
+
+    return _cpu_probe.time_candidates(
+        _cpu_probe.cycled(sets, {"aten": run(False), "native": run(True)})
+    )
+
+
 def _measure_row_split(dtype: torch.dtype) -> dict[str, float]:
     """Seconds of the threaded kernel's forward on 2 groups of 481 rows (13 x 37: oneDNN 3
     on AVX-512 blocks them by 37) at K = N = 512, with and without its row split, operand
@@ -500,7 +565,7 @@ def _measure_row_split(dtype: torch.dtype) -> dict[str, float]:
 
 
 def _measure_threaded(
-    dtype: torch.dtype, ab: str, cls: str, wgrad: bool, split: bool
+    dtype: torch.dtype, ab: str, cls: str, wgrad: bool, split: bool, gemm: bool
 ) -> dict[str, float]:
     """Seconds of the threaded kernel (its forward with the row split where ``split``) and
     of the better ATen way (``torch._grouped_mm`` where it is allowed, the loop) on the
@@ -529,7 +594,7 @@ def _measure_threaded(
         k, n = dims["m"], dims["n"]
 
         def native(s: tuple[Tensor, Tensor]) -> None:
-            mod.threaded_grouped_mm_wgrad(*s, offs, s[0].new_empty((groups, k, n)))
+            mod.threaded_grouped_mm_wgrad(*s, offs, s[0].new_empty((groups, k, n)), gemm)
 
         ways = {"native": native, "loop": lambda s: _wgrad_loop(*s, ends)}
         ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n)
@@ -544,7 +609,7 @@ def _measure_threaded(
         n = dims["n"]
 
         def native(s: tuple[Tensor, Tensor]) -> None:
-            mod.threaded_grouped_mm(*s, offs, s[0].new_empty((total, n)), split)
+            mod.threaded_grouped_mm(*s, offs, s[0].new_empty((total, n)), split, gemm)
 
         ways = {"native": native, "loop": lambda s: _mm_loop(*s, ends)}
         ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, dims["k"], n)
@@ -760,7 +825,9 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
         return out
     if way == "threads":
         out = x.new_empty((x.shape[0], w.shape[2]))
-        _threaded_kernels().threaded_grouped_mm(x, w, offs, out, _row_split_on(x.dtype))
+        _threaded_kernels().threaded_grouped_mm(
+            x, w, offs, out, _row_split_on(x.dtype), native_gemm_on(x.dtype)
+        )
         return out
     return _torch_grouped_mm(x, w, offs, end)
 
@@ -770,7 +837,7 @@ def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Te
     or ``"torch"``, as :func:`whole_way` decided); empty groups zero."""
     if way == "threads":
         out = a.new_empty((offs.shape[0], a.shape[0], dy.shape[1]))
-        _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, offs, out)
+        _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, offs, out, native_gemm_on(a.dtype))
         return out
     return torch._grouped_mm(a, dy, offs=offs)
 

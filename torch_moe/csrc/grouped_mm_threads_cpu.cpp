@@ -49,6 +49,8 @@
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
+#include "gemm_bf16_cpu.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -79,12 +81,21 @@ int64_t row_split_parts(int64_t rows) {
   return (rows + kMaxBlock - 1) / kMaxBlock;
 }
 
-// out = x @ w on this thread, with split_rows as row_split_parts pieces.
-void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool split_rows) {
+// out = a @ b on this thread: by gemm_bf16_cpu.cpp's kernel where native_gemm (and it
+// applies), else at::mm_out.
+void mm_piece(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool native_gemm) {
+  if (native_gemm && torch_moe_cpu::bf16_gemm(out, a, b)) return;
+  at::mm_out(out, a, b);
+}
+
+// out = x @ w on this thread, with split_rows as row_split_parts pieces (not with the
+// native GEMM, which does not block rows as oneDNN does).
+void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool split_rows,
+             bool native_gemm) {
   const int64_t rows = x.size(0);
-  const int64_t parts = split_rows ? row_split_parts(rows) : 1;
+  const int64_t parts = split_rows && !native_gemm ? row_split_parts(rows) : 1;
   if (parts == 1) {
-    at::mm_out(out, x, w);
+    mm_piece(out, x, w, native_gemm);
     return;
   }
   for (int64_t p = 0, r0 = 0; p < parts; ++p) {
@@ -152,7 +163,7 @@ void split_groups(const std::vector<int64_t>& ends, Extent extent, Piece piece) 
 }
 
 void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                         at::Tensor& out, bool split_rows) {
+                         at::Tensor& out, bool split_rows, bool native_gemm) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "threaded_grouped_mm: "
               "x [M, K] and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
@@ -165,14 +176,14 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
       ends, [n](int64_t, int64_t) { return n; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
         auto o = out.narrow(0, start, rows).narrow(1, lo, hi - lo);
-        mm_rows(o, x.narrow(0, start, rows), w[g].narrow(1, lo, hi - lo), split_rows);
+        mm_rows(o, x.narrow(0, start, rows), w[g].narrow(1, lo, hi - lo), split_rows, native_gemm);
       });
   const int64_t end = ends.empty() ? 0 : ends.back();
   if (end < out.size(0)) out.narrow(0, end, out.size(0) - end).zero_();
 }
 
 void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
-                               const at::Tensor& offs, at::Tensor& out) {
+                               const at::Tensor& offs, at::Tensor& out, bool native_gemm) {
   TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && a.size(1) == dy.size(0),
               "threaded_grouped_mm_wgrad: a [K, M] and dy [M, N] expected, got ", a.sizes(),
               " and ", dy.sizes());
@@ -190,7 +201,8 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
       ends, [k](int64_t, int64_t) { return k; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
         auto o = out[g].narrow(0, lo, hi - lo);
-        at::mm_out(o, a.narrow(0, lo, hi - lo).narrow(1, start, rows), dy.narrow(0, start, rows));
+        mm_piece(o, a.narrow(0, lo, hi - lo).narrow(1, start, rows), dy.narrow(0, start, rows),
+                 native_gemm);
       });
 }
 
@@ -198,9 +210,11 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def(
-      "threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool split_rows=False)"
-      " -> ()");
-  m.def("threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out) -> ()");
+      "threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool split_rows=False,"
+      " bool native_gemm=False) -> ()");
+  m.def(
+      "threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out,"
+      " bool native_gemm=False) -> ()");
   m.def("row_split_parts(int rows) -> int", &row_split_parts);
 }
 
