@@ -123,13 +123,18 @@ def gemm_rate(dtype: torch.dtype, n: int, reps: int) -> float:
 def native_mm_rate(dtype: torch.dtype, n: int, reps: int) -> float | None:
     """FLOP/s of torch_moe's packed bf16 GEMM (``csrc/gemm_bf16_cpu.cpp``, what the threaded
     grouped kernel runs where the probe's ``gemm_kernel`` chose it) on the floor's square
-    ``A @ B^T``, or None where it does not run (not bf16, no AVX512-BF16, not built)."""
+    ``A @ B^T``, on all intra-op threads as that kernel shares one group out (by
+    columns), or None where it does not run (not bf16, no AVX512-BF16, not built)."""
     mod = _native.kernels()
     if dtype != torch.bfloat16 or mod is None or not mod.bf16_mm_available():
         return None
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype).t()
-    out = a.new_empty((n, n))
-    return 2 * n**3 / interleaved({"mm": lambda: mod.bf16_mm(a, b, out)}, reps)["mm"]
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype).t().unsqueeze(0)
+    out, offs = a.new_empty((n, n)), torch.tensor([n], dtype=torch.int32)
+
+    def run() -> None:
+        mod.threaded_grouped_mm(a, b, offs, out, False, True)
+
+    return 2 * n**3 / interleaved({"mm": run}, reps)["mm"]
 
 
 def floor_dtype(dtype: torch.dtype) -> torch.dtype:
