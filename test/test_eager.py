@@ -603,11 +603,32 @@ class TestSwiGLUCombine(TestCase):
 
                 return call
 
+        # (oneDNN's GEMMs: the native GEMM's gathered calls, and its probe, counted apart)
+        forced = {**THREADS, "gemm_kernel": "aten"}
         with two_threads(), mock.patch.object(gmm, "_threaded_kernels", Recording):
-            self._compare(p, inputs, (True,) * 4, True, THREADS)
+            self._compare(p, inputs, (True,) * 4, True, forced)
         # the ops' run (reference) and the node's: each four forward-type and two wgrads
         self.assertEqual(calls.count("threaded_grouped_mm"), 8, msg=str(calls))
         self.assertEqual(calls.count("threaded_grouped_mm_wgrad"), 4, msg=str(calls))
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_gemms_read_the_gathered_rows_with_the_native_gemm(self) -> None:
+        # with the native bf16 GEMM (forced, where it runs) the lean node's GEMMs read the
+        # tokens' rows of x (h, dW13) and of the output's gradient (dA, dW2) through the
+        # token index, gathering nothing; with oneDNN's they take gathered copies. The ops'
+        # bits either way (the ops gather)
+        p, inputs = _combine_inputs(96, BF16, seed=4, weighted=True)
+        runs = gmm._threaded_kernels().bf16_mm_available()
+        for kernel in ("native", "aten"):
+            spy = mock.patch.object(gs, "gathered_grouped_mm", wraps=gs.gathered_grouped_mm)
+            spy_w = mock.patch.object(
+                gs, "gathered_grouped_mm_wgrad", wraps=gs.gathered_grouped_mm_wgrad
+            )
+            with self.subTest(kernel=kernel), two_threads(), spy as fwd, spy_w as wgrad:
+                self._compare(p, inputs, (True,) * 4, True, {**THREADS, "gemm_kernel": kernel})
+                fused = kernel == "native" and runs
+                self.assertEqual(fwd.call_count, 2 if fused else 0)  # h, dA
+                self.assertEqual(wgrad.call_count, 2 if fused else 0)  # dW2, dW13
 
     def test_few_rows_gemms_decided_per_gemm(self) -> None:
         # w2 stored column-major (w13 row-major) and the few-rows GEMM forced for

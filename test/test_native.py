@@ -1242,5 +1242,99 @@ class TestNativeBF16GEMM(TestCase):
             start = stop
 
 
+def _gather(src, index):
+    """src's rows ``index`` (zero rows where -1): what a gathered operand stands for."""
+    out = src[index.clamp(min=0)]
+    out[index < 0] = 0
+    return out
+
+
+@instantiate_parametrized_tests
+@needs_native
+class TestNativeGatheredOperands(TestCase):
+    """The threaded kernels with gathered operands (``x_index`` forward; ``a_index`` /
+    ``dy_index`` weight gradient: the permutation's gather read by the GEMM instead of
+    materialized): the bits of the same call on the gathered tensors, with the native GEMM
+    and without (the ATen fallback gathers), on 1-3 threads, rows of index -1 zero,
+    repeated and unused source rows; bad indices refused by message."""
+
+    def _case(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        sizes = [70, 0, 3, 131, 1]
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        m = int(offs[-1])
+        index = torch.randint(-1, 50, (m,), generator=g)  # -1 rows, repeats; 50 of 60 used
+        index[:4] = -1
+        x = torch.randn(60, 40, generator=g).to(BF16)
+        dy = torch.randn(60, 24, generator=g).to(BF16)
+        return offs, index, x, dy, g
+
+    @parametrize("native", [True, False])
+    def test_forward_bits_of_the_gathered_rows(self, native):
+        if native and not _bf16_mm_available():
+            self.skipTest("no native bf16 GEMM here")
+        offs, index, x, _, g = self._case(31)
+        m = index.shape[0]
+        for layout in ("row", "col"):
+            w = _few_weight(5, 40, 90, BF16, layout, g)
+            want = torch.full((m + 2, 90), float("nan"), dtype=BF16)
+            rows = torch.cat([_gather(x, index), torch.randn(2, 40).to(BF16)])
+            for threads in (1, 2, 3):
+                with self.subTest(layout=layout, threads=threads), intra_op_threads(threads):
+                    _native.kernels().threaded_grouped_mm(
+                        rows[:m], w, offs, want[:m], False, native
+                    )
+                    got = torch.full((m, 90), float("nan"), dtype=BF16)
+                    _native.kernels().threaded_grouped_mm(x, w, offs, got, False, native, index)
+                    self.assertTrue(torch.equal(got, want[:m]))
+
+    @parametrize("native", [True, False])
+    def test_wgrad_bits_of_the_gathered_rows(self, native):
+        if native and not _bf16_mm_available():
+            self.skipTest("no native bf16 GEMM here")
+        offs, index, x, dy, _ = self._case(32)
+        xg, dyg = _gather(x, index), _gather(dy, index)
+        for a_gathered, dy_gathered in ((True, False), (False, True), (True, True)):
+            a = x.t() if a_gathered else xg.t()
+            d = dy if dy_gathered else dyg
+            for threads in (1, 2, 3):
+                with self.subTest(a=a_gathered, dy=dy_gathered, threads=threads):
+                    with intra_op_threads(threads):
+                        want = torch.full((5, 40, 24), float("nan"), dtype=BF16)
+                        _native.kernels().threaded_grouped_mm_wgrad(xg.t(), dyg, offs, want, native)
+                        got = torch.full((5, 40, 24), float("nan"), dtype=BF16)
+                        _native.kernels().threaded_grouped_mm_wgrad(
+                            a,
+                            d,
+                            offs,
+                            got,
+                            native,
+                            index if a_gathered else None,
+                            index if dy_gathered else None,
+                        )
+                    self.assertTrue(torch.equal(got, want))
+
+    def test_bad_indices(self):
+        mod = _native.kernels()
+        offs, index, x, dy, _ = self._case(33)
+        m = index.shape[0]
+        w = torch.randn(5, 40, 8).to(BF16)
+        out = x.new_empty((m, 8))
+        cases = [
+            (index.int(), r"x_index must be a contiguous int64 tensor of 205 rows"),
+            (index[:-1], r"out must be a contiguous \[M, N\] tensor"),  # M: the index's
+            (torch.full((m,), 60), r"x_index must hold rows in \[-1, 60\), got 60 at 0"),
+            (torch.full((m,), -2), r"x_index must hold rows in \[-1, 60\), got -2 at 0"),
+        ]
+        for bad, msg in cases:
+            with self.subTest(msg=msg), self.assertRaisesRegex(RuntimeError, msg):
+                mod.threaded_grouped_mm(x, w, offs, out, False, True, bad)
+        dw = torch.empty(5, 40, 24).to(BF16)
+        with self.assertRaisesRegex(RuntimeError, r"dy_index must hold rows in \[-1, 60\), got 60"):
+            mod.threaded_grouped_mm_wgrad(x.t(), dy, offs, dw, True, index, torch.full((m,), 60))
+        with self.assertRaisesRegex(RuntimeError, r"a \[K, M\] and dy \[M, N\] expected"):
+            mod.threaded_grouped_mm_wgrad(x.t(), dy, offs, dw, True, index[:-1], index)
+
+
 if __name__ == "__main__":
     run_tests()

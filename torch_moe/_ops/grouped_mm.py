@@ -832,6 +832,37 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
     return _torch_grouped_mm(x, w, offs, end)
 
 
+def reads_gathered(x: Tensor, way: str, dtype: torch.dtype) -> bool:
+    """Whether a grouped GEMM that ``whole_way`` runs by ``way`` can read the rows of ``x``
+    that a permutation gathers in place of a gathered copy (:func:`gathered_grouped_mm`,
+    :func:`gathered_grouped_mm_wgrad`): the threaded kernel with the native GEMM, ``x``
+    row-major in ``dtype`` itself (the copy would convert nothing)."""
+    return way == "threads" and x.dtype == dtype and x.stride(-1) == 1 and native_gemm_on(dtype)
+
+
+def gathered_grouped_mm(x: Tensor, index: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """``_whole_grouped_mm(gather_rows(x, index), w, offs, ..., "threads")`` (rows of index
+    -1 zero, rows past the groups zero), the gather read by the native GEMM: the same bits,
+    no [M, K] copy (where :func:`reads_gathered` holds)."""
+    out = x.new_empty((index.shape[0], w.shape[2]))
+    index = index.to(torch.int64).contiguous()
+    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, _row_split_on(x.dtype), True, index)
+    return out
+
+
+def gathered_grouped_mm_wgrad(
+    a: Tensor, dy: Tensor, offs: Tensor, a_index: Tensor | None, dy_index: Tensor | None
+) -> Tensor:
+    """``_whole_grouped_mm_wgrad(a, dy, offs, "threads")`` with a's columns (``a`` then the
+    transposed view of their source) and / or dy's rows gathered by the native GEMM."""
+    out = a.new_empty((offs.shape[0], a.shape[0], dy.shape[1]))
+    a_index, dy_index = (
+        None if i is None else i.to(torch.int64).contiguous() for i in (a_index, dy_index)
+    )
+    _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, offs, out, True, a_index, dy_index)
+    return out
+
+
 def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Tensor:
     """``out[g] = a[:, rows of g] @ dy[rows of g]`` in one call by ``way`` (``"threads"``
     or ``"torch"``, as :func:`whole_way` decided); empty groups zero."""

@@ -51,11 +51,14 @@ from torch_moe._ops.grouped_mm import (
     check_offs_values,
     cpu_compute_dtype,
     few_gemm_class,
+    gathered_grouped_mm,
+    gathered_grouped_mm_wgrad,
     group_sizes,
     grouped_mm,
     grouped_mm_wgrad,
     mm_cpu,
     mm_into,
+    reads_gathered,
     rows_per_busy_group,
     splits_rows,
     weight_col_major,
@@ -1188,9 +1191,12 @@ def _lean_forward(
 ) -> tuple[Tensor, Tensor | None]:
     """``_forward_whole`` then the combine where ``_lean_plan`` holds: (out, h), h None
     (freed before the combine) without ``keep_h``."""
-    x_rows = gather_rows(x, tokens, empty).to(w13.dtype)
-    h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, ways[0])
-    del x_rows
+    if reads_gathered(x, ways[0], w13.dtype):  # the GEMM reads the tokens' rows itself
+        h = gathered_grouped_mm(x, tokens, w13.transpose(-2, -1), offs)
+    else:
+        x_rows = gather_rows(x, tokens, empty).to(w13.dtype)
+        h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, ways[0])
+        del x_rows
     a = w13.new_empty((h.shape[0], w2.shape[2]))
     mod.swiglu_forward(h, _native_weights(row_weights), a)
     y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, ways[1])
@@ -1222,8 +1228,14 @@ def _lean_backward(
     """The permute of ``grad_out``, ``_backward_whole`` and the combine of dX where
     ``_lean_plan`` holds: (dx, dw13, dw2, d row_weights)."""
     dt = w13.dtype
-    grad_y = gather_rows(grad_out, tokens, empty)
-    grad_a = _whole_grouped_mm(grad_y, w2, offs, end, ways[2])
+    # the GEMMs read the gathered rows of grad_out (dA, dW2) and x (dW13) themselves where
+    # they can (same bits)
+    fuse_gy = reads_gathered(grad_out, ways[2], dt) and reads_gathered(grad_out, ways[4], dt)
+    grad_y = None if fuse_gy else gather_rows(grad_out, tokens, empty)
+    if grad_y is None:
+        grad_a = gathered_grouped_mm(grad_out, tokens, w2, offs)
+    else:
+        grad_a = _whole_grouped_mm(grad_y, w2, offs, end, ways[2])
     rows, hidden = h.shape[0], w2.shape[2]
     a = w13.new_empty((rows, hidden))
     dh = w13.new_empty((rows, 2 * hidden))
@@ -1231,11 +1243,17 @@ def _lean_backward(
     if grad_rw is not None:
         grad_rw[end:] = 0  # rows past the last group belong to no expert
     del grad_a
-    dw2 = _whole_grouped_mm_wgrad(grad_y.t(), a, offs, ways[4])
+    if grad_y is None:
+        dw2 = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None)
+    else:
+        dw2 = _whole_grouped_mm_wgrad(grad_y.t(), a, offs, ways[4])
     del a, grad_y
-    x_rows = gather_rows(x, tokens, empty).to(dt)
-    dw13 = _whole_grouped_mm_wgrad(dh.t(), x_rows, offs, ways[5])
-    del x_rows
+    if reads_gathered(x, ways[5], dt):
+        dw13 = gathered_grouped_mm_wgrad(dh.t(), x, offs, None, tokens)
+    else:
+        x_rows = gather_rows(x, tokens, empty).to(dt)
+        dw13 = _whole_grouped_mm_wgrad(dh.t(), x_rows, offs, ways[5])
+        del x_rows
     dx = None
     if need_x:
         dx_rows = _whole_grouped_mm(dh, w13, offs, end, ways[3]).to(x.dtype)

@@ -36,6 +36,13 @@
 // by shape and layout, and so do about 1 in 5000 of the bits). vdpbf16ps treats denormal
 // inputs as zero and flushes denormal sums, as oneDNN's bf16 kernels on these CPUs do.
 //
+// Gathered operands: a row-major a's rows, a column-major a's columns (the rows of a^T)
+// and a row-major b's rows may be read through an index of the rows of their source (a
+// zero row where it is -1): the permutation's gather (x[tokens], grad_out[tokens]) is then
+// read by the GEMM, which touches each row once per panel pass anyway, instead of copied
+// into an [M, K] tensor first (at 64 experts three 32 MB copies per layer step that
+// neither thread count made faster). The bits are those of the gathered copy's.
+//
 // Scratch: each thread keeps its packing buffers (a weight's panels: 2 bytes per element
 // of b) between calls.
 
@@ -83,18 +90,32 @@ inline uint32_t pair_at(const uint16_t* p) {
   return v;
 }
 
-// Rows 2p and 2p + 1 of a row-major [K, cols] matrix (row stride ld, cols <= 64)
+// The rows of a row-major matrix (row stride ld), in order or gathered: row i at base +
+// index[i] * ld, a row of zeros (`zero`, as long as any row read) where index[i] < 0.
+struct RowSource {
+  const uint16_t* base;
+  int64_t ld;
+  const int64_t* index;  // nullptr: row i at base + i * ld
+  const uint16_t* zero;
+  const uint16_t* row(int64_t i) const {
+    if (index == nullptr) return base + i * ld;
+    const int64_t j = index[i];
+    return j < 0 ? zero : base + j * ld;
+  }
+};
+
+// Rows 2p and 2p + 1 of a [K, cols] matrix (`m`'s rows from column col0 on, cols <= 64)
 // interleaved into out[p * ldo + j] = (m[2p][j], m[2p + 1][j]), for p < ceil(K / 2): an
 // odd K's last row pairs with zero, as do columns cols..63.
-TORCH_MOE_GEMM_TARGET void pack_row_pairs(const uint16_t* m, int64_t ld, int64_t K,
+TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int64_t K,
                                           int64_t cols, uint32_t* out, int64_t ldo) {
   // unpack{lo,hi}_epi16 interleave within 128-bit lanes: of 32 columns, lo holds the
   // pairs of columns 0-3, 8-11, 16-19, 24-27 and hi the others; the permutes restore order
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   for (int64_t p = 0; 2 * p < K; ++p) {
-    const uint16_t* r0 = m + 2 * p * ld;
-    const uint16_t* r1 = 2 * p + 1 < K ? r0 + ld : nullptr;
+    const uint16_t* r0 = m.row(2 * p) + col0;
+    const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) + col0 : nullptr;
     uint32_t* o = out + p * ldo;
     if (cols == kNr) {
       for (int h = 0; h < 2; ++h) {
@@ -163,16 +184,17 @@ TORCH_MOE_GEMM_TARGET void pack_col_pairs(const uint16_t* b, int64_t ld, int64_t
   }
 }
 
-// One k pair: acc[r][v] += a's pair of row r (at ap + r * rs; only its first element,
+// One k pair: acc[r][v] += a's pair of row r (at rows[r] + off; only its first element,
 // paired with zero, where kHalf) times the panel's pair row w.
 template <int R, bool kHalf>
-TORCH_MOE_GEMM_INLINE void step(const uint16_t* ap, int64_t rs, const uint32_t* w, __m512 (&acc)[R][4]) {
+TORCH_MOE_GEMM_INLINE void step(const uint16_t* const* rows, int64_t off, const uint32_t* w,
+                                __m512 (&acc)[R][4]) {
   const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w);
   const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + 16);
   const __m512bh b2 = (__m512bh)_mm512_loadu_si512(w + 32);
   const __m512bh b3 = (__m512bh)_mm512_loadu_si512(w + 48);
   for (int r = 0; r < R; ++r) {
-    const uint32_t v = kHalf ? uint32_t(ap[r * rs]) : pair_at(ap + r * rs);
+    const uint32_t v = kHalf ? uint32_t(rows[r][off]) : pair_at(rows[r] + off);
     const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
     acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
     acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
@@ -181,14 +203,16 @@ TORCH_MOE_GEMM_INLINE void step(const uint16_t* ap, int64_t rs, const uint32_t* 
   }
 }
 
-// c[r][0..cols) = sum over k of a's rows r < R (row r's pair p at a + p * ks + r * rs)
-// times the panel (cols <= 64): K's pairs in blocks of kKBlock, each summed from zero and
-// added to the running sums in order; an odd K's last pair is (a[r][K - 1], 0), read as
-// its one element (a row-major a has no element K). One rounding into c.
+// c[r][0..cols) = sum over k of a's rows r < R (row r's pair p at rows[r] + p * ks) times
+// the panel (cols <= 64): K's pairs in blocks of kKBlock, each summed from zero and added
+// to the running sums in order; an odd K's last pair is (a[r][K - 1], 0), read as its one
+// element (a row-major a has no element K). One rounding into c.
 template <int R>
-TORCH_MOE_GEMM_TARGET void tile(const uint16_t* a, int64_t ks, int64_t rs, const uint32_t* panel,
+TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const uint32_t* panel,
                                 int64_t K, uint16_t* c, int64_t ldc, int64_t cols) {
   const int64_t pairs = (K + 1) / 2, whole = K / 2;
+  const uint16_t* rp[R];  // the row pointers in registers, not re-read per k pair
+  for (int r = 0; r < R; ++r) rp[r] = rows[r];
   __m512 sum[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) sum[r][v] = _mm512_setzero_ps();
@@ -197,8 +221,8 @@ TORCH_MOE_GEMM_TARGET void tile(const uint16_t* a, int64_t ks, int64_t rs, const
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t p = p0; p < std::min(p1, whole); ++p) step<R, false>(a + p * ks, rs, panel + p * kNr, acc);
-    if (p1 > whole) step<R, true>(a + whole * ks, rs, panel + whole * kNr, acc);
+    for (int64_t p = p0; p < std::min(p1, whole); ++p) step<R, false>(rp, p * ks, panel + p * kNr, acc);
+    if (p1 > whole) step<R, true>(rp, whole * ks, panel + whole * kNr, acc);
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) sum[r][v] = p0 == 0 ? acc[r][v] : _mm512_add_ps(sum[r][v], acc[r][v]);
   }
@@ -215,51 +239,55 @@ TORCH_MOE_GEMM_TARGET void tile(const uint16_t* a, int64_t ks, int64_t rs, const
   }
 }
 
-TORCH_MOE_GEMM_TARGET void tile_rows(int rows, const uint16_t* a, int64_t ks, int64_t rs,
+TORCH_MOE_GEMM_TARGET void tile_rows(int rows, const uint16_t* const* a, int64_t ks,
                                      const uint32_t* panel, int64_t K, uint16_t* c,
                                      int64_t ldc, int64_t cols) {
   switch (rows) {
-    case 6: tile<6>(a, ks, rs, panel, K, c, ldc, cols); break;
-    case 5: tile<5>(a, ks, rs, panel, K, c, ldc, cols); break;
-    case 4: tile<4>(a, ks, rs, panel, K, c, ldc, cols); break;
-    case 3: tile<3>(a, ks, rs, panel, K, c, ldc, cols); break;
-    case 2: tile<2>(a, ks, rs, panel, K, c, ldc, cols); break;
-    case 1: tile<1>(a, ks, rs, panel, K, c, ldc, cols); break;
+    case 6: tile<6>(a, ks, panel, K, c, ldc, cols); break;
+    case 5: tile<5>(a, ks, panel, K, c, ldc, cols); break;
+    case 4: tile<4>(a, ks, panel, K, c, ldc, cols); break;
+    case 3: tile<3>(a, ks, panel, K, c, ldc, cols); break;
+    case 2: tile<2>(a, ks, panel, K, c, ldc, cols); break;
+    case 1: tile<1>(a, ks, panel, K, c, ldc, cols); break;
     default: break;
   }
 }
 
-// The operand b's panel holding columns [n0, n0 + cols) into out.
+// The operand b: its panel of columns [n0, n0 + cols) into out.
 struct BOperand {
-  const uint16_t* data;
-  int64_t ld;
-  bool col_major;
+  RowSource rows;  // row-major b's rows (gathered or not)
+  bool col_major;  // else column-major: column j's K elements at rows.base + j * rows.ld
   int64_t K;
   TORCH_MOE_GEMM_TARGET void pack(int64_t n0, int64_t cols, uint32_t* out) const {
     if (col_major) {
-      pack_col_pairs(data + n0 * ld, ld, K, cols, out);
+      pack_col_pairs(rows.base + n0 * rows.ld, rows.ld, K, cols, out);
     } else {
-      pack_row_pairs(data + n0, ld, K, cols, out, kNr);
+      pack_row_pairs(rows, n0, K, cols, out, kNr);
     }
   }
 };
 
-TORCH_MOE_GEMM_TARGET void gemm(const uint16_t* a, int64_t lda, bool a_col_major, BOperand b,
+// c [M, N] = a @ b: a's rows from `a` (row-major: a's rows; column-major: the rows of a^T,
+// [K, M], packed here), b as BOperand.
+TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOperand& b,
                                 uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K) {
   thread_local std::vector<uint32_t> panels, a_packed;
+  thread_local std::vector<const uint16_t*> row_ptrs;
   const int64_t pairs = (K + 1) / 2, panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
-  // a's pair (row m, pair p) at a + p * ks + m * rs
-  const uint16_t* a_pairs = a;
-  int64_t ks = 2, rs = lda;
-  if (a_col_major) {  // a^T [K, M] row-major (stride lda): its pairs of rows interleaved
+  // a's row m: its pair p at row_ptrs[m] + p * ks
+  if (static_cast<int64_t>(row_ptrs.size()) < M) row_ptrs.resize(M);
+  int64_t ks = 2;
+  if (a_col_major) {  // a^T [K, M]: its pairs of rows interleaved, [pairs, lp] words
     const int64_t lp = (M + kNr - 1) / kNr * kNr;
     if (static_cast<int64_t>(a_packed.size()) < pairs * lp) a_packed.resize(pairs * lp);
     for (int64_t m0 = 0; m0 < M; m0 += kNr) {
-      pack_row_pairs(a + m0, lda, K, std::min(kNr, M - m0), a_packed.data() + m0, lp);
+      pack_row_pairs(a, m0, K, std::min(kNr, M - m0), a_packed.data() + m0, lp);
     }
-    a_pairs = reinterpret_cast<const uint16_t*>(a_packed.data());
+    const auto* packed = reinterpret_cast<const uint16_t*>(a_packed.data());
+    for (int64_t m = 0; m < M; ++m) row_ptrs[m] = packed + 2 * m;
     ks = 2 * lp;
-    rs = 2;
+  } else {
+    for (int64_t m = 0; m < M; ++m) row_ptrs[m] = a.row(m);
   }
   // passes of near-equal rows (whole tiles), each at most a_block_bytes() of a
   const int64_t most = std::max<int64_t>(kMr, a_block_bytes() / (2 * K) / kMr * kMr);
@@ -281,7 +309,7 @@ TORCH_MOE_GEMM_TARGET void gemm(const uint16_t* a, int64_t lda, bool a_col_major
       if (one_pass) b.pack(n0, cols, panel);
       for (int64_t m = m0; m < m1; m += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, m1 - m));
-        tile_rows(rows, a_pairs + m * rs, ks, rs, panel, K, c + m * ldc + n0, ldc, cols);
+        tile_rows(rows, row_ptrs.data() + m, ks, panel, K, c + m * ldc + n0, ldc, cols);
       }
     }
   }
@@ -299,33 +327,51 @@ bool bf16_gemm_available() {
 #endif
 }
 
-bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows,
+               Gather b_rows) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!bf16_gemm_available() || a.dim() != 2 || b.dim() != 2 || out.dim() != 2) return false;
-  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 ||
-      out.scalar_type() != at::kBFloat16 || b.size(0) != K || out.size(0) != M ||
-      out.size(1) != N || (out.stride(1) != 1 && N > 1)) {
+      out.scalar_type() != at::kBFloat16) {
     return false;
   }
-  // a row-major (its pairs read in place) or column-major; b likewise
-  const bool a_rows = a.stride(1) == 1 || K == 1, b_rows = b.stride(1) == 1 || N == 1;
-  if ((!a_rows && a.stride(0) != 1) || (!b_rows && b.stride(0) != 1)) return false;
+  const int64_t M = out.size(0), N = out.size(1);
+  // a row-major (its rows read in place) or column-major (a^T's rows packed); b likewise.
+  // A gathered operand's layout is the caller's (its sizes may leave it ambiguous).
+  const bool a_rows_major =
+      a_rows.index != nullptr ? !a_rows.transposed : a.stride(1) == 1 || a.size(1) == 1;
+  const bool b_rows_major = b_rows.index != nullptr || b.stride(1) == 1 || b.size(1) == 1;
+  const bool a_ok = a_rows_major ? a.stride(1) == 1 || a.size(1) == 1
+                                 : a.stride(0) == 1 || a.size(0) == 1;
+  const bool b_ok = b_rows_major ? b.stride(1) == 1 || b.size(1) == 1 : b.stride(0) == 1;
+  if (!a_ok || !b_ok) return false;
+  // the logical sizes: a gathered row-major a has M rows of the source's K columns; a
+  // gathered column-major a, the source's M rows by K gathered columns
+  const int64_t K = a_rows.index != nullptr && !a_rows_major ? a_rows.size : a.size(1);
+  const int64_t a_m = a_rows.index != nullptr && a_rows_major ? a_rows.size : a.size(0);
+  const int64_t b_k = b_rows.index != nullptr ? b_rows.size : b.size(0);
+  if (a_m != M || b_k != K || b.size(1) != N || (out.stride(1) != 1 && N > 1)) return false;
   if (M == 0 || N == 0) return true;
   if (K == 0) {
     out.zero_();
     return true;
   }
+  thread_local std::vector<uint16_t> zero;  // gathered rows of index -1
+  const int64_t longest = std::max({M, N, K}) + kNr;
+  if (static_cast<int64_t>(zero.size()) < longest) zero.assign(longest, 0);
   const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
   const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
   auto* cp = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-  const BOperand bop{bp, b_rows ? b.stride(0) : b.stride(1), !b_rows, K};
-  gemm(ap, a_rows ? a.stride(0) : a.stride(1), !a_rows, bop, cp, out.stride(0), M, N, K);
+  const RowSource a_src{ap, a_rows_major ? a.stride(0) : a.stride(1), a_rows.index, zero.data()};
+  const RowSource b_src{bp, b_rows_major ? b.stride(0) : b.stride(1), b_rows.index, zero.data()};
+  gemm(a_src, !a_rows_major, BOperand{b_src, !b_rows_major, K}, cp, out.stride(0), M, N, K);
   return true;
 #else
   (void)out;
   (void)a;
   (void)b;
+  (void)a_rows;
+  (void)b_rows;
   return false;
 #endif
 }

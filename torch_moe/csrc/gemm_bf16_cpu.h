@@ -10,10 +10,22 @@ namespace torch_moe_cpu {
 // AVX512-BF16.
 bool bf16_gemm_available();
 
+// Rows of an operand gathered from its stored rows: logical row i is stored row index[i]
+// (zero where index[i] < 0); size: the number of logical rows. index nullptr: none.
+struct Gather {
+  const int64_t* index = nullptr;
+  int64_t size = 0;
+  bool transposed = false;  // (a only) a is the transposed view of the gathered source
+};
+
 // out = a @ b (a [M, K], b [K, N], out [M, N], all bf16; a and b row- or column-major, out
 // row-major with any row stride) on the calling thread, where bf16_gemm_available();
 // returns false without touching out where it does not apply (the caller runs its ATen
-// GEMM instead).
-bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+// GEMM instead). With a_rows, a's stored rows are gathered: a is the source of a's M
+// rows ([S, K], row-major), or with a_rows.transposed the transposed view of the source
+// of a^T's K rows ([M, S], column-major). With b_rows, b is the source of b's K rows
+// ([S, N], row-major). Indices are not checked here (callers check them against S).
+bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows = {},
+               Gather b_rows = {});
 
 }  // namespace torch_moe_cpu

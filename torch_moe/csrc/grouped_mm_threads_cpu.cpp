@@ -34,6 +34,11 @@
 // Rows of out at or past the last group's end are zero (forward); a weight gradient's
 // empty groups are zero.
 //
+// Gathered operands (x_index; a_index, dy_index): x's rows, a's columns or dy's rows as
+// rows of their source picked by an int64 index (-1: a zero row), checked against the
+// source's rows; read through the index by the native GEMM, else gathered into a copy
+// for ATen's (the same values either way).
+//
 // split_rows (forward; the CPU probe's row_split decision): oneDNN's bf16 / fp16 matmul on
 // AVX-512 without AMX (oneDNN 3.x) cuts a GEMM's M rows into equal blocks of 32 to 256
 // rows, the largest block with the fewest padded rows. A router's count such as 481 =
@@ -52,6 +57,7 @@
 #include "gemm_bf16_cpu.h"
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -162,29 +168,65 @@ void split_groups(const std::vector<int64_t>& ends, Extent extent, Piece piece) 
   });
 }
 
+// A gather index of an operand's rows: int64, contiguous, `rows` entries in [-1, stored).
+const int64_t* check_index(const std::optional<at::Tensor>& index, int64_t rows, int64_t stored,
+                           const char* name, const char* what) {
+  if (!index.has_value()) return nullptr;
+  const at::Tensor& t = *index;
+  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                  t.size(0) == rows,
+              name, ": ", what, " must be a contiguous int64 tensor of ", rows, " rows, got ",
+              t.sizes(), " ", t.scalar_type());
+  const int64_t* p = t.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(p[i] >= -1 && p[i] < stored, name, ": ", what, " must hold rows in [-1, ",
+                stored, "), got ", p[i], " at ", i);
+  }
+  return p;
+}
+
+// Rows `index` (zero where -1) of src: what a gathered operand is, for the ATen fallback.
+at::Tensor gathered(const at::Tensor& src, const int64_t* index, int64_t rows) {
+  const auto idx = at::from_blob(const_cast<int64_t*>(index), {rows}, at::kLong);
+  auto out = src.index_select(0, idx.clamp_min(0));
+  return out.masked_fill_(idx.lt(0).unsqueeze(1), 0);
+}
+
 void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                         at::Tensor& out, bool split_rows, bool native_gemm) {
+                         at::Tensor& out, bool split_rows, bool native_gemm,
+                         const std::optional<at::Tensor>& x_index) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "threaded_grouped_mm: "
               "x [M, K] and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
+  const int64_t m = x_index.has_value() ? x_index->size(0) : x.size(0);
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
-                  out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  out.dim() == 2 && out.is_contiguous() && out.size(0) == m &&
                   out.size(1) == w.size(2),
               "threaded_grouped_mm: out must be a contiguous [M, N] tensor of x's dtype");
-  const auto ends = read_ends(offs, w.size(0), x.size(0), "threaded_grouped_mm");
+  const int64_t* index = check_index(x_index, m, x.size(0), "threaded_grouped_mm", "x_index");
+  const auto ends = read_ends(offs, w.size(0), m, "threaded_grouped_mm");
   const int64_t n = w.size(2);
   split_groups(
       ends, [n](int64_t, int64_t) { return n; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
         auto o = out.narrow(0, start, rows).narrow(1, lo, hi - lo);
-        mm_rows(o, x.narrow(0, start, rows), w[g].narrow(1, lo, hi - lo), split_rows, native_gemm);
+        const auto w_g = w[g].narrow(1, lo, hi - lo);
+        if (index == nullptr) {
+          mm_rows(o, x.narrow(0, start, rows), w_g, split_rows, native_gemm);
+        } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, x, w_g, {index + start, rows}))) {
+          at::mm_out(o, gathered(x, index + start, rows), w_g);
+        }
       });
   const int64_t end = ends.empty() ? 0 : ends.back();
   if (end < out.size(0)) out.narrow(0, end, out.size(0) - end).zero_();
 }
 
 void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
-                               const at::Tensor& offs, at::Tensor& out, bool native_gemm) {
-  TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && a.size(1) == dy.size(0),
+                               const at::Tensor& offs, at::Tensor& out, bool native_gemm,
+                               const std::optional<at::Tensor>& a_index,
+                               const std::optional<at::Tensor>& dy_index) {
+  const int64_t m = a_index.has_value() ? a_index->size(0) : a.dim() == 2 ? a.size(1) : -1;
+  const int64_t m_dy = dy_index.has_value() ? dy_index->size(0) : dy.dim() == 2 ? dy.size(0) : -1;
+  TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && m == m_dy,
               "threaded_grouped_mm_wgrad: a [K, M] and dy [M, N] expected, got ", a.sizes(),
               " and ", dy.sizes());
   TORCH_CHECK(dy.scalar_type() == a.scalar_type() && out.scalar_type() == a.scalar_type() &&
@@ -192,7 +234,11 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
                   out.size(1) == a.size(0) && out.size(2) == dy.size(1),
               "threaded_grouped_mm_wgrad: out must be a contiguous [E, K, N] tensor of a's "
               "dtype");
-  const auto ends = read_ends(offs, out.size(0), a.size(1), "threaded_grouped_mm_wgrad");
+  // a gathered: a is the transposed view [K, S] of the source of its M columns
+  const int64_t* a_idx = check_index(a_index, m, a.size(1), "threaded_grouped_mm_wgrad", "a_index");
+  const int64_t* dy_idx =
+      check_index(dy_index, m, dy.size(0), "threaded_grouped_mm_wgrad", "dy_index");
+  const auto ends = read_ends(offs, out.size(0), m, "threaded_grouped_mm_wgrad");
   for (int64_t g = 0, start = 0; g < out.size(0); start = ends[g], ++g) {
     if (ends[g] == start) out[g].zero_();
   }
@@ -201,8 +247,18 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
       ends, [k](int64_t, int64_t) { return k; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
         auto o = out[g].narrow(0, lo, hi - lo);
-        mm_piece(o, a.narrow(0, lo, hi - lo).narrow(1, start, rows), dy.narrow(0, start, rows),
-                 native_gemm);
+        const auto a_lo = a.narrow(0, lo, hi - lo);
+        const auto a_g = a_idx ? a_lo : a_lo.narrow(1, start, rows);
+        const auto dy_g = dy_idx ? dy : dy.narrow(0, start, rows);
+        const torch_moe_cpu::Gather ga{a_idx ? a_idx + start : nullptr, rows, true};
+        const torch_moe_cpu::Gather gd{dy_idx ? dy_idx + start : nullptr, rows};
+        if (a_idx == nullptr && dy_idx == nullptr) {
+          mm_piece(o, a_g, dy_g, native_gemm);
+        } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g, ga, gd))) {
+          const auto a_m = a_idx ? gathered(a_lo.t(), a_idx + start, rows).t() : a_g;
+          const auto dy_m = dy_idx ? gathered(dy, dy_idx + start, rows) : dy_g;
+          at::mm_out(o, a_m, dy_m);
+        }
       });
 }
 
@@ -211,10 +267,10 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def(
       "threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool split_rows=False,"
-      " bool native_gemm=False) -> ()");
+      " bool native_gemm=False, Tensor? x_index=None) -> ()");
   m.def(
       "threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out,"
-      " bool native_gemm=False) -> ()");
+      " bool native_gemm=False, Tensor? a_index=None, Tensor? dy_index=None) -> ()");
   m.def("row_split_parts(int rows) -> int", &row_split_parts);
 }
 
