@@ -396,8 +396,8 @@ def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """Whether the native threaded kernel runs ``a @ b`` per group (``wgrad``: a [K, M] x b
     [M, N] per group's rows, else a [M, K] x b [E, K, N]): the kernels built, two or more
     threads (or one, where :func:`native_gemm_on` holds, or forward where
-    :func:`_row_split_on` and :func:`splits_rows` do), and :func:`_decide_threaded`. Memoized on what it reads (the probe's decisions aside), the
-    threads included."""
+    :func:`_row_split_on` and :func:`splits_rows` do), and :func:`_decide_threaded`.
+    Memoized on what it reads (the probe's decisions aside), the threads included."""
     threads = torch.get_num_threads()
     if not ends or ends[-1] == 0 or not _native.enabled():
         return False
@@ -846,7 +846,7 @@ def gathered_grouped_mm(x: Tensor, index: Tensor, w: Tensor, offs: Tensor) -> Te
     no [M, K] copy (where :func:`reads_gathered` holds)."""
     out = x.new_empty((index.shape[0], w.shape[2]))
     index = index.to(torch.int64).contiguous()
-    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, _row_split_on(x.dtype), True, index)
+    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, False, True, index)
     return out
 
 
