@@ -32,6 +32,11 @@ from torch_moe.nn.functional import grouped_swiglu
 from torch_moe.ops import grouped_mm
 
 
+def native_gemm_available():
+    """Whether the native bf16 GEMM runs here (an AVX-512 build, a CPU with AVX512-BF16)."""
+    return _native.available() and _native.kernels().bf16_mm_available()
+
+
 class TestCpuProbe(TestCase):
     def setUp(self):
         super().setUp()
@@ -336,6 +341,19 @@ class TestCpuProbe(TestCase):
                 assert_gemm_within(self, out, x, w, offs, kernel)
                 assert_gemm_within(self, dw, x, dy, offs, kernel, wgrad=True)
 
+    @unittest.skipUnless(native_gemm_available(), "no native bf16 GEMM here")
+    def test_gemm_kernel_only_where_the_isa_allows(self):
+        # an ISA cap below AVX512-BF16 (another machine class on this one) keeps oneDNN's
+        # GEMMs whatever the decision says
+        with P.force(half_gemm="native", gemm_kernel="native"):
+            self.assertTrue(grouped_mm_module.native_gemm_on(torch.bfloat16))
+            for cap in ("AVX512_CORE", "AVX2"):
+                with self.subTest(cap=cap):
+                    with unittest.mock.patch.dict(os.environ, {"ONEDNN_MAX_CPU_ISA": cap}):
+                        P.reset(env=False)
+                        self.assertFalse(grouped_mm_module.native_gemm_on(torch.bfloat16))
+        P.reset(env=False)
+
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_gemm_kernel_decision_measured(self):
         # measured once, for bf16 only, where the kernel runs here; fp16 and fp32 never ask
@@ -489,11 +507,6 @@ def assert_gemm_within(test, got, a, b, offs, msg, wgrad=False):
     n = int(sizes.max()) if wgrad else a.shape[1]
     bound = tolerances.gemm_bound(products, max(n, 1), exact, torch.float32, got.dtype)
     tolerances.assert_within(test, got, exact, bound, msg)
-
-
-def native_gemm_available():
-    """Whether the native bf16 GEMM runs here (an AVX-512 build, a CPU with AVX512-BF16)."""
-    return _native.available() and _native.kernels().bf16_mm_available()
 
 
 def _offs(sizes):

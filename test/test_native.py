@@ -1165,6 +1165,26 @@ class TestNativeBF16GEMM(TestCase):
         self.assertEqual(_bf16_mm(a, b)[1].item(), 0.0)
         self.assertEqual(_bf16_mm(a[:, :512], b[:512])[1].item(), 2.0**25)
 
+    def test_threaded_kernel_runs_it(self):
+        # native_gemm: the pieces are this GEMM's, not ATen's (whose bits can agree with
+        # it): K = 2048 whose four 512-blocks sum to 2^25 (+511 ones lost), 512, -2^25
+        # and 512, so 1024; one running sum gives 1023, 1024-blocks 0
+        x = torch.ones(3, 2048, dtype=BF16)
+        x[:, 0], x[:, 1024] = 2.0**25, -(2.0**25)
+        w = torch.ones(1, 2048, 20, dtype=BF16)
+        for threads in (1, 2):
+            with intra_op_threads(threads):
+                out = x.new_empty((3, 20))
+                offs = torch.tensor([3], dtype=torch.int32)
+                _native.kernels().threaded_grouped_mm(x, w, offs, out, False, True)
+                self.assertTrue((out == 1024).all(), msg=str(out[0]))
+                dw = x.new_empty((1, 20, 20))
+                a = torch.ones(2048, 20, dtype=BF16)
+                a[0], a[1024] = 2.0**25, -(2.0**25)
+                offs = torch.tensor([2048], dtype=torch.int32)
+                _native.kernels().threaded_grouped_mm_wgrad(a.t(), w[0], offs, dw, True)
+                self.assertTrue((dw == 1024).all(), msg=str(dw[0, 0]))
+
     def test_only_where_it_applies(self):
         a, b = torch.randn(8, 6).to(BF16), torch.randn(6, 4).to(BF16)
         out = torch.empty(8, 4, dtype=BF16)
@@ -1293,6 +1313,11 @@ class TestNativeGatheredOperands(TestCase):
         if native and not _bf16_mm_available():
             self.skipTest("no native bf16 GEMM here")
         offs, index, x, dy, _ = self._case(32)
+        self._wgrad_cases(offs, index, x, dy, native)
+        # a one-token source: x.t() is [K, 1], whose strides alone do not say its layout
+        self._wgrad_cases(offs, index.clamp(max=0), x[:1], dy[:1], native)
+
+    def _wgrad_cases(self, offs, index, x, dy, native):
         xg, dyg = _gather(x, index), _gather(dy, index)
         for a_gathered, dy_gathered in ((True, False), (False, True), (True, True)):
             a = x.t() if a_gathered else xg.t()
