@@ -724,10 +724,16 @@ class TestGLUCombine(TestCase):
         self.enterContext(mock.patch.object(_eager, "ENABLED", True))
 
     def _inputs(
-        self, activation: str, transposed: bool, bias: bool, dtype: torch.dtype, **routing: Any
+        self,
+        activation: str,
+        transposed: bool,
+        bias: bool,
+        dtype: torch.dtype,
+        tokens: int = 19,
+        **routing: Any,
     ) -> tuple[Any, list, tuple]:
         g = torch.Generator().manual_seed(11)
-        tokens, experts, top_k, dim, hidden = 19, 6, 2, 32, 16
+        experts, top_k, dim, hidden = 6, 2, 32, 16
         width = 2 * hidden if activation != "relu2" else hidden
         logits = torch.randn(tokens, experts, generator=g)
         logits[:, 0] += 1.5
@@ -812,6 +818,32 @@ class TestGLUCombine(TestCase):
         for decisions, lean in cases:
             with self.subTest(decisions=decisions), two_threads():
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_gemms_read_the_gathered_rows_with_the_native_gemm(self) -> None:
+        # as the SwiGLU node's: with the native bf16 GEMM (forced, where it runs) h, dA,
+        # dW_down and dW_up read the tokens' rows through the index, in both weight
+        # layouts and whichever gradients are asked for; the ops' bits
+        runs = gmm._threaded_kernels().bf16_mm_available()
+        for transposed in (False, True):
+            for needs in ((True, True, True, True, False), (False, True, False, False, False)):
+                # (more than FEW_ROWS rows per expert: the threaded kernel's)
+                case, inputs, glu_args = self._inputs(
+                    "swigluoai", transposed, False, BF16, tokens=160
+                )
+                spy = mock.patch.object(
+                    glu_mod, "gathered_grouped_mm", wraps=glu_mod.gathered_grouped_mm
+                )
+                spy_w = mock.patch.object(
+                    glu_mod, "gathered_grouped_mm_wgrad", wraps=glu_mod.gathered_grouped_mm_wgrad
+                )
+                with self.subTest(transposed=transposed, needs=needs), two_threads():
+                    with spy as fwd, spy_w as wgrad:
+                        decisions = {**THREADS, "gemm_kernel": "native"}
+                        self._compare(case, inputs, glu_args, needs, True, decisions)
+                    # h, dA (upstream of w_up's gradient); dW_down where asked, dW_up
+                    self.assertEqual(fwd.call_count, 2 if runs else 0)
+                    self.assertEqual(wgrad.call_count, (1 + needs[2]) if runs else 0)
 
     def test_few_rows_gemms_decided_per_gemm(self) -> None:
         # the up weight column-major, the down weight row-major, and the few-rows GEMM

@@ -59,7 +59,10 @@ from torch_moe._ops.grouped_mm import (
     check_offs_values,
     experts_transposed,
     gather_grouped_mm,
+    gathered_grouped_mm,
+    gathered_grouped_mm_wgrad,
     grouped_mm,
+    reads_gathered,
 )
 from torch_moe._ops.grouped_swiglu import (
     _NATIVE_DTYPES,
@@ -686,7 +689,10 @@ class _GLUCombine(torch.autograd.Function):
         tokens = _token_index(None, row_to_slot, slot_to_row)
         assert tokens is not None
         empty = _negative_positions(tokens)  # read once, for the three gathers
-        h = _whole_grouped_mm(gather_rows(x, tokens, empty), w_up, offs, end, ways[0])
+        if reads_gathered(x, ways[0], w_up.dtype):  # the GEMM reads the tokens' rows itself
+            h = gathered_grouped_mm(x, tokens, w_up, offs)
+        else:
+            h = _whole_grouped_mm(gather_rows(x, tokens, empty), w_up, offs, end, ways[0])
         if up_bias is not None:
             h = h + up_bias.index_select(0, bias_rows)  # type: ignore[arg-type]
         a = h.new_empty((h.shape[0], _width(h, glu_args[0])))
@@ -751,13 +757,28 @@ def _lean_backward_into(
 ) -> None:
     """``_GLUCombine``'s gradients into ``grads`` (its inputs' order)."""
     mod, step, down_t, up_t, ways = plan
-    grad_y = gather_rows(grad_out, tokens, empty)  # unpermute's
+    dt = w_up.dtype
+    # unpermute's gather of grad_out, read by the GEMMs themselves where they can (as x's
+    # below; the same bits)
+    need_a = needs[0] or needs[1] or needs[4] or needs[7]
+    fuse_gy = all(
+        reads_gathered(grad_out, ways[i], dt) for i, need in ((2, need_a), (4, needs[2])) if need
+    )
+    grad_y = None if fuse_gy else gather_rows(grad_out, tokens, empty)
     # grouped_mm's: dA (what is upstream of a needs it), then dW_down in its own layout
     grad_a = None
-    if needs[0] or needs[1] or needs[4] or needs[7]:
-        grad_a = _whole_grouped_mm(grad_y, w_down.transpose(-2, -1), offs, end, ways[2])
+    if need_a:
+        if grad_y is None:
+            grad_a = gathered_grouped_mm(grad_out, tokens, w_down.transpose(-2, -1), offs)
+        else:
+            grad_a = _whole_grouped_mm(grad_y, w_down.transpose(-2, -1), offs, end, ways[2])
     if needs[2]:
-        if down_t:
+        if grad_y is None and down_t:
+            grads[2] = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None)
+            grads[2] = grads[2].transpose(-2, -1)
+        elif grad_y is None:
+            grads[2] = gathered_grouped_mm_wgrad(a.t(), grad_out, offs, None, tokens)
+        elif down_t:
             grads[2] = _whole_grouped_mm_wgrad(grad_y.t(), a, offs, ways[4]).transpose(-2, -1)
         else:
             grads[2] = _whole_grouped_mm_wgrad(a.t(), grad_y, offs, ways[4])
@@ -778,7 +799,12 @@ def _lean_backward_into(
         grads[0] = grad_rows.new_empty((slot_to_row.shape[0], grad_rows.shape[1]))
         mod.combine(grad_rows, slot_to_row, grads[0])
         del grad_rows
-    if needs[1]:
+    if needs[1] and reads_gathered(x, ways[5], dt):
+        if up_t:
+            grads[1] = gathered_grouped_mm_wgrad(dh.t(), x, offs, None, tokens).transpose(-2, -1)
+        else:
+            grads[1] = gathered_grouped_mm_wgrad(x.t(), dh, offs, tokens, None)
+    elif needs[1]:
         rows = gather_rows(x, tokens, empty)
         if up_t:
             grads[1] = _whole_grouped_mm_wgrad(dh.t(), rows, offs, ways[5]).transpose(-2, -1)
