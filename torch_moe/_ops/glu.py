@@ -774,8 +774,8 @@ def _lean_backward_into(
             grad_a = _whole_grouped_mm(grad_y, w_down.transpose(-2, -1), offs, end, ways[2])
     if needs[2]:
         if grad_y is None and down_t:
-            grads[2] = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None)
-            grads[2] = grads[2].transpose(-2, -1)
+            dw_down = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None)
+            grads[2] = dw_down.transpose(-2, -1)
         elif grad_y is None:
             grads[2] = gathered_grouped_mm_wgrad(a.t(), grad_out, offs, None, tokens)
         elif down_t:
