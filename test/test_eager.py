@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_probe import intra_op_threads
+from test_cpu_probe import intra_op_threads, native_gemm_available
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -618,7 +618,7 @@ class TestSwiGLUCombine(TestCase):
         # token index, gathering nothing; with oneDNN's they take gathered copies. The ops'
         # bits either way (the ops gather)
         p, inputs = _combine_inputs(96, BF16, seed=4, weighted=True)
-        runs = gmm._threaded_kernels().bf16_mm_available()
+        runs = native_gemm_available()
         for kernel in ("native", "aten"):
             spy = mock.patch.object(gs, "gathered_grouped_mm", wraps=gs.gathered_grouped_mm)
             spy_w = mock.patch.object(
@@ -824,7 +824,7 @@ class TestGLUCombine(TestCase):
         # as the SwiGLU node's: with the native bf16 GEMM (forced, where it runs) h, dA,
         # dW_down and dW_up read the tokens' rows through the index, in both weight
         # layouts and whichever gradients are asked for; the ops' bits
-        runs = gmm._threaded_kernels().bf16_mm_available()
+        runs = native_gemm_available()
         for transposed in (False, True):
             for needs in ((True, True, True, True, False), (False, True, False, False, False)):
                 # (more than FEW_ROWS rows per expert: the threaded kernel's)

@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_probe import assert_gemm_within, intra_op_threads
+from test_cpu_probe import assert_gemm_within, intra_op_threads, native_gemm_available
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -1080,12 +1080,8 @@ class TestNativeThreadedGroupedMM(TestCase):
                 mod.threaded_grouped_mm_wgrad(*args)
 
 
-def _bf16_mm_available():
-    return _native.available() and _native.kernels().bf16_mm_available()
-
-
 needs_bf16_gemm = unittest.skipUnless(
-    _bf16_mm_available(), "the native bf16 GEMM needs an AVX-512 build on a CPU with AVX512-BF16"
+    native_gemm_available(), "the native bf16 GEMM needs an AVX-512 build on a CPU with AVX512-BF16"
 )
 
 
@@ -1291,7 +1287,7 @@ class TestNativeGatheredOperands(TestCase):
 
     @parametrize("native", [True, False])
     def test_forward_bits_of_the_gathered_rows(self, native):
-        if native and not _bf16_mm_available():
+        if native and not native_gemm_available():
             self.skipTest("no native bf16 GEMM here")
         offs, index, x, _, g = self._case(31)
         m = index.shape[0]
@@ -1310,7 +1306,7 @@ class TestNativeGatheredOperands(TestCase):
 
     @parametrize("native", [True, False])
     def test_wgrad_bits_of_the_gathered_rows(self, native):
-        if native and not _bf16_mm_available():
+        if native and not native_gemm_available():
             self.skipTest("no native bf16 GEMM here")
         offs, index, x, dy, _ = self._case(32)
         self._wgrad_cases(offs, index, x, dy, native)

@@ -33,6 +33,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "gemm_bf16_cpu.h"
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -323,11 +325,8 @@ void nt_blocks(int64_t m, int64_t n0, int64_t n1, int64_t ldw, Tile&& tile) {
 #if defined(CPU_CAPABILITY_AVX512)
 // The column-major form for bf16 on CPUs with AVX512-BF16: vdpbf16ps adds the products
 // of bf16 pairs (exact in fp32) to fp32 lanes, 32 multiply-adds per instruction, as
-// oneDNN's bf16 kernels do on such CPUs (it treats denormal bf16 inputs as zero).
-bool has_avx512_bf16() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-}
+// oneDNN's bf16 kernels do on such CPUs (it treats denormal bf16 inputs as zero). Where
+// the CPU has them: torch_moe_cpu::bf16_gemm_available() (the packed GEMM's own check).
 
 #define TORCH_MOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TORCH_MOE_BF16_INLINE TORCH_MOE_BF16_TARGET inline __attribute__((always_inline))
@@ -507,7 +506,7 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
   for (int64_t g = 0; g < groups; ++g) starts[g + 1] = ends[g];
   bool dpbf16 = false;  // bf16 by vdpbf16ps, x read as it is
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) dpbf16 = has_avx512_bf16();
+  if constexpr (std::is_same_v<T, c10::BFloat16>) dpbf16 = torch_moe_cpu::bf16_gemm_available();
 #endif
   at::parallel_for(0, groups * col_tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> xf, scratch;
