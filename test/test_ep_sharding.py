@@ -81,6 +81,7 @@ class TestEPSharding(GlooContinuousTest):
     # (each check below is a group of cases)
 
     def test_routing_and_permute(self):
+        self.check_router_logits()
         self.check_routing()
         self.check_permute_indices()
         self.check_permute_unpermute()
@@ -93,6 +94,46 @@ class TestEPSharding(GlooContinuousTest):
         self.check_bad_inputs()
 
     # ------------------------------------------------------------------ checks
+
+    def check_router_logits(self):
+        x, w, b = _randn(T, D, seed=20), _randn(E, D, seed=21), _randn(E, seed=22)
+        grad = _randn(T, E, seed=23)
+        ref_x, ref_w, ref_b = (t.clone().requires_grad_() for t in (x, w, b))
+        ops.router_logits(ref_x, ref_w, ref_b).backward(grad)
+        ref_nb_x, ref_nb_w = (t.clone().requires_grad_() for t in (x, w))
+        ops.router_logits(ref_nb_x, ref_nb_w).backward(grad)
+        # (x, weight, bias or None) -> logits; then the gradients' placements
+        cases = [
+            ((R, R, R), R, (R, R, R)),
+            ((Shard(0), R, R), Shard(0), (Shard(0), P, P)),
+            ((R, Shard(0), Shard(0)), Shard(1), (P, Shard(0), Shard(0))),
+            ((Shard(1), Shard(1), None), P, (Shard(1), Shard(1), None)),
+            ((P, R, None), P, None),
+        ]
+        for (p_x, p_w, p_b), p_out, p_grads in cases:
+            with_bias = p_b is not None
+            d_x, d_w = self.dt(x, p_x, grad=True), self.dt(w, p_w, grad=True)
+            d_b = self.dt(b, p_b, grad=True) if with_bias else None
+            out, comm = self.run_op(ops.router_logits, d_x, d_w, d_b)
+            self.assertEqual(comm.get_total_counts(), 0, msg=f"forward {(p_x, p_w, p_b)}")
+            want = ops.router_logits(x, w, b if with_bias else None)
+            self.assert_dt(out, p_out, want)
+            if p_grads is None:  # Partial x: a gradient of the addends is not asked for
+                continue
+            # the gradient of a Partial output is a replicated one
+            d_grad = distribute_tensor(grad, self.mesh, [R if p_out == P else p_out])
+            with CommDebugMode() as comm:
+                out.backward(d_grad)
+            self.assertEqual(comm.get_total_counts(), 0, msg=f"backward {(p_x, p_w, p_b)}")
+            ref = (ref_x, ref_w, ref_b) if with_bias else (ref_nb_x, ref_nb_w)
+            for d, p, r in zip((d_x, d_w, d_b), p_grads, ref):
+                self.assert_dt(d.grad, p, r.grad)
+        # a Partial gradient (linear in it): Partial gradients, no communication
+        args = (self.dt(grad, P), self.dt(x, R), self.dt(w, R), True, True)
+        (gx, gw), comm = self.run_op(ops.router_logits_backward, *args)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assert_dt(gx, P, ref_x.grad)
+        self.assert_dt(gw, P, ref_w.grad)
 
     def check_routing(self):
         mesh = self.mesh

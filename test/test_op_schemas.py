@@ -198,6 +198,18 @@ class TestOpSchemas(TestCase):
             """torch_moe::quantized_grouped_mm_wgrad(Tensor x, Tensor dy, Tensor offs, str recipe) -> Tensor""",
         )
 
+    def test_schema_router_logits(self):
+        self.assertExpectedInline(
+            schema("router_logits"),
+            """torch_moe::router_logits(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor""",
+        )
+
+    def test_schema_router_logits_backward(self):
+        self.assertExpectedInline(
+            schema("router_logits_backward"),
+            """torch_moe::router_logits_backward(Tensor grad, Tensor x, Tensor weight, bool need_x, bool need_weight) -> (Tensor, Tensor)""",
+        )
+
     def test_schema_scaled_grouped_mm(self):
         self.assertExpectedInline(
             schema("scaled_grouped_mm"),

@@ -4,7 +4,8 @@ Legend: T tokens, D model dim, E experts, K top-k, M rows of the permuted buffer
 
 A dropless MoE layer is::
 
-    weights, expert_ids, counts = topk_route(router_logits, k)
+    logits = router_logits(x, router_weight)
+    weights, expert_ids, counts = topk_route(logits, k)
     x_perm, perm = permute(x, expert_ids, num_experts)
     y_perm = torch_moe.nn.functional.grouped_swiglu(x_perm, w13, w2, perm.offs)
     out = unpermute(y_perm, weights, perm)
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from torch_moe._ops import grouped_mm as _gmm
 from torch_moe._ops import permute as _perm
+from torch_moe._ops import router as _router
 from torch_moe._ops import routing as _routing
 
 __all__ = [
@@ -28,9 +30,30 @@ __all__ = [
     "grouped_mm",
     "permute",
     "permute_indices",
+    "router_logits",
     "topk_route",
     "unpermute",
 ]
+
+
+def router_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    r"""A linear router's logits in fp32: ``x @ weight^T (+ bias)``.
+
+    Args:
+        x: [T, D] tokens (any float dtype).
+        weight: [E, D] router weight (any float dtype).
+        bias: optional [E] router bias.
+
+    Returns:
+        logits [T, E] in fp32 (fp64 for fp64 ``x``): the inputs converted exactly and the
+        products summed in that dtype, whatever the inputs' dtypes (a bf16 rounding of
+        the logits would reorder near ties before :func:`topk_route`). For fp32 inputs
+        this is ``F.linear(x, weight, bias)``; for bf16 / fp16 inputs on the CPU native
+        kernels sum the same exact products in another order (deterministic, and the
+        same for any thread count). Differentiable in all three; the gradients are
+        rounded to the inputs' dtypes.
+    """
+    return _router.router_logits(x, weight, bias)
 
 
 def topk_route(

@@ -1,7 +1,7 @@
 """torch_moe custom ops (namespace ``torch_moe::``), one op family per file.
 
 Importing this package registers every op with the dispatcher; the data flows one way:
-routing -> permute -> grouped_mm / grouped_swiglu / fused_experts -> unpermute.
+router -> routing -> permute -> grouped_mm / grouped_swiglu / fused_experts -> unpermute.
 """
 
 from torch_moe._ops import (  # noqa: F401
@@ -10,5 +10,6 @@ from torch_moe._ops import (  # noqa: F401
     grouped_mm,
     grouped_swiglu,
     permute,
+    router,
     routing,
 )

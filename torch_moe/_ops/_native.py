@@ -56,6 +56,7 @@ _SOURCES = [
         "grouped_mm_cpu.cpp",
         "grouped_mm_threads_cpu.cpp",
         "gemm_bf16_cpu.cpp",
+        "router_cpu.cpp",
         "parallel_cpu.cpp",
     )
 ]

@@ -119,6 +119,48 @@ def _topk_route_backward_sharding(
     ]
 
 
+@register_sharding(_ops.router_logits.default)
+def _router_logits_sharding(x: object, weight: object, bias: object = None) -> list[_Strategy]:
+    """logits [T, E] <- x [T, D], weight [E, D], bias [E].
+
+    * all R -> R; x S(0) (token / data parallel), weight R, bias R -> S(0): no
+      communication.
+    * x R, weight S(0), bias S(0) (experts split) -> S(1): no communication.
+    * without a bias: x S(1), weight S(1) (D split) -> P (one all-reduce when read
+      replicated); x P, weight R -> P (linear in x). No communication.
+    """
+    b = _opt(bias, R)
+    strategies: list[_Strategy] = [
+        ([R], [R, R, b]),
+        ([Shard(0)], [Shard(0), R, b]),
+        ([Shard(1)], [R, Shard(0), _opt(bias, Shard(0))]),
+    ]
+    if bias is None:
+        strategies += [([P], [Shard(1), Shard(1), None]), ([P], [P, R, None])]
+    return strategies
+
+
+@register_sharding(_ops.router_logits_backward.default)
+def _router_logits_backward_sharding(
+    grad: object, x: object, weight: object, need_x: bool, need_weight: bool
+) -> list[_Strategy]:
+    """(grad_x [T, D], grad_weight [E, D]) <- grad [T, E], x [T, D], weight [E, D]: the
+    strategies of router_logits, backwards; no communication in any.
+
+    * all R -> (R, R); grad S(0), x S(0), weight R -> (S(0), P): each rank's token
+      share of the weight's gradient.
+    * grad S(1), x R, weight S(0) -> (P, S(0)); grad R, x S(1), weight S(1) ->
+      (S(1), S(1)); grad P, x R, weight R -> (P, P).
+    """
+    return [
+        ([R, R], [R, R, R, None, None]),
+        ([Shard(0), P], [Shard(0), Shard(0), R, None, None]),
+        ([P, Shard(0)], [Shard(1), R, Shard(0), None, None]),
+        ([Shard(1), Shard(1)], [R, Shard(1), Shard(1), None, None]),
+        ([P, P], [P, R, R, None, None]),
+    ]
+
+
 @register_sharding(_ops.permute_indices.default)
 def _permute_indices_sharding(
     expert_ids: object, num_experts: int, align: int = 1, capacity: int | None = None
@@ -279,6 +321,8 @@ def _grouped_swiglu_backward_sharding(
 
 
 SHARDED_OPS = (
+    _ops.router_logits.default,
+    _ops.router_logits_backward.default,
     _ops.topk_route.default,
     _ops.topk_route_backward.default,
     _ops.permute_indices.default,

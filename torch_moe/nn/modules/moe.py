@@ -189,31 +189,6 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
 
 
-class _RouterLogits(torch.autograd.Function):
-    """logits = x @ W^T (+ b) in fp32 (fp64 for fp64 x), saving x in its own dtype."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight, bias)
-        acc = acc_dtype(x.dtype)  # fp64 for an fp64 layer: gradcheck needs it
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, weight, bias = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
-        acc = acc_dtype(x.dtype)
-        with torch.autocast(grad.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                grad_x = (grad.to(acc) @ weight.to(acc)).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                grad_w = (grad.to(acc).t() @ x.to(acc)).to(weight.dtype)
-            if bias is not None and ctx.needs_input_grad[2]:
-                grad_b = grad.sum(0).to(bias.dtype)
-        return grad_x, grad_w, grad_b
-
-
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``out``; in the backward, d(aux)/d(aux) = ``scale`` flows into ``aux``."""
 
@@ -292,7 +267,7 @@ class TopKRouter(nn.Module):
             self.expert_bias.zero_()
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        logits = _RouterLogits.apply(x, self.weight, self.bias)
+        logits = ops.router_logits(x, self.weight, self.bias)
         weights, ids, counts = ops.topk_route(
             logits,
             self.top_k,

@@ -1,0 +1,240 @@
+# Owner(s): ["module: moe"]
+"""Tests for torch_moe::router_logits and its backward against float64 and the reference.
+
+The CPU kernels for bf16 / fp16 operands (csrc/router_cpu.cpp) sum exact products in fp32
+in an order of their own, so they are checked against float64 within Higham's bound for
+a sum of D + 1 terms in any order (test/tolerances.py), not bit for bit against ATen's
+fp32 GEMM; fp32 / fp64 inputs take the reference, which is ``F.linear`` bit for bit (the
+HF routers that compute in fp32).
+"""
+
+import os
+import re
+import unittest
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from tolerances import UNIT_ROUNDOFF, assert_within, gemm_bound
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+import torch_moe  # noqa: F401
+from torch_moe import ops
+from torch_moe._ops import _native
+from torch_moe._ops import router as _router
+
+HALF = (torch.bfloat16, torch.float16)
+# (T, D, E): tails of every tile (tokens 4 / 2, experts 4 / 8, 16 / 32 columns), one
+# expert, one column, T = 0, and sums over more than one block of 64 steps / tokens
+SHAPES = [(37, 100, 5), (2, 33, 1), (0, 64, 8), (5, 1, 3), (129, 2112, 9), (70, 64, 70)]
+
+
+def _native_runs():
+    return _native.available() and hasattr(_native.kernels(), "router_logits")
+
+
+def _inputs(T, D, E, dtype, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    w = (torch.randn(E, D, generator=g) * D**-0.5).to(dtype)
+    b = torch.randn(E, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def _exact(x, w, b):
+    out = x.double() @ w.double().t()
+    return out if b is None else out + b.double()
+
+
+def _logits_bound(x, w, b, exact):
+    abs_products = x.double().abs() @ w.double().abs().t()
+    if b is not None:
+        abs_products = abs_products + b.double().abs()
+    return gemm_bound(abs_products, x.shape[1] + 1, exact, torch.float32, torch.float32)
+
+
+class TestRouterLogits(TestCase):
+    @parametrize("dtype", HALF)
+    @parametrize("shape", SHAPES)
+    @parametrize("bias", [True, False])
+    def test_half_within_fp32_bound(self, dtype, shape, bias):
+        x, w, b = _inputs(*shape, dtype, bias=bias)
+        got = ops.router_logits(x, w, b)
+        self.assertEqual(got.dtype, torch.float32)
+        exact = _exact(x, w, b)
+        bound = _logits_bound(x, w, b, exact)
+        assert_within(self, got, exact, bound, msg=f"{dtype} {shape}")
+        # the reference (ATen's fp32 GEMM) is within the same bound: two orders of one sum
+        assert_within(self, _router.router_logits_reference(x, w, b), exact, bound)
+
+    @parametrize("dtype", [torch.float32, torch.float64])
+    def test_full_precision_is_f_linear(self, dtype):
+        x, w, b = _inputs(33, 70, 6, dtype)
+        self.assertEqual(ops.router_logits(x, w, b), F.linear(x, w, b), atol=0, rtol=0)
+        self.assertEqual(ops.router_logits(x, w), F.linear(x, w), atol=0, rtol=0)
+        self.assertEqual(ops.router_logits(x, w).dtype, dtype)
+
+    def test_mixed_dtypes_take_the_reference(self):
+        x, w, b = _inputs(9, 40, 3, torch.bfloat16)
+        for xx, ww in [(x, w.float()), (x.float(), w), (x, w.half())]:
+            self.assertEqual(
+                ops.router_logits(xx, ww, b),
+                _router.router_logits_reference(xx, ww, b),
+                atol=0,
+                rtol=0,
+            )
+
+    @unittest.skipUnless(_native_runs(), "the native CPU kernels are not built here")
+    def test_native_kernel_runs_and_differs_from_nothing_else(self):
+        # the kernels' own order is deterministic: a second call, a strided x and any
+        # thread count give the same bits; without the native library, the reference's
+        x, w, b = _inputs(45, 96, 7, torch.bfloat16, seed=3)
+        want = ops.router_logits(x, w, b)
+        self.assertEqual(ops.router_logits(x, w, b), want, atol=0, rtol=0)
+        strided = torch.empty(96, 45, dtype=x.dtype).copy_(x.t()).t()  # column-major view
+        self.assertEqual(ops.router_logits(strided, w, b), want, atol=0, rtol=0)
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                self.assertEqual(ops.router_logits(x, w, b), want, atol=0, rtol=0, msg=n)
+        finally:
+            torch.set_num_threads(threads)
+        with mock.patch.dict(os.environ, {_native.ENV: "0"}):
+            ref = ops.router_logits(x, w, b)
+        self.assertEqual(ref, _router.router_logits_reference(x, w, b), atol=0, rtol=0)
+
+    def test_autocast_does_not_change_the_math(self):
+        x, w, b = _inputs(17, 48, 5, torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = ops.router_logits(x, w, b)
+        self.assertEqual(got.dtype, torch.float32)
+        self.assertEqual(got, F.linear(x, w, b), atol=0, rtol=0)
+
+    def test_bad_inputs(self):
+        x, w, b = _inputs(4, 8, 3, torch.float32)
+        cases = [
+            ((x[0], w, b), r"expected x \[T, D\] .* got \[8\]"),
+            ((x, w[:, :5], b), r"expected weight \[E, D=8\] .* got \[3, 5\]"),
+            ((x, w, b[:2]), r"expected bias \[E=3\] .* got \[2\]"),
+            ((x.int(), w, b), r"expected x \[T, D\] .* torch.int32"),
+            ((x, w.to(torch.int64), b), r"expected weight \[E, D=8\] .* torch.int64"),
+        ]
+        for args, msg in cases:
+            with self.assertRaisesRegex(ValueError, msg):
+                ops.router_logits(*args)
+        with self.assertRaisesRegex(
+            ValueError, re.escape("expected grad [T=4, E=3] in torch.float32")
+        ):
+            _router.router_logits_backward(torch.zeros(4, 2), x, w, True, True)
+        with self.assertRaisesRegex(ValueError, r"got \[4, 3\] torch.bfloat16"):
+            _router.router_logits_backward(torch.zeros(4, 3).bfloat16(), x, w, True, True)
+
+
+class TestRouterLogitsBackward(TestCase):
+    @parametrize("dtype", HALF)
+    @parametrize("shape", SHAPES)
+    def test_grads_within_bound(self, dtype, shape):
+        T, _, E = shape
+        x, w, b = _inputs(*shape, dtype, seed=1)
+        x.requires_grad_()
+        w.requires_grad_()
+        b.requires_grad_()
+        grad = torch.randn(T, E, generator=torch.Generator().manual_seed(2))
+        ops.router_logits(x, w, b).backward(grad)
+        g = grad.double()
+        # grad_x: E-term sums in fp32, rounded to x's dtype; grad_w: T-term sums
+        exact_x = g @ w.detach().double()
+        bound_x = gemm_bound(g.abs() @ w.detach().double().abs(), E, exact_x, torch.float32, dtype)
+        assert_within(self, x.grad, exact_x, bound_x, msg="grad_x")
+        exact_w = g.t() @ x.detach().double()
+        bound_w = gemm_bound(
+            g.abs().t() @ x.detach().double().abs(), max(T, 1), exact_w, torch.float32, dtype
+        )
+        assert_within(self, w.grad, exact_w, bound_w, msg="grad_w")
+        exact_b = g.sum(0)
+        bound_b = UNIT_ROUNDOFF[dtype] * (exact_b.abs() + 1) * 2 + max(T, 1) * 2**-24 * g.abs().sum(
+            0
+        )
+        assert_within(self, b.grad, exact_b, bound_b, msg="grad_b")
+        self.assertEqual((x.grad.dtype, w.grad.dtype, b.grad.dtype), (dtype,) * 3)
+
+    @parametrize("need", [(True, False), (False, True), (True, True)])
+    def test_only_the_needed_gradients(self, need):
+        x, w, _ = _inputs(12, 40, 6, torch.bfloat16, seed=4)
+        x.requires_grad_(need[0])
+        w.requires_grad_(need[1])
+        grad = torch.randn(12, 6)
+        ops.router_logits(x, w).backward(grad)
+        full_x, full_w = _router.router_logits_backward(grad, x.detach(), w.detach(), True, True)
+        if need[0]:
+            self.assertEqual(x.grad, full_x, atol=0, rtol=0)
+        if need[1]:
+            self.assertEqual(w.grad, full_w, atol=0, rtol=0)
+        gx, gw = _router.router_logits_backward(grad, x.detach(), w.detach(), *need)
+        self.assertEqual(gx.shape, (12, 40) if need[0] else (0, 40))
+        self.assertEqual(gw.shape, (6, 40) if need[1] else (0, 40))
+
+    @unittest.skipUnless(_native_runs(), "the native CPU kernels are not built here")
+    def test_bits_do_not_depend_on_threads(self):
+        x, w, _ = _inputs(131, 200, 11, torch.bfloat16, seed=5)
+        grad = torch.randn(131, 11, generator=torch.Generator().manual_seed(6))
+        threads = torch.get_num_threads()
+        results = []
+        try:
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results.append(_router.router_logits_backward(grad, x, w, True, True))
+        finally:
+            torch.set_num_threads(threads)
+        for gx, gw in results[1:]:
+            self.assertEqual(gx, results[0][0], atol=0, rtol=0)
+            self.assertEqual(gw, results[0][1], atol=0, rtol=0)
+
+    def test_gradcheck_and_double_backward(self):
+        x, w, b = (t.requires_grad_() for t in _inputs(5, 7, 3, torch.float64, seed=7))
+        self.assertTrue(torch.autograd.gradcheck(ops.router_logits, (x, w, b)))
+        self.assertTrue(torch.autograd.gradgradcheck(ops.router_logits, (x, w, b)))
+
+    def test_opcheck(self):
+        for dtype in (torch.bfloat16, torch.float32):
+            x, w, b = _inputs(6, 40, 5, dtype, seed=8)
+            torch.library.opcheck(torch.ops.torch_moe.router_logits.default, (x, w, b))
+            torch.library.opcheck(
+                torch.ops.torch_moe.router_logits.default,
+                (x.requires_grad_(), w.requires_grad_(), None),
+            )
+            grad = torch.randn(6, 5)
+            for need in [(True, True), (True, False), (False, True)]:
+                torch.library.opcheck(
+                    torch.ops.torch_moe.router_logits_backward.default,
+                    (grad, x.detach(), w.detach(), *need),
+                )
+
+    def test_compiled_is_eager(self):
+        x, w, b = _inputs(20, 64, 6, torch.bfloat16, seed=9)
+        grad = torch.randn(20, 6)
+
+        def step(x, w, b):
+            x, w, b = (t.detach().requires_grad_() for t in (x, w, b))
+            out = ops.router_logits(x, w, b)
+            out.backward(grad)
+            return out, x.grad, w.grad, b.grad
+
+        compiled = torch.compile(step, fullgraph=False, backend="aot_eager")
+        for got, want in zip(compiled(x, w, b), step(x, w, b)):
+            self.assertEqual(got, want, atol=0, rtol=0)
+        fwd = torch.compile(ops.router_logits, fullgraph=True, backend="aot_eager")
+        self.assertEqual(fwd(x, w, b), ops.router_logits(x, w, b), atol=0, rtol=0)
+
+
+instantiate_parametrized_tests(TestRouterLogits)
+instantiate_parametrized_tests(TestRouterLogitsBackward)
+
+if __name__ == "__main__":
+    run_tests()
