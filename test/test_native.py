@@ -1222,23 +1222,29 @@ class TestNativeBF16GEMM(TestCase):
         self.assertTrue(_bf16_mm(torch.empty(0, 4, dtype=BF16), torch.randn(4, 3).to(BF16))[0])
 
     @parametrize("layout", ["row", "col"])
-    def test_threaded_kernel_pieces(self, layout):
+    @parametrize("dims", [(64, 90), (1040, 1600)])
+    def test_threaded_kernel_pieces(self, layout, dims):
         # the threaded kernel with native_gemm: within the bound, the same bits on 1-3
-        # threads (a group on a share's edge split by columns / output rows), each group's
-        # rows the bits of bf16_mm on that group alone
+        # threads, each group's rows the bits of bf16_mm on that group alone. Narrow
+        # outputs share the groups' end-to-end rows out (a group on a share's edge split
+        # by columns / output rows); with the native GEMM, every group
+        # is cut into one share per thread where the groups are large (448 rows or more
+        # on average) and each share is 512 or more (N = 1600 on 2 and 3 threads, K =
+        # 1040 rows of dW on 2)
         g = torch.Generator().manual_seed(23)
-        sizes = [300, 0, 37, 130, 1]
+        k, n = dims
+        sizes = [300, 0, 37, 130, 1] if k < 512 else [600, 0, 500, 450]
         offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
         end = int(offs[-1])
-        x = torch.randn(end + 2, 64, generator=g).to(BF16)
-        w = _few_weight(len(sizes), 64, 90, BF16, layout, g)
+        x = torch.randn(end + 2, k, generator=g).to(BF16)
+        w = _few_weight(len(sizes), k, n, BF16, layout, g)
         dy = torch.randn(end + 2, 70, generator=g).to(BF16)
         got, dws = {}, {}
         for threads in (1, 2, 3):
             with intra_op_threads(threads):
-                out = torch.full((end + 2, 90), float("nan"), dtype=BF16)
+                out = torch.full((end + 2, n), float("nan"), dtype=BF16)
                 _native.kernels().threaded_grouped_mm(x, w, offs, out, False, True)
-                dw = torch.full((len(sizes), 64, 70), float("nan"), dtype=BF16)
+                dw = torch.full((len(sizes), k, 70), float("nan"), dtype=BF16)
                 _native.kernels().threaded_grouped_mm_wgrad(x.t(), dy, offs, dw, True)
             got[threads], dws[threads] = out, dw
             assert_gemm_within(self, out, x, w, offs, f"on {threads}")
