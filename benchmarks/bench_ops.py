@@ -436,6 +436,26 @@ def main() -> None:
         )
     )
 
+    # ---------------- router logits (fp32 [T, E] from x [T, D], W [E, D]) ----------------
+    x_r = torch.randn(t, d, dtype=dtype, requires_grad=True)
+    w_r = (torch.randn(e, d) * d**-0.5).to(dtype).requires_grad_()
+    g_r = torch.randn(t, e)
+
+    def router_ours():
+        ops.router_logits(x_r, w_r).backward(g_r)
+
+    def router_peer():  # the fp32 reference: F.linear on converted operands (autograd)
+        torch.nn.functional.linear(x_r.float(), w_r.float()).backward(g_r)
+
+    rows.append(
+        gemm_row(
+            "router_logits fwd+bwd",
+            6 * t * d * e,
+            {"ours": router_ours, "peer": router_peer},
+            "F.linear fp32",
+        )
+    )
+
     # ---------------- permute / unpermute ----------------
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     x_tok = torch.randn(t, d, dtype=dtype, requires_grad=True)
