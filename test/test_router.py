@@ -31,7 +31,9 @@ from torch_moe._ops import router as _router
 HALF = (torch.bfloat16, torch.float16)
 # (T, D, E): tails of every tile (tokens 4 / 2, experts 4 / 8, 16 / 32 columns), one
 # expert, one column, T = 0, and sums over more than one block of 64 steps / tokens
+# (and a D tail in the second block: D = 2079)
 SHAPES = [(37, 100, 5), (2, 33, 1), (0, 64, 8), (5, 1, 3), (129, 2112, 9), (70, 64, 70)]
+SHAPES += [(3, 2079, 5)]
 
 
 def _native_runs():
@@ -90,14 +92,34 @@ class TestRouterLogits(TestCase):
             )
 
     @unittest.skipUnless(_native_runs(), "the native CPU kernels are not built here")
-    def test_native_kernel_runs_and_differs_from_nothing_else(self):
-        # the kernels' own order is deterministic: a second call, a strided x and any
-        # thread count give the same bits; without the native library, the reference's
-        x, w, b = _inputs(45, 96, 7, torch.bfloat16, seed=3)
+    @parametrize("dtype", HALF)
+    def test_native_kernel_runs_and_differs_from_nothing_else(self, dtype):
+        # the kernels run (the op's results are theirs), in their own deterministic order:
+        # a second call, strided operands (rows apart in place, or column-major: copied)
+        # and any thread count give the same bits; without the native library, the
+        # reference's
+        x, w, b = _inputs(45, 96, 7, dtype, seed=3)
+        out = torch.empty(45, 7)
+        self.assertTrue(_native.kernels().router_logits(x, w, b.float(), out))
         want = ops.router_logits(x, w, b)
+        self.assertEqual(want, out, atol=0, rtol=0)
         self.assertEqual(ops.router_logits(x, w, b), want, atol=0, rtol=0)
-        strided = torch.empty(96, 45, dtype=x.dtype).copy_(x.t()).t()  # column-major view
-        self.assertEqual(ops.router_logits(strided, w, b), want, atol=0, rtol=0)
+        grad = torch.randn(45, 7, generator=torch.Generator().manual_seed(4))
+        gx, gw = torch.empty_like(x), torch.empty_like(w)
+        self.assertTrue(_native.kernels().router_logits_backward(grad, x, w, gx, gw))
+        got_x, got_w = _router.router_logits_backward(grad, x, w, True, True)
+        self.assertEqual((got_x, got_w), (gx, gw), atol=0, rtol=0)
+        wide = torch.zeros(45, 110, dtype=dtype)
+        wide[:, 5:101] = x  # rows 110 apart: read in place
+        wide_w = torch.zeros(7, 100, dtype=dtype)
+        wide_w[:, 2:98] = w
+        rows_apart = (wide[:, 5:101], wide_w[:, 2:98])
+        col_major = (torch.empty(96, 45, dtype=dtype).copy_(x.t()).t(), w)
+        for xs, ws in (rows_apart, col_major):
+            self.assertEqual(ops.router_logits(xs, ws, b), want, atol=0, rtol=0)
+            back = _router.router_logits_backward(grad, xs, ws, True, True)
+            self.assertEqual(back, (gx, gw), atol=0, rtol=0)
+            self.assertTrue(back[0].is_contiguous() and back[1].is_contiguous())
         threads = torch.get_num_threads()
         try:
             for n in (1, 2, 3):
@@ -134,6 +156,10 @@ class TestRouterLogits(TestCase):
             _router.router_logits_backward(torch.zeros(4, 2), x, w, True, True)
         with self.assertRaisesRegex(ValueError, r"got \[4, 3\] torch.bfloat16"):
             _router.router_logits_backward(torch.zeros(4, 3).bfloat16(), x, w, True, True)
+        with self.assertRaisesRegex(ValueError, r"expected weight \[E, D=7\] .* got \[3, 8\]"):
+            _router.router_logits_backward(torch.zeros(4, 3), x[:, :7], w, True, True)
+        with self.assertRaisesRegex(ValueError, r"expected x \[T, D\] .* got \[4\]"):
+            _router.router_logits_backward(torch.zeros(4, 3), x[:, 0], w, True, True)
 
 
 class TestRouterLogitsBackward(TestCase):
@@ -205,6 +231,12 @@ class TestRouterLogitsBackward(TestCase):
         for dtype in (torch.bfloat16, torch.float32):
             x, w, b = _inputs(6, 40, 5, dtype, seed=8)
             torch.library.opcheck(torch.ops.torch_moe.router_logits.default, (x, w, b))
+            x_cm = torch.empty(40, 6, dtype=dtype).copy_(x.t()).t()  # column-major
+            torch.library.opcheck(torch.ops.torch_moe.router_logits.default, (x_cm, w, b))
+            torch.library.opcheck(
+                torch.ops.torch_moe.router_logits_backward.default,
+                (torch.randn(6, 5), x_cm, w, True, True),
+            )
             torch.library.opcheck(
                 torch.ops.torch_moe.router_logits.default,
                 (x.requires_grad_(), w.requires_grad_(), None),

@@ -45,8 +45,8 @@ def router_logits(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
         bias: optional [E] router bias.
 
     Returns:
-        logits [T, E] in fp32 (fp64 for fp64 ``x``): the inputs converted exactly and the
-        products summed in that dtype, whatever the inputs' dtypes (a bf16 rounding of
+        logits [T, E] in fp32 (fp64 for fp64 ``x``): the inputs converted to that dtype
+        and the products summed in it, whatever the inputs' dtypes (a bf16 rounding of
         the logits would reorder near ties before :func:`topk_route`). For fp32 inputs
         this is ``F.linear(x, weight, bias)``; for bf16 / fp16 inputs on the CPU native
         kernels sum the same exact products in another order (deterministic, and the

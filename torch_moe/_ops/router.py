@@ -3,8 +3,8 @@
 Legend: T tokens, D model dim, E experts.
 
 Semantics: ``logits [T, E] = x [T, D] @ weight [E, D]^T (+ bias [E])`` in fp32 (fp64 for
-fp64 x): x, weight and bias are converted to that dtype (exactly) and the products are
-summed in it, whatever the inputs' dtypes, so that routing (``topk_route``) sees logits
+fp64 x): x, weight and bias are converted to that dtype (exactly, unless a weight or bias
+is fp64 and x is not) and the products are summed in it, whatever the inputs' dtypes, so that routing (``topk_route``) sees logits
 that a bf16 rounding has not reordered. The backward rounds ``grad @ weight`` to x's
 dtype and ``grad^T @ x`` to weight's, ``grad.sum(0)`` to bias's.
 
@@ -137,6 +137,7 @@ def _unneeded(t: Tensor) -> Tensor:
 
 
 def _check_backward(grad: Tensor, x: Tensor, weight: Tensor) -> None:
+    _check(x, weight, None)
     if grad.shape != (x.shape[0], weight.shape[0]) or grad.dtype != acc_dtype(x.dtype):
         raise ValueError(
             f"router_logits_backward: expected grad [T={x.shape[0]}, E={weight.shape[0]}] in "
@@ -163,8 +164,8 @@ def _router_logits_backward_cpu(
     mod = _native_kernels(x, weight)
     if mod is not None:
         xr, wr = _row_major(x), _row_major(weight)
-        grad_x = torch.empty_like(xr) if need_x else None
-        grad_w = torch.empty_like(wr) if need_weight else None
+        grad_x = x.new_empty(x.shape) if need_x else None  # contiguous, as the reference's
+        grad_w = weight.new_empty(weight.shape) if need_weight else None
         if mod.router_logits_backward(_row_major(grad), xr, wr, grad_x, grad_w):
             return (
                 _unneeded(x) if grad_x is None else grad_x,
@@ -179,8 +180,8 @@ def _(
 ) -> tuple[Tensor, Tensor]:
     _check_backward(grad, x, weight)
     return (
-        torch.empty_like(x) if need_x else _unneeded(x),
-        torch.empty_like(weight) if need_weight else _unneeded(weight),
+        x.new_empty(x.shape) if need_x else _unneeded(x),
+        weight.new_empty(weight.shape) if need_weight else _unneeded(weight),
     )
 
 

@@ -1,5 +1,5 @@
 // The router's logits and their gradients (torch_moe::router_logits, torch_moe/_ops/
-// routing.py) for bfloat16 / half tokens and router weight, computed in fp32:
+// router.py) for bfloat16 / half tokens and router weight, computed in fp32:
 //
 //   router_logits(x [T, D], w [E, D], bias [E] fp32?, out [T, E] fp32)
 //       out = x @ w^T (+ bias)
