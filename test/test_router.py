@@ -37,7 +37,12 @@ SHAPES += [(3, 2079, 5)]
 
 
 def _native_runs():
-    return _native.available() and hasattr(_native.kernels(), "router_logits")
+    """Whether the native kernels run here: built, and for this build's ATen CPU
+    capability (AVX2 / AVX-512; a DEFAULT build has them refuse every call)."""
+    if not (_native.available() and hasattr(_native.kernels(), "router_logits")):
+        return False
+    x = torch.ones(1, 2, dtype=torch.bfloat16)
+    return bool(_native.kernels().router_logits(x, x, None, torch.empty(1, 1)))
 
 
 def _inputs(T, D, E, dtype, seed=0, bias=True):
