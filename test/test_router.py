@@ -15,6 +15,8 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from tolerances import UNIT_ROUNDOFF, assert_within, gemm_bound
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -268,6 +270,47 @@ class TestRouterLogitsBackward(TestCase):
             self.assertEqual(got, want, atol=0, rtol=0)
         fwd = torch.compile(ops.router_logits, fullgraph=True, backend="aot_eager")
         self.assertEqual(fwd(x, w, b), ops.router_logits(x, w, b), atol=0, rtol=0)
+
+
+class TestRouterLogitsProperty(TestCase):
+    """Random sizes (tails of every tile and block), dtypes, biases, operand layouts and
+    thread counts: the logits and both gradients within their float64 bounds (the
+    number of examples is test/conftest.py's hypothesis profile)."""
+
+    @given(
+        T=st.integers(0, 70),
+        D=st.integers(1, 300),
+        E=st.integers(1, 40),
+        dtype=st.sampled_from(HALF + (torch.float32,)),
+        bias=st.booleans(),
+        layout=st.sampled_from(["contiguous", "rows_apart", "column_major"]),
+        threads=st.integers(1, 3),
+        seed=st.integers(0, 2**16),
+    )
+    def test_within_bounds(self, T, D, E, dtype, bias, layout, threads, seed):
+        x, w, b = _inputs(T, D, E, dtype, seed=seed, bias=bias)
+        if layout == "rows_apart":
+            x = torch.cat([x, torch.zeros(T, 3, dtype=dtype)], 1)[:, :D]
+        elif layout == "column_major":
+            x = torch.empty(D, T, dtype=dtype).copy_(x.t()).t()
+        x.requires_grad_()
+        w.requires_grad_()
+        grad = torch.randn(T, E, generator=torch.Generator().manual_seed(seed + 1))
+        saved = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            out = ops.router_logits(x, w, b)
+            out.backward(grad)
+        finally:
+            torch.set_num_threads(saved)
+        exact = _exact(x.detach(), w.detach(), b)
+        assert_within(self, out, exact, _logits_bound(x.detach(), w.detach(), b, exact), "logits")
+        g, xd, wd = grad.double(), x.detach().double(), w.detach().double()
+        exact_x, exact_w = g @ wd, g.t() @ xd
+        bound_x = gemm_bound(g.abs() @ wd.abs(), E, exact_x, torch.float32, dtype)
+        bound_w = gemm_bound(g.abs().t() @ xd.abs(), max(T, 1), exact_w, torch.float32, dtype)
+        assert_within(self, x.grad, exact_x, bound_x, "grad_x")
+        assert_within(self, w.grad, exact_w, bound_w, "grad_w")
 
 
 instantiate_parametrized_tests(TestRouterLogits)
