@@ -281,7 +281,7 @@ class TestRouterLogitsProperty(TestCase):
         T=st.integers(0, 70),
         D=st.integers(1, 300),
         E=st.integers(1, 40),
-        dtype=st.sampled_from(HALF + (torch.float32,)),
+        dtype=st.sampled_from((*HALF, torch.float32)),
         bias=st.booleans(),
         layout=st.sampled_from(["contiguous", "rows_apart", "column_major"]),
         threads=st.integers(1, 3),
