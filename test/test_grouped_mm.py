@@ -402,6 +402,51 @@ class TestGatherGroupedMM(TestCase):
             for got, want in zip(*results, strict=True):
                 self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
 
+    def test_native_gemm_reads_the_gathered_rows(self):
+        # with the threaded kernel and the native bf16 GEMM (forced, where they run) the
+        # op's GEMMs read x's rows through the token index (forward, dW in either weight
+        # layout) instead of a gathered copy, bit for bit the two ops'; with oneDNN's
+        # pieces they gather copies
+        from unittest import mock
+
+        from test_cpu_probe import intra_op_threads, native_gemm_available
+
+        from torch_moe._ops import _cpu_probe
+        from torch_moe._ops import grouped_mm as gmm
+
+        decisions = dict(half_gemm="native", few_gemm="aten", threads_mm="native", wgrad_a="as_is")
+        for kernel, transposed, align in [
+            ("native", False, 1),
+            ("native", True, 8),  # x @ w^T views; padding rows
+            ("aten", False, 1),
+        ]:
+            perm, x, w, grad = self._case(torch.bfloat16, align, None, transposed, seed=7)
+            maps = (perm.row_to_slot, perm.slot_to_row)
+            spy = mock.patch.object(gmm, "gathered_grouped_mm", wraps=gmm.gathered_grouped_mm)
+            spy_w = mock.patch.object(
+                gmm, "gathered_grouped_mm_wgrad", wraps=gmm.gathered_grouped_mm_wgrad
+            )
+            with (
+                self.subTest(kernel=kernel, transposed=transposed),
+                _cpu_probe.force(**decisions, gemm_kernel=kernel),
+                intra_op_threads(2),
+                spy as fwd,
+                spy_w as wgrad,
+            ):
+                results = []
+                for fused in (True, False):
+                    xx, ww = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+                    if fused:
+                        y = torch.ops.torch_moe.gather_grouped_mm(xx, ww, perm.offs, *maps)
+                    else:
+                        y = grouped_mm(torch.ops.torch_moe.permute(xx, *maps), ww, perm.offs)
+                    y.backward(grad)
+                    results.append((y, xx.grad, ww.grad))
+                for got, want in zip(*results, strict=True):
+                    self.assertEqual(got, want, atol=0, rtol=0)
+                reads = kernel == "native" and native_gemm_available()
+                self.assertEqual((fwd.call_count, wgrad.call_count), (int(reads), int(reads)))
+
     def test_saves_tokens_not_rows(self):
         perm, x, w, _ = self._case(torch.float32, 1, None, False)
         xx = x.clone().requires_grad_()

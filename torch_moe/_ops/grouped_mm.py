@@ -94,7 +94,7 @@ from torch import Tensor
 from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES, no_cpu_autocast
 from torch_moe._ops._eager import direct_calls
-from torch_moe._ops.permute import _check_maps, _check_rows, permute, unpermute
+from torch_moe._ops.permute import _check_maps, _check_rows, permute, token_of_rows, unpermute
 
 __all__ = [
     "check_offs",
@@ -1097,16 +1097,70 @@ def _gathered_rows(x: Tensor, row_to_slot: Tensor, slot_to_row: Tensor) -> Tenso
     return permute(x, row_to_slot, slot_to_row, None)
 
 
+def _plain_cpu(*tensors: Tensor) -> bool:
+    """Real CPU tensors (not a tracer's or a subclass): where the CPU kernels' own calls may
+    stand in for the ops' (a traced backward must call ops)."""
+    return all(type(t) in (Tensor, torch.nn.Parameter) and t.is_cpu for t in tensors)
+
+
+def _gather_ends(x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor) -> list[int] | None:
+    """The group ends where the CPU grouped GEMM of x's gathered rows would run the
+    threaded kernel with the native GEMM, which then reads the rows through the token
+    index (the same bits, no [M, K_in] copy: :func:`reads_gathered`); else None."""
+    if not _plain_cpu(x, w, offs, row_to_slot) or not reads_gathered(x, "threads", w.dtype):
+        return None
+    ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
+    rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))  # the gathered rows' metadata
+    if not ends or _few_gemm(rows, w, ends) or not _threaded(rows, w, ends, wgrad=False):
+        return None
+    return ends
+
+
 def _gather_grouped_mm_default(
     x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor, slot_to_row: Tensor
 ) -> Tensor:
     """``grouped_mm(permute(x, row_to_slot, slot_to_row), w, offs)``: x [T, K_in] holds the
     tokens, row r of the product reads token ``row_to_slot[r] // top_k`` (a zero row where
     row_to_slot[r] == -1). The same values as the two ops; the backward keeps x and the
-    maps instead of the [M, K_in] rows (gathered again for the weight gradient) and sums a
-    token's rows' input gradients in fp32, as ``permute``'s backward does."""
+    maps instead of the [M, K_in] rows (gathered again for the weight gradient, unless the
+    native GEMM reads them through the token index) and sums a token's rows' input
+    gradients in fp32, as ``permute``'s backward does."""
     _check_gather(x, row_to_slot, slot_to_row)
+    ends = _gather_ends(x, w, offs, row_to_slot)
+    if ends is not None:
+        _check_mm_inputs(x.new_empty((row_to_slot.shape[0], x.shape[1])), w, offs)
+        tokens = token_of_rows(row_to_slot, slot_to_row)
+        return gathered_grouped_mm(x, tokens, w, _offs_tensor(ends, offs))
     return grouped_mm(_gathered_rows(x, row_to_slot, slot_to_row), w, offs)
+
+
+def _gathered_wgrad(
+    x: Tensor, grad: Tensor, offs: Tensor, row_to_slot: Tensor, slot_to_row: Tensor, w: Tensor
+) -> Tensor | None:
+    """The weight gradient of :func:`gather_grouped_mm` with the gathered rows of x read
+    through the token index where ``grouped_mm_wgrad``'s CPU kernel on the gathered rows
+    would run the threaded kernel with the native GEMM and x's operand as the transposed
+    view (the same bits); else None."""
+    if not _plain_cpu(x, grad, offs, row_to_slot) or not reads_gathered(x, "threads", x.dtype):
+        return None
+    ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
+    if not ends or grad.dtype != x.dtype:
+        return None
+    rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))  # the gathered rows' metadata
+    tokens = token_of_rows(row_to_slot, slot_to_row)
+    offs_i = _offs_tensor(ends, offs)
+    if experts_transposed(w):  # grouped_mm_wgrad(grad, rows): the rows are dy
+        a = wgrad_operand(grad, rows.shape[1], ends)
+        if not _threaded(a, rows, ends, wgrad=True):
+            return None
+        return gathered_grouped_mm_wgrad(a, x, offs_i, None, tokens).transpose(-2, -1)
+    # grouped_mm_wgrad(rows, grad): a is rows^T, read in place only as the transposed view
+    busy = _busy_groups(ends)
+    if wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], grad.shape[1]):
+        return None
+    if not _threaded(rows.t(), grad, ends, wgrad=True):
+        return None
+    return gathered_grouped_mm_wgrad(x.t(), grad, offs_i, tokens, None)
 
 
 @torch.library.custom_op("torch_moe::gather_grouped_mm", mutates_args=())
@@ -1137,11 +1191,13 @@ def _gather_mm_backward(ctx, grad):  # type: ignore[no-untyped-def]
         grad_rows = grouped_mm(grad, w.transpose(-2, -1), offs)
         grad_x = unpermute(grad_rows, slot_to_row, row_to_slot, None)
     if ctx.needs_input_grad[1]:
-        rows = _gathered_rows(x, row_to_slot, slot_to_row)
-        if experts_transposed(w):  # as grouped_mm's backward: dW in w's own layout
-            grad_w = grouped_mm_wgrad(grad, rows, offs).transpose(-2, -1)
-        else:
-            grad_w = grouped_mm_wgrad(rows, grad, offs)
+        grad_w = _gathered_wgrad(x, grad, offs, row_to_slot, slot_to_row, w)
+        if grad_w is None:
+            rows = _gathered_rows(x, row_to_slot, slot_to_row)
+            if experts_transposed(w):  # as grouped_mm's backward: dW in w's own layout
+                grad_w = grouped_mm_wgrad(grad, rows, offs).transpose(-2, -1)
+            else:
+                grad_w = grouped_mm_wgrad(rows, grad, offs)
     return grad_x, grad_w, None, None, None
 
 

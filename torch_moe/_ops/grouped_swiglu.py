@@ -73,6 +73,7 @@ from torch_moe._ops.permute import (
     _unpermute_rows,
     gather_rows,
     permute,
+    token_of_rows,
     unpermute,
 )
 
@@ -213,8 +214,7 @@ def _token_index(
     floor division keeps -1 at -1)."""
     if row_to_slot is None or slot_to_row is None:
         return gather_index
-    top_k = slot_to_row.shape[1]
-    return row_to_slot if top_k == 1 else torch.div(row_to_slot, top_k, rounding_mode="floor")
+    return token_of_rows(row_to_slot, slot_to_row)
 
 
 def _act(h: Tensor, out_dtype: torch.dtype, row_weights: Tensor | None = None) -> Tensor:

@@ -48,6 +48,7 @@ __all__ = [
     "permute_indices",
     "permute_indices_reference",
     "permute_rows_reference",
+    "token_of_rows",
     "unpermute",
     "unpermute_rows_reference",
     "weighted_row_dot",
@@ -74,6 +75,13 @@ def gather_rows(x: Tensor, index: Tensor, empty: Any = _UNREAD) -> Tensor:
         return x.index_select(0, index.clamp(min=0)).index_fill_(0, empty, 0)
     out = x.index_select(0, index.clamp(min=0))
     return out.masked_fill_((index < 0).unsqueeze(1), 0)
+
+
+def token_of_rows(row_to_slot: Tensor, slot_to_row: Tensor) -> Tensor:
+    """The token each expert-sorted row reads (-1: a zero row): ``row_to_slot // K`` (an
+    assignment t*K + k belongs to token t; floor division keeps -1 at -1)."""
+    top_k = slot_to_row.shape[1]
+    return row_to_slot if top_k == 1 else torch.div(row_to_slot, top_k, rounding_mode="floor")
 
 
 def _num_rows(
