@@ -414,7 +414,18 @@ class TestGatherGroupedMM(TestCase):
         from torch_moe._ops import _cpu_probe
         from torch_moe._ops import grouped_mm as gmm
 
-        decisions = dict(half_gemm="native", few_gemm="aten", threads_mm="native", wgrad_a="as_is")
+        # every decision the CPU kernels read here, so that a forced profile
+        # (CONTRIBUTING) cannot take the threaded kernel away
+        decisions = dict(
+            half_gemm="native",
+            grouped_mm="torch",
+            few_rows="mm",
+            few_gemm="aten",
+            threads_mm="native",
+            wgrad_a="as_is",
+            layout="as_is",
+            row_split="one",
+        )
         for kernel, transposed, align in [
             ("native", False, 1),
             ("native", True, 8),  # x @ w^T views; padding rows
