@@ -380,6 +380,21 @@ class TestGatherGroupedMM(TestCase):
         grad = torch.randn(perm.row_to_slot.shape[0], N, generator=g).to(dtype)
         return perm, x, w, grad
 
+    def _assert_same_as_two_ops(self, perm, x, w, grad, msg=""):
+        """gather_grouped_mm and grouped_mm(permute(...)): the same output and gradients."""
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        results = []
+        for fused in (True, False):
+            xx, ww = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+            if fused:
+                y = torch.ops.torch_moe.gather_grouped_mm(xx, ww, perm.offs, *maps)
+            else:
+                y = grouped_mm(torch.ops.torch_moe.permute(xx, *maps), ww, perm.offs)
+            y.backward(grad)
+            results.append((y, xx.grad, ww.grad))
+        for got, want in zip(*results, strict=True):
+            self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
+
     def test_equals_permute_then_grouped_mm(self):
         for dtype, align, capacity, transposed in [
             (torch.float32, 1, None, False),
@@ -388,19 +403,8 @@ class TestGatherGroupedMM(TestCase):
             (torch.bfloat16, 1, 4, False),  # dropped slots (slot_to_row == -1)
         ]:
             perm, x, w, grad = self._case(dtype, align, capacity, transposed)
-            maps = (perm.row_to_slot, perm.slot_to_row)
-            results = []
-            for fused in (True, False):
-                xx, ww = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
-                if fused:
-                    y = torch.ops.torch_moe.gather_grouped_mm(xx, ww, perm.offs, *maps)
-                else:
-                    y = grouped_mm(torch.ops.torch_moe.permute(xx, *maps), ww, perm.offs)
-                y.backward(grad)
-                results.append((y, xx.grad, ww.grad))
             msg = f"{dtype} align={align} capacity={capacity}"
-            for got, want in zip(*results, strict=True):
-                self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
+            self._assert_same_as_two_ops(perm, x, w, grad, msg)
 
     def test_native_gemm_reads_the_gathered_rows(self):
         # with the threaded kernel and the native bf16 GEMM (forced, where they run) the
@@ -410,29 +414,19 @@ class TestGatherGroupedMM(TestCase):
         from unittest import mock
 
         from test_cpu_probe import intra_op_threads, native_gemm_available
+        from test_eager import THREADS  # every decision the CPU kernels read here, so
 
+        # that a forced profile (CONTRIBUTING) cannot take the threaded kernel away
         from torch_moe._ops import _cpu_probe
         from torch_moe._ops import grouped_mm as gmm
 
-        # every decision the CPU kernels read here, so that a forced profile
-        # (CONTRIBUTING) cannot take the threaded kernel away
-        decisions = dict(
-            half_gemm="native",
-            grouped_mm="torch",
-            few_rows="mm",
-            few_gemm="aten",
-            threads_mm="native",
-            wgrad_a="as_is",
-            layout="as_is",
-            row_split="one",
-        )
+        decisions = {**THREADS, "row_split": "one"}
         for kernel, transposed, align in [
             ("native", False, 1),
             ("native", True, 8),  # x @ w^T views; padding rows
             ("aten", False, 1),
         ]:
             perm, x, w, grad = self._case(torch.bfloat16, align, None, transposed, seed=7)
-            maps = (perm.row_to_slot, perm.slot_to_row)
             spy = mock.patch.object(gmm, "gathered_grouped_mm", wraps=gmm.gathered_grouped_mm)
             spy_w = mock.patch.object(
                 gmm, "gathered_grouped_mm_wgrad", wraps=gmm.gathered_grouped_mm_wgrad
@@ -444,17 +438,7 @@ class TestGatherGroupedMM(TestCase):
                 spy as fwd,
                 spy_w as wgrad,
             ):
-                results = []
-                for fused in (True, False):
-                    xx, ww = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
-                    if fused:
-                        y = torch.ops.torch_moe.gather_grouped_mm(xx, ww, perm.offs, *maps)
-                    else:
-                        y = grouped_mm(torch.ops.torch_moe.permute(xx, *maps), ww, perm.offs)
-                    y.backward(grad)
-                    results.append((y, xx.grad, ww.grad))
-                for got, want in zip(*results, strict=True):
-                    self.assertEqual(got, want, atol=0, rtol=0)
+                self._assert_same_as_two_ops(perm, x, w, grad)
                 reads = kernel == "native" and native_gemm_available()
                 self.assertEqual((fwd.call_count, wgrad.call_count), (int(reads), int(reads)))
 
