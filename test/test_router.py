@@ -60,6 +60,17 @@ def _exact(x, w, b):
     return out if b is None else out + b.double()
 
 
+def _assert_grads_within(test, x, w, grad, dtype):
+    """x.grad and w.grad against float64: E-term sums (grad_x) and T-term sums (grad_W) in
+    fp32, rounded once to ``dtype``."""
+    g, xd, wd = grad.double(), x.detach().double(), w.detach().double()
+    exact_x, exact_w = g @ wd, g.t() @ xd
+    bound_x = gemm_bound(g.abs() @ wd.abs(), w.shape[0], exact_x, torch.float32, dtype)
+    bound_w = gemm_bound(g.abs().t() @ xd.abs(), max(x.shape[0], 1), exact_w, torch.float32, dtype)
+    assert_within(test, x.grad, exact_x, bound_x, msg="grad_x")
+    assert_within(test, w.grad, exact_w, bound_w, msg="grad_w")
+
+
 def _logits_bound(x, w, b, exact):
     abs_products = x.double().abs() @ w.double().abs().t()
     if b is not None:
@@ -180,16 +191,8 @@ class TestRouterLogitsBackward(TestCase):
         b.requires_grad_()
         grad = torch.randn(T, E, generator=torch.Generator().manual_seed(2))
         ops.router_logits(x, w, b).backward(grad)
+        _assert_grads_within(self, x, w, grad, dtype)
         g = grad.double()
-        # grad_x: E-term sums in fp32, rounded to x's dtype; grad_w: T-term sums
-        exact_x = g @ w.detach().double()
-        bound_x = gemm_bound(g.abs() @ w.detach().double().abs(), E, exact_x, torch.float32, dtype)
-        assert_within(self, x.grad, exact_x, bound_x, msg="grad_x")
-        exact_w = g.t() @ x.detach().double()
-        bound_w = gemm_bound(
-            g.abs().t() @ x.detach().double().abs(), max(T, 1), exact_w, torch.float32, dtype
-        )
-        assert_within(self, w.grad, exact_w, bound_w, msg="grad_w")
         exact_b = g.sum(0)
         bound_b = UNIT_ROUNDOFF[dtype] * (exact_b.abs() + 1) * 2 + max(T, 1) * 2**-24 * g.abs().sum(
             0
@@ -305,12 +308,7 @@ class TestRouterLogitsProperty(TestCase):
             torch.set_num_threads(saved)
         exact = _exact(x.detach(), w.detach(), b)
         assert_within(self, out, exact, _logits_bound(x.detach(), w.detach(), b, exact), "logits")
-        g, xd, wd = grad.double(), x.detach().double(), w.detach().double()
-        exact_x, exact_w = g @ wd, g.t() @ xd
-        bound_x = gemm_bound(g.abs() @ wd.abs(), E, exact_x, torch.float32, dtype)
-        bound_w = gemm_bound(g.abs().t() @ xd.abs(), max(T, 1), exact_w, torch.float32, dtype)
-        assert_within(self, x.grad, exact_x, bound_x, "grad_x")
-        assert_within(self, w.grad, exact_w, bound_w, "grad_w")
+        _assert_grads_within(self, x, w, grad, dtype)
 
 
 instantiate_parametrized_tests(TestRouterLogits)

@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "FP8", "KERNEL_DTYPES", "acc_dtype", "no_cpu_autocast"]
+__all__ = ["FLOAT_DTYPES", "FP8", "KERNEL_DTYPES", "acc_dtype", "no_autocast", "no_cpu_autocast"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -26,11 +26,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def no_cpu_autocast() -> contextlib.AbstractContextManager[object]:
-    """``torch.autocast("cpu", enabled=False)`` where CPU autocast is on, else a no-op: a
-    CPU kernel that decides its GEMMs' dtypes must not be recast by a caller's autocast
-    (compiled code, whose kernels run outside autocast, is not), and entering an autocast
-    context costs microseconds per kernel call where there is none to leave."""
-    if torch.is_autocast_enabled("cpu"):
-        return torch.autocast("cpu", enabled=False)
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager[object]:
+    """``torch.autocast(device_type, enabled=False)`` where that autocast is on, else a
+    no-op: a kernel that decides its GEMMs' dtypes must not be recast by a caller's autocast
+    (a custom op's kernel runs with the caller's autocast state; compiled code, whose
+    kernels run outside autocast, does not), and entering an autocast context costs
+    microseconds per kernel call where there is none to leave."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def no_cpu_autocast() -> contextlib.AbstractContextManager[object]:
+    """:func:`no_autocast` for the CPU kernels."""
+    return no_autocast("cpu")

@@ -1109,8 +1109,9 @@ def _gather_ends(x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor) -> lis
     index (the same bits, no [M, K_in] copy: :func:`reads_gathered`); else None."""
     if not _plain_cpu(x, w, offs, row_to_slot) or not reads_gathered(x, "threads", w.dtype):
         return None
-    ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
     rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))  # the gathered rows' metadata
+    _check_mm_inputs(rows, w, offs)  # (grouped_mm's checks, on the path that skips it)
+    ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
     if not ends or _few_gemm(rows, w, ends) or not _threaded(rows, w, ends, wgrad=False):
         return None
     return ends
@@ -1128,7 +1129,6 @@ def _gather_grouped_mm_default(
     _check_gather(x, row_to_slot, slot_to_row)
     ends = _gather_ends(x, w, offs, row_to_slot)
     if ends is not None:
-        _check_mm_inputs(x.new_empty((row_to_slot.shape[0], x.shape[1])), w, offs)
         tokens = token_of_rows(row_to_slot, slot_to_row)
         return gathered_grouped_mm(x, tokens, w, _offs_tensor(ends, offs))
     return grouped_mm(_gathered_rows(x, row_to_slot, slot_to_row), w, offs)

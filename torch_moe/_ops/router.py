@@ -27,7 +27,6 @@ in differentiable ATen ops.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_moe._ops import _native
-from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype
+from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype, no_autocast
 from torch_moe._ops._eager import direct_calls
 
 __all__ = ["router_logits", "router_logits_backward", "router_logits_reference"]
@@ -66,18 +65,10 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
             )
 
 
-def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[object]:
-    """Autocast off where it is on: the op's math is fp32 whatever a caller's autocast
-    says (a custom op's kernel runs with the caller's autocast state)."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def router_logits_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` on x, weight and bias converted to fp32 (fp64 for fp64 x)."""
     acc = acc_dtype(x.dtype)
-    with _no_autocast(x.device.type):
+    with no_autocast(x.device.type):
         return F.linear(x.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
 
 
@@ -124,7 +115,7 @@ def _backward_reference(
 ) -> tuple[Tensor, Tensor]:
     acc = acc_dtype(x.dtype)
     g = grad.to(acc)
-    with _no_autocast(x.device.type):
+    with no_autocast(x.device.type):
         grad_x = (g @ weight.to(acc)).to(x.dtype) if need_x else _unneeded(x)
         grad_w = (g.t() @ x.to(acc)).to(weight.dtype) if need_weight else _unneeded(weight)
     return grad_x, grad_w
@@ -196,15 +187,10 @@ def _backward(ctx, grad):  # type: ignore[no-untyped-def]
     # (two entries where the op was called without its bias)
     need_x, need_w, need_b = (*ctx.needs_input_grad, False)[:3]
     grad_x = grad_w = grad_b = None
-    if torch.is_grad_enabled():  # a double backward: differentiable ATen ops
-        acc = acc_dtype(x.dtype)
-        with _no_autocast(x.device.type):
-            if need_x:
-                grad_x = (grad.to(acc) @ weight.to(acc)).to(x.dtype)
-            if need_w:
-                grad_w = (grad.to(acc).t() @ x.to(acc)).to(weight.dtype)
-    elif need_x or need_w:
-        gx, gw = router_logits_backward(grad.contiguous(), x, weight, need_x, need_w)
+    if need_x or need_w:
+        # a double backward takes the reference's differentiable ATen ops
+        backward = _backward_reference if torch.is_grad_enabled() else router_logits_backward
+        gx, gw = backward(grad.contiguous(), x, weight, need_x, need_w)
         grad_x = gx if need_x else None
         grad_w = gw if need_w else None
     if need_b:
