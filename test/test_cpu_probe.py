@@ -640,6 +640,25 @@ class TestForcedDecisions(TestCase):
             self.assertGreaterEqual(got.stride(0), shape[0])
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         self.assertEqual(got.view(bits), x.t().contiguous().view(bits))
+        if got.numel():  # the padding past the last column is zero (GEMMs may read it)
+            padded = got.as_strided((shape[1], got.stride(0)), got.stride())
+            self.assertTrue((padded[:, shape[0] :] == 0).all())
+
+    def test_wgrad_of_the_transposed_copy_reads_finite_padding(self):
+        # the weight gradient through the copy with an odd last group: the GEMM may read
+        # the element past each row's last column (AMX bf16 k pairs); NaN garbage in the
+        # padding must not reach the gradient (it did, flakily, on an AMX Xeon)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(38, 32, generator=g).to(torch.bfloat16)
+        dy = torch.randn(38, 32, generator=g).to(torch.bfloat16)
+        offs = torch.tensor([14, 17, 23, 28, 33, 38], dtype=torch.int32)
+        nan_pool = [torch.full((32, 40), float("nan"), dtype=torch.bfloat16) for _ in range(4)]
+        del nan_pool  # freed NaN blocks the copy's allocation may reuse
+        with P.force(half_gemm="native", wgrad_a="transpose"), intra_op_threads(2):
+            a = grouped_mm_module.transposed_copy(x)
+            dw = torch._grouped_mm(a, dy, offs=offs)
+        self.assertFalse(dw.isnan().any())
+        assert_gemm_within(self, dw, x, dy, offs, "dW", wgrad=True)
 
     @parametrize("few_rows", ["mm", "mv", "swap"])
     @parametrize("kernel", ["torch", "loop"])

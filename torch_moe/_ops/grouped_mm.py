@@ -655,10 +655,15 @@ _T_BLOCK = 64  # rows per copy of transposed_copy (ATen's strided copy is fastes
 
 def transposed_copy(x: Tensor) -> Tensor:
     """``x^T`` ([K, M] for ``x`` [M, K]) as a row-major copy, its leading dim padded to 16
-    bytes (what ``torch._grouped_mm`` takes), copied in blocks of ``_T_BLOCK`` rows."""
+    bytes (what ``torch._grouped_mm`` takes), copied in blocks of ``_T_BLOCK`` rows. The
+    padding is zero: oneDNN's AMX GEMM reads a row's element past an odd number of
+    columns (its k pairs), which for the last group is the padding; uninitialized, a
+    NaN or inf there made that expert's weight gradient NaN (0 * NaN)."""
     m, k = x.shape
     pad = max(1, 16 // x.element_size())
-    out = x.new_empty((k, -(-m // pad) * pad))[:, :m]
+    full = x.new_empty((k, -(-m // pad) * pad))
+    full[:, m:].zero_()
+    out = full[:, :m]
     for r0 in range(0, m, _T_BLOCK):
         out[:, r0 : r0 + _T_BLOCK].copy_(x[r0 : r0 + _T_BLOCK].t())
     return out
