@@ -50,6 +50,7 @@ import torch
 import torch_moe  # noqa: F401
 from torch_moe import ops
 from torch_moe._ops import _cpu_probe, _native
+from torch_moe._ops import grouped_mm as gmm
 from torch_moe._ops.grouped_mm import cpu_compute_dtype
 from torch_moe._ops.permute import permute as permute_rows
 from torch_moe.nn.functional import grouped_swiglu
@@ -128,6 +129,7 @@ def native_mm_rate(dtype: torch.dtype, n: int, reps: int) -> float | None:
     mod = _native.kernels()
     if dtype != torch.bfloat16 or mod is None or not mod.bf16_mm_available():
         return None
+    gmm.native_gemm_on(dtype)  # its micro-kernel (AMX or not) as the probe set it up
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype).t().unsqueeze(0)
     out, offs = a.new_empty((n, n)), torch.tensor([n], dtype=torch.int32)
 

@@ -354,6 +354,29 @@ class TestCpuProbe(TestCase):
                         self.assertFalse(grouped_mm_module.native_gemm_on(torch.bfloat16))
         P.reset(env=False)
 
+    @unittest.skipUnless(native_gemm_available(), "no native bf16 GEMM here")
+    def test_gemm_kernel_amx_only_where_the_isa_allows(self):
+        # the native GEMM multiplies by AMX tiles where the ISA is AMX, and by AVX512-BF16
+        # dot products under an AVX512-BF16 cap (the other machine class on this one)
+        mod = _native.kernels()
+        before = mod.bf16_mm_amx()
+        try:
+            for isa in ("AMX", "AVX512-BF16"):
+                with (
+                    self.subTest(isa=isa),
+                    unittest.mock.patch.object(P, "cpu_isa", return_value=isa),
+                    P.force(half_gemm="native", gemm_kernel="native"),
+                ):
+                    P.reset(env=False)
+                    self.assertTrue(grouped_mm_module.native_gemm_on(torch.bfloat16))
+                    usable = mod.bf16_mm_use_amx(True)
+                    P.reset(env=False)
+                    grouped_mm_module.native_gemm_on(torch.bfloat16)
+                    self.assertEqual(mod.bf16_mm_amx(), isa == "AMX" and usable)
+        finally:
+            mod.bf16_mm_use_amx(before)
+            P.reset(env=False)
+
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_gemm_kernel_decision_measured(self):
         # measured once, for bf16 only, where the kernel runs here; fp16 and fp32 never ask
@@ -364,9 +387,12 @@ class TestCpuProbe(TestCase):
         if not native_gemm_available():
             self.assertEqual((got, keys), (False, []))
             return
-        self.assertEqual(keys, ["gemm_kernel:bf16"])
-        self.assertRegex(P.decisions()[keys[0]], r"^(aten|native) \(measured: aten .* native ")
-        self.assertEqual(got, P.decisions()[keys[0]].startswith("native"))
+        # the large class asked only where the default one says native; both must say so
+        small = P.decisions()["gemm_kernel:bf16"].startswith("native")
+        self.assertEqual(keys, ["gemm_kernel:bf16"] + (["gemm_kernel:bf16:large"] if small else []))
+        for key in keys:
+            self.assertRegex(P.decisions()[key], r"^(aten|native) \(measured: aten .* native ")
+        self.assertEqual(got, all(P.decisions()[k].startswith("native") for k in keys))
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_row_split_takes_the_threaded_kernel_on_one_thread(self):

@@ -65,7 +65,10 @@ key                             choices               margin  used by
                                                               forward GEMMs (CPU)
 ``gemm_kernel:<dt>``            **aten**, native      5%      the threaded kernel's
                                                               GEMMs (CPU, bf16 on
-                                                              AVX512-BF16)
+                                                              AVX512-BF16 or AMX)
+``gemm_kernel:<dt>:large``      aten, **native**      5%      the same at an E8-sized
+                                                              expert (asked where the
+                                                              row above says native)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -822,13 +825,19 @@ def threads_mm(
     return decide(key, measure, default="native", margin=0.1, threads=True)
 
 
-def gemm_kernel(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:
+def gemm_kernel(
+    dtype: torch.dtype, measure: Callable[[], Mapping[str, float]], cls: str = ""
+) -> str:
     """``"native"`` if the threaded grouped GEMM's pieces run faster by the compiled packed
-    bf16 GEMM (``csrc/gemm_bf16_cpu.cpp``: AVX512-BF16, each operand packed once per call)
-    than by ATen's GEMM (oneDNN's) by over 5% on one thread, forward and backward
-    layouts together, else ``"aten"``. Where it is ``"native"``, the threaded kernel is a
-    candidate on one thread too (``threads_mm`` then measures it there, key ending in
-    ``:gemm``)."""
+    bf16 GEMM (``csrc/gemm_bf16_cpu.cpp``: AMX tiles or AVX512-BF16 dot products, each
+    operand packed once per call or read in place) than by ATen's GEMM (oneDNN's) by over
+    5% on one thread, forward and backward layouts together, else ``"aten"``. Where it is
+    ``"native"``, the threaded kernel is a candidate on one thread too (``threads_mm``
+    then measures it there, key ending in ``:gemm``). ``cls="large"``: the check at an
+    E8-sized expert (3.7M-element weights) that the caller asks where the default class
+    says native; it keeps native unless ATen's GEMM is faster there by over 5%."""
+    if cls:
+        return decide(f"gemm_kernel:{_dt(dtype)}:{cls}", measure, default="native", margin=0.05)
     return decide(f"gemm_kernel:{_dt(dtype)}", measure, default="aten", margin=0.05)
 
 

@@ -510,16 +510,30 @@ def _decide_native_gemm(dtype: torch.dtype) -> bool:
         return False
     if _cpu_probe.cpu_isa() not in ("AVX512-BF16", "AMX"):
         return False
-    measure = functools.partial(_measure_gemm_kernel, dtype)
-    return _cpu_probe.gemm_kernel(dtype, measure) == "native"
+    # the micro-kernel: AMX tiles where the ISA (and its cap) allow them
+    mod.bf16_mm_use_amx(_cpu_probe.cpu_isa() == "AMX")
+    if _cpu_probe.gemm_kernel(dtype, functools.partial(_measure_gemm_kernel, dtype)) != "native":
+        return False
+    # and not slower at an E8-sized expert (a 3.7M-element weight, 512-row groups): on the
+    # AMX Xeon measured, oneDNN's AMX GEMM is faster there (it overlaps its copy of a large
+    # weight with its products better) while the native one is faster at small experts;
+    # one decision serves every grouped GEMM of the process, so it must not lose at either
+    large = functools.partial(_measure_gemm_kernel, dtype, _LARGE_N)
+    return _cpu_probe.gemm_kernel(dtype, large, "large") == "native"
 
 
-def _measure_gemm_kernel(dtype: torch.dtype) -> dict[str, float]:
-    """Seconds of the threaded kernel's GEMMs by ATen and by the native GEMM on 4 groups of
-    about 256 rows, K = 1024, N = 512 (2 MiB of weights per operand set, sets cycled): the
-    forward (x @ w^T, w column-major) and the backward's (dh @ w, row-major) together."""
-    mod, groups, k, n = _threaded_kernels(), 4, 1024, 512
-    ends = list(itertools.accumulate(256 + (g * 37) % 31 - 15 for g in range(groups)))
+_GEMM_K, _SMALL_N, _LARGE_N = 1024, 512, 3584  # the gemm_kernel classes: K and N of a weight
+
+
+def _measure_gemm_kernel(dtype: torch.dtype, n: int = _SMALL_N) -> dict[str, float]:
+    """Seconds of the threaded kernel's GEMMs by ATen and by the native GEMM at K = 1024,
+    N = ``n``: 4 groups of about 256 rows at N = 512 (1 MiB weights), 2 of about 512 at
+    larger N (an E8 layer's groups and weights); operand sets cycled: an expert layer's three kinds together, the
+    forward (x @ w^T, w column-major), the backward's (dh @ w, w row-major) and the weight
+    gradient (x^T @ dh per group: the transposed view of x's rows)."""
+    mod, k = _threaded_kernels(), _GEMM_K
+    groups, rows = (4, 256) if n <= _SMALL_N else (2, 512)
+    ends = list(itertools.accumulate(rows + (g * 37) % 31 - 15 for g in range(groups)))
     offs = torch.tensor(ends, dtype=torch.int32)
     sets = [
         (
@@ -537,6 +551,7 @@ def _measure_gemm_kernel(dtype: torch.dtype) -> dict[str, float]:
                 x, w.transpose(-2, -1), offs, x.new_empty((ends[-1], n)), False, native
             )
             mod.threaded_grouped_mm(dh, w, offs, x.new_empty((ends[-1], k)), False, native)
+            mod.threaded_grouped_mm_wgrad(x.t(), dh, offs, x.new_empty((groups, k, n)), native)
 
         return fn
 

@@ -1,6 +1,6 @@
-// A bf16 GEMM for CPUs with AVX512-BF16 and no AMX, for the threaded grouped GEMM's pieces
-// (grouped_mm_threads_cpu.cpp) where the CPU probe's gemm_kernel decision measured it
-// faster than ATen's GEMM (oneDNN's bf16 matmul):
+// A bf16 GEMM for CPUs with AVX512-BF16 (and AMX: its own micro-kernel, below), for the
+// threaded grouped GEMM's pieces (grouped_mm_threads_cpu.cpp) where the CPU probe's
+// gemm_kernel decision measured it faster than ATen's GEMM (oneDNN's bf16 matmul):
 //
 //   out [M, N] = a [M, K] @ b [K, N]     bf16, a and b row- or column-major
 //
@@ -52,12 +52,15 @@
 #include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
 #endif
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -108,12 +111,13 @@ struct RowSource {
 // interleaved into out[p * ldo + j] = (m[2p][j], m[2p + 1][j]), for p < ceil(K / 2): an
 // odd K's last row pairs with zero, as do columns cols..63.
 TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int64_t K,
-                                          int64_t cols, uint32_t* out, int64_t ldo) {
+                                          int64_t cols, uint32_t* out, int64_t ldo,
+                                          int64_t p_begin = 0, int64_t p_end = INT64_MAX) {
   // unpack{lo,hi}_epi16 interleave within 128-bit lanes: of 32 columns, lo holds the
   // pairs of columns 0-3, 8-11, 16-19, 24-27 and hi the others; the permutes restore order
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-  for (int64_t p = 0; 2 * p < K; ++p) {
+  for (int64_t p = p_begin; 2 * p < K && p < p_end; ++p) {
     const uint16_t* r0 = m.row(2 * p) + col0;
     const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) + col0 : nullptr;
     uint32_t* o = out + p * ldo;
@@ -161,25 +165,29 @@ TORCH_MOE_GEMM_INLINE void transpose_16x16(__m512i r[16]) {
   }
 }
 
-// A column-major [K, cols] b (column j's K elements contiguous at b + j * ld; cols <= 64)
-// into one panel: out[p * 64 + j] = (b[2p][j], b[2p + 1][j]) for p < ceil(K / 2), an odd
-// K's last element paired with zero, columns past cols zero.
-TORCH_MOE_GEMM_TARGET void pack_col_pairs(const uint16_t* b, int64_t ld, int64_t K,
-                                          int64_t cols, uint32_t* out) {
-  const int64_t pairs = (K + 1) / 2;
-  const int64_t whole = cols == kNr ? K / 2 / 16 * 16 : 0;  // pairs by 16 x 16 transposes
-  for (int64_t j0 = 0; j0 < kNr && whole > 0; j0 += 16) {  // 16 columns read front to back
-    for (int64_t p = 0; p < whole; p += 16) {
+// A column-major [K, cols] b (column j's K elements contiguous at src.row(j0 + j), cols <=
+// 64; gathered or not) into one panel: out[p * 64 + j] = (b[2p][j], b[2p + 1][j]) for p <
+// ceil(K / 2), an odd K's last element paired with zero, columns past cols zero; pairs
+// [p_begin, p_end) only (p_begin a multiple of 16).
+TORCH_MOE_GEMM_TARGET void pack_col_pairs(const RowSource& src, int64_t j0, int64_t K,
+                                          int64_t cols, uint32_t* out, int64_t p_begin = 0,
+                                          int64_t p_end = INT64_MAX) {
+  const int64_t pairs = std::min((K + 1) / 2, p_end);
+  const int64_t whole = cols == kNr ? std::min(K / 2 / 16 * 16, p_end) : 0;  // by transposes
+  const uint16_t* col[kNr];
+  for (int64_t j = 0; j < kNr; ++j) col[j] = j < cols ? src.row(j0 + j) : nullptr;
+  for (int64_t c0 = 0; c0 < kNr && whole > p_begin; c0 += 16) {  // 16 columns front to back
+    for (int64_t p = p_begin; p < whole; p += 16) {
       __m512i r[16];
-      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(b + (j0 + j) * ld + 2 * p);
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(col[c0 + j] + 2 * p);
       transpose_16x16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p + i) * kNr + j0, r[i]);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p + i) * kNr + c0, r[i]);
     }
   }
-  for (int64_t p = whole; p < pairs; ++p) {
+  for (int64_t p = std::max(whole, p_begin); p < pairs; ++p) {
     for (int64_t j = 0; j < kNr; ++j) {
-      const uint16_t* e = b + j * ld + 2 * p;
-      out[p * kNr + j] = j >= cols ? 0u : (2 * p + 1 < K ? pair_at(e) : uint32_t(e[0]));
+      const uint16_t* e = j < cols ? col[j] + 2 * p : nullptr;
+      out[p * kNr + j] = e == nullptr ? 0u : (2 * p + 1 < K ? pair_at(e) : uint32_t(e[0]));
     }
   }
 }
@@ -258,11 +266,13 @@ struct BOperand {
   RowSource rows;  // row-major b's rows (gathered or not)
   bool col_major;  // else column-major: column j's K elements at rows.base + j * rows.ld
   int64_t K;
-  TORCH_MOE_GEMM_TARGET void pack(int64_t n0, int64_t cols, uint32_t* out) const {
+  // pairs [p_begin, p_end) of the panel (p_begin a multiple of 16)
+  TORCH_MOE_GEMM_TARGET void pack(int64_t n0, int64_t cols, uint32_t* out, int64_t p_begin = 0,
+                                  int64_t p_end = INT64_MAX) const {
     if (col_major) {
-      pack_col_pairs(rows.base + n0 * rows.ld, rows.ld, K, cols, out);
+      pack_col_pairs(rows, n0, K, cols, out, p_begin, p_end);
     } else {
-      pack_row_pairs(rows, n0, K, cols, out, kNr);
+      pack_row_pairs(rows, n0, K, cols, out, kNr, p_begin, p_end);
     }
   }
 };
@@ -315,6 +325,340 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
   }
 }
 
+
+// ---- The AMX micro-kernel (CPUs with AMX-BF16: Sapphire Rapids and later) ----
+//
+// Where bf16_gemm_use_amx turned it on (grouped_mm._decide_native_gemm: the ISA is AMX).
+// A tile register holds 16 rows of 64 bytes; tdpbf16ps adds to a 16 x 16 fp32 tile c the
+// products of a 16 x 32 bf16 tile of a (rows, k) and a tile of b in the pair layout of
+// the panels above ([16 pairs, 16 columns] of 32-bit words): a panel of 64 columns holds
+// four such tiles side by side at every 16 pairs, read in place (stride 256 bytes). The
+// output is taken in blocks of 32 rows x 32 columns: four c tiles, two a tiles and two b
+// tiles (the eight tile registers), each c tile summing its K from zero in 32-k steps in
+// order of k (one tdpbf16ps each; the hardware adds a step's 32 products together before
+// adding them to the running fp32 sum), then rounded to bf16 once.
+//
+// amx_gemm: a row-major a that is not gathered is read in place (whole 32-k steps; a last
+// partial block of 32 rows and every other a is packed into tiles of 16 rows x 32 k, zero
+// past M and K: gathered rows copied, a column-major a by 16 x 16 transposes of the pairs
+// of a^T's rows). b's panels are packed as above; in the first pass over the rows panel q
+// + 1 is packed in slices between panel q's output blocks (the pack's loads then overlap
+// the tile products), later passes reuse them.
+//
+// amx_gemm_bt, for x @ w^T (b column-major, a row-major): computed as c^T = w @ a^T, the
+// weight's rows read in place as the first operand (the weight, the largest operand, is
+// never copied), a's rows packed into panels as the second, each c tile transposed on its
+// way out: the same products in the same order, so the same bits as amx_gemm's.
+//
+// Bits depend on K only (not on M, N, the layouts, the formulation or a thread's share)
+// and are not the AVX512-BF16 micro-kernel's (which sums blocks of 512 k apart); on the
+// Xeon measured they are also oneDNN's AMX GEMM's for K <= 1024.
+//
+// Speed (one thread, benchmarks/results/cpu_floor_cpu_202612.md, thirty-seventh session):
+// at or above oneDNN's for x @ w^T and small experts' weight gradients, 0.6-0.75x of it
+// for a large row-major weight (dh @ w at an E8 expert: the weight's pack, 7 MB of
+// strided rows per call, is not hidden), so the probe runs it only where it is not
+// slower at an E8-sized expert too (gemm_kernel:bf16:large).
+
+#define TORCH_MOE_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// tile loads and stores declared as reading / writing memory (GCC's own macros declare
+// no memory operand, so a packing store could move past the load that reads it)
+#define TORCH_MOE_TILE_LOAD(t, base, stride)                               \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void*)(base)), \
+                   "r"((long)(stride))                                      \
+                   : "memory")
+#define TORCH_MOE_TILE_STORE(t, base, stride)                              \
+  __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void*)(base)), \
+                   "r"((long)(stride))                                      \
+                   : "memory")
+
+constexpr int64_t kTm = 16;  // rows per tile
+constexpr int64_t kTk = 32;  // k per a tile (16 pairs)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-7 as 16 rows of 64 bytes, for this thread. (GCC's _tile_loadconfig declares
+// only the config's first 8 bytes as read, so the compiler may drop the stores of the
+// rest: the asm here reads the whole 64-byte object.)
+inline void load_tile_config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kTm;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+// a's tiles: tile (mb, kb) at out + (mb * kt + kb) * kTm * kTk, rows of 32 bf16.
+TORCH_MOE_GEMM_TARGET void pack_a_tiles_rows(const RowSource& a, int64_t M, int64_t K,
+                                             int64_t mt, int64_t kt, uint16_t* out) {
+  for (int64_t m = 0; m < mt * kTm; ++m) {
+    const uint16_t* r = m < M ? a.row(m) : nullptr;
+    uint16_t* o = out + (m / kTm) * kt * kTm * kTk + (m % kTm) * kTk;
+    for (int64_t kb = 0; kb < kt; ++kb, o += kTm * kTk) {
+      const int64_t left = r ? std::min<int64_t>(kTk, K - kb * kTk) : 0;
+      const __m512i v = left == kTk ? _mm512_loadu_si512(r + kb * kTk)
+                                    : _mm512_maskz_loadu_epi16(
+                                          static_cast<__mmask32>((uint64_t(1) << left) - 1),
+                                          left > 0 ? r + kb * kTk : r);
+      _mm512_storeu_si512(o, v);
+    }
+  }
+}
+
+// A column-major a: a^T's rows (k) from `at`, [K, M]; 16 pairs of rows x 16 columns at a
+// time, interleaved into words and transposed into 16 rows of a tile.
+TORCH_MOE_GEMM_TARGET void pack_a_tiles_cols(const RowSource& at, int64_t M, int64_t K,
+                                             int64_t mt, int64_t kt, uint16_t* out) {
+  for (int64_t mb = 0; mb < mt; ++mb) {
+    const int64_t m0 = mb * kTm, cols = std::clamp<int64_t>(M - m0, 0, kTm);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+    for (int64_t kb = 0; kb < kt; ++kb) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t k = kb * kTk + 2 * i;
+        const __m256i x = k < K && cols > 0 ? _mm256_maskz_loadu_epi16(mask, at.row(k) + m0)
+                                            : _mm256_setzero_si256();
+        const __m256i y = k + 1 < K && cols > 0
+                              ? _mm256_maskz_loadu_epi16(mask, at.row(k + 1) + m0)
+                              : _mm256_setzero_si256();
+        r[i] = _mm512_or_si512(_mm512_cvtepu16_epi32(x),
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16));
+      }
+      transpose_16x16(r);
+      uint16_t* o = out + (mb * kt + kb) * kTm * kTk;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(o + j * kTk, r[j]);
+    }
+  }
+}
+
+// c [M, N] = a @ b by AMX tiles (see above).
+TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const BOperand& b,
+                                   uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+  thread_local std::vector<uint32_t> panels;
+  thread_local std::vector<uint16_t> a_tiles;
+  const int64_t kt = (K + kTk - 1) / kTk, pairs = kt * (kTk / 2);
+  const int64_t panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
+  // passes over the rows: multiples of 32 rows, each at most a_block_bytes() of a
+  const int64_t most = std::max<int64_t>(2 * kTm, a_block_bytes() / (2 * kt * kTk) / (2 * kTm) * (2 * kTm));
+  const int64_t passes = (M + most - 1) / most;
+  const int64_t block = ((M + passes - 1) / passes + 2 * kTm - 1) / (2 * kTm) * (2 * kTm);
+  const bool one_pass = passes == 1;  // two panel buffers in turn, else every panel kept
+  const int64_t held = one_pass ? 2 : n_panels;
+  if (static_cast<int64_t>(panels.size()) < held * panel_words) panels.resize(held * panel_words);
+  // a row-major a, not gathered, whole 32-k steps: its tiles read in place, all but a
+  // last partial block of 32 rows (packed, with zero rows); else all of a packed
+  const bool in_place = !a_col_major && a.index == nullptr && K % kTk == 0;
+  const int64_t m_place = in_place ? M / (2 * kTm) * (2 * kTm) : 0;
+  const int64_t mt = (M - m_place + 2 * kTm - 1) / (2 * kTm) * 2;  // packed row tiles
+  if (static_cast<int64_t>(a_tiles.size()) < mt * kt * kTm * kTk) a_tiles.resize(mt * kt * kTm * kTk);
+  if (a_col_major) {
+    pack_a_tiles_cols(a, M, K, mt, kt, a_tiles.data());
+  } else if (mt > 0) {
+    const RowSource rest{a.index ? a.base : a.base + m_place * a.ld, a.ld,
+                         a.index ? a.index + m_place : nullptr, a.zero};
+    pack_a_tiles_rows(rest, M - m_place, K, mt, kt, a_tiles.data());
+  }
+  // pairs [p0, p1) of panel q (past K's pairs: zeros)
+  auto pack_panel = [&](int64_t q, int64_t p0, int64_t p1) {
+    uint32_t* out = panels.data() + (one_pass ? q & 1 : q) * panel_words;
+    const int64_t packed = (K + 1) / 2;
+    if (p0 < std::min(p1, packed)) b.pack(q * kNr, std::min(kNr, N - q * kNr), out, p0, std::min(p1, packed));
+    const int64_t z0 = std::max(p0, packed);
+    if (p1 > z0) std::memset(out + z0 * kNr, 0, (p1 - z0) * kNr * 4);
+  };
+  pack_panel(0, 0, pairs);
+  // in the first pass, panel q + 1 is packed in slices (multiples of 16 pairs) while the
+  // products of panel q run, one slice per output block
+  const int64_t first_blocks = (std::min(M, block) + 2 * kTm - 1) / (2 * kTm) * 2;
+  const int64_t slice = ((kt + first_blocks - 1) / first_blocks) * 16;
+  load_tile_config();
+  alignas(64) float acc[2 * kTm][32];
+  const int64_t tile_elems = kTm * kTk, b_stride = kNr * 4;
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    for (int64_t q = 0; q < n_panels; ++q) {
+      const int64_t n0 = q * kNr;
+      const uint32_t* panel = panels.data() + (one_pass ? q & 1 : q) * panel_words;
+      int64_t next_p = (one_pass || m0 == 0) && q + 1 < n_panels ? 0 : pairs;
+      for (int64_t m = m0; m < m1; m += 2 * kTm) {
+        const uint16_t *a0, *a1;
+        int64_t a_stride, a_step;  // bytes between a tile's rows, elements per k step
+        if (m < m_place) {
+          a0 = a.base + m * a.ld;
+          a1 = a0 + kTm * a.ld;
+          a_stride = a.ld * 2;
+          a_step = kTk;
+        } else {
+          a0 = a_tiles.data() + ((m - m_place) / kTm) * kt * tile_elems;
+          a1 = a0 + kt * tile_elems;
+          a_stride = kTk * 2;
+          a_step = tile_elems;
+        }
+        for (int64_t h = 0; h < kNr && n0 + h < N; h += 32) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          const uint32_t* bp = panel + h;
+          for (int64_t kb = 0; kb < kt; ++kb) {
+            TORCH_MOE_TILE_LOAD(4, a0 + kb * a_step, a_stride);
+            TORCH_MOE_TILE_LOAD(6, bp + kb * 16 * kNr, b_stride);
+            TORCH_MOE_TILE_LOAD(7, bp + kb * 16 * kNr + 16, b_stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            TORCH_MOE_TILE_LOAD(5, a1 + kb * a_step, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          // (while the tile products run)
+          if (next_p < pairs) {
+            pack_panel(q + 1, next_p, std::min(pairs, next_p + slice));
+            next_p += slice;
+          }
+          TORCH_MOE_TILE_STORE(0, &acc[0][0], 128);
+          TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
+          TORCH_MOE_TILE_STORE(2, &acc[kTm][0], 128);
+          TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+          const int64_t rows = std::min<int64_t>(2 * kTm, m1 - m);
+          const int64_t cols = std::min<int64_t>(32, N - n0 - h);
+          for (int64_t r = 0; r < rows; ++r) {
+            uint16_t* o = c + (m + r) * ldc + n0 + h;
+            for (int64_t v = 0; v < cols; v += 16) {
+              const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][v]));
+              if (cols - v >= 16) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + v), x);
+              } else {
+                _mm256_mask_storeu_epi16(o + v, static_cast<__mmask16>((1u << (cols - v)) - 1), x);
+              }
+            }
+          }
+        }
+      }
+      if (next_p < pairs) pack_panel(q + 1, next_p, pairs);
+    }
+  }
+  _tile_release();
+}
+
+
+// c [M, N] = a @ b for a column-major b that is not gathered (b^T = w, [N, K] row-major:
+// x @ w^T), computed as c^T = w @ a^T: w's rows are the tiles' first operand, read in
+// place (the weight is not copied), a's rows packed into pair panels as the second
+// operand (a's pair p of row m is one 32-bit word already: 16 x 16 transposes); each c
+// tile is transposed on its way out. The same products summed in the same order as
+// amx_gemm's: the same bits.
+TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, uint16_t* c,
+                                      int64_t ldc, int64_t M, int64_t N, int64_t K) {
+  thread_local std::vector<uint32_t> a_panels;
+  thread_local std::vector<uint16_t> w_block;
+  const int64_t kt = (K + kTk - 1) / kTk, pairs = kt * (kTk / 2), panel_words = pairs * kNr;
+  const int64_t most = std::max<int64_t>(kNr, a_block_bytes() / (2 * kt * kTk) / kNr * kNr);
+  const int64_t passes = (M + most - 1) / most;
+  const int64_t block = ((M + passes - 1) / passes + kNr - 1) / kNr * kNr;
+  const int64_t n_pan = block / kNr;
+  if (static_cast<int64_t>(a_panels.size()) < n_pan * panel_words) a_panels.resize(n_pan * panel_words);
+  if (static_cast<int64_t>(w_block.size()) < 2 * kTm * kt * kTk) w_block.resize(2 * kTm * kt * kTk);
+  const bool direct_k = K % kTk == 0;
+  load_tile_config();
+  alignas(64) float acc[2 * kTm][32];
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block), used = (m1 - m0 + kNr - 1) / kNr;
+    for (int64_t qi = 0; qi < used; ++qi) {
+      uint32_t* panel = a_panels.data() + qi * panel_words;
+      const int64_t packed = (K + 1) / 2;
+      pack_col_pairs(a, m0 + qi * kNr, K, std::min(kNr, m1 - m0 - qi * kNr), panel, 0, packed);
+      if (pairs > packed) std::memset(panel + packed * kNr, 0, (pairs - packed) * kNr * 4);
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += 2 * kTm) {
+      const uint16_t* w0;
+      int64_t ws;  // w's rows n0.. (32 of them, zero past N and K) and their stride
+      if (direct_k && n0 + 2 * kTm <= N) {
+        w0 = w.row(n0);
+        ws = w.ld;
+      } else {
+        const int64_t lw = kt * kTk;
+        for (int64_t r = 0; r < 2 * kTm; ++r) {
+          uint16_t* o = w_block.data() + r * lw;
+          std::memset(o, 0, lw * 2);
+          if (n0 + r < N) std::memcpy(o, w.row(n0 + r), K * 2);
+        }
+        w0 = w_block.data();
+        ws = lw;
+      }
+      const uint16_t* w1 = w0 + kTm * ws;
+      const int64_t ncols = std::min<int64_t>(2 * kTm, N - n0);
+      for (int64_t qi = 0; qi < used; ++qi) {
+        for (int64_t h = 0; h < kNr && m0 + qi * kNr + h < m1; h += 32) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          const uint32_t* bp = a_panels.data() + qi * panel_words + h;
+          for (int64_t kb = 0; kb < kt; ++kb) {
+            TORCH_MOE_TILE_LOAD(4, w0 + kb * kTk, ws * 2);
+            TORCH_MOE_TILE_LOAD(6, bp + kb * 16 * kNr, kNr * 4);
+            TORCH_MOE_TILE_LOAD(7, bp + kb * 16 * kNr + 16, kNr * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            TORCH_MOE_TILE_LOAD(5, w1 + kb * kTk, ws * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          TORCH_MOE_TILE_STORE(0, &acc[0][0], 128);
+          TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
+          TORCH_MOE_TILE_STORE(2, &acc[kTm][0], 128);
+          TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+          // acc[n][m] -> c[m][n]
+          const int64_t mbase = m0 + qi * kNr + h, mrows = std::min<int64_t>(32, m1 - mbase);
+          for (int64_t mb = 0; mb < mrows; mb += 16) {
+            for (int64_t nb = 0; nb < ncols; nb += 16) {
+              __m512i r[16];
+              for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&acc[nb + i][mb]);
+              transpose_16x16(r);
+              const int64_t left = ncols - nb;
+              const __mmask16 mask =
+                  left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+              for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
+                const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j]));
+                _mm256_mask_storeu_epi16(c + (mbase + mb + j) * ldc + n0 + nb, mask, x);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+std::atomic<bool> amx_on{false};
+
+// AMX-BF16 and AMX-TILE in CPUID and, on Linux, the kernel's permission for this process
+// to use the tile data state (asked once; refused on kernels older than 5.16).
+bool amx_usable() {
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u) || !__builtin_cpu_supports("avx512bf16")) {
+      return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return yes;
+}
 }  // namespace
 #endif
 
@@ -364,7 +708,16 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   auto* cp = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
   const RowSource a_src{ap, a_rows_major ? a.stride(0) : a.stride(1), a_rows.index, zero.data()};
   const RowSource b_src{bp, b_rows_major ? b.stride(0) : b.stride(1), b_rows.index, zero.data()};
-  gemm(a_src, !a_rows_major, BOperand{b_src, !b_rows_major, K}, cp, out.stride(0), M, N, K);
+  const BOperand b_op{b_src, !b_rows_major, K};
+  if (amx_on.load(std::memory_order_relaxed)) {
+    if (!b_rows_major && a_rows_major) {
+      amx_gemm_bt(a_src, b_src, cp, out.stride(0), M, N, K);
+    } else {
+      amx_gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K);
+    }
+  } else {
+    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K);
+  }
   return true;
 #else
   (void)out;
@@ -372,6 +725,25 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   (void)b;
   (void)a_rows;
   (void)b_rows;
+  return false;
+#endif
+}
+
+bool bf16_gemm_use_amx(bool enable) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool on = enable && amx_usable();
+  amx_on.store(on);
+  return on;
+#else
+  (void)enable;
+  return false;
+#endif
+}
+
+bool bf16_gemm_amx() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return amx_on.load();
+#else
   return false;
 #endif
 }
@@ -390,11 +762,21 @@ bool bf16_mm_available() {
   return torch_moe_cpu::bf16_gemm_available();
 }
 
+bool bf16_mm_use_amx(bool enable) {
+  return torch_moe_cpu::bf16_gemm_use_amx(enable);
+}
+
+bool bf16_mm_amx() {
+  return torch_moe_cpu::bf16_gemm_amx();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def("bf16_mm(Tensor a, Tensor b, Tensor(a!) out) -> bool");
   m.def("bf16_mm_available() -> bool", &bf16_mm_available);
+  m.def("bf16_mm_use_amx(bool enable) -> bool", &bf16_mm_use_amx);
+  m.def("bf16_mm_amx() -> bool", &bf16_mm_amx);
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {

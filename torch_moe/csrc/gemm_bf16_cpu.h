@@ -10,6 +10,12 @@ namespace torch_moe_cpu {
 // AVX512-BF16.
 bool bf16_gemm_available();
 
+// Whether bf16_gemm multiplies by AMX tiles (where the CPU and the OS allow it) or by
+// AVX512-BF16 dot products: a process-wide choice, off until asked for; returns whether
+// AMX is now on. The two micro-kernels' bits differ (see gemm_bf16_cpu.cpp).
+bool bf16_gemm_use_amx(bool enable);
+bool bf16_gemm_amx();  // whether it is on
+
 // Rows of an operand gathered from its stored rows: logical row i is stored row index[i]
 // (zero where index[i] < 0); size: the number of logical rows. index nullptr: none.
 struct Gather {
