@@ -1236,18 +1236,21 @@ class TestNativeBF16GEMM(TestCase):
     @parametrize("b_layout", ["row", "col"])
     def test_odd_k_reads_nothing_past_a_row(self, a_layout, b_layout):
         # an odd K's last element pairs with zero: the element after it (the next row's or
-        # column's first, here inf) must not be read, or 0 * inf makes the sums NaN
+        # column's first, here inf) must not be read, or 0 * inf makes the sums NaN; 40
+        # rows: the AMX micro-kernel reads whole 32-row blocks of a row-major a in place
         g = torch.Generator().manual_seed(24)
         k = 37
-        a = torch.randn(5, k + 1, generator=g).to(BF16)
-        b = torch.randn(k + 1, 70, generator=g).to(BF16)
-        a[:, k], b[k] = float("inf"), float("inf")
-        a = a if a_layout == "row" else a.t().contiguous().t()
-        b = b if b_layout == "row" else b.t().contiguous().t()
-        a_, b_ = a[:, :k], b[:k]  # each row / column followed by an inf
-        ran, got = _bf16_mm(a_, b_)
-        self.assertTrue(ran)
-        assert_gemm_within(self, got, a_, b_.unsqueeze(0), torch.tensor([5], dtype=torch.int32), "")
+        for m in (5, 40):
+            a = torch.randn(m, k + 1, generator=g).to(BF16)
+            b = torch.randn(k + 1, 70, generator=g).to(BF16)
+            a[:, k], b[k] = float("inf"), float("inf")
+            a = a if a_layout == "row" else a.t().contiguous().t()
+            b = b if b_layout == "row" else b.t().contiguous().t()
+            a_, b_ = a[:, :k], b[:k]  # each row / column followed by an inf
+            ran, got = _bf16_mm(a_, b_)
+            self.assertTrue(ran)
+            one = torch.tensor([m], dtype=torch.int32)
+            assert_gemm_within(self, got, a_, b_.unsqueeze(0), one, f"{m} rows")
 
     def test_empty(self):
         ran, got = _bf16_mm(torch.empty(5, 0, dtype=BF16), torch.empty(0, 3, dtype=BF16))
