@@ -1301,6 +1301,50 @@ class TestNativeBF16GEMM(TestCase):
             start = stop
 
 
+@needs_native
+class TestNativeTranspose16(TestCase):
+    """``transpose16`` (the weight gradients' row-major copy of their operand,
+    ``grouped_mm.transposed_copy``): x^T bit for bit for 16-bit dtypes, 32 x 32 blocks and
+    their tails, strided rows on both sides, the same on 1-3 threads; where it does not
+    apply it copies nothing and says so."""
+
+    def test_bits(self):
+        g = torch.Generator().manual_seed(41)
+        for dtype in (BF16, torch.float16):
+            for m, k in ((1, 1), (31, 33), (32, 32), (33, 64), (64, 31), (100, 97), (517, 300)):
+                x = torch.randn(m, k + 5, generator=g).to(dtype)[:, 2 : 2 + k]
+                want = x.t().contiguous()
+                for threads in (1, 2, 3):
+                    with self.subTest(dtype=str(dtype), m=m, k=k, threads=threads):
+                        out = torch.full((k, m + 3), float("nan"), dtype=dtype)[:, :m]
+                        with intra_op_threads(threads):
+                            ran = _native.kernels().transpose16(x, out)
+                        if not ran:  # a build without AVX-512 refuses
+                            self.skipTest("transpose16 does not run in this build")
+                        self.assertTrue(torch.equal(out.view(torch.int16), want.view(torch.int16)))
+                        self.assertTrue(
+                            out.as_strided((k, m + 3), out.stride())[:, m:].isnan().all()
+                        )
+
+    def test_only_where_it_applies(self):
+        x = torch.randn(8, 6).to(BF16)
+        cases = {
+            "fp32": (x.float(), torch.zeros(6, 8)),
+            "x strided columns": (
+                torch.randn(8, 12).to(BF16)[:, ::2],
+                torch.zeros(6, 8, dtype=BF16),
+            ),
+            "out column-major": (x, torch.zeros(8, 6, dtype=BF16).t()),
+            "shapes": (x, torch.zeros(6, 7, dtype=BF16)),
+            "dtypes": (x, torch.zeros(6, 8, dtype=torch.float16)),
+        }
+        for name, (a, out) in cases.items():
+            out.fill_(7)
+            with self.subTest(name):
+                self.assertFalse(_native.kernels().transpose16(a, out))
+                self.assertTrue((out == 7).all())
+
+
 class TestNativeBF16GEMMAMX(TestNativeBF16GEMM):
     """The same by the AMX micro-kernel (skipped where the CPU or the OS has no AMX)."""
 

@@ -670,7 +670,8 @@ _T_BLOCK = 64  # rows per copy of transposed_copy (ATen's strided copy is fastes
 
 def transposed_copy(x: Tensor) -> Tensor:
     """``x^T`` ([K, M] for ``x`` [M, K]) as a row-major copy, its leading dim padded to 16
-    bytes (what ``torch._grouped_mm`` takes), copied in blocks of ``_T_BLOCK`` rows. The
+    bytes (what ``torch._grouped_mm`` takes): by the native transpose for 16-bit elements
+    where it runs (row-major x), else in blocks of ``_T_BLOCK`` rows by ATen's copy. The
     padding is zero: oneDNN's AMX GEMM reads a row's element past an odd number of
     columns (its k pairs), which for the last group is the padding; uninitialized, a
     NaN or inf there made that expert's weight gradient NaN (0 * NaN)."""
@@ -679,6 +680,9 @@ def transposed_copy(x: Tensor) -> Tensor:
     full = x.new_empty((k, -(-m // pad) * pad))
     full[:, m:].zero_()
     out = full[:, :m]
+    mod = _native.kernels()
+    if x.element_size() == 2 and mod is not None and mod.transpose16(x, out):
+        return out  # the native 32 x 32 block transpose (csrc/gemm_bf16_cpu.cpp), same bits
     for r0 in range(0, m, _T_BLOCK):
         out[:, r0 : r0 + _T_BLOCK].copy_(x[r0 : r0 + _T_BLOCK].t())
     return out
