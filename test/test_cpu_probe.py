@@ -9,6 +9,7 @@ float64 oracles (naive.py) within bounds derived from the dtype's rounding
 import contextlib
 import json
 import os
+import platform
 import tempfile
 import unittest.mock
 
@@ -282,6 +283,40 @@ class TestCpuProbe(TestCase):
             for call in candidates.values():
                 self.assertIsNone(call())
         self.assertEqual(seen, [0, 1, 0, 1, 0, 1, 0, 1, 0])
+
+    def test_cycled_evicts_the_next_set_untimed(self):
+        # with evict, time_candidates calls each candidate's prepare before the call, out
+        # of the timed region, on the set that call then takes
+        events = []
+        runs = {name: (lambda s, name=name: events.append(("run", name, s))) for name in "ab"}
+        candidates = P.cycled([0, 1, 2], runs, evict=lambda s: events.append(("evict", s)))
+        clock = unittest.mock.patch.object(
+            P, "_clock", side_effect=lambda: events.append("t") or 0.0
+        )
+        with unittest.mock.patch.object(P, "_MAX_ROUNDS", 2), clock:
+            P.time_candidates(candidates)
+        calls = [e for e in events if e != "t"]
+        self.assertEqual(calls[0::2], [("evict", i % 3) for i in range(6)])
+        self.assertEqual(calls[1::2], [("run", "ab"[i % 2], i % 3) for i in range(6)])
+        timed = events[events.index("t") - 1 :]  # after the warm-ups: evict, t, run, t
+        for i in range(0, len(timed), 4):
+            self.assertEqual((timed[i][0], timed[i + 1], timed[i + 2][0], timed[i + 3]),
+                             ("evict", "t", "run", "t"))  # fmt: skip
+        self.assertFalse(hasattr(P.cycled([0], runs)["a"], "prepare"))
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_evict_from_cache_keeps_the_values(self):
+        mod = _native.kernels()
+        for t in (
+            torch.randn(1000, 37),
+            torch.randn(64, 64).t(),
+            torch.randn(3, 0),
+            torch.randn(50)[::3],
+        ):
+            want = t.clone()
+            ran = mod.evict_from_cache(t)
+            self.assertEqual(ran, platform.machine() in ("x86_64", "AMD64"))
+            self.assertTrue(torch.equal(t, want))
 
     def test_act_chunk_picks_largest_near_fastest(self):
         times = {"32768": 1.05, "65536": 1.0, "131072": 0.98, "262144": 1.3}

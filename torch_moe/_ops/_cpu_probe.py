@@ -97,7 +97,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import os
 import platform
@@ -408,20 +407,29 @@ def _all_threads() -> Iterator[None]:
 
 
 def cycled(
-    sets: Sequence[T], runs: Mapping[str, Callable[[T], object]]
+    sets: Sequence[T],
+    runs: Mapping[str, Callable[[T], object]],
+    evict: Callable[[T], object] | None = None,
 ) -> dict[str, Callable[[], None]]:
     """Candidates for :func:`time_candidates`: each calls its function of ``runs`` on the
     next of ``sets`` in one cycle that all of them share, so that every call finds its
     operands as long out of use as any other's (``len(sets)`` calls earlier) and not all in
     cache. Cycles of their own, in step, would hand every candidate but the first of a
     round the operands that the first had just loaded: timed warm against a cold one
-    (15% at the threaded kernel's 256-row probe)."""
-    it = itertools.cycle(sets)
+    (15% at the threaded kernel's 256-row probe). ``evict``: called on the next set
+    before each call, untimed (a candidate's ``prepare``), where the operands must come
+    from memory whatever the cache's size (a last-level cache of hundreds of MiB holds
+    every set)."""
+    state = {"next": 0}
 
     def candidate(run: Callable[[T], object]) -> Callable[[], None]:
         def call() -> None:
-            run(next(it))
+            s = sets[state["next"] % len(sets)]
+            state["next"] += 1
+            run(s)
 
+        if evict is not None:
+            call.prepare = lambda: evict(sets[state["next"] % len(sets)])  # type: ignore[attr-defined]
         return call
 
     return {name: candidate(run) for name, run in runs.items()}
@@ -432,21 +440,30 @@ def time_candidates(
 ) -> dict[str, float]:
     """Min seconds per call of each candidate: one warm-up call each, then rounds (each
     candidate once per round) until ``_MAX_ROUNDS`` or ``budget_s`` of wall time (at
-    least two rounds). Timed in the calling thread's CPU time (probes run on one thread):
+    least two rounds); a candidate's ``prepare`` (if any) runs untimed before each call. Timed in the calling thread's CPU time (probes run on one thread):
     the time other processes hold the core is not counted; in wall time inside
     :func:`_all_threads`."""
     for fn in candidates.values():
+        _prepare(fn)
         fn()
     best = dict.fromkeys(candidates, float("inf"))
     start = time.perf_counter()
     for rnd in range(_MAX_ROUNDS):
         for name, fn in candidates.items():
+            _prepare(fn)
             t0 = _clock()
             fn()
             best[name] = min(best[name], _clock() - t0)
         if rnd >= 1 and time.perf_counter() - start > budget_s:
             break
     return best
+
+
+def _prepare(fn: Callable[[], object]) -> None:
+    """A candidate's untimed setup before a call (:func:`cycled`'s ``evict``), if any."""
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:
+        prepare()
 
 
 def _clock() -> float:

@@ -58,6 +58,7 @@ _SOURCES = [
         "gemm_bf16_cpu.cpp",
         "router_cpu.cpp",
         "parallel_cpu.cpp",
+        "cache_cpu.cpp",
     )
 ]
 _lock = threading.Lock()

@@ -636,12 +636,22 @@ def _native_against_aten(
     sets: list[tuple[Tensor, Tensor]],
     offs: Tensor,
     torch_ok: bool,
+    cold: bool = False,
 ) -> dict[str, float]:
     """Seconds of ``ways["native"]`` and of the fastest other way (``torch._grouped_mm``
-    on ``offs`` too where ``torch_ok``), each cycling through the operand ``sets``."""
+    on ``offs`` too where ``torch_ok``), each cycling through the operand ``sets``
+    (``cold``: each set evicted from the caches before its call, where the native
+    library can)."""
     if torch_ok:
         ways["torch"] = lambda s: torch._grouped_mm(*s, offs=offs)
-    times = _cpu_probe.time_candidates(_cpu_probe.cycled(sets, ways))
+    mod = _native.kernels()
+
+    def evict(s: tuple[Tensor, Tensor]) -> None:
+        for t in s:
+            mod.evict_from_cache(t)
+
+    cycle = _cpu_probe.cycled(sets, ways, evict if cold and mod is not None else None)
+    times = _cpu_probe.time_candidates(cycle)
     return {
         "aten": min(t for how, t in times.items() if how != "native"),
         "native": times["native"],
@@ -916,8 +926,9 @@ def _measure_few_gemm(
 ) -> dict[str, float]:
     """Seconds of the native kernel and of the better ATen way (``torch._grouped_mm``,
     else the loop) on ``groups`` groups of ``rows`` rows, K = N = 512 (groups / 2 MiB of
-    weights per operand set, each candidate cycling through the sets: the weights come
-    from memory, as in a step). Many small groups favour the native kernel (one call, no
+    weights per operand set, each candidate cycling through the sets, each set evicted
+    from the caches before its call: the weights come from memory, as in a decode step,
+    whatever the last-level cache's size). Many small groups favour the native kernel (one call, no
     GEMM set up per group), large weights read by few groups much less."""
     k = n = 512
     ends = [rows * (g + 1) for g in range(groups)]
@@ -932,7 +943,8 @@ def _measure_few_gemm(
         "native": lambda s: mod.few_rows_mm(*s, offs, s[0].new_empty((s[0].shape[0], n))),
         "loop": lambda s: _mm_loop(*s, ends),
     }
-    return _native_against_aten(ways, sets, offs, _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n))
+    ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n)
+    return _native_against_aten(ways, sets, offs, ok, cold=True)
 
 
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None = None) -> Tensor:
