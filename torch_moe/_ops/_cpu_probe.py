@@ -422,6 +422,9 @@ def cycled(
     every set)."""
     state = {"next": 0}
 
+    def prepare(ev: Callable[[T], object]) -> Callable[[], object]:
+        return lambda: ev(sets[state["next"] % len(sets)])
+
     def candidate(run: Callable[[T], object]) -> Callable[[], None]:
         def call() -> None:
             s = sets[state["next"] % len(sets)]
@@ -429,7 +432,7 @@ def cycled(
             run(s)
 
         if evict is not None:
-            call.prepare = lambda: evict(sets[state["next"] % len(sets)])  # type: ignore[attr-defined]
+            call.prepare = prepare(evict)  # type: ignore[attr-defined]
         return call
 
     return {name: candidate(run) for name, run in runs.items()}
@@ -440,9 +443,9 @@ def time_candidates(
 ) -> dict[str, float]:
     """Min seconds per call of each candidate: one warm-up call each, then rounds (each
     candidate once per round) until ``_MAX_ROUNDS`` or ``budget_s`` of wall time (at
-    least two rounds); a candidate's ``prepare`` (if any) runs untimed before each call. Timed in the calling thread's CPU time (probes run on one thread):
-    the time other processes hold the core is not counted; in wall time inside
-    :func:`_all_threads`."""
+    least two rounds); a candidate's ``prepare`` (if any) runs untimed before each call.
+    Timed in the calling thread's CPU time (probes run on one thread): the time other
+    processes hold the core is not counted; in wall time inside :func:`_all_threads`."""
     for fn in candidates.values():
         _prepare(fn)
         fn()

@@ -527,10 +527,11 @@ _GEMM_K, _SMALL_N, _LARGE_N = 1024, 512, 3584  # the gemm_kernel classes: K and 
 
 def _measure_gemm_kernel(dtype: torch.dtype, n: int = _SMALL_N) -> dict[str, float]:
     """Seconds of the threaded kernel's GEMMs by ATen and by the native GEMM at K = 1024,
-    N = ``n``: 4 groups of about 256 rows at N = 512 (1 MiB weights), 2 of about 512 at
-    larger N (an E8 layer's groups and weights); operand sets cycled: an expert layer's three kinds together, the
-    forward (x @ w^T, w column-major), the backward's (dh @ w, w row-major) and the weight
-    gradient (x^T @ dh per group: the transposed view of x's rows)."""
+    N = ``n`` (4 groups of about 256 rows at N = 512, 1 MiB weights; 2 of about 512 at
+    larger N, an E8 layer's groups and weights; operand sets cycled), an expert layer's
+    three kinds together: the forward (x @ w^T, w column-major), the backward's (dh @ w,
+    w row-major) and the weight gradient (x^T @ dh per group: the transposed view of x's
+    rows)."""
     mod, k = _threaded_kernels(), _GEMM_K
     groups, rows = (4, 256) if n <= _SMALL_N else (2, 512)
     ends = list(itertools.accumulate(rows + (g * 37) % 31 - 15 for g in range(groups)))
@@ -928,8 +929,8 @@ def _measure_few_gemm(
     else the loop) on ``groups`` groups of ``rows`` rows, K = N = 512 (groups / 2 MiB of
     weights per operand set, each candidate cycling through the sets, each set evicted
     from the caches before its call: the weights come from memory, as in a decode step,
-    whatever the last-level cache's size). Many small groups favour the native kernel (one call, no
-    GEMM set up per group), large weights read by few groups much less."""
+    whatever the last-level cache's size). Many small groups favour the native kernel
+    (one call, no GEMM set up per group), large weights read by few groups much less."""
     k = n = 512
     ends = [rows * (g + 1) for g in range(groups)]
     offs = torch.tensor(ends, dtype=torch.int32)

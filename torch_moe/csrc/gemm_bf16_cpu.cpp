@@ -88,6 +88,20 @@ int64_t a_block_bytes() {
   return bytes;
 }
 
+// Rows of a per pass over b's panels: near-equal passes of whole units of rows, each at
+// most a_block_bytes() of a (row_bytes a row); one pass where the result is >= M.
+int64_t pass_rows(int64_t M, int64_t row_bytes, int64_t unit) {
+  const int64_t most = std::max<int64_t>(unit, a_block_bytes() / row_bytes / unit * unit);
+  const int64_t passes = (M + most - 1) / most;
+  return ((M + passes - 1) / passes + unit - 1) / unit * unit;
+}
+
+// A thread's scratch buffer grown to at least n elements (kept between calls).
+template <class T>
+void reserve_scratch(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 inline uint32_t pair_at(const uint16_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -108,16 +122,24 @@ struct RowSource {
   }
 };
 
+// The 32-bit words (x[j], y[j]) of 32 16-bit columns of two rows: columns 0-15 in lo,
+// 16-31 in hi. (unpack{lo,hi}_epi16 interleave within 128-bit lanes: of 32 columns, the
+// first holds the pairs of columns 0-3, 8-11, 16-19, 24-27 and the second the others;
+// the permutes restore order.)
+TORCH_MOE_GEMM_INLINE void interleave_rows(__m512i x, __m512i y, __m512i& lo, __m512i& hi) {
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const __m512i l = _mm512_unpacklo_epi16(x, y), h = _mm512_unpackhi_epi16(x, y);
+  lo = _mm512_permutex2var_epi64(l, first, h);
+  hi = _mm512_permutex2var_epi64(l, second, h);
+}
+
 // Rows 2p and 2p + 1 of a [K, cols] matrix (`m`'s rows from column col0 on, cols <= 64)
 // interleaved into out[p * ldo + j] = (m[2p][j], m[2p + 1][j]), for p < ceil(K / 2): an
 // odd K's last row pairs with zero, as do columns cols..63.
 TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int64_t K,
                                           int64_t cols, uint32_t* out, int64_t ldo,
                                           int64_t p_begin = 0, int64_t p_end = INT64_MAX) {
-  // unpack{lo,hi}_epi16 interleave within 128-bit lanes: of 32 columns, lo holds the
-  // pairs of columns 0-3, 8-11, 16-19, 24-27 and hi the others; the permutes restore order
-  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   for (int64_t p = p_begin; 2 * p < K && p < p_end; ++p) {
     const uint16_t* r0 = m.row(2 * p) + col0;
     const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) + col0 : nullptr;
@@ -126,9 +148,10 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int6
       for (int h = 0; h < 2; ++h) {
         const __m512i x = _mm512_loadu_si512(r0 + 32 * h);
         const __m512i y = r1 ? _mm512_loadu_si512(r1 + 32 * h) : _mm512_setzero_si512();
-        const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
-        _mm512_storeu_si512(o + 32 * h, _mm512_permutex2var_epi64(lo, first, hi));
-        _mm512_storeu_si512(o + 32 * h + 16, _mm512_permutex2var_epi64(lo, second, hi));
+        __m512i lo, hi;
+        interleave_rows(x, y, lo, hi);
+        _mm512_storeu_si512(o + 32 * h, lo);
+        _mm512_storeu_si512(o + 32 * h + 16, hi);
       }
     } else {
       for (int64_t j = 0; j < kNr; ++j) {
@@ -195,15 +218,13 @@ TORCH_MOE_GEMM_TARGET void pack_col_pairs(const RowSource& src, int64_t j0, int6
 
 // out [K, M] = x^T for x [M, K], 16-bit elements copied bit for bit (rows strided, columns
 // contiguous on both sides). Blocks of 32 x 32: x's rows 2i and 2i + 1 interleaved into
-// 32-bit words (as pack_row_pairs does), then two 16 x 16 word transposes, whose rows are
+// 32-bit words (interleave_rows), then two 16 x 16 word transposes, whose rows are
 // 32 consecutive elements of an output row; tails element by element. ATen's strided copy
 // transposes 16-bit elements at 1-4 GB/s on the Xeons measured (the weight gradients'
 // row-major copy of their operand, grouped_mm.transposed_copy).
 TORCH_MOE_GEMM_TARGET void transpose16_rows(const uint16_t* x, int64_t ldx, int64_t m0,
                                             int64_t m1, int64_t K, uint16_t* out,
                                             int64_t ldo) {
-  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   const int64_t k_whole = K / 32 * 32;
   int64_t m = m0;
   for (; m + 32 <= m1; m += 32) {
@@ -212,9 +233,7 @@ TORCH_MOE_GEMM_TARGET void transpose16_rows(const uint16_t* x, int64_t ldx, int6
       for (int i = 0; i < 16; ++i) {
         const __m512i r0 = _mm512_loadu_si512(x + (m + 2 * i) * ldx + k);
         const __m512i r1 = _mm512_loadu_si512(x + (m + 2 * i + 1) * ldx + k);
-        const __m512i l = _mm512_unpacklo_epi16(r0, r1), h = _mm512_unpackhi_epi16(r0, r1);
-        lo[i] = _mm512_permutex2var_epi64(l, first, h);
-        hi[i] = _mm512_permutex2var_epi64(l, second, h);
+        interleave_rows(r0, r1, lo[i], hi[i]);
       }
       transpose_16x16(lo);
       transpose_16x16(hi);
@@ -325,11 +344,11 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
   thread_local std::vector<const uint16_t*> row_ptrs;
   const int64_t pairs = (K + 1) / 2, panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // a's row m: its pair p at row_ptrs[m] + p * ks
-  if (static_cast<int64_t>(row_ptrs.size()) < M) row_ptrs.resize(M);
+  reserve_scratch(row_ptrs, M);
   int64_t ks = 2;
   if (a_col_major) {  // a^T [K, M]: its pairs of rows interleaved, [pairs, lp] words
     const int64_t lp = (M + kNr - 1) / kNr * kNr;
-    if (static_cast<int64_t>(a_packed.size()) < pairs * lp) a_packed.resize(pairs * lp);
+    reserve_scratch(a_packed, pairs * lp);
     for (int64_t m0 = 0; m0 < M; m0 += kNr) {
       pack_row_pairs(a, m0, K, std::min(kNr, M - m0), a_packed.data() + m0, lp);
     }
@@ -340,12 +359,10 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
     for (int64_t m = 0; m < M; ++m) row_ptrs[m] = a.row(m);
   }
   // passes of near-equal rows (whole tiles), each at most a_block_bytes() of a
-  const int64_t most = std::max<int64_t>(kMr, a_block_bytes() / (2 * K) / kMr * kMr);
-  const int64_t passes = (M + most - 1) / most;
-  const int64_t block = ((M + passes - 1) / passes + kMr - 1) / kMr * kMr;
-  const bool one_pass = passes == 1;  // then each panel is packed just before its tiles
+  const int64_t block = pass_rows(M, 2 * K, kMr);
+  const bool one_pass = block >= M;  // then each panel is packed just before its tiles
   const int64_t held = one_pass ? 1 : n_panels;
-  if (static_cast<int64_t>(panels.size()) < held * panel_words) panels.resize(held * panel_words);
+  reserve_scratch(panels, held * panel_words);
   if (!one_pass) {
     for (int64_t q = 0; q < n_panels; ++q) {
       b.pack(q * kNr, std::min(kNr, N - q * kNr), panels.data() + q * panel_words);
@@ -440,6 +457,39 @@ inline void load_tile_config() {
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
+#define TORCH_MOE_AMX_INLINE TORCH_MOE_AMX_TARGET inline __attribute__((always_inline))
+
+// The output block of 32 rows x 32 columns in four c tiles, summed over kt 32-k steps from
+// zero: a's two row tiles at a0 and a1 (a_stride bytes between their rows, a_step
+// elements per step), b's two column tiles at b and b + 16 words (b_stride bytes between
+// pair rows, b_step words per step). `between` runs once the products are issued (they
+// go on while it runs); then the tiles are stored into acc (rows of c, fp32).
+template <class Between>
+TORCH_MOE_AMX_INLINE void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
+                                     int64_t a_step, const uint32_t* b, int64_t b_stride,
+                                     int64_t b_step, int64_t kt, float (&acc)[2 * kTm][32],
+                                     Between&& between) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < kt; ++kb) {
+    TORCH_MOE_TILE_LOAD(4, a0 + kb * a_step, a_stride);
+    TORCH_MOE_TILE_LOAD(6, b + kb * b_step, b_stride);
+    TORCH_MOE_TILE_LOAD(7, b + kb * b_step + 16, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    TORCH_MOE_TILE_LOAD(5, a1 + kb * a_step, a_stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  between();
+  TORCH_MOE_TILE_STORE(0, &acc[0][0], 128);
+  TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
+  TORCH_MOE_TILE_STORE(2, &acc[kTm][0], 128);
+  TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+}
+
 // a's tiles: tile (mb, kb) at out + (mb * kt + kb) * kTm * kTk, rows of 32 bf16.
 TORCH_MOE_GEMM_TARGET void pack_a_tiles_rows(const RowSource& a, int64_t M, int64_t K,
                                              int64_t mt, int64_t kt, uint16_t* out) {
@@ -491,18 +541,16 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   const int64_t kt = (K + kTk - 1) / kTk, pairs = kt * (kTk / 2);
   const int64_t panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // passes over the rows: multiples of 32 rows, each at most a_block_bytes() of a
-  const int64_t most = std::max<int64_t>(2 * kTm, a_block_bytes() / (2 * kt * kTk) / (2 * kTm) * (2 * kTm));
-  const int64_t passes = (M + most - 1) / most;
-  const int64_t block = ((M + passes - 1) / passes + 2 * kTm - 1) / (2 * kTm) * (2 * kTm);
-  const bool one_pass = passes == 1;  // two panel buffers in turn, else every panel kept
+  const int64_t block = pass_rows(M, 2 * kt * kTk, 2 * kTm);
+  const bool one_pass = block >= M;  // two panel buffers in turn, else every panel kept
   const int64_t held = one_pass ? 2 : n_panels;
-  if (static_cast<int64_t>(panels.size()) < held * panel_words) panels.resize(held * panel_words);
+  reserve_scratch(panels, held * panel_words);
   // a row-major a, not gathered, whole 32-k steps: its tiles read in place, all but a
   // last partial block of 32 rows (packed, with zero rows); else all of a packed
   const bool in_place = !a_col_major && a.index == nullptr && K % kTk == 0;
   const int64_t m_place = in_place ? M / (2 * kTm) * (2 * kTm) : 0;
   const int64_t mt = (M - m_place + 2 * kTm - 1) / (2 * kTm) * 2;  // packed row tiles
-  if (static_cast<int64_t>(a_tiles.size()) < mt * kt * kTm * kTk) a_tiles.resize(mt * kt * kTm * kTk);
+  reserve_scratch(a_tiles, mt * kt * kTm * kTk);
   if (a_col_major) {
     pack_a_tiles_cols(a, M, K, mt, kt, a_tiles.data());
   } else if (mt > 0) {
@@ -514,7 +562,9 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   auto pack_panel = [&](int64_t q, int64_t p0, int64_t p1) {
     uint32_t* out = panels.data() + (one_pass ? q & 1 : q) * panel_words;
     const int64_t packed = (K + 1) / 2;
-    if (p0 < std::min(p1, packed)) b.pack(q * kNr, std::min(kNr, N - q * kNr), out, p0, std::min(p1, packed));
+    if (p0 < std::min(p1, packed)) {
+      b.pack(q * kNr, std::min(kNr, N - q * kNr), out, p0, std::min(p1, packed));
+    }
     const int64_t z0 = std::max(p0, packed);
     if (p1 > z0) std::memset(out + z0 * kNr, 0, (p1 - z0) * kNr * 4);
   };
@@ -525,7 +575,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   const int64_t slice = ((kt + first_blocks - 1) / first_blocks) * 16;
   load_tile_config();
   alignas(64) float acc[2 * kTm][32];
-  const int64_t tile_elems = kTm * kTk, b_stride = kNr * 4;
+  const int64_t tile_elems = kTm * kTk;
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
     for (int64_t q = 0; q < n_panels; ++q) {
@@ -547,30 +597,12 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
           a_step = tile_elems;
         }
         for (int64_t h = 0; h < kNr && n0 + h < N; h += 32) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          const uint32_t* bp = panel + h;
-          for (int64_t kb = 0; kb < kt; ++kb) {
-            TORCH_MOE_TILE_LOAD(4, a0 + kb * a_step, a_stride);
-            TORCH_MOE_TILE_LOAD(6, bp + kb * 16 * kNr, b_stride);
-            TORCH_MOE_TILE_LOAD(7, bp + kb * 16 * kNr + 16, b_stride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            TORCH_MOE_TILE_LOAD(5, a1 + kb * a_step, a_stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-          // (while the tile products run)
-          if (next_p < pairs) {
-            pack_panel(q + 1, next_p, std::min(pairs, next_p + slice));
-            next_p += slice;
-          }
-          TORCH_MOE_TILE_STORE(0, &acc[0][0], 128);
-          TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
-          TORCH_MOE_TILE_STORE(2, &acc[kTm][0], 128);
-          TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+          tile_block(a0, a1, a_stride, a_step, panel + h, kNr * 4, 16 * kNr, kt, acc, [&] {
+            if (next_p < pairs) {  // (while the tile products run)
+              pack_panel(q + 1, next_p, std::min(pairs, next_p + slice));
+              next_p += slice;
+            }
+          });
           const int64_t rows = std::min<int64_t>(2 * kTm, m1 - m);
           const int64_t cols = std::min<int64_t>(32, N - n0 - h);
           for (int64_t r = 0; r < rows; ++r) {
@@ -604,12 +636,10 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
   thread_local std::vector<uint32_t> a_panels;
   thread_local std::vector<uint16_t> w_block;
   const int64_t kt = (K + kTk - 1) / kTk, pairs = kt * (kTk / 2), panel_words = pairs * kNr;
-  const int64_t most = std::max<int64_t>(kNr, a_block_bytes() / (2 * kt * kTk) / kNr * kNr);
-  const int64_t passes = (M + most - 1) / most;
-  const int64_t block = ((M + passes - 1) / passes + kNr - 1) / kNr * kNr;
+  const int64_t block = pass_rows(M, 2 * kt * kTk, kNr);
   const int64_t n_pan = block / kNr;
-  if (static_cast<int64_t>(a_panels.size()) < n_pan * panel_words) a_panels.resize(n_pan * panel_words);
-  if (static_cast<int64_t>(w_block.size()) < 2 * kTm * kt * kTk) w_block.resize(2 * kTm * kt * kTk);
+  reserve_scratch(a_panels, n_pan * panel_words);
+  reserve_scratch(w_block, 2 * kTm * kt * kTk);
   const bool direct_k = K % kTk == 0;
   load_tile_config();
   alignas(64) float acc[2 * kTm][32];
@@ -641,25 +671,8 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
       const int64_t ncols = std::min<int64_t>(2 * kTm, N - n0);
       for (int64_t qi = 0; qi < used; ++qi) {
         for (int64_t h = 0; h < kNr && m0 + qi * kNr + h < m1; h += 32) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
           const uint32_t* bp = a_panels.data() + qi * panel_words + h;
-          for (int64_t kb = 0; kb < kt; ++kb) {
-            TORCH_MOE_TILE_LOAD(4, w0 + kb * kTk, ws * 2);
-            TORCH_MOE_TILE_LOAD(6, bp + kb * 16 * kNr, kNr * 4);
-            TORCH_MOE_TILE_LOAD(7, bp + kb * 16 * kNr + 16, kNr * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            TORCH_MOE_TILE_LOAD(5, w1 + kb * kTk, ws * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-          TORCH_MOE_TILE_STORE(0, &acc[0][0], 128);
-          TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
-          TORCH_MOE_TILE_STORE(2, &acc[kTm][0], 128);
-          TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+          tile_block(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, acc, [] {});
           // acc[n][m] -> c[m][n]
           const int64_t mbase = m0 + qi * kNr + h, mrows = std::min<int64_t>(32, m1 - mbase);
           for (int64_t mb = 0; mb < mrows; mb += 16) {
@@ -668,8 +681,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
               for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&acc[nb + i][mb]);
               transpose_16x16(r);
               const int64_t left = ncols - nb;
-              const __mmask16 mask =
-                  left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+              const auto mask = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1);
               for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
                 const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j]));
                 _mm256_mask_storeu_epi16(c + (mbase + mb + j) * ldc + n0 + nb, mask, x);
