@@ -12,6 +12,7 @@ import os
 import platform
 import tempfile
 import unittest.mock
+from collections.abc import Callable, Iterator
 
 import naive
 import tolerances
@@ -584,6 +585,25 @@ def _whole_path_spies():
     ]
 
 
+@contextlib.contextmanager
+def _wgrad_copy_spies() -> Iterator[Callable[[], tuple[int, int]]]:
+    """Counts the weight gradients' operand copies: (whole copies ``transposed_copy``,
+    calls of the threaded kernel that copies ``x^T`` piece by piece)."""
+    whole = unittest.mock.patch.object(
+        grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
+    )
+    kernel = unittest.mock.patch.object(
+        grouped_mm_module,
+        "_whole_grouped_mm_wgrad",
+        wraps=grouped_mm_module._whole_grouped_mm_wgrad,
+    )
+    with whole as copies, kernel as wgrads:
+        yield lambda: (
+            copies.call_count,
+            sum(c.args[-1] == "transpose" for c in wgrads.call_args_list),
+        )
+
+
 class TestForcedDecisions(TestCase):
     """Both (all) outcomes of every decision, forced, against the float64 oracles: the
     kernels' results are specified, whichever path this machine measures faster."""
@@ -675,36 +695,47 @@ class TestForcedDecisions(TestCase):
     @parametrize("wgrad_a", ["as_is", "transpose"])
     @parametrize("kernel", ["loop", "torch"])
     @parametrize("kn", [(32, 48), (7, 13)])
-    def test_grouped_mm_wgrad_a(self, dtype, half_gemm, wgrad_a, kernel, kn):
+    @parametrize("built", [True, False])  # the native (threaded) kernels
+    def test_grouped_mm_wgrad_a(self, dtype, half_gemm, wgrad_a, kernel, kn, built):
         k, n = kn
         offs = _offs([20, 0, 17, 3])
         m = 43  # 3 rows past the last group: in the copy, in no group
         x = torch.randn(m, k, dtype=dtype)
         dy = torch.randn(m, n, dtype=dtype)
-        spy = unittest.mock.patch.object(
-            grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
-        )
         forced = dict(half_gemm=half_gemm, wgrad_a=wgrad_a, grouped_mm=kernel, layout="as_is")
-        with P.force(**forced), spy as copy:
+        kernels = grouped_mm_module._threaded_kernels() if built else None
+        if built and kernels is None:
+            self.skipTest("the native kernels are not built here")
+        none = unittest.mock.patch.object(grouped_mm_module, "_threaded_kernels", lambda: kernels)
+        with P.force(**forced), none, _wgrad_copy_spies() as copies:
             dw = grouped_mm_wgrad(x, dy, offs)
-        # the copy runs where forced and the GEMMs run in the half dtype itself
+        # the copy runs where forced and the GEMMs run in the half dtype itself: piece by
+        # piece by the threaded kernel where it is built, else whole
         native = dtype != torch.float32 and half_gemm == "native"
-        self.assertEqual(copy.called, wgrad_a == "transpose" and native)
+        copied = wgrad_a == "transpose" and native
+        self.assertEqual(copies(), (int(copied and not built), int(copied and built)))
         assert_gemm_within(self, dw, x, dy, offs, "dW", wgrad=True)
         self.assertTrue((dw[1] == 0).all())  # the empty group
+        if copied:  # the same bits either way
+            want = grouped_mm_module._wgrad_loop(
+                grouped_mm_module.transposed_copy(x), dy, [20, 20, 37, 40]
+            )
+            self.assertEqual(dw, want, atol=0, rtol=0)
 
     @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
     @parametrize("shape", [(0, 5), (1, 1), (7, 13), (130, 67), (64, 256)])
     @parametrize("strided", [False, True])
     def test_transposed_copy(self, dtype, shape, strided):
-        # x^T bit for bit, row-major with its leading dim padded to 16 bytes
+        # x^T bit for bit, row-major with its leading dim padded to 64 bytes, not a
+        # multiple of 1 KiB (rows an L1 set apart)
         src = torch.randn(shape[0], 2 * shape[1]).to(dtype)
         x = src[:, ::2] if strided else src[:, : shape[1]].contiguous()
         got = grouped_mm_module.transposed_copy(x)
         self.assertEqual(got.shape, (shape[1], shape[0]))
         if got.numel():
             self.assertEqual(got.stride(1), 1)
-            self.assertEqual(got.stride(0) * got.element_size() % 16, 0)
+            self.assertEqual(got.stride(0) * got.element_size() % 64, 0)
+            self.assertNotEqual(got.stride(0) * got.element_size() % 1024, 0)
             self.assertGreaterEqual(got.stride(0), shape[0])
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         self.assertEqual(got.view(bits), x.t().contiguous().view(bits))
@@ -878,9 +909,6 @@ class TestForcedDecisions(TestCase):
         op, bwd = torch.ops.torch_moe.grouped_swiglu, torch.ops.torch_moe.grouped_swiglu_backward
         forced = dict(half_gemm=half_gemm, act_chunk=act_chunk, few_rows=few_rows, layout="as_is")
         forced.update(swiglu_path=path, wgrad_a=wgrad_a, few_gemm=few_gemm)
-        copy = unittest.mock.patch.object(
-            grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
-        )
         whole = _whole_path_spies()
         few_kernel = unittest.mock.patch.object(
             grouped_mm_module, "_few_rows_mm", wraps=grouped_mm_module._few_rows_mm
@@ -889,7 +917,7 @@ class TestForcedDecisions(TestCase):
             P.force(**forced),
             whole[0] as fwd_whole,
             whole[1] as bwd_whole,
-            copy as copied,
+            _wgrad_copy_spies() as copies,
             few_kernel as few,
         ):
             if gather:
@@ -926,12 +954,12 @@ class TestForcedDecisions(TestCase):
         self.assertEqual((fwd_whole.called, bwd_whole.called), (taken, taken))
         self.assertEqual(few.called, taken and kernel)
         # the weight gradients' operands are copied exactly where forced and native: both
-        # (dY for dW2, dH for dW13) on either path
-        copies = copied.call_count
-        self.assertEqual(
-            copies,
-            (2 if taken else 2 * 3) if half_gemm == "native" and wgrad_a == "transpose" else 0,
-        )
+        # (dY for dW2, dH for dW13) on either path, the whole path's piece by piece by the
+        # threaded kernel where it is built, the loop's per group
+        copied = half_gemm == "native" and wgrad_a == "transpose"
+        pieces = taken and grouped_mm_module._threaded_kernels() is not None
+        want = (0 if pieces else 2 if taken else 2 * 3, 2 if pieces else 0)
+        self.assertEqual(copies(), want if copied else (0, 0))
 
     @parametrize("forward_few", [False, True])
     @parametrize("backward_few", [False, True])

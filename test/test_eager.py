@@ -505,6 +505,7 @@ LEAN = dict(
 )
 GENERAL = {**LEAN, "grouped_mm": "loop"}
 COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
+# (by the threaded kernel, piece by piece, where the native kernels are built)
 FEW_GEMM = {**LEAN, "few_gemm": "native"}  # half dtypes: the native few-rows GEMMs
 # the threaded grouped GEMMs (on 2+ threads; they multiply operands in their own layouts)
 THREADS = {**LEAN, "threads_mm": "native", "layout": "as_is"}
@@ -578,9 +579,9 @@ class TestSwiGLUCombine(TestCase):
         p, inputs = _combine_inputs(tokens, dtype, seed=tokens, weighted=weighted)
         needs = (True, True, True, weighted)
         native = _native.available()
-        # a copied weight-gradient operand takes the ops' kernels (fp32 is never copied)
-        copied = native and dtype == F32
-        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, copied), (FEW_GEMM, native)]
+        # a copied weight-gradient operand is copied piece by piece by the threaded kernel
+        # (grouped_mm.transposes_wgrad), on the lean path too (fp32 is never copied)
+        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, native), (FEW_GEMM, native)]
         cases.append((THREADS, native))
         for decisions, lean in cases:
             with self.subTest(decisions=decisions), two_threads():
@@ -813,7 +814,7 @@ class TestGLUCombine(TestCase):
         case, inputs, glu_args = self._inputs(activation, transposed, bias, BF16)
         needs = (True, True, True, True, bias)
         native = _native.available()
-        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, False), (FEW_GEMM, native)]
+        cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, native), (FEW_GEMM, native)]
         cases.append((THREADS, native))
         for decisions, lean in cases:
             with self.subTest(decisions=decisions), two_threads():

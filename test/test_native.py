@@ -933,9 +933,9 @@ def _threaded_mm(x, w, offs, split_rows=False):
     return out
 
 
-def _threaded_wgrad(a, dy, offs):
+def _threaded_wgrad(a, dy, offs, transpose_a=False):
     out = torch.full((offs.shape[0], a.shape[0], dy.shape[1]), float("nan"), dtype=a.dtype)
-    _native.kernels().threaded_grouped_mm_wgrad(a, dy, offs, out)
+    _native.kernels().threaded_grouped_mm_wgrad(a, dy, offs, out, False, None, None, transpose_a)
     return out
 
 
@@ -987,6 +987,27 @@ class TestNativeThreadedGroupedMM(TestCase):
                     for g_, size in enumerate(sizes):
                         if size == 0:
                             self.assertTrue((got[g_] == 0).all())
+
+    @parametrize("dtype", [BF16, F16])
+    @parametrize("k", [37, 64, 512])
+    def test_wgrad_transposing_a_piece_by_piece(self, dtype, k):
+        # transpose_a: each piece's block of x^T copied row-major into the thread's
+        # scratch before its GEMM: within the bound, and the bits of the GEMMs on one
+        # row-major copy of all of x^T (the pieces' products are the same GEMMs); group
+        # sizes odd and even (the copy's padded leading dim, zero past an odd count), x
+        # a slice of a wider tensor (its rows strided), K past and under a 32-block
+        g = torch.Generator().manual_seed(7)
+        for sizes in (*_THREADED_SIZES, [255, 1, 64, 0, 33]):
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            src = torch.randn(int(offs[-1]) + 3, k + 5, generator=g).to(dtype)
+            x = src[:, 2 : 2 + k]
+            dy = torch.randn(x.shape[0], 24, generator=g).to(dtype)
+            want = _threaded_wgrad(x.t().contiguous(), dy, offs)
+            for threads in (1, 2, 3):
+                with self.subTest(sizes=sizes, threads=threads), intra_op_threads(threads):
+                    got = _threaded_wgrad(x.t(), dy, offs, transpose_a=True)
+                    assert_gemm_within(self, got, x, dy, offs, f"{sizes}", wgrad=True)
+                    self.assertEqual(got, want, atol=0, rtol=0)
 
     @parametrize("dtype", [BF16, F16, F32])
     def test_row_split_within_the_gemm_bound(self, dtype):
@@ -1074,6 +1095,13 @@ class TestNativeThreadedGroupedMM(TestCase):
             ((x.t(), dy.float(), offs, dw), r"out must be a contiguous \[E, K, N\] tensor"),
             ((x, dy, offs, dw), r"a \[K, M\] and dy \[M, N\]"),
             ((x.t(), dy, torch.tensor([2, 7, 7], dtype=torch.int32), dw), r"got 7 at group 1"),
+        ]
+        transposing = r"transpose_a takes a column-major a of a 16-bit dtype, not gathered"
+        index = torch.arange(6)
+        cases += [  # transpose_a: a must be x^T (the column-major view) of a half dtype
+            ((x.t().contiguous(), dy, offs, dw, False, None, None, True), transposing),
+            ((x.t(), dy, offs, dw, False, index, None, True), transposing),
+            ((x.float().t(), dy.float(), offs, dw.float(), False, None, None, True), transposing),
         ]
         for args, msg in cases:
             with self.subTest(msg=msg), self.assertRaisesRegex(RuntimeError, msg):

@@ -108,6 +108,7 @@ __all__ = [
     "mm_cpu",
     "mm_into",
     "transposed_copy",
+    "transposes_wgrad",
     "wgrad_copies",
     "wgrad_operand",
     "zero_tail_",
@@ -680,15 +681,21 @@ _T_BLOCK = 64  # rows per copy of transposed_copy (ATen's strided copy is fastes
 
 
 def transposed_copy(x: Tensor) -> Tensor:
-    """``x^T`` ([K, M] for ``x`` [M, K]) as a row-major copy, its leading dim padded to 16
-    bytes (what ``torch._grouped_mm`` takes): by the native transpose for 16-bit elements
+    """``x^T`` ([K, M] for ``x`` [M, K]) as a row-major copy, its leading dim padded to 64
+    bytes (``torch._grouped_mm`` takes 16) and past a multiple of 1 KiB, where rows would
+    fall in one L1 set (the copy's 32-row blocks then evict each other: 5.7-14.5 against
+    6.8-20 GB/s read and written on one thread of the AMX Xeon, for the three layer
+    shapes' dH): by the native transpose for 16-bit elements
     where it runs (row-major x), else in blocks of ``_T_BLOCK`` rows by ATen's copy. The
     padding is zero: oneDNN's AMX GEMM reads a row's element past an odd number of
     columns (its k pairs), which for the last group is the padding; uninitialized, a
     NaN or inf there made that expert's weight gradient NaN (0 * NaN)."""
     m, k = x.shape
-    pad = max(1, 16 // x.element_size())
-    full = x.new_empty((k, -(-m // pad) * pad))
+    line = 64 // x.element_size()
+    ld = -(-m // line) * line
+    if (ld * x.element_size()) % 1024 == 0:
+        ld += line
+    full = x.new_empty((k, ld))
     full[:, m:].zero_()
     out = full[:, :m]
     mod = _native.kernels()
@@ -899,13 +906,30 @@ def gathered_grouped_mm_wgrad(
 
 
 def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Tensor:
-    """``out[g] = a[:, rows of g] @ dy[rows of g]`` in one call by ``way`` (``"threads"``
-    or ``"torch"``, as :func:`whole_way` decided); empty groups zero."""
-    if way == "threads":
+    """``out[g] = a[:, rows of g] @ dy[rows of g]`` in one call by ``way`` (``"threads"``,
+    ``"transpose"`` or ``"torch"``, as :func:`whole_way` decided); empty groups zero.
+    ``"transpose"``: the threaded kernel with ``a`` (the column-major view ``x.t()``)
+    copied row-major one piece at a time (:func:`transposes_wgrad`)."""
+    if way in ("threads", "transpose"):
         out = a.new_empty((offs.shape[0], a.shape[0], dy.shape[1]))
-        _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, offs, out, native_gemm_on(a.dtype))
+        native = native_gemm_on(a.dtype)
+        mod = _threaded_kernels()
+        mod.threaded_grouped_mm_wgrad(a, dy, offs, out, native, None, None, way == "transpose")
         return out
     return torch._grouped_mm(a, dy, offs=offs)
+
+
+def transposes_wgrad(x: Tensor, n: int, ends: list[int]) -> bool:
+    """Whether the weight gradient ``x[g]^T @ dy[g]`` (``dy`` [M, n]) of these groups runs
+    by the threaded kernel with ``x^T`` copied row-major one piece (a group, or a
+    thread's part of one) at a time: where :func:`wgrad_copies` measured the copy faster
+    and the native kernels are built. One copy of all of ``x^T`` would stride each
+    group's block by all groups' rows, which oneDNN read 20-30% slower than the piece's
+    compact copy (benchmarks/results/cpu_floor_cpu_202612.md)."""
+    busy = _busy_groups(ends)
+    if not busy or x.dim() != 2 or x.element_size() != 2 or _threaded_kernels() is None:
+        return False
+    return wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], n)
 
 
 def whole_way(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> str | None:
@@ -972,6 +996,8 @@ def _torch_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int) -> Tensor:
 def _grouped_mm_wgrad_cpu(
     x: Tensor, dy: Tensor, ends: list[int], offs: Tensor | None = None
 ) -> Tensor:
+    if transposes_wgrad(x, dy.shape[1], ends):
+        return _whole_grouped_mm_wgrad(x.t(), dy, _offs_tensor(ends, offs), "transpose")
     a = wgrad_operand(x, dy.shape[1], ends)
     if _threaded(a, dy, ends, wgrad=True):
         return _threaded_wgrad(a, dy, ends, offs)

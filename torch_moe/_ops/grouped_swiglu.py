@@ -61,6 +61,7 @@ from torch_moe._ops.grouped_mm import (
     reads_gathered,
     rows_per_busy_group,
     splits_rows,
+    transposes_wgrad,
     weight_col_major,
     wgrad_copies,
     wgrad_operand,
@@ -1164,14 +1165,18 @@ def _lean_gemms(
     """The lean plans' GEMM decisions, asked of stand-ins with the operands' metadata: the
     way (``whole_way``: ``"few"``, ``"threads"``, ``"torch"``) ``grouped_mm``'s CPU kernel
     runs each ``(x, w)`` of ``gemms`` by, then ``grouped_mm_wgrad``'s each ``(x, dy)`` of
-    ``wgrads`` (``"threads"``, ``"torch"``); None where one takes the per-group loop, or
-    where a weight gradient's operand ``wgrad_operand(x)`` is a copy, not the transposed
-    view."""
+    ``wgrads`` (``"threads"``, ``"torch"``, or ``"transpose"`` where it copies ``x^T``
+    piece by piece: ``transposes_wgrad``); None where one takes the per-group loop, or
+    where a weight gradient's operand ``wgrad_operand(x)`` is a whole copy."""
     per_group = ends[-1] // _busy_groups(ends)
-    if any(wgrad_copies(x.dtype, per_group, x.shape[1], dy.shape[1]) for x, dy in wgrads):
-        return None
     ways = [whole_way(x, w, ends, False) for x, w in gemms]
-    ways += [whole_way(x.t(), dy, ends, True) for x, dy in wgrads]
+    for x, dy in wgrads:
+        if transposes_wgrad(x, dy.shape[1], ends):
+            ways.append("transpose")
+        elif wgrad_copies(x.dtype, per_group, x.shape[1], dy.shape[1]):
+            return None
+        else:
+            ways.append(whole_way(x.t(), dy, ends, True))
     return None if None in ways else tuple(way for way in ways if way is not None)
 
 

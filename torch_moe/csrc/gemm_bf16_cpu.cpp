@@ -781,6 +781,24 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
 #endif
 }
 
+bool transpose16_into(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out,
+                      int64_t ldo) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool yes = __builtin_cpu_supports("avx512bw");
+  if (!yes) return false;
+  transpose16_rows(x, ldx, 0, M, K, out, ldo);
+  return true;
+#else
+  (void)x;
+  (void)ldx;
+  (void)M;
+  (void)K;
+  (void)out;
+  (void)ldo;
+  return false;
+#endif
+}
+
 bool bf16_gemm_use_amx(bool enable) {
 #if defined(CPU_CAPABILITY_AVX512)
   const bool on = enable && amx_usable();

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+
 namespace torch_moe_cpu {
 
 // Whether bf16_gemm can run here: a build for ATen's AVX512 capability on a CPU with
@@ -33,5 +35,11 @@ struct Gather {
 // ([S, N], row-major). Indices are not checked here (callers check them against S).
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows = {},
                Gather b_rows = {});
+
+// out [K, M] = x^T for x [M, K] of 16-bit elements (rows strided by ldx, ldo) on the
+// calling thread, bit for bit, by 32 x 32 blocks of AVX-512 words; false without touching
+// out where this build or CPU lacks AVX512-BW (the caller copies by ATen instead).
+bool transpose16_into(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out,
+                      int64_t ldo);
 
 }  // namespace torch_moe_cpu

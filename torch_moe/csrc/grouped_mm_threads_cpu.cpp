@@ -221,6 +221,32 @@ at::Tensor gathered(const at::Tensor& src, const int64_t* index, int64_t rows) {
   return out.masked_fill_(idx.lt(0).unsqueeze(1), 0);
 }
 
+// A piece's column-major a [K, rows] as a row-major copy in this thread's scratch (valid
+// until its next call): the weight gradient's transposed operand one piece at a time,
+// while the piece's GEMM is about to read it from the caches, where one copy of all of
+// a^T ([K, M], rows of M elements) strides each group's block by the M of all groups (a
+// page per row at M = 16384 bf16 on the AMX Xeon measured; oneDNN read it 20-30% slower
+// than the same block packed: benchmarks/results/cpu_floor_cpu_202612.md). The leading
+// dim is padded to a 64-byte multiple that is not one of 1 KiB (rows an L1 set apart
+// each), the padding zeroed (oneDNN's AMX GEMM reads an element past an odd count).
+at::Tensor row_major_copy(const at::Tensor& a) {
+  const int64_t k = a.size(0), rows = a.size(1);
+  int64_t ld = (rows + 31) / 32 * 32;
+  if (ld % 512 == 0) ld += 32;
+  thread_local std::vector<uint16_t> scratch;
+  if (static_cast<int64_t>(scratch.size()) < k * ld) scratch.resize(k * ld);
+  auto out = at::from_blob(scratch.data(), {k, rows}, {ld, 1}, a.options());
+  for (int64_t i = 0; i < k && ld > rows; ++i) {
+    std::fill(scratch.data() + i * ld + rows, scratch.data() + (i + 1) * ld, 0);
+  }
+  const auto* src = static_cast<const uint16_t*>(a.const_data_ptr());
+  if (k > 0 && rows > 0 &&
+      !torch_moe_cpu::transpose16_into(src, a.stride(1), rows, k, scratch.data(), ld)) {
+    out.copy_(a);
+  }
+  return out;
+}
+
 void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                          at::Tensor& out, bool split_rows, bool native_gemm,
                          const std::optional<at::Tensor>& x_index) {
@@ -253,7 +279,7 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
 void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
                                const at::Tensor& offs, at::Tensor& out, bool native_gemm,
                                const std::optional<at::Tensor>& a_index,
-                               const std::optional<at::Tensor>& dy_index) {
+                               const std::optional<at::Tensor>& dy_index, bool transpose_a) {
   const int64_t m = a_index.has_value() ? a_index->size(0) : a.dim() == 2 ? a.size(1) : -1;
   const int64_t m_dy = dy_index.has_value() ? dy_index->size(0) : dy.dim() == 2 ? dy.size(0) : -1;
   TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && m == m_dy,
@@ -272,6 +298,10 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
   for (int64_t g = 0, start = 0; g < out.size(0); start = ends[g], ++g) {
     if (ends[g] == start) out[g].zero_();
   }
+  TORCH_CHECK(!transpose_a || (a_idx == nullptr && a.element_size() == 2 &&
+                                (a.stride(0) == 1 || a.size(0) <= 1)),
+              "threaded_grouped_mm_wgrad: transpose_a takes a column-major a of a 16-bit "
+              "dtype, not gathered, got strides ", a.strides(), " and ", a.scalar_type());
   const int64_t k = a.size(0);
   split_groups(
       ends, [k](int64_t, int64_t) { return k; },
@@ -282,7 +312,11 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
         const auto dy_g = dy_idx ? dy : dy.narrow(0, start, rows);
         const torch_moe_cpu::Gather ga{a_idx ? a_idx + start : nullptr, rows, true};
         const torch_moe_cpu::Gather gd{dy_idx ? dy_idx + start : nullptr, rows};
-        if (a_idx == nullptr && dy_idx == nullptr) {
+        if (transpose_a) {
+          if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g))) {
+            at::mm_out(o, row_major_copy(a_g), dy_g);
+          }
+        } else if (a_idx == nullptr && dy_idx == nullptr) {
           mm_piece(o, a_g, dy_g, native_gemm);
         } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g, ga, gd))) {
           const auto a_m = a_idx ? gathered(a_lo.t(), a_idx + start, rows).t() : a_g;
@@ -301,7 +335,8 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       " bool native_gemm=False, Tensor? x_index=None) -> ()");
   m.def(
       "threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out,"
-      " bool native_gemm=False, Tensor? a_index=None, Tensor? dy_index=None) -> ()");
+      " bool native_gemm=False, Tensor? a_index=None, Tensor? dy_index=None,"
+      " bool transpose_a=False) -> ()");
   m.def("row_split_parts(int rows) -> int", &row_split_parts);
 }
 

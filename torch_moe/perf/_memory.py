@@ -378,12 +378,16 @@ def _rows_per_busy_group(groups: list[float]) -> int:
     return round(sum(busy)) // max(1, len(busy))
 
 
-def _wgrad_copies(w: MoEWorkload, rows: int, k: int, n: int) -> bool:
+def _wgrad_copies(w: MoEWorkload, rows: int, k: int, n: int, whole: bool = False) -> bool:
     """Whether this CPU's weight-gradient kernels copy their [M, k] operand row-major
-    (the same measured decision, ``torch_moe._ops.grouped_mm.wgrad_copies``)."""
+    (the same measured decision, ``torch_moe._ops.grouped_mm.wgrad_copies``); ``whole``:
+    the whole-tensor path's, which copies nothing the allocator sees where the native
+    threaded kernel copies piece by piece (into its threads' scratch, a group's block
+    each: ``grouped_mm.transposes_wgrad``)."""
     from torch_moe._ops import grouped_mm as _gm
 
-    return _gm.wgrad_copies(w.dtype, rows, k, n)
+    copies = _gm.wgrad_copies(w.dtype, rows, k, n)
+    return copies and not (whole and _gm._threaded_kernels() is not None)
 
 
 def _gemm_copies(
@@ -561,8 +565,8 @@ def memory(
         r = min(Mc, _act_chunk_rows(w, threads))
         act = base + before + 4 * Mc * F * b + _act_fp32_bytes(w, r)
         per_group = _rows_per_busy_group(groups)
-        copy2 = Mc * D * b if _wgrad_copies(w, per_group, D, F) else 0.0
-        copy13 = Mc * 2 * F * b if _wgrad_copies(w, per_group, 2 * F, D) else 0.0
+        copy2 = Mc * D * b if _wgrad_copies(w, per_group, D, F, whole=True) else 0.0
+        copy13 = Mc * 2 * F * b if _wgrad_copies(w, per_group, 2 * F, D, whole=True) else 0.0
         # dW2 with A and dH live; then (A freed) dW13 with the input rows [M, D] gathered
         # again where the experts gather from the tokens; then (those freed) dX
         gather = Mc * D * b if _gathered(w) else 0.0
