@@ -781,11 +781,13 @@ class TestForcedDecisions(TestCase):
 
     @parametrize("dtype", [torch.bfloat16, torch.float16])
     @parametrize("col_major", [False, True])
-    @parametrize("few_gemm", ["aten", "native"])
+    @parametrize("few_gemm", ["aten", "native", "amx"])
     def test_grouped_mm_few_gemm(self, dtype, col_major, few_gemm):
-        # a few rows per group: the native few-rows kernel where forced (and built), else
-        # ATen's; both within the GEMM rounding bound, the rows past the groups zero, and
-        # through the op's backward too (dX by the same decision, dW by ATen's)
+        # a few rows per group: the native few-rows kernel where forced (and built; amx:
+        # its AMX form, which runs as the other where the CPU has no tiles or the weight
+        # is row-major), else ATen's; all within the GEMM rounding bound, the rows past
+        # the groups zero, and through the op's backward too (dX by the same decision, dW
+        # by ATen's)
         offs = _offs([2, 0, 3, 1, 4])
         g = torch.Generator().manual_seed(3)
         x = torch.randn(12, 40, generator=g).to(dtype).requires_grad_()  # 2 rows past
@@ -801,8 +803,10 @@ class TestForcedDecisions(TestCase):
             out = grouped_mm(x, w, offs)
             gy = torch.randn(out.shape, generator=g).to(dtype)
             dx, dw = torch.autograd.grad(out, (x, w), gy)
-        used = few_gemm == "native" and _native.available()
+        used = few_gemm != "aten" and _native.available()
         self.assertEqual(called.call_count, 2 if used else 0)  # forward and dX
+        way = "few_amx" if few_gemm == "amx" else "few"
+        self.assertTrue(all(c.args[-1] == way for c in called.call_args_list))
         assert_gemm_within(self, out, x, w, offs, "forward")
         assert_gemm_within(self, dx, gy, w.transpose(-2, -1), offs, "dX")
         assert_gemm_within(self, dw, x, gy, offs, "dW", wgrad=True)
@@ -814,18 +818,41 @@ class TestForcedDecisions(TestCase):
         with unittest.mock.patch.dict(os.environ, {_native.ENV: "0"}), P.force(few_gemm="native"):
             self.assertFalse(grouped_mm_module._few_gemm(x, w, [2, 4, 6]))
 
+    @unittest.skipUnless(_native.available(), "the native kernels are not built here")
+    def test_few_gemm_times_the_amx_form_where_it_runs(self):
+        # the AMX form is a candidate for column-major bf16 weights where the CPU has
+        # tiles, and nowhere else (a forced "amx" runs as "native" there)
+        mod = _native.kernels()
+        tiles = grouped_mm_module.amx_tiles(torch.bfloat16)
+        self.assertFalse(grouped_mm_module.amx_tiles(torch.float16))
+        for dtype, col_major in (
+            (torch.bfloat16, True),
+            (torch.bfloat16, False),
+            (torch.float16, True),
+        ):
+            with self.subTest(dtype=str(dtype), col_major=col_major):
+                times = grouped_mm_module._measure_few_gemm(mod, dtype, col_major, 4, 8)
+                amx = tiles and dtype == torch.bfloat16 and col_major
+                want = {"aten", "native"} | ({"amx"} if amx else set())
+                self.assertEqual(set(times), want)
+                self.assertTrue(all(t > 0 for t in times.values()))
+
     def test_few_gemm_only_where_it_applies(self):
         bf = torch.bfloat16
         w = torch.randn(3, 32, 48).to(bf)
-        with P.force(few_gemm="native"):
-            few = grouped_mm_module._few_gemm
-            self.assertEqual(few(torch.randn(6, 32).to(bf), w, [2, 4, 6]), _native.available())
-            self.assertFalse(few(torch.randn(6, 32), w.float(), [2, 4, 6]))  # fp32
-            self.assertFalse(few(torch.randn(32, 6).to(bf).t(), w, [2, 4, 6]))  # strided x
-            self.assertFalse(few(torch.randn(6, 32).to(bf), w[:, :, ::2], [2, 4, 6]))
-            many = torch.randn(99, 32).to(bf)  # 33 rows per group
-            self.assertFalse(few(many, w, [33, 66, 99]))
-            self.assertFalse(few(many, w, [0, 0, 0]))  # no rows
+        few = grouped_mm_module._few_gemm
+        for choice, way in (("native", "few"), ("amx", "few_amx")):
+            with self.subTest(choice=choice), P.force(few_gemm=choice):
+                want = way if _native.available() else None
+                self.assertEqual(few(torch.randn(6, 32).to(bf), w, [2, 4, 6]), want)
+                self.assertIsNone(few(torch.randn(6, 32), w.float(), [2, 4, 6]))  # fp32
+                self.assertIsNone(few(torch.randn(32, 6).to(bf).t(), w, [2, 4, 6]))  # strided x
+                self.assertIsNone(few(torch.randn(6, 32).to(bf), w[:, :, ::2], [2, 4, 6]))
+                many = torch.randn(99, 32).to(bf)  # 33 rows per group
+                self.assertIsNone(few(many, w, [33, 66, 99]))
+                self.assertIsNone(few(many, w, [0, 0, 0]))  # no rows
+        with P.force(few_gemm="aten"):
+            self.assertIsNone(few(torch.randn(6, 32).to(bf), w, [2, 4, 6]))
 
     def test_grouped_mm_torch_kernel_keeps_checks(self):
         x = torch.randn(10, 16, requires_grad=True)

@@ -507,6 +507,7 @@ GENERAL = {**LEAN, "grouped_mm": "loop"}
 COPIED_WGRAD = {**LEAN, "wgrad_a": "transpose"}  # the weight gradients' operand copied
 # (by the threaded kernel, piece by piece, where the native kernels are built)
 FEW_GEMM = {**LEAN, "few_gemm": "native"}  # half dtypes: the native few-rows GEMMs
+FEW_GEMM_AMX = {**LEAN, "few_gemm": "amx"}  # ... in their AMX form (where the CPU has tiles)
 # the threaded grouped GEMMs (on 2+ threads; they multiply operands in their own layouts)
 THREADS = {**LEAN, "threads_mm": "native", "layout": "as_is"}
 # ... for column-major weights only (every row and group class of bf16 forced by key)
@@ -582,7 +583,7 @@ class TestSwiGLUCombine(TestCase):
         # a copied weight-gradient operand is copied piece by piece by the threaded kernel
         # (grouped_mm.transposes_wgrad), on the lean path too (fp32 is never copied)
         cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, native), (FEW_GEMM, native)]
-        cases.append((THREADS, native))
+        cases += [(FEW_GEMM_AMX, native), (THREADS, native)]
         for decisions, lean in cases:
             with self.subTest(decisions=decisions), two_threads():
                 self._compare(p, inputs, needs, lean, decisions)
@@ -815,7 +816,7 @@ class TestGLUCombine(TestCase):
         needs = (True, True, True, True, bias)
         native = _native.available()
         cases = [(LEAN, native), (GENERAL, False), (COPIED_WGRAD, native), (FEW_GEMM, native)]
-        cases.append((THREADS, native))
+        cases += [(FEW_GEMM_AMX, native), (THREADS, native)]
         for decisions, lean in cases:
             with self.subTest(decisions=decisions), two_threads():
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
@@ -951,7 +952,7 @@ class TestExpertsNodesFuzz(TestCase):
         activation=st.sampled_from(["fused", "swiglu", "swigluoai", "relu2"]),
         transposed=st.booleans(),
         bias=st.booleans(),
-        decisions=st.sampled_from([LEAN, FEW_GEMM, THREADS]),
+        decisions=st.sampled_from([LEAN, FEW_GEMM, FEW_GEMM_AMX, THREADS]),
     )
     def test_same_as_the_ops(
         self, tokens: int, experts: int, top_k: int, routing: dict[str, int], seed: int,
@@ -1031,8 +1032,8 @@ def _assert_lean_gemms(
         test.assertEqual(ways, {"few", "torch"})
         return
     decisions = decisions or {}
-    if decisions.get("few_gemm") == "native" and dtype in (BF16, torch.float16):
-        test.assertEqual(ways, {"few"})
+    if decisions.get("few_gemm") in ("native", "amx") and dtype in (BF16, torch.float16):
+        test.assertEqual(ways, {"few" if decisions["few_gemm"] == "native" else "few_amx"})
     elif decisions.get("threads_mm") == "native" and dtype in (BF16, torch.float16):
         # forward GEMMs of more than FEW_ROWS rows per group are threaded (fewer: torch's;
         # its tests hold two threads)

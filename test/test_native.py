@@ -799,9 +799,9 @@ class TestNativePermute(TestCase):
                 _native.kernels().combine(*args)
 
 
-def _few_mm(x, w, offs):
+def _few_mm(x, w, offs, amx=False):
     out = torch.full((x.shape[0], w.shape[2]), float("nan"), dtype=x.dtype)  # every element written
-    _native.kernels().few_rows_mm(x, w, offs, out)
+    _native.kernels().few_rows_mm(x, w, offs, out, amx)
     return out
 
 
@@ -1143,6 +1143,54 @@ def _bf16_mm(a, b):
     out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=BF16)  # every element written
     ran = _native.kernels().bf16_mm(a, b, out)
     return ran, out
+
+
+@instantiate_parametrized_tests
+@needs_native
+class TestNativeFewRowsMMAMX(TestCase):
+    """``few_rows_mm(..., amx=True)``: a column-major bf16 weight's groups by the native
+    GEMM's AMX micro-kernel (each group's bits those of ``bf16_mm`` on it, within the GEMM
+    bound, the same on any thread count, rows past the groups zero); elsewhere (a
+    row-major weight, fp16, AMX off) the flag changes no bit."""
+
+    @parametrize("layout", ["col", "col_slice"])
+    def test_the_amx_gemm_per_group(self, layout):
+        g = torch.Generator().manual_seed(12)
+        # groups of 1-40 rows (one b tile up to 16, two past), empty ones; K whole 32-k
+        # steps and not, odd; N past and under a 32-row weight block and a 256-column task
+        cases = (([3, 0, 16, 17, 1], 64, 300), ([32, 5, 40], 77, 70), ([8, 0, 0, 2], 768, 33))
+        with micro_kernel(True):
+            for sizes, k, n in cases:
+                offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+                end = int(offs[-1])
+                x = torch.randn(end + 2, k, generator=g).to(BF16)  # 2 rows past
+                w = _few_weight(len(sizes), k, n, BF16, layout, g)
+                with intra_op_threads(1):
+                    got = _few_mm(x, w, offs, amx=True)
+                msg = f"{sizes} k={k} n={n}"
+                assert_gemm_within(self, got, x, w, offs, msg)
+                self.assertTrue((got[end:] == 0).all())
+                start = 0
+                for e, stop in enumerate(offs.tolist()):
+                    if stop > start:
+                        ran, want = _bf16_mm(x[start:stop], w[e])
+                        self.assertTrue(ran)
+                        self.assertTrue(torch.equal(got[start:stop], want), msg=f"{msg} {e}")
+                    start = stop
+                for threads in (2, 3):
+                    with intra_op_threads(threads):
+                        self.assertTrue(torch.equal(_few_mm(x, w, offs, amx=True), got))
+
+    @parametrize("case", ["row_major", "fp16", "amx_off"])
+    def test_the_flag_elsewhere_changes_nothing(self, case):
+        g = torch.Generator().manual_seed(13)
+        offs = torch.tensor([3, 3, 12, 14], dtype=torch.int32)
+        dtype = F16 if case == "fp16" else BF16
+        x = torch.randn(14, 96, generator=g).to(dtype)
+        w = _few_weight(4, 96, 80, dtype, "row" if case == "row_major" else "col", g)
+        with micro_kernel(False) if case == "amx_off" else contextlib.nullcontext():
+            want = _few_mm(x, w, offs)
+            self.assertTrue(torch.equal(_few_mm(x, w, offs, amx=True), want))
 
 
 _LAYOUTS = ["row", "col", "row_slice", "col_slice"]

@@ -51,7 +51,7 @@ key                             choices               margin  used by
 ``layout:<dt>:<ab>:<cls>``      **as_is**, copy_a/b   10%     ``mm_into``, ``mm_cpu``
 ``few_rows:<dt>:<ab>:m<r>``     **mm**, mv, swap      10%     ``mm_into``, m <= 16 rows
 ``grouped_mm:<dt>:<ab>:<cls>``  **loop**, torch       5%      ``grouped_mm`` (CPU kernels)
-``few_gemm:<dt>:<b>:r<r>:g<g>`` **aten**, native      10%     ``grouped_mm`` (CPU kernels,
+``few_gemm:<dt>:<b>:r<r>:g<g>`` **aten**, native/amx  10%     ``grouped_mm`` (CPU kernels,
                                                               <= 32 rows per group);
                                                               ``grouped_swiglu``'s path
                                                               where half GEMMs upcast
@@ -268,7 +268,7 @@ _CHOICES = {
     "wgrad_a": ("as_is", "transpose"),
     "swiglu_path": ("loop", "whole"),
     "act_kernel": ("aten", "native"),
-    "few_gemm": ("aten", "native"),
+    "few_gemm": ("aten", "native", "amx"),
     "threads_mm": ("aten", "native"),
     "row_split": ("one", "split"),
     "gemm_kernel": ("aten", "native"),
@@ -813,8 +813,11 @@ def few_gemm(
     weight read once for all of its rows, converted in registers, one call for all
     groups) beats the better ATen way (``torch._grouped_mm`` or the per-group loop) by
     over 10% at about ``rows`` rows per group over ``groups`` busy groups (powers of
-    two) with the weight row- or column-major (``<b>``: n / t), else ``"aten"``. Timed
-    on the caller's threads (module note)."""
+    two) with the weight row- or column-major (``<b>``: n / t), ``"amx"`` if its AMX
+    form (bf16, column-major weights, where the CPU allows tiles: the measure times it
+    there only) is the fastest by that margin, else ``"aten"``. Timed on the caller's
+    threads (module note). Forced where the CPU has no tiles, ``"amx"`` runs as
+    ``"native"``."""
     b = "t" if col_major else "n"
     key = f"few_gemm:{_dt(dtype)}:{b}:r{_pow2_at_least(rows)}:g{_pow2_at_least(groups)}"
     return decide(key, measure, default="aten", threads=True)

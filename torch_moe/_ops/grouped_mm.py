@@ -639,11 +639,12 @@ def _native_against_aten(
     offs: Tensor,
     torch_ok: bool,
     cold: bool = False,
+    native: tuple[str, ...] = ("native",),
 ) -> dict[str, float]:
-    """Seconds of ``ways["native"]`` and of the fastest other way (``torch._grouped_mm``
-    on ``offs`` too where ``torch_ok``), each cycling through the operand ``sets``
-    (``cold``: each set evicted from the caches before its call, where the native
-    library can)."""
+    """Seconds of the ``native`` ways (those of them in ``ways``) and, as ``"aten"``, of
+    the fastest other way (``torch._grouped_mm`` on ``offs`` too where ``torch_ok``), each
+    cycling through the operand ``sets`` (``cold``: each set evicted from the caches
+    before its call, where the native library can)."""
     if torch_ok:
         ways["torch"] = lambda s: torch._grouped_mm(*s, offs=offs)
     mod = _native.kernels()
@@ -655,8 +656,8 @@ def _native_against_aten(
     cycle = _cpu_probe.cycled(sets, ways, evict if cold and mod is not None else None)
     times = _cpu_probe.time_candidates(cycle)
     return {
-        "aten": min(t for how, t in times.items() if how != "native"),
-        "native": times["native"],
+        "aten": min(t for how, t in times.items() if how not in native),
+        **{how: t for how, t in times.items() if how in native},
     }
 
 
@@ -816,54 +817,85 @@ def weight_col_major(w: Tensor) -> bool | None:
     return False if w.stride(2) == 1 else (True if w.stride(1) == 1 else None)
 
 
-def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> bool:
-    """Whether ``x @ w[g]`` per group runs by the native few-rows kernel: CPU tensors of a
-    half dtype, ``x`` contiguous, ``w`` row- or column-major per group, and
-    :func:`few_gemm_class` at the rows per busy group."""
+def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> str | None:
+    """The way (``"few"``, or ``"few_amx"`` with AMX tiles) ``x @ w[g]`` per group runs by
+    the native few-rows kernel, or None where it does not: CPU tensors of a half dtype,
+    ``x`` contiguous, ``w`` row- or column-major per group, and :func:`few_gemm_choice`
+    at the rows per busy group."""
     if not ends or ends[-1] == 0 or x.dtype != w.dtype or x.device.type != "cpu":
-        return False
+        return None
     col_major = weight_col_major(w)
     if not x.is_contiguous() or col_major is None:
-        return False
+        return None
     busy, rows = rows_per_busy_group(ends)
-    return few_gemm_class(w.dtype, col_major, rows, busy)
+    choice = few_gemm_choice(w.dtype, col_major, rows, busy)
+    return None if choice == "aten" else "few_amx" if choice == "amx" else "few"
 
 
 def few_gemm_class(dtype: torch.dtype, col_major: bool, rows: int, busy: int) -> bool:
+    """Whether the few-rows kernel runs ``busy`` groups of about ``rows`` rows (in either
+    of its forms: :func:`few_gemm_choice`)."""
+    return few_gemm_choice(dtype, col_major, rows, busy) != "aten"
+
+
+def few_gemm_choice(dtype: torch.dtype, col_major: bool, rows: int, busy: int) -> str:
     """The few-rows kernel's decision for ``busy`` groups of about ``rows`` rows of a half
-    dtype and a weight of this layout: the kernel built, at most ``_FEW_GEMM_ROWS`` rows,
-    and the probe's ``few_gemm`` (per dtype, weight layout, rows and busy groups: powers of
-    two, the groups clamped to 8-32) measured it faster. Memoized on what it reads."""
+    dtype and a weight of this layout: ``"native"`` or ``"amx"`` (its AMX form: bf16, a
+    column-major weight, where the CPU allows tiles) where the kernel is built, at most
+    ``_FEW_GEMM_ROWS`` rows, and the probe's ``few_gemm`` (per dtype, weight layout, rows
+    and busy groups: powers of two, the groups clamped to 8-32) measured it faster, else
+    ``"aten"``. Memoized on what it reads."""
     if rows > _FEW_GEMM_ROWS or rows < 1 or dtype not in _FEW_GEMM_DTYPES:
-        return False
+        return "aten"
     pow2 = _cpu_probe._pow2_at_least
     rows, groups = pow2(rows), min(max(pow2(busy), _FEW_GEMM_GROUPS[0]), _FEW_GEMM_GROUPS[1])
     key = ("few_gemm", dtype, col_major, rows, groups, _native.enabled())
     return _cpu_probe.memo(key, lambda: _decide_few_gemm(dtype, col_major, rows, groups))
 
 
-def _decide_few_gemm(dtype: torch.dtype, col_major: bool, rows: int, groups: int) -> bool:
+def _decide_few_gemm(dtype: torch.dtype, col_major: bool, rows: int, groups: int) -> str:
     mod = _native.kernels()
     if mod is None:
-        return False
+        return "aten"
     measure = functools.partial(_measure_few_gemm, mod, dtype, col_major, rows, groups)
-    return _cpu_probe.few_gemm(dtype, col_major, rows, groups, measure) == "native"
+    return _cpu_probe.few_gemm(dtype, col_major, rows, groups, measure)
 
 
-def _few_rows_mm(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None) -> Tensor:
-    """The native few-rows kernel (rows past ``ends[-1]`` zero)."""
-    return _whole_grouped_mm(x, w, _offs_tensor(ends, offs), ends[-1], "few")
+def amx_tiles(dtype: torch.dtype) -> bool:
+    """Whether the native bf16 GEMMs can multiply by AMX tiles here (the CPU, the OS and
+    the ISA cap allow them: ``_cpu_probe.cpu_isa() == "AMX"``), turning them on if so
+    (the native GEMM's process-wide micro-kernel choice, which ``gemm_kernel`` makes the
+    same way). Memoized."""
+    if dtype != torch.bfloat16:
+        return False
+
+    def decide() -> bool:
+        mod = _native.kernels()
+        if mod is None or not hasattr(mod, "bf16_mm_use_amx") or not mod.bf16_mm_available():
+            return False
+        return bool(mod.bf16_mm_use_amx(_cpu_probe.cpu_isa() == "AMX"))
+
+    return _cpu_probe.memo(("amx_tiles", dtype), decide)
+
+
+def _few_rows_mm(
+    x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None, way: str = "few"
+) -> Tensor:
+    """The native few-rows kernel (rows past ``ends[-1]`` zero), ``way`` ``"few"`` or
+    ``"few_amx"`` (:func:`_few_gemm`)."""
+    return _whole_grouped_mm(x, w, _offs_tensor(ends, offs), ends[-1], way)
 
 
 def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) -> Tensor:
-    """One call for all groups, rows at or past ``end`` zero, by ``way``: ``"few"``, the
-    native few-rows kernel (where ``_few_gemm`` holds), ``"threads"``, the threaded kernel
+    """One call for all groups, rows at or past ``end`` zero, by ``way``: ``"few"`` /
+    ``"few_amx"``, the native few-rows kernel in its vdpbf16ps / AMX form (as
+    ``_few_gemm`` says; AMX where the CPU allows, else the other), ``"threads"``, the threaded kernel
     (where ``_threaded`` holds), or ``"torch"``, ``torch._grouped_mm`` (where
     ``_use_torch_grouped_mm`` holds). The eager nodes' lean kernels take their GEMMs
     through this, as their plans decided (:func:`whole_way`)."""
-    if way == "few":
+    if way in ("few", "few_amx"):
         out = x.new_empty((x.shape[0], w.shape[2]))
-        _native.kernels().few_rows_mm(x, w, offs, out)
+        _native.kernels().few_rows_mm(x, w, offs, out, way == "few_amx" and amx_tiles(x.dtype))
         return out
     if way == "threads":
         out = x.new_empty((x.shape[0], w.shape[2]))
@@ -934,11 +966,12 @@ def transposes_wgrad(x: Tensor, n: int, ends: list[int]) -> bool:
 
 def whole_way(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> str | None:
     """How the CPU kernel runs this grouped GEMM when that is one call for all groups:
-    ``"few"``, ``"threads"`` or ``"torch"`` (:func:`_whole_grouped_mm`'s ways; ``"few"``
-    forward only), or None where it takes the per-group loop (``wgrad``: ``a`` is the
+    ``"few"``, ``"few_amx"``, ``"threads"`` or ``"torch"`` (:func:`_whole_grouped_mm`'s
+    ways; the few-rows kernel's forward only), or None where it takes the per-group loop (``wgrad``: ``a`` is the
     weight gradients' operand, ``wgrad_operand``'s result)."""
-    if not wgrad and _few_gemm(a, b, ends):
-        return "few"
+    few = None if wgrad else _few_gemm(a, b, ends)
+    if few is not None:
+        return few
     if _threaded(a, b, ends, wgrad):
         return "threads"
     if _use_torch_grouped_mm(a, b, ends, wgrad):
@@ -968,15 +1001,18 @@ def _measure_few_gemm(
         "native": lambda s: mod.few_rows_mm(*s, offs, s[0].new_empty((s[0].shape[0], n))),
         "loop": lambda s: _mm_loop(*s, ends),
     }
+    if col_major and amx_tiles(dtype):  # its AMX form, where the CPU allows tiles
+        ways["amx"] = lambda s: mod.few_rows_mm(*s, offs, s[0].new_empty((s[0].shape[0], n)), True)
     ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n)
-    return _native_against_aten(ways, sets, offs, ok, cold=True)
+    return _native_against_aten(ways, sets, offs, ok, cold=True, native=("native", "amx"))
 
 
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None = None) -> Tensor:
     """Group ends ``ends`` (validated); ``offs``, their tensor, lets ``torch._grouped_mm``
     (or the native few-rows kernel) run where it is allowed and faster."""
-    if _few_gemm(x, w, ends):
-        return _few_rows_mm(x, w, ends, offs)
+    few = _few_gemm(x, w, ends)
+    if few is not None:
+        return _few_rows_mm(x, w, ends, offs, few)
     if _threaded(x, w, ends, wgrad=False):
         return _threaded_mm(x, w, ends, offs)
     if offs is not None and _use_torch_grouped_mm(x, w, ends, wgrad=False):
@@ -1175,7 +1211,9 @@ def _gather_ends(x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor) -> lis
     rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))  # the gathered rows' metadata
     _check_mm_inputs(rows, w, offs)  # (grouped_mm's checks, on the path that skips it)
     ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
-    if not ends or _few_gemm(rows, w, ends) or not _threaded(rows, w, ends, wgrad=False):
+    if not ends or _few_gemm(rows, w, ends) is not None:
+        return None
+    if not _threaded(rows, w, ends, wgrad=False):
         return None
     return ends
 

@@ -191,16 +191,20 @@ TORCH_MOE_GEMM_INLINE void transpose_16x16(__m512i r[16]) {
 
 // A column-major [K, cols] b (column j's K elements contiguous at src.row(j0 + j), cols <=
 // 64; gathered or not) into one panel: out[p * 64 + j] = (b[2p][j], b[2p + 1][j]) for p <
-// ceil(K / 2), an odd K's last element paired with zero, columns past cols zero; pairs
-// [p_begin, p_end) only (p_begin a multiple of 16).
+// ceil(K / 2), an odd K's last element paired with zero, columns past cols zero up to
+// `width` (columns past it not written: a caller that reads only the first `width`);
+// pairs [p_begin, p_end) only (p_begin a multiple of 16). Groups of 16 columns with any of
+// b's by 16 x 16 word transposes (the missing columns read from src.zero), the others
+// stored as zeros.
 TORCH_MOE_GEMM_TARGET void pack_col_pairs(const RowSource& src, int64_t j0, int64_t K,
                                           int64_t cols, uint32_t* out, int64_t p_begin = 0,
-                                          int64_t p_end = INT64_MAX) {
+                                          int64_t p_end = INT64_MAX, int64_t width = kNr) {
   const int64_t pairs = std::min((K + 1) / 2, p_end);
-  const int64_t whole = cols == kNr ? std::min(K / 2 / 16 * 16, p_end) : 0;  // by transposes
+  const int64_t whole = std::min(K / 2 / 16 * 16, p_end);  // pairs by transposes
+  const int64_t filled = std::min(width, (cols + 15) / 16 * 16);  // groups with columns
   const uint16_t* col[kNr];
-  for (int64_t j = 0; j < kNr; ++j) col[j] = j < cols ? src.row(j0 + j) : nullptr;
-  for (int64_t c0 = 0; c0 < kNr && whole > p_begin; c0 += 16) {  // 16 columns front to back
+  for (int64_t j = 0; j < kNr; ++j) col[j] = j < cols ? src.row(j0 + j) : src.zero;
+  for (int64_t c0 = 0; c0 < filled && whole > p_begin; c0 += 16) {  // front to back
     for (int64_t p = p_begin; p < whole; p += 16) {
       __m512i r[16];
       for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(col[c0 + j] + 2 * p);
@@ -208,8 +212,13 @@ TORCH_MOE_GEMM_TARGET void pack_col_pairs(const RowSource& src, int64_t j0, int6
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (p + i) * kNr + c0, r[i]);
     }
   }
+  for (int64_t c0 = filled; c0 < width; c0 += 16) {
+    for (int64_t p = p_begin; p < whole; ++p) {
+      _mm512_storeu_si512(out + p * kNr + c0, _mm512_setzero_si512());
+    }
+  }
   for (int64_t p = std::max(whole, p_begin); p < pairs; ++p) {
-    for (int64_t j = 0; j < kNr; ++j) {
+    for (int64_t j = 0; j < width; ++j) {
       const uint16_t* e = j < cols ? col[j] + 2 * p : nullptr;
       out[p * kNr + j] = e == nullptr ? 0u : (2 * p + 1 < K ? pair_at(e) : uint32_t(e[0]));
     }
@@ -463,31 +472,38 @@ inline void load_tile_config() {
 // zero: a's two row tiles at a0 and a1 (a_stride bytes between their rows, a_step
 // elements per step), b's two column tiles at b and b + 16 words (b_stride bytes between
 // pair rows, b_step words per step). `between` runs once the products are issued (they
-// go on while it runs); then the tiles are stored into acc (rows of c, fp32).
-template <class Between>
+// go on while it runs); then the tiles are stored into acc (rows of c, fp32). With kB = 1
+// only b's first column tile: the block's first 16 columns (acc's others not written),
+// each the same sums as with two.
+template <int kB = 2, class Between>
 TORCH_MOE_AMX_INLINE void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
                                      int64_t a_step, const uint32_t* b, int64_t b_stride,
                                      int64_t b_step, int64_t kt, float (&acc)[2 * kTm][32],
                                      Between&& between) {
+  static_assert(kB == 1 || kB == 2, "one or two column tiles");
   _tile_zero(0);
-  _tile_zero(1);
   _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (kB == 2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
   for (int64_t kb = 0; kb < kt; ++kb) {
     TORCH_MOE_TILE_LOAD(4, a0 + kb * a_step, a_stride);
     TORCH_MOE_TILE_LOAD(6, b + kb * b_step, b_stride);
-    TORCH_MOE_TILE_LOAD(7, b + kb * b_step + 16, b_stride);
+    if constexpr (kB == 2) TORCH_MOE_TILE_LOAD(7, b + kb * b_step + 16, b_stride);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kB == 2) _tile_dpbf16ps(1, 4, 7);
     TORCH_MOE_TILE_LOAD(5, a1 + kb * a_step, a_stride);
     _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (kB == 2) _tile_dpbf16ps(3, 5, 7);
   }
   between();
   TORCH_MOE_TILE_STORE(0, &acc[0][0], 128);
-  TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
   TORCH_MOE_TILE_STORE(2, &acc[kTm][0], 128);
-  TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+  if constexpr (kB == 2) {
+    TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
+    TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+  }
 }
 
 // a's tiles: tile (mb, kb) at out + (mb * kt + kb) * kTm * kTk, rows of 32 bf16.
@@ -648,7 +664,10 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
     for (int64_t qi = 0; qi < used; ++qi) {
       uint32_t* panel = a_panels.data() + qi * panel_words;
       const int64_t packed = (K + 1) / 2;
-      pack_col_pairs(a, m0 + qi * kNr, K, std::min(kNr, m1 - m0 - qi * kNr), panel, 0, packed);
+      // the columns the tile blocks read: 16 or 32 of a last panel's (of a few rows)
+      const int64_t cols = std::min(kNr, m1 - m0 - qi * kNr);
+      const int64_t width = cols <= 16 ? 16 : cols <= 32 ? 32 : kNr;
+      pack_col_pairs(a, m0 + qi * kNr, K, cols, panel, 0, packed, width);
       if (pairs > packed) std::memset(panel + packed * kNr, 0, (pairs - packed) * kNr * 4);
     }
     for (int64_t n0 = 0; n0 < N; n0 += 2 * kTm) {
@@ -672,9 +691,13 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
       for (int64_t qi = 0; qi < used; ++qi) {
         for (int64_t h = 0; h < kNr && m0 + qi * kNr + h < m1; h += 32) {
           const uint32_t* bp = a_panels.data() + qi * panel_words + h;
-          tile_block(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, acc, [] {});
           // acc[n][m] -> c[m][n]
           const int64_t mbase = m0 + qi * kNr + h, mrows = std::min<int64_t>(32, m1 - mbase);
+          if (mrows <= 16) {  // a few rows' last 16: one b tile
+            tile_block<1>(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, acc, [] {});
+          } else {
+            tile_block(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, acc, [] {});
+          }
           for (int64_t mb = 0; mb < mrows; mb += 16) {
             for (int64_t nb = 0; nb < ncols; nb += 16) {
               __m512i r[16];
@@ -777,6 +800,34 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   (void)b;
   (void)a_rows;
   (void)b_rows;
+  return false;
+#endif
+}
+
+bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw,
+                      uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (!amx_on.load(std::memory_order_relaxed)) return false;
+  if (M <= 0 || N <= 0) return true;
+  if (K <= 0) {
+    for (int64_t m = 0; m < M; ++m) std::memset(c + m * ldc, 0, N * 2);
+    return true;
+  }
+  thread_local std::vector<uint16_t> zero;  // the packing's missing columns
+  if (static_cast<int64_t>(zero.size()) < K + kNr) zero.assign(K + kNr, 0);
+  amx_gemm_bt(RowSource{a, lda, nullptr, zero.data()}, RowSource{w, ldw, nullptr, zero.data()},
+              c, ldc, M, N, K);
+  return true;
+#else
+  (void)a;
+  (void)lda;
+  (void)w;
+  (void)ldw;
+  (void)c;
+  (void)ldc;
+  (void)M;
+  (void)N;
+  (void)K;
   return false;
 #endif
 }

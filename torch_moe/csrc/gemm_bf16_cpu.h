@@ -36,6 +36,13 @@ struct Gather {
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows = {},
                Gather b_rows = {});
 
+// c [M, N] (row stride ldc) = a [M, K] (row stride lda) @ w^T for w [N, K] (row stride
+// ldw), bf16, on the calling thread by bf16_gemm's AMX micro-kernel (its x @ w^T form: w's
+// rows read in place, a packed; for a few rows of a, one column tile where 16 suffice);
+// false without touching c where AMX is not on (bf16_gemm_use_amx).
+bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw,
+                      uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K);
+
 // out [K, M] = x^T for x [M, K] of 16-bit elements (rows strided by ldx, ldo) on the
 // calling thread, bit for bit, by 32 x 32 blocks of AVX-512 words; false without touching
 // out where this build or CPU lacks AVX512-BW (the caller copies by ATen instead).
