@@ -722,6 +722,18 @@ class TestForcedDecisions(TestCase):
             )
             self.assertEqual(dw, want, atol=0, rtol=0)
 
+    def test_wgrad_a_of_a_column_major_x(self):
+        # x column-major (its x^T row-major, no view the threaded kernel copies from): the
+        # whole copy where forced, within the bound
+        offs = _offs([20, 0, 17, 3])
+        x = torch.randn(12, 43).to(torch.bfloat16).t()
+        dy = torch.randn(43, 40).to(torch.bfloat16)
+        forced = dict(half_gemm="native", wgrad_a="transpose", layout="as_is")
+        with P.force(**forced), _wgrad_copy_spies() as copies:
+            dw = grouped_mm_wgrad(x, dy, offs)
+        self.assertEqual(copies(), (1, 0))
+        assert_gemm_within(self, dw, x, dy, offs, "dW", wgrad=True)
+
     @parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
     @parametrize("shape", [(0, 5), (1, 1), (7, 13), (130, 67), (64, 256)])
     @parametrize("strided", [False, True])

@@ -954,12 +954,15 @@ def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Te
 def transposes_wgrad(x: Tensor, n: int, ends: list[int]) -> bool:
     """Whether the weight gradient ``x[g]^T @ dy[g]`` (``dy`` [M, n]) of these groups runs
     by the threaded kernel with ``x^T`` copied row-major one piece (a group, or a
-    thread's part of one) at a time: where :func:`wgrad_copies` measured the copy faster
-    and the native kernels are built. One copy of all of ``x^T`` would stride each
+    thread's part of one) at a time: where :func:`wgrad_copies` measured the copy faster,
+    the native kernels are built and ``x`` is row-major (its ``x^T`` the column-major
+    view the kernel copies from; another ``x`` takes :func:`wgrad_operand`'s copy). One copy of all of ``x^T`` would stride each
     group's block by all groups' rows, which oneDNN read 20-30% slower than the piece's
     compact copy (benchmarks/results/cpu_floor_cpu_202612.md)."""
     busy = _busy_groups(ends)
     if not busy or x.dim() != 2 or x.element_size() != 2 or _threaded_kernels() is None:
+        return False
+    if x.stride(1) != 1 and x.shape[1] > 1:  # x^T is then no column-major view
         return False
     return wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], n)
 
