@@ -939,6 +939,10 @@ def _threaded_wgrad(a, dy, offs, transpose_a=False):
     return out
 
 
+def _offs_of(sizes):
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
 # group sizes: empty groups, groups under the 16-row cut unit, a group that holds more
 # than one thread's share, and groups that two or three threads' shares cut through
 _THREADED_SIZES = ([20, 0, 17, 3, 40], [5, 0, 0, 2], [300], [0, 130, 1, 1, 70, 0], [0, 0])
@@ -1008,6 +1012,21 @@ class TestNativeThreadedGroupedMM(TestCase):
                     got = _threaded_wgrad(x.t(), dy, offs, transpose_a=True)
                     assert_gemm_within(self, got, x, dy, offs, f"{sizes}", wgrad=True)
                     self.assertEqual(got, want, atol=0, rtol=0)
+
+    def test_wgrad_transposing_pads_with_zeros(self):
+        # the thread's scratch is reused: a piece with an odd row count after one whose
+        # values were NaN must not read them past its rows (oneDNN's AMX GEMM reads the
+        # element past an odd count, its k pairs); one thread, so one scratch
+        g = torch.Generator().manual_seed(8)
+        with intra_op_threads(1):
+            nan = torch.full((33, 64), float("nan"), dtype=BF16)
+            _threaded_wgrad(nan.t(), torch.ones(33, 16, dtype=BF16), _offs_of([33]), True)
+            x = torch.randn(31, 64, generator=g).to(BF16)
+            dy = torch.randn(31, 16, generator=g).to(BF16)
+            offs = _offs_of([31])
+            got = _threaded_wgrad(x.t(), dy, offs, transpose_a=True)
+        self.assertFalse(got.isnan().any())
+        assert_gemm_within(self, got, x, dy, offs, "dW", wgrad=True)
 
     @parametrize("dtype", [BF16, F16, F32])
     def test_row_split_within_the_gemm_bound(self, dtype):
@@ -1188,7 +1207,7 @@ class TestNativeFewRowsMMAMX(TestCase):
         dtype = F16 if case == "fp16" else BF16
         x = torch.randn(14, 96, generator=g).to(dtype)
         w = _few_weight(4, 96, 80, dtype, "row" if case == "row_major" else "col", g)
-        with micro_kernel(False) if case == "amx_off" else contextlib.nullcontext():
+        with micro_kernel(case != "amx_off"):  # tiles on, but for amx_off (else skipped)
             want = _few_mm(x, w, offs)
             self.assertTrue(torch.equal(_few_mm(x, w, offs, amx=True), want))
 
