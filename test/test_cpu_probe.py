@@ -817,8 +817,15 @@ class TestForcedDecisions(TestCase):
             dx, dw = torch.autograd.grad(out, (x, w), gy)
         used = few_gemm != "aten" and _native.available()
         self.assertEqual(called.call_count, 2 if used else 0)  # forward and dX
-        way = "few_amx" if few_gemm == "amx" else "few"
-        self.assertTrue(all(c.args[-1] == way for c in called.call_args_list))
+        # the AMX form where forced, the weight column-major (the forward; dX multiplies
+        # by its transpose) and the CPU has tiles for the dtype
+        tiles = few_gemm == "amx" and grouped_mm_module.amx_tiles(dtype)
+        ways = [c.args[-1] for c in called.call_args_list]
+        want = [
+            "few_amx" if tiles and col_major else "few",
+            "few_amx" if tiles and not col_major else "few",
+        ]
+        self.assertEqual(ways, want if used else [])
         assert_gemm_within(self, out, x, w, offs, "forward")
         assert_gemm_within(self, dx, gy, w.transpose(-2, -1), offs, "dX")
         assert_gemm_within(self, dw, x, gy, offs, "dW", wgrad=True)
@@ -849,13 +856,38 @@ class TestForcedDecisions(TestCase):
                 self.assertEqual(set(times), want)
                 self.assertTrue(all(t > 0 for t in times.values()))
 
+    def test_amx_rows_from_the_classes(self):
+        # the groups from the smallest of a run of "amx" classes down from 32 rows take
+        # tiles (a class r holds r // 2 + 1 to r rows); none where the top class is not
+        # "amx" or the CPU has no tiles
+        tiles = grouped_mm_module.amx_tiles(torch.bfloat16)
+        key = "few_gemm:bf16:t:r{}:g32"
+        cases = [
+            ({32: "amx", 16: "amx", 8: "amx", 4: "native"}, 5),
+            ({r: "amx" for r in (32, 16, 8, 4, 2, 1)}, 1),
+            ({32: "native", 16: "amx", 8: "amx"}, 0),
+            ({32: "amx", 16: "aten", 8: "amx"}, 17),
+        ]
+        for classes, least in cases:
+            forced = {key.format(r): choice for r, choice in classes.items()}
+            forced.setdefault("few_gemm", "native")
+            with self.subTest(classes=str(classes)), P.force(forced):
+                got = grouped_mm_module.amx_rows(torch.bfloat16, 40)  # 40 busy: the g32 class
+                self.assertEqual(got, least if tiles else 0)
+        with P.force(few_gemm="amx"):
+            self.assertEqual(grouped_mm_module.amx_rows(torch.float16, 40), 0)
+
     def test_few_gemm_only_where_it_applies(self):
         bf = torch.bfloat16
         w = torch.randn(3, 32, 48).to(bf)
         few = grouped_mm_module._few_gemm
-        for choice, way in (("native", "few"), ("amx", "few_amx")):
+        tiles = grouped_mm_module.amx_tiles(bf)
+        for choice in ("native", "amx"):
             with self.subTest(choice=choice), P.force(few_gemm=choice):
-                want = way if _native.available() else None
+                want = "few" if _native.available() else None  # w row-major: no tiles
+                wt = w.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
+                col = "few_amx" if tiles and choice == "amx" else want
+                self.assertEqual(few(torch.randn(6, 32).to(bf), wt, [2, 4, 6]), col)
                 self.assertEqual(few(torch.randn(6, 32).to(bf), w, [2, 4, 6]), want)
                 self.assertIsNone(few(torch.randn(6, 32), w.float(), [2, 4, 6]))  # fp32
                 self.assertIsNone(few(torch.randn(32, 6).to(bf).t(), w, [2, 4, 6]))  # strided x

@@ -799,9 +799,9 @@ class TestNativePermute(TestCase):
                 _native.kernels().combine(*args)
 
 
-def _few_mm(x, w, offs, amx=False):
+def _few_mm(x, w, offs, amx_rows=0):
     out = torch.full((x.shape[0], w.shape[2]), float("nan"), dtype=x.dtype)  # every element written
-    _native.kernels().few_rows_mm(x, w, offs, out, amx)
+    _native.kernels().few_rows_mm(x, w, offs, out, amx_rows)
     return out
 
 
@@ -1167,10 +1167,11 @@ def _bf16_mm(a, b):
 @instantiate_parametrized_tests
 @needs_native
 class TestNativeFewRowsMMAMX(TestCase):
-    """``few_rows_mm(..., amx=True)``: a column-major bf16 weight's groups by the native
-    GEMM's AMX micro-kernel (each group's bits those of ``bf16_mm`` on it, within the GEMM
-    bound, the same on any thread count, rows past the groups zero); elsewhere (a
-    row-major weight, fp16, AMX off) the flag changes no bit."""
+    """``few_rows_mm(..., amx_rows)``: a column-major bf16 weight's groups of at least
+    ``amx_rows`` rows by the native GEMM's AMX micro-kernel (each such group's bits those
+    of ``bf16_mm`` on it, the others' those of the vdpbf16ps form, within the GEMM bound,
+    the same on any thread count, rows past the groups zero); elsewhere (a row-major
+    weight, fp16, AMX off) it changes no bit."""
 
     @parametrize("layout", ["col", "col_slice"])
     def test_the_amx_gemm_per_group(self, layout):
@@ -1184,21 +1185,25 @@ class TestNativeFewRowsMMAMX(TestCase):
                 end = int(offs[-1])
                 x = torch.randn(end + 2, k, generator=g).to(BF16)  # 2 rows past
                 w = _few_weight(len(sizes), k, n, BF16, layout, g)
-                with intra_op_threads(1):
-                    got = _few_mm(x, w, offs, amx=True)
-                msg = f"{sizes} k={k} n={n}"
-                assert_gemm_within(self, got, x, w, offs, msg)
-                self.assertTrue((got[end:] == 0).all())
-                start = 0
-                for e, stop in enumerate(offs.tolist()):
-                    if stop > start:
-                        ran, want = _bf16_mm(x[start:stop], w[e])
-                        self.assertTrue(ran)
+                plain = _few_mm(x, w, offs)
+                for least in (1, 5, 17):  # every group, and those of 5 / 17 rows or more
+                    with intra_op_threads(1):
+                        got = _few_mm(x, w, offs, amx_rows=least)
+                    msg = f"{sizes} k={k} n={n} from {least} rows"
+                    assert_gemm_within(self, got, x, w, offs, msg)
+                    self.assertTrue((got[end:] == 0).all())
+                    start = 0
+                    for e, stop in enumerate(offs.tolist()):
+                        if stop - start >= least:
+                            ran, want = _bf16_mm(x[start:stop], w[e])
+                            self.assertTrue(ran)
+                        else:
+                            want = plain[start:stop]
                         self.assertTrue(torch.equal(got[start:stop], want), msg=f"{msg} {e}")
-                    start = stop
-                for threads in (2, 3):
-                    with intra_op_threads(threads):
-                        self.assertTrue(torch.equal(_few_mm(x, w, offs, amx=True), got))
+                        start = stop
+                    for threads in (2, 3):
+                        with intra_op_threads(threads):
+                            self.assertTrue(torch.equal(_few_mm(x, w, offs, least), got))
 
     @parametrize("case", ["row_major", "fp16", "amx_off"])
     def test_the_flag_elsewhere_changes_nothing(self, case):
@@ -1209,7 +1214,7 @@ class TestNativeFewRowsMMAMX(TestCase):
         w = _few_weight(4, 96, 80, dtype, "row" if case == "row_major" else "col", g)
         with micro_kernel(case != "amx_off"):  # tiles on, but for amx_off (else skipped)
             want = _few_mm(x, w, offs)
-            self.assertTrue(torch.equal(_few_mm(x, w, offs, amx=True), want))
+            self.assertTrue(torch.equal(_few_mm(x, w, offs, amx_rows=1), want))
 
 
 _LAYOUTS = ["row", "col", "row_slice", "col_slice"]

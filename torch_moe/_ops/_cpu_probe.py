@@ -816,8 +816,9 @@ def few_gemm(
     two) with the weight row- or column-major (``<b>``: n / t), ``"amx"`` if its AMX
     form (bf16, column-major weights, where the CPU allows tiles: the measure times it
     there only) is the fastest by that margin, else ``"aten"``. Timed on the caller's
-    threads (module note). Forced where the CPU has no tiles, ``"amx"`` runs as
-    ``"native"``."""
+    threads (module note). The kernel then takes tiles for the groups of the classes
+    down to the smallest ``"amx"`` one (``grouped_mm.amx_rows``), whatever the call's own
+    class; forced where the CPU has no tiles, ``"amx"`` runs as ``"native"``."""
     b = "t" if col_major else "n"
     key = f"few_gemm:{_dt(dtype)}:{b}:r{_pow2_at_least(rows)}:g{_pow2_at_least(groups)}"
     return decide(key, measure, default="aten", threads=True)

@@ -818,18 +818,41 @@ def weight_col_major(w: Tensor) -> bool | None:
 
 
 def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> str | None:
-    """The way (``"few"``, or ``"few_amx"`` with AMX tiles) ``x @ w[g]`` per group runs by
-    the native few-rows kernel, or None where it does not: CPU tensors of a half dtype,
-    ``x`` contiguous, ``w`` row- or column-major per group, and :func:`few_gemm_choice`
-    at the rows per busy group."""
+    """The way ``x @ w[g]`` per group runs by the native few-rows kernel (``"few"``, or
+    ``"few_amx"`` where its groups of :func:`amx_rows` rows or more take AMX tiles), or
+    None where it does not: CPU tensors of a half dtype, ``x`` contiguous, ``w`` row- or
+    column-major per group, and :func:`few_gemm_choice` at the rows per busy group."""
     if not ends or ends[-1] == 0 or x.dtype != w.dtype or x.device.type != "cpu":
         return None
     col_major = weight_col_major(w)
     if not x.is_contiguous() or col_major is None:
         return None
     busy, rows = rows_per_busy_group(ends)
-    choice = few_gemm_choice(w.dtype, col_major, rows, busy)
-    return None if choice == "aten" else "few_amx" if choice == "amx" else "few"
+    if few_gemm_choice(w.dtype, col_major, rows, busy) == "aten":
+        return None
+    return "few_amx" if col_major and amx_rows(w.dtype, busy) > 0 else "few"
+
+
+def amx_rows(dtype: torch.dtype, busy: int) -> int:
+    """The fewest rows from which a group of the few-rows kernel takes its AMX form
+    (column-major weights, ``busy`` groups): where the CPU has tiles (:func:`amx_tiles`),
+    the smallest rows class ``r`` of a run down from ``_FEW_GEMM_ROWS`` in which every
+    class's ``few_gemm`` choice is ``"amx"`` (``r // 2 + 1`` rows: the classes round rows
+    up to powers of two), else 0 (none). Per group, not per call: a decode step's groups
+    are uneven (at T = 64 on the AMX Xeon, 4 rows per expert on average, the groups of 5
+    or more by tiles made the step 5-8% faster). Memoized."""
+    if not amx_tiles(dtype):
+        return 0
+    pow2 = _cpu_probe._pow2_at_least
+    groups = min(max(pow2(busy), _FEW_GEMM_GROUPS[0]), _FEW_GEMM_GROUPS[1])
+
+    def decide() -> int:
+        least, r = 0, _FEW_GEMM_ROWS
+        while r >= 1 and few_gemm_choice(dtype, True, r, groups) == "amx":
+            least, r = r // 2 + 1, r // 2
+        return least
+
+    return _cpu_probe.memo(("amx_rows", dtype, groups, _native.enabled()), decide)
 
 
 def few_gemm_class(dtype: torch.dtype, col_major: bool, rows: int, busy: int) -> bool:
@@ -844,7 +867,8 @@ def few_gemm_choice(dtype: torch.dtype, col_major: bool, rows: int, busy: int) -
     column-major weight, where the CPU allows tiles) where the kernel is built, at most
     ``_FEW_GEMM_ROWS`` rows, and the probe's ``few_gemm`` (per dtype, weight layout, rows
     and busy groups: powers of two, the groups clamped to 8-32) measured it faster, else
-    ``"aten"``. Memoized on what it reads."""
+    ``"aten"``. Either of the first two runs the kernel; which of its groups take tiles
+    the ``"amx"`` classes say (:func:`amx_rows`). Memoized on what it reads."""
     if rows > _FEW_GEMM_ROWS or rows < 1 or dtype not in _FEW_GEMM_DTYPES:
         return "aten"
     pow2 = _cpu_probe._pow2_at_least
@@ -888,14 +912,15 @@ def _few_rows_mm(
 
 def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) -> Tensor:
     """One call for all groups, rows at or past ``end`` zero, by ``way``: ``"few"`` /
-    ``"few_amx"``, the native few-rows kernel in its vdpbf16ps / AMX form (as
-    ``_few_gemm`` says; AMX where the CPU allows, else the other), ``"threads"``, the threaded kernel
+    ``"few_amx"``, the native few-rows kernel (``"few_amx"``: its groups of ``amx_rows``
+    rows or more by AMX tiles; as ``_few_gemm`` says), ``"threads"``, the threaded kernel
     (where ``_threaded`` holds), or ``"torch"``, ``torch._grouped_mm`` (where
     ``_use_torch_grouped_mm`` holds). The eager nodes' lean kernels take their GEMMs
     through this, as their plans decided (:func:`whole_way`)."""
     if way in ("few", "few_amx"):
         out = x.new_empty((x.shape[0], w.shape[2]))
-        _native.kernels().few_rows_mm(x, w, offs, out, way == "few_amx" and amx_tiles(x.dtype))
+        least = amx_rows(x.dtype, _busy_groups(offs.tolist())) if way == "few_amx" else 0
+        _native.kernels().few_rows_mm(x, w, offs, out, least)
         return out
     if way == "threads":
         out = x.new_empty((x.shape[0], w.shape[2]))
@@ -1005,7 +1030,7 @@ def _measure_few_gemm(
         "loop": lambda s: _mm_loop(*s, ends),
     }
     if col_major and amx_tiles(dtype):  # its AMX form, where the CPU allows tiles
-        ways["amx"] = lambda s: mod.few_rows_mm(*s, offs, s[0].new_empty((s[0].shape[0], n)), True)
+        ways["amx"] = lambda s: mod.few_rows_mm(*s, offs, s[0].new_empty((s[0].shape[0], n)), 1)
     ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n)
     return _native_against_aten(ways, sets, offs, ok, cold=True, native=("native", "amx"))
 

@@ -24,15 +24,16 @@
 // otherwise), which is why the probe's choice, not a constant, says where this runs.
 // Rows at or past the last group's end are zero; x must be contiguous.
 //
-// amx (bf16, a column-major weight, where the native GEMM's AMX micro-kernel is on:
-// torch_moe_cpu::bf16_gemm_use_amx): each task's column block by AMX tiles instead, the
-// weight's rows read in place as the tiles' first operand, the group's rows packed as the
-// second (amx_gemm_rows_bt). Past a few rows the vdpbf16ps forms above are bound by the
+// amx_rows > 0 (bf16, a column-major weight, where the native GEMM's AMX micro-kernel is
+// on: torch_moe_cpu::bf16_gemm_use_amx): the column blocks of each group of at least
+// amx_rows rows by AMX tiles instead, the weight's rows read in place as the tiles' first
+// operand, the group's rows packed as the second (amx_gemm_rows_bt). Past a few rows the vdpbf16ps forms above are bound by the
 // core's dot-product rate, not by the weight's reads (on the AMX Xeon measured: a cold
 // expert's weight read at 10.7 GB/s at 8 rows, 5.9 at 16, 3.2 at 32, against 13.7-14.0
 // by tiles: benchmarks/results/cpu_floor_cpu_202612.md). Its sums are the AMX kernel's
-// (32-k tile steps), not the vdpbf16ps forms': the probe's few_gemm choice says which
-// runs. Elsewhere amx changes nothing.
+// (32-k tile steps), not the vdpbf16ps forms': a row's bits then depend on whether its
+// group has amx_rows rows, and the probe's few_gemm choices say from how many rows the
+// tiles run. Elsewhere amx_rows changes nothing.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -494,7 +495,7 @@ void nn_blocks_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K, const c10::B
 
 template <typename T>
 void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* ends,
-                      at::Tensor& out, bool amx) {
+                      at::Tensor& out, int64_t amx_rows) {
   const int64_t groups = w.size(0), K = w.size(1), N = w.size(2), M = x.size(0);
   const bool row_major = w.stride(2) == 1;  // else column-major: w.stride(1) == 1
   const int64_t ldw = row_major ? w.stride(1) : w.stride(2);
@@ -537,7 +538,7 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (dpbf16) {
           const T* xg = xp + r0 * K;
-          if (!row_major && amx &&
+          if (!row_major && amx_rows > 0 && m >= amx_rows &&
               torch_moe_cpu::amx_gemm_rows_bt(reinterpret_cast<const uint16_t*>(xg), K,
                                               reinterpret_cast<const uint16_t*>(wg + n0 * ldw),
                                               ldw, reinterpret_cast<uint16_t*>(o + n0), N, m,
@@ -582,7 +583,7 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
 }
 
 void few_rows_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                 at::Tensor& out, bool amx) {
+                 at::Tensor& out, int64_t amx_rows) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "few_rows_mm: x [M, K] "
               "and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.is_contiguous() && (w.stride(2) == 1 || w.stride(1) == 1),
@@ -600,13 +601,13 @@ void few_rows_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& off
                 " at group ", g);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "few_rows_mm",
-                                  [&] { few_rows_mm_impl<scalar_t>(x, w, ends, out, amx); });
+                                  [&] { few_rows_mm_impl<scalar_t>(x, w, ends, out, amx_rows); });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
-  m.def("few_rows_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool amx=False) -> ()");
+  m.def("few_rows_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, int amx_rows=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
