@@ -1205,6 +1205,32 @@ class TestNativeFewRowsMMAMX(TestCase):
                         with intra_op_threads(threads):
                             self.assertTrue(torch.equal(_few_mm(x, w, offs, least), got))
 
+    def test_each_group_by_its_form(self):
+        # random operands round both forms' sums alike almost everywhere; here they part
+        # in every element (2^25 and -2^25 at a row's two ends absorb different ones of
+        # the 1022 ones between: the two forms add them in different orders), so a group
+        # either side of a threshold shows which form ran
+        k, sizes = 1024, [4, 5, 16, 17]
+        offs = _offs_of(sizes)
+        x = torch.ones(sum(sizes), k)
+        x[:, 0], x[:, -1] = 2.0**25, -(2.0**25)
+        x = x.to(BF16)
+        w = torch.ones(len(sizes), 64, k, dtype=BF16).transpose(-2, -1)
+        with micro_kernel(True):
+            plain = _few_mm(x, w, offs)
+            tiles = torch.cat(
+                [
+                    _bf16_mm(x[a:b], w[e])[1]
+                    for e, (a, b) in enumerate(zip([0, 4, 9, 25], offs.tolist()))
+                ]
+            )
+            self.assertTrue((plain != tiles).all())
+            for least in (1, 5, 17):
+                got = _few_mm(x, w, offs, amx_rows=least)
+                for e, (a, b) in enumerate(zip([0, 4, 9, 25], offs.tolist())):
+                    want = tiles if sizes[e] >= least else plain
+                    self.assertTrue(torch.equal(got[a:b], want[a:b]), msg=f"{least} {e}")
+
     @parametrize("case", ["row_major", "fp16", "amx_off"])
     def test_the_flag_elsewhere_changes_nothing(self, case):
         g = torch.Generator().manual_seed(13)
