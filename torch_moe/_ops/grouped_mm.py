@@ -99,6 +99,7 @@ from torch_moe._ops.permute import _check_maps, _check_rows, permute, token_of_r
 __all__ = [
     "check_offs",
     "check_offs_values",
+    "copies_by_pieces",
     "cpu_compute_dtype",
     "experts_transposed",
     "gather_grouped_mm",
@@ -511,8 +512,7 @@ def _decide_native_gemm(dtype: torch.dtype) -> bool:
         return False
     if _cpu_probe.cpu_isa() not in ("AVX512-BF16", "AMX"):
         return False
-    # the micro-kernel: AMX tiles where the ISA (and its cap) allow them
-    mod.bf16_mm_use_amx(_cpu_probe.cpu_isa() == "AMX")
+    amx_tiles(dtype)  # the micro-kernel: AMX tiles where the ISA (and its cap) allow them
     if _cpu_probe.gemm_kernel(dtype, functools.partial(_measure_gemm_kernel, dtype)) != "native":
         return False
     # and not slower at an E8-sized expert (a 3.7M-element weight, 512-row groups): on the
@@ -686,8 +686,8 @@ def transposed_copy(x: Tensor) -> Tensor:
     bytes (``torch._grouped_mm`` takes 16) and past a multiple of 1 KiB, where rows would
     fall in one L1 set (the copy's 32-row blocks then evict each other: 5.7-14.5 against
     6.8-20 GB/s read and written on one thread of the AMX Xeon, for the three layer
-    shapes' dH): by the native transpose for 16-bit elements
-    where it runs (row-major x), else in blocks of ``_T_BLOCK`` rows by ATen's copy. The
+    shapes' dH): by the native transpose for 16-bit elements where it runs (row-major
+    x), else in blocks of ``_T_BLOCK`` rows by ATen's copy. The
     padding is zero: oneDNN's AMX GEMM reads a row's element past an odd number of
     columns (its k pairs), which for the last group is the padding; uninitialized, a
     NaN or inf there made that expert's weight gradient NaN (0 * NaN)."""
@@ -976,16 +976,24 @@ def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Te
     return torch._grouped_mm(a, dy, offs=offs)
 
 
+def copies_by_pieces(dtype: torch.dtype) -> bool:
+    """Whether the whole-tensor weight gradients of ``dtype`` copy ``x^T`` piece by piece
+    (where :func:`wgrad_copies` says copy): the native threaded kernel built, whose
+    transpose takes 16-bit elements. The memory model asks it too (no [M, K] copy then)."""
+    return dtype.itemsize == 2 and _threaded_kernels() is not None
+
+
 def transposes_wgrad(x: Tensor, n: int, ends: list[int]) -> bool:
     """Whether the weight gradient ``x[g]^T @ dy[g]`` (``dy`` [M, n]) of these groups runs
     by the threaded kernel with ``x^T`` copied row-major one piece (a group, or a
     thread's part of one) at a time: where :func:`wgrad_copies` measured the copy faster,
-    the native kernels are built and ``x`` is row-major (its ``x^T`` the column-major
-    view the kernel copies from; another ``x`` takes :func:`wgrad_operand`'s copy). One copy of all of ``x^T`` would stride each
-    group's block by all groups' rows, which oneDNN read 20-30% slower than the piece's
-    compact copy (benchmarks/results/cpu_floor_cpu_202612.md)."""
+    :func:`copies_by_pieces` holds and ``x`` is row-major (its ``x^T`` the column-major
+    view the kernel copies from; another ``x`` takes :func:`wgrad_operand`'s copy). One
+    copy of all of ``x^T`` would stride each group's block by all groups' rows, which
+    oneDNN read 20-30% slower than the piece's compact copy
+    (benchmarks/results/cpu_floor_cpu_202612.md)."""
     busy = _busy_groups(ends)
-    if not busy or x.dim() != 2 or x.element_size() != 2 or _threaded_kernels() is None:
+    if not busy or x.dim() != 2 or not copies_by_pieces(x.dtype):
         return False
     if x.stride(1) != 1 and x.shape[1] > 1:  # x^T is then no column-major view
         return False
@@ -995,8 +1003,8 @@ def transposes_wgrad(x: Tensor, n: int, ends: list[int]) -> bool:
 def whole_way(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> str | None:
     """How the CPU kernel runs this grouped GEMM when that is one call for all groups:
     ``"few"``, ``"few_amx"``, ``"threads"`` or ``"torch"`` (:func:`_whole_grouped_mm`'s
-    ways; the few-rows kernel's forward only), or None where it takes the per-group loop (``wgrad``: ``a`` is the
-    weight gradients' operand, ``wgrad_operand``'s result)."""
+    ways; the few-rows kernel's forward only), or None where it takes the per-group loop
+    (``wgrad``: ``a`` is the weight gradients' operand, ``wgrad_operand``'s result)."""
     few = None if wgrad else _few_gemm(a, b, ends)
     if few is not None:
         return few

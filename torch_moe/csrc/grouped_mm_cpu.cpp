@@ -27,10 +27,11 @@
 // amx_rows > 0 (bf16, a column-major weight, where the native GEMM's AMX micro-kernel is
 // on: torch_moe_cpu::bf16_gemm_use_amx): the column blocks of each group of at least
 // amx_rows rows by AMX tiles instead, the weight's rows read in place as the tiles' first
-// operand, the group's rows packed as the second (amx_gemm_rows_bt). Past a few rows the vdpbf16ps forms above are bound by the
-// core's dot-product rate, not by the weight's reads (on the AMX Xeon measured: a cold
-// expert's weight read at 10.7 GB/s at 8 rows, 5.9 at 16, 3.2 at 32, against 13.7-14.0
-// by tiles: benchmarks/results/cpu_floor_cpu_202612.md). Its sums are the AMX kernel's
+// operand, the group's rows packed as the second (amx_gemm_rows_bt). Past a few rows the
+// vdpbf16ps forms above are bound by the core's dot-product rate, not by the weight's
+// reads (on the AMX Xeon measured: a cold expert's weight read at 10.7 GB/s at 8 rows,
+// 5.9 at 16, 3.2 at 32, against 13.7-14.0 by tiles:
+// benchmarks/results/cpu_floor_cpu_202612.md). Its sums are the AMX kernel's
 // (32-k tile steps), not the vdpbf16ps forms': a row's bits then depend on whether its
 // group has amx_rows rows, and the probe's few_gemm choices say from how many rows the
 // tiles run. Elsewhere amx_rows changes nothing.

@@ -383,11 +383,11 @@ def _wgrad_copies(w: MoEWorkload, rows: int, k: int, n: int, whole: bool = False
     (the same measured decision, ``torch_moe._ops.grouped_mm.wgrad_copies``); ``whole``:
     the whole-tensor path's, which copies nothing the allocator sees where the native
     threaded kernel copies piece by piece (into its threads' scratch, a group's block
-    each: ``grouped_mm.transposes_wgrad``)."""
+    each: ``grouped_mm.copies_by_pieces``)."""
     from torch_moe._ops import grouped_mm as _gm
 
     copies = _gm.wgrad_copies(w.dtype, rows, k, n)
-    return copies and not (whole and _gm._threaded_kernels() is not None)
+    return copies and not (whole and _gm.copies_by_pieces(w.dtype))
 
 
 def _gemm_copies(
