@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_probe import intra_op_threads, native_gemm_available
+from test_cpu_probe import intra_op_threads
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -614,23 +614,53 @@ class TestSwiGLUCombine(TestCase):
         self.assertEqual(calls.count("threaded_grouped_mm_wgrad"), 4, msg=str(calls))
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
-    def test_gemms_read_the_gathered_rows_with_the_native_gemm(self) -> None:
-        # with the native bf16 GEMM (forced, where it runs) the lean node's GEMMs read the
-        # tokens' rows of x (h, dW13) and of the output's gradient (dA, dW2) through the
-        # token index, gathering nothing; with oneDNN's they take gathered copies. The ops'
-        # bits either way (the ops gather)
-        p, inputs = _combine_inputs(96, BF16, seed=4, weighted=True)
-        runs = native_gemm_available()
-        for kernel in ("native", "aten"):
+    def test_gemms_read_the_gathered_rows(self) -> None:
+        # where the threaded kernel runs them, the lean node's GEMMs read the tokens' rows
+        # of x (h, dW13) and of the output's gradient (dA, dW2) through the token index,
+        # gathering no [M, D] copy: the native bf16 GEMM (forced, where it runs) through
+        # the index itself, oneDNN's from each piece's rows gathered into scratch. On one
+        # thread torch._grouped_mm's way becomes the threaded kernel's for those four
+        # (gather_way: the same GEMMs); on two threads it stays where threads_mm chose
+        # it, and so in fp32, which the threaded kernel does not take. The ops' bits always
+        cases = [
+            (BF16, 2, {**THREADS, "gemm_kernel": "native"}, True),
+            (BF16, 2, {**THREADS, "gemm_kernel": "aten"}, True),
+            (BF16, 1, {**LEAN, "gemm_kernel": "aten", "row_split": "one"}, True),
+            (BF16, 2, {**LEAN, "gemm_kernel": "aten"}, False),
+            (torch.float32, 1, LEAN, False),
+        ]
+        for dtype, threads, decisions, reads in cases:
+            p, inputs = _combine_inputs(96, dtype, seed=4, weighted=True)
             spy = mock.patch.object(gs, "gathered_grouped_mm", wraps=gs.gathered_grouped_mm)
             spy_w = mock.patch.object(
                 gs, "gathered_grouped_mm_wgrad", wraps=gs.gathered_grouped_mm_wgrad
             )
-            with self.subTest(kernel=kernel), two_threads(), spy as fwd, spy_w as wgrad:
-                self._compare(p, inputs, (True,) * 4, True, {**THREADS, "gemm_kernel": kernel})
-                fused = kernel == "native" and runs
-                self.assertEqual(fwd.call_count, 2 if fused else 0)  # h, dA
-                self.assertEqual(wgrad.call_count, 2 if fused else 0)  # dW2, dW13
+            with (
+                self.subTest(dtype=str(dtype), threads=threads, decisions=decisions),
+                intra_op_threads(threads),
+                spy as fwd,
+                spy_w as wgrad,
+            ):
+                self._compare(p, inputs, (True,) * 4, True, decisions)
+                self.assertEqual(fwd.call_count, 2 if reads else 0)  # h, dA
+                self.assertEqual(wgrad.call_count, 2 if reads else 0)  # dW2, dW13
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_gathered_rows_with_the_copied_weight_gradient_operand(self) -> None:
+        # wgrad_a copying the operand (the threaded kernel's "transpose" way) with the
+        # gathered rows read through the index: dW2's copied operand is the gathered
+        # output gradient itself, dW13's (dH) multiplies gathered rows of x; on one and
+        # two threads, with oneDNN's GEMM; the ops' bits
+        p, inputs = _combine_inputs(96, BF16, seed=6, weighted=True)
+        one = {**COPIED_WGRAD, "gemm_kernel": "aten", "row_split": "one"}
+        for threads, decisions in ((1, one), (2, {**one, "threads_mm": "native"})):
+            spy_w = mock.patch.object(
+                gs, "gathered_grouped_mm_wgrad", wraps=gs.gathered_grouped_mm_wgrad
+            )
+            with self.subTest(threads=threads), intra_op_threads(threads), spy_w as wgrad:
+                self._compare(p, inputs, (True,) * 4, True, decisions)
+                ways = [call.args[5] for call in wgrad.call_args_list]
+                self.assertEqual(ways, ["transpose", "transpose"])
 
     def test_few_rows_gemms_decided_per_gemm(self) -> None:
         # w2 stored column-major (w13 row-major) and the few-rows GEMM forced for
@@ -822,30 +852,39 @@ class TestGLUCombine(TestCase):
                 self._compare(case, inputs, glu_args, needs, lean, decisions)
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
-    def test_gemms_read_the_gathered_rows_with_the_native_gemm(self) -> None:
-        # as the SwiGLU node's: with the native bf16 GEMM (forced, where it runs) h, dA,
-        # dW_down and dW_up read the tokens' rows through the index, in both weight
-        # layouts and whichever gradients are asked for; the ops' bits
-        runs = native_gemm_available()
+    def test_gemms_read_the_gathered_rows(self) -> None:
+        # as the SwiGLU node's: where the threaded kernel runs them (two threads, forced),
+        # h, dA, dW_down and dW_up read the tokens' rows through the index, in both weight
+        # layouts and whichever gradients are asked for, with the native bf16 GEMM (forced,
+        # where it runs) and with oneDNN's (each piece's rows gathered into scratch), and
+        # on one thread where torch._grouped_mm's way was decided; the ops' bits
+        one = {**LEAN, "gemm_kernel": "aten", "row_split": "one"}
+        runs = [(2, {**THREADS, "gemm_kernel": k}) for k in ("native", "aten")] + [(1, one)]
         for transposed in (False, True):
             for needs in ((True, True, True, True, False), (False, True, False, False, False)):
                 # (more than FEW_ROWS rows per expert: the threaded kernel's)
                 case, inputs, glu_args = self._inputs(
                     "swigluoai", transposed, False, BF16, tokens=160
                 )
-                spy = mock.patch.object(
-                    glu_mod, "gathered_grouped_mm", wraps=glu_mod.gathered_grouped_mm
-                )
-                spy_w = mock.patch.object(
-                    glu_mod, "gathered_grouped_mm_wgrad", wraps=glu_mod.gathered_grouped_mm_wgrad
-                )
-                with self.subTest(transposed=transposed, needs=needs), two_threads():
-                    with spy as fwd, spy_w as wgrad:
-                        decisions = {**THREADS, "gemm_kernel": "native"}
+                for threads, decisions in runs:
+                    spy = mock.patch.object(
+                        glu_mod, "gathered_grouped_mm", wraps=glu_mod.gathered_grouped_mm
+                    )
+                    spy_w = mock.patch.object(
+                        glu_mod,
+                        "gathered_grouped_mm_wgrad",
+                        wraps=glu_mod.gathered_grouped_mm_wgrad,
+                    )
+                    with (
+                        self.subTest(transposed=transposed, needs=needs, decisions=decisions),
+                        intra_op_threads(threads),
+                        spy as fwd,
+                        spy_w as wgrad,
+                    ):
                         self._compare(case, inputs, glu_args, needs, True, decisions)
-                    # h, dA (upstream of w_up's gradient); dW_down where asked, dW_up
-                    self.assertEqual(fwd.call_count, 2 if runs else 0)
-                    self.assertEqual(wgrad.call_count, (1 + needs[2]) if runs else 0)
+                        # h, dA (upstream of w_up's gradient); dW_down where asked, dW_up
+                        self.assertEqual(fwd.call_count, 2)
+                        self.assertEqual(wgrad.call_count, 1 + needs[2])
 
     def test_few_rows_gemms_decided_per_gemm(self) -> None:
         # the up weight column-major, the down weight row-major, and the few-rows GEMM

@@ -406,25 +406,33 @@ class TestGatherGroupedMM(TestCase):
             msg = f"{dtype} align={align} capacity={capacity}"
             self._assert_same_as_two_ops(perm, x, w, grad, msg)
 
-    def test_native_gemm_reads_the_gathered_rows(self):
-        # with the threaded kernel and the native bf16 GEMM (forced, where they run) the
-        # op's GEMMs read x's rows through the token index (forward, dW in either weight
-        # layout) instead of a gathered copy, bit for bit the two ops'; with oneDNN's
-        # pieces they gather copies
+    def test_gemms_read_the_gathered_rows(self):
+        # with the threaded kernel (forced) the op's GEMMs read x's rows through the token
+        # index (forward, dW in either weight layout) instead of a gathered copy, bit for
+        # bit the two ops': the native bf16 GEMM (forced, where it runs) itself, oneDNN's
+        # from each piece's rows gathered into scratch; on one thread where
+        # torch._grouped_mm's way was decided too (gather_way); on two threads where it
+        # was, the op gathers a copy
         from unittest import mock
 
-        from test_cpu_probe import intra_op_threads, native_gemm_available
-        from test_eager import THREADS  # every decision the CPU kernels read here, so
+        from test_cpu_probe import intra_op_threads
+        from test_eager import (
+            LEAN,
+            THREADS,  # every decision the CPU kernels read here, so
+        )
 
         # that a forced profile (CONTRIBUTING) cannot take the threaded kernel away
         from torch_moe._ops import _cpu_probe
         from torch_moe._ops import grouped_mm as gmm
 
-        decisions = {**THREADS, "row_split": "one"}
-        for kernel, transposed, align in [
-            ("native", False, 1),
-            ("native", True, 8),  # x @ w^T views; padding rows
-            ("aten", False, 1),
+        threaded = {**THREADS, "row_split": "one"}
+        one_thread = {**LEAN, "row_split": "one", "gemm_kernel": "aten"}
+        for kernel, transposed, align, threads, decisions, reads in [
+            ("native", False, 1, 2, threaded, True),
+            ("native", True, 8, 2, threaded, True),  # x @ w^T views; padding rows
+            ("aten", False, 1, 2, threaded, True),
+            ("aten", True, 8, 1, one_thread, True),
+            ("aten", False, 1, 2, LEAN, False),  # threads_mm: torch._grouped_mm's way
         ]:
             perm, x, w, grad = self._case(torch.bfloat16, align, None, transposed, seed=7)
             spy = mock.patch.object(gmm, "gathered_grouped_mm", wraps=gmm.gathered_grouped_mm)
@@ -432,14 +440,13 @@ class TestGatherGroupedMM(TestCase):
                 gmm, "gathered_grouped_mm_wgrad", wraps=gmm.gathered_grouped_mm_wgrad
             )
             with (
-                self.subTest(kernel=kernel, transposed=transposed),
-                _cpu_probe.force(**decisions, gemm_kernel=kernel),
-                intra_op_threads(2),
+                self.subTest(kernel=kernel, transposed=transposed, threads=threads),
+                _cpu_probe.force(**{**decisions, "gemm_kernel": kernel}),
+                intra_op_threads(threads),
                 spy as fwd,
                 spy_w as wgrad,
             ):
                 self._assert_same_as_two_ops(perm, x, w, grad)
-                reads = kernel == "native" and native_gemm_available()
                 self.assertEqual((fwd.call_count, wgrad.call_count), (int(reads), int(reads)))
 
     def test_saves_tokens_not_rows(self):

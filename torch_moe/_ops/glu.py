@@ -774,10 +774,10 @@ def _lean_backward_into(
             grad_a = _whole_grouped_mm(grad_y, w_down.transpose(-2, -1), offs, end, ways[2])
     if needs[2]:
         if grad_y is None and down_t:
-            dw_down = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None)
+            dw_down = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None, ways[4])
             grads[2] = dw_down.transpose(-2, -1)
         elif grad_y is None:
-            grads[2] = gathered_grouped_mm_wgrad(a.t(), grad_out, offs, None, tokens)
+            grads[2] = gathered_grouped_mm_wgrad(a.t(), grad_out, offs, None, tokens, ways[4])
         elif down_t:
             grads[2] = _whole_grouped_mm_wgrad(grad_y.t(), a, offs, ways[4]).transpose(-2, -1)
         else:
@@ -801,9 +801,11 @@ def _lean_backward_into(
         del grad_rows
     if needs[1] and reads_gathered(x, ways[5], dt):
         if up_t:
-            grads[1] = gathered_grouped_mm_wgrad(dh.t(), x, offs, None, tokens).transpose(-2, -1)
+            grads[1] = gathered_grouped_mm_wgrad(dh.t(), x, offs, None, tokens, ways[5]).transpose(
+                -2, -1
+            )
         else:
-            grads[1] = gathered_grouped_mm_wgrad(x.t(), dh, offs, tokens, None)
+            grads[1] = gathered_grouped_mm_wgrad(x.t(), dh, offs, tokens, None, ways[5])
     elif needs[1]:
         rows = gather_rows(x, tokens, empty)
         if up_t:

@@ -932,33 +932,63 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
 
 
 def reads_gathered(x: Tensor, way: str, dtype: torch.dtype) -> bool:
-    """Whether a grouped GEMM that ``whole_way`` runs by ``way`` can read the rows of ``x``
-    that a permutation gathers in place of a gathered copy (:func:`gathered_grouped_mm`,
-    :func:`gathered_grouped_mm_wgrad`): the threaded kernel with the native GEMM, ``x``
-    row-major in ``dtype`` itself (the copy would convert nothing)."""
-    return way == "threads" and x.dtype == dtype and x.stride(-1) == 1 and native_gemm_on(dtype)
+    """Whether a grouped GEMM that runs by ``way`` (``whole_way``'s, then
+    :func:`gather_way`'s) can read the rows of ``x`` that a permutation gathers in place
+    of a gathered copy (:func:`gathered_grouped_mm`, :func:`gathered_grouped_mm_wgrad`):
+    the threaded kernel (``"threads"``, or a weight gradient's ``"transpose"``), ``x``
+    row-major in ``dtype`` itself (the copy would convert nothing). The native GEMM reads
+    the rows through the index; ATen's GEMM reads each piece's rows gathered into its
+    thread's scratch just before it (the same values, so the same bits)."""
+    return way in ("threads", "transpose") and x.dtype == dtype and x.stride(-1) == 1
+
+
+def gather_way(way: str | None, dtype: torch.dtype) -> str | None:
+    """The way a grouped GEMM whose operand is a gather of the tokens' rows runs by, given
+    ``whole_way``'s for the gathered copy: on one thread ``"torch"`` becomes
+    ``"threads"`` where the threaded kernel takes ``dtype`` (and it is multiplied as
+    such), so that the rows are read through the index (:func:`reads_gathered`). On one
+    thread both run one ATen GEMM per group on the same operands (``torch._grouped_mm``'s
+    CPU kernel is that loop): the same bits, without the [M, K] copy written to memory
+    and read back (32 MB at the 64-expert layer of benchmarks/bench_moe_layer.py; on the
+    AMX Xeon measured its gather took 5.3 ms and the per-piece gathers left the GEMMs
+    5.6 ms faster in all: benchmarks/results/cpu_floor_cpu_202612.md). On more threads
+    the two differ in how they share the work out, and ``threads_mm`` chose."""
+    if way != "torch" or torch.get_num_threads() > 1 or not _threaded_takes(dtype):
+        return way
+    return "threads" if cpu_compute_dtype(dtype) == dtype else way
 
 
 def gathered_grouped_mm(x: Tensor, index: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """``_whole_grouped_mm(gather_rows(x, index), w, offs, ..., "threads")`` (rows of index
-    -1 zero, rows past the groups zero), the gather read by the native GEMM: the same bits,
-    no [M, K] copy (where :func:`reads_gathered` holds)."""
+    -1 zero, rows past the groups zero), the gathered rows read by the threaded kernel
+    (:func:`reads_gathered`): the same bits, no [M, K] copy."""
     out = x.new_empty((index.shape[0], w.shape[2]))
     index = index.to(torch.int64).contiguous()
-    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, False, True, index)
+    split, native = _row_split_on(x.dtype), native_gemm_on(x.dtype)
+    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, index)
     return out
 
 
 def gathered_grouped_mm_wgrad(
-    a: Tensor, dy: Tensor, offs: Tensor, a_index: Tensor | None, dy_index: Tensor | None
+    a: Tensor,
+    dy: Tensor,
+    offs: Tensor,
+    a_index: Tensor | None,
+    dy_index: Tensor | None,
+    way: str = "threads",
 ) -> Tensor:
-    """``_whole_grouped_mm_wgrad(a, dy, offs, "threads")`` with a's columns (``a`` then the
-    transposed view of their source) and / or dy's rows gathered by the native GEMM."""
+    """``_whole_grouped_mm_wgrad(a, dy, offs, way)`` with a's columns (``a`` then the
+    transposed view of their source) and / or dy's rows read gathered by the threaded
+    kernel (:func:`reads_gathered`); ``way`` ``"transpose"``: ATen's GEMM takes the
+    piece's ``a`` copied row-major, as there."""
     out = a.new_empty((offs.shape[0], a.shape[0], dy.shape[1]))
     a_index, dy_index = (
         None if i is None else i.to(torch.int64).contiguous() for i in (a_index, dy_index)
     )
-    _threaded_kernels().threaded_grouped_mm_wgrad(a, dy, offs, out, True, a_index, dy_index)
+    native, transpose = native_gemm_on(a.dtype), way == "transpose"
+    _threaded_kernels().threaded_grouped_mm_wgrad(
+        a, dy, offs, out, native, a_index, dy_index, transpose
+    )
     return out
 
 
@@ -1239,17 +1269,17 @@ def _plain_cpu(*tensors: Tensor) -> bool:
 
 
 def _gather_ends(x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor) -> list[int] | None:
-    """The group ends where the CPU grouped GEMM of x's gathered rows would run the
-    threaded kernel with the native GEMM, which then reads the rows through the token
-    index (the same bits, no [M, K_in] copy: :func:`reads_gathered`); else None."""
-    if not _plain_cpu(x, w, offs, row_to_slot) or not reads_gathered(x, "threads", w.dtype):
+    """The group ends where the CPU grouped GEMM of x's gathered rows runs the threaded
+    kernel (:func:`gather_way`), which then reads the rows through the token index (the
+    same bits, no [M, K_in] copy: :func:`reads_gathered`); else None."""
+    if not _plain_cpu(x, w, offs, row_to_slot) or not _threaded_takes(w.dtype):
+        return None
+    if not reads_gathered(x, "threads", w.dtype):
         return None
     rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))  # the gathered rows' metadata
     _check_mm_inputs(rows, w, offs)  # (grouped_mm's checks, on the path that skips it)
     ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
-    if not ends or _few_gemm(rows, w, ends) is not None:
-        return None
-    if not _threaded(rows, w, ends, wgrad=False):
+    if not ends or gather_way(whole_way(rows, w, ends, False), w.dtype) != "threads":
         return None
     return ends
 
@@ -1261,7 +1291,7 @@ def _gather_grouped_mm_default(
     tokens, row r of the product reads token ``row_to_slot[r] // top_k`` (a zero row where
     row_to_slot[r] == -1). The same values as the two ops; the backward keeps x and the
     maps instead of the [M, K_in] rows (gathered again for the weight gradient, unless the
-    native GEMM reads them through the token index) and sums a token's rows' input
+    threaded kernel reads them through the token index) and sums a token's rows' input
     gradients in fp32, as ``permute``'s backward does."""
     _check_gather(x, row_to_slot, slot_to_row)
     ends = _gather_ends(x, w, offs, row_to_slot)
@@ -1276,9 +1306,11 @@ def _gathered_wgrad(
 ) -> Tensor | None:
     """The weight gradient of :func:`gather_grouped_mm` with the gathered rows of x read
     through the token index where ``grouped_mm_wgrad``'s CPU kernel on the gathered rows
-    would run the threaded kernel with the native GEMM and x's operand as the transposed
-    view (the same bits); else None."""
-    if not _plain_cpu(x, grad, offs, row_to_slot) or not reads_gathered(x, "threads", x.dtype):
+    runs the threaded kernel (:func:`gather_way`) and x's operand as the transposed view
+    (the same bits); else None."""
+    if not _plain_cpu(x, grad, offs, row_to_slot) or not _threaded_takes(x.dtype):
+        return None
+    if not reads_gathered(x, "threads", x.dtype):
         return None
     ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
     if not ends or grad.dtype != x.dtype:
@@ -1288,14 +1320,14 @@ def _gathered_wgrad(
     offs_i = _offs_tensor(ends, offs)
     if experts_transposed(w):  # grouped_mm_wgrad(grad, rows): the rows are dy
         a = wgrad_operand(grad, rows.shape[1], ends)
-        if not _threaded(a, rows, ends, wgrad=True):
+        if gather_way(whole_way(a, rows, ends, True), x.dtype) != "threads":
             return None
         return gathered_grouped_mm_wgrad(a, x, offs_i, None, tokens).transpose(-2, -1)
     # grouped_mm_wgrad(rows, grad): a is rows^T, read in place only as the transposed view
     busy = _busy_groups(ends)
     if wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], grad.shape[1]):
         return None
-    if not _threaded(rows.t(), grad, ends, wgrad=True):
+    if gather_way(whole_way(rows.t(), grad, ends, True), x.dtype) != "threads":
         return None
     return gathered_grouped_mm_wgrad(x.t(), grad, offs_i, tokens, None)
 

@@ -51,6 +51,7 @@ from torch_moe._ops.grouped_mm import (
     check_offs_values,
     cpu_compute_dtype,
     few_gemm_class,
+    gather_way,
     gathered_grouped_mm,
     gathered_grouped_mm_wgrad,
     group_sizes,
@@ -1167,7 +1168,10 @@ def _lean_gemms(
     runs each ``(x, w)`` of ``gemms`` by, then ``grouped_mm_wgrad``'s each ``(x, dy)`` of
     ``wgrads`` (``"threads"``, ``"torch"``, or ``"transpose"`` where it copies ``x^T``
     piece by piece: ``transposes_wgrad``); None where one takes the per-group loop, or
-    where a weight gradient's operand ``wgrad_operand(x)`` is a whole copy."""
+    where a weight gradient's operand ``wgrad_operand(x)`` is a whole copy. Both plans
+    put the GEMMs that read a gather of the tokens' rows first and third (x's, the
+    output gradient's) and the weight gradients (each has one): their ways are
+    ``gather_way``'s."""
     per_group = ends[-1] // _busy_groups(ends)
     ways = [whole_way(x, w, ends, False) for x, w in gemms]
     for x, dy in wgrads:
@@ -1177,6 +1181,8 @@ def _lean_gemms(
             return None
         else:
             ways.append(whole_way(x.t(), dy, ends, True))
+    dtype = gemms[0][1].dtype
+    ways = [gather_way(way, dtype) if i in (0, 2, 4, 5) else way for i, way in enumerate(ways)]
     return None if None in ways else tuple(way for way in ways if way is not None)
 
 
@@ -1249,12 +1255,12 @@ def _lean_backward(
         grad_rw[end:] = 0  # rows past the last group belong to no expert
     del grad_a
     if grad_y is None:
-        dw2 = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None)
+        dw2 = gathered_grouped_mm_wgrad(grad_out.t(), a, offs, tokens, None, ways[4])
     else:
         dw2 = _whole_grouped_mm_wgrad(grad_y.t(), a, offs, ways[4])
     del a, grad_y
     if reads_gathered(x, ways[5], dt):
-        dw13 = gathered_grouped_mm_wgrad(dh.t(), x, offs, None, tokens)
+        dw13 = gathered_grouped_mm_wgrad(dh.t(), x, offs, None, tokens, ways[5])
     else:
         x_rows = gather_rows(x, tokens, empty).to(dt)
         dw13 = _whole_grouped_mm_wgrad(dh.t(), x_rows, offs, ways[5])

@@ -44,8 +44,10 @@
 //
 // Gathered operands (x_index; a_index, dy_index): x's rows, a's columns or dy's rows as
 // rows of their source picked by an int64 index (-1: a zero row), checked against the
-// source's rows; read through the index by the native GEMM, else gathered into a copy
-// for ATen's (the same values either way).
+// source's rows; read through the index by the native GEMM, else each piece's rows
+// gathered into its thread's scratch just before ATen's GEMM reads them (the same values
+// either way; `gathered` below says why not one copy of all rows). transpose_a takes a
+// gathered a too: the piece's rows gathered, then copied row-major.
 //
 // split_rows (forward; the CPU probe's row_split decision): oneDNN's bf16 / fp16 matmul on
 // AVX-512 without AMX (oneDNN 3.x) cuts a GEMM's M rows into equal blocks of 32 to 256
@@ -65,6 +67,7 @@
 #include "gemm_bf16_cpu.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -214,11 +217,33 @@ const int64_t* check_index(const std::optional<at::Tensor>& index, int64_t rows,
   return p;
 }
 
-// Rows `index` (zero where -1) of src: what a gathered operand is, for the ATen fallback.
-at::Tensor gathered(const at::Tensor& src, const int64_t* index, int64_t rows) {
-  const auto idx = at::from_blob(const_cast<int64_t*>(index), {rows}, at::kLong);
-  auto out = src.index_select(0, idx.clamp_min(0));
-  return out.masked_fill_(idx.lt(0).unsqueeze(1), 0);
+// Rows `index` (zero where -1) of src [S, N] (unit column stride) as a [rows, N] tensor in
+// this thread's scratch slot `slot` (valid until that slot's next use on the thread): a
+// piece's gathered operand for ATen's GEMM, copied just before the GEMM reads it back from
+// the caches. One gather of all of an operand's rows into a fresh [M, N] tensor (the ops'
+// path: index_select) writes and then reads M rows through memory (32 MB at the 64-expert
+// layer of benchmarks/bench_moe_layer.py, 5 ms each way on one thread of the AMX Xeon
+// measured), and a fresh tensor per piece is as slow (its pages and the fill of -1 rows).
+at::Tensor gathered(const at::Tensor& src, const int64_t* index, int64_t rows, int slot) {
+  const int64_t n = src.size(1), bytes = n * src.element_size(), ld = src.stride(0);
+  if (src.stride(1) != 1 && n > 1) {  // (no caller sends this: kept correct all the same)
+    const auto idx = at::from_blob(const_cast<int64_t*>(index), {rows}, at::kLong);
+    return src.index_select(0, idx.clamp_min(0)).masked_fill_(idx.lt(0).unsqueeze(1), 0);
+  }
+  thread_local std::vector<char> scratch[2];
+  std::vector<char>& buf = scratch[slot];
+  if (static_cast<int64_t>(buf.size()) < rows * bytes) buf.resize(rows * bytes);
+  const char* base = static_cast<const char*>(src.const_data_ptr());
+  const int64_t row_step = ld * src.element_size();
+  for (int64_t i = 0; i < rows; ++i) {
+    char* o = buf.data() + i * bytes;
+    if (index[i] < 0) {
+      std::memset(o, 0, bytes);
+    } else {
+      std::memcpy(o, base + index[i] * row_step, bytes);
+    }
+  }
+  return at::from_blob(buf.data(), {rows, n}, src.options());
 }
 
 // A piece's column-major a [K, rows] as a row-major copy in this thread's scratch (valid
@@ -268,7 +293,7 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
         if (index == nullptr) {
           mm_rows(o, x.narrow(0, start, rows), w_g, split_rows, native_gemm);
         } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, x, w_g, {index + start, rows}))) {
-          at::mm_out(o, gathered(x, index + start, rows), w_g);
+          mm_rows(o, gathered(x, index + start, rows, 0), w_g, split_rows, false);
         }
       },
       native_gemm);
@@ -298,10 +323,9 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
   for (int64_t g = 0, start = 0; g < out.size(0); start = ends[g], ++g) {
     if (ends[g] == start) out[g].zero_();
   }
-  TORCH_CHECK(!transpose_a || (a_idx == nullptr && a.element_size() == 2 &&
-                                (a.stride(0) == 1 || a.size(0) <= 1)),
+  TORCH_CHECK(!transpose_a || (a.element_size() == 2 && (a.stride(0) == 1 || a.size(0) <= 1)),
               "threaded_grouped_mm_wgrad: transpose_a takes a column-major a of a 16-bit "
-              "dtype, not gathered, got strides ", a.strides(), " and ", a.scalar_type());
+              "dtype, got strides ", a.strides(), " and ", a.scalar_type());
   const int64_t k = a.size(0);
   split_groups(
       ends, [k](int64_t, int64_t) { return k; },
@@ -312,16 +336,13 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
         const auto dy_g = dy_idx ? dy : dy.narrow(0, start, rows);
         const torch_moe_cpu::Gather ga{a_idx ? a_idx + start : nullptr, rows, true};
         const torch_moe_cpu::Gather gd{dy_idx ? dy_idx + start : nullptr, rows};
-        if (transpose_a) {
-          if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g))) {
-            at::mm_out(o, row_major_copy(a_g), dy_g);
-          }
-        } else if (a_idx == nullptr && dy_idx == nullptr) {
+        if (a_idx == nullptr && dy_idx == nullptr && !transpose_a) {
           mm_piece(o, a_g, dy_g, native_gemm);
         } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g, ga, gd))) {
-          const auto a_m = a_idx ? gathered(a_lo.t(), a_idx + start, rows).t() : a_g;
-          const auto dy_m = dy_idx ? gathered(dy, dy_idx + start, rows) : dy_g;
-          at::mm_out(o, a_m, dy_m);
+          // ATen's GEMM on the piece's gathered rows (and a's row-major copy): scratch
+          const auto a_m = a_idx ? gathered(a_lo.t(), a_idx + start, rows, 0).t() : a_g;
+          const auto dy_m = dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g;
+          at::mm_out(o, transpose_a ? row_major_copy(a_m) : a_m, dy_m);
         }
       },
       native_gemm);
