@@ -129,7 +129,7 @@ def native_mm_rate(dtype: torch.dtype, n: int, reps: int) -> float | None:
     mod = _native.kernels()
     if dtype != torch.bfloat16 or mod is None or not mod.bf16_mm_available():
         return None
-    gmm.native_gemm_on(dtype)  # its micro-kernel (AMX or not) as the probe set it up
+    gmm.native_gemm_ready(dtype)  # its micro-kernel (AMX or not) as the probe sets it up
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype).t().unsqueeze(0)
     out, offs = a.new_empty((n, n)), torch.tensor([n], dtype=torch.int32)
 

@@ -381,13 +381,16 @@ class TestCpuProbe(TestCase):
     def test_gemm_kernel_only_where_the_isa_allows(self):
         # an ISA cap below AVX512-BF16 (another machine class on this one) keeps oneDNN's
         # GEMMs whatever the decision says
+        x, w, ends = torch.randn(100, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16(), [60, 100]
         with P.force(half_gemm="native", gemm_kernel="native"):
-            self.assertTrue(grouped_mm_module.native_gemm_on(torch.bfloat16))
+            self.assertTrue(grouped_mm_module.native_gemm_ready(torch.bfloat16))
+            self.assertTrue(grouped_mm_module.native_gemm_for(x, w, ends, False))
             for cap in ("AVX512_CORE", "AVX2"):
                 with self.subTest(cap=cap):
                     with unittest.mock.patch.dict(os.environ, {"ONEDNN_MAX_CPU_ISA": cap}):
                         P.reset(env=False)
-                        self.assertFalse(grouped_mm_module.native_gemm_on(torch.bfloat16))
+                        self.assertFalse(grouped_mm_module.native_gemm_ready(torch.bfloat16))
+                        self.assertFalse(grouped_mm_module.native_gemm_for(x, w, ends, False))
         P.reset(env=False)
 
     @unittest.skipUnless(native_gemm_available(), "no native bf16 GEMM here")
@@ -404,10 +407,10 @@ class TestCpuProbe(TestCase):
                     P.force(half_gemm="native", gemm_kernel="native"),
                 ):
                     P.reset(env=False)
-                    self.assertTrue(grouped_mm_module.native_gemm_on(torch.bfloat16))
+                    self.assertTrue(grouped_mm_module.native_gemm_ready(torch.bfloat16))
                     usable = mod.bf16_mm_use_amx(True)
                     P.reset(env=False)
-                    grouped_mm_module.native_gemm_on(torch.bfloat16)
+                    grouped_mm_module.native_gemm_ready(torch.bfloat16)
                     self.assertEqual(mod.bf16_mm_amx(), isa == "AMX" and usable)
         finally:
             mod.bf16_mm_use_amx(before)
@@ -415,20 +418,87 @@ class TestCpuProbe(TestCase):
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_gemm_kernel_decision_measured(self):
-        # measured once, for bf16 only, where the kernel runs here; fp16 and fp32 never ask
-        got = grouped_mm_module.native_gemm_on(torch.bfloat16)
-        self.assertFalse(grouped_mm_module.native_gemm_on(torch.float16))
-        self.assertFalse(grouped_mm_module.native_gemm_on(torch.float32))
-        keys = [k for k in P.decisions() if k.startswith("gemm_kernel:")]
+        # measured per kind and size class (rows per busy group, K, N, each rounded up to a
+        # power of two or 1.5 times one, up to GEMM_MAX), for bf16 only, where the kernel
+        # runs here; fp16 and fp32 never ask; groups of 50 and 60 rows share the class
+        # r64, 100 rows do not (r128), 40 rows neither (r48)
+        x, dy = torch.randn(200, 32).bfloat16(), torch.randn(200, 40).bfloat16()
+        w = torch.randn(2, 32, 48).bfloat16()
+        w_t = torch.randn(2, 48, 32).bfloat16().transpose(-2, -1)
+        calls = [
+            ("nn", (x, w, [50, 100], False)),
+            ("nn", (x, w, [60, 120], False)),
+            ("bt", (x, w_t, [50, 100], False)),
+            ("tn", (x.t(), dy, [50, 100], True)),
+            ("nn r128", (x, w, [100, 200], False)),
+            ("nn r48", (x, w, [40, 80], False)),
+            ("big", (x, w, [5000, 10000], False)),
+        ]
+        got = {name: grouped_mm_module.native_gemm_for(*args) for name, args in calls}
+        for dt in (torch.float16, torch.float32):
+            a, b = x.to(dt), w.to(dt)
+            self.assertFalse(grouped_mm_module.native_gemm_for(a, b, [50, 100], False))
+        keys = sorted(k for k in P.decisions() if k.startswith("gemm_kernel:"))
         if not native_gemm_available():
-            self.assertEqual((got, keys), (False, []))
+            self.assertEqual((set(got.values()), keys), ({False}, []))
             return
-        # the large class asked only where the default one says native; both must say so
-        small = P.decisions()["gemm_kernel:bf16"].startswith("native")
-        self.assertEqual(keys, ["gemm_kernel:bf16"] + (["gemm_kernel:bf16:large"] if small else []))
-        for key in keys:
+        want = {
+            "nn": "gemm_kernel:bf16:nn:r64:k32:n48",
+            "bt": "gemm_kernel:bf16:bt:r64:k32:n48",
+            "tn": "gemm_kernel:bf16:tn:r64:k32:n48",
+            "nn r128": "gemm_kernel:bf16:nn:r128:k32:n48",
+            "nn r48": "gemm_kernel:bf16:nn:r48:k32:n48",
+            "big": "gemm_kernel:bf16:nn:r512:k32:n48",  # rows capped
+        }
+        self.assertEqual(keys, sorted(want.values()))
+        for name, key in want.items():
             self.assertRegex(P.decisions()[key], r"^(aten|native) \(measured: aten .* native ")
-        self.assertEqual(got, all(P.decisions()[k].startswith("native") for k in keys))
+            self.assertEqual(got[name], P.decisions()[key].startswith("native"), msg=name)
+
+    @unittest.skipUnless(native_gemm_available(), "no native bf16 GEMM here")
+    def test_gemm_kernel_per_kind(self):
+        # one kind forced native, the others oneDNN's: only that kind's GEMM runs by the
+        # threaded kernel with the native GEMM (its one-thread gain; the others take
+        # torch's way on one thread), the product either way
+        x, w = torch.randn(100, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
+        w_t = w.transpose(-2, -1).contiguous().transpose(-2, -1)
+        dy, offs = torch.randn(100, 24).bfloat16(), _offs([60, 40])
+        real = grouped_mm_module._threaded_kernels()
+        calls = []
+
+        class Recording:  # the threaded kernels' calls, with their native_gemm flag
+            def __getattr__(self, name):
+                fn = getattr(real, name)
+                flag = {"threaded_grouped_mm": 5, "threaded_grouped_mm_wgrad": 4}.get(name)
+                if flag is None:
+                    return fn
+
+                def call(*args):
+                    calls.append((name, args[flag]))
+                    return fn(*args)
+
+                return call
+
+        fwd, wgrad = "threaded_grouped_mm", "threaded_grouped_mm_wgrad"
+        want = {"nn": [(fwd, True)], "bt": [(fwd, True)], "tn": [(wgrad, True)]}
+        for kind in ("nn", "bt", "tn"):
+            forced = {"half_gemm": "native", "layout": "as_is", "threads_mm": "native"}
+            forced.update(wgrad_a="as_is", row_split="one", gemm_kernel="aten")
+            forced[f"gemm_kernel:bf16:{kind}:r64:k32:n{24 if kind == 'tn' else 48}"] = "native"
+            calls.clear()
+            with (
+                self.subTest(kind=kind),
+                intra_op_threads(1),
+                P.force(forced),
+                unittest.mock.patch.object(grouped_mm_module, "_threaded_kernels", Recording),
+            ):
+                out = grouped_mm(x, w, offs)
+                out_t = grouped_mm(x, w_t, offs)
+                dw = grouped_mm_wgrad(x, dy, offs)
+            self.assertEqual(calls, want[kind])
+            assert_gemm_within(self, out, x, w, offs, kind)
+            assert_gemm_within(self, out_t, x, w_t, offs, kind)
+            assert_gemm_within(self, dw, x, dy, offs, kind, wgrad=True)
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_row_split_takes_the_threaded_kernel_on_one_thread(self):

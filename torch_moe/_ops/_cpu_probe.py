@@ -63,12 +63,10 @@ key                             choices               margin  used by
                                                               ``:t<t>``)
 ``row_split:<dt>``              **one**, split        10%     the threaded kernel's
                                                               forward GEMMs (CPU)
-``gemm_kernel:<dt>``            **aten**, native      5%      the threaded kernel's
-                                                              GEMMs (CPU, bf16 on
+``gemm_kernel:<dt>:<kind>:r<r>:  **aten**, native      5%      the threaded kernel's
+k<k>:n<n>``                                                   GEMMs of that kind and
+                                                              size (CPU, bf16 on
                                                               AVX512-BF16 or AMX)
-``gemm_kernel:<dt>:large``      aten, **native**      5%      the same at an E8-sized
-                                                              expert (asked where the
-                                                              row above says native)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -727,6 +725,14 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _half_pow2_at_least(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5 times them) >= n:
+    ``gemm_kernel``'s size classes, whose rankings turn within a factor of two (a
+    32-expert layer's 384-row groups and 768-wide weights ranked unlike 512's)."""
+    p = _pow2_at_least(n)
+    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= n else p
+
+
 def few_rows(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, general: MatMulInto) -> str:
     """How to multiply ``a`` [m <= FEW_ROWS, k] by ``b``, both in ``dtype``: ``"mm"``,
     the ``general`` way (one GEMM in the compute dtype: native, or the fp32 upcast, which
@@ -849,20 +855,43 @@ def threads_mm(
     return decide(key, measure, default="native", margin=0.1, threads=True)
 
 
+GEMM_MAX = {"r": 512, "k": 4096, "n": 4096}  # gemm_kernel's classes stop here (an E8 expert)
+
+
 def gemm_kernel(
-    dtype: torch.dtype, measure: Callable[[], Mapping[str, float]], cls: str = ""
+    dtype: torch.dtype,
+    kind: str,
+    rows: int,
+    k: int,
+    n: int,
+    measure: Callable[[str, int, int, int], Mapping[str, float]],
 ) -> str:
-    """``"native"`` if the threaded grouped GEMM's pieces run faster by the compiled packed
-    bf16 GEMM (``csrc/gemm_bf16_cpu.cpp``: AMX tiles or AVX512-BF16 dot products, each
-    operand packed once per call or read in place) than by ATen's GEMM (oneDNN's) by over
-    5% on one thread, forward and backward layouts together, else ``"aten"``. Where it is
-    ``"native"``, the threaded kernel is a candidate on one thread too (``threads_mm``
-    then measures it there, key ending in ``:gemm``). ``cls="large"``: the check at an
-    E8-sized expert (3.7M-element weights) that the caller asks where the default class
-    says native; it keeps native unless ATen's GEMM is faster there by over 5%."""
-    if cls:
-        return decide(f"gemm_kernel:{_dt(dtype)}:{cls}", measure, default="native", margin=0.05)
-    return decide(f"gemm_kernel:{_dt(dtype)}", measure, default="aten", margin=0.05)
+    """``"native"`` if the threaded grouped GEMM's pieces of this ``kind`` (``"bt"``: x @
+    w^T, each expert's weight column-major; ``"nn"``: x @ w, row-major; ``"tn"``: a weight
+    gradient x^T @ dy) at groups of about ``rows`` rows of ``k`` x ``n`` run faster by the
+    compiled packed bf16 GEMM (``csrc/gemm_bf16_cpu.cpp``: AMX tiles or AVX512-BF16 dot
+    products, each operand packed once per call or read in place) than by ATen's (oneDNN's)
+    by over 5% on one thread, else ``"aten"``; ``measure(kind, rows, k, n)`` times both,
+    each size rounded up to a power of two or 1.5 times one and capped (``GEMM_MAX``).
+    Which wins depends
+    on both: on the AMX Xeon measured the native GEMM was 10-30% faster at a 64-expert
+    layer's GEMMs and up to 30% slower at an 8-expert layer's row-major weights and
+    weight gradients, where oneDNN overlaps its copy of a large weight with its products
+    better (benchmarks/results/cpu_floor_cpu_202612.md). Where it is ``"native"`` the
+    threaded kernel is a candidate on one thread too (``threads_mm`` then measures it
+    there, key ending in ``:gemm``)."""
+    r, kk, c = (
+        min(_half_pow2_at_least(v), GEMM_MAX[d]) for v, d in ((rows, "r"), (k, "k"), (n, "n"))
+    )
+    return memo(
+        ("gemm_kernel", dtype, kind, r, kk, c),
+        lambda: decide(
+            f"gemm_kernel:{_dt(dtype)}:{kind}:r{r}:k{kk}:n{c}",
+            lambda: measure(kind, r, kk, c),
+            default="aten",
+            margin=0.05,
+        ),
+    )
 
 
 def row_split(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:

@@ -397,13 +397,15 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
 def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """Whether the native threaded kernel runs ``a @ b`` per group (``wgrad``: a [K, M] x b
     [M, N] per group's rows, else a [M, K] x b [E, K, N]): the kernels built, two or more
-    threads (or one, where :func:`native_gemm_on` holds, or forward where
+    threads (or one, where :func:`native_gemm_for` holds, or forward where
     :func:`_row_split_on` and :func:`splits_rows` do), and :func:`_decide_threaded`.
     Memoized on what it reads (the probe's decisions aside), the threads included."""
     threads = torch.get_num_threads()
     if not ends or ends[-1] == 0 or not _native.enabled():
         return False
-    one_thread_gain = native_gemm_on(a.dtype) or (not wgrad and splits_rows(a.dtype, ends))
+    one_thread_gain = native_gemm_for(a, b, ends, wgrad) or (
+        not wgrad and splits_rows(a.dtype, ends)
+    )
     if threads < 2 and not one_thread_gain:
         return False
     key = (
@@ -436,7 +438,7 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     if b.dtype != dtype or not _threaded_takes(dtype) or cpu_compute_dtype(dtype) != dtype:
         return False
     split = _row_split_on(dtype)  # (asked here, not inside threads_mm's measurement)
-    gemm = native_gemm_on(dtype)
+    gemm = native_gemm_for(a, b, ends, wgrad)
     if threads < 2 and not split and not gemm:
         return False
     _, rows = rows_per_busy_group(ends)
@@ -494,17 +496,18 @@ def _row_split_on(dtype: torch.dtype) -> bool:
     )
 
 
-def native_gemm_on(dtype: torch.dtype) -> bool:
-    """Whether the threaded kernel's GEMMs run by the native packed bf16 GEMM
-    (``csrc/gemm_bf16_cpu.cpp``) instead of ATen's: bf16 multiplied natively, a CPU with
-    AVX512-BF16 (and no ISA cap below it: ``_cpu_probe.cpu_isa``) and the probe's
-    ``gemm_kernel`` choice. Memoized (a call per grouped GEMM)."""
+def native_gemm_ready(dtype: torch.dtype) -> bool:
+    """Whether the threaded kernel's GEMMs can run by the native packed bf16 GEMM
+    (``csrc/gemm_bf16_cpu.cpp``) instead of ATen's: bf16 multiplied natively, the kernels
+    built, a CPU with AVX512-BF16 (and no ISA cap below it: ``_cpu_probe.cpu_isa``); the
+    GEMM's micro-kernel (AMX tiles where the ISA allows them) set up. Memoized; whether a
+    grouped GEMM takes it is :func:`native_gemm_for`'s."""
     if dtype != torch.bfloat16:
         return False
-    return _cpu_probe.memo(("native_gemm", dtype), functools.partial(_decide_native_gemm, dtype))
+    return _cpu_probe.memo(("native_gemm", dtype), functools.partial(_decide_native_ready, dtype))
 
 
-def _decide_native_gemm(dtype: torch.dtype) -> bool:
+def _decide_native_ready(dtype: torch.dtype) -> bool:
     if not _threaded_takes(dtype) or cpu_compute_dtype(dtype) != dtype:
         return False
     mod = _threaded_kernels()
@@ -513,50 +516,66 @@ def _decide_native_gemm(dtype: torch.dtype) -> bool:
     if _cpu_probe.cpu_isa() not in ("AVX512-BF16", "AMX"):
         return False
     amx_tiles(dtype)  # the micro-kernel: AMX tiles where the ISA (and its cap) allow them
-    if _cpu_probe.gemm_kernel(dtype, functools.partial(_measure_gemm_kernel, dtype)) != "native":
+    return True
+
+
+def native_gemm_for(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
+    """Whether the threaded kernel runs the pieces of this grouped GEMM (``wgrad``: ``a``
+    [K, M] x ``b`` [M, N] per group's rows, else ``a`` [M, K] x ``b`` [E, K, N]) by the
+    native GEMM: :func:`native_gemm_ready` and the probe's ``gemm_kernel`` at the GEMM's
+    kind (``"tn"``, a weight gradient; ``"bt"``, x @ w^T, the weight column-major;
+    ``"nn"``, x @ w) and sizes (the rows per busy group, K, N). One decision per kind
+    and size, not per process: which GEMM is faster changes with both (``gemm_kernel``).
+    Every caller of one grouped GEMM (the ops, the eager nodes' plans) asks it of the
+    same metadata, so they take the same kernel, with its bits. Memoized."""
+    busy = _busy_groups(ends)
+    if not busy or not native_gemm_ready(a.dtype):
         return False
-    # and not slower at an E8-sized expert (a 3.7M-element weight, 512-row groups): on the
-    # AMX Xeon measured, oneDNN's AMX GEMM is faster there (it overlaps its copy of a large
-    # weight with its products better) while the native one is faster at small experts;
-    # one decision serves every grouped GEMM of the process, so it must not lose at either
-    large = functools.partial(_measure_gemm_kernel, dtype, _LARGE_N)
-    return _cpu_probe.gemm_kernel(dtype, large, "large") == "native"
+    if wgrad:
+        kind, k, n = "tn", a.shape[0], b.shape[1]
+    else:
+        kind, k, n = ("bt" if _cpu_probe.transposed(b) else "nn"), a.shape[1], b.shape[2]
+    measure = functools.partial(_measure_gemm_kernel, a.dtype)
+    return _cpu_probe.gemm_kernel(a.dtype, kind, ends[-1] // busy, k, n, measure) == "native"
 
 
-_GEMM_K, _SMALL_N, _LARGE_N = 1024, 512, 3584  # the gemm_kernel classes: K and N of a weight
+_GEMM_WEIGHT_BYTES = 4 << 20  # the gemm_kernel probe's weights per operand set, at least
 
 
-def _measure_gemm_kernel(dtype: torch.dtype, n: int = _SMALL_N) -> dict[str, float]:
-    """Seconds of the threaded kernel's GEMMs by ATen and by the native GEMM at K = 1024,
-    N = ``n`` (4 groups of about 256 rows at N = 512, 1 MiB weights; 2 of about 512 at
-    larger N, an E8 layer's groups and weights; operand sets cycled), an expert layer's
-    three kinds together: the forward (x @ w^T, w column-major), the backward's (dh @ w,
-    w row-major) and the weight gradient (x^T @ dh per group: the transposed view of x's
-    rows)."""
-    mod, k = _threaded_kernels(), _GEMM_K
-    groups, rows = (4, 256) if n <= _SMALL_N else (2, 512)
-    ends = list(itertools.accumulate(rows + (g * 37) % 31 - 15 for g in range(groups)))
-    offs = torch.tensor(ends, dtype=torch.int32)
-    sets = [
-        (
-            torch.full((ends[-1], k), 0.5, dtype=dtype),
-            torch.full((groups, n, k), 0.5, dtype=dtype),
-            torch.full((ends[-1], n), 0.25, dtype=dtype),
-        )
-        for _ in range(_cpu_probe._OPERAND_SETS)
-    ]
+def _measure_gemm_kernel(
+    dtype: torch.dtype, kind: str, rows: int, k: int, n: int
+) -> dict[str, float]:
+    """Seconds of the threaded kernel's GEMMs of ``kind`` by ATen's GEMM and by the native
+    one on groups of about ``rows`` rows (uneven, as a router's counts are) of ``k`` x ``n``
+    weights (``"tn"``: weight gradients of that size, ATen's operand as ``wgrad_a`` lays
+    it out; the native GEMM reads the transposed view itself): 2-8 groups, enough that an
+    operand set's weights pass 4 MiB, sets cycled (the weights come from beyond the
+    private caches, as a layer's experts do)."""
+    mod = _threaded_kernels()
+    groups = max(2, min(8, -(-_GEMM_WEIGHT_BYTES // (k * n * dtype.itemsize))))
+    ends = list(itertools.accumulate(max(1, rows + (g * 37) % 31 - 15) for g in range(groups)))
+    offs, m = torch.tensor(ends, dtype=torch.int32), ends[-1]
+    copies = kind == "tn" and wgrad_copies(dtype, rows, k, n)
 
-    def run(native: bool) -> Callable[[tuple[Tensor, Tensor, Tensor]], None]:
-        def fn(s: tuple[Tensor, Tensor, Tensor]) -> None:
-            x, w, dh = s
-            mod.threaded_grouped_mm(
-                x, w.transpose(-2, -1), offs, x.new_empty((ends[-1], n)), False, native
-            )
-            mod.threaded_grouped_mm(dh, w, offs, x.new_empty((ends[-1], k)), False, native)
-            mod.threaded_grouped_mm_wgrad(x.t(), dh, offs, x.new_empty((groups, k, n)), native)
+    def operands() -> tuple[Tensor, Tensor]:
+        x = torch.full((m, k), 0.5, dtype=dtype)
+        if kind == "tn":
+            return x, torch.full((m, n), 0.25, dtype=dtype)
+        w = torch.full((groups, n, k) if kind == "bt" else (groups, k, n), 0.25, dtype=dtype)
+        return x, w.transpose(-2, -1) if kind == "bt" else w
+
+    def run(native: bool) -> Callable[[tuple[Tensor, Tensor]], None]:
+        def fn(s: tuple[Tensor, Tensor]) -> None:
+            x, w = s
+            if kind == "tn":
+                out = x.new_empty((groups, k, n))
+                mod.threaded_grouped_mm_wgrad(x.t(), w, offs, out, native, None, None, copies)
+            else:
+                mod.threaded_grouped_mm(x, w, offs, x.new_empty((m, n)), False, native)
 
         return fn
 
+    sets = [operands() for _ in range(_cpu_probe._OPERAND_SETS)]
     return _cpu_probe.time_candidates(
         _cpu_probe.cycled(sets, {"aten": run(False), "native": run(True)})
     )
@@ -925,7 +944,7 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
     if way == "threads":
         out = x.new_empty((x.shape[0], w.shape[2]))
         _threaded_kernels().threaded_grouped_mm(
-            x, w, offs, out, _row_split_on(x.dtype), native_gemm_on(x.dtype)
+            x, w, offs, out, _row_split_on(x.dtype), native_gemm_for(x, w, offs.tolist(), False)
         )
         return out
     return _torch_grouped_mm(x, w, offs, end)
@@ -964,7 +983,7 @@ def gathered_grouped_mm(x: Tensor, index: Tensor, w: Tensor, offs: Tensor) -> Te
     (:func:`reads_gathered`): the same bits, no [M, K] copy."""
     out = x.new_empty((index.shape[0], w.shape[2]))
     index = index.to(torch.int64).contiguous()
-    split, native = _row_split_on(x.dtype), native_gemm_on(x.dtype)
+    split, native = _row_split_on(x.dtype), native_gemm_for(x, w, offs.tolist(), False)
     _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, index)
     return out
 
@@ -985,7 +1004,7 @@ def gathered_grouped_mm_wgrad(
     a_index, dy_index = (
         None if i is None else i.to(torch.int64).contiguous() for i in (a_index, dy_index)
     )
-    native, transpose = native_gemm_on(a.dtype), way == "transpose"
+    native, transpose = native_gemm_for(a, dy, offs.tolist(), True), way == "transpose"
     _threaded_kernels().threaded_grouped_mm_wgrad(
         a, dy, offs, out, native, a_index, dy_index, transpose
     )
@@ -999,7 +1018,7 @@ def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Te
     copied row-major one piece at a time (:func:`transposes_wgrad`)."""
     if way in ("threads", "transpose"):
         out = a.new_empty((offs.shape[0], a.shape[0], dy.shape[1]))
-        native = native_gemm_on(a.dtype)
+        native = native_gemm_for(a, dy, offs.tolist(), True)
         mod = _threaded_kernels()
         mod.threaded_grouped_mm_wgrad(a, dy, offs, out, native, None, None, way == "transpose")
         return out

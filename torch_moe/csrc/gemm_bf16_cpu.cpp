@@ -423,8 +423,8 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
 // Speed (one thread, benchmarks/results/cpu_floor_cpu_202612.md, thirty-seventh session):
 // at or above oneDNN's for x @ w^T and small experts' weight gradients, 0.6-0.75x of it
 // for a large row-major weight (dh @ w at an E8 expert: the weight's pack, 7 MB of
-// strided rows per call, is not hidden), so the probe runs it only where it is not
-// slower at an E8-sized expert too (gemm_kernel:bf16:large).
+// strided rows per call, is not hidden), so the probe decides per GEMM kind and size
+// class (gemm_kernel:bf16:<kind>:r<rows>:k<K>:n<N>).
 
 #define TORCH_MOE_AMX_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
