@@ -1586,5 +1586,68 @@ class TestNativeGatheredOperandsAMX(TestNativeGatheredOperands):
         self.addCleanup(kernel.__exit__, None, None, None)
 
 
+def _stream_bytes():
+    """The least power of two of output bytes that the threaded kernel's native GEMM
+    streams (past this core's L2; half of it is not streamed)."""
+    streams, size = _native.kernels().bf16_mm_streams, 64 << 10
+    while not streams(size):
+        size *= 2
+    return size
+
+
+@instantiate_parametrized_tests
+@needs_bf16_gemm
+class TestNativeStreamedOutput(TestCase):
+    """The threaded kernel's native GEMM writes an output past the L2 cache by
+    non-temporal stores (whole 64-byte lines where they start a line; the rest by plain
+    stores): the bits of the same GEMMs into small outputs, written by plain stores, in
+    every kind (x @ w^T, x @ w, the weight gradient), with an output that starts on a
+    line, one that does not (no line streamed), widths that leave partial lines, on 1-2
+    threads, by either micro-kernel."""
+
+    @parametrize("amx", [False, True])
+    def test_bits_of_unstreamed_pieces(self, amx):
+        mod = _native.kernels()
+        g = torch.Generator().manual_seed(41)
+        groups, k = 3, 96
+        for n, shift in ((1024, 0), (1000, 0), (1024, 1)):
+            rows = _stream_bytes() // (2 * n * groups) + 37  # all groups' outputs past the L2
+            offs = torch.tensor([rows, 2 * rows + 5, 3 * rows - 2], dtype=torch.int32)
+            m = int(offs[-1])
+            x = torch.randn(m, k, generator=g).to(BF16)
+            dy = torch.randn(m, n, generator=g).to(BF16)
+            ends = [0, *offs.tolist()]
+            for layout, threads in itertools.product(("row", "col"), (1, 2)):
+                w = _few_weight(groups, k, n, BF16, layout, g)
+                with (
+                    self.subTest(n=n, shift=shift, layout=layout, threads=threads),
+                    micro_kernel(amx),
+                    intra_op_threads(threads),
+                ):
+                    flat = torch.full((m * n + shift,), float("nan"), dtype=BF16)
+                    got = flat[shift:].view(m, n)  # shift: no row starts a cache line
+                    self.assertTrue(mod.bf16_mm_streams(got.nbytes))
+                    mod.threaded_grouped_mm(x, w, offs, got, False, True)
+                    for e, (r0, r1) in enumerate(itertools.pairwise(ends)):
+                        want = torch.full((r1 - r0, n), float("nan"), dtype=BF16)
+                        self.assertFalse(mod.bf16_mm_streams(want.nbytes))
+                        one = torch.tensor([r1 - r0], dtype=torch.int32)
+                        mod.threaded_grouped_mm(x[r0:r1], w[e : e + 1], one, want, False, True)
+                        self.assertTrue(torch.equal(got[r0:r1], want), msg=f"group {e}")
+            # the weight gradient: [groups, k, width] outputs past the L2
+            width = max(n, -(-_stream_bytes() // (2 * k * groups)) + 7 + n % 32)
+            dy = torch.randn(m, width, generator=g).to(BF16)
+            with self.subTest(n=n, wgrad=True), micro_kernel(amx):
+                got = torch.full((groups, k, dy.shape[1]), float("nan"), dtype=BF16)
+                self.assertTrue(mod.bf16_mm_streams(got.nbytes))
+                mod.threaded_grouped_mm_wgrad(x.t(), dy, offs, got, True)
+                for e, (r0, r1) in enumerate(itertools.pairwise(ends)):
+                    want = torch.full((1, k, dy.shape[1]), float("nan"), dtype=BF16)
+                    self.assertFalse(mod.bf16_mm_streams(want.nbytes))
+                    one = torch.tensor([r1 - r0], dtype=torch.int32)
+                    mod.threaded_grouped_mm_wgrad(x[r0:r1].t(), dy[r0:r1], one, want, True)
+                    self.assertTrue(torch.equal(got[e], want[0]), msg=f"group {e}")
+
+
 if __name__ == "__main__":
     run_tests()

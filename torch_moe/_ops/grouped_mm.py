@@ -539,7 +539,7 @@ def native_gemm_for(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     return _cpu_probe.gemm_kernel(a.dtype, kind, ends[-1] // busy, k, n, measure) == "native"
 
 
-_GEMM_WEIGHT_BYTES = 4 << 20  # the gemm_kernel probe's weights per operand set, at least
+_GEMM_WEIGHT_BYTES = 4 << 20  # the gemm_kernel probe's weights (and outputs) per set, at least
 
 
 def _measure_gemm_kernel(
@@ -548,30 +548,33 @@ def _measure_gemm_kernel(
     """Seconds of the threaded kernel's GEMMs of ``kind`` by ATen's GEMM and by the native
     one on groups of about ``rows`` rows (uneven, as a router's counts are) of ``k`` x ``n``
     weights (``"tn"``: weight gradients of that size, ATen's operand as ``wgrad_a`` lays
-    it out; the native GEMM reads the transposed view itself): 2-8 groups, enough that an
-    operand set's weights pass 4 MiB, sets cycled (the weights come from beyond the
-    private caches, as a layer's experts do)."""
+    it out; the native GEMM reads the transposed view itself): 2-16 groups, enough that an
+    operand set's weights and outputs pass 4 MiB, sets (outputs included) cycled: the
+    weights come from beyond the private caches, as a layer's experts do, and so do the
+    output's lines (a fresh output would be the last call's, still in cache: oneDNN's
+    GEMM then writes it at a speed no layer sees; the native GEMM streams an output
+    past the caches, ``bf16_gemm_streams``)."""
     mod = _threaded_kernels()
-    groups = max(2, min(8, -(-_GEMM_WEIGHT_BYTES // (k * n * dtype.itemsize))))
+    per_group = (k if kind == "tn" else min(k, rows)) * n * dtype.itemsize  # weight or output
+    groups = max(2, min(16, -(-_GEMM_WEIGHT_BYTES // per_group)))
     ends = list(itertools.accumulate(max(1, rows + (g * 37) % 31 - 15) for g in range(groups)))
     offs, m = torch.tensor(ends, dtype=torch.int32), ends[-1]
     copies = kind == "tn" and wgrad_copies(dtype, rows, k, n)
 
-    def operands() -> tuple[Tensor, Tensor]:
+    def operands() -> tuple[Tensor, Tensor, Tensor]:  # and the output, written in place
         x = torch.full((m, k), 0.5, dtype=dtype)
         if kind == "tn":
-            return x, torch.full((m, n), 0.25, dtype=dtype)
+            return x, torch.full((m, n), 0.25, dtype=dtype), x.new_empty((groups, k, n))
         w = torch.full((groups, n, k) if kind == "bt" else (groups, k, n), 0.25, dtype=dtype)
-        return x, w.transpose(-2, -1) if kind == "bt" else w
+        return x, w.transpose(-2, -1) if kind == "bt" else w, x.new_empty((m, n))
 
-    def run(native: bool) -> Callable[[tuple[Tensor, Tensor]], None]:
-        def fn(s: tuple[Tensor, Tensor]) -> None:
-            x, w = s
+    def run(native: bool) -> Callable[[tuple[Tensor, Tensor, Tensor]], None]:
+        def fn(s: tuple[Tensor, Tensor, Tensor]) -> None:
+            x, w, out = s
             if kind == "tn":
-                out = x.new_empty((groups, k, n))
                 mod.threaded_grouped_mm_wgrad(x.t(), w, offs, out, native, None, None, copies)
             else:
-                mod.threaded_grouped_mm(x, w, offs, x.new_empty((m, n)), False, native)
+                mod.threaded_grouped_mm(x, w, offs, out, False, native)
 
         return fn
 

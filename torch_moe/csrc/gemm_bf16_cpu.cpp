@@ -134,6 +134,21 @@ TORCH_MOE_GEMM_INLINE void interleave_rows(__m512i x, __m512i y, __m512i& lo, __
   hi = _mm512_permutex2var_epi64(l, second, h);
 }
 
+// 32 bf16 outputs (lo: columns 0-15, hi: 16-31) into o by one 64-byte store: with
+// `stream`, where o starts a cache line, a non-temporal one (the line written to memory
+// without being read first). An output larger than the caches, read back only after the
+// GEMM, otherwise costs a read for ownership of every line and stalls the tile loop on
+// it: on the AMX Xeon measured the 64-expert layer's a @ w2^T (K = 256, a 32 MB output)
+// ran 1.5x faster so (benchmarks/results/cpu_floor_cpu_202612.md). The caller fences.
+TORCH_MOE_GEMM_INLINE void store_line(uint16_t* o, __m256i lo, __m256i hi, bool stream) {
+  const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  if (stream && (reinterpret_cast<uintptr_t>(o) & 63) == 0) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(o), v);
+  } else {
+    _mm512_storeu_si512(o, v);
+  }
+}
+
 // Rows 2p and 2p + 1 of a [K, cols] matrix (`m`'s rows from column col0 on, cols <= 64)
 // interleaved into out[p * ldo + j] = (m[2p][j], m[2p + 1][j]), for p < ceil(K / 2): an
 // odd K's last row pairs with zero, as do columns cols..63.
@@ -285,7 +300,8 @@ TORCH_MOE_GEMM_INLINE void step(const uint16_t* const* rows, int64_t off, const 
 // element (a row-major a has no element K). One rounding into c.
 template <int R>
 TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const uint32_t* panel,
-                                int64_t K, uint16_t* c, int64_t ldc, int64_t cols) {
+                                int64_t K, uint16_t* c, int64_t ldc, int64_t cols,
+                                bool stream) {
   const int64_t pairs = (K + 1) / 2, whole = K / 2;
   const uint16_t* rp[R];  // the row pointers in registers, not re-read per k pair
   for (int r = 0; r < R; ++r) rp[r] = rows[r];
@@ -303,7 +319,12 @@ TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const u
       for (int v = 0; v < 4; ++v) sum[r][v] = p0 == 0 ? acc[r][v] : _mm512_add_ps(sum[r][v], acc[r][v]);
   }
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < 4 && 16 * v < cols; ++v) {
+    int v = 0;
+    for (; v < 4 && 16 * v + 32 <= cols; v += 2) {  // whole lines of 32 columns
+      store_line(c + r * ldc + 16 * v, (__m256i)_mm512_cvtneps_pbh(sum[r][v]),
+                 (__m256i)_mm512_cvtneps_pbh(sum[r][v + 1]), stream);
+    }
+    for (; v < 4 && 16 * v < cols; ++v) {
       const __m256i h = (__m256i)_mm512_cvtneps_pbh(sum[r][v]);
       uint16_t* o = c + r * ldc + 16 * v;
       if (cols - 16 * v >= 16) {
@@ -317,14 +338,14 @@ TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const u
 
 TORCH_MOE_GEMM_TARGET void tile_rows(int rows, const uint16_t* const* a, int64_t ks,
                                      const uint32_t* panel, int64_t K, uint16_t* c,
-                                     int64_t ldc, int64_t cols) {
+                                     int64_t ldc, int64_t cols, bool stream) {
   switch (rows) {
-    case 6: tile<6>(a, ks, panel, K, c, ldc, cols); break;
-    case 5: tile<5>(a, ks, panel, K, c, ldc, cols); break;
-    case 4: tile<4>(a, ks, panel, K, c, ldc, cols); break;
-    case 3: tile<3>(a, ks, panel, K, c, ldc, cols); break;
-    case 2: tile<2>(a, ks, panel, K, c, ldc, cols); break;
-    case 1: tile<1>(a, ks, panel, K, c, ldc, cols); break;
+    case 6: tile<6>(a, ks, panel, K, c, ldc, cols, stream); break;
+    case 5: tile<5>(a, ks, panel, K, c, ldc, cols, stream); break;
+    case 4: tile<4>(a, ks, panel, K, c, ldc, cols, stream); break;
+    case 3: tile<3>(a, ks, panel, K, c, ldc, cols, stream); break;
+    case 2: tile<2>(a, ks, panel, K, c, ldc, cols, stream); break;
+    case 1: tile<1>(a, ks, panel, K, c, ldc, cols, stream); break;
     default: break;
   }
 }
@@ -348,7 +369,8 @@ struct BOperand {
 // c [M, N] = a @ b: a's rows from `a` (row-major: a's rows; column-major: the rows of a^T,
 // [K, M], packed here), b as BOperand.
 TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOperand& b,
-                                uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+                                uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K,
+                                bool stream) {
   thread_local std::vector<uint32_t> panels, a_packed;
   thread_local std::vector<const uint16_t*> row_ptrs;
   const int64_t pairs = (K + 1) / 2, panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
@@ -385,7 +407,7 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
       if (one_pass) b.pack(n0, cols, panel);
       for (int64_t m = m0; m < m1; m += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, m1 - m));
-        tile_rows(rows, row_ptrs.data() + m, ks, panel, K, c + m * ldc + n0, ldc, cols);
+        tile_rows(rows, row_ptrs.data() + m, ks, panel, K, c + m * ldc + n0, ldc, cols, stream);
       }
     }
   }
@@ -551,7 +573,8 @@ TORCH_MOE_GEMM_TARGET void pack_a_tiles_cols(const RowSource& at, int64_t M, int
 
 // c [M, N] = a @ b by AMX tiles (see above).
 TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const BOperand& b,
-                                   uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+                                   uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K,
+                                   bool stream) {
   thread_local std::vector<uint32_t> panels;
   thread_local std::vector<uint16_t> a_tiles;
   const int64_t kt = (K + kTk - 1) / kTk, pairs = kt * (kTk / 2);
@@ -623,6 +646,11 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
           const int64_t cols = std::min<int64_t>(32, N - n0 - h);
           for (int64_t r = 0; r < rows; ++r) {
             uint16_t* o = c + (m + r) * ldc + n0 + h;
+            if (cols == 32) {
+              store_line(o, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][0])),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][16])), stream);
+              continue;
+            }
             for (int64_t v = 0; v < cols; v += 16) {
               const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][v]));
               if (cols - v >= 16) {
@@ -648,7 +676,8 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
 // tile is transposed on its way out. The same products summed in the same order as
 // amx_gemm's: the same bits.
 TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, uint16_t* c,
-                                      int64_t ldc, int64_t M, int64_t N, int64_t K) {
+                                      int64_t ldc, int64_t M, int64_t N, int64_t K,
+                                      bool stream) {
   thread_local std::vector<uint32_t> a_panels;
   thread_local std::vector<uint16_t> w_block;
   const int64_t kt = (K + kTk - 1) / kTk, pairs = kt * (kTk / 2), panel_words = pairs * kNr;
@@ -698,7 +727,21 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
           } else {
             tile_block(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, acc, [] {});
           }
-          for (int64_t mb = 0; mb < mrows; mb += 16) {
+          for (int64_t mb = 0; mb < mrows && ncols == 32; mb += 16) {  // whole lines
+            __m512i lo[16], hi[16];  // columns 0-15 and 16-31 of rows mb..mb+15
+            for (int i = 0; i < 16; ++i) {
+              lo[i] = _mm512_load_si512(&acc[i][mb]);
+              hi[i] = _mm512_load_si512(&acc[16 + i][mb]);
+            }
+            transpose_16x16(lo);
+            transpose_16x16(hi);
+            for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
+              store_line(c + (mbase + mb + j) * ldc + n0,
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lo[j])),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(hi[j])), stream);
+            }
+          }
+          for (int64_t mb = 0; mb < mrows && ncols < 32; mb += 16) {
             for (int64_t nb = 0; nb < ncols; nb += 16) {
               __m512i r[16];
               for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&acc[nb + i][mb]);
@@ -746,8 +789,16 @@ bool bf16_gemm_available() {
 #endif
 }
 
+bool bf16_gemm_streams(int64_t out_bytes) {
+  static const int64_t l2 = [] {
+    const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t(2) << 20;
+  }();
+  return out_bytes > l2;
+}
+
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows,
-               Gather b_rows) {
+               Gather b_rows, bool stream) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!bf16_gemm_available() || a.dim() != 2 || b.dim() != 2 || out.dim() != 2) return false;
   if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 ||
@@ -786,13 +837,14 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   const BOperand b_op{b_src, !b_rows_major, K};
   if (amx_on.load(std::memory_order_relaxed)) {
     if (!b_rows_major && a_rows_major) {
-      amx_gemm_bt(a_src, b_src, cp, out.stride(0), M, N, K);
+      amx_gemm_bt(a_src, b_src, cp, out.stride(0), M, N, K, stream);
     } else {
-      amx_gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K);
+      amx_gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, stream);
     }
   } else {
-    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K);
+    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, stream);
   }
+  if (stream) _mm_sfence();  // the streamed lines ordered before the caller's next stores
   return true;
 #else
   (void)out;
@@ -800,6 +852,7 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   (void)b;
   (void)a_rows;
   (void)b_rows;
+  (void)stream;
   return false;
 #endif
 }
@@ -816,7 +869,7 @@ bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t
   thread_local std::vector<uint16_t> zero;  // the packing's missing columns
   if (static_cast<int64_t>(zero.size()) < K + kNr) zero.assign(K + kNr, 0);
   amx_gemm_bt(RowSource{a, lda, nullptr, zero.data()}, RowSource{w, ldw, nullptr, zero.data()},
-              c, ldc, M, N, K);
+              c, ldc, M, N, K, false);
   return true;
 #else
   (void)a;
@@ -918,6 +971,10 @@ bool bf16_mm_amx() {
   return torch_moe_cpu::bf16_gemm_amx();
 }
 
+bool bf16_mm_streams(int64_t out_bytes) {
+  return torch_moe_cpu::bf16_gemm_streams(out_bytes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
@@ -926,6 +983,7 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def("transpose16(Tensor x, Tensor(a!) out) -> bool");
   m.def("bf16_mm_use_amx(bool enable) -> bool", &bf16_mm_use_amx);
   m.def("bf16_mm_amx() -> bool", &bf16_mm_amx);
+  m.def("bf16_mm_streams(int out_bytes) -> bool", &bf16_mm_streams);
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {

@@ -33,8 +33,16 @@ struct Gather {
 // rows ([S, K], row-major), or with a_rows.transposed the transposed view of the source
 // of a^T's K rows ([M, S], column-major). With b_rows, b is the source of b's K rows
 // ([S, N], row-major). Indices are not checked here (callers check them against S).
+// stream: out's whole 64-byte lines written by non-temporal stores (for an output past the
+// caches that is read back only later; see store_line in gemm_bf16_cpu.cpp), fenced
+// before the return.
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows = {},
-               Gather b_rows = {});
+               Gather b_rows = {}, bool stream = false);
+
+// Whether a GEMM's whole output of out_bytes (all its calls' pieces together) is past
+// this core's L2 cache (the system's figure; 2 MiB where it gives none): where its
+// lines leave the cache before anything reads them, so bf16_gemm's `stream` pays.
+bool bf16_gemm_streams(int64_t out_bytes);
 
 // c [M, N] (row stride ldc) = a [M, K] (row stride lda) @ w^T for w [N, K] (row stride
 // ldw), bf16, on the calling thread by bf16_gemm's AMX micro-kernel (its x @ w^T form: w's

@@ -102,20 +102,21 @@ int64_t row_split_parts(int64_t rows) {
 }
 
 // out = a @ b on this thread: by gemm_bf16_cpu.cpp's kernel where native_gemm (and it
-// applies), else at::mm_out.
-void mm_piece(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool native_gemm) {
-  if (native_gemm && torch_moe_cpu::bf16_gemm(out, a, b)) return;
+// applies; `stream`: its output lines by non-temporal stores), else at::mm_out.
+void mm_piece(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool native_gemm,
+              bool stream) {
+  if (native_gemm && torch_moe_cpu::bf16_gemm(out, a, b, {}, {}, stream)) return;
   at::mm_out(out, a, b);
 }
 
 // out = x @ w on this thread, with split_rows as row_split_parts pieces (not with the
 // native GEMM, which does not block rows as oneDNN does).
 void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool split_rows,
-             bool native_gemm) {
+             bool native_gemm, bool stream) {
   const int64_t rows = x.size(0);
   const int64_t parts = split_rows && !native_gemm ? row_split_parts(rows) : 1;
   if (parts == 1) {
-    mm_piece(out, x, w, native_gemm);
+    mm_piece(out, x, w, native_gemm, stream);
     return;
   }
   for (int64_t p = 0, r0 = 0; p < parts; ++p) {
@@ -285,15 +286,18 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int64_t* index = check_index(x_index, m, x.size(0), "threaded_grouped_mm", "x_index");
   const auto ends = read_ends(offs, w.size(0), m, "threaded_grouped_mm");
   const int64_t n = w.size(2);
+  // the native GEMM streams its output past the caches where all of it does not fit
+  const bool stream = native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
   split_groups(
       ends, [n](int64_t, int64_t) { return n; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
         auto o = out.narrow(0, start, rows).narrow(1, lo, hi - lo);
         const auto w_g = w[g].narrow(1, lo, hi - lo);
         if (index == nullptr) {
-          mm_rows(o, x.narrow(0, start, rows), w_g, split_rows, native_gemm);
-        } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, x, w_g, {index + start, rows}))) {
-          mm_rows(o, gathered(x, index + start, rows, 0), w_g, split_rows, false);
+          mm_rows(o, x.narrow(0, start, rows), w_g, split_rows, native_gemm, stream);
+        } else if (!(native_gemm &&
+                     torch_moe_cpu::bf16_gemm(o, x, w_g, {index + start, rows}, {}, stream))) {
+          mm_rows(o, gathered(x, index + start, rows, 0), w_g, split_rows, false, false);
         }
       },
       native_gemm);
@@ -327,6 +331,7 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
               "threaded_grouped_mm_wgrad: transpose_a takes a column-major a of a 16-bit "
               "dtype, got strides ", a.strides(), " and ", a.scalar_type());
   const int64_t k = a.size(0);
+  const bool stream = native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
   split_groups(
       ends, [k](int64_t, int64_t) { return k; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
@@ -337,8 +342,8 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
         const torch_moe_cpu::Gather ga{a_idx ? a_idx + start : nullptr, rows, true};
         const torch_moe_cpu::Gather gd{dy_idx ? dy_idx + start : nullptr, rows};
         if (a_idx == nullptr && dy_idx == nullptr && !transpose_a) {
-          mm_piece(o, a_g, dy_g, native_gemm);
-        } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g, ga, gd))) {
+          mm_piece(o, a_g, dy_g, native_gemm, stream);
+        } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g, ga, gd, stream))) {
           // ATen's GEMM on the piece's gathered rows (and a's row-major copy): scratch
           const auto a_m = a_idx ? gathered(a_lo.t(), a_idx + start, rows, 0).t() : a_g;
           const auto dy_m = dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g;
