@@ -77,7 +77,9 @@ class TestNativeSwiGLU(TestCase):
     @parametrize("weighted", [False, True])
     def test_bitwise_aten(self, pair, weighted):
         # F below, at and past a block of two vectors (32 fp32 lanes on AVX512), odd F:
-        # ATen runs a row's tail with the scalar formula, the kernel must too
+        # ATen runs a row's tail with the scalar formula, the kernel must too; half
+        # outputs past the L2 cache (the last two: 4.9 MB) are written by non-temporal
+        # stores where a vector starts one (F = 1000: every other row's vectors do not)
         for rows, hidden, pad in [
             (1, 5, 0),
             (3, 31, 2),
@@ -85,6 +87,8 @@ class TestNativeSwiGLU(TestCase):
             (33, 47, 1),
             (64, 1024, 0),
             (130, 200, 3),
+            (2400, 1024, 0),
+            (2450, 1000, 1),
         ]:
             h, grad_a, rw = _operands(rows, hidden, *pair, seed=rows, pad=pad)
             aten, native = _both(h, grad_a, rw if weighted else None)

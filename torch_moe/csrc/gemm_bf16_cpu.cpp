@@ -47,6 +47,7 @@
 // of b) between calls.
 
 #include "gemm_bf16_cpu.h"
+#include "vec_convert.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -790,11 +791,7 @@ bool bf16_gemm_available() {
 }
 
 bool bf16_gemm_streams(int64_t out_bytes) {
-  static const int64_t l2 = [] {
-    const long bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t(2) << 20;
-  }();
-  return out_bytes > l2;
+  return past_l2(out_bytes);
 }
 
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows,

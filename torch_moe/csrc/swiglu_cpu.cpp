@@ -95,6 +95,23 @@ inline void store_row(const float* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);  // round to nearest even, as a tensor copy
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// store_row into a half-precision row by whole vectors, non-temporal where they start one
+// (torch_moe_cpu::store_vec): the same rounding of the same vectors and scalars
+template <typename T>
+inline void store_row_streamed(const float* src, T* dst, int64_t n) {
+  using hVec = Vectorized<T>;
+  int64_t i = 0;
+  for (; i + hVec::size() <= n; i += hVec::size()) {
+    const auto v = torch_moe_cpu::from_float<T>(fVec::loadu(src + i), fVec::loadu(src + i + kV));
+    torch_moe_cpu::store_vec(v, dst + i, true);
+  }
+  for (; i < n; ++i) {
+    dst[i] = static_cast<T>(src[i]);
+  }
+}
+#endif
+
 template <>
 inline void store_row<float>(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
@@ -204,8 +221,8 @@ using torch_moe_cpu::from_float;
 // width of three measured and nothing measurable inside a layer step.)
 // h: gate then up; ga: dA; out_a: a; dh: dGate then dUp (p, w as backward_vec's)
 template <typename T>
-inline void backward_row_half(
-    const T* h, const T* ga, T* out_a, T* dh, float* p, const float* w, int64_t n) {
+inline void backward_row_half(const T* h, const T* ga, T* out_a, T* dh, float* p, const float* w,
+                              int64_t n, bool stream) {
   using hVec = Vectorized<T>;
   const int64_t v = vector_end(n);
   for (int64_t i = 0; i < v; i += 2 * kV) {
@@ -215,9 +232,9 @@ inline void backward_row_half(
     fVec a0, a1, s0, s1;
     const fVec dg0 = backward_vec(g0, u0, d0, p == nullptr ? p : p + i, w, a0, s0);
     const fVec dg1 = backward_vec(g1, u1, d1, p == nullptr ? p : p + i + kV, w, a1, s1);
-    from_float<T>(a0, a1).store(out_a + i);
-    from_float<T>(s0, s1).store(dh + n + i);
-    from_float<T>(dg0, dg1).store(dh + i);
+    torch_moe_cpu::store_vec(from_float<T>(a0, a1), out_a + i, stream);
+    torch_moe_cpu::store_vec(from_float<T>(s0, s1), dh + n + i, stream);
+    torch_moe_cpu::store_vec(from_float<T>(dg0, dg1), dh + i, stream);
   }
   for (int64_t i = v; i < n; ++i) {
     float act = 0.f, s = 0.f;
@@ -266,6 +283,9 @@ void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out) {
   const int64_t rows = h.size(0), f = out.size(1), hs = h.stride(0), os = out.stride(0);
   const TH* hp = h.data_ptr<TH>();
   TO* op = out.data_ptr<TO>();
+  // an output past the L2 streamed (vec_convert.h's past_l2): half dtypes, vector builds
+  [[maybe_unused]] const bool stream =
+      !std::is_same_v<TO, float> && torch_moe_cpu::past_l2(out.nbytes());
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(2 * f);
     float* g = buf.data();
@@ -277,8 +297,19 @@ void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out) {
       if (w != nullptr) {
         scale_row(g, w[r], f);
       }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+      if constexpr (!std::is_same_v<TO, float>) {
+        if (stream) {
+          store_row_streamed(g, op + r * os, f);
+          continue;
+        }
+      }
+#endif
       store_row(g, op + r * os, f);
     }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if (stream) _mm_sfence();
+#endif
   });
 }
 
@@ -294,13 +325,16 @@ void backward_impl(
   TO* dp = out_dh.data_ptr<TO>();
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<TH, TO> && !std::is_same_v<TH, float>) {
+    // outputs past the L2 streamed (vec_convert.h's past_l2)
+    const bool stream = torch_moe_cpu::past_l2(out_dh.nbytes() + out_a.nbytes());
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const bool weighted = w != nullptr;
         backward_row_half(
             hp + r * hs, gp + r * gs, ap + r * as, dp + r * ds,
-            weighted ? prod + r * ps : nullptr, weighted ? w + r : nullptr, f);
+            weighted ? prod + r * ps : nullptr, weighted ? w + r : nullptr, f, stream);
       }
+      if (stream) _mm_sfence();
     });
     return;
   }

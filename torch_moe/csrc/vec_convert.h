@@ -7,6 +7,26 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace torch_moe_cpu {
+
+// Whether a kernel's whole output of `bytes` is past this core's L2 cache (the system's
+// figure; 2 MiB where it gives none): its lines then leave the cache before anything
+// reads them, and the kernels write them by non-temporal stores (no read for ownership
+// of every line first; see store_vec).
+inline bool past_l2(int64_t bytes) {
+  static const int64_t l2 = [] {
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return size > 0 ? static_cast<int64_t>(size) : int64_t(2) << 20;
+  }();
+  return bytes > l2;
+}
+
+}  // namespace torch_moe_cpu
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 namespace torch_moe_cpu {
 
@@ -34,6 +54,23 @@ template <>
 inline at::vec::Vectorized<at::Half> from_float<at::Half>(
     const at::vec::Vectorized<float>& lo, const at::vec::Vectorized<float>& hi) {
   return at::vec::convert_float_half(lo, hi);
+}
+
+// v into p: with `stream`, where p starts a vector's width of bytes (a 64-byte line with
+// AVX-512), by a non-temporal store, else a plain one. The caller fences (_mm_sfence)
+// before the output is handed on.
+template <typename T>
+inline void store_vec(const at::vec::Vectorized<T>& v, T* p, bool stream) {
+  constexpr uintptr_t width = sizeof(at::vec::Vectorized<T>);
+  if (stream && (reinterpret_cast<uintptr_t>(p) & (width - 1)) == 0) {
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), static_cast<__m512i>(v));
+#else
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), static_cast<__m256i>(v));
+#endif
+    return;
+  }
+  v.store(p);
 }
 
 }  // namespace torch_moe_cpu
