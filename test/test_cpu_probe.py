@@ -483,7 +483,7 @@ class TestCpuProbe(TestCase):
         want = {"nn": [(fwd, True)], "bt": [(fwd, True)], "tn": [(wgrad, True)]}
         for kind in ("nn", "bt", "tn"):
             forced = {"half_gemm": "native", "layout": "as_is", "threads_mm": "native"}
-            forced.update(wgrad_a="as_is", row_split="one", gemm_kernel="aten")
+            forced.update(wgrad_a="as_is", row_split="one", gemm_kernel="aten", out_stream="cache")
             forced[f"gemm_kernel:bf16:{kind}:r64:k32:n{24 if kind == 'tn' else 48}"] = "native"
             calls.clear()
             with (
@@ -499,6 +499,55 @@ class TestCpuProbe(TestCase):
             assert_gemm_within(self, out, x, w, offs, kind)
             assert_gemm_within(self, out_t, x, w_t, offs, kind)
             assert_gemm_within(self, dw, x, dy, offs, kind, wgrad=True)
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_out_stream_decision(self):
+        # measured once per half dtype where the native bf16 GEMM runs (else plain stores,
+        # nothing measured); fp32 never asks; forced either way, the threaded kernel's
+        # native GEMM gets the flag (and the product is the same)
+        got = grouped_mm_module.streams_outputs(torch.bfloat16)
+        self.assertFalse(grouped_mm_module.streams_outputs(torch.float32))
+        keys = [k for k in P.decisions() if k.startswith("out_stream:")]
+        if not native_gemm_available():
+            self.assertEqual((got, keys), (False, []))
+            return
+        self.assertEqual(keys, ["out_stream:bf16"])
+        self.assertRegex(P.decisions()[keys[0]], r"^(cache|stream) \(measured: cache .* stream ")
+        self.assertEqual(got, P.decisions()[keys[0]].startswith("stream"))
+        real = grouped_mm_module._threaded_kernels()
+        flags = []
+
+        class Recording:  # threaded_grouped_mm's stream_out flag
+            def __getattr__(self, name):
+                fn = getattr(real, name)
+                if name != "threaded_grouped_mm":
+                    return fn
+
+                def call(*args):
+                    flags.append(args[7])
+                    return fn(*args)
+
+                return call
+
+        x, w, offs = (
+            torch.randn(100, 32).bfloat16(),
+            torch.randn(2, 32, 48).bfloat16(),
+            _offs([60, 40]),
+        )
+        outs = []
+        for choice in ("cache", "stream"):
+            forced = dict(half_gemm="native", layout="as_is", gemm_kernel="native")
+            forced.update(threads_mm="native", row_split="one")  # (nothing measured)
+            flags.clear()
+            with (
+                self.subTest(choice=choice),
+                intra_op_threads(1),
+                P.force(**forced, out_stream=choice),
+                unittest.mock.patch.object(grouped_mm_module, "_threaded_kernels", Recording),
+            ):
+                outs.append(grouped_mm(x, w, offs))
+                self.assertEqual(flags, [choice == "stream"])
+        self.assertTrue(torch.equal(*outs))
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_row_split_takes_the_threaded_kernel_on_one_thread(self):

@@ -77,9 +77,10 @@ class TestNativeSwiGLU(TestCase):
     @parametrize("weighted", [False, True])
     def test_bitwise_aten(self, pair, weighted):
         # F below, at and past a block of two vectors (32 fp32 lanes on AVX512), odd F:
-        # ATen runs a row's tail with the scalar formula, the kernel must too; half
-        # outputs past the L2 cache (the last two: 4.9 MB) are written by non-temporal
-        # stores where a vector starts one (F = 1000: every other row's vectors do not)
+        # ATen runs a row's tail with the scalar formula, the kernel must too; and with
+        # stream_out, half outputs past the L2 cache (the last two: 4.9 MB) written by
+        # non-temporal stores where a vector starts one (F = 1000: every other row's
+        # vectors do not), the same bits
         for rows, hidden, pad in [
             (1, 5, 0),
             (3, 31, 2),
@@ -97,6 +98,14 @@ class TestNativeSwiGLU(TestCase):
             ):
                 self.assertEqual(got, want, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
             self.assertEqual(native[3] is None, not weighted)
+            if weighted:
+                continue
+            mod = _native.kernels()
+            streamed = [torch.empty_like(t) for t in native[:3]]
+            mod.swiglu_forward(h, None, streamed[0], True)
+            mod.swiglu_backward(h, grad_a, None, streamed[1], streamed[2], None, True)
+            for got, want in zip(streamed, native[:3], strict=True):
+                self.assertTrue(torch.equal(got, want), msg=f"streamed {rows}x{hidden}")
 
     @needs_native
     @parametrize("threads", [1, 2])
@@ -1602,9 +1611,9 @@ def _stream_bytes():
 @instantiate_parametrized_tests
 @needs_bf16_gemm
 class TestNativeStreamedOutput(TestCase):
-    """The threaded kernel's native GEMM writes an output past the L2 cache by
-    non-temporal stores (whole 64-byte lines where they start a line; the rest by plain
-    stores): the bits of the same GEMMs into small outputs, written by plain stores, in
+    """With stream_out, the threaded kernel's native GEMM writes an output past the L2
+    cache by non-temporal stores (whole 64-byte lines where they start a line; the rest
+    by plain stores): the bits of the same GEMMs into small outputs, written by plain stores, in
     every kind (x @ w^T, x @ w, the weight gradient), with an output that starts on a
     line, one that does not (no line streamed), widths that leave partial lines, on 1-2
     threads, by either micro-kernel."""
@@ -1631,12 +1640,14 @@ class TestNativeStreamedOutput(TestCase):
                     flat = torch.full((m * n + shift,), float("nan"), dtype=BF16)
                     got = flat[shift:].view(m, n)  # shift: no row starts a cache line
                     self.assertTrue(mod.bf16_mm_streams(got.nbytes))
-                    mod.threaded_grouped_mm(x, w, offs, got, False, True)
+                    mod.threaded_grouped_mm(x, w, offs, got, False, True, None, True)
                     for e, (r0, r1) in enumerate(itertools.pairwise(ends)):
                         want = torch.full((r1 - r0, n), float("nan"), dtype=BF16)
                         self.assertFalse(mod.bf16_mm_streams(want.nbytes))
                         one = torch.tensor([r1 - r0], dtype=torch.int32)
-                        mod.threaded_grouped_mm(x[r0:r1], w[e : e + 1], one, want, False, True)
+                        mod.threaded_grouped_mm(
+                            x[r0:r1], w[e : e + 1], one, want, False, True, None, True
+                        )
                         self.assertTrue(torch.equal(got[r0:r1], want), msg=f"group {e}")
             # the weight gradient: [groups, k, width] outputs past the L2
             width = max(n, -(-_stream_bytes() // (2 * k * groups)) + 7 + n % 32)
@@ -1644,12 +1655,14 @@ class TestNativeStreamedOutput(TestCase):
             with self.subTest(n=n, wgrad=True), micro_kernel(amx):
                 got = torch.full((groups, k, dy.shape[1]), float("nan"), dtype=BF16)
                 self.assertTrue(mod.bf16_mm_streams(got.nbytes))
-                mod.threaded_grouped_mm_wgrad(x.t(), dy, offs, got, True)
+                mod.threaded_grouped_mm_wgrad(x.t(), dy, offs, got, True, None, None, False, True)
                 for e, (r0, r1) in enumerate(itertools.pairwise(ends)):
                     want = torch.full((1, k, dy.shape[1]), float("nan"), dtype=BF16)
                     self.assertFalse(mod.bf16_mm_streams(want.nbytes))
                     one = torch.tensor([r1 - r0], dtype=torch.int32)
-                    mod.threaded_grouped_mm_wgrad(x[r0:r1].t(), dy[r0:r1], one, want, True)
+                    mod.threaded_grouped_mm_wgrad(
+                        x[r0:r1].t(), dy[r0:r1], one, want, True, None, None, False, True
+                    )
                     self.assertTrue(torch.equal(got[e], want[0]), msg=f"group {e}")
 
 

@@ -67,6 +67,10 @@ key                             choices               margin  used by
 k<k>:n<n>``                                                   GEMMs of that kind and
                                                               size (CPU, bf16 on
                                                               AVX512-BF16 or AMX)
+``out_stream:<dt>``              **cache**, stream     5%      the native kernels'
+                                                              outputs past the L2
+                                                              (CPU, where the native
+                                                              bf16 GEMM runs)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -134,6 +138,7 @@ KINDS = (
     "threads_mm",
     "row_split",
     "gemm_kernel",
+    "out_stream",
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
@@ -270,6 +275,7 @@ _CHOICES = {
     "threads_mm": ("aten", "native"),
     "row_split": ("one", "split"),
     "gemm_kernel": ("aten", "native"),
+    "out_stream": ("cache", "stream"),
 }
 
 
@@ -892,6 +898,16 @@ def gemm_kernel(
             margin=0.05,
         ),
     )
+
+
+def out_stream(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:
+    """``"stream"`` if the native kernels run over 5% faster writing an output that is past
+    the L2 cache by non-temporal stores (whole 64-byte lines, no read for ownership of
+    each) than by plain ones, timed on the native GEMM with a short K and a wide output
+    (the shape where writing the output costs the most), else ``"cache"``. On the AMX
+    Xeon measured the 64-expert layer's a @ w2^T (K = 256) ran 1.5x faster streamed;
+    the kernels stream only outputs past the L2 (``past_l2`` in csrc/vec_convert.h)."""
+    return decide(f"out_stream:{_dt(dtype)}", measure, default="cache", margin=0.05)
 
 
 def row_split(dtype: torch.dtype, measure: Callable[[], Mapping[str, float]]) -> str:

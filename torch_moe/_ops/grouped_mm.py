@@ -539,6 +539,45 @@ def native_gemm_for(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     return _cpu_probe.gemm_kernel(a.dtype, kind, ends[-1] // busy, k, n, measure) == "native"
 
 
+def streams_outputs(dtype: torch.dtype) -> bool:
+    """Whether the native kernels (the threaded kernel's native GEMM, the SwiGLU kernels)
+    write their ``dtype`` outputs that are past the L2 cache by non-temporal stores: a
+    half dtype, and the probe's ``out_stream``, measured with the native bf16 GEMM where
+    it runs (:func:`native_gemm_ready`; elsewhere plain stores). Memoized."""
+    if dtype not in _THREADED_DTYPES:
+        return False
+    return _cpu_probe.memo(("out_stream", dtype), functools.partial(_decide_out_stream, dtype))
+
+
+def _decide_out_stream(dtype: torch.dtype) -> bool:
+    if not native_gemm_ready(torch.bfloat16):
+        return False
+    return _cpu_probe.out_stream(dtype, _measure_out_stream) == "stream"
+
+
+def _measure_out_stream() -> dict[str, float]:
+    """Seconds of the threaded kernel's native GEMM (x @ w^T, K = 256, N = 1024: a
+    64-expert layer's a @ w2^T) over 8 groups of 256 rows, its 4 MiB output written
+    plainly and streamed, operand sets (outputs included) cycled."""
+    mod, dtype, groups, rows, k, n = _threaded_kernels(), torch.bfloat16, 8, 256, 256, 1024
+    offs = torch.tensor([rows * (g + 1) for g in range(groups)], dtype=torch.int32)
+    sets = [
+        (
+            torch.full((groups * rows, k), 0.5, dtype=dtype),
+            torch.full((groups, n, k), 0.25, dtype=dtype).transpose(-2, -1),
+            torch.empty((groups * rows, n), dtype=dtype),
+        )
+        for _ in range(_cpu_probe._OPERAND_SETS)
+    ]
+
+    def run(stream: bool) -> Callable[[tuple[Tensor, Tensor, Tensor]], None]:
+        return lambda s: mod.threaded_grouped_mm(*s[:2], offs, s[2], False, True, None, stream)
+
+    return _cpu_probe.time_candidates(
+        _cpu_probe.cycled(sets, {"cache": run(False), "stream": run(True)})
+    )
+
+
 _GEMM_WEIGHT_BYTES = 4 << 20  # the gemm_kernel probe's weights (and outputs) per set, at least
 
 
@@ -560,6 +599,7 @@ def _measure_gemm_kernel(
     ends = list(itertools.accumulate(max(1, rows + (g * 37) % 31 - 15) for g in range(groups)))
     offs, m = torch.tensor(ends, dtype=torch.int32), ends[-1]
     copies = kind == "tn" and wgrad_copies(dtype, rows, k, n)
+    stream = streams_outputs(dtype)  # as the layer's GEMMs write their outputs
 
     def operands() -> tuple[Tensor, Tensor, Tensor]:  # and the output, written in place
         x = torch.full((m, k), 0.5, dtype=dtype)
@@ -572,9 +612,11 @@ def _measure_gemm_kernel(
         def fn(s: tuple[Tensor, Tensor, Tensor]) -> None:
             x, w, out = s
             if kind == "tn":
-                mod.threaded_grouped_mm_wgrad(x.t(), w, offs, out, native, None, None, copies)
+                mod.threaded_grouped_mm_wgrad(
+                    x.t(), w, offs, out, native, None, None, copies, stream
+                )
             else:
-                mod.threaded_grouped_mm(x, w, offs, out, False, native)
+                mod.threaded_grouped_mm(x, w, offs, out, False, native, None, stream)
 
         return fn
 
@@ -946,9 +988,9 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
         return out
     if way == "threads":
         out = x.new_empty((x.shape[0], w.shape[2]))
-        _threaded_kernels().threaded_grouped_mm(
-            x, w, offs, out, _row_split_on(x.dtype), native_gemm_for(x, w, offs.tolist(), False)
-        )
+        native = native_gemm_for(x, w, offs.tolist(), False)
+        split, stream = _row_split_on(x.dtype), streams_outputs(x.dtype)
+        _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, None, stream)
         return out
     return _torch_grouped_mm(x, w, offs, end)
 
@@ -987,7 +1029,8 @@ def gathered_grouped_mm(x: Tensor, index: Tensor, w: Tensor, offs: Tensor) -> Te
     out = x.new_empty((index.shape[0], w.shape[2]))
     index = index.to(torch.int64).contiguous()
     split, native = _row_split_on(x.dtype), native_gemm_for(x, w, offs.tolist(), False)
-    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, index)
+    stream = streams_outputs(x.dtype)
+    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, index, stream)
     return out
 
 
@@ -1009,7 +1052,7 @@ def gathered_grouped_mm_wgrad(
     )
     native, transpose = native_gemm_for(a, dy, offs.tolist(), True), way == "transpose"
     _threaded_kernels().threaded_grouped_mm_wgrad(
-        a, dy, offs, out, native, a_index, dy_index, transpose
+        a, dy, offs, out, native, a_index, dy_index, transpose, streams_outputs(a.dtype)
     )
     return out
 
@@ -1023,7 +1066,8 @@ def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Te
         out = a.new_empty((offs.shape[0], a.shape[0], dy.shape[1]))
         native = native_gemm_for(a, dy, offs.tolist(), True)
         mod = _threaded_kernels()
-        mod.threaded_grouped_mm_wgrad(a, dy, offs, out, native, None, None, way == "transpose")
+        transpose, stream = way == "transpose", streams_outputs(a.dtype)
+        mod.threaded_grouped_mm_wgrad(a, dy, offs, out, native, None, None, transpose, stream)
         return out
     return torch._grouped_mm(a, dy, offs=offs)
 

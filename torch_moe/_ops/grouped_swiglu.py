@@ -62,6 +62,7 @@ from torch_moe._ops.grouped_mm import (
     reads_gathered,
     rows_per_busy_group,
     splits_rows,
+    streams_outputs,
     transposes_wgrad,
     weight_col_major,
     wgrad_copies,
@@ -546,8 +547,8 @@ def _act_backward_rows(
     temporaries), else in row chunks of ``step`` (default: the measured chunk), whose
     fp32 temporaries (the ATen ops', or the native kernels' dA * a) hold one chunk.
     Returns d row_weights (fp32 / fp64) or None."""
-    if mod is not None and row_weights is None:
-        mod.swiglu_backward(h, grad_a, None, a, dh, None)
+    if mod is not None and row_weights is None:  # all rows: outputs past the L2 streamed
+        mod.swiglu_backward(h, grad_a, None, a, dh, None, streams_outputs(dh.dtype))
         return None
     if step is None:
         step = _act_chunk_rows(h.dtype, a.shape[1])
@@ -714,7 +715,7 @@ def _forward_whole(
     a = w13.new_empty((rows, w2.shape[2]))
     mod = _native_kernels(h, a)
     if mod is not None:  # row by row, no temporaries: all rows in one call
-        mod.swiglu_forward(h, _native_weights(row_weights), a)
+        mod.swiglu_forward(h, _native_weights(row_weights), a, streams_outputs(a.dtype))
     else:
         step = _act_chunk_rows(w13.dtype, w2.shape[2])
         for r0 in range(0, rows, step):
@@ -1209,7 +1210,7 @@ def _lean_forward(
         h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, ways[0])
         del x_rows
     a = w13.new_empty((h.shape[0], w2.shape[2]))
-    mod.swiglu_forward(h, _native_weights(row_weights), a)
+    mod.swiglu_forward(h, _native_weights(row_weights), a, streams_outputs(a.dtype))
     y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, ways[1])
     del a
     kept = h if keep_h else None  # a second name: h stays a Tensor for the type checker

@@ -275,7 +275,7 @@ at::Tensor row_major_copy(const at::Tensor& a) {
 
 void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                          at::Tensor& out, bool split_rows, bool native_gemm,
-                         const std::optional<at::Tensor>& x_index) {
+                         const std::optional<at::Tensor>& x_index, bool stream_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "threaded_grouped_mm: "
               "x [M, K] and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
   const int64_t m = x_index.has_value() ? x_index->size(0) : x.size(0);
@@ -286,8 +286,9 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int64_t* index = check_index(x_index, m, x.size(0), "threaded_grouped_mm", "x_index");
   const auto ends = read_ends(offs, w.size(0), m, "threaded_grouped_mm");
   const int64_t n = w.size(2);
-  // the native GEMM streams its output past the caches where all of it does not fit
-  const bool stream = native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
+  // the native GEMM streams its output where asked (the CPU probe's out_stream) and all of
+  // it is past the L2
+  const bool stream = stream_out && native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
   split_groups(
       ends, [n](int64_t, int64_t) { return n; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
@@ -308,7 +309,8 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
 void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
                                const at::Tensor& offs, at::Tensor& out, bool native_gemm,
                                const std::optional<at::Tensor>& a_index,
-                               const std::optional<at::Tensor>& dy_index, bool transpose_a) {
+                               const std::optional<at::Tensor>& dy_index, bool transpose_a,
+                               bool stream_out) {
   const int64_t m = a_index.has_value() ? a_index->size(0) : a.dim() == 2 ? a.size(1) : -1;
   const int64_t m_dy = dy_index.has_value() ? dy_index->size(0) : dy.dim() == 2 ? dy.size(0) : -1;
   TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && m == m_dy,
@@ -331,7 +333,7 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
               "threaded_grouped_mm_wgrad: transpose_a takes a column-major a of a 16-bit "
               "dtype, got strides ", a.strides(), " and ", a.scalar_type());
   const int64_t k = a.size(0);
-  const bool stream = native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
+  const bool stream = stream_out && native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
   split_groups(
       ends, [k](int64_t, int64_t) { return k; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
@@ -358,11 +360,11 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def(
       "threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool split_rows=False,"
-      " bool native_gemm=False, Tensor? x_index=None) -> ()");
+      " bool native_gemm=False, Tensor? x_index=None, bool stream_out=False) -> ()");
   m.def(
       "threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out,"
       " bool native_gemm=False, Tensor? a_index=None, Tensor? dy_index=None,"
-      " bool transpose_a=False) -> ()");
+      " bool transpose_a=False, bool stream_out=False) -> ()");
   m.def("row_split_parts(int rows) -> int", &row_split_parts);
 }
 

@@ -279,13 +279,13 @@ const float* weights_ptr(const std::optional<at::Tensor>& w, int64_t rows) {
 }
 
 template <typename TH, typename TO>
-void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out) {
+void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out, bool stream_out) {
   const int64_t rows = h.size(0), f = out.size(1), hs = h.stride(0), os = out.stride(0);
   const TH* hp = h.data_ptr<TH>();
   TO* op = out.data_ptr<TO>();
-  // an output past the L2 streamed (vec_convert.h's past_l2): half dtypes, vector builds
+  // where asked, an output past the L2 streamed (vec_convert.h): half dtypes, vector builds
   [[maybe_unused]] const bool stream =
-      !std::is_same_v<TO, float> && torch_moe_cpu::past_l2(out.nbytes());
+      stream_out && !std::is_same_v<TO, float> && torch_moe_cpu::past_l2(out.nbytes());
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(2 * f);
     float* g = buf.data();
@@ -316,7 +316,7 @@ void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out) {
 template <typename TH, typename TO>
 void backward_impl(
     const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_a,
-    const at::Tensor& out_dh, float* prod, int64_t ps) {
+    const at::Tensor& out_dh, float* prod, int64_t ps, bool stream_out) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   const int64_t hs = h.stride(0), gs = grad_a.stride(0), as = out_a.stride(0), ds = out_dh.stride(0);
   const TH* hp = h.data_ptr<TH>();
@@ -325,8 +325,9 @@ void backward_impl(
   TO* dp = out_dh.data_ptr<TO>();
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<TH, TO> && !std::is_same_v<TH, float>) {
-    // outputs past the L2 streamed (vec_convert.h's past_l2)
-    const bool stream = torch_moe_cpu::past_l2(out_dh.nbytes() + out_a.nbytes());
+    // where asked, outputs past the L2 streamed (vec_convert.h)
+    const bool stream =
+        stream_out && torch_moe_cpu::past_l2(out_dh.nbytes() + out_a.nbytes());
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const bool weighted = w != nullptr;
@@ -773,20 +774,21 @@ void dispatch(const at::Tensor& h, const at::Tensor& other, F&& fn) {
   }
 }
 
-void swiglu_forward(
-    const at::Tensor& h, const std::optional<at::Tensor>& row_weights, const at::Tensor& out) {
+void swiglu_forward(const at::Tensor& h, const std::optional<at::Tensor>& row_weights,
+                    const at::Tensor& out, bool stream_out) {
   const int64_t rows = h.size(0), f = out.size(1);
   check_rows("h", h, rows, 2 * f);
   check_rows("out", out, rows, f);
   const float* w = weights_ptr(row_weights, rows);
   dispatch(h, out, [&](auto th, auto to) {
-    forward_impl<decltype(th), decltype(to)>(h, w, out);
+    forward_impl<decltype(th), decltype(to)>(h, w, out, stream_out);
   });
 }
 
 void swiglu_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
-    const at::Tensor& out_a, const at::Tensor& out_dh, const std::optional<at::Tensor>& prod) {
+    const at::Tensor& out_a, const at::Tensor& out_dh, const std::optional<at::Tensor>& prod,
+    bool stream_out) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   check_rows("h", h, rows, 2 * f);
   check_rows("grad_a", grad_a, rows, f);
@@ -805,7 +807,7 @@ void swiglu_backward(
     ps = prod->stride(0);
   }
   dispatch(h, grad_a, [&](auto th, auto to) {
-    backward_impl<decltype(th), decltype(to)>(h, grad_a, w, out_a, out_dh, p, ps);
+    backward_impl<decltype(th), decltype(to)>(h, grad_a, w, out_a, out_dh, p, ps, stream_out);
   });
 }
 
@@ -908,10 +910,12 @@ void relu2_backward(
 // torch.ops.torch_moe_cpu.*: plain CPU ops that write into the caller's buffers (the
 // torch_moe ops' CPU kernels call them; they are not differentiable on their own)
 TORCH_LIBRARY(torch_moe_cpu, m) {
-  m.def("swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out) -> ()");
+  m.def(
+      "swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, bool stream_out=False) "
+      "-> ()");
   m.def(
       "swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_a, "
-      "Tensor(b!) out_dh, Tensor(c!)? prod) -> ()");
+      "Tensor(b!) out_dh, Tensor(c!)? prod, bool stream_out=False) -> ()");
   m.def(
       "glu_oai_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
       "float? limit, bool interleaved, int chunk_rows) -> ()");
