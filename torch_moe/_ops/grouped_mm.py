@@ -587,12 +587,18 @@ def _measure_gemm_kernel(
     """Seconds of the threaded kernel's GEMMs of ``kind`` by ATen's GEMM and by the native
     one on groups of about ``rows`` rows (uneven, as a router's counts are) of ``k`` x ``n``
     weights (``"tn"``: weight gradients of that size, ATen's operand as ``wgrad_a`` lays
-    it out; the native GEMM reads the transposed view itself): 2-16 groups, enough that an
-    operand set's weights and outputs pass 4 MiB, sets (outputs included) cycled: the
-    weights come from beyond the private caches, as a layer's experts do, and so do the
-    output's lines (a fresh output would be the last call's, still in cache: oneDNN's
-    GEMM then writes it at a speed no layer sees; the native GEMM streams an output
-    past the caches, ``bf16_gemm_streams``)."""
+    it out; the native GEMM reads the transposed view itself), each call the GEMM on
+    its own operands and with one operand gathered from a source of a quarter of the
+    rows (both of a weight gradient's in turn), as an MoE layer runs such GEMMs: 2-16
+    groups, enough that an operand set's weights and outputs pass 4 MiB, sets (outputs
+    included) cycled and evicted from the caches before each call, so that operands and
+    output lines come from memory as in a layer step (an output that is the last call's,
+    still in cache, is written by oneDNN's GEMM at a speed no layer sees, and its
+    operands would be read from a last-level cache of hundreds of MiB; the native GEMM
+    streams an output past the L2 where ``out_stream`` says so). On the AMX Xeon
+    measured this ranks the 64-expert layer's GEMMs as the layer runs them (the eviction
+    and the gathered calls turned its weight gradient dW13 from oneDNN's to the native
+    GEMM: 28.3 -> 21.5 ms in the layer; benchmarks/results/cpu_floor_cpu_202612.md)."""
     mod = _threaded_kernels()
     per_group = (k if kind == "tn" else min(k, rows)) * n * dtype.itemsize  # weight or output
     groups = max(2, min(16, -(-_GEMM_WEIGHT_BYTES // per_group)))
@@ -608,6 +614,11 @@ def _measure_gemm_kernel(
         w = torch.full((groups, n, k) if kind == "bt" else (groups, k, n), 0.25, dtype=dtype)
         return x, w.transpose(-2, -1) if kind == "bt" else w, x.new_empty((m, n))
 
+    # the same GEMMs with an operand gathered from a source of a quarter of the rows, as
+    # an MoE layer's are (its tokens' rows, each read by a few experts)
+    src = max(1, m // 4)
+    index = torch.arange(m, dtype=torch.int64).mul_(7919).remainder_(src)
+
     def run(native: bool) -> Callable[[tuple[Tensor, Tensor, Tensor]], None]:
         def fn(s: tuple[Tensor, Tensor, Tensor]) -> None:
             x, w, out = s
@@ -615,15 +626,26 @@ def _measure_gemm_kernel(
                 mod.threaded_grouped_mm_wgrad(
                     x.t(), w, offs, out, native, None, None, copies, stream
                 )
+                mod.threaded_grouped_mm_wgrad(
+                    x[:src].t(), w, offs, out, native, index, None, copies, stream
+                )
+                mod.threaded_grouped_mm_wgrad(
+                    x.t(), w[:src], offs, out, native, None, index, copies, stream
+                )
             else:
                 mod.threaded_grouped_mm(x, w, offs, out, False, native, None, stream)
+                mod.threaded_grouped_mm(x[:src], w, offs, out, False, native, index, stream)
 
         return fn
 
+    def evict(s: tuple[Tensor, Tensor, Tensor]) -> None:
+        for t in s:
+            native_lib.evict_from_cache(t)
+
+    native_lib = _native.kernels()
     sets = [operands() for _ in range(_cpu_probe._OPERAND_SETS)]
-    return _cpu_probe.time_candidates(
-        _cpu_probe.cycled(sets, {"aten": run(False), "native": run(True)})
-    )
+    ways = {"aten": run(False), "native": run(True)}
+    return _cpu_probe.time_candidates(_cpu_probe.cycled(sets, ways, evict))
 
 
 def _measure_row_split(dtype: torch.dtype) -> dict[str, float]:
