@@ -653,7 +653,8 @@ class TestSwiGLUCombine(TestCase):
         # two threads, with oneDNN's GEMM; the ops' bits
         p, inputs = _combine_inputs(96, BF16, seed=6, weighted=True)
         one = {**COPIED_WGRAD, "gemm_kernel": "aten", "row_split": "one"}
-        for threads, decisions in ((1, one), (2, {**one, "threads_mm": "native"})):
+        two = {**one, "threads_mm": "native", "layout": "as_is"}
+        for threads, decisions in ((1, one), (2, two)):
             spy_w = mock.patch.object(
                 gs, "gathered_grouped_mm_wgrad", wraps=gs.gathered_grouped_mm_wgrad
             )

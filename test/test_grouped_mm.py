@@ -447,6 +447,7 @@ class TestGatherGroupedMM(TestCase):
                 spy_w as wgrad,
             ):
                 self._assert_same_as_two_ops(perm, x, w, grad)
+                reads = reads and gmm._threaded_kernels() is not None  # (the kernels built)
                 self.assertEqual((fwd.call_count, wgrad.call_count), (int(reads), int(reads)))
 
     def test_saves_tokens_not_rows(self):

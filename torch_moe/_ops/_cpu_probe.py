@@ -41,7 +41,9 @@ row-major, t column-major; nt, the one every BLAS takes fastest, is never probed
 ``<r>``: the rows (per group for ``swiglu_path``, ``wgrad_a``, ``few_gemm`` and
 ``grouped_mm``) rounded up to a power of two; ``<k>``, ``<n>``: the weight
 gradient's output rows and columns, rounded up to powers of two and capped (``wgrad_a``,
-half dtypes multiplied natively only); ``<b>``: the weight's layout (n / t); ``<g>``: the
+half dtypes multiplied natively only; for ``gemm_kernel`` the rows per group, K and N,
+each rounded up to a power of two or 1.5 times one and capped, ``<kind>`` bt / nn / tn:
+x @ w^T, x @ w, a weight gradient); ``<b>``: the weight's layout (n / t); ``<g>``: the
 busy groups, rounded up to a power of two and clamped to 8-32; ``<t>``: the intra-op threads.
 
 ==============================  ====================  ======  ==============================
@@ -63,11 +65,11 @@ key                             choices               margin  used by
                                                               ``:t<t>``)
 ``row_split:<dt>``              **one**, split        10%     the threaded kernel's
                                                               forward GEMMs (CPU)
-``gemm_kernel:<dt>:<kind>:r<r>:  **aten**, native      5%      the threaded kernel's
-k<k>:n<n>``                                                   GEMMs of that kind and
+``gemm_kernel:<dt>:<kind>:``     **aten**, native      5%      the threaded kernel's
+``r<r>:k<k>:n<n>``                                            GEMMs of that kind and
                                                               size (CPU, bf16 on
                                                               AVX512-BF16 or AMX)
-``out_stream:<dt>``              **cache**, stream     5%      the native kernels'
+``out_stream:<dt>``             **cache**, stream     5%      the native kernels'
                                                               outputs past the L2
                                                               (CPU, where the native
                                                               bf16 GEMM runs)

@@ -49,6 +49,11 @@
 // either way; `gathered` below says why not one copy of all rows). transpose_a takes a
 // gathered a too: the piece's rows gathered, then copied row-major.
 //
+// stream_out (the CPU probe's out_stream decision): the native GEMM writes the output's
+// whole 64-byte lines by non-temporal stores where all of out is past this core's L2
+// (bf16_gemm_streams): no read for ownership of lines nothing reads before they leave
+// the cache. The values do not change.
+//
 // split_rows (forward; the CPU probe's row_split decision): oneDNN's bf16 / fp16 matmul on
 // AVX-512 without AMX (oneDNN 3.x) cuts a GEMM's M rows into equal blocks of 32 to 256
 // rows, the largest block with the fewest padded rows. A router's count such as 481 =
