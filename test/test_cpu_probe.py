@@ -707,7 +707,8 @@ def _whole_path_spies():
 @contextlib.contextmanager
 def _wgrad_copy_spies() -> Iterator[Callable[[], tuple[int, int]]]:
     """Counts the weight gradients' operand copies: (whole copies ``transposed_copy``,
-    calls of the threaded kernel that copies ``x^T`` piece by piece)."""
+    calls of the threaded kernel that copies ``x^T`` piece by piece, its rows read
+    gathered or not)."""
     whole = unittest.mock.patch.object(
         grouped_mm_module, "transposed_copy", wraps=grouped_mm_module.transposed_copy
     )
@@ -716,10 +717,16 @@ def _wgrad_copy_spies() -> Iterator[Callable[[], tuple[int, int]]]:
         "_whole_grouped_mm_wgrad",
         wraps=grouped_mm_module._whole_grouped_mm_wgrad,
     )
-    with whole as copies, kernel as wgrads:
+    gathered = unittest.mock.patch.object(
+        grouped_swiglu_module,
+        "gathered_grouped_mm_wgrad",
+        wraps=grouped_swiglu_module.gathered_grouped_mm_wgrad,
+    )
+    with whole as copies, kernel as wgrads, gathered as reads:
         yield lambda: (
             copies.call_count,
-            sum(c.args[-1] == "transpose" for c in wgrads.call_args_list),
+            sum(c.args[-1] == "transpose" for c in wgrads.call_args_list)
+            + sum(c.args[5] == "transpose" for c in reads.call_args_list),
         )
 
 

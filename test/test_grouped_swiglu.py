@@ -15,7 +15,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_moe
 from torch_moe import ops
-from torch_moe._ops import _cpu_probe
+from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops.grouped_swiglu import swiglu_reference
 from torch_moe.nn.functional import grouped_swiglu
 
@@ -378,6 +378,55 @@ class TestGroupedSwiGLUChecks(TestCase):
         self.assertEqual(results[1][2].shape, (T, D))
         if case == "idle_expert":
             self.assertTrue((results[1][3][E - 1] == 0).all())
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_permutation_form_reads_the_gathered_rows(self):
+        """The op's whole path (the profiler's, autocast's, a compiled graph's) reads the
+        tokens' rows of h's GEMM and of dW13 through the token index where the threaded
+        kernel runs them (on one thread where torch._grouped_mm's way was decided, on two
+        where threads_mm chose the kernel; oneDNN's pieces and, where it runs, the native
+        GEMM), gathering no [M, D] copy: bit for bit the op on permute(x); with the
+        kernel's way not taken (two threads, threads_mm aten) it gathers copies."""
+        from test_cpu_probe import intra_op_threads
+        from test_eager import LEAN, THREADS
+
+        import torch_moe._ops.grouped_swiglu as gs
+
+        g = torch.Generator().manual_seed(13)
+        T, D, F, E, K = 48, 32, 24, 4, 2  # 24 rows per expert: past FEW_ROWS
+        perm = ops.permute_indices(torch.rand(T, E, generator=g).argsort(1)[:, :K], E, align=4)
+        M = perm.row_to_slot.shape[0]
+        bf16 = torch.bfloat16
+        x = torch.randn(T, D, generator=g).to(bf16)
+        w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.5).to(bf16)
+        w2 = (torch.randn(E, D, F, generator=g) * 0.5).to(bf16)
+        rw = torch.rand(M, generator=g)
+        gy = torch.randn(M, D, generator=g).to(bf16)
+        one = {**LEAN, "row_split": "one", "gemm_kernel": "aten"}
+        runs = [
+            (1, one, True),
+            (1, {**one, "gemm_kernel": "native", "wgrad_a": "transpose"}, True),
+            (2, {**THREADS, "row_split": "one", "gemm_kernel": "aten"}, True),
+            (2, {**LEAN, "gemm_kernel": "aten"}, False),
+        ]
+        for threads, decisions, reads in runs:
+            spy = unittest.mock.patch.object(
+                gs, "gathered_grouped_mm", wraps=gs.gathered_grouped_mm
+            )
+            spy_w = unittest.mock.patch.object(
+                gs, "gathered_grouped_mm_wgrad", wraps=gs.gathered_grouped_mm_wgrad
+            )
+            with (
+                self.subTest(threads=threads, decisions=decisions),
+                intra_op_threads(threads),
+                _cpu_probe.force(decisions),
+                spy as fwd,
+                spy_w as wgrad,
+            ):
+                results = _both_forms(x, w13, w2, rw, perm, "whole", (gy,))
+                self.assertEqual((fwd.call_count, wgrad.call_count), (int(reads), int(reads)))
+            for name, a, b in zip(("y", "h", "dx", "dw13", "dw2", "drw"), *results, strict=True):
+                self.assertEqual(b, a, atol=0, rtol=0, msg=name)
 
     @parametrize("path", ["loop", "whole"])
     @parametrize("case", ["dropless", "aligned", "capacity"])

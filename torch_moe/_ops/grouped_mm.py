@@ -1118,6 +1118,19 @@ def transposes_wgrad(x: Tensor, n: int, ends: list[int]) -> bool:
     return wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], n)
 
 
+def wgrad_way(x: Tensor, dy: Tensor, ends: list[int]) -> str | None:
+    """How ``grouped_mm_wgrad``'s CPU kernel runs ``x[g]^T @ dy[g]`` when that is one
+    call for all groups: ``"transpose"`` (:func:`transposes_wgrad`), else
+    :func:`whole_way`'s for the transposed view of x; None where it copies all of x first
+    (``wgrad_copies`` without the pieces) or takes the per-group loop."""
+    if transposes_wgrad(x, dy.shape[1], ends):
+        return "transpose"
+    busy = _busy_groups(ends)
+    if busy and wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], dy.shape[1]):
+        return None
+    return whole_way(x.t(), dy, ends, True)
+
+
 def whole_way(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> str | None:
     """How the CPU kernel runs this grouped GEMM when that is one call for all groups:
     ``"few"``, ``"few_amx"``, ``"threads"`` or ``"torch"`` (:func:`_whole_grouped_mm`'s

@@ -46,6 +46,7 @@ from torch_moe._ops.grouped_mm import (
     _grouped_mm_cpu,
     _grouped_mm_wgrad_cpu,
     _nonzero_strides,
+    _offs_tensor,
     _whole_grouped_mm,
     _whole_grouped_mm_wgrad,
     check_offs_values,
@@ -63,10 +64,9 @@ from torch_moe._ops.grouped_mm import (
     rows_per_busy_group,
     splits_rows,
     streams_outputs,
-    transposes_wgrad,
     weight_col_major,
-    wgrad_copies,
     wgrad_operand,
+    wgrad_way,
     whole_way,
 )
 from torch_moe._ops.permute import (
@@ -295,6 +295,44 @@ def _rows(
 def _all_rows(x: Tensor, gather_index: Tensor | None, dtype: torch.dtype) -> Tensor:
     """The whole expert-sorted input [M, D] in ``dtype`` (``_rows`` over every row)."""
     return x if gather_index is None else gather_rows(x, gather_index).to(dtype)
+
+
+def _reads_rows(x: Tensor, ends: list[int], dt: torch.dtype) -> bool:
+    """Whether x's rows gathered by a token index can be read by the threaded kernel in
+    place of a gathered copy (``reads_gathered``), there being groups."""
+    return bool(ends) and reads_gathered(x, "threads", dt)
+
+
+def _rows_mm(
+    x: Tensor, gather_index: Tensor | None, w: Tensor, ends: list[int], offs: Tensor
+) -> Tensor:
+    """``_grouped_mm_cpu(_all_rows(x, gather_index), w)``, the rows read through the token
+    index where that GEMM's way is the threaded kernel's (``gather_way``: the same bits, no
+    [M, D] copy), as the lean forward reads them."""
+    if gather_index is not None and _reads_rows(x, ends, w.dtype):
+        rows = w.new_empty((gather_index.shape[0], x.shape[1]))  # the gathered rows' metadata
+        way = gather_way(whole_way(rows, w, ends, False), w.dtype)
+        del rows  # (not live next to a gathered copy)
+        if way == "threads":
+            return gathered_grouped_mm(x, gather_index, w, _offs_tensor(ends, offs))
+    return _grouped_mm_cpu(_all_rows(x, gather_index, w.dtype), w, ends, offs)
+
+
+def _rows_wgrad(
+    dh: Tensor, x: Tensor, gather_index: Tensor | None, ends: list[int], offs: Tensor
+) -> Tensor:
+    """``_grouped_mm_wgrad_cpu(dh, _all_rows(x, gather_index))``, the rows read through the
+    token index where that weight gradient's way is the threaded kernel's (as ``_rows_mm``;
+    the lean backward's dW13)."""
+    dt = dh.dtype
+    if gather_index is not None and _reads_rows(x, ends, dt):
+        rows = dh.new_empty((gather_index.shape[0], x.shape[1]))
+        way = gather_way(wgrad_way(dh, rows, ends), dt)
+        del rows
+        if way is not None and reads_gathered(x, way, dt):
+            offs_i = _offs_tensor(ends, offs)
+            return gathered_grouped_mm_wgrad(dh.t(), x, offs_i, None, gather_index, way)
+    return _grouped_mm_wgrad_cpu(dh, _all_rows(x, gather_index, dt), ends, offs)
 
 
 @torch.library.custom_op("torch_moe::grouped_swiglu", mutates_args=())
@@ -709,9 +747,7 @@ def _forward_whole(
     expert); the activation in row chunks over all rows (the same math as the loop's,
     into one [M, F] buffer)."""
     rows = _num_rows(x, gather_index)
-    x_rows = _all_rows(x, gather_index, w13.dtype)
-    h = _grouped_mm_cpu(x_rows, w13.transpose(-2, -1), ends, offs)
-    del x_rows  # gathered: freed before A and Y are allocated
+    h = _rows_mm(x, gather_index, w13.transpose(-2, -1), ends, offs)  # (a gathered copy: freed)
     a = w13.new_empty((rows, w2.shape[2]))
     mod = _native_kernels(h, a)
     if mod is not None:  # row by row, no temporaries: all rows in one call
@@ -838,7 +874,6 @@ def _backward_whole(
     ``grouped_mm_wgrad``'s CPU kernels, the activation's backward in row chunks over all
     rows."""
     rows, hidden = h.shape[0], w2.shape[2]
-    dt = w13.dtype
     grad_y = _nonzero_strides(grad_y)
     grad_a = _grouped_mm_cpu(grad_y, w2, ends, offs)
     a = w13.new_empty((rows, hidden))
@@ -852,12 +887,11 @@ def _backward_whole(
     if grad_rw is not None:
         grad_rw[end:] = 0  # rows past the last group belong to no expert
     # one [M, *] buffer at a time next to dH: A freed after dW2, the input rows (gathered
-    # again where the op gathers) after dW13, before dX is allocated
+    # again where the op gathers and the threaded kernel does not read them in place)
+    # after dW13, before dX is allocated
     dw2 = _grouped_mm_wgrad_cpu(grad_y, a, ends, offs)
     del a
-    x_rows = _all_rows(x, gather_index, dt)
-    dw13 = _grouped_mm_wgrad_cpu(dh, x_rows, ends, offs)
-    del x_rows
+    dw13 = _rows_wgrad(dh, x, gather_index, ends, offs)
     dx = _grouped_mm_cpu(dh, w13, ends, offs)
     return dx, dw13, dw2, _grad_rw_or_empty(grad_rw, row_weights, x)
 
@@ -1173,15 +1207,8 @@ def _lean_gemms(
     put the GEMMs that read a gather of the tokens' rows first and third (x's, the
     output gradient's) and the weight gradients (each has one): their ways are
     ``gather_way``'s."""
-    per_group = ends[-1] // _busy_groups(ends)
     ways = [whole_way(x, w, ends, False) for x, w in gemms]
-    for x, dy in wgrads:
-        if transposes_wgrad(x, dy.shape[1], ends):
-            ways.append("transpose")
-        elif wgrad_copies(x.dtype, per_group, x.shape[1], dy.shape[1]):
-            return None
-        else:
-            ways.append(whole_way(x.t(), dy, ends, True))
+    ways += [wgrad_way(x, dy, ends) for x, dy in wgrads]
     dtype = gemms[0][1].dtype
     ways = [gather_way(way, dtype) if i in (0, 2, 4, 5) else way for i, way in enumerate(ways)]
     return None if None in ways else tuple(way for way in ways if way is not None)
