@@ -640,9 +640,8 @@ def _measure_gemm_kernel(
 
     def evict(s: tuple[Tensor, Tensor, Tensor]) -> None:
         for t in s:
-            native_lib.evict_from_cache(t)
+            mod.evict_from_cache(t)
 
-    native_lib = _native.kernels()
     sets = [operands() for _ in range(_cpu_probe._OPERAND_SETS)]
     ways = {"aten": run(False), "native": run(True)}
     return _cpu_probe.time_candidates(_cpu_probe.cycled(sets, ways, evict))

@@ -80,13 +80,9 @@ constexpr int kMr = 6;                 // rows per register tile: 6 x 4 accumula
 constexpr int64_t kKBlock = 256;       // k pairs (512 k) per block of the sums
 
 // Bytes of a's rows per pass over the panels: half the L2 cache (the rest holds the panel
-// in use and the output rows), 1 MiB where the system does not say.
+// in use and the output rows; 1 MiB where the system does not say), at least 64 KiB.
 int64_t a_block_bytes() {
-  static const int64_t bytes = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return l2 > 0 ? std::max<int64_t>(64 << 10, l2 / 2) : int64_t(1) << 20;
-  }();
-  return bytes;
+  return std::max<int64_t>(64 << 10, l2_cache_bytes() / 2);
 }
 
 // Rows of a per pass over b's panels: near-equal passes of whole units of rows, each at

@@ -13,16 +13,20 @@
 
 namespace torch_moe_cpu {
 
-// Whether a kernel's whole output of `bytes` is past this core's L2 cache (the system's
-// figure; 2 MiB where it gives none): its lines then leave the cache before anything
-// reads them, and the kernels write them by non-temporal stores (no read for ownership
-// of every line first; see store_vec).
-inline bool past_l2(int64_t bytes) {
+// This core's L2 cache in bytes: the system's figure, 2 MiB where it gives none.
+inline int64_t l2_cache_bytes() {
   static const int64_t l2 = [] {
     const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
     return size > 0 ? static_cast<int64_t>(size) : int64_t(2) << 20;
   }();
-  return bytes > l2;
+  return l2;
+}
+
+// Whether a kernel's whole output of `bytes` is past this core's L2 cache: its lines then
+// leave the cache before anything reads them, and the kernels write them by non-temporal
+// stores (no read for ownership of every line first; see store_vec).
+inline bool past_l2(int64_t bytes) {
+  return bytes > l2_cache_bytes();
 }
 
 }  // namespace torch_moe_cpu
