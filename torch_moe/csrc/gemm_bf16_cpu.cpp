@@ -174,6 +174,39 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int6
   }
 }
 
+// Every panel of a row-major [K, N] matrix at once (panel q at out + q * panel_words, as
+// pack_row_pairs would write it, zero pairs from ceil(K / 2) up to `pairs`), pair of rows
+// by pair of rows: each row read once, from its start to its end. Packing panel by panel
+// instead reads a strip of 128 bytes of every row for each panel, a stride the hardware
+// prefetchers do not follow (an E8 expert's dH @ w13 on the AMX Xeon measured: 48 -> 40
+// ms, benchmarks/results/cpu_floor_cpu_202612.md).
+TORCH_MOE_GEMM_TARGET void pack_row_pairs_across(const RowSource& m, int64_t K, int64_t N,
+                                                 int64_t pairs, uint32_t* out,
+                                                 int64_t panel_words) {
+  const int64_t whole = N / kNr;  // panels of 64 of m's columns; a last one of N % 64
+  for (int64_t p = 0; p < pairs; ++p) {
+    uint32_t* o = out + p * kNr;
+    if (2 * p >= K) {
+      for (int64_t q = 0; q * kNr < N; ++q) std::memset(o + q * panel_words, 0, kNr * 4);
+      continue;
+    }
+    const uint16_t* r0 = m.row(2 * p);
+    const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) : m.zero;
+    for (int64_t q = 0; q < whole; ++q, o += panel_words) {
+      for (int h = 0; h < 2; ++h) {
+        __m512i lo, hi;
+        interleave_rows(_mm512_loadu_si512(r0 + q * kNr + 32 * h),
+                        _mm512_loadu_si512(r1 + q * kNr + 32 * h), lo, hi);
+        _mm512_storeu_si512(o + 32 * h, lo);
+        _mm512_storeu_si512(o + 32 * h + 16, hi);
+      }
+    }
+    for (int64_t j = 0, n0 = whole * kNr; n0 < N && j < kNr; ++j) {
+      o[j] = n0 + j < N ? uint32_t(r0[n0 + j]) | uint32_t(r1[n0 + j]) << 16 : 0u;
+    }
+  }
+}
+
 // In place: r[i] becomes the i-th 32-bit word of each of r[0..15].
 TORCH_MOE_GEMM_INLINE void transpose_16x16(__m512i r[16]) {
   __m512i t[16];
@@ -568,6 +601,33 @@ TORCH_MOE_GEMM_TARGET void pack_a_tiles_cols(const RowSource& at, int64_t M, int
   }
 }
 
+// A block of c: rows [row, row + rows) and columns [col, col + cols), at most 32 x 32.
+struct OutBlock {
+  int64_t row, col, rows, cols;
+};
+
+// A block of c's tiles (acc[m][n], rows x cols, at most 32 x 32) rounded into c (its first
+// element at c).
+TORCH_MOE_GEMM_TARGET void store_acc(const float (&acc)[2 * kTm][32], uint16_t* c, int64_t ldc,
+                                     int64_t rows, int64_t cols, bool stream) {
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* o = c + r * ldc;
+    if (cols == 32) {
+      store_line(o, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][0])),
+                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][16])), stream);
+      continue;
+    }
+    for (int64_t v = 0; v < cols; v += 16) {
+      const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][v]));
+      if (cols - v >= 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + v), x);
+      } else {
+        _mm256_mask_storeu_epi16(o + v, static_cast<__mmask16>((1u << (cols - v)) - 1), x);
+      }
+    }
+  }
+}
+
 // c [M, N] = a @ b by AMX tiles (see above).
 TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const BOperand& b,
                                    uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K,
@@ -578,7 +638,9 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   const int64_t panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // passes over the rows: multiples of 32 rows, each at most a_block_bytes() of a
   const int64_t block = pass_rows(M, 2 * kt * kTk, 2 * kTm);
-  const bool one_pass = block >= M;  // two panel buffers in turn, else every panel kept
+  const bool rows_first = !b.col_major;
+  // two panel buffers in turn, else every panel kept
+  const bool one_pass = block >= M && !rows_first;
   const int64_t held = one_pass ? 2 : n_panels;
   reserve_scratch(panels, held * panel_words);
   // a row-major a, not gathered, whole 32-k steps: its tiles read in place, all but a
@@ -604,20 +666,30 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
     const int64_t z0 = std::max(p0, packed);
     if (p1 > z0) std::memset(out + z0 * kNr, 0, (p1 - z0) * kNr * 4);
   };
-  pack_panel(0, 0, pairs);
+  if (rows_first) {
+    pack_row_pairs_across(b.rows, K, N, pairs, panels.data(), panel_words);
+  } else {
+    pack_panel(0, 0, pairs);
+  }
   // in the first pass, panel q + 1 is packed in slices (multiples of 16 pairs) while the
   // products of panel q run, one slice per output block
   const int64_t first_blocks = (std::min(M, block) + 2 * kTm - 1) / (2 * kTm) * 2;
   const int64_t slice = ((kt + first_blocks - 1) / first_blocks) * 16;
   load_tile_config();
-  alignas(64) float acc[2 * kTm][32];
+  // each block of c stored while the next block's products run (two sum buffers in turn)
+  alignas(64) float accs[2][2 * kTm][32];
+  OutBlock done{0, 0, 0, 0};  // in accs[cur ^ 1], not stored yet (none while rows is 0)
+  int cur = 0;
+  auto store_done = [&] {
+    store_acc(accs[cur ^ 1], c + done.row * ldc + done.col, ldc, done.rows, done.cols, stream);
+  };
   const int64_t tile_elems = kTm * kTk;
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
     for (int64_t q = 0; q < n_panels; ++q) {
       const int64_t n0 = q * kNr;
       const uint32_t* panel = panels.data() + (one_pass ? q & 1 : q) * panel_words;
-      int64_t next_p = (one_pass || m0 == 0) && q + 1 < n_panels ? 0 : pairs;
+      int64_t next_p = (one_pass || m0 == 0) && q + 1 < n_panels && !rows_first ? 0 : pairs;
       for (int64_t m = m0; m < m1; m += 2 * kTm) {
         const uint16_t *a0, *a1;
         int64_t a_stride, a_step;  // bytes between a tile's rows, elements per k step
@@ -633,38 +705,57 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
           a_step = tile_elems;
         }
         for (int64_t h = 0; h < kNr && n0 + h < N; h += 32) {
-          tile_block(a0, a1, a_stride, a_step, panel + h, kNr * 4, 16 * kNr, kt, acc, [&] {
+          tile_block(a0, a1, a_stride, a_step, panel + h, kNr * 4, 16 * kNr, kt, accs[cur], [&] {
             if (next_p < pairs) {  // (while the tile products run)
               pack_panel(q + 1, next_p, std::min(pairs, next_p + slice));
               next_p += slice;
             }
+            if (done.rows > 0) store_done();
           });
-          const int64_t rows = std::min<int64_t>(2 * kTm, m1 - m);
-          const int64_t cols = std::min<int64_t>(32, N - n0 - h);
-          for (int64_t r = 0; r < rows; ++r) {
-            uint16_t* o = c + (m + r) * ldc + n0 + h;
-            if (cols == 32) {
-              store_line(o, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][0])),
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][16])), stream);
-              continue;
-            }
-            for (int64_t v = 0; v < cols; v += 16) {
-              const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][v]));
-              if (cols - v >= 16) {
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + v), x);
-              } else {
-                _mm256_mask_storeu_epi16(o + v, static_cast<__mmask16>((1u << (cols - v)) - 1), x);
-              }
-            }
-          }
+          done = {m, n0 + h, std::min<int64_t>(2 * kTm, m1 - m), std::min<int64_t>(32, N - n0 - h)};
+          cur ^= 1;
         }
       }
       if (next_p < pairs) pack_panel(q + 1, next_p, pairs);
     }
   }
+  if (done.rows > 0) store_done();
   _tile_release();
 }
 
+
+// A block of c^T's tiles (acc[n][m]: c's columns n < cols by its rows m < rows, at most
+// 32 x 32) transposed and rounded into c (its block's first element at c).
+TORCH_MOE_GEMM_TARGET void store_acc_t(const float (&acc)[2 * kTm][32], uint16_t* c,
+                                       int64_t ldc, int64_t mrows, int64_t ncols, bool stream) {
+          for (int64_t mb = 0; mb < mrows && ncols == 32; mb += 16) {  // whole lines
+            __m512i lo[16], hi[16];  // columns 0-15 and 16-31 of rows mb..mb+15
+            for (int i = 0; i < 16; ++i) {
+              lo[i] = _mm512_load_si512(&acc[i][mb]);
+              hi[i] = _mm512_load_si512(&acc[16 + i][mb]);
+            }
+            transpose_16x16(lo);
+            transpose_16x16(hi);
+            for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
+              store_line(c + (mb + j) * ldc,
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lo[j])),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(hi[j])), stream);
+            }
+          }
+          for (int64_t mb = 0; mb < mrows && ncols < 32; mb += 16) {
+            for (int64_t nb = 0; nb < ncols; nb += 16) {
+              __m512i r[16];
+              for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&acc[nb + i][mb]);
+              transpose_16x16(r);
+              const int64_t left = ncols - nb;
+              const auto mask = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1);
+              for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
+                const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j]));
+                _mm256_mask_storeu_epi16(c + (mb + j) * ldc + nb, mask, x);
+              }
+            }
+          }
+}
 
 // c [M, N] = a @ b for a column-major b that is not gathered (b^T = w, [N, K] row-major:
 // x @ w^T), computed as c^T = w @ a^T: w's rows are the tiles' first operand, read in
@@ -684,7 +775,13 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
   reserve_scratch(w_block, 2 * kTm * kt * kTk);
   const bool direct_k = K % kTk == 0;
   load_tile_config();
-  alignas(64) float acc[2 * kTm][32];
+  // each block of c stored while the next block's products run (two sum buffers in turn)
+  alignas(64) float accs[2][2 * kTm][32];
+  OutBlock done{0, 0, 0, 0};  // in accs[cur ^ 1] (c^T's rows), not stored yet
+  int cur = 0;
+  auto store_done = [&] {
+    store_acc_t(accs[cur ^ 1], c + done.row * ldc + done.col, ldc, done.rows, done.cols, stream);
+  };
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block), used = (m1 - m0 + kNr - 1) / kNr;
     for (int64_t qi = 0; qi < used; ++qi) {
@@ -719,42 +816,21 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, ui
           const uint32_t* bp = a_panels.data() + qi * panel_words + h;
           // acc[n][m] -> c[m][n]
           const int64_t mbase = m0 + qi * kNr + h, mrows = std::min<int64_t>(32, m1 - mbase);
+          auto between = [&] {
+            if (done.rows > 0) store_done();
+          };
           if (mrows <= 16) {  // a few rows' last 16: one b tile
-            tile_block<1>(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, acc, [] {});
+            tile_block<1>(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, accs[cur], between);
           } else {
-            tile_block(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, acc, [] {});
+            tile_block(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, accs[cur], between);
           }
-          for (int64_t mb = 0; mb < mrows && ncols == 32; mb += 16) {  // whole lines
-            __m512i lo[16], hi[16];  // columns 0-15 and 16-31 of rows mb..mb+15
-            for (int i = 0; i < 16; ++i) {
-              lo[i] = _mm512_load_si512(&acc[i][mb]);
-              hi[i] = _mm512_load_si512(&acc[16 + i][mb]);
-            }
-            transpose_16x16(lo);
-            transpose_16x16(hi);
-            for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
-              store_line(c + (mbase + mb + j) * ldc + n0,
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lo[j])),
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(hi[j])), stream);
-            }
-          }
-          for (int64_t mb = 0; mb < mrows && ncols < 32; mb += 16) {
-            for (int64_t nb = 0; nb < ncols; nb += 16) {
-              __m512i r[16];
-              for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&acc[nb + i][mb]);
-              transpose_16x16(r);
-              const int64_t left = ncols - nb;
-              const auto mask = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1);
-              for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
-                const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j]));
-                _mm256_mask_storeu_epi16(c + (mbase + mb + j) * ldc + n0 + nb, mask, x);
-              }
-            }
-          }
+          done = {mbase, n0, mrows, ncols};
+          cur ^= 1;
         }
       }
     }
   }
+  if (done.rows > 0) store_done();
   _tile_release();
 }
 
