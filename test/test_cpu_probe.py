@@ -28,6 +28,7 @@ from torch_moe._ops import _cpu_probe as P
 from torch_moe._ops import _native
 from torch_moe._ops import grouped_mm as grouped_mm_module
 from torch_moe._ops import grouped_swiglu as grouped_swiglu_module
+from torch_moe._ops import router as router_module
 from torch_moe._ops.grouped_mm import cpu_compute_dtype, grouped_mm_wgrad, mm_into
 from torch_moe._ops.grouped_swiglu import swiglu_reference
 from torch_moe.nn.functional import grouped_swiglu
@@ -548,6 +549,56 @@ class TestCpuProbe(TestCase):
                 outs.append(grouped_mm(x, w, offs))
                 self.assertEqual(flags, [choice == "stream"])
         self.assertTrue(torch.equal(*outs))
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_router_kernel_decision(self):
+        # measured per class of tokens (capped at 256) and experts where the AMX tiles run
+        # (else the row kernels, nothing measured); never for fp16 / fp32; forced either
+        # way, the kernels get the flag in both directions
+        x, w = torch.randn(300, 64).bfloat16(), torch.randn(20, 64).bfloat16()
+        got = router_module._tiles(x, w)
+        self.assertFalse(router_module._tiles(x.half(), w.half()))
+        self.assertFalse(router_module._tiles(x.float(), w.float()))
+        keys = [k for k in P.decisions() if k.startswith("router_kernel:")]
+        if not grouped_mm_module.amx_tiles(torch.bfloat16):
+            self.assertEqual((got, keys), (False, []))
+            return
+        self.assertEqual(keys, ["router_kernel:bf16:r256:e32"])
+        self.assertRegex(P.decisions()[keys[0]], r"^(native|amx) \(measured: native .* amx ")
+        self.assertEqual(got, P.decisions()[keys[0]].startswith("amx"))
+        self.assertEqual(router_module._tiles(x[:5], w[:3]), router_module._tiles(x[:8], w[:4]))
+        real = router_module._native.kernels()
+        flags = []
+
+        class Recording:  # the last argument: the tiles
+            def __getattr__(self, name):
+                fn = getattr(real, name)
+                if not name.startswith("router_logits"):
+                    return fn
+
+                def call(*args):
+                    flags.append((name, args[-1]))
+                    return fn(*args)
+
+                return call
+
+        outs = []
+        for choice in ("native", "amx"):
+            flags.clear()
+            with (
+                self.subTest(choice=choice),
+                P.force(router_kernel=choice),
+                unittest.mock.patch.object(router_module._native, "kernels", Recording),
+            ):
+                xg = x.detach().requires_grad_()
+                out = router_module.router_logits(xg, w)
+                out.backward(torch.ones_like(out))
+                outs.append((out.detach(), xg.grad))
+                tiles = choice == "amx"
+                want = [("router_logits", tiles), ("router_logits_backward", tiles)]
+                self.assertEqual(flags, want)
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_row_split_takes_the_threaded_kernel_on_one_thread(self):

@@ -27,7 +27,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
-from torch_moe._ops import _native
+from torch_moe._ops import _cpu_probe, _native, grouped_mm
 from torch_moe._ops import router as _router
 
 HALF = (torch.bfloat16, torch.float16)
@@ -118,13 +118,14 @@ class TestRouterLogits(TestCase):
         # reference's
         x, w, b = _inputs(45, 96, 7, dtype, seed=3)
         out = torch.empty(45, 7)
-        self.assertTrue(_native.kernels().router_logits(x, w, b.float(), out))
+        tiles = _router._tiles(x, w)  # the kernels' form the op takes here (router_kernel)
+        self.assertTrue(_native.kernels().router_logits(x, w, b.float(), out, tiles))
         want = ops.router_logits(x, w, b)
         self.assertEqual(want, out, atol=0, rtol=0)
         self.assertEqual(ops.router_logits(x, w, b), want, atol=0, rtol=0)
         grad = torch.randn(45, 7, generator=torch.Generator().manual_seed(4))
         gx, gw = torch.empty_like(x), torch.empty_like(w)
-        self.assertTrue(_native.kernels().router_logits_backward(grad, x, w, gx, gw))
+        self.assertTrue(_native.kernels().router_logits_backward(grad, x, w, gx, gw, tiles))
         got_x, got_w = _router.router_logits_backward(grad, x, w, True, True)
         self.assertEqual((got_x, got_w), (gx, gw), atol=0, rtol=0)
         wide = torch.zeros(45, 110, dtype=dtype)
@@ -275,6 +276,84 @@ class TestRouterLogitsBackward(TestCase):
         self.assertEqual(fwd(x, w, b), ops.router_logits(x, w, b), atol=0, rtol=0)
 
 
+def _amx_runs():
+    """Whether the native kernels can take the expert GEMMs' AMX tiles here."""
+    return _native_runs() and grouped_mm.amx_tiles(torch.bfloat16)
+
+
+class TestRouterTiles(TestCase):
+    """The bf16 kernels' two forms, each forced (the probe's ``router_kernel``): the row
+    kernels' dot products and fp32 FMAs, and the expert GEMMs' AMX tiles (logits x @ w^T
+    with fp32 sums; grad_x from the gradient's three bf16 parts): within the float64
+    bounds on every tail shape, the op's results the forced form's own (so a test of
+    one form never runs the other), the same bits on any thread count, and a non-finite
+    gradient's infinities and NaNs where the reference has them."""
+
+    @parametrize("kernel", ["native", "amx"])
+    @parametrize("shape", SHAPES + [(300, 1024, 64), (33, 96, 130)])
+    def test_within_bounds(self, kernel, shape):
+        if kernel == "amx" and not _amx_runs():
+            self.skipTest("no AMX tiles here")
+        T, _, E = shape
+        x, w, b = _inputs(*shape, torch.bfloat16, seed=11)
+        grad = torch.randn(T, E, generator=torch.Generator().manual_seed(12))
+        with _cpu_probe.force(router_kernel=kernel):
+            self.assertEqual(_router._tiles(x, w), kernel == "amx" and _native_runs())
+            x.requires_grad_()
+            w.requires_grad_()
+            out = ops.router_logits(x, w, b)
+            out.backward(grad)
+        exact = _exact(x.detach(), w.detach(), b)
+        bound = _logits_bound(x.detach(), w.detach(), b, exact)
+        assert_within(self, out, exact, bound, msg=f"{kernel} {shape}")
+        _assert_grads_within(self, x, w, grad, torch.bfloat16)
+        if not _native_runs():
+            return
+        direct = torch.empty(T, E)
+        tiles = kernel == "amx"
+        mod = _native.kernels()
+        self.assertTrue(mod.router_logits(x.detach(), w.detach(), b.float(), direct, tiles))
+        self.assertEqual(out.detach(), direct, atol=0, rtol=0)
+        gx = torch.empty_like(x)
+        self.assertTrue(mod.router_logits_backward(grad, x.detach(), w.detach(), gx, None, tiles))
+        self.assertEqual(x.grad, gx, atol=0, rtol=0)
+
+    @unittest.skipUnless(_amx_runs(), "no AMX tiles here")
+    def test_tiles_bits_do_not_depend_on_threads(self):
+        x, w, b = _inputs(389, 200, 40, torch.bfloat16, seed=13)
+        grad = torch.randn(389, 40, generator=torch.Generator().manual_seed(14))
+        threads = torch.get_num_threads()
+        results = []
+        try:
+            with _cpu_probe.force(router_kernel="amx"):
+                for n in (1, 2, 3):
+                    torch.set_num_threads(n)
+                    back = _router.router_logits_backward(grad, x, w, True, True)
+                    results.append((ops.router_logits(x, w, b), *back))
+        finally:
+            torch.set_num_threads(threads)
+        for got in results[1:]:
+            for g, want in zip(got, results[0]):
+                self.assertEqual(g, want, atol=0, rtol=0)
+
+    @parametrize("kernel", ["native", "amx"])
+    def test_non_finite_gradient(self, kernel):
+        if kernel == "amx" and not _amx_runs():
+            self.skipTest("no AMX tiles here")
+        x, w, _ = _inputs(40, 64, 20, torch.bfloat16, seed=15)
+        grad = torch.randn(40, 20, generator=torch.Generator().manual_seed(16))
+        grad[3, 5] = float("inf")
+        grad[7, 0] = float("-inf")
+        grad[9, 19] = float("nan")
+        grad[11, 2], grad[11, 3] = float("inf"), float("-inf")
+        with _cpu_probe.force(router_kernel=kernel):
+            gx, _ = _router.router_logits_backward(grad, x, w, True, False)
+        want = (grad.double() @ w.double()).to(torch.bfloat16)
+        self.assertTrue(torch.equal(gx.isnan(), want.isnan()))
+        self.assertTrue(torch.equal(gx.isinf(), want.isinf()))
+        self.assertTrue(torch.equal(gx.isinf() & (gx > 0), want.isinf() & (want > 0)))
+
+
 class TestRouterLogitsProperty(TestCase):
     """Random sizes (tails of every tile and block), dtypes, biases, operand layouts and
     thread counts: the logits and both gradients within their float64 bounds (the
@@ -313,6 +392,7 @@ class TestRouterLogitsProperty(TestCase):
 
 instantiate_parametrized_tests(TestRouterLogits)
 instantiate_parametrized_tests(TestRouterLogitsBackward)
+instantiate_parametrized_tests(TestRouterTiles)
 
 if __name__ == "__main__":
     run_tests()

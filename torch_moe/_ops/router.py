@@ -18,7 +18,11 @@ large-GEMM rate and the conversions copy x twice per step (figures in the kernel
 header and ``benchmarks/results/cpu_floor_cpu_202612.md``). Their sums depend on D, T
 and E only, never on the thread count. With AVX512-BF16 the forward's products come
 from ``vdpbf16ps``, which reads denormal inputs as zero (as the expert GEMMs' bf16
-kernels do). ``TORCH_MOE_NATIVE=0`` runs the reference.
+kernels do). Where the CPU has AMX tiles, the CPU probe's ``router_kernel`` (measured per
+class of tokens and experts) may send bf16 logits and grad_x to the expert GEMMs' AMX
+micro-kernel instead: the logits' fp32 sums as the tiles leave them, grad_x from the
+fp32 gradient's three exact bf16 parts (the same math again; figures in the kernel's
+header). ``TORCH_MOE_NATIVE=0`` runs the reference.
 
 Gradients: the backward op (``torch_moe::router_logits_backward``) is not itself
 differentiable; a double backward (``create_graph=True``) takes the reference formulas
@@ -27,13 +31,15 @@ in differentiable ATen ops.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_moe._ops import _native
+from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype, no_autocast
 from torch_moe._ops._eager import direct_calls
 
@@ -80,6 +86,60 @@ def _native_kernels(x: Tensor, weight: Tensor) -> Any:
     return mod if mod is not None and hasattr(mod, "router_logits") else None
 
 
+_ROUTER_PROBE_D = 1024  # the probe's model dim (the ranking is the experts' and tokens')
+
+
+def _tiles(x: Tensor, weight: Tensor) -> bool:
+    """Whether the native kernels take the expert GEMMs' AMX tiles for these bf16 operands
+    (the CPU probe's ``router_kernel`` at this many tokens, capped at 256, and experts,
+    each rounded up to a power of two), else their dot products / fp32 FMAs. Memoized."""
+    if x.dtype != torch.bfloat16:
+        return False
+    rows = min(_cpu_probe._pow2_at_least(x.shape[0]), 256)
+    experts = _cpu_probe._pow2_at_least(weight.shape[0])
+    return _cpu_probe.memo(
+        ("router_kernel", rows, experts), functools.partial(_decide_tiles, rows, experts)
+    )
+
+
+def _decide_tiles(rows: int, experts: int) -> bool:
+    # (the tiles are the grouped GEMM's process-wide micro-kernel, which it turns on)
+    from torch_moe._ops.grouped_mm import amx_tiles
+
+    if not amx_tiles(torch.bfloat16):
+        return False
+    measure = functools.partial(_measure_tiles, rows, experts)
+    return _cpu_probe.router_kernel(torch.bfloat16, rows, experts, measure) == "amx"
+
+
+def _measure_tiles(rows: int, experts: int) -> dict[str, float]:
+    """Seconds of the native logits and grad_x at ``rows`` x ``_ROUTER_PROBE_D`` tokens and
+    ``experts`` experts, by the row kernels and by the tiles, operand sets cycled."""
+    mod, dt, d = _native.kernels(), torch.bfloat16, _ROUTER_PROBE_D
+    sets = [
+        (
+            torch.full((rows, d), 0.5, dtype=dt),
+            torch.full((experts, d), 0.25, dtype=dt),
+            torch.full((rows, experts), 0.125),
+            torch.empty(rows, experts),
+            torch.empty(rows, d, dtype=dt),
+        )
+        for _ in range(_cpu_probe._OPERAND_SETS)
+    ]
+
+    def run(tiles: bool) -> Callable[[tuple[Tensor, ...]], None]:
+        def call(s: tuple[Tensor, ...]) -> None:
+            x, w, g, out, gx = s
+            mod.router_logits(x, w, None, out, tiles)
+            mod.router_logits_backward(g, x, w, gx, None, tiles)
+
+        return call
+
+    return _cpu_probe.time_candidates(
+        _cpu_probe.cycled(sets, {"native": run(False), "amx": run(True)})
+    )
+
+
 def _row_major(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
@@ -99,7 +159,7 @@ def _router_logits_cpu(x: Tensor, weight: Tensor, bias: Tensor | None = None) ->
     if mod is not None:
         out = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
         b = None if bias is None else bias.to(torch.float32).contiguous()
-        if mod.router_logits(_row_major(x), _row_major(weight), b, out):
+        if mod.router_logits(_row_major(x), _row_major(weight), b, out, _tiles(x, weight)):
             return out
     return router_logits_reference(x, weight, bias)
 
@@ -157,7 +217,8 @@ def _router_logits_backward_cpu(
         xr, wr = _row_major(x), _row_major(weight)
         grad_x = x.new_empty(x.shape) if need_x else None  # contiguous, as the reference's
         grad_w = weight.new_empty(weight.shape) if need_weight else None
-        if mod.router_logits_backward(_row_major(grad), xr, wr, grad_x, grad_w):
+        tiles = _tiles(x, weight)
+        if mod.router_logits_backward(_row_major(grad), xr, wr, grad_x, grad_w, tiles):
             return (
                 _unneeded(x) if grad_x is None else grad_x,
                 _unneeded(weight) if grad_w is None else grad_w,

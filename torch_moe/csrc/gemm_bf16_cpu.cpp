@@ -65,6 +65,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace torch_moe_cpu {
@@ -750,36 +751,47 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
 
 
 // A block of c^T's tiles (acc[n][m]: c's columns n < cols by its rows m < rows, at most
-// 32 x 32) transposed and rounded into c (its block's first element at c).
-TORCH_MOE_GEMM_TARGET void store_acc_t(const float (&acc)[2 * kTm][32], uint16_t* c,
-                                       int64_t ldc, int64_t mrows, int64_t ncols, bool stream) {
-          for (int64_t mb = 0; mb < mrows && ncols == 32; mb += 16) {  // whole lines
-            __m512i lo[16], hi[16];  // columns 0-15 and 16-31 of rows mb..mb+15
-            for (int i = 0; i < 16; ++i) {
-              lo[i] = _mm512_load_si512(&acc[i][mb]);
-              hi[i] = _mm512_load_si512(&acc[16 + i][mb]);
-            }
-            transpose_16x16(lo);
-            transpose_16x16(hi);
-            for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
-              store_line(c + (mb + j) * ldc,
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lo[j])),
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(hi[j])), stream);
-            }
-          }
-          for (int64_t mb = 0; mb < mrows && ncols < 32; mb += 16) {
-            for (int64_t nb = 0; nb < ncols; nb += 16) {
-              __m512i r[16];
-              for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&acc[nb + i][mb]);
-              transpose_16x16(r);
-              const int64_t left = ncols - nb;
-              const auto mask = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1);
-              for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
-                const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j]));
-                _mm256_mask_storeu_epi16(c + (mb + j) * ldc + nb, mask, x);
-              }
-            }
-          }
+// 32 x 32) transposed into c (its block's first element at c): rounded to bf16 (Out
+// uint16_t; whole lines streamed where `stream`) or the fp32 sums as they are (Out float).
+template <class Out>
+TORCH_MOE_GEMM_TARGET void store_acc_t(const float (&acc)[2 * kTm][32], Out* c, int64_t ldc,
+                                       int64_t mrows, int64_t ncols, bool stream) {
+  for (int64_t mb = 0; mb < mrows && ncols == 32; mb += 16) {  // whole rows of the block
+    __m512i lo[16], hi[16];  // columns 0-15 and 16-31 of rows mb..mb+15
+    for (int i = 0; i < 16; ++i) {
+      lo[i] = _mm512_load_si512(&acc[i][mb]);
+      hi[i] = _mm512_load_si512(&acc[16 + i][mb]);
+    }
+    transpose_16x16(lo);
+    transpose_16x16(hi);
+    for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
+      Out* o = c + (mb + j) * ldc;
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_storeu_si512(o, lo[j]);
+        _mm512_storeu_si512(o + 16, hi[j]);
+      } else {
+        store_line(o, (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lo[j])),
+                   (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(hi[j])), stream);
+      }
+    }
+  }
+  for (int64_t mb = 0; mb < mrows && ncols < 32; mb += 16) {
+    for (int64_t nb = 0; nb < ncols; nb += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(&acc[nb + i][mb]);
+      transpose_16x16(r);
+      const int64_t left = ncols - nb;
+      const auto mask = static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1);
+      for (int64_t j = 0; j < std::min<int64_t>(16, mrows - mb); ++j) {
+        Out* o = c + (mb + j) * ldc + nb;
+        if constexpr (std::is_same_v<Out, float>) {
+          _mm512_mask_storeu_ps(o, mask, _mm512_castsi512_ps(r[j]));
+        } else {
+          _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
+        }
+      }
+    }
+  }
 }
 
 // c [M, N] = a @ b for a column-major b that is not gathered (b^T = w, [N, K] row-major:
@@ -788,7 +800,8 @@ TORCH_MOE_GEMM_TARGET void store_acc_t(const float (&acc)[2 * kTm][32], uint16_t
 // operand (a's pair p of row m is one 32-bit word already: 16 x 16 transposes); each c
 // tile is transposed on its way out. The same products summed in the same order as
 // amx_gemm's: the same bits.
-TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, uint16_t* c,
+template <class Out>
+TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, Out* c,
                                       int64_t ldc, int64_t M, int64_t N, int64_t K,
                                       bool stream) {
   thread_local std::vector<uint32_t> a_panels;
@@ -951,13 +964,15 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
 #endif
 }
 
-bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw,
-                      uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+// amx_gemm_rows_bt's two outputs (bf16, fp32).
+template <class Out>
+static bool rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw, Out* c,
+                    int64_t ldc, int64_t M, int64_t N, int64_t K) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!amx_on.load(std::memory_order_relaxed)) return false;
   if (M <= 0 || N <= 0) return true;
   if (K <= 0) {
-    for (int64_t m = 0; m < M; ++m) std::memset(c + m * ldc, 0, N * 2);
+    for (int64_t m = 0; m < M; ++m) std::memset(c + m * ldc, 0, N * sizeof(Out));
     return true;
   }
   thread_local std::vector<uint16_t> zero;  // the packing's missing columns
@@ -977,6 +992,16 @@ bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t
   (void)K;
   return false;
 #endif
+}
+
+bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw,
+                      uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K) {
+  return rows_bt(a, lda, w, ldw, c, ldc, M, N, K);
+}
+
+bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw, float* c,
+                      int64_t ldc, int64_t M, int64_t N, int64_t K) {
+  return rows_bt(a, lda, w, ldw, c, ldc, M, N, K);
 }
 
 bool transpose16_into(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out,

@@ -50,6 +50,10 @@ bool bf16_gemm_streams(int64_t out_bytes);
 // false without touching c where AMX is not on (bf16_gemm_use_amx).
 bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw,
                       uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K);
+// The same products with c fp32: each element its K's fp32 sum as the tiles leave it
+// (the sums the bf16 form rounds once).
+bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw, float* c,
+                      int64_t ldc, int64_t M, int64_t N, int64_t K);
 
 // out [K, M] = x^T for x [M, K] of 16-bit elements (rows strided by ldx, ldo) on the
 // calling thread, bit for bit, by 32 x 32 blocks of AVX-512 words; false without touching

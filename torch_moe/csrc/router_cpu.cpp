@@ -24,6 +24,14 @@
 //     denormal sums, as the expert GEMMs' bf16 kernels do.
 //   * grad_x: per output element fp32 FMAs over the experts in order, from zero.
 //   * grad_w: per output element fp32 FMAs over the tokens in order, from zero.
+//   * with `amx` (the CPU probe's router_kernel; bf16 where the expert GEMMs' AMX tiles are
+//     on): logits by the tiles (gemm_bf16_cpu's x @ w^T form, fp32 output: the products
+//     summed in fp32 in 32-element steps in order of d), grad_x as the GEMM of the fp32
+//     gradient's three bf16 parts (g = g1 + g2 + g3 exactly) by w's rows three times
+//     over, rounded once; grad_w stays the fp32 FMAs (the split's GEMM over 3T was
+//     slower). On the AMX Xeon measured (one thread, T = 2048, D = 1024), whose
+//     vdpbf16ps runs a quarter of a Zen 5's rate, logits 3.1 -> 0.7 ms and grad_x 2.4 ->
+//     1.2 at E = 64, level at E = 8 (benchmarks/results/cpu_floor_cpu_202612.md).
 // Threads share tokens (logits, grad_x) or columns (grad_w) out; no output depends on
 // the thread count. Each op returns false where it does not apply (another dtype, a
 // layout other than row-major, a build without ATen's AVX2 / AVX512 vectors): the caller
@@ -41,6 +49,7 @@
 
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -276,6 +285,90 @@ void logits_impl(const at::Tensor& x, const at::Tensor& w, const float* bias, at
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Rows of tokens per parallel task of the AMX forms below (whole 32-row tile blocks).
+constexpr int64_t kAmxRows = 128;
+
+// logits by the expert GEMMs' AMX micro-kernel (bf16 x and w, AMX on): x @ w^T with w's
+// rows read in place (amx_gemm_rows_bt's fp32 form), the bias added last. Each logit is
+// its D's products summed in fp32 by the tiles, in 32-element steps in order of d.
+bool logits_amx(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& out) {
+  const int64_t T_ = x.size(0), D = x.size(1), E = w.size(0), ldo = out.stride(0);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
+  float* op = out.mutable_data_ptr<float>();
+  std::atomic<bool> ran{true};
+  at::parallel_for(0, (T_ + kAmxRows - 1) / kAmxRows, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t t0 = b0 * kAmxRows, t1 = std::min(T_, b1 * kAmxRows);
+    if (!torch_moe_cpu::amx_gemm_rows_bt(xp + t0 * x.stride(0), x.stride(0), wp, w.stride(0),
+                                         op + t0 * ldo, ldo, t1 - t0, E, D)) {
+      ran = false;
+      return;
+    }
+    for (int64_t t = t0; bias != nullptr && t < t1; ++t) {
+      for (int64_t e = 0; e < E; ++e) op[t * ldo + e] += bias[e];
+    }
+  });
+  return ran;
+}
+
+// bf16 values as fp32 (exact)
+TORCH_MOE_ROUTER_BF16_INLINE __m512 widen(__m256bh h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+// Rows of fp32 gradients [rows, E] (row stride ldg) as their three bf16 parts, out
+// [rows, 3E]: g1 in columns 0..E, g2 in E..2E, g3 in 2E..3E (grad_x_amx).
+TORCH_MOE_ROUTER_BF16 void split3(const float* gp, int64_t ldg, int64_t rows, int64_t E,
+                                  uint16_t* out) {
+  const int64_t E3 = 3 * E;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* gr = gp + t * ldg;
+    uint16_t* o = out + t * E3;
+    for (int64_t e = 0; e < E; e += 16) {
+      const auto m = static_cast<__mmask16>(E - e >= 16 ? 0xffffu : (1u << (E - e)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, gr + e);
+      const __m256bh h1 = _mm512_cvtneps_pbh(v);
+      __m512 rest = _mm512_sub_ps(v, widen(h1));
+      // inf - inf, NaN: no rest (g1 carries g)
+      rest = _mm512_mask_mov_ps(rest, _mm512_cmp_ps_mask(rest, rest, _CMP_UNORD_Q),
+                                _mm512_setzero_ps());
+      const __m256bh h2 = _mm512_cvtneps_pbh(rest);
+      const __m256bh h3 = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, widen(h2)));
+      _mm256_mask_storeu_epi16(o + e, m, (__m256i)h1);
+      _mm256_mask_storeu_epi16(o + E + e, m, (__m256i)h2);
+      _mm256_mask_storeu_epi16(o + 2 * E + e, m, (__m256i)h3);
+    }
+  }
+}
+
+// grad_x = grad @ w by the AMX micro-kernel (bf16 x and w, AMX on): each fp32 gradient g
+// split into three bf16 parts g1 + g2 + g3 = g (g1 = g rounded, g2 the rest rounded, g3
+// the rest, exact: 24 bits of significand in three 8-bit parts; a non-finite g keeps g1
+// = g and no rest), the [rows, 3E] parts times w's rows three times over (a gather of
+// w's rows, not a copy) as one GEMM over k = 3E: every product exact in fp32, summed in
+// fp32 in order of k, rounded once to bf16. The same math as grad_x_rows, in another
+// order; g's parts under bf16's normal range are read as zero (as the tiles read every
+// denormal input).
+bool grad_x_amx(const at::Tensor& g, const at::Tensor& w, at::Tensor& gx) {
+  const int64_t T_ = g.size(0), E = w.size(0), E3 = 3 * E;
+  std::vector<int64_t> rows3(E3);
+  for (int64_t k = 0; k < E3; ++k) rows3[k] = k % E;
+  const float* gp = g.const_data_ptr<float>();
+  std::atomic<bool> ran{true};
+  at::parallel_for(0, (T_ + kAmxRows - 1) / kAmxRows, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t t0 = b0 * kAmxRows, t1 = std::min(T_, b1 * kAmxRows), rows = t1 - t0;
+    thread_local std::vector<uint16_t> parts;
+    if (static_cast<int64_t>(parts.size()) < rows * E3) parts.resize(rows * E3);
+    split3(gp + t0 * g.stride(0), g.stride(0), rows, E, parts.data());
+    const auto a = at::from_blob(parts.data(), {rows, E3}, g.options().dtype(at::kBFloat16));
+    auto out = gx.narrow(0, t0, rows);
+    if (!torch_moe_cpu::bf16_gemm(out, a, w, {}, {rows3.data(), E3})) ran = false;
+  });
+  return ran;
+}
+#endif
+
 // grad_x rows [t0, t1): per output vector, FMAs over the experts in order, in blocks of
 // kBlock experts, kTokensX tokens by 4L columns at a time; w as fp32
 // rows (wf [E, D], converted once per call) in column blocks that stay in L2 over the
@@ -438,7 +531,7 @@ at::ScalarType half_operands(const at::Tensor& x, const at::Tensor& w) {
 }
 
 bool router_logits(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                   at::Tensor& out) {
+                   at::Tensor& out, bool amx) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   const auto dt = half_operands(x, w);
   if (dt == at::ScalarType::Undefined || out.scalar_type() != at::kFloat || !row_major(out) ||
@@ -454,6 +547,9 @@ bool router_logits(const at::Tensor& x, const at::Tensor& w, const std::optional
     b = bias->const_data_ptr<float>();
   }
   if (dt == at::kBFloat16) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if (amx && torch_moe_cpu::bf16_gemm_amx() && logits_amx(x, w, b, out)) return true;
+#endif
     logits_impl<at::BFloat16>(x, w, b, out);
   } else {
     logits_impl<at::Half>(x, w, b, out);
@@ -464,12 +560,14 @@ bool router_logits(const at::Tensor& x, const at::Tensor& w, const std::optional
   (void)w;
   (void)bias;
   (void)out;
+  (void)amx;
   return false;
 #endif
 }
 
 bool router_logits_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w,
-                            std::optional<at::Tensor> grad_x, std::optional<at::Tensor> grad_w) {
+                            std::optional<at::Tensor> grad_x, std::optional<at::Tensor> grad_w,
+                            bool amx) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   const auto dt = half_operands(x, w);
   if (dt == at::ScalarType::Undefined || grad.scalar_type() != at::kFloat || !row_major(grad) ||
@@ -487,6 +585,12 @@ bool router_logits_backward(const at::Tensor& grad, const at::Tensor& x, const a
   at::Tensor* gx = grad_x.has_value() ? &*grad_x : nullptr;
   at::Tensor* gw = grad_w.has_value() ? &*grad_w : nullptr;
   if (dt == at::kBFloat16) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if (amx && gx != nullptr && x.size(0) > 0 && torch_moe_cpu::bf16_gemm_amx() &&
+        grad_x_amx(grad, w, *gx)) {
+      gx = nullptr;  // (grad_w below by the fp32 kernel: faster than the split's GEMM)
+    }
+#endif
     backward_impl<at::BFloat16>(grad, x, w, gx, gw);
   } else {
     backward_impl<at::Half>(grad, x, w, gx, gw);
@@ -498,6 +602,7 @@ bool router_logits_backward(const at::Tensor& grad, const at::Tensor& x, const a
   (void)w;
   (void)grad_x;
   (void)grad_w;
+  (void)amx;
   return false;
 #endif
 }
@@ -505,10 +610,10 @@ bool router_logits_backward(const at::Tensor& grad, const at::Tensor& x, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
-  m.def("router_logits(Tensor x, Tensor w, Tensor? bias, Tensor(a!) out) -> bool");
+  m.def("router_logits(Tensor x, Tensor w, Tensor? bias, Tensor(a!) out, bool amx=False) -> bool");
   m.def(
       "router_logits_backward(Tensor grad, Tensor x, Tensor w, Tensor(a!)? grad_x,"
-      " Tensor(b!)? grad_w) -> bool");
+      " Tensor(b!)? grad_w, bool amx=False) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
