@@ -29,9 +29,10 @@
 //     summed in fp32 in 32-element steps in order of d), grad_x as the GEMM of the fp32
 //     gradient's three bf16 parts (g = g1 + g2 + g3 exactly) by w's rows three times
 //     over, rounded once; grad_w stays the fp32 FMAs (the split's GEMM over 3T was
-//     slower). On the AMX Xeon measured (one thread, T = 2048, D = 1024), whose
-//     vdpbf16ps runs a quarter of a Zen 5's rate, logits 3.1 -> 0.7 ms and grad_x 2.4 ->
-//     1.2 at E = 64, level at E = 8 (benchmarks/results/cpu_floor_cpu_202612.md).
+//     slower). On the AMX Xeon measured (one thread, T = 2048, D = 1024; its vdpbf16ps
+//     ran a bf16 GEMM at about 100 GFLOP/s, its tiles at 900), logits 3.1 -> 0.7 ms and
+//     grad_x 2.4 -> 1.2 at E = 64, level at E = 8
+//     (benchmarks/results/cpu_floor_cpu_202612.md).
 // Threads share tokens (logits, grad_x) or columns (grad_w) out; no output depends on
 // the thread count. Each op returns false where it does not apply (another dtype, a
 // layout other than row-major, a build without ATen's AVX2 / AVX512 vectors): the caller
