@@ -460,9 +460,18 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
 // amx_gemm: a row-major a that is not gathered is read in place (whole 32-k steps; a last
 // partial block of 32 rows and every other a is packed into tiles of 16 rows x 32 k, zero
 // past M and K: gathered rows copied, a column-major a by 16 x 16 transposes of the pairs
-// of a^T's rows). b's panels are packed as above; in the first pass over the rows panel q
-// + 1 is packed in slices between panel q's output blocks (the pack's loads then overlap
-// the tile products), later passes reuse them.
+// of a^T's rows, 32 columns per row load). b's panels are packed as above: a row-major b's
+// all at once, pair of rows by pair of rows (pack_row_pairs_across: each row read once,
+// in order); a column-major b's panel q + 1 in slices between panel q's output blocks in
+// the first pass over the rows (the pack's loads then overlap the tile products), later
+// passes reusing them. (Packing a row-major b's panels so, strips of 128 bytes of every
+// row, left the weight's rows to memory latency; chunks of a row-major b's panels packed
+// while the previous chunk's products run, or the next expert's weight prefetched during
+// this one's, measured no faster on the AMX Xeon: benchmarks/results/cpu_floor_cpu_202612.md.)
+//
+// Both forms store each 32 x 32 output block (rounded from the fp32 tiles) while the next
+// block's tile products run: two sum buffers in turn, so that the rounding and the stores
+// overlap the products instead of following them.
 //
 // amx_gemm_bt, for x @ w^T (b column-major, a row-major): computed as c^T = w @ a^T, the
 // weight's rows read in place as the first operand (the weight, the largest operand, is
