@@ -482,11 +482,11 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
 // and are not the AVX512-BF16 micro-kernel's (which sums blocks of 512 k apart); on the
 // Xeon measured they are also oneDNN's AMX GEMM's for K <= 1024.
 //
-// Speed (one thread, benchmarks/results/cpu_floor_cpu_202612.md, thirty-seventh session):
-// at or above oneDNN's for x @ w^T and small experts' weight gradients, 0.6-0.75x of it
-// for a large row-major weight (dh @ w at an E8 expert: the weight's pack, 7 MB of
-// strided rows per call, is not hidden), so the probe decides per GEMM kind and size
-// class (gemm_kernel:bf16:<kind>:r<rows>:k<K>:n<N>).
+// Speed (one thread, benchmarks/results/cpu_floor_cpu_202612.md, thirty-seventh to
+// fortieth sessions): at or above oneDNN's for x @ w^T, the weight gradients and the
+// 32- and 64-expert layers' dh @ w, about 0.85x of it for a large row-major weight (dh @
+// w at an E8 expert, K = 3584: its 7 MB pack per call is not hidden), so the probe
+// decides per GEMM kind and size class (gemm_kernel:bf16:<kind>:r<rows>:k<K>:n<N>).
 
 #define TORCH_MOE_AMX_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
