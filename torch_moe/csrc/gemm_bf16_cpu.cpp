@@ -585,36 +585,42 @@ TORCH_MOE_GEMM_TARGET void pack_a_tiles_rows(const RowSource& a, int64_t M, int6
   }
 }
 
+// Tiles mb and mb + 1 (32 columns of a^T's rows) at k block kb (pack_a_tiles_cols).
+TORCH_MOE_GEMM_TARGET void pack_two_tiles(const RowSource& at, int64_t K, int64_t kt, int64_t mb,
+                                        int64_t kb, uint16_t* out) {
+  const int64_t m0 = mb * kTm;
+  __m512i lo[16], hi[16];  // pairs of columns m0.. and m0 + 16..
+  for (int i = 0; i < 16; ++i) {
+    const int64_t k = kb * kTk + 2 * i;
+    const __m512i x = k < K ? _mm512_loadu_si512(at.row(k) + m0) : _mm512_setzero_si512();
+    const __m512i y =
+        k + 1 < K ? _mm512_loadu_si512(at.row(k + 1) + m0) : _mm512_setzero_si512();
+    interleave_rows(x, y, lo[i], hi[i]);
+  }
+  transpose_16x16(lo);
+  transpose_16x16(hi);
+  uint16_t* o = out + (mb * kt + kb) * kTm * kTk;
+  for (int j = 0; j < 16; ++j) {
+    _mm512_storeu_si512(o + j * kTk, lo[j]);
+    _mm512_storeu_si512(o + kt * kTm * kTk + j * kTk, hi[j]);
+  }
+}
+
 // A column-major a: a^T's rows (k) from `at`, [K, M]; 16 pairs of rows x 32 columns at a
 // time (one 64-byte load per row: two tiles' columns), interleaved into words and
-// transposed into 16 rows of each of two tiles; a last odd tile or one past M, 16 columns
-// (masked). (16 columns per load instead made the weight gradients' pack of their
+// transposed into 16 rows of each of two tiles, k block by k block (each of a^T's rows
+// read from its start to its end, 32 rows at a time); a last odd tile or one past M, 16
+// columns (masked). (16 columns per load made the weight gradients' pack of their
 // gathered a^T rows a third slower: the 64-expert layer's dW2 17.4 -> 14.6 ms on one
-// thread of the AMX Xeon, benchmarks/results/cpu_floor_cpu_202612.md.)
+// thread of the AMX Xeon; tile by tile, each a strip of 64 bytes of every row, the
+// 8-expert layer's dW13 48 -> 43 ms: benchmarks/results/cpu_floor_cpu_202612.md.)
 TORCH_MOE_GEMM_TARGET void pack_a_tiles_cols(const RowSource& at, int64_t M, int64_t K,
                                              int64_t mt, int64_t kt, uint16_t* out) {
-  int64_t mb = 0;
-  for (; (mb + 2) * kTm <= M; mb += 2) {
-    const int64_t m0 = mb * kTm;
-    for (int64_t kb = 0; kb < kt; ++kb) {
-      __m512i lo[16], hi[16];  // pairs of columns m0.. and m0 + 16..
-      for (int i = 0; i < 16; ++i) {
-        const int64_t k = kb * kTk + 2 * i;
-        const __m512i x = k < K ? _mm512_loadu_si512(at.row(k) + m0) : _mm512_setzero_si512();
-        const __m512i y =
-            k + 1 < K ? _mm512_loadu_si512(at.row(k + 1) + m0) : _mm512_setzero_si512();
-        interleave_rows(x, y, lo[i], hi[i]);
-      }
-      transpose_16x16(lo);
-      transpose_16x16(hi);
-      uint16_t* o = out + (mb * kt + kb) * kTm * kTk;
-      for (int j = 0; j < 16; ++j) {
-        _mm512_storeu_si512(o + j * kTk, lo[j]);
-        _mm512_storeu_si512(o + kt * kTm * kTk + j * kTk, hi[j]);
-      }
-    }
+  const int64_t pairs_end = M / (2 * kTm) * 2;  // tiles packed two at a time
+  for (int64_t kb = 0; kb < kt; ++kb) {  // 32 rows of a^T at a time, read from end to end
+    for (int64_t mb = 0; mb < pairs_end; mb += 2) pack_two_tiles(at, K, kt, mb, kb, out);
   }
-  for (; mb < mt; ++mb) {
+  for (int64_t mb = pairs_end; mb < mt; ++mb) {
     const int64_t m0 = mb * kTm, cols = std::clamp<int64_t>(M - m0, 0, kTm);
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
     for (int64_t kb = 0; kb < kt; ++kb) {
