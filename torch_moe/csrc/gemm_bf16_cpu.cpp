@@ -175,13 +175,6 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int6
   }
 }
 
-// Pairs of rows ahead that pack_row_pairs_across prefetches: each row is short (an
-// expert's weight row, 1-4 KiB), too short for the hardware prefetchers to ramp up on.
-// On the AMX Xeon measured, 2-8 pairs ahead ran the 64-expert layer's dY @ w2 14-17%
-// and dH @ w13 6-12% faster than none, 4 as fast as any
-// (benchmarks/results/cpu_floor_cpu_202612.md).
-constexpr int64_t kPackAhead = 4;
-
 // Every panel of a row-major [K, N] matrix at once (panel q at out + q * panel_words, as
 // pack_row_pairs would write it, zero pairs from ceil(K / 2) up to `pairs`), pair of rows
 // by pair of rows: each row read once, from its start to its end. Packing panel by panel
@@ -200,17 +193,7 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs_across(const RowSource& m, int64_t K, 
     }
     const uint16_t* r0 = m.row(2 * p);
     const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) : m.zero;
-    // the pair kPackAhead on, prefetched as this one is packed
-    const int64_t pf = p + kPackAhead;
-    const uint16_t* f0 = 2 * pf + 1 < K ? m.row(2 * pf) : nullptr;
-    const uint16_t* f1 = f0 ? m.row(2 * pf + 1) : nullptr;
     for (int64_t q = 0; q < whole; ++q, o += panel_words) {
-      if (f0 != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(f0 + q * kNr), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(f0 + q * kNr + 32), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(f1 + q * kNr), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(f1 + q * kNr + 32), _MM_HINT_T0);
-      }
       for (int h = 0; h < 2; ++h) {
         __m512i lo, hi;
         interleave_rows(_mm512_loadu_si512(r0 + q * kNr + 32 * h),
