@@ -679,8 +679,9 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   const int64_t panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // passes over the rows: multiples of 32 rows, each at most a_block_bytes() of a
   const int64_t block = pass_rows(M, 2 * kt * kTk, 2 * kTm);
+  // b's panels: a row-major b's all packed first, pair of rows by pair of rows; a
+  // column-major b's in two buffers in turn where the rows take one pass, else all kept
   const bool rows_first = !b.col_major;
-  // two panel buffers in turn, else every panel kept
   const bool one_pass = block >= M && !rows_first;
   const int64_t held = one_pass ? 2 : n_panels;
   reserve_scratch(panels, held * panel_words);
@@ -712,8 +713,8 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   } else {
     pack_panel(0, 0, pairs);
   }
-  // in the first pass, panel q + 1 is packed in slices (multiples of 16 pairs) while the
-  // products of panel q run, one slice per output block
+  // a column-major b: in the first pass, panel q + 1 is packed in slices (multiples of 16
+  // pairs) while the products of panel q run, one slice per output block
   const int64_t first_blocks = (std::min(M, block) + 2 * kTm - 1) / (2 * kTm) * 2;
   const int64_t slice = ((kt + first_blocks - 1) / first_blocks) * 16;
   load_tile_config();
