@@ -55,6 +55,19 @@ def _inputs(T, D, E, dtype, seed=0, bias=True):
     return x, w, b
 
 
+def _on_1_2_3_threads(fn):
+    """``fn()``'s results on 1, 2 and 3 intra-op threads (the thread count restored)."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _exact(x, w, b):
     out = x.double() @ w.double().t()
     return out if b is None else out + b.double()
@@ -221,17 +234,9 @@ class TestRouterLogitsBackward(TestCase):
     def test_bits_do_not_depend_on_threads(self):
         x, w, _ = _inputs(131, 200, 11, torch.bfloat16, seed=5)
         grad = torch.randn(131, 11, generator=torch.Generator().manual_seed(6))
-        threads = torch.get_num_threads()
-        results = []
-        try:
-            for n in (1, 2, 3):
-                torch.set_num_threads(n)
-                results.append(_router.router_logits_backward(grad, x, w, True, True))
-        finally:
-            torch.set_num_threads(threads)
-        for gx, gw in results[1:]:
-            self.assertEqual(gx, results[0][0], atol=0, rtol=0)
-            self.assertEqual(gw, results[0][1], atol=0, rtol=0)
+        results = _on_1_2_3_threads(lambda: _router.router_logits_backward(grad, x, w, True, True))
+        for got in results[1:]:
+            self.assertEqual(got, results[0], atol=0, rtol=0)
 
     def test_gradcheck_and_double_backward(self):
         x, w, b = (t.requires_grad_() for t in _inputs(5, 7, 3, torch.float64, seed=7))
@@ -322,19 +327,15 @@ class TestRouterTiles(TestCase):
     def test_tiles_bits_do_not_depend_on_threads(self):
         x, w, b = _inputs(389, 200, 40, torch.bfloat16, seed=13)
         grad = torch.randn(389, 40, generator=torch.Generator().manual_seed(14))
-        threads = torch.get_num_threads()
-        results = []
-        try:
-            with _cpu_probe.force(router_kernel="amx"):
-                for n in (1, 2, 3):
-                    torch.set_num_threads(n)
-                    back = _router.router_logits_backward(grad, x, w, True, True)
-                    results.append((ops.router_logits(x, w, b), *back))
-        finally:
-            torch.set_num_threads(threads)
+        with _cpu_probe.force(router_kernel="amx"):
+            results = _on_1_2_3_threads(
+                lambda: (
+                    ops.router_logits(x, w, b),
+                    *_router.router_logits_backward(grad, x, w, True, True),
+                )
+            )
         for got in results[1:]:
-            for g, want in zip(got, results[0]):
-                self.assertEqual(g, want, atol=0, rtol=0)
+            self.assertEqual(got, results[0], atol=0, rtol=0)
 
     @parametrize("kernel", ["native", "amx"])
     def test_non_finite_gradient(self, kernel):
