@@ -147,6 +147,36 @@ TORCH_MOE_GEMM_INLINE void store_line(uint16_t* o, __m256i lo, __m256i hi, bool 
   }
 }
 
+// One panel row: the 32-bit words o[j] = (r0[j], r1[j]) of columns j < cols (cols <= 64;
+// r1 nullptr: zeros), zero from cols to 63.
+TORCH_MOE_GEMM_INLINE void pair_panel_row(const uint16_t* r0, const uint16_t* r1, int64_t cols,
+                                          uint32_t* o) {
+  if (cols == kNr) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i x = _mm512_loadu_si512(r0 + 32 * h);
+      const __m512i y = r1 ? _mm512_loadu_si512(r1 + 32 * h) : _mm512_setzero_si512();
+      __m512i lo, hi;
+      interleave_rows(x, y, lo, hi);
+      _mm512_storeu_si512(o + 32 * h, lo);
+      _mm512_storeu_si512(o + 32 * h + 16, hi);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < kNr; ++j) {
+    const uint32_t hi = r1 && j < cols ? uint32_t(r1[j]) << 16 : 0u;
+    o[j] = j < cols ? (uint32_t(r0[j]) | hi) : 0u;
+  }
+}
+
+// 16 bf16 values (x), the first n of them (1 <= n, all where n >= 16) into o.
+TORCH_MOE_GEMM_INLINE void store_16(uint16_t* o, __m256i x, int64_t n) {
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), x);
+  } else {
+    _mm256_mask_storeu_epi16(o, static_cast<__mmask16>((1u << n) - 1), x);
+  }
+}
+
 // Rows 2p and 2p + 1 of a [K, cols] matrix (`m`'s rows from column col0 on, cols <= 64)
 // interleaved into out[p * ldo + j] = (m[2p][j], m[2p + 1][j]), for p < ceil(K / 2): an
 // odd K's last row pairs with zero, as do columns cols..63.
@@ -154,24 +184,8 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int6
                                           int64_t cols, uint32_t* out, int64_t ldo,
                                           int64_t p_begin = 0, int64_t p_end = INT64_MAX) {
   for (int64_t p = p_begin; 2 * p < K && p < p_end; ++p) {
-    const uint16_t* r0 = m.row(2 * p) + col0;
     const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) + col0 : nullptr;
-    uint32_t* o = out + p * ldo;
-    if (cols == kNr) {
-      for (int h = 0; h < 2; ++h) {
-        const __m512i x = _mm512_loadu_si512(r0 + 32 * h);
-        const __m512i y = r1 ? _mm512_loadu_si512(r1 + 32 * h) : _mm512_setzero_si512();
-        __m512i lo, hi;
-        interleave_rows(x, y, lo, hi);
-        _mm512_storeu_si512(o + 32 * h, lo);
-        _mm512_storeu_si512(o + 32 * h + 16, hi);
-      }
-    } else {
-      for (int64_t j = 0; j < kNr; ++j) {
-        const uint32_t hi = r1 && j < cols ? uint32_t(r1[j]) << 16 : 0u;
-        o[j] = j < cols ? (uint32_t(r0[j]) | hi) : 0u;
-      }
-    }
+    pair_panel_row(m.row(2 * p) + col0, r1, cols, out + p * ldo);
   }
 }
 
@@ -184,7 +198,6 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int6
 TORCH_MOE_GEMM_TARGET void pack_row_pairs_across(const RowSource& m, int64_t K, int64_t N,
                                                  int64_t pairs, uint32_t* out,
                                                  int64_t panel_words) {
-  const int64_t whole = N / kNr;  // panels of 64 of m's columns; a last one of N % 64
   for (int64_t p = 0; p < pairs; ++p) {
     uint32_t* o = out + p * kNr;
     if (2 * p >= K) {
@@ -192,18 +205,9 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs_across(const RowSource& m, int64_t K, 
       continue;
     }
     const uint16_t* r0 = m.row(2 * p);
-    const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) : m.zero;
-    for (int64_t q = 0; q < whole; ++q, o += panel_words) {
-      for (int h = 0; h < 2; ++h) {
-        __m512i lo, hi;
-        interleave_rows(_mm512_loadu_si512(r0 + q * kNr + 32 * h),
-                        _mm512_loadu_si512(r1 + q * kNr + 32 * h), lo, hi);
-        _mm512_storeu_si512(o + 32 * h, lo);
-        _mm512_storeu_si512(o + 32 * h + 16, hi);
-      }
-    }
-    for (int64_t j = 0, n0 = whole * kNr; n0 < N && j < kNr; ++j) {
-      o[j] = n0 + j < N ? uint32_t(r0[n0 + j]) | uint32_t(r1[n0 + j]) << 16 : 0u;
+    const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) : nullptr;
+    for (int64_t n0 = 0; n0 < N; n0 += kNr, o += panel_words) {
+      pair_panel_row(r0 + n0, r1 ? r1 + n0 : nullptr, std::min(kNr, N - n0), o);
     }
   }
 }
@@ -356,13 +360,7 @@ TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const u
                  (__m256i)_mm512_cvtneps_pbh(sum[r][v + 1]), stream);
     }
     for (; v < 4 && 16 * v < cols; ++v) {
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(sum[r][v]);
-      uint16_t* o = c + r * ldc + 16 * v;
-      if (cols - 16 * v >= 16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), h);
-      } else {
-        _mm256_mask_storeu_epi16(o, static_cast<__mmask16>((1u << (cols - 16 * v)) - 1), h);
-      }
+      store_16(c + r * ldc + 16 * v, (__m256i)_mm512_cvtneps_pbh(sum[r][v]), cols - 16 * v);
     }
   }
 }
@@ -659,12 +657,7 @@ TORCH_MOE_GEMM_TARGET void store_acc(const float (&acc)[2 * kTm][32], uint16_t* 
       continue;
     }
     for (int64_t v = 0; v < cols; v += 16) {
-      const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][v]));
-      if (cols - v >= 16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + v), x);
-      } else {
-        _mm256_mask_storeu_epi16(o + v, static_cast<__mmask16>((1u << (cols - v)) - 1), x);
-      }
+      store_16(o + v, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][v])), cols - v);
     }
   }
 }
