@@ -98,14 +98,31 @@ class TestNativeSwiGLU(TestCase):
             ):
                 self.assertEqual(got, want, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
             self.assertEqual(native[3] is None, not weighted)
-            if weighted:
-                continue
             mod = _native.kernels()
             streamed = [torch.empty_like(t) for t in native[:3]]
-            mod.swiglu_forward(h, None, streamed[0], True)
-            mod.swiglu_backward(h, grad_a, None, streamed[1], streamed[2], None, True)
-            for got, want in zip(streamed, native[:3], strict=True):
+            w = rw if weighted else None
+            grad_w = rw.new_empty(rows) if weighted else None
+            mod.swiglu_forward(h, w, streamed[0], True)
+            mod.swiglu_backward(h, grad_a, w, streamed[1], streamed[2], grad_w, True)
+            if weighted:
+                streamed.append(grad_w)
+            for got, want in zip(streamed, native, strict=False):
                 self.assertTrue(torch.equal(got, want), msg=f"streamed {rows}x{hidden}")
+
+    @needs_native
+    @parametrize("threads", [1, 2])
+    def test_row_weight_sums_at_every_cascade_level(self, threads):
+        # the kernels sum d row_weights row by row in the order of ATen's sum
+        # (swiglu_cpu.cpp's aten_order_sum): rows around each length where that order
+        # changes (a vector of 8 floats, a group of four vectors, the 16, 256 and 4096
+        # groups after which its accumulators cascade a level), vectors and elements
+        # past the last group
+        lengths = [7, 8, 9, 31, 32, 33, 44, 511, 512, 513, 8191, 8192, 8233, 131071, 131072]
+        for n in [*lengths, 131072 + 8 * 3 + 5]:
+            h, grad_a, rw = _operands(2, n, BF16, BF16, seed=n)
+            with intra_op_threads(threads):
+                aten, native = _both(h, grad_a, rw)
+            self.assertEqual(native[3], aten[3], atol=0, rtol=0, msg=f"F={n}")
 
     @needs_native
     @parametrize("threads", [1, 2])
@@ -189,8 +206,11 @@ class TestNativeSwiGLU(TestCase):
             mod.swiglu_forward(h, rw.double(), out)
         with self.assertRaisesRegex(RuntimeError, r"swiglu_cpu: unsupported dtypes h Double"):
             mod.swiglu_forward(h.double(), None, out.double())
-        with self.assertRaisesRegex(RuntimeError, r"row weights need an fp32 prod buffer"):
-            mod.swiglu_backward(h, grad_a, rw, out, torch.empty_like(h), None)
+        for grad_w in (None, rw.new_empty(5), rw.double(), torch.empty(8)[::2]):
+            with self.assertRaisesRegex(
+                RuntimeError, r"row weights need a contiguous fp32 grad_weights \[4\]"
+            ):
+                mod.swiglu_backward(h, grad_a, rw, out, torch.empty_like(h), grad_w)
         with self.assertRaisesRegex(RuntimeError, r"grad_a, out_a and out_dh must share a dtype"):
             mod.swiglu_backward(h, grad_a, None, out.float(), torch.empty_like(h), None)
 
@@ -403,15 +423,32 @@ class TestNativeSwiGLU(TestCase):
                 out.view(torch.int16)[..., 0] ^= 1
 
             @staticmethod
-            def swiglu_backward(h, grad_a, rw, out_a, out_dh, prod):
-                gs._act_backward_into_aten(h, grad_a, rw, out_a, out_dh)
-                if prod is not None:
-                    prod.copy_(grad_a.float() * out_a.float())
+            def swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_w):
+                got = gs._act_backward_into_aten(h, grad_a, rw, out_a, out_dh)
+                if grad_w is not None:
+                    grad_w.copy_(got)
 
         with self.assertWarnsRegex(
             UserWarning, r"results differ from the ATen ops' \(torch.bfloat16, 3x5\)"
         ):
             self.assertFalse(gs._native_matches_aten(Wrong, BF16))
+
+        class OtherSumOrder:  # right everywhere but d row_weights of long rows
+            swiglu_forward = staticmethod(_native.kernels().swiglu_forward)
+
+            @staticmethod
+            def swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_w):
+                got = gs._act_backward_into_aten(h, grad_a, rw, out_a, out_dh)
+                if grad_w is None:
+                    return
+                grad_w.copy_(got)
+                if grad_a.shape[1] > 8192:  # one long row summed in halves
+                    prod = grad_a.float() * (out_a.float() / rw.unsqueeze(1))
+                    grad_w[0] = prod[0, ::2].sum() + prod[0, 1::2].sum()
+
+        if _native.available():
+            with self.assertWarnsRegex(UserWarning, r"results differ .* 2x262167\)"):
+                self.assertFalse(gs._native_matches_aten(OtherSumOrder, BF16))
         with mock.patch.object(_native, "kernels", return_value=Wrong):
             with self.assertWarnsRegex(UserWarning, "results differ"):
                 self.assertEqual(gs._measure_act_kernel(BF16), {"aten": 0.0})

@@ -522,17 +522,27 @@ class TestMemory(TestCase):
         self.assertLess(abs(predicted / measured - 1), tol, msg=f"{predicted} vs {measured}")
 
     @parametrize("path", ["loop", "whole"])
-    def test_peak_memory_of_each_swiglu_path(self, path):
+    @parametrize("act_kernel", ["aten", "native"])
+    def test_peak_memory_of_each_swiglu_path(self, path, act_kernel):
         # grouped_swiglu's two CPU paths (both forced, with the activation chunk the
         # kernels measured on this machine class) against the allocator's peak: within 3%
         # (the loop path's fp32 temporaries were counted 2 [r, F] too many: 17% over).
         # Operands as they are: oneDNN packs a column-major bf16 operand into scratch of
         # its own (0.8 MiB in dX's GEMM here with layout=copy_a), which the model does not
-        # count; the native activation's smaller temporaries no longer hide it
+        # count. The native activation holds no [r, F] temporaries (d row_weights summed
+        # row by row), so on the loop path the peak is inside such a GEMM: there the
+        # model is under by that scratch (7.8% here), never over
         forced = dict(swiglu_path=path, half_gemm="native", act_chunk="262144", layout="as_is")
-        with _cpu_probe.force(**forced):
+        if act_kernel == "native" and not _native.available():
+            self.skipTest("the native CPU kernels did not build here")
+        with _cpu_probe.force(**forced, act_kernel=act_kernel):
             measured, predicted = _measured_and_predicted_peak(1024, 64, 512, 4, 2)
-        self.assertLess(abs(predicted / measured - 1), 0.03, msg=f"{predicted} vs {measured}")
+        msg = f"{predicted} vs {measured}"
+        if (path, act_kernel) == ("loop", "native"):
+            self.assertLessEqual(predicted, measured, msg=msg)
+            self.assertLess(1 - predicted / measured, 0.1, msg=msg)
+        else:
+            self.assertLess(abs(predicted / measured - 1), 0.03, msg=msg)
 
     @parametrize("few_gemm", ["aten", "native"])
     @parametrize("shape", [(64, 256, 512, 8, 2), (32, 512, 256, 16, 2)])

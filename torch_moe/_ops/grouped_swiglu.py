@@ -440,10 +440,10 @@ def _native_kernels(h: Tensor, *others: Tensor) -> Any:
 def _act_temporary_bytes(dtype: torch.dtype, rows: float, hidden: int, backward: bool) -> float:
     """The fp32 temporaries of the activation over ``rows`` rows (one chunk) at their
     largest. ATen ops: forward h [r, 2F]; backward h [r, 2F] and silu, dA, A and their
-    product [r, F]. Native kernels: a few rows of F per thread, and backward the product
-    dA * A [r, F] for d row_weights."""
+    product [r, F]. Native kernels: a few rows of F per thread (none that grows with the
+    rows: d row_weights is summed row by row)."""
     if _uses_native(dtype):
-        return rows * hidden * 4 if backward else 0.0
+        return 0.0
     return rows * 2 * hidden * 4 + (4 * rows * hidden * 4 if backward else 0.0)
 
 
@@ -459,11 +459,7 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
     h = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
     grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
     rw = torch.rand(rows, generator=g)
-    a, dh, prod = (
-        torch.empty_like(grad_a),
-        torch.empty_like(h),
-        grad_a.new_empty(grad_a.shape, dtype=torch.float32),
-    )
+    a, dh, grad_rw = torch.empty_like(grad_a), torch.empty_like(h), rw.new_empty(rows)
 
     def aten() -> None:
         _act_into_aten(h, rw, a)
@@ -471,8 +467,7 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
 
     def native() -> None:
         mod.swiglu_forward(h, rw, a)
-        mod.swiglu_backward(h, grad_a, rw, a, dh, prod)
-        prod.sum(-1)
+        mod.swiglu_backward(h, grad_a, rw, a, dh, grad_rw)
 
     return _cpu_probe.time_candidates({"aten": aten, "native": native})
 
@@ -490,28 +485,33 @@ def _native_checked(mod: Any, dtype: torch.dtype) -> bool:
 def _native_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
     """The native kernels' outputs equal the ATen ops' bit for bit (rows shorter than,
     equal to and longer than a vector block, with and without row weights, outputs in h's
-    dtype and in fp32); a compiler that fuses or reorders differently from ATen's build
-    fails here, with a warning."""
+    dtype and in fp32), d row_weights too: the kernels sum each row's products in the
+    order of ATen's sum (swiglu_cpu.cpp's aten_order_sum), checked on rows long enough for
+    every level of its cascade (and vectors and elements past its last group); a compiler
+    that fuses or reorders differently from ATen's build, or a torch whose sum adds in
+    another order, fails here, with a warning."""
     g = torch.Generator().manual_seed(1)
     cases = [
         (r, f, o)
         for r, f in ((3, 5), (5, 32), (9, 47), (17, 100))
         for o in dict.fromkeys((dtype, torch.float32))
     ]
+    # 2^15 + 2 vectors of 8 floats and 7 more: past every level of aten_order_sum's cascade
+    cases += [(2, 4100, dtype), (2, (1 << 18) + 8 * 2 + 7, dtype)]
     for rows, hidden, out_dtype in cases:
         h = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
         grad_a = torch.randn(rows, hidden, generator=g).to(out_dtype)
         for rw in (None, torch.rand(rows, generator=g)):
             want = [torch.empty_like(grad_a), torch.empty_like(grad_a), grad_a.new_empty(h.shape)]
             got = [torch.empty_like(t) for t in want]
-            prod = grad_a.new_empty(grad_a.shape, dtype=torch.float32)
+            got_rw = None if rw is None else rw.new_empty(rows)
             _act_into_aten(h, rw, want[0])
             want_rw = _act_backward_into_aten(h, grad_a, rw, want[1], want[2])
             mod.swiglu_forward(h, rw, got[0])
-            mod.swiglu_backward(h, grad_a, rw, got[1], got[2], prod)
+            mod.swiglu_backward(h, grad_a, rw, got[1], got[2], got_rw)
             same = all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
-            if want_rw is not None:
-                same = same and torch.equal(want_rw, prod.sum(-1))
+            if want_rw is not None and got_rw is not None:
+                same = same and torch.equal(want_rw, got_rw)
             if not same:
                 warnings.warn(
                     "torch_moe: the native CPU SwiGLU kernel built but its results differ from "
@@ -566,9 +566,9 @@ def _act_backward_into(
     if row_weights is None:
         mod.swiglu_backward(h, grad_a, None, out_a, out_dh, None)
         return None
-    prod = out_a.new_empty(out_a.shape, dtype=torch.float32)  # dA * a, unweighted
-    mod.swiglu_backward(h, grad_a, _native_weights(row_weights), out_a, out_dh, prod)
-    return prod.sum(-1)
+    grad_rw = h.new_empty(h.shape[0], dtype=torch.float32)  # sum dA * a, unweighted
+    mod.swiglu_backward(h, grad_a, _native_weights(row_weights), out_a, out_dh, grad_rw)
+    return grad_rw
 
 
 def _act_backward_rows(
@@ -580,14 +580,16 @@ def _act_backward_rows(
     mod: Any,
     step: int | None = None,
 ) -> Tensor | None:
-    """``_act_backward_into`` over all rows of h: by the native kernels (``mod``, or None:
-    the ATen ops) in one call where there are no row weights (row by row, no
-    temporaries), else in row chunks of ``step`` (default: the measured chunk), whose
-    fp32 temporaries (the ATen ops', or the native kernels' dA * a) hold one chunk.
-    Returns d row_weights (fp32 / fp64) or None."""
-    if mod is not None and row_weights is None:  # all rows: outputs past the L2 streamed
-        mod.swiglu_backward(h, grad_a, None, a, dh, None, streams_outputs(dh.dtype))
-        return None
+    """``_act_backward_into`` over all rows of h: by the native kernels (``mod``) in one
+    call (row by row, no temporaries: each row's products for d row_weights summed as
+    they are made), else by the ATen ops in row chunks of ``step`` (default: the measured
+    chunk), whose fp32 temporaries hold one chunk. Returns d row_weights (fp32 / fp64)
+    or None."""
+    if mod is not None:  # all rows: outputs past the L2 streamed
+        rw = _native_weights(row_weights)
+        grad_rw = None if rw is None else rw.new_empty(rw.shape)
+        mod.swiglu_backward(h, grad_a, rw, a, dh, grad_rw, streams_outputs(dh.dtype))
+        return grad_rw
     if step is None:
         step = _act_chunk_rows(h.dtype, a.shape[1])
     grad_rw = None

@@ -22,7 +22,8 @@
 //
 //   forward:  a = silu(gate) * up  (* w)                         -> out [rows, F]
 //   backward: s = sigmoid(gate); silu = gate * s; a = silu * up
-//             prod = ga * a                   (only with row weights: d w = sum_f prod)
+//             prod = ga * a                   (only with row weights: d w = sum_f prod,
+//                                              summed in ATen's order: aten_order_sum)
 //             a *= w; ga *= w
 //             out_a = a; dUp = silu * ga; dGate = silu'(ga * up, gate) with this s
 //   (the backward is one vector loop over the row: one exp per element, not two)
@@ -120,6 +121,140 @@ inline void store_row<float>(const float* src, float* dst, int64_t n) {
 // The vector part of a row as ATen's CPU loops cut it: whole blocks of two vectors.
 inline int64_t vector_end(int64_t n) {
   return n < 2 * kV ? 0 : n - n % (2 * kV);
+}
+
+// The sum of a contiguous fp32 row x[0, n) in the order in which ATen's CPU sum over a
+// last dimension adds it (cascade_sum in ATen/native/cpu/SumKernel.cpp), so that
+// d row_weights summed here has the bits of the ATen ops' (ga * a).sum(-1) without an
+// [rows, F] buffer of the products. That kernel is registered for the default and AVX2
+// builds only (REGISTER_DISPATCH leaves AVX-512 to the AVX2 kernel), where
+// Vectorized<float> has 8 lanes: kSumLanes, whatever width this build's kV is. A row of
+// n >= 8 is cut into whole vectors of 8 (the units) and a scalar tail; a shorter row's
+// units are its elements. Four accumulators take units 4q + k (k = 0..3) of each group q
+// of four units; every 2^lp groups (lp = max(4, ceil_log2(groups) / 4)) they cascade
+// into a second level, every 2^(2 lp) into a third, every 2^(3 lp) into a fourth, and the
+// levels are added back in order at the end; the units past the last group go into
+// accumulator 0, accumulators 1, 2, 3 are added to it in turn; for vectors a scalar sum
+// then takes the tail elements and the lanes in order; the result is added to the zero
+// that ATen fills its output with. Each lane's additions are IEEE fp32 additions in that
+// order, however the compiler vectorizes them. (ATen cuts one row between threads only
+// when the whole reduction has one output: a single row of 32768+ elements on several
+// threads, which a row kernel does not reproduce.) grouped_swiglu.py's
+// _native_matches_aten checks these bits against ATen's sum on long rows (every cascade
+// level) and short ones before it takes the kernels.
+constexpr int64_t kSumLanes = 8;
+
+inline int64_t ceil_log2(int64_t x) {
+  int64_t r = 1;  // 1 for x <= 2, as ATen's
+  while ((int64_t{1} << r) < x) {
+    ++r;
+  }
+  return r;
+}
+
+// kSumLanes fp32 lanes added lane by lane: one AVX register in the vector builds (kept
+// in registers, where an array of floats went through the stack), else an array
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+struct SumLanes {
+  __m256 v = _mm256_setzero_ps();
+  static SumLanes load(const float* p) {
+    return {_mm256_loadu_ps(p)};
+  }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, v);
+  }
+  SumLanes operator+(const SumLanes& o) const {
+    return {_mm256_add_ps(v, o.v)};
+  }
+};
+#else
+struct SumLanes {
+  float v[kSumLanes] = {};
+  static SumLanes load(const float* p) {
+    SumLanes r;
+    std::copy_n(p, kSumLanes, r.v);
+    return r;
+  }
+  void store(float* p) const {
+    std::copy_n(v, kSumLanes, p);
+  }
+  SumLanes operator+(const SumLanes& o) const {
+    SumLanes r;
+    for (int64_t l = 0; l < kSumLanes; ++l) {
+      r.v[l] = v[l] + o.v[l];
+    }
+    return r;
+  }
+};
+#endif
+
+// The sum of `units` units in ATen's order: U = SumLanes (units of kSumLanes floats) or
+// float (units are elements).
+template <typename U>
+inline U cascade_sum_units(const float* x, int64_t units) {
+  const auto load = [x](int64_t i) {
+    if constexpr (std::is_same_v<U, float>) {
+      return x[i];
+    } else {
+      return U::load(x + i * kSumLanes);
+    }
+  };
+  const int64_t groups = units / 4;
+  const int64_t lp = std::max<int64_t>(4, ceil_log2(groups) / 4);
+  const int64_t step = int64_t{1} << lp, mask = step - 1;
+  U acc[4][4] = {};  // [level][accumulator]
+  int64_t q = 0;
+  while (q + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++q) {
+      for (int k = 0; k < 4; ++k) {
+        acc[0][k] = acc[0][k] + load(4 * q + k);
+      }
+    }
+    for (int level = 1; level < 4; ++level) {
+      for (int k = 0; k < 4; ++k) {
+        acc[level][k] = acc[level][k] + acc[level - 1][k];
+        acc[level - 1][k] = U{};
+      }
+      if ((q & (mask << (level * lp))) != 0) {
+        break;
+      }
+    }
+  }
+  for (; q < groups; ++q) {
+    for (int k = 0; k < 4; ++k) {
+      acc[0][k] = acc[0][k] + load(4 * q + k);
+    }
+  }
+  for (int level = 1; level < 4; ++level) {
+    for (int k = 0; k < 4; ++k) {
+      acc[0][k] = acc[0][k] + acc[level][k];
+    }
+  }
+  U sum = acc[0][0];
+  for (int64_t i = 4 * groups; i < units; ++i) {
+    sum = sum + load(i);
+  }
+  for (int k = 1; k < 4; ++k) {
+    sum = sum + acc[0][k];
+  }
+  return sum;
+}
+
+inline float aten_order_sum(const float* x, int64_t n) {
+  if (n < kSumLanes) {
+    return 0.f + cascade_sum_units<float>(x, n);
+  }
+  const int64_t vectors = n / kSumLanes;
+  float lanes[kSumLanes];
+  cascade_sum_units<SumLanes>(x, vectors).store(lanes);
+  float s = 0.f;
+  for (int64_t i = vectors * kSumLanes; i < n; ++i) {
+    s += x[i];
+  }
+  for (const float lane : lanes) {
+    s += lane;
+  }
+  return 0.f + s;
 }
 
 // ATen's sigmoid and silu, in their vector and scalar forms
@@ -316,24 +451,30 @@ void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out, bo
 template <typename TH, typename TO>
 void backward_impl(
     const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_a,
-    const at::Tensor& out_dh, float* prod, int64_t ps, bool stream_out) {
+    const at::Tensor& out_dh, float* grad_w, bool stream_out) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   const int64_t hs = h.stride(0), gs = grad_a.stride(0), as = out_a.stride(0), ds = out_dh.stride(0);
   const TH* hp = h.data_ptr<TH>();
   const TO* gp = grad_a.data_ptr<TO>();
   TO* ap = out_a.data_ptr<TO>();
   TO* dp = out_dh.data_ptr<TO>();
+  // with row weights, each row's products dA * a in an L1-resident row buffer, summed
+  // into d w by ATen's order as soon as the row is done
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<TH, TO> && !std::is_same_v<TH, float>) {
     // where asked, outputs past the L2 streamed (vec_convert.h)
     const bool stream =
         stream_out && torch_moe_cpu::past_l2(out_dh.nbytes() + out_a.nbytes());
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> prod(w != nullptr ? f : 0);
       for (int64_t r = r0; r < r1; ++r) {
         const bool weighted = w != nullptr;
         backward_row_half(
-            hp + r * hs, gp + r * gs, ap + r * as, dp + r * ds,
-            weighted ? prod + r * ps : nullptr, weighted ? w + r : nullptr, f, stream);
+            hp + r * hs, gp + r * gs, ap + r * as, dp + r * ds, weighted ? prod.data() : nullptr,
+            weighted ? w + r : nullptr, f, stream);
+        if (weighted) {
+          grad_w[r] = aten_order_sum(prod.data(), f);
+        }
       }
       if (stream) _mm_sfence();
     });
@@ -341,17 +482,21 @@ void backward_impl(
   }
 #endif
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(5 * f);
+    std::vector<float> buf((w != nullptr ? 6 : 5) * f);
     float* g = buf.data();
     float* u = g + f;
     float* s = u + f;  // dUp
     float* ga = s + f;  // dA, then dGate
     float* a = ga + f;
+    float* prod = a + f;
     for (int64_t r = r0; r < r1; ++r) {
       load_row(hp + r * hs, g, 2 * f);
       load_row(gp + r * gs, ga, f);
       const bool weighted = w != nullptr;
-      backward_row(g, u, ga, a, s, weighted ? prod + r * ps : nullptr, weighted ? w + r : nullptr, f);
+      backward_row(g, u, ga, a, s, weighted ? prod : nullptr, weighted ? w + r : nullptr, f);
+      if (weighted) {
+        grad_w[r] = aten_order_sum(prod, f);
+      }
       store_row(a, ap + r * as, f);
       store_row(s, dp + r * ds + f, f);
       store_row(ga, dp + r * ds, f);
@@ -787,7 +932,7 @@ void swiglu_forward(const at::Tensor& h, const std::optional<at::Tensor>& row_we
 
 void swiglu_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
-    const at::Tensor& out_a, const at::Tensor& out_dh, const std::optional<at::Tensor>& prod,
+    const at::Tensor& out_a, const at::Tensor& out_dh, const std::optional<at::Tensor>& grad_weights,
     bool stream_out) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   check_rows("h", h, rows, 2 * f);
@@ -798,16 +943,17 @@ void swiglu_backward(
       grad_a.scalar_type() == out_a.scalar_type() && out_a.scalar_type() == out_dh.scalar_type(),
       "swiglu_cpu: grad_a, out_a and out_dh must share a dtype");
   const float* w = weights_ptr(row_weights, rows);
-  float* p = nullptr;
-  int64_t ps = 0;
+  float* gw = nullptr;
   if (w != nullptr) {
-    TORCH_CHECK(prod.has_value() && prod->scalar_type() == at::kFloat, "swiglu_cpu: row weights need an fp32 prod buffer");
-    check_rows("prod", *prod, rows, f);
-    p = prod->data_ptr<float>();
-    ps = prod->stride(0);
+    TORCH_CHECK(
+        grad_weights.has_value() && grad_weights->scalar_type() == at::kFloat &&
+            grad_weights->dim() == 1 && grad_weights->size(0) == rows &&
+            grad_weights->stride(0) == 1,
+        "swiglu_cpu: row weights need a contiguous fp32 grad_weights [", rows, "]");
+    gw = grad_weights->data_ptr<float>();
   }
   dispatch(h, grad_a, [&](auto th, auto to) {
-    backward_impl<decltype(th), decltype(to)>(h, grad_a, w, out_a, out_dh, p, ps, stream_out);
+    backward_impl<decltype(th), decltype(to)>(h, grad_a, w, out_a, out_dh, gw, stream_out);
   });
 }
 
@@ -915,7 +1061,7 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
       "-> ()");
   m.def(
       "swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_a, "
-      "Tensor(b!) out_dh, Tensor(c!)? prod, bool stream_out=False) -> ()");
+      "Tensor(b!) out_dh, Tensor(c!)? grad_weights, bool stream_out=False) -> ()");
   m.def(
       "glu_oai_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
       "float? limit, bool interleaved, int chunk_rows) -> ()");

@@ -125,7 +125,8 @@ def _act_fp32_bytes(w: MoEWorkload, rows: float, backward: bool = True) -> float
     """One chunk's fp32 temporaries of the SwiGLU activation at their largest, on either
     CPU path, as its kernels make them (``grouped_swiglu._act_temporary_bytes``): with the
     ATen ops h [r, 2F] forward, and backward also silu, dA, A and their product [r, F];
-    with the native row kernels only the product dA * A [r, F] backward."""
+    with the native row kernels none (row buffers only: d row_weights is summed row by
+    row)."""
     from torch_moe._ops import grouped_swiglu as _gs
 
     return _gs._act_temporary_bytes(w.dtype, rows, w.hidden_dim, backward)
