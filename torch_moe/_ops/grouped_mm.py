@@ -1043,6 +1043,17 @@ def gather_way(way: str | None, dtype: torch.dtype) -> str | None:
     return "threads" if cpu_compute_dtype(dtype) == dtype else way
 
 
+def threads_read_rows(x: Tensor, w: Tensor, num_rows: int, ends: list[int]) -> bool:
+    """Whether the CPU grouped GEMM of ``num_rows`` rows gathered from x by ``w``, in
+    groups ending at ``ends``, runs the threaded kernel (:func:`gather_way` of its
+    ``whole_way``) reading the rows through the token index (:func:`reads_gathered`):
+    then :func:`gathered_grouped_mm` gives its bits without the [M, K] copy."""
+    if not ends or not reads_gathered(x, "threads", w.dtype):
+        return False
+    rows = w.new_empty((num_rows, x.shape[1]))  # the gathered rows' metadata
+    return gather_way(whole_way(rows, w, ends, False), w.dtype) == "threads"
+
+
 def gathered_grouped_mm(x: Tensor, index: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """``_whole_grouped_mm(gather_rows(x, index), w, offs, ..., "threads")`` (rows of index
     -1 zero, rows past the groups zero), the gathered rows read by the threaded kernel
@@ -1379,9 +1390,7 @@ def _gather_ends(x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor) -> lis
     rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))  # the gathered rows' metadata
     _check_mm_inputs(rows, w, offs)  # (grouped_mm's checks, on the path that skips it)
     ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
-    if not ends or gather_way(whole_way(rows, w, ends, False), w.dtype) != "threads":
-        return None
-    return ends
+    return ends if ends and threads_read_rows(x, w, rows.shape[0], ends) else None
 
 
 def _gather_grouped_mm_default(

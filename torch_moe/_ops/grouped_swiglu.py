@@ -64,6 +64,7 @@ from torch_moe._ops.grouped_mm import (
     rows_per_busy_group,
     splits_rows,
     streams_outputs,
+    threads_read_rows,
     weight_col_major,
     wgrad_operand,
     wgrad_way,
@@ -309,12 +310,8 @@ def _rows_mm(
     """``_grouped_mm_cpu(_all_rows(x, gather_index), w)``, the rows read through the token
     index where that GEMM's way is the threaded kernel's (``gather_way``: the same bits, no
     [M, D] copy), as the lean forward reads them."""
-    if gather_index is not None and _reads_rows(x, ends, w.dtype):
-        rows = w.new_empty((gather_index.shape[0], x.shape[1]))  # the gathered rows' metadata
-        way = gather_way(whole_way(rows, w, ends, False), w.dtype)
-        del rows  # (not live next to a gathered copy)
-        if way == "threads":
-            return gathered_grouped_mm(x, gather_index, w, _offs_tensor(ends, offs))
+    if gather_index is not None and threads_read_rows(x, w, gather_index.shape[0], ends):
+        return gathered_grouped_mm(x, gather_index, w, _offs_tensor(ends, offs))
     return _grouped_mm_cpu(_all_rows(x, gather_index, w.dtype), w, ends, offs)
 
 
