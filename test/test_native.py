@@ -358,13 +358,15 @@ class TestNativeSwiGLU(TestCase):
                         flip(out)
 
                 @staticmethod
-                def glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step):
-                    real.glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step)
+                def glu_oai_backward(h, grad_a, rw, dh, grad_w, alpha, limit, interleaved, step):
+                    real.glu_oai_backward(
+                        h, grad_a, rw, dh, grad_w, alpha, limit, interleaved, step
+                    )
                     if where(out=False, h=h, limit=limit, interleaved=interleaved):
                         if not where.prod:
                             flip(dh)
-                        elif prod is not None:  # the products d row_weights sums
-                            flip(prod)
+                        elif grad_w is not None:  # d row_weights
+                            flip(grad_w)
 
                 relu2_forward = staticmethod(real.relu2_forward)
                 relu2_backward = staticmethod(real.relu2_backward)
@@ -498,11 +500,6 @@ class TestNativeSwiGLU(TestCase):
         self.assertEqual(P.pick({"aten": 1.0, "native": 0.95}, "aten", 0.1), "aten")
 
 
-def _chunk_sums(prod, step):
-    """Row sums of ``prod`` per chunk of ``step`` rows (as the ATen chunks sum theirs)."""
-    return torch.cat([prod[r0 : r0 + step].sum(-1) for r0 in range(0, prod.shape[0], step)])
-
-
 def _glu_op(h, grad_a, rw, limit, interleaved, native, activation="swigluoai"):
     """torch_moe::glu(activation) forward and backward through autograd, with the native
     kernels or the ATen chunks: (a, dH, d rw)."""
@@ -615,15 +612,15 @@ class TestNativeGluOai(TestCase):
         want = (a, dh, None if rw is None or not rows else torch.cat(parts))
         mod = _native.kernels()
         a2, dh2 = torch.empty_like(grad_a), torch.empty_like(h)
-        prod = None if rw is None else torch.empty(rows, hidden)
+        grad_w = None if rw is None else torch.empty(rows)
         fwd, bwd = (
             (mod.glu_oai_forward, mod.glu_oai_backward)
             if activation == "swigluoai"
             else (mod.glu_swiglu_forward, mod.glu_swiglu_backward)
         )
         fwd(h, rw, a2, 1.702, limit, interleaved, step)
-        bwd(h, grad_a, rw, dh2, prod, 1.702, limit, interleaved, step)
-        got = (a2, dh2, None if prod is None or not rows else _chunk_sums(prod, step))
+        bwd(h, grad_a, rw, dh2, grad_w, 1.702, limit, interleaved, step)
+        got = (a2, dh2, None if grad_w is None or not rows else grad_w)
         return want, got
 
     @needs_native
@@ -667,8 +664,11 @@ class TestNativeGluOai(TestCase):
             mod.glu_oai_forward(h.double(), None, out.double(), 1.702, None, True, 4)
         with self.assertRaisesRegex(RuntimeError, r"out must be \[4, 8\] with contiguous rows"):
             mod.glu_oai_forward(h, None, torch.empty(8, 4, dtype=BF16).t(), 1.702, None, True, 4)
-        with self.assertRaisesRegex(RuntimeError, r"need a contiguous fp32 prod buffer"):
-            mod.glu_oai_backward(h, grad_a, rw, dh, None, 1.702, None, True, 4)
+        for grad_w in (None, rw.new_empty(5), rw.double()):
+            with self.assertRaisesRegex(
+                RuntimeError, r"glu_cpu: row weights need a contiguous fp32 grad_weights \[4\]"
+            ):
+                mod.glu_oai_backward(h, grad_a, rw, dh, grad_w, 1.702, None, True, 4)
         with self.assertRaisesRegex(RuntimeError, r"grad_a and out_dh must have h's dtype"):
             mod.glu_oai_backward(h, grad_a.float(), None, dh, None, 1.702, None, True, 4)
         h8 = h[:, :8].contiguous()
@@ -676,8 +676,8 @@ class TestNativeGluOai(TestCase):
             mod.relu2_forward(h8, None, out.float())
         with self.assertRaisesRegex(RuntimeError, r"out_dh must be \[4, 8\] with contiguous rows"):
             mod.relu2_backward(h8, grad_a, None, dh, None)
-        with self.assertRaisesRegex(RuntimeError, r"need a contiguous fp32 prod buffer"):
-            mod.relu2_backward(h8, grad_a, rw, torch.empty_like(h8), None)
+        with self.assertRaisesRegex(RuntimeError, r"need a contiguous fp32 grad_weights \[4\]"):
+            mod.relu2_backward(h8, grad_a, rw, torch.empty_like(h8), torch.empty(8)[::2])
 
     def test_kernel_with_other_bits_is_refused(self):
         class Wrong:  # a build that contracted (alpha * g) * (1 - s) + 1: the last bit
@@ -686,12 +686,12 @@ class TestNativeGluOai(TestCase):
                 out.copy_(glu_mod._forward(h, rw, "swigluoai", alpha, limit, interleaved))
 
             @staticmethod
-            def glu_oai_backward(h, grad_a, rw, dh, prod, alpha, limit, interleaved, step):
+            def glu_oai_backward(h, grad_a, rw, dh, grad_w, alpha, limit, interleaved, step):
                 args = ("swigluoai", alpha, limit, interleaved)
                 glu_mod._backward_into(grad_a, h, rw, *args, dh)
                 dh.view(torch.int16)[..., 0] ^= 1
-                if prod is not None:
-                    prod.zero_()
+                if grad_w is not None:
+                    grad_w.zero_()
 
         with self.assertWarnsRegex(
             UserWarning, r"swigluoai kernel built but its results differ .*\(torch.bfloat16, 3x5\)"

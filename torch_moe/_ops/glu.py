@@ -308,32 +308,18 @@ def _native_backward(
     step: int,
     dh: Tensor,
 ) -> Tensor | None:
-    """dH into ``dh``; returns d row_weights (fp32) or None. With row weights one chunk
-    of ``step`` rows per call: the products dA * a that d row_weights sums are one chunk's
-    fp32 buffer, summed as the ATen chunks sum theirs (a reduction over more rows may cut
-    a row's sum differently between threads)."""
+    """dH into ``dh``; returns d row_weights (fp32) or None. One call: the kernel runs
+    the rows in chunks of ``step`` (ATen's cuts), and sums each row's products dA * a
+    for d row_weights in the order of ATen's sum (swiglu_cpu.cpp's aten_order_sum), as
+    the ATen chunks sum theirs."""
     activation, alpha, limit, interleaved = args
     rw = _native_weights(row_weights)
-
-    def run(r: slice, prod: Tensor | None) -> None:
-        rw_r = None if rw is None else rw[r]
-        if activation == "relu2":
-            mod.relu2_backward(h[r], grad_a[r], rw_r, dh[r], prod)
-        else:
-            fn = mod.glu_oai_backward if activation == "swigluoai" else mod.glu_swiglu_backward
-            fn(h[r], grad_a[r], rw_r, dh[r], prod, alpha, limit, interleaved, step)
-
-    if rw is None:
-        run(slice(None), None)
-        return None
-    rows = h.shape[0]
-    grad_rw = h.new_empty((rows,), dtype=torch.float32)
-    buf = h.new_empty((min(step, rows), grad_a.shape[1]), dtype=torch.float32)
-    for r0 in range(0, rows, step):
-        r = slice(r0, r0 + step)
-        prod = buf[: min(step, rows - r0)]
-        run(r, prod)
-        torch.sum(prod, -1, out=grad_rw[r])
+    grad_rw = None if rw is None else rw.new_empty(rw.shape)
+    if activation == "relu2":
+        mod.relu2_backward(h, grad_a, rw, dh, grad_rw)
+    else:
+        fn = mod.glu_oai_backward if activation == "swigluoai" else mod.glu_swiglu_backward
+        fn(h, grad_a, rw, dh, grad_rw, alpha, limit, interleaved, step)
     return grad_rw
 
 
@@ -348,8 +334,18 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
     variants = [(True, 1.5, True), (False, None, False), (True, None, True)]
     if not gated_act:
         variants = [(False, None, True), (False, None, False)]
-    # the last chunk is long enough for ATen to cut it into a piece per thread, mid-row
-    for rows, hidden, step in ((3, 5, 2), (9, 47, 4), (17, 100, 17), (37, 999, 37)):
+    # the last chunk but one is long enough for ATen to cut it into a piece per thread,
+    # mid-row; the last one's rows are long enough for every level of the cascade by
+    # which the kernel sums d row_weights as ATen's sum does (2^12 groups of four vectors
+    # of 8 floats, 2 vectors and 7 floats more)
+    long_row = (1 << 17) + 8 * 2 + 7
+    for rows, hidden, step in (
+        (3, 5, 2),
+        (9, 47, 4),
+        (17, 100, 17),
+        (37, 999, 37),
+        (2, long_row, 2),
+    ):
         h = (3 * torch.randn(rows, (2 if gated_act else 1) * hidden, generator=g)).to(dtype)
         grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
         weights = torch.rand(rows, generator=g)

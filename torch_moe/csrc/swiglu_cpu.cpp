@@ -402,6 +402,20 @@ void check_rows(const char* name, const at::Tensor& t, int64_t rows, int64_t col
       "] with contiguous rows, got ", t.sizes(), " strides ", t.strides());
 }
 
+// d row_weights' output: a contiguous fp32 [rows] where there are row weights
+float* grad_weights_ptr(
+    const char* op, const float* w, const std::optional<at::Tensor>& grad_weights, int64_t rows) {
+  if (w == nullptr) {
+    return nullptr;
+  }
+  TORCH_CHECK(
+      grad_weights.has_value() && grad_weights->scalar_type() == at::kFloat &&
+          grad_weights->dim() == 1 && grad_weights->size(0) == rows &&
+          grad_weights->stride(0) == 1,
+      op, ": row weights need a contiguous fp32 grad_weights [", rows, "]");
+  return grad_weights->data_ptr<float>();
+}
+
 const float* weights_ptr(const std::optional<at::Tensor>& w, int64_t rows) {
   if (!w.has_value()) {
     return nullptr;
@@ -745,13 +759,17 @@ void glu_forward_impl(
 template <typename TH, bool OAI>
 void glu_backward_impl(
     const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_dh,
-    float* prod, const GluArgs& o, int64_t chunk_rows) {
+    float* grad_w, const GluArgs& o, int64_t chunk_rows) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   const int64_t hs = h.stride(0), gs = grad_a.stride(0), ds = out_dh.stride(0);
   const TH* hp = h.data_ptr<TH>();
   const TH* gp = grad_a.data_ptr<TH>();
   TH* dp = out_dh.data_ptr<TH>();
   const fVec alpha(o.alpha), lim(o.limit), nlim(-o.limit), one(1.f), zero(0.f);
+  // with row weights, a chunk's products dA * act * up1 in a buffer of its own (a piece
+  // may start mid-row), each of its rows then summed into d w in ATen's order
+  std::vector<float> chunk_prod(w != nullptr ? std::min(chunk_rows, rows) * f : 0);
+  float* pr = w != nullptr ? chunk_prod.data() : nullptr;  // [chunk rows, F] contiguous
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - r0) * f;
     for_each_cut(n, f, o.cut, [&](int64_t p, int64_t q, int64_t ve) {
@@ -761,7 +779,6 @@ void glu_backward_impl(
       if (w != nullptr) {
         row_weights_block(w, r0, f, p, q, wb);
       }
-      float* pr = prod == nullptr ? nullptr : prod + r0 * f;  // [rows, F] contiguous
       const int64_t v = std::max(p, std::min(q, ve));
       int64_t i = p;
       for (; i < v; i += kV) {
@@ -831,6 +848,13 @@ void glu_backward_impl(
       }
       scatter_dh(g, u, dp, ds, r0, f, p, q, o.interleaved);
     });
+    if (w != nullptr) {
+      at::parallel_for(0, n / f, 16, [&](int64_t j0, int64_t j1) {
+        for (int64_t j = j0; j < j1; ++j) {
+          grad_w[r0 + j] = aten_order_sum(pr + j * f, f);
+        }
+      });
+    }
   }
 }
 
@@ -874,16 +898,17 @@ void relu2_forward_impl(const at::Tensor& h, const float* w, const at::Tensor& o
 template <typename TH>
 void relu2_backward_impl(
     const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_dh,
-    float* prod) {
+    float* grad_w) {
   const int64_t rows = h.size(0), f = h.size(1);
   const int64_t hs = h.stride(0), gs = grad_a.stride(0), ds = out_dh.stride(0);
   const TH* hp = h.data_ptr<TH>();
   const TH* gp = grad_a.data_ptr<TH>();
   TH* dp = out_dh.data_ptr<TH>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(2 * f);
+    std::vector<float> buf((w != nullptr ? 3 : 2) * f);
     float* x = buf.data();
     float* d = x + f;
+    float* prod = d + f;  // with row weights: the row's products, summed into d w
     for (int64_t r = r0; r < r1; ++r) {
       load_row(hp + r * hs, x, f);
       load_row(gp + r * gs, d, f);
@@ -891,10 +916,13 @@ void relu2_backward_impl(
         const float v = relu(x[i]);
         float g = d[i];
         if (w != nullptr) {
-          prod[r * f + i] = g * (v * v);
+          prod[i] = g * (v * v);
           g *= w[r];
         }
         d[i] = g * (2.f * v);
+      }
+      if (w != nullptr) {
+        grad_w[r] = aten_order_sum(prod, f);
       }
       store_row(d, dp + r * ds, f);
     }
@@ -943,15 +971,7 @@ void swiglu_backward(
       grad_a.scalar_type() == out_a.scalar_type() && out_a.scalar_type() == out_dh.scalar_type(),
       "swiglu_cpu: grad_a, out_a and out_dh must share a dtype");
   const float* w = weights_ptr(row_weights, rows);
-  float* gw = nullptr;
-  if (w != nullptr) {
-    TORCH_CHECK(
-        grad_weights.has_value() && grad_weights->scalar_type() == at::kFloat &&
-            grad_weights->dim() == 1 && grad_weights->size(0) == rows &&
-            grad_weights->stride(0) == 1,
-        "swiglu_cpu: row weights need a contiguous fp32 grad_weights [", rows, "]");
-    gw = grad_weights->data_ptr<float>();
-  }
+  float* gw = grad_weights_ptr("swiglu_cpu", w, grad_weights, rows);
   dispatch(h, grad_a, [&](auto th, auto to) {
     backward_impl<decltype(th), decltype(to)>(h, grad_a, w, out_a, out_dh, gw, stream_out);
   });
@@ -985,11 +1005,12 @@ GluArgs glu_args(
 }
 
 // The glu backward kernels' operands: h [rows, h_cols], grad_a [rows, F], out_dh like h,
-// one dtype; with row weights an fp32 prod [rows, F]. Returns (weights, prod) pointers.
+// one dtype; with row weights an fp32 grad_weights [rows] for d row_weights. Returns
+// (weights, grad_weights) pointers.
 std::pair<const float*, float*> check_backward(
     const at::Tensor& h, int64_t h_cols, const at::Tensor& grad_a,
     const std::optional<at::Tensor>& row_weights, const at::Tensor& out_dh,
-    const std::optional<at::Tensor>& prod) {
+    const std::optional<at::Tensor>& grad_weights) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   check_rows("h", h, rows, h_cols);
   check_rows("grad_a", grad_a, rows, f);
@@ -998,15 +1019,7 @@ std::pair<const float*, float*> check_backward(
       grad_a.scalar_type() == h.scalar_type() && out_dh.scalar_type() == h.scalar_type(),
       "glu_cpu: grad_a and out_dh must have h's dtype");
   const float* w = weights_ptr(row_weights, rows);
-  float* p = nullptr;
-  if (w != nullptr) {
-    TORCH_CHECK(
-        prod.has_value() && prod->scalar_type() == at::kFloat && prod->is_contiguous(),
-        "glu_cpu: row weights need a contiguous fp32 prod buffer");
-    check_rows("prod", *prod, rows, f);
-    p = prod->data_ptr<float>();
-  }
-  return {w, p};
+  return {w, grad_weights_ptr("glu_cpu", w, grad_weights, rows)};
 }
 
 template <bool OAI>
@@ -1025,9 +1038,10 @@ void glu_forward(
 template <bool OAI>
 void glu_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
-    const at::Tensor& out_dh, const std::optional<at::Tensor>& prod, double alpha,
+    const at::Tensor& out_dh, const std::optional<at::Tensor>& grad_weights, double alpha,
     std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
-  const auto [w, p] = check_backward(h, 2 * grad_a.size(1), grad_a, row_weights, out_dh, prod);
+  const auto [w, p] =
+      check_backward(h, 2 * grad_a.size(1), grad_a, row_weights, out_dh, grad_weights);
   const GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
   dispatch_glu(h, [&](auto t) {
     glu_backward_impl<decltype(t), OAI>(h, grad_a, w, out_dh, p, o, chunk_rows);
@@ -1046,8 +1060,8 @@ void relu2_forward(
 
 void relu2_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
-    const at::Tensor& out_dh, const std::optional<at::Tensor>& prod) {
-  const auto [w, p] = check_backward(h, grad_a.size(1), grad_a, row_weights, out_dh, prod);
+    const at::Tensor& out_dh, const std::optional<at::Tensor>& grad_weights) {
+  const auto [w, p] = check_backward(h, grad_a.size(1), grad_a, row_weights, out_dh, grad_weights);
   dispatch_glu(h, [&](auto t) { relu2_backward_impl<decltype(t)>(h, grad_a, w, out_dh, p); });
 }
 
@@ -1067,17 +1081,19 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
       "float? limit, bool interleaved, int chunk_rows) -> ()");
   m.def(
       "glu_oai_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
-      "Tensor(b!)? prod, float alpha, float? limit, bool interleaved, int chunk_rows) -> ()");
+      "Tensor(b!)? grad_weights, float alpha, float? limit, bool interleaved, int chunk_rows) "
+      "-> ()");
   m.def(
       "glu_swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
       "float? limit, bool interleaved, int chunk_rows) -> ()");
   m.def(
       "glu_swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
-      "Tensor(b!)? prod, float alpha, float? limit, bool interleaved, int chunk_rows) -> ()");
+      "Tensor(b!)? grad_weights, float alpha, float? limit, bool interleaved, int chunk_rows) "
+      "-> ()");
   m.def("relu2_forward(Tensor h, Tensor? row_weights, Tensor(a!) out) -> ()");
   m.def(
       "relu2_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
-      "Tensor(b!)? prod) -> ()");
+      "Tensor(b!)? grad_weights) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
