@@ -405,38 +405,41 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
   const int64_t pairs = (K + 1) / 2, panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // a's row m: its pair p at row_ptrs[m] + p * ks
   reserve_scratch(row_ptrs, M);
+  const uint16_t** const row_p = row_ptrs.data();  // (a thread_local's address: once)
   int64_t ks = 2;
   if (a_col_major) {  // a^T [K, M]: its pairs of rows interleaved, [pairs, lp] words
     const int64_t lp = (M + kNr - 1) / kNr * kNr;
     reserve_scratch(a_packed, pairs * lp);
+    uint32_t* const a_packed_p = a_packed.data();
     for (int64_t m0 = 0; m0 < M; m0 += kNr) {
-      pack_row_pairs(a, m0, K, std::min(kNr, M - m0), a_packed.data() + m0, lp);
+      pack_row_pairs(a, m0, K, std::min(kNr, M - m0), a_packed_p + m0, lp);
     }
-    const auto* packed = reinterpret_cast<const uint16_t*>(a_packed.data());
-    for (int64_t m = 0; m < M; ++m) row_ptrs[m] = packed + 2 * m;
+    const auto* packed = reinterpret_cast<const uint16_t*>(a_packed_p);
+    for (int64_t m = 0; m < M; ++m) row_p[m] = packed + 2 * m;
     ks = 2 * lp;
   } else {
-    for (int64_t m = 0; m < M; ++m) row_ptrs[m] = a.row(m);
+    for (int64_t m = 0; m < M; ++m) row_p[m] = a.row(m);
   }
   // passes of near-equal rows (whole tiles), each at most a_block_bytes() of a
   const int64_t block = pass_rows(M, 2 * K, kMr);
   const bool one_pass = block >= M;  // then each panel is packed just before its tiles
   const int64_t held = one_pass ? 1 : n_panels;
   reserve_scratch(panels, held * panel_words);
+  uint32_t* const panels_p = panels.data();
   if (!one_pass) {
     for (int64_t q = 0; q < n_panels; ++q) {
-      b.pack(q * kNr, std::min(kNr, N - q * kNr), panels.data() + q * panel_words);
+      b.pack(q * kNr, std::min(kNr, N - q * kNr), panels_p + q * panel_words);
     }
   }
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
     for (int64_t q = 0; q < n_panels; ++q) {
       const int64_t n0 = q * kNr, cols = std::min(kNr, N - n0);
-      uint32_t* panel = panels.data() + (one_pass ? 0 : q * panel_words);
+      uint32_t* panel = panels_p + (one_pass ? 0 : q * panel_words);
       if (one_pass) b.pack(n0, cols, panel);
       for (int64_t m = m0; m < m1; m += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, m1 - m));
-        tile_rows(rows, row_ptrs.data() + m, ks, panel, K, c + m * ldc + n0, ldc, cols, stream);
+        tile_rows(rows, row_p + m, ks, panel, K, c + m * ldc + n0, ldc, cols, stream);
       }
     }
   }
@@ -678,22 +681,24 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   const bool one_pass = block >= M && !rows_first;
   const int64_t held = one_pass ? 2 : n_panels;
   reserve_scratch(panels, held * panel_words);
+  uint32_t* const panels_p = panels.data();  // (a thread_local's address: once)
   // a row-major a, not gathered, whole 32-k steps: its tiles read in place, all but a
   // last partial block of 32 rows (packed, with zero rows); else all of a packed
   const bool in_place = !a_col_major && a.index == nullptr && K % kTk == 0;
   const int64_t m_place = in_place ? M / (2 * kTm) * (2 * kTm) : 0;
   const int64_t mt = (M - m_place + 2 * kTm - 1) / (2 * kTm) * 2;  // packed row tiles
   reserve_scratch(a_tiles, mt * kt * kTm * kTk);
+  uint16_t* const a_tiles_p = a_tiles.data();
   if (a_col_major) {
-    pack_a_tiles_cols(a, M, K, mt, kt, a_tiles.data());
+    pack_a_tiles_cols(a, M, K, mt, kt, a_tiles_p);
   } else if (mt > 0) {
     const RowSource rest{a.index ? a.base : a.base + m_place * a.ld, a.ld,
                          a.index ? a.index + m_place : nullptr, a.zero};
-    pack_a_tiles_rows(rest, M - m_place, K, mt, kt, a_tiles.data());
+    pack_a_tiles_rows(rest, M - m_place, K, mt, kt, a_tiles_p);
   }
   // pairs [p0, p1) of panel q (past K's pairs: zeros)
   auto pack_panel = [&](int64_t q, int64_t p0, int64_t p1) {
-    uint32_t* out = panels.data() + (one_pass ? q & 1 : q) * panel_words;
+    uint32_t* out = panels_p + (one_pass ? q & 1 : q) * panel_words;
     const int64_t packed = (K + 1) / 2;
     if (p0 < std::min(p1, packed)) {
       b.pack(q * kNr, std::min(kNr, N - q * kNr), out, p0, std::min(p1, packed));
@@ -702,7 +707,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
     if (p1 > z0) std::memset(out + z0 * kNr, 0, (p1 - z0) * kNr * 4);
   };
   if (rows_first) {
-    pack_row_pairs_across(b.rows, K, N, pairs, panels.data(), panel_words);
+    pack_row_pairs_across(b.rows, K, N, pairs, panels_p, panel_words);
   } else {
     pack_panel(0, 0, pairs);
   }
@@ -723,7 +728,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
     const int64_t m1 = std::min(M, m0 + block);
     for (int64_t q = 0; q < n_panels; ++q) {
       const int64_t n0 = q * kNr;
-      const uint32_t* panel = panels.data() + (one_pass ? q & 1 : q) * panel_words;
+      const uint32_t* panel = panels_p + (one_pass ? q & 1 : q) * panel_words;
       int64_t next_p = (one_pass || m0 == 0) && q + 1 < n_panels && !rows_first ? 0 : pairs;
       for (int64_t m = m0; m < m1; m += 2 * kTm) {
         const uint16_t *a0, *a1;
@@ -734,7 +739,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
           a_stride = a.ld * 2;
           a_step = kTk;
         } else {
-          a0 = a_tiles.data() + ((m - m_place) / kTm) * kt * tile_elems;
+          a0 = a_tiles_p + ((m - m_place) / kTm) * kt * tile_elems;
           a1 = a0 + kt * tile_elems;
           a_stride = kTk * 2;
           a_step = tile_elems;
@@ -820,6 +825,8 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, Ou
   const int64_t n_pan = block / kNr;
   reserve_scratch(a_panels, n_pan * panel_words);
   reserve_scratch(w_block, 2 * kTm * kt * kTk);
+  uint32_t* const a_panels_p = a_panels.data();  // (thread_locals' addresses: once)
+  uint16_t* const w_block_p = w_block.data();
   const bool direct_k = K % kTk == 0;
   load_tile_config();
   // each block of c stored while the next block's products run (two sum buffers in turn)
@@ -832,7 +839,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, Ou
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block), used = (m1 - m0 + kNr - 1) / kNr;
     for (int64_t qi = 0; qi < used; ++qi) {
-      uint32_t* panel = a_panels.data() + qi * panel_words;
+      uint32_t* panel = a_panels_p + qi * panel_words;
       const int64_t packed = (K + 1) / 2;
       // the columns the tile blocks read: 16 or 32 of a last panel's (of a few rows)
       const int64_t cols = std::min(kNr, m1 - m0 - qi * kNr);
@@ -849,18 +856,18 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, Ou
       } else {
         const int64_t lw = kt * kTk;
         for (int64_t r = 0; r < 2 * kTm; ++r) {
-          uint16_t* o = w_block.data() + r * lw;
+          uint16_t* o = w_block_p + r * lw;
           std::memset(o, 0, lw * 2);
           if (n0 + r < N) std::memcpy(o, w.row(n0 + r), K * 2);
         }
-        w0 = w_block.data();
+        w0 = w_block_p;
         ws = lw;
       }
       const uint16_t* w1 = w0 + kTm * ws;
       const int64_t ncols = std::min<int64_t>(2 * kTm, N - n0);
       for (int64_t qi = 0; qi < used; ++qi) {
         for (int64_t h = 0; h < kNr && m0 + qi * kNr + h < m1; h += 32) {
-          const uint32_t* bp = a_panels.data() + qi * panel_words + h;
+          const uint32_t* bp = a_panels_p + qi * panel_words + h;
           // acc[n][m] -> c[m][n]
           const int64_t mbase = m0 + qi * kNr + h, mrows = std::min<int64_t>(32, m1 - mbase);
           auto between = [&] {
