@@ -117,12 +117,24 @@ class TestNativeSwiGLU(TestCase):
         # changes (a vector of 8 floats, a group of four vectors, the 16, 256 and 4096
         # groups after which its accumulators cascade a level), vectors and elements
         # past the last group
+        # (the kernel called directly: through the ops a wrong sum would only make the
+        # first-use check fall back to the ATen ops, whose results these would then be)
+        mod = _native.kernels()
         lengths = [7, 8, 9, 31, 32, 33, 44, 511, 512, 513, 8191, 8192, 8233, 131071, 131072]
         for n in [*lengths, 131072 + 8 * 3 + 5]:
             h, grad_a, rw = _operands(2, n, BF16, BF16, seed=n)
+            a, dh, grad_w = torch.empty_like(grad_a), torch.empty_like(h), torch.empty(2)
             with intra_op_threads(threads):
-                aten, native = _both(h, grad_a, rw)
-            self.assertEqual(native[3], aten[3], atol=0, rtol=0, msg=f"F={n}")
+                want = gs._act_backward_into_aten(h, grad_a, rw, a, dh)
+                mod.swiglu_backward(h, grad_a, rw, a, dh, grad_w)
+            self.assertEqual(grad_w, want, atol=0, rtol=0, msg=f"F={n}")
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16])
+    def test_built_kernels_pass_the_bit_check(self, dtype):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a refusal warns
+            self.assertTrue(gs._native_matches_aten(_native.kernels(), dtype))
 
     @needs_native
     @parametrize("threads", [1, 2])
