@@ -121,7 +121,7 @@ class TestNativeSwiGLU(TestCase):
         # first-use check fall back to the ATen ops, whose results these would then be)
         mod = _native.kernels()
         lengths = [7, 8, 9, 31, 32, 33, 44, 511, 512, 513, 8191, 8192, 8233, 131071, 131072]
-        for n in [*lengths, 131072 + 8 * 3 + 5]:
+        for n in [*lengths, 131072 + 8 * 3 + 5, gs._CASCADE_ROW]:  # (the last: every level)
             h, grad_a, rw = _operands(2, n, BF16, BF16, seed=n)
             a, dh, grad_w = torch.empty_like(grad_a), torch.empty_like(h), torch.empty(2)
             with intra_op_threads(threads):
@@ -461,7 +461,7 @@ class TestNativeSwiGLU(TestCase):
                     grad_w[0] = prod[0, ::2].sum() + prod[0, 1::2].sum()
 
         if _native.available():
-            with self.assertWarnsRegex(UserWarning, r"results differ .* 2x262167\)"):
+            with self.assertWarnsRegex(UserWarning, rf"results differ .* 2x{gs._CASCADE_ROW}\)"):
                 self.assertFalse(gs._native_matches_aten(OtherSumOrder, BF16))
         with mock.patch.object(_native, "kernels", return_value=Wrong):
             with self.assertWarnsRegex(UserWarning, "results differ"):

@@ -65,6 +65,7 @@ from torch_moe._ops.grouped_mm import (
     reads_gathered,
 )
 from torch_moe._ops.grouped_swiglu import (
+    _CASCADE_ROW,
     _NATIVE_DTYPES,
     _act_chunk_rows,
     _check_act,
@@ -335,10 +336,9 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
     if not gated_act:
         variants = [(False, None, True), (False, None, False)]
     # the last chunk but one is long enough for ATen to cut it into a piece per thread,
-    # mid-row; the last one's rows are long enough for every level of the cascade by
-    # which the kernel sums d row_weights as ATen's sum does (2^12 groups of four vectors
-    # of 8 floats, 2 vectors and 7 floats more)
-    long_row = (1 << 17) + 8 * 2 + 7
+    # mid-row; the last one's rows end with a part in every level of the cascade by which
+    # the kernel sums d row_weights as ATen's sum does (grouped_swiglu's _CASCADE_ROW)
+    long_row = _CASCADE_ROW
     for rows, hidden, step in (
         (3, 5, 2),
         (9, 47, 4),
