@@ -614,7 +614,7 @@ class TestNativeGluOai(TestCase):
     def _kernel_and_chunks(h, grad_a, rw, limit, interleaved, step, activation="swigluoai"):
         """(ATen chunks of ``step`` rows, the kernels with that chunk): a, dH, d rw."""
         args = (activation, 1.702, limit, interleaved)
-        rows, hidden = grad_a.shape
+        rows = grad_a.shape[0]
         a, dh = torch.empty_like(grad_a), torch.empty_like(h)
         parts = []
         for r0 in range(0, rows, step):
