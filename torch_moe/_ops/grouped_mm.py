@@ -1389,8 +1389,9 @@ def _gather_ends(x: Tensor, w: Tensor, offs: Tensor, row_to_slot: Tensor) -> lis
         return None
     rows = x.new_empty((row_to_slot.shape[0], x.shape[1]))  # the gathered rows' metadata
     _check_mm_inputs(rows, w, offs)  # (grouped_mm's checks, on the path that skips it)
+    del rows  # (threads_read_rows makes its own: not two alive at once)
     ends = check_offs_values("gather_grouped_mm", offs, row_to_slot.shape[0])
-    return ends if ends and threads_read_rows(x, w, rows.shape[0], ends) else None
+    return ends if ends and threads_read_rows(x, w, row_to_slot.shape[0], ends) else None
 
 
 def _gather_grouped_mm_default(

@@ -556,20 +556,19 @@ def _act_backward_into(
     out_a: Tensor,
     out_dh: Tensor,
     mod: Any = _MISSING,
+    stream: bool = False,
 ) -> Tensor | None:
     """``_act_backward``'s function for one row chunk by the native row kernel or the ATen
     ops (the same bits; d row_weights is the same fp32 sum of the same products). Returns
     d row_weights. ``mod``: ``_native_kernels`` of these operands where the caller has it
-    (None: the ATen ops)."""
+    (None: the ATen ops); ``stream``: the native kernel's outputs past the L2 streamed."""
     if mod is _MISSING:
         mod = _native_kernels(h, grad_a, out_a, out_dh)
     if mod is None:
         return _act_backward_into_aten(h, grad_a, row_weights, out_a, out_dh)
-    if row_weights is None:
-        mod.swiglu_backward(h, grad_a, None, out_a, out_dh, None)
-        return None
-    grad_rw = h.new_empty(h.shape[0], dtype=torch.float32)  # sum dA * a, unweighted
-    mod.swiglu_backward(h, grad_a, _native_weights(row_weights), out_a, out_dh, grad_rw)
+    rw = _native_weights(row_weights)
+    grad_rw = None if rw is None else rw.new_empty(rw.shape)  # sum dA * a, unweighted
+    mod.swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_rw, stream)
     return grad_rw
 
 
@@ -588,10 +587,7 @@ def _act_backward_rows(
     chunk), whose fp32 temporaries hold one chunk. Returns d row_weights (fp32 / fp64)
     or None."""
     if mod is not None:  # all rows: outputs past the L2 streamed
-        rw = _native_weights(row_weights)
-        grad_rw = None if rw is None else rw.new_empty(rw.shape)
-        mod.swiglu_backward(h, grad_a, rw, a, dh, grad_rw, streams_outputs(dh.dtype))
-        return grad_rw
+        return _act_backward_into(h, grad_a, row_weights, a, dh, mod, streams_outputs(dh.dtype))
     if step is None:
         step = _act_chunk_rows(h.dtype, a.shape[1])
     grad_rw = None
