@@ -471,13 +471,15 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
 // this one's, measured no faster on the AMX Xeon: benchmarks/results/cpu_floor_cpu_202612.md.)
 //
 // Both forms store each 32 x 32 output block (rounded from the fp32 tiles) while the next
-// block's tile products run: two sum buffers in turn, so that the rounding and the stores
-// overlap the products instead of following them.
+// block's tile products run (amx_gemm: two sum buffers in turn; amx_gemm_bt: its group's),
+// so that the rounding and the stores overlap the products instead of following them.
 //
 // amx_gemm_bt, for x @ w^T (b column-major, a row-major): computed as c^T = w @ a^T, the
 // weight's rows read in place as the first operand (the weight, the largest operand, is
 // never copied), a's rows packed into panels as the second, each c tile transposed on its
-// way out: the same products in the same order, so the same bits as amx_gemm's.
+// way out; K in chunks of 256 over groups of blocks (tile_group, below), the running sums
+// kept in fp32 between chunks: the same products in the same order, so the same bits as
+// amx_gemm's.
 //
 // Bits depend on K only (not on M, N, the layouts, the formulation or a thread's share)
 // and are not the AVX512-BF16 micro-kernel's (which sums blocks of 512 k apart); on the
@@ -531,24 +533,35 @@ inline void load_tile_config() {
 
 #define TORCH_MOE_AMX_INLINE TORCH_MOE_AMX_TARGET inline __attribute__((always_inline))
 
-// The output block of 32 rows x 32 columns in four c tiles, summed over kt 32-k steps from
-// zero: a's two row tiles at a0 and a1 (a_stride bytes between their rows, a_step
-// elements per step), b's two column tiles at b and b + 16 words (b_stride bytes between
-// pair rows, b_step words per step). `between` runs once the products are issued (they
-// go on while it runs); then the tiles are stored into acc (rows of c, fp32). With kB = 1
-// only b's first column tile: the block's first 16 columns (acc's others not written),
-// each the same sums as with two.
+// The output block of 32 rows x 32 columns in four c tiles, summed over kt 32-k steps onto
+// acc (rows of c, fp32: the sums of the steps before; zero where !accumulate): a's two row
+// tiles at a0 and a1 (a_stride bytes between their rows, a_step elements per step), b's
+// two column tiles at b and b + 16 words (b_stride bytes between pair rows, b_step words
+// per step). `between` runs once the products are issued (they go on while it runs); then
+// the tiles are stored into acc. With kB = 1 only b's first column tile: the block's
+// first 16 columns (acc's others not read or written), each the same sums as with two.
+// The fp32 sums stored and loaded again between calls are exact: a block summed in
+// several calls has the bits of one call over all its steps.
 template <int kB = 2, class Between>
 TORCH_MOE_AMX_INLINE void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
                                      int64_t a_step, const uint32_t* b, int64_t b_stride,
-                                     int64_t b_step, int64_t kt, float (&acc)[2 * kTm][32],
-                                     Between&& between) {
+                                     int64_t b_step, int64_t kt, bool accumulate,
+                                     float (&acc)[2 * kTm][32], Between&& between) {
   static_assert(kB == 1 || kB == 2, "one or two column tiles");
-  _tile_zero(0);
-  _tile_zero(2);
-  if constexpr (kB == 2) {
-    _tile_zero(1);
-    _tile_zero(3);
+  if (accumulate) {
+    TORCH_MOE_TILE_LOAD(0, &acc[0][0], 128);
+    TORCH_MOE_TILE_LOAD(2, &acc[kTm][0], 128);
+    if constexpr (kB == 2) {
+      TORCH_MOE_TILE_LOAD(1, &acc[0][16], 128);
+      TORCH_MOE_TILE_LOAD(3, &acc[kTm][16], 128);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(2);
+    if constexpr (kB == 2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
   }
   for (int64_t kb = 0; kb < kt; ++kb) {
     TORCH_MOE_TILE_LOAD(4, a0 + kb * a_step, a_stride);
@@ -566,6 +579,64 @@ TORCH_MOE_AMX_INLINE void tile_block(const uint16_t* a0, const uint16_t* a1, int
   if constexpr (kB == 2) {
     TORCH_MOE_TILE_STORE(1, &acc[0][16], 128);
     TORCH_MOE_TILE_STORE(3, &acc[kTm][16], 128);
+  }
+}
+
+// A block of c: rows [row, row + rows) and columns [col, col + cols), at most 32 x 32.
+struct OutBlock {
+  int64_t row, col, rows, cols;
+};
+
+// amx_gemm_bt's blocks of c^T: kGroup blocks of 32 columns (of b: 32 of x's rows each)
+// share each chunk of kChunkSteps 32-k steps of the first operand's 32 rows (256 k: 16
+// KB of the weight's rows), their fp32 sums kept in L1 between chunks (kGroup x 4 KB).
+// The weight's tiles are then read from memory or L2 by a group's first block only, from
+// L1 by the others. (A block summed over all of K at once reads a 32 x K strip of the
+// weight, 64 KB at K = 1024, more than L1 holds: every block's tiles of both operands
+// came from L2, 4 KB per four tile products. On the AMX Xeon measured, one thread: the
+// tile loop alone 2.0 TFLOP/s with both operands in L1; x @ w13^T of an 8-expert layer's
+// expert 6-7% faster so, a @ w2^T 1-10%. The same chunks in amx_gemm measured 2-10%
+// slower there, which keeps whole-K blocks: benchmarks/results/cpu_floor_cpu_202612.md.)
+constexpr int kGroup = 3;
+constexpr int64_t kChunkSteps = 8;
+
+// A finished block's sums (its c block), stored by the next tile_block's `between`.
+struct Pending {
+  const float (*acc)[2 * kTm][32] = nullptr;
+  OutBlock out{};
+};
+
+// The blocks out[0..n) of c (n <= kGroup) of one block of 32 rows of a (a0, a1, a_stride,
+// a_step as tile_block's), block j's b tiles at b[j] (its first 16 columns only where
+// narrow[j]), b_stride and b_step as tile_block's: K in chunks of kChunkSteps steps, each
+// chunk over all n blocks (their sums in sums[j]). Each finished block is stored by
+// store(acc, out) while the next block's products run (`pending`: the caller's, carried
+// from group to group; it calls store on the last one).
+template <class Store>
+TORCH_MOE_AMX_INLINE void tile_group(const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
+                                     int64_t a_step, int n, const uint32_t* const* b,
+                                     const bool* narrow, int64_t b_stride, int64_t b_step,
+                                     int64_t kt, float (*sums)[2 * kTm][32],
+                                     const OutBlock* out, Pending& pending, Store&& store) {
+  auto between = [&] {
+    if (pending.acc != nullptr) store(*pending.acc, pending.out);
+    pending.acc = nullptr;
+  };
+  for (int64_t k0 = 0; k0 < kt; k0 += kChunkSteps) {
+    const int64_t steps = std::min(kChunkSteps, kt - k0);
+    const uint16_t* ak0 = a0 + k0 * a_step;
+    const uint16_t* ak1 = a1 + k0 * a_step;
+    for (int j = 0; j < n; ++j) {
+      const uint32_t* bk = b[j] + k0 * b_step;
+      if (narrow[j]) {
+        tile_block<1>(ak0, ak1, a_stride, a_step, bk, b_stride, b_step, steps, k0 > 0, sums[j],
+                      between);
+      } else {
+        tile_block(ak0, ak1, a_stride, a_step, bk, b_stride, b_step, steps, k0 > 0, sums[j],
+                   between);
+      }
+      if (k0 + steps == kt) pending = {&sums[j], out[j]};
+    }
   }
 }
 
@@ -642,11 +713,6 @@ TORCH_MOE_GEMM_TARGET void pack_a_tiles_cols(const RowSource& at, int64_t M, int
     }
   }
 }
-
-// A block of c: rows [row, row + rows) and columns [col, col + cols), at most 32 x 32.
-struct OutBlock {
-  int64_t row, col, rows, cols;
-};
 
 // A block of c's tiles (acc[m][n], rows x cols, at most 32 x 32) rounded into c (its first
 // element at c).
@@ -745,7 +811,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
           a_step = tile_elems;
         }
         for (int64_t h = 0; h < kNr && n0 + h < N; h += 32) {
-          tile_block(a0, a1, a_stride, a_step, panel + h, kNr * 4, 16 * kNr, kt, accs[cur], [&] {
+          tile_block(a0, a1, a_stride, a_step, panel + h, kNr * 4, 16 * kNr, kt, false, accs[cur], [&] {
             if (next_p < pairs) {  // (while the tile products run)
               pack_panel(q + 1, next_p, std::min(pairs, next_p + slice));
               next_p += slice;
@@ -829,13 +895,14 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, Ou
   uint16_t* const w_block_p = w_block.data();
   const bool direct_k = K % kTk == 0;
   load_tile_config();
-  // each block of c stored while the next block's products run (two sum buffers in turn)
-  alignas(64) float accs[2][2 * kTm][32];
-  OutBlock done{0, 0, 0, 0};  // in accs[cur ^ 1] (c^T's rows), not stored yet
-  int cur = 0;
-  auto store_done = [&] {
-    store_acc_t(accs[cur ^ 1], c + done.row * ldc + done.col, ldc, done.rows, done.cols, stream);
+  alignas(64) float sums[kGroup][2 * kTm][32];  // c^T's blocks: acc[n][m] -> c[m][n]
+  Pending pending;
+  auto store = [&](const float (&acc)[2 * kTm][32], const OutBlock& o) {
+    store_acc_t(acc, c + o.row * ldc + o.col, ldc, o.rows, o.cols, stream);
   };
+  const uint32_t* b_tiles[kGroup];
+  bool narrow[kGroup];
+  OutBlock outs[kGroup];
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block), used = (m1 - m0 + kNr - 1) / kNr;
     for (int64_t qi = 0; qi < used; ++qi) {
@@ -863,28 +930,21 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, Ou
         w0 = w_block_p;
         ws = lw;
       }
-      const uint16_t* w1 = w0 + kTm * ws;
       const int64_t ncols = std::min<int64_t>(2 * kTm, N - n0);
-      for (int64_t qi = 0; qi < used; ++qi) {
-        for (int64_t h = 0; h < kNr && m0 + qi * kNr + h < m1; h += 32) {
-          const uint32_t* bp = a_panels_p + qi * panel_words + h;
-          // acc[n][m] -> c[m][n]
-          const int64_t mbase = m0 + qi * kNr + h, mrows = std::min<int64_t>(32, m1 - mbase);
-          auto between = [&] {
-            if (done.rows > 0) store_done();
-          };
-          if (mrows <= 16) {  // a few rows' last 16: one b tile
-            tile_block<1>(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, accs[cur], between);
-          } else {
-            tile_block(w0, w1, ws * 2, kTk, bp, kNr * 4, 16 * kNr, kt, accs[cur], between);
-          }
-          done = {mbase, n0, mrows, ncols};
-          cur ^= 1;
+      for (int64_t g = m0; g < m1; g += 32 * kGroup) {  // blocks of 32 of a's rows
+        int n = 0;
+        for (int64_t mb = g; mb < std::min(m1, g + 32 * kGroup); mb += 32, ++n) {
+          b_tiles[n] = a_panels_p + ((mb - m0) / kNr) * panel_words + (mb - m0) % kNr;
+          const int64_t mrows = std::min<int64_t>(32, m1 - mb);
+          narrow[n] = mrows <= 16;  // a few rows' last 16: one b tile
+          outs[n] = {mb, n0, mrows, ncols};
         }
+        tile_group(w0, w0 + kTm * ws, ws * 2, kTk, n, b_tiles, narrow, kNr * 4, 16 * kNr, kt,
+                   sums, outs, pending, store);
       }
     }
   }
-  if (done.rows > 0) store_done();
+  if (pending.acc != nullptr) store(*pending.acc, pending.out);
   _tile_release();
 }
 
