@@ -622,8 +622,9 @@ TORCH_MOE_AMX_INLINE void tile_group(const uint16_t* a0, const uint16_t* a1, int
     if (pending.acc != nullptr) store(*pending.acc, pending.out);
     pending.acc = nullptr;
   };
-  for (int64_t k0 = 0; k0 < kt; k0 += kChunkSteps) {
-    const int64_t steps = std::min(kChunkSteps, kt - k0);
+  const int64_t chunk = n > 1 ? kChunkSteps : kt;  // (one block: nothing to share)
+  for (int64_t k0 = 0; k0 < kt; k0 += chunk) {
+    const int64_t steps = std::min(chunk, kt - k0);
     const uint16_t* ak0 = a0 + k0 * a_step;
     const uint16_t* ak1 = a1 + k0 * a_step;
     for (int j = 0; j < n; ++j) {
