@@ -94,11 +94,6 @@ int64_t pass_rows(int64_t M, int64_t row_bytes, int64_t unit) {
   return ((M + passes - 1) / passes + unit - 1) / unit * unit;
 }
 
-// A thread's scratch buffer grown to at least n elements (kept between calls).
-template <class T>
-void reserve_scratch(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-}
 
 inline uint32_t pair_at(const uint16_t* p) {
   uint32_t v;
@@ -404,13 +399,11 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
   thread_local std::vector<const uint16_t*> row_ptrs;
   const int64_t pairs = (K + 1) / 2, panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // a's row m: its pair p at row_ptrs[m] + p * ks
-  reserve_scratch(row_ptrs, M);
-  const uint16_t** const row_p = row_ptrs.data();  // (a thread_local's address: once)
+  const uint16_t** const row_p = aligned_scratch(row_ptrs, M);  // (the address: once)
   int64_t ks = 2;
   if (a_col_major) {  // a^T [K, M]: its pairs of rows interleaved, [pairs, lp] words
     const int64_t lp = (M + kNr - 1) / kNr * kNr;
-    reserve_scratch(a_packed, pairs * lp);
-    uint32_t* const a_packed_p = a_packed.data();
+    uint32_t* const a_packed_p = aligned_scratch(a_packed, pairs * lp);
     for (int64_t m0 = 0; m0 < M; m0 += kNr) {
       pack_row_pairs(a, m0, K, std::min(kNr, M - m0), a_packed_p + m0, lp);
     }
@@ -424,8 +417,7 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
   const int64_t block = pass_rows(M, 2 * K, kMr);
   const bool one_pass = block >= M;  // then each panel is packed just before its tiles
   const int64_t held = one_pass ? 1 : n_panels;
-  reserve_scratch(panels, held * panel_words);
-  uint32_t* const panels_p = panels.data();
+  uint32_t* const panels_p = aligned_scratch(panels, held * panel_words);
   if (!one_pass) {
     for (int64_t q = 0; q < n_panels; ++q) {
       b.pack(q * kNr, std::min(kNr, N - q * kNr), panels_p + q * panel_words);
@@ -747,15 +739,13 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   const bool rows_first = !b.col_major;
   const bool one_pass = block >= M && !rows_first;
   const int64_t held = one_pass ? 2 : n_panels;
-  reserve_scratch(panels, held * panel_words);
-  uint32_t* const panels_p = panels.data();  // (a thread_local's address: once)
+  uint32_t* const panels_p = aligned_scratch(panels, held * panel_words);  // (once)
   // a row-major a, not gathered, whole 32-k steps: its tiles read in place, all but a
   // last partial block of 32 rows (packed, with zero rows); else all of a packed
   const bool in_place = !a_col_major && a.index == nullptr && K % kTk == 0;
   const int64_t m_place = in_place ? M / (2 * kTm) * (2 * kTm) : 0;
   const int64_t mt = (M - m_place + 2 * kTm - 1) / (2 * kTm) * 2;  // packed row tiles
-  reserve_scratch(a_tiles, mt * kt * kTm * kTk);
-  uint16_t* const a_tiles_p = a_tiles.data();
+  uint16_t* const a_tiles_p = aligned_scratch(a_tiles, mt * kt * kTm * kTk);
   if (a_col_major) {
     pack_a_tiles_cols(a, M, K, mt, kt, a_tiles_p);
   } else if (mt > 0) {
@@ -890,10 +880,9 @@ TORCH_MOE_AMX_TARGET void amx_gemm_bt(const RowSource& a, const RowSource& w, Ou
   const int64_t kt = (K + kTk - 1) / kTk, pairs = kt * (kTk / 2), panel_words = pairs * kNr;
   const int64_t block = pass_rows(M, 2 * kt * kTk, kNr);
   const int64_t n_pan = block / kNr;
-  reserve_scratch(a_panels, n_pan * panel_words);
-  reserve_scratch(w_block, 2 * kTm * kt * kTk);
-  uint32_t* const a_panels_p = a_panels.data();  // (thread_locals' addresses: once)
-  uint16_t* const w_block_p = w_block.data();
+  // (thread_locals' addresses: once)
+  uint32_t* const a_panels_p = aligned_scratch(a_panels, n_pan * panel_words);
+  uint16_t* const w_block_p = aligned_scratch(w_block, 2 * kTm * kt * kTk);
   const bool direct_k = K % kTk == 0;
   load_tile_config();
   alignas(64) float sums[kGroup][2 * kTm][32];  // c^T's blocks: acc[n][m] -> c[m][n]

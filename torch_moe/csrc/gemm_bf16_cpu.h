@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace torch_moe_cpu {
 
@@ -60,5 +61,21 @@ bool amx_gemm_rows_bt(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t
 // out where this build or CPU lacks AVX512-BW (the caller copies by ATen instead).
 bool transpose16_into(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out,
                       int64_t ldo);
+
+// A thread's scratch buffer (kept between calls) with at least n elements from a 64-byte
+// boundary, the pointer returned. malloc aligns large blocks to 16 bytes only (glibc's
+// fall 16 bytes past a line): each 64-byte row of a tile or vector loaded from the
+// buffer would then span two cache lines. (In a standalone AMX tile loop, buffers so
+// placed ran at 0.62-0.66 TFLOP/s against 0.92-1.15 on lines:
+// benchmarks/results/cpu_floor_cpu_202612.md.) What it held does not survive a call that
+// grows it.
+template <class T>
+T* aligned_scratch(std::vector<T>& v, int64_t n) {
+  static_assert(64 % sizeof(T) == 0, "elements that tile a cache line");
+  constexpr int64_t pad = 64 / sizeof(T);
+  if (static_cast<int64_t>(v.size()) < n + pad) v.resize(n + pad);
+  const auto p = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<T*>((p + 63) & ~uintptr_t{63});
+}
 
 }  // namespace torch_moe_cpu

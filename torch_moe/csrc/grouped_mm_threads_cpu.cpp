@@ -237,19 +237,18 @@ at::Tensor gathered(const at::Tensor& src, const int64_t* index, int64_t rows, i
     return src.index_select(0, idx.clamp_min(0)).masked_fill_(idx.lt(0).unsqueeze(1), 0);
   }
   thread_local std::vector<char> scratch[2];
-  std::vector<char>& buf = scratch[slot];
-  if (static_cast<int64_t>(buf.size()) < rows * bytes) buf.resize(rows * bytes);
+  char* const buf = torch_moe_cpu::aligned_scratch(scratch[slot], rows * bytes);
   const char* base = static_cast<const char*>(src.const_data_ptr());
   const int64_t row_step = ld * src.element_size();
   for (int64_t i = 0; i < rows; ++i) {
-    char* o = buf.data() + i * bytes;
+    char* o = buf + i * bytes;
     if (index[i] < 0) {
       std::memset(o, 0, bytes);
     } else {
       std::memcpy(o, base + index[i] * row_step, bytes);
     }
   }
-  return at::from_blob(buf.data(), {rows, n}, src.options());
+  return at::from_blob(buf, {rows, n}, src.options());
 }
 
 // A piece's column-major a [K, rows] as a row-major copy in this thread's scratch (valid
@@ -265,14 +264,14 @@ at::Tensor row_major_copy(const at::Tensor& a) {
   int64_t ld = (rows + 31) / 32 * 32;
   if (ld % 512 == 0) ld += 32;
   thread_local std::vector<uint16_t> scratch;
-  if (static_cast<int64_t>(scratch.size()) < k * ld) scratch.resize(k * ld);
-  auto out = at::from_blob(scratch.data(), {k, rows}, {ld, 1}, a.options());
+  uint16_t* const buf = torch_moe_cpu::aligned_scratch(scratch, k * ld);
+  auto out = at::from_blob(buf, {k, rows}, {ld, 1}, a.options());
   for (int64_t i = 0; i < k && ld > rows; ++i) {
-    std::fill(scratch.data() + i * ld + rows, scratch.data() + (i + 1) * ld, 0);
+    std::fill(buf + i * ld + rows, buf + (i + 1) * ld, 0);
   }
   const auto* src = static_cast<const uint16_t*>(a.const_data_ptr());
   if (k > 0 && rows > 0 &&
-      !torch_moe_cpu::transpose16_into(src, a.stride(1), rows, k, scratch.data(), ld)) {
+      !torch_moe_cpu::transpose16_into(src, a.stride(1), rows, k, buf, ld)) {
     out.copy_(a);
   }
   return out;

@@ -359,10 +359,10 @@ bool grad_x_amx(const at::Tensor& g, const at::Tensor& w, at::Tensor& gx) {
   std::atomic<bool> ran{true};
   at::parallel_for(0, (T_ + kAmxRows - 1) / kAmxRows, 1, [&](int64_t b0, int64_t b1) {
     const int64_t t0 = b0 * kAmxRows, t1 = std::min(T_, b1 * kAmxRows), rows = t1 - t0;
-    thread_local std::vector<uint16_t> parts;
-    if (static_cast<int64_t>(parts.size()) < rows * E3) parts.resize(rows * E3);
-    split3(gp + t0 * g.stride(0), g.stride(0), rows, E, parts.data());
-    const auto a = at::from_blob(parts.data(), {rows, E3}, g.options().dtype(at::kBFloat16));
+    thread_local std::vector<uint16_t> scratch;
+    uint16_t* const parts = torch_moe_cpu::aligned_scratch(scratch, rows * E3);
+    split3(gp + t0 * g.stride(0), g.stride(0), rows, E, parts);
+    const auto a = at::from_blob(parts, {rows, E3}, g.options().dtype(at::kBFloat16));
     auto out = gx.narrow(0, t0, rows);
     if (!torch_moe_cpu::bf16_gemm(out, a, w, {}, {rows3.data(), E3})) ran = false;
   });
