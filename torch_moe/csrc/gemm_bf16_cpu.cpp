@@ -133,13 +133,10 @@ TORCH_MOE_GEMM_INLINE void interleave_rows(__m512i x, __m512i y, __m512i& lo, __
 // GEMM, otherwise costs a read for ownership of every line and stalls the tile loop on
 // it: on the AMX Xeon measured the 64-expert layer's a @ w2^T (K = 256, a 32 MB output)
 // ran 1.5x faster so (benchmarks/results/cpu_floor_cpu_202612.md). The caller fences.
+// (store_vec's store: the activation kernels' too.)
 TORCH_MOE_GEMM_INLINE void store_line(uint16_t* o, __m256i lo, __m256i hi, bool stream) {
   const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  if (stream && (reinterpret_cast<uintptr_t>(o) & 63) == 0) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(o), v);
-  } else {
-    _mm512_storeu_si512(o, v);
-  }
+  store_vec(at::vec::Vectorized<at::BFloat16>(v), reinterpret_cast<at::BFloat16*>(o), stream);
 }
 
 // One panel row: the 32-bit words o[j] = (r0[j], r1[j]) of columns j < cols (cols <= 64;
