@@ -94,7 +94,6 @@ int64_t pass_rows(int64_t M, int64_t row_bytes, int64_t unit) {
   return ((M + passes - 1) / passes + unit - 1) / unit * unit;
 }
 
-
 inline uint32_t pair_at(const uint16_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -799,7 +798,8 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
           a_step = tile_elems;
         }
         for (int64_t h = 0; h < kNr && n0 + h < N; h += 32) {
-          tile_block(a0, a1, a_stride, a_step, panel + h, kNr * 4, 16 * kNr, kt, false, accs[cur], [&] {
+          const uint32_t* bh = panel + h;
+          tile_block(a0, a1, a_stride, a_step, bh, kNr * 4, 16 * kNr, kt, false, accs[cur], [&] {
             if (next_p < pairs) {  // (while the tile products run)
               pack_panel(q + 1, next_p, std::min(pairs, next_p + slice));
               next_p += slice;
