@@ -102,7 +102,9 @@ def _compare_steps(
     record: dict = {}
     compiled = torch.compile(moe, backend=_backend(record), fullgraph=True)
     gen = torch.Generator().manual_seed(1)
-    with TI.config.patch(inline_swiglu=inline_swiglu):  # read when a step compiles
+    # read when a step compiles; the ATen activation, which inline_swiglu replaces (the
+    # pass keeps the op where its native kernels run: test_inline_swiglu_keeps_native_act)
+    with TI.config.patch(inline_swiglu=inline_swiglu), _cpu_probe.force(act_kernel="aten"):
         for num_tokens in token_counts:
             x = torch.randn(num_tokens, D, generator=gen)
             grad_out = torch.randn(num_tokens, D, generator=gen)
@@ -245,7 +247,7 @@ class TestPasses(TestCase):
             rw_ = None if weights is None else weights.clone().requires_grad_()
             torch._dynamo.reset()
             record: dict = {}
-            with TI.config.patch(inline_swiglu=True):
+            with TI.config.patch(inline_swiglu=True), _cpu_probe.force(act_kernel="aten"):
                 fn = torch.compile(loss, backend=_backend(record), fullgraph=True)
                 fn(*leaves, rw_).backward()
             self.assertEqual(record["counts"]["inline_swiglu"], 2)
@@ -527,8 +529,12 @@ class TestInductor(TestCase):
         compiled = torch.compile(
             torch.ops.torch_moe.grouped_swiglu, fullgraph=True, options=TI.options()
         )
-        # native bf16 GEMMs (where the CPU upcasts, the pass keeps the op: the next test)
-        with TI.config.patch(inline_swiglu=True), _cpu_probe.force(half_gemm="native"):
+        # native bf16 GEMMs and the ATen activation (where the CPU upcasts or the native
+        # activation runs, the pass keeps the op: the next tests)
+        with (
+            TI.config.patch(inline_swiglu=True),
+            _cpu_probe.force(half_gemm="native", act_kernel="aten"),
+        ):
             got, (fwd, bwd) = run_and_get_code(lambda: step(compiled))
             want = step(torch.ops.torch_moe.grouped_swiglu)
         for g, w in zip(got, want):
@@ -554,7 +560,10 @@ class TestInductor(TestCase):
             torch._dynamo.reset()
             record: dict = {}
             grads = []
-            with TI.config.patch(inline_swiglu=True), _cpu_probe.force(half_gemm=half_gemm):
+            with (
+                TI.config.patch(inline_swiglu=True),
+                _cpu_probe.force(half_gemm=half_gemm, act_kernel="aten"),
+            ):
                 fn = torch.compile(loss, backend=_backend(record), fullgraph=True)
                 for f in (fn, loss):
                     leaves = [t.clone().requires_grad_() for t in args]
@@ -569,6 +578,39 @@ class TestInductor(TestCase):
             upcast = P.MoEGraphPass().uuid()
         with _cpu_probe.force(half_gemm="native"):  # the FX graph cache tells them apart
             self.assertNotEqual(P.MoEGraphPass().uuid(), upcast)
+
+    def test_inline_swiglu_keeps_native_act(self):
+        """Where the op runs its activation by the native row kernels (the probe's
+        act_kernel), the pass leaves the op, forward and backward: compiled equals eager
+        bit for bit; with the ATen activation it inlines. The FX graph cache key tells the
+        two apart."""
+        if not P._native.available():
+            self.skipTest("the native CPU kernels did not build here")
+        offs, args, grad_y = _bf16_swiglu_inputs()
+
+        def loss(x, w13, w2, rw):
+            return (torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, rw)[0] * grad_y).sum()
+
+        uuids = []
+        for act, inlined in (("native", 0), ("aten", 2)):
+            torch._dynamo.reset()
+            record: dict = {}
+            grads = []
+            with (
+                TI.config.patch(inline_swiglu=True),
+                _cpu_probe.force(half_gemm="native", act_kernel=act),
+            ):
+                fn = torch.compile(loss, backend=_backend(record), fullgraph=True)
+                for f in (fn, loss):
+                    leaves = [t.clone().requires_grad_() for t in args]
+                    f(*leaves).backward()
+                    grads.append([t.grad for t in leaves])
+                uuids.append(P.MoEGraphPass().uuid())
+            self.assertEqual(record["counts"]["inline_swiglu"], inlined, msg=act)
+            if not inlined:
+                for got, want in zip(*grads, strict=True):
+                    self.assertEqual(got, want, **EXACT)
+        self.assertNotEqual(*uuids)
 
     def test_generated_code_fp8(self):
         """Inductor with the passes: the forward quantizes the tokens once (permute_quantize)

@@ -55,6 +55,10 @@ compositions of the originals):
    = False`` keeps the op where compiled and eager must agree bit for bit. Not where this
    CPU multiplies half precision in fp32 (no native bf16 GEMMs): the op's kernels then
    keep the activation in fp32 between the GEMMs, which the inlined graph would round.
+   Not where the op's native activation kernels run (built, and the CPU probe's
+   ``act_kernel`` measured them faster): one pass per direction and the op's measured GEMM
+   ways run the layer faster than the inlined loops (compiled 1.01-1.06x eager's step
+   against 1.09-1.25x inlined on the AMX Xeon measured), with eager's bits.
 
 7. ``inline_glu`` (CPU): the composed experts' activation, ``glu`` and ``glu_backward``
    (swiglu / swigluoai, clamped or not, halves or interleaved, the ungated relu2), become
@@ -481,6 +485,28 @@ def _upcasts(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and cpu_compute_dtype(dtype) != dtype
 
 
+def _native_act(dtype: torch.dtype) -> bool:
+    """Whether the op runs the activation in ``dtype`` by its native row kernels here
+    (built, and the CPU probe's ``act_kernel`` choice: ``grouped_swiglu._uses_native``):
+    one pass over h per direction and the op's own measured GEMM ways, which run the layer
+    faster than Inductor's inlined loops around the grouped GEMM ops, so ``inline_swiglu``
+    leaves the op (on the AMX Xeon measured, one thread, the compiled layer's step took
+    1.01-1.06x eager's with the op kept, 1.09-1.20x inlined; two threads 1.06x and 1.25x:
+    benchmarks/results/compile_cpu_202612.md)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from torch_moe._ops.grouped_swiglu import _uses_native
+
+    with _disable_current_modes():  # (its first call checks the kernels on real tensors)
+        return _uses_native(dtype)
+
+
+def _keeps_swiglu(dtype: torch.dtype) -> bool:
+    """Whether ``inline_swiglu`` leaves grouped_swiglu (and its backward) in ``dtype`` an
+    op on this CPU: ``_upcasts`` or ``_native_act``."""
+    return _upcasts(dtype) or _native_act(dtype)
+
+
 def inline_swiglu(graph: fx.Graph) -> int:
     count = 0
     for node in list(graph.nodes):
@@ -488,7 +514,7 @@ def inline_swiglu(graph: fx.Graph) -> int:
             x, w13, w2, offs = node.args[:4]
             rw, gi = _arg(node, 4, "row_weights"), _arg(node, 5, "gather_index")
             r2s, s2r = _arg(node, 6, "row_to_slot"), _arg(node, 7, "slot_to_row")
-            if val(x).device.type != "cpu" or _upcasts(val(w13).dtype):
+            if val(x).device.type != "cpu" or _keeps_swiglu(val(w13).dtype):
                 continue
             top_k = None
             if r2s is not None:
@@ -504,7 +530,7 @@ def inline_swiglu(graph: fx.Graph) -> int:
         elif is_op(node, _ops.grouped_swiglu_backward):
             grad_y, grad_h, x, h, w13, w2, offs = node.args[:7]
             rw, gi = _arg(node, 7, "row_weights"), _arg(node, 8, "gather_index")
-            if val(x).device.type != "cpu" or _upcasts(val(w13).dtype):
+            if val(x).device.type != "cpu" or _keeps_swiglu(val(w13).dtype):
                 continue
             inputs = [grad_y, *([grad_h] if grad_h is not None else []), x, h, w13, w2, offs]
             inputs += [n for n in (rw, gi) if n is not None]
@@ -643,7 +669,9 @@ class MoEGraphPass(CustomGraphPass):
     def uuid(self) -> bytes:
         settings = repr(sorted(config.get_config_copy().items()))  # type: ignore[attr-defined]
         # what inline_swiglu does depends on this process's half-precision GEMM decision
+        # and its activation kernel's
         settings += repr([_upcasts(dt) for dt in (torch.bfloat16, torch.float16)])
+        settings += repr([_native_act(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)])
         # and inline_glu's on whether the glu op's native kernel built
         settings += repr(_native.available())
         digest = get_hash_for_files(_SOURCES)
