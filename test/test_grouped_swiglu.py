@@ -588,6 +588,115 @@ class TestGroupedSwiGLUChecks(TestCase):
                 x, w13, w2, offs, None, torch.zeros(4, dtype=torch.int64, device="meta")
             )
 
+    @parametrize("dtype", [torch.float32, torch.bfloat16])
+    @parametrize("path", ["loop", "whole"])
+    @parametrize("case", ["dropless", "aligned", "capacity", "zero_stride"])
+    def test_backward_grad_index_equals_permuted_grad(self, dtype, path, case):
+        """grouped_swiglu_backward(g, ..., grad_index=row_to_slot // K) ==
+        grouped_swiglu_backward(permute(g), ...) bit for bit (dX, dW13, dW2, d row_weights)
+        on both CPU paths: padding rows (align: index -1, zero rows), dropped slots
+        (capacity), a zero-stride tokens' gradient (``sum().backward()``); with grad_h and
+        the permutation form's gather_index too."""
+        g = torch.Generator().manual_seed(17)
+        T, D, F, E, K = 13, 8, 6, 4, 3
+        kw = {"aligned": dict(align=4), "capacity": dict(capacity=5)}.get(case, {})
+        perm = ops.permute_indices(torch.rand(T, E, generator=g).argsort(1)[:, :K], E, **kw)
+        M = perm.row_to_slot.shape[0]
+        tokens = torch.div(perm.row_to_slot, K, rounding_mode="floor")  # -1 stays -1
+        x = torch.randn(T, D, generator=g).to(dtype)
+        w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.5).to(dtype)
+        w2 = (torch.randn(E, D, F, generator=g) * 0.5).to(dtype)
+        rw = torch.rand(M, generator=g)
+        h = torch.ops.torch_moe.grouped_swiglu(x, w13, w2, perm.offs, rw, tokens)[1]
+        gt = torch.randn(T, D, generator=g).to(dtype)
+        if case == "zero_stride":
+            gt = gt[:1].expand(T, D)
+        gh = torch.randn(M, 2 * F, generator=g).to(dtype)
+        op = torch.ops.torch_moe.grouped_swiglu_backward
+        maps = (perm.row_to_slot, perm.slot_to_row)
+        for grad_h in (None, gh):
+            with self.subTest(grad_h=grad_h is not None), _cpu_probe.force(swiglu_path=path):
+                want = op(
+                    torch.ops.torch_moe.permute(gt, *maps),
+                    grad_h,
+                    x,
+                    h,
+                    w13,
+                    w2,
+                    perm.offs,
+                    rw,
+                    tokens,
+                )
+                got = op(gt, grad_h, x, h, w13, w2, perm.offs, rw, tokens, tokens)
+            for name, a, b in zip(("dx", "dw13", "dw2", "drw"), want, got, strict=True):
+                self.assertEqual(b, a, atol=0, rtol=0, msg=name)
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_backward_grad_index_read_in_place(self):
+        """Where the threaded kernel runs dA and dW2 (test_permutation_form_reads_the_
+        gathered_rows' decisions), the op's whole path reads the tokens' gradient through
+        grad_index (no [M, D] copy): bit for bit the op on the gathered gradient."""
+        from test_cpu_probe import intra_op_threads
+        from test_eager import LEAN
+
+        import torch_moe._ops.grouped_swiglu as gs
+
+        g = torch.Generator().manual_seed(19)
+        T, D, F, E, K = 48, 32, 24, 4, 2
+        perm = ops.permute_indices(torch.rand(T, E, generator=g).argsort(1)[:, :K], E, align=4)
+        tokens = torch.div(perm.row_to_slot, K, rounding_mode="floor")
+        M, bf16 = tokens.shape[0], torch.bfloat16
+        x = torch.randn(T, D, generator=g).to(bf16)
+        w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.5).to(bf16)
+        w2 = (torch.randn(E, D, F, generator=g) * 0.5).to(bf16)
+        rw = torch.rand(M, generator=g)
+        gt = torch.randn(T, D, generator=g).to(bf16)
+        op = torch.ops.torch_moe.grouped_swiglu_backward
+        for kernel in ("aten", "native"):
+            decisions = {**LEAN, "row_split": "one", "gemm_kernel": kernel}
+            spy = unittest.mock.patch.object(
+                gs, "gathered_grouped_mm", wraps=gs.gathered_grouped_mm
+            )
+            spy_w = unittest.mock.patch.object(
+                gs, "gathered_grouped_mm_wgrad", wraps=gs.gathered_grouped_mm_wgrad
+            )
+            with self.subTest(kernel=kernel), intra_op_threads(1), _cpu_probe.force(decisions):
+                h = torch.ops.torch_moe.grouped_swiglu(x, w13, w2, perm.offs, rw, tokens)[1]
+                gathered = torch.ops.torch_moe.permute(gt, perm.row_to_slot, perm.slot_to_row)
+                want = op(gathered, None, x, h, w13, w2, perm.offs, rw, tokens)
+                with spy as mm, spy_w as wgrad:
+                    got = op(gt, None, x, h, w13, w2, perm.offs, rw, tokens, tokens)
+                # dA and dW2 read the gradient's rows, dW13 x's rows: all through an index
+                self.assertEqual((mm.call_count, wgrad.call_count), (1, 2))
+                for name, a, b in zip(("dx", "dw13", "dw2", "drw"), want, got, strict=True):
+                    self.assertEqual(b, a, atol=0, rtol=0, msg=name)
+
+    def test_backward_grad_index_messages_and_opcheck(self):
+        g = torch.Generator().manual_seed(23)
+        x, w13, w2 = torch.randn(4, 8, generator=g), torch.randn(2, 6, 8), torch.randn(2, 8, 3)
+        offs = torch.tensor([3, 6], dtype=torch.int32)
+        index = torch.tensor([0, 1, 2, 3, -1, 1])
+        xr = x[index.clamp(min=0)]
+        h = torch.ops.torch_moe.grouped_swiglu(xr, w13, w2, offs)[1]
+        op = torch.ops.torch_moe.grouped_swiglu_backward
+        gt = torch.randn(4, 8, generator=g)
+        for bad, msg in (
+            (
+                index[:5],
+                r"grad_index to be a 1D int64 tensor \[M=6\] on cpu, got 1D torch.int64 \[5\]",
+            ),
+            (index.int(), r"grad_index .*, got 1D torch.int32 \[6\] on cpu$"),
+            (index.to("meta"), r"grad_index .*, got 1D torch.int64 \[6\] on meta$"),
+        ):
+            with self.assertRaisesRegex(ValueError, r"^grouped_swiglu_backward: expected " + msg):
+                op(gt, None, xr, h, w13, w2, offs, None, None, bad)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^grouped_swiglu_backward: expected grad_y to be 2D \[\*, D=8\], got \[4, 7\]$",
+        ):
+            op(gt[:, :7], None, xr, h, w13, w2, offs, None, None, index)
+        torch.library.opcheck(op.default, (gt, None, xr, h, w13, w2, offs, None, None, index))
+
     def test_reference_offs_message(self):
         x, w13, w2 = torch.randn(4, 8), torch.randn(1, 6, 8), torch.randn(1, 8, 3)
         with self.assertRaisesRegex(ValueError, r"^grouped_swiglu: "):

@@ -54,6 +54,7 @@ def _backend(record: dict):
 
     def partition(joint, inputs, **kw):
         record["counts"] = P.run_passes(joint.graph)
+        record["ops"] = [n.target for n in joint.graph.nodes if n.op == "call_function"]
         joint.recompile()
         return min_cut_rematerialization_partition(joint, inputs, **kw)
 
@@ -167,10 +168,13 @@ def _float_rows(saved, rows):
 
 class TestPasses(TestCase):
     def test_layer_gathers_in_eager(self):
-        # the layer calls grouped_swiglu in its permutation form already: nothing for
-        # fuse_gather to do, and no permuted x [M, D] in the graph to save
+        # the layer calls grouped_swiglu in its permutation form already: no permuted x
+        # [M, D] in the graph to save; fuse_gather's one rewrite is the backward's (the
+        # combine's backward gathers the output gradient, which grouped_swiglu_backward
+        # then reads through grad_index: no permute left in the graph)
         record = _compare_steps(self, "bf16", token_counts=(20,))
-        self.assertEqual(record["counts"]["fuse_gather"], 0)
+        self.assertEqual(record["counts"]["fuse_gather"], 1)
+        self.assertNotIn(torch.ops.torch_moe.permute.default, record["ops"])
         # the combine and the permute's backward (both unweighted) inlined as aten ops
         self.assertEqual(record["counts"]["inline_combine"], 2)
         # saved with M = 40 rows: only the pre-activation h [M, 2F]
@@ -178,7 +182,8 @@ class TestPasses(TestCase):
 
     def test_gather_fused_into_grouped_swiglu(self):
         record = _compare_composed(self)
-        self.assertEqual(record["counts"]["fuse_gather"], 1)
+        self.assertEqual(record["counts"]["fuse_gather"], 2)  # forward and backward
+        self.assertNotIn(torch.ops.torch_moe.permute.default, record["ops"])
         self.assertEqual(record["counts"]["inline_combine"], 2)
         # saved with M = 40 rows: only the pre-activation h [M, 2F]; not the permuted x [M, D]
         self.assertEqual(_float_rows(record["saved"], 20 * K), [(20 * K, 2 * F)])

@@ -123,7 +123,7 @@ class TestOpSchemas(TestCase):
     def test_schema_grouped_swiglu_backward(self):
         self.assertExpectedInline(
             schema("grouped_swiglu_backward"),
-            """torch_moe::grouped_swiglu_backward(Tensor grad_y, Tensor? grad_h, Tensor x, Tensor h, Tensor w13, Tensor w2, Tensor offs, Tensor? row_weights=None, Tensor? gather_index=None) -> (Tensor, Tensor, Tensor, Tensor)""",
+            """torch_moe::grouped_swiglu_backward(Tensor grad_y, Tensor? grad_h, Tensor x, Tensor h, Tensor w13, Tensor w2, Tensor offs, Tensor? row_weights=None, Tensor? gather_index=None, Tensor? grad_index=None) -> (Tensor, Tensor, Tensor, Tensor)""",
         )
 
     def test_schema_permute(self):

@@ -175,6 +175,35 @@ def _check_inputs(
         )
 
 
+def _check_grad_index(grad_y: Tensor, grad_index: Tensor | None, rows: int, dim: int) -> None:
+    """``grouped_swiglu_backward``'s grad_y: [rows, dim], or with ``grad_index`` (int64
+    [rows], on grad_y's device) the tokens' gradient [*, dim] it picks rows of."""
+    if grad_y.dim() != 2 or grad_y.shape[1] != dim:
+        raise ValueError(
+            f"grouped_swiglu_backward: expected grad_y to be 2D [*, D={dim}], got "
+            f"{list(grad_y.shape)}"
+        )
+    if grad_index is None:
+        return
+    if (
+        grad_index.dim() != 1
+        or grad_index.dtype != torch.int64
+        or grad_index.shape[0] != rows
+        or grad_index.device != grad_y.device
+    ):
+        raise ValueError(
+            f"grouped_swiglu_backward: expected grad_index to be a 1D int64 tensor [M={rows}] "
+            f"on {grad_y.device}, got {grad_index.dim()}D {grad_index.dtype} "
+            f"{list(grad_index.shape)} on {grad_index.device}"
+        )
+
+
+def _grad_rows(grad_y: Tensor, grad_index: Tensor | None) -> Tensor:
+    """The rows' gradient: grad_y itself, or the rows of grad_y that ``grad_index`` picks,
+    zero where -1 (``permute``'s values)."""
+    return grad_y if grad_index is None else gather_rows(grad_y, grad_index)
+
+
 def _check_maps(
     x: Tensor, gather_index: Tensor | None, row_to_slot: Tensor | None, slot_to_row: Tensor | None
 ) -> int:
@@ -330,6 +359,24 @@ def _rows_wgrad(
             offs_i = _offs_tensor(ends, offs)
             return gathered_grouped_mm_wgrad(dh.t(), x, offs_i, None, gather_index, way)
     return _grouped_mm_wgrad_cpu(dh, _all_rows(x, gather_index, dt), ends, offs)
+
+
+def _grad_rows_wgrad(
+    g: Tensor, grad_index: Tensor | None, a: Tensor, ends: list[int], offs: Tensor
+) -> Tensor:
+    """``_grouped_mm_wgrad_cpu(_grad_rows(g, grad_index), a)`` (dW2 = dY^T A), the output
+    gradient's rows read through ``grad_index`` where that weight gradient's way is the
+    threaded kernel's (as ``_rows_wgrad`` for its second operand; the lean backward's
+    dW2)."""
+    dt = a.dtype
+    if grad_index is not None and g.dtype == dt and _reads_rows(g, ends, dt):
+        rows = a.new_empty((grad_index.shape[0], g.shape[1]))
+        way = gather_way(wgrad_way(rows, a, ends), dt)
+        del rows
+        if way is not None and reads_gathered(g, way, dt):
+            offs_i = _offs_tensor(ends, offs)
+            return gathered_grouped_mm_wgrad(g.t(), a, offs_i, grad_index, None, way)
+    return _grouped_mm_wgrad_cpu(_grad_rows(g, grad_index), a, ends, offs)
 
 
 @torch.library.custom_op("torch_moe::grouped_swiglu", mutates_args=())
@@ -819,14 +866,20 @@ def grouped_swiglu_backward(
     offs: Tensor,
     row_weights: Tensor | None = None,
     gather_index: Tensor | None = None,
+    grad_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dX, dW13, dW2, d row_weights); ``grad_h`` is an optional gradient into h.
 
     d row_weights is an empty tensor when ``row_weights`` is None. With ``gather_index``
     (x holds the tokens, see ``grouped_swiglu``) dX is the [M, D] gradient of the gathered
     rows (in the weights' dtype, as the rows were), which the caller sums per token
-    (``unpermute``).
+    (``unpermute``). With ``grad_index`` (int64 [M]) grad_y holds the tokens' gradient
+    [T, D] and the rows' gradient is its rows ``grad_y[grad_index]`` (zero where -1:
+    ``permute``'s gather), which the CPU kernels read in place where the GEMMs can (the
+    compiler's ``fuse_gather`` pass; the same values and bits as the gathered copy).
     """
+    _check_grad_index(grad_y, grad_index, h.shape[0], x.shape[1])
+    grad_y = _grad_rows(grad_y, grad_index)
     x = _all_rows(x, gather_index, w13.dtype)
     grad_a = grouped_mm(grad_y, w2, offs)
     a = h.new_empty((h.shape[0], h.shape[1] // 2))
@@ -851,11 +904,19 @@ def _grouped_swiglu_backward_cpu(
     offs: Tensor,
     row_weights: Tensor | None = None,
     gather_index: Tensor | None = None,
+    grad_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_grad_index(grad_y, grad_index, h.shape[0], x.shape[1])
     ends = offs.tolist()
-    backward = _backward_whole if _whole_path_for(w13, w2, ends, True) else _backward_loop
+    whole = _whole_path_for(w13, w2, ends, True)
+    if grad_index is not None and not whole:  # (the loop reads a copy of the rows)
+        grad_y, grad_index = _grad_rows(grad_y, grad_index), None
     with no_cpu_autocast():  # the kernel decides its GEMMs' dtypes
-        return backward(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
+        if whole:
+            return _backward_whole(
+                grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index, grad_index
+            )
+        return _backward_loop(grad_y, grad_h, x, h, w13, w2, offs, ends, row_weights, gather_index)
 
 
 def _backward_whole(
@@ -869,13 +930,20 @@ def _backward_whole(
     ends: list[int],
     row_weights: Tensor | None,
     gather_index: Tensor | None,
+    grad_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Whole tensors (see ``_forward_whole``): dA, dW2, dX and dW13 by ``grouped_mm`` /
     ``grouped_mm_wgrad``'s CPU kernels, the activation's backward in row chunks over all
-    rows."""
+    rows; with ``grad_index`` the output gradient's rows read through it by dA and dW2
+    where the threaded kernel runs dA (as ``_rows_mm`` reads x's; ``_grad_rows_wgrad``),
+    else gathered once for both."""
     rows, hidden = h.shape[0], w2.shape[2]
     grad_y = _nonzero_strides(grad_y)
-    grad_a = _grouped_mm_cpu(grad_y, w2, ends, offs)
+    if grad_index is not None and threads_read_rows(grad_y, w2, rows, ends):
+        grad_a = gathered_grouped_mm(grad_y, grad_index, w2, _offs_tensor(ends, offs))
+    else:  # the rows gathered once, for dA and dW2
+        grad_y, grad_index = _grad_rows(grad_y, grad_index), None
+        grad_a = _grouped_mm_cpu(grad_y, w2, ends, offs)
     a = w13.new_empty((rows, hidden))
     dh = w13.new_empty((rows, 2 * hidden))
     mod = _native_kernels(h, grad_a, a, dh)
@@ -889,7 +957,7 @@ def _backward_whole(
     # one [M, *] buffer at a time next to dH: A freed after dW2, the input rows (gathered
     # again where the op gathers and the threaded kernel does not read them in place)
     # after dW13, before dX is allocated
-    dw2 = _grouped_mm_wgrad_cpu(grad_y, a, ends, offs)
+    dw2 = _grad_rows_wgrad(grad_y, grad_index, a, ends, offs)
     del a
     dw13 = _rows_wgrad(dh, x, gather_index, ends, offs)
     dx = _grouped_mm_cpu(dh, w13, ends, offs)
@@ -978,8 +1046,10 @@ def _(
     offs: Tensor,
     row_weights: Tensor | None = None,
     gather_index: Tensor | None = None,
+    grad_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_inputs(x, w13, w2, offs, row_weights, gather_index)
+    _check_grad_index(grad_y, grad_index, h.shape[0], x.shape[1])
     grad_rw = x.new_empty((0,)) if row_weights is None else torch.empty_like(row_weights)
     dx = w13.new_empty((h.shape[0], x.shape[1]))
     return dx, w13.new_empty(w13.shape), w2.new_empty(w2.shape), grad_rw
