@@ -338,6 +338,8 @@ def _fuse_grad_gather(graph: fx.Graph, node: fx.Node) -> bool:
     if not (is_op(grad_perm, _ops.permute) and _no_weights(grad_perm)):
         return False
     g, r2s, s2r = grad_perm.args[:3]
+    if not isinstance(r2s, fx.Node):
+        return False
     top_k = val(s2r).shape[1]
     index = insert_traced(graph, node, functools.partial(_token_of_row, top_k=top_k), [r2s])
     _set_args(node, (g, *args[1:9], index))
