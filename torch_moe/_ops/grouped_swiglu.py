@@ -344,36 +344,45 @@ def _rows_mm(
     return _grouped_mm_cpu(_all_rows(x, gather_index, w.dtype), w, ends, offs)
 
 
+def _gathered_wgrad_way(
+    src: Tensor, num_rows: int, other: Tensor, ends: list[int], first: bool
+) -> str | None:
+    """The way by which the threaded kernel reads ``num_rows`` rows gathered from ``src``
+    in place as a weight gradient's first operand (``first``: x of x^T @ dy) or second
+    (dy), ``other`` the other operand: that gradient's way (``wgrad_way`` of the gathered
+    rows' shapes, then ``gather_way``) where it reads gathered rows (``reads_gathered``),
+    else None (the caller gathers a copy)."""
+    dt = other.dtype
+    if src.dtype != dt or not _reads_rows(src, ends, dt):
+        return None
+    rows = other.new_empty((num_rows, src.shape[1]))  # the gathered rows' metadata
+    way = gather_way(wgrad_way(rows, other, ends) if first else wgrad_way(other, rows, ends), dt)
+    return way if way is not None and reads_gathered(src, way, dt) else None
+
+
 def _rows_wgrad(
     dh: Tensor, x: Tensor, gather_index: Tensor | None, ends: list[int], offs: Tensor
 ) -> Tensor:
     """``_grouped_mm_wgrad_cpu(dh, _all_rows(x, gather_index))``, the rows read through the
     token index where that weight gradient's way is the threaded kernel's (as ``_rows_mm``;
     the lean backward's dW13)."""
-    dt = dh.dtype
-    if gather_index is not None and _reads_rows(x, ends, dt):
-        rows = dh.new_empty((gather_index.shape[0], x.shape[1]))
-        way = gather_way(wgrad_way(dh, rows, ends), dt)
-        del rows
-        if way is not None and reads_gathered(x, way, dt):
+    if gather_index is not None:
+        way = _gathered_wgrad_way(x, gather_index.shape[0], dh, ends, first=False)
+        if way is not None:
             offs_i = _offs_tensor(ends, offs)
             return gathered_grouped_mm_wgrad(dh.t(), x, offs_i, None, gather_index, way)
-    return _grouped_mm_wgrad_cpu(dh, _all_rows(x, gather_index, dt), ends, offs)
+    return _grouped_mm_wgrad_cpu(dh, _all_rows(x, gather_index, dh.dtype), ends, offs)
 
 
 def _grad_rows_wgrad(
     g: Tensor, grad_index: Tensor | None, a: Tensor, ends: list[int], offs: Tensor
 ) -> Tensor:
     """``_grouped_mm_wgrad_cpu(_grad_rows(g, grad_index), a)`` (dW2 = dY^T A), the output
-    gradient's rows read through ``grad_index`` where that weight gradient's way is the
-    threaded kernel's (as ``_rows_wgrad`` for its second operand; the lean backward's
-    dW2)."""
-    dt = a.dtype
-    if grad_index is not None and g.dtype == dt and _reads_rows(g, ends, dt):
-        rows = a.new_empty((grad_index.shape[0], g.shape[1]))
-        way = gather_way(wgrad_way(rows, a, ends), dt)
-        del rows
-        if way is not None and reads_gathered(g, way, dt):
+    gradient's rows read through ``grad_index`` as ``_rows_wgrad`` reads x's (the lean
+    backward's dW2)."""
+    if grad_index is not None:
+        way = _gathered_wgrad_way(g, grad_index.shape[0], a, ends, first=True)
+        if way is not None:
             offs_i = _offs_tensor(ends, offs)
             return gathered_grouped_mm_wgrad(g.t(), a, offs_i, grad_index, None, way)
     return _grouped_mm_wgrad_cpu(_grad_rows(g, grad_index), a, ends, offs)
