@@ -39,7 +39,12 @@ from torch_moe._ops import _cpu_probe as P
 from torch_moe._ops import _native
 from torch_moe._ops import glu as glu_mod
 from torch_moe._ops import grouped_swiglu as gs
-from torch_moe._ops.permute import permute_indices_reference, unpermute, unpermute_rows_reference
+from torch_moe._ops.permute import (
+    permute_indices_reference,
+    permute_rows_reference,
+    unpermute,
+    unpermute_rows_reference,
+)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 PAIRS = [(BF16, BF16), (BF16, F32), (F16, F16), (F16, F32), (F32, F32)]  # (h, outputs)
@@ -734,10 +739,10 @@ def _ids(tokens, top_k, experts, seed, skew=False, dtype=torch.int64):
     return ids.to(dtype)
 
 
-def _unpermute_aten(y, perm):
+def _unpermute_aten(y, perm, weights=None):
     """``unpermute``'s CPU kernel with the native kernels off (its ATen ops)."""
     with mock.patch.object(_native, "kernels", return_value=None):
-        return unpermute(y, perm.slot_to_row, perm.row_to_slot)
+        return unpermute(y, perm.slot_to_row, perm.row_to_slot, weights)
 
 
 def _bits(t):
@@ -805,9 +810,12 @@ class TestNativePermute(TestCase):
     @needs_native
     @parametrize("dtype", [BF16, F16, F32, torch.float64])
     @parametrize("threads", [1, 2])
-    def test_combine_bitwise_aten(self, dtype, threads):
+    @parametrize("weighted", [False, True])
+    def test_combine_bitwise_aten(self, dtype, threads, weighted):
         # dropped slots (capacity), padded rows, K = 1..4, rows of odd width; the rows hold
-        # +-0 and values that cancel, so that the order and the signed zeros show
+        # +-0 and values that cancel, so that the order and the signed zeros show; weighted:
+        # random weights (a product fused with its add, one rounding, would change many
+        # sums), NaN on the dropped slots (the reference's where() leaves them +0)
         for seed, (tokens, top_k, experts, capacity, dim) in enumerate(
             [(37, 2, 5, None, 33), (40, 4, 6, 5, 64), (9, 1, 3, 2, 7), (0, 2, 3, None, 8)]
         ):
@@ -819,19 +827,88 @@ class TestNativePermute(TestCase):
             y[1::3, 1::2] = 1e-3
             y[:, -1] = -0.0  # a column of -0: +0 only where a slot was dropped (adds +0)
             y = y.to(dtype)
+            w = None
+            if weighted:
+                w = torch.rand(tokens, top_k, generator=g, dtype=torch.float64).to(
+                    torch.float64 if dtype == torch.float64 else F32
+                )
+                w[perm.slot_to_row < 0] = float("nan")
             with mock.patch("torch.get_num_threads", return_value=threads):
                 torch.set_num_threads(threads)
                 try:
-                    got = unpermute(y, perm.slot_to_row, perm.row_to_slot)
+                    got = unpermute(y, perm.slot_to_row, perm.row_to_slot, w)
                 finally:
                     torch.set_num_threads(1)
-            want = _unpermute_aten(y, perm)
+            want = _unpermute_aten(y, perm, w)
             self.assertTrue(torch.equal(_bits(got), _bits(want)))
-            ref = unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot)
+            ref = unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, w)
             self.assertTrue(torch.equal(got, ref))  # values (the reference adds to +0)
 
     @needs_native
-    def test_combine_only_without_weights(self):
+    @parametrize("dtype", [BF16, F16, F32, torch.float64])
+    @parametrize("threads", [1, 2])
+    def test_weighted_permute_bitwise_aten(self, dtype, threads):
+        # permute with weights (the weighted combine's gradient) by the native gather: rows
+        # of dropped slots (capacity) and padding (align) zero, K = 1..4, odd widths; bit
+        # for bit the ATen ops (gather, then the rows scaled in fp32 / fp64, rounded once)
+        for seed, (tokens, top_k, experts, capacity, dim) in enumerate(
+            [(37, 2, 5, None, 33), (40, 4, 6, 5, 64), (9, 1, 3, 2, 7), (0, 2, 3, None, 8)]
+        ):
+            ids = _ids(tokens, top_k, experts, seed)
+            perm = ops.permute_indices(ids, experts, align=2, capacity=capacity)
+            g = torch.Generator().manual_seed(seed)
+            x = (torch.randn(tokens, dim, generator=g) * 1e3).to(dtype)
+            w = torch.rand(tokens, top_k, generator=g, dtype=torch.float64)
+            maps = (perm.row_to_slot, perm.slot_to_row)
+            spy = mock.MagicMock(wraps=_native.kernels())
+            with mock.patch("torch.get_num_threads", return_value=threads):
+                torch.set_num_threads(threads)
+                try:
+                    with mock.patch.object(_native, "kernels", return_value=spy):
+                        got = torch.ops.torch_moe.permute(x, *maps, w)
+                finally:
+                    torch.set_num_threads(1)
+            self.assertEqual(spy.gather_scaled.call_count, int(tokens > 0))
+            with mock.patch.object(_native, "kernels", return_value=None):
+                want = torch.ops.torch_moe.permute(x, *maps, w)
+            self.assertTrue(torch.equal(_bits(got), _bits(want)))
+            self.assertTrue(torch.equal(got, permute_rows_reference(x, *maps, w)))
+
+    @needs_native
+    def test_gather_scaled_argument_errors(self):
+        x, index, scales = torch.randn(4, 8), torch.tensor([0, 3, -1]), torch.ones(3)
+        out = torch.empty(3, 8)
+        for args in (
+            (x, index.int(), scales, out),  # int32 index
+            (x, index, scales.double(), out),  # scales not in the accumulation dtype
+            (x, index, scales[:2], out),  # one scale short
+            (x, index, scales, torch.empty(3, 8, dtype=torch.float64)),  # other dtype
+        ):
+            with self.assertRaisesRegex(RuntimeError, "gather_scaled_cpu: expected x"):
+                _native.kernels().gather_scaled(*args)
+        with self.assertRaisesRegex(
+            RuntimeError, r"gather_scaled_cpu: index must hold rows in \[-1, 4\), got 4 at 1"
+        ):
+            _native.kernels().gather_scaled(x, torch.tensor([0, 4, -1]), scales, out)
+
+    @needs_native
+    def test_combine_rounds_each_product(self):
+        # a bf16 sum that a fused multiply-add would round otherwise: 1 * 1 + y1 * w1, whose
+        # product rounded to fp32 puts the fp32 sum on a bf16 tie (1 + 2^-8: to even, 1.0)
+        # while the exact product lands above it (1 + 2^-7); 67 columns: the vector loop and
+        # the scalar tail
+        perm = ops.permute_indices(torch.tensor([[0, 1]]), 2)
+        y = torch.empty(2, 67, dtype=BF16)
+        y[perm.slot_to_row[0, 0]] = 1.0
+        y[perm.slot_to_row[0, 1]] = 1.0078125
+        w = torch.tensor([[1.0, 0.003876028349623084]])
+        got = unpermute(y, perm.slot_to_row, perm.row_to_slot, w)
+        self.assertTrue(torch.equal(got, torch.ones(1, 67, dtype=BF16)))
+        ref = unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, w)
+        self.assertTrue(torch.equal(got, ref))
+
+    @needs_native
+    def test_combine_weighted_or_not(self):
         ids = _ids(10, 2, 4, 1)
         perm = ops.permute_indices(ids, 4)
         y = torch.randn(20, 16)
@@ -839,12 +916,12 @@ class TestNativePermute(TestCase):
         with mock.patch.object(_native, "kernels", return_value=spy):
             unpermute(y, perm.slot_to_row, perm.row_to_slot)
             self.assertEqual(spy.combine.call_count, 1)
-            w = torch.rand(10, 2)
+            w = torch.rand(10, 2, dtype=torch.float64)  # converted to the accumulation dtype
             got = unpermute(y, perm.slot_to_row, perm.row_to_slot, w)
-            self.assertEqual(spy.combine.call_count, 1)  # weighted: the ATen ops
+            self.assertEqual(spy.combine.call_count, 2)  # weighted: the native kernel too
             y8 = y.to(torch.float8_e4m3fn)  # a dtype the kernel does not take
             got8 = unpermute(y8, perm.slot_to_row, perm.row_to_slot)
-            self.assertEqual(spy.combine.call_count, 1)
+            self.assertEqual(spy.combine.call_count, 2)
         want = unpermute_rows_reference(y, perm.slot_to_row, perm.row_to_slot, w)
         self.assertTrue(torch.equal(got, want))
         want8 = unpermute_rows_reference(y8, perm.slot_to_row, perm.row_to_slot)
@@ -861,6 +938,12 @@ class TestNativePermute(TestCase):
         ):
             with self.assertRaisesRegex(RuntimeError, "combine_cpu: expected y"):
                 _native.kernels().combine(*args)
+        out = torch.empty(2, 8)
+        for w in (torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 3)):  # dtype, shape
+            with self.assertRaisesRegex(
+                RuntimeError, r"combine_cpu: expected weights of slot_to_row's shape \[2, 2\]"
+            ):
+                _native.kernels().combine(y, rows, out, w)
 
 
 def _few_mm(x, w, offs, amx_rows=0):

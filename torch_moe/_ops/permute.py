@@ -361,9 +361,10 @@ def _chunk_rows(width: int) -> int:
 
 
 def _native_combine(dtype: torch.dtype, weighted: bool) -> Any:
-    """The native CPU kernels' ops where their combine takes these rows (unweighted, a
-    dtype it has, built), else None: the one rule for the kernel and the memory model."""
-    if weighted or dtype not in _COMBINE_DTYPES:
+    """The native CPU kernels' ops where their combine takes these rows (a dtype it has,
+    built; weighted or not), else None: the one rule for the kernel and the memory model."""
+    del weighted  # (both forms: the weights multiply each row as the reference does)
+    if dtype not in _COMBINE_DTYPES:
         return None
     return _native.kernels()
 
@@ -418,6 +419,15 @@ def _permute_rows(
     """The CPU kernel of ``permute`` past its checks (callers that hold validated maps and
     x with T >= 1 rows: ``grouped_swiglu_combine``)."""
     top_k = slot_to_row.shape[1]
+    kernels = None
+    if weights is not None and x.stride(-1) == 1 and type(x) is Tensor:
+        kernels = _native_combine(x.dtype, True)
+    if kernels is not None:  # the gather and the scaling in one pass, the same bits
+        tokens = torch.div(row_to_slot, top_k, rounding_mode="floor")  # -1 stays -1
+        scales = weights.reshape(-1).to(acc_dtype(x.dtype))[row_to_slot.clamp(min=0)]
+        out = x.new_empty((row_to_slot.shape[0], x.shape[1]))
+        kernels.gather_scaled(x, tokens, scales.contiguous(), out)
+        return out
     empty = _negative_positions(row_to_slot)  # padding rows, or the rows a capacity left
     slots = row_to_slot if empty is None else row_to_slot.clamp(min=0)
     tokens = slots if top_k == 1 else torch.div(slots, top_k, rounding_mode="floor")
@@ -449,11 +459,11 @@ def _unpermute_rows(
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     rows_ok = y.stride(-1) == 1 and type(y) is Tensor
     kernels = _native_combine(y.dtype, weights is not None) if rows_ok else None
-    if kernels is not None:  # the same additions, in one pass
-        kernels.combine(y, slot_to_row, out)
-        return out
     acc_dt = acc_dtype(y.dtype)
     w = None if weights is None else weights.to(acc_dt)
+    if kernels is not None:  # the same multiplies and additions, in one pass
+        kernels.combine(y, slot_to_row, out, w)
+        return out
     dropped = not _no_negative(slot_to_row)
     step = _chunk_rows(y.shape[1])
 

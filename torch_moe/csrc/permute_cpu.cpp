@@ -1,4 +1,4 @@
-// The permutation's index sort and the unweighted combine on CPU, each as one op call.
+// The permutation's index sort and the combine on CPU, each as one op call.
 //
 // torch_moe.ops.permute_indices sorts the T*K (token, k) slots by expert: in ATen ops a
 // stable argsort, a scatter_add of the counts, a cumsum and one to three scatters (a
@@ -6,15 +6,20 @@
 // interpreter and the dispatcher from the caches). A stable counting sort gives the same
 // integers in O(T*K + E).
 //
-// torch_moe.ops.unpermute without weights sums each token's K rows in the accumulation
-// dtype (fp32, fp64 for fp64) in k order and rounds once: in ATen ops per row chunk and k
-// a gather, a conversion and an add, then the rounding copy. Here one pass per token does
-// the same additions in the same order (a dropped slot, -1, adds +0 as the ATen kernel's
-// zero-filled row does), so the bits are the same.
+// torch_moe.ops.unpermute sums each token's K rows in the accumulation dtype (fp32, fp64
+// for fp64) in k order, each times its weight where weighted, and rounds once: in ATen
+// ops per row chunk and k a gather, a conversion, a multiply and an add, then the
+// rounding copy. Here one pass per token does the same multiplies and additions in the
+// same order (a dropped slot, -1, adds +0 as the ATen kernel's zero-filled row does; a
+// product is rounded before its add, never fused with it), so the bits are the same.
 //
 //   permute_indices(expert_ids [T, K], E, align, capacity?) ->
 //       row_to_slot [M], slot_to_row [T, K], offs [E] int32, num_dropped []
-//   combine(y [M, D], slot_to_row [T, K], out [T, D]!)   out[t] = sum_k y[slot_to_row[t, k]]
+//   gather_scaled(x [S, D], index [M], scales [M], out [M, D]!)
+//       out[r] = x[index[r]] * scales[r] (zero rows where index[r] < 0): a weighted permute
+//   combine(y [M, D], slot_to_row [T, K], out [T, D]!, weights [T, K]?)
+//       out[t] = sum_k y[slot_to_row[t, k]] (* weights[t, k], each product rounded to the
+//       accumulation dtype before its add, as unpermute's reference computes it)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -117,18 +122,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices(
 // from DRAM at 2-14 KB rows, and no slower from the last-level cache.
 constexpr int64_t kAheadBytes = 6144;
 
-// a[0:n] = src[0:n] (first) or a[0:n] += src[0:n] in Acc, while prefetching pre[0:n]:
-// one prefetch per vector load (a 64-byte line with AVX512, half of one with AVX2)
-template <typename T, typename Acc>
-inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first) {
+// A product kept a rounded product: the compiler may not contract it with the add that
+// follows into one fused multiply-add (GCC does so across statements by default), which
+// would round once where the reference (a multiply, then an add) rounds twice.
+template <typename V>
+inline V rounded(V v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+inline at::vec::Vectorized<float> rounded(at::vec::Vectorized<float> v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = v;
+  __asm__("" : "+v"(r));
+#else
+  __m256 r = v;
+  __asm__("" : "+x"(r));
+#endif
+  return r;
+}
+#endif
+
+// a[0:n] = src[0:n] * w (first) or a[0:n] += src[0:n] * w in Acc, the product rounded to Acc
+// before the add (unweighted: no product), while prefetching pre[0:n]: one prefetch per
+// vector load (a 64-byte line with AVX512, half of one with AVX2)
+template <typename T, typename Acc, bool kWeighted>
+inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first, Acc w) {
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   using fVec = at::vec::Vectorized<float>;
   if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
     using hVec = at::vec::Vectorized<T>;
+    const fVec wv(static_cast<float>(w));
     for (; i + hVec::size() <= n; i += hVec::size()) {
       __builtin_prefetch(pre + i, 0, 3);
       auto [lo, hi] = torch_moe_cpu::to_float(hVec::loadu(src + i));
+      if constexpr (kWeighted) {
+        lo = rounded(lo * wv);
+        hi = rounded(hi * wv);
+      }
       if (!first) {
         lo = fVec::loadu(a + i) + lo;
         hi = fVec::loadu(a + i + fVec::size()) + hi;
@@ -137,9 +170,11 @@ inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first) {
       hi.store(a + i + fVec::size());
     }
   } else if constexpr (std::is_same_v<T, float>) {
+    const fVec wv(w);
     for (; i + fVec::size() <= n; i += fVec::size()) {
       __builtin_prefetch(pre + i, 0, 3);
-      const fVec v = fVec::loadu(src + i);
+      fVec v = fVec::loadu(src + i);
+      if constexpr (kWeighted) v = rounded(v * wv);
       (first ? v : fVec::loadu(a + i) + v).store(a + i);
     }
   }
@@ -148,12 +183,15 @@ inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first) {
     __builtin_prefetch(pre + i0, 0, 3);
   }
   for (; i < n; ++i) {
-    a[i] = first ? static_cast<Acc>(src[i]) : a[i] + static_cast<Acc>(src[i]);
+    Acc v = static_cast<Acc>(src[i]);
+    if constexpr (kWeighted) v = rounded(v * w);
+    a[i] = first ? v : a[i] + v;
   }
 }
 
-template <typename T, typename Acc>
-void combine_impl(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out) {
+template <typename T, typename Acc, bool kWeighted>
+void combine_impl(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out,
+                  const Acc* weights) {
   const int64_t tokens = slot_to_row.size(0), top_k = slot_to_row.size(1), d = y.size(1);
   const int64_t ys = y.stride(0), os = out.stride(0);
   const T* yp = y.data_ptr<T>();
@@ -176,7 +214,8 @@ void combine_impl(const at::Tensor& y, const at::Tensor& slot_to_row, const at::
           continue;
         }
         const T* src = yp + row * ys;
-        add_row<T, Acc>(a, src, next >= 0 ? yp + next * ys : src, d, k == 0);
+        const Acc w = kWeighted ? weights[slot] : Acc(1);
+        add_row<T, Acc, kWeighted>(a, src, next >= 0 ? yp + next * ys : src, d, k == 0, w);
       }
       if constexpr (std::is_same_v<T, Acc>) {
         std::memcpy(op + t * os, a, d * sizeof(T));
@@ -187,7 +226,23 @@ void combine_impl(const at::Tensor& y, const at::Tensor& slot_to_row, const at::
   });
 }
 
-void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out) {
+template <typename T, typename Acc>
+void combine_typed(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out,
+                   const std::optional<at::Tensor>& weights) {
+  if (!weights.has_value()) return combine_impl<T, Acc, false>(y, slot_to_row, out, nullptr);
+  const at::Tensor w = weights->contiguous();
+  combine_impl<T, Acc, true>(y, slot_to_row, out, w.data_ptr<Acc>());
+}
+
+void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out,
+             const std::optional<at::Tensor>& weights) {
+  const auto acc = y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(!weights.has_value() ||
+                  (weights->scalar_type() == acc && weights->sizes() == slot_to_row.sizes()),
+              "combine_cpu: expected weights of slot_to_row's shape ", slot_to_row.sizes(),
+              " in ", acc, " (y's accumulation dtype), got ",
+              weights.has_value() ? weights->sizes() : at::IntArrayRef{}, " ",
+              weights.has_value() ? weights->scalar_type() : acc);
   TORCH_CHECK(
       y.dim() == 2 && y.stride(1) == 1 && slot_to_row.dim() == 2 &&
           slot_to_row.scalar_type() == at::kLong && slot_to_row.size(1) >= 1 &&
@@ -199,15 +254,87 @@ void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tenso
       out.scalar_type());
   switch (y.scalar_type()) {
     case at::kBFloat16:
-      return combine_impl<at::BFloat16, float>(y, slot_to_row, out);
+      return combine_typed<at::BFloat16, float>(y, slot_to_row, out, weights);
     case at::kHalf:
-      return combine_impl<at::Half, float>(y, slot_to_row, out);
+      return combine_typed<at::Half, float>(y, slot_to_row, out, weights);
     case at::kFloat:
-      return combine_impl<float, float>(y, slot_to_row, out);
+      return combine_typed<float, float>(y, slot_to_row, out, weights);
     case at::kDouble:
-      return combine_impl<double, double>(y, slot_to_row, out);
+      return combine_typed<double, double>(y, slot_to_row, out, weights);
     default:
       TORCH_CHECK(false, "combine_cpu: unsupported dtype ", y.scalar_type());
+  }
+}
+
+// out[r] = x[index[r]] * scales[r] (zero where index[r] < 0): the product in the
+// accumulation dtype (fp32, fp64 for fp64), rounded once into x's dtype, as a gather then
+// a row scaling in ATen ops computes it (one multiply: nothing to fuse).
+template <typename T, typename Acc>
+void gather_scaled_impl(const at::Tensor& x, const at::Tensor& index, const at::Tensor& scales,
+                        const at::Tensor& out) {
+  const int64_t rows = index.size(0), d = x.size(1), xs = x.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const Acc* sp = scales.data_ptr<Acc>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* o = op + r * os;
+      if (ip[r] < 0) {
+        std::fill(o, o + d, T(0));
+        continue;
+      }
+      const T* src = xp + ip[r] * xs;
+      const Acc s = sp[r];
+      int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+      using fVec = at::vec::Vectorized<float>;
+      if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+        using hVec = at::vec::Vectorized<T>;
+        const fVec sv(static_cast<float>(s));
+        for (; i + hVec::size() <= d; i += hVec::size()) {
+          auto [lo, hi] = torch_moe_cpu::to_float(hVec::loadu(src + i));
+          torch_moe_cpu::from_float<T>(lo * sv, hi * sv).store(o + i);
+        }
+      } else if constexpr (std::is_same_v<T, float>) {
+        const fVec sv(s);
+        for (; i + fVec::size() <= d; i += fVec::size()) (fVec::loadu(src + i) * sv).store(o + i);
+      }
+#endif
+      for (; i < d; ++i) o[i] = static_cast<T>(static_cast<Acc>(src[i]) * s);
+    }
+  });
+}
+
+void gather_scaled(const at::Tensor& x, const at::Tensor& index, const at::Tensor& scales,
+                   const at::Tensor& out) {
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(
+      x.dim() == 2 && x.stride(1) == 1 && index.dim() == 1 && index.is_contiguous() &&
+          index.scalar_type() == at::kLong && scales.dim() == 1 && scales.is_contiguous() &&
+          scales.scalar_type() == acc && scales.size(0) == index.size(0) && out.dim() == 2 &&
+          out.size(0) == index.size(0) && out.size(1) == x.size(1) && out.stride(1) == 1 &&
+          out.scalar_type() == x.scalar_type(),
+      "gather_scaled_cpu: expected x [S, D] and out [M, D] of one dtype with contiguous rows, "
+      "a contiguous int64 index [M] and scales [M] in ", acc, ", got ", x.sizes(), " ",
+      x.scalar_type(), ", ", index.sizes(), " ", index.scalar_type(), ", ", scales.sizes(), " ",
+      scales.scalar_type(), ", ", out.sizes(), " ", out.scalar_type());
+  for (int64_t r = 0; r < index.size(0); ++r) {
+    const int64_t i = index.data_ptr<int64_t>()[r];
+    TORCH_CHECK(i >= -1 && i < x.size(0), "gather_scaled_cpu: index must hold rows in [-1, ",
+                x.size(0), "), got ", i, " at ", r);
+  }
+  switch (x.scalar_type()) {
+    case at::kBFloat16:
+      return gather_scaled_impl<at::BFloat16, float>(x, index, scales, out);
+    case at::kHalf:
+      return gather_scaled_impl<at::Half, float>(x, index, scales, out);
+    case at::kFloat:
+      return gather_scaled_impl<float, float>(x, index, scales, out);
+    case at::kDouble:
+      return gather_scaled_impl<double, double>(x, index, scales, out);
+    default:
+      TORCH_CHECK(false, "gather_scaled_cpu: unsupported dtype ", x.scalar_type());
   }
 }
 
@@ -217,10 +344,12 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def(
       "permute_indices(Tensor expert_ids, int num_experts, int align, int? capacity) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
-  m.def("combine(Tensor y, Tensor slot_to_row, Tensor(a!) out) -> ()");
+  m.def("combine(Tensor y, Tensor slot_to_row, Tensor(a!) out, Tensor? weights=None) -> ()");
+  m.def("gather_scaled(Tensor x, Tensor index, Tensor scales, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("permute_indices", &permute_indices);
   m.impl("combine", &combine);
+  m.impl("gather_scaled", &gather_scaled);
 }
