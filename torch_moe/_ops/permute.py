@@ -422,7 +422,7 @@ def _permute_rows(
     kernels = None
     if weights is not None and x.stride(-1) == 1 and type(x) is Tensor:
         kernels = _native_combine(x.dtype, True)
-    if kernels is not None:  # the gather and the scaling in one pass, the same bits
+    if kernels is not None and weights is not None:  # gathered and scaled in one pass
         tokens = torch.div(row_to_slot, top_k, rounding_mode="floor")  # -1 stays -1
         scales = weights.reshape(-1).to(acc_dtype(x.dtype))[row_to_slot.clamp(min=0)]
         out = x.new_empty((row_to_slot.shape[0], x.shape[1]))
