@@ -1257,7 +1257,7 @@ def _decide_lean(
     # weight gradients by torch._grouped_mm require (where they upcast, they refuse below)
     if not _whole_path_for(w13, w2, ends, False):
         return None
-    if _native_combine(dt, False) is None or _native_combine(x.dtype, False) is None:
+    if _native_combine(dt) is None or _native_combine(x.dtype) is None:
         return None
     dim, hidden = w13.shape[2], w2.shape[2]
     # stand-ins for the fresh intermediates (the decisions read their metadata only)

@@ -360,20 +360,20 @@ def _chunk_rows(width: int) -> int:
     return max(1, _CHUNK_ELEMS * torch.get_num_threads() // max(1, width))
 
 
-def _native_combine(dtype: torch.dtype, weighted: bool) -> Any:
-    """The native CPU kernels' ops where their combine takes these rows (a dtype it has,
-    built; weighted or not), else None: the one rule for the kernel and the memory model."""
-    del weighted  # (both forms: the weights multiply each row as the reference does)
+def _native_combine(dtype: torch.dtype) -> Any:
+    """The native CPU kernels' ops where their combine (weighted or not) and weighted
+    permute take rows of ``dtype`` (a dtype they have, built), else None: the one rule for
+    the kernels and the memory model."""
     if dtype not in _COMBINE_DTYPES:
         return None
     return _native.kernels()
 
 
-def combine_temporary_bytes(tokens: float, dim: int, dtype: torch.dtype, weighted: bool) -> float:
+def combine_temporary_bytes(tokens: float, dim: int, dtype: torch.dtype) -> float:
     """Bytes of ``unpermute``'s CPU temporaries at their largest: none where the native
     combine runs; otherwise one token chunk's fp32 sum and its rows of one k as gathered
     and converted to fp32 (the memory model's term)."""
-    if _native_combine(dtype, weighted) is not None:
+    if _native_combine(dtype) is not None:
         return 0.0
     return min(tokens, _chunk_rows(dim)) * dim * (4 + dtype.itemsize + 4)
 
@@ -419,15 +419,14 @@ def _permute_rows(
     """The CPU kernel of ``permute`` past its checks (callers that hold validated maps and
     x with T >= 1 rows: ``grouped_swiglu_combine``)."""
     top_k = slot_to_row.shape[1]
-    kernels = None
     if weights is not None and x.stride(-1) == 1 and type(x) is Tensor:
-        kernels = _native_combine(x.dtype, True)
-    if kernels is not None and weights is not None:  # gathered and scaled in one pass
-        tokens = torch.div(row_to_slot, top_k, rounding_mode="floor")  # -1 stays -1
-        scales = weights.reshape(-1).to(acc_dtype(x.dtype))[row_to_slot.clamp(min=0)]
-        out = x.new_empty((row_to_slot.shape[0], x.shape[1]))
-        kernels.gather_scaled(x, tokens, scales.contiguous(), out)
-        return out
+        kernels = _native_combine(x.dtype)
+        if kernels is not None:  # gathered and scaled in one pass, the same bits
+            tokens = torch.div(row_to_slot, top_k, rounding_mode="floor")  # -1 stays -1
+            scales = weights.reshape(-1).to(acc_dtype(x.dtype))[row_to_slot.clamp(min=0)]
+            out = x.new_empty((row_to_slot.shape[0], x.shape[1]))
+            kernels.gather_scaled(x, tokens, scales.contiguous(), out)
+            return out
     empty = _negative_positions(row_to_slot)  # padding rows, or the rows a capacity left
     slots = row_to_slot if empty is None else row_to_slot.clamp(min=0)
     tokens = slots if top_k == 1 else torch.div(slots, top_k, rounding_mode="floor")
@@ -458,7 +457,7 @@ def _unpermute_rows(
     y with M >= 1 rows and K >= 1: ``grouped_swiglu_combine``)."""
     out = y.new_empty((slot_to_row.shape[0], y.shape[1]))
     rows_ok = y.stride(-1) == 1 and type(y) is Tensor
-    kernels = _native_combine(y.dtype, weights is not None) if rows_ok else None
+    kernels = _native_combine(y.dtype) if rows_ok else None
     acc_dt = acc_dtype(y.dtype)
     w = None if weights is None else weights.to(acc_dt)
     if kernels is not None:  # the same multiplies and additions, in one pass

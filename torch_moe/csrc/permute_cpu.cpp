@@ -226,17 +226,33 @@ void combine_impl(const at::Tensor& y, const at::Tensor& slot_to_row, const at::
   });
 }
 
-template <typename T, typename Acc>
-void combine_typed(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out,
-                   const std::optional<at::Tensor>& weights) {
-  if (!weights.has_value()) return combine_impl<T, Acc, false>(y, slot_to_row, out, nullptr);
-  const at::Tensor w = weights->contiguous();
-  combine_impl<T, Acc, true>(y, slot_to_row, out, w.data_ptr<Acc>());
+// The accumulation dtype of rows of dtype t: fp64 for fp64, else fp32 (the scales' and
+// weights' dtype, and the sums').
+at::ScalarType acc_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// f(T{}, Acc{}) for the rows' element type T of dtype t and its accumulation type: the four
+// dtypes the combine and the weighted gather take (`name`'s error for any other).
+template <typename F>
+void by_dtype(at::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case at::kBFloat16:
+      return f(at::BFloat16{}, float{});
+    case at::kHalf:
+      return f(at::Half{}, float{});
+    case at::kFloat:
+      return f(float{}, float{});
+    case at::kDouble:
+      return f(double{}, double{});
+    default:
+      TORCH_CHECK(false, name, ": unsupported dtype ", t);
+  }
 }
 
 void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out,
              const std::optional<at::Tensor>& weights) {
-  const auto acc = y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_type(y.scalar_type());
   TORCH_CHECK(!weights.has_value() ||
                   (weights->scalar_type() == acc && weights->sizes() == slot_to_row.sizes()),
               "combine_cpu: expected weights of slot_to_row's shape ", slot_to_row.sizes(),
@@ -252,18 +268,13 @@ void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tenso
       "int64 slot_to_row [T, K >= 1], got ", y.sizes(), " ", y.scalar_type(), ", ",
       slot_to_row.sizes(), " ", slot_to_row.scalar_type(), ", ", out.sizes(), " ",
       out.scalar_type());
-  switch (y.scalar_type()) {
-    case at::kBFloat16:
-      return combine_typed<at::BFloat16, float>(y, slot_to_row, out, weights);
-    case at::kHalf:
-      return combine_typed<at::Half, float>(y, slot_to_row, out, weights);
-    case at::kFloat:
-      return combine_typed<float, float>(y, slot_to_row, out, weights);
-    case at::kDouble:
-      return combine_typed<double, double>(y, slot_to_row, out, weights);
-    default:
-      TORCH_CHECK(false, "combine_cpu: unsupported dtype ", y.scalar_type());
-  }
+  by_dtype(y.scalar_type(), "combine_cpu", [&](auto t, auto a) {
+    using T = decltype(t);
+    using Acc = decltype(a);
+    if (!weights.has_value()) return combine_impl<T, Acc, false>(y, slot_to_row, out, nullptr);
+    const at::Tensor w = weights->contiguous();
+    combine_impl<T, Acc, true>(y, slot_to_row, out, w.data_ptr<Acc>());
+  });
 }
 
 // out[r] = x[index[r]] * scales[r] (zero where index[r] < 0): the product in the
@@ -308,7 +319,7 @@ void gather_scaled_impl(const at::Tensor& x, const at::Tensor& index, const at::
 
 void gather_scaled(const at::Tensor& x, const at::Tensor& index, const at::Tensor& scales,
                    const at::Tensor& out) {
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_type(x.scalar_type());
   TORCH_CHECK(
       x.dim() == 2 && x.stride(1) == 1 && index.dim() == 1 && index.is_contiguous() &&
           index.scalar_type() == at::kLong && scales.dim() == 1 && scales.is_contiguous() &&
@@ -319,23 +330,14 @@ void gather_scaled(const at::Tensor& x, const at::Tensor& index, const at::Tenso
       "a contiguous int64 index [M] and scales [M] in ", acc, ", got ", x.sizes(), " ",
       x.scalar_type(), ", ", index.sizes(), " ", index.scalar_type(), ", ", scales.sizes(), " ",
       scales.scalar_type(), ", ", out.sizes(), " ", out.scalar_type());
+  const int64_t* ip = index.data_ptr<int64_t>();
   for (int64_t r = 0; r < index.size(0); ++r) {
-    const int64_t i = index.data_ptr<int64_t>()[r];
-    TORCH_CHECK(i >= -1 && i < x.size(0), "gather_scaled_cpu: index must hold rows in [-1, ",
-                x.size(0), "), got ", i, " at ", r);
+    TORCH_CHECK(ip[r] >= -1 && ip[r] < x.size(0), "gather_scaled_cpu: index must hold rows in "
+                "[-1, ", x.size(0), "), got ", ip[r], " at ", r);
   }
-  switch (x.scalar_type()) {
-    case at::kBFloat16:
-      return gather_scaled_impl<at::BFloat16, float>(x, index, scales, out);
-    case at::kHalf:
-      return gather_scaled_impl<at::Half, float>(x, index, scales, out);
-    case at::kFloat:
-      return gather_scaled_impl<float, float>(x, index, scales, out);
-    case at::kDouble:
-      return gather_scaled_impl<double, double>(x, index, scales, out);
-    default:
-      TORCH_CHECK(false, "gather_scaled_cpu: unsupported dtype ", x.scalar_type());
-  }
+  by_dtype(x.scalar_type(), "gather_scaled_cpu", [&](auto t, auto a) {
+    gather_scaled_impl<decltype(t), decltype(a)>(x, index, scales, out);
+  });
 }
 
 }  // namespace

@@ -447,7 +447,7 @@ def _inference_bytes(
     # into the experts)
     from torch_moe._ops.permute import combine_temporary_bytes
 
-    combine = M * D * b + T * D * b + combine_temporary_bytes(T, D, w.dtype, weighted=False)
+    combine = M * D * b + T * D * b + combine_temporary_bytes(T, D, w.dtype)
     shared = total = 0.0
     Fs = w.shared_hidden_dim
     if Fs:  # run before the experts; its output [T, D] lives to the final sum
