@@ -157,6 +157,26 @@ def _bf16_swiglu_inputs():
     return offs, args, torch.randn(32, D, generator=gen).bfloat16()
 
 
+def _swiglu_loss_grads(args, offs, grad_y, **decisions):
+    """A loss on grouped_swiglu's output compiled (joint-graph backend) with
+    ``inline_swiglu`` on and the CPU probe's ``decisions`` forced, then run eagerly as
+    well: (the pass record, [the compiled gradients, the eager gradients])."""
+
+    def loss(x, w13, w2, rw):
+        return (torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, rw)[0] * grad_y).sum()
+
+    torch._dynamo.reset()
+    record: dict = {}
+    grads = []
+    with TI.config.patch(inline_swiglu=True), _cpu_probe.force(**decisions):
+        fn = torch.compile(loss, backend=_backend(record), fullgraph=True)
+        for f in (fn, loss):
+            leaves = [t.clone().requires_grad_() for t in args]
+            f(*leaves).backward()
+            grads.append([t.grad for t in leaves])
+    return record, grads
+
+
 def _float_rows(saved, rows):
     """Saved floating-point (not e4m3) tensors with ``rows`` rows: shapes."""
     return [
@@ -557,23 +577,10 @@ class TestInductor(TestCase):
         between its GEMMs; an inlined graph would round it to bf16 (more than one bf16
         step off eager), so the pass leaves the op: compiled equals eager bit for bit."""
         offs, args, grad_y = _bf16_swiglu_inputs()
-
-        def loss(x, w13, w2, rw):
-            return (torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, rw)[0] * grad_y).sum()
-
         for half_gemm, inlined in (("fp32", 0), ("native", 2)):
-            torch._dynamo.reset()
-            record: dict = {}
-            grads = []
-            with (
-                TI.config.patch(inline_swiglu=True),
-                _cpu_probe.force(half_gemm=half_gemm, act_kernel="aten"),
-            ):
-                fn = torch.compile(loss, backend=_backend(record), fullgraph=True)
-                for f in (fn, loss):
-                    leaves = [t.clone().requires_grad_() for t in args]
-                    f(*leaves).backward()
-                    grads.append([t.grad for t in leaves])
+            record, grads = _swiglu_loss_grads(
+                args, offs, grad_y, half_gemm=half_gemm, act_kernel="aten"
+            )
             self.assertEqual(record["counts"]["inline_swiglu"], inlined, msg=half_gemm)
             if not inlined:
                 for got, want in zip(*grads, strict=True):
@@ -592,24 +599,11 @@ class TestInductor(TestCase):
         if not P._native.available():
             self.skipTest("the native CPU kernels did not build here")
         offs, args, grad_y = _bf16_swiglu_inputs()
-
-        def loss(x, w13, w2, rw):
-            return (torch.ops.torch_moe.grouped_swiglu(x, w13, w2, offs, rw)[0] * grad_y).sum()
-
         uuids = []
         for act, inlined in (("native", 0), ("aten", 2)):
-            torch._dynamo.reset()
-            record: dict = {}
-            grads = []
-            with (
-                TI.config.patch(inline_swiglu=True),
-                _cpu_probe.force(half_gemm="native", act_kernel=act),
-            ):
-                fn = torch.compile(loss, backend=_backend(record), fullgraph=True)
-                for f in (fn, loss):
-                    leaves = [t.clone().requires_grad_() for t in args]
-                    f(*leaves).backward()
-                    grads.append([t.grad for t in leaves])
+            decisions = dict(half_gemm="native", act_kernel=act)
+            record, grads = _swiglu_loss_grads(args, offs, grad_y, **decisions)
+            with _cpu_probe.force(**decisions):
                 uuids.append(P.MoEGraphPass().uuid())
             self.assertEqual(record["counts"]["inline_swiglu"], inlined, msg=act)
             if not inlined:
