@@ -39,6 +39,7 @@ from torch_moe._ops import _cpu_probe as P
 from torch_moe._ops import _native
 from torch_moe._ops import glu as glu_mod
 from torch_moe._ops import grouped_swiglu as gs
+from torch_moe._ops import permute as perm_mod
 from torch_moe._ops.permute import (
     permute_indices_reference,
     permute_rows_reference,
@@ -118,7 +119,7 @@ class TestNativeSwiGLU(TestCase):
     @parametrize("threads", [1, 2])
     def test_row_weight_sums_at_every_cascade_level(self, threads):
         # the kernels sum d row_weights row by row in the order of ATen's sum
-        # (swiglu_cpu.cpp's aten_order_sum): rows around each length where that order
+        # (aten_sum.h's aten_order_sum): rows around each length where that order
         # changes (a vector of 8 floats, a group of four vectors, the 16, 256 and 4096
         # groups after which its accumulators cascade a level), vectors and elements
         # past the last group
@@ -126,7 +127,7 @@ class TestNativeSwiGLU(TestCase):
         # first-use check fall back to the ATen ops, whose results these would then be)
         mod = _native.kernels()
         lengths = [7, 8, 9, 31, 32, 33, 44, 511, 512, 513, 8191, 8192, 8233, 131071, 131072]
-        for n in [*lengths, 131072 + 8 * 3 + 5, gs._CASCADE_ROW]:  # (the last: every level)
+        for n in [*lengths, 131072 + 8 * 3 + 5, _native.CASCADE_ROW]:  # (the last: every level)
             h, grad_a, rw = _operands(2, n, BF16, BF16, seed=n)
             a, dh, grad_w = torch.empty_like(grad_a), torch.empty_like(h), torch.empty(2)
             with intra_op_threads(threads):
@@ -467,7 +468,7 @@ class TestNativeSwiGLU(TestCase):
                     prod = grad_a.float() * (out_a.float() / rw.unsqueeze(1))
                     grad_w[0] = prod[0, ::2].sum() + prod[0, 1::2].sum()
 
-        with self.assertWarnsRegex(UserWarning, rf"results differ .* 2x{gs._CASCADE_ROW}\)"):
+        with self.assertWarnsRegex(UserWarning, rf"results differ .* 2x{_native.CASCADE_ROW}\)"):
             self.assertFalse(gs._native_matches_aten(OtherSumOrder, BF16))
         with mock.patch.object(_native, "kernels", return_value=Wrong):
             with self.assertWarnsRegex(UserWarning, "results differ"):
@@ -944,6 +945,95 @@ class TestNativePermute(TestCase):
                 RuntimeError, r"combine_cpu: expected weights of slot_to_row's shape \[2, 2\]"
             ):
                 _native.kernels().combine(y, rows, out, w)
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16, F32, torch.float64])
+    @parametrize("threads", [1, 2])
+    def test_weighted_row_dot_bitwise_aten(self, dtype, threads):
+        # the combine weights' gradient by the native row_dot: dropped slots (capacity: 0,
+        # whatever their row holds), K = 1..4, widths under, around and past a vector block
+        # and one with every level of ATen's sum cascade; bit for bit the reference (fp32
+        # gathers, products and ATen's sum); fp64 (fp64 sums) is the reference's alone
+        cases = [(37, 2, 5, None, 33), (40, 4, 6, 5, 64), (9, 1, 3, 2, 7), (0, 2, 3, None, 8)]
+        if dtype != torch.float64:  # (the reference's row chunks cut such rows by thread)
+            cases.append((3, 2, 2, None, _native.CASCADE_ROW))
+        for seed, (tokens, top_k, experts, capacity, dim) in enumerate(cases):
+            ids = _ids(tokens, top_k, experts, seed)
+            perm = ops.permute_indices(ids, experts, align=2, capacity=capacity)
+            g = torch.Generator().manual_seed(seed)
+            rows = (torch.randn(perm.row_to_slot.shape[0], dim, generator=g) * 30).to(dtype)
+            x = torch.randn(tokens, dim, generator=g).to(dtype)
+            rows[perm.row_to_slot < 0] = float("nan")  # padding rows: no slot reads them
+            spy = mock.MagicMock(wraps=_native.kernels())
+            checked = {(spy, dtype): perm_mod._native_row_dot(rows, x) is not None}
+            with (
+                intra_op_threads(threads),
+                mock.patch.object(_native, "kernels", return_value=spy),
+                mock.patch.dict(perm_mod._ROW_DOT_CHECKED, checked),  # (checked for the kernels)
+            ):
+                got = perm_mod.weighted_row_dot(rows, x, perm.slot_to_row)
+            native = dtype != torch.float64 and tokens > 0
+            self.assertEqual(spy.row_dot.call_count, int(native))
+            want = perm_mod.weighted_row_dot_reference(rows, x, perm.slot_to_row)
+            self.assertTrue(torch.equal(_bits(got), _bits(want)), msg=f"{dtype} D={dim}")
+            self.assertTrue(bool((got[perm.slot_to_row < 0] == 0).all()))
+
+    @needs_native
+    def test_weighted_row_dot_falls_back(self):
+        # operands the kernel does not take (strided rows, mixed dtypes, a subclass) and a
+        # build whose sums differ from ATen's: the reference's results, the latter warned
+        rows, x = torch.randn(6, 40), torch.randn(3, 40)
+        s2r = torch.tensor([[0, 5], [-1, 2], [3, 3]])
+        want = perm_mod.weighted_row_dot_reference(rows, x, s2r)
+        spy = mock.MagicMock(wraps=_native.kernels())
+        with mock.patch.object(_native, "kernels", return_value=spy):
+            for r, t in (
+                (torch.randn(40, 6).t(), x),
+                (rows.bfloat16(), x),
+                (rows.as_subclass(_Sub), x),
+            ):
+                got = perm_mod.weighted_row_dot(r, t, s2r)
+                self.assertTrue(torch.equal(got, perm_mod.weighted_row_dot_reference(r, t, s2r)))
+            self.assertEqual(spy.row_dot.call_count, 0)
+
+        class Skewed:
+            @staticmethod
+            def row_dot(rows, tokens, slot_to_row, out):
+                out.copy_(perm_mod._weighted_row_dot(rows, tokens, slot_to_row, 1))
+                out[0, 0] += 1
+
+        key = (Skewed, F32)
+        try:
+            with mock.patch.object(_native, "kernels", return_value=Skewed):
+                with self.assertWarnsRegex(
+                    UserWarning, r"row_dot kernel built but its results differ .*float32, D=5\)"
+                ):
+                    got = perm_mod.weighted_row_dot(rows, x, s2r)
+        finally:
+            perm_mod._ROW_DOT_CHECKED.pop(key, None)
+        self.assertTrue(torch.equal(got, want))
+
+    @needs_native
+    def test_row_dot_argument_errors(self):
+        rows, x, s2r = torch.randn(4, 8), torch.randn(2, 8), torch.zeros(2, 2, dtype=torch.long)
+        out = torch.empty(2, 2)
+        for args in (
+            (rows, x, s2r.int(), out),  # int32 map
+            (rows, x.double(), s2r, out),  # mixed dtypes
+            (rows.double(), x.double(), s2r, out),  # fp64: the reference's
+            (rows, x, s2r, torch.empty(2, 3)),  # out not [T, K]
+            (rows, torch.randn(3, 8), s2r, out),  # tokens not slot_to_row's T
+        ):
+            with self.assertRaisesRegex(RuntimeError, "row_dot_cpu: expected rows"):
+                _native.kernels().row_dot(*args)
+        with self.assertRaisesRegex(
+            RuntimeError, r"row_dot_cpu: slot_to_row must hold rows in \[-1, 4\), got 4 at 2"
+        ):
+            _native.kernels().row_dot(rows, x, torch.tensor([[0, 1], [4, -1]]), out)
+
+
+class _Sub(torch.Tensor):
+    pass
 
 
 def _few_mm(x, w, offs, amx_rows=0):

@@ -47,6 +47,12 @@ import torch
 __all__ = ["ENV", "available", "kernels"]
 
 ENV = "TORCH_MOE_NATIVE"
+
+# A row long enough that a kernel's sum in ATen's order (csrc/aten_sum.h's aten_order_sum)
+# ends with every level of its cascade holding a part: 4096 + 256 + 16 + 5 groups of four
+# vectors of 8 floats, then 2 vectors and 7 floats more (the kernels' first-use checks
+# against ATen's sum run rows of this length).
+CASCADE_ROW = 8 * 4 * (4096 + 256 + 16 + 5) + 8 * 2 + 7
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = [
     _CSRC / name

@@ -65,7 +65,6 @@ from torch_moe._ops.grouped_mm import (
     reads_gathered,
 )
 from torch_moe._ops.grouped_swiglu import (
-    _CASCADE_ROW,
     _NATIVE_DTYPES,
     _act_chunk_rows,
     _check_act,
@@ -311,7 +310,7 @@ def _native_backward(
 ) -> Tensor | None:
     """dH into ``dh``; returns d row_weights (fp32) or None. One call: the kernel runs
     the rows in chunks of ``step`` (ATen's cuts), and sums each row's products dA * a
-    for d row_weights in the order of ATen's sum (swiglu_cpu.cpp's aten_order_sum), as
+    for d row_weights in the order of ATen's sum (aten_sum.h's aten_order_sum), as
     the ATen chunks sum theirs."""
     activation, alpha, limit, interleaved = args
     rw = _native_weights(row_weights)
@@ -337,8 +336,8 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
         variants = [(False, None, True), (False, None, False)]
     # the last chunk but one is long enough for ATen to cut it into a piece per thread,
     # mid-row; the last one's rows end with a part in every level of the cascade by which
-    # the kernel sums d row_weights as ATen's sum does (grouped_swiglu's _CASCADE_ROW)
-    long_row = _CASCADE_ROW
+    # the kernel sums d row_weights as ATen's sum does (_native.CASCADE_ROW)
+    long_row = _native.CASCADE_ROW
     for rows, hidden, step in (
         (3, 5, 2),
         (9, 47, 4),

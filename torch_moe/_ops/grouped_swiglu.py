@@ -535,17 +535,11 @@ def _native_checked(mod: Any, dtype: torch.dtype) -> bool:
     return _NATIVE_CHECKED[key]
 
 
-# A row long enough that the kernels' sum in ATen's order (swiglu_cpu.cpp's
-# aten_order_sum) ends with every level of its cascade holding a part: 4096 + 256 + 16 + 5
-# groups of four vectors of 8 floats, then 2 vectors and 7 floats more.
-_CASCADE_ROW = 8 * 4 * (4096 + 256 + 16 + 5) + 8 * 2 + 7
-
-
 def _native_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
     """The native kernels' outputs equal the ATen ops' bit for bit (rows shorter than,
     equal to and longer than a vector block, with and without row weights, outputs in h's
     dtype and in fp32), d row_weights too: the kernels sum each row's products in the
-    order of ATen's sum (swiglu_cpu.cpp's aten_order_sum), checked on rows long enough for
+    order of ATen's sum (aten_sum.h's aten_order_sum), checked on rows long enough for
     every level of its cascade (and vectors and elements past its last group); a compiler
     that fuses or reorders differently from ATen's build, or a torch whose sum adds in
     another order, fails here, with a warning."""
@@ -555,7 +549,7 @@ def _native_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
         for r, f in ((3, 5), (5, 32), (9, 47), (17, 100))
         for o in dict.fromkeys((dtype, torch.float32))
     ]
-    cases += [(2, 4100, dtype), (2, _CASCADE_ROW, dtype)]
+    cases += [(2, 4100, dtype), (2, _native.CASCADE_ROW, dtype)]
     for rows, hidden, out_dtype in cases:
         h = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
         grad_a = torch.randn(rows, hidden, generator=g).to(out_dtype)

@@ -33,6 +33,7 @@ fixed order k = 0..K-1.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -498,8 +499,61 @@ def weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tenso
 
 @weighted_row_dot.register_kernel("cpu")
 def _weighted_row_dot_cpu(rows: Tensor, tokens: Tensor, slot_to_row: Tensor) -> Tensor:
+    kernels = _native_row_dot(rows, tokens)
+    if kernels is not None and slot_to_row.numel() > 0 and rows.shape[0] > 0:
+        _check_row_dot(rows, tokens, slot_to_row)
+        out = torch.empty(slot_to_row.shape, dtype=torch.float32)
+        kernels.row_dot(rows, tokens, slot_to_row.to(torch.int64), out)
+        return out
     # per row chunk of tokens: each chunk converted once, its fp32 temporaries in cache
     return _weighted_row_dot(rows, tokens, slot_to_row, _chunk_rows(rows.shape[1]))
+
+
+# the dtypes of the native row_dot: those whose products and sums are fp32
+_ROW_DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ROW_DOT_CHECKED: dict[tuple[Any, torch.dtype], bool] = {}
+
+
+def _native_row_dot(rows: Tensor, tokens: Tensor) -> Any:
+    """The native kernels' ops where their ``row_dot`` takes these operands (plain CPU
+    tensors of one fp32-accumulated dtype, rows contiguous) and gave ATen's bits on this
+    build (:func:`_row_dot_matches_aten`, once per process and dtype), else None."""
+    dt = rows.dtype
+    if dt not in _ROW_DOT_DTYPES or tokens.dtype != dt or rows.dim() != 2 or tokens.dim() != 2:
+        return None
+    if type(rows) is not Tensor or type(tokens) is not Tensor:
+        return None
+    if rows.stride(-1) != 1 or tokens.stride(-1) != 1:
+        return None
+    mod = _native.kernels()
+    if mod is None:
+        return None
+    if (mod, dt) not in _ROW_DOT_CHECKED:
+        _ROW_DOT_CHECKED[(mod, dt)] = _row_dot_matches_aten(mod, dt)
+    return mod if _ROW_DOT_CHECKED[(mod, dt)] else None
+
+
+def _row_dot_matches_aten(mod: Any, dtype: torch.dtype) -> bool:
+    """The native ``row_dot`` equals the reference bit for bit: it sums each product row in
+    the order of ATen's sum (aten_sum.h's aten_order_sum), checked on rows shorter than a
+    vector, around a vector block and long enough for every level of that order's
+    cascade; a compiler or a torch that adds in another order fails here, with a warning
+    (the reference then runs)."""
+    g = torch.Generator().manual_seed(2)
+    for d in (5, 8, 47, 100, 4100, _native.CASCADE_ROW):
+        rows = torch.randn(6, d, generator=g).to(dtype)
+        tokens = torch.randn(3, d, generator=g).to(dtype)
+        slots = torch.tensor([[0, 5], [-1, 2], [3, 3]])
+        got = torch.empty(3, 2)
+        mod.row_dot(rows, tokens, slots, got)
+        if not torch.equal(got, _weighted_row_dot(rows, tokens, slots, 3)):
+            warnings.warn(
+                "torch_moe: the native CPU row_dot kernel built but its results differ from "
+                f"the ATen ops' ({dtype}, D={d}); using the ATen ops",
+                stacklevel=2,
+            )
+            return False
+    return True
 
 
 def _weighted_row_dot(rows: Tensor, tokens: Tensor, slot_to_row: Tensor, step: int) -> Tensor:

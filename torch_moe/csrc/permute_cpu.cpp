@@ -20,6 +20,13 @@
 //   combine(y [M, D], slot_to_row [T, K], out [T, D]!, weights [T, K]?)
 //       out[t] = sum_k y[slot_to_row[t, k]] (* weights[t, k], each product rounded to the
 //       accumulation dtype before its add, as unpermute's reference computes it)
+//   row_dot(rows [M, D], tokens [T, D], slot_to_row [T, K], out [T, K] fp32!)
+//       out[t, k] = sum_d rows[slot_to_row[t, k], d] * tokens[t, d] (0 where the slot is
+//       -1): weighted_row_dot, the weighted combine's weight gradient. Its reference
+//       gathers each k's rows in fp32, multiplies them by the tokens in fp32 and sums each
+//       row by ATen's sum; here one pass per token forms the same rounded products in a
+//       row buffer and sums it in ATen's order (aten_sum.h): the same bits, without the
+//       [T, D] fp32 gathers and products.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +36,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
+#include "aten_sum.h"
 #include "vec_convert.h"
 
 #include <algorithm>
@@ -340,6 +348,79 @@ void gather_scaled(const at::Tensor& x, const at::Tensor& index, const at::Tenso
   });
 }
 
+// out[t, k] for tokens [t0, t1): token t's row in fp32 once (tok), each k's products
+// rows[slot] * tok rounded to fp32 into prod, then prod's sum in ATen's order.
+template <typename T>
+void row_dot_impl(const at::Tensor& rows, const at::Tensor& tokens, const int64_t* slots,
+                  float* out, int64_t top_k) {
+  const int64_t d = rows.size(1), rs = rows.stride(0), ts = tokens.stride(0);
+  const T* rp = rows.data_ptr<T>();
+  const T* tp = tokens.data_ptr<T>();
+  at::parallel_for(0, tokens.size(0), 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(2 * d);
+    float* tok = buf.data();
+    float* prod = buf.data() + d;
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* src = tp + t * ts;
+      for (int64_t i = 0; i < d; ++i) tok[i] = static_cast<float>(src[i]);
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t slot = slots[t * top_k + k];
+        if (slot < 0) {  // a dropped slot: 0, as the reference's masked_fill
+          out[t * top_k + k] = 0.f;
+          continue;
+        }
+        const T* row = rp + slot * rs;
+        int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+        using fVec = at::vec::Vectorized<float>;
+        if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+          using hVec = at::vec::Vectorized<T>;
+          for (; i + hVec::size() <= d; i += hVec::size()) {
+            const auto [lo, hi] = torch_moe_cpu::to_float(hVec::loadu(row + i));
+            (lo * fVec::loadu(tok + i)).store(prod + i);
+            (hi * fVec::loadu(tok + i + fVec::size())).store(prod + i + fVec::size());
+          }
+        } else {
+          for (; i + fVec::size() <= d; i += fVec::size()) {
+            (fVec::loadu(row + i) * fVec::loadu(tok + i)).store(prod + i);
+          }
+        }
+#endif
+        for (; i < d; ++i) prod[i] = static_cast<float>(row[i]) * tok[i];
+        out[t * top_k + k] = torch_moe_cpu::aten_order_sum(prod, d);
+      }
+    }
+  });
+}
+
+void row_dot(const at::Tensor& rows, const at::Tensor& tokens, const at::Tensor& slot_to_row,
+             const at::Tensor& out) {
+  const auto dt = rows.scalar_type();
+  TORCH_CHECK(
+      (dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat) && rows.dim() == 2 &&
+          rows.stride(1) == 1 && tokens.dim() == 2 && tokens.stride(1) == 1 &&
+          tokens.scalar_type() == dt && tokens.size(1) == rows.size(1) &&
+          slot_to_row.dim() == 2 && slot_to_row.scalar_type() == at::kLong &&
+          slot_to_row.size(0) == tokens.size(0) && out.scalar_type() == at::kFloat &&
+          out.is_contiguous() && out.sizes() == slot_to_row.sizes(),
+      "row_dot_cpu: expected rows [M, D] and tokens [T, D] of one dtype (bfloat16, float16 "
+      "or float32) with contiguous rows, int64 slot_to_row [T, K] and a contiguous fp32 out "
+      "[T, K], got ", rows.sizes(), " ", dt, ", ", tokens.sizes(), " ", tokens.scalar_type(),
+      ", ", slot_to_row.sizes(), " ", slot_to_row.scalar_type(), ", ", out.sizes(), " ",
+      out.scalar_type());
+  const at::Tensor slots_t = slot_to_row.contiguous();
+  const int64_t* slots = slots_t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots_t.numel(); ++i) {
+    TORCH_CHECK(slots[i] >= -1 && slots[i] < rows.size(0), "row_dot_cpu: slot_to_row must "
+                "hold rows in [-1, ", rows.size(0), "), got ", slots[i], " at ", i);
+  }
+  float* op = out.data_ptr<float>();
+  const int64_t top_k = slot_to_row.size(1);
+  if (dt == at::kBFloat16) return row_dot_impl<at::BFloat16>(rows, tokens, slots, op, top_k);
+  if (dt == at::kHalf) return row_dot_impl<at::Half>(rows, tokens, slots, op, top_k);
+  row_dot_impl<float>(rows, tokens, slots, op, top_k);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
@@ -348,10 +429,12 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("combine(Tensor y, Tensor slot_to_row, Tensor(a!) out, Tensor? weights=None) -> ()");
   m.def("gather_scaled(Tensor x, Tensor index, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("row_dot(Tensor rows, Tensor tokens, Tensor slot_to_row, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("permute_indices", &permute_indices);
   m.impl("combine", &combine);
   m.impl("gather_scaled", &gather_scaled);
+  m.impl("row_dot", &row_dot);
 }
