@@ -181,24 +181,34 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int6
 }
 
 // Every panel of a row-major [K, N] matrix at once (panel q at out + q * panel_words, as
-// pack_row_pairs would write it, zero pairs from ceil(K / 2) up to `pairs`), pair of rows
-// by pair of rows: each row read once, from its start to its end. Packing panel by panel
+// pack_row_pairs would write it, zero pairs from ceil(K / 2) up to `pairs`), kPackPairs
+// pairs of rows at a time: each row read once, from its start to its end (8 rows side by
+// side), each panel's kPackPairs rows (1 KB) written together. Packing panel by panel
 // instead reads a strip of 128 bytes of every row for each panel, a stride the hardware
 // prefetchers do not follow (an E8 expert's dH @ w13 on the AMX Xeon measured: 48 -> 40
-// ms, benchmarks/results/cpu_floor_cpu_202612.md).
+// ms); one pair at a time writes 256 bytes into each of the panels, 64 KB apart at K =
+// 512, in turn: the layer's GEMMs with a row-major b ran 3-11% slower so than with four
+// (one thread, medians of 8-10 alternated rounds: E64 dH @ w13 0.90x, dY @ w2 0.92x, dW13
+// 0.95x; E8 0.96-0.98x; two or eight pairs less or no better at E8 / E32; the panels
+// padded apart by a line besides: within 1%), benchmarks/results/cpu_floor_cpu_202612.md.
+constexpr int64_t kPackPairs = 4;
+
 TORCH_MOE_GEMM_TARGET void pack_row_pairs_across(const RowSource& m, int64_t K, int64_t N,
                                                  int64_t pairs, uint32_t* out,
                                                  int64_t panel_words) {
-  for (int64_t p = 0; p < pairs; ++p) {
-    uint32_t* o = out + p * kNr;
-    if (2 * p >= K) {
-      for (int64_t q = 0; q * kNr < N; ++q) std::memset(o + q * panel_words, 0, kNr * 4);
-      continue;
-    }
-    const uint16_t* r0 = m.row(2 * p);
-    const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) : nullptr;
-    for (int64_t n0 = 0; n0 < N; n0 += kNr, o += panel_words) {
-      pair_panel_row(r0 + n0, r1 ? r1 + n0 : nullptr, std::min(kNr, N - n0), o);
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPackPairs) {
+    const int64_t p1 = std::min(pairs, p0 + kPackPairs);
+    for (int64_t n0 = 0; n0 < N; n0 += kNr) {
+      uint32_t* const panel = out + (n0 / kNr) * panel_words;
+      for (int64_t p = p0; p < p1; ++p) {
+        uint32_t* const o = panel + p * kNr;
+        if (2 * p >= K) {
+          std::memset(o, 0, kNr * 4);
+          continue;
+        }
+        const uint16_t* r1 = 2 * p + 1 < K ? m.row(2 * p + 1) + n0 : nullptr;
+        pair_panel_row(m.row(2 * p) + n0, r1, std::min(kNr, N - n0), o);
+      }
     }
   }
 }
