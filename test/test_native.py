@@ -1535,6 +1535,19 @@ class TestNativeBF16GEMM(TestCase):
                 part = _bf16_mm(a[r0:r1], b[:, c0:c1])[1]
                 self.assertTrue(torch.equal(part, whole[r0:r1, c0:c1]))
 
+    def test_padding_pairs_ignore_the_scratch(self):
+        # the panels past K's pairs (up to a whole 32-k step) are zero whatever a previous
+        # call left in the thread's scratch: a call whose b is all infinities (K a multiple
+        # of 32), then K = 33, whose padded pairs meet zeros of a (inf * 0 would be NaN)
+        g = torch.Generator().manual_seed(23)
+        inf_b = torch.full((64, 130), float("inf"), dtype=BF16)
+        self.assertTrue(_bf16_mm(torch.ones(3, 64, dtype=BF16), inf_b)[0])
+        a, b = torch.randn(5, 33, generator=g).to(BF16), torch.randn(33, 130, generator=g).to(BF16)
+        ran, got = _bf16_mm(a, b)
+        self.assertTrue(ran)
+        self.assertFalse(bool(got.isnan().any()))
+        assert_gemm_within(self, got, a, b.unsqueeze(0), torch.tensor([5], dtype=torch.int32), "K=33")
+
     def test_k_blocks_summed_from_zero(self):
         # K = 1024: two blocks of 512 products, each summed from zero, then added. Block one
         # is 2^25 then 511 ones (each below half an fp32 ulp of 2^25: lost), block two -2^25
