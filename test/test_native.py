@@ -1546,7 +1546,9 @@ class TestNativeBF16GEMM(TestCase):
         ran, got = _bf16_mm(a, b)
         self.assertTrue(ran)
         self.assertFalse(bool(got.isnan().any()))
-        assert_gemm_within(self, got, a, b.unsqueeze(0), torch.tensor([5], dtype=torch.int32), "K=33")
+        assert_gemm_within(
+            self, got, a, b.unsqueeze(0), torch.tensor([5], dtype=torch.int32), "K=33"
+        )
 
     def test_k_blocks_summed_from_zero(self):
         # K = 1024: two blocks of 512 products, each summed from zero, then added. Block one

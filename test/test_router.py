@@ -319,9 +319,11 @@ class TestRouterTiles(TestCase):
         mod = _native.kernels()
         self.assertTrue(mod.router_logits(x.detach(), w.detach(), b.float(), direct, tiles))
         self.assertEqual(out.detach(), direct, atol=0, rtol=0)
-        gx = torch.empty_like(x)
+        gx, gw = torch.empty_like(x), torch.empty_like(w)
         self.assertTrue(mod.router_logits_backward(grad, x.detach(), w.detach(), gx, None, tiles))
         self.assertEqual(x.grad, gx, atol=0, rtol=0)
+        self.assertTrue(mod.router_logits_backward(grad, x.detach(), w.detach(), None, gw, tiles))
+        self.assertEqual(w.grad, gw, atol=0, rtol=0)
 
     @unittest.skipUnless(_amx_runs(), "no AMX tiles here")
     def test_tiles_bits_do_not_depend_on_threads(self):
@@ -347,12 +349,16 @@ class TestRouterTiles(TestCase):
         grad[7, 0] = float("-inf")
         grad[9, 19] = float("nan")
         grad[11, 2], grad[11, 3] = float("inf"), float("-inf")
+        x[3, 7] = 0.0  # a zero meeting an infinite gradient (grad[3, 5]): NaN in grad_w
         with _cpu_probe.force(router_kernel=kernel):
-            gx, _ = _router.router_logits_backward(grad, x, w, True, False)
-        want = (grad.double() @ w.double()).to(torch.bfloat16)
-        self.assertTrue(torch.equal(gx.isnan(), want.isnan()))
-        self.assertTrue(torch.equal(gx.isinf(), want.isinf()))
-        self.assertTrue(torch.equal(gx.isinf() & (gx > 0), want.isinf() & (want > 0)))
+            gx, gw = _router.router_logits_backward(grad, x, w, True, True)
+        for got, want in (
+            (gx, (grad.double() @ w.double()).to(torch.bfloat16)),
+            (gw, (grad.double().t() @ x.double()).to(torch.bfloat16)),
+        ):
+            self.assertTrue(torch.equal(got.isnan(), want.isnan()))
+            self.assertTrue(torch.equal(got.isinf(), want.isinf()))
+            self.assertTrue(torch.equal(got.isinf() & (got > 0), want.isinf() & (want > 0)))
 
 
 class TestRouterLogitsProperty(TestCase):
