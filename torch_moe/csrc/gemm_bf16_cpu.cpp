@@ -186,11 +186,11 @@ TORCH_MOE_GEMM_TARGET void pack_row_pairs(const RowSource& m, int64_t col0, int6
 // side), each panel's kPackPairs rows (1 KB) written together. Packing panel by panel
 // instead reads a strip of 128 bytes of every row for each panel, a stride the hardware
 // prefetchers do not follow (an E8 expert's dH @ w13 on the AMX Xeon measured: 48 -> 40
-// ms); one pair at a time writes 256 bytes into each of the panels, 64 KB apart at K =
-// 512, in turn: the layer's GEMMs with a row-major b ran 3-11% slower so than with four
-// (one thread, medians of 8-10 alternated rounds: E64 dH @ w13 0.90x, dY @ w2 0.92x, dW13
-// 0.95x; E8 0.96-0.98x; two or eight pairs less or no better at E8 / E32; the panels
-// padded apart by a line besides: within 1%), benchmarks/results/cpu_floor_cpu_202612.md.
+// ms). One pair at a time wrote 256 bytes into each of the panels in turn, 64 KB apart at
+// K = 512 (the same L1 sets): with four the layer's GEMMs with a row-major b take 0.90x
+// the time (E64 dH @ w13), 0.92x (dY @ w2), 0.95x (dW13), 0.96-0.98x at E8 (one thread,
+// medians of 8-10 alternated rounds; two or eight pairs no better at E8 / E32; the panels
+// also padded apart by a line: within 1%): benchmarks/results/cpu_floor_cpu_202612.md.
 constexpr int64_t kPackPairs = 4;
 
 TORCH_MOE_GEMM_TARGET void pack_row_pairs_across(const RowSource& m, int64_t K, int64_t N,
@@ -460,7 +460,7 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
 // partial block of 32 rows and every other a is packed into tiles of 16 rows x 32 k, zero
 // past M and K: gathered rows copied, a column-major a by 16 x 16 transposes of the pairs
 // of a^T's rows, 32 columns per row load). b's panels are packed as above: a row-major b's
-// all at once, pair of rows by pair of rows (pack_row_pairs_across: each row read once,
+// all at once, four pairs of rows at a time (pack_row_pairs_across: each row read once,
 // in order); a column-major b's panel q + 1 in slices between panel q's output blocks in
 // the first pass over the rows (the pack's loads then overlap the tile products), later
 // passes reusing them. (Packing a row-major b's panels so, strips of 128 bytes of every
@@ -780,7 +780,7 @@ TORCH_MOE_AMX_TARGET void amx_gemm(const RowSource& a, bool a_col_major, const B
   const int64_t panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // passes over the rows: multiples of 32 rows, each at most a_block_bytes() of a
   const int64_t block = pass_rows(M, 2 * kt * kTk, 2 * kTm);
-  // b's panels: a row-major b's all packed first, pair of rows by pair of rows; a
+  // b's panels: a row-major b's all packed first, four pairs of rows at a time; a
   // column-major b's in two buffers in turn where the rows take one pass, else all kept
   const bool rows_first = !b.col_major;
   const bool one_pass = block >= M && !rows_first;
