@@ -578,7 +578,14 @@ def _measure_out_stream() -> dict[str, float]:
     )
 
 
-_GEMM_WEIGHT_BYTES = 4 << 20  # the gemm_kernel probe's weights (and outputs) per set, at least
+# The gemm_kernel probe's sets: weights (and outputs) of at least _GEMM_WEIGHT_BYTES, in
+# calls of at most _GEMM_PROBE_FLOPS (2-16 groups). Sets of 4 MiB (6 groups at the
+# 32-expert layer's shapes) ranked its dW13 0.89-1.03x native / oneDNN, within the
+# probe's margin, where the layer's own operands run it 0.88x and the step 1.5-2.6%
+# faster natively; 16 MiB (11-16 groups) 0.84-0.89x. The FLOP cap keeps a decision well
+# under a second at an 8-expert layer's large experts (2 groups there, as before).
+_GEMM_WEIGHT_BYTES = 16 << 20
+_GEMM_PROBE_FLOPS = 1e10
 
 
 def _measure_gemm_kernel(
@@ -590,7 +597,8 @@ def _measure_gemm_kernel(
     it out; the native GEMM reads the transposed view itself), each call the GEMM on
     its own operands and with one operand gathered from a source of a quarter of the
     rows (both of a weight gradient's in turn), as an MoE layer runs such GEMMs: 2-16
-    groups, enough that an operand set's weights and outputs pass 4 MiB, sets (outputs
+    groups, enough that an operand set's weights and outputs pass 16 MiB (at most
+    ``_GEMM_PROBE_FLOPS`` a call), sets (outputs
     included) cycled and evicted from the caches before each call, so that operands and
     output lines come from memory as in a layer step (an output that is the last call's,
     still in cache, is written by oneDNN's GEMM at a speed no layer sees, and its
@@ -601,7 +609,8 @@ def _measure_gemm_kernel(
     GEMM: 28.3 -> 21.5 ms in the layer; benchmarks/results/cpu_floor_cpu_202612.md)."""
     mod = _threaded_kernels()
     per_group = (k if kind == "tn" else min(k, rows)) * n * dtype.itemsize  # weight or output
-    groups = max(2, min(16, -(-_GEMM_WEIGHT_BYTES // per_group)))
+    by_flops = int(_GEMM_PROBE_FLOPS // (2 * rows * k * n))
+    groups = max(2, min(16, -(-_GEMM_WEIGHT_BYTES // per_group), by_flops))
     ends = list(itertools.accumulate(max(1, rows + (g * 37) % 31 - 15) for g in range(groups)))
     offs, m = torch.tensor(ends, dtype=torch.int32), ends[-1]
     copies = kind == "tn" and wgrad_copies(dtype, rows, k, n)
