@@ -361,8 +361,7 @@ void row_dot_impl(const at::Tensor& rows, const at::Tensor& tokens, const int64_
     float* tok = buf.data();
     float* prod = buf.data() + d;
     for (int64_t t = t0; t < t1; ++t) {
-      const T* src = tp + t * ts;
-      for (int64_t i = 0; i < d; ++i) tok[i] = static_cast<float>(src[i]);
+      at::vec::convert(tp + t * ts, tok, d);  // (exact)
       for (int64_t k = 0; k < top_k; ++k) {
         const int64_t slot = slots[t * top_k + k];
         if (slot < 0) {  // a dropped slot: 0, as the reference's masked_fill
