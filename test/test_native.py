@@ -63,17 +63,31 @@ def _operands(rows, hidden, h_dtype, out_dtype, seed=0, pad=0):
     return h, grad_a, torch.rand(rows, generator=g)
 
 
+def _bits(t):
+    """t's bits as integers (NaNs compare by their bit patterns), or None."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return None if t is None else t.view(ints[t.element_size()])
+
+
 def _both(h, grad_a, rw):
-    """(ATen ops, native kernels): the forward a, and the backward's a, dH, d rw."""
+    """(ATen ops, native kernels): the forward a, and the backward's a, dH, d rw. The
+    native kernels run twice, the gates' silu and sigmoid computed and read from the
+    tables (the probe's ``act_table`` forced both ways): both must give the same bits,
+    checked here; the tables' run is returned."""
     out = {}
-    for kind in ("aten", "native"):
-        with P.force(act_kernel=kind):
+    for kind, table in (("aten", "compute"), ("native", "compute"), ("native", "table")):
+        with P.force(act_kernel=kind, act_table=table):
             a = grad_a.new_empty(grad_a.shape)
             gs._act_into(h, rw, a)
             a2, dh = torch.empty_like(a), grad_a.new_empty(h.shape)
             grad_rw = gs._act_backward_into(h, grad_a, rw, a2, dh)
-        out[kind] = (a, a2, dh, grad_rw)
-    return out["aten"], out["native"]
+        out[kind, table] = (a, a2, dh, grad_rw)
+    for name, x, y in zip(
+        ("a", "a (backward)", "dh", "d rw"), out["native", "compute"], out["native", "table"]
+    ):
+        if not ((x is None and y is None) or torch.equal(_bits(x), _bits(y))):
+            raise AssertionError(f"{name}: the gate tables' bits differ from the computed ones")
+    return out["aten", "compute"], out["native", "table"]
 
 
 @instantiate_parametrized_tests
@@ -141,6 +155,99 @@ class TestNativeSwiGLU(TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a refusal warns
             self.assertTrue(gs._native_matches_aten(_native.kernels(), dtype))
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16])
+    @parametrize("weighted", [False, True])
+    def test_every_gate_bitwise_aten(self, dtype, weighted):
+        # every 16-bit gate (signed zeros, subnormals, infinities, NaNs), in rows with
+        # vector blocks and a scalar tail: the kernels with the gate tables give the bits
+        # of the kernels computing them (NaNs' too: _both) and the ATen ops' bits
+        # (NaN where ATen's is NaN: an fp16 backward's NaN of a negative NaN gate has
+        # another sign, which IEEE leaves open)
+        hidden = 1024 + 5
+        gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        rows = -(-gates.numel() // hidden)
+        h, grad_a, rw = _operands(rows, hidden, dtype, dtype, seed=7)
+        h[:, :hidden] = torch.cat([gates, h[:, :hidden].flatten()[gates.numel() :]]).view(
+            rows, hidden
+        )
+        aten, native = _both(h, grad_a, rw if weighted else None)
+        for name, want, got in zip(("a", "a (backward)", "dh", "d rw"), aten, native, strict=True):
+            self.assertEqual(got, want, atol=0, rtol=0, equal_nan=True, msg=name)
+        self.assertTrue(native[0][:, :-5].isnan().any() and native[0].isinf().any())
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16])
+    def test_gate_tables_pass_their_bit_check(self, dtype):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a refusal warns
+            self.assertTrue(gs._table_matches(_native.kernels(), dtype))
+
+    @needs_native
+    def test_gate_tables_refused_where_their_bits_differ(self):
+        # a build whose tables give other bits (here: every call with the tables computes
+        # the forward a one ulp off) is refused, measured or forced, with a warning
+        mod = _native.kernels()
+
+        class OffByOne:
+            @staticmethod
+            def swiglu_forward(h, rw, out, stream=False, table=False):
+                mod.swiglu_forward(h, rw, out, stream, False)
+                if table:
+                    out.view(torch.int16).add_(1)
+
+            swiglu_backward = mod.swiglu_backward
+
+        with self.assertWarnsRegex(UserWarning, r"gate tables give other bits .*bfloat16"):
+            self.assertFalse(gs._table_matches(OffByOne, BF16))
+        with mock.patch.dict(gs._TABLE_CHECKED, clear=True):
+            with mock.patch.object(_native, "kernels", return_value=OffByOne):
+                with self.assertWarnsRegex(UserWarning, "gate tables give other bits"):
+                    self.assertEqual(gs._measure_act_table(BF16), {"compute": 0.0})
+            P.reset(env=False)
+            with mock.patch.object(gs, "_table_matches", return_value=False) as check:
+                with P.force(act_table="table"):
+                    self.assertFalse(gs._act_table(BF16))
+            check.assert_called_once()
+        P.reset(env=False)
+        with P.force(act_table="table"):
+            self.assertTrue(gs._act_table(BF16))
+            self.assertFalse(gs._act_table(F32))  # fp32 gates: no tables
+        with P.force(act_table="compute"):
+            self.assertFalse(gs._act_table(BF16))
+
+    @needs_native
+    def test_act_table_candidates(self):
+        seen = {}
+
+        def spy(candidates):
+            seen.update(candidates)
+            return {name: 1.0 for name in candidates}
+
+        mod = _native.kernels()
+        calls = []
+
+        class Spy:
+            @staticmethod
+            def swiglu_forward(*args):
+                calls.append(("forward", args[-1]))
+                mod.swiglu_forward(*args)
+
+            @staticmethod
+            def swiglu_backward(*args):
+                calls.append(("backward", args[-1]))
+                mod.swiglu_backward(*args)
+
+        with mock.patch.object(_native, "kernels", return_value=Spy):
+            with mock.patch.object(P, "time_candidates", spy):
+                with mock.patch.object(gs, "_table_checked", return_value=True):
+                    gs._measure_act_table(BF16)
+            self.assertEqual(set(seen), {"compute", "table"})
+            seen["compute"]()
+            seen["table"]()
+        want = [("forward", False), ("backward", False), ("forward", True), ("backward", True)]
+        self.assertEqual(calls, want)
 
     @needs_native
     @parametrize("threads", [1, 2])

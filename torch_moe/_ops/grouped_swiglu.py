@@ -97,6 +97,8 @@ _ACT_CHUNK_ELEMS: int | None = None
 # the dtypes of h the native row kernels take (fp32 math; fp64 h stays on the ATen ops)
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NATIVE_CHECKED: dict[tuple[Any, torch.dtype], bool] = {}  # (kernels, h dtype): ATen's bits
+_TABLE_CHECKED: dict[tuple[Any, torch.dtype], bool] = {}  # (kernels, h dtype): tables' bits
+_TABLE_DTYPES = (torch.bfloat16, torch.float16)
 _MISSING: Any = object()
 
 
@@ -490,6 +492,88 @@ def _native_kernels(h: Tensor, *others: Tensor) -> Any:
     return _native.kernels()
 
 
+def _act_table(dtype: torch.dtype) -> bool:
+    """Whether the native kernels read the gates' silu and sigmoid from their tables
+    (``swiglu_cpu.cpp``'s gate_tables) for h in ``dtype``: a half dtype, the tables' bits
+    checked against the computing kernel on every gate value, and the probe's
+    ``act_table`` choice. Memoized."""
+    if dtype not in _TABLE_DTYPES or not _native.enabled():
+        return False
+
+    def decide() -> bool:
+        choice = _cpu_probe.act_table(dtype, functools.partial(_measure_act_table, dtype))
+        mod = _native.kernels()
+        return choice == "table" and mod is not None and _table_checked(mod, dtype)
+
+    return _cpu_probe.memo(("act_table", dtype), decide)
+
+
+def _measure_act_table(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the native kernels' forward + backward computing the gates' silu and
+    sigmoid and reading them from the tables (where their check passes), on gates of a
+    GEMM's spread (standard normal)."""
+    mod = _native.kernels()
+    if mod is None or not _table_checked(mod, dtype):
+        return {"compute": 0.0}
+    hidden, rows = 512, 256
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
+    grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
+    a, dh = torch.empty_like(grad_a), torch.empty_like(h)
+
+    def run(table: bool) -> None:
+        mod.swiglu_forward(h, None, a, False, table)
+        mod.swiglu_backward(h, grad_a, None, a, dh, None, False, table)
+
+    return _cpu_probe.time_candidates(
+        {"compute": functools.partial(run, False), "table": functools.partial(run, True)}
+    )
+
+
+def _table_checked(mod: Any, dtype: torch.dtype) -> bool:
+    """``_table_matches``, once per process, kernels and dtype."""
+    key = (mod, dtype)
+    if key not in _TABLE_CHECKED:
+        _TABLE_CHECKED[key] = _table_matches(mod, dtype)
+    return _TABLE_CHECKED[key]
+
+
+def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
+    """The native kernels give the same bits reading the tables as computing, forward
+    and backward, with and without row weights, on gates of every 16-bit pattern (NaNs,
+    infinities and subnormals included) in rows long enough for vector blocks and a
+    scalar tail; a compiler that built the tables' functions differently from the
+    kernels' fails here, with a warning."""
+    hidden = 1024 + 7  # vector blocks, then a scalar tail (computed either way)
+    gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    rows = -(-gates.numel() // hidden)
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.randn(rows * hidden, generator=gen).to(dtype)
+    gate[: gates.numel()] = gates
+    up = torch.randn(rows, hidden, generator=gen).to(dtype)
+    h = torch.cat([gate.view(rows, hidden), up], dim=1)
+    grad_a = torch.randn(rows, hidden, generator=gen).to(dtype)
+    for rw in (None, torch.rand(rows, generator=gen)):
+        outs = []
+        for table in (False, True):
+            a, a2, dh = torch.empty_like(grad_a), torch.empty_like(grad_a), torch.empty_like(h)
+            grad_rw = None if rw is None else rw.new_empty(rows)
+            mod.swiglu_forward(h, rw, a, False, table)
+            mod.swiglu_backward(h, grad_a, rw, a2, dh, grad_rw, False, table)
+            # bits compared as integers (the NaN gates' outputs are NaNs)
+            outs.append([t.view(torch.int16) for t in (a, a2, dh)])
+            outs[-1] += [] if grad_rw is None else [grad_rw.view(torch.int32)]
+        same = all(torch.equal(x, y) for x, y in zip(outs[0], outs[1], strict=True))
+        if not same:
+            warnings.warn(
+                "torch_moe: the native CPU SwiGLU kernel's gate tables give other bits than "
+                f"its computed silu / sigmoid ({dtype}); computing them",
+                stacklevel=2,
+            )
+            return False
+    return True
+
+
 def _act_temporary_bytes(dtype: torch.dtype, rows: float, hidden: int, backward: bool) -> float:
     """The fp32 temporaries of the activation over ``rows`` rows (one chunk) at their
     largest. ATen ops: forward h [r, 2F]; backward h [r, 2F] and silu, dA, A and their
@@ -581,7 +665,7 @@ def _act_into(h: Tensor, row_weights: Tensor | None, out: Tensor) -> None:
     if mod is None:
         _act_into_aten(h, row_weights, out)
         return
-    mod.swiglu_forward(h, _native_weights(row_weights), out)
+    mod.swiglu_forward(h, _native_weights(row_weights), out, False, _act_table(h.dtype))
 
 
 def _native_weights(row_weights: Tensor | None) -> Tensor | None:
@@ -618,7 +702,7 @@ def _act_backward_into(
         return _act_backward_into_aten(h, grad_a, row_weights, out_a, out_dh)
     rw = _native_weights(row_weights)
     grad_rw = None if rw is None else rw.new_empty(rw.shape)  # sum dA * a, unweighted
-    mod.swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_rw, stream)
+    mod.swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_rw, stream, _act_table(h.dtype))
     return grad_rw
 
 
@@ -801,7 +885,8 @@ def _forward_whole(
     a = w13.new_empty((rows, w2.shape[2]))
     mod = _native_kernels(h, a)
     if mod is not None:  # row by row, no temporaries: all rows in one call
-        mod.swiglu_forward(h, _native_weights(row_weights), a, streams_outputs(a.dtype))
+        stream = streams_outputs(a.dtype)
+        mod.swiglu_forward(h, _native_weights(row_weights), a, stream, _act_table(h.dtype))
     else:
         step = _act_chunk_rows(w13.dtype, w2.shape[2])
         for r0 in range(0, rows, step):
@@ -1310,7 +1395,8 @@ def _lean_forward(
         h = _whole_grouped_mm(x_rows, w13.transpose(-2, -1), offs, end, ways[0])
         del x_rows
     a = w13.new_empty((h.shape[0], w2.shape[2]))
-    mod.swiglu_forward(h, _native_weights(row_weights), a, streams_outputs(a.dtype))
+    stream = streams_outputs(a.dtype)
+    mod.swiglu_forward(h, _native_weights(row_weights), a, stream, _act_table(h.dtype))
     y = _whole_grouped_mm(a, w2.transpose(-2, -1), offs, end, ways[1])
     del a
     kept = h if keep_h else None  # a second name: h stays a Tensor for the type checker

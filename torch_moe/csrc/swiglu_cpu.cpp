@@ -27,6 +27,12 @@
 //             a *= w; ga *= w
 //             out_a = a; dUp = silu * ga; dGate = silu'(ga * up, gate) with this s
 //   (the backward is one vector loop over the row: one exp per element, not two)
+//
+// With half-precision h, silu(gate) and sigmoid(gate) depend on gate's 16 bits alone, so
+// the half-precision kernels can read them from tables of all 65536 values, built once per
+// dtype by the vector functions below themselves (gate_tables): one gather in place of
+// an exp and a division, with the same bits (the probe's act_table decision, measured;
+// test_native checks every bit pattern against the computing kernel and ATen).
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE: the grain of ATen's elementwise loops
@@ -181,10 +187,11 @@ inline void silu_row(float* g, int64_t n) {
 // ATen computes sigmoid(g) as (exp(0 - g) + 1).reciprocal() and silu_backward's own
 // sigmoid as 1 / (1 + exp(-g)): the same operations on the same values (-g, exp, the sum,
 // the division of one), so one sigmoid per element serves both.
+// sig: sigmoid_vec(x), computed or looked up (gate_tables).
 inline fVec backward_vec(
-    const fVec& x, const fVec& up, fVec d, float* p, const float* w, fVec& act, fVec& s) {
+    const fVec& sig, const fVec& x, const fVec& up, fVec d, float* p, const float* w, fVec& act,
+    fVec& s) {
   const fVec one(1.f);
-  const fVec sig = sigmoid_vec(x);
   const fVec silu = sig * x;
   act = silu * up;
   if (w != nullptr) {
@@ -222,8 +229,9 @@ inline void backward_row(
   int64_t i = 0;
   for (; i < v; i += kV) {
     fVec act, su;
+    const fVec x = fVec::loadu(g + i);
     const fVec dg = backward_vec(
-        fVec::loadu(g + i), fVec::loadu(u + i), fVec::loadu(ga + i), p == nullptr ? p : p + i, w,
+        sigmoid_vec(x), x, fVec::loadu(u + i), fVec::loadu(ga + i), p == nullptr ? p : p + i, w,
         act, su);
     act.store(a + i);
     su.store(s + i);
@@ -237,6 +245,55 @@ inline void backward_row(
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 using torch_moe_cpu::from_float;
 
+// The gate tables of a half-precision dtype T: silu_vec(g) for every 16-bit pattern g,
+// then sigmoid_vec(g) (2 x 65536 floats, 512 KiB; a layer's gates touch a few thousand
+// entries, which stay in the L1 / L2). Built by the vector functions the computing kernels
+// call, on the exact conversions of the patterns to fp32, so a lookup gives the bits the
+// vector part of a row computes (rows' scalar tails, as ATen's, still call std::exp).
+constexpr int64_t kGates = int64_t{1} << 16;
+
+template <typename T>
+std::vector<float> build_gate_tables() {
+  std::vector<float> table(2 * kGates);
+  float x[kV];
+  for (int64_t base = 0; base < kGates; base += kV) {
+    for (int64_t j = 0; j < kV; ++j) {
+      x[j] = static_cast<float>(T(static_cast<uint16_t>(base + j), T::from_bits()));
+    }
+    const fVec xv = fVec::loadu(x);
+    silu_vec(xv).store(table.data() + base);
+    sigmoid_vec(xv).store(table.data() + kGates + base);
+  }
+  return table;
+}
+
+template <typename T>
+const float* gate_tables() {
+  static const std::vector<float> table = build_gate_tables<T>();  // thread-safe, once
+  return table.data();
+}
+
+// the table indices of kV half-precision gates at p (their bit patterns)
+#if defined(CPU_CAPABILITY_AVX512)
+using iVec = __m512i;
+template <typename T>
+inline iVec gate_index(const T* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline fVec lookup(const float* table, const iVec& idx) {
+  return _mm512_i32gather_ps(idx, table, 4);
+}
+#else
+using iVec = __m256i;
+template <typename T>
+inline iVec gate_index(const T* p) {
+  return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline fVec lookup(const float* table, const iVec& idx) {
+  return _mm256_i32gather_ps(table, idx, 4);
+}
+#endif
+
 // The backward of one row of a half-precision h straight from and into the
 // half-precision rows, converted in registers: no fp32 row buffers and the five passes
 // over them. The same operations on the same values, element by element, and the same
@@ -246,10 +303,12 @@ using torch_moe_cpu::from_float;
 // width of three and nothing measurable inside a layer step; on the AMX Xeon, with the
 // rows prefetched, 1.15-1.45x alone and 0.3-1.4% of a layer step.)
 // h: gate then up; ga: dA; out_a: a; dh: dGate then dUp (p, w as backward_vec's);
-// h_next, ga_next (or nullptr): the rows to prefetch (rows_ahead)
+// h_next, ga_next (or nullptr): the rows to prefetch (rows_ahead); sigmoids (or nullptr):
+// T's sigmoid table (gate_tables), else computed
 template <typename T>
 inline void backward_row_half(const T* h, const T* ga, T* out_a, T* dh, float* p, const float* w,
-                              int64_t n, bool stream, const T* h_next, const T* ga_next) {
+                              int64_t n, bool stream, const T* h_next, const T* ga_next,
+                              const float* sigmoids) {
   using hVec = Vectorized<T>;
   const int64_t v = vector_end(n);
   for (int64_t i = 0; i < v; i += 2 * kV) {
@@ -262,8 +321,11 @@ inline void backward_row_half(const T* h, const T* ga, T* out_a, T* dh, float* p
     auto [u0, u1] = to_float(hVec::loadu(h + n + i));
     auto [d0, d1] = to_float(hVec::loadu(ga + i));
     fVec a0, a1, s0, s1;
-    const fVec dg0 = backward_vec(g0, u0, d0, p == nullptr ? p : p + i, w, a0, s0);
-    const fVec dg1 = backward_vec(g1, u1, d1, p == nullptr ? p : p + i + kV, w, a1, s1);
+    const bool look = sigmoids != nullptr;
+    const fVec sig0 = look ? lookup(sigmoids, gate_index(h + i)) : sigmoid_vec(g0);
+    const fVec sig1 = look ? lookup(sigmoids, gate_index(h + i + kV)) : sigmoid_vec(g1);
+    const fVec dg0 = backward_vec(sig0, g0, u0, d0, p == nullptr ? p : p + i, w, a0, s0);
+    const fVec dg1 = backward_vec(sig1, g1, u1, d1, p == nullptr ? p : p + i + kV, w, a1, s1);
     torch_moe_cpu::store_vec(from_float<T>(a0, a1), out_a + i, stream);
     torch_moe_cpu::store_vec(from_float<T>(s0, s1), dh + n + i, stream);
     torch_moe_cpu::store_vec(from_float<T>(dg0, dg1), dh + i, stream);
@@ -282,10 +344,11 @@ inline void backward_row_half(const T* h, const T* ga, T* out_a, T* dh, float* p
 // The forward of one row of a half-precision h into a half-precision out, converted in
 // registers (no fp32 row buffers and their passes): silu by vectors in blocks of two
 // and the scalar tail as silu_row cuts a row, then the product, the row weight and the
-// rounding as mul_row, scale_row and store_row make them: the same bits.
+// rounding as mul_row, scale_row and store_row make them: the same bits. silus (or
+// nullptr): T's silu table (gate_tables), else computed.
 template <typename T>
 inline void forward_row_half(const T* h, T* out, const float* w, int64_t n, bool stream,
-                             const T* h_next) {
+                             const T* h_next, const float* silus) {
   using hVec = Vectorized<T>;
   const int64_t v = vector_end(n);
   for (int64_t i = 0; i < v; i += 2 * kV) {
@@ -293,9 +356,16 @@ inline void forward_row_half(const T* h, T* out, const float* w, int64_t n, bool
       prefetch(h_next + i);
       prefetch(h_next + n + i);
     }
-    auto [g0, g1] = to_float(hVec::loadu(h + i));
     auto [u0, u1] = to_float(hVec::loadu(h + n + i));
-    fVec a0 = silu_vec(g0) * u0, a1 = silu_vec(g1) * u1;
+    fVec a0, a1;
+    if (silus != nullptr) {
+      a0 = lookup(silus, gate_index(h + i)) * u0;
+      a1 = lookup(silus, gate_index(h + i + kV)) * u1;
+    } else {
+      auto [g0, g1] = to_float(hVec::loadu(h + i));
+      a0 = silu_vec(g0) * u0;
+      a1 = silu_vec(g1) * u1;
+    }
     if (w != nullptr) {
       const fVec wv(*w);
       a0 = a0 * wv;
@@ -358,7 +428,9 @@ const float* weights_ptr(const std::optional<at::Tensor>& w, int64_t rows) {
 }
 
 template <typename TH, typename TO>
-void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out, bool stream_out) {
+void forward_impl(
+    const at::Tensor& h, const float* w, const at::Tensor& out, bool stream_out,
+    [[maybe_unused]] bool table) {
   const int64_t rows = h.size(0), f = out.size(1), hs = h.stride(0), os = out.stride(0);
   const TH* hp = h.data_ptr<TH>();
   TO* op = out.data_ptr<TO>();
@@ -368,10 +440,11 @@ void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out, bo
   const int64_t ahead = rows_ahead(2 * f * static_cast<int64_t>(sizeof(TH)));
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<TH, TO> && !std::is_same_v<TH, float>) {
+    const float* silus = table ? gate_tables<TH>() : nullptr;
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         forward_row_half(hp + r * hs, op + r * os, w == nullptr ? nullptr : w + r, f, stream,
-                         r + ahead < r1 ? hp + (r + ahead) * hs : nullptr);
+                         r + ahead < r1 ? hp + (r + ahead) * hs : nullptr, silus);
       }
       if (stream) _mm_sfence();
     });
@@ -408,7 +481,7 @@ void forward_impl(const at::Tensor& h, const float* w, const at::Tensor& out, bo
 template <typename TH, typename TO>
 void backward_impl(
     const at::Tensor& h, const at::Tensor& grad_a, const float* w, const at::Tensor& out_a,
-    const at::Tensor& out_dh, float* grad_w, bool stream_out) {
+    const at::Tensor& out_dh, float* grad_w, bool stream_out, [[maybe_unused]] bool table) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   const int64_t hs = h.stride(0), gs = grad_a.stride(0), as = out_a.stride(0), ds = out_dh.stride(0);
   const TH* hp = h.data_ptr<TH>();
@@ -423,6 +496,7 @@ void backward_impl(
     const bool stream =
         stream_out && torch_moe_cpu::past_l2(out_dh.nbytes() + out_a.nbytes());
     const int64_t ahead = rows_ahead(3 * f * static_cast<int64_t>(sizeof(TH)));
+    const float* sigmoids = table ? gate_tables<TH>() + kGates : nullptr;
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       std::vector<float> prod(w != nullptr ? f : 0);
       for (int64_t r = r0; r < r1; ++r) {
@@ -431,7 +505,7 @@ void backward_impl(
         backward_row_half(
             hp + r * hs, gp + r * gs, ap + r * as, dp + r * ds, weighted ? prod.data() : nullptr,
             weighted ? w + r : nullptr, f, stream, next ? hp + (r + ahead) * hs : nullptr,
-            next ? gp + (r + ahead) * gs : nullptr);
+            next ? gp + (r + ahead) * gs : nullptr, sigmoids);
         if (weighted) {
           grad_w[r] = aten_order_sum(prod.data(), f);
         }
@@ -896,20 +970,20 @@ void dispatch(const at::Tensor& h, const at::Tensor& other, F&& fn) {
 }
 
 void swiglu_forward(const at::Tensor& h, const std::optional<at::Tensor>& row_weights,
-                    const at::Tensor& out, bool stream_out) {
+                    const at::Tensor& out, bool stream_out, bool table) {
   const int64_t rows = h.size(0), f = out.size(1);
   check_rows("h", h, rows, 2 * f);
   check_rows("out", out, rows, f);
   const float* w = weights_ptr(row_weights, rows);
   dispatch(h, out, [&](auto th, auto to) {
-    forward_impl<decltype(th), decltype(to)>(h, w, out, stream_out);
+    forward_impl<decltype(th), decltype(to)>(h, w, out, stream_out, table);
   });
 }
 
 void swiglu_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
     const at::Tensor& out_a, const at::Tensor& out_dh, const std::optional<at::Tensor>& grad_weights,
-    bool stream_out) {
+    bool stream_out, bool table) {
   const int64_t rows = h.size(0), f = grad_a.size(1);
   check_rows("h", h, rows, 2 * f);
   check_rows("grad_a", grad_a, rows, f);
@@ -921,7 +995,8 @@ void swiglu_backward(
   const float* w = weights_ptr(row_weights, rows);
   float* gw = grad_weights_ptr("swiglu_cpu", w, grad_weights, rows);
   dispatch(h, grad_a, [&](auto th, auto to) {
-    backward_impl<decltype(th), decltype(to)>(h, grad_a, w, out_a, out_dh, gw, stream_out);
+    backward_impl<decltype(th), decltype(to)>(
+        h, grad_a, w, out_a, out_dh, gw, stream_out, table);
   });
 }
 
@@ -1019,11 +1094,12 @@ void relu2_backward(
 // torch_moe ops' CPU kernels call them; they are not differentiable on their own)
 TORCH_LIBRARY(torch_moe_cpu, m) {
   m.def(
-      "swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, bool stream_out=False) "
-      "-> ()");
+      "swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, bool stream_out=False, "
+      "bool table=False) -> ()");
   m.def(
       "swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_a, "
-      "Tensor(b!) out_dh, Tensor(c!)? grad_weights, bool stream_out=False) -> ()");
+      "Tensor(b!) out_dh, Tensor(c!)? grad_weights, bool stream_out=False, bool table=False) "
+      "-> ()");
   m.def(
       "glu_oai_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
       "float? limit, bool interleaved, int chunk_rows) -> ()");
