@@ -577,6 +577,32 @@ class TestMemory(TestCase):
         predicted = m["peak"] - m["weights"] - T * D * 2
         self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
 
+    def test_whole_path_loop_copies(self):
+        # the whole path's GEMMs where the CPU kernel runs them group by group: the
+        # largest group's operand that mm_into copies into the other layout (dX: the
+        # expert's w13 [2F, D] with copy_b, dH's rows with copy_a), none where one call
+        # runs them all (torch._grouped_mm) or the loop keeps both layouts
+        from torch_moe.perf._memory import _whole_loop_copy
+
+        w = MoEWorkload(512, 256, 512, 8, 2)
+        groups, m, c = [128.0] * 8, 144.0, 2
+        base = dict(threads_mm="aten", few_gemm="aten", swiglu_path="whole", half_gemm="native")
+        want = {
+            ("loop", "copy_b"): 2 * 512 * 256 * c,
+            ("loop", "copy_a"): 144 * 2 * 512 * c,
+            ("loop", "as_is"): 0,
+            ("torch", "copy_b"): 0,
+        }
+        for (grouped, layout), expected in want.items():
+            with _cpu_probe.force(**base, grouped_mm=grouped, layout=layout):
+                got = _whole_loop_copy(w, c, groups, m, (2 * 512, 256), False, False)
+            self.assertEqual(got, expected, msg=f"{grouped}, {layout}")
+        with _cpu_probe.force(**base, grouped_mm="loop", layout="copy_b"):
+            self.assertEqual(_whole_loop_copy(w, c, [0.0] * 8, 0.0, (1024, 256), False, False), 0)
+            # a weight gradient: dW2 = dY^T [D, rows] (as is: column-major) @ A [rows, F]
+            got = _whole_loop_copy(w, c, groups, m, (256, 512), True, True)
+            self.assertEqual(got, 144 * 512 * c)
+
     @parametrize("built", [True, False])  # the native threaded kernels (mocked away)
     def test_peak_memory_with_the_weight_gradients_copies(self, built):
         # the whole path's weight gradients with their first operand as it is and copied
@@ -597,8 +623,17 @@ class TestMemory(TestCase):
             forced = dict(swiglu_path="whole", half_gemm="native", wgrad_a=how, act_chunk="32768")
             with _cpu_probe.force(**forced):
                 peaks[how] = measured, predicted = _measured_and_predicted_peak(512, 256, 512, 8, 2)
+                with _cpu_probe.force(threads_mm="aten"):  # (as the measurement runs)
+                    ends = [128 * (g + 1) for g in range(8)]
+                    dx = ((1024, 1024), False, (1024, 256), False, ends, False)
+                    loops = grouped_mm_module.whole_loops(torch.bfloat16, *dx)
+            # where the whole path's dX takes the per-group loop (forced: CONTRIBUTING's
+            # third profile), oneDNN's scratch for a group's GEMM (both operands packed,
+            # 0.77 MiB on the AMX Xeon, 4% of this small peak) is live at the peak; the
+            # model counts the loop's layout copies, not oneDNN's scratch
+            tol = 0.05 if loops else 0.03
             self.assertLess(
-                abs(predicted / measured - 1), 0.03, msg=f"{how}: {predicted} vs {measured}"
+                abs(predicted / measured - 1), tol, msg=f"{how}: {predicted} vs {measured}"
             )
         for i, who in enumerate(("measured", "predicted")):
             grew = peaks["transpose"][i] / peaks["as_is"][i]

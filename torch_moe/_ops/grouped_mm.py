@@ -916,8 +916,8 @@ def _few_gemm(x: Tensor, w: Tensor, ends: list[int]) -> str | None:
     ``"few_amx"`` where its groups of :func:`amx_rows` rows or more take AMX tiles), or
     None where it does not: CPU tensors of a half dtype, ``x`` contiguous, ``w`` row- or
     column-major per group, and :func:`few_gemm_choice` at the rows per busy group."""
-    if not ends or ends[-1] == 0 or x.dtype != w.dtype or x.device.type != "cpu":
-        return None
+    if not ends or ends[-1] == 0 or x.dtype != w.dtype or x.device.type not in ("cpu", "meta"):
+        return None  # (meta: the memory model's stand-ins, whole_loops)
     col_major = weight_col_major(w)
     if not x.is_contiguous() or col_major is None:
         return None
@@ -1163,6 +1163,31 @@ def whole_way(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> str | None:
     if _use_torch_grouped_mm(a, b, ends, wgrad):
         return "torch"
     return None
+
+
+def whole_loops(
+    dtype: torch.dtype,
+    a_shape: tuple[int, int],
+    a_cols: bool,
+    b_shape: tuple[int, int],
+    b_cols: bool,
+    ends: list[int],
+    wgrad: bool,
+) -> bool:
+    """Whether the CPU kernel runs this grouped GEMM by its per-group loop where its
+    caller calls it once for all groups (:func:`whole_way` None), asked of meta stand-ins
+    with the operands' metadata (the memory model's question: the loop copies a group's
+    operand into the other layout where ``mm_into`` measured that faster). ``a``: [M, K]
+    (``wgrad``: the weight gradient's [K, M]), ``b``: one group's [K, N] (``wgrad``: [M,
+    N]); ``*_cols``: column-major."""
+
+    def meta(shape: tuple[int, ...], cols: bool) -> Tensor:
+        t = torch.empty((*shape[:-2], shape[-1], shape[-2]) if cols else shape, device="meta")
+        return (t.transpose(-2, -1) if cols else t).to(dtype)
+
+    a = meta(a_shape, a_cols)
+    b = meta(b_shape if wgrad else (len(ends), *b_shape), b_cols)
+    return whole_way(a, b, ends, wgrad) is None
 
 
 def _measure_few_gemm(

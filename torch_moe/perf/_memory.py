@@ -100,6 +100,7 @@ parameters are not fp32 (12 or 8 bytes per parameter).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -407,6 +408,39 @@ def _gemm_copies(
     return float(made + _gm.layout_copy_elems(dtype, a, a_cols, b, False)) * c
 
 
+def _whole_loop_copy(
+    w: MoEWorkload,
+    c: int,
+    groups: list[float],
+    m: float,
+    kn: tuple[int, int],
+    a_cols: bool,
+    wgrad: bool,
+) -> float:
+    """Bytes the whole path's grouped GEMM ``a @ b`` copies for its largest group (``m``
+    rows) where the CPU kernel runs it by its per-group loop (``grouped_mm.whole_loops``,
+    the kernels' own decisions on stand-ins of the operands' metadata: ``mm_into``'s
+    layout copy of one group's operand); ``kn``: (K, N); ``wgrad``: a weight gradient
+    (a [K, rows] column-major where ``a_cols``, b [rows, N]), else a [rows, K] x a
+    row-major weight [K, N]."""
+    from torch_moe._ops import grouped_mm as _gm
+
+    ends = list(itertools.accumulate(max(0, round(g)) for g in groups))
+    rows, group = (ends[-1] if ends else 0), round(m)
+    if rows <= 0 or group <= 0:
+        return 0.0
+    k, n = kn
+    if wgrad:
+        shapes = ((k, rows), a_cols, (rows, n), False)
+        group_shapes = ((k, group), a_cols, (group, n), False)
+    else:
+        shapes = ((rows, k), False, (k, n), False)
+        group_shapes = ((group, k), False, (k, n), False)
+    if not _gm.whole_loops(w.dtype, *shapes, ends, wgrad):
+        return 0.0
+    return float(_gm.layout_copy_elems(_gm.cpu_compute_dtype(w.dtype), *group_shapes)) * c
+
+
 def _inference_bytes(
     w: MoEWorkload, groups: list[float], M: float, m: float, c: int, threads: int
 ) -> float:
@@ -576,9 +610,16 @@ def memory(
         # product [K, N] in c
         up2 = (m * (D + F) + D * F) * c if c != b else 0.0
         up13 = (m * (2 * F + D) + 2 * F * D) * c if c != b else 0.0
+        # and where a GEMM takes the per-group loop (its measured ways, or forced), the
+        # largest group's operand copied into the other layout (``mm_into``)
+        chunk = [g * Mc / M for g in groups] if M else groups
         dw2 = 3 * Mc * F * b + copy2 + up2
+        dw2 += _whole_loop_copy(w, c, chunk, m, (D, F), not copy2, True)
         dw13 = 2 * Mc * F * b + gather + copy13 + up13
-        dx = 2 * Mc * F * b + Mc * D * b
+        dw13 += _whole_loop_copy(w, c, chunk, m, (2 * F, D), not copy13, True)
+        dx = (
+            2 * Mc * F * b + Mc * D * b + _whole_loop_copy(w, c, chunk, m, (2 * F, D), False, False)
+        )
         gemms = base + with_own + max(dw2, dw13, dx)
         dyn = max(act, gemms, side_phase)
     elif w.precision == "bf16" and cpu:
