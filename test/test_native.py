@@ -655,9 +655,69 @@ class TestNativeGluOai(TestCase):
             rw = rw if weighted else None
             args = (h, grad_a, rw, limit, interleaved)
             want = _glu_op(*args, native=False, activation=activation)
-            got = _glu_op(*args, native=True, activation=activation)
-            for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
-                self.assertEqual(g, w, atol=0, rtol=0, msg=f"{name} {rows}x{hidden}")
+            for table in ("compute", "table"):  # (the unclamped swiglu's gate tables)
+                with P.force(act_table=table):
+                    got = _glu_op(*args, native=True, activation=activation)
+                for name, w, g in zip(("a", "dh", "d rw"), want, got, strict=True):
+                    msg = f"{name} {rows}x{hidden} {table}"
+                    self.assertEqual(g, w, atol=0, rtol=0, msg=msg)
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16])
+    @parametrize("weighted", [False, True])
+    def test_swiglu_every_gate(self, dtype, weighted):
+        # the unclamped swiglu with its gates at every 16-bit pattern: the kernels with the
+        # gate tables give the computing kernels' bits (NaNs' too) and ATen's values (NaN
+        # where ATen's is NaN)
+        h, grad_a, rw = gs._all_gates(dtype)
+        rw = rw if weighted else None
+        want = _glu_op(h, grad_a, rw, None, False, native=False, activation="swiglu")
+        got = {}
+        for table in ("compute", "table"):
+            with P.force(act_table=table):
+                got[table] = _glu_op(h, grad_a, rw, None, False, native=True, activation="swiglu")
+        for name, w, c, t in zip(("a", "dh", "d rw"), want, got["compute"], got["table"]):
+            if w is None:
+                continue
+            self.assertTrue(torch.equal(_bits(t), _bits(c)), msg=name)
+            self.assertEqual(t, w, atol=0, rtol=0, equal_nan=True, msg=name)
+
+    @needs_native
+    @parametrize("dtype", [BF16, F16])
+    def test_glu_gate_tables_pass_their_bit_check(self, dtype):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a refusal warns
+            self.assertTrue(glu_mod._table_matches(_native.kernels(), dtype))
+
+    @needs_native
+    def test_glu_gate_tables_where_they_apply(self):
+        mod = _native.kernels()
+        swiglu = ("swiglu", 1.702, None, False)
+        with P.force(act_table="table"):
+            self.assertTrue(glu_mod._uses_table(mod, swiglu, BF16))
+            self.assertTrue(glu_mod._uses_table(mod, swiglu, F16))
+            self.assertFalse(glu_mod._uses_table(mod, swiglu, F32))  # no tables of fp32
+            self.assertFalse(glu_mod._uses_table(mod, ("swiglu", 1.702, 7.0, False), BF16))
+            self.assertFalse(glu_mod._uses_table(mod, ("swigluoai", 1.702, None, False), BF16))
+            with mock.patch.dict(glu_mod._TABLE_CHECKED, clear=True):
+                with mock.patch.object(glu_mod, "_table_matches", return_value=False) as check:
+                    self.assertFalse(glu_mod._uses_table(mod, swiglu, BF16))
+                    self.assertFalse(glu_mod._uses_table(mod, swiglu, BF16))
+                check.assert_called_once()
+        with P.force(act_table="compute"):
+            self.assertFalse(glu_mod._uses_table(mod, swiglu, BF16))
+
+        class OffByOne:  # a build whose tables give other bits: refused, with a warning
+            @staticmethod
+            def glu_swiglu_forward(h, rw, out, alpha, limit, interleaved, step, table=False):
+                mod.glu_swiglu_forward(h, rw, out, alpha, limit, interleaved, step, False)
+                if table:
+                    out.view(torch.int16).add_(1)
+
+            glu_swiglu_backward = mod.glu_swiglu_backward
+
+        with self.assertWarnsRegex(UserWarning, r"glu kernel's gate tables give other bits"):
+            self.assertFalse(glu_mod._table_matches(OffByOne, BF16))
 
     @needs_native
     @parametrize("dtype", [BF16, F16, F32])

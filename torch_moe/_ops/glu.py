@@ -67,6 +67,8 @@ from torch_moe._ops.grouped_mm import (
 from torch_moe._ops.grouped_swiglu import (
     _NATIVE_DTYPES,
     _act_chunk_rows,
+    _act_table,
+    _all_gates,
     _check_act,
     _grad_rw_or_empty,
     _lean_gemms,
@@ -265,6 +267,7 @@ _GluArgs = tuple[str, float, float | None, bool]  # (activation, alpha, limit, i
 _GluPlan = tuple[Any, int, bool, bool, tuple[str, ...]]
 # (kernels, activation, dtype): whether they gave the ATen chunks' bits
 _NATIVE_CHECKED: dict[tuple[Any, str, torch.dtype], bool] = {}
+_TABLE_CHECKED: dict[tuple[Any, torch.dtype], bool] = {}  # (kernels, h dtype): tables' bits
 
 
 def _native_kernels(activation: str, h: Tensor, *others: Tensor) -> Any:
@@ -286,17 +289,70 @@ def _native_kernels(activation: str, h: Tensor, *others: Tensor) -> Any:
     return mod if _NATIVE_CHECKED[key] else None
 
 
+def _uses_table(mod: Any, args: _GluArgs, dtype: torch.dtype) -> bool:
+    """Whether the swiglu kernels read the gates' silu and sigmoid from their tables
+    (``swiglu_cpu.cpp``'s gate_tables): the unclamped swiglu of a half-precision h, the
+    probe's ``act_table`` choice (``grouped_swiglu._act_table``: the same tables, measured
+    there) and these kernels' own check on every gate value (``_table_matches``)."""
+    activation, _, limit, _ = args
+    if activation != "swiglu" or limit is not None or not _act_table(dtype):
+        return False
+    key = (mod, dtype)
+    if key not in _TABLE_CHECKED:
+        _TABLE_CHECKED[key] = _table_matches(mod, dtype)
+    return _TABLE_CHECKED[key]
+
+
+def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
+    """The unclamped swiglu kernels give the same bits reading the tables as computing,
+    forward and backward, both column orders, with and without row weights, on gates of
+    every 16-bit pattern; else False, with a warning."""
+    h, grad_a, rw = _all_gates(dtype)
+    rows = grad_a.shape[0]
+    for interleaved in (False, True):
+        for weights in (None, rw):
+            outs = []
+            for table in (False, True):
+                a, dh = torch.empty_like(grad_a), torch.empty_like(h)
+                grad_rw = None if weights is None else weights.new_empty(rows)
+                mod.glu_swiglu_forward(h, weights, a, 1.0, None, interleaved, rows, table)
+                mod.glu_swiglu_backward(
+                    h, grad_a, weights, dh, grad_rw, 1.0, None, interleaved, rows, table
+                )
+                outs.append([a.view(torch.int16), dh.view(torch.int16)])  # (NaNs' bits too)
+                outs[-1] += [] if grad_rw is None else [grad_rw.view(torch.int32)]
+            if not all(torch.equal(x, y) for x, y in zip(*outs, strict=True)):
+                warnings.warn(
+                    "torch_moe: the native CPU glu kernel's gate tables give other bits "
+                    f"than its computed silu / sigmoid ({dtype}); computing them",
+                    stacklevel=2,
+                )
+                return False
+    return True
+
+
 def _native_forward(
-    mod: Any, h: Tensor, row_weights: Tensor | None, args: _GluArgs, step: int, out: Tensor
+    mod: Any,
+    h: Tensor,
+    row_weights: Tensor | None,
+    args: _GluArgs,
+    step: int,
+    out: Tensor,
+    table: bool | None = None,
 ) -> None:
-    """The activation of h into ``out``; ``args``: (activation, alpha, limit, interleaved)."""
+    """The activation of h into ``out``; ``args``: (activation, alpha, limit, interleaved);
+    ``table``: the swiglu's gate tables (None: ``_uses_table``)."""
     activation, alpha, limit, interleaved = args
     rw = _native_weights(row_weights)
     if activation == "relu2":
         mod.relu2_forward(h, rw, out)
-    else:
-        fn = mod.glu_oai_forward if activation == "swigluoai" else mod.glu_swiglu_forward
-        fn(h, rw, out, alpha, limit, interleaved, step)
+        return
+    if activation == "swigluoai":
+        mod.glu_oai_forward(h, rw, out, alpha, limit, interleaved, step)
+        return
+    if table is None:
+        table = _uses_table(mod, args, h.dtype)
+    mod.glu_swiglu_forward(h, rw, out, alpha, limit, interleaved, step, table)
 
 
 def _native_backward(
@@ -307,19 +363,24 @@ def _native_backward(
     args: _GluArgs,
     step: int,
     dh: Tensor,
+    table: bool | None = None,
 ) -> Tensor | None:
     """dH into ``dh``; returns d row_weights (fp32) or None. One call: the kernel runs
     the rows in chunks of ``step`` (ATen's cuts), and sums each row's products dA * a
     for d row_weights in the order of ATen's sum (aten_sum.h's aten_order_sum), as
-    the ATen chunks sum theirs."""
+    the ATen chunks sum theirs. ``table`` as ``_native_forward``'s."""
     activation, alpha, limit, interleaved = args
     rw = _native_weights(row_weights)
     grad_rw = None if rw is None else rw.new_empty(rw.shape)
     if activation == "relu2":
         mod.relu2_backward(h, grad_a, rw, dh, grad_rw)
-    else:
-        fn = mod.glu_oai_backward if activation == "swigluoai" else mod.glu_swiglu_backward
-        fn(h, grad_a, rw, dh, grad_rw, alpha, limit, interleaved, step)
+        return grad_rw
+    if activation == "swigluoai":
+        mod.glu_oai_backward(h, grad_a, rw, dh, grad_rw, alpha, limit, interleaved, step)
+        return grad_rw
+    if table is None:
+        table = _uses_table(mod, args, h.dtype)
+    mod.glu_swiglu_backward(h, grad_a, rw, dh, grad_rw, alpha, limit, interleaved, step, table)
     return grad_rw
 
 
@@ -361,8 +422,8 @@ def _native_matches_aten(mod: Any, activation: str, dtype: torch.dtype) -> bool:
                 part = _backward_into(grad_a[r], h[r], rw_r, *args, want_dh[r])
                 if part is not None:
                     want_rw.append(part)
-            _native_forward(mod, h, rw, args, step, got_a)
-            got_rw = _native_backward(mod, grad_a, h, rw, args, step, got_dh)
+            _native_forward(mod, h, rw, args, step, got_a, table=False)
+            got_rw = _native_backward(mod, grad_a, h, rw, args, step, got_dh, table=False)
             same = torch.equal(want_a, got_a) and torch.equal(want_dh, got_dh)
             if got_rw is not None:
                 same = same and torch.equal(torch.cat(want_rw), got_rw)

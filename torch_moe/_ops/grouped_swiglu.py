@@ -538,13 +538,11 @@ def _table_checked(mod: Any, dtype: torch.dtype) -> bool:
     return _TABLE_CHECKED[key]
 
 
-def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
-    """The native kernels give the same bits reading the tables as computing, forward
-    and backward, with and without row weights, on gates of every 16-bit pattern (NaNs,
-    infinities and subnormals included) in rows long enough for vector blocks and a
-    scalar tail; a compiler that built the tables' functions differently from the
-    kernels' fails here, with a warning."""
-    hidden = 1024 + 7  # vector blocks, then a scalar tail (computed either way)
+def _all_gates(dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(h, dA, row weights) whose gates take every 16-bit pattern of ``dtype`` (NaNs,
+    infinities, subnormals and signed zeros included), in rows of vector blocks and a
+    scalar tail (1031 columns), the rest random: the gate tables' checks."""
+    hidden = 1024 + 7
     gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     rows = -(-gates.numel() // hidden)
     gen = torch.Generator().manual_seed(2)
@@ -552,8 +550,18 @@ def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
     gate[: gates.numel()] = gates
     up = torch.randn(rows, hidden, generator=gen).to(dtype)
     h = torch.cat([gate.view(rows, hidden), up], dim=1)
-    grad_a = torch.randn(rows, hidden, generator=gen).to(dtype)
-    for rw in (None, torch.rand(rows, generator=gen)):
+    return h, torch.randn(rows, hidden, generator=gen).to(dtype), torch.rand(rows, generator=gen)
+
+
+def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
+    """The native kernels give the same bits reading the tables as computing, forward
+    and backward, with and without row weights, on gates of every 16-bit pattern (NaNs,
+    infinities and subnormals included) in rows long enough for vector blocks and a
+    scalar tail; a compiler that built the tables' functions differently from the
+    kernels' fails here, with a warning."""
+    h, grad_a, weights = _all_gates(dtype)
+    rows = h.shape[0]
+    for rw in (None, weights):
         outs = []
         for table in (False, True):
             a, a2, dh = torch.empty_like(grad_a), torch.empty_like(grad_a), torch.empty_like(h)

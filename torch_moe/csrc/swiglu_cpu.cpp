@@ -294,6 +294,27 @@ inline fVec lookup(const float* table, const iVec& idx) {
 }
 #endif
 
+// the table indices of kV gates of T given as their exact fp32 values x (the glu kernels'
+// row buffers): a bf16's bits are the top half of its fp32's; an fp16's, the exact
+// conversion back (a signalling NaN comes back quiet, as its fp32 already is: the same
+// value either way)
+template <typename T>
+inline iVec gate_index_of(const fVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+  } else {
+    return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+#else
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  } else {
+    return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+}
+
 // The backward of one row of a half-precision h straight from and into the
 // half-precision rows, converted in registers: no fp32 row buffers and the five passes
 // over them. The same operations on the same values, element by element, and the same
@@ -602,7 +623,31 @@ struct GluArgs {
   float limit;
   bool interleaved;
   Cut cut;
+  const float* silus = nullptr;  // swiglu unclamped, half h: gate_tables (else computed)
+  const float* sigmoids = nullptr;
 };
+
+// The unclamped swiglu's silu and sigmoid of a vector of gates of TH (their fp32 values
+// x): looked up where the caller set the tables (GluArgs), else computed
+template <typename TH>
+inline fVec glu_silu(const fVec& x, [[maybe_unused]] const GluArgs& o) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (!std::is_same_v<TH, float>) {
+    if (o.silus != nullptr) return lookup(o.silus, gate_index_of<TH>(x));
+  }
+#endif
+  return silu_vec(x);
+}
+
+template <typename TH>
+inline fVec glu_sigmoid(const fVec& x, [[maybe_unused]] const GluArgs& o) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (!std::is_same_v<TH, float>) {
+    if (o.sigmoids != nullptr) return lookup(o.sigmoids, gate_index_of<TH>(x));
+  }
+#endif
+  return sigmoid_vec(x);
+}
 
 // One block of flat positions [p, q) of a chunk that starts at row r0: gate, up (and dA,
 // row weights) into fp32 buffers indexed from p.
@@ -747,7 +792,7 @@ void glu_forward_impl(
         if constexpr (OAI) {
           a = x * sigmoid_vec(opaque(x * alpha)) * (y + one);
         } else {
-          a = silu_vec(x) * y;
+          a = glu_silu<TH>(x, o) * y;
         }
         if (w != nullptr) {
           a = a * fVec::loadu(wb + k);
@@ -819,6 +864,11 @@ void glu_backward_impl(
           act = x * s;
           up1 = y + one;
           slope = s * (opaque(opaque(alpha * x) * (one - s)) + one);
+        } else if (o.sigmoids != nullptr) {  // (the tables: the same values, below)
+          s = glu_sigmoid<TH>(x, o);
+          act = glu_silu<TH>(x, o);
+          up1 = y;
+          slope = s * (opaque(x * (one - s)) + one);
         } else {  // sigmoid and silu: one exp(-x) serves both (exp(0 - x) = exp(-x))
           const fVec e = (zero - x).exp();
           s = (e + one).reciprocal();
@@ -1045,28 +1095,47 @@ std::pair<const float*, float*> check_backward(
   return {w, grad_weights_ptr("glu_cpu", w, grad_weights, rows)};
 }
 
+// the unclamped swiglu's gate tables of h's dtype where asked (`table`), else none
+template <typename TH>
+void set_gate_tables([[maybe_unused]] GluArgs& o, [[maybe_unused]] bool oai,
+                     [[maybe_unused]] bool table) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (!std::is_same_v<TH, float>) {
+    if (table && !oai && !o.clamp) {
+      o.silus = gate_tables<TH>();
+      o.sigmoids = o.silus + kGates;
+    }
+  }
+#endif
+}
+
 template <bool OAI>
 void glu_forward(
     const at::Tensor& h, const std::optional<at::Tensor>& row_weights, const at::Tensor& out,
-    double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
+    double alpha, std::optional<double> limit, bool interleaved, int64_t chunk_rows,
+    bool table) {
   const int64_t rows = h.size(0), f = out.size(1);
   check_rows("h", h, rows, 2 * f);
   check_rows("out", out, rows, f);
   TORCH_CHECK(out.scalar_type() == h.scalar_type(), "glu_cpu: out must have h's dtype");
   const float* w = weights_ptr(row_weights, rows);
-  const GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
-  dispatch_glu(h, [&](auto t) { glu_forward_impl<decltype(t), OAI>(h, w, out, o, chunk_rows); });
+  GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
+  dispatch_glu(h, [&](auto t) {
+    set_gate_tables<decltype(t)>(o, OAI, table);
+    glu_forward_impl<decltype(t), OAI>(h, w, out, o, chunk_rows);
+  });
 }
 
 template <bool OAI>
 void glu_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
     const at::Tensor& out_dh, const std::optional<at::Tensor>& grad_weights, double alpha,
-    std::optional<double> limit, bool interleaved, int64_t chunk_rows) {
+    std::optional<double> limit, bool interleaved, int64_t chunk_rows, bool table) {
   const auto [w, p] =
       check_backward(h, 2 * grad_a.size(1), grad_a, row_weights, out_dh, grad_weights);
-  const GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
+  GluArgs o = glu_args(OAI, alpha, limit, interleaved, chunk_rows);
   dispatch_glu(h, [&](auto t) {
+    set_gate_tables<decltype(t)>(o, OAI, table);
     glu_backward_impl<decltype(t), OAI>(h, grad_a, w, out_dh, p, o, chunk_rows);
   });
 }
@@ -1093,6 +1162,8 @@ void relu2_backward(
 // torch.ops.torch_moe_cpu.*: plain CPU ops that write into the caller's buffers (the
 // torch_moe ops' CPU kernels call them; they are not differentiable on their own)
 TORCH_LIBRARY(torch_moe_cpu, m) {
+  // `table`: half-precision gates' silu / sigmoid read from gate_tables (swiglu and the
+  // unclamped glu swiglu; the swigluoai kernels take it and ignore it: one C++ function)
   m.def(
       "swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, bool stream_out=False, "
       "bool table=False) -> ()");
@@ -1102,18 +1173,18 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
       "-> ()");
   m.def(
       "glu_oai_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
-      "float? limit, bool interleaved, int chunk_rows) -> ()");
+      "float? limit, bool interleaved, int chunk_rows, bool table=False) -> ()");
   m.def(
       "glu_oai_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
-      "Tensor(b!)? grad_weights, float alpha, float? limit, bool interleaved, int chunk_rows) "
-      "-> ()");
+      "Tensor(b!)? grad_weights, float alpha, float? limit, bool interleaved, int chunk_rows, "
+      "bool table=False) -> ()");
   m.def(
       "glu_swiglu_forward(Tensor h, Tensor? row_weights, Tensor(a!) out, float alpha, "
-      "float? limit, bool interleaved, int chunk_rows) -> ()");
+      "float? limit, bool interleaved, int chunk_rows, bool table=False) -> ()");
   m.def(
       "glu_swiglu_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
-      "Tensor(b!)? grad_weights, float alpha, float? limit, bool interleaved, int chunk_rows) "
-      "-> ()");
+      "Tensor(b!)? grad_weights, float alpha, float? limit, bool interleaved, int chunk_rows, "
+      "bool table=False) -> ()");
   m.def("relu2_forward(Tensor h, Tensor? row_weights, Tensor(a!) out) -> ()");
   m.def(
       "relu2_backward(Tensor h, Tensor grad_a, Tensor? row_weights, Tensor(a!) out_dh, "
