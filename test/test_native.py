@@ -706,6 +706,21 @@ class TestNativeGluOai(TestCase):
                 check.assert_called_once()
         with P.force(act_table="compute"):
             self.assertFalse(glu_mod._uses_table(mod, swiglu, BF16))
+        # the kernels themselves ignore `table` where the gate is clamped (to a limit that
+        # is no bf16 value: a table of bf16 gates has no entry for it) and for swigluoai
+        h, grad_a, _ = _operands(8, 64, BF16, BF16)
+        for fwd, bwd, limit in (
+            (mod.glu_swiglu_forward, mod.glu_swiglu_backward, 0.3),
+            (mod.glu_oai_forward, mod.glu_oai_backward, None),
+        ):
+            outs = []
+            for table in (False, True):
+                a, dh = torch.empty_like(grad_a), torch.empty_like(h)
+                fwd(h, None, a, 1.702, limit, False, 8, table)
+                bwd(h, grad_a, None, dh, None, 1.702, limit, False, 8, table)
+                outs.append((a, dh))
+            for x, y in zip(*outs, strict=True):
+                self.assertTrue(torch.equal(x, y), msg=str(limit))
 
         class OffByOne:  # a build whose tables give other bits: refused, with a warning
             @staticmethod
