@@ -378,6 +378,18 @@ class TestCpuProbe(TestCase):
                 assert_gemm_within(self, out, x, w, offs, kernel)
                 assert_gemm_within(self, dw, x, dy, offs, kernel, wgrad=True)
 
+    def test_gemm_kernel_near_ties_go_native(self):
+        # oneDNN's GEMM only where it measures over 5% faster: a near-tie (which the probe
+        # ranks either way from one measurement to the next) takes the native GEMM, which
+        # ran such GEMMs faster inside the layer
+        for aten, want in ((0.97, "native"), (1.0, "native"), (0.96, "native"), (0.94, "aten")):
+            P.reset(env=False)
+            got = P.gemm_kernel(
+                torch.bfloat16, "nn", 384, 768, 1024, lambda *_: {"aten": aten, "native": 1.0}
+            )
+            self.assertEqual(got, want, msg=str(aten))
+        P.reset(env=False)
+
     @unittest.skipUnless(native_gemm_available(), "no native bf16 GEMM here")
     def test_gemm_kernel_only_where_the_isa_allows(self):
         # an ISA cap below AVX512-BF16 (another machine class on this one) keeps oneDNN's
