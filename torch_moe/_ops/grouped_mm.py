@@ -529,7 +529,8 @@ def native_gemm_for(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     Every caller of one grouped GEMM (the ops, the eager nodes' plans) asks it of the
     same metadata, so they take the same kernel, with its bits. Memoized."""
     busy = _busy_groups(ends)
-    if not busy or not native_gemm_ready(a.dtype):
+    # (the kernels asked again: a memoized readiness outlives kernels that went away)
+    if not busy or not native_gemm_ready(a.dtype) or _threaded_kernels() is None:
         return False
     if wgrad:
         kind, k, n = "tn", a.shape[0], b.shape[1]

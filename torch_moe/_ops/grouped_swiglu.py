@@ -515,10 +515,7 @@ def _measure_act_table(dtype: torch.dtype) -> dict[str, float]:
     mod = _native.kernels()
     if mod is None or not _table_checked(mod, dtype):
         return {"compute": 0.0}
-    hidden, rows = 512, 256
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
-    grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
+    h, grad_a, _ = _probe_operands(dtype)
     a, dh = torch.empty_like(grad_a), torch.empty_like(h)
 
     def run(table: bool) -> None:
@@ -592,6 +589,16 @@ def _act_temporary_bytes(dtype: torch.dtype, rows: float, hidden: int, backward:
     return rows * 2 * hidden * 4 + (4 * rows * hidden * 4 if backward else 0.0)
 
 
+def _probe_operands(dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The activation probes' h [256, 1024], dA [256, 512] (standard normal: a GEMM's
+    spread of gates) and row weights in (0, 1)."""
+    hidden, rows = 512, 256
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
+    grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
+    return h, grad_a, torch.rand(rows, generator=g)
+
+
 def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
     """Seconds of the activation's forward + backward by the ATen ops and, where the
     native kernels built and give the ATen ops' bits on a check with ragged rows, by
@@ -599,12 +606,8 @@ def _measure_act_kernel(dtype: torch.dtype) -> dict[str, float]:
     mod = _native.kernels()
     if mod is None or not _native_checked(mod, dtype):
         return {"aten": 0.0}
-    hidden, rows = 512, 256
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
-    grad_a = torch.randn(rows, hidden, generator=g).to(dtype)
-    rw = torch.rand(rows, generator=g)
-    a, dh, grad_rw = torch.empty_like(grad_a), torch.empty_like(h), rw.new_empty(rows)
+    h, grad_a, rw = _probe_operands(dtype)
+    a, dh, grad_rw = torch.empty_like(grad_a), torch.empty_like(h), rw.new_empty(rw.shape)
 
     def aten() -> None:
         _act_into_aten(h, rw, a)

@@ -627,26 +627,17 @@ struct GluArgs {
   const float* sigmoids = nullptr;
 };
 
-// The unclamped swiglu's silu and sigmoid of a vector of gates of TH (their fp32 values
-// x): looked up where the caller set the tables (GluArgs), else computed
-template <typename TH>
-inline fVec glu_silu(const fVec& x, [[maybe_unused]] const GluArgs& o) {
+// The unclamped swiglu's silu (or, kSigmoid, sigmoid) of a vector of gates of TH (their
+// fp32 values x): looked up where the caller set the tables (GluArgs), else computed
+template <typename TH, bool kSigmoid = false>
+inline fVec glu_gate(const fVec& x, [[maybe_unused]] const GluArgs& o) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (!std::is_same_v<TH, float>) {
-    if (o.silus != nullptr) return lookup(o.silus, gate_index_of<TH>(x));
+    const float* table = kSigmoid ? o.sigmoids : o.silus;
+    if (table != nullptr) return lookup(table, gate_index_of<TH>(x));
   }
 #endif
-  return silu_vec(x);
-}
-
-template <typename TH>
-inline fVec glu_sigmoid(const fVec& x, [[maybe_unused]] const GluArgs& o) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  if constexpr (!std::is_same_v<TH, float>) {
-    if (o.sigmoids != nullptr) return lookup(o.sigmoids, gate_index_of<TH>(x));
-  }
-#endif
-  return sigmoid_vec(x);
+  return kSigmoid ? sigmoid_vec(x) : silu_vec(x);
 }
 
 // One block of flat positions [p, q) of a chunk that starts at row r0: gate, up (and dA,
@@ -792,7 +783,7 @@ void glu_forward_impl(
         if constexpr (OAI) {
           a = x * sigmoid_vec(opaque(x * alpha)) * (y + one);
         } else {
-          a = glu_silu<TH>(x, o) * y;
+          a = glu_gate<TH>(x, o) * y;
         }
         if (w != nullptr) {
           a = a * fVec::loadu(wb + k);
@@ -865,8 +856,8 @@ void glu_backward_impl(
           up1 = y + one;
           slope = s * (opaque(opaque(alpha * x) * (one - s)) + one);
         } else if (o.sigmoids != nullptr) {  // (the tables: the same values, below)
-          s = glu_sigmoid<TH>(x, o);
-          act = glu_silu<TH>(x, o);
+          s = glu_gate<TH, true>(x, o);
+          act = glu_gate<TH>(x, o);
           up1 = y;
           slope = s * (opaque(x * (one - s)) + one);
         } else {  // sigmoid and silu: one exp(-x) serves both (exp(0 - x) = exp(-x))
