@@ -71,6 +71,7 @@ from torch_moe._ops.grouped_swiglu import (
     _all_gates,
     _check_act,
     _grad_rw_or_empty,
+    _int_views,
     _lean_gemms,
     _lean_key,
     _native_weights,
@@ -319,8 +320,7 @@ def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
                 mod.glu_swiglu_backward(
                     h, grad_a, weights, dh, grad_rw, 1.0, None, interleaved, rows, table
                 )
-                outs.append([a.view(torch.int16), dh.view(torch.int16)])  # (NaNs' bits too)
-                outs[-1] += [] if grad_rw is None else [grad_rw.view(torch.int32)]
+                outs.append(_int_views(a, dh, grad_rw))
             if not all(torch.equal(x, y) for x, y in zip(*outs, strict=True)):
                 warnings.warn(
                     "torch_moe: the native CPU glu kernel's gate tables give other bits "

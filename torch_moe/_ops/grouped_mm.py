@@ -240,12 +240,19 @@ def layout_copy_elems(
     ``dtype`` (a, b column-major where ``*_cols``): a's, b's or none, by the measured
     layout decision (the memory model's term for these copies)."""
 
-    def meta(shape: tuple[int, int], cols: bool) -> Tensor:
-        t = torch.empty(shape[::-1] if cols else shape, device="meta")
-        return t.t() if cols else t
-
-    choice = _layout_choice(dtype, meta(a_shape, a_cols), meta(b_shape, b_cols))
+    a, b = _meta_operand(a_shape, a_cols), _meta_operand(b_shape, b_cols)
+    choice = _layout_choice(dtype, a, b)
     return {"copy_a": a_shape[0] * a_shape[1], "copy_b": b_shape[0] * b_shape[1]}.get(choice, 0)
+
+
+def _meta_operand(shape: tuple[int, ...], cols: bool, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A meta stand-in of an operand of ``shape``, its last two dims column-major where
+    ``cols`` (the memory model's questions to the kernels' decisions, which read only
+    metadata)."""
+    if not cols:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    t = torch.empty((*shape[:-2], shape[-1], shape[-2]), dtype=dtype, device="meta")
+    return t.transpose(-2, -1)
 
 
 def _operand(t: Tensor, dtype: torch.dtype, other_layout: bool) -> Tensor:
@@ -1181,13 +1188,8 @@ def whole_loops(
     operand into the other layout where ``mm_into`` measured that faster). ``a``: [M, K]
     (``wgrad``: the weight gradient's [K, M]), ``b``: one group's [K, N] (``wgrad``: [M,
     N]); ``*_cols``: column-major."""
-
-    def meta(shape: tuple[int, ...], cols: bool) -> Tensor:
-        t = torch.empty((*shape[:-2], shape[-1], shape[-2]) if cols else shape, device="meta")
-        return (t.transpose(-2, -1) if cols else t).to(dtype)
-
-    a = meta(a_shape, a_cols)
-    b = meta(b_shape if wgrad else (len(ends), *b_shape), b_cols)
+    a = _meta_operand(a_shape, a_cols, dtype)
+    b = _meta_operand(b_shape if wgrad else (len(ends), *b_shape), b_cols, dtype)
     return whole_way(a, b, ends, wgrad) is None
 
 

@@ -550,6 +550,13 @@ def _all_gates(dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     return h, torch.randn(rows, hidden, generator=gen).to(dtype), torch.rand(rows, generator=gen)
 
 
+def _int_views(*tensors: Tensor | None) -> list[Tensor]:
+    """The tensors (None left out) viewed as integers of their width: the gate tables'
+    checks compare bits, NaNs' included (a NaN is unequal to itself as a float)."""
+    ints = {2: torch.int16, 4: torch.int32}
+    return [t.view(ints[t.element_size()]) for t in tensors if t is not None]
+
+
 def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
     """The native kernels give the same bits reading the tables as computing, forward
     and backward, with and without row weights, on gates of every 16-bit pattern (NaNs,
@@ -565,9 +572,7 @@ def _table_matches(mod: Any, dtype: torch.dtype) -> bool:
             grad_rw = None if rw is None else rw.new_empty(rows)
             mod.swiglu_forward(h, rw, a, False, table)
             mod.swiglu_backward(h, grad_a, rw, a2, dh, grad_rw, False, table)
-            # bits compared as integers (the NaN gates' outputs are NaNs)
-            outs.append([t.view(torch.int16) for t in (a, a2, dh)])
-            outs[-1] += [] if grad_rw is None else [grad_rw.view(torch.int32)]
+            outs.append(_int_views(a, a2, dh, grad_rw))
         same = all(torch.equal(x, y) for x, y in zip(outs[0], outs[1], strict=True))
         if not same:
             warnings.warn(

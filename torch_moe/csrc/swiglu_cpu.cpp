@@ -855,15 +855,15 @@ void glu_backward_impl(
           act = x * s;
           up1 = y + one;
           slope = s * (opaque(opaque(alpha * x) * (one - s)) + one);
-        } else if (o.sigmoids != nullptr) {  // (the tables: the same values, below)
-          s = glu_gate<TH, true>(x, o);
-          act = glu_gate<TH>(x, o);
-          up1 = y;
-          slope = s * (opaque(x * (one - s)) + one);
-        } else {  // sigmoid and silu: one exp(-x) serves both (exp(0 - x) = exp(-x))
-          const fVec e = (zero - x).exp();
-          s = (e + one).reciprocal();
-          act = x / (one + e);
+        } else {
+          if (o.sigmoids != nullptr) {  // the tables: the values computed below
+            s = glu_gate<TH, true>(x, o);
+            act = glu_gate<TH>(x, o);
+          } else {  // sigmoid and silu: one exp(-x) serves both (exp(0 - x) = exp(-x))
+            const fVec e = (zero - x).exp();
+            s = (e + one).reciprocal();
+            act = x / (one + e);
+          }
           up1 = y;
           slope = s * (opaque(x * (one - s)) + one);
         }
