@@ -201,6 +201,18 @@ class TestNativeSwiGLU(TestCase):
 
         with self.assertWarnsRegex(UserWarning, r"gate tables give other bits .*bfloat16"):
             self.assertFalse(gs._table_matches(OffByOne, BF16))
+
+        class BackwardOff:  # the tables' backward alone off: dH's last bit
+            swiglu_forward = mod.swiglu_forward
+
+            @staticmethod
+            def swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_w, stream=False, table=False):
+                mod.swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_w, stream, False)
+                if table:
+                    out_dh.view(torch.int16)[-1].add_(1)
+
+        with self.assertWarnsRegex(UserWarning, r"gate tables give other bits .*bfloat16"):
+            self.assertFalse(gs._table_matches(BackwardOff, BF16))
         with mock.patch.dict(gs._TABLE_CHECKED, clear=True):
             with mock.patch.object(_native, "kernels", return_value=OffByOne):
                 with self.assertWarnsRegex(UserWarning, "gate tables give other bits"):
@@ -733,6 +745,18 @@ class TestNativeGluOai(TestCase):
 
         with self.assertWarnsRegex(UserWarning, r"glu kernel's gate tables give other bits"):
             self.assertFalse(glu_mod._table_matches(OffByOne, BF16))
+
+        class BackwardOff:  # the tables' backward alone off: dH's last bit
+            glu_swiglu_forward = mod.glu_swiglu_forward
+
+            @staticmethod
+            def glu_swiglu_backward(h, grad_a, rw, dh, grad_w, alpha, limit, inter, step, table):
+                mod.glu_swiglu_backward(h, grad_a, rw, dh, grad_w, alpha, limit, inter, step, False)
+                if table:
+                    dh.view(torch.int16)[-1].add_(1)
+
+        with self.assertWarnsRegex(UserWarning, r"glu kernel's gate tables give other bits"):
+            self.assertFalse(glu_mod._table_matches(BackwardOff, BF16))
 
     @needs_native
     @parametrize("dtype", [BF16, F16, F32])
