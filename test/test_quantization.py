@@ -442,6 +442,134 @@ class TestQuantizeFP8CPUKernel(TestCase):
         self.assertEqual(calls, [], msg="the kernel fell back to the reference")
 
 
+def _fp32_probes():
+    """fp32 values for the e4m3 cast: every high half (sign, exponent, top 7 mantissa
+    bits: NaNs, infinities, zeros, subnormals) with low halves 0, 0x7FFF, 0x8000, 0xFFFF
+    and a random one; and every 97th fp32 from 2^-12 to 512 either sign (all of e4m3's
+    rounding boundaries, normal and subnormal, and the clamp's)."""
+    hi = torch.arange(65536, dtype=torch.int64) << 16
+    lows = [
+        0,
+        0x7FFF,
+        0x8000,
+        0xFFFF,
+        torch.randint(0, 65536, (65536,), generator=torch.Generator().manual_seed(3)),
+    ]
+    parts = [hi | low for low in lows]
+    dense = torch.arange(0x39800000, 0x44000000, 97, dtype=torch.int64)
+    parts += [dense, dense | (1 << 31)]
+    return (
+        torch.cat(parts).to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    )
+
+
+def _fp8_ops():
+    from torch_moe._ops import _native
+
+    mod = _native.kernels()
+    return mod if mod is not None and hasattr(mod, "fp8_from_float") else None
+
+
+class TestFP8NativeConversions(TestCase):
+    """The native e4m3 conversions (csrc/fp8_cpu.cpp) give ATen's bits: the saturating
+    cast (clamp to +-448, then ``.to(float8_e4m3fn)``) on every fp32 class and every
+    rounding boundary, and ``q.float()`` on every code; on strided rows, tails of a
+    vector, batched and permuted layouts; they refuse what they do not take, and the
+    quantizers' helpers give ATen's results through them."""
+
+    def setUp(self):
+        self.mod = _fp8_ops()
+        if self.mod is None:
+            self.skipTest("the native CPU kernels are not built here")
+        if not self.mod.fp8_from_float(torch.zeros(8), torch.empty(8, dtype=torch.float8_e4m3fn)):
+            self.skipTest("this build has no AVX2 vectors (the kernels refuse; ATen casts)")
+
+    def test_cast_equals_aten_on_every_class(self):
+        x = _fp32_probes()
+        want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        for n in (x.numel(), x.numel() - 3):  # whole vectors, then a 5-element tail
+            q = torch.empty(n, dtype=torch.float8_e4m3fn)
+            self.assertTrue(self.mod.fp8_from_float(x[:n], q))
+            self.assertEqual(q.view(torch.uint8), want[:n], atol=0, rtol=0)
+        self.assertTrue(torch.isnan(x).any() and torch.isinf(x).any())  # the probes' reach
+
+    def test_dequantize_equals_aten_on_every_code(self):
+        q = torch.arange(256, dtype=torch.uint8).repeat(37).view(torch.float8_e4m3fn)
+        out = torch.empty(q.shape)
+        self.assertTrue(self.mod.fp8_to_float(q, out))
+        self.assertEqual(out.view(torch.int32), q.float().view(torch.int32), atol=0, rtol=0)
+
+    def test_layouts(self):
+        gen = torch.Generator().manual_seed(5)
+        base = torch.randn(6, 9, 37, generator=gen) * 300
+        views = {
+            "strided rows": base[:, 1:8, :29],
+            "batched, leading dims permuted": base.permute(1, 0, 2)[:, :, 3:30],
+            "one row": base[0, 0],
+        }
+        for name, x in views.items():
+            q = torch.full(x.shape, 7.0).to(torch.float8_e4m3fn)
+            q = q.transpose(0, -2).contiguous().transpose(0, -2) if q.dim() == 3 else q
+            self.assertTrue(self.mod.fp8_from_float(x, q), msg=name)
+            want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+            self.assertEqual(q.view(torch.uint8), want.view(torch.uint8), atol=0, rtol=0, msg=name)
+            back = torch.empty(x.shape)
+            self.assertTrue(self.mod.fp8_to_float(q, back), msg=name)
+            self.assertEqual(back, q.float(), atol=0, rtol=0, msg=name)
+        for x, q in (
+            (torch.empty(0, 5), torch.empty(0, 5, dtype=torch.float8_e4m3fn)),
+            (torch.empty(4, 0), torch.empty(4, 0, dtype=torch.float8_e4m3fn)),
+        ):
+            self.assertTrue(self.mod.fp8_from_float(x, q))
+            self.assertTrue(self.mod.fp8_to_float(q, x))
+
+    def test_refuses_what_it_does_not_take(self):
+        x = torch.randn(8, 16)
+        cases = [
+            (x.t(), torch.empty(16, 8, dtype=torch.float8_e4m3fn)),  # a strided last dim
+            (x.bfloat16(), torch.empty(8, 16, dtype=torch.float8_e4m3fn)),  # not fp32
+            (x, torch.empty(8, 15, dtype=torch.float8_e4m3fn)),  # another shape
+            (x, torch.empty(8, 16, dtype=torch.uint8)),  # not e4m3
+            (torch.tensor(1.0), torch.tensor(1.0).to(torch.float8_e4m3fn)),  # 0-d
+        ]
+        for src, out in cases:
+            before = out.view(torch.uint8).clone() if out.dtype != torch.uint8 else out.clone()
+            self.assertFalse(self.mod.fp8_from_float(src, out))
+            after = out.view(torch.uint8) if out.dtype != torch.uint8 else out
+            self.assertEqual(after, before, atol=0, rtol=0)
+        q = torch.zeros(8, 16, dtype=torch.float8_e4m3fn)
+        self.assertFalse(self.mod.fp8_to_float(q.t(), torch.empty(16, 8)))
+        self.assertFalse(self.mod.fp8_to_float(q, torch.empty(8, 16, dtype=torch.bfloat16)))
+
+    def test_quantizer_helpers(self):
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        x = _fp32_probes()[::41][:96576].reshape(-1, 16)
+        for native in (True, False):
+            with mock.patch.object(
+                Qm, "_fp8_kernels", Qm._fp8_kernels if native else lambda t: None
+            ):
+                src = x.clone()
+                q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+                Qm._to_fp8_into(q, src)
+                want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+                self.assertEqual(q.view(torch.uint8), want.view(torch.uint8), atol=0, rtol=0)
+                if native:  # the native cast leaves its input as it was
+                    self.assertEqual(src.view(torch.int32), x.view(torch.int32), atol=0, rtol=0)
+                codes = torch.arange(256, dtype=torch.uint8).repeat(6).view(torch.float8_e4m3fn)
+                for qv in (
+                    codes.view(48, 32),
+                    codes.view(48, 32).t(),
+                    codes.view(4, 12, 32).permute(2, 0, 1),
+                ):
+                    got = Qm._fp8_to_float(qv)
+                    self.assertEqual(got.stride(), qv.stride())
+                    self.assertEqual(
+                        got.view(torch.int32), qv.float().view(torch.int32), atol=0, rtol=0
+                    )
+
+
 class TestQuantizeMXCPUKernel(TestCase):
     """``quantize_mx``'s CPU kernel (chunked convert / block maxima / divide / clamp / cast
     of a contiguous x viewed around the blocked dim) equals the reference bit for bit:

@@ -65,6 +65,7 @@ _SOURCES = [
         "router_cpu.cpp",
         "parallel_cpu.cpp",
         "cache_cpu.cpp",
+        "fp8_cpu.cpp",
     )
 ]
 _lock = threading.Lock()

@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from torch_moe._ops import _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES
 from torch_moe._ops.grouped_mm import check_offs_values
 
@@ -109,14 +111,28 @@ def _fp8_scale(amax: Tensor) -> Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def _fp8_kernels(t: Tensor) -> Any:
+    """The native CPU kernels' ops for the e4m3 conversions of CPU tensor ``t`` (their
+    bits are ATen's: torch_moe/csrc/fp8_cpu.cpp), or None (another device, no build)."""
+    if t.device.type != "cpu":
+        return None
+    mod = _native.kernels()
+    return mod if mod is not None and hasattr(mod, "fp8_from_float") else None
+
+
 def _to_fp8(x_scaled: Tensor) -> Tensor:
     """Saturating cast: torch's float8_e4m3fn cast turns out-of-range values into NaN.
-    Clamps ``x_scaled`` in place: callers pass a temporary."""
+    Clamps ``x_scaled`` in place: callers pass a temporary. (ATen's cast: the references'.)"""
     return x_scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8)
 
 
 def _to_fp8_into(out: Tensor, x_scaled: Tensor) -> None:
-    """:func:`_to_fp8` into an existing e4m3 tensor (the CPU kernels' chunks)."""
+    """:func:`_to_fp8` into an existing e4m3 tensor (the CPU kernels' chunks): the native
+    kernel's cast where it applies (ATen's bits, 8 elements a step; ``x_scaled`` then
+    unchanged), else ATen's."""
+    mod = _fp8_kernels(x_scaled)
+    if mod is not None and mod.fp8_from_float(x_scaled, out):
+        return
     out.copy_(x_scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
 
 
@@ -125,7 +141,8 @@ _FP8_VALUES: dict[torch.device, Tensor] = {}
 
 def _fp8_to_float(q: Tensor) -> Tensor:
     """``q.float()`` (same values, same strides) for e4m3 ``q``; on CPU through a table of
-    the 256 codes' fp32 values, several times faster than the CPU cast."""
+    the 256 codes' fp32 values (the native kernel's where it applies, else an
+    ``index_select``), several times faster than the CPU cast."""
     if q.device.type != "cpu" or q.numel() == 0:
         return q.float()
     strides, sizes = q.stride(), q.shape
@@ -133,6 +150,11 @@ def _fp8_to_float(q: Tensor) -> Tensor:
     dense = q.permute(order)
     if not dense.is_contiguous():
         return q.float()
+    mod = _fp8_kernels(q)
+    if mod is not None:
+        out = torch.empty(dense.shape, dtype=torch.float32, device=q.device)
+        if mod.fp8_to_float(dense.reshape(-1), out.view(-1)):
+            return out.permute([order.index(d) for d in range(q.dim())])
     table = _FP8_VALUES.get(q.device)
     if table is None:
         codes = torch.arange(256, dtype=torch.uint8, device=q.device).view(_FP8)
