@@ -166,6 +166,66 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     msg = f"{recipe} {sizes} {out_dtype} chunk {chunk}"
                     self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
 
+    def test_mx_multiplies_in_bf16_where_native(self):
+        """MX operands with a bf16 output: every dequantized element is a bf16 value, and
+        the CPU kernels run the bf16 grouped GEMMs on them (the whole-operand form in bf16,
+        bit for bit), where this CPU multiplies bf16 natively; the fp32 form otherwise and
+        for an fp32 output."""
+        from unittest import mock
+
+        r = RECIPES["mxfp8"]
+        gen = torch.Generator().manual_seed(9)
+        offs = make_offs([7, 0, 90, 1, 33])
+        m, k, n = int(offs[-1]) + 3, 256, 96
+        # columns over many binades: the blocks' scales differ by up to 2^24 along a row,
+        # so that the fp32 sums round, and in another order differently
+        x = torch.randn(m, k, generator=gen) * torch.rand(1, k, generator=gen).mul(24).exp2()
+        w = torch.randn(5, k, n, generator=gen) / 8
+        dy = torch.randn(m, n, generator=gen)
+        qa, sa = S.quantize_lhs(x, r.forward.lhs)
+        qb, sb = S.quantize_rhs(w, r.forward.rhs)
+        a_f, b_f = S._dequantize_operands(qa, qb, sa, sb, r.forward.lhs.inner, r.forward.rhs.outer)
+        for t in (a_f, b_f):
+            self.assertEqual(t.bfloat16().float(), t, atol=0, rtol=0)  # exact in bf16
+        qx, sx = S.quantize_wgrad_operand(x, offs, r.wgrad.lhs)
+        qdy, sdy = S.quantize_wgrad_operand(dy, offs, r.wgrad.rhs)
+        x_f = S._dequantize_wgrad_operand(qx, sx, offs, r.wgrad.lhs.inner)
+        dy_f = S._dequantize_wgrad_operand(qdy, sdy, offs, r.wgrad.lhs.inner)
+        bf = torch.bfloat16
+        native = S.cpu_compute_dtype(bf) == bf
+        for native_here in (native, False):
+            with mock.patch.object(
+                S, "cpu_compute_dtype", lambda dt, n=native_here: dt if n else F32
+            ):
+                self.assertEqual(S._mx_in_bf16(sa, sb, bf), native_here)
+                self.assertFalse(S._mx_in_bf16(sa, sb, F32))
+                for chunk in (1, 2**18):  # the dequantization by rows / experts, or at once
+                    # (the bits rarely tell bf16 sums from fp32 ones once rounded to bf16:
+                    # the GEMMs' operand dtypes say which form ran)
+                    with (
+                        mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
+                        mock.patch.object(S, "grouped_mm", wraps=S.grouped_mm) as mm,
+                        mock.patch.object(S, "grouped_mm_wgrad", wraps=S.grouped_mm_wgrad) as wg,
+                    ):
+                        got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
+                        got_w = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, 32, bf)
+                    ran = [c.args[0].dtype for c in mm.call_args_list + wg.call_args_list]
+                    self.assertEqual(ran, [bf, bf] if native_here else [])
+                    if native_here:
+                        want = S.grouped_mm(a_f.to(bf), b_f.to(bf), offs)
+                        want_w = S.grouped_mm_wgrad(x_f.to(bf), dy_f.to(bf), offs)
+                    else:
+                        want = S.grouped_mm(a_f, b_f, offs).to(bf)
+                        want_w = S.grouped_mm_wgrad(x_f, dy_f, offs).to(bf)
+                    msg = f"native={native_here} chunk={chunk}"
+                    self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
+                    self.assertEqual(got_w, want_w, atol=0, rtol=0, msg=msg)
+        # the per-tensor fp8 scales are not powers of two: the fp32 form
+        g = RECIPES["fp8_tensorwise"].forward
+        _, sa8 = S.quantize_lhs(x, g.lhs)
+        _, sb8 = S.quantize_rhs(w, g.rhs)
+        self.assertFalse(S._mx_in_bf16(sa8, sb8, bf))
+
     def test_chunks_of_groups(self):
         # whole groups, about chunk_rows rows each; a larger group alone; empty ones ride along
         self.assertEqual(

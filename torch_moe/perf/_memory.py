@@ -68,9 +68,11 @@ experts' backward holds the most:
   before the SwiGLU's backward); with the emulation each GEMM quantizes A, then B (``q``
   bytes per element at the worst, 1 kept: 1-2 from the quantizers' chunked CPU kernels,
   see ``_FQ_TRANSIENT``), then the scaled GEMM's CPU kernel: forward and dgrad dequantize
-  A in chunks of whole groups and the chunk's experts of B (8 bytes per element while
-  converting, 4 kept) with each chunk's fp32 product; wgrad dequantizes both operands per
-  chunk into one group's fp32 product (``_gemm_phase``). Weights are quantized whole every
+  A in chunks of whole groups and the chunk's experts of B (4 bytes per element, 8 while
+  converting where ATen's table converts instead of the native kernel) with each chunk's
+  fp32 product; wgrad dequantizes both operands per chunk into one group's fp32 product;
+  MX operands of a bf16 layer, where bf16 GEMMs are native, are dequantized to whole bf16
+  copies for the bf16 grouped GEMM instead (``_gemm_phase``, ``_mx_bf16_phase``). Weights are quantized whole every
   call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 Inference (``backward=False``; bf16 experts on a CPU without EP, ``_inference_bytes``):
@@ -273,7 +275,8 @@ def _gemm_phase(
     GPU kernel reads e4m3 and writes the output. The CPU kernels (``rows`` of A, the
     largest group ``group_rows``): forward / dgrad dequantize A in chunks of whole groups
     (``_CPU_CHUNK_ELEMS`` elements, or one larger group), then those groups' experts of B
-    (an int32 index and the fp32 value, 8 bytes per element, 4 kept; ``_CPU_CHUNK_ELEMS``
+    (the fp32 value, and ATen's table's int32 index while converting where the native
+    kernel does not: 4 or 8 bytes per element, 4 kept; ``_CPU_CHUNK_ELEMS``
     of them, or one expert), then each chunk's fp32 product, into the output; wgrad
     dequantizes both token-order operands per chunk (index, value and the rows' scales)
     into one group's fp32 product, with the jagged operands' scale row per row (int64)."""
@@ -285,12 +288,17 @@ def _gemm_phase(
     quantize = max(_quantize_bytes(kinds[0], n_a), n_a + _quantize_bytes(kinds[1], n_b))
     m = max(rows, 1.0)
     k, n = n_a / m, (n_b if wgrad else n_out) / m
+    if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
+        return max(quantize, _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad))
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
     if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
         groups = max(1.0, n_out / max(k * n, 1.0))
         jagged = kinds[0].endswith("_jagged")  # per-block scales: a scale row per row
         per_row = 8 * rows if jagged else 0.0
-        chunks = chunk * max(8 * k, 4 * k + 8 * n)  # A's value kept while B converts
+        # each chunk's fp32 values with, while converting, the table's int32 codes (ATen)
+        # or, for jagged scales, the rows' scales gathered to full size
+        conv = 8 if jagged or not _native_dequantize() else 4
+        chunks = chunk * max(conv * k, 4 * k + conv * n)  # A's value kept while B converts
         return max(quantize, n_a + n_b + per_row + b * n_out + 4 * n_out / groups + chunks)
     # forward / dgrad: per chunk, A's rows (int32 codes and fp32 values), then the chunk's
     # experts of B the same way (at most _CPU_CHUNK_ELEMS of them, or one expert), then
@@ -300,8 +308,68 @@ def _gemm_phase(
     in_chunk = min(experts, cap, max(1.0, chunk * experts / m))
     chunk = min(chunk, max(group_rows, in_chunk * m / experts))
     b_chunk = n_b * in_chunk / experts
-    per_chunk = max(8 * chunk * k, 4 * chunk * k + 8 * b_chunk, 4 * chunk * (k + n) + 4 * b_chunk)
+    conv = 4 if _native_dequantize() else 8  # fp32 values (and ATen's table's int32 codes)
+    per_chunk = max(
+        conv * chunk * k, 4 * chunk * k + conv * b_chunk, 4 * chunk * (k + n) + 4 * b_chunk
+    )
     return max(quantize, n_a + n_b + b * n_out + per_chunk)
+
+
+def _native_dequantize() -> bool:
+    """Whether the CPU kernels dequantize e4m3 by the native kernel (fp32 values only),
+    else through ATen's table (an int32 code per element too)."""
+    from torch_moe.quantization.quantize import native_fp8_conversions
+
+    return native_fp8_conversions()
+
+
+def _mx_in_bf16_here() -> bool:
+    """Whether this CPU's scaled GEMM kernels multiply MX operands with a bf16 output in
+    bf16 (``scaled_grouped_mm._mx_in_bf16``: bf16 GEMMs native here)."""
+    from torch_moe._ops.grouped_mm import cpu_compute_dtype
+
+    return cpu_compute_dtype(torch.bfloat16) == torch.bfloat16
+
+
+def _mx_bf16_phase(
+    n_a: float, n_b: float, n_out: float, m: float, k: float, n: float, group_rows: float,
+    wgrad: bool,
+) -> float:  # fmt: skip
+    """Peak bytes of an MX scaled GEMM's CPU kernel in bf16 (``_mx_in_bf16``) above the
+    e4m3 operands: A dequantized to a bf16 copy by chunks of fp32 rows (forward / dgrad:
+    ``_CPU_CHUNK_ELEMS`` elements; wgrad: that many rows' worth of the wider operand, each
+    row times its block's scale gathered to full size), then B the same way (forward /
+    dgrad: experts of B, at least one), then the bf16 grouped GEMM's output (and, for a
+    weight gradient, the row-major copy of A where this CPU's kernels make one whole)."""
+    from torch_moe._ops import grouped_mm as _gm
+    from torch_moe.quantization.scaled_grouped_mm import _CPU_CHUNK_ELEMS
+
+    base = n_a + n_b
+    if wgrad:
+        rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, n, 1.0)), m)
+        per_row = 8 * m  # the jagged blocks' index of each row (int64)
+        copy = 0.0
+        busy = max(group_rows, 1.0)
+        if _gm.wgrad_copies(torch.bfloat16, int(busy), int(k), int(n)) and not (
+            _gm.copies_by_pieces(torch.bfloat16)
+        ):
+            copy = 2 * n_a
+        return (
+            base
+            + per_row
+            + max(
+                2 * n_a + 8 * rows * k,
+                2 * n_a + 2 * n_b + 8 * rows * n,
+                2 * n_a + 2 * n_b + 2 * n_out + copy,
+            )
+        )
+    rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, 1.0)), m)
+    b_chunk = min(max(_CPU_CHUNK_ELEMS, k * n), n_b)
+    return base + max(
+        2 * n_a + 4 * rows * k,
+        2 * n_a + 2 * n_b + 4 * b_chunk,
+        2 * n_a + 2 * n_b + 2 * n_out,
+    )
 
 
 def _whole_tensor_phases(

@@ -375,13 +375,16 @@ def _experts_bf16_parts(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool
 
 def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) -> None:
     """A recipe: quantize both operands of each GEMM, then the scaled GEMM (GPU), or the
-    emulation quantize -> dequantize -> fp32 GEMM -> cast (CPU)."""
+    emulation quantize -> dequantize -> fp32 GEMM -> cast (CPU); MX operands of a bf16
+    layer on a CPU with native bf16 GEMMs: dequantize -> cast -> bf16 GEMM
+    (``scaled_grouped_mm._mx_in_bf16``)."""
     w = c.w
     D, F = w.dim, w.hidden_dim
     El = len(groups)
     M = sum(groups)
     kinds = recipe_operands(w.precision)
     gkey = "fp32" if c.cpu else None
+    mx_bf16 = c.cpu and c.key == "bf16" and w.precision.startswith("mx") and _mx_in_bf16_here()
 
     def gemm(
         gemm_name: str,
@@ -396,7 +399,7 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
         lq, rq = kinds[gemm_name]
         c.kernel(f"{comp}.quantize", lq, lhs_elems, phase)
         c.kernel(f"{comp}.quantize", rq, rhs_elems, phase)
-        key = gkey or f"{w.precision}:{gemm_name}"
+        key = "bf16" if mx_bf16 else gkey or f"{w.precision}:{gemm_name}"
         c.gemm(
             f"{comp}.{'fwd' if gemm_name == 'forward' else gemm_name}",
             key,
@@ -407,7 +410,9 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
             phase,
             weight_bytes=0.0 if gemm_name == "wgrad" else rhs_elems,
         )
-        if c.cpu:
+        if mx_bf16:  # the dequantized operands cast, the output bf16 already
+            c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
+        elif c.cpu:
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", out_elems, phase)
 
     fwd_layout = "NN" if c.cpu else "NT"  # the emulation dequantizes W^T contiguous
@@ -421,6 +426,12 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     gemm("wgrad", "TN", F, D, M * F, M * D, El * F * D, "bwd")
     gemm("dgrad", "NN", 2 * F, D, M * 2 * F, El * 2 * F * D, M * D, "bwd")
     gemm("wgrad", "TN", D, 2 * F, M * D, M * 2 * F, El * D * 2 * F, "bwd")
+
+
+def _mx_in_bf16_here() -> bool:
+    from torch_moe.perf._memory import _mx_in_bf16_here as here
+
+    return here()
 
 
 def _shared(c: _Ctx, phase_bwd: bool) -> None:

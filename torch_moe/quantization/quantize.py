@@ -120,6 +120,14 @@ def _fp8_kernels(t: Tensor) -> Any:
     return mod if mod is not None and hasattr(mod, "fp8_from_float") else None
 
 
+def native_fp8_conversions() -> bool:
+    """Whether the native kernels convert CPU e4m3 tensors here (built, with AVX2)."""
+    mod = _fp8_kernels(torch.empty(0))
+    return mod is not None and bool(
+        mod.fp8_to_float(torch.zeros(8, dtype=_FP8), torch.empty(8, dtype=torch.float32))
+    )
+
+
 def _to_fp8(x_scaled: Tensor) -> Tensor:
     """Saturating cast: torch's float8_e4m3fn cast turns out-of-range values into NaN.
     Clamps ``x_scaled`` in place: callers pass a temporary. (ATen's cast: the references'.)"""
