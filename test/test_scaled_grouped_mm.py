@@ -225,6 +225,8 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         _, sa8 = S.quantize_lhs(x, g.lhs)
         _, sb8 = S.quantize_rhs(w, g.rhs)
         self.assertFalse(S._mx_in_bf16(sa8, sb8, bf))
+        self.assertFalse(S._mx_in_bf16(sa, sb8, bf))  # one operand MX: the other is not exact
+        self.assertFalse(S._mx_in_bf16(sa8, sb, bf))
 
     def test_chunks_of_groups(self):
         # whole groups, about chunk_rows rows each; a larger group alone; empty ones ride along
