@@ -541,6 +541,39 @@ class TestFP8NativeConversions(TestCase):
         self.assertFalse(self.mod.fp8_to_float(q.t(), torch.empty(16, 8)))
         self.assertFalse(self.mod.fp8_to_float(q, torch.empty(8, 16, dtype=torch.bfloat16)))
 
+    def test_block_quantizer_equals_reference_on_special_values(self):
+        """quantize_fp8's CPU kernel in its native form (each block row's maxima, then its
+        codes) equals the reference bit for bit where blocks hold NaN, infinities, only zeros,
+        only negative values, denormal maxima (a denormal scale) and values past 448
+        times their scale's rounding; every input dtype, blocks that do not tile a row."""
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        gen = torch.Generator().manual_seed(11)
+        x = torch.randn(9, 100, generator=gen) * 3
+        x[0, 3] = float("nan")
+        x[1, 40] = float("inf")
+        x[2, 0:32] = -x[2, 0:32].abs()  # a block of negative values only
+        x[3] = 0.0
+        x[3, 50] = -0.0
+        x[4, :] *= 1e-39  # denormal values, a denormal scale
+        x[5, 7] = float("-inf")
+        x[5, 8] = float("inf")
+        x[6, 1] = 448.0 * 1e20  # one huge value: the others round to small codes
+        for dtype, block in itertools.product(
+            (torch.float32, torch.bfloat16, torch.float16),
+            [(1, -1), (1, 32), (1, 7), (1, 128), (2, 3), (4, 32), (-1, -1), (-1, 1), (128, 128)],
+        ):
+            xd = x.to(dtype)
+            want_q, want_s = Qm.quantize_fp8_reference(xd, block)
+            spy = mock.MagicMock(wraps=self.mod)
+            with mock.patch.object(Qm, "_fp8_kernels", lambda t, spy=spy: spy):
+                q, s = torch.ops.torch_moe.quantize_fp8(xd, list(block))
+            msg = f"{dtype} {block}"
+            self.assertTrue(spy.fp8_quantize_rows.called, msg=msg)
+            self.assertEqual(q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg)
+            self.assertEqual(s, want_s, atol=0, rtol=0, equal_nan=True, msg=msg)
+
     def test_quantizer_helpers(self):
         from unittest import mock
 

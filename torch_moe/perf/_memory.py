@@ -234,9 +234,12 @@ _CHUNK_BYTES = {"fp8": 4, "fp8_col": 4, "mx": 4, "mx_col": 4, "fp8_jagged": 12, 
 
 def _quantize_bytes(kind: str, n: float) -> float:
     """Peak bytes of quantizing an n-element operand of ``kind`` (``_FQ_TRANSIENT``), one
-    chunk's temporaries included (``_CHUNK_BYTES``)."""
+    chunk's temporaries included (``_CHUNK_BYTES``; none where ``quantize_fp8``'s native
+    kernel quantizes block rows in registers)."""
     from torch_moe.quantization.quantize import _QUANT_CHUNK
 
+    if kind in ("fp8", "fp8_col") and _native_dequantize():
+        return _FQ_TRANSIENT[kind] * n  # the native quantizer: no fp32 chunk
     return _FQ_TRANSIENT[kind] * n + _CHUNK_BYTES.get(kind, 0) * min(n, _QUANT_CHUNK)
 
 
