@@ -574,6 +574,38 @@ class TestFP8NativeConversions(TestCase):
             self.assertEqual(q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg)
             self.assertEqual(s, want_s, atol=0, rtol=0, equal_nan=True, msg=msg)
 
+    def test_mx_quantizer_equals_reference_on_special_values(self):
+        """quantize_mx's CPU kernel in its native form equals the reference bit for bit
+        (codes and E8M0 exponents) on blocks with NaN, infinities (frexp's exponent 0),
+        zeros, denormal maxima (exponent -127), maxima whose mantissa is just over and at
+        0.875 (rceil's step) and maxima past 448 * 2^127; both rules, blocks along the
+        last dim and along rows, every input dtype."""
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        gen = torch.Generator().manual_seed(12)
+        x = torch.randn(64, 96, generator=gen) * 3
+        x[0, 3] = float("nan")
+        x[1, 40] = float("inf")
+        x[2, 64:96] = float("-inf")
+        x[3] = 0.0
+        x[4, :] *= 1e-39
+        x[5, 0:32] = 0.875 * 2.0**3  # mantissa exactly 0.875: rceil keeps floor's exponent
+        x[6, 0:32] = torch.nextafter(torch.tensor(0.875 * 2.0**3), torch.tensor(10.0))
+        x[7, 5] = 3e38
+        for dtype, dim, rule in itertools.product(
+            (torch.float32, torch.bfloat16, torch.float16), (-1, 0), ("floor", "rceil")
+        ):
+            xd = x.to(dtype)
+            want_q, want_s = Qm.quantize_mx_reference(xd, dim=dim, block=32, scale_rule=rule)
+            spy = mock.MagicMock(wraps=self.mod)
+            with mock.patch.object(Qm, "_fp8_kernels", lambda t, spy=spy: spy):
+                q, s = torch.ops.torch_moe.quantize_mx(xd, dim, 32, rule)
+            msg = f"{dtype} dim={dim} {rule}"
+            self.assertTrue(spy.fp8_quantize_rows.called, msg=msg)
+            self.assertEqual(q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg)
+            self.assertEqual(s, want_s, atol=0, rtol=0, msg=msg)
+
     def test_quantizer_helpers(self):
         from unittest import mock
 

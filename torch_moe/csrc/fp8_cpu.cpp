@@ -7,7 +7,9 @@
 //   fp8_quantize_rows(x [R, C] fp32 / bf16 / fp16, block_rows, block, q [R, C] e4m3fn,
 //                     scale [ceil(R / block_rows), ceil(C / block)] fp32)
 //       per block of block_rows x block elements (the last ones shorter):
-//       scale = max|x| / 448 (1 where that is not > 0: zeros, NaN), q = cast(x / scale)
+//       scale = max|x| / 448 (1 where that is not > 0: zeros, NaN), q = cast(x / scale);
+//       with rule 1 / 2 MX instead (scale uint8): the E8M0 power of two of the "floor" /
+//       "rceil" rule (quantize_mx's CPU kernel)
 //       (quantize_fp8's CPU kernel, quantize.py, in two passes over each block row: its
 //       columns' maxima, then its codes, the rows still in cache for blocks of a few rows)
 //
@@ -34,6 +36,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -194,12 +197,39 @@ inline __m256 load8(const T* p, int64_t n) {
   return _mm256_load_ps(v);
 }
 
+// A block's divisor from its largest magnitude (NaN where any element is NaN), stored
+// into s at b: FP8 (rule 0) amax / 448 in fp32 (IEEE: ATen's division), 1 where that is
+// not > 0 (zeros, NaN), stored as it is; MX (rule 1 "floor", 2 "rceil") the power of two
+// 2^e, e = floor(log2 amax) - 8 (+1 under rceil where amax's frexp mantissa is over
+// 0.875), from frexp as quantize.py's mx_scale_exponent (frexp(inf) gives exponent 0, as
+// ATen's), -127 where amax is not > 0, clamped to [-127, 127], stored as e + 127 (uint8).
+inline float block_divisor(float amax, bool any_nan, int rule, void* s, int64_t b) {
+  if (rule == 0) {
+    const float scale = any_nan ? 1.0f : (amax / kMax > 0.0f ? amax / kMax : 1.0f);
+    static_cast<float*>(s)[b] = scale;
+    return scale;
+  }
+  int e = -127;
+  if (!any_nan && amax > 0.0f) {
+    int exp = 0;
+    const float mant = std::isinf(amax) ? amax : std::frexp(amax, &exp);
+    e = exp - 1 - 8 + (rule == 2 && mant > 0.875f ? 1 : 0);
+  }
+  e = std::clamp(e, -127, 127);
+  static_cast<uint8_t*>(s)[b] = static_cast<uint8_t>(e + 127);
+  const uint32_t bits = e >= -126 ? static_cast<uint32_t>(e + 127) << 23 : uint32_t{1} << 22;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return scale;
+}
+
 // One row of blocks (rows [0, br) of x, row stride cols): each column's largest magnitude
-// over the rows (and whether any is NaN), 8 columns a step; each block's scale from its
-// columns' into s; then each row's codes, every element divided by its block's scale.
+// over the rows (and whether any is NaN), 8 columns a step; each block's divisor from its
+// columns' (block_divisor, its stored scale into s at the block's index); then each row's
+// codes, every element divided by its block's divisor.
 template <class T>
 void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uint8_t* o,
-                        float* s) {
+                        void* s, int rule) {
   thread_local std::vector<float> col_max, col_nan, col_scale;
   const int64_t padded = (cols + 7) / 8 * 8;
   col_max.assign(padded, 0.0f);
@@ -224,9 +254,7 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
       amax = std::max(amax, col_max[j]);
       any_nan = any_nan || col_nan[j] != 0.0f;
     }
-    // amax / 448 as fp32 (IEEE: the ATen division's bits); 1 where not > 0 (zeros, NaN)
-    const float scale = any_nan ? 1.0f : (amax / kMax > 0.0f ? amax / kMax : 1.0f);
-    s[b] = scale;
+    const float scale = block_divisor(amax, any_nan, rule, s, b);
     std::fill(col_scale.begin() + j0, col_scale.begin() + j1, scale);
   }
   for (int64_t r = 0; r < br; ++r) {
@@ -241,12 +269,13 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
 }
 
 bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tensor& q,
-                       at::Tensor& scale) {
+                       at::Tensor& scale, int64_t rule) {
   const auto dt = x.scalar_type();
+  const auto scale_dt = rule == 0 ? at::kFloat : at::kByte;
   if ((dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) || x.dim() != 2 ||
       !x.is_contiguous() || q.scalar_type() != at::kFloat8_e4m3fn || !q.is_contiguous() ||
-      q.sizes() != x.sizes() || scale.scalar_type() != at::kFloat || !scale.is_contiguous() ||
-      block < 1 || br < 1) {
+      q.sizes() != x.sizes() || scale.scalar_type() != scale_dt || !scale.is_contiguous() ||
+      block < 1 || br < 1 || rule < 0 || rule > 2) {
     return false;
   }
   const int64_t rows = x.size(0), cols = x.size(1), nc = (cols + block - 1) / block;
@@ -256,13 +285,15 @@ bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tenso
   }
   if (x.numel() == 0) return true;
   auto* o = reinterpret_cast<uint8_t*>(q.mutable_data_ptr());
-  float* s = scale.mutable_data_ptr<float>();
+  auto* s = static_cast<char*>(scale.mutable_data_ptr());
+  const int64_t scale_row = nc * scale.element_size();
+  const int r = static_cast<int>(rule);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();
     for_rows(nr, br * cols, [&](int64_t i) {
       const int64_t r0 = i * br, n = std::min(br, rows - r0);
-      quantize_block_row(xp + r0 * cols, n, cols, block, o + r0 * cols, s + i * nc);
+      quantize_block_row(xp + r0 * cols, n, cols, block, o + r0 * cols, s + i * scale_row, r);
     });
   };
   if (dt == at::kFloat) {
@@ -278,7 +309,8 @@ bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tenso
 #else
 
 bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tensor& q,
-                       at::Tensor& scale) {
+                       at::Tensor& scale, int64_t rule) {
+  (void)rule;
   (void)x;
   (void)br;
   (void)block;
@@ -307,8 +339,8 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def("fp8_from_float(Tensor x, Tensor(a!) out) -> bool");
   m.def("fp8_to_float(Tensor q, Tensor(a!) out) -> bool");
   m.def(
-      "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale)"
-      " -> bool");
+      "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
+      " int rule=0) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {

@@ -527,12 +527,18 @@ def _quantize_mx_dense(x: Tensor, d: int, block: int, scale_rule: str) -> tuple[
     scale_shape[d] //= block
     scale = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
     scales = _block_scales("mx", scale_rule)
+    mod = _fp8_kernels(x)  # the native kernel (csrc/fp8_cpu.cpp): the same bits
+    rule = _SCALE_RULES.index(scale_rule) + 1
     if inner > 1:
         x2, q2 = x.reshape(rows, inner), q.view(rows, inner)
-        _quantize_row_blocks(x2, q2, scale.view(rows // block, inner), 0, rows, 0, block, scales)
+        s2 = scale.view(rows // block, inner)
+        if mod is None or not mod.fp8_quantize_rows(x2, block, 1, q2, s2, rule):
+            _quantize_row_blocks(x2, q2, s2, 0, rows, 0, block, scales)
         return q, scale
     rows //= size
     x2, q2, s2 = x.reshape(rows, size), q.view(rows, size), scale.view(rows, size // block)
+    if mod is not None and mod.fp8_quantize_rows(x2, 1, block, q2, s2, rule):
+        return q, scale
     step = max(1, _QUANT_CHUNK // size)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)

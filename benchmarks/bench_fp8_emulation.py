@@ -1,0 +1,127 @@
+"""How fast is the CPU FP8 / MXFP8 emulation, with and without its native kernels?
+
+For each recipe and shape: one ``MoE`` layer step (forward + backward, bf16 layer,
+``precision=<recipe>``) on the CPU, timed three ways in the same process, rounds
+alternated: ``aten`` (the e4m3 casts, dequantization and quantize_fp8's block maxima by
+ATen's ops, the scaled GEMMs in fp32: the emulation before the native kernels),
+``native`` (csrc/fp8_cpu.cpp's conversions and quantizer) and ``native + MX bf16`` (also MX
+operands multiplied by the bf16 grouped GEMM where this CPU has native bf16 GEMMs,
+``scaled_grouped_mm._mx_in_bf16``). The first two give the same bits; the third the same
+math in another summation order (its largest difference from the fp32 form is printed).
+Shapes are ``benchmarks/bench_perf_model.py``'s precision configs (prec1 / prec2 / prec3).
+
+    python benchmarks/bench_fp8_emulation.py --threads 1 --clock cpu
+    python benchmarks/bench_fp8_emulation.py --recipes mxfp8 --shapes prec2 --reps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import bench_ops
+import torch
+
+import torch_moe  # noqa: F401
+from torch_moe.nn import MoE
+from torch_moe.quantization import quantize as Q
+
+S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+
+SHAPES = {  # T, D, F, E, K
+    "prec1": (2048, 256, 256, 16, 2),
+    "prec2": (1024, 512, 512, 8, 2),
+    "prec3": (512, 256, 128, 64, 4),
+}
+RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8")
+MODES = ("aten", "native", "native + MX bf16")
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    """The emulation as ``name`` runs it (module attributes swapped, restored after)."""
+    kernels, mx = Q._fp8_kernels, S._mx_in_bf16
+    if name == "aten":
+        Q._fp8_kernels = lambda t: None
+    if name != "native + MX bf16":
+        S._mx_in_bf16 = lambda *a: False
+    try:
+        yield
+    finally:
+        Q._fp8_kernels, S._mx_in_bf16 = kernels, mx
+
+
+def layer_step(recipe: str, shape: tuple[int, ...]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    T, D, F, E, K = shape
+    torch.manual_seed(0)
+    moe = MoE(D, F, E, K, route_norm=True, precision=recipe, dtype=torch.bfloat16)
+    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(T, D, dtype=torch.bfloat16)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        y = moe(x)
+        y.backward(gy)
+        assert x.grad is not None
+        return y.detach(), x.grad
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--reps", type=int, default=8, help="rounds per mode (medians)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(bench_ops.machine_line())
+    print(f"# native e4m3 kernels here: {Q.native_fp8_conversions()}")
+    print(f"# bf16 GEMMs native here: {S.cpu_compute_dtype(torch.bfloat16) == torch.bfloat16}")
+    print(f"# one layer step, median of {args.reps} alternated rounds, {args.clock} clock, ms\n")
+    print("| recipe | T, D, F, E, K | aten | native | native + MX bf16 | max diff (y, dx) |")
+    print("|---|---|---|---|---|---|")
+    for recipe in args.recipes:
+        for shape_name in args.shapes:
+            step = layer_step(recipe, SHAPES[shape_name])
+            outs = {}
+            for m in MODES:
+                with mode(m):
+                    step()
+                    outs[m] = [t.float().clone() for t in step()]
+            times: dict[str, list[float]] = {m: [] for m in MODES}
+            for r in range(args.reps):
+                for m in MODES if r % 2 == 0 else MODES[::-1]:
+                    with mode(m):
+                        t0 = clock()
+                        step()
+                        times[m].append(clock() - t0)
+            med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
+            base = med["aten"]
+            same = all(torch.equal(a, b) for a, b in zip(outs["aten"], outs["native"]))
+            diff = ", ".join(
+                f"{(a - b).abs().max().item():.2g}"
+                for a, b in zip(outs["native"], outs["native + MX bf16"])
+            )
+            cells = [f"{med['aten']:.1f}"] + [
+                f"{med[m]:.1f} ({med[m] / base:.2f}x)" for m in MODES[1:]
+            ]
+            shape = ", ".join(map(str, SHAPES[shape_name]))
+            print(
+                f"| {recipe} | {shape} | {' | '.join(cells)} | {diff}"
+                f"{'' if same else ' (native != aten!)'} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
