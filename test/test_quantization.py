@@ -406,6 +406,7 @@ class TestQuantizeFP8CPUKernel(TestCase):
         blocks = [(-1, -1), (1, -1), (1, 32), (128, 128), (-1, 1), (2, 3)]
         calls = []
         reference = Qm.quantize_fp8_reference
+        native, none = Qm._fp8_kernels, lambda t: None
 
         def counted(*args, **kwargs):
             calls.append(args[0].shape)
@@ -427,10 +428,13 @@ class TestQuantizeFP8CPUKernel(TestCase):
                 x = x.transpose(-2, -1).contiguous().transpose(-2, -1)
             want_q, want_s = Qm.quantize_fp8_reference(x, block)
             want_q = want_q.contiguous()
-            for chunk in (5, 480, 2**16):  # 1 row, 5-7 rows (crossing 128-row blocks), all
+            # ATen's chunks of 1 row, 5-7 rows (crossing 128-row blocks), all; None: the
+            # native kernel
+            for chunk in (5, 480, 2**16, None):
                 with (
-                    mock.patch.object(Qm, "_QUANT_CHUNK", chunk),
+                    mock.patch.object(Qm, "_QUANT_CHUNK", chunk or 2**16),
                     mock.patch.object(Qm, "quantize_fp8_reference", counted),
+                    mock.patch.object(Qm, "_fp8_kernels", native if chunk is None else none),
                 ):
                     q, scale = torch.ops.torch_moe.quantize_fp8(x, list(block))
                 msg = f"{shape} {block} {dtype} col={col} chunk={chunk}"
@@ -647,6 +651,7 @@ class TestQuantizeMXCPUKernel(TestCase):
         from unittest import mock
 
         Qm = importlib.import_module("torch_moe.quantization.quantize")
+        native, none = Qm._fp8_kernels, lambda t: None
         gen = torch.Generator().manual_seed(11)
         cases = 0
         for shape, dim, block, dtype, layout, rule in itertools.product(
@@ -674,8 +679,11 @@ class TestQuantizeMXCPUKernel(TestCase):
             except ValueError:  # the blocked dim is not a multiple of the block
                 continue
             want_q, want_s = Qm.quantize_mx_reference(x, dim=d, block=block, scale_rule=rule)
-            for chunk in (7, 300, 2**19):
-                with mock.patch.object(Qm, "_QUANT_CHUNK", chunk):
+            for chunk in (7, 300, 2**19, None):  # ATen's chunks; None: the native kernel
+                with (
+                    mock.patch.object(Qm, "_QUANT_CHUNK", chunk or 2**19),
+                    mock.patch.object(Qm, "_fp8_kernels", native if chunk is None else none),
+                ):
                     q, scale = torch.ops.torch_moe.quantize_mx(x, dim, block, rule)
                 msg = f"{shape} dim={dim} block={block} {dtype} {layout} {rule} chunk={chunk}"
                 self.assertTrue(q.is_contiguous() and scale.is_contiguous(), msg=msg)
@@ -703,7 +711,8 @@ class TestQuantizeMXCPUKernel(TestCase):
 
 
 class TestQuantizeJaggedCPUKernel(TestCase):
-    """``quantize_jagged``'s CPU kernel equals the reference bit for bit: both formats and
+    """``quantize_jagged``'s CPU kernel, native and by ATen's chunks, equals the reference
+    bit for bit: both formats and
     scale rules, blocks of 128 / 32 / 5 / 1 rows and one per group (-1), empty groups,
     one-row groups, rows past the last group, zero rows, bf16 and fp32, and chunks that
     take every path: pieces of a large segment (one pass, and the two-pass maxima of a
@@ -713,6 +722,7 @@ class TestQuantizeJaggedCPUKernel(TestCase):
         from unittest import mock
 
         Qm = importlib.import_module("torch_moe.quantization.quantize")
+        native, none = Qm._fp8_kernels, lambda t: None
         gen = torch.Generator().manual_seed(13)
         cases = 0
         for sizes, block, (fmt, rule), dtype, tail in itertools.product(
@@ -738,8 +748,12 @@ class TestQuantizeJaggedCPUKernel(TestCase):
                 scale_rule=rule,
                 scale_dtype=torch.float32 if fmt == "fp8" else torch.uint8,
             )
-            for chunk in (3 * cols, 40 * cols, 2**19):  # 3 rows, 40 rows, everything
-                with mock.patch.object(Qm, "_QUANT_CHUNK", chunk):
+            # ATen's chunks of 3 rows, 40 rows, everything; None: the native kernel
+            for chunk in (3 * cols, 40 * cols, 2**19, None):
+                with (
+                    mock.patch.object(Qm, "_QUANT_CHUNK", chunk or 2**19),
+                    mock.patch.object(Qm, "_fp8_kernels", native if chunk is None else none),
+                ):
                     q, scale = torch.ops.torch_moe.quantize_jagged(x, offs, block, fmt, rule)
                 msg = f"{sizes} tail={tail} block={block} {fmt} {rule} {dtype} chunk={chunk}"
                 self.assertEqual(
@@ -747,7 +761,7 @@ class TestQuantizeJaggedCPUKernel(TestCase):
                 )
                 self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
                 cases += 1
-        self.assertEqual(cases, 4 * 5 * 3 * 2 * 2 * 3)
+        self.assertEqual(cases, 4 * 5 * 3 * 2 * 2 * 4)
 
 
 class TestRecipeEmulation(TestCase):
