@@ -135,46 +135,41 @@ inline void store8(uint8_t* o, __m256i codes) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(two));
 }
 
-bool fp8_from_float(const at::Tensor& x, at::Tensor& out) {
-  if (x.scalar_type() != at::kFloat || out.scalar_type() != at::kFloat8_e4m3fn ||
-      !rows_apply(x, out)) {
-    return false;
-  }
-  if (x.numel() == 0) return true;
-  const int64_t cols = x.size(-1), rows = x.numel() / cols;
-  const Rows src(x), dst(out);
-  for_rows(rows, cols, [&](int64_t r) {
-    const float* s = src.row<const float>(r);
-    uint8_t* o = dst.row<uint8_t>(r);
-    int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) store8(o + j, cast8(_mm256_loadu_ps(s + j)));
-    for (; j < cols; ++j) o[j] = cast_one(s[j]);
-  });
+// f(source row, destination row, cols) over every row of src and dst (of dtypes `in` and
+// `out`, one shape, contiguous last dims), in parallel; false where they do not apply.
+template <class In, class Out, class F>
+bool convert_rows(const at::Tensor& src, at::Tensor& dst, at::ScalarType in, at::ScalarType out,
+                  const F& f) {
+  if (src.scalar_type() != in || dst.scalar_type() != out || !rows_apply(src, dst)) return false;
+  if (src.numel() == 0) return true;
+  const int64_t cols = src.size(-1), rows = src.numel() / cols;
+  const Rows from(src), to(dst);
+  for_rows(rows, cols, [&](int64_t r) { f(from.row<const In>(r), to.row<Out>(r), cols); });
   return true;
 }
 
+bool fp8_from_float(const at::Tensor& x, at::Tensor& out) {
+  return convert_rows<float, uint8_t>(
+      x, out, at::kFloat, at::kFloat8_e4m3fn, [](const float* s, uint8_t* o, int64_t cols) {
+        int64_t j = 0;
+        for (; j + 8 <= cols; j += 8) store8(o + j, cast8(_mm256_loadu_ps(s + j)));
+        for (; j < cols; ++j) o[j] = cast_one(s[j]);
+      });
+}
+
 bool fp8_to_float(const at::Tensor& q, at::Tensor& out) {
-  if (q.scalar_type() != at::kFloat8_e4m3fn || out.scalar_type() != at::kFloat ||
-      !rows_apply(q, out)) {
-    return false;
-  }
-  if (q.numel() == 0) return true;
-  const int64_t cols = q.size(-1), rows = q.numel() / cols;
-  const Rows src(q), dst(out);
   const float* table = fp8_values().data();
-  for_rows(rows, cols, [&](int64_t r) {
-    const uint8_t* s = src.row<const uint8_t>(r);
-    float* o = dst.row<float>(r);
-    int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) {
-      int64_t eight;
-      std::memcpy(&eight, s + j, 8);
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
-      _mm256_storeu_ps(o + j, _mm256_i32gather_ps(table, idx, 4));
-    }
-    for (; j < cols; ++j) o[j] = table[s[j]];
-  });
-  return true;
+  return convert_rows<uint8_t, float>(
+      q, out, at::kFloat8_e4m3fn, at::kFloat, [table](const uint8_t* s, float* o, int64_t cols) {
+        int64_t j = 0;
+        for (; j + 8 <= cols; j += 8) {
+          int64_t eight;
+          std::memcpy(&eight, s + j, 8);
+          const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+          _mm256_storeu_ps(o + j, _mm256_i32gather_ps(table, idx, 4));
+        }
+        for (; j < cols; ++j) o[j] = table[s[j]];
+      });
 }
 
 // 8 elements of a row as fp32 (n < 8: the first n, zeros past them)
