@@ -166,6 +166,49 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     msg = f"{recipe} {sizes} {out_dtype} chunk {chunk}"
                     self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
 
+    def test_native_dequantization_equals_aten(self):
+        """The dequantizers' native form (one pass: the table's value times its block's
+        scale) gives ATen's table-and-``mul_`` bits for every recipe's operands: per-row,
+        per-tensor and 1 x 128 activations, row- and column-major weights in 128 x 128 or
+        per-column blocks, MX's powers of two, and the jagged wgrad operands through the
+        ops, where the kernel runs (spied)."""
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        mod = Qm._fp8_kernels(torch.empty(0))
+        if mod is None or not Qm.native_fp8_conversions():
+            self.skipTest("the native e4m3 kernels do not run here")
+        gen = torch.Generator().manual_seed(4)
+        offs = make_offs([7, 0, 150, 1, 33])
+        m, k, n = int(offs[-1]) + 3, 256, 160
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(8).exp()
+        w = torch.randn(5, k, n, generator=gen) / 8
+        dy = torch.randn(m, n, generator=gen)
+        for recipe in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8"):
+            r = RECIPES[recipe]
+            qx, sx = S.quantize_wgrad_operand(x, offs, r.wgrad.lhs)
+            qdy, sdy = S.quantize_wgrad_operand(dy, offs, r.wgrad.rhs)
+            wg = (qx, qdy, sx, sdy)
+            for name, g, b in (("forward", r.forward, w), ("dgrad", r.dgrad, w.transpose(-2, -1))):
+                qa, sa = S.quantize_lhs(x if name == "forward" else dy, g.lhs)
+                qb, sb = S.quantize_rhs(b, g.rhs)
+                got = []
+                for native in (True, False):
+                    spy = mock.MagicMock(wraps=mod)
+                    kernels = (lambda t, spy=spy: spy) if native else (lambda t: None)
+                    with mock.patch.object(Qm, "_fp8_kernels", kernels):
+                        got.append(S._dequantize_operands(qa, qb, sa, sb, g.lhs.inner, g.rhs.outer))
+                        got.append(ops.scaled_grouped_mm_wgrad(*wg, offs, r.wgrad.lhs.inner, F32))
+                    if native:
+                        self.assertTrue(spy.fp8_dequantize_scaled.called, msg=f"{recipe} {name}")
+                (a1, b1), wg1, (a0, b0), wg0 = got
+                msg = f"{recipe} {name}"
+                self.assertEqual(b1.stride(), b0.stride(), msg=msg)
+                for u, v in ((a1, a0), (b1, b0), (wg1, wg0)):
+                    self.assertEqual(
+                        u.view(torch.int32), v.view(torch.int32), atol=0, rtol=0, msg=msg
+                    )
+
     def test_mx_multiplies_in_bf16_where_native(self):
         """MX operands with a bf16 output: every dequantized element is a bf16 value, and
         the CPU kernels run the bf16 grouped GEMMs on them (the whole-operand form in bf16,

@@ -4,6 +4,8 @@
 //       out = x.clamp(-448, 448).to(float8_e4m3fn)   (the saturating cast; x not changed)
 //   fp8_to_float(q e4m3fn, out fp32) -> bool
 //       out = q.float()
+//   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32)
+//       out = q.float() * scale[r / block_rows (or index[r]), c / block]   (dequantizers)
 //   fp8_quantize_rows(x [R, C] fp32 / bf16 / fp16, block_rows, block, q [R, C] e4m3fn,
 //                     scale [ceil(R / block_rows), ceil(C / block)] fp32)
 //       per block of block_rows x block elements (the last ones shorter):
@@ -39,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -172,6 +175,59 @@ bool fp8_to_float(const at::Tensor& q, at::Tensor& out) {
       });
 }
 
+// out [R, C] = q.float() * scale[row's scale row, c / bc] (fp32, ATen's product's bits):
+// row r's scale row is index[r] (int64) where given, else r / br; q and out row-major
+// (any row strides), scale [*, ceil(C / bc)] contiguous fp32.
+bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& index, int64_t br, int64_t bc,
+                           at::Tensor& out) {
+  if (q.scalar_type() != at::kFloat8_e4m3fn || out.scalar_type() != at::kFloat || q.dim() != 2 ||
+      out.sizes() != q.sizes() || scale.scalar_type() != at::kFloat || scale.dim() != 2 ||
+      !scale.is_contiguous() || br < 1 || bc < 1 || !rows_apply(q, out)) {
+    return false;
+  }
+  const int64_t rows = q.size(0), cols = q.size(1), nc = (cols + bc - 1) / bc;
+  if (scale.size(1) != nc) return false;
+  const int64_t* idx = nullptr;
+  if (index.has_value()) {
+    if (index->scalar_type() != at::kLong || index->dim() != 1 || index->size(0) != rows ||
+        !index->is_contiguous()) {
+      return false;
+    }
+    idx = index->const_data_ptr<int64_t>();
+  }
+  const int64_t scale_rows = scale.size(0);
+  for (int64_t r = 0; r < rows; ++r) {  // every scale row read is one of scale's
+    const int64_t sr = idx != nullptr ? idx[r] : r / br;
+    if (sr < 0 || sr >= scale_rows) return false;
+  }
+  if (q.numel() == 0) return true;
+  const float* table = fp8_values().data();
+  const float* sp = scale.const_data_ptr<float>();
+  const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t ldq = q.stride(0), ldo = out.stride(0);
+  for_rows(rows, cols, [&](int64_t r) {
+    const uint8_t* s = qp + r * ldq;
+    float* o = op + r * ldo;
+    const float* srow = sp + (idx != nullptr ? idx[r] : r / br) * nc;
+    for (int64_t j0 = 0; j0 < cols; j0 += bc) {
+      const int64_t j1 = std::min(cols, j0 + bc);
+      const float f = srow[j0 / bc];
+      const __m256 fv = _mm256_set1_ps(f);
+      int64_t j = j0;
+      for (; j + 8 <= j1; j += 8) {
+        int64_t eight;
+        std::memcpy(&eight, s + j, 8);
+        const __m256i ix = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_i32gather_ps(table, ix, 4), fv));
+      }
+      for (; j < j1; ++j) o[j] = table[s[j]] * f;
+    }
+  });
+  return true;
+}
+
 // 8 elements of a row as fp32 (n < 8: the first n, zeros past them)
 template <class T>
 inline __m256 load8(const T* p, int64_t n) {
@@ -303,6 +359,18 @@ bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tenso
 
 #else
 
+bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& index, int64_t br, int64_t bc,
+                           at::Tensor& out) {
+  (void)q;
+  (void)scale;
+  (void)index;
+  (void)br;
+  (void)bc;
+  (void)out;
+  return false;
+}
+
 bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tensor& q,
                        at::Tensor& scale, int64_t rule) {
   (void)rule;
@@ -334,6 +402,9 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def("fp8_from_float(Tensor x, Tensor(a!) out) -> bool");
   m.def("fp8_to_float(Tensor q, Tensor(a!) out) -> bool");
   m.def(
+      "fp8_dequantize_scaled(Tensor q, Tensor scale, Tensor? index, int block_rows, int block,"
+      " Tensor(a!) out) -> bool");
+  m.def(
       "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
       " int rule=0) -> bool");
 }
@@ -341,5 +412,6 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("fp8_from_float", &fp8_from_float);
   m.impl("fp8_to_float", &fp8_to_float);
+  m.impl("fp8_dequantize_scaled", &fp8_dequantize_scaled);
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
 }

@@ -281,8 +281,9 @@ def _gemm_phase(
     (the fp32 value, and ATen's table's int32 index while converting where the native
     kernel does not: 4 or 8 bytes per element, 4 kept; ``_CPU_CHUNK_ELEMS``
     of them, or one expert), then each chunk's fp32 product, into the output; wgrad
-    dequantizes both token-order operands per chunk (index, value and the rows' scales)
-    into one group's fp32 product, with the jagged operands' scale row per row (int64)."""
+    dequantizes both token-order operands per chunk (the value; by ATen's ops also the
+    table's index or the rows' scales gathered) into one group's fp32 product, with the
+    jagged operands' scale row per row (int64)."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -298,9 +299,10 @@ def _gemm_phase(
         groups = max(1.0, n_out / max(k * n, 1.0))
         jagged = kinds[0].endswith("_jagged")  # per-block scales: a scale row per row
         per_row = 8 * rows if jagged else 0.0
-        # each chunk's fp32 values with, while converting, the table's int32 codes (ATen)
-        # or, for jagged scales, the rows' scales gathered to full size
-        conv = 8 if jagged or not _native_dequantize() else 4
+        # each chunk's fp32 values (the native kernel: times their scales in one pass)
+        # with, by ATen's ops, the table's int32 codes or the rows' scales gathered to full
+        # size while converting
+        conv = 4 if _native_dequantize() else 8
         chunks = chunk * max(conv * k, 4 * k + conv * n)  # A's value kept while B converts
         return max(quantize, n_a + n_b + per_row + b * n_out + 4 * n_out / groups + chunks)
     # forward / dgrad: per chunk, A's rows (int32 codes and fp32 values), then the chunk's

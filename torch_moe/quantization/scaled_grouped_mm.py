@@ -233,14 +233,56 @@ def _scale_blocks_(t: Tensor, scale: Tensor, block_r: int, block_c: int) -> Tens
     return t.mul_(scale)
 
 
+def _dequantize_native(
+    q: Tensor,
+    scale: Tensor,
+    block_r: int,
+    block_c: int,
+    index: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor | None:
+    """``q.float()`` times its blocks' fp32 scales (``scale`` [ceil(R / block_r), ceil(C /
+    block_c)], one row or column broadcast; row r's scale row ``index[r]`` where given) for
+    a 2D q by the native kernel in one pass (csrc/fp8_cpu.cpp: the same products as
+    :func:`_scale_blocks_`, so the same bits), into ``out`` (q's shape) or a new tensor;
+    None where it does not apply (no kernels, another layout)."""
+    mod = Q._fp8_kernels(q)
+    if mod is None or q.dim() != 2 or scale.dim() != 2 or scale.dtype != torch.float32:
+        return None
+    r, c = q.shape
+    if c > 1 and q.stride(1) != 1:  # column-major: the row-major transpose's blocks
+        if index is not None or (r > 1 and q.stride(0) != 1):
+            return None
+        res = _dequantize_native(
+            q.t(), scale.t(), block_c, block_r, None, None if out is None else out.t()
+        )
+        return None if res is None else res.t()
+    br = r if block_r == -1 or (scale.shape[0] == 1 and index is None) else block_r
+    bc = c if block_c == -1 or scale.shape[1] == 1 else block_c
+    dst = torch.empty((r, c), dtype=torch.float32) if out is None else out
+    ok = mod.fp8_dequantize_scaled(q, scale.contiguous(), index, max(br, 1), max(bc, 1), dst)
+    return dst if ok else None
+
+
 def _dequantize_lhs(a: Tensor, scale_a: Tensor, block_k: int) -> Tensor:
     # fp8 -> fp32 values exactly (Q._fp8_to_float: a table, not the slow CPU cast), then
-    # the scales in place: the same products as with a repeated scale, in a's layout
-    return _scale_blocks_(Q._fp8_to_float(a), _fp32_scales(scale_a), 1, block_k)
+    # the scales in place: the same products as with a repeated scale, in a's layout; in
+    # one pass by the native kernel where it applies
+    sf = _fp32_scales(scale_a)
+    native = _dequantize_native(a, sf, 1, block_k) if a.dim() == 2 else None
+    return native if native is not None else _scale_blocks_(Q._fp8_to_float(a), sf, 1, block_k)
 
 
 def _dequantize_rhs(b: Tensor, scale_b: Tensor, block_k: int, block_n: int) -> Tensor:
-    return _scale_blocks_(Q._fp8_to_float(b), _fp32_scales(scale_b), block_k, block_n)
+    sf = _fp32_scales(scale_b)
+    if b.dim() == 3 and Q._fp8_kernels(b) is not None:  # expert by expert, in b's layout
+        out = torch.empty_like(b, dtype=torch.float32)
+        if all(
+            _dequantize_native(b[e], sf[e], block_k, block_n, out=out[e]) is not None
+            for e in range(b.shape[0])
+        ):
+            return out
+    return _scale_blocks_(Q._fp8_to_float(b), sf, block_k, block_n)
 
 
 def _dequantize_operands(
@@ -510,6 +552,10 @@ def _scaled_grouped_mm_wgrad_cpu(
     row_block = None if per_tensor else Q.jagged_block_index(offs, M, block)[0]
 
     def rows_f(q: Tensor, scale: Tensor, c0: int, c1: int) -> Tensor:
+        index = None if row_block is None else row_block[c0:c1]
+        native = _dequantize_native(q[c0:c1], scale, 1, 1, index)  # (the same products)
+        if native is not None:
+            return native
         if row_block is None:
             return Q._fp8_to_float(q[c0:c1]).mul_(scale)
         return Q._fp8_to_float(q[c0:c1]).mul_(scale.index_select(0, row_block[c0:c1]))
