@@ -211,6 +211,18 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
     const uint8_t* s = qp + r * ldq;
     float* o = op + r * ldo;
     const float* srow = sp + (idx != nullptr ? idx[r] : r / br) * nc;
+    if (bc == 1) {  // a scale per column: 8 of them a step
+      int64_t j = 0;
+      for (; j + 8 <= cols; j += 8) {
+        int64_t eight;
+        std::memcpy(&eight, s + j, 8);
+        const __m256i ix = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_i32gather_ps(table, ix, 4),
+                                              _mm256_loadu_ps(srow + j)));
+      }
+      for (; j < cols; ++j) o[j] = table[s[j]] * srow[j];
+      return;
+    }
     for (int64_t j0 = 0; j0 < cols; j0 += bc) {
       const int64_t j1 = std::min(cols, j0 + bc);
       const float f = srow[j0 / bc];

@@ -234,12 +234,12 @@ _CHUNK_BYTES = {"fp8": 4, "fp8_col": 4, "mx": 4, "mx_col": 4, "fp8_jagged": 12, 
 
 def _quantize_bytes(kind: str, n: float) -> float:
     """Peak bytes of quantizing an n-element operand of ``kind`` (``_FQ_TRANSIENT``), one
-    chunk's temporaries included (``_CHUNK_BYTES``; none where ``quantize_fp8``'s native
-    kernel quantizes block rows in registers)."""
+    chunk's temporaries included (``_CHUNK_BYTES``; none where the native kernels quantize
+    block rows in registers: ``quantize_fp8``, ``quantize_mx``, ``quantize_jagged``)."""
     from torch_moe.quantization.quantize import _QUANT_CHUNK
 
-    if kind in ("fp8", "fp8_col") and _native_dequantize():
-        return _FQ_TRANSIENT[kind] * n  # the native quantizer: no fp32 chunk
+    if kind in _CHUNK_BYTES and _native_dequantize():
+        return _FQ_TRANSIENT[kind] * n  # the native quantizers: no fp32 chunk
     return _FQ_TRANSIENT[kind] * n + _CHUNK_BYTES.get(kind, 0) * min(n, _QUANT_CHUNK)
 
 
@@ -343,7 +343,8 @@ def _mx_bf16_phase(
     """Peak bytes of an MX scaled GEMM's CPU kernel in bf16 (``_mx_in_bf16``) above the
     e4m3 operands: A dequantized to a bf16 copy by chunks of fp32 rows (forward / dgrad:
     ``_CPU_CHUNK_ELEMS`` elements; wgrad: that many rows' worth of the wider operand, each
-    row times its block's scale gathered to full size), then B the same way (forward /
+    row times its block's scale, by ATen's ops gathered to full size first), then B the
+    same way (forward /
     dgrad: experts of B, at least one), then the bf16 grouped GEMM's output (and, for a
     weight gradient, the row-major copy of A where this CPU's kernels make one whole)."""
     from torch_moe._ops import grouped_mm as _gm
@@ -359,12 +360,13 @@ def _mx_bf16_phase(
             _gm.copies_by_pieces(torch.bfloat16)
         ):
             copy = 2 * n_a
+        conv = 4 if _native_dequantize() else 8  # (ATen: the rows' scales gathered too)
         return (
             base
             + per_row
             + max(
-                2 * n_a + 8 * rows * k,
-                2 * n_a + 2 * n_b + 8 * rows * n,
+                2 * n_a + conv * rows * k,
+                2 * n_a + 2 * n_b + conv * rows * n,
                 2 * n_a + 2 * n_b + 2 * n_out + copy,
             )
         )
