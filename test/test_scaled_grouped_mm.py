@@ -192,6 +192,16 @@ class TestScaledGroupedMMCPUKernels(TestCase):
             for name, g, b in (("forward", r.forward, w), ("dgrad", r.dgrad, w.transpose(-2, -1))):
                 qa, sa = S.quantize_lhs(x if name == "forward" else dy, g.lhs)
                 qb, sb = S.quantize_rhs(b, g.rhs)
+                # the kernel takes every operand (a refusal would fall back to ATen unseen)
+                msg = f"{recipe} {name}"
+                self.assertIsNotNone(
+                    S._dequantize_native(qa, S._fp32_scales(sa), 1, g.lhs.inner), msg=msg
+                )
+                sbf = S._fp32_scales(sb)
+                for e in range(qb.shape[0]):
+                    self.assertIsNotNone(
+                        S._dequantize_native(qb[e], sbf[e], g.lhs.inner, g.rhs.outer), msg=msg
+                    )
                 got = []
                 for native in (True, False):
                     spy = mock.MagicMock(wraps=mod)
