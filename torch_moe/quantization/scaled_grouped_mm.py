@@ -35,10 +35,10 @@ values (exact in fp32) with fp32 accumulation. The CPU kernels are that emulatio
 literally (quantize ops -> dequantize -> fp32 ``grouped_mm``), except that MX operands with
 a bf16 output go through the bf16 grouped GEMM where the CPU multiplies bf16 natively
 (their dequantized elements are bf16 values: the same math in another summation order,
-:func:`_mx_in_bf16`); GEMMs a recipe keeps in bf16 cast the operands to bf16. On CUDA the same function runs on FP8 tensor cores: Triton
-quantize kernels write each operand K-major with its scales and the Triton scaled grouped
-GEMMs (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main
-loop (blockwise, MX) or once in the epilogue (rowwise, tensorwise, per-group wgrad); rowwise
+:func:`_mx_in_bf16`); GEMMs a recipe keeps in bf16 cast the operands to bf16. On CUDA the
+same function runs on FP8 tensor cores: Triton quantize kernels write each operand K-major
+with its scales and the Triton scaled grouped GEMMs
+(:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main loop (blockwise, MX) or once in the epilogue (rowwise, tensorwise, per-group wgrad); rowwise
 and tensorwise forward / dgrad with bf16 operands on Hopper go to ``torch._scaled_grouped_mm``.
 Which kernel runs is decided by :func:`gemm_kernel`, a plain function of the recipe, the
 shapes and the device (tested on CPU); ``torch_moe::scaled_grouped_mm`` (what a compiled
@@ -56,7 +56,8 @@ compiler's passes can fuse the quantization into its producers.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -364,7 +365,7 @@ def _mx_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> boo
     )
 
 
-def _dequantized_bf16(q: Tensor, rows: int, dequantize: Any) -> Tensor:
+def _dequantized_bf16(q: Tensor, rows: int, dequantize: Callable[[int, int], Tensor]) -> Tensor:
     """bf16 of ``dequantize(r0, r1)`` (q's rows [r0, r1) in fp32) for all q's rows, taken
     ``rows`` at a time (no fp32 copy of all of q), in q's layout."""
     out = torch.empty_like(q, dtype=torch.bfloat16)
