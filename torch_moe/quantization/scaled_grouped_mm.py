@@ -38,8 +38,9 @@ a bf16 output go through the bf16 grouped GEMM where the CPU multiplies bf16 nat
 :func:`_mx_in_bf16`); GEMMs a recipe keeps in bf16 cast the operands to bf16. On CUDA the
 same function runs on FP8 tensor cores: Triton quantize kernels write each operand K-major
 with its scales and the Triton scaled grouped GEMMs
-(:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main loop (blockwise, MX) or once in the epilogue (rowwise, tensorwise, per-group wgrad); rowwise
-and tensorwise forward / dgrad with bf16 operands on Hopper go to ``torch._scaled_grouped_mm``.
+(:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main loop
+(blockwise, MX) or once in the epilogue (rowwise, tensorwise, per-group wgrad); rowwise and
+tensorwise forward / dgrad with bf16 operands on Hopper go to ``torch._scaled_grouped_mm``.
 Which kernel runs is decided by :func:`gemm_kernel`, a plain function of the recipe, the
 shapes and the device (tested on CPU); ``torch_moe::scaled_grouped_mm`` (what a compiled
 graph decomposes these ops into) picks by the same rule (:func:`scaled_op_kernel`), so the
