@@ -63,6 +63,21 @@ def _operands(rows, hidden, h_dtype, out_dtype, seed=0, pad=0):
     return h, grad_a, torch.rand(rows, generator=g)
 
 
+def _tables_off(kernel, out):
+    """A native activation kernel (its last argument ``table``) run without the gate
+    tables, and, where the caller asks for them, its output argument ``out`` returned with
+    its last row one ulp off: a build whose tables give other bits, for the checks that
+    must refuse it."""
+
+    def call(*args):
+        *rest, table = args
+        kernel(*rest, False)
+        if table:
+            args[out].view(torch.int16)[-1].add_(1)
+
+    return staticmethod(call)
+
+
 def _bits(t):
     """t's bits as integers (NaNs compare by their bit patterns), or None."""
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -191,12 +206,7 @@ class TestNativeSwiGLU(TestCase):
         mod = _native.kernels()
 
         class OffByOne:
-            @staticmethod
-            def swiglu_forward(h, rw, out, stream=False, table=False):
-                mod.swiglu_forward(h, rw, out, stream, False)
-                if table:
-                    out.view(torch.int16).add_(1)
-
+            swiglu_forward = _tables_off(mod.swiglu_forward, out=2)
             swiglu_backward = mod.swiglu_backward
 
         with self.assertWarnsRegex(UserWarning, r"gate tables give other bits .*bfloat16"):
@@ -204,12 +214,7 @@ class TestNativeSwiGLU(TestCase):
 
         class BackwardOff:  # the tables' backward alone off: dH's last bit
             swiglu_forward = mod.swiglu_forward
-
-            @staticmethod
-            def swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_w, stream=False, table=False):
-                mod.swiglu_backward(h, grad_a, rw, out_a, out_dh, grad_w, stream, False)
-                if table:
-                    out_dh.view(torch.int16)[-1].add_(1)
+            swiglu_backward = _tables_off(mod.swiglu_backward, out=4)
 
         with self.assertWarnsRegex(UserWarning, r"gate tables give other bits .*bfloat16"):
             self.assertFalse(gs._table_matches(BackwardOff, BF16))
@@ -735,12 +740,7 @@ class TestNativeGluOai(TestCase):
                 self.assertTrue(torch.equal(x, y), msg=str(limit))
 
         class OffByOne:  # a build whose tables give other bits: refused, with a warning
-            @staticmethod
-            def glu_swiglu_forward(h, rw, out, alpha, limit, interleaved, step, table=False):
-                mod.glu_swiglu_forward(h, rw, out, alpha, limit, interleaved, step, False)
-                if table:
-                    out.view(torch.int16).add_(1)
-
+            glu_swiglu_forward = _tables_off(mod.glu_swiglu_forward, out=2)
             glu_swiglu_backward = mod.glu_swiglu_backward
 
         with self.assertWarnsRegex(UserWarning, r"glu kernel's gate tables give other bits"):
@@ -748,12 +748,7 @@ class TestNativeGluOai(TestCase):
 
         class BackwardOff:  # the tables' backward alone off: dH's last bit
             glu_swiglu_forward = mod.glu_swiglu_forward
-
-            @staticmethod
-            def glu_swiglu_backward(h, grad_a, rw, dh, grad_w, alpha, limit, inter, step, table):
-                mod.glu_swiglu_backward(h, grad_a, rw, dh, grad_w, alpha, limit, inter, step, False)
-                if table:
-                    dh.view(torch.int16)[-1].add_(1)
+            glu_swiglu_backward = _tables_off(mod.glu_swiglu_backward, out=3)
 
         with self.assertWarnsRegex(UserWarning, r"glu kernel's gate tables give other bits"):
             self.assertFalse(glu_mod._table_matches(BackwardOff, BF16))

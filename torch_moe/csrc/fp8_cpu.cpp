@@ -1,4 +1,5 @@
-// FP8 e4m3fn conversions for the CPU FP8 emulation (torch_moe/quantization/quantize.py):
+// FP8 e4m3fn conversions and quantizers for the CPU FP8 emulation
+// (torch_moe/quantization/quantize.py, scaled_grouped_mm.py):
 //
 //   fp8_from_float(x fp32, out e4m3fn) -> bool
 //       out = x.clamp(-448, 448).to(float8_e4m3fn)   (the saturating cast; x not changed)
@@ -7,25 +8,25 @@
 //   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32)
 //       out = q.float() * scale[r / block_rows (or index[r]), c / block]   (dequantizers)
 //   fp8_quantize_rows(x [R, C] fp32 / bf16 / fp16, block_rows, block, q [R, C] e4m3fn,
-//                     scale [ceil(R / block_rows), ceil(C / block)] fp32)
-//       per block of block_rows x block elements (the last ones shorter):
-//       scale = max|x| / 448 (1 where that is not > 0: zeros, NaN), q = cast(x / scale);
-//       with rule 1 / 2 MX instead (scale uint8): the E8M0 power of two of the "floor" /
-//       "rceil" rule (quantize_mx's CPU kernel)
-//       (quantize_fp8's CPU kernel, quantize.py, in two passes over each block row: its
-//       columns' maxima, then its codes, the rows still in cache for blocks of a few rows)
+//                     scale [ceil(R / block_rows), ceil(C / block)], rule)
+//       per block of block_rows x block elements (the last ones shorter), rule 0 (FP8,
+//       fp32 scale): scale = max|x| / 448 (1 where that is not > 0: zeros, NaN); rule 1 /
+//       2 (MX, uint8 scale): the E8M0 power of two of the "floor" / "rceil" rule; then
+//       q = cast(x / scale). quantize_fp8's, quantize_mx's and quantize_jagged's CPU
+//       kernels, in two passes over each block row: its columns' maxima, then its codes
+//       (the rows still in cache for blocks of a few rows).
 //
 // ATen converts fp32 to e4m3fn one element at a time (c10's fp8e4m3fn_from_fp32_value),
 // 0.5-0.7 ns per element on the CPUs measured, and e4m3fn to fp32 at ~4 ns per element:
-// the FP8 emulation's quantizers and dequantizers spend most of their time there
+// the FP8 emulation's quantizers and dequantizers spent most of their time there
 // (benchmarks/results/cpu_floor_cpu_202612.md). These kernels take 8 elements per AVX2
 // step with the same bits: the cast is c10's integer recipe, lane by lane (round to
 // nearest even, e4m3fn's subnormals rounded by an fp32 addition of 2^14, whose ulp is
 // e4m3fn's smallest step 2^-9), NaN to 0x7F with x's sign, after the clamp (which keeps
 // NaN, as ATen's clamp does); the other way is a table of ATen's own 256 values. Tails
-// take c10's conversion and the table. Both need x and out (q and out) of one shape with
-// a contiguous last dim; each returns false without touching out where they do not apply
-// (another layout or dtype, a build without AVX2 vectors): the caller runs ATen.
+// take c10's conversion and the table. Each op returns false without touching its
+// outputs where it does not apply (another layout or dtype, a build without AVX2
+// vectors): the caller runs ATen.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -138,6 +139,13 @@ inline void store8(uint8_t* o, __m256i codes) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(two));
 }
 
+// ATen's fp32 values of 8 codes, by one gather from the table (fp8_values).
+inline __m256 gather8(const float* table, const uint8_t* codes) {
+  int64_t eight;
+  std::memcpy(&eight, codes, 8);
+  return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight)), 4);
+}
+
 // f(source row, destination row, cols) over every row of src and dst (of dtypes `in` and
 // `out`, one shape, contiguous last dims), in parallel; false where they do not apply.
 template <class In, class Out, class F>
@@ -165,12 +173,7 @@ bool fp8_to_float(const at::Tensor& q, at::Tensor& out) {
   return convert_rows<uint8_t, float>(
       q, out, at::kFloat8_e4m3fn, at::kFloat, [table](const uint8_t* s, float* o, int64_t cols) {
         int64_t j = 0;
-        for (; j + 8 <= cols; j += 8) {
-          int64_t eight;
-          std::memcpy(&eight, s + j, 8);
-          const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
-          _mm256_storeu_ps(o + j, _mm256_i32gather_ps(table, idx, 4));
-        }
+        for (; j + 8 <= cols; j += 8) _mm256_storeu_ps(o + j, gather8(table, s + j));
         for (; j < cols; ++j) o[j] = table[s[j]];
       });
 }
@@ -214,11 +217,7 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
     if (bc == 1) {  // a scale per column: 8 of them a step
       int64_t j = 0;
       for (; j + 8 <= cols; j += 8) {
-        int64_t eight;
-        std::memcpy(&eight, s + j, 8);
-        const __m256i ix = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_i32gather_ps(table, ix, 4),
-                                              _mm256_loadu_ps(srow + j)));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(gather8(table, s + j), _mm256_loadu_ps(srow + j)));
       }
       for (; j < cols; ++j) o[j] = table[s[j]] * srow[j];
       return;
@@ -228,12 +227,7 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
       const float f = srow[j0 / bc];
       const __m256 fv = _mm256_set1_ps(f);
       int64_t j = j0;
-      for (; j + 8 <= j1; j += 8) {
-        int64_t eight;
-        std::memcpy(&eight, s + j, 8);
-        const __m256i ix = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_i32gather_ps(table, ix, 4), fv));
-      }
+      for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(gather8(table, s + j), fv));
       for (; j < j1; ++j) o[j] = table[s[j]] * f;
     }
   });
@@ -369,42 +363,17 @@ bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tenso
   return true;
 }
 
-#else
+#else  // no AVX2 vectors: every op refuses, the caller runs ATen
 
-bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
-                           const std::optional<at::Tensor>& index, int64_t br, int64_t bc,
-                           at::Tensor& out) {
-  (void)q;
-  (void)scale;
-  (void)index;
-  (void)br;
-  (void)bc;
-  (void)out;
+bool fp8_dequantize_scaled(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           int64_t, int64_t, at::Tensor&) {
   return false;
 }
-
-bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tensor& q,
-                       at::Tensor& scale, int64_t rule) {
-  (void)rule;
-  (void)x;
-  (void)br;
-  (void)block;
-  (void)q;
-  (void)scale;
+bool fp8_quantize_rows(const at::Tensor&, int64_t, int64_t, at::Tensor&, at::Tensor&, int64_t) {
   return false;
 }
-
-bool fp8_from_float(const at::Tensor& x, at::Tensor& out) {
-  (void)x;
-  (void)out;
-  return false;
-}
-
-bool fp8_to_float(const at::Tensor& q, at::Tensor& out) {
-  (void)q;
-  (void)out;
-  return false;
-}
+bool fp8_from_float(const at::Tensor&, at::Tensor&) { return false; }
+bool fp8_to_float(const at::Tensor&, at::Tensor&) { return false; }
 
 #endif
 

@@ -238,7 +238,7 @@ def _quantize_bytes(kind: str, n: float) -> float:
     block rows in registers: ``quantize_fp8``, ``quantize_mx``, ``quantize_jagged``)."""
     from torch_moe.quantization.quantize import _QUANT_CHUNK
 
-    if kind in _CHUNK_BYTES and _native_dequantize():
+    if kind in _CHUNK_BYTES and _native_fp8():
         return _FQ_TRANSIENT[kind] * n  # the native quantizers: no fp32 chunk
     return _FQ_TRANSIENT[kind] * n + _CHUNK_BYTES.get(kind, 0) * min(n, _QUANT_CHUNK)
 
@@ -302,7 +302,7 @@ def _gemm_phase(
         # each chunk's fp32 values (the native kernel: times their scales in one pass)
         # with, by ATen's ops, the table's int32 codes or the rows' scales gathered to full
         # size while converting
-        conv = 4 if _native_dequantize() else 8
+        conv = 4 if _native_fp8() else 8
         chunks = chunk * max(conv * k, 4 * k + conv * n)  # A's value kept while B converts
         return max(quantize, n_a + n_b + per_row + b * n_out + 4 * n_out / groups + chunks)
     # forward / dgrad: per chunk, A's rows (int32 codes and fp32 values), then the chunk's
@@ -313,16 +313,17 @@ def _gemm_phase(
     in_chunk = min(experts, cap, max(1.0, chunk * experts / m))
     chunk = min(chunk, max(group_rows, in_chunk * m / experts))
     b_chunk = n_b * in_chunk / experts
-    conv = 4 if _native_dequantize() else 8  # fp32 values (and ATen's table's int32 codes)
+    conv = 4 if _native_fp8() else 8  # fp32 values (and ATen's table's int32 codes)
     per_chunk = max(
         conv * chunk * k, 4 * chunk * k + conv * b_chunk, 4 * chunk * (k + n) + 4 * b_chunk
     )
     return max(quantize, n_a + n_b + b * n_out + per_chunk)
 
 
-def _native_dequantize() -> bool:
-    """Whether the CPU kernels dequantize e4m3 by the native kernel (fp32 values only),
-    else through ATen's table (an int32 code per element too)."""
+def _native_fp8() -> bool:
+    """Whether this CPU's emulation quantizes and dequantizes e4m3 by the native kernels
+    (no fp32 chunks; fp32 values only), else by ATen's ops (chunks, the table's int32
+    codes, the rows' scales gathered)."""
     from torch_moe.quantization.quantize import native_fp8_conversions
 
     return native_fp8_conversions()
@@ -331,9 +332,9 @@ def _native_dequantize() -> bool:
 def _mx_in_bf16_here() -> bool:
     """Whether this CPU's scaled GEMM kernels multiply MX operands with a bf16 output in
     bf16 (``scaled_grouped_mm._mx_in_bf16``: bf16 GEMMs native here)."""
-    from torch_moe._ops.grouped_mm import cpu_compute_dtype
+    from torch_moe.quantization.scaled_grouped_mm import bf16_gemms_native
 
-    return cpu_compute_dtype(torch.bfloat16) == torch.bfloat16
+    return bf16_gemms_native()
 
 
 def _mx_bf16_phase(
@@ -360,7 +361,7 @@ def _mx_bf16_phase(
             _gm.copies_by_pieces(torch.bfloat16)
         ):
             copy = 2 * n_a
-        conv = 4 if _native_dequantize() else 8  # (ATen: the rows' scales gathered too)
+        conv = 4 if _native_fp8() else 8  # (ATen: the rows' scales gathered too)
         return (
             base
             + per_row

@@ -384,6 +384,8 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     M = sum(groups)
     kinds = recipe_operands(w.precision)
     gkey = "fp32" if c.cpu else None
+    from torch_moe.perf._memory import _mx_in_bf16_here
+
     mx_bf16 = c.cpu and c.key == "bf16" and w.precision.startswith("mx") and _mx_in_bf16_here()
 
     def gemm(
@@ -426,12 +428,6 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     gemm("wgrad", "TN", F, D, M * F, M * D, El * F * D, "bwd")
     gemm("dgrad", "NN", 2 * F, D, M * 2 * F, El * 2 * F * D, M * D, "bwd")
     gemm("wgrad", "TN", D, 2 * F, M * D, M * 2 * F, El * D * 2 * F, "bwd")
-
-
-def _mx_in_bf16_here() -> bool:
-    from torch_moe.perf._memory import _mx_in_bf16_here as here
-
-    return here()
 
 
 def _shared(c: _Ctx, phase_bwd: bool) -> None:

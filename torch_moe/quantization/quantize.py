@@ -128,6 +128,11 @@ def native_fp8_conversions() -> bool:
     )
 
 
+def _native_rule(fmt: str, scale_rule: str) -> int:
+    """The native quantizer's ``rule``: 0 FP8 (fp32 scales), 1 / 2 MX "floor" / "rceil"."""
+    return 0 if fmt == "fp8" else _SCALE_RULES.index(scale_rule) + 1
+
+
 def _to_fp8(x_scaled: Tensor) -> Tensor:
     """Saturating cast: torch's float8_e4m3fn cast turns out-of-range values into NaN.
     Clamps ``x_scaled`` in place: callers pass a temporary. (ATen's cast: the references'.)"""
@@ -528,7 +533,7 @@ def _quantize_mx_dense(x: Tensor, d: int, block: int, scale_rule: str) -> tuple[
     scale = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
     scales = _block_scales("mx", scale_rule)
     mod = _fp8_kernels(x)  # the native kernel (csrc/fp8_cpu.cpp): the same bits
-    rule = _SCALE_RULES.index(scale_rule) + 1
+    rule = _native_rule("mx", scale_rule)
     if inner > 1:
         x2, q2 = x.reshape(rows, inner), q.view(rows, inner)
         s2 = scale.view(rows // block, inner)
@@ -848,9 +853,9 @@ def _jagged_native(
     groups, then the rows past the last); False, having written nothing, where it does not
     apply."""
     mod = _fp8_kernels(x2)
-    if mod is None or not native_fp8_conversions():
+    if mod is None:
         return False
-    rule = 0 if fmt == "fp8" else _SCALE_RULES.index(scale_rule) + 1
+    rule = _native_rule(fmt, scale_rule)
     first = 0
     for start, end in zip([0, *ends], [*ends, rows]):
         size = end - start

@@ -362,8 +362,14 @@ def _mx_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> boo
         scale_a.dtype == torch.uint8
         and scale_b.dtype == torch.uint8
         and out_dtype == torch.bfloat16
-        and cpu_compute_dtype(torch.bfloat16) == torch.bfloat16
+        and bf16_gemms_native()
     )
+
+
+def bf16_gemms_native() -> bool:
+    """Whether this CPU multiplies bf16 natively (:func:`_mx_in_bf16`'s last condition,
+    which the performance model asks too)."""
+    return cpu_compute_dtype(torch.bfloat16) == torch.bfloat16
 
 
 def _dequantized_bf16(q: Tensor, rows: int, dequantize: Callable[[int, int], Tensor]) -> Tensor:
