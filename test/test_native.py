@@ -202,7 +202,7 @@ class TestNativeSwiGLU(TestCase):
     @needs_native
     def test_gate_tables_refused_where_their_bits_differ(self):
         # a build whose tables give other bits (here: every call with the tables computes
-        # the forward a one ulp off) is refused, measured or forced, with a warning
+        # the forward's last row one ulp off) is refused, measured or forced, with a warning
         mod = _native.kernels()
 
         class OffByOne:
