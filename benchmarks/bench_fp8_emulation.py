@@ -4,10 +4,12 @@ For each recipe and shape: one ``MoE`` layer step (forward + backward, bf16 laye
 ``precision=<recipe>``) on the CPU, timed three ways in the same process, rounds
 alternated: ``aten`` (the e4m3 casts, dequantization and quantize_fp8's block maxima by
 ATen's ops, the scaled GEMMs in fp32: the emulation before the native kernels),
-``native`` (csrc/fp8_cpu.cpp's conversions and quantizer) and ``native + MX bf16`` (also MX
-operands multiplied by the bf16 grouped GEMM where this CPU has native bf16 GEMMs,
-``scaled_grouped_mm._mx_in_bf16``). The first two give the same bits; the third the same
-math in another summation order (its largest difference from the fp32 form is printed).
+``native`` (csrc/fp8_cpu.cpp's conversions and quantizer) and ``native + bf16 GEMMs``
+(also, where this CPU has native bf16 GEMMs, MX operands multiplied by the bf16 grouped
+GEMM, ``scaled_grouped_mm._mx_in_bf16``, and the codes of GEMMs whose scales are constant
+along the reduction multiplied in bf16 with the scales applied to the fp32 sums,
+``_codes_in_bf16``). The first two give the same bits; the third the same math in another
+rounding order (its largest difference from the fp32 form is printed).
 Shapes are ``benchmarks/bench_perf_model.py``'s precision configs (prec1 / prec2 / prec3).
 
     python benchmarks/bench_fp8_emulation.py --threads 1 --clock cpu
@@ -38,21 +40,28 @@ SHAPES = {  # T, D, F, E, K
     "prec3": (512, 256, 128, 64, 4),
 }
 RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8")
-MODES = ("aten", "native", "native + MX bf16")
+MODES = ("aten", "native", "native + bf16 GEMMs")
+
+
+_BF16_ROUTES = ("_mx_in_bf16", "_codes_in_bf16", "_wgrad_codes_in_bf16")
 
 
 @contextlib.contextmanager
 def mode(name: str) -> Iterator[None]:
     """The emulation as ``name`` runs it (module attributes swapped, restored after)."""
-    kernels, mx = Q._fp8_kernels, S._mx_in_bf16
+    kernels = Q._fp8_kernels
+    routes = {r: getattr(S, r) for r in _BF16_ROUTES}
     if name == "aten":
         Q._fp8_kernels = lambda t: None
-    if name != "native + MX bf16":
-        S._mx_in_bf16 = lambda *a: False
+    if name != MODES[2]:
+        for r in _BF16_ROUTES:
+            setattr(S, r, lambda *a: False)
     try:
         yield
     finally:
-        Q._fp8_kernels, S._mx_in_bf16 = kernels, mx
+        Q._fp8_kernels = kernels
+        for r, f in routes.items():
+            setattr(S, r, f)
 
 
 def layer_step(recipe: str, shape: tuple[int, ...]) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -88,7 +97,7 @@ def main() -> None:
     print(f"# native e4m3 kernels here: {Q.native_fp8_conversions()}")
     print(f"# bf16 GEMMs native here: {S.cpu_compute_dtype(torch.bfloat16) == torch.bfloat16}")
     print(f"# one layer step, median of {args.reps} alternated rounds, {args.clock} clock, ms\n")
-    print("| recipe | T, D, F, E, K | aten | native | native + MX bf16 | max diff (y, dx) |")
+    print("| recipe | T, D, F, E, K | aten | native | native + bf16 GEMMs | max diff (y, dx) |")
     print("|---|---|---|---|---|---|")
     for recipe in args.recipes:
         for shape_name in args.shapes:
@@ -109,8 +118,7 @@ def main() -> None:
             base = med["aten"]
             same = all(torch.equal(a, b) for a, b in zip(outs["aten"], outs["native"]))
             diff = ", ".join(
-                f"{(a - b).abs().max().item():.2g}"
-                for a, b in zip(outs["native"], outs["native + MX bf16"])
+                f"{(a - b).abs().max().item():.2g}" for a, b in zip(outs["native"], outs[MODES[2]])
             )
             cells = [f"{med['aten']:.1f}"] + [
                 f"{med[m]:.1f} ({med[m] / base:.2f}x)" for m in MODES[1:]

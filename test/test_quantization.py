@@ -543,7 +543,83 @@ class TestFP8NativeConversions(TestCase):
             self.assertEqual(after, before, atol=0, rtol=0)
         q = torch.zeros(8, 16, dtype=torch.float8_e4m3fn)
         self.assertFalse(self.mod.fp8_to_float(q.t(), torch.empty(16, 8)))
-        self.assertFalse(self.mod.fp8_to_float(q, torch.empty(8, 16, dtype=torch.bfloat16)))
+        self.assertFalse(self.mod.fp8_to_float(q, torch.empty(8, 16, dtype=torch.float16)))
+        self.assertFalse(self.mod.fp8_to_float(q, torch.empty(8, 15, dtype=torch.bfloat16)))
+
+    def test_codes_to_bf16_exactly(self):
+        # e4m3's values are bf16 values: every code's ATen value, in bf16 (NaN codes NaN),
+        # whole vectors and a tail, strided rows; through _fp8_to_float with q's strides
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        q = torch.arange(256, dtype=torch.uint8).repeat(37).view(torch.float8_e4m3fn)
+        for n in (q.numel(), q.numel() - 5):
+            out = torch.empty(n, dtype=torch.bfloat16)
+            self.assertTrue(self.mod.fp8_to_float(q[:n], out))
+            self.assertEqual(out, q[:n].float().bfloat16(), atol=0, rtol=0)
+            self.assertEqual(out.float(), q[:n].float(), atol=0, rtol=0)  # exact
+        rows = q[:2000].view(40, 50)[::3, 7:]
+        out = torch.empty(rows.shape, dtype=torch.bfloat16)
+        self.assertTrue(self.mod.fp8_to_float(rows, out))
+        self.assertEqual(out, rows.float().bfloat16(), atol=0, rtol=0)
+        cols = q[:1200].view(30, 40).t()  # column-major: its dense permutation converted
+        got = Qm._fp8_to_float(cols, torch.bfloat16)
+        self.assertEqual(got.stride(), cols.stride())
+        self.assertEqual(got, cols.float().bfloat16(), atol=0, rtol=0)
+
+    def test_scale_sums_equal_aten(self):
+        """fp8_scale_sums: ((acc * row_scale[r]) * col_scale[col_row[r], c]).to(bf16), the
+        bits of ATen's products and rounding: ties to even, overflow to inf, NaN and inf
+        sums, denormal products; a scale per row or one, per column or one per group row;
+        tails of 8 lanes and strided rows."""
+        gen = torch.Generator().manual_seed(12)
+        big = torch.randn(30, 53, generator=gen) * torch.rand(30, 1, generator=gen).mul(60).exp2()
+        acc = big[:, 2:47]  # strided rows, 45 columns: a 5-lane tail
+        acc[0, :6] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3e38, 1e-39, 0.0])
+        acc[1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        rows = acc.shape[0]
+        col_row = torch.randint(0, 4, (rows,), generator=gen)
+        scales = {
+            "per row": torch.rand(rows, generator=gen) * 4,
+            "one": torch.tensor([2.0]),
+        }
+        col_scales = {
+            "per column": torch.rand(4, 45, generator=gen) * 4,
+            "one per group row": torch.rand(4, 1, generator=gen) * 4,
+            "ones": torch.ones(4, 45),
+        }
+        for (rn, rs), (cn, cs) in itertools.product(scales.items(), col_scales.items()):
+            out = torch.full(acc.shape, 7.0, dtype=torch.bfloat16)
+            self.assertTrue(self.mod.fp8_scale_sums(acc, rs, cs, col_row, out), msg=rn + cn)
+            want = (acc * rs[:, None]) * cs.index_select(0, col_row)
+            self.assertEqual(out, want.bfloat16(), atol=0, rtol=0, msg=f"{rn}, {cn}")
+        rs, cs = torch.ones(rows), torch.ones(4, 1)
+        out = torch.empty(acc.shape, dtype=torch.bfloat16)
+        self.assertTrue(self.mod.fp8_scale_sums(acc, rs, cs, col_row, out))
+        kept = [torch.tensor(v).bfloat16().item() for v in (3e38, 1e-39)]  # (a denormal)
+        self.assertEqual(out[0, :6].float().tolist(), [1.0, 1 + 2**-6, -1.0, *kept, 0.0])
+        self.assertGreater(kept[1], 0.0)
+
+    def test_scale_sums_refuse_what_they_do_not_take(self):
+        acc, out = torch.randn(6, 8), torch.full((6, 8), 7.0, dtype=torch.bfloat16)
+        rs, cs, cr = torch.ones(6), torch.ones(2, 8), torch.zeros(6, dtype=torch.long)
+        cases = {
+            "acc bf16": (acc.bfloat16(), rs, cs, cr, out),
+            "out fp32": (acc, rs, cs, cr, out.float()),
+            "row scales of 5": (acc, rs[:5], cs, cr, out),
+            "column scales of 7": (acc, rs, cs[:, :7], cr, out),
+            "col_row past the groups": (acc, rs, cs, cr + 2, out),
+            "col_row int32": (acc, rs, cs, cr.int(), out),
+            "strided columns": (
+                acc.t(),
+                rs[:1],
+                cs[:, :6],
+                torch.zeros(8, dtype=torch.long),
+                out.t(),
+            ),
+        }
+        for name, args in cases.items():
+            before = args[-1].clone()
+            self.assertFalse(self.mod.fp8_scale_sums(*args), msg=name)
+            self.assertTrue(torch.equal(args[-1], before), msg=name)
 
     def test_block_quantizer_equals_reference_on_special_values(self):
         """quantize_fp8's CPU kernel in its native form (each block row's maxima, then its

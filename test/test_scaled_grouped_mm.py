@@ -18,6 +18,7 @@ import textwrap
 import naive
 import tolerances
 import torch
+from test_cpu_probe import intra_op_threads
 from torch.library import opcheck
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -109,10 +110,11 @@ class TestRecipeSpec(TestCase):
 
 
 class TestScaledGroupedMMCPUKernels(TestCase):
-    """The CPU kernels dequantize in chunks of whole groups and multiply group by group;
-    they must equal the whole-operand form (dequantize all of a and b, then the grouped
-    GEMM) bit for bit, across chunk boundaries, empty groups, a group larger than a chunk
-    and rows past the last group."""
+    """The CPU kernels' fp32 form dequantizes in chunks of whole groups and multiplies group
+    by group; it must equal the whole-operand form (dequantize all of a and b, then the
+    grouped GEMM) bit for bit, across chunk boundaries, empty groups, a group larger than a
+    chunk and rows past the last group. (Where this CPU multiplies bf16 natively, bf16
+    outputs of one-K-block scales take the codes' bf16 GEMM instead: tested on its own.)"""
 
     CASES = ([7, 0, 33, 1, 0, 50], [0, 0, 0], [120], [1, 1, 1, 1, 1, 1, 1, 1, 90])
 
@@ -134,7 +136,10 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                 for out_dtype in (F32, torch.bfloat16):
                     want = S.grouped_mm(a_f, b_f, offs).to(out_dtype)
                     for chunk in (1, 64 * 96, 2**18):  # one group per chunk .. all in one
-                        with mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk):
+                        with (
+                            mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
+                            mock.patch.object(S, "_codes_in_bf16", lambda *a: False),
+                        ):
                             got = ops.scaled_grouped_mm(
                                 qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, out_dtype
                             )
@@ -159,7 +164,10 @@ class TestScaledGroupedMMCPUKernels(TestCase):
             for out_dtype in (F32, torch.bfloat16):
                 want = S.grouped_mm_wgrad(a_f, b_f, offs).to(out_dtype)
                 for chunk in (1, 64 * 64, 2**18):
-                    with mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk):
+                    with (
+                        mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
+                        mock.patch.object(S, "_wgrad_codes_in_bf16", lambda *a: False),
+                    ):
                         got = ops.scaled_grouped_mm_wgrad(
                             qx, qdy, sx, sdy, offs, g.lhs.inner, out_dtype
                         )
@@ -280,6 +288,77 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         self.assertFalse(S._mx_in_bf16(sa8, sb8, bf))
         self.assertFalse(S._mx_in_bf16(sa, sb8, bf))  # one operand MX: the other is not exact
         self.assertFalse(S._mx_in_bf16(sa8, sb, bf))
+
+    def test_codes_multiply_in_bf16_where_native(self):
+        """Scales constant along the reduction (one K block: rowwise, tensorwise, blockwise
+        with K <= 128; a weight gradient's per-expert or per-tensor scales) and a bf16
+        output: where torch_moe's native bf16 GEMM runs here, the e4m3 codes themselves are
+        multiplied in bf16 into fp32 sums, then each sum times its row's and its column's
+        scale and rounded once, bit for bit that formula over the groups (empty ones, a
+        ragged column block, rows past the last group zero) on one and two threads; the
+        fp32 form elsewhere (no native GEMM, an fp32 output, scales along K, MX)."""
+        from torch_moe._ops import _native
+
+        bf = torch.bfloat16
+        gen = torch.Generator().manual_seed(13)
+        sizes = [7, 0, 90, 1, 33]
+        offs = make_offs(sizes)
+        E, m, n = len(sizes), int(offs[-1]) + 3, 200  # 200: a 128-column block and 72
+        native = S.native_gemm_ready(bf)
+        for recipe, k in (("fp8_rowwise", 96), ("fp8_tensorwise", 64), ("fp8_blockwise", 128)):
+            g = RECIPES[recipe].forward
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(8).exp2()
+            w = torch.randn(E, k, n, generator=gen) * torch.rand(1, 1, n, generator=gen)
+            qa, sa = S.quantize_lhs(x, g.lhs)
+            qb, sb = S.quantize_rhs(w, g.rhs)
+            self.assertEqual(S._codes_in_bf16(sa, sb, bf), native, msg=recipe)
+            self.assertFalse(S._codes_in_bf16(sa, sb, F32))
+            if not native:  # (the fp32 form: the tests above)
+                continue
+            sb_n = S._expand(sb.expand(E, 1, sb.shape[2])[:, 0, :], 1, g.rhs.outer, n)
+            want = torch.zeros(m, n, dtype=bf)
+            start = 0
+            for e, end in enumerate(offs.tolist()):
+                sums = torch.empty(end - start, n)
+                if end > start:
+                    a_e, b_e = qa[start:end].to(bf), qb[e].to(bf)
+                    self.assertTrue(_native.kernels().bf16_mm(a_e, b_e, sums))
+                    row_s = sa[start:end] if sa.shape[0] == m else sa.reshape(1, 1)
+                    want[start:end] = ((sums * row_s) * sb_n[e]).to(bf)
+                start = end
+            for threads in (1, 2):
+                with intra_op_threads(threads):
+                    got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, bf)
+                self.assertEqual(got, want, atol=0, rtol=0, msg=f"{recipe} on {threads}")
+        # the weight gradient: per-expert (rowwise: jagged blocks of whole groups) or per
+        # tensor scales; blockwise's 128-row blocks are not constant over a group
+        x = torch.randn(m, 48, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
+        dy = torch.randn(m, 40, generator=gen)
+        for recipe in ("fp8_rowwise", "fp8_tensorwise", "fp8_blockwise"):
+            g = RECIPES[recipe].wgrad
+            qx, sx = S.quantize_wgrad_operand(x, offs, g.lhs)
+            qdy, sdy = S.quantize_wgrad_operand(dy, offs, g.rhs)
+            takes = native and recipe != "fp8_blockwise"
+            self.assertEqual(S._wgrad_codes_in_bf16(sx, sdy, g.lhs.inner, bf), takes, msg=recipe)
+            if not takes:
+                continue
+            per_tensor = list(sx.shape) == [1, 1]
+            want = torch.zeros(E, 48, 40, dtype=bf)
+            start, row = 0, 0
+            for e, end in enumerate(offs.tolist()):
+                if end > start:
+                    sums = torch.empty(48, 40)
+                    a_e, b_e = qx[start:end].to(bf).t(), qdy[start:end].to(bf)
+                    self.assertTrue(_native.kernels().bf16_mm(a_e, b_e, sums))
+                    s_x = sx.reshape(1, 1) if per_tensor else sx[row][:, None]
+                    s_dy = sdy.reshape(1, 1) if per_tensor else sdy[row][None, :]
+                    want[e] = ((sums * s_x) * s_dy).to(bf)
+                    row += 1
+                start = end
+            for threads in (1, 2):
+                with intra_op_threads(threads):
+                    got = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, g.lhs.inner, bf)
+                self.assertEqual(got, want, atol=0, rtol=0, msg=f"{recipe} wgrad on {threads}")
 
     def test_chunks_of_groups(self):
         # whole groups, about chunk_rows rows each; a larger group alone; empty ones ride along

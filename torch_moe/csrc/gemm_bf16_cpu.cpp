@@ -333,11 +333,11 @@ TORCH_MOE_GEMM_INLINE void step(const uint16_t* const* rows, int64_t off, const 
 // c[r][0..cols) = sum over k of a's rows r < R (row r's pair p at rows[r] + p * ks) times
 // the panel (cols <= 64): K's pairs in blocks of kKBlock, each summed from zero and added
 // to the running sums in order; an odd K's last pair is (a[r][K - 1], 0), read as its one
-// element (a row-major a has no element K). One rounding into c.
-template <int R>
+// element (a row-major a has no element K). One rounding into a bf16 c; an fp32 c takes
+// the sums as they are.
+template <int R, class Out>
 TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const uint32_t* panel,
-                                int64_t K, uint16_t* c, int64_t ldc, int64_t cols,
-                                bool stream) {
+                                int64_t K, Out* c, int64_t ldc, int64_t cols, bool stream) {
   const int64_t pairs = (K + 1) / 2, whole = K / 2;
   const uint16_t* rp[R];  // the row pointers in registers, not re-read per k pair
   for (int r = 0; r < R; ++r) rp[r] = rows[r];
@@ -354,21 +354,32 @@ TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const u
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) sum[r][v] = p0 == 0 ? acc[r][v] : _mm512_add_ps(sum[r][v], acc[r][v]);
   }
-  for (int r = 0; r < R; ++r) {
-    int v = 0;
-    for (; v < 4 && 16 * v + 32 <= cols; v += 2) {  // whole lines of 32 columns
-      store_line(c + r * ldc + 16 * v, (__m256i)_mm512_cvtneps_pbh(sum[r][v]),
-                 (__m256i)_mm512_cvtneps_pbh(sum[r][v + 1]), stream);
+  if constexpr (std::is_same_v<Out, float>) {
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < 4 && 16 * v < cols; ++v) {
+        const int64_t n = cols - 16 * v;
+        _mm512_mask_storeu_ps(c + r * ldc + 16 * v,
+                              n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1), sum[r][v]);
+      }
     }
-    for (; v < 4 && 16 * v < cols; ++v) {
-      store_16(c + r * ldc + 16 * v, (__m256i)_mm512_cvtneps_pbh(sum[r][v]), cols - 16 * v);
+  } else {
+    for (int r = 0; r < R; ++r) {
+      int v = 0;
+      for (; v < 4 && 16 * v + 32 <= cols; v += 2) {  // whole lines of 32 columns
+        store_line(c + r * ldc + 16 * v, (__m256i)_mm512_cvtneps_pbh(sum[r][v]),
+                   (__m256i)_mm512_cvtneps_pbh(sum[r][v + 1]), stream);
+      }
+      for (; v < 4 && 16 * v < cols; ++v) {
+        store_16(c + r * ldc + 16 * v, (__m256i)_mm512_cvtneps_pbh(sum[r][v]), cols - 16 * v);
+      }
     }
   }
 }
 
+template <class Out>
 TORCH_MOE_GEMM_TARGET void tile_rows(int rows, const uint16_t* const* a, int64_t ks,
-                                     const uint32_t* panel, int64_t K, uint16_t* c,
-                                     int64_t ldc, int64_t cols, bool stream) {
+                                     const uint32_t* panel, int64_t K, Out* c, int64_t ldc,
+                                     int64_t cols, bool stream) {
   switch (rows) {
     case 6: tile<6>(a, ks, panel, K, c, ldc, cols, stream); break;
     case 5: tile<5>(a, ks, panel, K, c, ldc, cols, stream); break;
@@ -396,13 +407,25 @@ struct BOperand {
   }
 };
 
+// A thread's packing buffers for gemm, kept between calls and shared by its output types.
+struct GemmScratch {
+  std::vector<uint32_t> panels, a_packed;
+  std::vector<const uint16_t*> row_ptrs;
+};
+
+GemmScratch& gemm_scratch() {
+  thread_local GemmScratch scratch;
+  return scratch;
+}
+
 // c [M, N] = a @ b: a's rows from `a` (row-major: a's rows; column-major: the rows of a^T,
-// [K, M], packed here), b as BOperand.
-TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOperand& b,
-                                uint16_t* c, int64_t ldc, int64_t M, int64_t N, int64_t K,
-                                bool stream) {
-  thread_local std::vector<uint32_t> panels, a_packed;
-  thread_local std::vector<const uint16_t*> row_ptrs;
+// [K, M], packed here), b as BOperand; c bf16, or fp32 (the sums unrounded).
+template <class Out>
+TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOperand& b, Out* c,
+                                int64_t ldc, int64_t M, int64_t N, int64_t K, bool stream) {
+  GemmScratch& scratch = gemm_scratch();
+  std::vector<uint32_t>&panels = scratch.panels, &a_packed = scratch.a_packed;
+  std::vector<const uint16_t*>& row_ptrs = scratch.row_ptrs;
   const int64_t pairs = (K + 1) / 2, panel_words = pairs * kNr, n_panels = (N + kNr - 1) / kNr;
   // a's row m: its pair p at row_ptrs[m] + p * ks
   const uint16_t** const row_p = aligned_scratch(row_ptrs, M);  // (the address: once)
@@ -1034,8 +1057,9 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
                Gather b_rows, bool stream) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!bf16_gemm_available() || a.dim() != 2 || b.dim() != 2 || out.dim() != 2) return false;
+  const bool fp32_out = out.scalar_type() == at::kFloat;
   if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 ||
-      out.scalar_type() != at::kBFloat16) {
+      (out.scalar_type() != at::kBFloat16 && !fp32_out)) {
     return false;
   }
   const int64_t M = out.size(0), N = out.size(1);
@@ -1064,10 +1088,15 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   if (static_cast<int64_t>(zero.size()) < longest) zero.assign(longest, 0);
   const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
   const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
-  auto* cp = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
   const RowSource a_src{ap, a_rows_major ? a.stride(0) : a.stride(1), a_rows.index, zero.data()};
   const RowSource b_src{bp, b_rows_major ? b.stride(0) : b.stride(1), b_rows.index, zero.data()};
   const BOperand b_op{b_src, !b_rows_major, K};
+  if (fp32_out) {  // the AVX512-BF16 micro-kernel's sums on every CPU (header)
+    gemm(a_src, !a_rows_major, b_op, out.mutable_data_ptr<float>(), out.stride(0), M, N, K,
+         false);
+    return true;
+  }
+  auto* cp = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
   if (amx_on.load(std::memory_order_relaxed)) {
     if (!b_rows_major && a_rows_major) {
       amx_gemm_bt(a_src, b_src, cp, out.stride(0), M, N, K, stream);

@@ -28,7 +28,9 @@ struct Gather {
 };
 
 // out = a @ b (a [M, K], b [K, N], out [M, N], all bf16; a and b row- or column-major, out
-// row-major with any row stride) on the calling thread, where bf16_gemm_available();
+// row-major with any row stride) on the calling thread, where bf16_gemm_available(). An
+// fp32 out takes each element's fp32 sum unrounded, by the AVX512-BF16 micro-kernel also
+// where AMX is on (its bits then do not depend on the CPU's AMX; `stream` is not used);
 // returns false without touching out where it does not apply (the caller runs its ATen
 // GEMM instead). With a_rows, a's stored rows are gathered: a is the source of a's M
 // rows ([S, K], row-major), or with a_rows.transposed the transposed view of the source

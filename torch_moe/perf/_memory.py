@@ -272,6 +272,7 @@ def _gemm_phase(
     rows: float = 0.0,
     group_rows: float = 0.0,
     wgrad: bool = False,
+    codes: bool = False,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
@@ -283,7 +284,8 @@ def _gemm_phase(
     of them, or one expert), then each chunk's fp32 product, into the output; wgrad
     dequantizes both token-order operands per chunk (the value; by ATen's ops also the
     table's index or the rows' scales gathered) into one group's fp32 product, with the
-    jagged operands' scale row per row (int64)."""
+    jagged operands' scale row per row (int64). ``codes``: the kernels multiply the codes
+    in bf16 instead (:func:`_codes_bf16_here`, :func:`_codes_bf16_phase`)."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -292,6 +294,8 @@ def _gemm_phase(
     quantize = max(_quantize_bytes(kinds[0], n_a), n_a + _quantize_bytes(kinds[1], n_b))
     m = max(rows, 1.0)
     k, n = n_a / m, (n_b if wgrad else n_out) / m
+    if codes:
+        return max(quantize, _codes_bf16_phase(n_a, n_b, n_out, m, k, wgrad))
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
         return max(quantize, _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad))
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
@@ -335,6 +339,38 @@ def _mx_in_bf16_here() -> bool:
     from torch_moe.quantization.scaled_grouped_mm import bf16_gemms_native
 
     return bf16_gemms_native()
+
+
+def _codes_bf16_here(precision: str, gemm: str, k: float, b: int) -> bool:
+    """Whether this CPU's scaled GEMM kernels multiply a recipe GEMM's e4m3 codes in bf16
+    and scale the fp32 sums (``scaled_grouped_mm._codes_in_bf16``,
+    ``_wgrad_codes_in_bf16``): a bf16 layer, fp32 scales constant along the reduction
+    (tensorwise; rowwise; blockwise's forward / dgrad where K <= 128), torch_moe's
+    native bf16 GEMM here."""
+    from torch_moe._ops.grouped_mm import native_gemm_ready
+
+    if b != 2 or precision not in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"):
+        return False
+    if precision == "fp8_blockwise" and (gemm == "wgrad" or k > 128):
+        return False
+    return native_gemm_ready(torch.bfloat16)
+
+
+def _codes_bf16_phase(
+    n_a: float, n_b: float, n_out: float, m: float, k: float, wgrad: bool
+) -> float:
+    """Peak bytes of a scaled GEMM's CPU kernel on the codes in bf16 (``_codes_bf16_here``)
+    above the e4m3 operands: the fp32 sums [M, N] (wgrad [E, K, N]), then bf16 copies of
+    both operands' codes for the GEMM (freed after it); then the bf16 output while the sums
+    are live, with each row's group (int64; wgrad: each sum row's, and the groups' scale
+    rows)."""
+    base = n_a + n_b
+    gemm = 4 * n_out + 2 * n_a + 2 * n_b
+    rows = 8 * m
+    if wgrad:  # sum rows E*K: their group's index, and the groups' scale rows (fp32)
+        groups = n_out / max(k * (n_b / max(m, 1.0)), 1.0)
+        rows = 8 * groups * k + 4 * (groups * k + n_out / max(k, 1.0))
+    return base + max(gemm, 6 * n_out + rows)
 
 
 def _mx_bf16_phase(
@@ -389,9 +425,17 @@ def _whole_tensor_phases(
     D, F, El, b = w.dim, w.hidden_dim, w.local_experts, w.element_size
     recipe = w.precision != "bf16"
     w2, w13 = El * D * F, El * 2 * F * D
+    codes = {g: False for g in ("dgrad1", "dgrad2", "wgrad")}
     if recipe:
         q = _operand_kinds(w.precision, cpu)
         dgrad, wgrad = q["dgrad"], q["wgrad"]
+        if cpu:  # (first GEMM's dgrad: k = 2F; the second's: k = D)
+            p = w.precision
+            codes = dict(
+                dgrad1=_codes_bf16_here(p, "dgrad", 2 * F, b),
+                dgrad2=_codes_bf16_here(p, "dgrad", D, b),
+                wgrad=_codes_bf16_here(p, "wgrad", 0, b),
+            )
     else:  # bf16 on a GPU: grouped GEMMs straight from the operands
         dgrad = wgrad = ("bf16", "bf16")
     emu = cpu and recipe
@@ -410,10 +454,22 @@ def _whole_tensor_phases(
     # is freed once its backward is done, before the SwiGLU's and the first GEMM's
     dy = M * D * b if recipe else 0.0
     phases = [
-        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m),
+        base
+        + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m, codes=codes["dgrad2"]),
         base
         + M * F * b
-        + _gemm_phase(wgrad, M * F, M * D, w2, b, emu, rows=M, group_rows=m, wgrad=True),
+        + _gemm_phase(
+            wgrad,
+            M * F,
+            M * D,
+            w2,
+            b,
+            emu,
+            rows=M,
+            group_rows=m,
+            wgrad=True,
+            codes=codes["wgrad"],
+        ),
         base - dy + M * F * b + w2 * (b + copy),  # accumulated after its GEMM's backward
         # the SwiGLU backward: dA [M, F] and dH [M, 2F]; its fp32 temporaries over all M
         # rows on a GPU (and A [M, F]), one row chunk's on a CPU (and the chunk's A)
@@ -421,10 +477,24 @@ def _whole_tensor_phases(
     ]
     after = base - dy - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
     phases += [
-        after + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m),
+        after
+        + _gemm_phase(
+            dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m, codes=codes["dgrad1"]
+        ),
         after
         + M * D * b
-        + _gemm_phase(wgrad, M * D, M * 2 * F, w13, b, emu, rows=M, group_rows=m, wgrad=True),
+        + _gemm_phase(
+            wgrad,
+            M * D,
+            M * 2 * F,
+            w13,
+            b,
+            emu,
+            rows=M,
+            group_rows=m,
+            wgrad=True,
+            codes=codes["wgrad"],
+        ),
         # its weight gradient accumulated once its backward has returned: dH freed
         after - M * 2 * F * b + M * D * b + w13 * (b + copy),
     ]
@@ -616,11 +686,13 @@ def memory(
             if w.precision != "bf16":
                 q = _operand_kinds(w.precision, cpu)
                 fwd1 = _gemm_phase(
-                    q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M, group_rows=m
-                )
+                    q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M,
+                    group_rows=m, codes=cpu and _codes_bf16_here(w.precision, "forward", D, b),
+                )  # fmt: skip
                 fwd2 = _gemm_phase(
-                    q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m
-                )
+                    q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m,
+                    codes=cpu and _codes_bf16_here(w.precision, "forward", F, b),
+                )  # fmt: skip
                 act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
             dyn = act + T * D * (4 + b) + y + comm
         peak = resident + dyn

@@ -152,22 +152,25 @@ def _to_fp8_into(out: Tensor, x_scaled: Tensor) -> None:
 _FP8_VALUES: dict[torch.device, Tensor] = {}
 
 
-def _fp8_to_float(q: Tensor) -> Tensor:
-    """``q.float()`` (same values, same strides) for e4m3 ``q``; on CPU through a table of
-    the 256 codes' fp32 values (the native kernel's where it applies, else an
-    ``index_select``), several times faster than the CPU cast."""
+def _fp8_to_float(q: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``q.to(dtype)`` (same values, same strides) for e4m3 ``q`` and ``dtype`` fp32 or bf16
+    (e4m3's values are bf16 values: exact either way); on CPU through a table of the 256
+    codes' fp32 values (the native kernel's where it applies, else an ``index_select``),
+    several times faster than the CPU cast."""
     if q.device.type != "cpu" or q.numel() == 0:
-        return q.float()
+        return q.to(dtype)
     strides, sizes = q.stride(), q.shape
     order = sorted(range(q.dim()), key=lambda d: (-strides[d], -sizes[d]))
     dense = q.permute(order)
     if not dense.is_contiguous():
-        return q.float()
+        return q.to(dtype)
     mod = _fp8_kernels(q)
     if mod is not None:
-        out = torch.empty(dense.shape, dtype=torch.float32, device=q.device)
+        out = torch.empty(dense.shape, dtype=dtype, device=q.device)
         if mod.fp8_to_float(dense.reshape(-1), out.view(-1)):
             return out.permute([order.index(d) for d in range(q.dim())])
+    if dtype != torch.float32:
+        return _fp8_to_float(q).to(dtype)
     table = _FP8_VALUES.get(q.device)
     if table is None:
         codes = torch.arange(256, dtype=torch.uint8, device=q.device).view(_FP8)
