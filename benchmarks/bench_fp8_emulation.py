@@ -8,7 +8,8 @@ ATen's ops, the scaled GEMMs in fp32: the emulation before the native kernels),
 (also, where this CPU has native bf16 GEMMs, MX operands multiplied by the bf16 grouped
 GEMM, ``scaled_grouped_mm._mx_in_bf16``, and the codes of GEMMs whose scales are constant
 along the reduction multiplied in bf16 with the scales applied to the fp32 sums,
-``_codes_in_bf16``). The first two give the same bits; the third the same math in another
+``_codes_in_bf16``, or blockwise scales applied per k block inside the GEMM's tiles,
+``_blocks_in_bf16``). The first two give the same bits; the third the same math in another
 rounding order (its largest difference from the fp32 form is printed).
 Shapes are ``benchmarks/bench_perf_model.py``'s precision configs (prec1 / prec2 / prec3).
 
@@ -43,7 +44,7 @@ RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8")
 MODES = ("aten", "native", "native + bf16 GEMMs")
 
 
-_BF16_ROUTES = ("_mx_in_bf16", "_codes_in_bf16", "_wgrad_codes_in_bf16")
+_BF16_ROUTES = ("_mx_in_bf16", "_codes_in_bf16", "_wgrad_codes_in_bf16", "_blocks_in_bf16")
 
 
 @contextlib.contextmanager

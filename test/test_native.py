@@ -1867,6 +1867,43 @@ class TestNativeBF16GEMM(TestCase):
                 self.assertFalse(_native.kernels().bf16_mm(x, y, o))
                 self.assertTrue((o == 7).all())
 
+    def test_block_scaled_ops_refuse_what_they_do_not_take(self):
+        # fp8_block_scaled_mm(_wgrad) (the FP8 emulation's blockwise GEMMs, values in
+        # test_scaled_grouped_mm): false without touching out for operands they do not take
+        mod = _native.kernels()
+        a, b = torch.ones(6, 10, dtype=BF16), torch.ones(2, 10, 70, dtype=BF16)
+        rs, cs = torch.ones(6, 3), torch.ones(2, 3, 128)
+        offs, out = torch.tensor([2, 6], dtype=torch.int32), torch.full((6, 70), 7.0, dtype=BF16)
+        cases = {
+            "fp16 a": (a.half(), b, rs, cs, offs, 4, out),
+            "odd block": (a, b, torch.ones(6, 4), cs, offs, 3, out),
+            "row scales of 2 blocks": (a, b, rs[:, :2], cs, offs, 4, out),
+            "columns' scales not padded to 128": (a, b, rs, cs[:, :, :70], offs, 4, out),
+            "a column-major": (a.t().contiguous().t(), b, rs, cs, offs, 4, out),
+            "offs past the rows": (a, b, rs, cs, torch.tensor([2, 7], dtype=torch.int32), 4, out),
+            "offs int64": (a, b, rs, cs, offs.long(), 4, out),
+            "out fp16": (a, b, rs, cs, offs, 4, out.half()),
+        }
+        for name, args in cases.items():
+            before = args[-1].clone()
+            with self.subTest(name):
+                self.assertFalse(mod.fp8_block_scaled_mm(*args))
+                self.assertTrue(torch.equal(args[-1], before))
+        dy, out_w = torch.ones(6, 70, dtype=BF16), torch.full((2, 10, 70), 7.0, dtype=BF16)
+        rs_w, cs_w = torch.ones(2, 10), torch.ones(2, 128)
+        cases = {
+            "jagged blocks past the scale rows": (a, dy, rs_w, cs_w, offs, 2, out_w),
+            "b column-major": (a, dy.t().contiguous().t(), torch.ones(3, 10), cs_w, offs, 6, out_w),
+            "columns' scales not padded": (a, dy, rs_w, cs_w[:, :70], offs, 6, out_w),
+            "out of another shape": (a, dy, rs_w, cs_w, offs, 6, out_w[:, :9]),
+        }
+        for name, args in cases.items():
+            before = args[-1].clone()
+            with self.subTest(name):
+                self.assertFalse(mod.fp8_block_scaled_mm_wgrad(*args))
+                self.assertTrue(torch.equal(args[-1], before))
+        self.assertTrue(mod.fp8_block_scaled_mm_wgrad(a, dy, rs_w, cs_w, offs, 6, out_w))
+
     @parametrize("a_layout", ["row", "col"])
     @parametrize("b_layout", ["row", "col"])
     def test_odd_k_reads_nothing_past_a_row(self, a_layout, b_layout):

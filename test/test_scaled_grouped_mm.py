@@ -114,7 +114,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
     by group; it must equal the whole-operand form (dequantize all of a and b, then the
     grouped GEMM) bit for bit, across chunk boundaries, empty groups, a group larger than a
     chunk and rows past the last group. (Where this CPU multiplies bf16 natively, bf16
-    outputs of one-K-block scales take the codes' bf16 GEMM instead: tested on its own.)"""
+    outputs take the codes' bf16 GEMMs instead: tested on their own.)"""
 
     CASES = ([7, 0, 33, 1, 0, 50], [0, 0, 0], [120], [1, 1, 1, 1, 1, 1, 1, 1, 90])
 
@@ -139,6 +139,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                         with (
                             mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
                             mock.patch.object(S, "_codes_in_bf16", lambda *a: False),
+                            mock.patch.object(S, "_blocks_in_bf16", lambda *a: False),
                         ):
                             got = ops.scaled_grouped_mm(
                                 qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, out_dtype
@@ -167,6 +168,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     with (
                         mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
                         mock.patch.object(S, "_wgrad_codes_in_bf16", lambda *a: False),
+                        mock.patch.object(S, "_blocks_in_bf16", lambda *a: False),
                     ):
                         got = ops.scaled_grouped_mm_wgrad(
                             qx, qdy, sx, sdy, offs, g.lhs.inner, out_dtype
@@ -359,6 +361,80 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                 with intra_op_threads(threads):
                     got = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, g.lhs.inner, bf)
                 self.assertEqual(got, want, atol=0, rtol=0, msg=f"{recipe} wgrad on {threads}")
+
+    def test_blocks_multiply_in_bf16_where_native(self):
+        """Blockwise scales (per 128 elements of K; a weight gradient's jagged blocks of
+        128 rows) and a bf16 output: where torch_moe's native bf16 GEMM runs here, the codes
+        are multiplied in bf16 and each k block's fp32 sums times its row's and its
+        column's scale inside the GEMM's tiles (``fp8_block_scaled_mm``, ``_wgrad``). Exact
+        where every sum is (small integer codes, power-of-two scales): each block's own
+        scales, K's last block shorter, ragged column blocks, groups over several row
+        blocks, empty groups, rows past the last group zero; the same bits on one and two
+        threads; within the GEMM bound of the float64 product on random operands."""
+        from unittest import mock
+
+        from torch_moe._ops import _native
+
+        bf = torch.bfloat16
+        gen = torch.Generator().manual_seed(14)
+        native = S.native_gemm_ready(bf)
+        sizes = [7, 0, 290, 1, 33]
+        offs = make_offs(sizes)
+        E, m, k, n = len(sizes), int(offs[-1]) + 3, 300, 200  # 300: 128 + 128 + 44
+
+        def codes(*shape):  # small integers: exact products and block sums
+            return torch.randint(-8, 9, shape, generator=gen).float().to(torch.float8_e4m3fn)
+
+        def pow2(*shape):  # scales 2^-2 .. 2^2: the scaled sums exact in fp32 too
+            return torch.randint(-2, 3, shape, generator=gen).float().exp2()
+
+        self.assertEqual(S._blocks_in_bf16(pow2(1, 1), pow2(1, 1, 1), 128, bf), native)
+        self.assertFalse(S._blocks_in_bf16(pow2(1, 1), pow2(1, 1, 1), 128, F32))
+        if not native:  # (the fp32 form: the tests above)
+            return
+        qa, qb = codes(m, k), codes(E, n, k).transpose(1, 2)  # b K-major, as quantize_rhs
+        sa, sb = pow2(m, 3), pow2(E, 3, 2)
+        a64 = qa.double() * S._expand(sa.double(), 1, 128, k)
+        want = torch.zeros(m, n, dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            b64 = qb[e].double() * S._expand(S._expand(sb[e].double(), 0, 128, k), 1, 128, n)
+            want[start:end] = a64[start:end] @ b64
+            start = end
+        spy = mock.MagicMock(wraps=_native.kernels())
+        got = []
+        for threads in (1, 2):
+            with intra_op_threads(threads), mock.patch.object(S._native, "kernels", lambda: spy):
+                got.append(ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 128, 128, bf))
+        self.assertTrue(spy.fp8_block_scaled_mm.called)
+        self.assertEqual(got[0], want.to(bf), atol=0, rtol=0)
+        self.assertEqual(got[1], got[0], atol=0, rtol=0)
+        # the weight gradient: jagged blocks of 128 rows from each group's start
+        x, dy = codes(m, 48), codes(m, 70)
+        first = torch.tensor([0] + [-(-s // 128) for s in sizes]).cumsum(0)[:-1]
+        nb = S.Q.jagged_block_index(offs, m, 128)[1]  # (the op's bound: rows past unused)
+        sx, sdy = pow2(nb, 48), pow2(nb, 70)
+        want_w = torch.zeros(E, 48, 70, dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            for j, r0 in enumerate(range(start, end, 128)):
+                r1, row = min(end, r0 + 128), int(first[e]) + j
+                xs = x[r0:r1].double() * sx[row].double()
+                want_w[e] += xs.t() @ (dy[r0:r1].double() * sdy[row].double())
+            start = end
+        got_w = []
+        for threads in (1, 2):
+            with intra_op_threads(threads), mock.patch.object(S._native, "kernels", lambda: spy):
+                got_w.append(ops.scaled_grouped_mm_wgrad(x, dy, sx, sdy, offs, 128, bf))
+        self.assertTrue(spy.fp8_block_scaled_mm_wgrad.called)
+        self.assertEqual(got_w[0], want_w.to(bf), atol=0, rtol=0)
+        self.assertEqual(got_w[1], got_w[0], atol=0, rtol=0)
+        # random operands of the recipe: within the GEMM bound of the exact product
+        g = RECIPES["fp8_blockwise"].forward
+        _, _, qa, sa, qb, sb = _operands(g, m, k, n, E, seed=15)
+        got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, bf)
+        exact, bound = _exact_and_bound(qa, sa, qb, sb, offs, g, bf)
+        tolerances.assert_within(self, got, exact, bound, "blockwise, random")
 
     def test_chunks_of_groups(self):
         # whole groups, about chunk_rows rows each; a larger group alone; empty ones ride along

@@ -7,6 +7,10 @@
 //       out = q.to(out.dtype)   (exact: e4m3fn's values are bf16 values)
 //   fp8_scale_sums(acc [R, C] fp32, row_scale, col_scale, col_row, out [R, C] bf16) -> bool
 //       out = ((acc * row_scale[r]) * col_scale[col_row[r], c]).to(bf16)
+//   fp8_block_scaled_mm(a, b, row_scale, col_scale, offs, block_k, out) -> bool
+//       the grouped GEMM of codes as bf16 with per-block scales (blockwise recipes)
+//   fp8_block_scaled_mm_wgrad(a, b, row_scale, col_scale, offs, block, out) -> bool
+//       its weight gradient over jagged blocks of rows
 //   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32)
 //       out = q.float() * scale[r / block_rows (or index[r]), c / block]   (dequantizers)
 //   fp8_quantize_rows(x [R, C] fp32 / bf16 / fp16, block_rows, block, q [R, C] e4m3fn,
@@ -30,6 +34,8 @@
 // outputs where it does not apply (another layout or dtype, a build without AVX2
 // vectors): the caller runs ATen.
 
+#include "gemm_bf16_cpu.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -40,6 +46,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -505,6 +512,142 @@ bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tenso
   return true;
 }
 
+// out [M, N] (bf16 or fp32) = the block-scaled grouped GEMM of the codes as bf16 values: the
+// rows of group g (offs' ends) times b[g] [K, N], each k block of block_k's fp32 sums
+// times row_scale[m, kb] * col_scale[g, kb, n] (torch_moe_cpu::BlockScales), the blocks
+// added in order; rows past the last group zero. a [M, K] bf16 row-major, b [E, K, N] bf16
+// with each expert row- or column-major, row_scale [M, KS] and col_scale [E, KS, Np] (Np:
+// N rounded up to 64 columns or more) contiguous fp32, KS = ceil(K / block_k), block_k
+// even. Pieces of a group's rows by 256 columns shared out over the threads. False without
+// touching out where the native GEMM does not run here or the operands are not these.
+bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
+                         const at::Tensor& col_scale, const at::Tensor& offs, int64_t block_k,
+                         at::Tensor& out) {
+  if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kBFloat16 ||
+      b.scalar_type() != at::kBFloat16 || a.dim() != 2 || b.dim() != 3 || out.dim() != 2 ||
+      (out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) ||
+      !out.is_contiguous() || block_k < 2 || block_k % 2 != 0) {
+    return false;
+  }
+  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
+  const int64_t KS = (K + block_k - 1) / block_k, Np = (N + 63) / 64 * 64;
+  if (b.size(1) != K || out.size(0) != M || out.size(1) != N || (a.stride(1) != 1 && K > 1) ||
+      (b.stride(2) != 1 && b.stride(1) != 1) || row_scale.scalar_type() != at::kFloat ||
+      !row_scale.is_contiguous() || row_scale.dim() != 2 || row_scale.size(0) != M ||
+      row_scale.size(1) != KS || col_scale.scalar_type() != at::kFloat ||
+      !col_scale.is_contiguous() || col_scale.dim() != 3 || col_scale.size(0) != E ||
+      col_scale.size(1) != KS || col_scale.size(2) < Np || offs.scalar_type() != at::kInt ||
+      offs.dim() != 1 || offs.size(0) != E || !offs.is_contiguous()) {
+    return false;
+  }
+  const int32_t* ends = offs.const_data_ptr<int32_t>();
+  for (int64_t g = 0, prev = 0; g < E; prev = ends[g], ++g) {
+    if (ends[g] < prev || ends[g] > M) return false;
+  }
+  struct Piece {
+    int64_t g, start, rows, c0, c1;
+  };
+  constexpr int64_t kCols = 256;
+  std::vector<Piece> pieces;
+  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
+    for (int64_t c0 = 0; ends[g] > start && c0 < N; c0 += kCols) {
+      pieces.push_back({g, start, ends[g] - start, c0, std::min(N, c0 + kCols)});
+    }
+  }
+  const float* rs = row_scale.const_data_ptr<float>();
+  const float* cs = col_scale.const_data_ptr<float>();
+  const int64_t cs_rows = col_scale.size(2);
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t i = p0; i < p1; ++i) {
+      const Piece& p = pieces[i];
+      auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, p.c1 - p.c0);
+      const torch_moe_cpu::BlockScales sc{rs + p.start * KS, KS, 1,
+                                          cs + (p.g * KS) * cs_rows + p.c0, cs_rows, block_k / 2};
+      if (!torch_moe_cpu::bf16_gemm_scaled(o, a.narrow(0, p.start, p.rows),
+                                           b[p.g].narrow(1, p.c0, p.c1 - p.c0), &sc)) {
+        ok = false;
+      }
+    }
+  });
+  TORCH_CHECK(ok.load(), "fp8_block_scaled_mm: the native GEMM refused a piece");
+  const int64_t end = E ? ends[E - 1] : 0;
+  if (end < M) out.narrow(0, end, M - end).zero_();
+  return true;
+}
+
+// out [E, K, N] (bf16 or fp32): the weight gradients of the codes as bf16 values, out[g] =
+// a[rows of g]^T @ b[rows of g], each jagged block of `block` rows (from the group's first
+// row on; the last one shorter) summed in fp32, times row_scale[its block row, k] *
+// col_scale[its block row, n], the blocks added in order (BlockScales); empty groups zero.
+// a [M, K] and b [M, N] bf16 row-major (token order), row_scale [NB, K] and col_scale [NB,
+// Np] (Np: N rounded up to 64 or more) contiguous fp32, the groups' block rows in order
+// (quantize_jagged's layout: ceil(rows / block) each, NB at least their sum), block even.
+// Pieces of a group's output rows by 256 shared out over the threads. False without
+// touching out where the native GEMM does not run here or the operands are not these.
+bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
+                               const at::Tensor& row_scale, const at::Tensor& col_scale,
+                               const at::Tensor& offs, int64_t block, at::Tensor& out) {
+  if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kBFloat16 ||
+      b.scalar_type() != at::kBFloat16 || a.dim() != 2 || b.dim() != 2 || out.dim() != 3 ||
+      (out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) ||
+      !out.is_contiguous() || block < 2 || block % 2 != 0) {
+    return false;
+  }
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1), E = offs.dim() == 1 ? offs.size(0) : -1;
+  const int64_t Np = (N + 63) / 64 * 64;
+  if (b.size(0) != M || out.size(0) != E || out.size(1) != K || out.size(2) != N ||
+      (a.stride(1) != 1 && K > 1) || (b.stride(1) != 1 && N > 1) ||
+      row_scale.scalar_type() != at::kFloat || !row_scale.is_contiguous() ||
+      row_scale.dim() != 2 || row_scale.size(1) != K || col_scale.scalar_type() != at::kFloat ||
+      !col_scale.is_contiguous() || col_scale.dim() != 2 || col_scale.size(1) < Np ||
+      col_scale.size(0) != row_scale.size(0) || offs.scalar_type() != at::kInt ||
+      !offs.is_contiguous()) {
+    return false;
+  }
+  const int32_t* ends = offs.const_data_ptr<int32_t>();
+  std::vector<int64_t> first(E);  // each group's first block row
+  for (int64_t g = 0, prev = 0, blocks = 0; g < E; prev = ends[g], ++g) {
+    if (ends[g] < prev || ends[g] > M) return false;
+    first[g] = blocks;
+    blocks += (ends[g] - prev + block - 1) / block;
+    if (blocks > row_scale.size(0)) return false;
+  }
+  struct Piece {
+    int64_t g, start, rows, k0, k1;
+  };
+  constexpr int64_t kRows = 256;
+  std::vector<Piece> pieces;
+  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
+    if (ends[g] == start) {
+      out[g].zero_();
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += kRows) {
+      pieces.push_back({g, start, ends[g] - start, k0, std::min(K, k0 + kRows)});
+    }
+  }
+  const float* rs = row_scale.const_data_ptr<float>();
+  const float* cs = col_scale.const_data_ptr<float>();
+  const int64_t cs_rows = col_scale.size(1);
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t i = p0; i < p1; ++i) {
+      const Piece& p = pieces[i];
+      auto o = out[p.g].narrow(0, p.k0, p.k1 - p.k0);
+      // row k of this piece, block kb: row_scale[first + kb, k0 + k]
+      const torch_moe_cpu::BlockScales sc{rs + first[p.g] * K + p.k0, 1, K,
+                                          cs + first[p.g] * cs_rows, cs_rows, block / 2};
+      const auto a_t = a.narrow(0, p.start, p.rows).narrow(1, p.k0, p.k1 - p.k0).t();
+      if (!torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc)) {
+        ok = false;
+      }
+    }
+  });
+  TORCH_CHECK(ok.load(), "fp8_block_scaled_mm_wgrad: the native GEMM refused a piece");
+  return true;
+}
+
 #else  // no AVX2 vectors: every op refuses, the caller runs ATen
 
 bool fp8_dequantize_scaled(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -516,8 +659,16 @@ bool fp8_quantize_rows(const at::Tensor&, int64_t, int64_t, at::Tensor&, at::Ten
 }
 bool fp8_from_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_to_float(const at::Tensor&, at::Tensor&) { return false; }
+bool fp8_block_scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {
+  return false;
+}
 bool fp8_scale_sums(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     at::Tensor&) {
+  return false;
+}
+bool fp8_block_scaled_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {
   return false;
 }
 
@@ -535,6 +686,12 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       "fp8_dequantize_scaled(Tensor q, Tensor scale, Tensor? index, int block_rows, int block,"
       " Tensor(a!) out) -> bool");
   m.def(
+      "fp8_block_scaled_mm(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
+      " int block_k, Tensor(a!) out) -> bool");
+  m.def(
+      "fp8_block_scaled_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale,"
+      " Tensor offs, int block, Tensor(a!) out) -> bool");
+  m.def(
       "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
       " int rule=0) -> bool");
 }
@@ -543,6 +700,8 @@ TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("fp8_from_float", &fp8_from_float);
   m.impl("fp8_to_float", &fp8_to_float);
   m.impl("fp8_scale_sums", &fp8_scale_sums);
+  m.impl("fp8_block_scaled_mm", &fp8_block_scaled_mm);
+  m.impl("fp8_block_scaled_mm_wgrad", &fp8_block_scaled_mm_wgrad);
   m.impl("fp8_dequantize_scaled", &fp8_dequantize_scaled);
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
 }

@@ -335,24 +335,42 @@ TORCH_MOE_GEMM_INLINE void step(const uint16_t* const* rows, int64_t off, const 
 // to the running sums in order; an odd K's last pair is (a[r][K - 1], 0), read as its one
 // element (a row-major a has no element K). One rounding into a bf16 c; an fp32 c takes
 // the sums as they are.
-template <int R, class Out>
+//
+// With kScaled (BlockScales, header: the FP8 emulation's blockwise GEMMs), K's pairs are
+// taken in the scales' blocks instead, and each block's sums are multiplied by the
+// product of its row's and its column's scale and added to the running sums by one fused
+// multiply-add (sc's row scales of rows m.., column scales of columns n0..).
+template <int R, class Out, bool kScaled>
 TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const uint32_t* panel,
-                                int64_t K, Out* c, int64_t ldc, int64_t cols, bool stream) {
+                                int64_t K, Out* c, int64_t ldc, int64_t cols, bool stream,
+                                const BlockScales* sc, int64_t m, int64_t n0) {
   const int64_t pairs = (K + 1) / 2, whole = K / 2;
+  const int64_t kblock = kScaled ? sc->pairs : kKBlock;
   const uint16_t* rp[R];  // the row pointers in registers, not re-read per k pair
   for (int r = 0; r < R; ++r) rp[r] = rows[r];
   __m512 sum[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) sum[r][v] = _mm512_setzero_ps();
-  for (int64_t p0 = 0; p0 < pairs; p0 += kKBlock) {
-    const int64_t p1 = std::min(pairs, p0 + kKBlock);
+  for (int64_t p0 = 0, kb = 0; p0 < pairs; p0 += kblock, ++kb) {
+    const int64_t p1 = std::min(pairs, p0 + kblock);
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int64_t p = p0; p < std::min(p1, whole); ++p) step<R, false>(rp, p * ks, panel + p * kNr, acc);
     if (p1 > whole) step<R, true>(rp, whole * ks, panel + whole * kNr, acc);
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) sum[r][v] = p0 == 0 ? acc[r][v] : _mm512_add_ps(sum[r][v], acc[r][v]);
+    if constexpr (kScaled) {
+      const float* col = sc->col + kb * sc->col_kb + n0;
+      for (int r = 0; r < R; ++r) {
+        const __m512 rs = _mm512_set1_ps(sc->row[(m + r) * sc->row_m + kb * sc->row_kb]);
+        for (int v = 0; v < 4; ++v) {
+          const __m512 scale = _mm512_mul_ps(rs, _mm512_loadu_ps(col + 16 * v));
+          sum[r][v] = _mm512_fmadd_ps(acc[r][v], scale, sum[r][v]);
+        }
+      }
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) sum[r][v] = p0 == 0 ? acc[r][v] : _mm512_add_ps(sum[r][v], acc[r][v]);
+    }
   }
   if constexpr (std::is_same_v<Out, float>) {
     for (int r = 0; r < R; ++r) {
@@ -376,17 +394,18 @@ TORCH_MOE_GEMM_TARGET void tile(const uint16_t* const* rows, int64_t ks, const u
   }
 }
 
-template <class Out>
+template <class Out, bool kScaled>
 TORCH_MOE_GEMM_TARGET void tile_rows(int rows, const uint16_t* const* a, int64_t ks,
                                      const uint32_t* panel, int64_t K, Out* c, int64_t ldc,
-                                     int64_t cols, bool stream) {
+                                     int64_t cols, bool stream, const BlockScales* sc,
+                                     int64_t m, int64_t n0) {
   switch (rows) {
-    case 6: tile<6>(a, ks, panel, K, c, ldc, cols, stream); break;
-    case 5: tile<5>(a, ks, panel, K, c, ldc, cols, stream); break;
-    case 4: tile<4>(a, ks, panel, K, c, ldc, cols, stream); break;
-    case 3: tile<3>(a, ks, panel, K, c, ldc, cols, stream); break;
-    case 2: tile<2>(a, ks, panel, K, c, ldc, cols, stream); break;
-    case 1: tile<1>(a, ks, panel, K, c, ldc, cols, stream); break;
+    case 6: tile<6, Out, kScaled>(a, ks, panel, K, c, ldc, cols, stream, sc, m, n0); break;
+    case 5: tile<5, Out, kScaled>(a, ks, panel, K, c, ldc, cols, stream, sc, m, n0); break;
+    case 4: tile<4, Out, kScaled>(a, ks, panel, K, c, ldc, cols, stream, sc, m, n0); break;
+    case 3: tile<3, Out, kScaled>(a, ks, panel, K, c, ldc, cols, stream, sc, m, n0); break;
+    case 2: tile<2, Out, kScaled>(a, ks, panel, K, c, ldc, cols, stream, sc, m, n0); break;
+    case 1: tile<1, Out, kScaled>(a, ks, panel, K, c, ldc, cols, stream, sc, m, n0); break;
     default: break;
   }
 }
@@ -419,10 +438,12 @@ GemmScratch& gemm_scratch() {
 }
 
 // c [M, N] = a @ b: a's rows from `a` (row-major: a's rows; column-major: the rows of a^T,
-// [K, M], packed here), b as BOperand; c bf16, or fp32 (the sums unrounded).
+// [K, M], packed here), b as BOperand; c bf16, or fp32 (the sums unrounded); sc: the
+// block scales (tile's kScaled) or none.
 template <class Out>
 TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOperand& b, Out* c,
-                                int64_t ldc, int64_t M, int64_t N, int64_t K, bool stream) {
+                                int64_t ldc, int64_t M, int64_t N, int64_t K, bool stream,
+                                const BlockScales* sc = nullptr) {
   GemmScratch& scratch = gemm_scratch();
   std::vector<uint32_t>&panels = scratch.panels, &a_packed = scratch.a_packed;
   std::vector<const uint16_t*>& row_ptrs = scratch.row_ptrs;
@@ -460,7 +481,13 @@ TORCH_MOE_GEMM_TARGET void gemm(const RowSource& a, bool a_col_major, const BOpe
       if (one_pass) b.pack(n0, cols, panel);
       for (int64_t m = m0; m < m1; m += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, m1 - m));
-        tile_rows(rows, row_p + m, ks, panel, K, c + m * ldc + n0, ldc, cols, stream);
+        if (sc != nullptr) {
+          tile_rows<Out, true>(rows, row_p + m, ks, panel, K, c + m * ldc + n0, ldc, cols,
+                               stream, sc, m, n0);
+        } else {
+          tile_rows<Out, false>(rows, row_p + m, ks, panel, K, c + m * ldc + n0, ldc, cols,
+                                stream, nullptr, m, n0);
+        }
       }
     }
   }
@@ -1055,6 +1082,11 @@ bool bf16_gemm_streams(int64_t out_bytes) {
 
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows,
                Gather b_rows, bool stream) {
+  return bf16_gemm_scaled(out, a, b, nullptr, a_rows, b_rows, stream);
+}
+
+bool bf16_gemm_scaled(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const BlockScales* scales, Gather a_rows, Gather b_rows, bool stream) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!bf16_gemm_available() || a.dim() != 2 || b.dim() != 2 || out.dim() != 2) return false;
   const bool fp32_out = out.scalar_type() == at::kFloat;
@@ -1093,10 +1125,14 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   const BOperand b_op{b_src, !b_rows_major, K};
   if (fp32_out) {  // the AVX512-BF16 micro-kernel's sums on every CPU (header)
     gemm(a_src, !a_rows_major, b_op, out.mutable_data_ptr<float>(), out.stride(0), M, N, K,
-         false);
+         false, scales);
     return true;
   }
   auto* cp = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+  if (scales != nullptr) {  // (the AVX512-BF16 micro-kernel's, as fp32 outputs)
+    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, false, scales);
+    return true;
+  }
   if (amx_on.load(std::memory_order_relaxed)) {
     if (!b_rows_major && a_rows_major) {
       amx_gemm_bt(a_src, b_src, cp, out.stride(0), M, N, K, stream);
@@ -1112,6 +1148,7 @@ bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather
   (void)out;
   (void)a;
   (void)b;
+  (void)scales;
   (void)a_rows;
   (void)b_rows;
   (void)stream;

@@ -42,6 +42,26 @@ struct Gather {
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows = {},
                Gather b_rows = {}, bool stream = false);
 
+// The scales of a block-scaled GEMM (the FP8 emulation's blockwise recipes, whose codes
+// are bf16 values): out[m][n] = sum over k blocks kb of row[m * row_m + kb * row_kb] *
+// col[kb * col_kb + n] * (the block's fp32 sum of a[m][k] * b[k][n]), each block's sum
+// scaled by one multiply of the two scales and added by one fused multiply-add, in order
+// of kb. A k block holds `pairs` pairs of k (block_k / 2); col holds whole panels of 64
+// columns for every kb (it is read in 16-lane vectors, past N up to the panel's end).
+struct BlockScales {
+  const float* row;
+  int64_t row_m, row_kb;
+  const float* col;
+  int64_t col_kb;
+  int64_t pairs;
+};
+
+// bf16_gemm with block scales (nullptr: none): by the AVX512-BF16 micro-kernel also where
+// AMX is on; out bf16 (one rounding of the scaled sums) or fp32.
+bool bf16_gemm_scaled(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const BlockScales* scales, Gather a_rows = {}, Gather b_rows = {},
+                      bool stream = false);
+
 // Whether a GEMM's whole output of out_bytes (all its calls' pieces together) is past
 // this core's L2 cache (the system's figure; 2 MiB where it gives none): where its
 // lines leave the cache before anything reads them, so bf16_gemm's `stream` pays.

@@ -272,7 +272,7 @@ def _gemm_phase(
     rows: float = 0.0,
     group_rows: float = 0.0,
     wgrad: bool = False,
-    codes: bool = False,
+    codes: str | None = None,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
@@ -285,7 +285,8 @@ def _gemm_phase(
     dequantizes both token-order operands per chunk (the value; by ATen's ops also the
     table's index or the rows' scales gathered) into one group's fp32 product, with the
     jagged operands' scale row per row (int64). ``codes``: the kernels multiply the codes
-    in bf16 instead (:func:`_codes_bf16_here`, :func:`_codes_bf16_phase`)."""
+    in bf16 instead (:func:`_codes_bf16_here`: :func:`_codes_bf16_phase`,
+    :func:`_blocks_bf16_phase`)."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -294,6 +295,8 @@ def _gemm_phase(
     quantize = max(_quantize_bytes(kinds[0], n_a), n_a + _quantize_bytes(kinds[1], n_b))
     m = max(rows, 1.0)
     k, n = n_a / m, (n_b if wgrad else n_out) / m
+    if codes == "blocks":
+        return max(quantize, _blocks_bf16_phase(n_a, n_b, n_out, m))
     if codes:
         return max(quantize, _codes_bf16_phase(n_a, n_b, n_out, m, k, wgrad))
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
@@ -341,19 +344,30 @@ def _mx_in_bf16_here() -> bool:
     return bf16_gemms_native()
 
 
-def _codes_bf16_here(precision: str, gemm: str, k: float, b: int) -> bool:
-    """Whether this CPU's scaled GEMM kernels multiply a recipe GEMM's e4m3 codes in bf16
-    and scale the fp32 sums (``scaled_grouped_mm._codes_in_bf16``,
-    ``_wgrad_codes_in_bf16``): a bf16 layer, fp32 scales constant along the reduction
-    (tensorwise; rowwise; blockwise's forward / dgrad where K <= 128), torch_moe's
-    native bf16 GEMM here."""
+def _codes_bf16_here(precision: str, gemm: str, k: float, b: int) -> str | None:
+    """How this CPU's scaled GEMM kernels multiply a recipe GEMM's e4m3 codes in bf16, where
+    they do (a bf16 layer, torch_moe's native bf16 GEMM here): ``"codes"``, the fp32 sums
+    then scaled (``scaled_grouped_mm._codes_in_bf16``, ``_wgrad_codes_in_bf16``: scales
+    constant along the reduction, tensorwise, rowwise, blockwise's forward / dgrad where K
+    <= 128), ``"blocks"``, the scales per k block in the GEMM's tiles (``_blocks_in_bf16``:
+    blockwise otherwise); None: the fp32 form (or MX's own)."""
     from torch_moe._ops.grouped_mm import native_gemm_ready
 
     if b != 2 or precision not in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"):
-        return False
+        return None
+    if not native_gemm_ready(torch.bfloat16):
+        return None
     if precision == "fp8_blockwise" and (gemm == "wgrad" or k > 128):
-        return False
-    return native_gemm_ready(torch.bfloat16)
+        return "blocks"
+    return "codes"
+
+
+def _blocks_bf16_phase(n_a: float, n_b: float, n_out: float, m: float) -> float:
+    """Peak bytes of a blockwise scaled GEMM's CPU kernel on the codes in bf16
+    (``_codes_bf16_here`` "blocks") above the e4m3 operands: the bf16 output, bf16 copies
+    of both operands' codes, and the scales laid out for the kernel (fp32, one per 128
+    elements of each operand, the columns' padded to whole panels)."""
+    return n_a + n_b + 2 * n_out + 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 128 + 8 * m
 
 
 def _codes_bf16_phase(
@@ -425,7 +439,7 @@ def _whole_tensor_phases(
     D, F, El, b = w.dim, w.hidden_dim, w.local_experts, w.element_size
     recipe = w.precision != "bf16"
     w2, w13 = El * D * F, El * 2 * F * D
-    codes = {g: False for g in ("dgrad1", "dgrad2", "wgrad")}
+    codes: dict[str, str | None] = {g: None for g in ("dgrad1", "dgrad2", "wgrad")}
     if recipe:
         q = _operand_kinds(w.precision, cpu)
         dgrad, wgrad = q["dgrad"], q["wgrad"]
@@ -687,11 +701,11 @@ def memory(
                 q = _operand_kinds(w.precision, cpu)
                 fwd1 = _gemm_phase(
                     q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M,
-                    group_rows=m, codes=cpu and _codes_bf16_here(w.precision, "forward", D, b),
+                    group_rows=m, codes=_codes_bf16_here(w.precision, "forward", D, b) if cpu else None,
                 )  # fmt: skip
                 fwd2 = _gemm_phase(
                     q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m,
-                    codes=cpu and _codes_bf16_here(w.precision, "forward", F, b),
+                    codes=_codes_bf16_here(w.precision, "forward", F, b) if cpu else None,
                 )  # fmt: skip
                 act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
             dyn = act + T * D * (4 + b) + y + comm

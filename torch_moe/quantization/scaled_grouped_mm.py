@@ -35,10 +35,12 @@ values (exact in fp32) with fp32 accumulation. The CPU kernels are that emulatio
 literally (quantize ops -> dequantize -> fp32 ``grouped_mm``), except where the CPU
 multiplies bf16 natively and the output is bf16: MX operands go through the bf16 grouped
 GEMM (their dequantized elements are bf16 values: the same math in another summation
-order, :func:`_mx_in_bf16`), and GEMMs whose scales are constant along the reduction
-multiply the codes in bf16 into fp32 sums, then scale each sum by its row's and its
-column's scale (:func:`_codes_in_bf16`, as the GPU kernels' epilogue); GEMMs a recipe
-keeps in bf16 cast the operands to bf16. On CUDA the
+order, :func:`_mx_in_bf16`), and the FP8 recipes multiply the codes in bf16 into fp32
+sums, then scale each sum by its row's and its column's scale where the scales are
+constant along the reduction (:func:`_codes_in_bf16`, as the GPU kernels' epilogue), or
+each k block's sums by its block's scales inside the GEMM's tiles (blockwise,
+:func:`_blocks_in_bf16`, as the GPU kernels' main loop); GEMMs a recipe keeps in bf16 cast
+the operands to bf16. On CUDA the
 same function runs on FP8 tensor cores: Triton quantize kernels write each operand K-major
 with its scales and the Triton scaled grouped GEMMs
 (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main loop
@@ -392,6 +394,66 @@ def _codes_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> 
     )
 
 
+def _blocks_in_bf16(scale_a: Tensor, scale_b: Tensor, block_k: int, out_dtype: torch.dtype) -> bool:
+    """Whether the CPU kernels multiply the e4m3 codes in bf16 with scales along the
+    reduction (blockwise: fp32 scales per ``block_k`` elements of K, an even block): each
+    k block's fp32 sums times its row's and its column's scale inside the native GEMM's
+    tiles, added in order (``fp8_block_scaled_mm``, csrc/fp8_cpu.cpp; as the GPU's
+    blockwise kernels apply the scales per K block in their main loop); a bf16 output and
+    torch_moe's native bf16 GEMM here, as :func:`_codes_in_bf16`."""
+    return (
+        scale_a.dtype == torch.float32
+        and scale_b.dtype == torch.float32
+        and block_k > 0
+        and block_k % 2 == 0
+        and out_dtype == torch.bfloat16
+        and native_gemm_ready(torch.bfloat16)
+    )
+
+
+def _scaled_blocks_mm(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    block_k: int,
+    block_n: int,
+) -> Tensor | None:
+    """Forward / dgrad by :func:`_blocks_in_bf16`: the codes as bf16 and the scales laid
+    out as the kernel reads them (a row's per k block, a column's per k block padded to
+    whole panels of 64), or None where the kernel refuses them."""
+    (M, K), N, E = a.shape, b.shape[2], b.shape[0]
+    ks = scale_a.shape[1]
+    row_scale = scale_a.expand(M, ks).contiguous()
+    cols = _expand(scale_b.expand(E, ks, scale_b.shape[2]), 2, block_n, N)
+    col_scale = torch.zeros((E, ks, -(-N // 64) * 64), dtype=torch.float32)
+    col_scale[:, :, :N] = cols
+    out = torch.empty((M, N), dtype=torch.bfloat16)
+    a_h, b_h = Q._fp8_to_float(a, torch.bfloat16), Q._fp8_to_float(b, torch.bfloat16)
+    mod = _native.kernels()
+    if mod.fp8_block_scaled_mm(a_h, b_h, row_scale, col_scale, offs, block_k, out):
+        return out
+    return None
+
+
+def _scaled_blocks_wgrad(
+    a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, offs: Tensor, block: int
+) -> Tensor | None:
+    """The weight gradient by :func:`_blocks_in_bf16` (jagged blocks of ``block`` rows,
+    fp32 scales [NB, K] / [NB, N]): the codes as bf16, ``fp8_block_scaled_mm_wgrad``; None
+    where the kernel refuses them."""
+    (M, K), N, E = a.shape, b.shape[1], offs.shape[0]
+    col_scale = torch.zeros((sb.shape[0], -(-N // 64) * 64), dtype=torch.float32)
+    col_scale[:, :N] = sb
+    out = torch.empty((E, K, N), dtype=torch.bfloat16)
+    a_h, b_h = Q._fp8_to_float(a, torch.bfloat16), Q._fp8_to_float(b, torch.bfloat16)
+    mod = _native.kernels()
+    if mod.fp8_block_scaled_mm_wgrad(a_h, b_h, sa.contiguous(), col_scale, offs, block, out):
+        return out
+    return None
+
+
 def _wgrad_codes_in_bf16(
     scale_a: Tensor, scale_b: Tensor, block: int, out_dtype: torch.dtype
 ) -> bool:
@@ -498,6 +560,10 @@ def _scaled_grouped_mm_cpu(
     row_scales = scale_a.shape[0] == M
     if _codes_in_bf16(scale_a, scale_b, out_dtype):
         return _scaled_codes_mm(a, b, scale_a, scale_b, offs, ends, block_n)
+    if _blocks_in_bf16(scale_a, scale_b, block_k, out_dtype):
+        out = _scaled_blocks_mm(a, b, scale_a, scale_b, offs, block_k, block_n)
+        if out is not None:
+            return out
     if _mx_in_bf16(scale_a, scale_b, out_dtype):
         a_h = _dequantized_bf16(
             a,
@@ -648,6 +714,11 @@ def _scaled_grouped_mm_wgrad_cpu(
     sa, sb = _fp32_scales(scale_a), _fp32_scales(scale_b)
     if _wgrad_codes_in_bf16(scale_a, scale_b, block, out_dtype):
         return _scaled_codes_wgrad(a, b, sa, sb, offs, ends)
+    jagged = list(scale_a.shape) != [1, 1] and list(scale_b.shape) != [1, 1]
+    if jagged and _blocks_in_bf16(scale_a, scale_b, block, out_dtype):
+        out = _scaled_blocks_wgrad(a, b, sa, sb, offs, block)
+        if out is not None:
+            return out
     per_tensor = list(scale_a.shape) == [1, 1]
     row_block = None if per_tensor else Q.jagged_block_index(offs, M, block)[0]
 
