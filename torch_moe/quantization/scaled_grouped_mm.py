@@ -423,7 +423,7 @@ def _scaled_blocks_mm(
     """Forward / dgrad by :func:`_blocks_in_bf16`: the codes as bf16 and the scales laid
     out as the kernel reads them (a row's per k block, a column's per k block padded to
     whole panels of 64), or None where the kernel refuses them."""
-    (M, K), N, E = a.shape, b.shape[2], b.shape[0]
+    M, N, E = a.shape[0], b.shape[2], b.shape[0]
     ks = scale_a.shape[1]
     row_scale = scale_a.expand(M, ks).contiguous()
     cols = _expand(scale_b.expand(E, ks, scale_b.shape[2]), 2, block_n, N)
@@ -443,7 +443,7 @@ def _scaled_blocks_wgrad(
     """The weight gradient by :func:`_blocks_in_bf16` (jagged blocks of ``block`` rows,
     fp32 scales [NB, K] / [NB, N]): the codes as bf16, ``fp8_block_scaled_mm_wgrad``; None
     where the kernel refuses them."""
-    (M, K), N, E = a.shape, b.shape[1], offs.shape[0]
+    K, N, E = a.shape[1], b.shape[1], offs.shape[0]
     col_scale = torch.zeros((sb.shape[0], -(-N // 64) * 64), dtype=torch.float32)
     col_scale[:, :N] = sb
     out = torch.empty((E, K, N), dtype=torch.bfloat16)
