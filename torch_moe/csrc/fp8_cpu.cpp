@@ -377,7 +377,17 @@ inline float block_divisor(float amax, bool any_nan, int rule, void* s, int64_t 
   int e = -127;
   if (!any_nan && amax > 0.0f) {
     int exp = 0;
-    const float mant = std::isinf(amax) ? amax : std::frexp(amax, &exp);
+    float mant = amax;  // (frexp(inf): exponent 0)
+    uint32_t bits;
+    std::memcpy(&bits, &amax, sizeof(bits));
+    const uint32_t biased = bits >> 23;
+    if (biased >= 1 && biased < 255) {  // normal: frexp from the bits (a libm call otherwise)
+      exp = static_cast<int>(biased) - 126;
+      const uint32_t half = (bits & 0x807FFFFFu) | (126u << 23);  // in [0.5, 1)
+      std::memcpy(&mant, &half, sizeof(mant));
+    } else if (!std::isinf(amax)) {
+      mant = std::frexp(amax, &exp);
+    }
     e = exp - 1 - 8 + (rule == 2 && mant > 0.875f ? 1 : 0);
   }
   e = std::clamp(e, -127, 127);
