@@ -329,6 +329,38 @@ class TestModelArithmetic(TestCase):
             p8.bytes["dispatch"], E * 8 + T * K * D * 3 + fp8_rows, atol=1e-6, rtol=1e-12
         )
 
+    def test_cpu_recipe_gemms_take_the_kernels_dtype(self):
+        # the emulation's six GEMMs in the time model: the bf16 rate where the CPU kernels
+        # multiply the FP8 codes in bf16 (scaled sums: the codes' and the output's casts;
+        # blockwise: the codes' only), the fp32 rate and the output's cast otherwise
+        from torch_moe.perf import _memory as memory_module
+        from torch_moe.perf import _model
+
+        calls = []
+        ctx = types.SimpleNamespace(
+            cpu=True,
+            key="bf16",
+            b=2,
+            w=None,
+            gemm=lambda comp, key, *a, **kw: calls.append(("gemm", key)),
+            kernel=lambda comp, name, elements, phase, *a: calls.append((name, elements)),
+        )
+        for precision, route, casts in (
+            ("fp8_rowwise", "codes", 12),
+            ("fp8_blockwise", "blocks", 6),
+            ("fp8_tensorwise", None, 6),
+        ):
+            ctx.w = MoEWorkload(512, 256, 128, 16, 2, precision=precision)
+            calls.clear()
+            with (
+                mock.patch.object(memory_module, "_codes_bf16_here", lambda *a, r=route: r),
+                mock.patch.object(memory_module, "_mx_in_bf16_here", lambda: False),
+            ):
+                _model._experts_recipe(ctx, "experts", [64.0] * 16, True)
+            keys = [c[1] for c in calls if c[0] == "gemm"]
+            self.assertEqual(keys, ["bf16" if route else "fp32"] * 6, msg=precision)
+            self.assertEqual(len([c for c in calls if c[0] == "cast.fp32_bf16"]), casts)
+
     def test_alignment_padding_on_gpu_recipes(self):
         w = MoEWorkload(512, 256, 128, 32, 2, precision="fp8_blockwise")
         self.assertEqual(predict(w, Hardware.preset("h100")).details["padding_rows"], 32 * 15)
@@ -471,6 +503,8 @@ class TestMemory(TestCase):
             ("mxfp8", (512, 256, 128, 64, 4)),
             ("mxfp8", (2048, 256, 256, 16, 2)),
             ("fp8_rowwise", (256, 512, 512, 16, 2)),
+            ("fp8_blockwise", (256, 512, 512, 16, 2)),
+            ("fp8_tensorwise", (2048, 256, 256, 16, 2)),
         ],
         name_fn=lambda precision, shape: f"{precision}_E{shape[3]}",
     )

@@ -597,6 +597,17 @@ class TestFP8NativeConversions(TestCase):
         kept = [torch.tensor(v).bfloat16().item() for v in (3e38, 1e-39)]  # (a denormal)
         self.assertEqual(out[0, :6].float().tolist(), [1.0, 1 + 2**-6, -1.0, *kept, 0.0])
         self.assertGreater(kept[1], 0.0)
+        # the products' order, (acc * row) * column: at these ties acc * (row * column)
+        # rounds otherwise (1/11 * 11 is 1 in fp32, the other order is not always acc)
+        ties = torch.tensor([(1 + 2**-8) * 2.0**k for k in range(-4, 5)] * 2).view(2, 9)
+        one = torch.zeros(2, dtype=torch.long)
+        for cs in (torch.full((1, 9), 11.0), torch.full((1, 1), 11.0)):
+            out = torch.empty(2, 9, dtype=torch.bfloat16)
+            rs = torch.full((2,), 1 / 11)
+            self.assertTrue(self.mod.fp8_scale_sums(ties, rs, cs, one, out))
+            want = ((ties * rs[:, None]) * cs).bfloat16()
+            self.assertEqual(out, want, atol=0, rtol=0)
+            self.assertFalse(torch.equal(want, (ties * (rs[:, None] * cs)).bfloat16()))
 
     def test_scale_sums_refuse_what_they_do_not_take(self):
         acc, out = torch.randn(6, 8), torch.full((6, 8), 7.0, dtype=torch.bfloat16)
