@@ -522,6 +522,19 @@ bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tenso
   return true;
 }
 
+// f(piece) for every piece, the pieces shared out over the threads; a piece whose f
+// returns false (the native GEMM refused it: the caller checked the operands) fails the op.
+template <class P, class F>
+void run_pieces(const std::vector<P>& pieces, const char* name, const F& f) {
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t i = p0; i < p1; ++i) {
+      if (!f(pieces[i])) ok = false;
+    }
+  });
+  TORCH_CHECK(ok.load(), name, ": the native GEMM refused a piece");
+}
+
 // out [M, N] (bf16 or fp32) = the block-scaled grouped GEMM of the codes as bf16 values: the
 // rows of group g (offs' ends) times b[g] [K, N], each k block of block_k's fp32 sums
 // times row_scale[m, kb] * col_scale[g, kb, n] (torch_moe_cpu::BlockScales), the blocks
@@ -567,20 +580,13 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(2);
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t i = p0; i < p1; ++i) {
-      const Piece& p = pieces[i];
-      auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, p.c1 - p.c0);
-      const torch_moe_cpu::BlockScales sc{rs + p.start * KS, KS, 1,
-                                          cs + (p.g * KS) * cs_rows + p.c0, cs_rows, block_k / 2};
-      if (!torch_moe_cpu::bf16_gemm_scaled(o, a.narrow(0, p.start, p.rows),
-                                           b[p.g].narrow(1, p.c0, p.c1 - p.c0), &sc)) {
-        ok = false;
-      }
-    }
+  run_pieces(pieces, "fp8_block_scaled_mm", [&](const Piece& p) {
+    auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, p.c1 - p.c0);
+    const torch_moe_cpu::BlockScales sc{rs + p.start * KS, KS, 1,
+                                        cs + (p.g * KS) * cs_rows + p.c0, cs_rows, block_k / 2};
+    return torch_moe_cpu::bf16_gemm_scaled(o, a.narrow(0, p.start, p.rows),
+                                           b[p.g].narrow(1, p.c0, p.c1 - p.c0), &sc);
   });
-  TORCH_CHECK(ok.load(), "fp8_block_scaled_mm: the native GEMM refused a piece");
   const int64_t end = E ? ends[E - 1] : 0;
   if (end < M) out.narrow(0, end, M - end).zero_();
   return true;
@@ -640,21 +646,14 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(1);
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t i = p0; i < p1; ++i) {
-      const Piece& p = pieces[i];
-      auto o = out[p.g].narrow(0, p.k0, p.k1 - p.k0);
-      // row k of this piece, block kb: row_scale[first + kb, k0 + k]
-      const torch_moe_cpu::BlockScales sc{rs + first[p.g] * K + p.k0, 1, K,
-                                          cs + first[p.g] * cs_rows, cs_rows, block / 2};
-      const auto a_t = a.narrow(0, p.start, p.rows).narrow(1, p.k0, p.k1 - p.k0).t();
-      if (!torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc)) {
-        ok = false;
-      }
-    }
+  run_pieces(pieces, "fp8_block_scaled_mm_wgrad", [&](const Piece& p) {
+    auto o = out[p.g].narrow(0, p.k0, p.k1 - p.k0);
+    // row k of this piece, block kb: row_scale[first + kb, k0 + k]
+    const torch_moe_cpu::BlockScales sc{rs + first[p.g] * K + p.k0, 1, K,
+                                        cs + first[p.g] * cs_rows, cs_rows, block / 2};
+    const auto a_t = a.narrow(0, p.start, p.rows).narrow(1, p.k0, p.k1 - p.k0).t();
+    return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc);
   });
-  TORCH_CHECK(ok.load(), "fp8_block_scaled_mm_wgrad: the native GEMM refused a piece");
   return true;
 }
 

@@ -72,7 +72,10 @@ experts' backward holds the most:
   converting where ATen's table converts instead of the native kernel) with each chunk's
   fp32 product; wgrad dequantizes both operands per chunk into one group's fp32 product;
   MX operands of a bf16 layer, where bf16 GEMMs are native, are dequantized to whole bf16
-  copies for the bf16 grouped GEMM instead (``_gemm_phase``, ``_mx_bf16_phase``). Weights are quantized whole every
+  copies for the bf16 grouped GEMM instead (``_gemm_phase``, ``_mx_bf16_phase``), and the
+  FP8 recipes' codes, where torch_moe's native bf16 GEMM runs, are multiplied as whole bf16
+  copies (``_codes_bf16_here``: into fp32 sums then scaled, ``_codes_bf16_phase``, or with
+  blockwise scales inside the GEMM, ``_blocks_bf16_phase``). Weights are quantized whole every
   call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 Inference (``backward=False``; bf16 experts on a CPU without EP, ``_inference_bytes``):

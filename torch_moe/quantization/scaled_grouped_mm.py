@@ -430,7 +430,7 @@ def _scaled_blocks_mm(
     col_scale = torch.zeros((E, ks, -(-N // 64) * 64), dtype=torch.float32)
     col_scale[:, :, :N] = cols
     out = torch.empty((M, N), dtype=torch.bfloat16)
-    a_h, b_h = Q._fp8_to_float(a, torch.bfloat16), Q._fp8_to_float(b, torch.bfloat16)
+    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     mod = _native.kernels()
     if mod.fp8_block_scaled_mm(a_h, b_h, row_scale, col_scale, offs, block_k, out):
         return out
@@ -447,7 +447,7 @@ def _scaled_blocks_wgrad(
     col_scale = torch.zeros((sb.shape[0], -(-N // 64) * 64), dtype=torch.float32)
     col_scale[:, :N] = sb
     out = torch.empty((E, K, N), dtype=torch.bfloat16)
-    a_h, b_h = Q._fp8_to_float(a, torch.bfloat16), Q._fp8_to_float(b, torch.bfloat16)
+    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     mod = _native.kernels()
     if mod.fp8_block_scaled_mm_wgrad(a_h, b_h, sa.contiguous(), col_scale, offs, block, out):
         return out
@@ -467,6 +467,11 @@ def _wgrad_codes_in_bf16(
         and out_dtype == torch.bfloat16
         and native_gemm_ready(torch.bfloat16)
     )
+
+
+def _codes_bf16(q: Tensor) -> Tensor:
+    """The e4m3 codes of q as bf16 values (exact), in q's layout."""
+    return Q._fp8_to_float(q, torch.bfloat16)
 
 
 def _scale_sums(acc: Tensor, row_scale: Tensor, col_scale: Tensor, col_row: Tensor) -> Tensor:
@@ -505,7 +510,7 @@ def _scaled_codes_mm(
     if E == 0:
         return torch.zeros((M, N), dtype=torch.bfloat16)
     acc = torch.empty((M, N), dtype=torch.float32)
-    a_h, b_h = Q._fp8_to_float(a, torch.bfloat16), Q._fp8_to_float(b, torch.bfloat16)
+    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     _native.kernels().threaded_grouped_mm(a_h, b_h, offs, acc, False, True, None, False)
     del a_h, b_h
     sb = scale_b.expand(E, 1, scale_b.shape[2])[:, 0, :]
@@ -769,7 +774,7 @@ def _scaled_codes_wgrad(
     if E == 0 or ends[-1] == 0:
         return torch.zeros((E, K, N), dtype=torch.bfloat16)
     acc = torch.empty((E, K, N), dtype=torch.float32)
-    a_h, b_h = Q._fp8_to_float(a, torch.bfloat16), Q._fp8_to_float(b, torch.bfloat16)
+    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     _native.kernels().threaded_grouped_mm_wgrad(
         a_h.t(), b_h, offs, acc, True, None, None, False, False
     )
