@@ -75,6 +75,7 @@ from torch_moe._ops.grouped_mm import (
     check_offs_values,
     cpu_compute_dtype,
     experts_transposed,
+    group_sizes,
     grouped_mm,
     grouped_mm_reference,
     grouped_mm_wgrad,
@@ -373,6 +374,17 @@ def _mx_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> boo
     )
 
 
+def _native_codes(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> bool:
+    """What the three routes that multiply the FP8 codes in bf16 share: fp32 scales, a
+    bf16 output and torch_moe's native bf16 GEMM here."""
+    return (
+        scale_a.dtype == torch.float32
+        and scale_b.dtype == torch.float32
+        and out_dtype == torch.bfloat16
+        and native_gemm_ready(torch.bfloat16)
+    )
+
+
 def _codes_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the CPU kernels multiply the e4m3 codes themselves in bf16 and scale the
     sums: fp32 scales constant along the reduction (one K block per row of A and column
@@ -385,12 +397,9 @@ def _codes_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> 
     in fp32's last bits (the scales' products rounded, the sums in another order), which
     the one rounding to bf16 hides but for rare ties of one bf16 ulp."""
     return (
-        scale_a.dtype == torch.float32
-        and scale_b.dtype == torch.float32
-        and scale_a.shape[-1] == 1
+        scale_a.shape[-1] == 1
         and scale_b.shape[-2] == 1
-        and out_dtype == torch.bfloat16
-        and native_gemm_ready(torch.bfloat16)
+        and _native_codes(scale_a, scale_b, out_dtype)
     )
 
 
@@ -401,14 +410,7 @@ def _blocks_in_bf16(scale_a: Tensor, scale_b: Tensor, block_k: int, out_dtype: t
     tiles, added in order (``fp8_block_scaled_mm``, csrc/fp8_cpu.cpp; as the GPU's
     blockwise kernels apply the scales per K block in their main loop); a bf16 output and
     torch_moe's native bf16 GEMM here, as :func:`_codes_in_bf16`."""
-    return (
-        scale_a.dtype == torch.float32
-        and scale_b.dtype == torch.float32
-        and block_k > 0
-        and block_k % 2 == 0
-        and out_dtype == torch.bfloat16
-        and native_gemm_ready(torch.bfloat16)
-    )
+    return block_k > 0 and block_k % 2 == 0 and _native_codes(scale_a, scale_b, out_dtype)
 
 
 def _scaled_blocks_mm(
@@ -460,13 +462,7 @@ def _wgrad_codes_in_bf16(
     """:func:`_codes_in_bf16` for the weight gradient: each operand's scales constant over
     an expert's rows (per tensor, or jagged blocks of a whole group: ``block=-1``)."""
     whole = all(list(s.shape) == [1, 1] or block == -1 for s in (scale_a, scale_b))
-    return (
-        whole
-        and scale_a.dtype == torch.float32
-        and scale_b.dtype == torch.float32
-        and out_dtype == torch.bfloat16
-        and native_gemm_ready(torch.bfloat16)
-    )
+    return whole and _native_codes(scale_a, scale_b, out_dtype)
 
 
 def _codes_bf16(q: Tensor) -> Tensor:
@@ -488,9 +484,8 @@ def _scale_sums(acc: Tensor, row_scale: Tensor, col_scale: Tensor, col_row: Tens
 
 def _group_of_rows(ends: list[int], rows: int) -> Tensor:
     """Each row's group (int64 [rows]; rows past the last end: the last group, or 0)."""
-    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)]
     groups = torch.arange(len(ends), dtype=torch.int64)
-    idx = torch.repeat_interleave(groups, torch.tensor(sizes, dtype=torch.int64))
+    idx = torch.repeat_interleave(groups, torch.tensor(group_sizes(ends), dtype=torch.int64))
     return torch.cat([idx, idx.new_full((rows - idx.shape[0],), max(len(ends) - 1, 0))])
 
 
@@ -779,8 +774,8 @@ def _scaled_codes_wgrad(
         a_h.t(), b_h, offs, acc, True, None, None, False, False
     )
     del a_h, b_h
-    sizes = torch.tensor([e - s for s, e in zip([0, *ends[:-1]], ends)], dtype=torch.int64)
-    busy = sizes > 0
+    sizes = group_sizes(ends)
+    busy = torch.tensor(sizes, dtype=torch.int64) > 0
     first = torch.cumsum(busy, 0) - busy.long()  # each group's scale row (jagged)
 
     def per_group(s: Tensor) -> Tensor:  # [E, C] (or [1, 1] per tensor)
@@ -793,8 +788,8 @@ def _scaled_codes_wgrad(
         else torch.arange(E).repeat_interleave(K)
     )
     out = _scale_sums(acc.view(E * K, N), rs.reshape(-1), cs, col_row).view(E, K, N)
-    for g, end in enumerate(ends):  # (their sums are zero; their scale rows another's)
-        if end == (ends[g - 1] if g else 0):
+    for g, size in enumerate(sizes):  # (their sums are zero; their scale rows another's)
+        if size == 0:
             out[g].zero_()
     return out
 
