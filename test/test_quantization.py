@@ -497,6 +497,32 @@ class TestFP8NativeConversions(TestCase):
             self.assertEqual(q.view(torch.uint8), want[:n], atol=0, rtol=0)
         self.assertTrue(torch.isnan(x).any() and torch.isinf(x).any())  # the probes' reach
 
+    def test_cast_does_not_depend_on_flush_to_zero(self):
+        # torch.set_flush_denormal sets FTZ and DAZ on the calling thread: the cast and the
+        # quantizer (one thread, so they run on it) give the bits they give without them
+        # (a cast that read subnormal codes from fp32 denormals would give 0 here)
+        x = _fp32_probes()
+        want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        tiny = torch.arange(1, 8).float() * 2.0**-9  # every subnormal code, in 8-lane rows
+        rows = torch.cat([torch.tensor([448.0]), tiny, -tiny, torch.zeros(1)]).repeat(8, 1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for flush in (True, False):
+                self.assertTrue(torch.set_flush_denormal(flush) or not flush)
+                q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+                self.assertTrue(self.mod.fp8_from_float(x, q))
+                self.assertEqual(q.view(torch.uint8), want, atol=0, rtol=0, msg=f"{flush}")
+                q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn)
+                s = torch.empty(8, 1)
+                self.assertTrue(self.mod.fp8_quantize_rows(rows, 1, 16, q, s, 0))
+                self.assertEqual(s, torch.ones(8, 1))  # 448 / 448: the codes of x itself
+                codes = q.view(torch.uint8)[0].tolist()
+                self.assertEqual(codes, [0x7E, *range(1, 8), *range(0x81, 0x88), 0], msg=f"{flush}")
+        finally:
+            torch.set_flush_denormal(False)
+            torch.set_num_threads(threads)
+
     def test_dequantize_equals_aten_on_every_code(self):
         q = torch.arange(256, dtype=torch.uint8).repeat(37).view(torch.float8_e4m3fn)
         out = torch.empty(q.shape)

@@ -25,12 +25,13 @@
 // ATen converts fp32 to e4m3fn one element at a time (c10's fp8e4m3fn_from_fp32_value),
 // 0.5-0.7 ns per element on the CPUs measured, and e4m3fn to fp32 at ~4 ns per element:
 // the FP8 emulation's quantizers and dequantizers spent most of their time there
-// (benchmarks/results/cpu_floor_cpu_202612.md). These kernels take 8 elements per AVX2
-// step with the same bits: the cast is c10's integer recipe, lane by lane (round to
-// nearest even, e4m3fn's subnormals rounded by an fp32 addition of 2^14, whose ulp is
-// e4m3fn's smallest step 2^-9), NaN to 0x7F with x's sign, after the clamp (which keeps
-// NaN, as ATen's clamp does); the other way c10's values by shifts (values8). Tails take
-// c10's conversion and a table of ATen's own 256 values. Each op returns false without touching its
+// (benchmarks/results/cpu_floor_cpu_202612.md). These kernels take a vector of lanes a step
+// with the same bits: the cast (cast8 / cast16: 8 lanes with AVX2, 16 with AVX-512, masked
+// loads and stores for a row's tail there) clamps, then rounds to nearest even by one fp32
+// addition and reads the code from the sum's bits (NaN to 0x7F with x's sign; the clamp
+// keeps NaN, as ATen's clamp does; equal to ATen on all 2^32 fp32 values, with and without
+// flush-to-zero); the other way c10's values by shifts (values8; tails from a table of
+// ATen's own 256 values). Each op returns false without touching its
 // outputs where it does not apply (another layout or dtype, a build without AVX2
 // vectors): the caller runs ATen.
 
@@ -96,11 +97,6 @@ void for_rows(int64_t rows, int64_t cols, const F& f) {
   });
 }
 
-uint8_t cast_one(float v) {  // the clamp and c10's conversion (v NaN: stays NaN)
-  const float c = v > kMax ? kMax : (v < -kMax ? -kMax : v);
-  return c10::Float8_e4m3fn(c).x;
-}
-
 // ATen's fp32 value of each code (NaN codes included, bit for bit).
 const std::array<float, 256>& fp8_values() {
   static const std::array<float, 256> table = [] {
@@ -115,28 +111,30 @@ const std::array<float, 256>& fp8_values() {
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 
-// 8 floats clamped and cast, one code in the low byte of each 32-bit lane.
+// 8 floats clamped and cast, one code in the low byte of each 32-bit lane (c10's bits):
+// the magnitude clamped to 448 (NaN kept: min_ps returns its second operand where either is
+// NaN), then rounded to e4m3's step in its binade 2^e, 2^(e-3) (2^-9 under 2^-6, e = -6
+// there), by one fp32 addition of 2^(e+20) (round to nearest even: the sum's last bit is
+// the code's), whose mantissa field is then the magnitude in steps, k in [0, 16]: the code
+// is (e + 6) * 8 + k (k = 16 carries into the next binade's code). NaN's sum is NaN and its
+// "code" past 0x7F unsigned: capped to 0x7F. Then the sign. Nothing here makes an fp32
+// denormal (a denormal result costs a microcode assist on some cores: reading subnormal
+// codes from x * 2^-120 ran 2x slower on a Zen 4 where most codes were subnormal).
 inline __m256i cast8(__m256 v) {
-  const __m256 c = _mm256_min_ps(_mm256_set1_ps(kMax), _mm256_max_ps(_mm256_set1_ps(-kMax), v));
-  const __m256i bits = _mm256_castps_si256(c);
-  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
-  const __m256i mag = _mm256_xor_si256(bits, sign);
-  // normal: the exponent rebiased (7 - 127), rounded to nearest even at bit 20
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
-  __m256i normal = _mm256_add_epi32(mag, _mm256_set1_epi32(static_cast<int32_t>(
-                                             (uint32_t{7} - 127u) << 23) + 0x7FFFF));
-  normal = _mm256_srli_epi32(_mm256_add_epi32(normal, odd), 20);
-  // under 2^-6: rounded to a multiple of 2^-9 by adding 2^14 in fp32
-  const __m256i denorm_mask = _mm256_set1_epi32(141 << 23);
-  const __m256i sub = _mm256_sub_epi32(
-      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(denorm_mask))),
-      denorm_mask);
-  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), mag);
-  __m256i r = _mm256_blendv_epi8(normal, sub, small);
-  // NaN (the clamp keeps it): 0x7F
-  const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((1087 << 20) - 1));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), nan);
-  return _mm256_and_si256(_mm256_or_si256(r, _mm256_srli_epi32(sign, 24)), _mm256_set1_epi32(0xFF));
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i mag_bits = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MAX));
+  const __m256i sign = _mm256_xor_si256(bits, mag_bits);
+  const __m256 mag = _mm256_min_ps(_mm256_set1_ps(kMax), _mm256_castsi256_ps(mag_bits));
+  const __m256i binade = _mm256_max_epi32(  // 2^e's bits
+      _mm256_and_si256(_mm256_castps_si256(mag), _mm256_set1_epi32(0x7F800000)),
+      _mm256_set1_epi32(121 << 23));
+  const __m256i magic = _mm256_add_epi32(binade, _mm256_set1_epi32(20 << 23));  // 2^(e+20)
+  const __m256i steps = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(mag, _mm256_castsi256_ps(magic))), magic);
+  const __m256i code = _mm256_add_epi32(
+      steps, _mm256_sub_epi32(_mm256_srli_epi32(binade, 20), _mm256_set1_epi32(121 * 8)));
+  return _mm256_or_si256(_mm256_min_epu32(code, _mm256_set1_epi32(0x7F)),
+                         _mm256_srli_epi32(sign, 24));
 }
 
 // The low bytes of 8 lanes stored as 8 bytes.
@@ -147,6 +145,121 @@ inline void store8(uint8_t* o, __m256i codes) {
   const __m256i two = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(two));
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// cast8's steps in 16 lanes.
+inline __m512i cast16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i mag_bits = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MAX));
+  const __m512i sign = _mm512_xor_si512(bits, mag_bits);
+  const __m512 mag = _mm512_min_ps(_mm512_set1_ps(kMax), _mm512_castsi512_ps(mag_bits));
+  const __m512i binade = _mm512_max_epi32(
+      _mm512_and_si512(_mm512_castps_si512(mag), _mm512_set1_epi32(0x7F800000)),
+      _mm512_set1_epi32(121 << 23));
+  const __m512i magic = _mm512_add_epi32(binade, _mm512_set1_epi32(20 << 23));
+  const __m512i steps = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(mag, _mm512_castsi512_ps(magic))), magic);
+  const __m512i code = _mm512_add_epi32(
+      steps, _mm512_sub_epi32(_mm512_srli_epi32(binade, 20), _mm512_set1_epi32(121 * 8)));
+  return _mm512_or_si512(_mm512_min_epu32(code, _mm512_set1_epi32(0x7F)),
+                         _mm512_srli_epi32(sign, 24));
+}
+#endif
+
+// The quantizers' vectors: fp32 lanes of a row (kWidth of them: 16 with AVX-512, else 8),
+// loaded from fp32 / bf16 / fp16 (the first n, zeros past them where n < kWidth); a block's
+// largest magnitude as integer bits (a magnitude's bits order as its value, and NaN's lie
+// above +inf's 0x7F800000: the maximum of the bits is the largest magnitude or a NaN);
+// codes cast and stored (the first n where n < kWidth).
+#if defined(CPU_CAPABILITY_AVX512)
+struct Lanes {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int64_t kWidth = 16;
+  static __mmask16 first(int64_t n) {
+    return n >= kWidth ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  }
+  template <class T>
+  static F load(const T* p, int64_t n) {
+    if constexpr (std::is_same_v<T, float>) {
+      return n >= kWidth ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first(n), p);
+    } else {
+      const __m256i h = n >= kWidth ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                    : _mm256_maskz_loadu_epi16(first(n), p);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      } else {
+        return _mm512_cvtph_ps(h);
+      }
+    }
+  }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static I mag_bits(F v) {
+    return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MAX));
+  }
+  static I max(I a, I b) { return _mm512_max_epi32(a, b); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I loadi(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static void storei(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static int32_t reduce_max(I v) { return _mm512_reduce_max_epi32(v); }
+  static void store_codes(uint8_t* o, F v, int64_t n) {
+    const __m128i codes = _mm512_cvtepi32_epi8(cast16(v));  // vpmovdb
+    if (n >= kWidth) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), codes);
+    } else {
+      _mm_mask_storeu_epi8(o, first(n), codes);
+    }
+  }
+};
+#else
+struct Lanes {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int64_t kWidth = 8;
+  template <class T>
+  static F load(const T* p, int64_t n) {
+    if (n >= kWidth) {
+      if constexpr (std::is_same_v<T, float>) {
+        return _mm256_loadu_ps(p);
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      } else {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      }
+    }
+    alignas(32) float v[kWidth] = {};
+    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(p[i]);
+    return _mm256_load_ps(v);
+  }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static I mag_bits(F v) {
+    return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(INT32_MAX));
+  }
+  static I max(I a, I b) { return _mm256_max_epi32(a, b); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I loadi(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void storei(int32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static int32_t reduce_max(I v) {
+    alignas(32) int32_t lanes[kWidth];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+    return *std::max_element(lanes, lanes + kWidth);
+  }
+  static void store_codes(uint8_t* o, F v, int64_t n) {
+    if (n >= kWidth) {
+      store8(o, cast8(v));
+      return;
+    }
+    alignas(8) uint8_t codes[kWidth];
+    store8(codes, cast8(v));
+    std::memcpy(o, codes, n);
+  }
+};
+#endif
 
 // ATen's fp32 values of 8 codes, bit for bit (fp8_values'; c10's fp8e4m3fn_to_fp32_value
 // lane by lane): a normal code's exponent and mantissa shifted into place and rebiased
@@ -185,9 +298,9 @@ bool convert_rows(const at::Tensor& src, at::Tensor& dst, at::ScalarType in, at:
 bool fp8_from_float(const at::Tensor& x, at::Tensor& out) {
   return convert_rows<float, uint8_t>(
       x, out, at::kFloat, at::kFloat8_e4m3fn, [](const float* s, uint8_t* o, int64_t cols) {
-        int64_t j = 0;
-        for (; j + 8 <= cols; j += 8) store8(o + j, cast8(_mm256_loadu_ps(s + j)));
-        for (; j < cols; ++j) o[j] = cast_one(s[j]);
+        for (int64_t j = 0; j < cols; j += Lanes::kWidth) {
+          Lanes::store_codes(o + j, Lanes::load(s + j, cols - j), cols - j);
+        }
       });
 }
 
@@ -342,26 +455,6 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
   return true;
 }
 
-// 8 elements of a row as fp32 (n < 8: the first n, zeros past them)
-template <class T>
-inline __m256 load8(const T* p, int64_t n) {
-  alignas(32) float v[8] = {};
-  if constexpr (std::is_same_v<T, float>) {
-    if (n >= 8) return _mm256_loadu_ps(p);
-    for (int64_t i = 0; i < n; ++i) v[i] = p[i];
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (n >= 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(p[i]);
-  } else {
-    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(p[i]);
-  }
-  return _mm256_load_ps(v);
-}
-
 // A block's divisor from its largest magnitude (NaN where any element is NaN), stored
 // into s at b: FP8 (rule 0) amax / 448 in fp32 (IEEE: ATen's division), 1 where that is
 // not > 0 (zeros, NaN), stored as it is; MX (rule 1 "floor", 2 "rceil") the power of two
@@ -399,60 +492,50 @@ inline float block_divisor(float amax, bool any_nan, int rule, void* s, int64_t 
 }
 
 // One row of blocks (rows [0, br) of x, row stride cols): each column's largest magnitude
-// over the rows (and whether any is NaN), 8 columns a step; each block's divisor from its
-// columns' (block_divisor, its stored scale into s at the block's index); then each row's
-// codes, every element divided by its block's divisor. Where the blocks start on whole
-// vectors (block a multiple of 8, or one block), a block's columns are reduced 8 lanes a
-// step and its codes divided by its divisor broadcast; otherwise column by column through
-// a row of each column's divisor. (For rowwise blocks, one row each, the column-by-column
-// reduction and the zeroed buffers made the quantizer 2x slower: 0.77 G elements/s on one
-// Zen 4 core.)
+// over the rows (as bits: NaN's above every number's), a vector of columns a step; each
+// block's divisor from its columns' (block_divisor, its stored scale into s at the block's
+// index); then each row's codes, every element divided by its block's divisor. Where the
+// blocks start on whole vectors (block a multiple of the width, or one block), a block's
+// columns are reduced a vector a step and its codes divided by its divisor broadcast;
+// otherwise column by column through a row of each column's divisor. (For rowwise blocks,
+// one row each, the column-by-column reduction and the zeroed buffers made the quantizer 2x
+// slower: 0.77 G elements/s on one Zen 4 core.)
 template <class T>
 void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uint8_t* o,
                         void* s, int rule) {
-  thread_local std::vector<float> col_max, col_nan, col_scale, divisors;
-  const int64_t padded = (cols + 7) / 8 * 8, nb = (cols + block - 1) / block;
-  if (static_cast<int64_t>(col_max.size()) < padded) {
-    col_max.resize(padded);
-    col_nan.resize(padded);
-  }
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MAX));
-  for (int64_t r = 0; r < br; ++r) {  // (load8 zero-fills past cols: padded lanes 0)
+  constexpr int64_t W = Lanes::kWidth;
+  thread_local std::vector<int32_t> col_max;
+  thread_local std::vector<float> col_scale, divisors;
+  const int64_t padded = (cols + W - 1) / W * W, nb = (cols + block - 1) / block;
+  if (static_cast<int64_t>(col_max.size()) < padded) col_max.resize(padded);
+  if (static_cast<int64_t>(col_scale.size()) < padded) col_scale.resize(padded);
+  if (static_cast<int64_t>(divisors.size()) < nb) divisors.resize(nb);
+  // (the buffers' own pointers: the vectors' stores may alias any memory, the
+  // thread_local vectors' data pointers would be reloaded after each one)
+  int32_t* const cmax = col_max.data();
+  float* const cscale = col_scale.data();
+  float* const divisor = divisors.data();
+  for (int64_t r = 0; r < br; ++r) {  // (loads zero-fill past cols: padded lanes 0)
     const T* xr = x + r * cols;
-    for (int64_t j = 0; j < cols; j += 8) {
-      const __m256 v = load8(xr + j, cols - j);
-      __m256 m = _mm256_and_ps(v, abs_mask), nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-      if (r > 0) {
-        m = _mm256_max_ps(_mm256_loadu_ps(&col_max[j]), m);
-        nan = _mm256_or_ps(_mm256_loadu_ps(&col_nan[j]), nan);
-      }
-      _mm256_storeu_ps(&col_max[j], m);
-      _mm256_storeu_ps(&col_nan[j], nan);
+    for (int64_t j = 0; j < cols; j += W) {
+      const auto m = Lanes::mag_bits(Lanes::load(xr + j, cols - j));
+      Lanes::storei(cmax + j, r > 0 ? Lanes::max(Lanes::loadi(cmax + j), m) : m);
     }
   }
-  const bool whole = block % 8 == 0 || nb == 1;  // blocks start on whole vectors
-  if (static_cast<int64_t>(divisors.size()) < nb) divisors.resize(nb);
+  const bool whole = block % W == 0 || nb == 1;  // blocks start on whole vectors
   for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
     const int64_t j1 = std::min(cols, j0 + block);
-    float amax = 0.0f;
-    bool any_nan = false;
-    if (whole) {  // (a NaN column's maximum may be lost here: any_nan decides then)
-      __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-      for (int64_t j = j0; j < j1; j += 8) {
-        m = _mm256_max_ps(m, _mm256_loadu_ps(&col_max[j]));
-        nan = _mm256_or_ps(nan, _mm256_loadu_ps(&col_nan[j]));
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, m);
-      for (float v : lanes) amax = std::max(amax, v);
-      any_nan = _mm256_movemask_ps(nan) != 0;
+    int32_t bits = 0;
+    if (whole) {
+      auto m = Lanes::zero();
+      for (int64_t j = j0; j < j1; j += W) m = Lanes::max(m, Lanes::loadi(cmax + j));
+      bits = Lanes::reduce_max(m);
     } else {
-      for (int64_t j = j0; j < j1; ++j) {
-        amax = std::max(amax, col_max[j]);
-        any_nan = any_nan || col_nan[j] != 0.0f;
-      }
+      for (int64_t j = j0; j < j1; ++j) bits = std::max(bits, cmax[j]);
     }
-    divisors[b] = block_divisor(amax, any_nan, rule, s, b);
+    float amax;
+    std::memcpy(&amax, &bits, sizeof(amax));
+    divisor[b] = block_divisor(amax, bits > 0x7F800000, rule, s, b);
   }
   if (whole) {
     for (int64_t r = 0; r < br; ++r) {
@@ -460,27 +543,25 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
       uint8_t* orow = o + r * cols;
       for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
         const int64_t j1 = std::min(cols, j0 + block);
-        const float d = divisors[b];
-        const __m256 dv = _mm256_set1_ps(d);
-        int64_t j = j0;
-        for (; j + 8 <= j1; j += 8) store8(orow + j, cast8(_mm256_div_ps(load8(xr + j, 8), dv)));
-        for (; j < j1; ++j) orow[j] = cast_one(static_cast<float>(xr[j]) / d);
+        const auto d = Lanes::set1(divisor[b]);
+        for (int64_t j = j0; j < j1; j += W) {
+          Lanes::store_codes(orow + j, Lanes::div(Lanes::load(xr + j, j1 - j), d), j1 - j);
+        }
       }
     }
     return;
   }
-  if (static_cast<int64_t>(col_scale.size()) < padded) col_scale.resize(padded);
   for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
-    std::fill(col_scale.begin() + j0, col_scale.begin() + std::min(cols, j0 + block), divisors[b]);
+    std::fill(cscale + j0, cscale + std::min(cols, j0 + block), divisor[b]);
   }
+  std::fill(cscale + cols, cscale + padded, 1.0f);  // (lanes not stored)
   for (int64_t r = 0; r < br; ++r) {
     const T* xr = x + r * cols;
     uint8_t* orow = o + r * cols;
-    int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) {
-      store8(orow + j, cast8(_mm256_div_ps(load8(xr + j, 8), _mm256_loadu_ps(&col_scale[j]))));
+    for (int64_t j = 0; j < cols; j += W) {
+      const auto v = Lanes::div(Lanes::load(xr + j, cols - j), Lanes::loadf(cscale + j));
+      Lanes::store_codes(orow + j, v, cols - j);
     }
-    for (; j < cols; ++j) orow[j] = cast_one(static_cast<float>(xr[j]) / col_scale[j]);
   }
 }
 
