@@ -512,7 +512,14 @@ class TestScaledGroupedMM(TestCase):
             self.assertTrue(S.decomposable(g), msg=name)
             qa, sa = S.quantize_lhs(a, g.lhs)
             qb, sb = S.quantize_rhs(b, g.rhs)
-            self.assertEqual(qb.stride(-2), 1, msg="B K-major")
+            # K-major, or on the CPU b's own row-major layout (the forward's w here): the
+            # same codes and scales as the K-major form, without its transposing copy
+            k_major = b.stride(-2) == 1
+            self.assertEqual(qb.stride(-2 if k_major else -1), 1, msg=name)
+            qk, sk = S.quantize_rhs(b.transpose(-2, -1).contiguous().transpose(-2, -1), g.rhs)
+            self.assertEqual(qk.stride(-2), 1, msg=name)
+            self.assertEqual(qb.view(torch.uint8), qk.view(torch.uint8), atol=0, rtol=0)
+            self.assertEqual(sb, sk, atol=0, rtol=0, msg=name)
             ref = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, F32)
             if name == "forward":
                 got = ops.quantized_grouped_mm(x, w, offs, recipe)

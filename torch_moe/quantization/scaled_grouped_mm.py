@@ -858,8 +858,15 @@ def quantize_lhs(a: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
 
 
 def quantize_rhs(b: Tensor, op: OperandQuant) -> tuple[Tensor, Tensor]:
-    """B [E, k, n] quantized along k, laid out K-major (what FP8 tensor cores read):
-    ``(q [E, k, n] with unit stride along k, scale [E, KS, NS])``."""
+    """B [E, k, n] quantized along k: ``(q [E, k, n], scale [E, KS, NS])``, q laid out
+    K-major (unit stride along k: what FP8 tensor cores read), or, on the CPU where b is
+    row-major (n-major: a dgrad's transposed weight), in b's own layout: the CPU kernels read
+    either, and the K-major codes would cost a transposing copy (the same codes and
+    scales, the same blocks)."""
+    if b.device.type == "cpu" and b.dim() == 3 and b.stride(-1) == 1 and b.stride(-2) != 1:
+        if op.fmt == "mx":
+            return quantize_mx(b, dim=-2, block=op.inner, scale_rule=op.scale_rule)
+        return quantize_fp8(b, (op.inner, op.outer))
     b_t = b.transpose(-2, -1)  # [E, n, k]: quantizing its rows is quantizing b's columns
     if op.fmt == "mx":
         q, s = quantize_mx(b_t, dim=-1, block=op.inner, scale_rule=op.scale_rule)
