@@ -529,6 +529,23 @@ class TestFP8NativeConversions(TestCase):
         self.assertTrue(self.mod.fp8_to_float(q, out))
         self.assertEqual(out.view(torch.int32), q.float().view(torch.int32), atol=0, rtol=0)
 
+    def test_dequantize_scaled_equals_aten(self):
+        # every code (NaN ones included) times its block's scale, ATen's product's bits:
+        # rows of 37 and 80 columns (vector tails of 5 and 16 past 32-code steps), a scale
+        # per column, blocks of 7, 16 and 128 (one short block), scale rows by index
+        codes = torch.arange(256, dtype=torch.uint8).repeat(12)
+        for cols, bc in itertools.product((37, 80), (1, 7, 16, 128)):
+            rows = codes.numel() // cols
+            q = codes[: rows * cols].view(rows, cols).view(torch.float8_e4m3fn)
+            nc = -(-cols // bc)
+            scale = torch.rand(rows, nc, generator=torch.Generator().manual_seed(cols)) + 0.5
+            want = q.float() * scale.repeat_interleave(bc, 1)[:, :cols]
+            for index in (None, torch.arange(rows).flip(0)):
+                out = torch.full(q.shape, 7.0)
+                sc = scale if index is None else scale.flip(0)
+                self.assertTrue(self.mod.fp8_dequantize_scaled(q, sc, index, 1, bc, out))
+                self.assertEqual(out.view(torch.int32), want.view(torch.int32), atol=0, rtol=0)
+
     def test_layouts(self):
         gen = torch.Generator().manual_seed(5)
         base = torch.randn(6, 9, 37, generator=gen) * 300
