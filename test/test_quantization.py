@@ -852,7 +852,24 @@ class TestQuantizeJaggedCPUKernel(TestCase):
         from unittest import mock
 
         Qm = importlib.import_module("torch_moe.quantization.quantize")
-        native, none = Qm._fp8_kernels, lambda t: None
+        kernels, none = Qm._fp8_kernels, lambda t: None
+        ran: list[bool] = []  # the native kernel's answers (False: ATen's chunks ran)
+
+        class Spy:
+            def __init__(self, mod):
+                self.mod = mod
+
+            def __getattr__(self, name):
+                return getattr(self.mod, name)
+
+            def fp8_quantize_jagged(self, *args):
+                ran.append(bool(self.mod.fp8_quantize_jagged(*args)))
+                return ran[-1]
+
+        def native(t):
+            mod = kernels(t)
+            return None if mod is None else Spy(mod)
+
         gen = torch.Generator().manual_seed(13)
         cases = 0
         for sizes, block, (fmt, rule), dtype, tail in itertools.product(
@@ -892,6 +909,41 @@ class TestQuantizeJaggedCPUKernel(TestCase):
                 self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
                 cases += 1
         self.assertEqual(cases, 4 * 5 * 3 * 2 * 2 * 4)
+        if Qm._fp8_kernels(torch.empty(0)) is not None:  # one call per case, each taken
+            self.assertEqual(ran, [True] * (cases // 4))
+
+    def test_native_kernel_refuses_what_it_does_not_take(self):
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        mod = Qm._fp8_kernels(torch.empty(0))
+        if mod is None:
+            self.skipTest("the native CPU kernels are not built here")
+        x = torch.randn(10, 8)
+        offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+
+        def call(x=x, offs=offs, block=4, scale_rows=5, q=None, rule=0):
+            q = torch.zeros(x.shape, dtype=torch.float8_e4m3fn) if q is None else q
+            scale = torch.full((scale_rows, x.shape[1]), 7.0)
+            before = (q.view(torch.uint8).clone(), scale.clone())
+            done = mod.fp8_quantize_jagged(x, offs, block, q, scale, rule)
+            untouched = torch.equal(q.view(torch.uint8), before[0]) and torch.equal(
+                scale, before[1]
+            )
+            return done, untouched
+
+        # blocks of 4: [0, 3) one, [3, 3) none, [3, 9) two, the row past the groups one
+        self.assertEqual(call(), (True, False))
+        cases = {
+            "scale rows too few": dict(scale_rows=3),
+            "offs decreasing": dict(offs=torch.tensor([3, 2, 9], dtype=torch.int32)),
+            "offs past the rows": dict(offs=torch.tensor([3, 3, 11], dtype=torch.int32)),
+            "offs int64": dict(offs=offs.long()),
+            "offs 2-D": dict(offs=offs.view(1, 3)),
+            "block 0": dict(block=0),
+            "x transposed": dict(x=x.t(), q=torch.zeros(8, 10, dtype=torch.float8_e4m3fn)),
+            "MX rule with fp32 scales": dict(rule=1),
+        }
+        for name, kwargs in cases.items():
+            self.assertEqual(call(**kwargs), (False, True), msg=name)
 
 
 class TestRecipeEmulation(TestCase):

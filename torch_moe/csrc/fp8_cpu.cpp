@@ -665,41 +665,101 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
   }
 }
 
-bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tensor& q,
-                       at::Tensor& scale, int64_t rule) {
+// Whether x, q and scale are what the quantizers take: x [rows, cols] contiguous fp32 /
+// bf16 / fp16, q e4m3fn of x's shape, scale contiguous 2-D fp32 (rule 0) or uint8 (MX).
+bool quantizer_operands(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                        int64_t rule) {
   const auto dt = x.scalar_type();
-  const auto scale_dt = rule == 0 ? at::kFloat : at::kByte;
-  if ((dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) || x.dim() != 2 ||
-      !x.is_contiguous() || q.scalar_type() != at::kFloat8_e4m3fn || !q.is_contiguous() ||
-      q.sizes() != x.sizes() || scale.scalar_type() != scale_dt || !scale.is_contiguous() ||
-      block < 1 || br < 1 || rule < 0 || rule > 2) {
-    return false;
-  }
-  const int64_t rows = x.size(0), cols = x.size(1), nc = (cols + block - 1) / block;
-  const int64_t nr = (rows + br - 1) / br;
-  if (scale.dim() != 2 || scale.size(0) != nr || scale.size(1) != std::max<int64_t>(nc, 1)) {
-    return false;
-  }
-  if (x.numel() == 0) return true;
+  return (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && x.dim() == 2 &&
+         x.is_contiguous() && q.scalar_type() == at::kFloat8_e4m3fn && q.is_contiguous() &&
+         q.sizes() == x.sizes() && rule >= 0 && rule <= 2 &&
+         scale.scalar_type() == (rule == 0 ? at::kFloat : at::kByte) && scale.is_contiguous() &&
+         scale.dim() == 2;
+}
+
+// A block row: rows [r0, r0 + rows) of x, its scales in scale row srow.
+struct BlockRow {
+  int64_t r0, rows, srow;
+};
+
+// quantize_block_row on every block row task(i), i in [0, n) (column blocks of `block`),
+// in parallel (tasks of about `task_elems` elements); the operands checked by the caller.
+template <class F>
+void quantize_block_rows(const at::Tensor& x, int64_t block, at::Tensor& q, at::Tensor& scale,
+                         int64_t rule, int64_t n, int64_t task_elems, const F& task) {
+  const int64_t cols = x.size(1);
   auto* o = reinterpret_cast<uint8_t*>(q.mutable_data_ptr());
   auto* s = static_cast<char*>(scale.mutable_data_ptr());
-  const int64_t scale_row = nc * scale.element_size();
+  const int64_t scale_row = scale.size(1) * scale.element_size();
   const int r = static_cast<int>(rule);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();
-    for_rows(nr, br * cols, [&](int64_t i) {
-      const int64_t r0 = i * br, n = std::min(br, rows - r0);
-      quantize_block_row(xp + r0 * cols, n, cols, block, o + r0 * cols, s + i * scale_row, r);
+    for_rows(n, task_elems, [&](int64_t i) {
+      const BlockRow b = task(i);
+      quantize_block_row(xp + b.r0 * cols, b.rows, cols, block, o + b.r0 * cols,
+                         s + b.srow * scale_row, r);
     });
   };
-  if (dt == at::kFloat) {
+  if (x.scalar_type() == at::kFloat) {
     run(float{});
-  } else if (dt == at::kBFloat16) {
+  } else if (x.scalar_type() == at::kBFloat16) {
     run(c10::BFloat16{});
   } else {
     run(c10::Half{});
   }
+}
+
+bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tensor& q,
+                       at::Tensor& scale, int64_t rule) {
+  if (!quantizer_operands(x, q, scale, rule) || block < 1 || br < 1) return false;
+  const int64_t rows = x.size(0), cols = x.size(1), nc = (cols + block - 1) / block;
+  const int64_t nr = (rows + br - 1) / br;
+  if (scale.size(0) != nr || scale.size(1) != std::max<int64_t>(nc, 1)) return false;
+  if (x.numel() == 0) return true;
+  quantize_block_rows(x, block, q, scale, rule, nr, br * cols, [&](int64_t i) {
+    return BlockRow{i * br, std::min(br, rows - i * br), i};
+  });
+  return true;
+}
+
+// offs' group ends (int32, 1-D, contiguous, nondecreasing within [0, rows]), or nullptr.
+const int32_t* group_ends(const at::Tensor& offs, int64_t rows) {
+  if (offs.scalar_type() != at::kInt || offs.dim() != 1 || !offs.is_contiguous()) return nullptr;
+  const int32_t* ends = offs.const_data_ptr<int32_t>();
+  for (int64_t g = 0, prev = 0; g < offs.size(0); prev = ends[g], ++g) {
+    if (ends[g] < prev || ends[g] > rows) return nullptr;
+  }
+  return ends;
+}
+
+// quantize_jagged's kernel: the segments of x's rows (offs' groups, then the rows past the
+// last group), each in blocks of `block` rows from its first (the last one shorter; block
+// -1: the segment is one block), every column its own scale; the segments' block rows in
+// order in scale's rows (unused rows left as they are). One call for every segment, their
+// block rows shared out over the threads. False without touching q or scale where the
+// operands are not these.
+bool fp8_quantize_jagged(const at::Tensor& x, const at::Tensor& offs, int64_t block,
+                         at::Tensor& q, at::Tensor& scale, int64_t rule) {
+  if (!quantizer_operands(x, q, scale, rule) || (block < 1 && block != -1)) return false;
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int32_t* ends = group_ends(offs, rows);
+  if (ends == nullptr || scale.size(1) != std::max<int64_t>(cols, 1)) return false;
+  std::vector<BlockRow> tasks;
+  const int64_t E = offs.size(0);
+  for (int64_t g = 0, start = 0; g <= E; ++g) {  // (g == E: the rows past the last group)
+    const int64_t end = g < E ? ends[g] : rows;
+    const int64_t extent = block == -1 ? std::max<int64_t>(end - start, 1) : block;
+    for (int64_t r0 = start; r0 < end; r0 += extent) {
+      tasks.push_back({r0, std::min(extent, end - r0), static_cast<int64_t>(tasks.size())});
+    }
+    start = end;
+  }
+  if (static_cast<int64_t>(tasks.size()) > scale.size(0)) return false;
+  if (x.numel() == 0) return true;
+  const int64_t most = block == -1 ? rows : block;
+  quantize_block_rows(x, 1, q, scale, rule, static_cast<int64_t>(tasks.size()), most * cols,
+                      [&](int64_t i) { return tasks[i]; });
   return true;
 }
 
@@ -740,14 +800,12 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
       !row_scale.is_contiguous() || row_scale.dim() != 2 || row_scale.size(0) != M ||
       row_scale.size(1) != KS || col_scale.scalar_type() != at::kFloat ||
       !col_scale.is_contiguous() || col_scale.dim() != 3 || col_scale.size(0) != E ||
-      col_scale.size(1) != KS || col_scale.size(2) < Np || offs.scalar_type() != at::kInt ||
-      offs.dim() != 1 || offs.size(0) != E || !offs.is_contiguous()) {
+      col_scale.size(1) != KS || col_scale.size(2) < Np || offs.dim() != 1 ||
+      offs.size(0) != E) {  // (offs' dtype, layout and values: group_ends)
     return false;
   }
-  const int32_t* ends = offs.const_data_ptr<int32_t>();
-  for (int64_t g = 0, prev = 0; g < E; prev = ends[g], ++g) {
-    if (ends[g] < prev || ends[g] > M) return false;
-  }
+  const int32_t* ends = group_ends(offs, M);
+  if (ends == nullptr) return false;
   struct Piece {
     int64_t g, start, rows, c0, c1;
   };
@@ -798,14 +856,13 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
       row_scale.scalar_type() != at::kFloat || !row_scale.is_contiguous() ||
       row_scale.dim() != 2 || row_scale.size(1) != K || col_scale.scalar_type() != at::kFloat ||
       !col_scale.is_contiguous() || col_scale.dim() != 2 || col_scale.size(1) < Np ||
-      col_scale.size(0) != row_scale.size(0) || offs.scalar_type() != at::kInt ||
-      !offs.is_contiguous()) {
+      col_scale.size(0) != row_scale.size(0)) {  // (offs: group_ends)
     return false;
   }
-  const int32_t* ends = offs.const_data_ptr<int32_t>();
+  const int32_t* ends = group_ends(offs, M);
+  if (ends == nullptr) return false;
   std::vector<int64_t> first(E);  // each group's first block row
   for (int64_t g = 0, prev = 0, blocks = 0; g < E; prev = ends[g], ++g) {
-    if (ends[g] < prev || ends[g] > M) return false;
     first[g] = blocks;
     blocks += (ends[g] - prev + block - 1) / block;
     if (blocks > row_scale.size(0)) return false;
@@ -847,6 +904,10 @@ bool fp8_dequantize_scaled(const at::Tensor&, const at::Tensor&, const std::opti
 bool fp8_quantize_rows(const at::Tensor&, int64_t, int64_t, at::Tensor&, at::Tensor&, int64_t) {
   return false;
 }
+bool fp8_quantize_jagged(const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, at::Tensor&,
+                         int64_t) {
+  return false;
+}
 bool fp8_from_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_to_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_block_scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -884,6 +945,9 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def(
       "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
       " int rule=0) -> bool");
+  m.def(
+      "fp8_quantize_jagged(Tensor x, Tensor offs, int block, Tensor(a!) q, Tensor(b!) scale,"
+      " int rule=0) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
@@ -894,4 +958,5 @@ TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("fp8_block_scaled_mm_wgrad", &fp8_block_scaled_mm_wgrad);
   m.impl("fp8_dequantize_scaled", &fp8_dequantize_scaled);
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
+  m.impl("fp8_quantize_jagged", &fp8_quantize_jagged);
 }

@@ -811,7 +811,7 @@ def quantize_jagged_cpu(
         scale[j0:j1] = stored
         _to_fp8_into(q[c0:c1], xf.div_(div.index_select(0, local)))
 
-    if _jagged_native(x2, q, scale, ends, rows, block, fmt, scale_rule):
+    if _jagged_native(x2, q, scale, ends, block, fmt, scale_rule):
         return q, scale
     pending: list[tuple[int, int, int]] = []  # small segments: (start, end, first)
 
@@ -846,32 +846,19 @@ def _jagged_native(
     q: Tensor,
     scale: Tensor,
     ends: list[int],
-    rows: int,
     block: int,
     fmt: str,
     scale_rule: str,
 ) -> bool:
-    """quantize_jagged_cpu by the native kernel (csrc/fp8_cpu.cpp: per segment, each block
-    of rows' column maxima, then its codes; the same bits), segment by segment (the
-    groups, then the rows past the last); False, having written nothing, where it does not
-    apply."""
+    """quantize_jagged_cpu by the native kernel (csrc/fp8_cpu.cpp ``fp8_quantize_jagged``:
+    each segment's blocks of rows, the groups' and the rows' past the last, their column
+    maxima, then their codes; the same bits), all segments in one call; False, having
+    written nothing, where it does not apply."""
     mod = _fp8_kernels(x2)
     if mod is None:
         return False
-    rule = _native_rule(fmt, scale_rule)
-    first = 0
-    for start, end in zip([0, *ends], [*ends, rows]):
-        size = end - start
-        if size == 0:
-            continue
-        extent, blocks = (size, 1) if block == -1 else (block, -(-size // block))
-        done = mod.fp8_quantize_rows(
-            x2[start:end], extent, 1, q[start:end], scale[first : first + blocks], rule
-        )
-        if not done:  # (the first segment already: one dtype and layout for all)
-            return False
-        first += blocks
-    return True
+    offs = torch.tensor(ends, dtype=torch.int32)
+    return bool(mod.fp8_quantize_jagged(x2, offs, block, q, scale, _native_rule(fmt, scale_rule)))
 
 
 def check_dequantize_jagged(q: Tensor, scale: Tensor, offs: Tensor, block: int) -> None:
