@@ -6,10 +6,10 @@ alternated: ``aten`` (the e4m3 casts, dequantization and quantize_fp8's block ma
 ATen's ops, the scaled GEMMs in fp32: the emulation before the native kernels),
 ``native`` (csrc/fp8_cpu.cpp's conversions and quantizer) and ``native + bf16 GEMMs``
 (also, where this CPU has native bf16 GEMMs, MX operands multiplied by the bf16 grouped
-GEMM, ``scaled_grouped_mm._mx_in_bf16``, and the codes of GEMMs whose scales are constant
-along the reduction multiplied in bf16 with the scales applied to the fp32 sums,
-``_codes_in_bf16``, or blockwise scales applied per k block inside the GEMM's tiles,
-``_blocks_in_bf16``). The first two give the same bits; the third the same math in another
+GEMM, ``scaled_grouped_mm._mx_in_bf16``, and the FP8 codes multiplied in bf16 with the
+scales applied per k block inside the GEMM's tiles, ``_blocks_in_bf16``, and with scales
+constant along the reduction repeated per block, ``_codes_in_bf16``). The first two give
+the same bits; the third the same math in another
 rounding order (its largest difference from the fp32 form is printed).
 Shapes are ``benchmarks/bench_perf_model.py``'s precision configs (prec1 / prec2 / prec3).
 

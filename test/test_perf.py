@@ -331,8 +331,8 @@ class TestModelArithmetic(TestCase):
 
     def test_cpu_recipe_gemms_take_the_kernels_dtype(self):
         # the emulation's six GEMMs in the time model: the bf16 rate where the CPU kernels
-        # multiply the FP8 codes in bf16 (scaled sums: the codes' and the output's casts;
-        # blockwise: the codes' only), the fp32 rate and the output's cast otherwise
+        # multiply the FP8 codes in bf16 (the codes' casts only: the block-scaled kernel
+        # writes bf16), the fp32 rate and the output's cast otherwise
         from torch_moe.perf import _memory as memory_module
         from torch_moe.perf import _model
 
@@ -346,7 +346,7 @@ class TestModelArithmetic(TestCase):
             kernel=lambda comp, name, elements, phase, *a: calls.append((name, elements)),
         )
         for precision, route, casts in (
-            ("fp8_rowwise", "codes", 12),
+            ("fp8_rowwise", "blocks", 6),
             ("fp8_blockwise", "blocks", 6),
             ("fp8_tensorwise", None, 6),
         ):

@@ -295,10 +295,14 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         """Scales constant along the reduction (one K block: rowwise, tensorwise, blockwise
         with K <= 128; a weight gradient's per-expert or per-tensor scales) and a bf16
         output: where torch_moe's native bf16 GEMM runs here, the e4m3 codes themselves are
-        multiplied in bf16 into fp32 sums, then each sum times its row's and its column's
-        scale and rounded once, bit for bit that formula over the groups (empty ones, a
-        ragged column block, rows past the last group zero) on one and two threads; the
-        fp32 form elsewhere (no native GEMM, an fp32 output, scales along K, MX)."""
+        multiplied in bf16 by the block-scaled kernel, each of the GEMM's 512-k blocks of
+        fp32 sums times the product of its row's and its column's scale: with one block
+        bit for bit ``(sums * (row scale * column scale)).to(bf16)`` over the groups (empty
+        ones, a ragged column block, rows past the last group zero) on one and two
+        threads; exact on exact sums over several blocks (K and a group past 512); the fp32
+        form elsewhere (no native GEMM, an fp32 output, scales along K, MX)."""
+        from unittest import mock
+
         from torch_moe._ops import _native
 
         bf = torch.bfloat16
@@ -307,6 +311,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         offs = make_offs(sizes)
         E, m, n = len(sizes), int(offs[-1]) + 3, 200  # 200: a 128-column block and 72
         native = S.native_gemm_ready(bf)
+        spy = mock.MagicMock(wraps=_native.kernels())
         for recipe, k in (("fp8_rowwise", 96), ("fp8_tensorwise", 64), ("fp8_blockwise", 128)):
             g = RECIPES[recipe].forward
             x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(8).exp2()
@@ -326,12 +331,38 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     a_e, b_e = qa[start:end].to(bf), qb[e].to(bf)
                     self.assertTrue(_native.kernels().bf16_mm(a_e, b_e, sums))
                     row_s = sa[start:end] if sa.shape[0] == m else sa.reshape(1, 1)
-                    want[start:end] = ((sums * row_s) * sb_n[e]).to(bf)
+                    want[start:end] = (sums * (row_s * sb_n[e])).to(bf)
                 start = end
             for threads in (1, 2):
-                with intra_op_threads(threads):
+                with (
+                    intra_op_threads(threads),
+                    mock.patch.object(S._native, "kernels", lambda: spy),
+                ):
                     got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, bf)
                 self.assertEqual(got, want, atol=0, rtol=0, msg=f"{recipe} on {threads}")
+        if native:
+            self.assertTrue(spy.fp8_block_scaled_mm.called)
+
+        def codes(*shape):  # small integers: exact products and block sums
+            return torch.randint(-8, 9, shape, generator=gen).float().to(torch.float8_e4m3fn)
+
+        def pow2(*shape):  # scales 2^-2 .. 2^2: the scaled sums exact in fp32 too
+            return torch.randint(-2, 3, shape, generator=gen).float().exp2()
+
+        if native:  # K = 1100: three of the GEMM's k blocks, the scales repeated per block
+            qa, qb = codes(m, 1100), codes(E, 1100, n)
+            sa, sb = pow2(m, 1), pow2(E, 1, n)
+            want = torch.zeros(m, n, dtype=torch.float64)
+            start = 0
+            for e, end in enumerate(offs.tolist()):
+                a64 = qa[start:end].double() * sa[start:end].double()
+                want[start:end] = a64 @ (qb[e].double() * sb[e].double())
+                start = end
+            spy.reset_mock()
+            with mock.patch.object(S._native, "kernels", lambda: spy):
+                got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, -1, 1, bf)
+            self.assertEqual(got, want.to(bf), atol=0, rtol=0)
+            self.assertTrue(spy.fp8_block_scaled_mm.called)
         # the weight gradient: per-expert (rowwise: jagged blocks of whole groups) or per
         # tensor scales; blockwise's 128-row blocks are not constant over a group
         x = torch.randn(m, 48, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
@@ -354,13 +385,35 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     self.assertTrue(_native.kernels().bf16_mm(a_e, b_e, sums))
                     s_x = sx.reshape(1, 1) if per_tensor else sx[row][:, None]
                     s_dy = sdy.reshape(1, 1) if per_tensor else sdy[row][None, :]
-                    want[e] = ((sums * s_x) * s_dy).to(bf)
+                    want[e] = (sums * (s_x * s_dy)).to(bf)
                     row += 1
                 start = end
             for threads in (1, 2):
                 with intra_op_threads(threads):
                     got = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, g.lhs.inner, bf)
                 self.assertEqual(got, want, atol=0, rtol=0, msg=f"{recipe} wgrad on {threads}")
+        if not native:
+            return
+        # a group of 1100 rows: three jagged blocks of 512 with its scales (exact sums)
+        big = make_offs([3, 1100, 0, 20])
+        rows = int(big[-1])
+        x, dy = codes(rows, 24), codes(rows, 36)
+        for per_tensor in (True, False):
+            sx, sdy = (pow2(1, 1), pow2(1, 1)) if per_tensor else (pow2(5, 24), pow2(5, 36))
+            want_w = torch.zeros(4, 24, 36, dtype=torch.float64)
+            start, row = 0, 0
+            for e, end in enumerate(big.tolist()):
+                if end > start:
+                    s_x = sx[0] if per_tensor else sx[row]
+                    s_dy = sdy[0] if per_tensor else sdy[row]
+                    xs = x[start:end].double() * s_x.double()
+                    want_w[e] = xs.t() @ (dy[start:end].double() * s_dy.double())
+                    row += 1
+                start = end
+            with mock.patch.object(S._native, "kernels", lambda: spy):
+                got_w = ops.scaled_grouped_mm_wgrad(x, dy, sx, sdy, big, -1, bf)
+            self.assertEqual(got_w, want_w.to(bf), atol=0, rtol=0, msg=f"{per_tensor}")
+        self.assertTrue(spy.fp8_block_scaled_mm_wgrad.called)
 
     def test_blocks_multiply_in_bf16_where_native(self):
         """Blockwise scales (per 128 elements of K; a weight gradient's jagged blocks of

@@ -5,10 +5,9 @@
 //       out = x.clamp(-448, 448).to(float8_e4m3fn)   (the saturating cast; x not changed)
 //   fp8_to_float(q e4m3fn, out fp32 / bf16) -> bool
 //       out = q.to(out.dtype)   (exact: e4m3fn's values are bf16 values)
-//   fp8_scale_sums(acc [R, C] fp32, row_scale, col_scale, col_row, out [R, C] bf16) -> bool
-//       out = ((acc * row_scale[r]) * col_scale[col_row[r], c]).to(bf16)
 //   fp8_block_scaled_mm(a, b, row_scale, col_scale, offs, block_k, out) -> bool
-//       the grouped GEMM of codes as bf16 with per-block scales (blockwise recipes)
+//       the grouped GEMM of codes as bf16 with per-block scales (blockwise recipes; the
+//       scales constant along K, rowwise and tensorwise, repeated per block)
 //   fp8_block_scaled_mm_wgrad(a, b, row_scale, col_scale, offs, block, out) -> bool
 //       its weight gradient over jagged blocks of rows
 //   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32)
@@ -18,9 +17,11 @@
 //       per block of block_rows x block elements (the last ones shorter), rule 0 (FP8,
 //       fp32 scale): scale = max|x| / 448 (1 where that is not > 0: zeros, NaN); rule 1 /
 //       2 (MX, uint8 scale): the E8M0 power of two of the "floor" / "rceil" rule; then
-//       q = cast(x / scale). quantize_fp8's, quantize_mx's and quantize_jagged's CPU
-//       kernels, in two passes over each block row: its columns' maxima, then its codes
-//       (the rows still in cache for blocks of a few rows).
+//       q = cast(x / scale). quantize_fp8's and quantize_mx's CPU kernels, in two
+//       passes over each block row: its columns' maxima, then its codes (the rows still
+//       in cache for blocks of a few rows).
+//   fp8_quantize_jagged(x, offs, block, q, scale, rule) -> bool
+//       quantize_jagged's: every segment's blocks of rows, each column its own scale
 //
 // ATen converts fp32 to e4m3fn one element at a time (c10's fp8e4m3fn_from_fp32_value),
 // 0.5-0.7 ns per element on the CPUs measured, and e4m3fn to fp32 at ~4 ns per element:
@@ -413,70 +414,6 @@ bool fp8_to_float(const at::Tensor& q, at::Tensor& out) {
         for (; j < cols; ++j) o[j] = table[s[j]];
       });
 #endif
-}
-
-// 8 floats rounded to bf16 as c10::BFloat16 rounds one (to nearest even; NaN to 0x7FC0),
-// one value in the low 16 bits of each lane.
-inline __m256i round8_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-
-// out [R, C] bf16 = (acc[r][c] * row_scale[r]) * col_scale[col_row[r]][c], each product in
-// fp32 (ATen's bits) and one rounding (c10's); row_scale [R] or [1], col_scale [G, C] or
-// [G, 1] (contiguous fp32), col_row [R] int64 in [0, G); acc and out row-major (any row
-// strides). The scaled sums of the FP8 emulation's GEMMs whose scales are constant along
-// the reduction (scaled_grouped_mm.py's bf16 GEMMs of the codes).
-bool fp8_scale_sums(const at::Tensor& acc, const at::Tensor& row_scale,
-                    const at::Tensor& col_scale, const at::Tensor& col_row, at::Tensor& out) {
-  if (acc.scalar_type() != at::kFloat || out.scalar_type() != at::kBFloat16 || acc.dim() != 2 ||
-      !rows_apply(acc, out) || row_scale.scalar_type() != at::kFloat || row_scale.dim() != 1 ||
-      !row_scale.is_contiguous() || col_scale.scalar_type() != at::kFloat ||
-      col_scale.dim() != 2 || !col_scale.is_contiguous() || col_row.scalar_type() != at::kLong ||
-      col_row.dim() != 1 || !col_row.is_contiguous()) {
-    return false;
-  }
-  const int64_t rows = acc.size(0), cols = acc.size(1), groups = col_scale.size(0);
-  const int64_t nrs = row_scale.size(0), ncs = col_scale.size(1);
-  if ((nrs != rows && nrs != 1) || (ncs != cols && ncs != 1) || col_row.size(0) != rows) {
-    return false;
-  }
-  const int64_t* cr = col_row.const_data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    if (cr[r] < 0 || cr[r] >= groups) return false;
-  }
-  if (acc.numel() == 0) return true;
-  const float* rs = row_scale.const_data_ptr<float>();
-  const float* cs = col_scale.const_data_ptr<float>();
-  const float* ap = acc.const_data_ptr<float>();
-  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-  const int64_t lda = acc.stride(0), ldo = out.stride(0);
-  for_rows(rows, cols, [&](int64_t r) {
-    const float* a = ap + r * lda;
-    uint16_t* o = op + r * ldo;
-    const float f = rs[nrs == 1 ? 0 : r];
-    const float* c = cs + cr[r] * ncs;
-    const __m256 fv = _mm256_set1_ps(f);
-    int64_t j = 0;
-    if (ncs == 1) {
-      const __m256 cv = _mm256_set1_ps(c[0]);
-      for (; j + 8 <= cols; j += 8) {
-        store8_u16(o + j, round8_bf16(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(a + j), fv), cv)));
-      }
-      for (; j < cols; ++j) o[j] = c10::BFloat16(a[j] * f * c[0]).x;
-      return;
-    }
-    for (; j + 8 <= cols; j += 8) {
-      const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a + j), fv);
-      store8_u16(o + j, round8_bf16(_mm256_mul_ps(p, _mm256_loadu_ps(c + j))));
-    }
-    for (; j < cols; ++j) o[j] = c10::BFloat16(a[j] * f * c[j]).x;
-  });
-  return true;
 }
 
 // out [R, C] = q.float() * scale[row's scale row, c / bc] (fp32, ATen's product's bits):
@@ -914,10 +851,6 @@ bool fp8_block_scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&
                          const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {
   return false;
 }
-bool fp8_scale_sums(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    at::Tensor&) {
-  return false;
-}
 bool fp8_block_scaled_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {
   return false;
@@ -930,9 +863,6 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::T
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def("fp8_from_float(Tensor x, Tensor(a!) out) -> bool");
   m.def("fp8_to_float(Tensor q, Tensor(a!) out) -> bool");
-  m.def(
-      "fp8_scale_sums(Tensor acc, Tensor row_scale, Tensor col_scale, Tensor col_row,"
-      " Tensor(a!) out) -> bool");
   m.def(
       "fp8_dequantize_scaled(Tensor q, Tensor scale, Tensor? index, int block_rows, int block,"
       " Tensor(a!) out) -> bool");
@@ -953,7 +883,6 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("fp8_from_float", &fp8_from_float);
   m.impl("fp8_to_float", &fp8_to_float);
-  m.impl("fp8_scale_sums", &fp8_scale_sums);
   m.impl("fp8_block_scaled_mm", &fp8_block_scaled_mm);
   m.impl("fp8_block_scaled_mm_wgrad", &fp8_block_scaled_mm_wgrad);
   m.impl("fp8_dequantize_scaled", &fp8_dequantize_scaled);

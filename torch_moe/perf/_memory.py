@@ -74,8 +74,8 @@ experts' backward holds the most:
   MX operands of a bf16 layer, where bf16 GEMMs are native, are dequantized to whole bf16
   copies for the bf16 grouped GEMM instead (``_gemm_phase``, ``_mx_bf16_phase``), and the
   FP8 recipes' codes, where torch_moe's native bf16 GEMM runs, are multiplied as whole bf16
-  copies (``_codes_bf16_here``: into fp32 sums then scaled, ``_codes_bf16_phase``, or with
-  blockwise scales inside the GEMM, ``_blocks_bf16_phase``). Weights are quantized whole every
+  copies with the scales applied per k block inside the GEMM (``_codes_bf16_here``,
+  ``_blocks_bf16_phase``). Weights are quantized whole every
   call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 Inference (``backward=False``; bf16 experts on a CPU without EP, ``_inference_bytes``):
@@ -288,8 +288,7 @@ def _gemm_phase(
     dequantizes both token-order operands per chunk (the value; by ATen's ops also the
     table's index or the rows' scales gathered) into one group's fp32 product, with the
     jagged operands' scale row per row (int64). ``codes``: the kernels multiply the codes
-    in bf16 instead (:func:`_codes_bf16_here`: :func:`_codes_bf16_phase`,
-    :func:`_blocks_bf16_phase`)."""
+    in bf16 instead (:func:`_codes_bf16_here`, :func:`_blocks_bf16_phase`)."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -298,10 +297,8 @@ def _gemm_phase(
     quantize = max(_quantize_bytes(kinds[0], n_a), n_a + _quantize_bytes(kinds[1], n_b))
     m = max(rows, 1.0)
     k, n = n_a / m, (n_b if wgrad else n_out) / m
-    if codes == "blocks":
-        return max(quantize, _blocks_bf16_phase(n_a, n_b, n_out, m))
     if codes:
-        return max(quantize, _codes_bf16_phase(n_a, n_b, n_out, m, k, wgrad))
+        return max(quantize, _blocks_bf16_phase(n_a, n_b, n_out, m))
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
         return max(quantize, _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad))
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
@@ -347,47 +344,27 @@ def _mx_in_bf16_here() -> bool:
     return bf16_gemms_native()
 
 
-def _codes_bf16_here(precision: str, gemm: str, k: float, b: int) -> str | None:
+def _codes_bf16_here(precision: str, b: int) -> str | None:
     """How this CPU's scaled GEMM kernels multiply a recipe GEMM's e4m3 codes in bf16, where
-    they do (a bf16 layer, torch_moe's native bf16 GEMM here): ``"codes"``, the fp32 sums
-    then scaled (``scaled_grouped_mm._codes_in_bf16``, ``_wgrad_codes_in_bf16``: scales
-    constant along the reduction, tensorwise, rowwise, blockwise's forward / dgrad where K
-    <= 128), ``"blocks"``, the scales per k block in the GEMM's tiles (``_blocks_in_bf16``:
-    blockwise otherwise); None: the fp32 form (or MX's own)."""
+    they do (a bf16 layer, torch_moe's native bf16 GEMM here): ``"blocks"``, the scales
+    applied per k block in the GEMM's tiles (``scaled_grouped_mm._blocks_in_bf16``, and
+    ``_codes_in_bf16`` / ``_wgrad_codes_in_bf16`` for scales constant along the reduction,
+    repeated per block: every GEMM of an FP8 recipe); None: the fp32 form (or MX's own)."""
     from torch_moe._ops.grouped_mm import native_gemm_ready
 
     if b != 2 or precision not in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"):
         return None
     if not native_gemm_ready(torch.bfloat16):
         return None
-    if precision == "fp8_blockwise" and (gemm == "wgrad" or k > 128):
-        return "blocks"
-    return "codes"
+    return "blocks"
 
 
 def _blocks_bf16_phase(n_a: float, n_b: float, n_out: float, m: float) -> float:
-    """Peak bytes of a blockwise scaled GEMM's CPU kernel on the codes in bf16
+    """Peak bytes of a block-scaled GEMM's CPU kernel on the codes in bf16
     (``_codes_bf16_here`` "blocks") above the e4m3 operands: the bf16 output, bf16 copies
     of both operands' codes, and the scales laid out for the kernel (fp32, one per 128
     elements of each operand, the columns' padded to whole panels)."""
     return n_a + n_b + 2 * n_out + 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 128 + 8 * m
-
-
-def _codes_bf16_phase(
-    n_a: float, n_b: float, n_out: float, m: float, k: float, wgrad: bool
-) -> float:
-    """Peak bytes of a scaled GEMM's CPU kernel on the codes in bf16 (``_codes_bf16_here``)
-    above the e4m3 operands: the fp32 sums [M, N] (wgrad [E, K, N]), then bf16 copies of
-    both operands' codes for the GEMM (freed after it); then the bf16 output while the sums
-    are live, with each row's group (int64; wgrad: each sum row's, and the groups' scale
-    rows)."""
-    base = n_a + n_b
-    gemm = 4 * n_out + 2 * n_a + 2 * n_b
-    rows = 8 * m
-    if wgrad:  # sum rows E*K: their group's index, and the groups' scale rows (fp32)
-        groups = n_out / max(k * (n_b / max(m, 1.0)), 1.0)
-        rows = 8 * groups * k + 4 * (groups * k + n_out / max(k, 1.0))
-    return base + max(gemm, 6 * n_out + rows)
 
 
 def _mx_bf16_phase(
@@ -442,17 +419,11 @@ def _whole_tensor_phases(
     D, F, El, b = w.dim, w.hidden_dim, w.local_experts, w.element_size
     recipe = w.precision != "bf16"
     w2, w13 = El * D * F, El * 2 * F * D
-    codes: dict[str, str | None] = {g: None for g in ("dgrad1", "dgrad2", "wgrad")}
+    codes: str | None = None
     if recipe:
         q = _operand_kinds(w.precision, cpu)
         dgrad, wgrad = q["dgrad"], q["wgrad"]
-        if cpu:  # (first GEMM's dgrad: k = 2F; the second's: k = D)
-            p = w.precision
-            codes = dict(
-                dgrad1=_codes_bf16_here(p, "dgrad", 2 * F, b),
-                dgrad2=_codes_bf16_here(p, "dgrad", D, b),
-                wgrad=_codes_bf16_here(p, "wgrad", 0, b),
-            )
+        codes = _codes_bf16_here(w.precision, b) if cpu else None
     else:  # bf16 on a GPU: grouped GEMMs straight from the operands
         dgrad = wgrad = ("bf16", "bf16")
     emu = cpu and recipe
@@ -471,8 +442,7 @@ def _whole_tensor_phases(
     # is freed once its backward is done, before the SwiGLU's and the first GEMM's
     dy = M * D * b if recipe else 0.0
     phases = [
-        base
-        + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m, codes=codes["dgrad2"]),
+        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m, codes=codes),
         base
         + M * F * b
         + _gemm_phase(
@@ -485,7 +455,7 @@ def _whole_tensor_phases(
             rows=M,
             group_rows=m,
             wgrad=True,
-            codes=codes["wgrad"],
+            codes=codes,
         ),
         base - dy + M * F * b + w2 * (b + copy),  # accumulated after its GEMM's backward
         # the SwiGLU backward: dA [M, F] and dH [M, 2F]; its fp32 temporaries over all M
@@ -495,9 +465,7 @@ def _whole_tensor_phases(
     after = base - dy - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
     phases += [
         after
-        + _gemm_phase(
-            dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m, codes=codes["dgrad1"]
-        ),
+        + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m, codes=codes),
         after
         + M * D * b
         + _gemm_phase(
@@ -510,7 +478,7 @@ def _whole_tensor_phases(
             rows=M,
             group_rows=m,
             wgrad=True,
-            codes=codes["wgrad"],
+            codes=codes,
         ),
         # its weight gradient accumulated once its backward has returned: dH freed
         after - M * 2 * F * b + M * D * b + w13 * (b + copy),
@@ -704,11 +672,11 @@ def memory(
                 q = _operand_kinds(w.precision, cpu)
                 fwd1 = _gemm_phase(
                     q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M,
-                    group_rows=m, codes=_codes_bf16_here(w.precision, "forward", D, b) if cpu else None,
+                    group_rows=m, codes=_codes_bf16_here(w.precision, b) if cpu else None,
                 )  # fmt: skip
                 fwd2 = _gemm_phase(
                     q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m,
-                    codes=_codes_bf16_here(w.precision, "forward", F, b) if cpu else None,
+                    codes=_codes_bf16_here(w.precision, b) if cpu else None,
                 )  # fmt: skip
                 act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
             dyn = act + T * D * (4 + b) + y + comm

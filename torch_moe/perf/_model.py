@@ -377,10 +377,9 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     """A recipe: quantize both operands of each GEMM, then the scaled GEMM (GPU), or the
     emulation quantize -> dequantize -> fp32 GEMM -> cast (CPU); MX operands of a bf16
     layer on a CPU with native bf16 GEMMs: dequantize -> cast -> bf16 GEMM
-    (``scaled_grouped_mm._mx_in_bf16``); scales constant along the reduction there: the
-    codes cast to bf16 -> bf16 GEMM -> the sums scaled and cast
-    (``scaled_grouped_mm._codes_in_bf16``), blockwise: the codes cast to bf16 -> the
-    bf16 GEMM scaling each k block's sums (``_blocks_in_bf16``)."""
+    (``scaled_grouped_mm._mx_in_bf16``); FP8 recipes there: the codes cast to bf16 ->
+    the bf16 GEMM scaling each k block's sums (``scaled_grouped_mm._blocks_in_bf16``, and
+    ``_codes_in_bf16`` with the scales repeated per block)."""
     w = c.w
     D, F = w.dim, w.hidden_dim
     El = len(groups)
@@ -404,7 +403,7 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
         lq, rq = kinds[gemm_name]
         c.kernel(f"{comp}.quantize", lq, lhs_elems, phase)
         c.kernel(f"{comp}.quantize", rq, rhs_elems, phase)
-        codes = _codes_bf16_here(w.precision, gemm_name, k, c.b) if c.cpu else None
+        codes = _codes_bf16_here(w.precision, c.b) if c.cpu else None
         codes = codes if c.key == "bf16" else None
         key = "bf16" if mx_bf16 or codes else gkey or f"{w.precision}:{gemm_name}"
         c.gemm(
@@ -419,10 +418,8 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
         )
         if mx_bf16:  # the dequantized operands cast, the output bf16 already
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
-        elif codes:  # the codes cast to bf16 (then the fp32 sums scaled into bf16)
+        elif codes:  # the codes cast to bf16 (the scales applied in the GEMM's tiles)
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
-            if codes == "codes":
-                c.kernel(f"{comp}.quantize", "cast.fp32_bf16", out_elems, phase)
         elif c.cpu:
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", out_elems, phase)
 

@@ -35,12 +35,11 @@ values (exact in fp32) with fp32 accumulation. The CPU kernels are that emulatio
 literally (quantize ops -> dequantize -> fp32 ``grouped_mm``), except where the CPU
 multiplies bf16 natively and the output is bf16: MX operands go through the bf16 grouped
 GEMM (their dequantized elements are bf16 values: the same math in another summation
-order, :func:`_mx_in_bf16`), and the FP8 recipes multiply the codes in bf16 into fp32
-sums, then scale each sum by its row's and its column's scale where the scales are
-constant along the reduction (:func:`_codes_in_bf16`, as the GPU kernels' epilogue), or
-each k block's sums by its block's scales inside the GEMM's tiles (blockwise,
-:func:`_blocks_in_bf16`, as the GPU kernels' main loop); GEMMs a recipe keeps in bf16 cast
-the operands to bf16. On CUDA the
+order, :func:`_mx_in_bf16`), and the FP8 recipes multiply the codes in bf16, each k
+block's fp32 sums times the product of its row's and its column's scale inside the GEMM's
+tiles (blockwise, :func:`_blocks_in_bf16`, as the GPU kernels' main loop; scales constant
+along the reduction, :func:`_codes_in_bf16`, repeated per block of the GEMM's own); GEMMs
+a recipe keeps in bf16 cast the operands to bf16. On CUDA the
 same function runs on FP8 tensor cores: Triton quantize kernels write each operand K-major
 with its scales and the Triton scaled grouped GEMMs
 (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main loop
@@ -389,18 +388,32 @@ def _codes_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> 
     """Whether the CPU kernels multiply the e4m3 codes themselves in bf16 and scale the
     sums: fp32 scales constant along the reduction (one K block per row of A and column
     of B: rowwise, tensorwise, a blockwise GEMM with K <= 128), a bf16 output, and
-    torch_moe's native bf16 GEMM here (it returns the fp32 sums unrounded). Then
-    ``out[i, j] = (sum_k qa[i, k] qb[k, j]) * sa[i] * sb[j]``: the e4m3 values are bf16
-    values, their products exact in fp32, so the GEMM runs at the bf16 rate (2.2x the
-    fp32 GEMM's on the Zen 4 EPYC measured) on operands of 2 bytes instead of 4. The fp32
-    form multiplies ``qa * sa`` by ``qb * sb``, each rounded to fp32 first: the two differ
-    in fp32's last bits (the scales' products rounded, the sums in another order), which
-    the one rounding to bf16 hides but for rare ties of one bf16 ulp."""
+    torch_moe's native bf16 GEMM here. Then ``out[i, j] = (sum_k qa[i, k] qb[k, j]) *
+    (sa[i] * sb[j])`` inside the GEMM's tiles, each of its 512-k blocks of sums scaled by
+    one fused multiply-add (``fp8_block_scaled_mm`` with the scales repeated per block,
+    :func:`_k_blocks`): the e4m3 values are bf16 values, their products exact in fp32, so
+    the GEMM runs at the bf16 rate (2.2x the fp32 GEMM's on the Zen 4 EPYC measured) on
+    operands of 2 bytes instead of 4, and no fp32 sums are written. The fp32 form
+    multiplies ``qa * sa`` by ``qb * sb``, each rounded to fp32 first: the two differ in
+    fp32's last bits (the scales' products rounded, the sums in another order), which the
+    one rounding to bf16 hides but for rare ties of one bf16 ulp."""
     return (
         scale_a.shape[-1] == 1
         and scale_b.shape[-2] == 1
         and _native_codes(scale_a, scale_b, out_dtype)
     )
+
+
+# the native GEMM's blocks of k whose sums it adds (gemm_bf16_cpu.cpp's kKBlock pairs)
+_GEMM_K_BLOCK = 512
+
+
+def _k_blocks(k: int) -> tuple[int, int]:
+    """(block, blocks): a reduction of k constant-scale elements as the block-scaled
+    kernel takes it, in the native GEMM's own blocks of sums (a shorter k: one block, k
+    rounded up to even)."""
+    block = min(_GEMM_K_BLOCK, k + k % 2)
+    return block, -(-k // block)
 
 
 def _blocks_in_bf16(scale_a: Tensor, scale_b: Tensor, block_k: int, out_dtype: torch.dtype) -> bool:
@@ -470,52 +483,6 @@ def _codes_bf16(q: Tensor) -> Tensor:
     return Q._fp8_to_float(q, torch.bfloat16)
 
 
-def _scale_sums(acc: Tensor, row_scale: Tensor, col_scale: Tensor, col_row: Tensor) -> Tensor:
-    """``((acc * row_scale[r]) * col_scale[col_row[r]]).to(bf16)`` for acc [R, C] fp32,
-    row_scale [R] or [1], col_scale [G, C] or [G, 1]: in one pass by the native kernel
-    (the same products and rounding), else by ATen's ops."""
-    out = torch.empty(acc.shape, dtype=torch.bfloat16)
-    mod = _native.kernels()
-    rs, cs = row_scale.contiguous(), col_scale.contiguous()
-    if mod is not None and mod.fp8_scale_sums(acc, rs, cs, col_row, out):
-        return out
-    return out.copy_(acc.mul(rs[:, None]).mul_(cs.index_select(0, col_row)))
-
-
-def _group_of_rows(ends: list[int], rows: int) -> Tensor:
-    """Each row's group (int64 [rows]; rows past the last end: the last group, or 0)."""
-    groups = torch.arange(len(ends), dtype=torch.int64)
-    idx = torch.repeat_interleave(groups, torch.tensor(group_sizes(ends), dtype=torch.int64))
-    return torch.cat([idx, idx.new_full((rows - idx.shape[0],), max(len(ends) - 1, 0))])
-
-
-def _scaled_codes_mm(
-    a: Tensor,
-    b: Tensor,
-    scale_a: Tensor,
-    scale_b: Tensor,
-    offs: Tensor,
-    ends: list[int],
-    block_n: int,
-) -> Tensor:
-    """Forward / dgrad by :func:`_codes_in_bf16`: the codes as bf16, the threaded kernel's
-    native GEMMs into fp32 sums, each sum times its row's and its column's scale (b's
-    blocks of ``block_n`` columns)."""
-    (M, _), N, E = a.shape, b.shape[2], b.shape[0]
-    if E == 0:
-        return torch.zeros((M, N), dtype=torch.bfloat16)
-    acc = torch.empty((M, N), dtype=torch.float32)
-    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
-    _native.kernels().threaded_grouped_mm(a_h, b_h, offs, acc, False, True, None, False)
-    del a_h, b_h
-    sb = scale_b.expand(E, 1, scale_b.shape[2])[:, 0, :]
-    if sb.shape[1] not in (1, N):
-        sb = _expand(sb, 1, block_n, N)
-    out = _scale_sums(acc, scale_a.reshape(-1), sb, _group_of_rows(ends, M))
-    out[ends[-1] :].zero_()  # (the rows' sums are zero; their scales need not be finite)
-    return out
-
-
 def bf16_gemms_native() -> bool:
     """Whether this CPU multiplies bf16 natively (:func:`_mx_in_bf16`'s last condition,
     which the performance model asks too)."""
@@ -558,8 +525,13 @@ def _scaled_grouped_mm_cpu(
         ends = offs.tolist()
     (M, K), N = a.shape, b.shape[2]
     row_scales = scale_a.shape[0] == M
-    if _codes_in_bf16(scale_a, scale_b, out_dtype):
-        return _scaled_codes_mm(a, b, scale_a, scale_b, offs, ends, block_n)
+    if K > 0 and _codes_in_bf16(scale_a, scale_b, out_dtype):  # one scale along K, per block
+        kb, ks = _k_blocks(K)
+        sa_k = scale_a.expand(scale_a.shape[0], ks)
+        sb_k = scale_b.expand(scale_b.shape[0], ks, scale_b.shape[2])
+        out = _scaled_blocks_mm(a, b, sa_k, sb_k, offs, kb, block_n)
+        if out is not None:
+            return out
     if _blocks_in_bf16(scale_a, scale_b, block_k, out_dtype):
         out = _scaled_blocks_mm(a, b, scale_a, scale_b, offs, block_k, block_n)
         if out is not None:
@@ -713,7 +685,9 @@ def _scaled_grouped_mm_wgrad_cpu(
     (M, K), N = a.shape, b.shape[1]
     sa, sb = _fp32_scales(scale_a), _fp32_scales(scale_b)
     if _wgrad_codes_in_bf16(scale_a, scale_b, block, out_dtype):
-        return _scaled_codes_wgrad(a, b, sa, sb, offs, ends)
+        out = _scaled_codes_wgrad(a, b, sa, sb, offs, ends)
+        if out is not None:
+            return out
     jagged = list(scale_a.shape) != [1, 1] and list(scale_b.shape) != [1, 1]
     if jagged and _blocks_in_bf16(scale_a, scale_b, block, out_dtype):
         out = _scaled_blocks_wgrad(a, b, sa, sb, offs, block)
@@ -760,38 +734,22 @@ def _scaled_grouped_mm_wgrad_cpu(
 
 def _scaled_codes_wgrad(
     a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, offs: Tensor, ends: list[int]
-) -> Tensor:
-    """The weight gradient by :func:`_wgrad_codes_in_bf16`: the codes as bf16, the
-    threaded kernel's native GEMMs into fp32 sums [E, K, N], each times its expert's row
-    scale of a's column k and of b's column n (sa / sb fp32: [1, 1] per tensor, or a row
-    per non-empty group)."""
-    K, N, E = a.shape[1], b.shape[1], len(ends)
-    if E == 0 or ends[-1] == 0:
-        return torch.zeros((E, K, N), dtype=torch.bfloat16)
-    acc = torch.empty((E, K, N), dtype=torch.float32)
-    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
-    _native.kernels().threaded_grouped_mm_wgrad(
-        a_h.t(), b_h, offs, acc, True, None, None, False, False
-    )
-    del a_h, b_h
+) -> Tensor | None:
+    """The weight gradient by :func:`_wgrad_codes_in_bf16` (sa / sb fp32: [1, 1] per
+    tensor, or a row per non-empty segment): each expert's reduction over its rows in the
+    block-scaled kernel's jagged blocks of the native GEMM's 512 rows (:func:`_k_blocks`),
+    each block with its expert's scales (:func:`_scaled_blocks_wgrad`); None where the
+    kernel refuses them."""
+    K, N = a.shape[1], b.shape[1]
     sizes = group_sizes(ends)
-    busy = torch.tensor(sizes, dtype=torch.int64) > 0
-    first = torch.cumsum(busy, 0) - busy.long()  # each group's scale row (jagged)
+    block, _ = _k_blocks(max(sizes, default=0))
+    counts = torch.tensor([-(-size // block) for size in sizes if size > 0], dtype=torch.int64)
 
-    def per_group(s: Tensor) -> Tensor:  # [E, C] (or [1, 1] per tensor)
-        return s if list(s.shape) == [1, 1] else s.index_select(0, first.clamp(max=s.shape[0] - 1))
+    def per_block(s: Tensor, cols: int) -> Tensor:  # each block row: its group's scales
+        rows = s.expand(counts.shape[0], cols) if list(s.shape) == [1, 1] else s[: counts.shape[0]]
+        return rows.repeat_interleave(counts, dim=0) if counts.numel() else rows
 
-    rs, cs = per_group(sa), per_group(sb)
-    col_row = (
-        torch.zeros(E * K, dtype=torch.int64)
-        if cs.shape[0] == 1
-        else torch.arange(E).repeat_interleave(K)
-    )
-    out = _scale_sums(acc.view(E * K, N), rs.reshape(-1), cs, col_row).view(E, K, N)
-    for g, size in enumerate(sizes):  # (their sums are zero; their scale rows another's)
-        if size == 0:
-            out[g].zero_()
-    return out
+    return _scaled_blocks_wgrad(a, b, per_block(sa, K), per_block(sb, N), offs, block)
 
 
 @_scaled_grouped_mm_wgrad.register_kernel("cuda")
