@@ -262,10 +262,14 @@ class TestScaledGroupedMMCPUKernels(TestCase):
             ):
                 self.assertEqual(S._mx_in_bf16(sa, sb, bf), native_here)
                 self.assertFalse(S._mx_in_bf16(sa, sb, F32))
-                for chunk in (1, 2**18):  # the dequantization by rows / experts, or at once
+                kernels = S.Q._fp8_kernels
+                # the dequantization straight into bf16 by the native kernel, or by ATen's
+                # ops by rows / experts, or at once
+                for chunk, kern in ((1, kernels), (1, lambda t: None), (2**18, lambda t: None)):
                     # (the bits rarely tell bf16 sums from fp32 ones once rounded to bf16:
                     # the GEMMs' operand dtypes say which form ran)
                     with (
+                        mock.patch.object(S.Q, "_fp8_kernels", kern),
                         mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
                         mock.patch.object(S, "grouped_mm", wraps=S.grouped_mm) as mm,
                         mock.patch.object(S, "grouped_mm_wgrad", wraps=S.grouped_mm_wgrad) as wg,
@@ -280,9 +284,17 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     else:
                         want = S.grouped_mm(a_f, b_f, offs).to(bf)
                         want_w = S.grouped_mm_wgrad(x_f, dy_f, offs).to(bf)
-                    msg = f"native={native_here} chunk={chunk}"
+                    msg = f"native={native_here} chunk={chunk} kernels={kern is kernels}"
                     self.assertEqual(got, want, atol=0, rtol=0, msg=msg)
                     self.assertEqual(got_w, want_w, atol=0, rtol=0, msg=msg)
+        mod = S.Q._fp8_kernels(qa)
+        if native and mod is not None:  # the native kernel wrote bf16 operands itself
+            spy = mock.MagicMock(wraps=mod)
+            with mock.patch.object(S.Q, "_fp8_kernels", lambda t: spy):
+                ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
+                ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, 32, bf)
+            outs = [c.args[-1].dtype for c in spy.fp8_dequantize_scaled.call_args_list]
+            self.assertEqual(set(outs), {bf})
         # the per-tensor fp8 scales are not powers of two: the fp32 form
         g = RECIPES["fp8_tensorwise"].forward
         _, sa8 = S.quantize_lhs(x, g.lhs)

@@ -10,7 +10,7 @@
 //       scales constant along K, rowwise and tensorwise, repeated per block)
 //   fp8_block_scaled_mm_wgrad(a, b, row_scale, col_scale, offs, block, out) -> bool
 //       its weight gradient over jagged blocks of rows
-//   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32)
+//   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32 / bf16)
 //       out = q.float() * scale[r / block_rows (or index[r]), c / block]   (dequantizers)
 //   fp8_quantize_rows(x [R, C] fp32 / bf16 / fp16, block_rows, block, q [R, C] e4m3fn,
 //                     scale [ceil(R / block_rows), ceil(C / block)], rule)
@@ -416,15 +416,53 @@ bool fp8_to_float(const at::Tensor& q, at::Tensor& out) {
 #endif
 }
 
-// out [R, C] = q.float() * scale[row's scale row, c / bc] (fp32, ATen's product's bits):
-// row r's scale row is index[r] (int64) where given, else r / br; q and out row-major
-// (any row strides), scale [*, ceil(C / bc)] contiguous fp32.
+// fp32 values rounded to bf16 as ATen's vectorized conversion (a tensor's copy) rounds
+// them: to nearest even, NaN to 0xFFFF (c10::BFloat16's scalar rounding, ATen's copy's
+// tail, gives 0x7FC0); 8 of them, one in the low 16 bits of each lane, or with AVX-512
+// 16 of them packed.
+inline __m256i round8_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
+}
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m256i round16_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0xFFFF)));
+}
+
+// The first lanes of k of 16 products into o: fp32, or rounded to bf16.
+inline void store16(float* o, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(o, k, v); }
+inline void store16(uint16_t* o, __mmask16 k, __m512 v) {
+  _mm256_mask_storeu_epi16(o, k, round16_bf16(v));
+}
+#endif
+
+// 8 products into o: fp32, or rounded to bf16; and one.
+inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+inline void store8(uint16_t* o, __m256 v) { store8_u16(o, round8_bf16(v)); }
+inline void store1(float* o, float v) { *o = v; }
+inline void store1(uint16_t* o, float v) { *o = std::isnan(v) ? 0xFFFF : c10::BFloat16(v).x; }
+
+// out [R, C] = q.float() * scale[row's scale row, c / bc] (fp32, ATen's product's bits;
+// or bf16: that product rounded as ATen's vectorized copy rounds it): row r's scale row is index[r]
+// (int64) where given, else r / br; q and out row-major (any row strides), scale [*,
+// ceil(C / bc)] contiguous fp32. (MX's bf16 operands: their products are exact, powers of
+// two times codes, so the bf16 copy is exact but where it over- or underflows, as ATen's.)
 bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
                            const std::optional<at::Tensor>& index, int64_t br, int64_t bc,
                            at::Tensor& out) {
-  if (q.scalar_type() != at::kFloat8_e4m3fn || out.scalar_type() != at::kFloat || q.dim() != 2 ||
-      out.sizes() != q.sizes() || scale.scalar_type() != at::kFloat || scale.dim() != 2 ||
-      !scale.is_contiguous() || br < 1 || bc < 1 || !rows_apply(q, out)) {
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
+  if (q.scalar_type() != at::kFloat8_e4m3fn || (out.scalar_type() != at::kFloat && !bf16_out) ||
+      q.dim() != 2 || out.sizes() != q.sizes() || scale.scalar_type() != at::kFloat ||
+      scale.dim() != 2 || !scale.is_contiguous() || br < 1 || bc < 1 || !rows_apply(q, out)) {
     return false;
   }
   const int64_t rows = q.size(0), cols = q.size(1), nc = (cols + bc - 1) / bc;
@@ -449,46 +487,53 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
 #endif
   const float* sp = scale.const_data_ptr<float>();
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
-  float* op = out.mutable_data_ptr<float>();
   const int64_t ldq = q.stride(0), ldo = out.stride(0);
-  for_rows(rows, cols, [&](int64_t r) {
-    const uint8_t* s = qp + r * ldq;
-    float* o = op + r * ldo;
-    const float* srow = sp + (idx != nullptr ? idx[r] : r / br) * nc;
+  auto run = [&](auto* op) {
+    using Out = std::remove_pointer_t<decltype(op)>;
+    for_rows(rows, cols, [&](int64_t r) {
+      const uint8_t* s = qp + r * ldq;
+      Out* o = op + r * ldo;
+      const float* srow = sp + (idx != nullptr ? idx[r] : r / br) * nc;
 #if defined(CPU_CAPABILITY_AVX512)
-    // 32 codes a step (Bf16Codes), times a scale per column or their block's broadcast
-    for (int64_t j0 = 0; j0 < cols; j0 += bc == 1 ? cols : bc) {
-      const int64_t j1 = bc == 1 ? cols : std::min(cols, j0 + bc);
-      const __m512 f = _mm512_set1_ps(srow[j0 / bc]);
-      for (int64_t j = j0; j < j1; j += 32) {
-        const __m512i v = bf16_codes(s + j, j1 - j);
-        for (int64_t h = 0; h < 2 && j + 16 * h < j1; ++h) {  // its two halves of 16
-          const int64_t c = j + 16 * h;
-          const __mmask16 k = static_cast<__mmask16>(Bf16Codes::first(j1 - c));
-          const __m512 sc = bc == 1 ? _mm512_maskz_loadu_ps(k, srow + c) : f;
-          _mm512_mask_storeu_ps(o + c, k, _mm512_mul_ps(h == 0 ? bf16_lo16(v) : bf16_hi16(v), sc));
+      // 32 codes a step (Bf16Codes), times a scale per column or their block's broadcast
+      for (int64_t j0 = 0; j0 < cols; j0 += bc == 1 ? cols : bc) {
+        const int64_t j1 = bc == 1 ? cols : std::min(cols, j0 + bc);
+        const __m512 f = _mm512_set1_ps(srow[j0 / bc]);
+        for (int64_t j = j0; j < j1; j += 32) {
+          const __m512i v = bf16_codes(s + j, j1 - j);
+          for (int64_t h = 0; h < 2 && j + 16 * h < j1; ++h) {  // its two halves of 16
+            const int64_t c = j + 16 * h;
+            const __mmask16 k = static_cast<__mmask16>(Bf16Codes::first(j1 - c));
+            const __m512 sc = bc == 1 ? _mm512_maskz_loadu_ps(k, srow + c) : f;
+            store16(o + c, k, _mm512_mul_ps(h == 0 ? bf16_lo16(v) : bf16_hi16(v), sc));
+          }
         }
       }
-    }
-    return;
-#endif
-    if (bc == 1) {  // a scale per column: 8 of them a step
-      int64_t j = 0;
-      for (; j + 8 <= cols; j += 8) {
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(values8(s + j), _mm256_loadu_ps(srow + j)));
-      }
-      for (; j < cols; ++j) o[j] = table[s[j]] * srow[j];
       return;
-    }
-    for (int64_t j0 = 0; j0 < cols; j0 += bc) {
-      const int64_t j1 = std::min(cols, j0 + bc);
-      const float f = srow[j0 / bc];
-      const __m256 fv = _mm256_set1_ps(f);
-      int64_t j = j0;
-      for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(values8(s + j), fv));
-      for (; j < j1; ++j) o[j] = table[s[j]] * f;
-    }
-  });
+#endif
+      if (bc == 1) {  // a scale per column: 8 of them a step
+        int64_t j = 0;
+        for (; j + 8 <= cols; j += 8) {
+          store8(o + j, _mm256_mul_ps(values8(s + j), _mm256_loadu_ps(srow + j)));
+        }
+        for (; j < cols; ++j) store1(o + j, table[s[j]] * srow[j]);
+        return;
+      }
+      for (int64_t j0 = 0; j0 < cols; j0 += bc) {
+        const int64_t j1 = std::min(cols, j0 + bc);
+        const float f = srow[j0 / bc];
+        const __m256 fv = _mm256_set1_ps(f);
+        int64_t j = j0;
+        for (; j + 8 <= j1; j += 8) store8(o + j, _mm256_mul_ps(values8(s + j), fv));
+        for (; j < j1; ++j) store1(o + j, table[s[j]] * f);
+      }
+    });
+  };
+  if (bf16_out) {
+    run(reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>()));
+  } else {
+    run(out.mutable_data_ptr<float>());
+  }
   return true;
 }
 

@@ -372,7 +372,9 @@ def _mx_bf16_phase(
     wgrad: bool,
 ) -> float:  # fmt: skip
     """Peak bytes of an MX scaled GEMM's CPU kernel in bf16 (``_mx_in_bf16``) above the
-    e4m3 operands: A dequantized to a bf16 copy by chunks of fp32 rows (forward / dgrad:
+    e4m3 operands: where the native e4m3 kernels run, both operands' bf16 copies written
+    directly (with their blocks' fp32 scales), then the output; else A dequantized to a
+    bf16 copy by chunks of fp32 rows (forward / dgrad:
     ``_CPU_CHUNK_ELEMS`` elements; wgrad: that many rows' worth of the wider operand, each
     row times its block's scale, by ATen's ops gathered to full size first), then B the
     same way (forward /
@@ -382,6 +384,7 @@ def _mx_bf16_phase(
     from torch_moe.quantization.scaled_grouped_mm import _CPU_CHUNK_ELEMS
 
     base = n_a + n_b
+    copies = 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 32  # (with the fp32 scales, native)
     if wgrad:
         rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, n, 1.0)), m)
         per_row = 8 * m  # the jagged blocks' index of each row (int64)
@@ -391,7 +394,9 @@ def _mx_bf16_phase(
             _gm.copies_by_pieces(torch.bfloat16)
         ):
             copy = 2 * n_a
-        conv = 4 if _native_fp8() else 8  # (ATen: the rows' scales gathered too)
+        if _native_fp8():
+            return base + per_row + max(copies, 2 * n_a + 2 * n_b + 2 * n_out + copy)
+        conv = 8  # ATen's ops: the fp32 values and the rows' scales gathered
         return (
             base
             + per_row
@@ -401,6 +406,8 @@ def _mx_bf16_phase(
                 2 * n_a + 2 * n_b + 2 * n_out + copy,
             )
         )
+    if _native_fp8():
+        return base + max(copies, 2 * n_a + 2 * n_b + 2 * n_out)
     rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, 1.0)), m)
     b_chunk = min(max(_CPU_CHUNK_ELEMS, k * n), n_b)
     return base + max(

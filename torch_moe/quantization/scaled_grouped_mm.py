@@ -282,16 +282,27 @@ def _dequantize_lhs(a: Tensor, scale_a: Tensor, block_k: int) -> Tensor:
     return native if native is not None else _scale_blocks_(Q._fp8_to_float(a), sf, 1, block_k)
 
 
+def _dequantize_rhs_native(
+    b: Tensor, sf: Tensor, block_k: int, block_n: int, dtype: torch.dtype
+) -> Tensor | None:
+    """B [E, k, n] times its fp32 scales ``sf`` by the native kernel, expert by expert in
+    b's layout, into ``dtype`` (fp32, or bf16 rounded as ATen's cast rounds); None where
+    it does not apply."""
+    if b.dim() != 3 or Q._fp8_kernels(b) is None:
+        return None
+    out = torch.empty_like(b, dtype=dtype)
+    for e in range(b.shape[0]):
+        if _dequantize_native(b[e], sf[e], block_k, block_n, out=out[e]) is None:
+            return None
+    return out
+
+
 def _dequantize_rhs(b: Tensor, scale_b: Tensor, block_k: int, block_n: int) -> Tensor:
     sf = _fp32_scales(scale_b)
-    if b.dim() == 3 and Q._fp8_kernels(b) is not None:  # expert by expert, in b's layout
-        out = torch.empty_like(b, dtype=torch.float32)
-        if all(
-            _dequantize_native(b[e], sf[e], block_k, block_n, out=out[e]) is not None
-            for e in range(b.shape[0])
-        ):
-            return out
-    return _scale_blocks_(Q._fp8_to_float(b), sf, block_k, block_n)
+    native = _dequantize_rhs_native(b, sf, block_k, block_n, torch.float32)
+    return (
+        native if native is not None else _scale_blocks_(Q._fp8_to_float(b), sf, block_k, block_n)
+    )
 
 
 def _dequantize_operands(
@@ -537,18 +548,25 @@ def _scaled_grouped_mm_cpu(
         if out is not None:
             return out
     if _mx_in_bf16(scale_a, scale_b, out_dtype):
-        a_h = _dequantized_bf16(
-            a,
-            max(1, _CPU_CHUNK_ELEMS // max(K, 1)),
-            lambda r0, r1: _dequantize_lhs(
-                a[r0:r1], scale_a[r0:r1] if row_scales else scale_a, block_k
-            ),
-        )
-        b_h = _dequantized_bf16(
-            b,
-            max(1, _CPU_CHUNK_ELEMS // max(K * N, 1)),
-            lambda g0, g1: _dequantize_rhs(b[g0:g1], scale_b[g0:g1], block_k, block_n),
-        )
+        # the operands straight into bf16 by the native kernel, else by chunks of fp32
+        bf = torch.bfloat16
+        sa_f, sb_f = _fp32_scales(scale_a), _fp32_scales(scale_b)
+        a_h = _dequantize_native(a, sa_f, 1, block_k, out=torch.empty_like(a, dtype=bf))
+        if a_h is None:
+            a_h = _dequantized_bf16(
+                a,
+                max(1, _CPU_CHUNK_ELEMS // max(K, 1)),
+                lambda r0, r1: _dequantize_lhs(
+                    a[r0:r1], scale_a[r0:r1] if row_scales else scale_a, block_k
+                ),
+            )
+        b_h = _dequantize_rhs_native(b, sb_f, block_k, block_n, bf)
+        if b_h is None:
+            b_h = _dequantized_bf16(
+                b,
+                max(1, _CPU_CHUNK_ELEMS // max(K * N, 1)),
+                lambda g0, g1: _dequantize_rhs(b[g0:g1], scale_b[g0:g1], block_k, block_n),
+            )
         return grouped_mm(a_h, b_h, offs)
     out = torch.empty((M, N), dtype=out_dtype)
     direct = out_dtype == torch.float32
@@ -706,10 +724,17 @@ def _scaled_grouped_mm_wgrad_cpu(
         return Q._fp8_to_float(q[c0:c1]).mul_(scale.index_select(0, row_block[c0:c1]))
 
     if _mx_in_bf16(scale_a, scale_b, out_dtype):
+        # straight into bf16 by the native kernel, else by chunks of fp32 rows
         chunk = max(1, _CPU_CHUNK_ELEMS // max(K, N, 1))
-        a_h = _dequantized_bf16(a, chunk, lambda r0, r1: rows_f(a, sa, r0, r1))
-        b_h = _dequantized_bf16(b, chunk, lambda r0, r1: rows_f(b, sb, r0, r1))
-        return grouped_mm_wgrad(a_h, b_h, offs)
+        bf16 = []
+        for q, sc in ((a, sa), (b, sb)):
+            h = _dequantize_native(
+                q, sc, 1, 1, row_block, torch.empty_like(q, dtype=torch.bfloat16)
+            )
+            if h is None:
+                h = _dequantized_bf16(q, chunk, lambda r0, r1, q=q, sc=sc: rows_f(q, sc, r0, r1))
+            bf16.append(h)
+        return grouped_mm_wgrad(bf16[0], bf16[1], offs)
     out = torch.empty((len(ends), K, N), dtype=out_dtype)
     direct = out_dtype == torch.float32
     prod = None if direct else torch.empty((K, N), dtype=torch.float32)
