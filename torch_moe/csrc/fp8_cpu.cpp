@@ -636,7 +636,7 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
   for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
     std::fill(cscale + j0, cscale + std::min(cols, j0 + block), divisor[b]);
   }
-  std::fill(cscale + cols, cscale + padded, 1.0f);  // (lanes not stored)
+  std::fill(cscale + cols, cscale + padded, 1.0f);  // (lanes not stored: no stale divisor)
   for (int64_t r = 0; r < br; ++r) {
     const T* xr = x + r * cols;
     uint8_t* orow = o + r * cols;
