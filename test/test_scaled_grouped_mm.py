@@ -371,7 +371,10 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                 want[start:end] = a64 @ (qb[e].double() * sb[e].double())
                 start = end
             spy.reset_mock()
-            with mock.patch.object(S._native, "kernels", lambda: spy):
+            with (
+                mock.patch.object(S._native, "kernels", lambda: spy),
+                mock.patch.object(S, "mm_into", side_effect=AssertionError("the fp32 form ran")),
+            ):
                 got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, -1, 1, bf)
             self.assertEqual(got, want.to(bf), atol=0, rtol=0)
             self.assertTrue(spy.fp8_block_scaled_mm.called)
@@ -422,7 +425,10 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     want_w[e] = xs.t() @ (dy[start:end].double() * s_dy.double())
                     row += 1
                 start = end
-            with mock.patch.object(S._native, "kernels", lambda: spy):
+            with (  # (the kernel took it: the fp32 form would give these exact bits too)
+                mock.patch.object(S._native, "kernels", lambda: spy),
+                mock.patch.object(S, "mm_into", side_effect=AssertionError("the fp32 form ran")),
+            ):
                 got_w = ops.scaled_grouped_mm_wgrad(x, dy, sx, sdy, big, -1, bf)
             self.assertEqual(got_w, want_w.to(bf), atol=0, rtol=0, msg=f"{per_tensor}")
         self.assertTrue(spy.fp8_block_scaled_mm_wgrad.called)
