@@ -61,6 +61,7 @@ compiler's passes can fuse the quantization into its producers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -732,7 +733,7 @@ def _scaled_grouped_mm_wgrad_cpu(
                 q, sc, 1, 1, row_block, torch.empty_like(q, dtype=torch.bfloat16)
             )
             if h is None:
-                h = _dequantized_bf16(q, chunk, lambda r0, r1, q=q, sc=sc: rows_f(q, sc, r0, r1))
+                h = _dequantized_bf16(q, chunk, functools.partial(rows_f, q, sc))
             bf16.append(h)
         return grouped_mm_wgrad(bf16[0], bf16[1], offs)
     out = torch.empty((len(ends), K, N), dtype=out_dtype)
