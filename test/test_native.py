@@ -1430,41 +1430,6 @@ class TestNativeThreadedGroupedMM(TestCase):
                         if size == 0:
                             self.assertTrue((got[g_] == 0).all())
 
-    @parametrize("native_gemm", [True, False])
-    def test_fp32_sums_of_bf16_operands(self, native_gemm):
-        # an fp32 out of bf16 operands: each element its fp32 sum, not rounded to bf16 (the
-        # native GEMM's where it runs, else ATen's fp32 GEMM of the operands' exact values),
-        # within the fp32 bound on 1-2 threads; rows past the groups and empty groups'
-        # gradients zero; x @ w^T's weight column-major (the FP8 emulation's codes), a
-        # gathered x, and the weight gradient's a as x^T's view
-        if native_gemm and not native_gemm_available():
-            self.skipTest("no native bf16 GEMM here")
-        mod, g = _native.kernels(), torch.Generator().manual_seed(41)
-        for sizes in _THREADED_SIZES:
-            offs = _offs_of(sizes)
-            end = int(offs[-1])
-            x = torch.randn(end + 3, 40, generator=g).to(BF16)
-            w = _few_weight(len(sizes), 40, 70, BF16, "col", g)
-            dy = torch.randn(end + 3, 20, generator=g).to(BF16)
-            index = torch.randperm(end + 3, generator=g)
-            index[::7] = -1
-            for threads in (1, 2):
-                msg = f"{sizes} on {threads}"
-                with self.subTest(msg), intra_op_threads(threads):
-                    out = torch.full((end + 3, 70), float("nan"))
-                    mod.threaded_grouped_mm(x, w, offs, out, False, native_gemm)
-                    assert_gemm_within(self, out, x, w, offs, msg)
-                    self.assertTrue((out[end:] == 0).all())
-                    mod.threaded_grouped_mm(x, w, offs, out, False, native_gemm, index)
-                    rows = x[index.clamp(min=0)].masked_fill((index < 0)[:, None], 0)
-                    assert_gemm_within(self, out, rows, w, offs, f"gathered {msg}")
-                    dw = torch.full((len(sizes), 40, 20), float("nan"))
-                    mod.threaded_grouped_mm_wgrad(x.t(), dy, offs, dw, native_gemm)
-                    assert_gemm_within(self, dw, x, dy, offs, msg, wgrad=True)
-                    for e, size in enumerate(sizes):
-                        if size == 0:
-                            self.assertTrue((dw[e] == 0).all())
-
     @parametrize("dtype", [BF16, F16])
     @parametrize("k", [37, 64, 512])
     def test_wgrad_transposing_a_piece_by_piece(self, dtype, k):
@@ -1571,8 +1536,7 @@ class TestNativeThreadedGroupedMM(TestCase):
         offs = torch.tensor([2, 4, 6], dtype=torch.int32)
         out = x.new_empty((6, 8))
         cases = [
-            ((x, w, offs, out.half()), r"out must be a contiguous \[M, N\] tensor"),
-            ((x.half(), w.half(), offs, out.float()), r"or fp32 for bf16 x"),
+            ((x, w, offs, out.float()), r"out must be a contiguous \[M, N\] tensor"),
             ((x, w, offs, out.t().contiguous().t()), r"out must be a contiguous"),
             ((x, w, offs.long(), out), r"offs must be a contiguous int32 tensor of 3"),
             ((x, w, torch.tensor([4, 2, 6], dtype=torch.int32), out), r"got 2 at group 1"),
@@ -1586,7 +1550,6 @@ class TestNativeThreadedGroupedMM(TestCase):
         cases = [
             ((x.t(), dy, offs, dw[:2]), r"out must be a contiguous \[E, K, N\] tensor"),
             ((x.t(), dy.float(), offs, dw), r"out must be a contiguous \[E, K, N\] tensor"),
-            ((x.t(), dy, offs, dw.half()), r"or fp32 for bf16 a"),
             ((x, dy, offs, dw), r"a \[K, M\] and dy \[M, N\]"),
             ((x.t(), dy, torch.tensor([2, 7, 7], dtype=torch.int32), dw), r"got 7 at group 1"),
         ]

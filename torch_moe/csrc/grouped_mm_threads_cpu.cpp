@@ -49,11 +49,6 @@
 // either way; `gathered` below says why not one copy of all rows). transpose_a takes a
 // gathered a too: the piece's rows gathered, then copied row-major.
 //
-// wide_out: with bf16 operands, out may be fp32: each element its fp32 sum unrounded (the
-// native GEMM's, else ATen's fp32 GEMM of the operands' exact fp32 values), for callers
-// that scale the sums before one rounding (the FP8 emulation's rowwise and tensorwise
-// GEMMs, torch_moe/quantization/scaled_grouped_mm.py).
-//
 // stream_out (the CPU probe's out_stream decision): the native GEMM writes the output's
 // whole 64-byte lines by non-temporal stores where all of out is past this core's L2
 // (bf16_gemm_streams): no read for ownership of lines nothing reads before they leave
@@ -111,22 +106,12 @@ int64_t row_split_parts(int64_t rows) {
   return (rows + kMaxBlock - 1) / kMaxBlock;
 }
 
-// at::mm_out, or for an fp32 out of bf16 operands (wide_out, header) the fp32 GEMM of
-// their exact fp32 values.
-void aten_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  if (out.scalar_type() != a.scalar_type()) {
-    at::mm_out(out, a.to(out.scalar_type()), b.to(out.scalar_type()));
-    return;
-  }
-  at::mm_out(out, a, b);
-}
-
 // out = a @ b on this thread: by gemm_bf16_cpu.cpp's kernel where native_gemm (and it
-// applies; `stream`: its output lines by non-temporal stores), else aten_mm.
+// applies; `stream`: its output lines by non-temporal stores), else at::mm_out.
 void mm_piece(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool native_gemm,
               bool stream) {
   if (native_gemm && torch_moe_cpu::bf16_gemm(out, a, b, {}, {}, stream)) return;
-  aten_mm(out, a, b);
+  at::mm_out(out, a, b);
 }
 
 // out = x @ w on this thread, with split_rows as row_split_parts pieces (not with the
@@ -142,15 +127,9 @@ void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool spl
   for (int64_t p = 0, r0 = 0; p < parts; ++p) {
     const int64_t r1 = rows * (p + 1) / parts;
     auto o = out.narrow(0, r0, r1 - r0);
-    aten_mm(o, x.narrow(0, r0, r1 - r0), w);
+    at::mm_out(o, x.narrow(0, r0, r1 - r0), w);
     r0 = r1;
   }
-}
-
-// out's dtype: x's, or fp32 for bf16 x (wide_out).
-bool wide_out_ok(const at::Tensor& x, const at::Tensor& out) {
-  return out.scalar_type() == x.scalar_type() ||
-         (x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat);
 }
 
 // The group ends of offs, checked: non-decreasing, within [0, rows].
@@ -304,10 +283,10 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "threaded_grouped_mm: "
               "x [M, K] and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
   const int64_t m = x_index.has_value() ? x_index->size(0) : x.size(0);
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && wide_out_ok(x, out) && out.dim() == 2 &&
-                  out.is_contiguous() && out.size(0) == m && out.size(1) == w.size(2),
-              "threaded_grouped_mm: out must be a contiguous [M, N] tensor of x's dtype (or "
-              "fp32 for bf16 x)");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
+                  out.dim() == 2 && out.is_contiguous() && out.size(0) == m &&
+                  out.size(1) == w.size(2),
+              "threaded_grouped_mm: out must be a contiguous [M, N] tensor of x's dtype");
   const int64_t* index = check_index(x_index, m, x.size(0), "threaded_grouped_mm", "x_index");
   const auto ends = read_ends(offs, w.size(0), m, "threaded_grouped_mm");
   const int64_t n = w.size(2);
@@ -341,11 +320,11 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
   TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && m == m_dy,
               "threaded_grouped_mm_wgrad: a [K, M] and dy [M, N] expected, got ", a.sizes(),
               " and ", dy.sizes());
-  TORCH_CHECK(dy.scalar_type() == a.scalar_type() && wide_out_ok(a, out) && out.dim() == 3 &&
-                  out.is_contiguous() && out.size(0) == offs.size(0) &&
+  TORCH_CHECK(dy.scalar_type() == a.scalar_type() && out.scalar_type() == a.scalar_type() &&
+                  out.dim() == 3 && out.is_contiguous() && out.size(0) == offs.size(0) &&
                   out.size(1) == a.size(0) && out.size(2) == dy.size(1),
               "threaded_grouped_mm_wgrad: out must be a contiguous [E, K, N] tensor of a's "
-              "dtype (or fp32 for bf16 a)");
+              "dtype");
   // a gathered: a is the transposed view [K, S] of the source of its M columns
   const int64_t* a_idx = check_index(a_index, m, a.size(1), "threaded_grouped_mm_wgrad", "a_index");
   const int64_t* dy_idx =
@@ -374,7 +353,7 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
           // ATen's GEMM on the piece's gathered rows (and a's row-major copy): scratch
           const auto a_m = a_idx ? gathered(a_lo.t(), a_idx + start, rows, 0).t() : a_g;
           const auto dy_m = dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g;
-          aten_mm(o, transpose_a ? row_major_copy(a_m) : a_m, dy_m);
+          at::mm_out(o, transpose_a ? row_major_copy(a_m) : a_m, dy_m);
         }
       },
       native_gemm);
