@@ -346,9 +346,9 @@ class TestModelArithmetic(TestCase):
             kernel=lambda comp, name, elements, phase, *a: calls.append((name, elements)),
         )
         for precision, route, casts in (
-            ("fp8_rowwise", "blocks", 6),
-            ("fp8_blockwise", "blocks", 6),
-            ("fp8_tensorwise", None, 6),
+            ("fp8_rowwise", True, 6),
+            ("fp8_blockwise", True, 6),
+            ("fp8_tensorwise", False, 6),
         ):
             ctx.w = MoEWorkload(512, 256, 128, 16, 2, precision=precision)
             calls.clear()

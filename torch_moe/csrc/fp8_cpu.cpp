@@ -481,9 +481,10 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
     if (sr < 0 || sr >= scale_rows) return false;
   }
   if (q.numel() == 0) return true;
-  const float* table = fp8_values().data();
 #if defined(CPU_CAPABILITY_AVX512)
   static const Bf16Codes bf16_codes;
+#else
+  const float* table = fp8_values().data();  // (the rows' tails)
 #endif
   const float* sp = scale.const_data_ptr<float>();
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
@@ -509,8 +510,7 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
           }
         }
       }
-      return;
-#endif
+#else
       if (bc == 1) {  // a scale per column: 8 of them a step
         int64_t j = 0;
         for (; j + 8 <= cols; j += 8) {
@@ -527,6 +527,7 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
         for (; j + 8 <= j1; j += 8) store8(o + j, _mm256_mul_ps(values8(s + j), fv));
         for (; j < j1; ++j) store1(o + j, table[s[j]] * f);
       }
+#endif
     });
   };
   if (bf16_out) {

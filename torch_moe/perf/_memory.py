@@ -275,7 +275,7 @@ def _gemm_phase(
     rows: float = 0.0,
     group_rows: float = 0.0,
     wgrad: bool = False,
-    codes: str | None = None,
+    codes: bool = False,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
@@ -344,24 +344,24 @@ def _mx_in_bf16_here() -> bool:
     return bf16_gemms_native()
 
 
-def _codes_bf16_here(precision: str, b: int) -> str | None:
-    """How this CPU's scaled GEMM kernels multiply a recipe GEMM's e4m3 codes in bf16, where
-    they do (a bf16 layer, torch_moe's native bf16 GEMM here): ``"blocks"``, the scales
-    applied per k block in the GEMM's tiles (``scaled_grouped_mm._blocks_in_bf16``, and
-    ``_codes_in_bf16`` / ``_wgrad_codes_in_bf16`` for scales constant along the reduction,
-    repeated per block: every GEMM of an FP8 recipe); None: the fp32 form (or MX's own)."""
+def _codes_bf16_here(precision: str, b: int) -> bool:
+    """Whether this CPU's scaled GEMM kernels multiply an FP8 recipe GEMM's e4m3 codes in
+    bf16 (a bf16 layer, torch_moe's native bf16 GEMM here): the scales applied per k block
+    in the GEMM's tiles (``scaled_grouped_mm._blocks_in_bf16``, and ``_codes_in_bf16`` /
+    ``_wgrad_codes_in_bf16`` for scales constant along the reduction, repeated per block:
+    every GEMM of an FP8 recipe); else the fp32 form (or MX's own)."""
     from torch_moe._ops.grouped_mm import native_gemm_ready
 
-    if b != 2 or precision not in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"):
-        return None
-    if not native_gemm_ready(torch.bfloat16):
-        return None
-    return "blocks"
+    return (
+        b == 2
+        and precision in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
+        and native_gemm_ready(torch.bfloat16)
+    )
 
 
 def _blocks_bf16_phase(n_a: float, n_b: float, n_out: float, m: float) -> float:
     """Peak bytes of a block-scaled GEMM's CPU kernel on the codes in bf16
-    (``_codes_bf16_here`` "blocks") above the e4m3 operands: the bf16 output, bf16 copies
+    (``_codes_bf16_here``) above the e4m3 operands: the bf16 output, bf16 copies
     of both operands' codes, and the scales laid out for the kernel (fp32, one per 128
     elements of each operand, the columns' padded to whole panels)."""
     return n_a + n_b + 2 * n_out + 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 128 + 8 * m
@@ -426,11 +426,11 @@ def _whole_tensor_phases(
     D, F, El, b = w.dim, w.hidden_dim, w.local_experts, w.element_size
     recipe = w.precision != "bf16"
     w2, w13 = El * D * F, El * 2 * F * D
-    codes: str | None = None
+    codes = False
     if recipe:
         q = _operand_kinds(w.precision, cpu)
         dgrad, wgrad = q["dgrad"], q["wgrad"]
-        codes = _codes_bf16_here(w.precision, b) if cpu else None
+        codes = cpu and _codes_bf16_here(w.precision, b)
     else:  # bf16 on a GPU: grouped GEMMs straight from the operands
         dgrad = wgrad = ("bf16", "bf16")
     emu = cpu and recipe
@@ -679,11 +679,11 @@ def memory(
                 q = _operand_kinds(w.precision, cpu)
                 fwd1 = _gemm_phase(
                     q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M,
-                    group_rows=m, codes=_codes_bf16_here(w.precision, b) if cpu else None,
+                    group_rows=m, codes=cpu and _codes_bf16_here(w.precision, b),
                 )  # fmt: skip
                 fwd2 = _gemm_phase(
                     q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m,
-                    codes=_codes_bf16_here(w.precision, b) if cpu else None,
+                    codes=cpu and _codes_bf16_here(w.precision, b),
                 )  # fmt: skip
                 act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
             dyn = act + T * D * (4 + b) + y + comm

@@ -403,8 +403,7 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
         lq, rq = kinds[gemm_name]
         c.kernel(f"{comp}.quantize", lq, lhs_elems, phase)
         c.kernel(f"{comp}.quantize", rq, rhs_elems, phase)
-        codes = _codes_bf16_here(w.precision, c.b) if c.cpu else None
-        codes = codes if c.key == "bf16" else None
+        codes = c.cpu and c.key == "bf16" and _codes_bf16_here(w.precision, c.b)
         key = "bf16" if mx_bf16 or codes else gkey or f"{w.precision}:{gemm_name}"
         c.gemm(
             f"{comp}.{'fwd' if gemm_name == 'forward' else gemm_name}",

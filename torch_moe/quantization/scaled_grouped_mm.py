@@ -438,6 +438,15 @@ def _blocks_in_bf16(scale_a: Tensor, scale_b: Tensor, block_k: int, out_dtype: t
     return block_k > 0 and block_k % 2 == 0 and _native_codes(scale_a, scale_b, out_dtype)
 
 
+def _panel_padded(cols: Tensor, n: int) -> Tensor:
+    """fp32 column scales [..., n] (or [..., 1], broadcast) padded with zeros to whole
+    panels of 64 columns, as the block-scaled kernels read them (16-lane vectors up to the
+    panel's end)."""
+    out = torch.zeros((*cols.shape[:-1], -(-n // 64) * 64), dtype=torch.float32)
+    out[..., :n] = cols
+    return out
+
+
 def _scaled_blocks_mm(
     a: Tensor,
     b: Tensor,
@@ -454,8 +463,7 @@ def _scaled_blocks_mm(
     ks = scale_a.shape[1]
     row_scale = scale_a.expand(M, ks).contiguous()
     cols = _expand(scale_b.expand(E, ks, scale_b.shape[2]), 2, block_n, N)
-    col_scale = torch.zeros((E, ks, -(-N // 64) * 64), dtype=torch.float32)
-    col_scale[:, :, :N] = cols
+    col_scale = _panel_padded(cols, N)
     out = torch.empty((M, N), dtype=torch.bfloat16)
     a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     mod = _native.kernels()
@@ -471,8 +479,7 @@ def _scaled_blocks_wgrad(
     fp32 scales [NB, K] / [NB, N]): the codes as bf16, ``fp8_block_scaled_mm_wgrad``; None
     where the kernel refuses them."""
     K, N, E = a.shape[1], b.shape[1], offs.shape[0]
-    col_scale = torch.zeros((sb.shape[0], -(-N // 64) * 64), dtype=torch.float32)
-    col_scale[:, :N] = sb
+    col_scale = _panel_padded(sb, N)
     out = torch.empty((E, K, N), dtype=torch.bfloat16)
     a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     mod = _native.kernels()
