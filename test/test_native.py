@@ -1866,6 +1866,74 @@ class TestNativeBF16GEMM(TestCase):
                 self.assertFalse(mod.fp8_block_scaled_mm_wgrad(*args))
                 self.assertTrue(torch.equal(args[-1], before))
         self.assertTrue(mod.fp8_block_scaled_mm_wgrad(a, dy, rs_w, cs_w, offs, 6, out_w))
+        e4m3 = torch.float8_e4m3fn  # codes with bf16: refused
+        for name, (x, y, z) in {
+            "a codes, b bf16": (a.to(e4m3), b, dy),
+            "a bf16, b codes": (a, b.to(e4m3), dy.to(e4m3)),
+        }.items():
+            with self.subTest(name):
+                self.assertFalse(mod.fp8_block_scaled_mm(x, y, rs, cs, offs, 4, out))
+                self.assertFalse(mod.fp8_block_scaled_mm_wgrad(x, z, rs_w, cs_w, offs, 6, out_w))
+
+    def test_block_scaled_ops_take_codes(self):
+        # e4m3 codes as operands, each piece converted to bf16 in the thread's scratch: the
+        # bits of the same call on the codes' bf16 values, on one and two threads, either
+        # layout of b, empty groups, NaN codes, and at K = 16384 a group past one piece of
+        # rows (128 a piece: its b converted again for each)
+        mod = _native.kernels()
+        g = torch.Generator().manual_seed(26)
+
+        def codes(*shape):
+            q = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+            return q.view(torch.float8_e4m3fn)
+
+        def same(x, y):  # bit for bit, NaN where NaN (ATen's cast of a NaN code: 0x7FC0)
+            nan = x.isnan()
+            bits = x[~nan].view(torch.int16), y[~nan].view(torch.int16)
+            return torch.equal(nan, y.isnan()) and torch.equal(*bits)
+
+        bk = 128
+        for sizes, k, n in (([3, 0, 17], 300, 70), ([300, 1], 16384, 65), ([0, 40, 9], 128, 300)):
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            m, e, ks = sum(sizes) + 2, len(sizes), -(-k // bk)
+            a = codes(m, k)
+            rs = torch.rand(m, ks, generator=g) + 0.5
+            cs = torch.rand(e, ks, -(-n // 64) * 64, generator=g) + 0.5
+            for layout in ("row", "col"):
+                b = codes(e, k, n) if layout == "row" else codes(e, n, k).transpose(1, 2)
+                want = torch.empty(m, n, dtype=BF16)
+                self.assertTrue(
+                    mod.fp8_block_scaled_mm(a.to(BF16), b.to(BF16), rs, cs, offs, bk, want)
+                )
+                for threads in (1, 2):
+                    with (
+                        intra_op_threads(threads),
+                        self.subTest(sizes=sizes, k=k, b=layout, threads=threads),
+                    ):
+                        got = torch.full((m, n), 7.0, dtype=BF16)
+                        self.assertTrue(mod.fp8_block_scaled_mm(a, b, rs, cs, offs, bk, got))
+                        self.assertTrue(same(got, want))
+            # the weight gradient: out[g] = a[g's rows]^T @ dy[g's rows] in jagged blocks
+            if k > 1024:
+                continue
+            dy = codes(m, n)
+            nb = sum(-(-s // bk) for s in sizes)
+            rs_w, cs_w = (
+                torch.rand(nb, k, generator=g),
+                torch.rand(nb, -(-n // 64) * 64, generator=g),
+            )
+            want = torch.empty(e, k, n, dtype=BF16)
+            self.assertTrue(
+                mod.fp8_block_scaled_mm_wgrad(a.to(BF16), dy.to(BF16), rs_w, cs_w, offs, bk, want)
+            )
+            for threads in (1, 2):
+                with (
+                    intra_op_threads(threads),
+                    self.subTest(sizes=sizes, k=k, wgrad=True, threads=threads),
+                ):
+                    got = torch.full((e, k, n), 7.0, dtype=BF16)
+                    self.assertTrue(mod.fp8_block_scaled_mm_wgrad(a, dy, rs_w, cs_w, offs, bk, got))
+                    self.assertTrue(same(got, want))
 
     @parametrize("a_layout", ["row", "col"])
     @parametrize("b_layout", ["row", "col"])

@@ -7,7 +7,8 @@
 //       out = q.to(out.dtype)   (exact: e4m3fn's values are bf16 values)
 //   fp8_block_scaled_mm(a, b, row_scale, col_scale, offs, block_k, out) -> bool
 //       the grouped GEMM of codes as bf16 with per-block scales (blockwise recipes; the
-//       scales constant along K, rowwise and tensorwise, repeated per block)
+//       scales constant along K, rowwise and tensorwise, repeated per block); a and b the
+//       e4m3 codes themselves (each piece converted as the GEMM takes it) or bf16
 //   fp8_block_scaled_mm_wgrad(a, b, row_scale, col_scale, offs, block, out) -> bool
 //       its weight gradient over jagged blocks of rows
 //   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32 / bf16)
@@ -357,20 +358,31 @@ inline void store8_u16(uint16_t* o, __m256i lanes) {
                    _mm_packus_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1)));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// rows x cols codes (row stride ld) as bf16 values into o (row stride ldo), exactly.
+void codes_to_bf16(const uint8_t* s, int64_t ld, int64_t rows, int64_t cols, uint16_t* o,
+                   int64_t ldo) {
+  static const Bf16Codes bf16_codes;
+  for (int64_t r = 0; r < rows; ++r, s += ld, o += ldo) {
+    for (int64_t j = 0; j < cols; j += 32) {
+      const __m512i v = bf16_codes(s + j, cols - j);
+      if (cols - j >= 32) {
+        _mm512_storeu_si512(o + j, v);
+      } else {
+        _mm512_mask_storeu_epi16(o + j, Bf16Codes::first(cols - j), v);
+      }
+    }
+  }
+}
+#endif
+
 bool fp8_to_float(const at::Tensor& q, at::Tensor& out) {
 #if defined(CPU_CAPABILITY_AVX512)
   static const Bf16Codes bf16_codes;
   if (out.scalar_type() == at::kBFloat16) {
     return convert_rows<uint8_t, uint16_t>(
         q, out, at::kFloat8_e4m3fn, at::kBFloat16, [](const uint8_t* s, uint16_t* o, int64_t cols) {
-          for (int64_t j = 0; j < cols; j += 32) {
-            const __m512i v = bf16_codes(s + j, cols - j);
-            if (cols - j >= 32) {
-              _mm512_storeu_si512(o + j, v);
-            } else {
-              _mm512_mask_storeu_epi16(o + j, Bf16Codes::first(cols - j), v);
-            }
-          }
+          codes_to_bf16(s, 0, 1, cols, o, 0);
         });
   }
   return convert_rows<uint8_t, float>(
@@ -759,19 +771,82 @@ void run_pieces(const std::vector<P>& pieces, const char* name, const F& f) {
   TORCH_CHECK(ok.load(), name, ": the native GEMM refused a piece");
 }
 
+// The block-scaled GEMMs' operands: bf16 tensors read in place, or e4m3 codes (AVX-512
+// builds) whose pieces are converted to bf16 (exact: e4m3's values are bf16 values) into
+// the calling thread's scratch just before the piece's GEMM reads them. Whole bf16 copies
+// of the operands' codes, written to memory by one pass and read back by the GEMM, took
+// 5% of an FP8 layer step on the Zen 4 measured; a piece's copy stays in the caches (per
+// call with the conversion 6-13% faster there: benchmarks/results/cpu_floor_cpu_202612.md).
+bool operands_apply(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type()) return false;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (a.scalar_type() == at::kFloat8_e4m3fn) return true;
+#endif
+  return a.scalar_type() == at::kBFloat16;
+}
+
+// A thread's bf16 copy of one piece of codes, kept for the next piece of the same op call
+// that reads the same rows (key): the pieces of a group's rows by columns, which
+// at::parallel_for hands a thread in order.
+struct PieceCopy {
+  std::vector<uint16_t> buf;
+  uint64_t call = 0;
+  int64_t key = -1;
+  // The copy's [rows, cols] (row stride cols) for (call, key), converted by fill(data)
+  // unless it holds them already.
+  template <class F>
+  uint16_t* get(uint64_t c, int64_t k, int64_t rows, int64_t cols, const F& fill) {
+    const bool held = call == c && key == k;
+    uint16_t* data = torch_moe_cpu::aligned_scratch(buf, rows * cols);
+    if (!held) {
+      fill(data);
+      call = c;
+      key = k;
+    }
+    return data;
+  }
+};
+
+uint64_t next_call() {
+  static std::atomic<uint64_t> calls{0};
+  return ++calls;
+}
+
+at::Tensor bf16_view(uint16_t* data, at::IntArrayRef sizes, at::IntArrayRef strides) {
+  return at::from_blob(data, sizes, strides, at::TensorOptions().dtype(at::kBFloat16));
+}
+
+// Rows [r0, r0 + rows) and columns [c0, c0 + cols) of a row-major matrix of codes (row
+// stride ld) as a bf16 copy [rows, cols] into o.
+void copy_codes(const at::Tensor& t, int64_t ld, int64_t r0, int64_t rows, int64_t c0,
+                int64_t cols, uint16_t* o) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const auto* base = static_cast<const uint8_t*>(t.const_data_ptr());
+  codes_to_bf16(base + r0 * ld + c0, ld, rows, cols, o, cols);
+#else
+  (void)t, (void)ld, (void)r0, (void)rows, (void)c0, (void)cols, (void)o;
+#endif
+}
+
+// Bytes of a's bf16 rows per piece where a holds codes: a large group's rows are taken in
+// pieces of about this size (B converted again for each: at K = 4096, 512 rows, ~1% of
+// the piece's GEMM), so its copy stays within a few MB.
+constexpr int64_t kCodeRowsBytes = int64_t{4} << 20;
+
 // out [M, N] (bf16 or fp32) = the block-scaled grouped GEMM of the codes as bf16 values: the
 // rows of group g (offs' ends) times b[g] [K, N], each k block of block_k's fp32 sums
 // times row_scale[m, kb] * col_scale[g, kb, n] (torch_moe_cpu::BlockScales), the blocks
-// added in order; rows past the last group zero. a [M, K] bf16 row-major, b [E, K, N] bf16
-// with each expert row- or column-major, row_scale [M, KS] and col_scale [E, KS, Np] (Np:
-// N rounded up to 64 columns or more) contiguous fp32, KS = ceil(K / block_k), block_k
-// even. Pieces of a group's rows by 256 columns shared out over the threads. False without
-// touching out where the native GEMM does not run here or the operands are not these.
+// added in order; rows past the last group zero. a [M, K] row-major and b [E, K, N] with
+// each expert row- or column-major, both bf16 or both e4m3fn codes (operands_apply),
+// row_scale [M, KS] and col_scale [E, KS, Np] (Np: N rounded up to 64 columns or more)
+// contiguous fp32, KS = ceil(K / block_k), block_k even. Pieces of a group's rows (codes:
+// by kCodeRowsBytes) by 256 columns shared out over the threads. False without touching
+// out where the native GEMM does not run here or the operands are not these.
 bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
                          const at::Tensor& col_scale, const at::Tensor& offs, int64_t block_k,
                          at::Tensor& out) {
-  if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kBFloat16 ||
-      b.scalar_type() != at::kBFloat16 || a.dim() != 2 || b.dim() != 3 || out.dim() != 2 ||
+  if (!torch_moe_cpu::bf16_gemm_available() || !operands_apply(a, b) || a.dim() != 2 ||
+      b.dim() != 3 || out.dim() != 2 ||
       (out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) ||
       !out.is_contiguous() || block_k < 2 || block_k % 2 != 0) {
     return false;
@@ -789,25 +864,52 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   }
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
+  const bool codes = a.scalar_type() == at::kFloat8_e4m3fn;
   struct Piece {
     int64_t g, start, rows, c0, c1;
   };
   constexpr int64_t kCols = 256;
+  const int64_t most = codes ? std::max<int64_t>(64, kCodeRowsBytes / (2 * std::max<int64_t>(K, 1)))
+                             : std::max<int64_t>(M, 1);  // rows a piece
   std::vector<Piece> pieces;
   for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
-    for (int64_t c0 = 0; ends[g] > start && c0 < N; c0 += kCols) {
-      pieces.push_back({g, start, ends[g] - start, c0, std::min(N, c0 + kCols)});
+    for (int64_t r0 = start; r0 < ends[g]; r0 += most) {
+      const int64_t rows = std::min<int64_t>(most, ends[g] - r0);
+      for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+        pieces.push_back({g, r0, rows, c0, std::min(N, c0 + kCols)});
+      }
     }
   }
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(2);
+  const uint64_t call = next_call();
+  const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
   run_pieces(pieces, "fp8_block_scaled_mm", [&](const Piece& p) {
     auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, p.c1 - p.c0);
     const torch_moe_cpu::BlockScales sc{rs + p.start * KS, KS, 1,
                                         cs + (p.g * KS) * cs_rows + p.c0, cs_rows, block_k / 2};
-    return torch_moe_cpu::bf16_gemm_scaled(o, a.narrow(0, p.start, p.rows),
-                                           b[p.g].narrow(1, p.c0, p.c1 - p.c0), &sc);
+    const int64_t cols = p.c1 - p.c0;
+    if (!codes) {
+      return torch_moe_cpu::bf16_gemm_scaled(o, a.narrow(0, p.start, p.rows),
+                                             b[p.g].narrow(1, p.c0, cols), &sc);
+    }
+    thread_local PieceCopy a_copy;
+    thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
+    uint16_t* ah = a_copy.get(call, p.start, p.rows, K, [&](uint16_t* d) {
+      copy_codes(a, a.stride(0), p.start, p.rows, 0, K, d);
+    });
+    uint16_t* bh = torch_moe_cpu::aligned_scratch(b_buf, K * cols);
+    const at::Tensor bg = b[p.g];
+    at::Tensor bv;
+    if (b_rows) {  // b[g]'s rows k, columns [c0, c1)
+      copy_codes(bg, bg.stride(0), 0, K, p.c0, cols, bh);
+      bv = bf16_view(bh, {K, cols}, {cols, 1});
+    } else {  // b[g]'s columns n in [c0, c1), K codes each (the rows of b[g]^T)
+      copy_codes(bg, bg.stride(1), p.c0, cols, 0, K, bh);
+      bv = bf16_view(bh, {K, cols}, {1, K});
+    }
+    return torch_moe_cpu::bf16_gemm_scaled(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, &sc);
   });
   const int64_t end = E ? ends[E - 1] : 0;
   if (end < M) out.narrow(0, end, M - end).zero_();
@@ -818,16 +920,18 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // a[rows of g]^T @ b[rows of g], each jagged block of `block` rows (from the group's first
 // row on; the last one shorter) summed in fp32, times row_scale[its block row, k] *
 // col_scale[its block row, n], the blocks added in order (BlockScales); empty groups zero.
-// a [M, K] and b [M, N] bf16 row-major (token order), row_scale [NB, K] and col_scale [NB,
-// Np] (Np: N rounded up to 64 or more) contiguous fp32, the groups' block rows in order
-// (quantize_jagged's layout: ceil(rows / block) each, NB at least their sum), block even.
-// Pieces of a group's output rows by 256 shared out over the threads. False without
-// touching out where the native GEMM does not run here or the operands are not these.
+// a [M, K] and b [M, N] row-major (token order), both bf16 or both e4m3fn codes
+// (operands_apply: a group's rows of b, then each piece's of a, converted into the
+// thread's scratch), row_scale [NB, K] and col_scale [NB, Np] (Np: N rounded up to 64 or
+// more) contiguous fp32, the groups' block rows in order (quantize_jagged's layout:
+// ceil(rows / block) each, NB at least their sum), block even. Pieces of a group's output
+// rows by 256 shared out over the threads. False without touching out where the native
+// GEMM does not run here or the operands are not these.
 bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& row_scale, const at::Tensor& col_scale,
                                const at::Tensor& offs, int64_t block, at::Tensor& out) {
-  if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kBFloat16 ||
-      b.scalar_type() != at::kBFloat16 || a.dim() != 2 || b.dim() != 2 || out.dim() != 3 ||
+  if (!torch_moe_cpu::bf16_gemm_available() || !operands_apply(a, b) || a.dim() != 2 ||
+      b.dim() != 2 || out.dim() != 3 ||
       (out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) ||
       !out.is_contiguous() || block < 2 || block % 2 != 0) {
     return false;
@@ -850,6 +954,7 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
     blocks += (ends[g] - prev + block - 1) / block;
     if (blocks > row_scale.size(0)) return false;
   }
+  const bool codes = a.scalar_type() == at::kFloat8_e4m3fn;
   struct Piece {
     int64_t g, start, rows, k0, k1;
   };
@@ -867,13 +972,26 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(1);
+  const uint64_t call = next_call();
   run_pieces(pieces, "fp8_block_scaled_mm_wgrad", [&](const Piece& p) {
     auto o = out[p.g].narrow(0, p.k0, p.k1 - p.k0);
     // row k of this piece, block kb: row_scale[first + kb, k0 + k]
     const torch_moe_cpu::BlockScales sc{rs + first[p.g] * K + p.k0, 1, K,
                                         cs + first[p.g] * cs_rows, cs_rows, block / 2};
-    const auto a_t = a.narrow(0, p.start, p.rows).narrow(1, p.k0, p.k1 - p.k0).t();
-    return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc);
+    const int64_t kw = p.k1 - p.k0;
+    if (!codes) {
+      const auto a_t = a.narrow(0, p.start, p.rows).narrow(1, p.k0, kw).t();
+      return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc);
+    }
+    thread_local PieceCopy b_copy;
+    thread_local std::vector<uint16_t> a_buf;  // each piece its own columns of a
+    uint16_t* bh = b_copy.get(call, p.start, p.rows, N, [&](uint16_t* d) {
+      copy_codes(b, b.stride(0), p.start, p.rows, 0, N, d);
+    });
+    uint16_t* ah = torch_moe_cpu::aligned_scratch(a_buf, p.rows * kw);
+    copy_codes(a, a.stride(0), p.start, p.rows, p.k0, kw, ah);
+    const auto a_t = bf16_view(ah, {p.rows, kw}, {kw, 1}).t();
+    return torch_moe_cpu::bf16_gemm_scaled(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}), &sc);
   });
   return true;
 }

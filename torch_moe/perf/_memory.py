@@ -73,9 +73,9 @@ experts' backward holds the most:
   fp32 product; wgrad dequantizes both operands per chunk into one group's fp32 product;
   MX operands of a bf16 layer, where bf16 GEMMs are native, are dequantized to whole bf16
   copies for the bf16 grouped GEMM instead (``_gemm_phase``, ``_mx_bf16_phase``), and the
-  FP8 recipes' codes, where torch_moe's native bf16 GEMM runs, are multiplied as whole bf16
-  copies with the scales applied per k block inside the GEMM (``_codes_bf16_here``,
-  ``_blocks_bf16_phase``). Weights are quantized whole every
+  FP8 recipes' codes, where torch_moe's native bf16 GEMM runs, are multiplied in bf16
+  piece by piece (no whole copies) with the scales applied per k block inside the GEMM
+  (``_codes_bf16_here``, ``_blocks_bf16_phase``). Weights are quantized whole every
   call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 Inference (``backward=False``; bf16 experts on a CPU without EP, ``_inference_bytes``):
@@ -361,10 +361,12 @@ def _codes_bf16_here(precision: str, b: int) -> bool:
 
 def _blocks_bf16_phase(n_a: float, n_b: float, n_out: float, m: float) -> float:
     """Peak bytes of a block-scaled GEMM's CPU kernel on the codes in bf16
-    (``_codes_bf16_here``) above the e4m3 operands: the bf16 output, bf16 copies
-    of both operands' codes, and the scales laid out for the kernel (fp32, one per 128
-    elements of each operand, the columns' padded to whole panels)."""
-    return n_a + n_b + 2 * n_out + 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 128 + 8 * m
+    (``_codes_bf16_here``) above the e4m3 operands: the bf16 output and the scales laid
+    out for the kernel (fp32, one per 128 elements of each operand, the columns' padded to
+    whole panels). The kernel converts each piece of the codes to bf16 in its threads'
+    scratch as it multiplies it (as the native GEMM packs its operands there): memory
+    outside the allocator, left out like the GEMM libraries' own scratch."""
+    return n_a + n_b + 2 * n_out + 4 * (n_a + n_b) / 128 + 8 * m
 
 
 def _mx_bf16_phase(

@@ -377,8 +377,9 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     """A recipe: quantize both operands of each GEMM, then the scaled GEMM (GPU), or the
     emulation quantize -> dequantize -> fp32 GEMM -> cast (CPU); MX operands of a bf16
     layer on a CPU with native bf16 GEMMs: dequantize -> cast -> bf16 GEMM
-    (``scaled_grouped_mm._mx_in_bf16``); FP8 recipes there: the codes cast to bf16 ->
-    the bf16 GEMM scaling each k block's sums (``scaled_grouped_mm._blocks_in_bf16``, and
+    (``scaled_grouped_mm._mx_in_bf16``); FP8 recipes there: the bf16 GEMM on the codes
+    (each piece converted to bf16 in cache as it is multiplied, a share of the GEMM's
+    time) scaling each k block's sums (``scaled_grouped_mm._blocks_in_bf16``, and
     ``_codes_in_bf16`` with the scales repeated per block)."""
     w = c.w
     D, F = w.dim, w.hidden_dim
@@ -417,9 +418,7 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
         )
         if mx_bf16:  # the dequantized operands cast, the output bf16 already
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
-        elif codes:  # the codes cast to bf16 (the scales applied in the GEMM's tiles)
-            c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
-        elif c.cpu:
+        elif c.cpu and not codes:  # (codes: each piece converted in the GEMM's kernel)
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", out_elems, phase)
 
     fwd_layout = "NN" if c.cpu else "NT"  # the emulation dequantizes W^T contiguous

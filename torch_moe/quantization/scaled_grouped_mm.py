@@ -456,18 +456,18 @@ def _scaled_blocks_mm(
     block_k: int,
     block_n: int,
 ) -> Tensor | None:
-    """Forward / dgrad by :func:`_blocks_in_bf16`: the codes as bf16 and the scales laid
-    out as the kernel reads them (a row's per k block, a column's per k block padded to
-    whole panels of 64), or None where the kernel refuses them."""
+    """Forward / dgrad by :func:`_blocks_in_bf16`: the codes (the kernel converts each
+    piece to bf16 as its GEMM takes it) and the scales laid out as the kernel reads them (a
+    row's per k block, a column's per k block padded to whole panels of 64), or None where
+    the kernel refuses them."""
     M, N, E = a.shape[0], b.shape[2], b.shape[0]
     ks = scale_a.shape[1]
     row_scale = scale_a.expand(M, ks).contiguous()
     cols = _expand(scale_b.expand(E, ks, scale_b.shape[2]), 2, block_n, N)
     col_scale = _panel_padded(cols, N)
     out = torch.empty((M, N), dtype=torch.bfloat16)
-    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     mod = _native.kernels()
-    if mod.fp8_block_scaled_mm(a_h, b_h, row_scale, col_scale, offs, block_k, out):
+    if mod.fp8_block_scaled_mm(a, b, row_scale, col_scale, offs, block_k, out):
         return out
     return None
 
@@ -476,14 +476,13 @@ def _scaled_blocks_wgrad(
     a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, offs: Tensor, block: int
 ) -> Tensor | None:
     """The weight gradient by :func:`_blocks_in_bf16` (jagged blocks of ``block`` rows,
-    fp32 scales [NB, K] / [NB, N]): the codes as bf16, ``fp8_block_scaled_mm_wgrad``; None
-    where the kernel refuses them."""
+    fp32 scales [NB, K] / [NB, N]): the codes, ``fp8_block_scaled_mm_wgrad``; None where the
+    kernel refuses them."""
     K, N, E = a.shape[1], b.shape[1], offs.shape[0]
     col_scale = _panel_padded(sb, N)
     out = torch.empty((E, K, N), dtype=torch.bfloat16)
-    a_h, b_h = _codes_bf16(a), _codes_bf16(b)
     mod = _native.kernels()
-    if mod.fp8_block_scaled_mm_wgrad(a_h, b_h, sa.contiguous(), col_scale, offs, block, out):
+    if mod.fp8_block_scaled_mm_wgrad(a, b, sa.contiguous(), col_scale, offs, block, out):
         return out
     return None
 
@@ -495,11 +494,6 @@ def _wgrad_codes_in_bf16(
     an expert's rows (per tensor, or jagged blocks of a whole group: ``block=-1``)."""
     whole = all(list(s.shape) == [1, 1] or block == -1 for s in (scale_a, scale_b))
     return whole and _native_codes(scale_a, scale_b, out_dtype)
-
-
-def _codes_bf16(q: Tensor) -> Tensor:
-    """The e4m3 codes of q as bf16 values (exact), in q's layout."""
-    return Q._fp8_to_float(q, torch.bfloat16)
 
 
 def bf16_gemms_native() -> bool:
