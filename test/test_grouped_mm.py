@@ -116,6 +116,30 @@ class TestGroupedMM(TestCase):
         assert_gemm_close(self, w.grad, x, ones, offs, "dW", wgrad=True)
         self.assertEqual(w.grad[1], torch.zeros(16, 8, dtype=dtype))
 
+    @parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    @parametrize("w_layout", ["EKN", "ENK_transposed"])
+    def test_empty_dims(self, dtype, w_layout):
+        # N = 0, K = 0 and E = 0 through every kernel's row counts (a few rows: the few-rows
+        # kernel, whose column tasks once divided by N = 0 and crashed the process; many:
+        # the grouped GEMM); the results are those of the naive loop: zeros or empty
+        for rows in (3, 300):
+            for e, k, n in ((2, 16, 0), (2, 0, 8), (0, 16, 8)):
+                offs = make_offs([rows // 2, rows - rows // 2][:e])[0]
+                x = torch.randn(rows, k, dtype=dtype, requires_grad=True)
+                if w_layout == "EKN":
+                    w = torch.randn(e, k, n, dtype=dtype, requires_grad=True)
+                else:
+                    w = torch.randn(e, n, k, dtype=dtype).transpose(-2, -1).requires_grad_()
+                with self.subTest(rows=rows, e=e, k=k, n=n):
+                    out = grouped_mm(x, w, offs)
+                    want = naive_grouped_mm(x.detach(), w.detach(), offs).to(dtype)
+                    self.assertEqual(out, want, atol=0, rtol=0)
+                    out.backward(torch.ones_like(out))
+                    self.assertEqual(x.grad, torch.zeros_like(x), atol=0, rtol=0)
+                    ones = torch.ones(rows, n, dtype=dtype)
+                    want = naive_grouped_mm_wgrad(x.detach(), ones, offs).to(dtype)
+                    self.assertEqual(w.grad, want, atol=0, rtol=0)
+
     def test_matches_torch_grouped_mm_where_it_works(self):
         offs, m = make_offs([4, 12, 0, 8])
         x = torch.randn(m, 32, dtype=torch.bfloat16)

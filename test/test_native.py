@@ -1346,6 +1346,17 @@ class TestNativeFewRowsMM(TestCase):
         got = _few_mm(torch.randn(0, 16).to(BF16), torch.randn(3, 16, 8).to(BF16), offs)
         self.assertEqual(got.shape, (0, 8))
 
+    def test_no_columns(self):
+        # N = 0 in either layout (a row-major weight's column tasks once divided by zero)
+        offs = torch.tensor([2, 5], dtype=torch.int32)
+        g = torch.Generator().manual_seed(14)
+        for dtype in (BF16, F16):
+            for layout in ("row", "col"):
+                got = _few_mm(
+                    torch.randn(5, 16).to(dtype), _few_weight(2, 16, 0, dtype, layout, g), offs
+                )
+                self.assertEqual(got.shape, (5, 0))
+
     def test_bad_operands(self):
         x, w = torch.randn(6, 16).to(BF16), torch.randn(3, 16, 8).to(BF16)
         offs = torch.tensor([2, 4, 6], dtype=torch.int32)

@@ -29,6 +29,7 @@ from torch_moe.quantization import (
     mx_scale_exponent,
     quantize_fp8,
     quantize_jagged,
+    quantize_jagged_reference,
     quantize_mx,
     scaled_grouped_mm,
 )
@@ -322,6 +323,20 @@ class TestQuantize(TestCase):
                 nb += 1
         self.assertEqual(s, expect, atol=0, rtol=0)
         self.assertGreater(sqnr(x, dequantize_jagged(q, s, offs, block=block)), 27.0)
+
+    @parametrize("fmt", ["fp8", "mx"])
+    def test_jagged_zero_columns(self, fmt):
+        # x [M, 0]: codes [M, 0] and scales [NB, 0], as the reference gives (one segment at
+        # least a block long once took the ATen path's view of its rows and failed)
+        dtype = torch.uint8 if fmt == "mx" else torch.float32
+        for sizes, tail, block in (([2], 0, 1), ([40], 0, 32), ([], 5, 128), ([3, 4], 1, -1)):
+            offs, m = make_offs(sizes), sum(sizes) + tail
+            block = 32 if fmt == "mx" and block == -1 else block
+            x = torch.randn(m, 0)
+            want = quantize_jagged_reference(x, offs, block=block, fmt=fmt, scale_dtype=dtype)
+            with self.subTest(sizes=sizes, tail=tail, block=block):
+                got = quantize_jagged(x, offs, block=block, fmt=fmt, scale_dtype=dtype)
+                self.assertEqual([t.shape for t in got], [t.shape for t in want])
 
     def test_bad_inputs(self):
         x = torch.randn(4, 64)

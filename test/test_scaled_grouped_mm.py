@@ -508,6 +508,36 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         exact, bound = _exact_and_bound(qa, sa, qb, sb, offs, g, bf)
         tolerances.assert_within(self, got, exact, bound, "blockwise, random")
 
+    def test_scale_products_past_fp32_take_the_fp32_form(self):
+        # the routes on the codes scale each block's sums by a row's scale times a column's:
+        # past fp32's range that product is inf, and a block summing to zero would be NaN
+        # where the fp32 form (operands scaled first) gives 0; such scales take the fp32 form
+        bf = torch.bfloat16
+        offs = make_offs([3, 2])
+        x = torch.zeros(5, 128)
+        x[:, 0], x[:, 1] = 1e30, -1e30  # row scales ~2.2e27
+        w = torch.zeros(2, 128, 16)
+        w[:, 2] = 1e20  # column scales ~2.2e17 (the products ~5e44); met by x's zeros
+        for name in ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise"):
+            g = RECIPES[name].forward
+            qa, sa = _quantize_ref(x, g.lhs, along_rows=False)
+            qb, sb = _quantize_ref(w, g.rhs, along_rows=True)
+            self.assertFalse(S._scale_products_finite(sa, sb))
+            got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, bf)
+            want = S.scaled_grouped_mm_reference(qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, bf)
+            self.assertEqual(got, want, atol=0, rtol=0, msg=name)
+            self.assertTrue((got == 0).all(), msg=name)
+            # within fp32's range: the route on the codes where it runs
+            self.assertTrue(S._scale_products_finite(sa / 1e10, sb))
+        xw, dy = torch.zeros(5, 128), torch.zeros(5, 16)
+        xw[:3, 0], dy[3:, 3] = 1e30, 1e20  # large in other rows: every product zero
+        qa, sa = quantize_fp8_reference(xw)
+        qb, sb = quantize_fp8_reference(dy)
+        got = ops.scaled_grouped_mm_wgrad(qa, qb, sa, sb, offs, -1, bf)
+        self.assertEqual(got, S.scaled_grouped_mm_wgrad_reference(qa, qb, sa, sb, offs, -1, bf))
+        self.assertTrue((got == 0).all())
+        self.assertFalse(S._scale_products_finite(torch.tensor([[float("nan")]]), sb))
+
     def test_chunks_of_groups(self):
         # whole groups, about chunk_rows rows each; a larger group alone; empty ones ride along
         self.assertEqual(
@@ -647,6 +677,26 @@ class TestScaledGroupedMM(TestCase):
         self.assertEqual(
             w.grad, ops.quantized_grouped_mm_wgrad(x.detach(), dy, offs, r), atol=0, rtol=0
         )
+
+    @parametrize("recipe", list(RECIPES))
+    def test_empty_dims(self, recipe):
+        # M, K, N or E zero, and every group empty: the three GEMMs' zeros (or empty
+        # outputs), as the bf16 GEMM gives; an empty dim has no quantization blocks, which
+        # the scaled ops' one scale per whole dim would not take
+        dt = torch.bfloat16
+        for m, k, n, sizes in (
+            (4, 0, 32, [3]), (4, 32, 0, [3]), (0, 32, 32, [0]), (4, 32, 32, []),
+            (4, 32, 32, [0, 0]),
+        ):  # fmt: skip
+            offs = make_offs(sizes)
+            x = torch.randn(m, k, dtype=dt, requires_grad=True)
+            w = torch.randn(len(sizes), k, n, dtype=dt, requires_grad=True)
+            with self.subTest(m=m, k=k, n=n, sizes=sizes):
+                out = ops.quantized_grouped_mm(x, w, offs, recipe)
+                self.assertEqual(out, torch.zeros(m, n, dtype=dt), atol=0, rtol=0)
+                out.backward(torch.ones_like(out))
+                self.assertEqual(x.grad, torch.zeros_like(x), atol=0, rtol=0)
+                self.assertEqual(w.grad, torch.zeros_like(w), atol=0, rtol=0)
 
     def test_opcheck(self):
         offs = make_offs([6, 0, 9])

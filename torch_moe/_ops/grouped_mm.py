@@ -1224,6 +1224,9 @@ def _measure_few_gemm(
 def _grouped_mm_cpu(x: Tensor, w: Tensor, ends: list[int], offs: Tensor | None = None) -> Tensor:
     """Group ends ``ends`` (validated); ``offs``, their tensor, lets ``torch._grouped_mm``
     (or the native few-rows kernel) run where it is allowed and faster."""
+    if x.shape[1] == 0 or w.shape[2] == 0 or not ends:  # no products: zeros (or nothing;
+        # torch._grouped_mm refuses an empty operand's zero strides)
+        return x.new_zeros((x.shape[0], w.shape[2]))
     few = _few_gemm(x, w, ends)
     if few is not None:
         return _few_rows_mm(x, w, ends, offs, few)

@@ -498,6 +498,7 @@ template <typename T>
 void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* ends,
                       at::Tensor& out, int64_t amx_rows) {
   const int64_t groups = w.size(0), K = w.size(1), N = w.size(2), M = x.size(0);
+  if (N == 0) return;  // no output (and no column tasks to divide the columns into)
   const bool row_major = w.stride(2) == 1;  // else column-major: w.stride(1) == 1
   const int64_t ldw = row_major ? w.stride(1) : w.stride(2);
   const T* xp = x.const_data_ptr<T>();

@@ -590,7 +590,9 @@ def _quantize_row_blocks(
     (at least one block), each converted to fp32, its blocks' column maxima taken over a
     view, divided by their scales broadcast over the rows, clamped and cast."""
     cols = x2.shape[1]
-    piece = max(1, _QUANT_CHUNK // max(cols, 1) // extent) * extent
+    if cols == 0:  # no elements (and no view of the rows' blocks)
+        return
+    piece = max(1, _QUANT_CHUNK // cols // extent) * extent
     for r0 in range(start, end, piece):
         r1 = min(end, r0 + piece)
         xf = x2[r0:r1].to(torch.float32, copy=True)

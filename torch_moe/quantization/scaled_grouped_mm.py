@@ -386,14 +386,28 @@ def _mx_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> boo
 
 
 def _native_codes(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> bool:
-    """What the three routes that multiply the FP8 codes in bf16 share: fp32 scales, a
-    bf16 output and torch_moe's native bf16 GEMM here."""
+    """What the three routes that multiply the FP8 codes in bf16 share: fp32 scales whose
+    products are finite (:func:`_scale_products_finite`), a bf16 output and torch_moe's
+    native bf16 GEMM here."""
     return (
         scale_a.dtype == torch.float32
         and scale_b.dtype == torch.float32
         and out_dtype == torch.bfloat16
         and native_gemm_ready(torch.bfloat16)
+        and _scale_products_finite(scale_a, scale_b)
     )
+
+
+def _scale_products_finite(scale_a: Tensor, scale_b: Tensor) -> bool:
+    """Whether every product of one of A's scales and one of B's is a finite fp32 value.
+    The routes on the codes multiply each block's sums by that product; the fp32 form
+    multiplies operands already scaled. Where the operands' largest elements multiply past
+    about 6.9e43 (448^2 times fp32's largest value) the product is inf, and a block whose
+    codes sum to zero would give NaN where the fp32 form gives 0: those take the fp32 form
+    (NaN scales too)."""
+    if scale_a.numel() == 0 or scale_b.numel() == 0:
+        return True
+    return float(scale_a.max()) * float(scale_b.max()) <= torch.finfo(torch.float32).max
 
 
 def _codes_in_bf16(scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> bool:
@@ -423,8 +437,8 @@ _GEMM_K_BLOCK = 512
 def _k_blocks(k: int) -> tuple[int, int]:
     """(block, blocks): a reduction of k constant-scale elements as the block-scaled
     kernel takes it, in the native GEMM's own blocks of sums (a shorter k: one block, k
-    rounded up to even)."""
-    block = min(_GEMM_K_BLOCK, k + k % 2)
+    rounded up to even; k = 0: no block, of the kernel's least size)."""
+    block = max(2, min(_GEMM_K_BLOCK, k + k % 2))
     return block, -(-k // block)
 
 
@@ -1213,6 +1227,9 @@ def kernel_wgrad_operands(
 
 
 def _run_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype) -> Tensor:
+    if a.numel() == 0 or b.numel() == 0:  # no products (M, K, N or E zero): zeros, as the
+        # reference gives (an empty dim has no quantization blocks, the scaled op one)
+        return a.new_zeros((a.shape[0], b.shape[2]), dtype=out_dtype)
     kernel = _select(g, a, b, out_dtype)
     if kernel == "torch":
         return _torch_gemm(a, b, offs, g)
@@ -1222,6 +1239,8 @@ def _run_gemm(a: Tensor, b: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch
 
 
 def _run_wgrad(x: Tensor, dy: Tensor, offs: Tensor, g: GemmQuant, out_dtype: torch.dtype) -> Tensor:
+    if x.numel() == 0 or dy.numel() == 0:  # no products: zeros (as _run_gemm)
+        return x.new_zeros((offs.shape[0], x.shape[1], dy.shape[1]), dtype=out_dtype)
     if wgrad_kernel(g, x.device.type) == "triton":
         return _kernel_wgrad(x, dy, offs, g, out_dtype)
     return _emulate_wgrad(x, dy, offs, g, out_dtype)
