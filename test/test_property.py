@@ -8,7 +8,10 @@ The strategy draws every routing option (score function, expert bias, group-limi
 routing, renormalization, scale), a capacity (none, zero, tight, loose), ``align`` in
 {1, 16, 32, 128}, the dtype (fp64, fp32, bf16: tolerances from test/tolerances.py's error
 bounds for that dtype), and shapes with T = 0, E = 1 and K = E reachable (and pinned as
-explicit examples). The profile (test/conftest.py) sets the number of random examples:
+explicit examples). ``TestFP8KernelProperties`` draws the FP8 / MX quantizers' and the
+scaled grouped GEMM's operands (empty and odd shapes, dtypes, layouts, blocks, special
+values) against their references. The profile (test/conftest.py) sets the number of
+random examples:
 ``dev`` 20, ``ci`` 200 (what .ci/run uses). Shrunk failures found so far are the explicit
 ``@example`` cases at the end of the list, with what they caught.
 """
@@ -22,7 +25,10 @@ from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_moe  # noqa: F401
 from torch_moe import ops
+from torch_moe import quantization as Q
 from torch_moe.nn.functional import grouped_swiglu
+
+ops_q = torch.ops.torch_moe
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -250,6 +256,128 @@ class TestMoEPipelineProperties(TestCase):
                 g_want if g_want is not None else zero,
                 **tight,
             )
+
+
+# --------------------------------------------------------------------------------------
+# the FP8 / MX emulation's kernels against their references (a differential fuzz of the
+# forty-ninth session found a crash and four mishandled cases at empty or extreme operands:
+# each is now also a fixed test in test_native / test_quantization / test_scaled_grouped_mm)
+
+FP8_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SIZES = st.one_of(st.sampled_from([0, 1, 2, 3, 31, 32, 33, 127, 128, 129]), st.integers(1, 300))
+
+
+@st.composite
+def fp8_operands(draw, rows=SIZES, cols=SIZES):
+    """x [rows, cols] in a dtype and layout (contiguous, a transposed copy's view, a column
+    slice of a wider tensor), normal values of random magnitudes per row, and (half the
+    draws) special values at random places: zeros of both signs, the dtype's denormals and
+    largest values, infinities, NaN."""
+    r, c = draw(rows), draw(cols)
+    dtype = FP8_DTYPES[draw(st.sampled_from(list(FP8_DTYPES)))]
+    layout = draw(st.sampled_from(["contig", "t", "slice"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn(r, c, generator=g) * torch.rand(r, 1, generator=g).mul(20).sub(10).exp()
+    if draw(st.booleans()) and x.numel():
+        info = torch.finfo(dtype)
+        special = torch.tensor([0.0, -0.0, info.tiny / 4, info.max, -info.max, float("inf"),
+                                float("-inf"), float("nan")])  # fmt: skip
+        at = torch.randint(0, x.numel(), (max(1, x.numel() // 50),), generator=g)
+        x.view(-1)[at] = special[torch.randint(0, len(special), at.shape, generator=g)]
+    x = x.to(dtype)
+    if layout == "t":
+        return x.t().contiguous().t()
+    if layout == "slice":
+        return torch.cat([x, x[:, :3]], 1)[:, : x.shape[1]]
+    return x
+
+
+def _same_bits(test, got, want, what):
+    """Equal tensors bit for bit, NaN where NaN (its payload aside: ATen's casts differ)."""
+    test.assertEqual(got.shape, want.shape, msg=what)
+    test.assertEqual(got.dtype, want.dtype, msg=what)
+    g = got.view(torch.uint8) if got.dtype.itemsize == 1 else got
+    w = want.view(torch.uint8) if want.dtype.itemsize == 1 else want
+    if got.dtype == torch.float8_e4m3fn:  # NaN codes: 0x7F and 0xFF
+        test.assertTrue(torch.equal(g, w), msg=what)
+        return
+    nan = w.isnan() if w.is_floating_point() else torch.zeros_like(w, dtype=torch.bool)
+    test.assertTrue(torch.equal(g.isnan() if g.is_floating_point() else nan, nan), msg=what)
+    test.assertTrue(torch.equal(g[~nan], w[~nan]), msg=what)
+
+
+def _both_thread_counts(fn):
+    prev = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(fn())
+        return outs
+    finally:
+        torch.set_num_threads(prev)
+
+
+class TestFP8KernelProperties(TestCase):
+    """The quantizers' fast paths (torch_moe/csrc/fp8_cpu.cpp where it runs, else the ATen
+    forms) bit for bit their references, on one and two threads, for random shapes (empty
+    and odd included), dtypes, layouts, blocks and special values; the scaled grouped
+    GEMM within the rounding bound of the float64 dequantized product."""
+
+    @given(
+        fp8_operands(),
+        st.sampled_from([(-1, -1), (1, -1), (-1, 1), (1, 128), (128, 128), (1, 32), (7, 100)]),
+    )
+    def test_quantize_fp8_equals_reference(self, x, block):
+        want = Q.quantize_fp8_reference(x, block)
+        for got in _both_thread_counts(lambda: Q.quantize_fp8(x, block)):
+            for g, w, what in zip(got, want, ("codes", "scales")):
+                _same_bits(self, g, w, f"{what} {list(x.shape)} {x.dtype} {block}")
+
+    @given(fp8_operands(rows=st.integers(0, 200), cols=st.integers(0, 8).map(lambda n: 32 * n)),
+           st.sampled_from([32, 16, 1]), st.sampled_from(["floor", "rceil"]),
+           st.sampled_from([torch.uint8, torch.float32]), st.sampled_from([-1, -2]))  # fmt: skip
+    def test_quantize_mx_equals_reference(self, x, block, rule, scale_dtype, dim):
+        if dim == -2:
+            x = x.t()
+        kw = dict(dim=dim, block=block, scale_rule=rule, scale_dtype=scale_dtype)
+        want = Q.quantize_mx_reference(x, **kw)
+        for got in _both_thread_counts(lambda: Q.quantize_mx(x, **kw)):
+            for g, w, what in zip(got, want, ("codes", "scales")):
+                _same_bits(self, g, w, f"{what} {list(x.shape)} {x.dtype} {kw}")
+
+    @given(fp8_operands(rows=st.integers(0, 300), cols=st.integers(0, 70)),
+           st.lists(st.integers(0, 90), max_size=6), st.sampled_from([128, 32, 1, -1]),
+           st.sampled_from(["fp8", "mx"]))  # fmt: skip
+    def test_quantize_jagged_equals_reference(self, x, sizes, block, fmt):
+        ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+        offs = ends.clamp(max=x.shape[0]).to(torch.int32)  # groups within the rows (a tail)
+        block = 32 if fmt == "mx" and block == -1 else block
+        kw = dict(block=block, fmt=fmt, scale_dtype=torch.float32)
+        want = Q.quantize_jagged_reference(x, offs, **kw)
+        for got in _both_thread_counts(lambda: Q.quantize_jagged(x, offs, **kw)):
+            for g, w, what in zip(got, want, ("codes", "scales")):
+                _same_bits(self, g, w, f"{what} {list(x.shape)} {x.dtype} {sizes} {kw}")
+
+    @given(st.sampled_from(sorted(Q.RECIPES)), st.sampled_from(["forward", "dgrad"]),
+           st.lists(st.integers(0, 150), min_size=0, max_size=5), st.integers(0, 4),
+           st.integers(0, 5).map(lambda n: 32 * n), st.sampled_from([0, 1, 32, 70, 256]),
+           st.integers(0, 2**16), st.sampled_from([torch.bfloat16, torch.float32]))  # fmt: skip
+    def test_scaled_grouped_mm_within_bound(self, recipe, gemm, sizes, tail, k, n, seed, out_dtype):
+        from test_scaled_grouped_mm import _exact_and_bound, _operands
+
+        g = getattr(Q.RECIPES[recipe], gemm)
+        offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+        m = sum(sizes) + tail
+        _, _, qa, sa, qb, sb = _operands(g, m, k, n, len(sizes), seed)
+        assume(qa.numel() and qb.numel())  # (empty operands: test_scaled_grouped_mm)
+        exact, bound = _exact_and_bound(qa, sa, qb, sb, offs, g, out_dtype)
+        for got in _both_thread_counts(
+            lambda: ops_q.scaled_grouped_mm(
+                qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, out_dtype
+            )
+        ):
+            tolerances.assert_within(self, got, exact, bound, f"{recipe} {gemm} {sizes} {k} {n}")
 
 
 class TestStrategyReach(TestCase):
