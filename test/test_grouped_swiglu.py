@@ -354,7 +354,9 @@ class TestGroupedSwiGLUChecks(TestCase):
         """grouped_swiglu(x, ..., row_to_slot=, slot_to_row=) == grouped_swiglu(permute(x))
         bit for bit: y, h and the gradients of x (the permute's backward: each token's row
         gradients summed in k order), w13, w2 and the routing weights, on both CPU paths,
-        with padding rows (align), dropped slots (capacity), K = 1, T = 0, an idle expert."""
+        with padding rows (align), dropped slots (capacity), K = 1, T = 0, an idle expert.
+        (fp32's loop path: within fp32 rounding, ATen's fp32 GEMM can round a row by its
+        address, and its gathered rows lie elsewhere than the permuted ones.)"""
         g = torch.Generator().manual_seed(7)
         T, D, F, E, K = {"top1": (11, 8, 6, 3, 1), "no_tokens": (0, 8, 6, 3, 2)}.get(
             case, (13, 8, 6, 4, 3)
@@ -373,8 +375,9 @@ class TestGroupedSwiGLUChecks(TestCase):
         gh = torch.randn(M, 2 * F, generator=g).to(dtype)
         results = _both_forms(x, w13, w2, rw, perm, path, (gy, gh))
         names = ("y", "h", "dx", "dw13", "dw2", "drw")
+        exact = dict(atol=0, rtol=0) if dtype != torch.float32 or path == "whole" else {}
         for name, a, b in zip(names, *results, strict=True):
-            self.assertEqual(b, a, atol=0, rtol=0, msg=name)
+            self.assertEqual(b, a, msg=name, **exact)
         self.assertEqual(results[1][2].shape, (T, D))
         if case == "idle_expert":
             self.assertTrue((results[1][3][E - 1] == 0).all())

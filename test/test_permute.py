@@ -266,6 +266,48 @@ class TestPermute(TestCase):
         ):
             ops.unpermute(torch.randn(8, 3), torch.rand(4, 3), perm)
 
+    def test_maps_past_their_ranges(self):
+        # a permutation whose maps point past the rows (built by hand): a clear error on
+        # every CPU path, where the native combine read (and crashed on) memory past y and
+        # the ATen paths raised a bare IndexError
+        from torch_moe._ops import _native
+        from torch_moe.nn.functional import grouped_swiglu
+
+        perm = ops.permute_indices(_ids(4, 2, 4), 4)
+        x, y = torch.randn(4, 8), torch.randn(8, 8)
+        w13, w2 = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+        r2s = perm.row_to_slot.clone()
+        r2s[3] = 8
+        for dtype in (torch.float32, torch.bfloat16):
+            for bad in (8, -2):
+                s2r = perm.slot_to_row.clone()
+                s2r[1, 1] = bad
+                msg = rf"^unpermute: slot_to_row must hold values in \[-1, 8\), got {bad}$"
+                with (
+                    self.subTest(dtype=str(dtype), bad=bad),
+                    self.assertRaisesRegex(ValueError, msg),
+                ):
+                    ops.unpermute(y.to(dtype), None, perm._replace(slot_to_row=s2r))
+            with self.assertRaisesRegex(
+                ValueError, r"^permute: row_to_slot must hold values in \[-1, 8\), got 8$"
+            ):
+                torch.ops.torch_moe.permute(x.to(dtype), r2s, perm.slot_to_row)
+            with self.assertRaisesRegex(
+                ValueError, r"^grouped_swiglu: row_to_slot must hold values in \[-1, 8\), got 8$"
+            ):
+                grouped_swiglu(
+                    x.to(dtype), w13.to(dtype), w2.to(dtype), perm.offs,
+                    row_to_slot=r2s, slot_to_row=perm.slot_to_row,
+                )  # fmt: skip
+        if _native.available():  # the kernel checks too (its callers past the op's checks)
+            s2r = perm.slot_to_row.clone()
+            s2r[1, 1] = 8
+            with self.assertRaisesRegex(
+                RuntimeError,
+                r"combine_cpu: slot_to_row must hold rows of y in \[-1, 8\), got 8 at 3",
+            ):
+                _native.kernels().combine(y, s2r, torch.empty(4, 8), None)
+
 
 class TestPermutePlan(TestCase):
     """The CUDA kernel of permute_indices for decode-sized batches (one Triton program, run

@@ -75,6 +75,7 @@ from torch_moe._ops.permute import (
     _negative_positions,
     _permute_rows,
     _unpermute_rows,
+    check_map_values,
     gather_rows,
     permute,
     token_of_rows,
@@ -238,6 +239,7 @@ def _check_maps(
     for name, t in (("row_to_slot", row_to_slot), ("slot_to_row", slot_to_row)):
         if t.device != x.device:
             raise ValueError(f"grouped_swiglu: {name} is on {t.device} but x is on {x.device}")
+    check_map_values("grouped_swiglu", row_to_slot, slot_to_row, row_to_slot.shape[0])
     return row_to_slot.shape[0]
 
 
@@ -411,7 +413,11 @@ def grouped_swiglu(
     ``slot_to_row`` [T, K] (``permute_indices``) the rows are ``permute(x, row_to_slot,
     slot_to_row)`` and x's gradient is that permute's backward (each token's K row
     gradients summed in fp32 in k order, ``unpermute``); bit for bit the unfused
-    ``grouped_swiglu(permute(x, ...))`` in both directions. Where the op gathers, x may
+    ``grouped_swiglu(permute(x, ...))`` in both directions, where the GEMMs' bits do not
+    depend on where the rows lie in memory: bf16 / fp16 on every path, fp32 / fp64 on the
+    whole-operand path (ATen's fp32 / fp64 GEMM can round a row by its address: the loop
+    path's gathered rows are a fresh buffer, the unfused ones a slice at another offset,
+    within one GEMM rounding of each other). Where the op gathers, x may
     be in another dtype than the weights (fp32 tokens under bf16 autocast): the rows are
     converted to the weights' dtype as gathered, and x's gradient is summed in x's dtype,
     bit for bit ``grouped_swiglu(permute(x, ...).to(w13.dtype))``, so that x itself (the

@@ -227,6 +227,24 @@ def _check_maps(
         )
 
 
+def check_map_values(name: str, row_to_slot: Tensor, slot_to_row: Tensor, rows: int) -> None:
+    """The maps' values, where they are plain CPU tensors (a device's are not read back, a
+    traced one's not known): row_to_slot's slots in [-1, T*K), slot_to_row's rows in [-1,
+    rows). A gather past them reads outside its source: an IndexError that names neither,
+    or, in a native kernel, memory past it."""
+    for arg, t, end in (
+        ("row_to_slot", row_to_slot, slot_to_row.numel()),
+        ("slot_to_row", slot_to_row, rows),
+    ):
+        if type(t) is not Tensor or t.device.type != "cpu" or t.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.aminmax(t))
+        if low < -1 or high >= end:
+            raise ValueError(
+                f"{name}: {arg} must hold values in [-1, {end}), got {low if low < -1 else high}"
+            )
+
+
 def _check_rows(name: str, arg: str, t: Tensor, rows: int | None) -> None:
     if t.dim() != 2 or not t.is_floating_point():
         raise ValueError(
@@ -411,6 +429,7 @@ def _permute_cpu(
         return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
     _check_maps("permute", row_to_slot, slot_to_row, weights)
     _check_rows("permute", "x", x, slot_to_row.shape[0])
+    check_map_values("permute", row_to_slot, slot_to_row, row_to_slot.shape[0])
     return _permute_rows(x, row_to_slot, slot_to_row, weights)
 
 
@@ -448,6 +467,7 @@ def _unpermute_cpu(
         return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
+    check_map_values("unpermute", row_to_slot, slot_to_row, y.shape[0])
     return _unpermute_rows(y, slot_to_row, row_to_slot, weights)
 
 
@@ -481,7 +501,7 @@ def _unpermute_rows(
     for t0 in range(0, out.shape[0], step):
         t = slice(t0, t0 + step)
         rows = slot_to_row[t]
-        acc = gathered(t, rows[:, 0], 0)
+        acc = gathered(t, rows[:, 0], 0).add_(0.0)  # from +0, as the reference's zeros
         for k in range(1, rows.shape[1]):
             acc.add_(gathered(t, rows[:, k], k))
         out[t].copy_(acc)

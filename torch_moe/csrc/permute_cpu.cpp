@@ -152,9 +152,10 @@ inline at::vec::Vectorized<float> rounded(at::vec::Vectorized<float> v) {
 }
 #endif
 
-// a[0:n] = src[0:n] * w (first) or a[0:n] += src[0:n] * w in Acc, the product rounded to Acc
-// before the add (unweighted: no product), while prefetching pre[0:n]: one prefetch per
-// vector load (a 64-byte line with AVX512, half of one with AVX2)
+// a[0:n] = 0 + src[0:n] * w (first) or a[0:n] += src[0:n] * w in Acc, the product rounded
+// to Acc before the add (unweighted: no product), while prefetching pre[0:n]: one prefetch
+// per vector load (a 64-byte line with AVX512, half of one with AVX2). The first term is
+// added to +0, as the reference's sum from zeros: a token whose one term is -0 sums to +0.
 template <typename T, typename Acc, bool kWeighted>
 inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first, Acc w) {
   int64_t i = 0;
@@ -170,10 +171,9 @@ inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first, A
         lo = rounded(lo * wv);
         hi = rounded(hi * wv);
       }
-      if (!first) {
-        lo = fVec::loadu(a + i) + lo;
-        hi = fVec::loadu(a + i + fVec::size()) + hi;
-      }
+      const fVec zero(0.0f);
+      lo = (first ? zero : fVec::loadu(a + i)) + lo;
+      hi = (first ? zero : fVec::loadu(a + i + fVec::size())) + hi;
       lo.store(a + i);
       hi.store(a + i + fVec::size());
     }
@@ -183,7 +183,7 @@ inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first, A
       __builtin_prefetch(pre + i, 0, 3);
       fVec v = fVec::loadu(src + i);
       if constexpr (kWeighted) v = rounded(v * wv);
-      (first ? v : fVec::loadu(a + i) + v).store(a + i);
+      ((first ? fVec(0.0f) : fVec::loadu(a + i)) + v).store(a + i);
     }
   }
 #endif
@@ -193,7 +193,7 @@ inline void add_row(Acc* a, const T* src, const T* pre, int64_t n, bool first, A
   for (; i < n; ++i) {
     Acc v = static_cast<Acc>(src[i]);
     if constexpr (kWeighted) v = rounded(v * w);
-    a[i] = first ? v : a[i] + v;
+    a[i] = (first ? Acc(0) : a[i]) + v;
   }
 }
 
@@ -276,6 +276,12 @@ void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tenso
       "int64 slot_to_row [T, K >= 1], got ", y.sizes(), " ", y.scalar_type(), ", ",
       slot_to_row.sizes(), " ", slot_to_row.scalar_type(), ", ", out.sizes(), " ",
       out.scalar_type());
+  const at::Tensor rows_c = slot_to_row.contiguous();
+  const int64_t* rp = rows_c.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows_c.numel(); ++i) {
+    TORCH_CHECK(rp[i] >= -1 && rp[i] < y.size(0), "combine_cpu: slot_to_row must hold rows of "
+                "y in [-1, ", y.size(0), "), got ", rp[i], " at ", i);
+  }
   by_dtype(y.scalar_type(), "combine_cpu", [&](auto t, auto a) {
     using T = decltype(t);
     using Acc = decltype(a);
