@@ -1905,6 +1905,18 @@ class TestNativeBF16GEMM(TestCase):
             bits = x[~nan].view(torch.int16), y[~nan].view(torch.int16)
             return torch.equal(nan, y.isnan()) and torch.equal(*bits)
 
+        def agree(op, args, shape, **where):  # on codes, the bits of the call on bf16
+            want = torch.empty(shape, dtype=BF16)
+            bf16 = [
+                t.to(BF16) if getattr(t, "dtype", None) == torch.float8_e4m3fn else t for t in args
+            ]
+            self.assertTrue(op(*bf16, want))
+            for threads in (1, 2):
+                with intra_op_threads(threads), self.subTest(threads=threads, **where):
+                    got = torch.full(shape, 7.0, dtype=BF16)
+                    self.assertTrue(op(*args, got))
+                    self.assertTrue(same(got, want))
+
         bk = 128
         for sizes, k, n in (([3, 0, 17], 300, 70), ([300, 1], 16384, 65), ([0, 40, 9], 128, 300)):
             offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
@@ -1914,39 +1926,16 @@ class TestNativeBF16GEMM(TestCase):
             cs = torch.rand(e, ks, -(-n // 64) * 64, generator=g) + 0.5
             for layout in ("row", "col"):
                 b = codes(e, k, n) if layout == "row" else codes(e, n, k).transpose(1, 2)
-                want = torch.empty(m, n, dtype=BF16)
-                self.assertTrue(
-                    mod.fp8_block_scaled_mm(a.to(BF16), b.to(BF16), rs, cs, offs, bk, want)
-                )
-                for threads in (1, 2):
-                    with (
-                        intra_op_threads(threads),
-                        self.subTest(sizes=sizes, k=k, b=layout, threads=threads),
-                    ):
-                        got = torch.full((m, n), 7.0, dtype=BF16)
-                        self.assertTrue(mod.fp8_block_scaled_mm(a, b, rs, cs, offs, bk, got))
-                        self.assertTrue(same(got, want))
+                args = (a, b, rs, cs, offs, bk)
+                agree(mod.fp8_block_scaled_mm, args, (m, n), sizes=sizes, k=k, b=layout)
             # the weight gradient: out[g] = a[g's rows]^T @ dy[g's rows] in jagged blocks
             if k > 1024:
                 continue
-            dy = codes(m, n)
             nb = sum(-(-s // bk) for s in sizes)
-            rs_w, cs_w = (
-                torch.rand(nb, k, generator=g),
-                torch.rand(nb, -(-n // 64) * 64, generator=g),
-            )
-            want = torch.empty(e, k, n, dtype=BF16)
-            self.assertTrue(
-                mod.fp8_block_scaled_mm_wgrad(a.to(BF16), dy.to(BF16), rs_w, cs_w, offs, bk, want)
-            )
-            for threads in (1, 2):
-                with (
-                    intra_op_threads(threads),
-                    self.subTest(sizes=sizes, k=k, wgrad=True, threads=threads),
-                ):
-                    got = torch.full((e, k, n), 7.0, dtype=BF16)
-                    self.assertTrue(mod.fp8_block_scaled_mm_wgrad(a, dy, rs_w, cs_w, offs, bk, got))
-                    self.assertTrue(same(got, want))
+            rs_w = torch.rand(nb, k, generator=g)
+            cs_w = torch.rand(nb, -(-n // 64) * 64, generator=g)
+            args = (a, codes(m, n), rs_w, cs_w, offs, bk)
+            agree(mod.fp8_block_scaled_mm_wgrad, args, (e, k, n), sizes=sizes, k=k, wgrad=True)
 
     @parametrize("a_layout", ["row", "col"])
     @parametrize("b_layout", ["row", "col"])
