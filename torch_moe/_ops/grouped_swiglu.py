@@ -239,7 +239,8 @@ def _check_maps(
     for name, t in (("row_to_slot", row_to_slot), ("slot_to_row", slot_to_row)):
         if t.device != x.device:
             raise ValueError(f"grouped_swiglu: {name} is on {t.device} but x is on {x.device}")
-    check_map_values("grouped_swiglu", row_to_slot, slot_to_row, row_to_slot.shape[0])
+    check_map_values("grouped_swiglu", "row_to_slot", row_to_slot, slot_to_row.numel())
+    check_map_values("grouped_swiglu", "slot_to_row", slot_to_row, row_to_slot.shape[0])
     return row_to_slot.shape[0]
 
 

@@ -227,22 +227,18 @@ def _check_maps(
         )
 
 
-def check_map_values(name: str, row_to_slot: Tensor, slot_to_row: Tensor, rows: int) -> None:
-    """The maps' values, where they are plain CPU tensors (a device's are not read back, a
-    traced one's not known): row_to_slot's slots in [-1, T*K), slot_to_row's rows in [-1,
-    rows). A gather past them reads outside its source: an IndexError that names neither,
-    or, in a native kernel, memory past it."""
-    for arg, t, end in (
-        ("row_to_slot", row_to_slot, slot_to_row.numel()),
-        ("slot_to_row", slot_to_row, rows),
-    ):
-        if type(t) is not Tensor or t.device.type != "cpu" or t.numel() == 0:
-            continue
-        low, high = (int(v) for v in torch.aminmax(t))
-        if low < -1 or high >= end:
-            raise ValueError(
-                f"{name}: {arg} must hold values in [-1, {end}), got {low if low < -1 else high}"
-            )
+def check_map_values(name: str, arg: str, t: Tensor, end: int) -> None:
+    """A map's values in [-1, end), where it is a plain CPU tensor (a device's are not read
+    back, a traced one's not known): the rows or slots a gather reads through it. A gather
+    past them reads outside its source: an IndexError that names neither, or, in a native
+    kernel, memory past it."""
+    if type(t) is not Tensor or t.device.type != "cpu" or t.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(t))
+    if low < -1 or high >= end:
+        raise ValueError(
+            f"{name}: {arg} must hold values in [-1, {end}), got {low if low < -1 else high}"
+        )
 
 
 def _check_rows(name: str, arg: str, t: Tensor, rows: int | None) -> None:
@@ -429,7 +425,7 @@ def _permute_cpu(
         return permute_rows_reference(x, row_to_slot, slot_to_row, weights)
     _check_maps("permute", row_to_slot, slot_to_row, weights)
     _check_rows("permute", "x", x, slot_to_row.shape[0])
-    check_map_values("permute", row_to_slot, slot_to_row, row_to_slot.shape[0])
+    check_map_values("permute", "row_to_slot", row_to_slot, x.shape[0] * slot_to_row.shape[1])
     return _permute_rows(x, row_to_slot, slot_to_row, weights)
 
 
@@ -467,7 +463,7 @@ def _unpermute_cpu(
         return unpermute_rows_reference(y, slot_to_row, row_to_slot, weights)
     _check_maps("unpermute", row_to_slot, slot_to_row, weights)
     _check_rows("unpermute", "y", y, row_to_slot.shape[0])
-    check_map_values("unpermute", row_to_slot, slot_to_row, y.shape[0])
+    check_map_values("unpermute", "slot_to_row", slot_to_row, y.shape[0])
     return _unpermute_rows(y, slot_to_row, row_to_slot, weights)
 
 
