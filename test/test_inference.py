@@ -68,6 +68,24 @@ class TestInference(TestCase):
             with torch.no_grad():  # no_grad takes the same path
                 self.assertEqual(moe(x), ref, **EXACT)
 
+    @parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_equals_training_forward_in_half_dtypes(self, dtype):
+        """The same in a bf16 / fp16 layer, whose training forward takes the router's
+        logits from its op (the native kernels' sums on a CPU): the inference path once
+        took F.linear on fp32 copies instead, 1e-6 off, and routed near-ties (and rounded
+        the weights) differently in 9 of 40 fp16 seeds here."""
+        for seed in range(12):
+            torch.manual_seed(seed)
+            moe = MoE(64, 96, 10, 5, dtype=dtype, route_norm=True).eval()
+            with torch.no_grad():
+                for p in moe.parameters():
+                    p.mul_(10.0**0.5)
+            x = torch.randn(17, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+            with torch.enable_grad():
+                ref = moe(x)
+            with torch.inference_mode():
+                self.assertEqual(moe(x), ref, **EXACT, msg=f"seed {seed}")
+
     def test_nothing_saved_no_stats(self):
         moe = _layer(shared_hidden_dim=8, aux_loss="switch", aux_loss_coeff=0.1)
         moe.train()

@@ -311,6 +311,18 @@ class TestTopKRoute(TestCase):
         with self.assertRaisesRegex(RuntimeError, "^" + re.escape(msg)):
             topk_route(x, 2)
 
+    def test_nonfinite_expert_bias_raises(self):
+        # a NaN bias entry would sort its expert into every row's top k (a differential
+        # fuzz found it taken silently); inf likewise, -inf would bar it everywhere
+        for bad in [math.nan, math.inf, -math.inf]:
+            bias = torch.zeros(8)
+            bias[3] = bad
+            for score_func in ("sigmoid", "softmax"):
+                with self.assertRaisesRegex(
+                    RuntimeError, "^topk_route: expert_bias must be finite"
+                ):
+                    topk_route(torch.randn(4, 8), 2, score_func=score_func, expert_bias=bias)
+
     @parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
     @parametrize("experts", [3, 8, 64, 257])
     def test_value_check_at_every_position(self, dtype, experts):
@@ -323,15 +335,15 @@ class TestTopKRoute(TestCase):
                 x[4, pos] = bad
                 for logits in [x, x.t().contiguous().t()]:
                     with self.assertRaisesRegex(RuntimeError, "logits contain NaN or \\+inf"):
-                        _routing._check_values(logits)
+                        _routing._check_values(logits, None)
             x = torch.randn(6, experts, generator=g).to(dtype)
             x[2] = -math.inf
             with self.assertRaisesRegex(RuntimeError, "a row with no finite logit"):
-                _routing._check_values(x)
+                _routing._check_values(x, None)
             x[2, pos] = -1e4  # one finite logit left: allowed
             x[3, :pos] = -math.inf
-            _routing._check_values(x)
-        _routing._check_values(torch.empty(0, experts, dtype=dtype))  # no tokens
+            _routing._check_values(x, None)
+        _routing._check_values(torch.empty(0, experts, dtype=dtype), None)  # no tokens
 
 
 instantiate_parametrized_tests(TestTopKRoute)

@@ -28,8 +28,8 @@ NB: expert ids come from ``torch.topk`` (sorted, descending), so ties break exac
 as in the HF transformers / DeepSeek reference implementations that also call topk.
 
 NaN/Inf rule: logits may hold ``-inf`` (an expert that may not be chosen) but no NaN
-and no ``+inf``, and every row needs at least one finite logit; otherwise the op raises
-a RuntimeError. The check is ``torch._assert_async``: immediate on CPU, without a
+and no ``+inf``, and every row needs at least one finite logit; ``expert_bias`` must be
+finite; otherwise the op raises a RuntimeError. The check is ``torch._assert_async``: immediate on CPU, without a
 host sync on CUDA (where it surfaces as a device-side assert).
 
 Gradients flow to ``logits`` through the weights only (ids and counts are integer
@@ -126,7 +126,7 @@ def _check_inputs(
         )
 
 
-def _check_values(logits: Tensor) -> None:
+def _check_values(logits: Tensor, expert_bias: Tensor | None) -> None:
     # a row's max is finite exactly when the row holds no NaN (amax propagates it), no
     # +inf and some finite value: one reduction, not three passes over [T, E]
     ok = torch.isfinite(logits.amax(dim=-1)).all()
@@ -135,6 +135,10 @@ def _check_values(logits: Tensor) -> None:
         "topk_route: logits contain NaN or +inf, or a row with no finite logit "
         "(-inf is allowed to exclude an expert)",
     )
+    if expert_bias is not None:  # a NaN or inf bias would pin (or bar) its expert everywhere
+        torch._assert_async(
+            torch.isfinite(expert_bias).all(), "topk_route: expert_bias must be finite"
+        )
 
 
 def _chosen_scores(
@@ -175,7 +179,7 @@ def topk_route_reference(
         group_score,
         route_norm_eps,
     )
-    _check_values(logits)
+    _check_values(logits, expert_bias)
     num_tokens, num_experts = logits.shape
     lf = logits.to(acc_dtype(logits.dtype))
     probs_TE: Tensor | None = None

@@ -1040,11 +1040,8 @@ class MoE(nn.Module):
             x = x.to(self.experts.w13.dtype)
         x_TD = x.reshape(-1, self.dim)
         r = self.router
-        acc = acc_dtype(x_TD.dtype)
-        with torch.autocast(x_TD.device.type, enabled=False):
-            logits = F.linear(
-                x_TD.to(acc), r.weight.to(acc), None if r.bias is None else r.bias.to(acc)
-            )
+        # the training forward's logits (its op: the native kernels' sums in half dtypes)
+        logits = ops.router_logits(x_TD, r.weight, r.bias)
         weights_TK, ids_TK, _ = ops.topk_route(
             logits,
             self.top_k,
