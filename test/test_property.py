@@ -21,6 +21,7 @@ import tolerances
 import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
+from test_cpu_probe import intra_op_threads
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 import torch_moe  # noqa: F401
@@ -307,15 +308,12 @@ def _same_bits(test, got, want, what):
 
 
 def _both_thread_counts(fn):
-    prev = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    """fn() on one intra-op thread, then on two."""
+    outs = []
+    for n in (1, 2):
+        with intra_op_threads(n):
             outs.append(fn())
-        return outs
-    finally:
-        torch.set_num_threads(prev)
+    return outs
 
 
 class TestFP8KernelProperties(TestCase):

@@ -29,8 +29,9 @@ as in the HF transformers / DeepSeek reference implementations that also call to
 
 NaN/Inf rule: logits may hold ``-inf`` (an expert that may not be chosen) but no NaN
 and no ``+inf``, and every row needs at least one finite logit; ``expert_bias`` must be
-finite; otherwise the op raises a RuntimeError. The check is ``torch._assert_async``: immediate on CPU, without a
-host sync on CUDA (where it surfaces as a device-side assert).
+finite; otherwise the op raises a RuntimeError. The check is ``torch._assert_async``:
+immediate on CPU, without a host sync on CUDA (where it surfaces as a device-side
+assert).
 
 Gradients flow to ``logits`` through the weights only (ids and counts are integer
 outputs); the backward is analytic (``torch_moe::topk_route_backward``), so it needs
