@@ -127,24 +127,25 @@ def _peak_allocated(fn):
     return peak
 
 
-def _measured_and_predicted_peak(T, D, Fh, E, K, **kw):
+def _measured_and_predicted_peak(T, D, Fh, E, K, probe=None, **kw):
     """A uniformly routed layer's peak bytes of forward + backward (weights, input and
     output gradient included; the allocator's events after one warm-up step) and the
-    memory model's, with the kernels' chunking at this process's threads. The grouped
-    GEMMs each split over the threads (``threads_mm=aten``): the model leaves out oneDNN's
-    own scratch (0.1-0.8 MiB a GEMM), which the threaded kernel holds once per thread;
-    at these small sizes that is 5-10% of the peak, at the benchmark's well under 1%."""
+    memory model's, with the kernels' chunking at this process's threads and both under
+    the same forced probe decisions (``probe``). By default the grouped GEMMs each split
+    over the threads (``threads_mm=aten``): the model leaves out oneDNN's own scratch
+    (0.1-0.8 MiB a GEMM), which the threaded kernel holds once per thread; at these small
+    sizes that is 5-10% of the peak, at the benchmark's well under 1%."""
     moe, x = _uniform_layer(T, D, Fh, E, K, **kw)
     grad = torch.randn(T, D, dtype=torch.bfloat16)
-    with _cpu_probe.force(threads_mm="aten"):
+    with _cpu_probe.force(probe or {"threads_mm": "aten"}):
         moe(x).backward(grad)
         moe.zero_grad(set_to_none=True)  # free the last step's gradients before profiling
         x.grad = None
         resident = sum(p.numel() * p.element_size() for p in moe.parameters()) + 2 * T * D * 2
         measured = resident + _peak_allocated(lambda: moe(x).backward(grad))
-    w = MoEWorkload(T, D, Fh, E, K, **kw)
-    groups = [T * K / E] * E
-    predicted = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
+        w = MoEWorkload(T, D, Fh, E, K, **kw)
+        groups = [T * K / E] * E
+        predicted = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
     return measured, predicted["peak"]
 
 
@@ -518,6 +519,21 @@ class TestMemory(TestCase):
         # with large weights (their gradients, computed in the weights' layout: 13% under
         # the peak of a gradient that AccumulateGrad copies transposed)
         measured, predicted = _measured_and_predicted_peak(*shape, precision=precision)
+        self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
+
+    @parametrize("shape", [(512, 256, 128, 64, 4), (2048, 256, 256, 16, 2)])
+    def test_peak_memory_of_mx_pieces(self, shape):
+        # MX's GEMMs by the native kernels' pieces (the threaded kernel's native GEMM
+        # forced: each piece dequantized in the threads' scratch, no bf16 copies of the
+        # operands) against the allocator's peak, within the benchmark's 5%
+        from torch_moe.perf._memory import _mx_pieces_here
+
+        T, D, Fh, E, K = shape
+        probe = {"threads_mm": "native", "gemm_kernel": "native"}
+        with _cpu_probe.force(probe):
+            if not _mx_pieces_here(E, T * K, D, 2 * Fh, False):
+                self.skipTest("MX's pieces do not run here (no native bf16 GEMM)")
+        measured, predicted = _measured_and_predicted_peak(*shape, probe=probe, precision="mxfp8")
         self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
 
     @parametrize("path", ["loop", "whole"])

@@ -233,7 +233,8 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         """MX operands with a bf16 output: every dequantized element is a bf16 value, and
         the CPU kernels run the bf16 grouped GEMMs on them (the whole-operand form in bf16,
         bit for bit), where this CPU multiplies bf16 natively; the fp32 form otherwise and
-        for an fp32 output."""
+        for an fp32 output. (Here by bf16 copies of the operands: the pieces that the
+        native GEMM's route converts in cache instead are the next test's.)"""
         from unittest import mock
 
         r = RECIPES["mxfp8"]
@@ -269,6 +270,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                     # (the bits rarely tell bf16 sums from fp32 ones once rounded to bf16:
                     # the GEMMs' operand dtypes say which form ran)
                     with (
+                        mock.patch.object(S, "_mx_pieces", lambda *args: False),
                         mock.patch.object(S.Q, "_fp8_kernels", kern),
                         mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
                         mock.patch.object(S, "grouped_mm", wraps=S.grouped_mm) as mm,
@@ -291,7 +293,10 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         if native and mod is not None and S.Q.native_fp8_conversions():  # the kernel wrote
             # the bf16 operands itself
             spy = mock.MagicMock(wraps=mod)
-            with mock.patch.object(S.Q, "_fp8_kernels", lambda t: spy):
+            with (
+                mock.patch.object(S, "_mx_pieces", lambda *args: False),
+                mock.patch.object(S.Q, "_fp8_kernels", lambda t: spy),
+            ):
                 ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
                 ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, 32, bf)
             outs = [c.args[-1].dtype for c in spy.fp8_dequantize_scaled.call_args_list]
@@ -303,6 +308,85 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         self.assertFalse(S._mx_in_bf16(sa8, sb8, bf))
         self.assertFalse(S._mx_in_bf16(sa, sb8, bf))  # one operand MX: the other is not exact
         self.assertFalse(S._mx_in_bf16(sa8, sb, bf))
+
+    def test_mx_pieces_in_the_native_gemm(self):
+        """Where ``grouped_mm`` multiplies the dequantized bf16 operands by the threaded
+        kernel's native GEMM (the probe forced so), MX's GEMMs convert each piece of the
+        codes times its scales as the GEMM takes it (``fp8_mx_mm`` / ``_wgrad``: no bf16
+        copies of the operands): bit for bit the copies' ``grouped_mm`` /
+        ``grouped_mm_wgrad``, with experts row- and column-major, empty groups, rows past
+        the last group, a group over the kernel's piece of rows (1100 at K = 2048), a NaN
+        scale (E8M0 255) and scales whose products overflow, on one and two threads; the
+        kernel refuses operands it does not take, leaving the output as it was."""
+        from unittest import mock
+
+        from torch_moe._ops import _cpu_probe, _native
+
+        bf = torch.bfloat16
+        if not S.bf16_gemms_native() or not S.native_gemm_ready(bf):
+            self.skipTest("no native bf16 GEMM here")
+        mod = _native.kernels()
+        r = RECIPES["mxfp8"]
+        gen = torch.Generator().manual_seed(21)
+        cases = ((make_offs([7, 0, 90, 1, 33]), 256, 96), (make_offs([3, 1100, 0]), 2048, 40))
+        for offs, k, n in cases:
+            E, m = offs.shape[0], int(offs[-1]) + 3
+            x = torch.randn(m, k, generator=gen) * torch.rand(1, k, generator=gen).mul(20).exp2()
+            dy = torch.randn(m, n, generator=gen)
+            qx, sx = S.quantize_wgrad_operand(x, offs, r.wgrad.lhs)
+            qdy, sdy = S.quantize_wgrad_operand(dy, offs, r.wgrad.rhs)
+            sx[1, 5], sdy[0, 3] = 255, 254  # a NaN scale; 2^127: products past fp32
+            for cols in (False, True):
+                w = torch.randn(E, k, n, generator=gen)
+                if cols:
+                    w = w.transpose(1, 2).contiguous().transpose(1, 2)
+                qa, sa = S.quantize_lhs(x, r.forward.lhs)
+                qb, sb = S.quantize_rhs(w, r.forward.rhs)
+                sa[2, 1], sb[0, 1, 2] = 255, 254
+                a_h, b_h = (S._dequantize_operands(qa, qb, sa, sb, 32, 1)[i].to(bf) for i in (0, 1))
+                x_h = S._dequantize_wgrad_operand(qx, sx, offs, 32).to(bf)
+                dy_h = S._dequantize_wgrad_operand(qdy, sdy, offs, 32).to(bf)
+                for threads in (1, 2):
+                    msg = f"k={k} cols={cols} threads={threads}"
+                    spy = mock.MagicMock(wraps=mod)
+                    with (
+                        intra_op_threads(threads),
+                        _cpu_probe.force(threads_mm="native", gemm_kernel="native"),
+                    ):
+                        want = S.grouped_mm(a_h, b_h, offs)
+                        want_w = S.grouped_mm_wgrad(x_h, dy_h, offs)
+                        with mock.patch.object(S._native, "kernels", lambda s=spy: s):
+                            got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
+                            got_w = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, 32, bf)
+                    self.assertTrue(spy.fp8_mx_mm.called and spy.fp8_mx_mm_wgrad.called, msg)
+                    self.assertTrue(got.isnan().any() and got_w.isnan().any(), msg)
+                    self.assertEqual(got, want, atol=0, rtol=0, equal_nan=True, msg=msg)
+                    self.assertEqual(got_w, want_w, atol=0, rtol=0, equal_nan=True, msg=msg)
+        # what the kernels refuse: another dtype, scales of other sizes, an fp32 output
+        offs = make_offs([4, 4])
+        qa, qb = (
+            torch.zeros(8, 64, dtype=torch.float8_e4m3fn),
+            torch.zeros(2, 64, 16, dtype=torch.float8_e4m3fn),
+        )
+        sa, sb = torch.ones(8, 2), torch.ones(2, 2, 16)
+        for args in (
+            (qa.to(bf), qb, sa, sb, torch.empty(8, 16, dtype=bf)),
+            (qa, qb, sa[:, :1], sb, torch.empty(8, 16, dtype=bf)),
+            (qa, qb, sa, sb[:, :, :8], torch.empty(8, 16, dtype=bf)),
+            (qa, qb, sa, sb, torch.empty(8, 16)),
+        ):
+            out = args[-1].fill_(7)
+            self.assertFalse(mod.fp8_mx_mm(*args[:4], offs, 32, out))
+            self.assertTrue(bool((out == 7).all()))
+        w_out = torch.full((2, 64, 16), 7.0, dtype=bf)
+        qy = torch.zeros(8, 16, dtype=torch.float8_e4m3fn)
+        self.assertFalse(
+            mod.fp8_mx_mm_wgrad(qa, qy, torch.ones(1, 64), torch.ones(1, 16), offs, 4, w_out)
+        )
+        self.assertFalse(
+            mod.fp8_mx_mm_wgrad(qa, qy, torch.ones(2, 64), torch.ones(2, 8), offs, 4, w_out)
+        )
+        self.assertTrue(bool((w_out == 7).all()))
 
     def test_codes_multiply_in_bf16_where_native(self):
         """Scales constant along the reduction (one K block: rowwise, tensorwise, blockwise

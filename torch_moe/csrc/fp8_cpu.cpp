@@ -11,6 +11,10 @@
 //       e4m3 codes themselves (each piece converted as the GEMM takes it) or bf16
 //   fp8_block_scaled_mm_wgrad(a, b, row_scale, col_scale, offs, block, out) -> bool
 //       its weight gradient over jagged blocks of rows
+//   fp8_mx_mm(a, b, row_scale, col_scale, offs, block_k, out) -> bool
+//   fp8_mx_mm_wgrad(a, b, row_scale, col_scale, offs, block, out) -> bool
+//       MX's grouped GEMM and weight gradient: each piece of the codes times its blocks'
+//       scales into bf16 as the GEMM takes it, then the unscaled native bf16 GEMM
 //   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32 / bf16)
 //       out = q.float() * scale[r / block_rows (or index[r]), c / block]   (dequantizers)
 //   fp8_quantize_rows(x [R, C] fp32 / bf16 / fp16, block_rows, block, q [R, C] e4m3fn,
@@ -455,6 +459,28 @@ inline void store16(float* o, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(o, 
 inline void store16(uint16_t* o, __mmask16 k, __m512 v) {
   _mm256_mask_storeu_epi16(o, k, round16_bf16(v));
 }
+
+// One row of `cols` codes s times their scales into o, fp32 or rounded to bf16 (store16):
+// column j's scale srow[j] where bc is 1, else its block's srow[(j / bc) * sstride]
+// (blocks of bc columns from column 0). 32 codes a step (Bf16Codes), each product one
+// fp32 multiplication (ATen's product's bits).
+template <class Out>
+inline void dequantize_row(const Bf16Codes& codes, const uint8_t* s, int64_t cols,
+                           const float* srow, int64_t bc, int64_t sstride, Out* o) {
+  for (int64_t j0 = 0; j0 < cols; j0 += bc == 1 ? cols : bc) {
+    const int64_t j1 = bc == 1 ? cols : std::min(cols, j0 + bc);
+    const __m512 f = _mm512_set1_ps(srow[bc == 1 ? 0 : (j0 / bc) * sstride]);
+    for (int64_t j = j0; j < j1; j += 32) {
+      const __m512i v = codes(s + j, j1 - j);
+      for (int64_t h = 0; h < 2 && j + 16 * h < j1; ++h) {  // its two halves of 16
+        const int64_t c = j + 16 * h;
+        const __mmask16 k = static_cast<__mmask16>(Bf16Codes::first(j1 - c));
+        const __m512 sc = bc == 1 ? _mm512_maskz_loadu_ps(k, srow + c) : f;
+        store16(o + c, k, _mm512_mul_ps(h == 0 ? bf16_lo16(v) : bf16_hi16(v), sc));
+      }
+    }
+  }
+}
 #endif
 
 // 8 products into o: fp32, or rounded to bf16; and one.
@@ -508,20 +534,7 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
       Out* o = op + r * ldo;
       const float* srow = sp + (idx != nullptr ? idx[r] : r / br) * nc;
 #if defined(CPU_CAPABILITY_AVX512)
-      // 32 codes a step (Bf16Codes), times a scale per column or their block's broadcast
-      for (int64_t j0 = 0; j0 < cols; j0 += bc == 1 ? cols : bc) {
-        const int64_t j1 = bc == 1 ? cols : std::min(cols, j0 + bc);
-        const __m512 f = _mm512_set1_ps(srow[j0 / bc]);
-        for (int64_t j = j0; j < j1; j += 32) {
-          const __m512i v = bf16_codes(s + j, j1 - j);
-          for (int64_t h = 0; h < 2 && j + 16 * h < j1; ++h) {  // its two halves of 16
-            const int64_t c = j + 16 * h;
-            const __mmask16 k = static_cast<__mmask16>(Bf16Codes::first(j1 - c));
-            const __m512 sc = bc == 1 ? _mm512_maskz_loadu_ps(k, srow + c) : f;
-            store16(o + c, k, _mm512_mul_ps(h == 0 ? bf16_lo16(v) : bf16_hi16(v), sc));
-          }
-        }
-      }
+      dequantize_row(bf16_codes, s, cols, srow, bc, 1, o);
 #else
       if (bc == 1) {  // a scale per column: 8 of them a step
         int64_t j = 0;
@@ -833,6 +846,82 @@ void copy_codes(const at::Tensor& t, int64_t ld, int64_t r0, int64_t rows, int64
 // the piece's GEMM), so its copy stays within a few MB.
 constexpr int64_t kCodeRowsBytes = int64_t{4} << 20;
 
+// The rows of a's pieces where a holds codes of K columns (kCodeRowsBytes as bf16).
+int64_t code_rows(int64_t K) {
+  return std::max<int64_t>(64, kCodeRowsBytes / (2 * std::max<int64_t>(K, 1)));
+}
+
+// A forward / dgrad piece: rows [start, start + rows) of group g, output columns [c0, c1).
+struct RowPiece {
+  int64_t g, start, rows, c0, c1;
+};
+
+// Each group's rows (ends) in pieces of at most `most` rows by 256 output columns.
+std::vector<RowPiece> row_pieces(const int32_t* ends, int64_t E, int64_t most, int64_t N) {
+  constexpr int64_t kCols = 256;
+  std::vector<RowPiece> pieces;
+  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
+    for (int64_t r0 = start; r0 < ends[g]; r0 += most) {
+      const int64_t rows = std::min<int64_t>(most, ends[g] - r0);
+      for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+        pieces.push_back({g, r0, rows, c0, std::min(N, c0 + kCols)});
+      }
+    }
+  }
+  return pieces;
+}
+
+// The weight-gradient kernels' operands: a [M, K] and b [M, N] row-major, out [E, K, N],
+// row_scale [NB, K] and col_scale [NB, cols] (at least cols where not `exact`) contiguous
+// fp32.
+bool wgrad_operands(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
+                    const at::Tensor& col_scale, const at::Tensor& out, int64_t E, int64_t cols,
+                    bool exact) {
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  return b.size(0) == M && out.size(0) == E && out.size(1) == K && out.size(2) == N &&
+         (a.stride(1) == 1 || K <= 1) && (b.stride(1) == 1 || N <= 1) &&
+         row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
+         row_scale.dim() == 2 && row_scale.size(1) == K &&
+         col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
+         col_scale.dim() == 2 && (exact ? col_scale.size(1) == cols : col_scale.size(1) >= cols) &&
+         col_scale.size(0) == row_scale.size(0);
+}
+
+// Each group's first row of jagged block scales (quantize_jagged's layout: ceil(rows /
+// block) block rows a group, in order) into first; false where they pass `rows` rows.
+bool first_block_rows(const int32_t* ends, int64_t E, int64_t block, int64_t rows,
+                      std::vector<int64_t>& first) {
+  first.assign(E, 0);
+  for (int64_t g = 0, prev = 0, blocks = 0; g < E; prev = ends[g], ++g) {
+    first[g] = blocks;
+    blocks += (ends[g] - prev + block - 1) / block;
+    if (blocks > rows) return false;
+  }
+  return true;
+}
+
+// A weight gradient's piece: group g's rows [start, start + rows), output rows [k0, k1).
+struct KPiece {
+  int64_t g, start, rows, k0, k1;
+};
+
+// Each non-empty group's output [K, N] in pieces of 256 rows; out[g] of an empty group
+// zeroed.
+std::vector<KPiece> k_pieces(const int32_t* ends, int64_t E, int64_t K, at::Tensor& out) {
+  constexpr int64_t kRows = 256;
+  std::vector<KPiece> pieces;
+  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
+    if (ends[g] == start) {
+      out[g].zero_();
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += kRows) {
+      pieces.push_back({g, start, ends[g] - start, k0, std::min(K, k0 + kRows)});
+    }
+  }
+  return pieces;
+}
+
 // out [M, N] (bf16 or fp32) = the block-scaled grouped GEMM of the codes as bf16 values: the
 // rows of group g (offs' ends) times b[g] [K, N], each k block of block_k's fp32 sums
 // times row_scale[m, kb] * col_scale[g, kb, n] (torch_moe_cpu::BlockScales), the blocks
@@ -865,27 +954,13 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
   const bool codes = a.scalar_type() == at::kFloat8_e4m3fn;
-  struct Piece {
-    int64_t g, start, rows, c0, c1;
-  };
-  constexpr int64_t kCols = 256;
-  const int64_t most = codes ? std::max<int64_t>(64, kCodeRowsBytes / (2 * std::max<int64_t>(K, 1)))
-                             : std::max<int64_t>(M, 1);  // rows a piece
-  std::vector<Piece> pieces;
-  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
-    for (int64_t r0 = start; r0 < ends[g]; r0 += most) {
-      const int64_t rows = std::min<int64_t>(most, ends[g] - r0);
-      for (int64_t c0 = 0; c0 < N; c0 += kCols) {
-        pieces.push_back({g, r0, rows, c0, std::min(N, c0 + kCols)});
-      }
-    }
-  }
+  const auto pieces = row_pieces(ends, E, codes ? code_rows(K) : std::max<int64_t>(M, 1), N);
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(2);
   const uint64_t call = next_call();
   const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
-  run_pieces(pieces, "fp8_block_scaled_mm", [&](const Piece& p) {
+  run_pieces(pieces, "fp8_block_scaled_mm", [&](const RowPiece& p) {
     auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, p.c1 - p.c0);
     const torch_moe_cpu::BlockScales sc{rs + p.start * KS, KS, 1,
                                         cs + (p.g * KS) * cs_rows + p.c0, cs_rows, block_k / 2};
@@ -938,42 +1013,18 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
   }
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1), E = offs.dim() == 1 ? offs.size(0) : -1;
   const int64_t Np = (N + 63) / 64 * 64;
-  if (b.size(0) != M || out.size(0) != E || out.size(1) != K || out.size(2) != N ||
-      (a.stride(1) != 1 && K > 1) || (b.stride(1) != 1 && N > 1) ||
-      row_scale.scalar_type() != at::kFloat || !row_scale.is_contiguous() ||
-      row_scale.dim() != 2 || row_scale.size(1) != K || col_scale.scalar_type() != at::kFloat ||
-      !col_scale.is_contiguous() || col_scale.dim() != 2 || col_scale.size(1) < Np ||
-      col_scale.size(0) != row_scale.size(0)) {  // (offs: group_ends)
-    return false;
-  }
+  if (!wgrad_operands(a, b, row_scale, col_scale, out, E, Np, false)) return false;
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
-  std::vector<int64_t> first(E);  // each group's first block row
-  for (int64_t g = 0, prev = 0, blocks = 0; g < E; prev = ends[g], ++g) {
-    first[g] = blocks;
-    blocks += (ends[g] - prev + block - 1) / block;
-    if (blocks > row_scale.size(0)) return false;
-  }
+  std::vector<int64_t> first;
+  if (!first_block_rows(ends, E, block, row_scale.size(0), first)) return false;
   const bool codes = a.scalar_type() == at::kFloat8_e4m3fn;
-  struct Piece {
-    int64_t g, start, rows, k0, k1;
-  };
-  constexpr int64_t kRows = 256;
-  std::vector<Piece> pieces;
-  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
-    if (ends[g] == start) {
-      out[g].zero_();
-      continue;
-    }
-    for (int64_t k0 = 0; k0 < K; k0 += kRows) {
-      pieces.push_back({g, start, ends[g] - start, k0, std::min(K, k0 + kRows)});
-    }
-  }
+  const auto pieces = k_pieces(ends, E, K, out);
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(1);
   const uint64_t call = next_call();
-  run_pieces(pieces, "fp8_block_scaled_mm_wgrad", [&](const Piece& p) {
+  run_pieces(pieces, "fp8_block_scaled_mm_wgrad", [&](const KPiece& p) {
     auto o = out[p.g].narrow(0, p.k0, p.k1 - p.k0);
     // row k of this piece, block kb: row_scale[first + kb, k0 + k]
     const torch_moe_cpu::BlockScales sc{rs + first[p.g] * K + p.k0, 1, K,
@@ -994,6 +1045,150 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
     return torch_moe_cpu::bf16_gemm_scaled(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}), &sc);
   });
   return true;
+}
+
+// MX operands in the native GEMM: the e4m3 codes of each piece times their blocks' fp32
+// scales (MX's E8M0 powers of two; dequantize_row's products, rounded to bf16 as
+// fp8_dequantize_scaled's bf16 copy rounds them: exact but where they over- or
+// underflow) into the calling thread's scratch just before the piece's GEMM reads them,
+// then the unscaled bf16 GEMM (bf16_gemm: the grouped GEMM's own native kernel, AMX tiles
+// where they are on) into a bf16 output. The same products as dequantizing both operands
+// to bf16 copies and multiplying them by the threaded grouped GEMM's native pieces (its
+// pieces cut groups by output columns or weight-gradient rows, never the reduction, and
+// a sum's bits do not depend on the pieces), without the copies: each operand written in
+// full and read back by the GEMM, 6-7% of an mxfp8 layer step on the Zen 4 measured.
+
+// out [M, N] bf16: the rows of group g (offs' ends) times b[g] [K, N], a's element (m, k)
+// times row_scale[m, k / block_k] and b[g]'s (k, n) times col_scale[g, k / block_k, n];
+// rows past the last group zero. a [M, K] row-major and b [E, K, N] (each expert row- or
+// column-major) e4m3fn codes, row_scale [M, KS] and col_scale [E, KS, N] contiguous fp32,
+// KS = ceil(K / block_k). row_pieces' pieces (a's rows by code_rows) shared out over the
+// threads. False without touching out where the native GEMM does not run here (or the
+// build lacks AVX-512) or the operands are not these.
+bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
+               const at::Tensor& col_scale, const at::Tensor& offs, int64_t block_k,
+               at::Tensor& out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kFloat8_e4m3fn ||
+      b.scalar_type() != at::kFloat8_e4m3fn || a.dim() != 2 || b.dim() != 3 || out.dim() != 2 ||
+      out.scalar_type() != at::kBFloat16 || !out.is_contiguous() || block_k < 1) {
+    return false;
+  }
+  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
+  const int64_t KS = (K + block_k - 1) / block_k;
+  if (b.size(1) != K || out.size(0) != M || out.size(1) != N || (a.stride(1) != 1 && K > 1) ||
+      (b.stride(2) != 1 && b.stride(1) != 1) || row_scale.scalar_type() != at::kFloat ||
+      !row_scale.is_contiguous() || row_scale.dim() != 2 || row_scale.size(0) != M ||
+      row_scale.size(1) != KS || col_scale.scalar_type() != at::kFloat ||
+      !col_scale.is_contiguous() || col_scale.dim() != 3 || col_scale.size(0) != E ||
+      col_scale.size(1) != KS || col_scale.size(2) != N || offs.dim() != 1 ||
+      offs.size(0) != E) {  // (offs' dtype, layout and values: group_ends)
+    return false;
+  }
+  const int32_t* ends = group_ends(offs, M);
+  if (ends == nullptr) return false;
+  static const Bf16Codes bf16_codes;
+  const auto pieces = row_pieces(ends, E, code_rows(K), N);
+  const float* rs = row_scale.const_data_ptr<float>();
+  const float* cs = col_scale.const_data_ptr<float>();
+  const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
+  const uint64_t call = next_call();
+  const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
+  run_pieces(pieces, "fp8_mx_mm", [&](const RowPiece& p) {
+    thread_local PieceCopy a_copy;
+    thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
+    uint16_t* ah = a_copy.get(call, p.start, p.rows, K, [&](uint16_t* d) {
+      for (int64_t r = 0; r < p.rows; ++r) {
+        const int64_t m = p.start + r;
+        dequantize_row(bf16_codes, ap + m * a.stride(0), K, rs + m * KS, block_k, 1, d + r * K);
+      }
+    });
+    const int64_t cols = p.c1 - p.c0;
+    uint16_t* bh = torch_moe_cpu::aligned_scratch(b_buf, K * cols);
+    const auto* bp = static_cast<const uint8_t*>(b[p.g].const_data_ptr());
+    const float* sg = cs + p.g * KS * N;  // b[g]'s scales [KS, N]
+    at::Tensor bv;
+    if (b_rows) {  // b[g]'s rows k, columns [c0, c1): a scale per column
+      for (int64_t k = 0; k < K; ++k) {
+        dequantize_row(bf16_codes, bp + k * b.stride(1) + p.c0, cols, sg + (k / block_k) * N + p.c0,
+                       1, 1, bh + k * cols);
+      }
+      bv = bf16_view(bh, {K, cols}, {cols, 1});
+    } else {  // b[g]'s columns n in [c0, c1), K codes each: a scale per k block
+      for (int64_t n = 0; n < cols; ++n) {
+        dequantize_row(bf16_codes, bp + (p.c0 + n) * b.stride(2), K, sg + p.c0 + n, block_k, N,
+                       bh + n * K);
+      }
+      bv = bf16_view(bh, {K, cols}, {1, K});
+    }
+    auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, cols);
+    return torch_moe_cpu::bf16_gemm(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv);
+  });
+  const int64_t end = E ? ends[E - 1] : 0;
+  if (end < M) out.narrow(0, end, M - end).zero_();
+  return true;
+#else
+  (void)a, (void)b, (void)row_scale, (void)col_scale, (void)offs, (void)block_k, (void)out;
+  return false;
+#endif
+}
+
+// out [E, K, N] bf16: the weight gradients of MX operands, out[g] = a[rows of g]^T @ b[rows
+// of g], each row's elements times its jagged block's scales (blocks of `block` rows from
+// the group's first row, the last one shorter: a's (m, k) times row_scale[its block row,
+// k], b's (m, n) times col_scale[its block row, n]); empty groups zero. a [M, K] and b [M,
+// N] row-major e4m3fn codes, row_scale [NB, K] and col_scale [NB, N] contiguous fp32, the
+// groups' block rows in order (quantize_jagged's layout: ceil(rows / block) each, NB at
+// least their sum). k_pieces' pieces shared out over the threads. False without touching
+// out where the native GEMM does not run here (or the build lacks AVX-512) or the
+// operands are not these.
+bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
+                     const at::Tensor& col_scale, const at::Tensor& offs, int64_t block,
+                     at::Tensor& out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kFloat8_e4m3fn ||
+      b.scalar_type() != at::kFloat8_e4m3fn || a.dim() != 2 || b.dim() != 2 || out.dim() != 3 ||
+      out.scalar_type() != at::kBFloat16 || !out.is_contiguous() || block < 1 || offs.dim() != 1) {
+    return false;
+  }
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1), E = offs.size(0);
+  if (!wgrad_operands(a, b, row_scale, col_scale, out, E, N, true)) return false;
+  const int32_t* ends = group_ends(offs, M);
+  if (ends == nullptr) return false;
+  std::vector<int64_t> first;
+  if (!first_block_rows(ends, E, block, row_scale.size(0), first)) return false;
+  static const Bf16Codes bf16_codes;
+  const auto pieces = k_pieces(ends, E, K, out);
+  const float* rs = row_scale.const_data_ptr<float>();
+  const float* cs = col_scale.const_data_ptr<float>();
+  const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
+  const auto* bp = static_cast<const uint8_t*>(b.const_data_ptr());
+  const uint64_t call = next_call();
+  run_pieces(pieces, "fp8_mx_mm_wgrad", [&](const KPiece& p) {
+    const auto block_row = [&](int64_t r) { return first[p.g] + r / block; };  // r: from start
+    thread_local PieceCopy b_copy;
+    thread_local std::vector<uint16_t> a_buf;  // each piece its own columns of a
+    uint16_t* bh = b_copy.get(call, p.start, p.rows, N, [&](uint16_t* d) {
+      for (int64_t r = 0; r < p.rows; ++r) {
+        dequantize_row(bf16_codes, bp + (p.start + r) * b.stride(0), N, cs + block_row(r) * N, 1,
+                       1, d + r * N);
+      }
+    });
+    const int64_t kw = p.k1 - p.k0;
+    uint16_t* ah = torch_moe_cpu::aligned_scratch(a_buf, p.rows * kw);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      dequantize_row(bf16_codes, ap + (p.start + r) * a.stride(0) + p.k0, kw,
+                     rs + block_row(r) * K + p.k0, 1, 1, ah + r * kw);
+    }
+    auto o = out[p.g].narrow(0, p.k0, kw);
+    const auto a_t = bf16_view(ah, {p.rows, kw}, {kw, 1}).t();
+    return torch_moe_cpu::bf16_gemm(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}));
+  });
+  return true;
+#else
+  (void)a, (void)b, (void)row_scale, (void)col_scale, (void)offs, (void)block, (void)out;
+  return false;
+#endif
 }
 
 #else  // no AVX2 vectors: every op refuses, the caller runs ATen
@@ -1019,6 +1214,14 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::T
                                const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {
   return false;
 }
+bool fp8_mx_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+               const at::Tensor&, int64_t, at::Tensor&) {
+  return false;
+}
+bool fp8_mx_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, int64_t, at::Tensor&) {
+  return false;
+}
 
 #endif
 
@@ -1037,6 +1240,12 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       "fp8_block_scaled_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale,"
       " Tensor offs, int block, Tensor(a!) out) -> bool");
   m.def(
+      "fp8_mx_mm(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
+      " int block_k, Tensor(a!) out) -> bool");
+  m.def(
+      "fp8_mx_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
+      " int block, Tensor(a!) out) -> bool");
+  m.def(
       "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
       " int rule=0) -> bool");
   m.def(
@@ -1049,6 +1258,8 @@ TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("fp8_to_float", &fp8_to_float);
   m.impl("fp8_block_scaled_mm", &fp8_block_scaled_mm);
   m.impl("fp8_block_scaled_mm_wgrad", &fp8_block_scaled_mm_wgrad);
+  m.impl("fp8_mx_mm", &fp8_mx_mm);
+  m.impl("fp8_mx_mm_wgrad", &fp8_mx_mm_wgrad);
   m.impl("fp8_dequantize_scaled", &fp8_dequantize_scaled);
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_jagged", &fp8_quantize_jagged);

@@ -72,7 +72,8 @@ experts' backward holds the most:
   converting where ATen's table converts instead of the native kernel) with each chunk's
   fp32 product; wgrad dequantizes both operands per chunk into one group's fp32 product;
   MX operands of a bf16 layer, where bf16 GEMMs are native, are dequantized to whole bf16
-  copies for the bf16 grouped GEMM instead (``_gemm_phase``, ``_mx_bf16_phase``), and the
+  copies for the bf16 grouped GEMM instead, or piece by piece inside the native GEMM
+  where it runs them (``_gemm_phase``, ``_mx_bf16_phase``, ``_mx_pieces_here``), and the
   FP8 recipes' codes, where torch_moe's native bf16 GEMM runs, are multiplied in bf16
   piece by piece (no whole copies) with the scales applied per k block inside the GEMM
   (``_codes_bf16_here``, ``_blocks_bf16_phase``). Weights are quantized whole every
@@ -369,12 +370,30 @@ def _blocks_bf16_phase(n_a: float, n_b: float, n_out: float, m: float) -> float:
     return n_a + n_b + 2 * n_out + 4 * (n_a + n_b) / 128 + 8 * m
 
 
+def _mx_pieces_here(experts: float, m: float, k: float, n: float, wgrad: bool) -> bool:
+    """Whether an MX GEMM in bf16 runs by the native kernels' pieces
+    (``scaled_grouped_mm._mx_pieces``, the kernels' own decision asked of meta stand-ins:
+    row-major operands, the ``m`` rows in ``experts`` equal groups)."""
+    from torch_moe.quantization.scaled_grouped_mm import _mx_pieces
+
+    rows, groups = round(m), max(1, round(experts))
+    if rows <= 0 or k < 1 or n < 1:
+        return False
+    ends = [rows * (g + 1) // groups for g in range(groups)]
+    fp8 = torch.float8_e4m3fn
+    a = torch.empty((rows, round(k)), dtype=fp8, device="meta")
+    b_shape = (rows, round(n)) if wgrad else (groups, round(k), round(n))
+    return _mx_pieces(a, torch.empty(b_shape, dtype=fp8, device="meta"), ends, wgrad)
+
+
 def _mx_bf16_phase(
     n_a: float, n_b: float, n_out: float, m: float, k: float, n: float, group_rows: float,
     wgrad: bool,
 ) -> float:  # fmt: skip
     """Peak bytes of an MX scaled GEMM's CPU kernel in bf16 (``_mx_in_bf16``) above the
-    e4m3 operands: where the native e4m3 kernels run, both operands' bf16 copies written
+    e4m3 operands: by the native kernels' pieces (:func:`_mx_pieces_here`) the fp32
+    scales and the output (each piece's bf16 values in the threads' scratch, outside the
+    allocator); else where the native e4m3 kernels run, both operands' bf16 copies written
     directly (with their blocks' fp32 scales), then the output; else A dequantized to a
     bf16 copy by chunks of fp32 rows (forward / dgrad:
     ``_CPU_CHUNK_ELEMS`` elements; wgrad: that many rows' worth of the wider operand, each
@@ -386,6 +405,9 @@ def _mx_bf16_phase(
     from torch_moe.quantization.scaled_grouped_mm import _CPU_CHUNK_ELEMS
 
     base = n_a + n_b
+    experts = (n_out if wgrad else n_b) / max(k * n, 1.0)
+    if _mx_pieces_here(experts, m, k, n, wgrad):  # no copies: the fp32 scales
+        return base + 4 * (n_a + n_b) / 32 + 2 * n_out
     copies = 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 32  # (with the fp32 scales, native)
     if wgrad:
         rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, n, 1.0)), m)

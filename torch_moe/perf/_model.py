@@ -377,7 +377,8 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     """A recipe: quantize both operands of each GEMM, then the scaled GEMM (GPU), or the
     emulation quantize -> dequantize -> fp32 GEMM -> cast (CPU); MX operands of a bf16
     layer on a CPU with native bf16 GEMMs: dequantize -> cast -> bf16 GEMM
-    (``scaled_grouped_mm._mx_in_bf16``); FP8 recipes there: the bf16 GEMM on the codes
+    (``scaled_grouped_mm._mx_in_bf16``; each piece dequantized in the GEMM's kernel where
+    ``_mx_pieces`` holds); FP8 recipes there: the bf16 GEMM on the codes
     (each piece converted to bf16 in cache as it is multiplied, a share of the GEMM's
     time) scaling each k block's sums (``scaled_grouped_mm._blocks_in_bf16``, and
     ``_codes_in_bf16`` with the scales repeated per block)."""
@@ -387,7 +388,7 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     M = sum(groups)
     kinds = recipe_operands(w.precision)
     gkey = "fp32" if c.cpu else None
-    from torch_moe.perf._memory import _codes_bf16_here, _mx_in_bf16_here
+    from torch_moe.perf._memory import _codes_bf16_here, _mx_in_bf16_here, _mx_pieces_here
 
     mx_bf16 = c.cpu and c.key == "bf16" and w.precision.startswith("mx") and _mx_in_bf16_here()
 
@@ -416,7 +417,9 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
             phase,
             weight_bytes=0.0 if gemm_name == "wgrad" else rhs_elems,
         )
-        if mx_bf16:  # the dequantized operands cast, the output bf16 already
+        if mx_bf16 and _mx_pieces_here(El, M, k, n, gemm_name == "wgrad"):
+            pass  # each piece dequantized in the GEMM's kernel, the output bf16 already
+        elif mx_bf16:  # the dequantized operands cast, the output bf16 already
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
         elif c.cpu and not codes:  # (codes: each piece converted in the GEMM's kernel)
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", out_elems, phase)

@@ -35,7 +35,8 @@ values (exact in fp32) with fp32 accumulation. The CPU kernels are that emulatio
 literally (quantize ops -> dequantize -> fp32 ``grouped_mm``), except where the CPU
 multiplies bf16 natively and the output is bf16: MX operands go through the bf16 grouped
 GEMM (their dequantized elements are bf16 values: the same math in another summation
-order, :func:`_mx_in_bf16`), and the FP8 recipes multiply the codes in bf16, each k
+order, :func:`_mx_in_bf16`; where its route is the native GEMM's pieces, each piece
+dequantized as the GEMM takes it, :func:`_mx_pieces`), and the FP8 recipes multiply the codes in bf16, each k
 block's fp32 sums times the product of its row's and its column's scale inside the GEMM's
 tiles (blockwise, :func:`_blocks_in_bf16`, as the GPU kernels' main loop; scales constant
 along the reduction, :func:`_codes_in_bf16`, repeated per block of the GEMM's own); GEMMs
@@ -80,7 +81,10 @@ from torch_moe._ops.grouped_mm import (
     grouped_mm_reference,
     grouped_mm_wgrad,
     mm_into,
+    native_gemm_for,
     native_gemm_ready,
+    wgrad_way,
+    whole_way,
     zero_tail_,
 )
 from torch_moe._ops.permute import gather_rows
@@ -516,6 +520,26 @@ def bf16_gemms_native() -> bool:
     return cpu_compute_dtype(torch.bfloat16) == torch.bfloat16
 
 
+def _mx_pieces(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
+    """Whether an MX GEMM in bf16 (:func:`_mx_in_bf16`; ``a``, ``b`` its e4m3 operands:
+    ``wgrad``, the token-order [M, K] and [M, N], else [M, K] and [E, K, N]) runs by the
+    native kernels' pieces, each converted to bf16 as the GEMM takes it
+    (``fp8_mx_mm`` / ``fp8_mx_mm_wgrad``): where ``grouped_mm`` / ``grouped_mm_wgrad``
+    would multiply the dequantized bf16 operands by the threaded kernel's native GEMM
+    (asked of meta stand-ins with the operands' layouts), whose bits the pieces give,
+    without bf16 copies of both operands. Reads only metadata (the memory model asks it
+    of meta stand-ins)."""
+    if not ends or ends[-1] == 0 or _native.kernels() is None:
+        return False
+    a_h = torch.empty_strided(a.shape, a.stride(), dtype=torch.bfloat16, device="meta")
+    b_h = torch.empty_strided(b.shape, b.stride(), dtype=torch.bfloat16, device="meta")
+    if wgrad:
+        return wgrad_way(a_h, b_h, ends) in ("threads", "transpose") and native_gemm_for(
+            a_h.t(), b_h, ends, True
+        )
+    return whole_way(a_h, b_h, ends, False) == "threads" and native_gemm_for(a_h, b_h, ends, False)
+
+
 def _dequantized_bf16(q: Tensor, rows: int, dequantize: Callable[[int, int], Tensor]) -> Tensor:
     """bf16 of ``dequantize(r0, r1)`` (q's rows [r0, r1) in fp32) for all q's rows, taken
     ``rows`` at a time (no fp32 copy of all of q), in q's layout."""
@@ -564,9 +588,15 @@ def _scaled_grouped_mm_cpu(
         if out is not None:
             return out
     if _mx_in_bf16(scale_a, scale_b, out_dtype):
-        # the operands straight into bf16 by the native kernel, else by chunks of fp32
         bf = torch.bfloat16
         sa_f, sb_f = _fp32_scales(scale_a), _fp32_scales(scale_b)
+        if block_n == 1 and _mx_pieces(a, b, ends, False):  # each piece dequantized in cache
+            out = torch.empty((M, N), dtype=bf)
+            sa_k = sa_f.expand(M, sa_f.shape[1]).contiguous()
+            sb_k = sb_f.expand(b.shape[0], sb_f.shape[1], N).contiguous()
+            if _native.kernels().fp8_mx_mm(a, b, sa_k, sb_k, offs, block_k, out):
+                return out
+        # the operands straight into bf16 by the native kernel, else by chunks of fp32
         a_h = _dequantize_native(a, sa_f, 1, block_k, out=torch.empty_like(a, dtype=bf))
         if a_h is None:
             a_h = _dequantized_bf16(
@@ -727,6 +757,13 @@ def _scaled_grouped_mm_wgrad_cpu(
         out = _scaled_blocks_wgrad(a, b, sa, sb, offs, block)
         if out is not None:
             return out
+    mx = _mx_in_bf16(scale_a, scale_b, out_dtype)
+    if mx and jagged and _mx_pieces(a, b, ends, True):  # each piece dequantized in cache
+        out = torch.empty((len(ends), K, N), dtype=torch.bfloat16)
+        if _native.kernels().fp8_mx_mm_wgrad(
+            a, b, sa.contiguous(), sb.contiguous(), offs, block, out
+        ):
+            return out
     per_tensor = list(scale_a.shape) == [1, 1]
     row_block = None if per_tensor else Q.jagged_block_index(offs, M, block)[0]
 
@@ -739,7 +776,7 @@ def _scaled_grouped_mm_wgrad_cpu(
             return Q._fp8_to_float(q[c0:c1]).mul_(scale)
         return Q._fp8_to_float(q[c0:c1]).mul_(scale.index_select(0, row_block[c0:c1]))
 
-    if _mx_in_bf16(scale_a, scale_b, out_dtype):
+    if mx:
         # straight into bf16 by the native kernel, else by chunks of fp32 rows
         chunk = max(1, _CPU_CHUNK_ELEMS // max(K, N, 1))
         bf16 = []
