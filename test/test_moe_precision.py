@@ -242,6 +242,20 @@ class TestMoEPrecision(TestCase):
         with self.assertRaisesRegex(ValueError, "unknown low-precision recipe 'fp4'"):
             GroupedExperts(D, F, E, precision="fp4")
 
+    def test_mx_dims_not_a_multiple_of_the_block(self):
+        # refused at construction (the first non-empty forward's quantizer would refuse
+        # them; an empty batch took the training forward and failed the inference one)
+        for dim, hidden, arg, bad in ((15, 32, "dim", 15), (32, 40, "hidden_dim", 40)):
+            with self.assertRaisesRegex(
+                ValueError,
+                rf"MoE: precision 'mxfp8' quantizes MX blocks of 32 elements along dim and "
+                rf"hidden_dim: {arg} must be a multiple of 32, got {bad}",
+            ):
+                MoE(dim, hidden, E, K, precision="mxfp8")
+        GroupedExperts(15, 40, E, precision="fp8_rowwise")  # (FP8 blocks take any size)
+        mixed = get_recipe("mxfp8").with_overrides(forward="bf16", dgrad="bf16")
+        GroupedExperts(15, 40, E, precision=mixed)  # (MX only in the weight gradient)
+
 
 class TestMoEPrecisionDevice(TestCase):
     """Device-generic (instantiate_device_type_tests): .ci/gpu runs it on cuda."""

@@ -11,6 +11,7 @@ shifted row or a 1% scale error fails.
 from __future__ import annotations
 
 import importlib
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -315,9 +316,11 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         codes times its scales as the GEMM takes it (``fp8_mx_mm`` / ``_wgrad``: no bf16
         copies of the operands): bit for bit the copies' ``grouped_mm`` /
         ``grouped_mm_wgrad``, with experts row- and column-major, empty groups, rows past
-        the last group, a group over the kernel's piece of rows (1100 at K = 2048), a NaN
-        scale (E8M0 255) and scales whose products overflow, on one and two threads; the
-        kernel refuses operands it does not take, leaving the output as it was."""
+        the last group, two column pieces, a group over the kernel's piece of rows (1100
+        at K = 2048), a NaN scale (E8M0 255) and scales whose products overflow, on one
+        and two threads; where
+        ``grouped_mm`` takes another route (``threads_mm=aten``), the copies and its bits.
+        The kernels refuse operands they do not take, leaving the output as it was."""
         from unittest import mock
 
         from torch_moe._ops import _cpu_probe, _native
@@ -328,7 +331,8 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         mod = _native.kernels()
         r = RECIPES["mxfp8"]
         gen = torch.Generator().manual_seed(21)
-        cases = ((make_offs([7, 0, 90, 1, 33]), 256, 96), (make_offs([3, 1100, 0]), 2048, 40))
+        # (N = 300: two of the kernel's column pieces)
+        cases = ((make_offs([7, 0, 90, 1, 33]), 256, 300), (make_offs([3, 1100, 0]), 2048, 40))
         for offs, k, n in cases:
             E, m = offs.shape[0], int(offs[-1]) + 3
             x = torch.randn(m, k, generator=gen) * torch.rand(1, k, generator=gen).mul(20).exp2()
@@ -346,19 +350,24 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                 a_h, b_h = (S._dequantize_operands(qa, qb, sa, sb, 32, 1)[i].to(bf) for i in (0, 1))
                 x_h = S._dequantize_wgrad_operand(qx, sx, offs, 32).to(bf)
                 dy_h = S._dequantize_wgrad_operand(qdy, sdy, offs, 32).to(bf)
-                for threads in (1, 2):
-                    msg = f"k={k} cols={cols} threads={threads}"
+                for threads, kernel in itertools.product((1, 2), ("native", "aten")):
+                    msg = f"k={k} cols={cols} threads={threads} threads_mm={kernel}"
                     spy = mock.MagicMock(wraps=mod)
                     with (
                         intra_op_threads(threads),
-                        _cpu_probe.force(threads_mm="native", gemm_kernel="native"),
+                        # (aten: torch._grouped_mm where aligned, else the loop)
+                        _cpu_probe.force(
+                            threads_mm=kernel, gemm_kernel="native", grouped_mm="torch"
+                        ),
                     ):
                         want = S.grouped_mm(a_h, b_h, offs)
                         want_w = S.grouped_mm_wgrad(x_h, dy_h, offs)
                         with mock.patch.object(S._native, "kernels", lambda s=spy: s):
                             got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
                             got_w = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, 32, bf)
-                    self.assertTrue(spy.fp8_mx_mm.called and spy.fp8_mx_mm_wgrad.called, msg)
+                    pieces = kernel == "native"  # (else grouped_mm's own route: the copies)
+                    self.assertEqual(spy.fp8_mx_mm.called, pieces, msg)
+                    self.assertEqual(spy.fp8_mx_mm_wgrad.called, pieces, msg)
                     self.assertTrue(got.isnan().any() and got_w.isnan().any(), msg)
                     self.assertEqual(got, want, atol=0, rtol=0, equal_nan=True, msg=msg)
                     self.assertEqual(got_w, want_w, atol=0, rtol=0, equal_nan=True, msg=msg)
@@ -371,8 +380,8 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         sa, sb = torch.ones(8, 2), torch.ones(2, 2, 16)
         for args in (
             (qa.to(bf), qb, sa, sb, torch.empty(8, 16, dtype=bf)),
-            (qa, qb, sa[:, :1], sb, torch.empty(8, 16, dtype=bf)),
-            (qa, qb, sa, sb[:, :, :8], torch.empty(8, 16, dtype=bf)),
+            (qa, qb, sa[:, :1].contiguous(), sb, torch.empty(8, 16, dtype=bf)),
+            (qa, qb, sa, sb[:, :, :8].contiguous(), torch.empty(8, 16, dtype=bf)),
             (qa, qb, sa, sb, torch.empty(8, 16)),
         ):
             out = args[-1].fill_(7)
@@ -384,7 +393,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
             mod.fp8_mx_mm_wgrad(qa, qy, torch.ones(1, 64), torch.ones(1, 16), offs, 4, w_out)
         )
         self.assertFalse(
-            mod.fp8_mx_mm_wgrad(qa, qy, torch.ones(2, 64), torch.ones(2, 8), offs, 4, w_out)
+            mod.fp8_mx_mm_wgrad(qa, qy, torch.ones(2, 64), torch.ones(2, 32), offs, 4, w_out)
         )
         self.assertTrue(bool((w_out == 7).all()))
 

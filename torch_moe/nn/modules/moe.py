@@ -175,6 +175,27 @@ def _resolve_precision(precision: str | Recipe) -> Recipe | None:
         raise ValueError(f"MoE: precision must be 'bf16' or a low-precision recipe: {e}") from e
 
 
+def _check_recipe_dims(recipe: Recipe | None, dim: int, hidden_dim: int) -> None:
+    """A recipe's MX operands are quantized in 1 x block blocks along the forward's and
+    dgrad's reductions (``dim`` and ``hidden_dim``): both must be multiples of the block,
+    an error here rather than at the first non-empty forward."""
+    if recipe is None:
+        return
+    blocks = {
+        op.inner
+        for g in (recipe.forward, recipe.dgrad)
+        for op in (g.lhs, g.rhs)
+        if op is not None and op.fmt == "mx"
+    }
+    for block in sorted(blocks):
+        for arg, v in (("dim", dim), ("hidden_dim", hidden_dim)):
+            if v % block:
+                raise ValueError(
+                    f"MoE: precision {recipe.name!r} quantizes MX blocks of {block} elements "
+                    f"along dim and hidden_dim: {arg} must be a multiple of {block}, got {v}"
+                )
+
+
 def _group_align(recipe: Recipe | None, device: torch.device) -> int:
     """Rows per expert group that the experts' GEMMs need (``permute_indices(align=)``)."""
     return _SCALED_GROUP_ALIGN if recipe is not None and device.type == "cuda" else 1
@@ -328,6 +349,7 @@ class GroupedExperts(nn.Module):
         _init_activation(self, "GroupedExperts", activation, swiglu_alpha, swiglu_limit)
         _check_interleaved("GroupedExperts", activation, gate_up_interleaved)
         self.recipe = _resolve_precision(precision)
+        _check_recipe_dims(self.recipe, dim, hidden_dim)
         self.fused_decode = fused_decode
         self.gate_up_interleaved = gate_up_interleaved
         up_rows = _up_rows(activation, hidden_dim)
