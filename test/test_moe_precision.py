@@ -255,6 +255,9 @@ class TestMoEPrecision(TestCase):
         GroupedExperts(15, 40, E, precision="fp8_rowwise")  # (FP8 blocks take any size)
         mixed = get_recipe("mxfp8").with_overrides(forward="bf16", dgrad="bf16")
         GroupedExperts(15, 40, E, precision=mixed)  # (MX only in the weight gradient)
+        dgrad_only = get_recipe("mxfp8").with_overrides(forward="bf16", wgrad="bf16")
+        with self.assertRaisesRegex(ValueError, r"dim must be a multiple of 32, got 15"):
+            GroupedExperts(15, 32, E, precision=dgrad_only)
 
 
 class TestMoEPrecisionDevice(TestCase):
