@@ -557,15 +557,17 @@ class TestExpertParallel2(_EPClass):
             one, two = copy.deepcopy(base), copy.deepcopy(base)
             parallelize_module(one, self.mesh(), ExpertParallel(exchange=exchange))
             parallelize_module(two, self.mesh(), ExpertParallel(exchange=exchange, microbatches=2))
-            for num_tokens in (9 + self.rank, 1, 0):
+            # (ranks of 0 or 1 tokens beside ranks of more take the same two micro-batches:
+            # their peers wait on their exchanges; a per-rank choice hung or aborted gloo)
+            for num_tokens in (9 + self.rank, 1, 0, 7 * self.rank, 1 + 6 * self.rank):
                 x = torch.randn(num_tokens, DIM)
                 with torch.inference_mode():
                     with OpCounter() as ops:
                         got = two(x)
                     self.assertEqual(got, one(x), msg=f"{precision} {exchange} T={num_tokens}")
-                if num_tokens > 1:  # two plans, and each exchange split into issue and wait
-                    self.assertEqual(ops.counts["all_to_all_single"], 2)
-                    self.assertEqual(ops.counts["ep_start"], 4)
+                # two plans, and each exchange split into issue and wait
+                self.assertEqual(ops.counts["all_to_all_single"], 2)
+                self.assertEqual(ops.counts["ep_start"], 4)
         with self.assertRaisesRegex(ValueError, "microbatches must be 1 or 2, got 3"):
             ExpertParallel(microbatches=3)
 
@@ -697,7 +699,11 @@ class TestExpertParallelFaults(MultiProcessTestCase):
         # error (a key in the process group's store, which outlives the group's failure)
         store = self.store
         if self.rank == 0:
-            with self.assertRaisesRegex(RuntimeError, r"(Timed out|Connection closed|timeout)"):
+            with self.assertRaisesRegex(
+                RuntimeError,
+                r"ExpertParallel: counts all_to_all failed on rank 0 \(expert-parallel rank 0 of "
+                r"2.*(Timed out|Connection closed|timeout)",
+            ):
                 moe(torch.randn(4, DIM))
             store.set("rank 0 done", "1")
         else:

@@ -28,7 +28,11 @@ experts, M rows of this rank's permuted buffer, C chunks.
   are per rank; ``MoE.update_expert_bias(rate, group=...)`` sums the loads over the group it
   is given (the ranks whose tokens the layer routes: data-parallel x expert-parallel).
 
-Options (every one gives the results of the plain path, bit for bit, except FP8):
+Options (each gives the plain path's results, except FP8, which quantizes what it sends;
+with ``num_chunks`` a chunk's fewer rows can round a row differently, within a few ulp: a
+clamped or ``swigluoai`` gate's sigmoid, cut into ATen's vector and scalar parts by the
+rows around it; an expert bias's gradient, which ``embedding_bag``'s backward sums in an
+order set by all the indices; a GEMM whose kernel the CPU probe picks per shape class):
 
 * ``num_chunks=C``: the local experts are split into C contiguous groups and dispatch ->
   experts -> combine run per group, so that a compiled graph can overlap one group's
@@ -64,6 +68,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -125,9 +130,20 @@ class ExpertParallelDispatcher(nn.Module):
         received: one all-to-all of E int64 and one copy to the host (the only sync)."""
         send_E = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
         El = [self.num_local] * self.world
-        recv = funcol.all_to_all_single(send_E, El, El, self.group_name)
-        recv = funcol.wait_tensor(recv)
+        recv = self._collective(
+            "counts all_to_all",
+            lambda: funcol.wait_tensor(funcol.all_to_all_single(send_E, El, El, self.group_name)),
+        )
         return torch.cat([send_E, recv]).cpu()
+
+    def _collective(self, op: str, fn):  # type: ignore[no-untyped-def]
+        """``fn()``, a collective of the group; in eager a failure or a timeout names this
+        rank and the operation (:func:`_call`: the counts exchange is every forward's first
+        collective, where a peer that raised or took another path shows first); a compiled
+        graph runs it as traced."""
+        if torch.compiler.is_compiling():
+            return fn()
+        return _call(_resolve_process_group(self.group_name), op, fn)
 
     def dispatch(
         self, x: Tensor, row_weights: Tensor | None, counts: Tensor, chunk: tuple[int, int]
@@ -265,7 +281,12 @@ class ExpertParallelDispatcher(nn.Module):
     def _all_to_all(self, t: Tensor, splits: list[int]) -> Tensor:
         """A functional all-to-all of equal splits (static shapes; traced by Dynamo)."""
         wire = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-        out = funcol.wait_tensor(funcol.all_to_all_single(wire, splits, splits, self.group_name))
+        out = self._collective(
+            "low-latency all_to_all",
+            lambda: funcol.wait_tensor(
+                funcol.all_to_all_single(wire, splits, splits, self.group_name)
+            ),
+        )
         return out.view(t.dtype)
 
     def extra_repr(self) -> str:

@@ -1106,7 +1106,7 @@ class MoE(nn.Module):
             y_perm = dispatcher.run_low_latency(  # type: ignore[operator]
                 self.experts, x_TD, ids_TK, perm, row_w
             )
-        elif getattr(dispatcher, "microbatches", 1) == 2 and x_TD.shape[0] > 1:
+        elif getattr(dispatcher, "microbatches", 1) == 2:  # (on every rank: any T, 0 too)
             out = self._two_microbatches(x_TD, weights_TK, ids_TK, align)
             if shared is not None:
                 out = out + shared
@@ -1124,7 +1124,9 @@ class MoE(nn.Module):
         """Expert-parallel prefill as two micro-batches (``ExpertParallel(microbatches=2)``,
         dropless): both dispatches are issued first, then micro-batch A's experts run while
         B's rows travel, A's combine is issued before B's experts run, and both combines are
-        waited last. Every token's rows meet the same experts as in one batch; each
+        waited last (on every rank whatever its tokens: a rank of 0 or 1 tokens has an empty
+        micro-batch, whose exchanges its peers wait on). Every token's rows meet the same
+        experts as in one batch; each
         expert GEMM sees half the rows, which a CPU BLAS may round differently (measured:
         at most 1 fp32 ulp)."""
         d = cast(Any, self.dispatcher)
@@ -1163,7 +1165,8 @@ class MoE(nn.Module):
         of local experts dispatch -> experts -> combine; the shared experts run after the
         first chunk's dispatch, where a compiled graph overlaps them with the exchanges
         still in flight (``torch_moe._inductor``). Every expert sees the same rows in the
-        same order as without chunks, so the result does not depend on the chunking.
+        same order as without chunks, so the result does not depend on the chunking
+        beyond rounding (``ExpertParallel``'s notes say where a row can round otherwise).
         """
         shared_dtype = x_TD.dtype
         if torch.is_autocast_enabled(x_TD.device.type):
