@@ -846,6 +846,13 @@ void copy_codes(const at::Tensor& t, int64_t ld, int64_t r0, int64_t rows, int64
 // the piece's GEMM), so its copy stays within a few MB.
 constexpr int64_t kCodeRowsBytes = int64_t{4} << 20;
 
+// Whether the native GEMM writes a bf16 out by non-temporal stores: asked (the CPU probe's
+// out_stream, as the threaded grouped GEMM's) and all of out past this core's L2.
+bool out_streams(const at::Tensor& out, bool stream_out) {
+  return stream_out && out.scalar_type() == at::kBFloat16 &&
+         torch_moe_cpu::bf16_gemm_streams(out.nbytes());
+}
+
 // The rows of a's pieces where a holds codes of K columns (kCodeRowsBytes as bf16).
 int64_t code_rows(int64_t K) {
   return std::max<int64_t>(64, kCodeRowsBytes / (2 * std::max<int64_t>(K, 1)));
@@ -905,18 +912,29 @@ struct KPiece {
   int64_t g, start, rows, k0, k1;
 };
 
-// Each non-empty group's output [K, N] in pieces of 256 rows; out[g] of an empty group
-// zeroed.
+// Each non-empty group's output [K, N] in pieces of output rows, out[g] of an empty group
+// zeroed: the whole K where a's converted [rows, K] fits kCodeRowsBytes (each piece's GEMM
+// packs the group's b again: pieces of 256 rows made the E8 layer's weight gradients
+// 9-13% slower than one GEMM per group), else at most that in multiples of 64 rows, and
+// cut further (multiples of 64) while the pieces are fewer than the threads.
 std::vector<KPiece> k_pieces(const int32_t* ends, int64_t E, int64_t K, at::Tensor& out) {
-  constexpr int64_t kRows = 256;
+  static constexpr int64_t kPanel = 64;
+  const auto round64 = [](int64_t v) { return std::max(kPanel, v / kPanel * kPanel); };
+  int64_t busy = 0;
+  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) busy += ends[g] > start;
+  const int64_t threads = at::get_num_threads();
+  const int64_t cuts = busy > 0 && busy < threads ? (threads + busy - 1) / busy : 1;
   std::vector<KPiece> pieces;
   for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
-    if (ends[g] == start) {
+    const int64_t rows = ends[g] - start;
+    if (rows == 0) {
       out[g].zero_();
       continue;
     }
-    for (int64_t k0 = 0; k0 < K; k0 += kRows) {
-      pieces.push_back({g, start, ends[g] - start, k0, std::min(K, k0 + kRows)});
+    int64_t kw = 2 * rows * K > kCodeRowsBytes ? round64(kCodeRowsBytes / (2 * rows)) : K;
+    if (cuts > 1) kw = std::min(kw, round64((K + cuts - 1) / cuts + kPanel - 1));
+    for (int64_t k0 = 0; k0 < K; k0 += kw) {
+      pieces.push_back({g, start, rows, k0, std::min(K, k0 + kw)});
     }
   }
   return pieces;
@@ -929,11 +947,12 @@ std::vector<KPiece> k_pieces(const int32_t* ends, int64_t E, int64_t K, at::Tens
 // each expert row- or column-major, both bf16 or both e4m3fn codes (operands_apply),
 // row_scale [M, KS] and col_scale [E, KS, Np] (Np: N rounded up to 64 columns or more)
 // contiguous fp32, KS = ceil(K / block_k), block_k even. Pieces of a group's rows (codes:
-// by kCodeRowsBytes) by 256 columns shared out over the threads. False without touching
-// out where the native GEMM does not run here or the operands are not these.
+// by kCodeRowsBytes) by 256 columns shared out over the threads; a bf16 out by
+// non-temporal stores where out_streams. False without touching out where the native
+// GEMM does not run here or the operands are not these.
 bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
                          const at::Tensor& col_scale, const at::Tensor& offs, int64_t block_k,
-                         at::Tensor& out) {
+                         at::Tensor& out, bool stream_out) {
   if (!torch_moe_cpu::bf16_gemm_available() || !operands_apply(a, b) || a.dim() != 2 ||
       b.dim() != 3 || out.dim() != 2 ||
       (out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) ||
@@ -959,6 +978,7 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(2);
   const uint64_t call = next_call();
+  const bool stream = out_streams(out, stream_out);
   const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
   run_pieces(pieces, "fp8_block_scaled_mm", [&](const RowPiece& p) {
     auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, p.c1 - p.c0);
@@ -967,7 +987,7 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
     const int64_t cols = p.c1 - p.c0;
     if (!codes) {
       return torch_moe_cpu::bf16_gemm_scaled(o, a.narrow(0, p.start, p.rows),
-                                             b[p.g].narrow(1, p.c0, cols), &sc);
+                                             b[p.g].narrow(1, p.c0, cols), &sc, {}, {}, stream);
     }
     thread_local PieceCopy a_copy;
     thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
@@ -984,7 +1004,8 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
       copy_codes(bg, bg.stride(1), p.c0, cols, 0, K, bh);
       bv = bf16_view(bh, {K, cols}, {1, K});
     }
-    return torch_moe_cpu::bf16_gemm_scaled(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, &sc);
+    return torch_moe_cpu::bf16_gemm_scaled(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, &sc, {}, {},
+                                           stream);
   });
   const int64_t end = E ? ends[E - 1] : 0;
   if (end < M) out.narrow(0, end, M - end).zero_();
@@ -1000,11 +1021,13 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // thread's scratch), row_scale [NB, K] and col_scale [NB, Np] (Np: N rounded up to 64 or
 // more) contiguous fp32, the groups' block rows in order (quantize_jagged's layout:
 // ceil(rows / block) each, NB at least their sum), block even. Pieces of a group's output
-// rows by 256 shared out over the threads. False without touching out where the native
+// rows (k_pieces) shared out over the threads; a bf16 out by non-temporal stores where
+// out_streams. False without touching out where the native
 // GEMM does not run here or the operands are not these.
 bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& row_scale, const at::Tensor& col_scale,
-                               const at::Tensor& offs, int64_t block, at::Tensor& out) {
+                               const at::Tensor& offs, int64_t block, at::Tensor& out,
+                               bool stream_out) {
   if (!torch_moe_cpu::bf16_gemm_available() || !operands_apply(a, b) || a.dim() != 2 ||
       b.dim() != 2 || out.dim() != 3 ||
       (out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) ||
@@ -1024,6 +1047,7 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
   const float* cs = col_scale.const_data_ptr<float>();
   const int64_t cs_rows = col_scale.size(1);
   const uint64_t call = next_call();
+  const bool stream = out_streams(out, stream_out);
   run_pieces(pieces, "fp8_block_scaled_mm_wgrad", [&](const KPiece& p) {
     auto o = out[p.g].narrow(0, p.k0, p.k1 - p.k0);
     // row k of this piece, block kb: row_scale[first + kb, k0 + k]
@@ -1032,7 +1056,8 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
     const int64_t kw = p.k1 - p.k0;
     if (!codes) {
       const auto a_t = a.narrow(0, p.start, p.rows).narrow(1, p.k0, kw).t();
-      return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc);
+      return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc, {}, {},
+                                             stream);
     }
     thread_local PieceCopy b_copy;
     thread_local std::vector<uint16_t> a_buf;  // each piece its own columns of a
@@ -1042,7 +1067,8 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
     uint16_t* ah = torch_moe_cpu::aligned_scratch(a_buf, p.rows * kw);
     copy_codes(a, a.stride(0), p.start, p.rows, p.k0, kw, ah);
     const auto a_t = bf16_view(ah, {p.rows, kw}, {kw, 1}).t();
-    return torch_moe_cpu::bf16_gemm_scaled(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}), &sc);
+    return torch_moe_cpu::bf16_gemm_scaled(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}), &sc, {}, {},
+                                           stream);
   });
   return true;
 }
@@ -1052,7 +1078,8 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
 // fp8_dequantize_scaled's bf16 copy rounds them: exact but where they over- or
 // underflow) into the calling thread's scratch just before the piece's GEMM reads them,
 // then the unscaled bf16 GEMM (bf16_gemm: the grouped GEMM's own native kernel, AMX tiles
-// where they are on) into a bf16 output. The same products as dequantizing both operands
+// where they are on) into a bf16 output (by non-temporal stores where out_streams). The
+// same products as dequantizing both operands
 // to bf16 copies and multiplying them by the threaded grouped GEMM's native pieces (its
 // pieces cut groups by output columns or weight-gradient rows, never the reduction, and
 // a sum's bits do not depend on the pieces), without the copies: each operand written in
@@ -1067,7 +1094,7 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
 // build lacks AVX-512) or the operands are not these.
 bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
                const at::Tensor& col_scale, const at::Tensor& offs, int64_t block_k,
-               at::Tensor& out) {
+               at::Tensor& out, bool stream_out) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kFloat8_e4m3fn ||
       b.scalar_type() != at::kFloat8_e4m3fn || a.dim() != 2 || b.dim() != 3 || out.dim() != 2 ||
@@ -1093,6 +1120,7 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
   const float* cs = col_scale.const_data_ptr<float>();
   const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
   const uint64_t call = next_call();
+  const bool stream = out_streams(out, stream_out);
   const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
   run_pieces(pieces, "fp8_mx_mm", [&](const RowPiece& p) {
     thread_local PieceCopy a_copy;
@@ -1122,13 +1150,14 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
       bv = bf16_view(bh, {K, cols}, {1, K});
     }
     auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, cols);
-    return torch_moe_cpu::bf16_gemm(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv);
+    return torch_moe_cpu::bf16_gemm(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, {}, {}, stream);
   });
   const int64_t end = E ? ends[E - 1] : 0;
   if (end < M) out.narrow(0, end, M - end).zero_();
   return true;
 #else
   (void)a, (void)b, (void)row_scale, (void)col_scale, (void)offs, (void)block_k, (void)out;
+  (void)stream_out;
   return false;
 #endif
 }
@@ -1144,7 +1173,7 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
 // operands are not these.
 bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
                      const at::Tensor& col_scale, const at::Tensor& offs, int64_t block,
-                     at::Tensor& out) {
+                     at::Tensor& out, bool stream_out) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!torch_moe_cpu::bf16_gemm_available() || a.scalar_type() != at::kFloat8_e4m3fn ||
       b.scalar_type() != at::kFloat8_e4m3fn || a.dim() != 2 || b.dim() != 2 || out.dim() != 3 ||
@@ -1164,6 +1193,7 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
   const auto* bp = static_cast<const uint8_t*>(b.const_data_ptr());
   const uint64_t call = next_call();
+  const bool stream = out_streams(out, stream_out);
   run_pieces(pieces, "fp8_mx_mm_wgrad", [&](const KPiece& p) {
     const auto block_row = [&](int64_t r) { return first[p.g] + r / block; };  // r: from start
     thread_local PieceCopy b_copy;
@@ -1182,11 +1212,12 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
     }
     auto o = out[p.g].narrow(0, p.k0, kw);
     const auto a_t = bf16_view(ah, {p.rows, kw}, {kw, 1}).t();
-    return torch_moe_cpu::bf16_gemm(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}));
+    return torch_moe_cpu::bf16_gemm(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}), {}, {}, stream);
   });
   return true;
 #else
   (void)a, (void)b, (void)row_scale, (void)col_scale, (void)offs, (void)block, (void)out;
+  (void)stream_out;
   return false;
 #endif
 }
@@ -1207,19 +1238,19 @@ bool fp8_quantize_jagged(const at::Tensor&, const at::Tensor&, int64_t, at::Tens
 bool fp8_from_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_to_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_block_scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {
+                         const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, bool) {
   return false;
 }
 bool fp8_block_scaled_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {
+                               const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, bool) {
   return false;
 }
 bool fp8_mx_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const at::Tensor&, int64_t, at::Tensor&) {
+               const at::Tensor&, int64_t, at::Tensor&, bool) {
   return false;
 }
 bool fp8_mx_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, int64_t, at::Tensor&) {
+                     const at::Tensor&, int64_t, at::Tensor&, bool) {
   return false;
 }
 
@@ -1235,16 +1266,16 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       " Tensor(a!) out) -> bool");
   m.def(
       "fp8_block_scaled_mm(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
-      " int block_k, Tensor(a!) out) -> bool");
+      " int block_k, Tensor(a!) out, bool stream_out=False) -> bool");
   m.def(
       "fp8_block_scaled_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale,"
-      " Tensor offs, int block, Tensor(a!) out) -> bool");
+      " Tensor offs, int block, Tensor(a!) out, bool stream_out=False) -> bool");
   m.def(
       "fp8_mx_mm(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
-      " int block_k, Tensor(a!) out) -> bool");
+      " int block_k, Tensor(a!) out, bool stream_out=False) -> bool");
   m.def(
       "fp8_mx_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
-      " int block, Tensor(a!) out) -> bool");
+      " int block, Tensor(a!) out, bool stream_out=False) -> bool");
   m.def(
       "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
       " int rule=0) -> bool");

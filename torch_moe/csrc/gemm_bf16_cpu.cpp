@@ -1130,7 +1130,8 @@ bool bf16_gemm_scaled(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   }
   auto* cp = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
   if (scales != nullptr) {  // (the AVX512-BF16 micro-kernel's, as fp32 outputs)
-    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, false, scales);
+    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, stream, scales);
+    if (stream) _mm_sfence();
     return true;
   }
   if (amx_on.load(std::memory_order_relaxed)) {

@@ -83,6 +83,7 @@ from torch_moe._ops.grouped_mm import (
     mm_into,
     native_gemm_for,
     native_gemm_ready,
+    streams_outputs,
     wgrad_way,
     whole_way,
     zero_tail_,
@@ -485,7 +486,9 @@ def _scaled_blocks_mm(
     col_scale = _panel_padded(cols, N)
     out = torch.empty((M, N), dtype=torch.bfloat16)
     mod = _native.kernels()
-    if mod.fp8_block_scaled_mm(a, b, row_scale, col_scale, offs, block_k, out):
+    if mod.fp8_block_scaled_mm(
+        a, b, row_scale, col_scale, offs, block_k, out, streams_outputs(torch.bfloat16)
+    ):
         return out
     return None
 
@@ -500,7 +503,8 @@ def _scaled_blocks_wgrad(
     col_scale = _panel_padded(sb, N)
     out = torch.empty((E, K, N), dtype=torch.bfloat16)
     mod = _native.kernels()
-    if mod.fp8_block_scaled_mm_wgrad(a, b, sa.contiguous(), col_scale, offs, block, out):
+    stream = streams_outputs(torch.bfloat16)
+    if mod.fp8_block_scaled_mm_wgrad(a, b, sa.contiguous(), col_scale, offs, block, out, stream):
         return out
     return None
 
@@ -594,7 +598,8 @@ def _scaled_grouped_mm_cpu(
             out = torch.empty((M, N), dtype=bf)
             sa_k = sa_f.expand(M, sa_f.shape[1]).contiguous()
             sb_k = sb_f.expand(b.shape[0], sb_f.shape[1], N).contiguous()
-            if _native.kernels().fp8_mx_mm(a, b, sa_k, sb_k, offs, block_k, out):
+            stream = streams_outputs(bf)
+            if _native.kernels().fp8_mx_mm(a, b, sa_k, sb_k, offs, block_k, out, stream):
                 return out
         # the operands straight into bf16 by the native kernel, else by chunks of fp32
         a_h = _dequantize_native(a, sa_f, 1, block_k, out=torch.empty_like(a, dtype=bf))
@@ -760,8 +765,9 @@ def _scaled_grouped_mm_wgrad_cpu(
     mx = _mx_in_bf16(scale_a, scale_b, out_dtype)
     if mx and jagged and _mx_pieces(a, b, ends, True):  # each piece dequantized in cache
         out = torch.empty((len(ends), K, N), dtype=torch.bfloat16)
+        stream = streams_outputs(torch.bfloat16)
         if _native.kernels().fp8_mx_mm_wgrad(
-            a, b, sa.contiguous(), sb.contiguous(), offs, block, out
+            a, b, sa.contiguous(), sb.contiguous(), offs, block, out, stream
         ):
             return out
     per_tensor = list(scale_a.shape) == [1, 1]
