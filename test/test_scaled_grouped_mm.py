@@ -397,6 +397,56 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         )
         self.assertTrue(bool((w_out == 7).all()))
 
+    def test_streamed_outputs_are_the_cached_ones(self):
+        """The kernels on the codes (``fp8_block_scaled_mm`` / ``_wgrad``, ``fp8_mx_mm`` /
+        ``_wgrad``) write a bf16 output past this core's L2 by non-temporal stores where
+        asked (``stream_out``, the probe's ``out_stream``): the same bits as plain stores,
+        a ragged last line and rows past the last group included."""
+        from torch_moe._ops import _native
+
+        mod = _native.kernels()
+        bf = torch.bfloat16
+        if mod is None or not S.native_gemm_ready(bf) or not mod.bf16_mm_streams(4 << 20):
+            self.skipTest("no native bf16 GEMM here, or 4 MiB outputs fit its L2")
+        gen = torch.Generator().manual_seed(5)
+
+        def codes(*shape):
+            return torch.randn(*shape, generator=gen).mul(8).to(torch.float8_e4m3fn)
+
+        def scales(*shape):
+            return torch.rand(*shape, generator=gen).add(0.5)
+
+        offs = make_offs([700, 0, 900, 437])  # 2037 rows: a ragged last line (N odd)
+        M, K, N, E = 2048 + 5, 256, 1027, 4
+        qa, qb, qy = codes(M, K), codes(E, K, N), codes(M, N)
+        calls = {
+            "fp8_block_scaled_mm": lambda out, st: mod.fp8_block_scaled_mm(
+                qa, qb, scales(M, 2), S._panel_padded(scales(E, 2, N), N), offs, 128, out, st
+            ),
+            "fp8_mx_mm": lambda out, st: mod.fp8_mx_mm(
+                qa, qb, scales(M, 8), scales(E, 8, N), offs, 32, out, st
+            ),
+        }
+        nb = -(-700 // 128) + -(-900 // 128) + -(-437 // 128)
+        wcalls = {
+            "fp8_block_scaled_mm_wgrad": lambda out, st: mod.fp8_block_scaled_mm_wgrad(
+                qa, qy, scales(nb, K), S._panel_padded(scales(nb, N), N), offs, 128, out, st
+            ),
+            "fp8_mx_mm_wgrad": lambda out, st: mod.fp8_mx_mm_wgrad(
+                qa, qy, scales(nb * 4, K), scales(nb * 4, N), offs, 32, out, st
+            ),
+        }
+        for name, call in (*calls.items(), *wcalls.items()):
+            shape = (E, K, N) if name.endswith("wgrad") else (M, N)
+            outs = []
+            for stream in (False, True):
+                gen.manual_seed(17)  # the same scales both times
+                out = torch.full(shape, 3.0, dtype=bf)
+                self.assertTrue(call(out, stream), name)
+                outs.append(out)
+            self.assertEqual(outs[1], outs[0], atol=0, rtol=0, msg=name)
+            self.assertFalse(bool((outs[0] == 3.0).all()), name)
+
     def test_codes_multiply_in_bf16_where_native(self):
         """Scales constant along the reduction (one K block: rowwise, tensorwise, blockwise
         with K <= 128; a weight gradient's per-expert or per-tensor scales) and a bf16
