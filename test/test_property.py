@@ -16,6 +16,8 @@ random examples:
 ``@example`` cases at the end of the list, with what they caught.
 """
 
+import importlib
+
 import naive
 import tolerances
 import torch
@@ -376,6 +378,46 @@ class TestFP8KernelProperties(TestCase):
             )
         ):
             tolerances.assert_within(self, got, exact, bound, f"{recipe} {gemm} {sizes} {k} {n}")
+
+    @given(st.lists(st.integers(0, 150), min_size=1, max_size=5), st.integers(0, 4),
+           st.integers(1, 4).map(lambda n: 32 * n), st.sampled_from([1, 40, 300]),
+           st.booleans(), st.integers(0, 2**16))  # fmt: skip
+    def test_mx_pieces_equal_the_copies(self, sizes, tail, k, n, cols, seed):
+        """MX's GEMMs by the native kernels' pieces (the probe forced to the threaded
+        kernel's native GEMM) bit for bit the bf16 copies' ``grouped_mm`` and
+        ``grouped_mm_wgrad``: random groups (empty ones, rows past the last), K, N (one
+        and two column pieces), experts row- or column-major, one and two threads."""
+        from unittest import mock
+
+        from test_scaled_grouped_mm import _operands
+
+        from torch_moe._ops import _cpu_probe
+
+        S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+        bf = torch.bfloat16
+        assume(S.native_gemm_ready(bf) and S.bf16_gemms_native())
+        r = Q.RECIPES["mxfp8"]
+        offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+        m = sum(sizes) + tail
+        _, _, qa, sa, qb, sb = _operands(r.forward, m, k, n, len(sizes), seed)
+        if cols:
+            qb = qb.transpose(1, 2).contiguous().transpose(1, 2)
+        g = torch.Generator().manual_seed(seed)
+        x, dy = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+        qx, sx = S.quantize_wgrad_operand(x, offs, r.wgrad.lhs)
+        qdy, sdy = S.quantize_wgrad_operand(dy, offs, r.wgrad.rhs)
+
+        def both():
+            fwd = ops_q.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
+            return fwd, ops_q.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, 32, bf)
+
+        with _cpu_probe.force(threads_mm="native", gemm_kernel="native"):
+            got = _both_thread_counts(both)
+            with mock.patch.object(S, "_mx_pieces", lambda *args: False):
+                want = _both_thread_counts(both)
+        for t in range(2):
+            for i, what in enumerate(("forward", "wgrad")):
+                _same_bits(self, got[t][i], want[t][i], f"{what} {sizes} {k} {n} {cols} t{t + 1}")
 
 
 class TestStrategyReach(TestCase):
