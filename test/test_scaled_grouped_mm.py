@@ -350,16 +350,16 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                 a_h, b_h = (S._dequantize_operands(qa, qb, sa, sb, 32, 1)[i].to(bf) for i in (0, 1))
                 x_h = S._dequantize_wgrad_operand(qx, sx, offs, 32).to(bf)
                 dy_h = S._dequantize_wgrad_operand(qdy, sdy, offs, 32).to(bf)
-                for threads, kernel in itertools.product((1, 2), ("native", "aten")):
-                    msg = f"k={k} cols={cols} threads={threads} threads_mm={kernel}"
+                ways = (("native", "as_is"), ("native", "transpose"), ("aten", "as_is"))
+                for threads, (kernel, wgrad_a) in itertools.product((1, 2), ways):
+                    msg = f"k={k} cols={cols} threads={threads} {kernel} {wgrad_a}"
                     spy = mock.MagicMock(wraps=mod)
-                    with (
-                        intra_op_threads(threads),
-                        # (aten: torch._grouped_mm where aligned, else the loop)
-                        _cpu_probe.force(
-                            threads_mm=kernel, gemm_kernel="native", grouped_mm="torch"
-                        ),
-                    ):
+                    # the threaded kernel's native GEMM (its operands as they are, more
+                    # rows than the few-rows kernel's), the weight gradient's x^T read or
+                    # copied by pieces; aten: torch._grouped_mm where aligned, else the loop
+                    probe = dict(threads_mm=kernel, gemm_kernel="native", grouped_mm="torch")
+                    probe.update(layout="as_is", few_gemm="aten", wgrad_a=wgrad_a)
+                    with intra_op_threads(threads), _cpu_probe.force(probe):
                         want = S.grouped_mm(a_h, b_h, offs)
                         want_w = S.grouped_mm_wgrad(x_h, dy_h, offs)
                         with mock.patch.object(S._native, "kernels", lambda s=spy: s):

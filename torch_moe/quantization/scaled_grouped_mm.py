@@ -36,8 +36,8 @@ literally (quantize ops -> dequantize -> fp32 ``grouped_mm``), except where the 
 multiplies bf16 natively and the output is bf16: MX operands go through the bf16 grouped
 GEMM (their dequantized elements are bf16 values: the same math in another summation
 order, :func:`_mx_in_bf16`; where its route is the native GEMM's pieces, each piece
-dequantized as the GEMM takes it, :func:`_mx_pieces`), and the FP8 recipes multiply the codes in bf16, each k
-block's fp32 sums times the product of its row's and its column's scale inside the GEMM's
+dequantized as the GEMM takes it, :func:`_mx_pieces`), and the FP8 recipes multiply the
+codes in bf16, each k block's fp32 sums times the product of its row's and its column's scale inside the GEMM's
 tiles (blockwise, :func:`_blocks_in_bf16`, as the GPU kernels' main loop; scales constant
 along the reduction, :func:`_codes_in_bf16`, repeated per block of the GEMM's own); GEMMs
 a recipe keeps in bf16 cast the operands to bf16. On CUDA the
