@@ -878,6 +878,29 @@ std::vector<RowPiece> row_pieces(const int32_t* ends, int64_t E, int64_t most, i
   return pieces;
 }
 
+// The forward kernels' operands: a [M, K] row-major, b [E, K, N] with each expert row- or
+// column-major, out [M, N], row_scale [M, KS] and col_scale [E, KS, cols] (at least cols
+// where not `exact`) contiguous fp32, offs [E] (its dtype, layout and values: group_ends).
+bool forward_operands(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
+                      const at::Tensor& col_scale, const at::Tensor& offs, const at::Tensor& out,
+                      int64_t KS, int64_t cols, bool exact) {
+  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
+  return b.size(1) == K && out.size(0) == M && out.size(1) == N &&
+         (a.stride(1) == 1 || K <= 1) && (b.stride(2) == 1 || b.stride(1) == 1) &&
+         row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
+         row_scale.dim() == 2 && row_scale.size(0) == M && row_scale.size(1) == KS &&
+         col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
+         col_scale.dim() == 3 && col_scale.size(0) == E && col_scale.size(1) == KS &&
+         (exact ? col_scale.size(2) == cols : col_scale.size(2) >= cols) && offs.dim() == 1 &&
+         offs.size(0) == E;
+}
+
+// Rows of a forward kernel's out at or past the last group's end zeroed.
+void zero_past_groups(at::Tensor& out, const int32_t* ends, int64_t E) {
+  const int64_t end = E ? ends[E - 1] : 0, M = out.size(0);
+  if (end < M) out.narrow(0, end, M - end).zero_();
+}
+
 // The weight-gradient kernels' operands: a [M, K] and b [M, N] row-major, out [E, K, N],
 // row_scale [NB, K] and col_scale [NB, cols] (at least cols where not `exact`) contiguous
 // fp32.
@@ -961,15 +984,7 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   }
   const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
   const int64_t KS = (K + block_k - 1) / block_k, Np = (N + 63) / 64 * 64;
-  if (b.size(1) != K || out.size(0) != M || out.size(1) != N || (a.stride(1) != 1 && K > 1) ||
-      (b.stride(2) != 1 && b.stride(1) != 1) || row_scale.scalar_type() != at::kFloat ||
-      !row_scale.is_contiguous() || row_scale.dim() != 2 || row_scale.size(0) != M ||
-      row_scale.size(1) != KS || col_scale.scalar_type() != at::kFloat ||
-      !col_scale.is_contiguous() || col_scale.dim() != 3 || col_scale.size(0) != E ||
-      col_scale.size(1) != KS || col_scale.size(2) < Np || offs.dim() != 1 ||
-      offs.size(0) != E) {  // (offs' dtype, layout and values: group_ends)
-    return false;
-  }
+  if (!forward_operands(a, b, row_scale, col_scale, offs, out, KS, Np, false)) return false;
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
   const bool codes = a.scalar_type() == at::kFloat8_e4m3fn;
@@ -1007,8 +1022,7 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
     return torch_moe_cpu::bf16_gemm_scaled(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, &sc, {}, {},
                                            stream);
   });
-  const int64_t end = E ? ends[E - 1] : 0;
-  if (end < M) out.narrow(0, end, M - end).zero_();
+  zero_past_groups(out, ends, E);
   return true;
 }
 
@@ -1022,8 +1036,8 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
 // more) contiguous fp32, the groups' block rows in order (quantize_jagged's layout:
 // ceil(rows / block) each, NB at least their sum), block even. Pieces of a group's output
 // rows (k_pieces) shared out over the threads; a bf16 out by non-temporal stores where
-// out_streams. False without touching out where the native
-// GEMM does not run here or the operands are not these.
+// out_streams. False without touching out where the native GEMM does not run here or the
+// operands are not these.
 bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& row_scale, const at::Tensor& col_scale,
                                const at::Tensor& offs, int64_t block, at::Tensor& out,
@@ -1079,11 +1093,11 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
 // underflow) into the calling thread's scratch just before the piece's GEMM reads them,
 // then the unscaled bf16 GEMM (bf16_gemm: the grouped GEMM's own native kernel, AMX tiles
 // where they are on) into a bf16 output (by non-temporal stores where out_streams). The
-// same products as dequantizing both operands
-// to bf16 copies and multiplying them by the threaded grouped GEMM's native pieces (its
-// pieces cut groups by output columns or weight-gradient rows, never the reduction, and
-// a sum's bits do not depend on the pieces), without the copies: each operand written in
-// full and read back by the GEMM, 6-7% of an mxfp8 layer step on the Zen 4 measured.
+// same products as dequantizing both operands to bf16 copies and multiplying them by the
+// threaded grouped GEMM's native pieces (its pieces cut groups by output columns or
+// weight-gradient rows, never the reduction, and a sum's bits do not depend on the
+// pieces), without the copies: each operand written in full and read back by the GEMM,
+// 6-7% of an mxfp8 layer step on the Zen 4 measured.
 
 // out [M, N] bf16: the rows of group g (offs' ends) times b[g] [K, N], a's element (m, k)
 // times row_scale[m, k / block_k] and b[g]'s (k, n) times col_scale[g, k / block_k, n];
@@ -1103,15 +1117,7 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
   }
   const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
   const int64_t KS = (K + block_k - 1) / block_k;
-  if (b.size(1) != K || out.size(0) != M || out.size(1) != N || (a.stride(1) != 1 && K > 1) ||
-      (b.stride(2) != 1 && b.stride(1) != 1) || row_scale.scalar_type() != at::kFloat ||
-      !row_scale.is_contiguous() || row_scale.dim() != 2 || row_scale.size(0) != M ||
-      row_scale.size(1) != KS || col_scale.scalar_type() != at::kFloat ||
-      !col_scale.is_contiguous() || col_scale.dim() != 3 || col_scale.size(0) != E ||
-      col_scale.size(1) != KS || col_scale.size(2) != N || offs.dim() != 1 ||
-      offs.size(0) != E) {  // (offs' dtype, layout and values: group_ends)
-    return false;
-  }
+  if (!forward_operands(a, b, row_scale, col_scale, offs, out, KS, N, true)) return false;
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
   static const Bf16Codes bf16_codes;
@@ -1152,8 +1158,7 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
     auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, cols);
     return torch_moe_cpu::bf16_gemm(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, {}, {}, stream);
   });
-  const int64_t end = E ? ends[E - 1] : 0;
-  if (end < M) out.narrow(0, end, M - end).zero_();
+  zero_past_groups(out, ends, E);
   return true;
 #else
   (void)a, (void)b, (void)row_scale, (void)col_scale, (void)offs, (void)block_k, (void)out;

@@ -417,10 +417,10 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
             phase,
             weight_bytes=0.0 if gemm_name == "wgrad" else rhs_elems,
         )
-        if mx_bf16 and _mx_pieces_here(El, M, k, n, gemm_name == "wgrad"):
-            pass  # each piece dequantized in the GEMM's kernel, the output bf16 already
-        elif mx_bf16:  # the dequantized operands cast, the output bf16 already
-            c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
+        if mx_bf16:  # the output bf16 already; the dequantized operands cast, unless each
+            # piece is dequantized in the GEMM's kernel
+            if not _mx_pieces_here(El, M, k, n, gemm_name == "wgrad"):
+                c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
         elif c.cpu and not codes:  # (codes: each piece converted in the GEMM's kernel)
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", out_elems, phase)
 

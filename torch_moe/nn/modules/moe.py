@@ -1126,9 +1126,8 @@ class MoE(nn.Module):
         B's rows travel, A's combine is issued before B's experts run, and both combines are
         waited last (on every rank whatever its tokens: a rank of 0 or 1 tokens has an empty
         micro-batch, whose exchanges its peers wait on). Every token's rows meet the same
-        experts as in one batch; each
-        expert GEMM sees half the rows, which a CPU BLAS may round differently (measured:
-        at most 1 fp32 ulp)."""
+        experts as in one batch; each expert GEMM sees half the rows, which a CPU BLAS may
+        round differently (measured: at most 1 fp32 ulp)."""
         d = cast(Any, self.dispatcher)
         T = x_TD.shape[0]
         chunk = (0, d.num_local)
