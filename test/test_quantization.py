@@ -1,9 +1,12 @@
 # Owner(s): ["module: moe"]
 """Tests for torch_moe.quantization: FP8 / MXFP8 reference quantizers and scaled_grouped_mm."""
 
+import contextlib
 import importlib
 import itertools
 import math
+import unittest
+from collections.abc import Iterator
 
 import naive
 import tolerances
@@ -459,6 +462,78 @@ class TestQuantizeFP8CPUKernel(TestCase):
                 )
                 self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
         self.assertEqual(calls, [], msg="the kernel fell back to the reference")
+
+    def test_every_bf16_value(self):
+        # bf16 x takes its own AVX-512 form (32 values a step, unpacked and permuted back,
+        # an MX block's exact reciprocal): every finite bf16 value, rows of neighbouring
+        # magnitudes (their codes across the top binades, subnormal codes and divisors)
+        # shuffled within each row, rows of 100 (a 4-value tail past 96) and of 61; rows
+        # with an inf (FP8: an inf divisor, ATen's default NaN), a NaN, -0, all zeros
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        gen = torch.Generator().manual_seed(17)
+        bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+        values = bits.view(torch.bfloat16)
+        finite = values[values.float().isfinite()]
+        finite = finite[finite.float().abs().argsort(stable=True)]
+        special = torch.tensor(
+            [float("inf"), -float("inf"), float("nan"), -0.0, 0.0, 3.0, -1e-40, 448.0],
+            dtype=torch.bfloat16,
+        )
+        # (flush-to-zero: a divisor that is an fp32 denormal reads as zero, 0 / 0 is
+        # ATen's negative NaN; an MX divisor of 2^-127 has no reciprocal there)
+        fp8_cases = itertools.product(
+            (100, 61), [(1, -1), (1, 32), (1, 48), (2, 3), (128, 128), (-1, 1)], (False, True)
+        )
+        for cols, block, flush in fp8_cases:
+            rows = finite.numel() // cols
+            x = finite[: rows * cols].view(rows, cols)
+            x = x.gather(1, torch.rand(rows, cols, generator=gen).argsort(dim=1))
+            extra = special[torch.randint(0, special.numel(), (6, cols), generator=gen)]
+            extra[4] = 0
+            x = torch.cat([x, extra, x[:3].neg()])
+            with flush_denormals(flush):
+                want_q, want_s = Qm.quantize_fp8_reference(x, block)
+                q, scale = torch.ops.torch_moe.quantize_fp8(x, list(block))
+            msg = f"fp8 cols={cols} {block} flush={flush}"
+            self.assertEqual(
+                q.view(torch.uint8), want_q.contiguous().view(torch.uint8), atol=0, rtol=0, msg=msg
+            )
+            self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
+        cases = itertools.product((0, 1), (32, 16, 1), ("floor", "rceil"), (False, True))
+        for dim, mx_block, rule, flush in cases:
+            cols = 96
+            rows = finite.numel() // cols // 32 * 32
+            x = finite[: rows * cols].view(rows, cols)
+            x = x.gather(1, torch.rand(rows, cols, generator=gen).argsort(dim=1))
+            extra = special[torch.randint(0, special.numel(), (32, cols), generator=gen)]
+            x = torch.cat([x, extra])
+            with flush_denormals(flush):
+                want_q, want_s = Qm.quantize_mx_reference(
+                    x, dim=dim, block=mx_block, scale_rule=rule
+                )
+                q, scale = torch.ops.torch_moe.quantize_mx(x, dim, mx_block, rule)
+            msg = f"mx dim={dim} block={mx_block} {rule} flush={flush}"
+            self.assertEqual(q.view(torch.uint8), want_q.view(torch.uint8), atol=0, rtol=0, msg=msg)
+            self.assertEqual(scale, want_s, atol=0, rtol=0, msg=msg)
+
+
+@contextlib.contextmanager
+def flush_denormals(flush: bool) -> Iterator[None]:
+    """With ``flush``: fp32 denormals flushed to zero (``torch.set_flush_denormal``) on one
+    intra-op thread (the mode is the calling thread's: on torch's other threads, ATen's
+    ops and ours alike would run without it), both restored after."""
+    if not flush:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if not torch.set_flush_denormal(True):
+            raise unittest.SkipTest("no flush-to-zero mode on this CPU")
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
 
 
 def _fp32_probes():
