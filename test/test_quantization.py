@@ -475,10 +475,18 @@ class TestQuantizeFP8CPUKernel(TestCase):
         values = bits.view(torch.bfloat16)
         finite = values[values.float().isfinite()]
         finite = finite[finite.float().abs().argsort(stable=True)]
-        special = torch.tensor(
-            [float("inf"), -float("inf"), float("nan"), -0.0, 0.0, 3.0, -1e-40, 448.0],
-            dtype=torch.bfloat16,
+        # specials: infinities, NaNs (quiet and signalling payloads, either sign), zeros, a
+        # denormal; rows without NaN (a block's largest magnitude inf), rows whose only
+        # NaN is the smallest signalling one
+        special = (
+            torch.tensor(
+                [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x8000, 0, 0x4040, 0x8001, 0x43E0],
+                dtype=torch.int32,
+            )
+            .to(torch.int16)
+            .view(torch.bfloat16)
         )
+        no_nan, small_nan = special[[0, 1, 5, 6, 7, 8, 9]], special[[3, 5, 6, 7, 8, 9]]
         # (flush-to-zero: a divisor that is an fp32 denormal reads as zero, 0 / 0 is
         # ATen's negative NaN; an MX divisor of 2^-127 has no reciprocal there)
         fp8_cases = itertools.product(
@@ -489,6 +497,8 @@ class TestQuantizeFP8CPUKernel(TestCase):
             x = finite[: rows * cols].view(rows, cols)
             x = x.gather(1, torch.rand(rows, cols, generator=gen).argsort(dim=1))
             extra = special[torch.randint(0, special.numel(), (6, cols), generator=gen)]
+            extra[2:4] = small_nan[torch.randint(0, small_nan.numel(), (2, cols), generator=gen)]
+            extra[4:] = no_nan[torch.randint(0, no_nan.numel(), (2, cols), generator=gen)]
             extra[4] = 0
             x = torch.cat([x, extra, x[:3].neg()])
             with flush_denormals(flush):
@@ -505,7 +515,9 @@ class TestQuantizeFP8CPUKernel(TestCase):
             rows = finite.numel() // cols // 32 * 32
             x = finite[: rows * cols].view(rows, cols)
             x = x.gather(1, torch.rand(rows, cols, generator=gen).argsort(dim=1))
-            extra = special[torch.randint(0, special.numel(), (32, cols), generator=gen)]
+            extra = special[torch.randint(0, special.numel(), (96, cols), generator=gen)]
+            extra[32:64] = no_nan[torch.randint(0, no_nan.numel(), (32, cols), generator=gen)]
+            extra[64:] = small_nan[torch.randint(0, small_nan.numel(), (32, cols), generator=gen)]
             x = torch.cat([x, extra])
             with flush_denormals(flush):
                 want_q, want_s = Qm.quantize_mx_reference(

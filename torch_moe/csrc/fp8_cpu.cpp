@@ -698,6 +698,10 @@ class Bf16Quantizer {
     }
     low_ = _mm512_load_si512(lo);
     high_ = _mm512_load_si512(hi);
+    alignas(64) int32_t first[16], second[16];  // the elements in lo's lanes, in hi's
+    for (int i = 0; i < 32; ++i) (i % 8 < 4 ? first : second)[unpacked_lane(i) % 16] = i;
+    lanes_lo_ = _mm512_load_si512(first);
+    lanes_hi_ = _mm512_load_si512(second);
   }
   // Element i's lane among the 32 of [lo, hi].
   static int unpacked_lane(int i) { return 4 * (i / 8) + i % 4 + (i % 8 >= 4 ? 16 : 0); }
@@ -707,6 +711,12 @@ class Bf16Quantizer {
   // 32 bf16 values (the first n, zeros past them where n < 32).
   static __m512i load(const c10::BFloat16* p, int64_t n) {
     return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(first(n), p);
+  }
+  // 32 floats, one per element, into their unpacked lanes (o: lo's 16, then hi's).
+  void unpack_lanes(const float* v, float* o) const {
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    _mm512_storeu_ps(o, _mm512_permutex2var_ps(a, lanes_lo_, b));
+    _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a, lanes_hi_, b));
   }
   static __m512i magnitudes(__m512i x) { return _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF)); }
   // The codes of x / d (kMul: x * d, d the divisor's exact reciprocal), d in the unpacked
@@ -749,8 +759,84 @@ class Bf16Quantizer {
     const __m512i magic = _mm512_add_epi32(binade, _mm512_set1_epi32(20 << 23));
     return _mm512_castps_si512(_mm512_add_ps(mag, _mm512_castsi512_ps(magic)));
   }
-  __m512i low_, high_;
+  __m512i low_, high_, lanes_lo_, lanes_hi_;
 };
+
+// Each block's largest of the columns' maxima (cmax: cols 16-bit magnitudes, zeros past
+// cols to a whole vector), blocks of `block` columns, a multiple of 32, as fp32 bits into
+// bmax: 16 blocks a step, each block's vectors reduced to one (its words' pairs to the
+// larger in both halves of each 32-bit lane: the lanes order as the larger words), then
+// the 16 vectors to one by halving the lanes at each of four levels of two-register
+// shuffles (94 operations for 16 blocks, where a reduction each took ~200), the block of
+// lane i then the one a vpermd puts there.
+void block_maxima(const uint16_t* cmax, int64_t cols, int64_t block, uint32_t* bmax) {
+  const int64_t nb = (cols + block - 1) / block;
+  alignas(64) static constexpr int32_t kOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13,
+                                                     2, 6, 10, 14, 3, 7, 11, 15};
+  const __m512i order = _mm512_load_si512(kOrder);
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    __m512i w[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t j0 = (b0 + i) * block, j1 = std::min(cols, j0 + block);
+      __m512i m = _mm512_setzero_si512();
+      for (int64_t j = j0; j < j1; j += 32) m = _mm512_max_epu16(m, _mm512_loadu_si512(cmax + j));
+      w[i] = _mm512_max_epu16(m, _mm512_rol_epi32(m, 16));
+    }
+    __m512i t[8], u[4];
+    for (int p = 0; p < 8; ++p) {  // 8 lanes of each of a pair
+      t[p] = _mm512_max_epu32(_mm512_shuffle_i32x4(w[2 * p], w[2 * p + 1], 0x44),
+                              _mm512_shuffle_i32x4(w[2 * p], w[2 * p + 1], 0xEE));
+    }
+    for (int p = 0; p < 4; ++p) {  // 4 lanes each: a 128-bit lane a block
+      u[p] = _mm512_max_epu32(_mm512_shuffle_i32x4(t[2 * p], t[2 * p + 1], 0x88),
+                              _mm512_shuffle_i32x4(t[2 * p], t[2 * p + 1], 0xDD));
+    }
+    const __m512i x0 = _mm512_max_epu32(_mm512_unpacklo_epi32(u[0], u[1]),
+                                        _mm512_unpackhi_epi32(u[0], u[1]));
+    const __m512i x1 = _mm512_max_epu32(_mm512_unpacklo_epi32(u[2], u[3]),
+                                        _mm512_unpackhi_epi32(u[2], u[3]));
+    const __m512i y = _mm512_max_epu32(_mm512_unpacklo_epi64(x0, x1),
+                                       _mm512_unpackhi_epi64(x0, x1));  // lane 4L + k: 4k + L
+    const __m512i bits = _mm512_and_si512(_mm512_permutexvar_epi32(order, y),
+                                          _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+    const __mmask16 k =
+        nb - b0 >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (nb - b0)) - 1);
+    _mm512_mask_storeu_epi32(bmax + b0, k, bits);
+  }
+}
+
+// MX blocks' scales from their largest magnitudes' bits (block_divisor's rules 1 "floor"
+// and 2 "rceil", 16 blocks a step): e = frexp's exponent - 9 = the biased exponent - 135
+// (+1 under rceil where frexp's mantissa, in [0.5, 1), is over 0.875: the field over
+// 0x600000), -9 (-8) for inf (frexp's exponent 0, its mantissa inf), -127 for NaN, at
+// least -127 (zero and denormals, whose exponent frexp would take from their bits, at most
+// -134 either way: -127; a number's e at most 120, within the clamp's 127); stored as e + 127 into s, and the divisor's reciprocal 2^-e
+// (exact) into recip. False where a divisor is 2^-127, an fp32 denormal (zero under
+// flush-to-zero: quantize_block_row_bf16's general form then).
+bool mx_reciprocals(const uint32_t* bits, int64_t nb, int rule, uint8_t* s, float* recip) {
+  __mmask16 denormal_divisor = 0;
+  for (int64_t i = 0; i < nb; i += 16) {
+    const __mmask16 k =
+        nb - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (nb - i)) - 1);
+    const __m512i b = _mm512_maskz_loadu_epi32(k, bits + i);
+    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(135));
+    if (rule == 2) {
+      const __mmask16 up = _mm512_cmpgt_epi32_mask(
+          _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFF)), _mm512_set1_epi32(0x600000));
+      e = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
+    }
+    e = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0x7F800000)),
+                              _mm512_set1_epi32(rule == 2 ? -8 : -9));
+    e = _mm512_mask_mov_epi32(e, _mm512_cmpgt_epu32_mask(b, _mm512_set1_epi32(0x7F800000)),
+                              _mm512_set1_epi32(-127));
+    e = _mm512_max_epi32(e, _mm512_set1_epi32(-127));  // (at most 120 here)
+    _mm_mask_storeu_epi8(s + i, k, _mm512_cvtepi32_epi8(_mm512_add_epi32(e, _mm512_set1_epi32(127))));
+    denormal_divisor |= k & _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(-127));
+    _mm512_mask_storeu_epi32(recip + i, k,  // 2^-e
+                             _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), e), 23));
+  }
+  return denormal_divisor == 0;
+}
 
 // quantize_block_row for bf16 x by Bf16Quantizer: the columns' maxima in 16-bit lanes (a
 // bf16 magnitude's bits order as its value, NaN's above inf's), then each block's divisor
@@ -765,11 +851,14 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
                              uint8_t* o, void* s, int rule) {
   static const Bf16Quantizer quantizer;
   thread_local std::vector<uint16_t> col_max;
+  thread_local std::vector<uint32_t> block_max;
   thread_local std::vector<float> col_div, divisors;
   const int64_t padded = (cols + 31) / 32 * 32, nb = (cols + block - 1) / block;
   if (static_cast<int64_t>(col_max.size()) < padded) col_max.resize(padded);
-  if (static_cast<int64_t>(divisors.size()) < nb) divisors.resize(nb);
+  if (static_cast<int64_t>(block_max.size()) < padded) block_max.resize(padded);
+  if (static_cast<int64_t>(divisors.size()) < padded) divisors.resize(padded);
   uint16_t* const cmax = col_max.data();
+  uint32_t* const bmax = block_max.data();
   float* const divisor = divisors.data();
   for (int64_t r = 0; r < br; ++r) {  // (loads zero-fill past cols: padded lanes 0)
     const c10::BFloat16* xr = x + r * cols;
@@ -778,28 +867,44 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
       _mm512_storeu_si512(cmax + j, r > 0 ? _mm512_max_epu16(_mm512_loadu_si512(cmax + j), m) : m);
     }
   }
+  // Each block's largest magnitude as fp32 bits.
   const bool whole = block % 32 == 0 || nb == 1;  // a step's 32 columns in one block
-  const bool exact_reciprocals = rule != 0;
-  for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
-    const int64_t j1 = std::min(cols, j0 + block);
-    uint32_t bits = 0;
-    if (whole) {
-      auto m = _mm512_setzero_si512();
-      for (int64_t j = j0; j < j1; j += 32) m = _mm512_max_epu16(m, _mm512_loadu_si512(cmax + j));
-      const __m512i wide = _mm512_max_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m)),
-                                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1)));
-      bits = static_cast<uint32_t>(_mm512_reduce_max_epi32(wide)) << 16;
-    } else {
-      for (int64_t j = j0; j < j1; ++j) bits = std::max<uint32_t>(bits, uint32_t{cmax[j]} << 16);
+  if (block == 1) {
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cmax + j));
+      _mm512_storeu_si512(bmax + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(m), 16));
     }
-    float amax;
-    std::memcpy(&amax, &bits, sizeof(amax));
-    const float d = block_divisor(amax, bits > 0x7F800000u, rule, s, b);
-    if (std::isinf(d) || d < 0x1p-126f) return false;
-    divisor[b] = d;
+  } else if (block % 32 == 0) {
+    block_maxima(cmax, cols, block, bmax);
+  } else {
+    for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
+      const int64_t j1 = std::min(cols, j0 + block);
+      uint32_t bits = 0;
+      if (whole) {
+        auto m = _mm512_setzero_si512();
+        for (int64_t j = j0; j < j1; j += 32) m = _mm512_max_epu16(m, _mm512_loadu_si512(cmax + j));
+        const __m512i wide =
+            _mm512_max_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m)),
+                             _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1)));
+        bits = static_cast<uint32_t>(_mm512_reduce_max_epi32(wide)) << 16;
+      } else {
+        for (int64_t j = j0; j < j1; ++j) bits = std::max<uint32_t>(bits, uint32_t{cmax[j]} << 16);
+      }
+      bmax[b] = bits;
+    }
   }
+  // Each block's scale stored, and its divisor (FP8) or the divisor's reciprocal (MX).
+  const bool exact_reciprocals = rule != 0;
   if (exact_reciprocals) {
-    for (int64_t b = 0; b < nb; ++b) divisor[b] = 1.0f / divisor[b];
+    if (!mx_reciprocals(bmax, nb, rule, static_cast<uint8_t*>(s), divisor)) return false;
+  } else {
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax;
+      std::memcpy(&amax, &bmax[b], sizeof(amax));
+      const float d = block_divisor(amax, bmax[b] > 0x7F800000u, rule, s, b);
+      if (std::isinf(d) || d < 0x1p-126f) return false;
+      divisor[b] = d;
+    }
   }
   auto codes = [&](auto mul) {
     constexpr bool kMul = decltype(mul)::value;
@@ -817,13 +922,18 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
       }
       return;
     }
-    // Each column's divisor in its unpacked lane ([lo 16, hi 16] per 32 columns; 1 past cols).
-    if (static_cast<int64_t>(col_div.size()) < padded) col_div.resize(padded);
+    // Each column's divisor in its unpacked lane ([lo 16, hi 16] per 32 columns; 1 past
+    // cols): in the columns' order first (block 1: the blocks'), then permuted.
+    if (static_cast<int64_t>(col_div.size()) < 2 * padded) col_div.resize(2 * padded);
     float* const cdiv = col_div.data();
-    for (int64_t j = 0; j < padded; ++j) {
-      cdiv[j / 32 * 32 + Bf16Quantizer::unpacked_lane(static_cast<int>(j % 32))] =
-          j < cols ? divisor[j / block] : 1.0f;
+    float* const in_order = block == 1 ? divisor : cdiv + padded;
+    if (block != 1) {
+      for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
+        std::fill(in_order + j0, in_order + std::min(cols, j0 + block), divisor[b]);
+      }
     }
+    std::fill(in_order + cols, in_order + padded, 1.0f);
+    for (int64_t j = 0; j < cols; j += 32) quantizer.unpack_lanes(in_order + j, cdiv + j);
     for (int64_t r = 0; r < br; ++r) {
       const c10::BFloat16* xr = x + r * cols;
       uint8_t* orow = o + r * cols;
@@ -861,10 +971,13 @@ struct BlockRow {
 
 // quantize_block_row on every block row task(i), i in [0, n) (column blocks of `block`),
 // in parallel (tasks of about `task_elems` elements); the operands checked by the caller.
+// `flat`: each task's rows are one row of blocks (blocks of one row, a whole number of them
+// per row: the same blocks, their scales in order).
 template <class F>
 void quantize_block_rows(const at::Tensor& x, int64_t block, at::Tensor& q, at::Tensor& scale,
-                         int64_t rule, int64_t n, int64_t task_elems, const F& task) {
-  const int64_t cols = x.size(1);
+                         int64_t rule, int64_t n, int64_t task_elems, const F& task,
+                         bool flat = false) {
+  const int64_t width = x.size(1);
   auto* o = reinterpret_cast<uint8_t*>(q.mutable_data_ptr());
   auto* s = static_cast<char*>(scale.mutable_data_ptr());
   const int64_t scale_row = scale.size(1) * scale.element_size();
@@ -873,16 +986,18 @@ void quantize_block_rows(const at::Tensor& x, int64_t block, at::Tensor& q, at::
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();
     for_rows(n, task_elems, [&](int64_t i) {
-      const BlockRow b = task(i);
+      BlockRow b = task(i);
+      const int64_t cols = flat ? b.rows * width : width;
+      if (flat) b.rows = 1;
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (quantize_block_row_bf16(xp + b.r0 * cols, b.rows, cols, block, o + b.r0 * cols,
+        if (quantize_block_row_bf16(xp + b.r0 * width, b.rows, cols, block, o + b.r0 * width,
                                     s + b.srow * scale_row, r)) {
           return;
         }
       }
 #endif
-      quantize_block_row(xp + b.r0 * cols, b.rows, cols, block, o + b.r0 * cols,
+      quantize_block_row(xp + b.r0 * width, b.rows, cols, block, o + b.r0 * width,
                          s + b.srow * scale_row, r);
     });
   };
@@ -895,6 +1010,9 @@ void quantize_block_rows(const at::Tensor& x, int64_t block, at::Tensor& q, at::
   }
 }
 
+// fp8_quantize_rows' flat tasks' elements (bf16: 8 KiB, within L1 for the codes' pass).
+constexpr int64_t kFlatElems = 4096;
+
 bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tensor& q,
                        at::Tensor& scale, int64_t rule) {
   if (!quantizer_operands(x, q, scale, rule) || block < 1 || br < 1) return false;
@@ -902,6 +1020,18 @@ bool fp8_quantize_rows(const at::Tensor& x, int64_t br, int64_t block, at::Tenso
   const int64_t nr = (rows + br - 1) / br;
   if (scale.size(0) != nr || scale.size(1) != std::max<int64_t>(nc, 1)) return false;
   if (x.numel() == 0) return true;
+  if (br == 1 && cols % block == 0) {
+    // Rows of one-row blocks that tile them (rowwise FP8, MX along rows) in flat tasks of
+    // about kFlatElems elements: each task's per-row work (its blocks' maxima reduced and
+    // their divisors formed 16 at a time, the buffers) shared by its rows.
+    const int64_t per = std::max<int64_t>(1, kFlatElems / cols);
+    quantize_block_rows(x, block, q, scale, rule, (rows + per - 1) / per, per * cols,
+                        [&](int64_t i) {
+                          return BlockRow{i * per, std::min(per, rows - i * per), i * per};
+                        },
+                        /*flat=*/true);
+    return true;
+  }
   quantize_block_rows(x, block, q, scale, rule, nr, br * cols, [&](int64_t i) {
     return BlockRow{i * br, std::min(br, rows - i * br), i};
   });
