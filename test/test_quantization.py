@@ -657,6 +657,44 @@ class TestFP8NativeConversions(TestCase):
                     expect = expect.masked_fill(want.isnan(), -1)
                 self.assertEqual(out.view(bits), expect, atol=0, rtol=0)
 
+    def test_dequantize_by_powers_of_two_equals_aten(self):
+        # MX's scales, powers of two, into bf16 (the exponent added to the values' bits
+        # where every product stays normal, 2^-117 to 2^119): every code times every power
+        # of two from 2^-149 to 2^127 (products under- and overflowing, bf16 denormals), of
+        # either sign, and scales that are not such powers mixed into a step's 32 (NaN, inf,
+        # 0, 1.5, 3 * 2^-120): a scale per column, and per block of 32 and of 7
+        gen = torch.Generator().manual_seed(23)
+        powers = torch.tensor([2.0**e for e in range(-149, 128)])
+        # (1 + 2^-7 - 2^-23: a high half that of 1.0, a low half not zero)
+        others = torch.tensor(
+            [float("nan"), float("inf"), 0, 1.5, 3 * 2.0**-120, 1 + 2.0**-7 - 2.0**-23]
+        )
+        codes = torch.arange(256, dtype=torch.uint8)
+        # (rows of 70 columns: a last step of 6)
+        for bc, mixed, cols in itertools.product((1, 32, 7), (False, True), (96, 70)):
+            rows = powers.numel() * 2
+            q = codes[torch.randint(0, 256, (rows, cols), generator=gen)].view(torch.float8_e4m3fn)
+            nc = -(-cols // bc)
+            scale = powers.repeat(2)[torch.randperm(rows, generator=gen)][:, None].repeat(1, nc)
+            scale[rows // 2 :] = scale[rows // 2 :].neg()
+            if bc == 1:  # each row's scales: its power, and others drawn from all of them
+                # (every other row: from those the exponent addition takes)
+                pick = torch.randint(0, powers.numel(), (rows, nc), generator=gen)
+                pick[::2] = pick[::2] % (119 + 118) + (149 - 117)
+                keep = torch.rand(rows, nc, generator=gen) < 0.5
+                keep[::2] = False
+                scale = torch.where(keep, scale, powers[pick]) * scale.sign()
+            if mixed:
+                at = torch.randint(0, nc, (rows,), generator=gen)
+                extra = others[torch.randint(0, others.numel(), (rows,), generator=gen)]
+                scale[torch.arange(rows), at] = extra
+            want = q.float() * scale.repeat_interleave(bc, 1)[:, :cols]
+            out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
+            self.assertTrue(self.mod.fp8_dequantize_scaled(q, scale, None, 1, bc, out))
+            expect = want.bfloat16().view(torch.int16).masked_fill(want.isnan(), -1)
+            msg = f"bc={bc} mixed={mixed} cols={cols}"
+            self.assertEqual(out.view(torch.int16), expect, atol=0, rtol=0, msg=msg)
+
     def test_layouts(self):
         gen = torch.Generator().manual_seed(5)
         base = torch.randn(6, 9, 37, generator=gen) * 300

@@ -230,6 +230,45 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                         u.view(torch.int32), v.view(torch.int32), atol=0, rtol=0, msg=msg
                     )
 
+    def test_stacked_experts_dequantize_in_one_call(self):
+        """Every recipe's weights (row- and column-major experts, 128 x 128 and per-column
+        blocks, MX's along k) dequantize in one native call for all experts, into fp32 and
+        bf16, with the per-expert calls' bits; other layouts (a strided slice of experts)
+        take the per-expert calls."""
+        from unittest import mock
+
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        mod = Qm._fp8_kernels(torch.empty(0))
+        if mod is None or not Qm.native_fp8_conversions():
+            self.skipTest("the native e4m3 kernels do not run here")
+        gen = torch.Generator().manual_seed(6)
+        w = torch.randn(5, 256, 160, generator=gen) / 8
+        for recipe, name, dtype in itertools.product(
+            ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8"),
+            ("forward", "dgrad", "sliced"),
+            (torch.float32, torch.bfloat16),
+        ):
+            g = RECIPES[recipe].forward if name == "forward" else RECIPES[recipe].dgrad
+            b = w if name == "forward" else w.transpose(-2, -1)
+            qb, sb = S.quantize_rhs(b, g.rhs)
+            sbf = S._fp32_scales(sb)
+            if name == "sliced":  # every other expert: neither layout stacks
+                qb, sbf = qb[::2], sbf[::2]
+            want = torch.empty_like(qb, dtype=dtype)
+            for e in range(qb.shape[0]):
+                S._dequantize_native(qb[e], sbf[e], g.lhs.inner, g.rhs.outer, out=want[e])
+            spy = mock.MagicMock(wraps=mod)
+            with mock.patch.object(Qm, "_fp8_kernels", lambda t, spy=spy: spy):
+                got = S._dequantize_rhs_native(qb, sbf, g.lhs.inner, g.rhs.outer, dtype)
+            msg = f"{recipe} {name} {dtype}"
+            self.assertIsNotNone(got, msg=msg)
+            calls = spy.fp8_dequantize_scaled.call_count
+            self.assertEqual(calls, qb.shape[0] if name == "sliced" else 1, msg=msg)
+            if name != "sliced":  # (a dense copy of a slice: empty_like's strides)
+                self.assertEqual(got.stride(), qb.stride(), msg=msg)
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            self.assertEqual(got.view(bits), want.view(bits), atol=0, rtol=0, msg=msg)
+
     def test_mx_multiplies_in_bf16_where_native(self):
         """MX operands with a bf16 output: every dequantized element is a bf16 value, and
         the CPU kernels run the bf16 grouped GEMMs on them (the whole-operand form in bf16,

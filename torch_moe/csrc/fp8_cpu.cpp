@@ -460,18 +460,90 @@ inline void store16(uint16_t* o, __mmask16 k, __m512 v) {
   _mm256_mask_storeu_epi16(o, k, round16_bf16(v));
 }
 
+// Powers of two as scales of bf16 values (MX's E8M0 scales), 32 at a time in 16-bit lanes:
+// a scale 2^e with e in [-117, 119] multiplies every e4m3 value (0, NaN, or a magnitude in
+// [2^-9, 448]) into bf16's normal range, exactly: the product's bits are the value's with
+// e added to the exponent field (e << 7 added to the bits; not to a zero; NaN's product
+// ATen's 0xFFFF, as round16_bf16 rounds it). A scale's bits: a power of two in that range
+// has a zero low half and a high half of e + 127 above 7 zero bits (a negative one's high
+// half, its sign bit set, past kHigh).
+struct Pow2Scales {
+  static constexpr int16_t kLow = (127 - 117) << 7, kHigh = (127 + 119) << 7;
+  // the scale 2^e's steps (e << 7), and whether it is such a scale
+  static bool steps(float scale, __m512i& out) {
+    uint32_t bits;
+    std::memcpy(&bits, &scale, sizeof(bits));
+    const uint32_t high = bits >> 16;
+    out = _mm512_set1_epi16(static_cast<int16_t>(high - (127 << 7)));
+    return (bits & 0x7FFFFFu) == 0 && high >= static_cast<uint32_t>(kLow) &&
+           high <= static_cast<uint32_t>(kHigh);
+  }
+  // 32 scales' steps (the first n; 1.0's past them), and whether each is such a scale
+  static bool steps(const float* scale, int64_t n, __m512i& out) {
+    const __mmask16 k0 = static_cast<__mmask16>(Bf16Codes::first(n));
+    const __mmask16 k1 = static_cast<__mmask16>(n > 16 ? Bf16Codes::first(n - 16) : 0);
+    const __m512i one = _mm512_set1_epi32(0x3F800000);
+    const __m512i a = _mm512_mask_loadu_epi32(one, k0, scale);
+    const __m512i b = _mm512_mask_loadu_epi32(one, k1, scale + 16);
+    const __m512i low = _mm512_permutex2var_epi16(a, words(0), b);
+    const __m512i high = _mm512_permutex2var_epi16(a, words(1), b);
+    const __mmask32 ok =
+        _mm512_testn_epi16_mask(low, low) &
+        _mm512_testn_epi16_mask(high, _mm512_set1_epi16(0x7F)) &
+        _mm512_cmpge_epu16_mask(high, _mm512_set1_epi16(kLow)) &
+        _mm512_cmple_epu16_mask(high, _mm512_set1_epi16(kHigh));
+    out = _mm512_sub_epi16(high, _mm512_set1_epi16(127 << 7));
+    return ok == ~__mmask32{0};
+  }
+  // 32 codes' bf16 values times their scales (steps)
+  static __m512i apply(__m512i v, __m512i steps) {
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+    const __m512i r = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(mag, mag), v, steps);
+    return _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7FF0)),
+                                 _mm512_set1_epi16(-1));
+  }
+  // word `half` (0 low, 1 high) of each of 32 32-bit lanes of two registers, in order
+  static __m512i words(int half) {
+    alignas(64) static const auto table = [] {
+      std::array<std::array<uint16_t, 32>, 2> t{};
+      for (int i = 0; i < 32; ++i) {
+        t[0][i] = static_cast<uint16_t>(2 * i);
+        t[1][i] = static_cast<uint16_t>(2 * i + 1);
+      }
+      return t;
+    }();
+    return _mm512_load_si512(table[half].data());
+  }
+};
+
 // One row of `cols` codes s times their scales into o, fp32 or rounded to bf16 (store16):
 // column j's scale srow[j] where bc is 1, else its block's srow[(j / bc) * sstride]
 // (blocks of bc columns from column 0). 32 codes a step (Bf16Codes), each product one
-// fp32 multiplication (ATen's product's bits).
+// fp32 multiplication (ATen's product's bits); into bf16, by Pow2Scales where the step's
+// scales are powers of two it takes (the same bits, ~2.5x fewer operations).
 template <class Out>
 inline void dequantize_row(const Bf16Codes& codes, const uint8_t* s, int64_t cols,
                            const float* srow, int64_t bc, int64_t sstride, Out* o) {
+  constexpr bool kBf16 = std::is_same_v<Out, uint16_t>;
   for (int64_t j0 = 0; j0 < cols; j0 += bc == 1 ? cols : bc) {
     const int64_t j1 = bc == 1 ? cols : std::min(cols, j0 + bc);
-    const __m512 f = _mm512_set1_ps(srow[bc == 1 ? 0 : (j0 / bc) * sstride]);
+    const float block_scale = srow[bc == 1 ? 0 : (j0 / bc) * sstride];
+    const __m512 f = _mm512_set1_ps(block_scale);
+    __m512i steps = _mm512_setzero_si512();
+    const bool block_pow2 = kBf16 && bc != 1 && Pow2Scales::steps(block_scale, steps);
     for (int64_t j = j0; j < j1; j += 32) {
       const __m512i v = codes(s + j, j1 - j);
+      if constexpr (kBf16) {
+        if (block_pow2 || (bc == 1 && Pow2Scales::steps(srow + j, j1 - j, steps))) {
+          const __m512i r = Pow2Scales::apply(v, steps);
+          if (j1 - j >= 32) {
+            _mm512_storeu_si512(o + j, r);
+          } else {
+            _mm512_mask_storeu_epi16(o + j, Bf16Codes::first(j1 - j), r);
+          }
+          continue;
+        }
+      }
       for (int64_t h = 0; h < 2 && j + 16 * h < j1; ++h) {  // its two halves of 16
         const int64_t c = j + 16 * h;
         const __mmask16 k = static_cast<__mmask16>(Bf16Codes::first(j1 - c));
@@ -481,6 +553,48 @@ inline void dequantize_row(const Bf16Codes& codes, const uint8_t* s, int64_t col
     }
   }
 }
+// A row of per-column scales shared by the consecutive rows of codes that follow it (a
+// weight gradient's jagged block of rows, a row-major expert's k block): its Pow2Scales
+// steps formed once (for the row at `scale`, the last asked for), then each row of codes
+// times them; rows under any other scale by dequantize_row. For one piece's rows (the
+// scales of another call may lie at the same address).
+class ScaleRowSteps {
+ public:
+  // One row of `cols` codes s times the per-column scales at `scale` into o (bf16).
+  void dequantize(const Bf16Codes& codes, const uint8_t* s, int64_t cols, const float* scale,
+                  uint16_t* o) {
+    if (scale != key_ || cols != cols_) {
+      key_ = scale;
+      cols_ = cols;
+      int16_t* st = torch_moe_cpu::aligned_scratch(buf_, (cols + 31) / 32 * 32);
+      pow2_ = true;
+      for (int64_t j = 0; j < cols; j += 32) {
+        __m512i v;
+        pow2_ = Pow2Scales::steps(scale + j, cols - j, v) && pow2_;
+        _mm512_store_si512(st + j, v);
+      }
+    }
+    if (!pow2_) {
+      dequantize_row(codes, s, cols, scale, 1, 1, o);
+      return;
+    }
+    const int16_t* st = torch_moe_cpu::aligned_scratch(buf_, (cols + 31) / 32 * 32);
+    for (int64_t j = 0; j < cols; j += 32) {
+      const __m512i r = Pow2Scales::apply(codes(s + j, cols - j), _mm512_load_si512(st + j));
+      if (cols - j >= 32) {
+        _mm512_storeu_si512(o + j, r);
+      } else {
+        _mm512_mask_storeu_epi16(o + j, Bf16Codes::first(cols - j), r);
+      }
+    }
+  }
+
+ private:
+  std::vector<int16_t> buf_;
+  const float* key_ = nullptr;
+  int64_t cols_ = -1;
+  bool pow2_ = false;
+};
 #endif
 
 // 8 products into o: fp32, or rounded to bf16; and one.
@@ -1450,9 +1564,10 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
     const float* sg = cs + p.g * KS * N;  // b[g]'s scales [KS, N]
     at::Tensor bv;
     if (b_rows) {  // b[g]'s rows k, columns [c0, c1): a scale per column
+      ScaleRowSteps steps;  // (a scale row per k block)
       for (int64_t k = 0; k < K; ++k) {
-        dequantize_row(bf16_codes, bp + k * b.stride(1) + p.c0, cols, sg + (k / block_k) * N + p.c0,
-                       1, 1, bh + k * cols);
+        steps.dequantize(bf16_codes, bp + k * b.stride(1) + p.c0, cols,
+                         sg + (k / block_k) * N + p.c0, bh + k * cols);
       }
       bv = bf16_view(bh, {K, cols}, {cols, 1});
     } else {  // b[g]'s columns n in [c0, c1), K codes each: a scale per k block
@@ -1511,16 +1626,18 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
     thread_local PieceCopy b_copy;
     thread_local std::vector<uint16_t> a_buf;  // each piece its own columns of a
     uint16_t* bh = b_copy.get(call, p.start, p.rows, N, [&](uint16_t* d) {
+      ScaleRowSteps steps;  // (a scale row per block of rows)
       for (int64_t r = 0; r < p.rows; ++r) {
-        dequantize_row(bf16_codes, bp + (p.start + r) * b.stride(0), N, cs + block_row(r) * N, 1,
-                       1, d + r * N);
+        steps.dequantize(bf16_codes, bp + (p.start + r) * b.stride(0), N, cs + block_row(r) * N,
+                         d + r * N);
       }
     });
     const int64_t kw = p.k1 - p.k0;
     uint16_t* ah = torch_moe_cpu::aligned_scratch(a_buf, p.rows * kw);
+    ScaleRowSteps steps;
     for (int64_t r = 0; r < p.rows; ++r) {
-      dequantize_row(bf16_codes, ap + (p.start + r) * a.stride(0) + p.k0, kw,
-                     rs + block_row(r) * K + p.k0, 1, 1, ah + r * kw);
+      steps.dequantize(bf16_codes, ap + (p.start + r) * a.stride(0) + p.k0, kw,
+                       rs + block_row(r) * K + p.k0, ah + r * kw);
     }
     auto o = out[p.g].narrow(0, p.k0, kw);
     const auto a_t = bf16_view(ah, {p.rows, kw}, {kw, 1}).t();
