@@ -16,6 +16,7 @@ import math
 import os
 import tempfile
 import types
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -1177,6 +1178,27 @@ class TestCalibrateDevice(TestCase):
             G.calibrate_device(dev, quick=True, refresh=True)
             G.calibrate_device(dev, quick=True, cache=False)
             self.assertEqual(measure.call_count, 3)
+
+    def test_cache_key_covers_the_measured_sources(self):
+        # a calibration is of the code that ran: every op, quantizer and native kernel
+        # source is in its key (a kernel rewritten since the cache was written, as the
+        # FP8 quantizer's, invalidates the quantize rates measured of the old one)
+        from torch_moe.perf import _calibrate as C
+
+        root = Path(C.__file__).parents[1]
+        keyed = set(C._calibrated_sources())
+        for pattern in ("_ops/*.py", "quantization/*.py", "csrc/*.cpp", "csrc/*.h"):
+            files = {p.relative_to(root) for p in root.glob(pattern)}
+            self.assertTrue(files, msg=pattern)
+            self.assertLessEqual(files, keyed, msg=pattern)
+        with mock.patch.object(C, "_calibrated_sources", lambda: [Path("csrc/fp8_cpu.cpp")]):
+            one = C._sources_hash()
+        with mock.patch.object(
+            C,
+            "_calibrated_sources",
+            lambda: [Path("csrc/fp8_cpu.cpp"), Path("csrc/parallel_cpu.cpp")],
+        ):
+            self.assertNotEqual(C._sources_hash(), one)
 
     def test_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "device must name a torch device, got 'gpu0'"):

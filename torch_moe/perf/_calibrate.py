@@ -143,19 +143,29 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _sources_hash() -> str:
-    """Hash of the library files whose speed the calibration measures."""
+def _calibrated_sources() -> list[Path]:
+    """The library files whose speed the calibration measures (relative to the package):
+    the ops, the quantizers, the layer, the calibration itself, and the native kernels'
+    sources (a changed kernel invalidates what was measured of the old one)."""
     root = Path(__file__).parents[1]
-    h = hashlib.sha256()
-    for rel in sorted(
+    return sorted(
         [
             *(p.relative_to(root) for p in (root / "_ops").glob("*.py")),
             *(p.relative_to(root) for p in (root / "quantization").glob("*.py")),
+            *(p.relative_to(root) for p in (root / "csrc").glob("*.cpp")),
+            *(p.relative_to(root) for p in (root / "csrc").glob("*.h")),
             Path("nn/modules/moe.py"),
             Path("perf/_calibrate.py"),
             Path("perf/_calibrate_gpu.py"),
         ]
-    ):
+    )
+
+
+def _sources_hash() -> str:
+    """Hash of the library files whose speed the calibration measures."""
+    root = Path(__file__).parents[1]
+    h = hashlib.sha256()
+    for rel in _calibrated_sources():
         try:
             h.update(str(rel).encode() + (root / rel).read_bytes())
         except OSError:
