@@ -235,6 +235,18 @@ class TestCpuProbe(TestCase):
                 "loop",
             )
 
+    def test_disk_cache_key_carries_the_sources(self):
+        # a decision cached before the ops or kernels changed is not read back after
+        key = P.machine_key()
+        self.assertIn(f"|sources {P._sources_digest()}", key)
+        P._sources_digest.cache_clear()
+        try:
+            with unittest.mock.patch.object(P.Path, "read_bytes", lambda self: b"rewritten"):
+                self.assertNotEqual(P.machine_key(), key)
+        finally:
+            P._sources_digest.cache_clear()
+        self.assertEqual(P.machine_key(), key)
+
     def test_wgrad_a_keys_round_up_and_cap(self):
         # rows, output rows k and columns n rounded up to powers of two and capped; one
         # measurement per key, at the key's sizes

@@ -102,12 +102,15 @@ Another machine class on this one: oneDNN, MKL and ATen honour ISA caps, e.g.
 ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2`` makes an
 AVX512-BF16 CPU multiply bf16 at an AVX2 machine's rate. :func:`cpu_isa` reports the capped
 class and :func:`machine_key` (the disk cache's key) carries it, so the probe measures and
-caches the capped machine as a machine of its own.
+caches the capped machine as a machine of its own. The key also carries a digest of the
+candidates' sources (the ops and the native kernels): a disk cache written before a kernel
+changed is not read as the changed kernel's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -115,6 +118,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -249,13 +253,28 @@ def cpu_isa() -> str:
     return isa
 
 
+@functools.lru_cache(maxsize=1)
+def _sources_digest() -> str:
+    """A digest of the candidates' code: the ops' Python and the native kernels' sources
+    (a decision measured of a kernel since rewritten is not the rewritten one's)."""
+    root = Path(__file__).parents[1]
+    h = hashlib.sha1()
+    for path in sorted([*root.glob("_ops/*.py"), *root.glob("csrc/*.cpp"), *root.glob("csrc/*.h")]):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def machine_key() -> str:
     """What a measured decision depends on besides the shapes: CPU, the ISA caps, torch,
-    threads."""
+    threads, the candidates' sources."""
     model, flags = _cpuinfo()
     digest = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:12]
     caps = f"{cpu_isa()}/aten {torch.backends.cpu.get_cpu_capability()}"
-    return f"{model}|{digest}|{caps}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    threads = torch.get_num_threads()
+    return (
+        f"{model}|{digest}|{caps}|torch {torch.__version__}|threads {threads}"
+        f"|sources {_sources_digest()}"
+    )
 
 
 # --------------------------------------------------------------------------------------
