@@ -257,6 +257,21 @@ class TestQuantize(TestCase):
         self.assertEqual(f, torch.ldexp(torch.ones(6, dtype=torch.float64), e.double()).float())
         self.assertTrue(math.isnan(e8m0_to_float(torch.tensor([255], dtype=torch.uint8)).item()))
 
+    def test_e8m0_table_equals_the_formula(self):
+        # the CPU's lookup (eager, real tensors) and the formula (fake / meta tensors,
+        # compiled graphs, other devices): every code's bits, any shape and layout
+        Qm = importlib.import_module("torch_moe.quantization.quantize")
+        codes = torch.arange(256, dtype=torch.uint8)
+        want = Qm._exp2_exact(codes.to(torch.int32) - 127, nan=codes == 255)
+        got = e8m0_to_float(codes)
+        self.assertEqual(got.view(torch.int32), want.view(torch.int32), atol=0, rtol=0)
+        grid = codes[torch.randperm(256, generator=torch.Generator().manual_seed(2))]
+        grid = grid.view(16, 16).t()  # a transposed view
+        self.assertEqual(e8m0_to_float(grid).view(torch.int32), want[grid.long()].view(torch.int32))
+        self.assertEqual(e8m0_to_float(grid.to("meta")).shape, grid.shape)
+        compiled = torch.compile(e8m0_to_float, backend="aot_eager", fullgraph=True)
+        self.assertEqual(compiled(grid).view(torch.int32), want[grid.long()].view(torch.int32))
+
     def test_floor_vs_rceil_exactly_above_mantissa_1_75(self):
         # every fp32 mantissa step of 2^-10 in [1, 2), at several binades
         m = 1.0 + torch.arange(1024, dtype=torch.float32) / 1024

@@ -410,10 +410,31 @@ def mx_scale_exponent(amax: Tensor, scale_rule: str = "floor") -> Tensor:
 
 
 def e8m0_to_float(scale: Tensor) -> Tensor:
-    """uint8 E8M0 biased exponents -> exact fp32 powers of two (255 -> NaN)."""
+    """uint8 E8M0 biased exponents -> exact fp32 powers of two (255 -> NaN). On the CPU
+    (real tensors, eager) by a lookup in the 256 values' table (two ops where the formula
+    takes ten: a [16384, 8] scale 0.44 -> 0.09 ms on one Zen 4 core), elsewhere by the
+    formula that built the table (the same bits)."""
     if scale.dtype != torch.uint8:
         raise TypeError(f"e8m0_to_float: expected uint8 biased exponents, got {scale.dtype}")
+    if (
+        scale.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch._subclasses.fake_tensor.is_fake(scale)
+    ):
+        codes = scale.reshape(-1).to(torch.int32)
+        return _e8m0_table().index_select(0, codes).view(scale.shape)
     return _exp2_exact(scale.to(torch.int32) - E8M0_BIAS, nan=scale == 255)
+
+
+_E8M0_TABLE: list[Tensor] = []
+
+
+def _e8m0_table() -> Tensor:
+    """The fp32 value of each of the 256 E8M0 codes (CPU), built once by the formula."""
+    if not _E8M0_TABLE:
+        codes = torch.arange(256, dtype=torch.int32)
+        _E8M0_TABLE.append(_exp2_exact(codes - E8M0_BIAS, nan=codes == 255))
+    return _E8M0_TABLE[0]
 
 
 def _exp2_exact(e: Tensor, nan: Tensor | None = None) -> Tensor:
