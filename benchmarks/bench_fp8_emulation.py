@@ -12,9 +12,13 @@ constant along the reduction repeated per block, ``_codes_in_bf16``). The first 
 the same bits; the third the same math in another
 rounding order (its largest difference from the fp32 form is printed).
 Shapes are ``benchmarks/bench_perf_model.py``'s precision configs (prec1 / prec2 / prec3).
+``--vs-bf16``: instead, each recipe's step (every native route on) against the bf16
+layer's step of the same shape, in one process, rounds alternated (what the emulation
+costs over the bf16 layer it emulates).
 
     python benchmarks/bench_fp8_emulation.py --threads 1 --clock cpu
     python benchmarks/bench_fp8_emulation.py --recipes mxfp8 --shapes prec2 --reps 12
+    python benchmarks/bench_fp8_emulation.py --threads 1 --clock cpu --vs-bf16
 """
 
 from __future__ import annotations
@@ -66,9 +70,11 @@ def mode(name: str) -> Iterator[None]:
 
 
 def layer_step(recipe: str, shape: tuple[int, ...]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """One forward + backward of a bf16 ``MoE`` of ``shape`` in ``recipe`` ("bf16": none)."""
     T, D, F, E, K = shape
     torch.manual_seed(0)
-    moe = MoE(D, F, E, K, route_norm=True, precision=recipe, dtype=torch.bfloat16)
+    precision = {} if recipe == "bf16" else {"precision": recipe}
+    moe = MoE(D, F, E, K, route_norm=True, dtype=torch.bfloat16, **precision)
     x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(T, D, dtype=torch.bfloat16)
 
@@ -83,6 +89,27 @@ def layer_step(recipe: str, shape: tuple[int, ...]) -> Callable[[], tuple[torch.
     return step
 
 
+def vs_bf16(recipes: list[str], shapes: list[str], reps: int, clock: Callable[[], float]) -> None:
+    """Each recipe's step (all native routes) over the bf16 layer's, one process."""
+    print(f"# one layer step over the bf16 layer's, median of {reps} alternated rounds, ms\n")
+    print("| T, D, F, E, K | bf16 | " + " | ".join(recipes) + " |")
+    print("|---" * (len(recipes) + 2) + "|")
+    for shape_name in shapes:
+        steps = {r: layer_step(r, SHAPES[shape_name]) for r in ("bf16", *recipes)}
+        for step in steps.values():
+            step()
+        times: dict[str, list[float]] = {r: [] for r in steps}
+        for i in range(reps):
+            for r in steps if i % 2 == 0 else list(steps)[::-1]:
+                t0 = clock()
+                steps[r]()
+                times[r].append(clock() - t0)
+        med = {r: statistics.median(v) * 1e3 for r, v in times.items()}
+        cells = [f"{med[r]:.1f} ({med[r] / med['bf16']:.2f}x)" for r in recipes]
+        shape = ", ".join(map(str, SHAPES[shape_name]))
+        print(f"| {shape} | {med['bf16']:.1f} | {' | '.join(cells)} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -90,11 +117,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=8, help="rounds per mode (medians)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--vs-bf16", action="store_true", help="each recipe over the bf16 step")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(bench_ops.machine_line())
+    if args.vs_bf16:
+        vs_bf16(args.recipes, args.shapes, args.reps, clock)
+        return
     print(f"# native e4m3 kernels here: {Q.native_fp8_conversions()}")
     print(f"# bf16 GEMMs native here: {S.cpu_compute_dtype(torch.bfloat16) == torch.bfloat16}")
     print(f"# one layer step, median of {args.reps} alternated rounds, {args.clock} clock, ms\n")
