@@ -59,6 +59,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -974,12 +975,34 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
   uint16_t* const cmax = col_max.data();
   uint32_t* const bmax = block_max.data();
   float* const divisor = divisors.data();
-  for (int64_t r = 0; r < br; ++r) {  // (loads zero-fill past cols: padded lanes 0)
-    const c10::BFloat16* xr = x + r * cols;
-    for (int64_t j = 0; j < cols; j += 32) {
-      const __m512i m = Bf16Quantizer::magnitudes(Bf16Quantizer::load(xr + j, cols - j));
-      _mm512_storeu_si512(cmax + j, r > 0 ? _mm512_max_epu16(_mm512_loadu_si512(cmax + j), m) : m);
+  // A tall block row (a tensorwise scale's one block: one task) by torch's threads, rows
+  // of about 64K elements each (inline within a parallel region): each range's column
+  // maxima, merged; then its codes.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1));
+  auto maxima = [&](int64_t r0, int64_t r1, uint16_t* out) {
+    for (int64_t r = r0; r < r1; ++r) {  // (loads zero-fill past cols: padded lanes 0)
+      const c10::BFloat16* xr = x + r * cols;
+      for (int64_t j = 0; j < cols; j += 32) {
+        const __m512i m = Bf16Quantizer::magnitudes(Bf16Quantizer::load(xr + j, cols - j));
+        _mm512_storeu_si512(out + j, r > r0 ? _mm512_max_epu16(_mm512_loadu_si512(out + j), m) : m);
+      }
     }
+  };
+  if (br <= grain) {
+    maxima(0, br, cmax);
+  } else {
+    std::fill(cmax, cmax + padded, uint16_t{0});
+    std::mutex merge;
+    at::parallel_for(0, br, grain, [&](int64_t r0, int64_t r1) {
+      thread_local std::vector<uint16_t> part_buf;
+      uint16_t* part = torch_moe_cpu::aligned_scratch(part_buf, padded);
+      maxima(r0, r1, part);
+      const std::lock_guard<std::mutex> lock(merge);
+      for (int64_t j = 0; j < padded; j += 32) {
+        _mm512_storeu_si512(
+            cmax + j, _mm512_max_epu16(_mm512_loadu_si512(cmax + j), _mm512_load_si512(part + j)));
+      }
+    });
   }
   // Each block's largest magnitude as fp32 bits.
   const bool whole = block % 32 == 0 || nb == 1;  // a step's 32 columns in one block
@@ -1020,26 +1043,13 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
       divisor[b] = d;
     }
   }
-  auto codes = [&](auto mul) {
-    constexpr bool kMul = decltype(mul)::value;
-    if (whole) {
-      for (int64_t r = 0; r < br; ++r) {
-        const c10::BFloat16* xr = x + r * cols;
-        uint8_t* orow = o + r * cols;
-        for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
-          const int64_t j1 = std::min(cols, j0 + block);
-          const __m512 d = _mm512_set1_ps(divisor[b]);
-          for (int64_t j = j0; j < j1; j += 32) {
-            quantizer.store<kMul>(orow + j, Bf16Quantizer::load(xr + j, j1 - j), d, d, j1 - j);
-          }
-        }
-      }
-      return;
-    }
-    // Each column's divisor in its unpacked lane ([lo 16, hi 16] per 32 columns; 1 past
-    // cols): in the columns' order first (block 1: the blocks'), then permuted.
+  // Each column's divisor in its unpacked lane ([lo 16, hi 16] per 32 columns; 1 past
+  // cols) where a step's columns span blocks: in the columns' order first (block 1: the
+  // blocks'), then permuted.
+  float* cdiv = nullptr;
+  if (!whole) {
     if (static_cast<int64_t>(col_div.size()) < 2 * padded) col_div.resize(2 * padded);
-    float* const cdiv = col_div.data();
+    cdiv = col_div.data();
     float* const in_order = block == 1 ? divisor : cdiv + padded;
     if (block != 1) {
       for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
@@ -1048,20 +1058,36 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
     }
     std::fill(in_order + cols, in_order + padded, 1.0f);
     for (int64_t j = 0; j < cols; j += 32) quantizer.unpack_lanes(in_order + j, cdiv + j);
-    for (int64_t r = 0; r < br; ++r) {
+  }
+  auto codes = [&](auto mul, int64_t r0, int64_t r1) {
+    constexpr bool kMul = decltype(mul)::value;
+    for (int64_t r = r0; r < r1; ++r) {
       const c10::BFloat16* xr = x + r * cols;
       uint8_t* orow = o + r * cols;
-      for (int64_t j = 0; j < cols; j += 32) {
-        quantizer.store<kMul>(orow + j, Bf16Quantizer::load(xr + j, cols - j),
-                              _mm512_loadu_ps(cdiv + j), _mm512_loadu_ps(cdiv + j + 16), cols - j);
+      if (!whole) {
+        for (int64_t j = 0; j < cols; j += 32) {
+          quantizer.store<kMul>(orow + j, Bf16Quantizer::load(xr + j, cols - j),
+                                _mm512_loadu_ps(cdiv + j), _mm512_loadu_ps(cdiv + j + 16),
+                                cols - j);
+        }
+        continue;
+      }
+      for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
+        const int64_t j1 = std::min(cols, j0 + block);
+        const __m512 d = _mm512_set1_ps(divisor[b]);
+        for (int64_t j = j0; j < j1; j += 32) {
+          quantizer.store<kMul>(orow + j, Bf16Quantizer::load(xr + j, j1 - j), d, d, j1 - j);
+        }
       }
     }
   };
-  if (exact_reciprocals) {
-    codes(std::true_type{});
-  } else {
-    codes(std::false_type{});
-  }
+  at::parallel_for(0, br, grain, [&](int64_t r0, int64_t r1) {
+    if (exact_reciprocals) {
+      codes(std::true_type{}, r0, r1);
+    } else {
+      codes(std::false_type{}, r0, r1);
+    }
+  });
   return true;
 }
 #endif
