@@ -364,18 +364,22 @@ inline void store8_u16(uint16_t* o, __m256i lanes) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// 32 16-bit lanes v stored at o, the first n of them where n < 32.
+inline void store32_u16(uint16_t* o, __m512i v, int64_t n) {
+  if (n >= 32) {
+    _mm512_storeu_si512(o, v);
+  } else {
+    _mm512_mask_storeu_epi16(o, Bf16Codes::first(n), v);
+  }
+}
+
 // rows x cols codes (row stride ld) as bf16 values into o (row stride ldo), exactly.
 void codes_to_bf16(const uint8_t* s, int64_t ld, int64_t rows, int64_t cols, uint16_t* o,
                    int64_t ldo) {
   static const Bf16Codes bf16_codes;
   for (int64_t r = 0; r < rows; ++r, s += ld, o += ldo) {
     for (int64_t j = 0; j < cols; j += 32) {
-      const __m512i v = bf16_codes(s + j, cols - j);
-      if (cols - j >= 32) {
-        _mm512_storeu_si512(o + j, v);
-      } else {
-        _mm512_mask_storeu_epi16(o + j, Bf16Codes::first(cols - j), v);
-      }
+      store32_u16(o + j, bf16_codes(s + j, cols - j), cols - j);
     }
   }
 }
@@ -536,12 +540,7 @@ inline void dequantize_row(const Bf16Codes& codes, const uint8_t* s, int64_t col
       const __m512i v = codes(s + j, j1 - j);
       if constexpr (kBf16) {
         if (block_pow2 || (bc == 1 && Pow2Scales::steps(srow + j, j1 - j, steps))) {
-          const __m512i r = Pow2Scales::apply(v, steps);
-          if (j1 - j >= 32) {
-            _mm512_storeu_si512(o + j, r);
-          } else {
-            _mm512_mask_storeu_epi16(o + j, Bf16Codes::first(j1 - j), r);
-          }
+          store32_u16(o + j, Pow2Scales::apply(v, steps), j1 - j);
           continue;
         }
       }
@@ -567,31 +566,27 @@ class ScaleRowSteps {
     if (scale != key_ || cols != cols_) {
       key_ = scale;
       cols_ = cols;
-      int16_t* st = torch_moe_cpu::aligned_scratch(buf_, (cols + 31) / 32 * 32);
+      steps_ = torch_moe_cpu::aligned_scratch(buf_, (cols + 31) / 32 * 32);
       pow2_ = true;
       for (int64_t j = 0; j < cols; j += 32) {
         __m512i v;
         pow2_ = Pow2Scales::steps(scale + j, cols - j, v) && pow2_;
-        _mm512_store_si512(st + j, v);
+        _mm512_store_si512(steps_ + j, v);
       }
     }
     if (!pow2_) {
       dequantize_row(codes, s, cols, scale, 1, 1, o);
       return;
     }
-    const int16_t* st = torch_moe_cpu::aligned_scratch(buf_, (cols + 31) / 32 * 32);
     for (int64_t j = 0; j < cols; j += 32) {
-      const __m512i r = Pow2Scales::apply(codes(s + j, cols - j), _mm512_load_si512(st + j));
-      if (cols - j >= 32) {
-        _mm512_storeu_si512(o + j, r);
-      } else {
-        _mm512_mask_storeu_epi16(o + j, Bf16Codes::first(cols - j), r);
-      }
+      const __m512i st = _mm512_load_si512(steps_ + j);
+      store32_u16(o + j, Pow2Scales::apply(codes(s + j, cols - j), st), cols - j);
     }
   }
 
  private:
   std::vector<int16_t> buf_;
+  int16_t* steps_ = nullptr;  // (in buf_)
   const float* key_ = nullptr;
   int64_t cols_ = -1;
   bool pow2_ = false;
@@ -730,14 +725,11 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
   thread_local std::vector<int32_t> col_max;
   thread_local std::vector<float> col_scale, divisors;
   const int64_t padded = (cols + W - 1) / W * W, nb = (cols + block - 1) / block;
-  if (static_cast<int64_t>(col_max.size()) < padded) col_max.resize(padded);
-  if (static_cast<int64_t>(col_scale.size()) < padded) col_scale.resize(padded);
-  if (static_cast<int64_t>(divisors.size()) < nb) divisors.resize(nb);
   // (the buffers' own pointers: the vectors' stores may alias any memory, the
   // thread_local vectors' data pointers would be reloaded after each one)
-  int32_t* const cmax = col_max.data();
-  float* const cscale = col_scale.data();
-  float* const divisor = divisors.data();
+  int32_t* const cmax = torch_moe_cpu::aligned_scratch(col_max, padded);
+  float* const cscale = torch_moe_cpu::aligned_scratch(col_scale, padded);
+  float* const divisor = torch_moe_cpu::aligned_scratch(divisors, nb);
   for (int64_t r = 0; r < br; ++r) {  // (loads zero-fill past cols: padded lanes 0)
     const T* xr = x + r * cols;
     for (int64_t j = 0; j < cols; j += W) {
@@ -820,12 +812,9 @@ class Bf16Quantizer {
   }
   // Element i's lane among the 32 of [lo, hi].
   static int unpacked_lane(int i) { return 4 * (i / 8) + i % 4 + (i % 8 >= 4 ? 16 : 0); }
-  static __mmask32 first(int64_t n) {
-    return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << n) - 1);
-  }
   // 32 bf16 values (the first n, zeros past them where n < 32).
   static __m512i load(const c10::BFloat16* p, int64_t n) {
-    return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(first(n), p);
+    return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(Bf16Codes::first(n), p);
   }
   // 32 floats, one per element, into their unpacked lanes (o: lo's 16, then hi's).
   void unpack_lanes(const float* v, float* o) const {
@@ -860,7 +849,7 @@ class Bf16Quantizer {
     if (n >= 32) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), bytes);
     } else {
-      _mm256_mask_storeu_epi8(o, first(n), bytes);
+      _mm256_mask_storeu_epi8(o, Bf16Codes::first(n), bytes);
     }
   }
 
@@ -878,8 +867,8 @@ class Bf16Quantizer {
 };
 
 // Each block's largest of the columns' maxima (cmax: cols 16-bit magnitudes, zeros past
-// cols to a whole vector), blocks of `block` columns, a multiple of 32, as fp32 bits into
-// bmax: 16 blocks a step, each block's vectors reduced to one (its words' pairs to the
+// cols to a whole vector), blocks of `block` columns that start on whole vectors (a
+// multiple of 32, or one block), as fp32 bits into bmax: 16 blocks a step, each block's vectors reduced to one (its words' pairs to the
 // larger in both halves of each 32-bit lane: the lanes order as the larger words), then
 // the 16 vectors to one by halving the lanes at each of four levels of two-register
 // shuffles (94 operations for 16 blocks, where a reduction each took ~200), the block of
@@ -914,9 +903,7 @@ void block_maxima(const uint16_t* cmax, int64_t cols, int64_t block, uint32_t* b
                                        _mm512_unpackhi_epi64(x0, x1));  // lane 4L + k: 4k + L
     const __m512i bits = _mm512_and_si512(_mm512_permutexvar_epi32(order, y),
                                           _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
-    const __mmask16 k =
-        nb - b0 >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (nb - b0)) - 1);
-    _mm512_mask_storeu_epi32(bmax + b0, k, bits);
+    _mm512_mask_storeu_epi32(bmax + b0, Lanes::first(nb - b0), bits);
   }
 }
 
@@ -925,14 +912,13 @@ void block_maxima(const uint16_t* cmax, int64_t cols, int64_t block, uint32_t* b
 // (+1 under rceil where frexp's mantissa, in [0.5, 1), is over 0.875: the field over
 // 0x600000), -9 (-8) for inf (frexp's exponent 0, its mantissa inf), -127 for NaN, at
 // least -127 (zero and denormals, whose exponent frexp would take from their bits, at most
-// -134 either way: -127; a number's e at most 120, within the clamp's 127); stored as e + 127 into s, and the divisor's reciprocal 2^-e
-// (exact) into recip. False where a divisor is 2^-127, an fp32 denormal (zero under
+// -134 either way: -127; a number's e is at most 120, so no upper clamp); stored as e + 127
+// into s, and the divisor's reciprocal 2^-e (exact) into recip. False where a divisor is 2^-127, an fp32 denormal (zero under
 // flush-to-zero: quantize_block_row_bf16's general form then).
 bool mx_reciprocals(const uint32_t* bits, int64_t nb, int rule, uint8_t* s, float* recip) {
   __mmask16 denormal_divisor = 0;
   for (int64_t i = 0; i < nb; i += 16) {
-    const __mmask16 k =
-        nb - i >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (nb - i)) - 1);
+    const __mmask16 k = Lanes::first(nb - i);
     const __m512i b = _mm512_maskz_loadu_epi32(k, bits + i);
     __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(135));
     if (rule == 2) {
@@ -945,7 +931,8 @@ bool mx_reciprocals(const uint32_t* bits, int64_t nb, int rule, uint8_t* s, floa
     e = _mm512_mask_mov_epi32(e, _mm512_cmpgt_epu32_mask(b, _mm512_set1_epi32(0x7F800000)),
                               _mm512_set1_epi32(-127));
     e = _mm512_max_epi32(e, _mm512_set1_epi32(-127));  // (at most 120 here)
-    _mm_mask_storeu_epi8(s + i, k, _mm512_cvtepi32_epi8(_mm512_add_epi32(e, _mm512_set1_epi32(127))));
+    const __m512i biased = _mm512_add_epi32(e, _mm512_set1_epi32(127));
+    _mm_mask_storeu_epi8(s + i, k, _mm512_cvtepi32_epi8(biased));
     denormal_divisor |= k & _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(-127));
     _mm512_mask_storeu_epi32(recip + i, k,  // 2^-e
                              _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), e), 23));
@@ -957,11 +944,11 @@ bool mx_reciprocals(const uint32_t* bits, int64_t nb, int rule, uint8_t* s, floa
 // bf16 magnitude's bits order as its value, NaN's above inf's), then each block's divisor
 // (block_divisor) and the codes 32 a step, by the divisor's reciprocal where that is exact
 // (MX: a power of two, at most 2^120 from a bf16 block, whose reciprocal is a normal fp32
-// number: the same bits as a division, with or without flush-to-zero). False, its scales written but no code, where a divisor is
-// inf (FP8, an inf in the block) or an fp32 denormal (a block of zeros or denormals: zero
-// under flush-to-zero): there ATen's inf / inf or 0 / 0 is the negative default NaN,
-// whose sign is not x's, and the caller's general form, which takes the quotient's sign,
-// runs.
+// number: the same bits as a division, with or without flush-to-zero). False, its scales
+// written but no code, where a divisor is inf (FP8, an inf in the block) or an fp32
+// denormal (a block of zeros or denormals: zero under flush-to-zero): there ATen's inf /
+// inf or 0 / 0 is the negative default NaN, whose sign is not x's, and the caller's
+// general form, which takes the quotient's sign, runs.
 bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, int64_t block,
                              uint8_t* o, void* s, int rule) {
   static const Bf16Quantizer quantizer;
@@ -969,12 +956,9 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
   thread_local std::vector<uint32_t> block_max;
   thread_local std::vector<float> col_div, divisors;
   const int64_t padded = (cols + 31) / 32 * 32, nb = (cols + block - 1) / block;
-  if (static_cast<int64_t>(col_max.size()) < padded) col_max.resize(padded);
-  if (static_cast<int64_t>(block_max.size()) < padded) block_max.resize(padded);
-  if (static_cast<int64_t>(divisors.size()) < padded) divisors.resize(padded);
-  uint16_t* const cmax = col_max.data();
-  uint32_t* const bmax = block_max.data();
-  float* const divisor = divisors.data();
+  uint16_t* const cmax = torch_moe_cpu::aligned_scratch(col_max, padded);
+  uint32_t* const bmax = torch_moe_cpu::aligned_scratch(block_max, padded);
+  float* const divisor = torch_moe_cpu::aligned_scratch(divisors, padded);
   // A tall block row (a tensorwise scale's one block: one task) by torch's threads, rows
   // of about 64K elements each (inline within a parallel region): each range's column
   // maxima, merged; then its codes.
@@ -1011,21 +995,13 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
       const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cmax + j));
       _mm512_storeu_si512(bmax + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(m), 16));
     }
-  } else if (block % 32 == 0) {
+  } else if (whole) {
     block_maxima(cmax, cols, block, bmax);
   } else {
     for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
-      const int64_t j1 = std::min(cols, j0 + block);
       uint32_t bits = 0;
-      if (whole) {
-        auto m = _mm512_setzero_si512();
-        for (int64_t j = j0; j < j1; j += 32) m = _mm512_max_epu16(m, _mm512_loadu_si512(cmax + j));
-        const __m512i wide =
-            _mm512_max_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m)),
-                             _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1)));
-        bits = static_cast<uint32_t>(_mm512_reduce_max_epi32(wide)) << 16;
-      } else {
-        for (int64_t j = j0; j < j1; ++j) bits = std::max<uint32_t>(bits, uint32_t{cmax[j]} << 16);
+      for (int64_t j = j0; j < std::min(cols, j0 + block); ++j) {
+        bits = std::max<uint32_t>(bits, uint32_t{cmax[j]} << 16);
       }
       bmax[b] = bits;
     }
@@ -1048,8 +1024,7 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
   // blocks'), then permuted.
   float* cdiv = nullptr;
   if (!whole) {
-    if (static_cast<int64_t>(col_div.size()) < 2 * padded) col_div.resize(2 * padded);
-    cdiv = col_div.data();
+    cdiv = torch_moe_cpu::aligned_scratch(col_div, 2 * padded);
     float* const in_order = block == 1 ? divisor : cdiv + padded;
     if (block != 1) {
       for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {

@@ -37,11 +37,11 @@ multiplies bf16 natively and the output is bf16: MX operands go through the bf16
 GEMM (their dequantized elements are bf16 values: the same math in another summation
 order, :func:`_mx_in_bf16`; where its route is the native GEMM's pieces, each piece
 dequantized as the GEMM takes it, :func:`_mx_pieces`), and the FP8 recipes multiply the
-codes in bf16, each k block's fp32 sums times the product of its row's and its column's scale inside the GEMM's
-tiles (blockwise, :func:`_blocks_in_bf16`, as the GPU kernels' main loop; scales constant
-along the reduction, :func:`_codes_in_bf16`, repeated per block of the GEMM's own); GEMMs
-a recipe keeps in bf16 cast the operands to bf16. On CUDA the
-same function runs on FP8 tensor cores: Triton quantize kernels write each operand K-major
+codes in bf16, each k block's fp32 sums times the product of its row's and its column's
+scale inside the GEMM's tiles (blockwise, :func:`_blocks_in_bf16`, as the GPU kernels'
+main loop; scales constant along the reduction, :func:`_codes_in_bf16`, repeated per
+block of the GEMM's own); GEMMs a recipe keeps in bf16 cast the operands to bf16. On CUDA
+the same function runs on FP8 tensor cores: Triton quantize kernels write each operand K-major
 with its scales and the Triton scaled grouped GEMMs
 (:mod:`torch_moe._triton.scaled_grouped_mm`) apply the scales per K block in the main loop
 (blockwise, MX) or once in the epilogue (rowwise, tensorwise, per-group wgrad); rowwise and
@@ -307,11 +307,11 @@ def _dequantize_rhs_native(
 
 def _dequantize_stacked(b: Tensor, sf: Tensor, block_k: int, block_n: int, out: Tensor) -> bool:
     """B [E, k, n] times its fp32 block scales ``sf`` [E, ceil(k / block_k), ceil(n /
-    block_n)] into ``out`` (``empty_like(b)``: b's strides) by one native call: the experts stacked as one
-    matrix in their layout ([E k, n] row-major experts, [E n, k] column-major), each
-    stacked row's scale row by index (blocks never cross experts). The per-expert calls'
-    products; one call instead of E (0.76 against 1.34 ms for an MX [64, 256, 256] on a
-    Zen 4 core). False where b or ``sf`` is not so laid out."""
+    block_n)] into ``out`` (``empty_like(b)``: b's strides) by one native call: the
+    experts stacked as one matrix in their layout ([E k, n] row-major experts, [E n, k]
+    column-major), each stacked row's scale row by index (blocks never cross experts).
+    The per-expert calls' products; one call instead of E (0.76 against 1.34 ms for an MX
+    [64, 256, 256] on a Zen 4 core). False where b or ``sf`` is not so laid out."""
     E, K, N = b.shape
     bk, bn = (K if block_k == -1 else block_k), (N if block_n == -1 else block_n)
     KS, NS = -(-K // max(bk, 1)), -(-N // max(bn, 1))
