@@ -546,15 +546,19 @@ class TestQuantizeFP8CPUKernel(TestCase):
     def test_tall_block_row_on_threads(self):
         # one block row taller than a task (a tensorwise scale's single block, a scale per
         # column over every row): its rows' maxima by torch's threads, merged, then its
-        # codes; the largest magnitude in the last rows, one thread and two
+        # codes; the largest magnitude in the last rows, one thread and two, in each dtype
+        # (bf16 has its own quantizer on AVX-512)
         Qm = importlib.import_module("torch_moe.quantization.quantize")
         gen = torch.Generator().manual_seed(29)
-        for (rows, cols), block, threads in itertools.product(
-            [(5000, 40), (3001, 100)], [(-1, -1), (-1, 1), (-1, 32)], (1, 2)
+        for (rows, cols), block, threads, dtype in itertools.product(
+            [(5000, 40), (3001, 100)],
+            [(-1, -1), (-1, 1), (-1, 32)],
+            (1, 2),
+            (torch.bfloat16, torch.float32, torch.float16),
         ):
             x = torch.randn(rows, cols, generator=gen) * torch.rand(rows, 1, generator=gen)
             x[-1, cols // 2] = 300.0
-            x = x.bfloat16()
+            x = x.to(dtype)
             want_q, want_s = Qm.quantize_fp8_reference(x, block)
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -562,7 +566,7 @@ class TestQuantizeFP8CPUKernel(TestCase):
                 q, scale = torch.ops.torch_moe.quantize_fp8(x, list(block))
             finally:
                 torch.set_num_threads(before)
-            msg = f"{rows}x{cols} {block} threads={threads}"
+            msg = f"{rows}x{cols} {block} threads={threads} {dtype}"
             self.assertEqual(
                 q.view(torch.uint8), want_q.contiguous().view(torch.uint8), atol=0, rtol=0, msg=msg
             )

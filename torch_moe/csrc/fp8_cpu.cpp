@@ -709,6 +709,32 @@ inline float block_divisor(float amax, bool any_nan, int rule, void* s, int64_t 
   return scale;
 }
 
+// A block row taller than a task (a tensorwise scale's one block, a per-column scale's
+// rows) by torch's threads: ranges of about 64K elements (inline within a parallel region).
+inline int64_t tall_grain(int64_t cols) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1));
+}
+
+// The columns' maxima over rows [0, br) into cmax (`padded` lanes, padded lanes 0):
+// maxima(r0, r1, out) writes rows [r0, r1)'s; a block row taller than `grain` rows by
+// torch's threads, each range's maxima in its thread's buffer, merged under a mutex.
+template <class V, class M>
+void column_maxima(int64_t br, int64_t padded, int64_t grain, V* cmax, const M& maxima) {
+  if (br <= grain) {
+    maxima(0, br, cmax);
+    return;
+  }
+  std::fill(cmax, cmax + padded, V{0});  // (0: the least magnitude's bits)
+  std::mutex merge;
+  at::parallel_for(0, br, grain, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<V> part_buf;  // (not the caller's buffer: another variable)
+    V* const part = torch_moe_cpu::aligned_scratch(part_buf, padded);
+    maxima(r0, r1, part);
+    const std::lock_guard<std::mutex> lock(merge);
+    for (int64_t j = 0; j < padded; ++j) cmax[j] = std::max(cmax[j], part[j]);
+  });
+}
+
 // One row of blocks (rows [0, br) of x, row stride cols): each column's largest magnitude
 // over the rows (as bits: NaN's above every number's), a vector of columns a step; each
 // block's divisor from its columns' (block_divisor, its stored scale into s at the block's
@@ -717,7 +743,8 @@ inline float block_divisor(float amax, bool any_nan, int rule, void* s, int64_t 
 // columns are reduced a vector a step and its codes divided by its divisor broadcast;
 // otherwise column by column through a row of each column's divisor. (For rowwise blocks,
 // one row each, the column-by-column reduction and the zeroed buffers made the quantizer 2x
-// slower: 0.77 G elements/s on one Zen 4 core.)
+// slower: 0.77 G elements/s on one Zen 4 core.) A block row taller than a task by torch's
+// threads (column_maxima, then the codes' rows in ranges).
 template <class T>
 void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uint8_t* o,
                         void* s, int rule) {
@@ -730,13 +757,16 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
   int32_t* const cmax = torch_moe_cpu::aligned_scratch(col_max, padded);
   float* const cscale = torch_moe_cpu::aligned_scratch(col_scale, padded);
   float* const divisor = torch_moe_cpu::aligned_scratch(divisors, nb);
-  for (int64_t r = 0; r < br; ++r) {  // (loads zero-fill past cols: padded lanes 0)
-    const T* xr = x + r * cols;
-    for (int64_t j = 0; j < cols; j += W) {
-      const auto m = Lanes::mag_bits(Lanes::load(xr + j, cols - j));
-      Lanes::storei(cmax + j, r > 0 ? Lanes::max(Lanes::loadi(cmax + j), m) : m);
+  const int64_t grain = tall_grain(cols);
+  column_maxima(br, padded, grain, cmax, [&](int64_t r0, int64_t r1, int32_t* out) {
+    for (int64_t r = r0; r < r1; ++r) {  // (loads zero-fill past cols: padded lanes 0)
+      const T* xr = x + r * cols;
+      for (int64_t j = 0; j < cols; j += W) {
+        const auto m = Lanes::mag_bits(Lanes::load(xr + j, cols - j));
+        Lanes::storei(out + j, r > r0 ? Lanes::max(Lanes::loadi(out + j), m) : m);
+      }
     }
-  }
+  });
   const bool whole = block % W == 0 || nb == 1;  // blocks start on whole vectors
   for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
     const int64_t j1 = std::min(cols, j0 + block);
@@ -752,10 +782,23 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
     std::memcpy(&amax, &bits, sizeof(amax));
     divisor[b] = block_divisor(amax, bits > 0x7F800000, rule, s, b);
   }
-  if (whole) {
-    for (int64_t r = 0; r < br; ++r) {
+  if (!whole) {
+    for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
+      std::fill(cscale + j0, cscale + std::min(cols, j0 + block), divisor[b]);
+    }
+    std::fill(cscale + cols, cscale + padded, 1.0f);  // (lanes not stored: no stale divisor)
+  }
+  at::parallel_for(0, br, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
       uint8_t* orow = o + r * cols;
+      if (!whole) {
+        for (int64_t j = 0; j < cols; j += W) {
+          const auto v = Lanes::div(Lanes::load(xr + j, cols - j), Lanes::loadf(cscale + j));
+          Lanes::store_codes(orow + j, v, cols - j);
+        }
+        continue;
+      }
       for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
         const int64_t j1 = std::min(cols, j0 + block);
         const auto d = Lanes::set1(divisor[b]);
@@ -764,20 +807,7 @@ void quantize_block_row(const T* x, int64_t br, int64_t cols, int64_t block, uin
         }
       }
     }
-    return;
-  }
-  for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
-    std::fill(cscale + j0, cscale + std::min(cols, j0 + block), divisor[b]);
-  }
-  std::fill(cscale + cols, cscale + padded, 1.0f);  // (lanes not stored: no stale divisor)
-  for (int64_t r = 0; r < br; ++r) {
-    const T* xr = x + r * cols;
-    uint8_t* orow = o + r * cols;
-    for (int64_t j = 0; j < cols; j += W) {
-      const auto v = Lanes::div(Lanes::load(xr + j, cols - j), Lanes::loadf(cscale + j));
-      Lanes::store_codes(orow + j, v, cols - j);
-    }
-  }
+  });
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -959,11 +989,8 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
   uint16_t* const cmax = torch_moe_cpu::aligned_scratch(col_max, padded);
   uint32_t* const bmax = torch_moe_cpu::aligned_scratch(block_max, padded);
   float* const divisor = torch_moe_cpu::aligned_scratch(divisors, padded);
-  // A tall block row (a tensorwise scale's one block: one task) by torch's threads, rows
-  // of about 64K elements each (inline within a parallel region): each range's column
-  // maxima, merged; then its codes.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1));
-  auto maxima = [&](int64_t r0, int64_t r1, uint16_t* out) {
+  const int64_t grain = tall_grain(cols);
+  column_maxima(br, padded, grain, cmax, [&](int64_t r0, int64_t r1, uint16_t* out) {
     for (int64_t r = r0; r < r1; ++r) {  // (loads zero-fill past cols: padded lanes 0)
       const c10::BFloat16* xr = x + r * cols;
       for (int64_t j = 0; j < cols; j += 32) {
@@ -971,23 +998,7 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
         _mm512_storeu_si512(out + j, r > r0 ? _mm512_max_epu16(_mm512_loadu_si512(out + j), m) : m);
       }
     }
-  };
-  if (br <= grain) {
-    maxima(0, br, cmax);
-  } else {
-    std::fill(cmax, cmax + padded, uint16_t{0});
-    std::mutex merge;
-    at::parallel_for(0, br, grain, [&](int64_t r0, int64_t r1) {
-      thread_local std::vector<uint16_t> part_buf;
-      uint16_t* part = torch_moe_cpu::aligned_scratch(part_buf, padded);
-      maxima(r0, r1, part);
-      const std::lock_guard<std::mutex> lock(merge);
-      for (int64_t j = 0; j < padded; j += 32) {
-        _mm512_storeu_si512(
-            cmax + j, _mm512_max_epu16(_mm512_loadu_si512(cmax + j), _mm512_load_si512(part + j)));
-      }
-    });
-  }
+  });
   // Each block's largest magnitude as fp32 bits.
   const bool whole = block % 32 == 0 || nb == 1;  // a step's 32 columns in one block
   if (block == 1) {
