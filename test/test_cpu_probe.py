@@ -708,6 +708,22 @@ class TestCpuProbe(TestCase):
         ):
             self.assertEqual(P.cpu_isa(), "AVX512-BF16")
 
+    def test_cpuinfo(self):
+        # the first processor's model name and flags; without /proc/cpuinfo, platform's
+        # strings and no flags (where platform.processor() is empty, as on Linux)
+        text = (
+            "processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu avx2 avx512f\n\n"
+            "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n"
+        )
+        with unittest.mock.patch("builtins.open", unittest.mock.mock_open(read_data=text)):
+            self.assertEqual(P._cpuinfo(), ("Some CPU 9000", {"fpu", "avx2", "avx512f"}))
+        with (
+            unittest.mock.patch("builtins.open", side_effect=OSError("no /proc")),
+            unittest.mock.patch.object(P.platform, "processor", return_value=""),
+            unittest.mock.patch.object(P.platform, "machine", return_value="x86_64"),
+        ):
+            self.assertEqual(P._cpuinfo(), ("x86_64", set()))
+
     def test_isa_cap(self):
         """ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) caps the reported ISA, never raises it,
         and separates the decisions' disk-cache key."""

@@ -1179,6 +1179,26 @@ class TestCalibrateDevice(TestCase):
             G.calibrate_device(dev, quick=True, cache=False)
             self.assertEqual(measure.call_count, 3)
 
+    def test_cpu_isa_names_the_gemm_extensions(self):
+        # the calibration's ISA string (its cache key and the hardware's name): the vector
+        # width, then the bf16 extensions, from the probe's reading of /proc/cpuinfo
+        from torch_moe.perf import _calibrate as C
+
+        cases = [
+            ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, "AVX512+AVX512-BF16+AMX"),
+            ({"avx2", "avx512f"}, "AVX512"),
+            ({"avx2", "fma"}, "AVX2"),
+        ]
+        for flags, isa in cases:
+            with mock.patch.object(C, "_cpuinfo", return_value=("Some CPU", flags)):
+                self.assertEqual(C.cpu_isa(), isa)
+                self.assertEqual(C._cpu_model(), "Some CPU")
+        with (
+            mock.patch.object(C, "_cpuinfo", return_value=("Some CPU", set())),
+            mock.patch.object(C.platform, "machine", return_value="aarch64"),
+        ):
+            self.assertEqual(C.cpu_isa(), "aarch64")
+
     def test_cache_key_covers_the_measured_sources(self):
         # a calibration is of the code that ran: every op, quantizer and native kernel
         # source is in its key (a kernel rewritten since the cache was written, as the

@@ -117,7 +117,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -188,19 +188,19 @@ def _select_memo() -> None:
 
 def _cpuinfo() -> tuple[str, set[str]]:
     """(CPU model name, ISA flags) from /proc/cpuinfo, else platform's processor string."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("", platform.machine()):
+                if key.strip() == "model name" and not model:
                     model = value.strip()
                 elif key.strip() == "flags":
                     flags = set(value.split())
                     break
     except OSError:
         pass
-    return model, flags
+    return model or platform.processor() or platform.machine(), flags
 
 
 ISA_CAP_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
@@ -253,15 +253,31 @@ def cpu_isa() -> str:
     return isa
 
 
+def package_sources(*patterns: str) -> list[Path]:
+    """The package's files matching the glob ``patterns`` (relative to the package root:
+    ``"csrc/*.cpp"``, ``"nn/modules/moe.py"``), as relative paths, sorted."""
+    root = Path(__file__).parents[1]
+    return sorted({p.relative_to(root) for pattern in patterns for p in root.glob(pattern)})
+
+
+def sources_digest(files: Iterable[Path]) -> str:
+    """A digest of package files (paths relative to the package root): their names and
+    bytes, an unreadable one skipped. What a measurement of the code keys on (a decision
+    or a rate measured of a kernel since rewritten is not the rewritten one's)."""
+    root = Path(__file__).parents[1]
+    h = hashlib.sha256()
+    for rel in files:
+        try:
+            h.update(str(rel).encode() + (root / rel).read_bytes())
+        except OSError:
+            continue
+    return h.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1)
 def _sources_digest() -> str:
-    """A digest of the candidates' code: the ops' Python and the native kernels' sources
-    (a decision measured of a kernel since rewritten is not the rewritten one's)."""
-    root = Path(__file__).parents[1]
-    h = hashlib.sha1()
-    for path in sorted([*root.glob("_ops/*.py"), *root.glob("csrc/*.cpp"), *root.glob("csrc/*.h")]):
-        h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()[:12]
+    """The probe's candidates' code: the ops' Python and the native kernels' sources."""
+    return sources_digest(package_sources("_ops/*.py", "csrc/*.cpp", "csrc/*.h"))
 
 
 def machine_key() -> str:

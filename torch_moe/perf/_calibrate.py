@@ -78,6 +78,7 @@ from typing import Any, Literal
 
 import torch
 
+from torch_moe._ops._cpu_probe import _cpuinfo, package_sources, sources_digest
 from torch_moe.perf._hardware import LAYOUTS, GemmTable, Hardware, Link, RateTable
 
 __all__ = ["calibrate", "cpu_isa", "machine_fingerprint"]
@@ -104,15 +105,7 @@ _LINK_CACHE: dict[tuple[int, str, bool, str], Link] = {}
 
 def cpu_isa() -> str:
     """The GEMM-relevant ISA of this CPU from /proc/cpuinfo flags: e.g. ``AVX512-BF16+AMX``."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        return platform.machine()
+    flags = _cpuinfo()[1]
     parts = []
     if "avx512f" in flags:
         parts.append("AVX512")
@@ -126,14 +119,7 @@ def cpu_isa() -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo()[0]
 
 
 def _cores() -> int:
@@ -147,30 +133,20 @@ def _calibrated_sources() -> list[Path]:
     """The library files whose speed the calibration measures (relative to the package):
     the ops, the quantizers, the layer, the calibration itself, and the native kernels'
     sources (a changed kernel invalidates what was measured of the old one)."""
-    root = Path(__file__).parents[1]
-    return sorted(
-        [
-            *(p.relative_to(root) for p in (root / "_ops").glob("*.py")),
-            *(p.relative_to(root) for p in (root / "quantization").glob("*.py")),
-            *(p.relative_to(root) for p in (root / "csrc").glob("*.cpp")),
-            *(p.relative_to(root) for p in (root / "csrc").glob("*.h")),
-            Path("nn/modules/moe.py"),
-            Path("perf/_calibrate.py"),
-            Path("perf/_calibrate_gpu.py"),
-        ]
+    return package_sources(
+        "_ops/*.py",
+        "quantization/*.py",
+        "csrc/*.cpp",
+        "csrc/*.h",
+        "nn/modules/moe.py",
+        "perf/_calibrate.py",
+        "perf/_calibrate_gpu.py",
     )
 
 
 def _sources_hash() -> str:
     """Hash of the library files whose speed the calibration measures."""
-    root = Path(__file__).parents[1]
-    h = hashlib.sha256()
-    for rel in _calibrated_sources():
-        try:
-            h.update(str(rel).encode() + (root / rel).read_bytes())
-        except OSError:
-            continue
-    return h.hexdigest()[:16]
+    return sources_digest(_calibrated_sources())
 
 
 def machine_fingerprint() -> dict[str, str]:
