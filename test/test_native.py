@@ -1966,6 +1966,14 @@ class TestNativeBF16GEMM(TestCase):
         self.assertTrue(ran)
         self.assertTrue((got == 0).all())
         self.assertTrue(_bf16_mm(torch.empty(0, 4, dtype=BF16), torch.randn(4, 3).to(BF16))[0])
+        # K = 0 into rows strided past the output's columns: those columns zero, the rest
+        # of each row untouched
+        wide = torch.full((5, 8), float("nan"), dtype=BF16)
+        out = wide[:, :3]
+        empty_a, empty_b = torch.empty(5, 0, dtype=BF16), torch.empty(0, 3, dtype=BF16)
+        self.assertTrue(_native.kernels().bf16_mm(empty_a, empty_b, out))
+        self.assertTrue((wide[:, :3] == 0).all())
+        self.assertTrue(wide[:, 3:].isnan().all())
 
     @parametrize("layout", ["row", "col"])
     @parametrize("dims", [(64, 90), (1040, 1600)])

@@ -1258,19 +1258,16 @@ uint64_t next_call() {
   return ++calls;
 }
 
-at::Tensor bf16_view(uint16_t* data, at::IntArrayRef sizes, at::IntArrayRef strides) {
-  return at::from_blob(data, sizes, strides, at::TensorOptions().dtype(at::kBFloat16));
-}
+using torch_moe_cpu::Matrix;
 
-// Rows [r0, r0 + rows) and columns [c0, c0 + cols) of a row-major matrix of codes (row
-// stride ld) as a bf16 copy [rows, cols] into o.
-void copy_codes(const at::Tensor& t, int64_t ld, int64_t r0, int64_t rows, int64_t c0,
+// Rows [r0, r0 + rows) and columns [c0, c0 + cols) of a row-major matrix of codes at base
+// (row stride ld) as a bf16 copy [rows, cols] into o.
+void copy_codes(const void* base, int64_t ld, int64_t r0, int64_t rows, int64_t c0,
                 int64_t cols, uint16_t* o) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const auto* base = static_cast<const uint8_t*>(t.const_data_ptr());
-  codes_to_bf16(base + r0 * ld + c0, ld, rows, cols, o, cols);
+  codes_to_bf16(static_cast<const uint8_t*>(base) + r0 * ld + c0, ld, rows, cols, o, cols);
 #else
-  (void)t, (void)ld, (void)r0, (void)rows, (void)c0, (void)cols, (void)o;
+  (void)base, (void)ld, (void)r0, (void)rows, (void)c0, (void)cols, (void)o;
 #endif
 }
 
@@ -1428,32 +1425,31 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const uint64_t call = next_call();
   const bool stream = out_streams(out, stream_out);
   const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
+  const Matrix a_m = Matrix::of(a), out_m = Matrix::of(out);
   run_pieces(pieces, "fp8_block_scaled_mm", [&](const RowPiece& p) {
-    auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, p.c1 - p.c0);
+    const Matrix o = out_m.block(p.start, p.rows, p.c0, p.c1 - p.c0);
     const torch_moe_cpu::BlockScales sc{rs + p.start * KS, KS, 1,
                                         cs + (p.g * KS) * cs_rows + p.c0, cs_rows, block_k / 2};
     const int64_t cols = p.c1 - p.c0;
+    const Matrix bg = Matrix::of(b, p.g);
     if (!codes) {
-      return torch_moe_cpu::bf16_gemm_scaled(o, a.narrow(0, p.start, p.rows),
-                                             b[p.g].narrow(1, p.c0, cols), &sc, {}, {}, stream);
+      return torch_moe_cpu::bf16_gemm_scaled(o, a_m.row_range(p.start, p.rows),
+                                             bg.col_range(p.c0, cols), &sc, {}, {}, stream);
     }
     thread_local PieceCopy a_copy;
     thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
     uint16_t* ah = a_copy.get(call, p.start, p.rows, K, [&](uint16_t* d) {
-      copy_codes(a, a.stride(0), p.start, p.rows, 0, K, d);
+      copy_codes(a_m.data, a_m.row_stride, p.start, p.rows, 0, K, d);
     });
     uint16_t* bh = torch_moe_cpu::aligned_scratch(b_buf, K * cols);
-    const at::Tensor bg = b[p.g];
-    at::Tensor bv;
     if (b_rows) {  // b[g]'s rows k, columns [c0, c1)
-      copy_codes(bg, bg.stride(0), 0, K, p.c0, cols, bh);
-      bv = bf16_view(bh, {K, cols}, {cols, 1});
+      copy_codes(bg.data, bg.row_stride, 0, K, p.c0, cols, bh);
     } else {  // b[g]'s columns n in [c0, c1), K codes each (the rows of b[g]^T)
-      copy_codes(bg, bg.stride(1), p.c0, cols, 0, K, bh);
-      bv = bf16_view(bh, {K, cols}, {1, K});
+      copy_codes(bg.data, bg.col_stride, p.c0, cols, 0, K, bh);
     }
-    return torch_moe_cpu::bf16_gemm_scaled(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, &sc, {}, {},
-                                           stream);
+    return torch_moe_cpu::bf16_gemm_scaled(o, Matrix::bf16(ah, p.rows, K, K),
+                                           Matrix::bf16(bh, K, cols, b_rows ? cols : K, !b_rows),
+                                           &sc, {}, {}, stream);
   });
   zero_past_groups(out, ends, E);
   return true;
@@ -1495,27 +1491,27 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
   const int64_t cs_rows = col_scale.size(1);
   const uint64_t call = next_call();
   const bool stream = out_streams(out, stream_out);
+  const Matrix a_m = Matrix::of(a), b_m = Matrix::of(b);
   run_pieces(pieces, "fp8_block_scaled_mm_wgrad", [&](const KPiece& p) {
-    auto o = out[p.g].narrow(0, p.k0, p.k1 - p.k0);
+    const Matrix o = Matrix::of(out, p.g).row_range(p.k0, p.k1 - p.k0);
     // row k of this piece, block kb: row_scale[first + kb, k0 + k]
     const torch_moe_cpu::BlockScales sc{rs + first[p.g] * K + p.k0, 1, K,
                                         cs + first[p.g] * cs_rows, cs_rows, block / 2};
     const int64_t kw = p.k1 - p.k0;
     if (!codes) {
-      const auto a_t = a.narrow(0, p.start, p.rows).narrow(1, p.k0, kw).t();
-      return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b.narrow(0, p.start, p.rows), &sc, {}, {},
+      const Matrix a_t = a_m.block(p.start, p.rows, p.k0, kw).t();
+      return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b_m.row_range(p.start, p.rows), &sc, {}, {},
                                              stream);
     }
     thread_local PieceCopy b_copy;
     thread_local std::vector<uint16_t> a_buf;  // each piece its own columns of a
     uint16_t* bh = b_copy.get(call, p.start, p.rows, N, [&](uint16_t* d) {
-      copy_codes(b, b.stride(0), p.start, p.rows, 0, N, d);
+      copy_codes(b_m.data, b_m.row_stride, p.start, p.rows, 0, N, d);
     });
     uint16_t* ah = torch_moe_cpu::aligned_scratch(a_buf, p.rows * kw);
-    copy_codes(a, a.stride(0), p.start, p.rows, p.k0, kw, ah);
-    const auto a_t = bf16_view(ah, {p.rows, kw}, {kw, 1}).t();
-    return torch_moe_cpu::bf16_gemm_scaled(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}), &sc, {}, {},
-                                           stream);
+    copy_codes(a_m.data, a_m.row_stride, p.start, p.rows, p.k0, kw, ah);
+    return torch_moe_cpu::bf16_gemm_scaled(o, Matrix::bf16(ah, p.rows, kw, kw).t(),
+                                           Matrix::bf16(bh, p.rows, N, N), &sc, {}, {}, stream);
   });
   return true;
 }
@@ -1561,6 +1557,7 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
   const uint64_t call = next_call();
   const bool stream = out_streams(out, stream_out);
   const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
+  const Matrix out_m = Matrix::of(out);
   run_pieces(pieces, "fp8_mx_mm", [&](const RowPiece& p) {
     thread_local PieceCopy a_copy;
     thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
@@ -1572,25 +1569,24 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
     });
     const int64_t cols = p.c1 - p.c0;
     uint16_t* bh = torch_moe_cpu::aligned_scratch(b_buf, K * cols);
-    const auto* bp = static_cast<const uint8_t*>(b[p.g].const_data_ptr());
+    const auto* bp = static_cast<const uint8_t*>(Matrix::of(b, p.g).data);
     const float* sg = cs + p.g * KS * N;  // b[g]'s scales [KS, N]
-    at::Tensor bv;
     if (b_rows) {  // b[g]'s rows k, columns [c0, c1): a scale per column
       ScaleRowSteps steps;  // (a scale row per k block)
       for (int64_t k = 0; k < K; ++k) {
         steps.dequantize(bf16_codes, bp + k * b.stride(1) + p.c0, cols,
                          sg + (k / block_k) * N + p.c0, bh + k * cols);
       }
-      bv = bf16_view(bh, {K, cols}, {cols, 1});
     } else {  // b[g]'s columns n in [c0, c1), K codes each: a scale per k block
       for (int64_t n = 0; n < cols; ++n) {
         dequantize_row(bf16_codes, bp + (p.c0 + n) * b.stride(2), K, sg + p.c0 + n, block_k, N,
                        bh + n * K);
       }
-      bv = bf16_view(bh, {K, cols}, {1, K});
     }
-    auto o = out.narrow(0, p.start, p.rows).narrow(1, p.c0, cols);
-    return torch_moe_cpu::bf16_gemm(o, bf16_view(ah, {p.rows, K}, {K, 1}), bv, {}, {}, stream);
+    return torch_moe_cpu::bf16_gemm(out_m.block(p.start, p.rows, p.c0, cols),
+                                    Matrix::bf16(ah, p.rows, K, K),
+                                    Matrix::bf16(bh, K, cols, b_rows ? cols : K, !b_rows), {}, {},
+                                    stream);
   });
   zero_past_groups(out, ends, E);
   return true;
@@ -1651,9 +1647,9 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
       steps.dequantize(bf16_codes, ap + (p.start + r) * a.stride(0) + p.k0, kw,
                        rs + block_row(r) * K + p.k0, ah + r * kw);
     }
-    auto o = out[p.g].narrow(0, p.k0, kw);
-    const auto a_t = bf16_view(ah, {p.rows, kw}, {kw, 1}).t();
-    return torch_moe_cpu::bf16_gemm(o, a_t, bf16_view(bh, {p.rows, N}, {N, 1}), {}, {}, stream);
+    return torch_moe_cpu::bf16_gemm(Matrix::of(out, p.g).row_range(p.k0, kw),
+                                    Matrix::bf16(ah, p.rows, kw, kw).t(),
+                                    Matrix::bf16(bh, p.rows, N, N), {}, {}, stream);
   });
   return true;
 #else

@@ -1080,68 +1080,105 @@ bool bf16_gemm_streams(int64_t out_bytes) {
   return past_l2(out_bytes);
 }
 
+Matrix Matrix::of(const at::Tensor& t) {
+  return {const_cast<void*>(t.const_data_ptr()), t.size(0), t.size(1), t.stride(0), t.stride(1),
+          t.scalar_type()};
+}
+
+Matrix Matrix::of(const at::Tensor& t, int64_t i) {
+  auto* p = static_cast<char*>(const_cast<void*>(t.const_data_ptr()));
+  return {p + i * t.stride(0) * static_cast<int64_t>(t.element_size()), t.size(1), t.size(2),
+          t.stride(1), t.stride(2), t.scalar_type()};
+}
+
+Matrix Matrix::block(int64_t r0, int64_t nr, int64_t c0, int64_t nc) const {
+  const int64_t offset = (r0 * row_stride + c0 * col_stride) * at::elementSize(dtype);
+  return {static_cast<char*>(data) + offset, nr, nc, row_stride, col_stride, dtype};
+}
+
+Matrix Matrix::bf16(const void* p, int64_t rows, int64_t cols, int64_t ld, bool col_major) {
+  return {const_cast<void*>(p), rows, cols, col_major ? 1 : ld, col_major ? ld : 1,
+          at::kBFloat16};
+}
+
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows,
+               Gather b_rows, bool stream) {
+  return bf16_gemm_scaled(out, a, b, nullptr, a_rows, b_rows, stream);
+}
+
+bool bf16_gemm(const Matrix& out, const Matrix& a, const Matrix& b, Gather a_rows,
                Gather b_rows, bool stream) {
   return bf16_gemm_scaled(out, a, b, nullptr, a_rows, b_rows, stream);
 }
 
 bool bf16_gemm_scaled(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const BlockScales* scales, Gather a_rows, Gather b_rows, bool stream) {
+  if (a.dim() != 2 || b.dim() != 2 || out.dim() != 2) return false;
+  return bf16_gemm_scaled(Matrix::of(out), Matrix::of(a), Matrix::of(b), scales, a_rows, b_rows,
+                          stream);
+}
+
+bool bf16_gemm_scaled(const Matrix& out, const Matrix& a, const Matrix& b,
+                      const BlockScales* scales, Gather a_rows, Gather b_rows, bool stream) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (!bf16_gemm_available() || a.dim() != 2 || b.dim() != 2 || out.dim() != 2) return false;
-  const bool fp32_out = out.scalar_type() == at::kFloat;
-  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 ||
-      (out.scalar_type() != at::kBFloat16 && !fp32_out)) {
+  if (!bf16_gemm_available()) return false;
+  const bool fp32_out = out.dtype == at::kFloat;
+  if (a.dtype != at::kBFloat16 || b.dtype != at::kBFloat16 ||
+      (out.dtype != at::kBFloat16 && !fp32_out)) {
     return false;
   }
-  const int64_t M = out.size(0), N = out.size(1);
+  const int64_t M = out.rows, N = out.cols;
   // a row-major (its rows read in place) or column-major (a^T's rows packed); b likewise.
   // A gathered operand's layout is the caller's (its sizes may leave it ambiguous).
   const bool a_rows_major =
-      a_rows.index != nullptr ? !a_rows.transposed : a.stride(1) == 1 || a.size(1) == 1;
-  const bool b_rows_major = b_rows.index != nullptr || b.stride(1) == 1 || b.size(1) == 1;
-  const bool a_ok = a_rows_major ? a.stride(1) == 1 || a.size(1) == 1
-                                 : a.stride(0) == 1 || a.size(0) == 1;
-  const bool b_ok = b_rows_major ? b.stride(1) == 1 || b.size(1) == 1 : b.stride(0) == 1;
+      a_rows.index != nullptr ? !a_rows.transposed : a.col_stride == 1 || a.cols == 1;
+  const bool b_rows_major = b_rows.index != nullptr || b.col_stride == 1 || b.cols == 1;
+  const bool a_ok = a_rows_major ? a.col_stride == 1 || a.cols == 1
+                                 : a.row_stride == 1 || a.rows == 1;
+  const bool b_ok = b_rows_major ? b.col_stride == 1 || b.cols == 1 : b.row_stride == 1;
   if (!a_ok || !b_ok) return false;
   // the logical sizes: a gathered row-major a has M rows of the source's K columns; a
   // gathered column-major a, the source's M rows by K gathered columns
-  const int64_t K = a_rows.index != nullptr && !a_rows_major ? a_rows.size : a.size(1);
-  const int64_t a_m = a_rows.index != nullptr && a_rows_major ? a_rows.size : a.size(0);
-  const int64_t b_k = b_rows.index != nullptr ? b_rows.size : b.size(0);
-  if (a_m != M || b_k != K || b.size(1) != N || (out.stride(1) != 1 && N > 1)) return false;
+  const int64_t K = a_rows.index != nullptr && !a_rows_major ? a_rows.size : a.cols;
+  const int64_t a_m = a_rows.index != nullptr && a_rows_major ? a_rows.size : a.rows;
+  const int64_t b_k = b_rows.index != nullptr ? b_rows.size : b.rows;
+  if (a_m != M || b_k != K || b.cols != N || (out.col_stride != 1 && N > 1)) return false;
   if (M == 0 || N == 0) return true;
   if (K == 0) {
-    out.zero_();
+    const int64_t row_bytes = N * (fp32_out ? 4 : 2);
+    for (int64_t m = 0; m < M; ++m) {
+      std::memset(static_cast<char*>(out.data) + m * out.row_stride * (fp32_out ? 4 : 2), 0,
+                  row_bytes);
+    }
     return true;
   }
   thread_local std::vector<uint16_t> zero;  // gathered rows of index -1
   const int64_t longest = std::max({M, N, K}) + kNr;
   if (static_cast<int64_t>(zero.size()) < longest) zero.assign(longest, 0);
-  const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
-  const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
-  const RowSource a_src{ap, a_rows_major ? a.stride(0) : a.stride(1), a_rows.index, zero.data()};
-  const RowSource b_src{bp, b_rows_major ? b.stride(0) : b.stride(1), b_rows.index, zero.data()};
+  const auto* ap = static_cast<const uint16_t*>(a.data);
+  const auto* bp = static_cast<const uint16_t*>(b.data);
+  const RowSource a_src{ap, a_rows_major ? a.row_stride : a.col_stride, a_rows.index, zero.data()};
+  const RowSource b_src{bp, b_rows_major ? b.row_stride : b.col_stride, b_rows.index, zero.data()};
   const BOperand b_op{b_src, !b_rows_major, K};
   if (fp32_out) {  // the AVX512-BF16 micro-kernel's sums on every CPU (header)
-    gemm(a_src, !a_rows_major, b_op, out.mutable_data_ptr<float>(), out.stride(0), M, N, K,
+    gemm(a_src, !a_rows_major, b_op, static_cast<float*>(out.data), out.row_stride, M, N, K,
          false, scales);
     return true;
   }
-  auto* cp = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+  auto* cp = static_cast<uint16_t*>(out.data);
   if (scales != nullptr) {  // (the AVX512-BF16 micro-kernel's, as fp32 outputs)
-    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, stream, scales);
+    gemm(a_src, !a_rows_major, b_op, cp, out.row_stride, M, N, K, stream, scales);
     if (stream) _mm_sfence();
     return true;
   }
   if (amx_on.load(std::memory_order_relaxed)) {
     if (!b_rows_major && a_rows_major) {
-      amx_gemm_bt(a_src, b_src, cp, out.stride(0), M, N, K, stream);
+      amx_gemm_bt(a_src, b_src, cp, out.row_stride, M, N, K, stream);
     } else {
-      amx_gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, stream);
+      amx_gemm(a_src, !a_rows_major, b_op, cp, out.row_stride, M, N, K, stream);
     }
   } else {
-    gemm(a_src, !a_rows_major, b_op, cp, out.stride(0), M, N, K, stream);
+    gemm(a_src, !a_rows_major, b_op, cp, out.row_stride, M, N, K, stream);
   }
   if (stream) _mm_sfence();  // the streamed lines ordered before the caller's next stores
   return true;

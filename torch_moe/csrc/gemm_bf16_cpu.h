@@ -27,6 +27,27 @@ struct Gather {
   bool transposed = false;  // (a only) a is the transposed view of the gathered source
 };
 
+// A 2-D operand as the GEMM reads it: its first element, sizes and strides (in elements)
+// and dtype, without an at::Tensor. The grouped kernels cut every call into pieces per
+// expert and thread; an at::Tensor view per piece and operand (narrow, select, from_blob:
+// a TensorImpl each) cost thousands of allocations a layer step.
+struct Matrix {
+  void* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0, col_stride = 1;
+  at::ScalarType dtype = at::kBFloat16;
+
+  static Matrix of(const at::Tensor& t);  // t 2-D
+  static Matrix of(const at::Tensor& t, int64_t i);  // t[i] of a 3-D t
+  // rows [r0, r0 + nr) and columns [c0, c0 + nc)
+  Matrix block(int64_t r0, int64_t nr, int64_t c0, int64_t nc) const;
+  Matrix row_range(int64_t r0, int64_t nr) const { return block(r0, nr, 0, cols); }
+  Matrix col_range(int64_t c0, int64_t nc) const { return block(0, rows, c0, nc); }
+  Matrix t() const { return {data, cols, rows, col_stride, row_stride, dtype}; }
+  // a dense bf16 matrix at p: row-major (row stride ld) or, with col_major, its transpose's
+  static Matrix bf16(const void* p, int64_t rows, int64_t cols, int64_t ld, bool col_major = false);
+};
+
 // out = a @ b (a [M, K], b [K, N], out [M, N], all bf16; a and b row- or column-major, out
 // row-major with any row stride) on the calling thread, where bf16_gemm_available(). An
 // fp32 out takes each element's fp32 sum unrounded, by the AVX512-BF16 micro-kernel also
@@ -40,6 +61,8 @@ struct Gather {
 // caches that is read back only later; see store_line in gemm_bf16_cpu.cpp), fenced
 // before the return.
 bool bf16_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, Gather a_rows = {},
+               Gather b_rows = {}, bool stream = false);
+bool bf16_gemm(const Matrix& out, const Matrix& a, const Matrix& b, Gather a_rows = {},
                Gather b_rows = {}, bool stream = false);
 
 // The scales of a block-scaled GEMM (the FP8 emulation's blockwise recipes, whose codes
@@ -59,6 +82,9 @@ struct BlockScales {
 // bf16_gemm with block scales (nullptr: none): by the AVX512-BF16 micro-kernel also where
 // AMX is on; out bf16 (one rounding of the scaled sums) or fp32.
 bool bf16_gemm_scaled(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const BlockScales* scales, Gather a_rows = {}, Gather b_rows = {},
+                      bool stream = false);
+bool bf16_gemm_scaled(const Matrix& out, const Matrix& a, const Matrix& b,
                       const BlockScales* scales, Gather a_rows = {}, Gather b_rows = {},
                       bool stream = false);
 

@@ -106,22 +106,13 @@ int64_t row_split_parts(int64_t rows) {
   return (rows + kMaxBlock - 1) / kMaxBlock;
 }
 
-// out = a @ b on this thread: by gemm_bf16_cpu.cpp's kernel where native_gemm (and it
-// applies; `stream`: its output lines by non-temporal stores), else at::mm_out.
-void mm_piece(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool native_gemm,
-              bool stream) {
-  if (native_gemm && torch_moe_cpu::bf16_gemm(out, a, b, {}, {}, stream)) return;
-  at::mm_out(out, a, b);
-}
-
-// out = x @ w on this thread, with split_rows as row_split_parts pieces (not with the
-// native GEMM, which does not block rows as oneDNN does).
-void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool split_rows,
-             bool native_gemm, bool stream) {
+// out = x @ w on this thread by ATen's GEMM, with split_rows as row_split_parts pieces
+// (the native GEMM, which does not block rows as oneDNN does, runs before: its callers).
+void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool split_rows) {
   const int64_t rows = x.size(0);
-  const int64_t parts = split_rows && !native_gemm ? row_split_parts(rows) : 1;
+  const int64_t parts = split_rows ? row_split_parts(rows) : 1;
   if (parts == 1) {
-    mm_piece(out, x, w, native_gemm, stream);
+    at::mm_out(out, x, w);
     return;
   }
   for (int64_t p = 0, r0 = 0; p < parts; ++p) {
@@ -293,16 +284,26 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
   // the native GEMM streams its output where asked (the CPU probe's out_stream) and all of
   // it is past the L2
   const bool stream = stream_out && native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
+  using torch_moe_cpu::Matrix;
+  const Matrix out_m = Matrix::of(out), x_m = Matrix::of(x);
   split_groups(
       ends, [n](int64_t, int64_t) { return n; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
+        if (native_gemm) {  // (the pieces as Matrix views: no at::Tensor per piece)
+          const Matrix o = out_m.block(start, rows, lo, hi - lo);
+          const Matrix w_g = Matrix::of(w, g).col_range(lo, hi - lo);
+          if (index == nullptr
+                  ? torch_moe_cpu::bf16_gemm(o, x_m.row_range(start, rows), w_g, {}, {}, stream)
+                  : torch_moe_cpu::bf16_gemm(o, x_m, w_g, {index + start, rows}, {}, stream)) {
+            return;
+          }
+        }
         auto o = out.narrow(0, start, rows).narrow(1, lo, hi - lo);
         const auto w_g = w[g].narrow(1, lo, hi - lo);
-        if (index == nullptr) {
-          mm_rows(o, x.narrow(0, start, rows), w_g, split_rows, native_gemm, stream);
-        } else if (!(native_gemm &&
-                     torch_moe_cpu::bf16_gemm(o, x, w_g, {index + start, rows}, {}, stream))) {
-          mm_rows(o, gathered(x, index + start, rows, 0), w_g, split_rows, false, false);
+        if (index == nullptr) {  // (ATen's GEMM in one piece where the native one was asked)
+          mm_rows(o, x.narrow(0, start, rows), w_g, split_rows && !native_gemm);
+        } else {
+          mm_rows(o, gathered(x, index + start, rows, 0), w_g, split_rows);
         }
       },
       native_gemm);
@@ -338,22 +339,33 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
               "dtype, got strides ", a.strides(), " and ", a.scalar_type());
   const int64_t k = a.size(0);
   const bool stream = stream_out && native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
+  using torch_moe_cpu::Matrix;
+  const Matrix a_m = Matrix::of(a), dy_m = Matrix::of(dy);
   split_groups(
       ends, [k](int64_t, int64_t) { return k; },
       [&](int64_t g, int64_t start, int64_t rows, int64_t lo, int64_t hi) {
+        if (native_gemm) {  // (the pieces as Matrix views: no at::Tensor per piece)
+          const Matrix a_lo = a_m.row_range(lo, hi - lo);
+          const torch_moe_cpu::Gather ga{a_idx ? a_idx + start : nullptr, rows, true};
+          const torch_moe_cpu::Gather gd{dy_idx ? dy_idx + start : nullptr, rows};
+          if (torch_moe_cpu::bf16_gemm(Matrix::of(out, g).row_range(lo, hi - lo),
+                                       a_idx ? a_lo : a_lo.col_range(start, rows),
+                                       dy_idx ? dy_m : dy_m.row_range(start, rows), ga, gd,
+                                       stream)) {
+            return;
+          }
+        }
         auto o = out[g].narrow(0, lo, hi - lo);
         const auto a_lo = a.narrow(0, lo, hi - lo);
         const auto a_g = a_idx ? a_lo : a_lo.narrow(1, start, rows);
         const auto dy_g = dy_idx ? dy : dy.narrow(0, start, rows);
-        const torch_moe_cpu::Gather ga{a_idx ? a_idx + start : nullptr, rows, true};
-        const torch_moe_cpu::Gather gd{dy_idx ? dy_idx + start : nullptr, rows};
         if (a_idx == nullptr && dy_idx == nullptr && !transpose_a) {
-          mm_piece(o, a_g, dy_g, native_gemm, stream);
-        } else if (!(native_gemm && torch_moe_cpu::bf16_gemm(o, a_g, dy_g, ga, gd, stream))) {
+          at::mm_out(o, a_g, dy_g);
+        } else {
           // ATen's GEMM on the piece's gathered rows (and a's row-major copy): scratch
-          const auto a_m = a_idx ? gathered(a_lo.t(), a_idx + start, rows, 0).t() : a_g;
-          const auto dy_m = dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g;
-          at::mm_out(o, transpose_a ? row_major_copy(a_m) : a_m, dy_m);
+          const auto a_rows = a_idx ? gathered(a_lo.t(), a_idx + start, rows, 0).t() : a_g;
+          const auto dy_rows = dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g;
+          at::mm_out(o, transpose_a ? row_major_copy(a_rows) : a_rows, dy_rows);
         }
       },
       native_gemm);
