@@ -11,6 +11,7 @@ tensor subclasses, other devices, ``ENABLED = False``. A profiler still sees eac
 name; keyword and defaulted arguments bind as the op binds them."""
 
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -38,8 +39,11 @@ from torch_moe._ops import grouped_mm as gmm
 from torch_moe._ops import grouped_swiglu as gs
 from torch_moe._ops import permute as perm
 from torch_moe.nn import MoE
+from torch_moe.quantization import ops as qops
 
 BF16, F32 = torch.bfloat16, torch.float32
+# (the module: the package's name of the same spelling is its public function)
+sgm = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
 
 
 @contextlib.contextmanager
@@ -149,6 +153,23 @@ def _case(name: str, seed: int, tokens: int = 13, skew: bool = False) -> tuple[C
             rand(rows, 2 * hidden),
             rw,
         ]
+    if name.startswith("quantized_grouped_mm_"):  # a recipe's GEMMs: forward, dgrad, wgrad
+        recipe = name.removeprefix("quantized_grouped_mm_")
+        d, h = (32, 64) if recipe == "mxfp8" else (dim, hidden)  # (MX: multiples of 32)
+        return (lambda x, w: sgm.scaled_grouped_mm(x, w, p.offs, recipe)), [
+            rand(rows, d),
+            rand(experts, d, h),
+        ]
+    if name == "quantize_fp8":
+        return (lambda x: tuple(qops.quantize_fp8(x, (1, 8)))), [rand(rows, dim, grad=False)]
+    if name == "quantize_mx":
+        return (lambda x: tuple(qops.quantize_mx(x, dim=-1, block=32))), [
+            rand(rows, 64, grad=False)
+        ]
+    if name == "quantize_jagged":
+        return (lambda x: tuple(qops.quantize_jagged(x, p.offs, block=4))), [
+            rand(rows, dim, grad=False)
+        ]
     raise AssertionError(name)
 
 
@@ -168,6 +189,13 @@ CASES = [
     "glu",
     "topk_route",
     "topk_route_grouped",
+    "quantized_grouped_mm_fp8_tensorwise",
+    "quantized_grouped_mm_fp8_rowwise",
+    "quantized_grouped_mm_fp8_blockwise",
+    "quantized_grouped_mm_mxfp8",
+    "quantize_fp8",
+    "quantize_mx",
+    "quantize_jagged",
 ]
 
 
@@ -211,6 +239,8 @@ class TestDirectCalls(TestCase):
                 continue
             self.assertEqual(x.dtype, y.dtype)
             self.assertEqual(x.shape, y.shape)
+            if x.dtype == torch.float8_e4m3fn:  # (no comparisons of e4m3: its bits)
+                x, y = x.view(torch.uint8), y.view(torch.uint8)
             self.assertTrue(torch.equal(x, y), "differs from the op's result")
 
     @parametrize("name", CASES)
@@ -235,6 +265,14 @@ class TestDirectCalls(TestCase):
             glu_mod.glu_backward,
             routing.topk_route,
             routing.topk_route_backward,
+            sgm.quantized_grouped_mm,
+            sgm.quantized_grouped_mm_dgrad,
+            sgm.quantized_grouped_mm_wgrad,
+            sgm._scaled_grouped_mm,
+            sgm._scaled_grouped_mm_wgrad,
+            qops._quantize_fp8,
+            qops._quantize_mx,
+            qops._quantize_jagged,
         ]
         with op_never_called(*wrapped):
             out, grads, saved = _run(call, inputs)

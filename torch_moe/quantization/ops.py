@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from torch_moe._ops._dtypes import FP8
+from torch_moe._ops._eager import direct_calls
 from torch_moe.quantization import quantize as Q
 
 __all__ = [
@@ -55,7 +56,7 @@ def _quantize_fp8(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
 
 
 @_quantize_fp8.register_kernel("cpu")
-def _(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
+def _quantize_fp8_cpu(x: Tensor, block: list[int]) -> tuple[Tensor, Tensor]:
     return Q.quantize_fp8_cpu(x, (block[0], block[1]))
 
 
@@ -84,7 +85,7 @@ def quantize_fp8(x: Tensor, block: Sequence[int] = (-1, -1)) -> tuple[Tensor, Te
     ``x ~= q * scale``; see :func:`torch_moe.quantization.quantize.quantize_fp8_reference`
     for the numerics. Runs ``torch.ops.torch_moe.quantize_fp8``.
     """
-    return torch.ops.torch_moe.quantize_fp8(x, list(block))
+    return _quantize_fp8(x, list(block))
 
 
 # --------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def _quantize_mx(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tens
 
 
 @_quantize_mx.register_kernel("cpu")
-def _(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
+def _quantize_mx_cpu(x: Tensor, dim: int, block: int, scale_rule: str) -> tuple[Tensor, Tensor]:
     return Q.quantize_mx_cpu(x, dim, block, scale_rule)
 
 
@@ -140,7 +141,7 @@ def quantize_mx(
         raise ValueError(
             f"quantize_mx: scale_dtype must be torch.uint8 or torch.float32, got {scale_dtype}"
         )
-    q, scale = torch.ops.torch_moe.quantize_mx(x, dim, block, scale_rule)
+    q, scale = _quantize_mx(x, dim, block, scale_rule)
     return q, scale if scale_dtype == torch.uint8 else Q.e8m0_to_float(scale)
 
 
@@ -163,7 +164,9 @@ def _quantize_jagged(
 
 
 @_quantize_jagged.register_kernel("cpu")
-def _(x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str) -> tuple[Tensor, Tensor]:
+def _quantize_jagged_cpu(
+    x: Tensor, offs: Tensor, block: int, fmt: str, scale_rule: str
+) -> tuple[Tensor, Tensor]:
     return Q.quantize_jagged_cpu(x, offs, block, fmt, scale_rule)
 
 
@@ -206,7 +209,7 @@ def quantize_jagged(
         raise ValueError(
             f"quantize_jagged: scale_dtype must be torch.uint8 or torch.float32, got {scale_dtype}"
         )
-    q, scale = torch.ops.torch_moe.quantize_jagged(x, offs, block, fmt, scale_rule)
+    q, scale = _quantize_jagged(x, offs, block, fmt, scale_rule)
     if scale_dtype == torch.float32 and scale.dtype == torch.uint8:
         scale = Q.e8m0_to_float(scale)
     return q, scale
@@ -278,3 +281,10 @@ def dequantize_jagged(
 ) -> Tensor:
     """Inverse of :func:`quantize_jagged` (uint8 scales are read as E8M0)."""
     return torch.ops.torch_moe.dequantize_jagged(q, scale, offs, block, dtype)
+
+
+# eager calls on plain CPU tensors run the CPU kernels without the ops' Python layers
+# (torch_moe._ops._eager); everything else (compile, fake tensors, other devices) the ops
+_quantize_fp8 = direct_calls(_quantize_fp8, _quantize_fp8_cpu)
+_quantize_mx = direct_calls(_quantize_mx, _quantize_mx_cpu)
+_quantize_jagged = direct_calls(_quantize_jagged, _quantize_jagged_cpu)

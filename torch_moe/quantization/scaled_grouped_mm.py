@@ -71,6 +71,7 @@ from torch import Tensor
 
 from torch_moe._ops import _native
 from torch_moe._ops._dtypes import FP8, KERNEL_DTYPES
+from torch_moe._ops._eager import direct_calls
 from torch_moe._ops.grouped_mm import (
     check_offs,
     check_offs_values,
@@ -984,9 +985,7 @@ def _scaled_gemm(
         raise ValueError(f"quantized_grouped_mm: {g} runs in bf16, not scaled")
     qa, sa = quantize_lhs(a, lhs)
     qb, sb = quantize_rhs(b, rhs)
-    return torch.ops.torch_moe.scaled_grouped_mm(
-        qa, qb, sa, sb, offs, lhs.inner, rhs.outer, out_dtype
-    )
+    return _scaled_grouped_mm(qa, qb, sa, sb, offs, lhs.inner, rhs.outer, out_dtype)
 
 
 def _scaled_wgrad(
@@ -997,7 +996,7 @@ def _scaled_wgrad(
         raise ValueError(f"quantized_grouped_mm_wgrad: {g} runs in bf16, not scaled")
     qx, sx = quantize_wgrad_operand(x, offs, lhs)
     qdy, sdy = quantize_wgrad_operand(dy, offs, rhs)
-    return torch.ops.torch_moe.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, lhs.inner, out_dtype)
+    return _scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, lhs.inner, out_dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -1383,12 +1382,16 @@ def _check_wgrad(fn: str, x: Tensor, dy: Tensor, offs: Tensor, recipe: str) -> R
     return r
 
 
-@torch.library.custom_op("torch_moe::quantized_grouped_mm", mutates_args=())
-def quantized_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
-    """Forward GEMM of ``recipe``: ``x [M, K] @ w[g] [K, N]`` per group, in x's dtype."""
+def _quantized_grouped_mm_default(x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
     r = _check_gemm("quantized_grouped_mm", x, w, offs, recipe)
     check_offs_values("quantized_grouped_mm", offs, x.shape[0])
     return _run_gemm(x, w, offs, r.forward, x.dtype)
+
+
+@torch.library.custom_op("torch_moe::quantized_grouped_mm", mutates_args=())
+def quantized_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    """Forward GEMM of ``recipe``: ``x [M, K] @ w[g] [K, N]`` per group, in x's dtype."""
+    return _quantized_grouped_mm_default(x, w, offs, recipe)
 
 
 @quantized_grouped_mm.register_fake
@@ -1397,12 +1400,16 @@ def _(x: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
     return x.new_empty((x.shape[0], w.shape[2]))
 
 
-@torch.library.custom_op("torch_moe::quantized_grouped_mm_dgrad", mutates_args=())
-def quantized_grouped_mm_dgrad(dy: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
-    """Dgrad GEMM of ``recipe``: ``dy [M, N] @ w[g]^T [N, K]`` per group, in dy's dtype."""
+def _quantized_grouped_mm_dgrad_default(dy: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
     r = _check_dgrad("quantized_grouped_mm_dgrad", dy, w, offs, recipe)
     check_offs_values("quantized_grouped_mm_dgrad", offs, dy.shape[0])
     return _run_gemm(dy, w.transpose(-2, -1), offs, r.dgrad, dy.dtype)
+
+
+@torch.library.custom_op("torch_moe::quantized_grouped_mm_dgrad", mutates_args=())
+def quantized_grouped_mm_dgrad(dy: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    """Dgrad GEMM of ``recipe``: ``dy [M, N] @ w[g]^T [N, K]`` per group, in dy's dtype."""
+    return _quantized_grouped_mm_dgrad_default(dy, w, offs, recipe)
 
 
 @quantized_grouped_mm_dgrad.register_fake
@@ -1411,12 +1418,16 @@ def _(dy: Tensor, w: Tensor, offs: Tensor, recipe: str) -> Tensor:
     return dy.new_empty((dy.shape[0], w.shape[1]))
 
 
-@torch.library.custom_op("torch_moe::quantized_grouped_mm_wgrad", mutates_args=())
-def quantized_grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor, recipe: str) -> Tensor:
-    """Wgrad GEMM of ``recipe``: ``x[g]^T @ dy[g]`` per group [E, K, N], in x's dtype."""
+def _quantized_grouped_mm_wgrad_default(x: Tensor, dy: Tensor, offs: Tensor, recipe: str) -> Tensor:
     r = _check_wgrad("quantized_grouped_mm_wgrad", x, dy, offs, recipe)
     check_offs_values("quantized_grouped_mm_wgrad", offs, x.shape[0])
     return _run_wgrad(x, dy, offs, r.wgrad, x.dtype)
+
+
+@torch.library.custom_op("torch_moe::quantized_grouped_mm_wgrad", mutates_args=())
+def quantized_grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor, recipe: str) -> Tensor:
+    """Wgrad GEMM of ``recipe``: ``x[g]^T @ dy[g]`` per group [E, K, N], in x's dtype."""
+    return _quantized_grouped_mm_wgrad_default(x, dy, offs, recipe)
 
 
 @quantized_grouped_mm_wgrad.register_fake
@@ -1459,6 +1470,21 @@ def _symmetric_wgrad(recipe: str) -> bool:
 
 quantized_grouped_mm.register_autograd(_backward, setup_context=_setup)
 
+# eager calls on plain CPU tensors run the CPU kernels (and the autograd formula above)
+# without the ops' Python layers (torch_moe._ops._eager); everything else the ops. The
+# same functions run either way (the same bits: the decomposition's "compiled == eager").
+_scaled_grouped_mm = direct_calls(_scaled_grouped_mm, _scaled_grouped_mm_cpu)
+_scaled_grouped_mm_wgrad = direct_calls(_scaled_grouped_mm_wgrad, _scaled_grouped_mm_wgrad_cpu)
+quantized_grouped_mm = direct_calls(
+    quantized_grouped_mm, _quantized_grouped_mm_default, _setup, _backward
+)
+quantized_grouped_mm_dgrad = direct_calls(
+    quantized_grouped_mm_dgrad, _quantized_grouped_mm_dgrad_default
+)
+quantized_grouped_mm_wgrad = direct_calls(
+    quantized_grouped_mm_wgrad, _quantized_grouped_mm_wgrad_default
+)
+
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str | Recipe) -> Tensor:
     r"""Grouped GEMM ``out[rows of g] = x[rows of g] @ w[g]`` in FP8 / MXFP8 per ``recipe``.
@@ -1475,4 +1501,4 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, recipe: str | Recipe) 
     jagged blocks). MX recipes need K and N multiples of 32; FP8 blocks pad partial blocks.
     Runs ``torch.ops.torch_moe.quantized_grouped_mm`` (and its dgrad / wgrad ops).
     """
-    return torch.ops.torch_moe.quantized_grouped_mm(x, w, offs, get_recipe(recipe).op_arg())
+    return quantized_grouped_mm(x, w, offs, get_recipe(recipe).op_arg())
