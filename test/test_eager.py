@@ -327,6 +327,52 @@ class TestDirectCalls(TestCase):
         self.assert_bitwise(got[1], ref[1])
         self.assertEqual(got[2], ref[2])
 
+    @settings(max_examples=25, deadline=None)
+    @given(
+        rows=st.integers(0, 40),
+        experts=st.integers(1, 6),
+        recipe=st.sampled_from(["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8"]),
+        dims=st.sampled_from([(8, 24), (40, 17), (32, 64), (160, 32)]),
+        transposed=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def test_quantized_grouped_mm_fuzz(
+        self,
+        rows: int,
+        experts: int,
+        recipe: str,
+        dims: tuple[int, int],
+        transposed: bool,
+        seed: int,
+    ) -> None:
+        # a recipe's forward, dgrad and wgrad on odd group sizes (empty groups, one row,
+        # rows past the last group), odd dims (MX: multiples of 32) and weights stored as
+        # x @ w^T's: the direct calls' values, gradients and saved bytes are the ops'
+        k, n = dims
+        if recipe == "mxfp8" and (k % 32 or n % 32):
+            k, n = 32 * -(-k // 32), 32 * -(-n // 32)
+        g = torch.Generator().manual_seed(seed)
+        ends = torch.randint(0, rows + 1, (experts,), generator=g).sort().values
+        offs = ends.to(torch.int32)
+        w = torch.randn(experts, n, k, generator=g).transpose(-2, -1) if transposed else None
+        inputs = [
+            torch.randn(rows, k, generator=g).to(BF16).requires_grad_(),
+            (w if w is not None else torch.randn(experts, k, n, generator=g))
+            .to(BF16)
+            .requires_grad_(),
+        ]
+
+        def call(x: Any, w: Any) -> Any:
+            return sgm.scaled_grouped_mm(x, w, offs, recipe)
+
+        with op_path():
+            ref = _run(call, inputs)
+        with op_never_called(sgm.quantized_grouped_mm, sgm.quantized_grouped_mm_dgrad):
+            got = _run(call, inputs)
+        self.assert_bitwise(got[0], ref[0])
+        self.assert_bitwise(got[1], ref[1])
+        self.assertEqual(got[2], ref[2])
+
     def test_keywords_and_defaults_bind_as_the_op(self) -> None:
         _call, (y, _w) = _case("unpermute", seed=3)
         p, _ = _routing(13, 5, 2, 3)

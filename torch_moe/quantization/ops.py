@@ -14,7 +14,10 @@ ops trace under ``torch.compile`` and bad input raises the same message eager an
 
 The public functions here (re-exported by :mod:`torch_moe.quantization`) are what library
 code calls: a public name always dispatches to the fastest kernel of the device, never to
-the reference. Triton is imported only when a CUDA kernel runs, so ``import torch_moe``
+the reference. In eager mode on plain CPU tensors the quantize ops' CPU kernels are called
+directly, without the custom ops' Python layers (:mod:`torch_moe._ops._eager`: the same
+kernels, so the same bits; compile, fake tensors, subclasses and other devices take the
+ops). Triton is imported only when a CUDA kernel runs, so ``import torch_moe``
 works without it.
 
 The ops carry no autograd: quantization is not differentiated through (the scaled GEMMs

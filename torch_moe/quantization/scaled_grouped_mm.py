@@ -28,7 +28,9 @@ Two layers of ops, so that the compiler can see as much as it can use:
 
   each quantizing its operands per the recipe's GEMM and multiplying. The backward of
   ``quantized_grouped_mm`` calls the other two. :func:`scaled_grouped_mm` is the public
-  entry point.
+  entry point. In eager mode on plain CPU tensors these five ops (and the quantize ops
+  they call) run their CPU kernels and autograd formula directly, without the custom ops'
+  Python layers (:mod:`torch_moe._ops._eager`; the same functions, so the same bits).
 
 Numerics. Each GEMM quantizes its operands per the recipe, then multiplies the dequantized
 values (exact in fp32) with fp32 accumulation. The CPU kernels are that emulation,
