@@ -219,8 +219,9 @@ def _fp32_scales(scale: Tensor) -> Tensor:
 
 
 def _expand(scale: Tensor, dim: int, block: int, size: int) -> Tensor:
-    """Repeat ``scale`` along ``dim`` so that each entry covers its block of ``size``."""
-    if block == -1:
+    """Repeat ``scale`` along ``dim`` so that each entry covers its block of ``size``
+    (blocks of one element, or the whole dim: ``scale`` itself, not copied)."""
+    if block in (-1, 1):
         return scale
     return scale.repeat_interleave(block, dim=dim).narrow(dim, 0, size)
 
