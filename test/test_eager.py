@@ -243,12 +243,23 @@ class TestDirectCalls(TestCase):
                 x, y = x.view(torch.uint8), y.view(torch.uint8)
             self.assertTrue(torch.equal(x, y), "differs from the op's result")
 
+    def assert_direct_is_the_op(
+        self, call: Callable, inputs: list, *wrapped: _eager.DirectOp
+    ) -> None:
+        """``call(*inputs)``'s outputs, gradients and saved bytes, each wrapped op called
+        directly (never the op), bit for bit those of every call through the ops."""
+        with op_path():
+            ref_out, ref_grads, ref_saved = _run(call, inputs)
+        with op_never_called(*wrapped):
+            out, grads, saved = _run(call, inputs)
+        self.assert_bitwise(out, ref_out)
+        self.assert_bitwise(grads, ref_grads)
+        self.assertEqual(saved, ref_saved)
+
     @parametrize("name", CASES)
     @parametrize("tokens,skew", [(13, False), (29, True), (1, False)])
     def test_same_as_the_op(self, name: str, tokens: int, skew: bool) -> None:
         call, inputs = _case(name, seed=tokens, tokens=tokens, skew=skew)
-        with op_path():
-            ref_out, ref_grads, ref_saved = _run(call, inputs)
         wrapped = [
             perm.permute_indices,
             perm.permute,
@@ -274,11 +285,7 @@ class TestDirectCalls(TestCase):
             qops._quantize_mx,
             qops._quantize_jagged,
         ]
-        with op_never_called(*wrapped):
-            out, grads, saved = _run(call, inputs)
-        self.assert_bitwise(out, ref_out)
-        self.assert_bitwise(grads, ref_grads)
-        self.assertEqual(saved, ref_saved)
+        self.assert_direct_is_the_op(call, inputs, *wrapped)
 
     def test_no_tokens(self) -> None:
         p = ops.permute_indices(torch.empty(0, 2, dtype=torch.long), 4)
@@ -319,13 +326,7 @@ class TestDirectCalls(TestCase):
             )
             return ops.unpermute(y, None, p)
 
-        with op_path():
-            ref = _run(call, inputs)
-        with op_never_called(gs.grouped_swiglu, perm.unpermute):
-            got = _run(call, inputs)
-        self.assert_bitwise(got[0], ref[0])
-        self.assert_bitwise(got[1], ref[1])
-        self.assertEqual(got[2], ref[2])
+        self.assert_direct_is_the_op(call, inputs, gs.grouped_swiglu, perm.unpermute)
 
     @settings(max_examples=25, deadline=None)
     @given(
@@ -365,13 +366,9 @@ class TestDirectCalls(TestCase):
         def call(x: Any, w: Any) -> Any:
             return sgm.scaled_grouped_mm(x, w, offs, recipe)
 
-        with op_path():
-            ref = _run(call, inputs)
-        with op_never_called(sgm.quantized_grouped_mm, sgm.quantized_grouped_mm_dgrad):
-            got = _run(call, inputs)
-        self.assert_bitwise(got[0], ref[0])
-        self.assert_bitwise(got[1], ref[1])
-        self.assertEqual(got[2], ref[2])
+        self.assert_direct_is_the_op(
+            call, inputs, sgm.quantized_grouped_mm, sgm.quantized_grouped_mm_dgrad
+        )
 
     def test_keywords_and_defaults_bind_as_the_op(self) -> None:
         _call, (y, _w) = _case("unpermute", seed=3)

@@ -44,7 +44,8 @@ struct Matrix {
   Matrix row_range(int64_t r0, int64_t nr) const { return block(r0, nr, 0, cols); }
   Matrix col_range(int64_t c0, int64_t nc) const { return block(0, rows, c0, nc); }
   Matrix t() const { return {data, cols, rows, col_stride, row_stride, dtype}; }
-  // a dense bf16 matrix at p: row-major (row stride ld) or, with col_major, its transpose's
+  // a bf16 matrix at p: row-major (rows ld elements apart) or, with col_major, column-major
+  // (columns ld elements apart)
   static Matrix bf16(const void* p, int64_t rows, int64_t cols, int64_t ld, bool col_major = false);
 };
 
