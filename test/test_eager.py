@@ -44,6 +44,17 @@ from torch_moe.quantization import ops as qops
 BF16, F32 = torch.bfloat16, torch.float32
 # (the module: the package's name of the same spelling is its public function)
 sgm = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+# the FP8 / MX ops' direct wrappers: every one an FP8 / MX layer step calls
+FP8_DIRECT = (
+    sgm.quantized_grouped_mm,
+    sgm.quantized_grouped_mm_dgrad,
+    sgm.quantized_grouped_mm_wgrad,
+    sgm._scaled_grouped_mm,
+    sgm._scaled_grouped_mm_wgrad,
+    qops._quantize_fp8,
+    qops._quantize_mx,
+    qops._quantize_jagged,
+)
 
 
 @contextlib.contextmanager
@@ -276,14 +287,7 @@ class TestDirectCalls(TestCase):
             glu_mod.glu_backward,
             routing.topk_route,
             routing.topk_route_backward,
-            sgm.quantized_grouped_mm,
-            sgm.quantized_grouped_mm_dgrad,
-            sgm.quantized_grouped_mm_wgrad,
-            sgm._scaled_grouped_mm,
-            sgm._scaled_grouped_mm_wgrad,
-            qops._quantize_fp8,
-            qops._quantize_mx,
-            qops._quantize_jagged,
+            *FP8_DIRECT,
         ]
         self.assert_direct_is_the_op(call, inputs, *wrapped)
 
@@ -1229,6 +1233,22 @@ class TestMoELayerNode(TestCase):
         _assert_same_as_ops(self, got, ref)
         self.assertLessEqual(got[2], ref[2])
         self.assertTrue(node.apply.called)
+
+    @parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_blockwise", "mxfp8"])
+    def test_recipes_same_as_the_ops(self, recipe: str) -> None:
+        # an FP8 / MX layer step: its GEMMs' and quantizers' direct calls give the ops'
+        # output, gradients and saved bytes, bit for bit, and no op runs
+        torch.manual_seed(5)
+        moe = MoE(64, 32, 6, 2, route_norm=True, dtype=BF16, precision=recipe)
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(29, 64, generator=g).to(BF16)
+        grad = torch.randn(29, 64, generator=g)
+        with op_path():
+            ref = self._step(moe, x, grad, False)
+        with op_never_called(*FP8_DIRECT):
+            got = self._step(moe, x, grad, False)
+        _assert_same_as_ops(self, got, ref)
+        self.assertEqual(got[2], ref[2])
 
     @parametrize("kind", ["swiglu", "composed", "recipe"])
     def test_experts_combine_is_the_unpermute_of_their_rows(self, kind: str) -> None:
