@@ -349,6 +349,43 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         self.assertFalse(S._mx_in_bf16(sa, sb8, bf))  # one operand MX: the other is not exact
         self.assertFalse(S._mx_in_bf16(sa8, sb, bf))
 
+    def test_mx_copies_dequantize_only_busy_experts(self):
+        """The MX copies route (a few rows per expert: decode) dequantizes only the experts
+        that have rows, their scales included (the whole stack was 100x a T=1 step's
+        GEMMs), and no grouped GEMM kernel reads the others' memory: with every new
+        buffer filled with NaN first, bit for bit the whole stack's product."""
+        from unittest import mock
+
+        bf = torch.bfloat16
+        if S.cpu_compute_dtype(bf) != bf or not S.Q.native_fp8_conversions():
+            self.skipTest("no native bf16 GEMM or e4m3 kernels here")
+        r = RECIPES["mxfp8"]
+        gen = torch.Generator().manual_seed(12)
+        offs = make_offs([0, 5, 0, 0, 7, 0])  # busy experts 1 and 4
+        m, k, n = int(offs[-1]) + 2, 64, 96
+        x = torch.randn(m, k, generator=gen)
+        w = torch.randn(6, n, k, generator=gen).transpose(-2, -1)  # nn.Linear's layout
+        qa, sa = S.quantize_lhs(x, r.forward.lhs)
+        qb, sb = S.quantize_rhs(w, r.forward.rhs)
+        a_f, b_f = S._dequantize_operands(qa, qb, sa, sb, r.forward.lhs.inner, r.forward.rhs.outer)
+        want = S.grouped_mm(a_f.to(bf), b_f.to(bf), offs)
+        mod = S.Q._fp8_kernels(qa)
+        spy = mock.MagicMock(wraps=mod)
+        empty_like = torch.empty_like
+
+        def poisoned(t, *args, **kwargs):
+            return empty_like(t, *args, **kwargs).fill_(float("nan"))
+
+        with (
+            mock.patch.object(S, "_mx_pieces", lambda *args: False),
+            mock.patch.object(S.Q, "_fp8_kernels", lambda t: spy),
+            mock.patch.object(S.torch, "empty_like", poisoned),
+        ):
+            got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
+        calls = spy.fp8_dequantize_scaled.call_args_list
+        self.assertEqual(len(calls), 3)  # a, then experts 1 and 4
+        self.assertEqual(got, want, atol=0, rtol=0)
+
     def test_mx_pieces_in_the_native_gemm(self):
         """Where ``grouped_mm`` multiplies the dequantized bf16 operands by the threaded
         kernel's native GEMM (the probe forced so), MX's GEMMs convert each piece of the
