@@ -1145,10 +1145,9 @@ bool bf16_gemm_scaled(const Matrix& out, const Matrix& a, const Matrix& b,
   if (a_m != M || b_k != K || b.cols != N || (out.col_stride != 1 && N > 1)) return false;
   if (M == 0 || N == 0) return true;
   if (K == 0) {
-    const int64_t row_bytes = N * (fp32_out ? 4 : 2);
+    const int64_t item = fp32_out ? 4 : 2;
     for (int64_t m = 0; m < M; ++m) {
-      std::memset(static_cast<char*>(out.data) + m * out.row_stride * (fp32_out ? 4 : 2), 0,
-                  row_bytes);
+      std::memset(static_cast<char*>(out.data) + m * out.row_stride * item, 0, N * item);
     }
     return true;
   }

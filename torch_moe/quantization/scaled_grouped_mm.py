@@ -309,19 +309,13 @@ def _dequantize_rhs_native(
     if b.dim() != 3 or Q._fp8_kernels(b) is None:
         return None
     out = torch.empty_like(b, dtype=dtype)
-    if experts is not None and len(experts) < b.shape[0]:
-        for e in experts:
-            if (
-                _dequantize_native(b[e], _fp32_scales(scale[e]), block_k, block_n, out=out[e])
-                is None
-            ):
-                return None
+    some = experts is not None and len(experts) < b.shape[0]
+    sf = None if some else _fp32_scales(scale)  # (some: each expert's converted alone)
+    if sf is not None and _dequantize_stacked(b, sf, block_k, block_n, out):
         return out
-    sf = _fp32_scales(scale)
-    if _dequantize_stacked(b, sf, block_k, block_n, out):
-        return out
-    for e in range(b.shape[0]):
-        if _dequantize_native(b[e], sf[e], block_k, block_n, out=out[e]) is None:
+    for e in experts if some else range(b.shape[0]):  # type: ignore[union-attr]
+        se = _fp32_scales(scale[e]) if sf is None else sf[e]
+        if _dequantize_native(b[e], se, block_k, block_n, out=out[e]) is None:
             return None
     return out
 
