@@ -128,9 +128,12 @@ class TestInference(TestCase):
             # the gather is fused: no permuted copy of the input
             self.assertNotIn("torch_moe::permute", names)
 
-    def test_weights_quantized_once_per_version(self):
+    @parametrize("precision", list(RECIPES))
+    def test_weights_quantized_once_per_version(self, precision):
+        # every recipe (per-tensor scales too: fp8_tensorwise quantized its weights on
+        # every call by the training path)
         clear_weight_cache()
-        moe = _layer("fp8_blockwise")
+        moe = _layer(precision)
         with torch.inference_mode():
             moe(torch.randn(4, D))
             moe(torch.randn(9, D))

@@ -97,6 +97,7 @@ from torch_moe.nn.functional import (
     switch_aux_loss,
 )
 from torch_moe.quantization import RECIPES, Recipe, get_recipe, scaled_grouped_mm
+from torch_moe.quantization.scaled_grouped_mm import decomposable, quantize_lhs
 
 __all__ = [
     "PRESETS",
@@ -572,8 +573,9 @@ class GroupedExperts(nn.Module):
         ``x`` [T, D] that ``row_to_slot`` / ``slot_to_row`` (``permute_indices``) describe,
         without materializing the permuted input: the row gather happens inside
         ``grouped_swiglu`` (``gather_index``), or with a recipe inside the activation's
-        quantization (``permute_quantize``: the T tokens quantized once, e4m3 rows gathered),
-        the weights' quantization cached until they change, the SwiGLU quantized in one op.
+        quantization (``permute_quantize``: the T tokens quantized once, e4m3 rows gathered;
+        a recipe with one scale per tensor quantizes the permuted rows), the weights'
+        quantization cached until they change, the SwiGLU quantized in one op.
         The same values as ``forward`` on ``permute(x)`` (bit for bit on CPU). With
         ``block_m`` (from :meth:`decode_block_m`, the rows permuted with that alignment)
         the fused decode kernels (``torch_moe::fused_experts``). ``combine``: the rows'
@@ -614,19 +616,29 @@ class GroupedExperts(nn.Module):
             y, _h = _swiglu_ops.grouped_swiglu(x, w13.to(dt), w2.to(dt), offs, row_weights, tokens)
             return y
         g = recipe.forward
-        rows = _row_local_quantization(g)
-        if rows is None:  # not a fused layout: the training path on the gathered rows
+        lhs, rhs = g.lhs, g.rhs
+        if lhs is None or rhs is None or not decomposable(g):  # the training path
             x_perm = _perm.permute(x, row_to_slot, slot_to_row)
             return self.forward(x_perm, offs, row_weights)
-        fmt, block, rule = rows
+        rows = _row_local_quantization(g)
         ops_ = torch.ops.torch_moe
+        # each intermediate is dropped once its consumer has run: the peak is one GEMM's
+        # operands and output (the codes and h lived to the end: 13-25% higher)
         with torch.autocast(x.device.type, enabled=False):
-            qx, sx = ops_.permute_quantize(x, row_to_slot, slot_to_row, fmt, block, rule)
+            if rows is not None:  # each token quantized once, its codes gathered
+                qx, sx = ops_.permute_quantize(x, row_to_slot, slot_to_row, *rows)
+            else:  # one scale over the permuted rows, as the training forward takes it
+                qx, sx = quantize_lhs(_perm.permute(x, row_to_slot, slot_to_row), lhs)
             q13, s13 = _quantize_weight_cached(_storage_owner(self.w13), w13.to(dt), g)
-            h = ops_.scaled_grouped_mm(qx, q13, sx, s13, offs, block, g.rhs.outer, dt)  # type: ignore[union-attr]
-            qa, sa = ops_.swiglu_quantize(h, row_weights, fmt, block, rule)
+            h = ops_.scaled_grouped_mm(qx, q13, sx, s13, offs, lhs.inner, rhs.outer, dt)
+            del qx, sx
+            if rows is not None:
+                qa, sa = ops_.swiglu_quantize(h, row_weights, *rows)
+            else:
+                qa, sa = quantize_lhs(swiglu(h, row_weights), lhs)
+            del h
             q2, s2 = _quantize_weight_cached(_storage_owner(self.w2), w2.to(dt), g)
-            return ops_.scaled_grouped_mm(qa, q2, sa, s2, offs, block, g.rhs.outer, dt)  # type: ignore[union-attr]
+            return ops_.scaled_grouped_mm(qa, q2, sa, s2, offs, lhs.inner, rhs.outer, dt)
 
     def extra_repr(self) -> str:
         e, d, f = self.w2.shape
@@ -709,12 +721,11 @@ def _storage_owner(p: Tensor) -> Tensor:
 
 
 def _row_local_quantization(g: Any) -> tuple[str, int, str] | None:
-    """(fmt, block, scale_rule) when GEMM ``g`` quantizes A along its rows and is expressible
-    as scaled_grouped_mm (the fused inference path), else None."""
-    from torch_moe.quantization.scaled_grouped_mm import decomposable
-
+    """(fmt, block, scale_rule) when decomposable GEMM ``g`` quantizes A along its rows
+    (each token's codes the same in every row it is routed to: quantized before the
+    gather), else None (one scale per tensor: the permuted rows quantized together)."""
     lhs = g.lhs
-    if lhs is None or not decomposable(g) or lhs.outer != 1:
+    if lhs is None or lhs.outer != 1:
         return None
     return lhs.fmt, lhs.inner, lhs.scale_rule
 
