@@ -86,9 +86,16 @@ before A and Y, ``M*(3F + D)*b`` at the second GEMM; loop: h and Y with one grou
 gathered rows or fp32 chunk, and its activation buffer), the combine's (Y, the output and
 one token chunk's gathered and fp32 rows) and the final sum's, plus what the layer's
 forward holds throughout (the logits, the routing's ids, weights and row maps, the shared
-output): within 3.5% of the allocator's peak on each path (test_perf). Other devices,
-recipes and EP keep the older estimate (the permuted rows, h and y materialized), not
-validated against measurements.
+output): within 3.5% of the allocator's peak on each path (test_perf). A recipe's experts
+(``_inference_recipe_experts``) in their phases: the activation's codes (the tokens' then
+the rows' gathered from them; per tensor, the permuted rows then their codes), each scaled
+GEMM on the cached weights' codes with its output and its kernel's transients (the FP8
+codes' scales laid out per k block, ``_codes_scale_bytes``; MX's bf16 copies, B's from one
+stacked call where every expert has rows), the SwiGLU and its codes; the weights' codes
+and scales, cached per version, are ``weight_cache`` (resident, in ``peak``): within 1% of
+the allocator's peak for the FP8 recipes, 2.5% for MX (oneDNN's scratch), with and without
+the native kernels (test_perf). Other devices and EP keep the older estimate (the permuted
+rows, h and y materialized), not validated against measurements.
 
 Not modelled: the GEMM library's own scratch (oneDNN packs operands into buffers of its
 own, 0.1-0.8 MiB a bf16 GEMM at the benchmarks' shapes), held once per GEMM, and once
@@ -113,8 +120,9 @@ import torch
 
 from torch_moe.perf._hardware import Hardware
 from torch_moe.perf._workload import MoEWorkload
+from torch_moe.quantization.recipes import OperandQuant
 
-__all__ = ["memory", "saved_bytes"]
+__all__ = ["memory", "saved_bytes", "weight_cache_bytes"]
 
 
 def _act_chunk_rows(w: MoEWorkload, threads: int) -> float:
@@ -277,6 +285,8 @@ def _gemm_phase(
     group_rows: float = 0.0,
     wgrad: bool = False,
     codes: bool = False,
+    quantized: bool = True,
+    stacked: bool = True,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
@@ -289,19 +299,25 @@ def _gemm_phase(
     dequantizes both token-order operands per chunk (the value; by ATen's ops also the
     table's index or the rows' scales gathered) into one group's fp32 product, with the
     jagged operands' scale row per row (int64). ``codes``: the kernels multiply the codes
-    in bf16 instead (:func:`_codes_bf16_here`, :func:`_blocks_bf16_phase`)."""
+    in bf16 instead (:func:`_codes_bf16_here`, :func:`_blocks_bf16_phase`).
+    ``quantized=False``: both operands are codes already (the inference path's), only the
+    scaled GEMM's phase; ``stacked``: whether every expert has rows (MX's copies of B
+    then come from one stacked call, else expert by expert: :func:`_mx_bf16_phase`)."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
     from torch_moe.quantization.scaled_grouped_mm import _CPU_CHUNK_ELEMS
 
     quantize = max(_quantize_bytes(kinds[0], n_a), n_a + _quantize_bytes(kinds[1], n_b))
+    if not quantized:
+        quantize = n_a + n_b
     m = max(rows, 1.0)
     k, n = n_a / m, (n_b if wgrad else n_out) / m
     if codes:
         return max(quantize, _blocks_bf16_phase(n_a, n_b, n_out, m))
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
-        return max(quantize, _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad))
+        mx = _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad, stacked)
+        return max(quantize, mx)
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
     if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
         groups = max(1.0, n_out / max(k * n, 1.0))
@@ -322,8 +338,16 @@ def _gemm_phase(
     chunk = min(chunk, max(group_rows, in_chunk * m / experts))
     b_chunk = n_b * in_chunk / experts
     conv = 4 if _native_fp8() else 8  # fp32 values (and ATen's table's int32 codes)
+    # past the first chunk, the previous chunk's A rows and fp32 product are live until
+    # the new ones replace them (the loop's names rebind after the new values exist)
+    a_prev = 4 * chunk * k if chunk < m else 0.0
+    prod_prev = 4 * chunk * n if chunk < m else 0.0
+    # MX's E8M0 scales of the chunk's experts, converted to fp32 with them
+    b_scales = 4 * b_chunk / 32 if kinds[1].startswith("mx") else 0.0
     per_chunk = max(
-        conv * chunk * k, 4 * chunk * k + conv * b_chunk, 4 * chunk * (k + n) + 4 * b_chunk
+        conv * chunk * k + a_prev + prod_prev,  # A's rows converted
+        4 * chunk * k + conv * b_chunk + b_scales + prod_prev,  # then the chunk's experts of B
+        4 * chunk * (k + n) + 4 * b_chunk,  # then the chunk's product
     )
     return max(quantize, n_a + n_b + b * n_out + per_chunk)
 
@@ -388,7 +412,7 @@ def _mx_pieces_here(experts: float, m: float, k: float, n: float, wgrad: bool) -
 
 def _mx_bf16_phase(
     n_a: float, n_b: float, n_out: float, m: float, k: float, n: float, group_rows: float,
-    wgrad: bool,
+    wgrad: bool, stacked: bool = True,
 ) -> float:  # fmt: skip
     """Peak bytes of an MX scaled GEMM's CPU kernel in bf16 (``_mx_in_bf16``) above the
     e4m3 operands: by the native kernels' pieces (:func:`_mx_pieces_here`) the fp32
@@ -409,6 +433,12 @@ def _mx_bf16_phase(
     if _mx_pieces_here(experts, m, k, n, wgrad):  # no copies: the fp32 scales
         return base + 4 * (n_a + n_b) / 32 + 2 * n_out
     copies = 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 32  # (with the fp32 scales, native)
+    if not wgrad and stacked:
+        # every expert dequantized by one stacked call (``_dequantize_stacked``): the
+        # stacked rows' scale-row index (int64) and B's scales reshaped to those rows
+        copies += 8 * n_b / max(min(k, n), 1.0) + 4 * n_b / 32
+    elif not wgrad:  # only the busy experts, each with its own scales converted
+        copies -= 4 * n_b / 32 * (1 - 1 / max(experts, 1.0))
     if wgrad:
         rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, n, 1.0)), m)
         per_row = 8 * m  # the jagged blocks' index of each row (int64)
@@ -431,12 +461,13 @@ def _mx_bf16_phase(
             )
         )
     if _native_fp8():
-        return base + max(copies, 2 * n_a + 2 * n_b + 2 * n_out)
+        return base + max(copies, 2 * n_a + 2 * n_b + 2 * n_out + 4 * n_a / 32)  # A's scales live
     rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, 1.0)), m)
     b_chunk = min(max(_CPU_CHUNK_ELEMS, k * n), n_b)
+    # each chunk's fp32 values, and ATen's table's gathered values while converting
     return base + max(
-        2 * n_a + 4 * rows * k,
-        2 * n_a + 2 * n_b + 4 * b_chunk,
+        2 * n_a + 8 * rows * k,
+        2 * n_a + 2 * n_b + 8 * b_chunk,
         2 * n_a + 2 * n_b + 2 * n_out,
     )
 
@@ -606,23 +637,47 @@ def _whole_loop_copy(
 def _inference_bytes(
     w: MoEWorkload, groups: list[float], M: float, m: float, c: int, threads: int
 ) -> float:
-    """The largest live set of ``MoE``'s inference forward on a CPU (bf16 experts, no
-    EP), above the weights and the input: the router's phase (its fp32 copy of x and the
-    logits), the experts' (``grouped_swiglu`` gathering its rows from the tokens: on the
-    whole path the gathered rows [M, D] with h [M, 2F], freed before A [M, F] and Y [M,
-    D]; on the loop path h and Y with one group's gathered rows, activation buffer and
-    fp32 chunk), then the combine's (Y and the output [T, D]); the routing's indices
+    """The largest live set of ``MoE``'s inference forward on a CPU (no EP), above the
+    weights (and a recipe's cached codes of them) and the input: the router's phase (its
+    fp32 copy of x and the logits), the experts' (:func:`_inference_bf16_experts`,
+    :func:`_inference_recipe_experts`), then the combine's (Y and the output [T, D]); the routing's indices
     and weights live throughout, and a shared expert's output from its own phase (run
     before the routed experts) to the final sum."""
-    T, D, F, E, K = w.tokens, w.dim, w.hidden_dim, w.num_experts, w.top_k
+    T, D, E, K = w.tokens, w.dim, w.num_experts, w.top_k
     b = w.element_size
-    whole = _swiglu_whole(w, groups, backward=False)
-    r = min(m if not whole else M, _act_chunk_rows(w, threads))
-    fp32 = _act_fp32_bytes(w, r, backward=False)  # one chunk's fp32 copy of h (ATen ops)
     # the logits, the routing's ids and weights, its row maps, the token index and the
     # rows' weights: held by the layer's forward until it returns
     maps = T * E * 4 + M * (8 + 8 + 4) + T * K * (8 + 8 + 4) + E * 4
     router = T * D * 4 + T * E * 4
+    if w.precision != "bf16":
+        experts = _inference_recipe_experts(w, groups, M, m, threads)
+    else:
+        experts = _inference_bf16_experts(w, groups, M, m, c, threads)
+    # Y, the output, and the combine's temporaries (unweighted: the routing weights went
+    # into the experts)
+    from torch_moe._ops.permute import combine_temporary_bytes
+
+    combine = M * D * b + T * D * b + combine_temporary_bytes(T, D, w.dtype)
+    shared = total = 0.0
+    Fs = w.shared_hidden_dim
+    if Fs:  # run before the experts; its output [T, D] lives to the final sum
+        shared = T * 3 * Fs * b + T * D * b  # its gate/up output, silu and product, output
+        maps += T * D * b
+        total = M * D * b + 2 * T * D * b  # Y, the routed output and the sum
+    return max(router, shared, experts, combine, total) + maps
+
+
+def _inference_bf16_experts(
+    w: MoEWorkload, groups: list[float], M: float, m: float, c: int, threads: int
+) -> float:
+    """The bf16 experts' largest live set in :func:`_inference_bytes`: ``grouped_swiglu``
+    gathering its rows from the tokens, on the whole path the gathered rows [M, D] with h
+    [M, 2F], freed before A [M, F] and Y [M, D]; on the loop path h and Y with one group's
+    gathered rows, activation buffer and fp32 chunk."""
+    D, F, b = w.dim, w.hidden_dim, w.element_size
+    whole = _swiglu_whole(w, groups, backward=False)
+    r = min(m if not whole else M, _act_chunk_rows(w, threads))
+    fp32 = _act_fp32_bytes(w, r, backward=False)  # one chunk's fp32 copy of h (ATen ops)
     # where the GEMMs upcast (c != b), each group's GEMM on the loop path converts its
     # operands (the rows and the expert's weight) and computes its product in c; the
     # whole path, taken there only where the native few-rows kernel runs the GEMMs,
@@ -639,18 +694,100 @@ def _inference_bytes(
         # h and Y, the group-sized activation buffer, and one group's gathered rows (with
         # the first GEMM's upcast operands) or one chunk's fp32 activation, not at once
         experts = M * (2 * F + D) * b + m * F * c + max(m * D * b + up1, fp32, up2)
-    # Y, the output, and the combine's temporaries (unweighted: the routing weights went
-    # into the experts)
-    from torch_moe._ops.permute import combine_temporary_bytes
+    return experts
 
-    combine = M * D * b + T * D * b + combine_temporary_bytes(T, D, w.dtype)
-    shared = total = 0.0
-    Fs = w.shared_hidden_dim
-    if Fs:  # run before the experts; its output [T, D] lives to the final sum
-        shared = T * 3 * Fs * b + T * D * b  # its gate/up output, silu and product, output
-        maps += T * D * b
-        total = M * D * b + 2 * T * D * b  # Y, the routed output and the sum
-    return max(router, shared, experts, combine, total) + maps
+
+def _scale_bytes(op: OperandQuant, rows: float, cols: float) -> float:
+    """Bytes of the scales of a [rows, cols] operand quantized along its columns by
+    ``op``: fp32 per (outer x inner) block (-1: the whole extent), MX's one byte per
+    ``inner`` elements of a row."""
+    if op.fmt == "mx":
+        return rows * math.ceil(cols / op.inner)
+    br = rows if op.outer == -1 else op.outer
+    bc = cols if op.inner == -1 else op.inner
+    return 4.0 * math.ceil(rows / max(br, 1)) * math.ceil(cols / max(bc, 1))
+
+
+def weight_cache_bytes(w: MoEWorkload) -> float:
+    """The expert weights' cached quantization in inference (``MoE`` with a recipe quantizes
+    each weight once per version, ``quantize_fp8_cached`` / ``quantize_mx_cached``): the
+    local experts' e4m3 codes and their scales, held while the weights are."""
+    if w.precision == "bf16" or w.backward:
+        return 0.0
+    from torch_moe.quantization import get_recipe
+
+    rhs = get_recipe(w.precision).forward.rhs
+    if rhs is None:
+        return 0.0
+    D, F, El = w.dim, w.hidden_dim, w.local_experts
+    # w13 [El, 2F, D] and w2 [El, D, F], each quantized along its last dim
+    return El * (3 * F * D + _scale_bytes(rhs, 2 * F, D) + _scale_bytes(rhs, D, F))
+
+
+def _inference_recipe_experts(
+    w: MoEWorkload, groups: list[float], M: float, m: float, threads: int
+) -> float:
+    """The largest live set of a recipe's experts in inference (``GroupedExperts.
+    forward_tokens``; the cached weights' codes apart, :func:`weight_cache_bytes`): the
+    activation's codes (``permute_quantize``: the tokens' codes, then the rows' gathered
+    from them; with one scale per tensor the permuted rows [M, D], then their codes), the
+    first scaled GEMM's phase with h [M, 2F] (the codes freed after it), the SwiGLU's
+    (h, its bf16 output and that output's codes), the second GEMM's with Y [M, D]: each
+    intermediate freed once consumed."""
+    from torch_moe.quantization import get_recipe
+
+    T, D, F, b = w.tokens, w.dim, w.hidden_dim, w.element_size
+    g = get_recipe(w.precision).forward
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:  # pragma: no cover (every recipe quantizes both)
+        raise ValueError(f"no scaled forward for precision {w.precision!r}")
+    kind = "mx" if lhs.fmt == "mx" else "fp8"
+    kinds = (kind, kind + "_col")
+    codes = _codes_bf16_here(w.precision, b)
+    stacked = bool(groups) and len(groups) == w.local_experts and min(groups) > 0
+    s_x, s_a = _scale_bytes(lhs, M, D), _scale_bytes(lhs, M, F)
+    if lhs.outer == 1:  # each token's codes once, then gathered into the rows
+        quant_x = _quantize_bytes(kind, T * D) + _scale_bytes(lhs, T, D) + M * D + s_x
+    else:
+        quant_x = M * D * b + _quantize_bytes(kind, M * D) + s_x
+
+    def gemm(K: float, N: float) -> float:  # above A's codes and scales
+        if codes:
+            return 2 * M * N + _codes_scale_bytes(lhs, rhs, M, w.local_experts, K, N)
+        n_a, n_b = M * K, w.local_experts * K * N
+        phase = _gemm_phase(
+            kinds, n_a, n_b, M * N, b, True, rows=M, group_rows=m, quantized=False,
+            stacked=stacked,
+        )  # fmt: skip
+        return phase - n_a - n_b  # B's codes are the cache's, A's counted by the caller
+
+    r = min(M, _act_chunk_rows(w, threads))
+    act = M * 2 * F * b + M * F * b + _act_fp32_bytes(w, r, backward=False)
+    act = max(act, M * 2 * F * b + M * F * b + _quantize_bytes(kind, M * F) + s_a)
+    return max(
+        quant_x,
+        M * D + s_x + gemm(D, 2 * F),
+        act,
+        M * F + s_a + gemm(F, D),
+    )
+
+
+def _codes_scale_bytes(
+    lhs: OperandQuant, rhs: OperandQuant, M: float, E: int, K: float, N: float
+) -> float:
+    """The scales an FP8 GEMM on the codes in bf16 lays out for its kernel
+    (``scaled_grouped_mm._scaled_blocks_mm``): A's per row and k block (a copy where they
+    are not [M, blocks] already: per tensor, or constant along K in several of the GEMM's
+    blocks), B's per column and k block padded to panels of 64 columns, and before that,
+    for blocks of several columns, B's repeated per column."""
+    from torch_moe.quantization.scaled_grouped_mm import _k_blocks
+
+    constant = (lhs.inner == -1 or K <= lhs.inner) and (rhs.inner == -1 or K <= rhs.inner)
+    ks = _k_blocks(round(K))[1] if constant else math.ceil(K / lhs.inner)
+    rows = M * ks * 4 if lhs.outer == -1 or (constant and ks > 1) else 0.0
+    bn = rhs.outer
+    repeated = E * ks * math.ceil(N / bn) * bn * 4 if bn not in (-1, 1) else 0.0
+    return rows + repeated + E * ks * math.ceil(N / 64) * 64 * 4
 
 
 def memory(
@@ -694,8 +831,10 @@ def memory(
     y = T * D * b
     resident = weights + T * D * b * (2 if w.backward else 1)  # x (+ its output gradient)
     if not w.backward:
-        if w.precision == "bf16" and cpu and w.ep == 1:  # measured phases (comm is 0)
+        cache = 0.0
+        if cpu and w.ep == 1:  # measured phases (comm is 0)
             dyn = _inference_bytes(w, groups, M, m, c, threads)
+            cache = weight_cache_bytes(w)
         else:
             # forward only: the permuted rows, h and y of the experts, and the combine
             act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
@@ -711,13 +850,14 @@ def memory(
                 )  # fmt: skip
                 act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
             dyn = act + T * D * (4 + b) + y + comm
-        peak = resident + dyn
+        peak = resident + cache + dyn
         return dict(
             weights=weights,
             grads=0.0,
             optimizer=0.0,
             activations=0.0,
             comm_buffers=comm,
+            weight_cache=cache,
             peak=peak,
             peak_step=peak,
         )
@@ -820,6 +960,7 @@ def memory(
         optimizer=optimizer,
         activations=saved,
         comm_buffers=comm,
+        weight_cache=0.0,
         peak=peak,
         peak_step=peak + optimizer,
     )

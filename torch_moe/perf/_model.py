@@ -93,9 +93,11 @@ class Prediction:
         flops, bytes: per component (bytes: memory traffic; for ``dispatch`` / ``combine``
             the bytes a rank sends over links).
         memory: bytes per rank: ``weights``, ``grads``, ``optimizer``, ``activations``
-            (saved for the backward), ``comm_buffers``, ``peak`` (one forward + backward:
-            weights and gradients included, optimizer states excluded) and ``peak_step``
-            (+ optimizer states).
+            (saved for the backward), ``comm_buffers``, ``weight_cache`` (inference with a
+            recipe: the expert weights' codes and scales, quantized once per version),
+            ``peak`` (one forward + backward, or the forward alone: weights, gradients and
+            that cache included, optimizer states excluded) and ``peak_step`` (+ optimizer
+            states).
         details: routing and sizing figures (rows per rank, imbalance, distinct
             ranks / nodes per token, padding rows, ...).
         workload, hardware: the inputs.
