@@ -582,12 +582,13 @@ class TestMemory(TestCase):
         # a recipe's inference forward (the activation's codes, each scaled GEMM on the
         # cached weights' codes, the SwiGLU quantized, each intermediate dropped once
         # consumed) against the allocator's peak above the weights, their cached codes and
-        # the input, at a prefill (every expert has rows: MX's weights dequantized by one
-        # stacked call) and a decode batch (expert by expert); the cache's bytes exactly.
-        # The model once kept the training forward's estimate: 1.5-2.8x the peak at the
-        # prefill, up to 50x at the decode batch
-        D, Fh, E, K = 256, 256, 16, 2
-        for T in (512, 16):
+        # the input, at prefills (every expert has rows: MX's weights dequantized by one
+        # stacked call, the peak there at E64; D > 3F: the second GEMM's phase the peak) and
+        # a decode batch (expert by expert); the cache's bytes exactly. The model once kept
+        # the training forward's estimate: 1.5-2.8x the peak at a prefill, up to 50x at the
+        # decode batch
+        shapes = [(512, 256, 256, 16, 2), (16, 256, 256, 16, 2), (64, 128, 256, 64, 8)]
+        for T, D, Fh, E, K in [*shapes, (256, 512, 128, 16, 2)]:
             torch.manual_seed(0)
             moe = MoE(D, Fh, E, K, precision=precision, dtype=torch.bfloat16).eval()
             x = torch.randn(T, D, dtype=torch.bfloat16)
@@ -607,7 +608,7 @@ class TestMemory(TestCase):
             )
             self.assertEqual(m["weight_cache"], cached)
             predicted = m["peak"] - m["weights"] - m["weight_cache"] - T * D * 2
-            msg = f"T={T}: {predicted} vs {measured}"
+            msg = f"T={T} D={D} E={E}: {predicted} vs {measured}"
             self.assertLess(abs(predicted / measured - 1), 0.05, msg=msg)
 
     @parametrize("path", ["loop", "whole"])
