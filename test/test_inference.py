@@ -57,7 +57,13 @@ class TestInference(TestCase):
         """inference_mode (the dedicated path) == the training forward, bit for bit, for
         every precision, with a capacity, alignment-free routing options and shared
         experts."""
-        for kw in ({}, {"capacity_factor": 0.75, "shared_hidden_dim": 16, "expert_bias": True}):
+        composed = {"activation": "swigluoai", "swiglu_limit": 7.0, "experts_bias": True}
+        for kw in (
+            {},
+            {"capacity_factor": 0.75, "shared_hidden_dim": 16, "expert_bias": True},
+            composed,  # the glu experts' GEMMs (a recipe's weights quantized once)
+            {"activation": "relu2"},
+        ):
             moe = _layer(precision, **kw)
             x = torch.randn(3, 7, D)
             with torch.enable_grad():
@@ -130,19 +136,21 @@ class TestInference(TestCase):
 
     @parametrize("precision", list(RECIPES))
     def test_weights_quantized_once_per_version(self, precision):
-        # every recipe (per-tensor scales too: fp8_tensorwise quantized its weights on
-        # every call by the training path)
-        clear_weight_cache()
-        moe = _layer(precision)
-        with torch.inference_mode():
-            moe(torch.randn(4, D))
-            moe(torch.randn(9, D))
-        self.assertEqual(weight_cache_stats(), {"misses": 2, "hits": 2})  # w13, w2; reused
-        with torch.no_grad():
-            moe.experts.w13.mul_(0.5)  # the weight changes: requantized
-        with torch.inference_mode():
-            moe(torch.randn(4, D))
-        self.assertEqual(weight_cache_stats(), {"misses": 3, "hits": 3})
+        # every recipe (per-tensor scales too), plain and composed (glu) experts: both
+        # once took the training path, which quantized the weights on every call
+        for kw in ({}, {"activation": "swigluoai", "experts_bias": True}):  # + glu experts
+            clear_weight_cache()
+            moe = _layer(precision, **kw)
+            with torch.inference_mode():
+                moe(torch.randn(4, D))
+                moe(torch.randn(9, D))
+            # w13, w2; reused
+            self.assertEqual(weight_cache_stats(), {"misses": 2, "hits": 2}, msg=str(kw))
+            with torch.no_grad():
+                moe.experts.w13.mul_(0.5)  # the weight changes: requantized
+            with torch.inference_mode():
+                moe(torch.randn(4, D))
+            self.assertEqual(weight_cache_stats(), {"misses": 3, "hits": 3}, msg=str(kw))
 
     def test_compiles_fullgraph(self):
         moe = _layer("fp8_rowwise", shared_hidden_dim=8)

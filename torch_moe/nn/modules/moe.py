@@ -510,6 +510,7 @@ class GroupedExperts(nn.Module):
         offs: Tensor,
         row_weights: Tensor | None,
         permutation: tuple[Tensor, Tensor] | None = None,
+        weight_owners: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The experts as ``grouped_mm`` (or the recipe's ``scaled_grouped_mm``) -> + b13 ->
         :func:`glu_activation` x row weight -> ``grouped_mm`` -> + row weight x b2, on the
@@ -518,22 +519,29 @@ class GroupedExperts(nn.Module):
         gathers itself. The backward keeps the tokens (or x), the [M, N] pre-activation
         (the activation op recomputes the rest) and the [M, F] weighted activation (the
         down GEMM's weight-gradient operand); the down bias's term saves no [M, D] tensor
-        (``_row_bias``)."""
+        (``_row_bias``). ``weight_owners`` (inference, no autograd): the parameters of w13
+        and w2, whose quantization a recipe's GEMMs then cache per version (the same ops and
+        values as the training forward's, the weights not quantized again every call)."""
         recipe = self.recipe
+        g = recipe.forward if recipe is not None and weight_owners is not None else None
+        if g is not None and not decomposable(g):
+            g = None
 
-        def gemm(a: Tensor, w: Tensor) -> Tensor:
+        def gemm(a: Tensor, w: Tensor, owner: int) -> Tensor:
             if recipe is None:
                 return ops.grouped_mm(a, w.transpose(-2, -1), offs)
+            if g is not None and weight_owners is not None:
+                return _scaled_gemm_cached(a, w, offs, g, weight_owners[owner])
             return scaled_grouped_mm(a, w.transpose(-2, -1), offs, recipe)
 
         if permutation is None:
-            h = gemm(x, w13)
+            h = gemm(x, w13, 0)
         else:  # no recipe here (a recipe permutes first)
             h = _gmm.gather_grouped_mm(x, w13.transpose(-2, -1), offs, *permutation)
         num_rows = h.shape[0]
         interleaved = self.gate_up_interleaved
         if b13 is None or b2 is None:  # GroupedExperts(bias=True) has both
-            return gemm(_activate(self, h, row_weights, interleaved), w2)
+            return gemm(_activate(self, h, row_weights, interleaved), w2, 1)
         # each row's expert; rows at or past offs[-1] (padding) read the last expert's up
         # bias, and their zero GEMM rows stay zero: they get no down bias (weight 0)
         rows = torch.arange(num_rows, device=x.device, dtype=offs.dtype)
@@ -544,7 +552,7 @@ class GroupedExperts(nn.Module):
         row_expert = row_expert.clamp(max=w13.shape[0] - 1)
         h = h + b13.to(h.dtype).index_select(0, row_expert)
         a = _activate(self, h, row_weights, interleaved)
-        return _row_bias(gemm(a, w2), b2, row_expert, bias_w)
+        return _row_bias(gemm(a, w2, 1), b2, row_expert, bias_w)
 
     def decode_block_m(self, rows: int, device: torch.device) -> int | None:
         """The group alignment the fused decode kernels need for ``rows`` = T*K routed rows
@@ -593,9 +601,19 @@ class GroupedExperts(nn.Module):
                     )
             y = self.forward_tokens(x, row_to_slot, slot_to_row, offs, row_weights, block_m)
             return _perm.unpermute(y, slot_to_row, row_to_slot)
-        if self.composed:  # the training forward on the gathered rows
+        if self.composed:  # the training forward's GEMMs on the gathered rows
             x_perm = _perm.permute(x, row_to_slot, slot_to_row)
-            return self.forward(x_perm, offs, row_weights)
+            if self.recipe is None:
+                return self.forward(x_perm, offs, row_weights)
+            w13, w2 = self._local_weights()
+            b13, b2 = self._local_biases()
+            dt = _expert_dtype(x, w13)
+            owners = (_storage_owner(self.w13), _storage_owner(self.w2))
+            with torch.autocast(x.device.type, enabled=False):
+                return self._composed(
+                    x_perm.to(dt), w13.to(dt), w2.to(dt), b13, b2, offs, row_weights,
+                    weight_owners=owners,
+                )  # fmt: skip
         w13, w2 = self._local_weights()
         dt = _expert_dtype(x, w13)
         x = x.to(dt)
@@ -718,6 +736,19 @@ def _storage_owner(p: Tensor) -> Tensor:
     """The tensor whose identity and version counter key a cached weight quantization: the
     parameter, or for a DTensor parameter its local shard (the same object every call)."""
     return cast(Tensor, p._local_tensor) if isinstance(p, DTensor) else p
+
+
+def _scaled_gemm_cached(a: Tensor, w: Tensor, offs: Tensor, g: Any, owner: Tensor) -> Tensor:
+    """a [M, K] @ w^T per group (w [E, N, K]) by decomposable GEMM ``g`` as the training
+    forward computes it (A quantized by ``quantize_lhs``, then ``scaled_grouped_mm``), w's
+    quantization cached until ``owner`` changes (inference)."""
+    lhs, rhs = g.lhs, g.rhs
+    if lhs is None or rhs is None:
+        raise ValueError(f"_scaled_gemm_cached: {g} runs in bf16, not scaled")
+    qa, sa = quantize_lhs(a, lhs)
+    qw, sw = _quantize_weight_cached(owner, w, g)
+    ops_ = torch.ops.torch_moe
+    return ops_.scaled_grouped_mm(qa, qw, sa, sw, offs, lhs.inner, rhs.outer, a.dtype)
 
 
 def _row_local_quantization(g: Any) -> tuple[str, int, str] | None:
