@@ -309,13 +309,24 @@ def _dequantize_rhs_native(
     if b.dim() != 3 or Q._fp8_kernels(b) is None:
         return None
     out = torch.empty_like(b, dtype=dtype)
-    some = experts is not None and len(experts) < b.shape[0]
-    sf = None if some else _fp32_scales(scale)  # (some: each expert's converted alone)
-    if sf is not None and _dequantize_stacked(b, sf, block_k, block_n, out):
+    if experts is not None and len(experts) < b.shape[0]:
+        # the busy experts' scales gathered and converted by one call (a call each, on a
+        # strided slice, cost two copies of it), in their own layout: the column-major
+        # experts' (a weight's transposed codes) as the kernel reads them, without a copy
+        busy = torch.tensor(experts, dtype=torch.long)
+        if scale.dim() == 3 and scale.stride(1) == 1 and scale.stride(2) != 1:
+            sf = _fp32_scales(scale.transpose(1, 2).index_select(0, busy)).transpose(1, 2)
+        else:
+            sf = _fp32_scales(scale.index_select(0, busy))
+        for i, e in enumerate(experts):
+            if _dequantize_native(b[e], sf[i], block_k, block_n, out=out[e]) is None:
+                return None
         return out
-    for e in experts if some else range(b.shape[0]):  # type: ignore[union-attr]
-        se = _fp32_scales(scale[e]) if sf is None else sf[e]
-        if _dequantize_native(b[e], se, block_k, block_n, out=out[e]) is None:
+    sf = _fp32_scales(scale)
+    if _dequantize_stacked(b, sf, block_k, block_n, out):
+        return out
+    for e in range(b.shape[0]):
+        if _dequantize_native(b[e], sf[e], block_k, block_n, out=out[e]) is None:
             return None
     return out
 
