@@ -385,6 +385,12 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         calls = spy.fp8_dequantize_scaled.call_args_list
         self.assertEqual(len(calls), 3)  # a, then experts 1 and 4
         self.assertEqual(got, want, atol=0, rtol=0)
+        # the busy experts' scales gathered in the kernel's layout: the native kernel takes
+        # each (no fallback to the chunked fp32 form), bit for bit
+        part = S._dequantize_rhs_native(qb, sb, 32, 1, bf, [1, 4])
+        self.assertIsNotNone(part)
+        for e in (1, 4):
+            self.assertEqual(part[e], b_f[e].to(bf), atol=0, rtol=0)
 
     def test_mx_pieces_in_the_native_gemm(self):
         """Where ``grouped_mm`` multiplies the dequantized bf16 operands by the threaded
