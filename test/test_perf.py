@@ -49,7 +49,8 @@ from torch_moe.perf import (
     predict,
 )
 from torch_moe.perf._memory import memory, saved_bytes
-from torch_moe.perf._model import _peak_over_ranks
+from torch_moe.perf._model import _kernel_bytes, _peak_over_ranks
+from torch_moe.perf._workload import recipe_operands
 from torch_moe.quantization import RECIPES
 from torch_moe.quantization import fused as _fused
 from torch_moe.quantization.fused import clear_weight_cache
@@ -576,6 +577,24 @@ class TestMemory(TestCase):
         predicted = m["peak"] - m["weights"] - T * D * 2
         tol = 0.06 if (combine, path, shared) == ("native", "loop", 0) else 0.05
         self.assertLess(abs(predicted / measured - 1), tol, msg=f"{predicted} vs {measured}")
+
+    @parametrize("precision", list(RECIPES))
+    def test_inference_quantizes_only_the_activations(self, precision):
+        # a recipe's inference without EP takes the weights' codes from the layer's cache
+        # (quantized once per version): its GEMMs quantize A alone (the model charged the
+        # weights' quantization to every call); training and EP inference quantize both
+        T, D, Fh, E, K = 256, 512, 256, 16, 2
+        w = MoEWorkload(T, D, Fh, E, K, precision=precision, backward=False)
+        p = predict(w, Hardware.preset("h200"))
+        M = T * K  # the routed rows (the model charges no padding row)
+        lq, rq = recipe_operands(precision)["forward"]
+        self.assertEqual(p.bytes["experts.quantize"], M * (D + Fh) * _kernel_bytes(lq, 2))
+        weights = E * 3 * Fh * D * _kernel_bytes(rq, 2)
+        fwd = predict(w.replace(backward=True), Hardware.preset("h200")).ops
+        quantize_fwd = sum(
+            op.bytes for op in fwd if op.component == "experts.quantize" and op.phase == "fwd"
+        )
+        self.assertEqual(quantize_fwd, p.bytes["experts.quantize"] + weights)
 
     @parametrize("precision", list(RECIPES))
     def test_inference_peak_memory_of_recipes(self, precision):
