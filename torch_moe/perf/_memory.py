@@ -286,7 +286,7 @@ def _gemm_phase(
     wgrad: bool = False,
     codes: bool = False,
     quantized: bool = True,
-    stacked: bool = True,
+    busy: float | None = None,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
@@ -301,8 +301,8 @@ def _gemm_phase(
     jagged operands' scale row per row (int64). ``codes``: the kernels multiply the codes
     in bf16 instead (:func:`_codes_bf16_here`, :func:`_blocks_bf16_phase`).
     ``quantized=False``: both operands are codes already (the inference path's), only the
-    scaled GEMM's phase; ``stacked``: whether every expert has rows (MX's copies of B
-    then come from one stacked call, else expert by expert: :func:`_mx_bf16_phase`)."""
+    scaled GEMM's phase; ``busy``: the experts with rows, None for all (MX's copies of B
+    come from one stacked call where all have, else the busy ones': :func:`_mx_bf16_phase`)."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -316,7 +316,7 @@ def _gemm_phase(
     if codes:
         return max(quantize, _blocks_bf16_phase(n_a, n_b, n_out, m))
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
-        mx = _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad, stacked)
+        mx = _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad, busy)
         return max(quantize, mx)
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
     if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
@@ -347,7 +347,7 @@ def _gemm_phase(
     per_chunk = max(
         conv * chunk * k + a_prev + prod_prev,  # A's rows converted
         4 * chunk * k + conv * b_chunk + b_scales + prod_prev,  # then the chunk's experts of B
-        4 * chunk * (k + n) + 4 * b_chunk,  # then the chunk's product
+        4 * chunk * (k + n) + 4 * b_chunk + prod_prev,  # then the chunk's product
     )
     return max(quantize, n_a + n_b + b * n_out + per_chunk)
 
@@ -412,7 +412,7 @@ def _mx_pieces_here(experts: float, m: float, k: float, n: float, wgrad: bool) -
 
 def _mx_bf16_phase(
     n_a: float, n_b: float, n_out: float, m: float, k: float, n: float, group_rows: float,
-    wgrad: bool, stacked: bool = True,
+    wgrad: bool, busy: float | None = None,
 ) -> float:  # fmt: skip
     """Peak bytes of an MX scaled GEMM's CPU kernel in bf16 (``_mx_in_bf16``) above the
     e4m3 operands: by the native kernels' pieces (:func:`_mx_pieces_here`) the fp32
@@ -433,12 +433,13 @@ def _mx_bf16_phase(
     if _mx_pieces_here(experts, m, k, n, wgrad):  # no copies: the fp32 scales
         return base + 4 * (n_a + n_b) / 32 + 2 * n_out
     copies = 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 32  # (with the fp32 scales, native)
-    if not wgrad and stacked:
+    if not wgrad and (busy is None or busy >= experts):
         # every expert dequantized by one stacked call (``_dequantize_stacked``): the
         # stacked rows' scale-row index (int64) and B's scales reshaped to those rows
         copies += 8 * n_b / max(min(k, n), 1.0) + 4 * n_b / 32
-    elif not wgrad:  # only the busy experts, each with its own scales converted
-        copies -= 4 * n_b / 32 * (1 - 1 / max(experts, 1.0))
+    elif not wgrad:  # only the busy experts, their E8M0 scales gathered and converted
+        # at once (the gathered bytes, ATen's table's int32 index and the fp32 values)
+        copies += (9 * busy / max(experts, 1.0) - 4) * n_b / 32
     if wgrad:
         rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, n, 1.0)), m)
         per_row = 8 * m  # the jagged blocks' index of each row (int64)
@@ -744,7 +745,7 @@ def _inference_recipe_experts(
     kind = "mx" if lhs.fmt == "mx" else "fp8"
     kinds = (kind, kind + "_col")
     codes = _codes_bf16_here(w.precision, b)
-    stacked = bool(groups) and len(groups) == w.local_experts and min(groups) > 0
+    busy = float(sum(1 for g in groups if g > 0)) if groups else None
     s_x, s_a = _scale_bytes(lhs, M, D), _scale_bytes(lhs, M, F)
     if lhs.outer == 1:  # each token's codes once, then gathered into the rows
         quant_x = _quantize_bytes(kind, T * D) + _scale_bytes(lhs, T, D) + M * D + s_x
@@ -757,7 +758,7 @@ def _inference_recipe_experts(
         n_a, n_b = M * K, w.local_experts * K * N
         phase = _gemm_phase(
             kinds, n_a, n_b, M * N, b, True, rows=M, group_rows=m, quantized=False,
-            stacked=stacked,
+            busy=busy,
         )  # fmt: skip
         return phase - n_a - n_b  # B's codes are the cache's, A's counted by the caller
 
