@@ -152,6 +152,29 @@ class TestInference(TestCase):
                 moe(torch.randn(4, D))
             self.assertEqual(weight_cache_stats(), {"misses": 3, "hits": 3}, msg=str(kw))
 
+    @parametrize("precision", list(RECIPES))
+    def test_experts_forward_caches_weights_in_inference(self, precision):
+        # GroupedExperts.forward on permuted rows (what the expert-parallel layer's training
+        # exchange calls at inference, per chunk of local experts): in eval mode without
+        # autograd a recipe's weights are quantized once per version, the values those of
+        # the forward with autograd; in training mode (even without autograd) nothing is
+        # cached
+        x = torch.randn(24, D)
+        offs = torch.tensor([3, 3, 9, 12, 12, 20, 24, 24], dtype=torch.int32)
+        rw = torch.rand(24)
+        for kw in ({}, {"activation": "swigluoai", "experts_bias": True}):
+            experts = _layer(precision, **kw).experts
+            ref = experts(x, offs, rw, expert_range=(0, E))
+            clear_weight_cache()
+            with torch.no_grad():
+                experts.train()
+                experts(x, offs, rw, expert_range=(0, E))
+                self.assertEqual(weight_cache_stats(), {"misses": 0, "hits": 0})
+                experts.eval()
+                for _ in range(2):
+                    self.assertEqual(experts(x, offs, rw, expert_range=(0, E)), ref, **EXACT)
+            self.assertEqual(weight_cache_stats(), {"misses": 2, "hits": 2}, msg=str(kw))
+
     def test_compiles_fullgraph(self):
         moe = _layer("fp8_rowwise", shared_hidden_dim=8)
         compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend="aot_eager")

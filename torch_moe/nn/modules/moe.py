@@ -481,12 +481,32 @@ class GroupedExperts(nn.Module):
         # fp32); the composed experts' first GEMM gathers rows of x in dt
         x = x.to(dt) if permutation is None or self.composed else x
         w13, w2 = w13.to(dt), w2.to(dt)
+        # inference (eval mode, no autograd: e.g. the expert-parallel layer's training
+        # exchange at inference) on the parameters' own experts: a recipe's weights are
+        # quantized once per version, as GroupedExperts.forward_tokens quantizes them
+        owners = None
+        if (
+            weights is None
+            and self.recipe is not None
+            and not self.training
+            and not torch.is_grad_enabled()
+            and decomposable(self.recipe.forward)
+        ):
+            owners = (_storage_owner(self.w13), _storage_owner(self.w2))
         # the operands are in dt now and the op (or the recipe) decides every GEMM's
         # numerics: autocast must not recast inside (eager would otherwise differ from
         # compiled code, whose kernels run outside autocast)
         with torch.autocast(x.device.type, enabled=False):
             if self.composed:
-                y = self._composed(x, w13, w2, b13, b2, offs, row_weights, permutation)
+                y = self._composed(
+                    x, w13, w2, b13, b2, offs, row_weights, permutation, weight_owners=owners
+                )
+            elif owners is not None:
+                g = cast(Recipe, self.recipe).forward
+                h_M2F = _scaled_gemm_cached(x, w13, offs, g, owners[0])
+                a_MF = swiglu(h_M2F, row_weights)
+                del h_M2F
+                y = _scaled_gemm_cached(a_MF, w2, offs, g, owners[1])
             elif self.recipe is None:
                 if combine_maps is not None:
                     return grouped_swiglu_combine(x, w13, w2, offs, row_weights, *combine_maps)
