@@ -580,9 +580,10 @@ class TestMemory(TestCase):
 
     @parametrize("precision", list(RECIPES))
     def test_inference_quantizes_only_the_activations(self, precision):
-        # a recipe's inference without EP takes the weights' codes from the layer's cache
-        # (quantized once per version): its GEMMs quantize A alone (the model charged the
-        # weights' quantization to every call); training and EP inference quantize both
+        # a recipe's inference takes the weights' codes from the layer's cache (quantized
+        # once per version): its GEMMs quantize A alone (the model charged the weights'
+        # quantization to every call); training, and EP inference in chunks (weights split
+        # every call), quantize both
         T, D, Fh, E, K = 256, 512, 256, 16, 2
         w = MoEWorkload(T, D, Fh, E, K, precision=precision, backward=False)
         p = predict(w, Hardware.preset("h200"))
@@ -595,6 +596,10 @@ class TestMemory(TestCase):
             op.bytes for op in fwd if op.component == "experts.quantize" and op.phase == "fwd"
         )
         self.assertEqual(quantize_fwd, p.bytes["experts.quantize"] + weights)
+        h200 = Hardware.preset("h200")
+        ep = predict(w.replace(ep=2), h200).bytes["experts.quantize"]
+        chunked = predict(w.replace(ep=2, num_chunks=2), h200).bytes["experts.quantize"]
+        self.assertEqual(chunked - ep, weights / 2)  # each rank's half of the experts
 
     @parametrize("precision", list(RECIPES))
     def test_inference_peak_memory_of_recipes(self, precision):
