@@ -433,13 +433,14 @@ def _mx_bf16_phase(
     if _mx_pieces_here(experts, m, k, n, wgrad):  # no copies: the fp32 scales
         return base + 4 * (n_a + n_b) / 32 + 2 * n_out
     copies = 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 32  # (with the fp32 scales, native)
-    if not wgrad and (busy is None or busy >= experts):
+    some = experts if busy is None else min(busy, experts)
+    if not wgrad and some >= experts:
         # every expert dequantized by one stacked call (``_dequantize_stacked``): the
         # stacked rows' scale-row index (int64) and B's scales reshaped to those rows
         copies += 8 * n_b / max(min(k, n), 1.0) + 4 * n_b / 32
     elif not wgrad:  # only the busy experts, their E8M0 scales gathered and converted
         # at once (the gathered bytes, ATen's table's int32 index and the fp32 values)
-        copies += (9 * busy / max(experts, 1.0) - 4) * n_b / 32
+        copies += (9 * some / max(experts, 1.0) - 4) * n_b / 32
     if wgrad:
         rows = min(max(1.0, _CPU_CHUNK_ELEMS // max(k, n, 1.0)), m)
         per_row = 8 * m  # the jagged blocks' index of each row (int64)
@@ -712,8 +713,10 @@ def _scale_bytes(op: OperandQuant, rows: float, cols: float) -> float:
 def weight_cache_bytes(w: MoEWorkload) -> float:
     """The expert weights' cached quantization in inference (``MoE`` with a recipe quantizes
     each weight once per version, ``quantize_fp8_cached`` / ``quantize_mx_cached``): the
-    local experts' e4m3 codes and their scales, held while the weights are."""
-    if w.precision == "bf16" or w.backward:
+    local experts' e4m3 codes and their scales, held while the weights are (on every
+    device; none for an expert-parallel layer's chunks, whose weights are split every
+    call)."""
+    if w.precision == "bf16" or w.backward or (w.ep > 1 and w.num_chunks > 1):
         return 0.0
     from torch_moe.quantization import get_recipe
 
@@ -832,10 +835,9 @@ def memory(
     y = T * D * b
     resident = weights + T * D * b * (2 if w.backward else 1)  # x (+ its output gradient)
     if not w.backward:
-        cache = 0.0
+        cache = weight_cache_bytes(w)
         if cpu and w.ep == 1:  # measured phases (comm is 0)
             dyn = _inference_bytes(w, groups, M, m, c, threads)
-            cache = weight_cache_bytes(w)
         else:
             # forward only: the permuted rows, h and y of the experts, and the combine
             act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
