@@ -748,7 +748,7 @@ def _inference_recipe_experts(
     kind = "mx" if lhs.fmt == "mx" else "fp8"
     kinds = (kind, kind + "_col")
     codes = _codes_bf16_here(w.precision, b)
-    busy = float(sum(1 for g in groups if g > 0)) if groups else None
+    busy = float(sum(1 for n in groups if n > 0)) if groups else None
     s_x, s_a = _scale_bytes(lhs, M, D), _scale_bytes(lhs, M, F)
     if lhs.outer == 1:  # each token's codes once, then gathered into the rows
         quant_x = _quantize_bytes(kind, T * D) + _scale_bytes(lhs, T, D) + M * D + s_x
