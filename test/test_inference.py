@@ -175,6 +175,41 @@ class TestInference(TestCase):
                     self.assertEqual(experts(x, offs, rw, expert_range=(0, E)), ref, **EXACT)
             self.assertEqual(weight_cache_stats(), {"misses": 2, "hits": 2}, msg=str(kw))
 
+    @parametrize("precision", ["fp8_tensorwise", "mxfp8"])
+    def test_experts_forward_caches_chunks_of_experts(self, precision):
+        # ranges of local experts (an EP layer's chunks: expert_range, or split_weights'
+        # views) are cached as views of the parameters, each its own entry; under
+        # autocast a range's converted copy is not a view (two equal-sized ranges' copies
+        # would look alike to the cache): nothing cached, the values still the forward's
+        x = torch.randn(12, D)
+        offs = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
+        rw = torch.rand(12)
+        experts = _layer(precision).experts.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        halves = experts.split_weights([(0, 4), (4, 8)])
+        refs = [experts(xb, offs, rw, expert_range=r) for r in ((0, 4), (4, 8))]
+        refs += [experts(xb, offs, rw, weights=w) for w in halves]
+        self.assertNotEqual(refs[0], refs[1])
+        clear_weight_cache()
+        with torch.no_grad():
+            for _ in range(2):
+                got = [experts(xb, offs, rw, expert_range=r) for r in ((0, 4), (4, 8))]
+                got += [experts(xb, offs, rw, weights=w) for w in halves]
+                for g, r in zip(got, refs, strict=True):
+                    self.assertEqual(g, r, **EXACT)
+        # each half's w13 and w2 once (the ranges and the split's views are the same
+        # views); then hits
+        self.assertEqual(weight_cache_stats(), {"misses": 4, "hits": 12})
+        fp32 = _layer(precision).experts
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            refs = [fp32(x, offs, rw, expert_range=r) for r in ((0, 4), (4, 8))]
+            clear_weight_cache()
+            with torch.no_grad():
+                got = [fp32(x, offs, rw, expert_range=r) for r in ((0, 4), (4, 8))]
+        for g, r in zip(got, refs, strict=True):
+            self.assertEqual(g, r, **EXACT)
+        self.assertEqual(weight_cache_stats(), {"misses": 0, "hits": 0})
+
     def test_compiles_fullgraph(self):
         moe = _layer("fp8_rowwise", shared_hidden_dim=8)
         compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend="aot_eager")

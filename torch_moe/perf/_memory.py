@@ -714,9 +714,8 @@ def weight_cache_bytes(w: MoEWorkload) -> float:
     """The expert weights' cached quantization in inference (``MoE`` with a recipe quantizes
     each weight once per version, ``quantize_fp8_cached`` / ``quantize_mx_cached``): the
     local experts' e4m3 codes and their scales, held while the weights are (on every
-    device; none for an expert-parallel layer's chunks, whose weights are split every
-    call)."""
-    if w.precision == "bf16" or w.backward or (w.ep > 1 and w.num_chunks > 1):
+    device; an expert-parallel layer's chunks each cache their views' codes)."""
+    if w.precision == "bf16" or w.backward:
         return 0.0
     from torch_moe.quantization import get_recipe
 

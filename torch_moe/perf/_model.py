@@ -384,8 +384,8 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     (each piece converted to bf16 in cache as it is multiplied, a share of the GEMM's
     time) scaling each k block's sums (``scaled_grouped_mm._blocks_in_bf16``, and
     ``_codes_in_bf16`` with the scales repeated per block). Inference takes the expert
-    weights' codes from the layer's cache (quantized once per version of the weights; not
-    an expert-parallel layer's chunks, split every call): its GEMMs quantize only A."""
+    weights' codes from the layer's cache (quantized once per version of the weights, an
+    expert-parallel layer's chunks too): its GEMMs quantize only A."""
     w = c.w
     D, F = w.dim, w.hidden_dim
     El = len(groups)
@@ -408,9 +408,8 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     ) -> None:
         lq, rq = kinds[gemm_name]
         c.kernel(f"{comp}.quantize", lq, lhs_elems, phase)
-        if phase_bwd or gemm_name == "wgrad" or (w.ep > 1 and w.num_chunks > 1):
-            # (inference: the layer quantizes each weight once per version, but for an
-            # expert-parallel layer's chunks, whose weights are split every call)
+        if phase_bwd or gemm_name == "wgrad":
+            # (inference: the layer quantizes each weight once per version)
             c.kernel(f"{comp}.quantize", rq, rhs_elems, phase)
         codes = c.cpu and c.key == "bf16" and _codes_bf16_here(w.precision, c.b)
         key = "bf16" if mx_bf16 or codes else gkey or f"{w.precision}:{gemm_name}"

@@ -482,17 +482,21 @@ class GroupedExperts(nn.Module):
         x = x.to(dt) if permutation is None or self.composed else x
         w13, w2 = w13.to(dt), w2.to(dt)
         # inference (eval mode, no autograd: e.g. the expert-parallel layer's training
-        # exchange at inference) on the parameters' own experts: a recipe's weights are
-        # quantized once per version, as GroupedExperts.forward_tokens quantizes them
+        # exchange at inference, per chunk of local experts) on the parameters' experts: a
+        # recipe's weights are quantized once per version, as forward_tokens quantizes them
         owners = None
         if (
-            weights is None
-            and self.recipe is not None
+            self.recipe is not None
             and not self.training
             and not torch.is_grad_enabled()
             and decomposable(self.recipe.forward)
         ):
-            owners = (_storage_owner(self.w13), _storage_owner(self.w2))
+            o13, o2 = _storage_owner(self.w13), _storage_owner(self.w2)
+            # the cache names a weight by its parameter and its view's geometry: all local
+            # experts (a converted copy too), or views of the parameters (slices, chunks)
+            whole = weights is None and expert_range is None
+            if whole or (_views_of(w13, o13) and _views_of(w2, o2)):
+                owners = (o13, o2)
         # the operands are in dt now and the op (or the recipe) decides every GEMM's
         # numerics: autocast must not recast inside (eager would otherwise differ from
         # compiled code, whose kernels run outside autocast)
@@ -756,6 +760,12 @@ def _storage_owner(p: Tensor) -> Tensor:
     """The tensor whose identity and version counter key a cached weight quantization: the
     parameter, or for a DTensor parameter its local shard (the same object every call)."""
     return cast(Tensor, p._local_tensor) if isinstance(p, DTensor) else p
+
+
+def _views_of(t: Tensor, owner: Tensor) -> bool:
+    """Whether ``t`` is a view of ``owner``'s memory (its values then follow from owner's
+    version and its geometry: what the weight cache keys on), not a converted copy."""
+    return t.untyped_storage().data_ptr() == owner.untyped_storage().data_ptr()
 
 
 def _scaled_gemm_cached(a: Tensor, w: Tensor, offs: Tensor, g: Any, owner: Tensor) -> Tensor:
