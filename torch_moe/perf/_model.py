@@ -408,8 +408,7 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     ) -> None:
         lq, rq = kinds[gemm_name]
         c.kernel(f"{comp}.quantize", lq, lhs_elems, phase)
-        if phase_bwd or gemm_name == "wgrad":
-            # (inference: the layer quantizes each weight once per version)
+        if phase_bwd:  # (inference: the layer quantizes each weight once per version)
             c.kernel(f"{comp}.quantize", rq, rhs_elems, phase)
         codes = c.cpu and c.key == "bf16" and _codes_bf16_here(w.precision, c.b)
         key = "bf16" if mx_bf16 or codes else gkey or f"{w.precision}:{gemm_name}"

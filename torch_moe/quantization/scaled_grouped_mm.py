@@ -309,24 +309,22 @@ def _dequantize_rhs_native(
     if b.dim() != 3 or Q._fp8_kernels(b) is None:
         return None
     out = torch.empty_like(b, dtype=dtype)
+    ids: list[int] | range = range(b.shape[0])
     if experts is not None and len(experts) < b.shape[0]:
         # the busy experts' scales gathered and converted by one call (a call each, on a
         # strided slice, cost two copies of it), in their own layout: the column-major
         # experts' (a weight's transposed codes) as the kernel reads them, without a copy
-        busy = torch.tensor(experts, dtype=torch.long)
+        ids, busy = experts, torch.tensor(experts, dtype=torch.long)
         if scale.dim() == 3 and scale.stride(1) == 1 and scale.stride(2) != 1:
             sf = _fp32_scales(scale.transpose(1, 2).index_select(0, busy)).transpose(1, 2)
         else:
             sf = _fp32_scales(scale.index_select(0, busy))
-        for i, e in enumerate(experts):
-            if _dequantize_native(b[e], sf[i], block_k, block_n, out=out[e]) is None:
-                return None
-        return out
-    sf = _fp32_scales(scale)
-    if _dequantize_stacked(b, sf, block_k, block_n, out):
-        return out
-    for e in range(b.shape[0]):
-        if _dequantize_native(b[e], sf[e], block_k, block_n, out=out[e]) is None:
+    else:
+        sf = _fp32_scales(scale)
+        if _dequantize_stacked(b, sf, block_k, block_n, out):
+            return out
+    for i, e in enumerate(ids):  # sf[i]: expert e's scales
+        if _dequantize_native(b[e], sf[i], block_k, block_n, out=out[e]) is None:
             return None
     return out
 
