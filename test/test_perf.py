@@ -133,6 +133,40 @@ def _peak_allocated(fn):
     return peak
 
 
+def _inference_peaks(T, D, Fh, E, K, probe, precision="bf16", shared=0, patch=None):
+    """A bf16 layer's inference forward (after a warm-up call, which fills a recipe's
+    weight cache) under ``probe``: (the allocator's peak above what was live, the memory
+    model's peak above the weights, their cached codes and the input, the model's dict,
+    the bytes the weight cache holds), with the router's own group sizes; ``patch`` a
+    context manager around both."""
+    torch.manual_seed(0)
+    moe = MoE(
+        D, Fh, E, K, precision=precision, shared_hidden_dim=shared, dtype=torch.bfloat16
+    ).eval()
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+    with torch.no_grad():
+        groups = [float(v) for v in moe.router(x)[2].tolist()]
+    clear_weight_cache()
+    with (
+        _cpu_probe.force(probe),
+        torch.inference_mode(),
+        patch if patch is not None else contextlib.nullcontext(),
+    ):
+        moe(x)
+        measured = _peak_allocated(functools.partial(moe, x))
+        w = MoEWorkload(
+            T, D, Fh, E, K, precision=precision, shared_hidden_dim=shared, backward=False
+        )
+        m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
+    cached = sum(  # (while the layer lives: its entries go with its weights)
+        t.numel() * t.element_size()
+        for _, entries in _fused._WEIGHT_CACHE.values()
+        for _, *tensors in entries.values()
+        for t in tensors
+    )
+    return measured, m["peak"] - m["weights"] - m["weight_cache"] - T * D * 2, m, cached
+
+
 def _measured_and_predicted_peak(T, D, Fh, E, K, probe=None, **kw):
     """A uniformly routed layer's peak bytes of forward + backward (weights, input and
     output gradient included; the allocator's events after one warm-up step) and the
@@ -557,24 +591,15 @@ class TestMemory(TestCase):
         # 5.0% over the model, hence 6% there)
         if combine == "native" and not _native.available():
             self.skipTest("the native CPU kernels did not build here")
-        T, D, Fh, E, K = 512, 256, 256, 16, 2
-        torch.manual_seed(0)
-        moe = MoE(D, Fh, E, K, shared_hidden_dim=shared, dtype=torch.bfloat16).eval()
-        x = torch.randn(T, D, dtype=torch.bfloat16)
-        with torch.no_grad():
-            groups = [float(v) for v in moe.router(x)[2].tolist()]
         no_native = types.SimpleNamespace(kernels=lambda: None)
+        patch = mock.patch.object(
+            permute_ops, "_native", no_native if combine == "aten" else _native
+        )
         # (threads_mm: oneDNN's scratch, see _measured_and_predicted_peak)
-        with (
-            _cpu_probe.force(swiglu_path=path, threads_mm="aten"),
-            torch.inference_mode(),
-            mock.patch.object(permute_ops, "_native", no_native if combine == "aten" else _native),
-        ):
-            moe(x)
-            measured = _peak_allocated(lambda: moe(x))
-            w = MoEWorkload(T, D, Fh, E, K, shared_hidden_dim=shared, backward=False)
-            m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
-        predicted = m["peak"] - m["weights"] - T * D * 2
+        probe = dict(swiglu_path=path, threads_mm="aten")
+        measured, predicted, *_ = _inference_peaks(
+            512, 256, 256, 16, 2, probe, shared=shared, patch=patch
+        )
         tol = 0.06 if (combine, path, shared) == ("native", "loop", 0) else 0.05
         self.assertLess(abs(predicted / measured - 1), tol, msg=f"{predicted} vs {measured}")
 
@@ -585,17 +610,17 @@ class TestMemory(TestCase):
         # model charged the weights' quantization to every call); training quantizes both
         T, D, Fh, E, K = 256, 512, 256, 16, 2
         w = MoEWorkload(T, D, Fh, E, K, precision=precision, backward=False)
-        p = predict(w, Hardware.preset("h200"))
+        h200 = Hardware.preset("h200")
+        p = predict(w, h200)
         M = T * K  # the routed rows (the model charges no padding row)
         lq, rq = recipe_operands(precision)["forward"]
         self.assertEqual(p.bytes["experts.quantize"], M * (D + Fh) * _kernel_bytes(lq, 2))
         weights = E * 3 * Fh * D * _kernel_bytes(rq, 2)
-        fwd = predict(w.replace(backward=True), Hardware.preset("h200")).ops
+        fwd = predict(w.replace(backward=True), h200).ops
         quantize_fwd = sum(
             op.bytes for op in fwd if op.component == "experts.quantize" and op.phase == "fwd"
         )
         self.assertEqual(quantize_fwd, p.bytes["experts.quantize"] + weights)
-        h200 = Hardware.preset("h200")
         ep = predict(w.replace(ep=2), h200).bytes["experts.quantize"]
         chunked = predict(w.replace(ep=2, num_chunks=2), h200).bytes["experts.quantize"]
         self.assertEqual(chunked, ep)
@@ -612,25 +637,9 @@ class TestMemory(TestCase):
         # decode batch
         shapes = [(512, 256, 256, 16, 2), (16, 256, 256, 16, 2), (64, 128, 256, 64, 8)]
         for T, D, Fh, E, K in [*shapes, (256, 512, 128, 16, 2)]:
-            torch.manual_seed(0)
-            moe = MoE(D, Fh, E, K, precision=precision, dtype=torch.bfloat16).eval()
-            x = torch.randn(T, D, dtype=torch.bfloat16)
-            with torch.no_grad():
-                groups = [float(v) for v in moe.router(x)[2].tolist()]
-            clear_weight_cache()
-            with _cpu_probe.force(threads_mm="aten"), torch.inference_mode():
-                moe(x)  # quantizes and caches the weights
-                measured = _peak_allocated(functools.partial(moe, x))
-                w = MoEWorkload(T, D, Fh, E, K, precision=precision, backward=False)
-                m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
-            cached = sum(
-                t.numel() * t.element_size()
-                for _, entries in _fused._WEIGHT_CACHE.values()
-                for _, *tensors in entries.values()
-                for t in tensors
-            )
+            probe = {"threads_mm": "aten"}
+            measured, predicted, m, cached = _inference_peaks(T, D, Fh, E, K, probe, precision)
             self.assertEqual(m["weight_cache"], cached)
-            predicted = m["peak"] - m["weights"] - m["weight_cache"] - T * D * 2
             msg = f"T={T} D={D} E={E}: {predicted} vs {measured}"
             self.assertLess(abs(predicted / measured - 1), 0.05, msg=msg)
 
@@ -675,19 +684,9 @@ class TestMemory(TestCase):
         # decode-sized inference on a CPU that upcasts bf16 GEMMs: the loop path converts
         # each group's weights to fp32, the whole path's few-rows kernel converts nothing
         # (the model counted a weight's conversion there: ~30x over)
-        T, D, Fh, E, K = 16, 256, 256, 16, 2
-        torch.manual_seed(0)
-        moe = MoE(D, Fh, E, K, dtype=torch.bfloat16).eval()
-        x = torch.randn(T, D, dtype=torch.bfloat16)
-        with torch.no_grad():
-            groups = [float(v) for v in moe.router(x)[2].tolist()]
         forced = dict(half_gemm="fp32", few_gemm=few_gemm, layout="as_is", few_rows="mm")
-        with _cpu_probe.force(**forced, act_chunk="32768"), torch.inference_mode():
-            moe(x)
-            measured = _peak_allocated(lambda: moe(x))
-            w = MoEWorkload(T, D, Fh, E, K, backward=False)
-            m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
-        predicted = m["peak"] - m["weights"] - T * D * 2
+        probe = {**forced, "act_chunk": "32768"}
+        measured, predicted, *_ = _inference_peaks(16, 256, 256, 16, 2, probe)
         self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
 
     def test_whole_path_loop_copies(self):
