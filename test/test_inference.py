@@ -209,6 +209,13 @@ class TestInference(TestCase):
         for g, r in zip(got, refs, strict=True):
             self.assertEqual(g, r, **EXACT)
         self.assertEqual(weight_cache_stats(), {"misses": 0, "hits": 0})
+        # a range of experts compiles with fullgraph in inference (the view test is
+        # eager's: it once broke the graph), the same values
+        compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            for r in ((0, 4), (4, 8)):
+                want = experts(xb, offs, rw, expert_range=r)
+                self.assertEqual(compiled(xb, offs, rw, expert_range=r), want, **EXACT)
 
     def test_compiles_fullgraph(self):
         moe = _layer("fp8_rowwise", shared_hidden_dim=8)

@@ -493,9 +493,11 @@ class GroupedExperts(nn.Module):
         ):
             o13, o2 = _storage_owner(self.w13), _storage_owner(self.w2)
             # the cache names a weight by its parameter and its view's geometry: all local
-            # experts (a converted copy too), or views of the parameters (slices, chunks)
+            # experts (a converted copy too), or views of the parameters (slices, chunks;
+            # in eager only: a traced graph has no storage to compare)
             whole = weights is None and expert_range is None
-            if whole or (_views_of(w13, o13) and _views_of(w2, o2)):
+            views = not torch.compiler.is_compiling() and _views_of(w13, o13)
+            if whole or (views and _views_of(w2, o2)):
                 owners = (o13, o2)
         # the operands are in dt now and the op (or the recipe) decides every GEMM's
         # numerics: autocast must not recast inside (eager would otherwise differ from
