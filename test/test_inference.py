@@ -217,8 +217,17 @@ class TestInference(TestCase):
                 want = experts(xb, offs, rw, expert_range=r)
                 self.assertEqual(compiled(xb, offs, rw, expert_range=r), want, **EXACT)
 
-    def test_compiles_fullgraph(self):
-        moe = _layer("fp8_rowwise", shared_hidden_dim=8)
+    @parametrize(
+        "precision, kw",
+        [
+            ("fp8_rowwise", {"shared_hidden_dim": 8}),
+            ("fp8_tensorwise", {}),  # the permuted rows quantized, the weights cached
+            ("mxfp8", {"activation": "swigluoai", "swiglu_limit": 7.0, "experts_bias": True}),
+        ],
+        name_fn=lambda precision, kw: precision,
+    )
+    def test_compiles_fullgraph(self, precision, kw):
+        moe = _layer(precision, **kw)
         compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend="aot_eager")
         for num_tokens in (3, 8, 5):
             x = torch.randn(num_tokens, D)
