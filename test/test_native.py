@@ -1941,6 +1941,70 @@ class TestNativeBF16GEMM(TestCase):
             args = (a, codes(m, n), rs_w, cs_w, offs, bk)
             agree(mod.fp8_block_scaled_mm_wgrad, args, (e, k, n), sizes=sizes, k=k, wgrad=True)
 
+    @parametrize("layout", ["row", "col"])
+    def test_block_scaled_mm_few_rows_form_gives_the_pieces_bits(self, layout):
+        # few_rows=r: a group of codes of at most r rows by the few-rows form (the codes
+        # converted once per chunk into a panel that the group's rows take), the same
+        # sequence of operations per element as the pieces' GEMM, so the bits of the call
+        # on the codes' bf16 values (which never takes the form): groups of 1-5 rows
+        # (register tiles of 4), 9-17 (strips of 64 columns, the sums in L1 between
+        # chunks), one past r (the pieces); every code (NaN included: one NaN in a row's
+        # K makes that output NaN, whatever the rest; subnormals, -0), K odd and under
+        # 32 (masked loads, the last pair (a[K - 1], 0)), k blocks of a number of pairs
+        # that is not a multiple of 16, N not a multiple of 16 or 64, an fp32 out, one
+        # and two threads; b a slice of a larger tensor whose codes past it are NaN, which
+        # must never be read (0 * NaN would make sums NaN)
+        mod = _native.kernels()
+        g = torch.Generator().manual_seed(54)
+        e4m3 = torch.float8_e4m3fn
+
+        def same(x, y):  # bit for bit, NaN where NaN
+            nan = x.isnan()
+            view = torch.int16 if x.dtype == BF16 else torch.int32
+            return torch.equal(nan, y.isnan()) and torch.equal(
+                x[~nan].view(view), y[~nan].view(view)
+            )
+
+        nan_code = torch.tensor([0x7F], dtype=torch.uint8).view(e4m3)
+        cases = (  # sizes, k, n, block_k, NaN codes, out dtype
+            ([1, 0, 2, 3, 4, 5, 17, 18], 1024, 70, 512, False, BF16),
+            ([1, 9, 4, 0], 300, 300, 128, True, BF16),
+            ([2, 1, 6], 37, 17, 34, False, BF16),
+            ([3, 5], 33, 130, 34, True, torch.float32),
+            ([1, 16], 256, 64, 256, False, BF16),
+        )
+        for sizes, k, n, bk, nan, out_dtype in cases:
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            m, e, ks = sum(sizes) + 1, len(sizes), -(-k // bk)
+            q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+            if not nan:
+                q[(q & 0x7F) == 0x7F] = 0
+            a = q.view(e4m3)
+            wq = torch.randint(0, 256, (e, k + 3, n + 5), generator=g, dtype=torch.uint8)
+            if not nan:
+                wq[(wq & 0x7F) == 0x7F] = 0
+            big = wq.view(e4m3)
+            if layout == "row":  # rows of n codes, each followed by NaN codes, NaN rows past k
+                big[:, k:] = nan_code
+                big[:, :, n:] = nan_code
+                b = big[:, :k, :n]
+            else:  # columns of k codes, each followed by NaN codes
+                big = big.transpose(1, 2).contiguous()[:, : n + 5, : k + 3]
+                big[:, :, k:] = nan_code
+                b = big[:, :n, :k].transpose(1, 2)
+            rs = torch.rand(m, ks, generator=g) + 0.5
+            cs = torch.rand(e, ks, -(-n // 64) * 64, generator=g) + 0.5
+            want = torch.empty(m, n, dtype=out_dtype)
+            self.assertTrue(mod.fp8_block_scaled_mm(a.to(BF16), b.to(BF16), rs, cs, offs, bk, want))
+            for few, threads in itertools.product((4, 17), (1, 2)):
+                where = dict(sizes=sizes, k=k, n=n, few=few, threads=threads)
+                with intra_op_threads(threads), self.subTest(**where):
+                    got = torch.full((m, n), 7.0, dtype=out_dtype)
+                    self.assertTrue(
+                        mod.fp8_block_scaled_mm(a, b, rs, cs, offs, bk, got, False, few)
+                    )
+                    self.assertTrue(same(got, want))
+
     @parametrize("a_layout", ["row", "col"])
     @parametrize("b_layout", ["row", "col"])
     def test_odd_k_reads_nothing_past_a_row(self, a_layout, b_layout):

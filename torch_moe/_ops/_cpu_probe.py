@@ -77,6 +77,10 @@ key                             choices               margin  used by
 ``router_kernel:<dt>:r<r>:e<e>`` **native**, amx     10%     ``router_logits`` and its
                                                               backward's grad_x (CPU,
                                                               bf16 where AMX is on)
+``few_codes:<b>:r<r>``          **pieces**, few       5%      ``scaled_grouped_mm``'s
+                                                              FP8 codes in bf16 (CPU,
+                                                              groups of <= 16 rows;
+                                                              the same bits either way)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)
 ``act_chunk:<dt>``              elements per thread   -       ``grouped_swiglu`` (CPU)
@@ -155,6 +159,7 @@ KINDS = (
     "gemm_kernel",
     "out_stream",
     "router_kernel",
+    "few_codes",
 )
 _PROBE_BUDGET_S = 0.1  # rounds stop once a probe has run this long (after two rounds)
 _MAX_ROUNDS = 7
@@ -325,6 +330,7 @@ _CHOICES = {
     "gemm_kernel": ("aten", "native"),
     "out_stream": ("cache", "stream"),
     "router_kernel": ("native", "amx"),
+    "few_codes": ("pieces", "few"),
 }
 
 

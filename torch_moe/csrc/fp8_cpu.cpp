@@ -330,8 +330,11 @@ class Bf16Codes {
     for (int i = 0; i < 4; ++i) table_[i] = _mm512_load_si512(t + 32 * i);
   }
   __m512i operator()(const uint8_t* codes, int64_t n) const {
-    const __m256i bytes = n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))
-                                  : _mm256_maskz_loadu_epi8(first(n), codes);
+    return of(n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))
+                      : _mm256_maskz_loadu_epi8(first(n), codes));
+  }
+  // the 32 codes `bytes` (in order)
+  __m512i of(__m256i bytes) const {
     const __m512i x = _mm512_cvtepu8_epi16(bytes);
     const __m512i lo = _mm512_permutex2var_epi16(table_[0], x, table_[1]);
     const __m512i hi = _mm512_permutex2var_epi16(table_[2], x, table_[3]);
@@ -1393,6 +1396,342 @@ std::vector<KPiece> k_pieces(const int32_t* ends, int64_t E, int64_t K, at::Tens
   return pieces;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- Groups of a few rows: the codes straight into the products ----
+//
+// Decode gives each busy expert a row or a few. The pieces above then convert a piece's
+// 256 columns of b[g] into bf16 scratch (2 bytes written per code), which the GEMM packs
+// again into its pair panels (read, and for a column-major b transposed, then written)
+// before its tiles read them: three passes over the weight, for a few products per
+// element. few_rows_codes takes b[g] a strip of 64V columns at a time and, per chunk of
+// kChunkPairs pairs of k, converts the codes once into a panel of bf16 pairs in L1 (the
+// GEMM's layout: one 32-bit lane (b[2p][n], b[2p + 1][n])), which every tile of up to
+// kFewRows rows then takes by vdpbf16ps, each row's pair broadcast, the tiles' sums kept
+// in L1 between chunks. Every output element is the same sequence of operations as in the
+// GEMM's tile (gemm_bf16_cpu.cpp's `tile` with BlockScales): per k block, vdpbf16ps over
+// the block's pairs in order from zero, then one multiply of the row's and the column's
+// scale and one fused multiply-add into the running sum; an odd K's last pair (a[K - 1],
+// 0) against (b[K - 1], 0); one rounding into a bf16 out. So a row's bits do not depend on
+// its group's size or on which path ran (test_fp8_kernels checks them against the pieces).
+//
+// A column-major b[g] (K codes per column: the GPU's K-major layout, the training
+// forward's weight): 16 columns' next 32 codes transposed as 16-bit words (one word, a
+// column's pair of codes), each pair's 16 words converted by Bf16Codes. A row-major b[g]
+// (rows of N codes: the CPU weight cache's layout at inference): rows 2p and 2p + 1
+// converted byte by byte (CodeBytes) and interleaved by two rounds of unpacks, no
+// transpose; of 64 columns, vector d (of 4) then holds in its 128-bit lane L the columns
+// 16L + 4d .. 16L + 4d + 3, an order the sums keep until they are stored (a 4 x 4
+// transpose of 128-bit lanes, the column scales taken into it likewise), which changes
+// none of a column's operations. Both forms are bound by their shuffles on the Zen 4
+// measured (the transposes, Bf16Codes' two-register permutes), the row-major one much
+// less: see few_code_rows in scaled_grouped_mm.py for when each runs.
+
+#define TORCH_MOE_FEW_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr int kFewRows = 4;           // rows per register tile
+constexpr int64_t kChunkPairs = 16;   // k pairs per chunk of the panel
+constexpr int64_t kFewAhead = 16;     // weight rows the row-major form prefetches ahead
+
+// r[c] (c < 16): the 16 16-bit words of column c; afterwards r[p] holds word p of the 16
+// columns, in column order (four rounds of unpacks within and across 128-bit lanes).
+TORCH_MOE_FEW_TARGET inline void transpose_words_16x16(__m256i r[16]) {
+  __m256i l[8], h[8];  // words {0-3} (lane 0) / {8-11} (lane 1), and {4-7} / {12-15}, of
+  for (int j = 0; j < 8; ++j) {  // columns 2j and 2j + 1 interleaved
+    l[j] = _mm256_unpacklo_epi16(r[2 * j], r[2 * j + 1]);
+    h[j] = _mm256_unpackhi_epi16(r[2 * j], r[2 * j + 1]);
+  }
+  __m256i q[4][4];  // q[s][i]: words {2s, 2s + 1} (lane 0), {8 + 2s, 9 + 2s} (lane 1) of
+  for (int i = 0; i < 4; ++i) {  // columns 4i .. 4i + 3
+    q[0][i] = _mm256_unpacklo_epi32(l[2 * i], l[2 * i + 1]);
+    q[1][i] = _mm256_unpackhi_epi32(l[2 * i], l[2 * i + 1]);
+    q[2][i] = _mm256_unpacklo_epi32(h[2 * i], h[2 * i + 1]);
+    q[3][i] = _mm256_unpackhi_epi32(h[2 * i], h[2 * i + 1]);
+  }
+  for (int s = 0; s < 4; ++s) {
+    __m256i e[2][2];  // e[t][u]: word 2s + t (lane 0) / 2s + t + 8 (lane 1), columns 8u..
+    for (int u = 0; u < 2; ++u) {
+      e[0][u] = _mm256_unpacklo_epi64(q[s][2 * u], q[s][2 * u + 1]);
+      e[1][u] = _mm256_unpackhi_epi64(q[s][2 * u], q[s][2 * u + 1]);
+    }
+    for (int t = 0; t < 2; ++t) {
+      r[2 * s + t] = _mm256_permute2x128_si256(e[t][0], e[t][1], 0x20);
+      r[2 * s + t + 8] = _mm256_permute2x128_si256(e[t][0], e[t][1], 0x31);
+    }
+  }
+}
+
+// 64 codes' bf16 bits as two vectors of bytes: a normal code's (em = e << 3 | m; e + 120
+// and m in bf16's fields) by shifts, a mask and an add, the subnormal ones' (e = 0) from a
+// table of 8 by vpshufb, NaN's high byte set (0x7FF0: ATen's, as Bf16Codes), then the
+// sign. (Bf16Codes widens first and looks up 16-bit entries: 3 shuffles per 32 codes;
+// this takes 2 per 64, the interleaving unpacks 4 more per two rows.)
+class CodeBytes {
+ public:
+  CodeBytes() {
+    alignas(64) uint8_t lo[64], hi[64];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &fp8_values()[i % 16 < 8 ? i % 16 : 0], sizeof(bits));
+      lo[i] = static_cast<uint8_t>(bits >> 16);
+      hi[i] = static_cast<uint8_t>(bits >> 24);
+    }
+    sub_lo_ = _mm512_load_si512(lo);
+    sub_hi_ = _mm512_load_si512(hi);
+  }
+  // the low bytes of the 64 codes x's bf16 bits into lo, the high bytes into hi
+  TORCH_MOE_FEW_TARGET void split(__m512i x, __m512i& lo, __m512i& hi) const {
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi8(0x7F));
+    hi = _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(x, 4), _mm512_set1_epi8(0x07)),
+                         _mm512_set1_epi8(60));
+    lo = _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi8(static_cast<char>(0xF0)));
+    const __mmask64 sub = _mm512_cmplt_epu8_mask(em, _mm512_set1_epi8(8));
+    hi = _mm512_mask_shuffle_epi8(hi, sub, sub_hi_, em);
+    lo = _mm512_mask_shuffle_epi8(lo, sub, sub_lo_, em);
+    hi = _mm512_mask_mov_epi8(hi, _mm512_cmpeq_epi8_mask(em, _mm512_set1_epi8(0x7F)),
+                              _mm512_set1_epi8(0x7F));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(0x80))));
+  }
+
+ private:
+  __m512i sub_lo_, sub_hi_;  // the subnormal codes' bytes (m < 8), in each 128-bit lane
+};
+
+// Rows r0 and r1 (nullptr: zeros) of 64 columns (those in mask; the rest zero) as bf16
+// pairs in d[4], in the order described above.
+TORCH_MOE_FEW_TARGET inline void row_pair_vectors(const CodeBytes& cb, const uint8_t* r0,
+                                                  const uint8_t* r1, __mmask64 mask,
+                                                  __m512i d[4]) {
+  const bool full = mask == ~__mmask64{0};
+  __m512i lo0, hi0, lo1 = _mm512_setzero_si512(), hi1 = _mm512_setzero_si512();
+  cb.split(full ? _mm512_loadu_si512(r0) : _mm512_maskz_loadu_epi8(mask, r0), lo0, hi0);
+  if (r1 != nullptr) {
+    cb.split(full ? _mm512_loadu_si512(r1) : _mm512_maskz_loadu_epi8(mask, r1), lo1, hi1);
+  }
+  const __m512i w0 = _mm512_unpacklo_epi8(lo0, hi0), w0h = _mm512_unpackhi_epi8(lo0, hi0);
+  const __m512i w1 = _mm512_unpacklo_epi8(lo1, hi1), w1h = _mm512_unpackhi_epi8(lo1, hi1);
+  d[0] = _mm512_unpacklo_epi16(w0, w1);
+  d[1] = _mm512_unpackhi_epi16(w0, w1);
+  d[2] = _mm512_unpacklo_epi16(w0h, w1h);
+  d[3] = _mm512_unpackhi_epi16(w0h, w1h);
+}
+
+// v[u]'s 128-bit lane L into v[L]'s lane u (its own inverse): between 64 columns' natural
+// vectors and row_pair_vectors' order
+TORCH_MOE_FEW_TARGET inline void transpose_lanes_4x4(__m512 v[4]) {
+  const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
+  const __m512 t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+  const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+  const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+  v[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+  v[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+  v[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+  v[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+}
+
+// The panels: pairs [p, p + n) of columns [n0, n0 + nc) (nc <= 64V) of b[g] into
+// panel[i * 64V + j] (the pair i of the strip's column j: column order for a
+// column-major b, row_pair_vectors' order per 64 for a row-major one). Columns past nc are
+// not written (their sums are never stored).
+struct ColumnCodes {  // column-major: column n's K codes at b + n * ld
+  const uint8_t* b;
+  int64_t ld, K;
+  static constexpr bool kPermuted = false;
+  template <int V>
+  TORCH_MOE_FEW_TARGET void panel(int64_t n0, int64_t nc, int64_t p, int64_t n,
+                                  uint32_t* out) const {
+    static const Bf16Codes codes;
+    for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+      for (int64_t q = 0; q < n; q += 16) {  // 16 pairs a transpose
+        const int64_t avail = K - 2 * (p + q);  // codes of each column from pair p + q on
+        const __mmask32 mask = Bf16Codes::first(avail);
+        __m256i w[16];
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t* src = b + (n0 + std::min<int64_t>(c0 + j, nc - 1)) * ld + 2 * (p + q);
+          w[j] = avail >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                             : _mm256_maskz_loadu_epi8(mask, src);
+        }
+        transpose_words_16x16(w);
+        for (int64_t i = 0; i < std::min<int64_t>(16, n - q); ++i) {
+          _mm512_store_si512(out + (q + i) * 64 * V + c0, codes.of(w[i]));
+        }
+      }
+    }
+  }
+};
+
+struct RowCodes {  // row-major: row k's N codes at b + k * ld
+  const uint8_t* b;
+  int64_t ld, K;
+  static constexpr bool kPermuted = true;
+  template <int V>
+  TORCH_MOE_FEW_TARGET void panel(int64_t n0, int64_t nc, int64_t p, int64_t n,
+                                  uint32_t* out) const {
+    static const CodeBytes cb;
+    __mmask64 mask[V];
+    for (int v = 0; v < V; ++v) {
+      const int64_t left = std::clamp<int64_t>(nc - 64 * v, 0, 64);
+      mask[v] = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t k = 2 * (p + i);
+      const uint8_t* r0 = b + k * ld + n0;
+      const uint8_t* r1 = k + 1 < K ? r0 + ld : nullptr;
+      for (int v = 0; v < V && 64 * v < nc; ++v) {
+        if (k + kFewAhead + 1 < K) {  // the hardware prefetchers follow a stride late
+          _mm_prefetch(reinterpret_cast<const char*>(r0 + kFewAhead * ld + 64 * v), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(r0 + (kFewAhead + 1) * ld + 64 * v),
+                       _MM_HINT_T0);
+        }
+        __m512i d[4];
+        row_pair_vectors(cb, r0 + 64 * v, r1 ? r1 + 64 * v : nullptr, mask[v], d);
+        for (int j = 0; j < 4; ++j) _mm512_store_si512(out + i * 64 * V + 64 * v + 16 * j, d[j]);
+      }
+    }
+  }
+};
+
+// acc[r * 64V + ..] (R rows of fp32 sums; zero first where `fresh`) += the rows' pairs
+// [p, p + n) of a (bf16, row stride lda) times the panel's pairs, in order
+template <int R, int V>
+TORCH_MOE_FEW_TARGET void chunk_rows(const uint32_t* panel, int64_t n, const uint16_t* a,
+                                     int64_t lda, int64_t p, float* acc, bool fresh) {
+  for (int v = 0; v < V; ++v) {
+    __m512 c[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) {
+        c[r][j] = fresh ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * 64 * V + 64 * v + 16 * j);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      __m512bh bv[4];
+      for (int j = 0; j < 4; ++j) {
+        bv[j] = (__m512bh)_mm512_load_si512(panel + i * 64 * V + 64 * v + 16 * j);
+      }
+      for (int r = 0; r < R; ++r) {
+        uint32_t x;
+        std::memcpy(&x, a + r * lda + 2 * (p + i), sizeof(x));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x));
+        for (int j = 0; j < 4; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], xv, bv[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + r * 64 * V + 64 * v + 16 * j, c[r][j]);
+    }
+  }
+}
+
+// out rows [0, rows) x columns [0, cols) (row stride ldo) of the block-scaled product of
+// the padded rows ap (bf16, row stride lda >= K + 1, zero from column K on: every pair one
+// 32-bit load, an odd K's last (a[K - 1], 0)) and B (ColumnCodes or RowCodes) with scales
+// sc, in strips of 64V columns
+template <int V, class B, class Out>
+TORCH_MOE_FEW_TARGET void codes_strips(const B& bm, const uint16_t* ap, int64_t lda,
+                                       int64_t rows, int64_t K, int64_t cols,
+                                       const torch_moe_cpu::BlockScales& sc, Out* out,
+                                       int64_t ldo) {
+  constexpr int64_t W = 64 * V;
+  thread_local std::vector<float> sums_buf;
+  thread_local std::vector<uint32_t> panel_buf;
+  float* acc = torch_moe_cpu::aligned_scratch(sums_buf, 2 * rows * W);  // the block's sums,
+  float* sum = acc + rows * W;                                         // the running ones
+  const int64_t pairs = (K + 1) / 2;
+  // pairs per chunk: kChunkPairs (the panel in L1) for one tile of rows, else a whole k
+  // block (the panel in L2, each tile's sums in registers across it)
+  const int64_t chunk = rows <= kFewRows ? kChunkPairs : std::min(sc.pairs, pairs);
+  uint32_t* panel = torch_moe_cpu::aligned_scratch(panel_buf, chunk * W);
+  const auto in_order = [](__m512* v) {
+    if constexpr (B::kPermuted) transpose_lanes_4x4(v);
+  };
+  for (int64_t n0 = 0; n0 < cols; n0 += W) {
+    const int64_t nc = std::min(W, cols - n0);
+    std::fill(sum, sum + rows * W, 0.0f);
+    for (int64_t p0 = 0, kb = 0; p0 < pairs; p0 += sc.pairs, ++kb) {
+      const int64_t p1 = std::min(pairs, p0 + sc.pairs);
+      for (int64_t p = p0; p < p1; p += chunk) {
+        const int64_t n = std::min(chunk, p1 - p);
+        bm.template panel<V>(n0, nc, p, n, panel);
+        for (int64_t r0 = 0; r0 < rows; r0 += kFewRows) {
+          const uint16_t* ar = ap + r0 * lda;
+          float* ac = acc + r0 * W;
+          switch (std::min<int64_t>(kFewRows, rows - r0)) {
+            case 4: chunk_rows<4, V>(panel, n, ar, lda, p, ac, p == p0); break;
+            case 3: chunk_rows<3, V>(panel, n, ar, lda, p, ac, p == p0); break;
+            case 2: chunk_rows<2, V>(panel, n, ar, lda, p, ac, p == p0); break;
+            default: chunk_rows<1, V>(panel, n, ar, lda, p, ac, p == p0); break;
+          }
+        }
+      }
+      for (int v = 0; v < V; ++v) {  // the block's sums scaled into the running sums
+        __m512 cs[4];
+        for (int u = 0; u < 4; ++u) {
+          cs[u] = _mm512_loadu_ps(sc.col + kb * sc.col_kb + n0 + 64 * v + 16 * u);
+        }
+        in_order(cs);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 rs = _mm512_set1_ps(sc.row[r * sc.row_m + kb * sc.row_kb]);
+          for (int j = 0; j < 4; ++j) {
+            const int64_t at = r * W + 64 * v + 16 * j;
+            _mm512_store_ps(sum + at, _mm512_fmadd_ps(_mm512_load_ps(acc + at),
+                                                      _mm512_mul_ps(rs, cs[j]),
+                                                      _mm512_load_ps(sum + at)));
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // in column order, stored
+      for (int v = 0; v < V && 64 * v < nc; ++v) {
+        __m512 s4[4];
+        for (int j = 0; j < 4; ++j) s4[j] = _mm512_load_ps(sum + r * W + 64 * v + 16 * j);
+        in_order(s4);
+        for (int u = 0; u < 4 && 64 * v + 16 * u < nc; ++u) {
+          const int64_t left = nc - 64 * v - 16 * u;
+          const __mmask16 keep =
+              left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+          Out* o = out + r * ldo + n0 + 64 * v + 16 * u;
+          if constexpr (std::is_same_v<Out, float>) {
+            _mm512_mask_storeu_ps(o, keep, s4[u]);
+          } else {
+            _mm256_mask_storeu_epi16(o, keep, (__m256i)_mm512_cvtneps_pbh(s4[u]));
+          }
+        }
+      }
+    }
+  }
+}
+
+// few_rows_codes: out rows [0, rows) x columns [0, cols) (row stride ldo) of the
+// block-scaled product of a (bf16 [rows, K], row stride K) and b[g]'s columns from bg
+// (b_rows: row-major, row k at bg + k * ld; else column-major, column n at bg + n * ld)
+// with scales sc. Strips of 256 columns for a group of one register tile of rows (a
+// longer stretch of each weight row read at a time), else of 64 (the sums held in L1).
+template <class Out>
+void few_rows_codes(const uint16_t* a, int64_t rows, int64_t K, const uint8_t* bg, int64_t ld,
+                    bool b_rows, int64_t cols, const torch_moe_cpu::BlockScales& sc, Out* out,
+                    int64_t ldo) {
+  thread_local std::vector<uint16_t> a_buf;
+  const int64_t lda = K + 2 - K % 2;
+  uint16_t* ap = torch_moe_cpu::aligned_scratch(a_buf, rows * lda);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(ap + r * lda, a + r * K, K * sizeof(uint16_t));
+    std::memset(ap + r * lda + K, 0, (lda - K) * sizeof(uint16_t));
+  }
+  const auto run = [&](const auto& bm) {
+    if (rows <= kFewRows) {
+      codes_strips<4>(bm, ap, lda, rows, K, cols, sc, out, ldo);
+    } else {
+      codes_strips<1>(bm, ap, lda, rows, K, cols, sc, out, ldo);
+    }
+  };
+  if (b_rows) {
+    run(RowCodes{bg, ld, K});
+  } else {
+    run(ColumnCodes{bg, ld, K});
+  }
+}
+
+#undef TORCH_MOE_FEW_TARGET
+#endif
+
 // out [M, N] (bf16 or fp32) = the block-scaled grouped GEMM of the codes as bf16 values: the
 // rows of group g (offs' ends) times b[g] [K, N], each k block of block_k's fp32 sums
 // times row_scale[m, kb] * col_scale[g, kb, n] (torch_moe_cpu::BlockScales), the blocks
@@ -1402,10 +1741,11 @@ std::vector<KPiece> k_pieces(const int32_t* ends, int64_t E, int64_t K, at::Tens
 // contiguous fp32, KS = ceil(K / block_k), block_k even. Pieces of a group's rows (codes:
 // by kCodeRowsBytes) by 256 columns shared out over the threads; a bf16 out by
 // non-temporal stores where out_streams. False without touching out where the native
-// GEMM does not run here or the operands are not these.
+// GEMM does not run here or the operands are not these. few_rows: the codes of a group
+// of at most that many rows against a column-major b[g] by few_rows_codes (the same bits).
 bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
                          const at::Tensor& col_scale, const at::Tensor& offs, int64_t block_k,
-                         at::Tensor& out, bool stream_out) {
+                         at::Tensor& out, bool stream_out, int64_t few_rows) {
   if (!torch_moe_cpu::bf16_gemm_available() || !operands_apply(a, b) || a.dim() != 2 ||
       b.dim() != 3 || out.dim() != 2 ||
       (out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) ||
@@ -1441,6 +1781,20 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
     uint16_t* ah = a_copy.get(call, p.start, p.rows, K, [&](uint16_t* d) {
       copy_codes(a_m.data, a_m.row_stride, p.start, p.rows, 0, K, d);
     });
+#if defined(CPU_CAPABILITY_AVX512)
+    if (p.rows <= few_rows) {  // the codes straight into the products
+      const auto* bc = static_cast<const uint8_t*>(bg.data) + p.c0 * bg.col_stride;
+      const int64_t ld = b_rows ? bg.row_stride : bg.col_stride;
+      if (o.dtype == at::kFloat) {
+        few_rows_codes(ah, p.rows, K, bc, ld, b_rows, cols, sc, static_cast<float*>(o.data),
+                       o.row_stride);
+      } else {
+        few_rows_codes(ah, p.rows, K, bc, ld, b_rows, cols, sc, static_cast<uint16_t*>(o.data),
+                       o.row_stride);
+      }
+      return true;
+    }
+#endif
     uint16_t* bh = torch_moe_cpu::aligned_scratch(b_buf, K * cols);
     if (b_rows) {  // b[g]'s rows k, columns [c0, c1)
       copy_codes(bg.data, bg.row_stride, 0, K, p.c0, cols, bh);
@@ -1675,7 +2029,8 @@ bool fp8_quantize_jagged(const at::Tensor&, const at::Tensor&, int64_t, at::Tens
 bool fp8_from_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_to_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_block_scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, bool) {
+                         const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, bool,
+                         int64_t) {
   return false;
 }
 bool fp8_block_scaled_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -1703,7 +2058,7 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       " Tensor(a!) out) -> bool");
   m.def(
       "fp8_block_scaled_mm(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
-      " int block_k, Tensor(a!) out, bool stream_out=False) -> bool");
+      " int block_k, Tensor(a!) out, bool stream_out=False, int few_rows=0) -> bool");
   m.def(
       "fp8_block_scaled_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale,"
       " Tensor offs, int block, Tensor(a!) out, bool stream_out=False) -> bool");

@@ -71,7 +71,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from torch_moe._ops import _native
+from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FP8, KERNEL_DTYPES
 from torch_moe._ops._eager import direct_calls
 from torch_moe._ops.grouped_mm import (
@@ -519,6 +519,83 @@ def _panel_padded(cols: Tensor, n: int) -> Tensor:
     return out
 
 
+# the most rows per group for which the probe measures fp8_block_scaled_mm's few-rows form
+_FEW_CODE_ROWS = 64
+
+
+def few_code_rows(col_major: bool) -> int:
+    """Groups of at most this many rows run by ``fp8_block_scaled_mm``'s few-rows form
+    (csrc/fp8_cpu.cpp: a weight's e4m3 codes, ``col_major`` or row-major, converted once
+    per chunk into a panel in L1 that all of the group's rows take, instead of the pieces'
+    bf16 copy and packed panel; the same bits): the largest rows class ``r`` (powers of
+    two up to ``_FEW_CODE_ROWS``) of a run up from 1 row in which every class's probe
+    decision ``few_codes:<b>:r<r>`` is ``"few"``, else 0. Which wins up to how many rows
+    depends on the core and the layout (on the Zen 4 measured, 4 groups of [1024, 1024]
+    on one thread: the row-major form 2.7-3.4x the pieces' speed at 1-4 rows, 1.07x at 64;
+    the column-major one, bound by its transposes, 1.3-1.4x at 1-4 rows, even at 16).
+    Memoized."""
+
+    def decide() -> int:
+        rows, r = 0, 1
+        while r <= _FEW_CODE_ROWS and _few_codes_choice(col_major, r) == "few":
+            rows, r = r, 2 * r
+        return rows
+
+    return _cpu_probe.memo(("few_code_rows", col_major, _native.enabled()), decide)
+
+
+def _few_codes_choice(col_major: bool, rows: int) -> str:
+    return _cpu_probe.decide(
+        f"few_codes:{'t' if col_major else 'n'}:r{rows}",
+        lambda: _measure_few_codes(col_major, rows),
+        default="pieces",
+        margin=0.05,
+    )
+
+
+def _measure_few_codes(col_major: bool, rows: int) -> dict[str, float]:
+    """Seconds of ``fp8_block_scaled_mm`` on 8 groups of ``rows`` rows of codes (K = N =
+    512, one scale along K) by its pieces and by its few-rows form, each operand set evicted
+    from the caches before its call (a decode step's weights come from memory)."""
+    k = n = 512
+    groups = 8
+    mod = _native.kernels()
+    offs = torch.arange(1, groups + 1, dtype=torch.int32) * rows
+    row_scale = torch.ones(groups * rows, 1)
+    col_scale = torch.ones(groups, 1, n)
+    sets = []
+    for _ in range(_cpu_probe._OPERAND_SETS):  # constant codes: the rates do not depend on them
+        w = torch.full((groups, n, k) if col_major else (groups, k, n), 0.5).to(FP8)
+        sets.append(
+            (torch.full((groups * rows, k), 0.25).to(FP8), w.transpose(-2, -1) if col_major else w)
+        )
+
+    def run(few: int) -> Callable[[tuple[Tensor, Tensor]], object]:
+        def fn(s: tuple[Tensor, Tensor]) -> None:
+            out = torch.empty((groups * rows, n), dtype=torch.bfloat16)
+            mod.fp8_block_scaled_mm(*s, row_scale, col_scale, offs, k, out, False, few)
+
+        return fn
+
+    def evict(s: tuple[Tensor, Tensor]) -> None:
+        for t in s:
+            mod.evict_from_cache(t)
+
+    ways = {"pieces": run(0), "few": run(rows)}
+    return _cpu_probe.time_candidates(_cpu_probe.cycled(sets, ways, evict))
+
+
+@torch.compiler.assume_constant_result
+def codes_rows_major(dtype: torch.dtype) -> bool:
+    """Whether a weight of ``dtype`` quantized for the CPU's FP8 GEMMs on the codes is best
+    laid out as a row-major B [K, N] per expert (the layout the inference cache keeps):
+    where those GEMMs run (bf16, torch_moe's native bf16 GEMM here), whose few-rows form
+    reads a row-major B's codes without transposing them (:func:`few_code_rows`; the same
+    bits in either layout). Elsewhere K-major, the GPU kernels' layout and the fp32
+    emulation's (whose sums' order follows the layout). A constant for the compiler."""
+    return native_gemm_ready(dtype)
+
+
 def _scaled_blocks_mm(
     a: Tensor,
     b: Tensor,
@@ -527,11 +604,13 @@ def _scaled_blocks_mm(
     offs: Tensor,
     block_k: int,
     block_n: int,
+    ends: list[int],
 ) -> Tensor | None:
     """Forward / dgrad by :func:`_blocks_in_bf16`: the codes (the kernel converts each
-    piece to bf16 as its GEMM takes it) and the scales laid out as the kernel reads them (a
-    row's per k block, a column's per k block padded to whole panels of 64), or None where
-    the kernel refuses them."""
+    piece to bf16 as its GEMM takes it, or a group of a few rows takes its few-rows form:
+    :func:`few_code_rows`) and the scales laid out as the kernel reads them (a row's per k
+    block, a column's per k block padded to whole panels of 64), or None where the kernel
+    refuses them."""
     M, N, E = a.shape[0], b.shape[2], b.shape[0]
     ks = scale_a.shape[1]
     row_scale = scale_a.expand(M, ks).contiguous()
@@ -539,11 +618,24 @@ def _scaled_blocks_mm(
     col_scale = _panel_padded(cols, N)
     out = torch.empty((M, N), dtype=torch.bfloat16)
     mod = _native.kernels()
+    few = 0
+    if a.dtype == FP8 and _fewest_rows(ends) <= _FEW_CODE_ROWS:
+        few = few_code_rows(b.stride(2) != 1)
     if mod.fp8_block_scaled_mm(
-        a, b, row_scale, col_scale, offs, block_k, out, streams_outputs(torch.bfloat16)
+        a, b, row_scale, col_scale, offs, block_k, out, streams_outputs(torch.bfloat16), few
     ):
         return out
     return None
+
+
+def _fewest_rows(ends: list[int]) -> int:
+    """The rows of the smallest non-empty group (a large number where none has rows)."""
+    fewest, start = 1 << 62, 0
+    for end in ends:
+        if end > start:
+            fewest = min(fewest, end - start)
+        start = end
+    return fewest
 
 
 def _scaled_blocks_wgrad(
@@ -637,11 +729,11 @@ def _scaled_grouped_mm_cpu(
         kb, ks = _k_blocks(K)
         sa_k = scale_a.expand(scale_a.shape[0], ks)
         sb_k = scale_b.expand(scale_b.shape[0], ks, scale_b.shape[2])
-        out = _scaled_blocks_mm(a, b, sa_k, sb_k, offs, kb, block_n)
+        out = _scaled_blocks_mm(a, b, sa_k, sb_k, offs, kb, block_n, ends)
         if out is not None:
             return out
     if _blocks_in_bf16(scale_a, scale_b, block_k, out_dtype):
-        out = _scaled_blocks_mm(a, b, scale_a, scale_b, offs, block_k, block_n)
+        out = _scaled_blocks_mm(a, b, scale_a, scale_b, offs, block_k, block_n, ends)
         if out is not None:
             return out
     if _mx_in_bf16(scale_a, scale_b, out_dtype):
