@@ -92,6 +92,49 @@ class TestInference(TestCase):
             with torch.inference_mode():
                 self.assertEqual(moe(x), ref, **EXACT, msg=f"seed {seed}")
 
+    @parametrize("precision", ["fp8_rowwise", "fp8_blockwise", "fp8_tensorwise"])
+    def test_recipe_decode_reads_the_codes_where_cached(self, precision):
+        """A bf16 layer with an FP8 recipe at inference: the weights' codes cached
+        row-major where the CPU's GEMMs on the codes run (``codes_rows_major``; the
+        training forward quantizes them K-major), and their groups of a few rows taken by
+        the GEMM's few-rows form (probe ``few_codes``) or its pieces: the training
+        forward's bits either way, at decode (1-2 rows an expert) and prefill sizes, and
+        compiled with fullgraph."""
+        from unittest import mock
+
+        from torch_moe._ops import _cpu_probe, _native
+        from torch_moe.quantization import scaled_grouped_mm as S_fn
+
+        S = sys.modules[S_fn.__module__]
+        torch.manual_seed(0)
+        moe = MoE(128, 96, 8, 2, dtype=torch.bfloat16, precision=precision).eval()
+        xs = [torch.randn(t, 128).to(torch.bfloat16) for t in (1, 3, 40)]
+        with torch.enable_grad():
+            refs = [moe(x) for x in xs]  # the training forward: K-major weights
+        rows = S.codes_rows_major(torch.bfloat16)
+        mod = _native.kernels()
+        for choice in ("few", "pieces"):
+            clear_weight_cache()
+            spy = mock.MagicMock(wraps=mod)
+            with (
+                _cpu_probe.force(few_codes=choice),
+                mock.patch.object(S._native, "kernels", return_value=spy),
+                torch.inference_mode(),
+            ):
+                for x, ref in zip(xs, refs, strict=True):
+                    self.assertEqual(moe(x), ref, **EXACT, msg=f"{choice}, {x.shape[0]} tokens")
+            calls = spy.fp8_block_scaled_mm.call_args_list if rows else []
+            few = [c.args[8] if len(c.args) > 8 else c.kwargs.get("few_rows", 0) for c in calls]
+            if rows:  # the cached weights row-major; the few-rows form asked for or not
+                self.assertTrue(few)
+                self.assertTrue(all(f > 0 for f in few) if choice == "few" else not any(few))
+                self.assertTrue(all(c.args[1].stride(2) == 1 for c in calls))
+        torch._dynamo.reset()  # (the suite's other compiled layers count as recompiles)
+        compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend="aot_eager")
+        with torch.inference_mode():
+            for x, ref in zip(xs, refs, strict=True):
+                self.assertEqual(compiled(x), ref, **EXACT)
+
     def test_nothing_saved_no_stats(self):
         moe = _layer(shared_hidden_dim=8, aux_loss="switch", aux_loss_coeff=0.1)
         moe.train()

@@ -97,7 +97,7 @@ from torch_moe.nn.functional import (
     switch_aux_loss,
 )
 from torch_moe.quantization import RECIPES, Recipe, get_recipe, scaled_grouped_mm
-from torch_moe.quantization.scaled_grouped_mm import decomposable, quantize_lhs
+from torch_moe.quantization.scaled_grouped_mm import codes_rows_major, decomposable, quantize_lhs
 
 __all__ = [
     "PRESETS",
@@ -795,12 +795,21 @@ def _row_local_quantization(g: Any) -> tuple[str, int, str] | None:
 
 def _quantize_weight_cached(source: Tensor, w: Tensor, g: Any) -> tuple[Tensor, Tensor]:
     """The expert weight w [E, N, K] (nn.Linear layout) as GEMM ``g``'s B = w^T [E, K, N],
-    quantized K-major, cached until ``source`` (the parameter) changes."""
+    quantized along K, cached until ``source`` (the parameter) changes. K-major (each
+    column of B contiguous, w's own layout) as the GPU kernels read it; an FP8 recipe's B
+    row-major where the CPU's GEMMs on the codes take it faster (``codes_rows_major``:
+    the same codes and scales, quantized as the view w^T with the transposed block)."""
     rhs = g.rhs
+    ops_ = torch.ops.torch_moe
     if rhs.fmt == "mx":
-        q, s = torch.ops.torch_moe.quantize_mx_cached(source, w, -1, rhs.inner, rhs.scale_rule)
+        q, s = ops_.quantize_mx_cached(source, w, -1, rhs.inner, rhs.scale_rule)
+    elif w.device.type == "cpu" and codes_rows_major(w.dtype):
+        return cast(
+            tuple[Tensor, Tensor],
+            ops_.quantize_fp8_cached(source, w.transpose(-2, -1), [rhs.inner, rhs.outer]),
+        )
     else:
-        q, s = torch.ops.torch_moe.quantize_fp8_cached(source, w, [rhs.outer, rhs.inner])
+        q, s = ops_.quantize_fp8_cached(source, w, [rhs.outer, rhs.inner])
     return q.transpose(-2, -1), s.transpose(-2, -1)
 
 
