@@ -15,10 +15,18 @@ Shapes are ``benchmarks/bench_perf_model.py``'s precision configs (prec1 / prec2
 ``--vs-bf16``: instead, each recipe's step (every native route on) against the bf16
 layer's step of the same shape, in one process, rounds alternated (what the emulation
 costs over the bf16 layer it emulates).
+``--decode``: instead, a bf16 layer's inference forward (``torch.inference_mode()``, the
+weights' quantization cached) at T tokens (D=1024, F=512, E=64, top 4 by default) for
+each recipe and for bf16, the recipes also with the FP8 GEMM's few-rows form off (probe
+``few_codes`` forced to ``pieces``: the GEMM's pieces, as before that form), in one
+process, rounds alternated, each round on the next of 8 inputs; the floor is the bytes of
+the distinct experts' weights the batch reads (codes and scales for a recipe, bf16 for
+bf16; the scales add under 0.5%) over a large GEMV's read bandwidth.
 
     python benchmarks/bench_fp8_emulation.py --threads 1 --clock cpu
     python benchmarks/bench_fp8_emulation.py --recipes mxfp8 --shapes prec2 --reps 12
     python benchmarks/bench_fp8_emulation.py --threads 1 --clock cpu --vs-bf16
+    python benchmarks/bench_fp8_emulation.py --threads 1 --clock cpu --decode
 """
 
 from __future__ import annotations
@@ -110,6 +118,57 @@ def vs_bf16(recipes: list[str], shapes: list[str], reps: int, clock: Callable[[]
         print(f"| {shape} | {med['bf16']:.1f} | {' | '.join(cells)} |", flush=True)
 
 
+def decode(recipes: list[str], tokens: list[int], reps: int, clock: Callable[[], float]) -> None:
+    """The inference forward per recipe (with and without the few-rows form) and in bf16."""
+    from bench_decode import gemv_bandwidth
+
+    from torch_moe._ops import _cpu_probe
+
+    D, F, E, K = 1024, 512, 64, 4
+    bw = gemv_bandwidth()
+    print(f"# D={D} F={F} E={E} top {K}; large bf16 GEMV read: {bw / 1e9:.1f} GB/s")
+    print(
+        f"# inference forward, median of {reps} alternated rounds, ms (x the weight-read floor)\n"
+    )
+    ways = [("bf16", "bf16", None)]
+    for r in recipes:  # (MX's GEMMs are not the codes GEMM's: no few-rows form to turn off)
+        ways += [(r, r, None)] + ([(f"{r}, pieces", r, "pieces")] if r != "mxfp8" else [])
+    print("| T | experts hit | " + " | ".join(name for name, _, _ in ways) + " |")
+    print("|---" * (len(ways) + 2) + "|")
+    layers = {}
+    for precision in {p for _, p, _ in ways}:
+        torch.manual_seed(0)
+        kw = {} if precision == "bf16" else {"precision": precision}
+        layers[precision] = MoE(D, F, E, K, dtype=torch.bfloat16, **kw).eval()
+    for T in tokens:
+        gen = torch.Generator().manual_seed(T)
+        xs = [torch.randn(T, D, generator=gen).to(torch.bfloat16) for _ in range(8)]
+        with torch.no_grad():
+            logits = [layers["bf16"].router(x) for x in xs]
+        hit = statistics.median(len(lg.topk(K, dim=-1).indices.unique()) for lg in logits)
+
+        def run(precision: str, force: str | None, x: torch.Tensor) -> None:
+            with _cpu_probe.force(**({"few_codes": force} if force else {})):
+                layers[precision](x)
+
+        times: dict[str, list[float]] = {name: [] for name, _, _ in ways}
+        with torch.inference_mode():
+            for _, precision, force in ways:  # warm-up: caches filled, probes decided
+                run(precision, force, xs[0])
+            for i in range(reps):
+                for name, precision, force in ways if i % 2 == 0 else ways[::-1]:
+                    t0 = clock()
+                    run(precision, force, xs[i % len(xs)])
+                    times[name].append(clock() - t0)
+        cells = []
+        for name, precision, _ in ways:
+            per_elem = 2.0 if precision == "bf16" else 1.0  # (the scales: under 0.5% more)
+            floor = hit * 3 * D * F * per_elem / bw
+            med = statistics.median(times[name])
+            cells.append(f"{med * 1e3:.2f} ({med / floor:.2f})")
+        print(f"| {T} | {hit:.0f} | {' | '.join(cells)} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -118,6 +177,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--vs-bf16", action="store_true", help="each recipe over the bf16 step")
+    p.add_argument("--decode", action="store_true", help="the inference forward at T tokens")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,6 +186,9 @@ def main() -> None:
     print(bench_ops.machine_line())
     if args.vs_bf16:
         vs_bf16(args.recipes, args.shapes, args.reps, clock)
+        return
+    if args.decode:
+        decode(args.recipes, args.tokens, args.reps, clock)
         return
     print(f"# native e4m3 kernels here: {Q.native_fp8_conversions()}")
     print(f"# bf16 GEMMs native here: {S.cpu_compute_dtype(torch.bfloat16) == torch.bfloat16}")
