@@ -111,7 +111,6 @@ class TestInference(TestCase):
         xs = [torch.randn(t, 128).to(torch.bfloat16) for t in (1, 3, 40)]
         with torch.enable_grad():
             refs = [moe(x) for x in xs]  # the training forward: K-major weights
-        rows = S.codes_rows_major(torch.bfloat16)
         mod = _native.kernels()
         for choice in ("few", "pieces"):
             clear_weight_cache()
@@ -123,12 +122,13 @@ class TestInference(TestCase):
             ):
                 for x, ref in zip(xs, refs, strict=True):
                     self.assertEqual(moe(x), ref, **EXACT, msg=f"{choice}, {x.shape[0]} tokens")
-            calls = spy.fp8_block_scaled_mm.call_args_list if rows else []
+            # where the GEMM on the codes ran: the cached weights row-major, the few-rows
+            # form asked for or not
+            calls = spy.fp8_block_scaled_mm.call_args_list
+            self.assertEqual(bool(calls), S.native_gemm_ready(torch.bfloat16))
             few = [c.args[8] if len(c.args) > 8 else c.kwargs.get("few_rows", 0) for c in calls]
-            if rows:  # the cached weights row-major; the few-rows form asked for or not
-                self.assertTrue(few)
-                self.assertTrue(all(f > 0 for f in few) if choice == "few" else not any(few))
-                self.assertTrue(all(c.args[1].stride(2) == 1 for c in calls))
+            self.assertTrue(all(f > 0 for f in few) if choice == "few" else not any(few))
+            self.assertTrue(all(c.args[1].stride(2) == 1 for c in calls))
         torch._dynamo.reset()  # (the suite's other compiled layers count as recompiles)
         compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend="aot_eager")
         with torch.inference_mode():
