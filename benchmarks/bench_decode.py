@@ -19,7 +19,7 @@ output [T, D] in bf16 from the same tokens, weights and routing:
 
 Floors, measured in the same run: the **weight-read floor** is the bytes of the distinct
 experts' weights the batch touches (3*D*F per expert, bf16) over the read bandwidth of a
-large bf16 GEMV (``torch.mv`` over a matrix far larger than the caches): decode is bound by
+large GEMV (``torch.mv`` over a matrix far larger than the caches, the faster of bf16 and fp32): decode is bound by
 reading them once. The **FLOP floor** (large batches) is 6*T*K*D*F over the best large-GEMM
 rate of the machine (bf16, or fp32 after an upcast where bf16 GEMMs are slow: both are
 printed). Every candidate's time is printed as a ratio to the larger of the two floors.
@@ -78,12 +78,19 @@ def _median_time(fn: Any, reps: int) -> float:
 
 
 def gemv_bandwidth(mib: int = 512) -> float:
-    """Bytes/s of a bf16 GEMV over a ``mib`` MiB matrix (read once per call)."""
+    """Bytes/s read by a GEMV over a ``mib`` MiB matrix (read once per call): the faster of
+    a bf16 and an fp32 one. ATen's bf16 GEMV is not bound by memory on every CPU (on the
+    Zen 4 EPYC measured, one thread: 5.7 GB/s, where the fp32 GEMV and torch_moe's bf16
+    few-rows kernel read 20-23 GB/s), which made this floor a third of the machine's."""
     cols = 4096
-    rows = mib * 2**20 // (2 * cols)
-    w = torch.randn(rows, cols).bfloat16()
-    v = torch.randn(cols).bfloat16()
-    return w.numel() * 2 / _median_time(lambda: torch.mv(w, v), 7)
+    rates = []
+    for dtype in (torch.bfloat16, torch.float32):
+        size = torch.finfo(dtype).bits // 8
+        w = torch.randn(mib * 2**20 // (size * cols), cols).to(dtype)
+        v = torch.randn(cols).to(dtype)
+        rates.append(w.numel() * size / _median_time(lambda w=w, v=v: torch.mv(w, v), 7))
+        del w
+    return max(rates)
 
 
 def gemm_rates(n: int = 2048) -> dict[str, float]:
@@ -252,7 +259,7 @@ def main() -> None:
     rate = max(rates.values())
     print(
         f"# torch {torch.__version__}, {platform.machine()} {cpu_isa()}, {os.cpu_count()} CPUs, "
-        f"{torch.get_num_threads()} threads, {args.clock} clock; bf16 GEMV read {bw / 1e9:.1f} GB/s; GEMM "
+        f"{torch.get_num_threads()} threads, {args.clock} clock; GEMV read {bw / 1e9:.1f} GB/s; GEMM "
         f"bf16 {rates['bf16'] / 1e9:.0f} / fp32 {rates['fp32'] / 1e9:.0f} GFLOP/s (floor: the "
         f"{'bf16' if rates['bf16'] >= rates['fp32'] else 'fp32'} rate); medians of {args.rounds} rounds"
     )

@@ -135,6 +135,36 @@ class TestInference(TestCase):
             for x, ref in zip(xs, refs, strict=True):
                 self.assertEqual(compiled(x), ref, **EXACT)
 
+    def test_mx_decode_takes_the_codes(self):
+        """A bf16 layer with the MX recipe at inference: where the few-rows kernel's plain
+        form multiplies a decode step's groups (probe ``few_gemm``), each weight code
+        times its scale in registers (``fp8_mx_few_rows_mm``), else the busy experts'
+        bf16 copies: the training forward's bits either way."""
+        from unittest import mock
+
+        from torch_moe._ops import _cpu_probe, _native
+        from torch_moe.quantization import scaled_grouped_mm as S_fn
+
+        S = sys.modules[S_fn.__module__]
+        torch.manual_seed(0)
+        moe = MoE(128, 96, 8, 2, dtype=torch.bfloat16, precision="mxfp8").eval()
+        xs = [torch.randn(t, 128).to(torch.bfloat16) for t in (1, 3, 40)]
+        with torch.enable_grad():
+            refs = [moe(x) for x in xs]
+        mod = _native.kernels()
+        for few_gemm in ("native", "aten"):
+            spy = mock.MagicMock(wraps=mod)
+            with (
+                _cpu_probe.force(few_gemm=few_gemm),
+                mock.patch.object(S._native, "kernels", return_value=spy),
+                torch.inference_mode(),
+            ):
+                for x, ref in zip(xs, refs, strict=True):
+                    self.assertEqual(moe(x), ref, **EXACT, msg=f"{few_gemm}, {x.shape[0]}")
+            ran = spy.fp8_mx_few_rows_mm.called
+            here = mod is not None and S.bf16_gemms_native()  # (MX multiplied in bf16)
+            self.assertEqual(ran, few_gemm == "native" and here)
+
     def test_nothing_saved_no_stats(self):
         moe = _layer(shared_hidden_dim=8, aux_loss="switch", aux_loss_coeff=0.1)
         moe.train()

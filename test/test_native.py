@@ -1941,6 +1941,67 @@ class TestNativeBF16GEMM(TestCase):
             args = (a, codes(m, n), rs_w, cs_w, offs, bk)
             agree(mod.fp8_block_scaled_mm_wgrad, args, (e, k, n), sizes=sizes, k=k, wgrad=True)
 
+    def test_mx_few_rows_mm_gives_the_few_rows_kernels_bits(self):
+        # fp8_mx_few_rows_mm: each code times its E8M0 scale in registers, then the
+        # few-rows kernel's column-major form; the bits of few_rows_mm on the weight
+        # dequantized by the native dequantizer (the route it replaces): every code (NaN,
+        # zero, subnormal), the scales' range ends (2^-117 and 2^119), groups of 1-9
+        # rows (tiles of 4), N not a multiple of 4 or 64, one and two threads; refused
+        # (out untouched) for a scale past the range, K not a multiple of 32, a
+        # row-major weight
+        mod = _native.kernels()
+        g = torch.Generator().manual_seed(541)
+        e4m3 = torch.float8_e4m3fn
+        for sizes, k, n in (([1, 0, 2, 3, 4, 5, 9], 256, 70), ([1, 1], 64, 300), ([3], 32, 17)):
+            e, m = len(sizes), sum(sizes) + 1
+            offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+            x = torch.randn(m, k, generator=g).to(BF16)
+            q = torch.randint(0, 256, (e, n, k), generator=g, dtype=torch.uint8)
+            e8 = torch.randint(118, 137, (e, n, k // 32), generator=g, dtype=torch.uint8)
+            e8[0, 0, 0], e8[-1, -1, -1] = 10, 246  # 2^-117, 2^119
+            b, scale = q.view(e4m3).transpose(1, 2), e8.transpose(1, 2)  # [e, k, n] column-major
+            deq = torch.empty(e, n, k, dtype=BF16)
+            for i in range(e):  # the dequantizer's bits: rows of k codes, a scale per 32
+                sf = torch.exp2(e8[i].float() - 127)
+                self.assertTrue(mod.fp8_dequantize_scaled(q[i].view(e4m3), sf, None, 1, 32, deq[i]))
+            want = torch.empty(m, n, dtype=BF16)
+            mod.few_rows_mm(x, deq.transpose(1, 2), offs, want, 0)
+            nan = want.isnan()
+            for threads in (1, 2):
+                with intra_op_threads(threads), self.subTest(sizes=sizes, threads=threads):
+                    got = torch.full((m, n), 7.0, dtype=BF16)
+                    self.assertTrue(mod.fp8_mx_few_rows_mm(x, b, scale, offs, got))
+                    self.assertTrue(torch.equal(got.isnan(), nan))
+                    self.assertTrue(
+                        torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+                    )
+        x, offs = torch.ones(2, 64, dtype=BF16), torch.tensor([2], dtype=torch.int32)
+        b = torch.ones(1, 64, 8).to(e4m3)  # row-major
+        scale = torch.full((1, 2, 8), 127, dtype=torch.uint8)
+        cases = {
+            "a scale under 2^-117": (
+                x,
+                b.transpose(1, 2).contiguous().transpose(1, 2),
+                scale.clone().fill_(9),
+            ),
+            "a scale over 2^119": (
+                x,
+                b.transpose(1, 2).contiguous().transpose(1, 2),
+                scale.clone().fill_(247),
+            ),
+            "k not a multiple of 32": (
+                x[:, :48],
+                b[:, :48].transpose(1, 2).contiguous().transpose(1, 2),
+                scale,
+            ),
+            "a row-major weight": (x, b, scale),
+        }
+        for name, (xx, bb, ss) in cases.items():
+            out = torch.full((2, 8), 7.0, dtype=BF16)
+            with self.subTest(name):
+                self.assertFalse(mod.fp8_mx_few_rows_mm(xx, bb, ss, offs, out))
+                self.assertTrue((out == 7).all())
+
     @parametrize("layout", ["row", "col"])
     def test_block_scaled_mm_few_rows_form_gives_the_pieces_bits(self, layout):
         # few_rows=r: a group of codes of at most r rows by the few-rows form (the codes

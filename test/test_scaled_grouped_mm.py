@@ -29,6 +29,7 @@ from torch.testing._internal.common_utils import (
 )
 
 import torch_moe  # noqa: F401
+from torch_moe._ops import _cpu_probe as P
 from torch_moe.quantization import (
     RECIPES,
     get_recipe,
@@ -378,6 +379,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
 
         with (
             mock.patch.object(S, "_mx_pieces", lambda *args: False),
+            mock.patch.object(S, "_mx_few_rows", lambda *args: None),  # (the copies' route)
             mock.patch.object(S.Q, "_fp8_kernels", lambda t: spy),
             mock.patch.object(S.torch, "empty_like", poisoned),
         ):
@@ -385,6 +387,25 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         calls = spy.fp8_dequantize_scaled.call_args_list
         self.assertEqual(len(calls), 3)  # a, then experts 1 and 4
         self.assertEqual(got, want, atol=0, rtol=0)
+        # where the few-rows kernel's plain form multiplies the copies, the codes times
+        # their scales in registers instead (fp8_mx_few_rows_mm), no expert dequantized:
+        # the copies' bits
+        ends = S.check_offs_values("scaled_grouped_mm", offs, m)
+        for few_gemm in ("native", "aten"):
+            spy.reset_mock()
+            with (
+                P.force(few_gemm=few_gemm),
+                mock.patch.object(S._native, "kernels", return_value=spy),
+                mock.patch.object(S.Q, "_fp8_kernels", lambda t: spy),
+            ):
+                way = S.whole_way(qa.to(bf), qb.to(bf), ends, False)
+                got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
+            self.assertEqual(got, want, atol=0, rtol=0)
+            ran = spy.fp8_mx_few_rows_mm.called
+            self.assertEqual(ran, way == "few", msg=few_gemm)
+            self.assertEqual(way == "few", few_gemm == "native" and mod is not None)
+            if ran:
+                self.assertEqual(len(spy.fp8_dequantize_scaled.call_args_list), 1)  # a only
         # the busy experts' scales gathered in the kernel's layout: the native kernel takes
         # each (no fallback to the chunked fp32 form), bit for bit
         part = S._dequantize_rhs_native(qb, sb, 32, 1, bf, [1, 4])

@@ -15,6 +15,9 @@
 //   fp8_mx_mm_wgrad(a, b, row_scale, col_scale, offs, block, out) -> bool
 //       MX's grouped GEMM and weight gradient: each piece of the codes times its blocks'
 //       scales into bf16 as the GEMM takes it, then the unscaled native bf16 GEMM
+//   fp8_mx_few_rows_mm(x, b, scale, offs, out) -> bool
+//       MX's forward at a few rows per group: the few-rows kernel's bits on the
+//       dequantized weight, each code times its scale in registers
 //   fp8_dequantize_scaled(q [R, C] e4m3fn, scale fp32, index?, block_rows, block, out fp32 / bf16)
 //       out = q.float() * scale[r / block_rows (or index[r]), c / block]   (dequantizers)
 //   fp8_quantize_rows(x [R, C] fp32 / bf16 / fp16, block_rows, block, q [R, C] e4m3fn,
@@ -1960,6 +1963,120 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
 // least their sum). k_pieces' pieces shared out over the threads. False without touching
 // out where the native GEMM does not run here (or the build lacks AVX-512) or the
 // operands are not these.
+#if defined(CPU_CAPABILITY_AVX512)
+#define TORCH_MOE_MXF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// R rows of x (bf16, row stride K) times the 4 columns col[0..4) of b[g] (column n's K
+// codes at bg + n * ldb, its 32-k block c's E8M0 scale at sg + c * s1 + n * s2), the
+// first `cols` stored into o (row stride ldo): each column's 32 codes of a block in bf16
+// times the block's scale (Pow2Scales::apply), then vdpbf16ps with the row's 32 values,
+// the lanes summed by _mm512_reduce_add_ps, one rounding (few_rows_mm's nt_tile_dpbf16 on
+// the dequantized weight, K a multiple of 32).
+template <int R>
+TORCH_MOE_MXF_TARGET void mx_few_tile(const Bf16Codes& codes, const uint16_t* x, int64_t K,
+                                      const uint8_t* bg, int64_t ldb, const uint8_t* sg,
+                                      int64_t s1, int64_t s2, const int64_t* col, int cols,
+                                      uint16_t* o, int64_t ldo) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0, c = 0; k < K; k += 32, ++c) {
+    __m512bh w[4];
+    for (int j = 0; j < 4; ++j) {
+      const int step = (static_cast<int>(sg[c * s1 + col[j] * s2]) - 127) << 7;
+      w[j] = (__m512bh)Pow2Scales::apply(codes(bg + col[j] * ldb + k, 32),
+                                         _mm512_set1_epi16(static_cast<int16_t>(step)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < cols; ++j) o[r * ldo + col[j]] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][j])).x;
+  }
+}
+#undef TORCH_MOE_MXF_TARGET
+#endif
+
+// out [M, N] bf16 = x [M, K] bf16 (the rows of an MX GEMM's A, dequantized) @ b[g] per
+// group of rows (offs' ends; rows past the last group zero), b [E, K, N] the e4m3 codes
+// of each expert column-major and scale [E, K / 32, N] their E8M0 exponents (uint8, any
+// strides): the few-rows kernel's column-major vdpbf16ps form (grouped_mm_cpu.cpp's
+// few_rows_mm) on the weight's dequantized bf16 values, bit for bit, each code times its
+// scale in registers (Pow2Scales: the dequantizer's bits) instead of the busy experts'
+// bf16 copy written by the dequantizer and read back (an MX decode step's weights read
+// once instead of three times). Columns in blocks of 4, rows in tiles of up to 4; tasks
+// of 64 columns of a busy group shared out over the threads. K a multiple of 32 (no
+// scalar tail) and every busy expert's scale in Pow2Scales' range; false without touching
+// out otherwise, or where the kernel does not run here.
+bool fp8_mx_few_rows_mm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale,
+                        const at::Tensor& offs, at::Tensor& out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (!torch_moe_cpu::bf16_gemm_available() || x.scalar_type() != at::kBFloat16 ||
+      b.scalar_type() != at::kFloat8_e4m3fn || scale.scalar_type() != at::kByte ||
+      out.scalar_type() != at::kBFloat16 || x.dim() != 2 || b.dim() != 3 || scale.dim() != 3 ||
+      out.dim() != 2 || !x.is_contiguous() || !out.is_contiguous() || offs.dim() != 1) {
+    return false;
+  }
+  const int64_t M = x.size(0), K = x.size(1), E = b.size(0), N = b.size(2);
+  if (b.size(1) != K || K % 32 != 0 || (K > 1 && b.stride(1) != 1) || scale.size(0) != E ||
+      scale.size(1) != K / 32 || scale.size(2) != N || out.size(0) != M || out.size(1) != N ||
+      offs.size(0) != E) {
+    return false;
+  }
+  const int32_t* ends = group_ends(offs, M);
+  if (ends == nullptr) return false;
+  const auto* sp = scale.const_data_ptr<uint8_t>();
+  const int64_t s0 = scale.stride(0), s1 = scale.stride(1), s2 = scale.stride(2);
+  std::vector<std::array<int64_t, 2>> tasks;  // (group, first column)
+  for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
+    if (ends[g] == start) continue;
+    for (int64_t c = 0; c < K / 32; ++c) {  // a busy expert's scales: powers of two in range
+      for (int64_t n = 0; n < N; ++n) {
+        const int e = sp[g * s0 + c * s1 + n * s2];
+        if ((e << 7) < Pow2Scales::kLow || (e << 7) > Pow2Scales::kHigh) return false;
+      }
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += 64) tasks.push_back({g, n0});
+  }
+  static const Bf16Codes codes;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* bp = static_cast<const uint8_t*>(b.const_data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  const int64_t ldb = b.stride(2);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = tasks[t][0], n0 = tasks[t][1], n1 = std::min(N, n0 + 64);
+      const int64_t r0 = g ? ends[g - 1] : 0, m = ends[g] - r0;
+      for (int64_t n = n0; n < n1; n += 4) {
+        const int cols = static_cast<int>(std::min<int64_t>(4, n1 - n));
+        int64_t col[4];
+        for (int j = 0; j < 4; ++j) col[j] = n + std::min(j, cols - 1);
+        for (int64_t i = 0; i < m; i += 4) {
+          const uint16_t* xr = xp + (r0 + i) * K;
+          uint16_t* o = op + (r0 + i) * N;
+          const uint8_t* bg = bp + g * b.stride(0);
+          const uint8_t* sg = sp + g * s0;
+          switch (std::min<int64_t>(4, m - i)) {
+            case 4: mx_few_tile<4>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
+            case 3: mx_few_tile<3>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
+            case 2: mx_few_tile<2>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
+            default: mx_few_tile<1>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
+          }
+        }
+      }
+    }
+  });
+  const int64_t end = E ? ends[E - 1] : 0;
+  if (end < M) out.narrow(0, end, M - end).zero_();
+  return true;
+#else
+  (void)x, (void)b, (void)scale, (void)offs, (void)out;
+  return false;
+#endif
+}
+
 bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
                      const at::Tensor& col_scale, const at::Tensor& offs, int64_t block,
                      at::Tensor& out, bool stream_out) {
@@ -2041,6 +2158,10 @@ bool fp8_mx_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at
                const at::Tensor&, int64_t, at::Tensor&, bool) {
   return false;
 }
+bool fp8_mx_few_rows_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, at::Tensor&) {
+  return false;
+}
 bool fp8_mx_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, int64_t, at::Tensor&, bool) {
   return false;
@@ -2068,6 +2189,7 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def(
       "fp8_mx_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
       " int block, Tensor(a!) out, bool stream_out=False) -> bool");
+  m.def("fp8_mx_few_rows_mm(Tensor x, Tensor b, Tensor scale, Tensor offs, Tensor(a!) out) -> bool");
   m.def(
       "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
       " int rule=0) -> bool");
@@ -2083,6 +2205,7 @@ TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("fp8_block_scaled_mm_wgrad", &fp8_block_scaled_mm_wgrad);
   m.impl("fp8_mx_mm", &fp8_mx_mm);
   m.impl("fp8_mx_mm_wgrad", &fp8_mx_mm_wgrad);
+  m.impl("fp8_mx_few_rows_mm", &fp8_mx_few_rows_mm);
   m.impl("fp8_dequantize_scaled", &fp8_dequantize_scaled);
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_jagged", &fp8_quantize_jagged);

@@ -287,6 +287,7 @@ def _gemm_phase(
     codes: bool = False,
     quantized: bool = True,
     busy: float | None = None,
+    b_rows: bool = False,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
@@ -302,7 +303,8 @@ def _gemm_phase(
     in bf16 instead (:func:`_codes_bf16_here`, :func:`_blocks_bf16_phase`).
     ``quantized=False``: both operands are codes already (the inference path's), only the
     scaled GEMM's phase; ``busy``: the experts with rows, None for all (MX's copies of B
-    come from one stacked call where all have, else the busy ones': :func:`_mx_bf16_phase`)."""
+    come from one stacked call where all have, else the busy ones': :func:`_mx_bf16_phase`);
+    ``b_rows``: B's codes row-major (a dgrad's weight; else column-major, K-major)."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -316,7 +318,7 @@ def _gemm_phase(
     if codes:
         return max(quantize, _blocks_bf16_phase(n_a, n_b, n_out, m))
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
-        mx = _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad, busy)
+        mx = _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad, busy, b_rows)
         return max(quantize, mx)
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
     if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
@@ -410,9 +412,28 @@ def _mx_pieces_here(experts: float, m: float, k: float, n: float, wgrad: bool) -
     return _mx_pieces(a, torch.empty(b_shape, dtype=fp8, device="meta"), ends, wgrad)
 
 
+def _mx_few_rows_here(busy: float, experts: float, m: float, k: float, n: float) -> bool:
+    """Whether an MX forward in bf16 takes the few-rows kernel on the codes
+    (``scaled_grouped_mm._mx_few_rows``: where ``grouped_mm`` would multiply the dequantized
+    operands by the few-rows kernel's plain form), asked of meta stand-ins: the ``m`` rows
+    in ``busy`` equal groups of the ``experts``, the weight column-major (the layout of the
+    training forward's and of the inference cache's MX weights)."""
+    from torch_moe._ops import _native
+    from torch_moe._ops.grouped_mm import whole_way
+
+    rows, E, k_, n_ = round(m), max(1, round(experts)), round(k), round(n)
+    if rows <= 0 or k_ < 32 or k_ % 32 or n_ < 1 or _native.kernels() is None:
+        return False
+    g = max(1, min(round(busy), E))
+    ends = [rows * min(i + 1, g) // g for i in range(E)]
+    a = torch.empty((rows, k_), dtype=torch.bfloat16, device="meta")
+    b = torch.empty((E, n_, k_), dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    return whole_way(a, b, ends, False) == "few"
+
+
 def _mx_bf16_phase(
     n_a: float, n_b: float, n_out: float, m: float, k: float, n: float, group_rows: float,
-    wgrad: bool, busy: float | None = None,
+    wgrad: bool, busy: float | None = None, b_rows: bool = False,
 ) -> float:  # fmt: skip
     """Peak bytes of an MX scaled GEMM's CPU kernel in bf16 (``_mx_in_bf16``) above the
     e4m3 operands: by the native kernels' pieces (:func:`_mx_pieces_here`) the fp32
@@ -432,6 +453,9 @@ def _mx_bf16_phase(
     experts = (n_out if wgrad else n_b) / max(k * n, 1.0)
     if _mx_pieces_here(experts, m, k, n, wgrad):  # no copies: the fp32 scales
         return base + 4 * (n_a + n_b) / 32 + 2 * n_out
+    few = not wgrad and not b_rows  # (the kernel takes a column-major B)
+    if few and _mx_few_rows_here(experts if busy is None else busy, experts, m, k, n):
+        return base + 2 * n_a + 4 * n_a / 32 + 2 * n_out  # A's bf16 copy, its scales; B's none
     copies = 2 * n_a + 2 * n_b + 4 * (n_a + n_b) / 32  # (with the fp32 scales, native)
     some = experts if busy is None else min(busy, experts)
     if not wgrad and some >= experts:
@@ -506,7 +530,10 @@ def _whole_tensor_phases(
     # is freed once its backward is done, before the SwiGLU's and the first GEMM's
     dy = M * D * b if recipe else 0.0
     phases = [
-        base + _gemm_phase(dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m, codes=codes),
+        base
+        + _gemm_phase(
+            dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m, codes=codes, b_rows=True
+        ),
         base
         + M * F * b
         + _gemm_phase(
@@ -529,7 +556,9 @@ def _whole_tensor_phases(
     after = base - dy - a_saved - M * 2 * F * b + w2 * b + M * 2 * F * b  # h freed, dH live
     phases += [
         after
-        + _gemm_phase(dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m, codes=codes),
+        + _gemm_phase(
+            dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m, codes=codes, b_rows=True
+        ),
         after
         + M * D * b
         + _gemm_phase(

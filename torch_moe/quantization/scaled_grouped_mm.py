@@ -689,6 +689,29 @@ def _mx_pieces(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     return whole_way(a_h, b_h, ends, False) == "threads" and native_gemm_for(a_h, b_h, ends, False)
 
 
+def _mx_few_rows(
+    a_h: Tensor,
+    b: Tensor,
+    scale_b: Tensor,
+    offs: Tensor,
+    ends: list[int],
+    block_k: int,
+    block_n: int,
+) -> Tensor | None:
+    """An MX GEMM's output at a few rows per group (decode) by ``fp8_mx_few_rows_mm``
+    (csrc/fp8_cpu.cpp: each weight code times its scale in registers, the busy experts'
+    bf16 copy never written), where :func:`grouped_mm` would multiply ``a_h`` (A's rows in
+    bf16) by that copy with the few-rows kernel's plain column-major form, whose bits the
+    op gives; None elsewhere (the copy then, as before)."""
+    if block_k != 32 or block_n != 1 or scale_b.dtype != torch.uint8 or b.stride(1) != 1:
+        return None
+    b_h = torch.empty_strided(b.shape, b.stride(), dtype=torch.bfloat16, device="meta")
+    if whole_way(a_h, b_h, ends, False) != "few":
+        return None
+    out = torch.empty((a_h.shape[0], b.shape[2]), dtype=torch.bfloat16)
+    return out if _native.kernels().fp8_mx_few_rows_mm(a_h, b, scale_b, offs, out) else None
+
+
 def _dequantized_bf16(q: Tensor, rows: int, dequantize: Callable[[int, int], Tensor]) -> Tensor:
     """bf16 of ``dequantize(r0, r1)`` (q's rows [r0, r1) in fp32) for all q's rows, taken
     ``rows`` at a time (no fp32 copy of all of q), in q's layout."""
@@ -757,6 +780,9 @@ def _scaled_grouped_mm_cpu(
                     a[r0:r1], scale_a[r0:r1] if row_scales else scale_a, block_k
                 ),
             )
+        out = _mx_few_rows(a_h, b, scale_b, offs, ends, block_k, block_n)
+        if out is not None:
+            return out
         # only the experts with rows: at a few tokens (decode) most have none, and the
         # whole stack's dequantization cost 100x the GEMMs (157 ms a T=1 step of 64
         # experts of [1024, 1024] on a Zen 4 core, the bf16 layer's 1.6 ms)
