@@ -162,7 +162,7 @@ class TestInference(TestCase):
                 for x, ref in zip(xs, refs, strict=True):
                     self.assertEqual(moe(x), ref, **EXACT, msg=f"{few_gemm}, {x.shape[0]}")
             ran = spy.fp8_mx_few_rows_mm.called
-            here = mod is not None and S.bf16_gemms_native()  # (MX multiplied in bf16)
+            here = S.native_gemm_ready(torch.bfloat16)  # (the op's AVX512-BF16 kernel)
             self.assertEqual(ran, few_gemm == "native" and here)
 
     def test_nothing_saved_no_stats(self):

@@ -418,11 +418,10 @@ def _mx_few_rows_here(busy: float, experts: float, m: float, k: float, n: float)
     operands by the few-rows kernel's plain form), asked of meta stand-ins: the ``m`` rows
     in ``busy`` equal groups of the ``experts``, the weight column-major (the layout of the
     training forward's and of the inference cache's MX weights)."""
-    from torch_moe._ops import _native
-    from torch_moe._ops.grouped_mm import whole_way
+    from torch_moe._ops.grouped_mm import native_gemm_ready, whole_way
 
     rows, E, k_, n_ = round(m), max(1, round(experts)), round(k), round(n)
-    if rows <= 0 or k_ < 32 or k_ % 32 or n_ < 1 or _native.kernels() is None:
+    if rows <= 0 or k_ < 32 or k_ % 32 or n_ < 1 or not native_gemm_ready(torch.bfloat16):
         return False
     g = max(1, min(round(busy), E))
     ends = [rows * min(i + 1, g) // g for i in range(E)]

@@ -705,6 +705,8 @@ def _mx_few_rows(
     op gives; None elsewhere (the copy then, as before)."""
     if block_k != 32 or block_n != 1 or scale_b.dtype != torch.uint8 or b.stride(1) != 1:
         return None
+    if not native_gemm_ready(torch.bfloat16):  # (the op's own AVX512-BF16 kernel)
+        return None
     b_h = torch.empty_strided(b.shape, b.stride(), dtype=torch.bfloat16, device="meta")
     if whole_way(a_h, b_h, ends, False) != "few":
         return None
