@@ -1407,10 +1407,11 @@ std::vector<KPiece> k_pieces(const int32_t* ends, int64_t E, int64_t K, at::Tens
 // again into its pair panels (read, and for a column-major b transposed, then written)
 // before its tiles read them: three passes over the weight, for a few products per
 // element. few_rows_codes takes b[g] a strip of 64V columns at a time and, per chunk of
-// kChunkPairs pairs of k, converts the codes once into a panel of bf16 pairs in L1 (the
-// GEMM's layout: one 32-bit lane (b[2p][n], b[2p + 1][n])), which every tile of up to
-// kFewRows rows then takes by vdpbf16ps, each row's pair broadcast, the tiles' sums kept
-// in L1 between chunks. Every output element is the same sequence of operations as in the
+// pairs of k (for a group of one tile of rows kChunkPairs: the panel in L1, the tile's
+// sums kept in L1 between chunks; for more rows a whole k block: the panel in L2, each
+// tile's sums in registers across it), converts the codes once into a panel of
+// bf16 pairs (the GEMM's layout: one 32-bit lane (b[2p][n], b[2p + 1][n])), which every
+// tile of up to kFewRows rows then takes by vdpbf16ps, each row's pair broadcast. Every output element is the same sequence of operations as in the
 // GEMM's tile (gemm_bf16_cpu.cpp's `tile` with BlockScales): per k block, vdpbf16ps over
 // the block's pairs in order from zero, then one multiply of the row's and the column's
 // scale and one fused multiply-add into the running sum; an odd K's last pair (a[K - 1],
@@ -1966,34 +1967,45 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
 #if defined(CPU_CAPABILITY_AVX512)
 #define TORCH_MOE_MXF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-// R rows of x (bf16, row stride K) times the 4 columns col[0..4) of b[g] (column n's K
-// codes at bg + n * ldb, its 32-k block c's E8M0 scale at sg + c * s1 + n * s2), the
-// first `cols` stored into o (row stride ldo): each column's 32 codes of a block in bf16
-// times the block's scale (Pow2Scales::apply), then vdpbf16ps with the row's 32 values,
-// the lanes summed by _mm512_reduce_add_ps, one rounding (few_rows_mm's nt_tile_dpbf16 on
-// the dequantized weight, K a multiple of 32).
+// 4 columns of b[g] (column n's K codes at bg + n * ldb, its 32-k block c's E8M0 scale at
+// sg + c * s1 + n * s2) dequantized into w4 [4][K] (bf16 bits): each block's 32 codes in
+// bf16 times the block's scale (Pow2Scales::apply, the dequantizer's bits), once for all
+// of the group's rows
+TORCH_MOE_MXF_TARGET void mx_four_columns(const Bf16Codes& codes, int64_t K, const uint8_t* bg,
+                                          int64_t ldb, const uint8_t* sg, int64_t s1,
+                                          int64_t s2, const int64_t* col, uint16_t* w4) {
+  for (int j = 0; j < 4; ++j) {
+    for (int64_t k = 0, c = 0; k < K; k += 32, ++c) {
+      const int step = (static_cast<int>(sg[c * s1 + col[j] * s2]) - 127) << 7;
+      _mm512_store_si512(w4 + j * K + k,
+                         Pow2Scales::apply(codes(bg + col[j] * ldb + k, 32),
+                                           _mm512_set1_epi16(static_cast<int16_t>(step))));
+    }
+  }
+}
+
+// R rows of x (bf16, row stride K) times the 4 dequantized columns w4 [4][K], the first
+// `cols` stored into o at columns col[j] (row stride ldo): vdpbf16ps over 32 k at a time,
+// the lanes summed by _mm512_reduce_add_ps, one rounding (few_rows_mm's nt_tile_dpbf16,
+// K a multiple of 32)
 template <int R>
-TORCH_MOE_MXF_TARGET void mx_few_tile(const Bf16Codes& codes, const uint16_t* x, int64_t K,
-                                      const uint8_t* bg, int64_t ldb, const uint8_t* sg,
-                                      int64_t s1, int64_t s2, const int64_t* col, int cols,
-                                      uint16_t* o, int64_t ldo) {
+TORCH_MOE_MXF_TARGET void mx_few_tile(const uint16_t* x, int64_t K, const uint16_t* w4,
+                                      const int64_t* col, int cols, uint16_t* o, int64_t ldo) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0, c = 0; k < K; k += 32, ++c) {
+  for (int64_t k = 0; k < K; k += 32) {
     __m512bh w[4];
-    for (int j = 0; j < 4; ++j) {
-      const int step = (static_cast<int>(sg[c * s1 + col[j] * s2]) - 127) << 7;
-      w[j] = (__m512bh)Pow2Scales::apply(codes(bg + col[j] * ldb + k, 32),
-                                         _mm512_set1_epi16(static_cast<int16_t>(step)));
-    }
+    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_load_si512(w4 + j * K + k);
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < cols; ++j) o[r * ldo + col[j]] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][j])).x;
+    for (int j = 0; j < cols; ++j) {
+      o[r * ldo + col[j]] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][j])).x;
+    }
   }
 }
 #undef TORCH_MOE_MXF_TARGET
@@ -2006,8 +2018,10 @@ TORCH_MOE_MXF_TARGET void mx_few_tile(const Bf16Codes& codes, const uint16_t* x,
 // few_rows_mm) on the weight's dequantized bf16 values, bit for bit, each code times its
 // scale in registers (Pow2Scales: the dequantizer's bits) instead of the busy experts'
 // bf16 copy written by the dequantizer and read back (an MX decode step's weights read
-// once instead of three times). Columns in blocks of 4, rows in tiles of up to 4; tasks
-// of 64 columns of a busy group shared out over the threads. K a multiple of 32 (no
+// once instead of three times). Columns in blocks of 4, each block's K dequantized once
+// into the thread's scratch in L1 (then read by every tile of up to 4 rows: converting the
+// codes again per tile made groups of 16 rows 12% slower than the copies); tasks of 64
+// columns of a busy group shared out over the threads. K a multiple of 32 (no
 // scalar tail) and every busy expert's scale in Pow2Scales' range; false without touching
 // out otherwise, or where the kernel does not run here.
 bool fp8_mx_few_rows_mm(const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale,
@@ -2046,6 +2060,8 @@ bool fp8_mx_few_rows_mm(const at::Tensor& x, const at::Tensor& b, const at::Tens
   auto* op = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
   const int64_t ldb = b.stride(2);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<uint16_t> w4_buf;
+    uint16_t* w4 = torch_moe_cpu::aligned_scratch(w4_buf, 4 * K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = tasks[t][0], n0 = tasks[t][1], n1 = std::min(N, n0 + 64);
       const int64_t r0 = g ? ends[g - 1] : 0, m = ends[g] - r0;
@@ -2053,16 +2069,15 @@ bool fp8_mx_few_rows_mm(const at::Tensor& x, const at::Tensor& b, const at::Tens
         const int cols = static_cast<int>(std::min<int64_t>(4, n1 - n));
         int64_t col[4];
         for (int j = 0; j < 4; ++j) col[j] = n + std::min(j, cols - 1);
+        mx_four_columns(codes, K, bp + g * b.stride(0), ldb, sp + g * s0, s1, s2, col, w4);
         for (int64_t i = 0; i < m; i += 4) {
           const uint16_t* xr = xp + (r0 + i) * K;
           uint16_t* o = op + (r0 + i) * N;
-          const uint8_t* bg = bp + g * b.stride(0);
-          const uint8_t* sg = sp + g * s0;
           switch (std::min<int64_t>(4, m - i)) {
-            case 4: mx_few_tile<4>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
-            case 3: mx_few_tile<3>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
-            case 2: mx_few_tile<2>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
-            default: mx_few_tile<1>(codes, xr, K, bg, ldb, sg, s1, s2, col, cols, o, N); break;
+            case 4: mx_few_tile<4>(xr, K, w4, col, cols, o, N); break;
+            case 3: mx_few_tile<3>(xr, K, w4, col, cols, o, N); break;
+            case 2: mx_few_tile<2>(xr, K, w4, col, cols, o, N); break;
+            default: mx_few_tile<1>(xr, K, w4, col, cols, o, N); break;
           }
         }
       }

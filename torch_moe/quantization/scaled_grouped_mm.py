@@ -520,20 +520,20 @@ def _panel_padded(cols: Tensor, n: int) -> Tensor:
 
 
 # the most rows per group for which the probe measures fp8_block_scaled_mm's few-rows form
-_FEW_CODE_ROWS = 64
+_FEW_CODE_ROWS = 256
 
 
 def few_code_rows(col_major: bool) -> int:
     """Groups of at most this many rows run by ``fp8_block_scaled_mm``'s few-rows form
     (csrc/fp8_cpu.cpp: a weight's e4m3 codes, ``col_major`` or row-major, converted once
-    per chunk into a panel in L1 that all of the group's rows take, instead of the pieces'
-    bf16 copy and packed panel; the same bits): the largest rows class ``r`` (powers of
-    two up to ``_FEW_CODE_ROWS``) of a run up from 1 row in which every class's probe
-    decision ``few_codes:<b>:r<r>`` is ``"few"``, else 0. Which wins up to how many rows
-    depends on the core and the layout (on the Zen 4 measured, 4 groups of [1024, 1024]
-    on one thread: the row-major form 2.7-3.4x the pieces' speed at 1-4 rows, 1.07x at 64;
-    the column-major one, bound by its transposes, 1.3-1.4x at 1-4 rows, even at 16).
-    Memoized."""
+    per chunk into a panel that all of the group's rows take, instead of the pieces' bf16
+    copy and packed panel; the same bits): the largest rows class ``r`` (powers of two up
+    to ``_FEW_CODE_ROWS``) of a run up from 1 row in which every class's probe decision
+    ``few_codes:<b>:r<r>`` is ``"few"``, else 0. Which wins up to how many rows depends on
+    the core and the layout (on the Zen 4 measured, 4 groups of [1024, 1024] on one
+    thread: the row-major form 2.7-3.4x the pieces' speed at 1-4 rows, 1.05-1.2x at
+    64-256; the column-major one, bound by its transposes, 1.2-1.4x at 1-4 rows, even at
+    16). Memoized."""
 
     def decide() -> int:
         rows, r = 0, 1
