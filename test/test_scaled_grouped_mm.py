@@ -390,22 +390,42 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         # where the few-rows kernel's plain form multiplies the copies, the codes times
         # their scales in registers instead (fp8_mx_few_rows_mm), no expert dequantized:
         # the copies' bits
+        # (the threaded kernel's way, on two threads: its own bits, not the few-rows form's)
         ends = S.check_offs_values("scaled_grouped_mm", offs, m)
-        for few_gemm in ("native", "aten"):
+        for few_gemm, threads_mm in (("native", "aten"), ("aten", "aten"), ("aten", "native")):
             spy.reset_mock()
             with (
-                P.force(few_gemm=few_gemm),
+                P.force(few_gemm=few_gemm, threads_mm=threads_mm, row_split="one"),
+                intra_op_threads(2),
                 mock.patch.object(S._native, "kernels", return_value=spy),
                 mock.patch.object(S.Q, "_fp8_kernels", lambda t: spy),
             ):
                 way = S.whole_way(qa.to(bf), qb.to(bf), ends, False)
                 got = ops.scaled_grouped_mm(qa, qb, sa, sb, offs, 32, 1, bf)
-            self.assertEqual(got, want, atol=0, rtol=0)
+                want_here = S.grouped_mm(a_f.to(bf), b_f.to(bf), offs)
+            self.assertEqual(got, want_here, atol=0, rtol=0)
             ran = spy.fp8_mx_few_rows_mm.called  # (its kernel: AVX512-BF16's)
             self.assertEqual(ran, way == "few" and S.native_gemm_ready(bf), msg=few_gemm)
             self.assertEqual(way == "few", few_gemm == "native" and mod is not None)
             if ran:
                 self.assertEqual(len(spy.fp8_dequantize_scaled.call_args_list), 1)  # a only
+        # groups of 40 rows the threaded kernel's way (forced): not the few-rows form
+        offs40 = make_offs([40, 0, 40])
+        x40, w40 = torch.randn(80, 256, generator=gen), torch.randn(3, 256, 256, generator=gen)
+        qa40, sa40 = S.quantize_lhs(x40, r.forward.lhs)
+        qb40, sb40 = S.quantize_rhs(w40.transpose(-2, -1), r.forward.rhs)
+        a40, b40 = S._dequantize_operands(qa40, qb40, sa40, sb40, 32, 1)
+        spy.reset_mock()
+        forced = dict(few_gemm="aten", threads_mm="native", row_split="one", gemm_kernel="native")
+        with (
+            P.force(**forced, grouped_mm="loop"),
+            intra_op_threads(2),
+            mock.patch.object(S._native, "kernels", return_value=spy),
+        ):
+            way = S.whole_way(qa40.to(bf), qb40.to(bf), [40, 40, 80], False)
+            got = ops.scaled_grouped_mm(qa40, qb40, sa40, sb40, offs40, 32, 1, bf)
+            self.assertEqual(got, S.grouped_mm(a40.to(bf), b40.to(bf), offs40), atol=0, rtol=0)
+        self.assertFalse(spy.fp8_mx_few_rows_mm.called, msg=way)
         # the busy experts' scales gathered in the kernel's layout: the native kernel takes
         # each (no fallback to the chunked fp32 form), bit for bit
         part = S._dequantize_rhs_native(qb, sb, 32, 1, bf, [1, 4])
