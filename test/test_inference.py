@@ -30,6 +30,8 @@ from torch_moe.nn import MoE
 from torch_moe.quantization import RECIPES
 from torch_moe.quantization.fused import clear_weight_cache, weight_cache_stats
 
+_S = sys.modules["torch_moe.quantization.scaled_grouped_mm"]  # (the module, not its op)
+
 D, F, E, K = 32, 32, 8, 2
 EXACT = dict(atol=0, rtol=0)
 # ops that read a device value on the host (a sync on a GPU) or make a data-dependent shape
@@ -39,6 +41,17 @@ _SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::
 def _layer(precision="bf16", **kw):
     torch.manual_seed(0)
     return MoE(D, F, E, K, precision=precision, **kw).eval()
+
+
+def _bf16_recipe_layer(precision):
+    """A bf16 layer of ``precision`` (eval mode), inputs of 1, 3 and 40 tokens, and its
+    training forward's outputs on them (eval mode with autograd)."""
+    torch.manual_seed(0)
+    moe = MoE(128, 96, 8, 2, dtype=torch.bfloat16, precision=precision).eval()
+    xs = [torch.randn(t, 128).to(torch.bfloat16) for t in (1, 3, 40)]
+    with torch.enable_grad():
+        refs = [moe(x) for x in xs]
+    return moe, xs, refs
 
 
 def _inference_step(layer):
@@ -100,32 +113,14 @@ class TestInference(TestCase):
         the GEMM's few-rows form (probe ``few_codes``) or its pieces: the training
         forward's bits either way, at decode (1-2 rows an expert) and prefill sizes, and
         compiled with fullgraph."""
-        from unittest import mock
-
-        from torch_moe._ops import _cpu_probe, _native
-        from torch_moe.quantization import scaled_grouped_mm as S_fn
-
-        S = sys.modules[S_fn.__module__]
-        torch.manual_seed(0)
-        moe = MoE(128, 96, 8, 2, dtype=torch.bfloat16, precision=precision).eval()
-        xs = [torch.randn(t, 128).to(torch.bfloat16) for t in (1, 3, 40)]
-        with torch.enable_grad():
-            refs = [moe(x) for x in xs]  # the training forward: K-major weights
-        mod = _native.kernels()
+        moe, xs, refs = _bf16_recipe_layer(precision)
         for choice in ("few", "pieces"):
             clear_weight_cache()
-            spy = mock.MagicMock(wraps=mod)
-            with (
-                _cpu_probe.force(few_codes=choice),
-                mock.patch.object(S._native, "kernels", return_value=spy),
-                torch.inference_mode(),
-            ):
-                for x, ref in zip(xs, refs, strict=True):
-                    self.assertEqual(moe(x), ref, **EXACT, msg=f"{choice}, {x.shape[0]} tokens")
+            spy = self._spied_inference(moe, xs, refs, few_codes=choice)
             # where the GEMM on the codes ran: the cached weights row-major, the few-rows
             # form asked for or not
             calls = spy.fp8_block_scaled_mm.call_args_list
-            self.assertEqual(bool(calls), S.native_gemm_ready(torch.bfloat16))
+            self.assertEqual(bool(calls), _S.native_gemm_ready(torch.bfloat16))
             few = [c.args[8] if len(c.args) > 8 else c.kwargs.get("few_rows", 0) for c in calls]
             self.assertTrue(all(f > 0 for f in few) if choice == "few" else not any(few))
             self.assertTrue(all(c.args[1].stride(2) == 1 for c in calls))
@@ -140,30 +135,29 @@ class TestInference(TestCase):
         form multiplies a decode step's groups (probe ``few_gemm``), each weight code
         times its scale in registers (``fp8_mx_few_rows_mm``), else the busy experts'
         bf16 copies: the training forward's bits either way."""
+        moe, xs, refs = _bf16_recipe_layer("mxfp8")
+        for few_gemm in ("native", "aten"):
+            spy = self._spied_inference(moe, xs, refs, few_gemm=few_gemm)
+            ran = spy.fp8_mx_few_rows_mm.called
+            here = _S.native_gemm_ready(torch.bfloat16)  # (the op's AVX512-BF16 kernel)
+            self.assertEqual(ran, few_gemm == "native" and here)
+
+    def _spied_inference(self, moe, xs, refs, **forced):
+        """moe's inference forward on each of xs under the forced probe decisions, bit for
+        bit refs; the spy on the native kernels that the scaled GEMMs called."""
         from unittest import mock
 
         from torch_moe._ops import _cpu_probe, _native
-        from torch_moe.quantization import scaled_grouped_mm as S_fn
 
-        S = sys.modules[S_fn.__module__]
-        torch.manual_seed(0)
-        moe = MoE(128, 96, 8, 2, dtype=torch.bfloat16, precision="mxfp8").eval()
-        xs = [torch.randn(t, 128).to(torch.bfloat16) for t in (1, 3, 40)]
-        with torch.enable_grad():
-            refs = [moe(x) for x in xs]
-        mod = _native.kernels()
-        for few_gemm in ("native", "aten"):
-            spy = mock.MagicMock(wraps=mod)
-            with (
-                _cpu_probe.force(few_gemm=few_gemm),
-                mock.patch.object(S._native, "kernels", return_value=spy),
-                torch.inference_mode(),
-            ):
-                for x, ref in zip(xs, refs, strict=True):
-                    self.assertEqual(moe(x), ref, **EXACT, msg=f"{few_gemm}, {x.shape[0]}")
-            ran = spy.fp8_mx_few_rows_mm.called
-            here = S.native_gemm_ready(torch.bfloat16)  # (the op's AVX512-BF16 kernel)
-            self.assertEqual(ran, few_gemm == "native" and here)
+        spy = mock.MagicMock(wraps=_native.kernels())
+        with (
+            _cpu_probe.force(**forced),
+            mock.patch.object(_S._native, "kernels", return_value=spy),
+            torch.inference_mode(),
+        ):
+            for x, ref in zip(xs, refs, strict=True):
+                self.assertEqual(moe(x), ref, **EXACT, msg=f"{forced}, {x.shape[0]} tokens")
+        return spy
 
     def test_nothing_saved_no_stats(self):
         moe = _layer(shared_hidden_dim=8, aux_loss="switch", aux_loss_coeff=0.1)

@@ -1536,9 +1536,12 @@ TORCH_MOE_FEW_TARGET inline void transpose_lanes_4x4(__m512 v[4]) {
 // panel[i * 64V + j] (the pair i of the strip's column j: column order for a
 // column-major b, row_pair_vectors' order per 64 for a row-major one). Columns past nc are
 // not written (their sums are never stored).
-struct ColumnCodes {  // column-major: column n's K codes at b + n * ld
+struct Codes {
   const uint8_t* b;
   int64_t ld, K;
+};
+
+struct ColumnCodes : Codes {  // column-major: column n's K codes at b + n * ld
   static constexpr bool kPermuted = false;
   template <int V>
   TORCH_MOE_FEW_TARGET void panel(int64_t n0, int64_t nc, int64_t p, int64_t n,
@@ -1563,9 +1566,7 @@ struct ColumnCodes {  // column-major: column n's K codes at b + n * ld
   }
 };
 
-struct RowCodes {  // row-major: row k's N codes at b + k * ld
-  const uint8_t* b;
-  int64_t ld, K;
+struct RowCodes : Codes {  // row-major: row k's N codes at b + k * ld
   static constexpr bool kPermuted = true;
   template <int V>
   TORCH_MOE_FEW_TARGET void panel(int64_t n0, int64_t nc, int64_t p, int64_t n,
@@ -1727,9 +1728,9 @@ void few_rows_codes(const uint16_t* a, int64_t rows, int64_t K, const uint8_t* b
     }
   };
   if (b_rows) {
-    run(RowCodes{bg, ld, K});
+    run(RowCodes{{bg, ld, K}});
   } else {
-    run(ColumnCodes{bg, ld, K});
+    run(ColumnCodes{{bg, ld, K}});
   }
 }
 
