@@ -79,7 +79,7 @@ key                             choices               margin  used by
                                                               bf16 where AMX is on)
 ``few_codes:<b>:r<r>``          **pieces**, few       5%      ``scaled_grouped_mm``'s
                                                               FP8 codes in bf16 (CPU,
-                                                              groups of <= 16 rows;
+                                                              groups of <= 256 rows;
                                                               the same bits either way)
 ``wgrad_a:<dt>:r<r>:k<k>:n<n>`` **as_is**, transpose  5%     ``grouped_mm_wgrad`` (CPU),
                                                               ``grouped_swiglu`` (CPU)

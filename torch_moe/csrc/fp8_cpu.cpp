@@ -1267,13 +1267,14 @@ uint64_t next_call() {
 using torch_moe_cpu::Matrix;
 
 // Rows [r0, r0 + rows) and columns [c0, c0 + cols) of a row-major matrix of codes at base
-// (row stride ld) as a bf16 copy [rows, cols] into o.
+// (row stride ld) as a bf16 copy [rows, cols] into o (row stride ldo, cols where 0).
 void copy_codes(const void* base, int64_t ld, int64_t r0, int64_t rows, int64_t c0,
-                int64_t cols, uint16_t* o) {
+                int64_t cols, uint16_t* o, int64_t ldo = 0) {
 #if defined(CPU_CAPABILITY_AVX512)
-  codes_to_bf16(static_cast<const uint8_t*>(base) + r0 * ld + c0, ld, rows, cols, o, cols);
+  codes_to_bf16(static_cast<const uint8_t*>(base) + r0 * ld + c0, ld, rows, cols, o,
+                ldo ? ldo : cols);
 #else
-  (void)base, (void)ld, (void)r0, (void)rows, (void)c0, (void)cols, (void)o;
+  (void)base, (void)ld, (void)r0, (void)rows, (void)c0, (void)cols, (void)o, (void)ldo;
 #endif
 }
 
@@ -1704,22 +1705,21 @@ TORCH_MOE_FEW_TARGET void codes_strips(const B& bm, const uint16_t* ap, int64_t 
   }
 }
 
+// The row stride of a's bf16 rows that few_rows_codes reads: room for a zero past K, even
+// (every k pair one 32-bit load, an odd K's last (a[K - 1], 0)).
+constexpr int64_t padded_k(int64_t K) { return K + 2 - K % 2; }
+
 // few_rows_codes: out rows [0, rows) x columns [0, cols) (row stride ldo) of the
-// block-scaled product of a (bf16 [rows, K], row stride K) and b[g]'s columns from bg
-// (b_rows: row-major, row k at bg + k * ld; else column-major, column n at bg + n * ld)
-// with scales sc. Strips of 256 columns for a group of one register tile of rows (a
-// longer stretch of each weight row read at a time), else of 64 (the sums held in L1).
+// block-scaled product of a (bf16 [rows, K], row stride padded_k(K), zero from column K
+// on) and b[g]'s columns from bg (b_rows: row-major, row k at bg + k * ld; else
+// column-major, column n at bg + n * ld) with scales sc. Strips of 256 columns for a group
+// of one register tile of rows (a longer stretch of each weight row read at a time), else
+// of 64 (the sums held in L1).
 template <class Out>
-void few_rows_codes(const uint16_t* a, int64_t rows, int64_t K, const uint8_t* bg, int64_t ld,
+void few_rows_codes(const uint16_t* ap, int64_t rows, int64_t K, const uint8_t* bg, int64_t ld,
                     bool b_rows, int64_t cols, const torch_moe_cpu::BlockScales& sc, Out* out,
                     int64_t ldo) {
-  thread_local std::vector<uint16_t> a_buf;
-  const int64_t lda = K + 2 - K % 2;
-  uint16_t* ap = torch_moe_cpu::aligned_scratch(a_buf, rows * lda);
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(ap + r * lda, a + r * K, K * sizeof(uint16_t));
-    std::memset(ap + r * lda + K, 0, (lda - K) * sizeof(uint16_t));
-  }
+  const int64_t lda = padded_k(K);
   const auto run = [&](const auto& bm) {
     if (rows <= kFewRows) {
       codes_strips<4>(bm, ap, lda, rows, K, cols, sc, out, ldo);
@@ -1734,7 +1734,6 @@ void few_rows_codes(const uint16_t* a, int64_t rows, int64_t K, const uint8_t* b
   }
 }
 
-#undef TORCH_MOE_FEW_TARGET
 #endif
 
 // out [M, N] (bf16 or fp32) = the block-scaled grouped GEMM of the codes as bf16 values: the
@@ -1783,8 +1782,11 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
     }
     thread_local PieceCopy a_copy;
     thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
-    uint16_t* ah = a_copy.get(call, p.start, p.rows, K, [&](uint16_t* d) {
-      copy_codes(a_m.data, a_m.row_stride, p.start, p.rows, 0, K, d);
+    // a's rows in bf16, zero past K (the few-rows form reads whole pairs; the GEMM K)
+    const int64_t lda = padded_k(K);
+    uint16_t* ah = a_copy.get(call, p.start, p.rows, lda, [&](uint16_t* d) {
+      copy_codes(a_m.data, a_m.row_stride, p.start, p.rows, 0, K, d, lda);
+      for (int64_t r = 0; r < p.rows; ++r) std::fill(d + r * lda + K, d + (r + 1) * lda, 0);
     });
 #if defined(CPU_CAPABILITY_AVX512)
     if (p.rows <= few_rows) {  // the codes straight into the products
@@ -1806,7 +1808,7 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
     } else {  // b[g]'s columns n in [c0, c1), K codes each (the rows of b[g]^T)
       copy_codes(bg.data, bg.col_stride, p.c0, cols, 0, K, bh);
     }
-    return torch_moe_cpu::bf16_gemm_scaled(o, Matrix::bf16(ah, p.rows, K, K),
+    return torch_moe_cpu::bf16_gemm_scaled(o, Matrix::bf16(ah, p.rows, K, lda),
                                            Matrix::bf16(bh, K, cols, b_rows ? cols : K, !b_rows),
                                            &sc, {}, {}, stream);
   });
@@ -1966,13 +1968,11 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
 // out where the native GEMM does not run here (or the build lacks AVX-512) or the
 // operands are not these.
 #if defined(CPU_CAPABILITY_AVX512)
-#define TORCH_MOE_MXF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 // 4 columns of b[g] (column n's K codes at bg + n * ldb, its 32-k block c's E8M0 scale at
 // sg + c * s1 + n * s2) dequantized into w4 [4][K] (bf16 bits): each block's 32 codes in
 // bf16 times the block's scale (Pow2Scales::apply, the dequantizer's bits), once for all
 // of the group's rows
-TORCH_MOE_MXF_TARGET void mx_four_columns(const Bf16Codes& codes, int64_t K, const uint8_t* bg,
+TORCH_MOE_FEW_TARGET void mx_four_columns(const Bf16Codes& codes, int64_t K, const uint8_t* bg,
                                           int64_t ldb, const uint8_t* sg, int64_t s1,
                                           int64_t s2, const int64_t* col, uint16_t* w4) {
   for (int j = 0; j < 4; ++j) {
@@ -1990,7 +1990,7 @@ TORCH_MOE_MXF_TARGET void mx_four_columns(const Bf16Codes& codes, int64_t K, con
 // the lanes summed by _mm512_reduce_add_ps, one rounding (few_rows_mm's nt_tile_dpbf16,
 // K a multiple of 32)
 template <int R>
-TORCH_MOE_MXF_TARGET void mx_few_tile(const uint16_t* x, int64_t K, const uint16_t* w4,
+TORCH_MOE_FEW_TARGET void mx_few_tile(const uint16_t* x, int64_t K, const uint16_t* w4,
                                       const int64_t* col, int cols, uint16_t* o, int64_t ldo) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -2009,7 +2009,7 @@ TORCH_MOE_MXF_TARGET void mx_few_tile(const uint16_t* x, int64_t K, const uint16
     }
   }
 }
-#undef TORCH_MOE_MXF_TARGET
+#undef TORCH_MOE_FEW_TARGET
 #endif
 
 // out [M, N] bf16 = x [M, K] bf16 (the rows of an MX GEMM's A, dequantized) @ b[g] per

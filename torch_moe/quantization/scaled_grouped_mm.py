@@ -619,23 +619,13 @@ def _scaled_blocks_mm(
     out = torch.empty((M, N), dtype=torch.bfloat16)
     mod = _native.kernels()
     few = 0
-    if a.dtype == FP8 and _fewest_rows(ends) <= _FEW_CODE_ROWS:
+    if a.dtype == FP8 and min((n for n in group_sizes(ends) if n), default=0) <= _FEW_CODE_ROWS:
         few = few_code_rows(b.stride(2) != 1)
     if mod.fp8_block_scaled_mm(
         a, b, row_scale, col_scale, offs, block_k, out, streams_outputs(torch.bfloat16), few
     ):
         return out
     return None
-
-
-def _fewest_rows(ends: list[int]) -> int:
-    """The rows of the smallest non-empty group (a large number where none has rows)."""
-    fewest, start = 1 << 62, 0
-    for end in ends:
-        if end > start:
-            fewest = min(fewest, end - start)
-        start = end
-    return fewest
 
 
 def _scaled_blocks_wgrad(
