@@ -15,6 +15,9 @@ the op and its backward; where they apply, and a build with other bits refused."
 import contextlib
 import itertools
 import os
+import shutil
+import subprocess
+import sysconfig
 import tempfile
 import threading
 import time
@@ -403,6 +406,26 @@ class TestNativeSwiGLU(TestCase):
         omp = _native._openmp()
         self.assertEqual("-fopenmp" in flags, omp)
         self.assertEqual("-fopenmp" in call.kwargs["extra_ldflags"], omp)
+
+    @parametrize("cap", ["AVX2", "DEFAULT"])
+    @unittest.skipUnless(shutil.which("c++"), "no C++ compiler here")
+    def test_sources_compile_for_other_capabilities(self, cap):
+        # every capability's library compiles (only this machine's is built and tested
+        # here): code for one ISA outside its #if broke the AVX2 build once, unnoticed, as
+        # every native test skips where the kernels do not build (syntax only: ~35 s)
+        from torch.utils import cpp_extension
+
+        flags, _ = _native.compile_flags(cap)
+        includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+        cmd = ["c++", "-fsyntax-only", "-std=c++17", *flags]
+        cmd += [arg for path in includes for arg in ("-isystem", path)]
+        procs = [
+            subprocess.Popen([*cmd, str(src)], stderr=subprocess.PIPE, text=True)
+            for src in _native._SOURCES
+        ]
+        for src, proc in zip(_native._SOURCES, procs, strict=True):
+            _, err = proc.communicate(timeout=600)
+            self.assertEqual(proc.returncode, 0, f"{src.name} for {cap}:\n{err[-3000:]}")
 
     @parametrize("openmp", [True, False])
     def test_openmp_where_torch_runs_openmp(self, openmp):

@@ -129,9 +129,9 @@ def _openmp() -> bool:
     )
 
 
-def _build(cap: str) -> Any:
-    from torch.utils.cpp_extension import load
-
+def compile_flags(cap: str) -> tuple[list[str], list[str]]:
+    """(compiler flags, linker flags) of the kernels' library for ATen CPU capability
+    ``cap`` (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``)."""
     flags = ["-O3", *_CAPABILITY_FLAGS.get(cap, [])]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY_{cap}", f"-DCPU_CAPABILITY={cap}"]
@@ -139,6 +139,13 @@ def _build(cap: str) -> Any:
     if _openmp():
         flags.append("-fopenmp")
         ldflags.append("-fopenmp")
+    return flags, ldflags
+
+
+def _build(cap: str) -> Any:
+    from torch.utils.cpp_extension import load
+
+    flags, ldflags = compile_flags(cap)
     _clear_stale_lock(f"torch_moe_cpu_{cap.lower()}")
     load(
         name=f"torch_moe_cpu_{cap.lower()}",

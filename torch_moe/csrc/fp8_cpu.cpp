@@ -1400,6 +1400,11 @@ std::vector<KPiece> k_pieces(const int32_t* ends, int64_t E, int64_t K, at::Tens
   return pieces;
 }
 
+// The row stride of a's bf16 rows that few_rows_codes reads, and the pieces' copy of them
+// on every capability: room for a zero past K, even (every k pair one 32-bit load, an odd
+// K's last (a[K - 1], 0)).
+constexpr int64_t padded_k(int64_t K) { return K + 2 - K % 2; }
+
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- Groups of a few rows: the codes straight into the products ----
 //
@@ -1704,10 +1709,6 @@ TORCH_MOE_FEW_TARGET void codes_strips(const B& bm, const uint16_t* ap, int64_t 
     }
   }
 }
-
-// The row stride of a's bf16 rows that few_rows_codes reads: room for a zero past K, even
-// (every k pair one 32-bit load, an odd K's last (a[K - 1], 0)).
-constexpr int64_t padded_k(int64_t K) { return K + 2 - K % 2; }
 
 // few_rows_codes: out rows [0, rows) x columns [0, cols) (row stride ldo) of the
 // block-scaled product of a (bf16 [rows, K], row stride padded_k(K), zero from column K
