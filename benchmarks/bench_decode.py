@@ -5,8 +5,9 @@ For a batch of T tokens (1, 2, 4 ... 512) already routed (top-K ids and weights 
 uniformly: every token's K experts distinct), each candidate computes the experts' combined
 output [T, D] in bf16 from the same tokens, weights and routing:
 
-* ``torch_moe``: the layer's inference path (``permute_indices``, ``GroupedExperts.
-  forward_tokens``: the row gather inside ``grouped_swiglu``, then ``unpermute``) under
+* ``torch_moe``: the layer's inference path, as ``MoE.forward`` takes it
+  (``permute_indices``, ``GroupedExperts.forward_tokens(..., combine=True)``: the row
+  gather, both GEMMs, SwiGLU and the combine in one eager step) under
   ``torch.inference_mode()``;
 * ``training fwd``: the training forward (``permute``, ``GroupedExperts.forward``,
   ``unpermute``) with autograd recording, as a model that is not in eval mode runs it;
@@ -17,12 +18,21 @@ output [T, D] in bf16 from the same tokens, weights and routing:
   between them, results written per (token, k) slot then summed over k), on
   ``torch._grouped_mm``.
 
-Floors, measured in the same run: the **weight-read floor** is the bytes of the distinct
-experts' weights the batch touches (3*D*F per expert, bf16) over the read bandwidth of a
-large GEMV (``torch.mv`` over a matrix far larger than the caches, the faster of bf16 and fp32): decode is bound by
-reading them once. The **FLOP floor** (large batches) is 6*T*K*D*F over the best large-GEMM
-rate of the machine (bf16, or fp32 after an upcast where bf16 GEMMs are slow: both are
-printed). Every candidate's time is printed as a ratio to the larger of the two floors.
+Floors, measured in the same run: the **weight-read floor** is the time a large GEMV
+(``torch.mv``, the faster of a bf16 and an fp32 one) takes to read as many bytes as the
+distinct experts' weights the batch touches (3*D*F per expert, bf16): decode is bound by
+reading them once. It is timed in every round, between the candidates and as cold as they
+are, and each candidate's ratio is the median over the rounds of its time over that
+round's floor: on a shared host the memory bandwidth a process gets swings by 2x from one
+minute to the next, so a floor timed once, before the candidates, put that swing into the
+ratio (on the Zen 4 EPYC measured, T=1: 1.51-1.67x against a floor timed first, 1.1x
+against the floor of the same rounds). The **FLOP floor** (large batches) is 6*T*K*D*F over
+the best large-GEMM rate of the machine (bf16, or fp32 after an upcast where bf16 GEMMs are
+slow: both are printed), timed once. Every candidate's ratio is to the larger of the two.
+
+Before each timed call the caches are emptied by reading a buffer larger than the last
+level cache (``--flush-mib``; 0 keeps them): in a model's decode step a layer's experts
+come from memory, the other layers' weights having passed through the caches since.
 
 Shapes: ``qwen3`` = Qwen3-30B-A3B-like experts (D=2048, F=768, E=128, K=8), ``dsv3`` =
 DeepSeek-V3-like experts (D=7168, F=2048, K=8) with ``--dsv3-experts`` experts (default 32
@@ -93,6 +103,43 @@ def gemv_bandwidth(mib: int = 512) -> float:
     return max(rates)
 
 
+class ReadFloor:
+    """The weight-read floor in the rounds: :meth:`time` reads the first ``nbytes`` of a
+    bf16 and of an fp32 matrix (``max_bytes`` each, rows of 4096) by ``torch.mv`` and
+    returns the faster's time (as :func:`gemv_bandwidth`, over the step's own bytes)."""
+
+    def __init__(self, max_bytes: int, gen: torch.Generator) -> None:
+        cols = 4096
+        self.mats = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            size = torch.finfo(dtype).bits // 8
+            rows = -(-max_bytes // (size * cols))
+            self.mats[dtype] = (
+                torch.randn(rows, cols, generator=gen).to(dtype),
+                torch.randn(cols, generator=gen).to(dtype),
+            )
+
+    def time(self, nbytes: int, flush: Any) -> float:
+        best = float("inf")
+        for dtype, (w, v) in self.mats.items():
+            size = torch.finfo(dtype).bits // 8
+            rows = max(1, min(w.shape[0], round(nbytes / (size * w.shape[1]))))
+            flush()
+            t0 = CLOCK()
+            torch.mv(w[:rows], v)
+            best = min(best, (CLOCK() - t0) * nbytes / (rows * w.shape[1] * size))
+        return best
+
+
+def cache_flusher(mib: int) -> Any:
+    """A function that empties the caches by reading ``mib`` MiB (clean lines: no
+    write-backs land in the timed call); a no-op for 0."""
+    if mib <= 0:
+        return lambda: None
+    buf = torch.ones(mib * 2**20 // 4)
+    return lambda: buf.sum()
+
+
 def gemm_rates(n: int = 2048) -> dict[str, float]:
     """FLOP/s of an n^3 GEMM in bf16 and in fp32."""
     rates = {}
@@ -115,8 +162,9 @@ def torch_moe_inference(experts: GroupedExperts, x, ids, weights):
     with torch.inference_mode():
         perm = ops.permute_indices(ids, experts.w13.shape[0])
         row_w = weights.reshape(-1).index_select(0, perm.row_to_slot)
-        y = experts.forward_tokens(x, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w)
-        return ops.unpermute(y, None, perm)
+        return experts.forward_tokens(
+            x, perm.row_to_slot, perm.slot_to_row, perm.offs, row_w, combine=True
+        )
 
 
 def torch_moe_training(experts: GroupedExperts, x, ids, weights):
@@ -185,7 +233,7 @@ def candidates(experts, hf, w_t, x, ids, weights) -> dict[str, Any]:
     }
 
 
-def bench_shape(name: str, args: argparse.Namespace, bw: float, rate: float) -> None:
+def bench_shape(name: str, args: argparse.Namespace, rate: float) -> None:
     D, F_, E, K = SHAPES[name]
     if name == "dsv3":
         E = args.dsv3_experts
@@ -195,12 +243,15 @@ def bench_shape(name: str, args: argparse.Namespace, bw: float, rate: float) -> 
     w13, w2 = experts.w13.detach(), experts.w2.detach()
     w13_t, w2_t = w13.transpose(-2, -1), w2.transpose(-2, -1)
     hf = {impl: hf_experts(w13, w2, impl) for impl in ("eager", "grouped_mm")}
+    expert_bytes = 3 * D * F_ * 2
+    floor_mv = ReadFloor(min(E, max(args.tokens) * K) * expert_bytes, gen)
+    flush = cache_flusher(args.flush_mib)
     print(
-        f"\n## {name}: D={D} F={F_} E={E} K={K}, bf16 weights {3 * E * D * F_ * 2 / 2**30:.2f} GiB\n"
+        f"\n## {name}: D={D} F={F_} E={E} K={K}, bf16 weights {E * expert_bytes / 2**30:.2f} GiB\n"
     )
     cols = ["torch_moe", "training fwd", "HF eager", "HF grouped_mm", "vLLM-style"]
     print(
-        "| T | experts hit | floor ms | "
+        "| T | experts hit | read floor ms (GB/s) | "
         + " | ".join(f"{c} ms (x floor)" for c in cols)
         + " | best peer / torch_moe |"
     )
@@ -216,19 +267,26 @@ def bench_shape(name: str, args: argparse.Namespace, bw: float, rate: float) -> 
                 raise SystemExit(
                     f"bench_decode: {cname} differs from torch_moe at T={T}: rel err {err:.3g}"
                 )
+        hit = int(torch.unique(ids).numel())
+        nbytes = hit * expert_bytes
+        flop_floor = 6 * T * K * D * F_ / rate
         times: dict[str, list[float]] = {c: [] for c in cands}
+        floors: list[float] = []
         for _ in range(args.rounds):
+            floors.append(max(floor_mv.time(nbytes, flush), flop_floor))
             for cname, fn in cands.items():
+                flush()
                 t0 = CLOCK()
                 fn()
                 times[cname].append(CLOCK() - t0)
         med = {c: statistics.median(v) for c, v in times.items()}
-        hit = int(torch.unique(ids).numel())
-        floor = max(hit * 3 * D * F_ * 2 / bw, 6 * T * K * D * F_ / rate)
+        ratio = {c: statistics.median(t / f for t, f in zip(v, floors)) for c, v in times.items()}
+        floor = statistics.median(floors)
         best_peer = min(med[c] for c in cols[2:])
-        cells = " | ".join(f"{med[c] * 1e3:.2f} ({med[c] / floor:.2f})" for c in cols)
+        cells = " | ".join(f"{med[c] * 1e3:.2f} ({ratio[c]:.2f})" for c in cols)
         print(
-            f"| {T} | {hit} | {floor * 1e3:.2f} | {cells} | {best_peer / med['torch_moe']:.2f} |",
+            f"| {T} | {hit} | {floor * 1e3:.2f} ({nbytes / floor / 1e9:.1f}) | {cells} | "
+            f"{best_peer / med['torch_moe']:.2f} |",
             flush=True,
         )
 
@@ -247,6 +305,13 @@ def main() -> None:
         "shared machine; what an idle core's wall time would be); wall: wall time",
     )
     p.add_argument("--threads", type=int, default=0, help="default: 1 with --clock cpu, else all")
+    p.add_argument(
+        "--flush-mib",
+        type=int,
+        default=256,
+        help="MiB read before each timed call to empty the caches (larger than the last level "
+        "cache; 0: warm caches)",
+    )
     args = p.parse_args()
     global CLOCK
     if args.clock == "cpu":
@@ -254,17 +319,18 @@ def main() -> None:
         torch.set_num_threads(args.threads or 1)
     elif args.threads:
         torch.set_num_threads(args.threads)
-    bw = gemv_bandwidth()
     rates = gemm_rates()
     rate = max(rates.values())
     print(
         f"# torch {torch.__version__}, {platform.machine()} {cpu_isa()}, {os.cpu_count()} CPUs, "
-        f"{torch.get_num_threads()} threads, {args.clock} clock; GEMV read {bw / 1e9:.1f} GB/s; GEMM "
+        f"{torch.get_num_threads()} threads, {args.clock} clock; GEMM "
         f"bf16 {rates['bf16'] / 1e9:.0f} / fp32 {rates['fp32'] / 1e9:.0f} GFLOP/s (floor: the "
-        f"{'bf16' if rates['bf16'] >= rates['fp32'] else 'fp32'} rate); medians of {args.rounds} rounds"
+        f"{'bf16' if rates['bf16'] >= rates['fp32'] else 'fp32'} rate); medians of {args.rounds} rounds, caches "
+        + (f"emptied by reading {args.flush_mib} MiB" if args.flush_mib > 0 else "warm")
+        + " before each timed call"
     )
     for name in args.shapes:
-        bench_shape(name, args, bw, rate)
+        bench_shape(name, args, rate)
 
 
 if __name__ == "__main__":
