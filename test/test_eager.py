@@ -1287,7 +1287,17 @@ class TestMoELayerNode(TestCase):
     def test_without_autograd_one_call_too(self) -> None:
         # training mode under no_grad (a reentrant checkpoint's first forward) and eval
         # mode under inference_mode: the node's forward (which frees h before the combine,
-        # as the ops do: test_perf's inference peaks), no op, the training values
+        # as the ops do: test_perf's inference peaks) or, at a few tokens once decided,
+        # its one native call (TestFewStep), no op, the training values
+        real_few = gs._few_step
+        one_call: list[bool] = []
+
+        def few(*args: Any) -> Any:
+            out = real_few(*args)
+            one_call.append(out is not None)
+            return out
+
+        self.enterContext(mock.patch.object(gs, "_few_step", few))
         torch.manual_seed(2)
         moe = MoE(32, 16, 6, 2, route_norm=True, dtype=BF16)
         for tokens in (0, 1, 9, 40):
@@ -1303,14 +1313,271 @@ class TestMoELayerNode(TestCase):
                     moe.train(mode == "no_grad")
                     with ctx, spy as node, op_never_called(gs.grouped_swiglu, perm.unpermute):
                         got = moe(x.detach())
-                    self.assertTrue(node.called)
-                    self.assertFalse(node.call_args.kwargs.get("keep_h", True))
+                    self.assertNotEqual(node.called, one_call[-1])
+                    if node.called:
+                        self.assertFalse(node.call_args.kwargs.get("keep_h", True))
                     self.assertTrue(torch.equal(got, want))
 
     def test_combine_needs_the_permutation(self) -> None:
         experts = MoE(32, 16, 4, 2).experts
         with self.assertRaisesRegex(ValueError, "combine=True needs the permutation"):
             experts(torch.randn(4, 32), torch.tensor([1, 2, 3, 4], dtype=torch.int32), combine=True)
+
+
+@contextlib.contextmanager
+def few_step_calls(step: Any) -> Iterator[list[bool]]:
+    """The one-call decode step's native calls on ``step`` (a ``_FewStep``): their answers,
+    in order."""
+    answers: list[bool] = []
+    real = step.mod
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def swiglu_combine_few(self, *args: Any) -> bool:
+            answers.append(bool(real.swiglu_combine_few(*args)))
+            return answers[-1]
+
+    with mock.patch.object(step, "mod", Recording()):
+        yield answers
+
+
+@unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+class TestFewStep(TestCase):
+    """``grouped_swiglu_combine``'s inference in one native call (``swiglu_combine_few``)
+    where the lean plan runs both GEMMs by the few-rows kernel: after the Python path has
+    decided a count of busy groups, later calls with it take the one call, the ops' bits;
+    anything else (other ways, padding, bad input) the Python path."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))
+
+    def _step(self, p: Any, inputs: list) -> Any:
+        """The call's one-call state, its plan forgotten."""
+        x, w13, w2, rw = inputs
+        step = gs._few_step_plan(x, w13, w2, rw, p.row_to_slot.shape[0])
+        self.assertIsNotNone(step)
+        step.plan.fill_(-1)
+        step.refused = 0
+        return step
+
+    def _run(self, p: Any, inputs: list) -> torch.Tensor:
+        with torch.inference_mode():
+            return gs.grouped_swiglu_combine(
+                *inputs[:3], p.offs, inputs[3], p.row_to_slot, p.slot_to_row
+            )
+
+    @parametrize("dtype", [BF16, torch.float16])
+    @parametrize("tokens", [1, 3, 8])
+    @parametrize("threads", [1, 2])
+    def test_same_as_the_ops(self, dtype: torch.dtype, tokens: int, threads: int) -> None:
+        for weighted, decisions in ((True, FEW_GEMM), (False, FEW_GEMM), (True, FEW_GEMM_AMX)):
+            p, inputs = _combine_inputs(tokens, dtype, seed=tokens, weighted=weighted)
+            with self.subTest(weighted=weighted, decisions=decisions["few_gemm"]):
+                with intra_op_threads(threads), _cpu_probe.force(**decisions):
+                    with op_path():
+                        ref = _op_steps(
+                            *inputs[:3], p.offs, inputs[3], p.row_to_slot, p.slot_to_row
+                        )
+                    step = self._step(p, inputs)
+                    spy = mock.patch.object(gs, "_lean_forward", wraps=gs._lean_forward)
+                    with few_step_calls(step) as answers, spy as lean:
+                        first = self._run(p, inputs)  # refused: the Python path decides
+                        self.assertEqual((answers, lean.call_count), ([False], 1))
+                        busy = int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum())
+                        self.assertTrue(bool((step.plan[busy] >= 0).all()))
+                        self.assertEqual(int((step.plan >= 0).all(1).sum()), 1)
+                        second = self._run(p, inputs)  # the one call
+                        self.assertEqual((answers, lean.call_count), ([False, True], 1))
+                for got in (first, second):
+                    self.assertEqual(
+                        (got.dtype, got.shape, got.stride()), (ref.dtype, ref.shape, ref.stride())
+                    )
+                    self.assertTrue(torch.equal(got, ref), "differs from the ops' result")
+
+    def test_each_count_of_busy_groups_is_decided_apart(self) -> None:
+        # tokens 2, top-2 of 6 experts: 2, 3 or 4 busy groups; each count's first call
+        # takes the Python path, its later ones the one call, all with the ops' bits
+        _, (x, w13, w2, _rw) = _combine_inputs(2, BF16, seed=0, weighted=False)
+        cases = {}
+        for ids in ([[0, 1], [0, 1]], [[0, 1], [0, 2]], [[0, 1], [2, 3]], [[4, 5], [2, 3]]):
+            p = ops.permute_indices(torch.tensor(ids), 6)
+            cases.setdefault(int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum()), []).append(
+                p
+            )
+        self.assertEqual(sorted(cases), [2, 3, 4])
+        with _cpu_probe.force(**FEW_GEMM):
+            step = self._step(cases[4][0], [x, w13, w2, None])
+            with few_step_calls(step) as answers:
+                for busy in (2, 3, 4):
+                    for p in cases[busy] * 2:
+                        with op_path():
+                            ref = _op_steps(x, w13, w2, p.offs, None, p.row_to_slot, p.slot_to_row)
+                        self.assertTrue(torch.equal(self._run(p, [x, w13, w2, None]), ref))
+        # 2: two calls, 3: two calls, 4: two routings twice (one refusal per count)
+        self.assertEqual(answers, [False, True, False, True, False, True, True, True])
+
+    def test_other_ways_and_padding_take_the_python_path(self) -> None:
+        # the ATen GEMMs (few_gemm forced off), only one GEMM by the few-rows kernel (w2
+        # stored transposed, the kernel forced for column-major weights only), or rows of
+        # padding (align) or dropped past the last group (capacity): refused every time,
+        # the Python path's values; a plan refused _FEW_STEP_REFUSALS times in a row stops
+        # calling
+        for layout, decisions in (
+            ({}, LEAN),
+            ({"w2": "transposed"}, FEW_GEMM_T),
+            ({"align": 4}, FEW_GEMM),
+            ({"capacity": 2}, FEW_GEMM),
+        ):
+            routing = {k: v for k, v in layout.items() if k != "w2"}
+            p, inputs = _combine_inputs(5, BF16, seed=2, weighted=True, **routing)
+            if "w2" in layout:
+                inputs[2] = inputs[2].transpose(-2, -1).contiguous().transpose(-2, -1)
+            with self.subTest(layout=layout), _cpu_probe.force(**decisions):
+                with op_path():
+                    ref = _op_steps(*inputs[:3], p.offs, inputs[3], p.row_to_slot, p.slot_to_row)
+                step = self._step(p, inputs)
+                with (
+                    few_step_calls(step) as answers,
+                    mock.patch.object(gs, "_FEW_STEP_REFUSALS", 3),
+                ):
+                    for _ in range(5):
+                        self.assertTrue(torch.equal(self._run(p, inputs), ref))
+                self.assertEqual(answers, [False] * 3)
+                self.assertFalse(bool((step.plan >= 0).any()))
+
+    def test_bad_input_gets_the_python_paths_errors(self) -> None:
+        # a decided plan, then calls the one call must refuse: the Python path's messages
+        p, inputs = _combine_inputs(3, BF16, seed=4, weighted=True)
+        x, w13, w2, rw = inputs
+        with _cpu_probe.force(**FEW_GEMM):
+            step = self._step(p, inputs)
+            self._run(p, inputs)
+            self.assertTrue(bool((step.plan >= 0).any()))
+            r2s, s2r = p.row_to_slot, p.slot_to_row
+            bad_r2s = r2s.clone()
+            bad_r2s[0] = s2r.numel()
+            bad_s2r = s2r.clone()
+            bad_s2r[0, 0] = r2s.shape[0]
+            bad_offs = p.offs.clone()
+            bad_offs[0] = bad_offs[-1] + 1
+            cases = [
+                ((x, w13, w2, bad_offs, rw, r2s, s2r), "offs must be non-decreasing"),
+                (
+                    (x, w13, w2, p.offs, rw, bad_r2s, s2r),
+                    r"row_to_slot must hold values in \[-1, 6\)",
+                ),
+                (
+                    (x, w13, w2, p.offs, rw, r2s, bad_s2r),
+                    r"slot_to_row must hold values in \[-1, 6\)",
+                ),
+                ((x, w13, w2, p.offs[:-1], rw, r2s, s2r), "expected offs to be 1D int32 with E=6"),
+                ((x, w13, w2, p.offs, rw[:-1], r2s, s2r), r"expected row_weights .* \[M=6\]"),
+                ((x, w13[:, :-1], w2, p.offs, rw, r2s, s2r), "even 2F"),
+                ((x.float(), w13, w2, p.offs, rw, r2s, s2r), None),  # x converted by the path
+            ]
+            with few_step_calls(step) as answers:
+                for args, message in cases:
+                    with self.subTest(message=message), torch.inference_mode():
+                        if message is None:
+                            gs.grouped_swiglu_combine(*args)
+                            continue
+                        with self.assertRaisesRegex(ValueError, message):
+                            gs.grouped_swiglu_combine(*args)
+            # (the last two have other metadata: another plan's, or none for an fp32 x)
+            self.assertEqual(answers, [False] * (len(cases) - 2))
+
+    def test_native_op_refuses_what_it_does_not_take(self) -> None:
+        # the op itself: false, nothing written, for every malformed input
+        p, inputs = _combine_inputs(3, BF16, seed=4, weighted=True)
+        x, w13, w2, rw = inputs
+        plan = torch.zeros(7, 2, dtype=torch.int32)
+        mod = _native.kernels()
+
+        def call(**changes: Any) -> tuple[bool, torch.Tensor]:
+            args = dict(
+                x=x,
+                w13=w13,
+                w2=w2,
+                offs=p.offs,
+                rw=rw,
+                r2s=p.row_to_slot,
+                s2r=p.slot_to_row,
+                plan=plan,
+                out=torch.full((3, 32), 7.0, dtype=BF16),
+            )
+            args.update(changes)
+            ok = mod.swiglu_combine_few(*args.values(), False, False)
+            return ok, args["out"]
+
+        ok, out = call()
+        self.assertTrue(ok)
+        with torch.inference_mode(), _cpu_probe.force(**FEW_GEMM), op_path():
+            ref = _op_steps(x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row)
+        self.assertTrue(torch.equal(out, ref))
+        unplanned = plan.clone()
+        unplanned[int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum())] = -1
+        short = p.offs.clone()
+        short[-1] -= 1
+        strided = torch.zeros(6, 32, 64, dtype=BF16)[..., ::2]
+        strided.copy_(w13)
+        refusals = {
+            "the busy count's entry negative": dict(plan=unplanned),
+            "a plan shorter than the busy count": dict(plan=plan[:2]),
+            "offs ending before M": dict(offs=short),
+            "fp32 x with bf16 weights": dict(x=x.float()),
+            "x not contiguous": dict(x=x.t().contiguous().t()),
+            "no tokens": dict(x=x[:0], s2r=p.slot_to_row[:0], out=torch.empty(0, 32, dtype=BF16)),
+            "a weight neither row- nor column-major": dict(w13=strided),
+            "int64 offs": dict(offs=p.offs.long()),
+            "a map value out of range": dict(r2s=p.row_to_slot.clamp(max=0) - 2),
+            "out of another dtype": dict(out=torch.full((3, 32), 7.0)),
+            "row weights of another length": dict(rw=rw[:-1]),
+        }
+        for name, change in refusals.items():
+            with self.subTest(name):
+                ok, out = call(**change)
+                self.assertFalse(ok)
+                self.assertTrue(bool((out == 7).all()) or out.numel() == 0)
+
+    def test_profiler_and_autocast_take_the_python_path(self) -> None:
+        p, inputs = _combine_inputs(1, BF16, seed=1, weighted=True)
+        with _cpu_probe.force(**FEW_GEMM):
+            step = self._step(p, inputs)
+            self._run(p, inputs)  # decided
+            with few_step_calls(step) as answers:
+                with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU]
+                ) as prof:
+                    self._run(p, inputs)
+                with torch.autocast("cpu", dtype=BF16):
+                    self._run(p, inputs)
+                self._run(p, inputs)
+        self.assertEqual(answers, [True])
+        self.assertIn("torch_moe::grouped_swiglu", {e.name for e in prof.events()})
+
+    def test_moe_layer_decode(self) -> None:
+        # a layer's decode steps (one token, top-2 of 6): after each count's first step,
+        # the one call; the values of the layer with the one call turned off
+        torch.manual_seed(3)
+        moe = MoE(32, 16, 6, 2, dtype=BF16).eval()
+        xs = [
+            torch.randn(1, 32, generator=torch.Generator().manual_seed(i)).to(BF16)
+            for i in range(6)
+        ]
+        with _cpu_probe.force(**FEW_GEMM), torch.inference_mode():
+            with mock.patch.object(gs, "_FEW_STEP_ROWS", 0):
+                want = [moe(x) for x in xs]
+            row_w = torch.ones(2)  # (the layer's routing weights: fp32)
+            step = gs._few_step_plan(xs[0], moe.experts.w13, moe.experts.w2, row_w, 2)
+            self.assertIsNotNone(step)
+            with few_step_calls(step) as answers:
+                got = [moe(x) for x in xs]
+        for a, b in zip(got, want, strict=True):
+            self.assertTrue(torch.equal(a, b))
+        self.assertIn(True, answers)
 
 
 def _assert_same_as_ops(test: TestCase, got: tuple, ref: tuple) -> None:
@@ -1328,6 +1595,7 @@ def _fill(args: list, present: tuple) -> list:
 
 instantiate_parametrized_tests(TestDirectCalls)
 instantiate_parametrized_tests(TestSwiGLUCombine)
+instantiate_parametrized_tests(TestFewStep)
 instantiate_parametrized_tests(TestGLUCombine)
 instantiate_parametrized_tests(TestExpertsNodesFuzz)
 instantiate_parametrized_tests(TestMoELayerNode)

@@ -66,6 +66,7 @@ _SOURCES = [
         "parallel_cpu.cpp",
         "cache_cpu.cpp",
         "fp8_cpu.cpp",
+        "experts_cpu.cpp",
     )
 ]
 _lock = threading.Lock()

@@ -49,6 +49,7 @@ from torch_moe._ops.grouped_mm import (
     _offs_tensor,
     _whole_grouped_mm,
     _whole_grouped_mm_wgrad,
+    amx_rows,
     check_offs_values,
     cpu_compute_dtype,
     few_gemm_class,
@@ -1230,7 +1231,8 @@ def grouped_swiglu_combine(
     node and the unpermute's checks of maps grouped_swiglu has checked. After each expert
     GEMM the interpreter runs from cold caches, and on a 2-core EPYC (Zen 4) a transformers
     Mixtral / Qwen3-MoE training step at 16 tokens spent ~0.4-0.9 ms per experts block in
-    those layers (benchmarks/results/hf_train_step_cpu_202612.md). Everywhere else
+    those layers (benchmarks/results/hf_train_step_cpu_202612.md). Without a gradient, at
+    a few tokens per expert, it is one native call (:func:`_few_step`). Everywhere else
     (compiling, modes, subclasses, DTensor, other devices, ``TORCH_MOE_DIRECT_OPS=0``) and
     under a double backward this is the two ops, which the compiler and its passes see.
     """
@@ -1243,8 +1245,128 @@ def grouped_swiglu_combine(
     )
     if grad:
         return _SwiGLUCombine.apply(*args)
+    out = _few_step(*args)
+    if out is not None:
+        return out
     # h freed before the combine, as the two ops free it (the same peak)
     return _swiglu_combine_forward(*args, keep_h=False)[0]
+
+
+# the most rows (T*K) of an inference call that tries the one-call decode step
+_FEW_STEP_ROWS = 64
+# refusals in a row after which a plan stops trying it (its calls' busy groups all take
+# other ways: decode classes for which the probe chose ATen's GEMMs, say)
+_FEW_STEP_REFUSALS = 64
+
+
+class _FewStep:
+    """The one-call decode step's state for calls of one metadata (``_few_step_plan``):
+    the native ops, ``plan`` (int32 [rows + 1, 2]: per count of busy groups, the two
+    GEMMs' ``amx_rows`` where the lean plan runs both by the few-rows kernel, else -1,
+    filled in as the Python path decides each count: ``_learn_few_step``), the SwiGLU
+    kernel's output streaming and gate table choices, and the refusals in a row."""
+
+    __slots__ = ("mod", "plan", "refused", "stream", "table")
+
+    def __init__(self, mod: Any, rows: int, stream: bool, table: bool) -> None:
+        self.mod, self.stream, self.table = mod, stream, table
+        with torch.inference_mode(False):  # (a normal tensor: learned into in any mode)
+            self.plan = torch.full((rows + 1, 2), -1, dtype=torch.int32)
+        self.refused = 0
+
+
+def _few_step_plan(
+    x: Tensor, w13: Tensor, w2: Tensor, row_weights: Tensor | None, rows: int
+) -> _FewStep | None:
+    """The one-call decode step's state for this call's metadata (what ``_lean_key``
+    reads but the groups: the busy groups index its plan, and the rows are all in
+    groups where it runs), or None where it never runs: more than ``_FEW_STEP_ROWS``
+    rows, x in another dtype than the weights, the kernels missing, or on one thread a
+    row count that the threaded kernel's row split would cut (``splits_rows``, which
+    the lean plans' keys read). Memoized."""
+    key = (
+        "swiglu_combine_few",
+        *_operands_key(x, w13, w2, row_weights),
+        rows,
+        torch.get_num_threads(),
+        _native.enabled(),
+    )
+    return _cpu_probe.memo(key, lambda: _new_few_step(x.dtype, w13.dtype, rows))
+
+
+def _new_few_step(dtype: torch.dtype, w_dtype: torch.dtype, rows: int) -> _FewStep | None:
+    mod = _native.kernels()
+    if mod is None or not hasattr(mod, "swiglu_combine_few") or dtype != w_dtype:
+        return None
+    if rows > _FEW_STEP_ROWS or (
+        torch.get_num_threads() < 2 and any(splits_rows(dtype, [r]) for r in range(1, rows + 1))
+    ):
+        return None
+    return _FewStep(mod, rows, streams_outputs(dtype), _act_table(dtype))
+
+
+def _few_step(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    row_weights: Tensor | None,
+    row_to_slot: Tensor,
+    slot_to_row: Tensor,
+) -> Tensor | None:
+    """``grouped_swiglu_combine``'s inference values in one native call
+    (``torch_moe_cpu::swiglu_combine_few``, csrc/experts_cpu.cpp) where the lean plan
+    runs both GEMMs by the few-rows kernel (a decode step): the kernels the Python path
+    calls, on the same operands in the same order (the same bits), without its glue,
+    which at a few tokens runs from cold caches after the experts' weights have passed
+    through them (0.85 ms of a one-token step on a Zen 4 core, the native call 0.2 ms:
+    benchmarks/results/cpu_floor_cpu_202612.md). None where it does not run (the kernel
+    checks the call and its busy groups' entry in the plan, which the Python path fills
+    in: ``_learn_few_step``); not under the profiler or CPU autocast, as the lean plans."""
+    rows = row_to_slot.shape[0]
+    if (
+        rows > _FEW_STEP_ROWS
+        or x.shape[0] == 0
+        or _profiler._is_profiler_enabled
+        or torch.is_autocast_enabled("cpu")
+    ):
+        return None
+    step = _few_step_plan(x, w13, w2, row_weights, rows)
+    if step is None or step.refused >= _FEW_STEP_REFUSALS:
+        return None
+    out = x.new_empty((x.shape[0], x.shape[1]))
+    args = (x, w13, w2, offs, row_weights, row_to_slot, slot_to_row, step.plan, out)
+    if step.mod.swiglu_combine_few(*args, step.stream, step.table):
+        step.refused = 0
+        return out
+    step.refused += 1
+    return None
+
+
+def _learn_few_step(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    row_weights: Tensor | None,
+    ends: list[int],
+    rows: int,
+    ways: tuple[str, ...],
+) -> None:
+    """Records in the one-call decode step's plan (``_few_step_plan``) how the lean plan
+    ``ways`` runs this inference call's two GEMMs for its count of busy groups: their
+    ``amx_rows`` where both are the few-rows kernel's ways and the groups end at the
+    last row (what ``_lean_forward`` passes it), else nothing (-1 stays)."""
+    if rows > _FEW_STEP_ROWS or not ends or ends[-1] != rows:
+        return
+    if ways[0] not in ("few", "few_amx") or ways[1] not in ("few", "few_amx"):
+        return
+    step = _few_step_plan(x, w13, w2, row_weights, rows)
+    if step is None:
+        return
+    busy = _busy_groups(ends)
+    least = amx_rows(w13.dtype, busy)
+    step.plan[busy, 0] = least if ways[0] == "few_amx" else 0
+    step.plan[busy, 1] = least if ways[1] == "few_amx" else 0
 
 
 def _swiglu_combine_forward(
@@ -1270,6 +1392,8 @@ def _swiglu_combine_forward(
         plan = _lean_plan(x, w13, w2, row_weights, ends, rows)
     if plan is not None:
         mod, step, ways = plan
+        if not keep_h:  # inference: the one-call decode step's plan learns this count
+            _learn_few_step(x, w13, w2, row_weights, ends, rows, ways)
         tokens = _token_index(None, row_to_slot, slot_to_row)
         assert tokens is not None
         empty = _negative_positions(tokens)  # read once, for the three gathers
@@ -1329,6 +1453,23 @@ def _lean_key(
     return (
         kind,
         *extra,
+        *_operands_key(x, w_a, w_b, row_weights),
+        rows,
+        ends[-1] if ends else 0,
+        len(ends),
+        _busy_groups(ends),
+        torch.get_num_threads(),
+        torch.get_num_threads() < 2 and splits_rows(w_a.dtype, ends),  # (threaded GEMMs)
+        _native.enabled(),
+    )
+
+
+def _operands_key(
+    x: Tensor, w_a: Tensor, w_b: Tensor, row_weights: Tensor | None
+) -> tuple[object, ...]:
+    """The operands' metadata that the lean plans' decisions read (``_lean_key``): the
+    dtypes, x's shape, both weights' shapes and strides and their alignment."""
+    return (
         x.dtype,
         w_a.dtype,
         w_b.dtype,
@@ -1339,13 +1480,6 @@ def _lean_key(
         *w_b.shape,
         *w_b.stride(),
         w_a.data_ptr() % 16 == 0 and w_b.data_ptr() % 16 == 0,
-        rows,
-        ends[-1] if ends else 0,
-        len(ends),
-        _busy_groups(ends),
-        torch.get_num_threads(),
-        torch.get_num_threads() < 2 and splits_rows(w_a.dtype, ends),  # (threaded GEMMs)
-        _native.enabled(),
     )
 
 

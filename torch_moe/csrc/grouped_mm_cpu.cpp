@@ -46,6 +46,7 @@
 #include <torch/library.h>
 
 #include "gemm_bf16_cpu.h"
+#include "ops_cpu.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -584,6 +585,10 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
   if (end < M) std::memset(op + end * N, 0, (M - end) * N * sizeof(T));
 }
 
+}  // namespace
+
+namespace torch_moe_cpu {  // (ops_cpu.h: other native ops call it)
+
 void few_rows_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                  at::Tensor& out, int64_t amx_rows) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "few_rows_mm: x [M, K] "
@@ -606,12 +611,12 @@ void few_rows_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& off
                                   [&] { few_rows_mm_impl<scalar_t>(x, w, ends, out, amx_rows); });
 }
 
-}  // namespace
+}  // namespace torch_moe_cpu
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def("few_rows_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, int amx_rows=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
-  m.impl("few_rows_mm", &few_rows_mm);
+  m.impl("few_rows_mm", &torch_moe_cpu::few_rows_mm);
 }

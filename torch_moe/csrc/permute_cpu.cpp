@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "aten_sum.h"
+#include "ops_cpu.h"
 #include "vec_convert.h"
 
 #include <algorithm>
@@ -258,6 +259,10 @@ void by_dtype(at::ScalarType t, const char* name, F&& f) {
   }
 }
 
+}  // namespace
+
+namespace torch_moe_cpu {  // (ops_cpu.h: other native ops call it)
+
 void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tensor& out,
              const std::optional<at::Tensor>& weights) {
   const auto acc = acc_type(y.scalar_type());
@@ -290,6 +295,10 @@ void combine(const at::Tensor& y, const at::Tensor& slot_to_row, const at::Tenso
     combine_impl<T, Acc, true>(y, slot_to_row, out, w.data_ptr<Acc>());
   });
 }
+
+}  // namespace torch_moe_cpu
+
+namespace {
 
 // out[r] = x[index[r]] * scales[r] (zero where index[r] < 0): the product in the
 // accumulation dtype (fp32, fp64 for fp64), rounded once into x's dtype, as a gather then
@@ -439,7 +448,7 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("permute_indices", &permute_indices);
-  m.impl("combine", &combine);
+  m.impl("combine", &torch_moe_cpu::combine);
   m.impl("gather_scaled", &gather_scaled);
   m.impl("row_dot", &row_dot);
 }

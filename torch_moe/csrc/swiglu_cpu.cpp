@@ -41,6 +41,7 @@
 #include <torch/library.h>
 
 #include "aten_sum.h"
+#include "ops_cpu.h"
 #include "vec_convert.h"
 
 #include <algorithm>
@@ -1010,6 +1011,10 @@ void dispatch(const at::Tensor& h, const at::Tensor& other, F&& fn) {
   }
 }
 
+}  // namespace
+
+namespace torch_moe_cpu {  // (ops_cpu.h: other native ops call it)
+
 void swiglu_forward(const at::Tensor& h, const std::optional<at::Tensor>& row_weights,
                     const at::Tensor& out, bool stream_out, bool table) {
   const int64_t rows = h.size(0), f = out.size(1);
@@ -1020,6 +1025,10 @@ void swiglu_forward(const at::Tensor& h, const std::optional<at::Tensor>& row_we
     forward_impl<decltype(th), decltype(to)>(h, w, out, stream_out, table);
   });
 }
+
+}  // namespace torch_moe_cpu
+
+namespace {
 
 void swiglu_backward(
     const at::Tensor& h, const at::Tensor& grad_a, const std::optional<at::Tensor>& row_weights,
@@ -1183,7 +1192,7 @@ TORCH_LIBRARY(torch_moe_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
-  m.impl("swiglu_forward", &swiglu_forward);
+  m.impl("swiglu_forward", &torch_moe_cpu::swiglu_forward);
   m.impl("swiglu_backward", &swiglu_backward);
   m.impl("glu_oai_forward", &glu_forward<true>);
   m.impl("glu_oai_backward", &glu_backward<true>);

@@ -621,10 +621,10 @@ class GroupedExperts(nn.Module):
                 w13, w2 = self._local_weights()
                 maps = (row_to_slot, slot_to_row)
                 if _eager.direct((x, w13, w2, offs, row_weights, *maps)):
-                    dt = _expert_dtype(x, w13)
-                    return grouped_swiglu_combine(
-                        x.to(dt), w13.to(dt), w2.to(dt), offs, row_weights, *maps
-                    )
+                    dt = _expert_dtype(x, w13)  # (no .to where it is one: a decode step's
+                    # every call runs from cold caches)
+                    x, w13, w2 = (t if t.dtype == dt else t.to(dt) for t in (x, w13, w2))
+                    return grouped_swiglu_combine(x, w13, w2, offs, row_weights, *maps)
             y = self.forward_tokens(x, row_to_slot, slot_to_row, offs, row_weights, block_m)
             return _perm.unpermute(y, slot_to_row, row_to_slot)
         if self.composed:  # the training forward's GEMMs on the gathered rows
