@@ -1517,14 +1517,19 @@ class TestFewStep(TestCase):
         with torch.inference_mode(), _cpu_probe.force(**FEW_GEMM), op_path():
             ref = _op_steps(x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row)
         self.assertTrue(torch.equal(out, ref))
-        unplanned = plan.clone()
-        unplanned[int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum())] = -1
-        short = p.offs.clone()
-        short[-1] -= 1
+        busy = int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum())
+        unplanned, half = plan.clone(), plan.clone()
+        unplanned[busy] = -1
+        half[busy, 1] = -1
+        short = p.offs.clamp(max=5)  # the last group ends before M = 6
+        unsorted = p.offs.clone()
+        unsorted[0] = 6  # then smaller ends: decreasing
         strided = torch.zeros(6, 32, 64, dtype=BF16)[..., ::2]
         strided.copy_(w13)
         refusals = {
             "the busy count's entry negative": dict(plan=unplanned),
+            "the second GEMM's entry negative": dict(plan=half),
+            "decreasing offs": dict(offs=unsorted),
             "a plan shorter than the busy count": dict(plan=plan[:2]),
             "offs ending before M": dict(offs=short),
             "fp32 x with bf16 weights": dict(x=x.float()),
@@ -1541,6 +1546,15 @@ class TestFewStep(TestCase):
                 ok, out = call(**change)
                 self.assertFalse(ok)
                 self.assertTrue(bool((out == 7).all()) or out.numel() == 0)
+        # a -1 row inside the groups (padding) is a zero row, as the ops gather it
+        r2s = p.row_to_slot.clone()
+        r2s[1] = -1
+        with torch.inference_mode(), _cpu_probe.force(**FEW_GEMM), op_path():
+            ref = _op_steps(x, w13, w2, p.offs, rw, r2s, p.slot_to_row)
+        for _ in range(2):  # (fresh scratch each time)
+            ok, out = call(r2s=r2s)
+            self.assertTrue(ok)
+            self.assertTrue(torch.equal(out, ref))
 
     def test_profiler_and_autocast_take_the_python_path(self) -> None:
         p, inputs = _combine_inputs(1, BF16, seed=1, weighted=True)
