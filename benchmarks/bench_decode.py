@@ -5,9 +5,10 @@ For a batch of T tokens (1, 2, 4 ... 512) already routed (top-K ids and weights 
 uniformly: every token's K experts distinct), each candidate computes the experts' combined
 output [T, D] in bf16 from the same tokens, weights and routing:
 
-* ``torch_moe``: the layer's inference path, as ``MoE.forward`` takes it
-  (``permute_indices``, ``GroupedExperts.forward_tokens(..., combine=True)``: the row
-  gather, both GEMMs, SwiGLU and the combine in one eager step) under
+* ``torch_moe``: the layer's inference path, as ``MoE.forward`` takes it: at a few tokens
+  one native call (``GroupedExperts.routed_one_call``: the permutation, the row gather,
+  both GEMMs, SwiGLU and the combine), else ``permute_indices`` and
+  ``GroupedExperts.forward_tokens(..., combine=True)`` (one eager step), under
   ``torch.inference_mode()``;
 * ``training fwd``: the training forward (``permute``, ``GroupedExperts.forward``,
   ``unpermute``) with autograd recording, as a model that is not in eval mode runs it;
@@ -160,6 +161,9 @@ def routing(T: int, E: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor,
 
 def torch_moe_inference(experts: GroupedExperts, x, ids, weights):
     with torch.inference_mode():
+        out = experts.routed_one_call(x, ids, weights)  # a decode step's one native call
+        if out is not None:
+            return out
         perm = ops.permute_indices(ids, experts.w13.shape[0])
         row_w = weights.reshape(-1).index_select(0, perm.row_to_slot)
         return experts.forward_tokens(

@@ -1288,16 +1288,17 @@ class TestMoELayerNode(TestCase):
         # training mode under no_grad (a reentrant checkpoint's first forward) and eval
         # mode under inference_mode: the node's forward (which frees h before the combine,
         # as the ops do: test_perf's inference peaks) or, at a few tokens once decided,
-        # its one native call (TestFewStep), no op, the training values
-        real_few = gs._few_step
+        # its one native call (TestFewStep: in eval mode with the routing's, moe_few), no
+        # op, the training values
+        real_call = gs._one_call
         one_call: list[bool] = []
 
-        def few(*args: Any) -> Any:
-            out = real_few(*args)
+        def call(*args: Any) -> Any:
+            out = real_call(*args)
             one_call.append(out is not None)
             return out
 
-        self.enterContext(mock.patch.object(gs, "_few_step", few))
+        self.enterContext(mock.patch.object(gs, "_one_call", call))
         torch.manual_seed(2)
         moe = MoE(32, 16, 6, 2, route_norm=True, dtype=BF16)
         for tokens in (0, 1, 9, 40):
@@ -1311,9 +1312,10 @@ class TestMoELayerNode(TestCase):
                     )
                     ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
                     moe.train(mode == "no_grad")
+                    one_call.clear()
                     with ctx, spy as node, op_never_called(gs.grouped_swiglu, perm.unpermute):
                         got = moe(x.detach())
-                    self.assertNotEqual(node.called, one_call[-1])
+                    self.assertNotEqual(node.called, any(one_call))
                     if node.called:
                         self.assertFalse(node.call_args.kwargs.get("keep_h", True))
                     self.assertTrue(torch.equal(got, want))
@@ -1337,6 +1339,10 @@ def few_step_calls(step: Any) -> Iterator[list[bool]]:
 
         def swiglu_combine_few(self, *args: Any) -> bool:
             answers.append(bool(real.swiglu_combine_few(*args)))
+            return answers[-1]
+
+        def moe_few(self, *args: Any) -> bool:
+            answers.append(bool(real.moe_few(*args)))
             return answers[-1]
 
     with mock.patch.object(step, "mod", Recording()):
@@ -1572,26 +1578,70 @@ class TestFewStep(TestCase):
         self.assertEqual(answers, [True])
         self.assertIn("torch_moe::grouped_swiglu", {e.name for e in prof.events()})
 
-    def test_moe_layer_decode(self) -> None:
-        # a layer's decode steps (one token, top-2 of 6): after each count's first step,
-        # the one call; the values of the layer with the one call turned off
+    @parametrize("tokens", [1, 3])
+    @parametrize("shared", [False, True])
+    def test_moe_layer_decode(self, tokens: int, shared: bool) -> None:
+        # a layer's decode steps (top-2 of 6, a shared expert or not): the permutation,
+        # the rows' weights and the experts in one call (moe_few) once the Python path has
+        # decided the step's count of busy experts; the values of the layer with the one
+        # call turned off, bit for bit
         torch.manual_seed(3)
-        moe = MoE(32, 16, 6, 2, dtype=BF16).eval()
+        moe = MoE(32, 16, 6, 2, dtype=BF16, shared_hidden_dim=24 if shared else 0).eval()
         xs = [
-            torch.randn(1, 32, generator=torch.Generator().manual_seed(i)).to(BF16)
-            for i in range(6)
+            torch.randn(tokens, 32, generator=torch.Generator().manual_seed(i)).to(BF16)
+            for i in range(8)
         ]
         with _cpu_probe.force(**FEW_GEMM), torch.inference_mode():
             with mock.patch.object(gs, "_FEW_STEP_ROWS", 0):
                 want = [moe(x) for x in xs]
-            row_w = torch.ones(2)  # (the layer's routing weights: fp32)
-            step = gs._few_step_plan(xs[0], moe.experts.w13, moe.experts.w2, row_w, 2)
+            row_w = torch.ones(2 * tokens)  # (the layer's routing weights: fp32)
+            step = gs._few_step_plan(xs[0], moe.experts.w13, moe.experts.w2, row_w, 2 * tokens)
             self.assertIsNotNone(step)
-            with few_step_calls(step) as answers:
+            step.plan.fill_(-1)
+            spy = mock.patch.object(gs, "_few_step", wraps=gs._few_step)
+            with few_step_calls(step) as answers, spy as few:
                 got = [moe(x) for x in xs]
         for a, b in zip(got, want, strict=True):
             self.assertTrue(torch.equal(a, b))
-        self.assertIn(True, answers)
+        # every step asks moe_few first; a refused one takes the Python path, whose node
+        # (grouped_swiglu_combine) asks swiglu_combine_few: refused too, then decided
+        self.assertEqual(answers.count(False), 2 * few.call_count)
+        self.assertEqual(len(answers), len(xs) + few.call_count)
+        self.assertGreater(answers.count(True), 0)
+
+    def test_moe_few_refuses_bad_routes(self) -> None:
+        # expert ids out of range, weights of another shape, float ids: refused, nothing
+        # else asked (the Python path then raises its errors); otherwise the values of
+        # permute_indices, the rows' weights and the experts' node
+        moe = MoE(32, 16, 6, 2, dtype=BF16).eval()
+        x = torch.randn(1, 32).to(BF16)
+        w13, w2 = moe.experts.w13.detach(), moe.experts.w2.detach()
+        weights = torch.tensor([[0.75, 0.25]])
+        good = torch.tensor([[4, 1]])
+        p = ops.permute_indices(good, 6)
+        rw = weights.reshape(-1).index_select(0, p.row_to_slot)
+        args = (x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row)
+        with _cpu_probe.force(**FEW_GEMM), torch.inference_mode():
+            step = gs._few_step_plan(x, w13, w2, weights, 2)
+            step.plan.fill_(-1)
+            gs.grouped_swiglu_combine(*args)  # decides the count (2 busy experts)
+            bad = [
+                (torch.tensor([[0, 6]]), weights),
+                (torch.tensor([[-1, 0]]), weights),
+                (good, weights[:, :1]),
+                (good.float(), weights),
+            ]
+            with few_step_calls(step) as answers:
+                for ids, w in bad:
+                    self.assertIsNone(gs.few_moe_step(x, w13, w2, ids, w))
+                self.assertIsNone(moe.experts.routed_one_call(x, bad[0][0], weights))
+                out = gs.few_moe_step(x, w13, w2, good, weights)
+                out_int32 = gs.few_moe_step(x, w13, w2, good.int(), weights)
+            with op_path():
+                ref = _op_steps(*args)
+        self.assertEqual(answers, [False] * (len(bad) + 1) + [True, True])
+        self.assertTrue(torch.equal(out, ref))
+        self.assertTrue(torch.equal(out_int32, ref))
 
 
 def _assert_same_as_ops(test: TestCase, got: tuple, ref: tuple) -> None:

@@ -1319,11 +1319,42 @@ def _few_step(
     runs both GEMMs by the few-rows kernel (a decode step): the kernels the Python path
     calls, on the same operands in the same order (the same bits), without its glue,
     which at a few tokens runs from cold caches after the experts' weights have passed
-    through them (0.85 ms of a one-token step on a Zen 4 core, the native call 0.2 ms:
+    through them (on a Zen 4 core: 0.3-0.6 ms a Qwen3-sized step, T = 1-8:
     benchmarks/results/cpu_floor_cpu_202612.md). None where it does not run (the kernel
     checks the call and its busy groups' entry in the plan, which the Python path fills
     in: ``_learn_few_step``); not under the profiler or CPU autocast, as the lean plans."""
-    rows = row_to_slot.shape[0]
+    maps = (row_to_slot, slot_to_row)
+    return _one_call(
+        x,
+        w13,
+        w2,
+        row_weights,
+        row_to_slot.shape[0],
+        "swiglu_combine_few",
+        offs,
+        row_weights,
+        *maps,
+    )
+
+
+def few_moe_step(
+    x: Tensor, w13: Tensor, w2: Tensor, expert_ids: Tensor, weights: Tensor
+) -> Tensor | None:
+    """:func:`_few_step` from the routing itself: ``permute_indices(expert_ids, E)`` (no
+    padding, no capacity), the rows' routing weights ``weights.reshape(-1)[row_to_slot]``
+    and ``grouped_swiglu_combine``'s inference, in one native call (``moe_few``: the
+    index sort's kernel, then ``swiglu_combine_few``'s), the values of those three; None
+    where it does not run (as :func:`_few_step`, or expert ids out of range: the Python
+    path then raises). For a layer's decode step (``MoE`` in eval mode without autograd),
+    whose own calls of the Python path decide the plan."""
+    return _one_call(x, w13, w2, weights, expert_ids.numel(), "moe_few", expert_ids, weights)
+
+
+def _one_call(
+    x: Tensor, w13: Tensor, w2: Tensor, row_weights: Tensor | None, rows: int, op: str, *args: Any
+) -> Tensor | None:
+    """The one-call decode step by native op ``op`` on (x, w13, w2, ``*args``) and the
+    plan for ``rows`` rows, into a fresh [T, D] output; None where it does not run."""
     if (
         rows > _FEW_STEP_ROWS
         or x.shape[0] == 0
@@ -1335,8 +1366,7 @@ def _few_step(
     if step is None or step.refused >= _FEW_STEP_REFUSALS:
         return None
     out = x.new_empty((x.shape[0], x.shape[1]))
-    args = (x, w13, w2, offs, row_weights, row_to_slot, slot_to_row, step.plan, out)
-    if step.mod.swiglu_combine_few(*args, step.stream, step.table):
+    if getattr(step.mod, op)(x, w13, w2, *args, step.plan, out, step.stream, step.table):
         step.refused = 0
         return out
     step.refused += 1

@@ -13,6 +13,9 @@
 //   y     = few_rows_mm(a, w2^T, offs, amx2)               [M, D]
 //   out   = combine(y, slot_to_row)                        [T, D]
 //
+// and moe_few (below) the same from the router's expert ids and weights, the index sort
+// and the rows' weights included.
+//
 // the same kernels on the same operands in the same order, so the same bits. One call in
 // place of a dozen: at a few tokens a layer's experts read their weights from memory and
 // the rest of the step runs from cold caches, where each dispatcher call, Python frame
@@ -29,6 +32,7 @@
 // any input the Python path would refuse (shapes, dtypes, layouts, values of offs and of
 // the maps): the Python path then runs, and raises its own errors.
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -140,6 +144,43 @@ bool swiglu_combine_few(const at::Tensor& x, const at::Tensor& w13, const at::Te
   return true;
 }
 
+// moe_few: swiglu_combine_few from the routing itself, as a layer's decode step runs it:
+// the slots sorted by expert (permute_indices(expert_ids, E): no padding, no capacity) and
+// each row's routing weight, weights[row_to_slot[r]] in fp32 (what the Python path
+// gathers, then converts), then swiglu_combine_few; false (nothing written) where
+// expert_ids or weights are not what the layer's router gives ([T, K] int32 / int64 ids
+// in [0, E), floating-point weights of that shape) or swiglu_combine_few refuses.
+bool moe_few(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+             const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& plan,
+             const at::Tensor& out, bool stream_out, bool table) {
+  if (x.dim() != 2 || w13.dim() != 3 || expert_ids.dim() != 2 ||
+      expert_ids.size(0) != x.size(0) || expert_ids.size(1) < 1 ||
+      (expert_ids.scalar_type() != at::kLong && expert_ids.scalar_type() != at::kInt) ||
+      weights.sizes() != expert_ids.sizes() || !at::isFloatingType(weights.scalar_type())) {
+    return false;
+  }
+  const at::Tensor ids = expert_ids.to(at::kLong).contiguous();
+  const int64_t E = w13.size(0);
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  for (int64_t s = 0; s < ids.numel(); ++s) {
+    if (id[s] < 0 || id[s] >= E) return false;
+  }
+  if (E == 0) return false;
+  const auto [row_to_slot, slot_to_row, offs, dropped] =
+      torch_moe_cpu::permute_indices(ids, E, 1, std::nullopt);
+  const int64_t M = row_to_slot.size(0);
+  const at::Tensor rw = at::empty({M}, weights.options().dtype(at::kFloat));
+  const at::Tensor w = weights.contiguous();
+  const int64_t* slot = row_to_slot.const_data_ptr<int64_t>();
+  float* rp = rw.mutable_data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "moe_few", [&] {
+    const scalar_t* wp = w.const_data_ptr<scalar_t>();
+    for (int64_t r = 0; r < M; ++r) rp[r] = static_cast<float>(wp[slot[r]]);
+  });
+  return swiglu_combine_few(x, w13, w2, offs, rw, row_to_slot, slot_to_row, plan, out,
+                            stream_out, table);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
@@ -147,8 +188,12 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       "swiglu_combine_few(Tensor x, Tensor w13, Tensor w2, Tensor offs, Tensor? row_weights, "
       "Tensor row_to_slot, Tensor slot_to_row, Tensor plan, Tensor(a!) out, bool stream_out, "
       "bool table) -> bool");
+  m.def(
+      "moe_few(Tensor x, Tensor w13, Tensor w2, Tensor expert_ids, Tensor weights, Tensor plan, "
+      "Tensor(a!) out, bool stream_out, bool table) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("swiglu_combine_few", &swiglu_combine_few);
+  m.impl("moe_few", &moe_few);
 }

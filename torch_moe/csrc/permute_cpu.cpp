@@ -104,6 +104,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices_impl(
   return {row_to_slot, slot_to_row, offs, dropped};
 }
 
+}  // namespace
+
+namespace torch_moe_cpu {  // (ops_cpu.h: other native ops call it)
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices(
     const at::Tensor& expert_ids, int64_t num_experts, int64_t align, std::optional<int64_t> capacity) {
   TORCH_CHECK(
@@ -121,6 +125,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices(
   }
   return permute_indices_impl<int64_t>(expert_ids, num_experts, align, capacity);
 }
+
+}  // namespace torch_moe_cpu
+
+namespace {
 
 // The combine reads each token's K rows from wherever the permutation put them: K short
 // streams per token, each starting on a cold line. Left to the hardware prefetcher, a
@@ -447,7 +455,7 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
-  m.impl("permute_indices", &permute_indices);
+  m.impl("permute_indices", &torch_moe_cpu::permute_indices);
   m.impl("combine", &torch_moe_cpu::combine);
   m.impl("gather_scaled", &gather_scaled);
   m.impl("row_dot", &row_dot);

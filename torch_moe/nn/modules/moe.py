@@ -87,7 +87,7 @@ from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.fused_experts import DECODE_MAX_ROWS, decode_block_m
 from torch_moe._ops.glu import gated
-from torch_moe._ops.grouped_swiglu import grouped_swiglu_combine, swiglu
+from torch_moe._ops.grouped_swiglu import few_moe_step, grouped_swiglu_combine, swiglu
 from torch_moe.nn.functional import (
     check_activation,
     glu_activation,
@@ -592,6 +592,25 @@ class GroupedExperts(nn.Module):
         ):
             return None
         return decode_block_m(rows, device)
+
+    def routed_one_call(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor | None:
+        """Inference at a few tokens (no autograd): ``forward_tokens(x, ..., combine=True)``
+        on ``permute_indices(expert_ids, E)``'s rows with their routing weights, the
+        permutation, the weights' gather and the experts in one native call
+        (``grouped_swiglu.few_moe_step``: the same values), where it runs: SwiGLU experts
+        without a recipe, plain CPU tensors in eager, a decode-sized call whose count of
+        busy experts this module's earlier calls have decided; else None (the caller then
+        takes the Python path, which decides it)."""
+        if self.recipe is not None or self.composed:
+            return None
+        w13, w2 = self._local_weights()
+        if not _eager.direct((x, w13, w2, expert_ids, weights)):
+            return None
+        dt = _expert_dtype(x, w13)
+        x, w13, w2 = (t if t.dtype == dt else t.to(dt) for t in (x, w13, w2))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, weights)):
+            return None
+        return few_moe_step(x, w13, w2, expert_ids, weights)
 
     def forward_tokens(
         self,
@@ -1169,14 +1188,17 @@ class MoE(nn.Module):
         if self.dispatcher is None and capacity is None:
             block_m = self.experts.decode_block_m(ids_TK.numel(), x_TD.device)
             align = align if block_m is None else block_m
+        if self.dispatcher is None and capacity is None and block_m is None and align == 1:
+            # a decode step's experts in one native call, where it runs (else None)
+            out = self.experts.routed_one_call(x_TD, ids_TK, weights_TK)
+            if out is not None:
+                shared = self._shared_output(x_TD)
+                if shared is not None:
+                    out = out + shared
+                return out.view(*shape[:-1], self.dim)
         perm = ops.permute_indices(ids_TK, self.num_experts, align=align, capacity=capacity)
         row_w = _row_weights(weights_TK, perm.row_to_slot, capacity is None and align == 1)
-        shared = None
-        if self.shared_experts is not None:
-            shared_dtype = x_TD.dtype
-            if torch.is_autocast_enabled(x_TD.device.type):
-                shared_dtype = torch.get_autocast_dtype(x_TD.device.type)
-            shared = self.shared_experts(x_TD.to(shared_dtype))
+        shared = self._shared_output(x_TD)
         dispatcher = self.dispatcher
         if dispatcher is None:
             out = self.experts.forward_tokens(
@@ -1200,6 +1222,16 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared
         return out.view(*shape[:-1], self.dim)
+
+    def _shared_output(self, x_TD: Tensor) -> Tensor | None:
+        """The shared experts' output at inference (in the autocast dtype under autocast),
+        or None without shared experts."""
+        if self.shared_experts is None:
+            return None
+        shared_dtype = x_TD.dtype
+        if torch.is_autocast_enabled(x_TD.device.type):
+            shared_dtype = torch.get_autocast_dtype(x_TD.device.type)
+        return self.shared_experts(x_TD.to(shared_dtype))
 
     def _two_microbatches(
         self, x_TD: Tensor, weights_TK: Tensor, ids_TK: Tensor, align: int
