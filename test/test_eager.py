@@ -1639,6 +1639,12 @@ class TestFewStep(TestCase):
                 out_int32 = gs.few_moe_step(x, w13, w2, good.int(), weights)
             with op_path():
                 ref = _op_steps(*args)
+            # a gradient to record (grad mode, a weight that needs one): not this path's
+            w = weights.clone().requires_grad_()
+        with _cpu_probe.force(**FEW_GEMM), torch.enable_grad():
+            self.assertIsNone(moe.experts.routed_one_call(x, good, w))
+            with torch.no_grad():
+                self.assertIsNotNone(moe.experts.routed_one_call(x, good, w))
         self.assertEqual(answers, [False] * (len(bad) + 1) + [True, True])
         self.assertTrue(torch.equal(out, ref))
         self.assertTrue(torch.equal(out_int32, ref))
