@@ -13,15 +13,13 @@
 //   y     = few_rows_mm(a, w2^T, offs, amx2)               [M, D]
 //   out   = combine(y, slot_to_row)                        [T, D]
 //
-// and moe_few (below) the same from the router's expert ids and weights, the index sort
-// and the rows' weights included.
-//
-// the same kernels on the same operands in the same order, so the same bits. One call in
-// place of a dozen: at a few tokens a layer's experts read their weights from memory and
-// the rest of the step runs from cold caches, where each dispatcher call, Python frame
-// and tensor allocation costs several times its warm cost (on a Zen 4 EPYC core the
-// Python path's glue took about 0.85 ms of a one-token step from cold caches, against
-// 0.2 ms warm: benchmarks/results/cpu_floor_cpu_202612.md).
+// the same kernels on the same operands in the same order, so the same bits; moe_few
+// (below) computes the same from the router's expert ids and weights, the index sort and
+// the rows' weights included. One call in place of a dozen: at a few tokens a layer's
+// experts read their weights from memory and the rest of the step runs from cold caches,
+// where each dispatcher call, Python frame and tensor allocation costs several times its
+// warm cost (on a Zen 4 EPYC core the Python path's glue took 0.69-0.89 ms of a one-token
+// step from cold caches, 0.07-0.27 ms warm: benchmarks/results/cpu_floor_cpu_202612.md).
 //
 // Which way each GEMM runs is the probe's decision (few_gemm, amx_rows), which depends on
 // the groups' shape class, here on how many groups have rows: plan[b] = (amx13, amx2),
@@ -33,7 +31,6 @@
 // the maps): the Python path then runs, and raises its own errors.
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
