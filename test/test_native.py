@@ -426,7 +426,7 @@ class TestNativeSwiGLU(TestCase):
 
         flags, _ = _native.compile_flags(cap)
         includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-        cmd = ["c++", "-fsyntax-only", "-std=c++17", *flags]
+        cmd = ["c++", "-fsyntax-only", "-std=c++20", *flags]  # (torch 2.13's extensions' std)
         cmd += [arg for path in includes for arg in ("-isystem", path)]
         procs = [
             subprocess.Popen([*cmd, str(src)], stderr=subprocess.PIPE, text=True)
