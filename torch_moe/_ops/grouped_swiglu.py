@@ -1280,10 +1280,10 @@ def _few_step_plan(
 ) -> _FewStep | None:
     """The one-call decode step's state for this call's metadata (what ``_lean_key``
     reads but the groups: the busy groups index its plan, and the rows are all in
-    groups where it runs), or None where it never runs: more than ``_FEW_STEP_ROWS``
-    rows, x in another dtype than the weights, the kernels missing, or on one thread a
-    row count that the threaded kernel's row split would cut (``splits_rows``, which
-    the lean plans' keys read). Memoized."""
+    groups where it runs), or None where it never runs: x in another dtype than the
+    weights, the kernels missing, or on one thread a row count that the threaded
+    kernel's row split would cut (``splits_rows``, which the lean plans' keys read).
+    Its callers ask it for at most ``_FEW_STEP_ROWS`` rows. Memoized."""
     key = (
         "swiglu_combine_few",
         *_operands_key(x, w13, w2, row_weights),
@@ -1298,9 +1298,7 @@ def _new_few_step(dtype: torch.dtype, w_dtype: torch.dtype, rows: int) -> _FewSt
     mod = _native.kernels()
     if mod is None or not hasattr(mod, "swiglu_combine_few") or dtype != w_dtype:
         return None
-    if rows > _FEW_STEP_ROWS or (
-        torch.get_num_threads() < 2 and any(splits_rows(dtype, [r]) for r in range(1, rows + 1))
-    ):
+    if torch.get_num_threads() < 2 and any(splits_rows(dtype, [r]) for r in range(1, rows + 1)):
         return None
     return _FewStep(mod, rows, streams_outputs(dtype), _act_table(dtype))
 

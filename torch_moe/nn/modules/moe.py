@@ -606,8 +606,7 @@ class GroupedExperts(nn.Module):
         w13, w2 = self._local_weights()
         if not _eager.direct((x, w13, w2, expert_ids, weights)):
             return None
-        dt = _expert_dtype(x, w13)
-        x, w13, w2 = (t if t.dtype == dt else t.to(dt) for t in (x, w13, w2))
+        x, w13, w2 = _in_expert_dtype(x, w13, w2)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, weights)):
             return None
         return few_moe_step(x, w13, w2, expert_ids, weights)
@@ -640,9 +639,7 @@ class GroupedExperts(nn.Module):
                 w13, w2 = self._local_weights()
                 maps = (row_to_slot, slot_to_row)
                 if _eager.direct((x, w13, w2, offs, row_weights, *maps)):
-                    dt = _expert_dtype(x, w13)  # (no .to where it is one: a decode step's
-                    # every call runs from cold caches)
-                    x, w13, w2 = (t if t.dtype == dt else t.to(dt) for t in (x, w13, w2))
+                    x, w13, w2 = _in_expert_dtype(x, w13, w2)
                     return grouped_swiglu_combine(x, w13, w2, offs, row_weights, *maps)
             y = self.forward_tokens(x, row_to_slot, slot_to_row, offs, row_weights, block_m)
             return _perm.unpermute(y, slot_to_row, row_to_slot)
@@ -897,6 +894,18 @@ def _expert_dtype(x: Tensor, param: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return param.dtype
+
+
+def _in_expert_dtype(x: Tensor, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, w13, w2) in the experts' dtype (``_expert_dtype``), each converted only where it
+    is not already: a ``.to`` that converts nothing is still a dispatcher call, and a
+    decode step's calls run from cold caches."""
+    dt = _expert_dtype(x, w13)
+
+    def as_dt(t: Tensor) -> Tensor:
+        return t if t.dtype == dt else t.to(dt)
+
+    return as_dt(x), as_dt(w13), as_dt(w2)
 
 
 def _recomputing() -> bool:
@@ -1224,7 +1233,7 @@ class MoE(nn.Module):
         return out.view(*shape[:-1], self.dim)
 
     def _shared_output(self, x_TD: Tensor) -> Tensor | None:
-        """The shared experts' output at inference (in the autocast dtype under autocast),
+        """The shared experts' output (their input in the autocast dtype under autocast),
         or None without shared experts."""
         if self.shared_experts is None:
             return None
@@ -1282,14 +1291,9 @@ class MoE(nn.Module):
         same order as without chunks, so the result does not depend on the chunking
         beyond rounding (``ExpertParallel``'s notes say where a row can round otherwise).
         """
-        shared_dtype = x_TD.dtype
-        if torch.is_autocast_enabled(x_TD.device.type):
-            shared_dtype = torch.get_autocast_dtype(x_TD.device.type)
         dispatcher = self.dispatcher
         if dispatcher is None:  # the same order as below: the same backward accumulation
-            shared = None
-            if self.shared_experts is not None and with_shared:
-                shared = self.shared_experts(x_TD.to(shared_dtype))
+            shared = self._shared_output(x_TD) if with_shared else None
             maps = (perm.row_to_slot, perm.slot_to_row)
             return self.experts(x_TD, perm.offs, row_w, permutation=maps, combine=True), shared
         x_perm = _perm.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
@@ -1302,8 +1306,8 @@ class MoE(nn.Module):
         split = self.experts.split_weights(chunks) if len(chunks) > 1 else None
         for c, chunk in enumerate(chunks):
             x_c, w_c, offs_c = dispatcher.dispatch(x_perm, row_w, counts, chunk)  # type: ignore[operator]
-            if c == 0 and self.shared_experts is not None and with_shared:
-                shared = self.shared_experts(x_TD.to(shared_dtype))
+            if c == 0 and with_shared:
+                shared = self._shared_output(x_TD)
             if split is None:
                 y_c = self.experts(x_c, offs_c, w_c, expert_range=chunk)
             else:
