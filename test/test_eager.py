@@ -1392,7 +1392,7 @@ class TestFewStep(TestCase):
                     with few_step_calls(step) as answers, spy as lean:
                         first = self._run(p, inputs)  # refused: the Python path decides
                         self.assertEqual((answers, lean.call_count), ([False], 1))
-                        busy = int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum())
+                        busy = gmm._busy_groups(p.offs.tolist())
                         self.assertTrue(bool((step.plan[busy] >= 0).all()))
                         self.assertEqual(int((step.plan >= 0).all(1).sum()), 1)
                         second = self._run(p, inputs)  # the one call
@@ -1410,9 +1410,7 @@ class TestFewStep(TestCase):
         cases = {}
         for ids in ([[0, 1], [0, 1]], [[0, 1], [0, 2]], [[0, 1], [2, 3]], [[4, 5], [2, 3]]):
             p = ops.permute_indices(torch.tensor(ids), 6)
-            cases.setdefault(int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum()), []).append(
-                p
-            )
+            cases.setdefault(gmm._busy_groups(p.offs.tolist()), []).append(p)
         self.assertEqual(sorted(cases), [2, 3, 4])
         with _cpu_probe.force(**FEW_GEMM):
             step = self._step(cases[4][0], [x, w13, w2, None])
@@ -1523,7 +1521,7 @@ class TestFewStep(TestCase):
         with torch.inference_mode(), _cpu_probe.force(**FEW_GEMM), op_path():
             ref = _op_steps(x, w13, w2, p.offs, rw, p.row_to_slot, p.slot_to_row)
         self.assertTrue(torch.equal(out, ref))
-        busy = int((p.offs.diff(prepend=p.offs.new_zeros(1)) > 0).sum())
+        busy = gmm._busy_groups(p.offs.tolist())
         unplanned, half = plan.clone(), plan.clone()
         unplanned[busy] = -1
         half[busy, 1] = -1
