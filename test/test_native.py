@@ -1319,6 +1319,9 @@ class TestNativeFewRowsMM(TestCase):
         # one- and two-row groups over whole vectors and a tail (the row tiles of 1-2 rows,
         # a one-row group's own form of a row-major weight)
         cases += (([1, 2, 0, 3], 200, 70),)
+        # an odd K across panels of the row-major form (64 weight rows each: the sums kept
+        # between panels, the last k paired with zero in the last one only)
+        cases += (([1, 5, 0, 2], 131, 70),)
         for sizes, k, n in cases:
             offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
             x = torch.randn(int(offs[-1]) + 2, k, generator=g).to(dtype)  # 2 rows past

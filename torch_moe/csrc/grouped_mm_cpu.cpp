@@ -265,7 +265,7 @@ inline int block_columns(int64_t n0, int64_t n1, int64_t blk, int64_t* col) {
 }
 
 // Software prefetch (for the column-major forms nt_blocks says which tile asks for it;
-// the row-major vdpbf16ps form below prefetches rows ahead alike): the cache lines
+// the row-major vdpbf16ps form below fetches its next panel instead: PanelFetch): the cache lines
 // `ahead` elements past a weight load's address, one per line the load spans. The
 // hardware prefetchers run too short a way ahead on the weight's runs of columns, and
 // nothing reads memory while a block's later row tiles work from L1
@@ -385,8 +385,9 @@ TORCH_MOE_BF16_TARGET void nt_tile_dpbf16(
 // in order from zero, whatever its tile, block or group size: a row's bits do not depend
 // on its group (as in the fp32 forms). The fp32 forms' register blocks convert 4 vectors
 // of weight per fma step; here an instruction takes 32 products.
-constexpr int64_t kNnAhead = 32;  // weight rows the first row tile prefetches ahead (16-32
-                                  // measured alike)
+constexpr int64_t kNnPanel = 64;  // weight rows per panel (even: a k pair never straddles
+                                  // two); a panel of a 1536-2048-column weight is 192-256 KiB,
+                                  // two of them (the one read, the one fetched) fit in L2
 constexpr int kNnHalves = 2;        // 32-column halves per block: 16 accumulators for 4 rows
 constexpr int kNnHalvesOneRow = 8;  // for a one-row group (nn_blocks_dpbf16 says why)
 
@@ -425,26 +426,48 @@ TORCH_MOE_BF16_TARGET inline void store_in_order(__m512 lo, __m512 hi, float* ou
   _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, second, hi));
 }
 
-// acc[a * 32 * H + n] = x[a, :] . w[:, n] for R rows of x (bf16, row stride K) and the
-// `cols` (<= 32 * H) columns of a row-major weight from w (row stride ldw), the whole of
-// K in registers; `ahead`, where not 0, prefetches the weight rows that far ahead.
-// (One k pair of it, c the accumulators: 2 per 32 columns.)
+// The next panel's cache lines, fetched in address order a few per k pair while the
+// current panel is multiplied: rows `rows` from `row` (row stride ld bytes), `bytes` of
+// each from its start. The current panel's blocks of columns walk down its rows 64-256
+// bytes at a time, a stride the hardware prefetchers follow too late from memory; this
+// reads the weight as whole rows, in order, a panel ahead.
+struct PanelFetch {
+  const char* row = nullptr;
+  int64_t ld = 0, bytes = 0, rows = 0, off = 0;
+
+  TORCH_MOE_BF16_INLINE void lines(int n) {
+    for (int i = 0; i < n && rows > 0; ++i) {
+      _mm_prefetch(row + off, _MM_HINT_T1);  // (into L2: T0 and NTA measured slower)
+      off += 64;
+      if (off >= bytes) {
+        off = 0;
+        row += ld;
+        --rows;
+      }
+    }
+  }
+};
+
+// acc[a * 32 * H + n] += x[a, k] * w[k, n] over the k pairs of [k0, k1) (and, where k1 is
+// K and K odd, its last k), for R rows of x (bf16, row stride K) and the `cols` (<= 32 * H)
+// columns of a row-major weight from w (row stride ldw), in registers: the accumulators
+// start at zero for k0 == 0, else from acc (where the previous panel left them, in
+// register order), and go back to acc in register order, or in column order where
+// `last`. `fetch`, where not null, fetches 2 * H of the next panel's lines a k pair.
+// (nn_step_dpbf16: one k pair of it, c the accumulators: 2 per 32 columns.)
 template <int R, int H, bool kSecond>
 TORCH_MOE_BF16_INLINE void nn_step_dpbf16(const uint16_t* x, int64_t K, const uint16_t* w,
-                                          int64_t ldw, const __mmask32* mask, int64_t ahead,
-                                          int64_t k, __m512 (&c)[R][2 * H]) {
+                                          int64_t ldw, const __mmask32* mask, int64_t k,
+                                          __m512 (&c)[R][2 * H]) {
   __m512i lo[H], hi[H];
-  for (int h = 0; h < H; ++h) {
-    const uint16_t* p = w + k * ldw + 32 * h;
-    if (ahead) {  // the same columns of rows k + ahead and k + 1 + ahead
-      prefetch_ahead<uint16_t, 32>(p, ahead * ldw);
-      prefetch_ahead<uint16_t, 32>(p + ldw, ahead * ldw);
-    }
-    load_row_pair<kSecond>(p, ldw, mask[h], lo[h], hi[h]);
-  }
-  for (int a = 0; a < R; ++a) {
+  // (unrolled here: GCC otherwise keeps c in memory, storing every accumulator once a k
+  // pair, which halved the multiply rate; tools: compile with -S and look for stores to
+  // (%rsp) between the vdpbf16ps)
+  _Pragma("GCC unroll 16") for (int h = 0; h < H; ++h)
+    load_row_pair<kSecond>(w + k * ldw + 32 * h, ldw, mask[h], lo[h], hi[h]);
+  _Pragma("GCC unroll 16") for (int a = 0; a < R; ++a) {
     const __m512bh xv = x_pair<kSecond>(x + a * K + k);
-    for (int h = 0; h < H; ++h) {
+    _Pragma("GCC unroll 16") for (int h = 0; h < H; ++h) {
       c[a][2 * h] = _mm512_dpbf16_ps(c[a][2 * h], xv, (__m512bh)lo[h]);
       c[a][2 * h + 1] = _mm512_dpbf16_ps(c[a][2 * h + 1], xv, (__m512bh)hi[h]);
     }
@@ -453,41 +476,80 @@ TORCH_MOE_BF16_INLINE void nn_step_dpbf16(const uint16_t* x, int64_t K, const ui
 
 template <int R, int H>
 TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const uint16_t* w,
-                                          int64_t ldw, int64_t cols, float* acc,
-                                          int64_t ahead) {
+                                          int64_t ldw, int64_t cols, float* acc, int64_t k0,
+                                          int64_t k1, bool last, PanelFetch* fetch) {
   __m512 c[R][2 * H];
   __mmask32 mask[H];
-  for (int a = 0; a < R; ++a)
-    for (int j = 0; j < 2 * H; ++j) c[a][j] = _mm512_setzero_ps();
-  for (int h = 0; h < H; ++h) mask[h] = first_columns(cols - 32 * h);
-  const int64_t kp = K / 2 * 2;
-  for (int64_t k = 0; k < kp; k += 2)
-    nn_step_dpbf16<R, H, true>(x, K, w, ldw, mask, ahead, k, c);
-  if (kp < K) nn_step_dpbf16<R, H, false>(x, K, w, ldw, mask, ahead, kp, c);
-  for (int a = 0; a < R; ++a)
-    for (int h = 0; h < H; ++h)
-      store_in_order(c[a][2 * h], c[a][2 * h + 1], acc + (a * H + h) * 32);
+  _Pragma("GCC unroll 16") for (int a = 0; a < R; ++a)
+    _Pragma("GCC unroll 16") for (int j = 0; j < 2 * H; ++j)
+      c[a][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (a * 2 * H + j) * 16);
+  _Pragma("GCC unroll 16") for (int h = 0; h < H; ++h) mask[h] = first_columns(cols - 32 * h);
+  const int64_t kp = std::min(k1, K / 2 * 2);
+  for (int64_t k = k0; k < kp; k += 2) {
+    if (fetch) fetch->lines(2 * H);
+    nn_step_dpbf16<R, H, true>(x, K, w, ldw, mask, k, c);
+  }
+  if (kp < k1) nn_step_dpbf16<R, H, false>(x, K, w, ldw, mask, kp, c);
+  _Pragma("GCC unroll 16") for (int a = 0; a < R; ++a)
+    _Pragma("GCC unroll 16") for (int h = 0; h < H; ++h) {
+      float* o = acc + (a * H + h) * 32;
+      if (last) {
+        store_in_order(c[a][2 * h], c[a][2 * h + 1], o);
+      } else {
+        _mm512_storeu_ps(o, c[a][2 * h]);
+        _mm512_storeu_ps(o + 16, c[a][2 * h + 1]);
+      }
+    }
 }
 
-// The row-major form for m rows: columns [n0, n1) in blocks of 32 * H (H = 8 for one row:
-// a longer stretch of each weight row read at a time, 0.8-1.1x the fp32 form's one
-// stream of whole rows, where 2 gave 0.7-0.8x; else 2, 16 accumulators for 4 rows),
-// rows in tiles (the first prefetching down the weight's rows; the later ones find the
-// block's strip of rows in L2); the sums in acc (m x 32 * H floats), rounded into out.
+// The row-major form for m rows: the weight's rows [0, K) in panels of kNnPanel; in each,
+// columns [n0, n1) in blocks of 32 * H (H = 8 for one row: a longer stretch of each weight
+// row read at a time, 0.8-1.1x the fp32 form's one stream of whole rows, where 2 gave
+// 0.7-0.8x; else 2, 16 accumulators for 4 rows) and rows in tiles, the first of which
+// fetches the next panel (the later ones find the block's strip of rows in L1 / L2). The
+// sums wait in acc (m x (n1 - n0) floats, a block's rows together) between panels: each
+// output element is the same vdpbf16ps sequence as in one pass; rounded into out at the end.
+// (Qwen3-sized experts from cold caches, one Zen 4 thread: 1.2-1.9x faster than one pass
+// with rows prefetched ahead per block: benchmarks/results/cpu_floor_cpu_202612.md,
+// fifty-sixth session.)
+// nn_blocks_dpbf16's acc: m rows of n columns in blocks of `width`
+inline int64_t nn_acc_floats(int64_t m, int64_t n, int64_t width) {
+  return m * ((n + width - 1) / width) * width;
+}
+
 template <int H>
 void nn_blocks_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K, const c10::BFloat16* w,
                       int64_t ldw, int64_t n0, int64_t n1, c10::BFloat16* out, int64_t ldo,
                       float* acc) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
   const int64_t width = 32 * H;
-  for (int64_t n = n0; n < n1; n += width) {
-    const int64_t cols = std::min(width, n1 - n);
-    const uint16_t* wn = reinterpret_cast<const uint16_t*>(w) + n;
-    for_row_tiles(m, [&](auto rows, int64_t i0) {
-      nn_tile_dpbf16<decltype(rows)::value, H>(xp + i0 * K, K, wn, ldw, cols, acc + i0 * width,
-                                               i0 == 0 ? kNnAhead : 0);
-    });
-    for (int64_t a = 0; a < m; ++a) from_float(acc + a * width, out + a * ldo + n, cols);
+  const int64_t blocks = (n1 - n0 + width - 1) / width;
+  PanelFetch fetch;
+  fetch.ld = ldw * static_cast<int64_t>(sizeof(uint16_t));
+  fetch.bytes = (n1 - n0) * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kNnPanel) {
+    const int64_t k1 = std::min(K, k0 + kNnPanel);
+    const bool last = k1 == K;
+    fetch.row = reinterpret_cast<const char*>(wp + k1 * ldw + n0);
+    fetch.rows = std::min(K, k1 + kNnPanel) - k1;
+    fetch.off = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n = n0 + b * width;
+      const int64_t cols = std::min(width, n1 - n);
+      float* block_acc = acc + b * m * width;
+      for_row_tiles(m, [&](auto rows, int64_t i0) {
+        if constexpr (decltype(rows)::value == 1 || H == kNnHalves) {
+          nn_tile_dpbf16<decltype(rows)::value, H>(xp + i0 * K, K, wp + n, ldw, cols,
+                                                   block_acc + i0 * width, k0, k1, last,
+                                                   i0 == 0 ? &fetch : nullptr);
+        }
+      });
+      if (last) {
+        for (int64_t a = 0; a < m; ++a) from_float(block_acc + a * width, out + a * ldo + n, cols);
+      }
+    }
+    if (last) break;
   }
 }
 
@@ -555,10 +617,10 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
                                                                  cols, o + i0 * N, N, ahead);
                          });
           } else if (m == 1) {
-            scratch.resize(32 * kNnHalvesOneRow);
+            scratch.resize(nn_acc_floats(1, n1 - n0, 32 * kNnHalvesOneRow));
             nn_blocks_dpbf16<kNnHalvesOneRow>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
           } else {
-            scratch.resize(m * 32 * kNnHalves);
+            scratch.resize(nn_acc_floats(m, n1 - n0, 32 * kNnHalves));
             nn_blocks_dpbf16<kNnHalves>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
           }
           continue;
