@@ -434,9 +434,10 @@ TORCH_MOE_BF16_TARGET inline void store_in_order(__m512 lo, __m512 hi, float* ou
 struct PanelFetch {
   const char* row = nullptr;
   int64_t ld = 0, bytes = 0, rows = 0, off = 0;
+  int64_t per_step = 0;  // lines a k pair: the panel's lines over its k pairs, all tiles'
 
-  TORCH_MOE_BF16_INLINE void lines(int n) {
-    for (int i = 0; i < n && rows > 0; ++i) {
+  TORCH_MOE_BF16_INLINE void lines() {
+    for (int64_t i = 0; i < per_step && rows > 0; ++i) {
       _mm_prefetch(row + off, _MM_HINT_T1);  // (into L2: T0 and NTA measured slower)
       off += 64;
       if (off >= bytes) {
@@ -453,7 +454,7 @@ struct PanelFetch {
 // columns of a row-major weight from w (row stride ldw), in registers: the accumulators
 // start at zero for k0 == 0, else from acc (where the previous panel left them, in
 // register order), and go back to acc in register order, or in column order where
-// `last`. `fetch`, where not null, fetches 2 * H of the next panel's lines a k pair.
+// `last`. `fetch` fetches its share of the next panel's lines a k pair.
 // (nn_step_dpbf16: one k pair of it, c the accumulators: 2 per 32 columns.)
 template <int R, int H, bool kSecond>
 TORCH_MOE_BF16_INLINE void nn_step_dpbf16(const uint16_t* x, int64_t K, const uint16_t* w,
@@ -477,7 +478,7 @@ TORCH_MOE_BF16_INLINE void nn_step_dpbf16(const uint16_t* x, int64_t K, const ui
 template <int R, int H>
 TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const uint16_t* w,
                                           int64_t ldw, int64_t cols, float* acc, int64_t k0,
-                                          int64_t k1, bool last, PanelFetch* fetch) {
+                                          int64_t k1, bool last, PanelFetch& fetch) {
   __m512 c[R][2 * H];
   __mmask32 mask[H];
   _Pragma("GCC unroll 16") for (int a = 0; a < R; ++a)
@@ -486,7 +487,7 @@ TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const ui
   _Pragma("GCC unroll 16") for (int h = 0; h < H; ++h) mask[h] = first_columns(cols - 32 * h);
   const int64_t kp = std::min(k1, K / 2 * 2);
   for (int64_t k = k0; k < kp; k += 2) {
-    if (fetch) fetch->lines(2 * H);
+    fetch.lines();
     nn_step_dpbf16<R, H, true>(x, K, w, ldw, mask, k, c);
   }
   if (kp < k1) nn_step_dpbf16<R, H, false>(x, K, w, ldw, mask, kp, c);
@@ -505,8 +506,9 @@ TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const ui
 // The row-major form for m rows: the weight's rows [0, K) in panels of kNnPanel; in each,
 // columns [n0, n1) in blocks of 32 * H (H = 8 for one row: a longer stretch of each weight
 // row read at a time, 0.8-1.1x the fp32 form's one stream of whole rows, where 2 gave
-// 0.7-0.8x; else 2, 16 accumulators for 4 rows) and rows in tiles, the first of which
-// fetches the next panel (the later ones find the block's strip of rows in L1 / L2). The
+// 0.7-0.8x; else 2, 16 accumulators for 4 rows) and rows in tiles, which all fetch the
+// next panel, in equal shares over the panel's k pairs (the tiles after the first find
+// the block's strip of rows in L1 / L2: memory would idle while they run). The
 // sums wait in acc (m x (n1 - n0) floats, a block's rows together) between panels: each
 // output element is the same vdpbf16ps sequence as in one pass; rounded into out at the end.
 // (Qwen3-sized experts from cold caches, one Zen 4 thread: 1.2-1.9x faster than one pass
@@ -528,12 +530,16 @@ void nn_blocks_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K, const c10::B
   PanelFetch fetch;
   fetch.ld = ldw * static_cast<int64_t>(sizeof(uint16_t));
   fetch.bytes = (n1 - n0) * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t line_count = (fetch.bytes + 63) / 64;  // a row's lines
+  const int64_t tiles = (m + kRows - 1) / kRows;  // (for_row_tiles')
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kNnPanel) {
     const int64_t k1 = std::min(K, k0 + kNnPanel);
     const bool last = k1 == K;
     fetch.row = reinterpret_cast<const char*>(wp + k1 * ldw + n0);
     fetch.rows = std::min(K, k1 + kNnPanel) - k1;
     fetch.off = 0;
+    const int64_t steps = blocks * tiles * ((k1 - k0 + 1) / 2);
+    fetch.per_step = steps ? (fetch.rows * line_count + steps - 1) / steps : 0;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n = n0 + b * width;
       const int64_t cols = std::min(width, n1 - n);
@@ -542,7 +548,7 @@ void nn_blocks_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K, const c10::B
         if constexpr (decltype(rows)::value == 1 || H == kNnHalves) {
           nn_tile_dpbf16<decltype(rows)::value, H>(xp + i0 * K, K, wp + n, ldw, cols,
                                                    block_acc + i0 * width, k0, k1, last,
-                                                   i0 == 0 ? &fetch : nullptr);
+                                                   fetch);
         }
       });
       if (last) {
