@@ -1320,8 +1320,10 @@ class TestNativeFewRowsMM(TestCase):
         # a one-row group's own form of a row-major weight)
         cases += (([1, 2, 0, 3], 200, 70),)
         # an odd K across panels of the row-major form (64 weight rows each: the sums kept
-        # between panels, the last k paired with zero in the last one only)
-        cases += (([1, 5, 0, 2], 131, 70),)
+        # between panels, the last k paired with zero in the last one only); a K whose
+        # columns make several column-major panels (~192 KiB each: 44 columns here, the
+        # last block partial) with a tail past the last 32-k step, in groups of 1-4 rows
+        cases += (([1, 5, 0, 2], 131, 70), ([3, 0, 4, 1], 2050, 100))
         for sizes, k, n in cases:
             offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
             x = torch.randn(int(offs[-1]) + 2, k, generator=g).to(dtype)  # 2 rows past
@@ -1364,20 +1366,22 @@ class TestNativeFewRowsMM(TestCase):
         # groups of 1-4 rows and larger ones take different loops (row tiles, the row-major
         # form's stream of weight rows): a row's sums run in one order all the same, so
         # the same row against the same weight gives the same bits in a group of any size
+        # (bf16 column-major: runs of columns under 3 rows, panels of whole columns from
+        # 3; 2050 x 100: several panels and a k tail)
         g = torch.Generator().manual_seed(8)
-        k, n = 150, 90
-        if layout == "row":
-            w = torch.randn(1, k, n, generator=g).to(dtype).expand(2, k, n).contiguous()
-        else:
-            w = torch.randn(1, n, k, generator=g).to(dtype).expand(2, n, k).contiguous()
-            w = w.transpose(-2, -1)
-        big = torch.randn(9, k, generator=g).to(dtype)
-        for rows in (1, 2, 3, 4, 5, 8):
-            x = torch.cat([big[:rows], big])
-            offs = torch.tensor([rows, rows + 9], dtype=torch.int32)
-            got = _few_mm(x, w, offs)
-            with self.subTest(rows=rows):
-                self.assertTrue(torch.equal(got[:rows], got[rows : 2 * rows]))
+        for k, n in ((150, 90), (2050, 100)):
+            if layout == "row":
+                w = torch.randn(1, k, n, generator=g).to(dtype).expand(2, k, n).contiguous()
+            else:
+                w = torch.randn(1, n, k, generator=g).to(dtype).expand(2, n, k).contiguous()
+                w = w.transpose(-2, -1)
+            big = torch.randn(9, k, generator=g).to(dtype)
+            for rows in (1, 2, 3, 4, 5, 8):
+                x = torch.cat([big[:rows], big])
+                offs = torch.tensor([rows, rows + 9], dtype=torch.int32)
+                got = _few_mm(x, w, offs)
+                with self.subTest(rows=rows, k=k):
+                    self.assertTrue(torch.equal(got[:rows], got[rows : 2 * rows]))
 
     @parametrize("layout", ["row", "col"])
     def test_odd_k_reads_nothing_past_a_row(self, layout):

@@ -344,11 +344,35 @@ void nt_blocks(int64_t m, int64_t n0, int64_t n1, int64_t ldw, Tile&& tile) {
 #define TORCH_MOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TORCH_MOE_BF16_INLINE TORCH_MOE_BF16_TARGET inline __attribute__((always_inline))
 
-// nt_tile for bf16 by vdpbf16ps (x in bf16 here)
+// The next panel's cache lines, fetched in address order a few per k pair while the
+// current panel is multiplied: rows `rows` from `row` (row stride ld bytes), `bytes` of
+// each from its start. The current panel's blocks of columns walk down its rows 64-256
+// bytes at a time, a stride the hardware prefetchers follow too late from memory; this
+// reads the weight as whole rows, in order, a panel ahead.
+struct PanelFetch {
+  const char* row = nullptr;
+  int64_t ld = 0, bytes = 0, rows = 0, off = 0;
+  int64_t per_step = 0;  // lines a k pair: the panel's lines over its k pairs, all tiles'
+
+  TORCH_MOE_BF16_INLINE void lines() {
+    for (int64_t i = 0; i < per_step && rows > 0; ++i) {
+      _mm_prefetch(row + off, _MM_HINT_T1);  // (into L2: T0 and NTA measured slower)
+      off += 64;
+      if (off >= bytes) {
+        off = 0;
+        row += ld;
+        --rows;
+      }
+    }
+  }
+};
+
+// nt_tile for bf16 by vdpbf16ps (x in bf16 here); `fetch`, where not null, fetches its
+// share of the next panel (nt_panels_dpbf16) a k step
 template <int R>
 TORCH_MOE_BF16_TARGET void nt_tile_dpbf16(
     const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, int64_t ldw, const int64_t* col,
-    int cols, c10::BFloat16* out, int64_t ldo, int64_t ahead) {
+    int cols, c10::BFloat16* out, int64_t ldo, int64_t ahead, PanelFetch* fetch) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
   const int64_t kb = K / 32 * 32;
@@ -357,6 +381,7 @@ TORCH_MOE_BF16_TARGET void nt_tile_dpbf16(
     for (int b = 0; b < kRows; ++b) c[a][b] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kb; k += 32) {
     __m512bh wv[kRows];
+    if (fetch) fetch->lines();
     for (int b = 0; b < kRows; ++b) {
       if (ahead) prefetch_ahead<uint16_t, 32>(wp + col[b] * ldw + k, ahead);
       wv[b] = (__m512bh)_mm512_loadu_si512(wp + col[b] * ldw + k);
@@ -372,6 +397,55 @@ TORCH_MOE_BF16_TARGET void nt_tile_dpbf16(
       for (int64_t k = kb; k < K; ++k)
         s += static_cast<float>(x[a * K + k]) * static_cast<float>(w[col[b] * ldw + k]);
       out[a * ldo + col[b]] = c10::BFloat16(s);
+    }
+  }
+}
+
+// The column-major form for bf16 by panels of whole columns (kNtPanelBytes of them, in
+// blocks of kRows adjacent columns, m rows in tiles), every tile fetching its share of the
+// next panel's lines in address order, over all of the panel's k steps (as the row-major
+// form's panels: each panel read from L2, memory kept busy while later tiles compute);
+// the last panel fetches the first of `next_cols` columns at next_w (the next task's, or
+// none). Each output element is one dot product in k order whatever its block.
+constexpr int64_t kNtPanelBytes = 192 << 10;
+// groups of fewer rows take the runs of columns of nt_blocks (a decode step's one or two
+// rows per expert: 0.86-0.91x the read floor there, the panels 0.95-0.99x; from 4 rows
+// per expert the panels 1.03-1.06x, the runs 1.25-1.29x: cpu_floor_cpu_202612.md,
+// fifty-sixth session)
+constexpr int64_t kNtPanelRows = 3;
+
+TORCH_MOE_BF16_TARGET void nt_panels_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K,
+                                            const c10::BFloat16* w, int64_t ldw, int64_t n0,
+                                            int64_t n1, c10::BFloat16* out, int64_t ldo,
+                                            const c10::BFloat16* next_w, int64_t next_cols) {
+  const int64_t col_bytes = K * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t width =
+      std::max<int64_t>(kRows, kNtPanelBytes / std::max<int64_t>(col_bytes, 1) / kRows * kRows);
+  const int64_t tiles = (m + kRows - 1) / kRows;
+  const int64_t line_count = (col_bytes + 63) / 64;
+  PanelFetch fetch;
+  fetch.ld = ldw * static_cast<int64_t>(sizeof(uint16_t));
+  fetch.bytes = col_bytes;
+  for (int64_t c0 = n0; c0 < n1; c0 += width) {
+    const int64_t c1 = std::min(n1, c0 + width);
+    if (c1 < n1) {
+      fetch.row = reinterpret_cast<const char*>(w + c1 * ldw);
+      fetch.rows = std::min(n1, c1 + width) - c1;
+    } else {
+      fetch.row = reinterpret_cast<const char*>(next_w);
+      fetch.rows = next_w == nullptr ? 0 : std::min(width, next_cols);
+    }
+    fetch.off = 0;
+    const int64_t steps = (c1 - c0 + kRows - 1) / kRows * tiles * (K / 32);
+    fetch.per_step = steps ? (fetch.rows * line_count + steps - 1) / steps : 0;
+    for (int64_t c = c0; c < c1; c += kRows) {
+      int64_t col[kRows];
+      const int cols = static_cast<int>(std::min<int64_t>(kRows, c1 - c));
+      for (int b = 0; b < kRows; ++b) col[b] = c + std::min(b, cols - 1);
+      for_row_tiles(m, [&](auto rows, int64_t i0) {
+        nt_tile_dpbf16<decltype(rows)::value>(x + i0 * K, K, w, ldw, col, cols, out + i0 * ldo,
+                                              ldo, 0, &fetch);
+      });
     }
   }
 }
@@ -425,29 +499,6 @@ TORCH_MOE_BF16_TARGET inline void store_in_order(__m512 lo, __m512 hi, float* ou
   _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo, first, hi));
   _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, second, hi));
 }
-
-// The next panel's cache lines, fetched in address order a few per k pair while the
-// current panel is multiplied: rows `rows` from `row` (row stride ld bytes), `bytes` of
-// each from its start. The current panel's blocks of columns walk down its rows 64-256
-// bytes at a time, a stride the hardware prefetchers follow too late from memory; this
-// reads the weight as whole rows, in order, a panel ahead.
-struct PanelFetch {
-  const char* row = nullptr;
-  int64_t ld = 0, bytes = 0, rows = 0, off = 0;
-  int64_t per_step = 0;  // lines a k pair: the panel's lines over its k pairs, all tiles'
-
-  TORCH_MOE_BF16_INLINE void lines() {
-    for (int64_t i = 0; i < per_step && rows > 0; ++i) {
-      _mm_prefetch(row + off, _MM_HINT_T1);  // (into L2: T0 and NTA measured slower)
-      off += 64;
-      if (off >= bytes) {
-        off = 0;
-        row += ld;
-        --rows;
-      }
-    }
-  }
-};
 
 // acc[a * 32 * H + n] += x[a, k] * w[k, n] over the k pairs of [k0, k1) (and, where k1 is
 // K and K odd, its last k), for R rows of x (bf16, row stride K) and the `cols` (<= 32 * H)
@@ -617,11 +668,27 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
             continue;
           }
           if (!row_major) {
-            nt_blocks<T>(m, n0, n1, ldw,
-                         [&](auto rows, int64_t i0, const int64_t* col, int cols, int64_t ahead) {
-                           nt_tile_dpbf16<decltype(rows)::value>(xg + i0 * K, K, wg, ldw, col,
-                                                                 cols, o + i0 * N, N, ahead);
-                         });
+            // the next busy task's columns: the last panel fetches their first panel
+            const T* next_w = nullptr;
+            int64_t next_cols = 0;
+            for (int64_t u = t + 1; u < t1 && next_w == nullptr; ++u) {
+              const int64_t gu = u / col_tasks, cu = u % col_tasks;
+              if (starts[gu + 1] == starts[gu]) continue;
+              const int64_t u0 = cu * cols_per_task;
+              next_w = wp + gu * w.stride(0) + u0 * ldw;
+              next_cols = std::min(N, u0 + cols_per_task) - u0;
+            }
+            if (m >= kNtPanelRows) {
+              nt_panels_dpbf16(xg, m, K, wg, ldw, n0, n1, o, N, next_w, next_cols);
+            } else {
+              nt_blocks<T>(m, n0, n1, ldw,
+                           [&](auto rows, int64_t i0, const int64_t* col, int cols,
+                               int64_t ahead) {
+                             nt_tile_dpbf16<decltype(rows)::value>(xg + i0 * K, K, wg, ldw, col,
+                                                                   cols, o + i0 * N, N, ahead,
+                                                                   nullptr);
+                           });
+            }
           } else if (m == 1) {
             scratch.resize(nn_acc_floats(1, n1 - n0, 32 * kNnHalvesOneRow));
             nn_blocks_dpbf16<kNnHalvesOneRow>(xg, m, K, wg, ldw, n0, n1, o, N, scratch.data());
