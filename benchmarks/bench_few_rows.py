@@ -29,7 +29,7 @@ from pathlib import Path
 
 import bench_decode  # (this script's directory is on sys.path: run it as a script)
 import torch
-from bench_decode import ReadFloor, cache_flusher
+from bench_decode import ReadFloor, cache_flusher, routing
 
 from torch_moe._ops import _native
 from torch_moe._ops._cpu_probe import cpu_isa
@@ -76,14 +76,11 @@ def main() -> None:
         f"{args.rounds} rounds, {args.flush_mib} MiB read before each timed call"
     )
     print(f"## D={D} F={F} E={E} top-{K}, bf16 weights\n")
-    print(
-        "| T | experts hit | rows per busy expert | floor ms | "
-        + " | ".join(f"{name} ms (x floor)" for name in layouts)
-        + " |"
-    )
-    print("|---" * (4 + len(layouts)) + "|")
+    head = ["T", "experts hit", "rows per busy expert", "floor ms"]
+    head += [f"{name} ms (x floor)" for name in layouts]
+    print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
     for T in args.tokens:
-        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+        ids, _ = routing(T, E, K, gen)  # (bench_decode's: uniform top-k)
         counts = torch.bincount(ids.flatten(), minlength=E)
         offs = counts.cumsum(0).to(torch.int32)
         busy = int((counts > 0).sum())
