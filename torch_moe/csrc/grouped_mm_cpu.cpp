@@ -138,6 +138,9 @@ inline float lane_fma(float a, float b, float c) {
 // that their R x kRows (R x kCols) accumulators stay in registers: with a run-time row
 // count GCC kept some on the stack, a load and a store per step (half the rate at 16
 // rows).
+// How many tiles for_row_tiles cuts m rows into
+inline int64_t row_tiles(int64_t m) { return (m + kRows - 1) / kRows; }
+
 template <typename Tile>
 inline void for_row_tiles(int64_t m, Tile&& tile) {
   static_assert(kRows == 4, "one case per tile height");
@@ -265,7 +268,7 @@ inline int block_columns(int64_t n0, int64_t n1, int64_t blk, int64_t* col) {
 }
 
 // Software prefetch (for the column-major forms nt_blocks says which tile asks for it;
-// the row-major vdpbf16ps form below fetches its next panel instead: PanelFetch): the cache lines
+// the vdpbf16ps forms' panels fetch the next panel instead: PanelFetch): the cache lines
 // `ahead` elements past a weight load's address, one per line the load spans. The
 // hardware prefetchers run too short a way ahead on the weight's runs of columns, and
 // nothing reads memory while a block's later row tiles work from L1
@@ -352,7 +355,15 @@ void nt_blocks(int64_t m, int64_t n0, int64_t n1, int64_t ldw, Tile&& tile) {
 struct PanelFetch {
   const char* row = nullptr;
   int64_t ld = 0, bytes = 0, rows = 0, off = 0;
-  int64_t per_step = 0;  // lines a k pair: the panel's lines over its k pairs, all tiles'
+  int64_t per_step = 0;  // lines a k step: the panel's lines over its k steps, all tiles'
+
+  // the next panel: `rows` rows from `first`, its lines shared over `steps` k steps
+  void start(const void* first, int64_t rows_, int64_t steps) {
+    row = static_cast<const char*>(first);
+    rows = rows_;
+    off = 0;
+    per_step = steps ? (rows * ((bytes + 63) / 64) + steps - 1) / steps : 0;
+  }
 
   TORCH_MOE_BF16_INLINE void lines() {
     for (int64_t i = 0; i < per_step && rows > 0; ++i) {
@@ -421,23 +432,18 @@ TORCH_MOE_BF16_TARGET void nt_panels_dpbf16(const c10::BFloat16* x, int64_t m, i
   const int64_t col_bytes = K * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t width =
       std::max<int64_t>(kRows, kNtPanelBytes / std::max<int64_t>(col_bytes, 1) / kRows * kRows);
-  const int64_t tiles = (m + kRows - 1) / kRows;
-  const int64_t line_count = (col_bytes + 63) / 64;
+  const int64_t tiles = row_tiles(m);
   PanelFetch fetch;
   fetch.ld = ldw * static_cast<int64_t>(sizeof(uint16_t));
   fetch.bytes = col_bytes;
   for (int64_t c0 = n0; c0 < n1; c0 += width) {
     const int64_t c1 = std::min(n1, c0 + width);
-    if (c1 < n1) {
-      fetch.row = reinterpret_cast<const char*>(w + c1 * ldw);
-      fetch.rows = std::min(n1, c1 + width) - c1;
-    } else {
-      fetch.row = reinterpret_cast<const char*>(next_w);
-      fetch.rows = next_w == nullptr ? 0 : std::min(width, next_cols);
-    }
-    fetch.off = 0;
     const int64_t steps = (c1 - c0 + kRows - 1) / kRows * tiles * (K / 32);
-    fetch.per_step = steps ? (fetch.rows * line_count + steps - 1) / steps : 0;
+    if (c1 < n1) {
+      fetch.start(w + c1 * ldw, std::min(n1, c1 + width) - c1, steps);
+    } else {
+      fetch.start(next_w, next_w == nullptr ? 0 : std::min(width, next_cols), steps);
+    }
     for (int64_t c = c0; c < c1; c += kRows) {
       int64_t col[kRows];
       const int cols = static_cast<int>(std::min<int64_t>(kRows, c1 - c));
@@ -554,6 +560,11 @@ TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const ui
     }
 }
 
+// nn_blocks_dpbf16's acc: m rows of n columns in blocks of `width`
+inline int64_t nn_acc_floats(int64_t m, int64_t n, int64_t width) {
+  return m * ((n + width - 1) / width) * width;
+}
+
 // The row-major form for m rows: the weight's rows [0, K) in panels of kNnPanel; in each,
 // columns [n0, n1) in blocks of 32 * H (H = 8 for one row: a longer stretch of each weight
 // row read at a time, 0.8-1.1x the fp32 form's one stream of whole rows, where 2 gave
@@ -565,11 +576,6 @@ TORCH_MOE_BF16_TARGET void nn_tile_dpbf16(const uint16_t* x, int64_t K, const ui
 // (Qwen3-sized experts from cold caches, one Zen 4 thread: 1.2-1.9x faster than one pass
 // with rows prefetched ahead per block: benchmarks/results/cpu_floor_cpu_202612.md,
 // fifty-sixth session.)
-// nn_blocks_dpbf16's acc: m rows of n columns in blocks of `width`
-inline int64_t nn_acc_floats(int64_t m, int64_t n, int64_t width) {
-  return m * ((n + width - 1) / width) * width;
-}
-
 template <int H>
 void nn_blocks_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K, const c10::BFloat16* w,
                       int64_t ldw, int64_t n0, int64_t n1, c10::BFloat16* out, int64_t ldo,
@@ -581,16 +587,12 @@ void nn_blocks_dpbf16(const c10::BFloat16* x, int64_t m, int64_t K, const c10::B
   PanelFetch fetch;
   fetch.ld = ldw * static_cast<int64_t>(sizeof(uint16_t));
   fetch.bytes = (n1 - n0) * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t line_count = (fetch.bytes + 63) / 64;  // a row's lines
-  const int64_t tiles = (m + kRows - 1) / kRows;  // (for_row_tiles')
+  const int64_t tiles = row_tiles(m);
   for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kNnPanel) {
     const int64_t k1 = std::min(K, k0 + kNnPanel);
     const bool last = k1 == K;
-    fetch.row = reinterpret_cast<const char*>(wp + k1 * ldw + n0);
-    fetch.rows = std::min(K, k1 + kNnPanel) - k1;
-    fetch.off = 0;
-    const int64_t steps = blocks * tiles * ((k1 - k0 + 1) / 2);
-    fetch.per_step = steps ? (fetch.rows * line_count + steps - 1) / steps : 0;
+    fetch.start(wp + k1 * ldw + n0, std::min(K, k1 + kNnPanel) - k1,
+                blocks * tiles * ((k1 - k0 + 1) / 2));
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n = n0 + b * width;
       const int64_t cols = std::min(width, n1 - n);
@@ -668,17 +670,17 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
             continue;
           }
           if (!row_major) {
-            // the next busy task's columns: the last panel fetches their first panel
-            const T* next_w = nullptr;
-            int64_t next_cols = 0;
-            for (int64_t u = t + 1; u < t1 && next_w == nullptr; ++u) {
-              const int64_t gu = u / col_tasks, cu = u % col_tasks;
-              if (starts[gu + 1] == starts[gu]) continue;
-              const int64_t u0 = cu * cols_per_task;
-              next_w = wp + gu * w.stride(0) + u0 * ldw;
-              next_cols = std::min(N, u0 + cols_per_task) - u0;
-            }
             if (m >= kNtPanelRows) {
+              // the next busy task's columns: the last panel fetches their first panel
+              const T* next_w = nullptr;
+              int64_t next_cols = 0;
+              for (int64_t u = t + 1; u < t1 && next_w == nullptr; ++u) {
+                const int64_t gu = u / col_tasks, cu = u % col_tasks;
+                if (starts[gu + 1] == starts[gu]) continue;
+                const int64_t u0 = cu * cols_per_task;
+                next_w = wp + gu * w.stride(0) + u0 * ldw;
+                next_cols = std::min(N, u0 + cols_per_task) - u0;
+              }
               nt_panels_dpbf16(xg, m, K, wg, ldw, n0, n1, o, N, next_w, next_cols);
             } else {
               nt_blocks<T>(m, n0, n1, ldw,
