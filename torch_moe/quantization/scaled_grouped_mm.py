@@ -981,6 +981,7 @@ def _scaled_grouped_mm_wgrad_cpu(
                 if not direct:
                     out[g].copy_(dst)
             start = end
+        a_f = b_f = None  # (freed before the next chunk's values exist)
     return out
 
 
