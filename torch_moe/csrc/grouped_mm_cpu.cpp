@@ -112,6 +112,27 @@ inline void load_cols<c10::Half>(const c10::Half* p, fVec* out) {
 }
 #endif
 
+// One fp32 vector of kV consecutive elements of T (on AVX2, F16C converts half and bf16 is
+// the high half of an fp32: exact, as load_cols).
+template <typename T>
+inline fVec load_vec(const T* p) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return fVec(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return fVec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+#endif
+  if constexpr (std::is_same_v<T, float>) {
+    return fVec::loadu(p);
+  } else {
+    float buf[kV];
+    for (int64_t i = 0; i < kV; ++i) buf[i] = static_cast<float>(p[i]);
+    return fVec::loadu(buf);
+  }
+}
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   at::vec::convert(src, dst, n);
@@ -161,21 +182,36 @@ template <int R, typename T>
 void nn_panel(const float* xf, int64_t K, const T* w, int64_t ldw, int64_t n0, int64_t width,
               int64_t k0, int64_t k1, float* acc) {
   constexpr int64_t kW = kCols * kV;
+#if defined(CPU_CAPABILITY_AVX2)
+  // in AVX2's 16 vector registers (R x kCols sums + kCols weight vectors + x: 21 at four
+  // rows, and GCC kept the rest on the stack): from three rows the block's columns in two
+  // passes of kCols / 2 vectors, each weight vector still converted once per tile. The
+  // same sums in the same order.
+  constexpr int J = R <= 2 ? kCols : kCols / 2;
+#else
+  constexpr int J = kCols;
+#endif
   int64_t n = 0;
   for (; n + kW <= width; n += kW) {
-    fVec c[R][kCols];
-    for (int a = 0; a < R; ++a)
-      for (int j = 0; j < kCols; ++j) c[a][j] = fVec::loadu(acc + a * width + n + j * kV);
-    for (int64_t k = k0; k < k1; ++k) {
-      fVec wv[kCols];
-      load_cols(w + k * ldw + n0 + n, wv);
-      for (int a = 0; a < R; ++a) {
-        const fVec xv(xf[a * K + k]);
-        for (int j = 0; j < kCols; ++j) c[a][j] = at::vec::fmadd(xv, wv[j], c[a][j]);
+    for (int j0 = 0; j0 < kCols; j0 += J) {
+      fVec c[R][J];
+      for (int a = 0; a < R; ++a)
+        for (int j = 0; j < J; ++j) c[a][j] = fVec::loadu(acc + a * width + n + (j0 + j) * kV);
+      for (int64_t k = k0; k < k1; ++k) {
+        fVec wv[J];
+        if constexpr (J == kCols) {
+          load_cols(w + k * ldw + n0 + n, wv);
+        } else {
+          for (int j = 0; j < J; ++j) wv[j] = load_vec(w + k * ldw + n0 + n + (j0 + j) * kV);
+        }
+        for (int a = 0; a < R; ++a) {
+          const fVec xv(xf[a * K + k]);
+          for (int j = 0; j < J; ++j) c[a][j] = at::vec::fmadd(xv, wv[j], c[a][j]);
+        }
       }
+      for (int a = 0; a < R; ++a)
+        for (int j = 0; j < J; ++j) c[a][j].store(acc + a * width + n + (j0 + j) * kV);
     }
-    for (int a = 0; a < R; ++a)
-      for (int j = 0; j < kCols; ++j) c[a][j].store(acc + a * width + n + j * kV);
   }
   for (; n < width; ++n) {  // the last columns (fewer than a block), one fma per product
     for (int a = 0; a < R; ++a) {  // as in the vector lanes
@@ -284,6 +320,21 @@ inline void prefetch_ahead(const T* p, int64_t ahead) {
 #endif
 }
 
+// The end of a column-major tile: each sum c[a][b - b0] of columns col[b0..b1) reduced
+// over its lanes, the products of k in [kb, K) added in order, rounded into out.
+template <int R, int C, typename T>
+inline void nt_tile_store(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t* col,
+                          int b0, int b1, int64_t kb, fVec (&c)[R][C], T* out, int64_t ldo) {
+  for (int a = 0; a < R; ++a) {
+    for (int b = b0; b < b1; ++b) {
+      float s = at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; },
+                                               c[a][b - b0]);
+      for (int64_t k = kb; k < K; ++k) s += xf[a * K + k] * static_cast<float>(w[col[b] * ldw + k]);
+      out[a * ldo + col[b]] = static_cast<T>(s);  // round to nearest even, as a tensor copy
+    }
+  }
+}
+
 // out[r, n] = dot(x[r, :], w[n, :]) for R rows of x (fp32) and the columns col[0..cols)
 // of a column-major weight (its column n contiguous over K: w[n * ldw + k]), the weight's
 // elements converted in registers, kCols vectors of K per step (R: see for_row_tiles);
@@ -309,14 +360,49 @@ void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t*
       }
     }
   }
-  for (int a = 0; a < R; ++a) {
-    for (int b = 0; b < cols; ++b) {
-      float s = at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; }, c[a][b]);
-      for (int64_t k = kb; k < K; ++k) s += xf[a * K + k] * static_cast<float>(w[col[b] * ldw + k]);
-      out[a * ldo + col[b]] = static_cast<T>(s);  // round to nearest even, as a tensor copy
+  nt_tile_store<R>(xf, K, w, ldw, col, 0, cols, kb, c, out, ldo);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// nt_tile in the 16 vector registers of AVX2: nt_tile's R x kRows sums and kRows x kCols
+// weight vectors need twice as many, and GCC keeps the rest on the stack. Here the weight
+// is converted one vector of each column at a time (2 x 4 sums + 4 weight vectors + 1 of
+// x live), and a tile of three or four rows runs as tiles of two, each converting the
+// block's weight again from L1 (faster than passes of two columns over four rows, which
+// read x's rows twice, from L2 where K is large: in cache, 8 rows 36 -> 52 GFLOP/s here,
+// benchmarks/results/cpu_floor_cpu_202612.md, fifty-seventh session). Every sum adds the
+// same products in the same order as nt_tile's (k in vectors of kV, kW a step, the lanes
+// then reduced and the last K % kW products added in order): the same bits.
+template <int R, typename T>
+void nt_tile_ymm(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t* col, int cols,
+                 T* out, int64_t ldo, int64_t ahead) {
+  if constexpr (R > 2) {
+    nt_tile_ymm<2>(xf, K, w, ldw, col, cols, out, ldo, ahead);
+    nt_tile_ymm<R - 2>(xf + 2 * K, K, w, ldw, col, cols, out + 2 * ldo, ldo, 0);
+  } else {
+    constexpr int64_t kW = kCols * kV;
+    const int64_t kb = K / kW * kW;
+    const T* wc[kRows];
+    for (int b = 0; b < kRows; ++b) wc[b] = w + col[b] * ldw;
+    fVec c[R][kRows];
+    for (int a = 0; a < R; ++a)
+      for (int b = 0; b < kRows; ++b) c[a][b] = fVec(0.0f);
+    for (int64_t k = 0; k < kb; k += kW) {
+      if (ahead)
+        for (int b = 0; b < kRows; ++b) prefetch_ahead<T, kW>(wc[b] + k, ahead);
+      for (int j = 0; j < kCols; ++j) {
+        fVec wv[kRows];
+        for (int b = 0; b < kRows; ++b) wv[b] = load_vec(wc[b] + k + j * kV);
+        for (int a = 0; a < R; ++a) {
+          const fVec xv = fVec::loadu(xf + a * K + k + j * kV);
+          for (int b = 0; b < kRows; ++b) c[a][b] = at::vec::fmadd(xv, wv[b], c[a][b]);
+        }
+      }
     }
+    nt_tile_store<R>(xf, K, w, ldw, col, 0, cols, kb, c, out, ldo);
   }
 }
+#endif
 
 // The column-major form: columns [n0, n1) in the blocks of block_columns, m rows in
 // tiles; tile(R, i0, col, cols, ahead) computes the tile of rows [i0, i0 + R) and those
@@ -712,8 +798,13 @@ void few_rows_mm_impl(const at::Tensor& x, const at::Tensor& w, const int32_t* e
       } else {
         nt_blocks<T>(m, n0, n1, ldw,
                      [&](auto rows, int64_t i0, const int64_t* col, int cols, int64_t ahead) {
+#if defined(CPU_CAPABILITY_AVX2)
+                       nt_tile_ymm<decltype(rows)::value>(xf.data() + i0 * K, K, wg, ldw, col,
+                                                          cols, o + i0 * N, N, ahead);
+#else
                        nt_tile<decltype(rows)::value>(xf.data() + i0 * K, K, wg, ldw, col, cols,
                                                       o + i0 * N, N, ahead);
+#endif
                      });
       }
     }
