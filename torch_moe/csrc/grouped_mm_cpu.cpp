@@ -320,15 +320,14 @@ inline void prefetch_ahead(const T* p, int64_t ahead) {
 #endif
 }
 
-// The end of a column-major tile: each sum c[a][b - b0] of columns col[b0..b1) reduced
+// The end of a column-major tile: each sum c[a][b] of the columns col[0..cols) reduced
 // over its lanes, the products of k in [kb, K) added in order, rounded into out.
-template <int R, int C, typename T>
+template <int R, typename T>
 inline void nt_tile_store(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t* col,
-                          int b0, int b1, int64_t kb, fVec (&c)[R][C], T* out, int64_t ldo) {
+                          int cols, int64_t kb, fVec (&c)[R][kRows], T* out, int64_t ldo) {
   for (int a = 0; a < R; ++a) {
-    for (int b = b0; b < b1; ++b) {
-      float s = at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; },
-                                               c[a][b - b0]);
+    for (int b = 0; b < cols; ++b) {
+      float s = at::vec::vec_reduce_all<float>([](fVec& u, fVec& v) { return u + v; }, c[a][b]);
       for (int64_t k = kb; k < K; ++k) s += xf[a * K + k] * static_cast<float>(w[col[b] * ldw + k]);
       out[a * ldo + col[b]] = static_cast<T>(s);  // round to nearest even, as a tensor copy
     }
@@ -360,7 +359,7 @@ void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t*
       }
     }
   }
-  nt_tile_store<R>(xf, K, w, ldw, col, 0, cols, kb, c, out, ldo);
+  nt_tile_store<R>(xf, K, w, ldw, col, cols, kb, c, out, ldo);
 }
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -368,11 +367,12 @@ void nt_tile(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t*
 // weight vectors need twice as many, and GCC keeps the rest on the stack. Here the weight
 // is converted one vector of each column at a time (2 x 4 sums + 4 weight vectors + 1 of
 // x live), and a tile of three or four rows runs as tiles of two, each converting the
-// block's weight again from L1 (faster than passes of two columns over four rows, which
-// read x's rows twice, from L2 where K is large: in cache, 8 rows 36 -> 52 GFLOP/s here,
-// benchmarks/results/cpu_floor_cpu_202612.md, fifty-seventh session). Every sum adds the
-// same products in the same order as nt_tile's (k in vectors of kV, kW a step, the lanes
-// then reduced and the last K % kW products added in order): the same bits.
+// block's weight again from L1: passes of two columns over four rows, which read x's four
+// rows twice (from L2 where K is large), ran 36 GFLOP/s at 8 rows in cache on an AVX2-only
+// EPYC, tiles of two 52 (benchmarks/results/cpu_floor_cpu_202612.md, fifty-seventh
+// session). Every sum adds the same products in the same order as nt_tile's (k in vectors
+// of kV, kW a step, the lanes then reduced and the last K % kW products added in order):
+// the same bits.
 template <int R, typename T>
 void nt_tile_ymm(const float* xf, int64_t K, const T* w, int64_t ldw, const int64_t* col, int cols,
                  T* out, int64_t ldo, int64_t ahead) {
@@ -399,7 +399,7 @@ void nt_tile_ymm(const float* xf, int64_t K, const T* w, int64_t ldw, const int6
         }
       }
     }
-    nt_tile_store<R>(xf, K, w, ldw, col, 0, cols, kb, c, out, ldo);
+    nt_tile_store<R>(xf, K, w, ldw, col, cols, kb, c, out, ldo);
   }
 }
 #endif
