@@ -112,26 +112,22 @@ inline void load_cols<c10::Half>(const c10::Half* p, fVec* out) {
 }
 #endif
 
-// One fp32 vector of kV consecutive elements of T (on AVX2, F16C converts half and bf16 is
-// the high half of an fp32: exact, as load_cols).
+#if defined(CPU_CAPABILITY_AVX2)
+// One fp32 vector of kV consecutive elements of T, for the AVX2 tiles below that convert
+// one weight vector at a time (load_cols converts kCols): F16C converts half, and bf16 is
+// the high half of an fp32 (exact, as load_cols).
 template <typename T>
 inline fVec load_vec(const T* p) {
-#if defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return fVec(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
   } else if constexpr (std::is_same_v<T, c10::Half>) {
     return fVec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-#endif
-  if constexpr (std::is_same_v<T, float>) {
-    return fVec::loadu(p);
   } else {
-    float buf[kV];
-    for (int64_t i = 0; i < kV; ++i) buf[i] = static_cast<float>(p[i]);
-    return fVec::loadu(buf);
+    return fVec::loadu(p);
   }
 }
+#endif
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -201,8 +197,10 @@ void nn_panel(const float* xf, int64_t K, const T* w, int64_t ldw, int64_t n0, i
         fVec wv[J];
         if constexpr (J == kCols) {
           load_cols(w + k * ldw + n0 + n, wv);
-        } else {
+        } else {  // (AVX2's passes only)
+#if defined(CPU_CAPABILITY_AVX2)
           for (int j = 0; j < J; ++j) wv[j] = load_vec(w + k * ldw + n0 + n + (j0 + j) * kV);
+#endif
         }
         for (int a = 0; a < R; ++a) {
           const fVec xv(xf[a * K + k]);
