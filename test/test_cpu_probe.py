@@ -658,8 +658,12 @@ class TestCpuProbe(TestCase):
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_row_split_decision_measured(self):
-        # measured from scratch, once per dtype, on one thread: the key names the dtype
-        with intra_op_threads(2):
+        # measured from scratch, once per dtype, on one thread: the key names the dtype;
+        # only where the dtype is multiplied as such (an upcast runs MKL's fp32 GEMMs)
+        with P.force(half_gemm="fp32"):
+            self.assertFalse(grouped_mm_module._row_split_on(torch.bfloat16))
+        self.assertEqual([k for k in P.decisions() if k.startswith("row_split:")], [])
+        with intra_op_threads(2), P.force(half_gemm="native"):
             self.assertIn(grouped_mm_module._row_split_on(torch.bfloat16), (True, False))
         self.assertFalse(grouped_mm_module._row_split_on(torch.float32))  # not the kernel's
         got = P.decisions()
@@ -896,8 +900,9 @@ class TestForcedDecisions(TestCase):
             out = grouped_mm(x, w, offs)
             out.backward(grad)
         # forward and dX: one row-major x column-major (never copied), the other
-        # row-major x row-major; dW column-major x row-major
-        native = dtype != torch.float32 and half_gemm == "native"  # (half dtypes only)
+        # row-major x row-major; dW column-major x row-major. Half dtypes only: multiplied
+        # as such, or upcast (half_gemm=fp32) piece by piece on the threads
+        native = dtype != torch.float32
         self.assertEqual(fwd.call_count, (2 if layout == "as_is" else 1) if native else 0)
         self.assertEqual(wgrad.call_count, 1 if native and layout == "as_is" else 0)
         assert_gemm_within(self, out, x, w, offs, "forward")

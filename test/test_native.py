@@ -1518,6 +1518,42 @@ class TestNativeThreadedGroupedMM(TestCase):
                     assert_gemm_within(self, got, x, dy, offs, f"{sizes}", wgrad=True)
                     self.assertEqual(got, want, atol=0, rtol=0)
 
+    @parametrize("dtype", [BF16, F16])
+    @parametrize("layout", ["row", "col", "row_slice", "col_slice"])
+    def test_upcast_pieces_within_the_fp32_bound(self, dtype, layout):
+        # upcast (CPUs that multiply half dtypes by their fp32 upcast): each piece's
+        # operands converted to fp32 on its thread (a weight block of 512 columns at a
+        # time: N 600 crosses one), one fp32 GEMM, rounded once into out, half or fp32 (an
+        # operand may be fp32 already): within the bound of the product rounded to out's
+        # dtype from fp32 sums, on 1-3 threads, rows past the groups zero, empty groups'
+        # weight gradients zero
+        g = torch.Generator().manual_seed(9)
+        mod = _native.kernels()
+        for sizes, n in ((_THREADED_SIZES[0], 24), (_THREADED_SIZES[3], 600), ([300], 40)):
+            offs = _offs_of(sizes)
+            end = int(offs[-1])
+            x = torch.randn(end + 3, 40, generator=g).to(dtype)
+            w = _few_weight(len(sizes), 40, n, dtype, layout, g)
+            dy = torch.randn(end + 3, n, generator=g).to(dtype)
+            for threads, out_dtype, x_ in itertools.product(
+                (1, 2, 3), (dtype, F32), (x, x.float())
+            ):
+                with (
+                    self.subTest(sizes=sizes, threads=threads, out=str(out_dtype), x=str(x_.dtype)),
+                    intra_op_threads(threads),
+                ):
+                    got = torch.full((end + 3, n), float("nan"), dtype=out_dtype)
+                    mod.threaded_grouped_mm(x_, w, offs, got, False, False, None, False, True)
+                    assert_gemm_within(self, got, x_, w, offs, f"{sizes} on {threads}")
+                    self.assertTrue((got[end:] == 0).all())
+                    dw = torch.full((len(sizes), 40, n), float("nan"), dtype=out_dtype)
+                    args = (False, None, None, False, False, True)
+                    mod.threaded_grouped_mm_wgrad(x_.t(), dy, offs, dw, *args)
+                    assert_gemm_within(self, dw, x_, dy, offs, f"{sizes}", wgrad=True)
+                    for g_, size in enumerate(sizes):
+                        if size == 0:
+                            self.assertTrue((dw[g_] == 0).all())
+
     def test_wgrad_transposing_pads_with_zeros(self):
         # the thread's scratch is reused: a piece with an odd row count after one whose
         # values were NaN must not read them past its rows (oneDNN's AMX GEMM reads the
@@ -1603,7 +1639,9 @@ class TestNativeThreadedGroupedMM(TestCase):
         offs = torch.tensor([2, 4, 6], dtype=torch.int32)
         out = x.new_empty((6, 8))
         cases = [
-            ((x, w, offs, out.float()), r"out must be a contiguous \[M, N\] tensor"),
+            ((x, w, offs, out.float()), r"x, w and out must share a dtype \(upcast: .*Float"),
+            ((x, w, offs, out.float(), False, True, None, False, True), r"no native_gemm\), got"),
+            ((x.int(), w, offs, out, False, False, None, False, True), r"got Int, BFloat16"),
             ((x, w, offs, out.t().contiguous().t()), r"out must be a contiguous"),
             ((x, w, offs.long(), out), r"offs must be a contiguous int32 tensor of 3"),
             ((x, w, torch.tensor([4, 2, 6], dtype=torch.int32), out), r"got 2 at group 1"),
@@ -1616,7 +1654,8 @@ class TestNativeThreadedGroupedMM(TestCase):
         dy, dw = torch.randn(6, 8).to(BF16), torch.empty(3, 16, 8).to(BF16)
         cases = [
             ((x.t(), dy, offs, dw[:2]), r"out must be a contiguous \[E, K, N\] tensor"),
-            ((x.t(), dy.float(), offs, dw), r"out must be a contiguous \[E, K, N\] tensor"),
+            ((x.t(), dy.float(), offs, dw), r"a, dy and out must share a dtype \(upcast: "),
+            ((x.t(), dy, offs, dw, False, None, None, True, False, True), r"or transpose_a\)"),
             ((x, dy, offs, dw), r"a \[K, M\] and dy \[M, N\]"),
             ((x.t(), dy, torch.tensor([2, 7, 7], dtype=torch.int32), dw), r"got 7 at group 1"),
         ]
@@ -2324,6 +2363,28 @@ class TestNativeGatheredOperands(TestCase):
                         a, d, offs, got, native, a_index, dy_index, transpose
                     )
                     self.assertTrue(torch.equal(got, want))
+
+    def test_upcast_bits_of_the_gathered_rows(self):
+        # upcast pieces (each operand converted to fp32 on its thread) read the rows through
+        # the index: the bits of the same call on the gathered tensors, forward and weight
+        # gradient, on 1-3 threads
+        offs, index, x, dy, g = self._case(34)
+        m, mod = index.shape[0], _native.kernels()
+        xg, dyg = _gather(x, index), _gather(dy, index)
+        w = _few_weight(5, 40, 24, BF16, "col", g)
+        for threads in (1, 2, 3):
+            with self.subTest(threads=threads), intra_op_threads(threads):
+                want, got = (torch.full((m, 24), float("nan")) for _ in range(2))
+                mod.threaded_grouped_mm(xg, w, offs, want, False, False, None, False, True)
+                mod.threaded_grouped_mm(x, w, offs, got, False, False, index, False, True)
+                self.assertTrue(torch.equal(got, want))
+                want, got = (torch.full((5, 40, 24), float("nan"), dtype=BF16) for _ in range(2))
+                args = (False, None, None, False, False, True)
+                mod.threaded_grouped_mm_wgrad(xg.t(), dyg, offs, want, *args)
+                mod.threaded_grouped_mm_wgrad(
+                    x.t(), dy, offs, got, False, index, index, False, False, True
+                )
+                self.assertTrue(torch.equal(got, want))
 
     def test_bad_indices(self):
         mod = _native.kernels()

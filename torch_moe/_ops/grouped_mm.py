@@ -69,6 +69,13 @@ benchmarks/results/ops_cpu_202612.md):
   same math; where the GEMM library orders a product's sums alike for any split of its
   rows and columns (oneDNN's bf16, as measured here) the same bits. Half dtypes only:
   fp32 GEMMs (MKL) of a few rows sum in another order on one thread than on several.
+  Where the CPU upcasts a half dtype (``half_gemm``), on two or more threads the kernel
+  takes it too, each piece's operands converted to fp32 on its thread and its product
+  rounded once (:func:`upcasts_pieces`): the loop's math with each GEMM on one thread,
+  where the loop splits every expert's fp32 GEMM over all threads (MKL's two-thread
+  split of the 64-expert layer's GEMMs gained 1.0-1.2x on the Zen 3 EPYC measured; the
+  layer step on two threads 4% / 11% / 14% faster at E8 / E32 / E64), and
+  ``grouped_swiglu`` then takes its whole-tensor path (``shares_upcast_groups``).
 * the GEMM itself (bf16 on AVX512-BF16 CPUs): the threaded kernels' pieces run the native
   packed GEMM ``csrc/gemm_bf16_cpu.cpp`` instead of oneDNN's where the probe's
   ``gemm_kernel`` found it faster (each operand packed once per call, rows of ``a`` kept
@@ -108,6 +115,7 @@ __all__ = [
     "grouped_mm_wgrad",
     "mm_cpu",
     "mm_into",
+    "shares_upcast_groups",
     "transposed_copy",
     "transposes_wgrad",
     "wgrad_copies",
@@ -434,15 +442,20 @@ def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
 
 
 def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads: int) -> bool:
-    """Where the threaded kernel computes what the loop computes: a half dtype this CPU
-    multiplies natively (oneDNN's bf16 / fp16 GEMMs; fp32 ones, MKL's, sum a product of a
-    few rows in another order on one thread than on two, and the emulated recipes'
-    kernels must give fp32 ``grouped_mm``'s bits), the operands multiplied in their own
-    layouts (the ``layout`` decision keeps both) and, forward, more than ``FEW_ROWS`` rows
-    per busy group (fewer take the few-rows ways); then the probe's ``threads_mm`` at the
-    dtype, layouts, shape class and threads."""
+    """Where the threaded kernel computes what the loop computes: a half dtype (oneDNN's
+    bf16 / fp16 GEMMs where this CPU multiplies it natively, else, on two or more
+    threads, its fp32 upcast: :func:`upcasts_pieces`; fp32 operands themselves stay with
+    the loop, whose MKL GEMMs sum a product of a few rows in another order on one thread
+    than on two, and the emulated recipes' kernels must give fp32 ``grouped_mm``'s bits),
+    the operands multiplied in their own layouts (the ``layout`` decision, at the dtype
+    the GEMMs run in, keeps both) and, forward, more than ``FEW_ROWS`` rows per busy
+    group (fewer take the few-rows ways); then the probe's ``threads_mm`` at the dtype,
+    layouts, shape class and threads."""
     dtype = a.dtype
-    if b.dtype != dtype or not _threaded_takes(dtype) or cpu_compute_dtype(dtype) != dtype:
+    if b.dtype != dtype or not _threaded_takes(dtype):
+        return False
+    upcast = upcasts_pieces(dtype)
+    if cpu_compute_dtype(dtype) != dtype and not (upcast and threads >= 2):
         return False
     split = _row_split_on(dtype)  # (asked here, not inside threads_mm's measurement)
     gemm = native_gemm_for(a, b, ends, wgrad)
@@ -455,7 +468,7 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
         if rows <= _cpu_probe.FEW_ROWS:
             return False
         a_g, b_g = a[:rows], b[0]
-    if _layout_choice(dtype, a_g, b_g) != "as_is":
+    if _layout_choice(cpu_compute_dtype(dtype), a_g, b_g) != "as_is":
         return False
     m, k, n = a_g.shape[0], a_g.shape[1], b_g.shape[1]
     ab = _cpu_probe.layout_of(a_g, b_g)
@@ -469,9 +482,38 @@ def _threaded_takes(dtype: torch.dtype) -> bool:
     return dtype in _THREADED_DTYPES and _threaded_kernels() is not None
 
 
+def upcasts_pieces(dtype: torch.dtype) -> bool:
+    """Whether the threaded kernels run ``dtype``'s GEMMs on its fp32 upcast, each piece's
+    operands converted on its thread (``upcast``): a half dtype this CPU multiplies
+    slower than its upcast (``cpu_compute_dtype``), as the per-group loop does, each
+    group's GEMM then one fp32 GEMM on one thread (MKL's two-thread split of an expert's
+    fp32 GEMM gained 1.0-1.2x at the 64-expert layer's shapes on the Zen 3 EPYC measured:
+    benchmarks/results/cpu_floor_cpu_202612.md). Its bits are the one-thread loop's
+    whatever the thread count (the same fp32 products of the same converted values, each
+    rounded once). Where the kernels are built."""
+    return cpu_compute_dtype(dtype) != dtype and _threaded_takes(dtype)
+
+
 def _threaded_kernels() -> Any:
     mod = _native.kernels()
     return mod if mod is not None and hasattr(mod, "threaded_grouped_mm") else None
+
+
+def shares_upcast_groups(dtype: torch.dtype, rows: int, threads: int | None = None) -> bool:
+    """Whether this CPU's grouped GEMMs of ``dtype`` share their groups out over the
+    threads as upcast pieces (:func:`upcasts_pieces`) at about ``rows`` rows per busy
+    group: two or more threads, more than ``FEW_ROWS`` rows, and the probe's
+    ``threads_mm`` for an expert's forward GEMM (x row-major, its weight column-major,
+    the rows the smallest dim) at their shape class on these threads. ``grouped_swiglu``
+    takes its whole-tensor path there, each of its grouped GEMMs asking its own
+    decision. ``threads``: the intra-op threads' (the memory model asks of others). Not
+    memoized (its callers' decisions are)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if threads < 2 or rows <= _cpu_probe.FEW_ROWS or not upcasts_pieces(dtype):
+        return False
+    cls = _cpu_probe.shape_class(rows, rows + 1, rows + 1)  # m_small or m_large
+    measure = functools.partial(_measure_threaded, dtype, "nt", cls, False, False, False)
+    return _cpu_probe.threads_mm(dtype, "nt", cls, threads, measure) == "native"
 
 
 def splits_rows(dtype: torch.dtype, ends: list[int]) -> bool:
@@ -492,8 +534,9 @@ def _split_parts(rows: int) -> int:
 
 def _row_split_on(dtype: torch.dtype) -> bool:
     """Whether the threaded kernel's forward splits the GEMMs that oneDNN would cut into
-    small row blocks (``_cpu_probe.row_split``; half dtypes the kernel takes)."""
-    if not _threaded_takes(dtype):
+    small row blocks (``_cpu_probe.row_split``; half dtypes the kernel takes, multiplied as
+    such: its upcast pieces run MKL's fp32 GEMMs, which block rows otherwise)."""
+    if not _threaded_takes(dtype) or cpu_compute_dtype(dtype) != dtype:
         return False
     return _cpu_probe.memo(
         ("row_split", dtype),
@@ -691,7 +734,7 @@ def _measure_threaded(
     caller's threads: 8 groups of the shape class (``_measure_grouped_mm``'s dims), the
     groups' rows uneven around it as a router's counts are (-15..+15), operands cycled
     through sets (not all in cache)."""
-    groups, mod = 8, _threaded_kernels()
+    groups, mod, upcast = 8, _threaded_kernels(), upcasts_pieces(dtype)
     small = 64 if cls.endswith("_small") else 256
     dims = {d: (small if d == cls[0] else 256) for d in "mkn"}
     base = dims["k"] if wgrad else dims["m"]
@@ -713,7 +756,8 @@ def _measure_threaded(
         k, n = dims["m"], dims["n"]
 
         def native(s: tuple[Tensor, Tensor]) -> None:
-            mod.threaded_grouped_mm_wgrad(*s, offs, s[0].new_empty((groups, k, n)), gemm)
+            out = s[0].new_empty((groups, k, n))
+            mod.threaded_grouped_mm_wgrad(*s, offs, out, gemm, None, None, False, False, upcast)
 
         ways = {"native": native, "loop": lambda s: _wgrad_loop(*s, ends)}
         ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, k, n)
@@ -728,7 +772,8 @@ def _measure_threaded(
         n = dims["n"]
 
         def native(s: tuple[Tensor, Tensor]) -> None:
-            mod.threaded_grouped_mm(*s, offs, s[0].new_empty((total, n)), split, gemm)
+            out = s[0].new_empty((total, n))
+            mod.threaded_grouped_mm(*s, offs, out, split, gemm, None, False, upcast)
 
         ways = {"native": native, "loop": lambda s: _mm_loop(*s, ends)}
         ok = _torch_grouped_mm_cpu_ok(*sets[0], ends, dims["k"], n)
@@ -1028,7 +1073,10 @@ def _whole_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, end: int, way: str) ->
         out = x.new_empty((x.shape[0], w.shape[2]))
         native = native_gemm_for(x, w, offs.tolist(), False)
         split, stream = _row_split_on(x.dtype), streams_outputs(x.dtype)
-        _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, None, stream)
+        upcast = upcasts_pieces(x.dtype)
+        _threaded_kernels().threaded_grouped_mm(
+            x, w, offs, out, split, native, None, stream, upcast
+        )
         return out
     return _torch_grouped_mm(x, w, offs, end)
 
@@ -1078,8 +1126,8 @@ def gathered_grouped_mm(x: Tensor, index: Tensor, w: Tensor, offs: Tensor) -> Te
     out = x.new_empty((index.shape[0], w.shape[2]))
     index = index.to(torch.int64).contiguous()
     split, native = _row_split_on(x.dtype), native_gemm_for(x, w, offs.tolist(), False)
-    stream = streams_outputs(x.dtype)
-    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, index, stream)
+    stream, upcast = streams_outputs(x.dtype), upcasts_pieces(x.dtype)
+    _threaded_kernels().threaded_grouped_mm(x, w, offs, out, split, native, index, stream, upcast)
     return out
 
 
@@ -1100,8 +1148,9 @@ def gathered_grouped_mm_wgrad(
         None if i is None else i.to(torch.int64).contiguous() for i in (a_index, dy_index)
     )
     native, transpose = native_gemm_for(a, dy, offs.tolist(), True), way == "transpose"
+    stream, upcast = streams_outputs(a.dtype), upcasts_pieces(a.dtype)
     _threaded_kernels().threaded_grouped_mm_wgrad(
-        a, dy, offs, out, native, a_index, dy_index, transpose, streams_outputs(a.dtype)
+        a, dy, offs, out, native, a_index, dy_index, transpose, stream, upcast
     )
     return out
 
@@ -1116,7 +1165,10 @@ def _whole_grouped_mm_wgrad(a: Tensor, dy: Tensor, offs: Tensor, way: str) -> Te
         native = native_gemm_for(a, dy, offs.tolist(), True)
         mod = _threaded_kernels()
         transpose, stream = way == "transpose", streams_outputs(a.dtype)
-        mod.threaded_grouped_mm_wgrad(a, dy, offs, out, native, None, None, transpose, stream)
+        upcast = upcasts_pieces(a.dtype)
+        mod.threaded_grouped_mm_wgrad(
+            a, dy, offs, out, native, None, None, transpose, stream, upcast
+        )
         return out
     return torch._grouped_mm(a, dy, offs=offs)
 

@@ -63,6 +63,7 @@ from torch_moe._ops.grouped_mm import (
     mm_into,
     reads_gathered,
     rows_per_busy_group,
+    shares_upcast_groups,
     splits_rows,
     streams_outputs,
     threads_read_rows,
@@ -799,11 +800,18 @@ def _whole_path(
     of x @ w column-major per group where ``col_major`` says True, row-major where False,
     neither where None (``MOE_FORWARD``, ``MOE_BACKWARD``). Where the CPU multiplies the
     dtype natively: both directions for two or more groups, as ``_cpu_probe.swiglu_path``
-    measured. Where it upcasts half GEMMs to fp32: where both GEMMs take the native
-    few-rows kernel (``few_gemm_class``), which converts the weights in registers, where
-    the loop would convert each group's whole weights to fp32 (each direction on its own:
-    an inference forward needs only its own GEMMs' kernel)."""
+    measured. Where it upcasts half GEMMs to fp32: two or more groups whose grouped GEMMs
+    share the groups out over two or more threads, each piece converted on its thread
+    (``shares_upcast_groups``), where the loop splits each group's fp32 GEMM over all
+    threads; or where both GEMMs take the native few-rows kernel (``few_gemm_class``),
+    which converts the weights in registers, where the loop would convert each group's
+    whole weights to fp32 (each direction on its own: an inference forward needs only
+    its own GEMMs' kernel). The whole path keeps the activation and its gradient in the
+    storage dtype, as where the CPU multiplies it natively; the loop keeps one group's
+    in fp32."""
     if cpu_compute_dtype(dtype) != dtype:
+        if busy_groups > 1 and shares_upcast_groups(dtype, rows):
+            return True
         return (
             busy_groups > 0
             and None not in col_major
@@ -824,7 +832,7 @@ def _whole_path_for(w13: Tensor, w2: Tensor, ends: list[int], backward: bool) ->
     else:
         col_major = (weight_col_major(w13.mT), weight_col_major(w2.mT))
     return _cpu_probe.memo(
-        ("swiglu_whole", w13.dtype, busy, rows, col_major),
+        ("swiglu_whole", w13.dtype, busy, rows, col_major, torch.get_num_threads()),
         lambda: _whole_path(w13.dtype, busy, rows, col_major),
     )
 

@@ -36,7 +36,8 @@
 // given thread count. oneDNN's bf16 GEMMs gave every element the same bits for any split
 // of its rows or columns and any thread count on the machines measured here, MKL's fp32
 // ones of a few rows did not; a GEMM library need not, so the Python side sends half
-// dtypes only, and every path that must match another bit for bit asks the same decision
+// dtypes only (fp32 GEMMs only as upcast pieces of half operands, below), and every path
+// that must match another bit for bit asks the same decision
 // (test_native checks the values against float64 on 1-3 threads, test_eager the eager
 // nodes' bits against the ops', which take the same kernels).
 // Rows of out at or past the last group's end are zero (forward); a weight gradient's
@@ -73,6 +74,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -120,6 +122,55 @@ void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool spl
     auto o = out.narrow(0, r0, r1 - r0);
     at::mm_out(o, x.narrow(0, r0, r1 - r0), w);
     r0 = r1;
+  }
+}
+
+// upcast (CPUs that multiply a half dtype slower than its fp32 upcast: the CPU probe's
+// half_gemm): each piece's operands are converted to fp32 on its thread, the product is
+// ATen's fp32 GEMM on that thread alone, rounded once into out (the math of the per-group
+// loop, which converts each group's operands and rounds each product once). The weight
+// operand and the product are converted kUpcastCols columns at a time, so a piece's fp32
+// copies stay a few MiB (one block of an expert's weight, not all of it) and the weight's
+// block is read by the GEMM from the caches it was just written to. On the Zen 3 EPYC
+// measured (MKL's AVX2 sgemm) every element had the one-thread loop's bits on 1-3
+// threads, whatever the pieces' cuts and blocks; the tests hold the values to the fp32
+// GEMM's rounding bound, not to those bits.
+constexpr int64_t kUpcastCols = 512;
+
+// What upcast takes: each tensor fp32 or a 16-bit float.
+bool upcast_dtypes(std::initializer_list<at::Tensor> ts) {
+  for (const auto& t : ts) {
+    const auto dt = t.scalar_type();
+    if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) return false;
+  }
+  return true;
+}
+
+// t (2-D) as fp32 in t's own layout (row-major, or column-major where its rows are
+// contiguous), a fresh tensor freed with the piece; t itself where already fp32.
+at::Tensor upcast_copy(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat) return t;
+  const bool cols = t.stride(0) == 1 && t.size(0) > 1 && t.stride(1) != 1;
+  auto f = cols ? at::empty({t.size(1), t.size(0)}, t.options().dtype(at::kFloat)).t()
+                : at::empty(t.sizes(), t.options().dtype(at::kFloat));
+  f.copy_(t);
+  return f;
+}
+
+// out = a @ b on this thread by ATen's fp32 GEMM on fp32 copies of half operands (a's
+// whole, b's and the product's kUpcastCols columns at a time), rounded once into out.
+void mm_upcast(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  const auto a_f = upcast_copy(a);
+  const int64_t n = b.size(1);
+  for (int64_t c0 = 0; c0 < n; c0 += kUpcastCols) {
+    const int64_t cols = std::min(kUpcastCols, n - c0);
+    auto o = out.narrow(1, c0, cols);
+    const auto b_f = upcast_copy(b.narrow(1, c0, cols));
+    if (o.scalar_type() == at::kFloat) {
+      at::mm_out(o, a_f, b_f);
+    } else {
+      o.copy_(at::mm(a_f, b_f));
+    }
   }
 }
 
@@ -270,14 +321,19 @@ at::Tensor row_major_copy(const at::Tensor& a) {
 
 void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                          at::Tensor& out, bool split_rows, bool native_gemm,
-                         const std::optional<at::Tensor>& x_index, bool stream_out) {
+                         const std::optional<at::Tensor>& x_index, bool stream_out,
+                         bool upcast) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(1), "threaded_grouped_mm: "
               "x [M, K] and w [E, K, N] expected, got ", x.sizes(), " and ", w.sizes());
   const int64_t m = x_index.has_value() ? x_index->size(0) : x.size(0);
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
-                  out.dim() == 2 && out.is_contiguous() && out.size(0) == m &&
+  TORCH_CHECK(upcast ? upcast_dtypes({x, w, out}) && !native_gemm
+                     : w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "threaded_grouped_mm: x, w and out must share a dtype (upcast: each fp32 or a "
+              "16-bit float, no native_gemm), got ", x.scalar_type(), ", ", w.scalar_type(),
+              " and ", out.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == m &&
                   out.size(1) == w.size(2),
-              "threaded_grouped_mm: out must be a contiguous [M, N] tensor of x's dtype");
+              "threaded_grouped_mm: out must be a contiguous [M, N] tensor");
   const int64_t* index = check_index(x_index, m, x.size(0), "threaded_grouped_mm", "x_index");
   const auto ends = read_ends(offs, w.size(0), m, "threaded_grouped_mm");
   const int64_t n = w.size(2);
@@ -300,7 +356,10 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
         }
         auto o = out.narrow(0, start, rows).narrow(1, lo, hi - lo);
         const auto w_g = w[g].narrow(1, lo, hi - lo);
-        if (index == nullptr) {  // (ATen's GEMM in one piece where the native one was asked)
+        if (upcast) {
+          mm_upcast(o, index ? gathered(x, index + start, rows, 0) : x.narrow(0, start, rows),
+                    w_g);
+        } else if (index == nullptr) {  // (ATen's GEMM in one piece where the native one was asked)
           mm_rows(o, x.narrow(0, start, rows), w_g, split_rows && !native_gemm);
         } else {
           mm_rows(o, gathered(x, index + start, rows, 0), w_g, split_rows);
@@ -315,17 +374,20 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
                                const at::Tensor& offs, at::Tensor& out, bool native_gemm,
                                const std::optional<at::Tensor>& a_index,
                                const std::optional<at::Tensor>& dy_index, bool transpose_a,
-                               bool stream_out) {
+                               bool stream_out, bool upcast) {
   const int64_t m = a_index.has_value() ? a_index->size(0) : a.dim() == 2 ? a.size(1) : -1;
   const int64_t m_dy = dy_index.has_value() ? dy_index->size(0) : dy.dim() == 2 ? dy.size(0) : -1;
   TORCH_CHECK(a.dim() == 2 && dy.dim() == 2 && m == m_dy,
               "threaded_grouped_mm_wgrad: a [K, M] and dy [M, N] expected, got ", a.sizes(),
               " and ", dy.sizes());
-  TORCH_CHECK(dy.scalar_type() == a.scalar_type() && out.scalar_type() == a.scalar_type() &&
-                  out.dim() == 3 && out.is_contiguous() && out.size(0) == offs.size(0) &&
+  TORCH_CHECK(upcast ? upcast_dtypes({a, dy, out}) && !native_gemm && !transpose_a
+                     : dy.scalar_type() == a.scalar_type() && out.scalar_type() == a.scalar_type(),
+              "threaded_grouped_mm_wgrad: a, dy and out must share a dtype (upcast: each fp32 "
+              "or a 16-bit float, no native_gemm or transpose_a), got ", a.scalar_type(), ", ",
+              dy.scalar_type(), " and ", out.scalar_type());
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.size(0) == offs.size(0) &&
                   out.size(1) == a.size(0) && out.size(2) == dy.size(1),
-              "threaded_grouped_mm_wgrad: out must be a contiguous [E, K, N] tensor of a's "
-              "dtype");
+              "threaded_grouped_mm_wgrad: out must be a contiguous [E, K, N] tensor");
   // a gathered: a is the transposed view [K, S] of the source of its M columns
   const int64_t* a_idx = check_index(a_index, m, a.size(1), "threaded_grouped_mm_wgrad", "a_index");
   const int64_t* dy_idx =
@@ -359,7 +421,10 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
         const auto a_lo = a.narrow(0, lo, hi - lo);
         const auto a_g = a_idx ? a_lo : a_lo.narrow(1, start, rows);
         const auto dy_g = dy_idx ? dy : dy.narrow(0, start, rows);
-        if (a_idx == nullptr && dy_idx == nullptr && !transpose_a) {
+        if (upcast) {
+          mm_upcast(o, a_idx ? gathered(a_lo.t(), a_idx + start, rows, 0).t() : a_g,
+                    dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g);
+        } else if (a_idx == nullptr && dy_idx == nullptr && !transpose_a) {
           at::mm_out(o, a_g, dy_g);
         } else {
           // ATen's GEMM on the piece's gathered rows (and a's row-major copy): scratch
@@ -376,11 +441,12 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
 TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
   m.def(
       "threaded_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, bool split_rows=False,"
-      " bool native_gemm=False, Tensor? x_index=None, bool stream_out=False) -> ()");
+      " bool native_gemm=False, Tensor? x_index=None, bool stream_out=False,"
+      " bool upcast=False) -> ()");
   m.def(
       "threaded_grouped_mm_wgrad(Tensor a, Tensor dy, Tensor offs, Tensor(a!) out,"
       " bool native_gemm=False, Tensor? a_index=None, Tensor? dy_index=None,"
-      " bool transpose_a=False, bool stream_out=False) -> ()");
+      " bool transpose_a=False, bool stream_out=False, bool upcast=False) -> ()");
   m.def("row_split_parts(int rows) -> int", &row_split_parts);
 }
 

@@ -597,6 +597,25 @@ def _swiglu_whole(w: MoEWorkload, groups: list[float], backward: bool) -> bool:
     return _gs._whole_path(w.dtype, len(busy), rows, layout)
 
 
+def _upcast_pieces(w: MoEWorkload, groups: list[float], threads: int) -> bool:
+    """Whether this CPU's whole-path grouped GEMMs run as the threaded kernel's upcast
+    pieces (``grouped_mm.shares_upcast_groups``, the kernels' own decision at ``threads``)."""
+    from torch_moe._ops import grouped_mm as _gm
+
+    return _gm.shares_upcast_groups(w.dtype, _rows_per_busy_group(groups), threads)
+
+
+def _upcast_piece_bytes(c: int, m: float, k: float, n: float, threads: int) -> float:
+    """The fp32 copies the threads' upcast pieces of a grouped GEMM hold at once: each
+    thread's piece (at most a group of ``m`` rows) converts its [m, k] operand (a weight
+    gradient's [k, m]), then one block of the other operand's columns ([k, B] or [m, B],
+    B = the kernel's 512 columns or fewer) and the block's product ([m, B] or [k, B])
+    before rounding it into the output: c * (m*k + B*(k + m)) per thread. Fresh tensors
+    of the allocator's, freed with the piece."""
+    cols = min(512.0, n)
+    return threads * c * (m * k + cols * (k + m))
+
+
 def _rows_per_busy_group(groups: list[float]) -> int:
     """Rows per expert that has any, as the CPU kernels count them (floor of the mean)."""
     busy = [g for g in groups if g >= 1]
@@ -710,10 +729,13 @@ def _inference_bf16_experts(
     fp32 = _act_fp32_bytes(w, r, backward=False)  # one chunk's fp32 copy of h (ATen ops)
     # where the GEMMs upcast (c != b), each group's GEMM on the loop path converts its
     # operands (the rows and the expert's weight) and computes its product in c; the
-    # whole path, taken there only where the native few-rows kernel runs the GEMMs,
-    # converts in registers
+    # whole path converts in registers where the native few-rows kernel runs the GEMMs,
+    # in each thread's piece where the threaded kernel's upcast pieces do
     up1 = m * (D + 2 * F) * c + 2 * F * D * c if c != b and not whole else 0.0
     up2 = m * (F + D) * c + F * D * c if c != b and not whole else 0.0
+    if c != b and whole and _upcast_pieces(w, groups, threads):  # the threads' pieces
+        up1 = _upcast_piece_bytes(c, m, D, 2 * F, threads)
+        up2 = _upcast_piece_bytes(c, m, F, D, threads)
     if whole:
         experts = max(
             M * (D + 2 * F) * b + up1,  # the first GEMM: the gathered rows and h
@@ -939,11 +961,16 @@ def memory(
         # dW2 with A and dH live; then (A freed) dW13 with the input rows [M, D] gathered
         # again where the experts gather from the tokens; then (those freed) dX
         gather = Mc * D * b if _gathered(w) else 0.0
-        # where the GEMMs upcast (the whole path's GEMMs of x @ w by the few-rows kernel),
-        # each group's weight gradient converts its two operands and computes its
-        # product [K, N] in c
+        # where the GEMMs upcast: by the few-rows kernel's whole path, each group's weight
+        # gradient converts its two operands and computes its product [K, N] in c; by
+        # the threads' upcast pieces, each thread's piece its own (dX's too)
         up2 = (m * (D + F) + D * F) * c if c != b else 0.0
         up13 = (m * (2 * F + D) + 2 * F * D) * c if c != b else 0.0
+        up_dx = 0.0
+        if c != b and _upcast_pieces(w, groups, threads):  # the threads' upcast pieces
+            up2 = _upcast_piece_bytes(c, m, D, F, threads)
+            up13 = _upcast_piece_bytes(c, m, 2 * F, D, threads)
+            up_dx = _upcast_piece_bytes(c, m, 2 * F, D, threads)
         # and where a GEMM takes the per-group loop (its measured ways, or forced), the
         # largest group's operand copied into the other layout (``mm_into``)
         chunk = [g * Mc / M for g in groups] if M else groups
@@ -952,7 +979,10 @@ def memory(
         dw13 = 2 * Mc * F * b + gather + copy13 + up13
         dw13 += _whole_loop_copy(w, c, chunk, m, (2 * F, D), not copy13, True)
         dx = (
-            2 * Mc * F * b + Mc * D * b + _whole_loop_copy(w, c, chunk, m, (2 * F, D), False, False)
+            2 * Mc * F * b
+            + Mc * D * b
+            + up_dx
+            + _whole_loop_copy(w, c, chunk, m, (2 * F, D), False, False)
         )
         gemms = base + with_own + max(dw2, dw13, dx)
         dyn = max(act, gemms, side_phase)
