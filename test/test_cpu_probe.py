@@ -657,6 +657,33 @@ class TestCpuProbe(TestCase):
         self.assertTrue(torch.equal(outs["split", 481], outs["one", 481]))
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_upcast_pieces_take_the_swiglu_whole_path(self):
+        # where half GEMMs upcast: the whole-tensor path on two or more threads where the
+        # threads_mm decision keeps the threaded kernel (its upcast pieces) at the rows'
+        # class, over FEW_ROWS rows and two busy groups; the loop otherwise. Asked about
+        # other threads than the caller's (the memory model), the decision as forced or
+        # made, else its default, nothing timed
+        whole = grouped_swiglu_module._whole_path
+        layout = grouped_swiglu_module.MOE_BACKWARD
+        bf16 = torch.bfloat16
+        with P.force(half_gemm="fp32", threads_mm="native"):
+            with intra_op_threads(2):
+                self.assertTrue(whole(bf16, 8, 200, layout))
+                self.assertFalse(whole(bf16, 1, 200, layout))  # one busy group
+                self.assertFalse(whole(bf16, 8, 200, layout, threads=1))
+            with intra_op_threads(1):
+                self.assertFalse(whole(bf16, 8, 200, layout))
+                self.assertTrue(whole(bf16, 8, 200, layout, threads=2))
+        with P.force(half_gemm="fp32", threads_mm="aten"), intra_op_threads(2):
+            self.assertFalse(whole(bf16, 8, 200, layout))
+        with P.force(half_gemm="fp32", few_gemm="aten"), intra_op_threads(2):
+            self.assertFalse(whole(bf16, 8, P.FEW_ROWS, layout))  # the few-rows ways
+        P.reset()
+        with P.force(half_gemm="fp32"), intra_op_threads(1):
+            self.assertTrue(whole(bf16, 8, 200, layout, threads=3))  # the default, untimed
+        self.assertEqual([k for k in P.decisions() if k.startswith("threads_mm:")], [])
+
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_row_split_decision_measured(self):
         # measured from scratch, once per dtype, on one thread: the key names the dtype;
         # only where the dtype is multiplied as such (an upcast runs MKL's fp32 GEMMs)

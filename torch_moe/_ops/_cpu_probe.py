@@ -590,6 +590,17 @@ def decide(
         return choice
 
 
+def known(key: str) -> str | None:
+    """The choice for ``key`` where it is forced or already made (this process, or the disk
+    cache), else None: nothing measured (a question about other threads than the
+    caller's, which a measurement here could not answer)."""
+    forced = _forced_choice(key)
+    if forced is not None:
+        return forced
+    hit = _cache.get(key)
+    return hit[0] if hit is not None else _disk_load(key)
+
+
 def decisions() -> dict[str, str]:
     """Every decision this process made so far: ``{key: "choice (how)"}``."""
     return {key: f"{choice} ({how})" for key, (choice, how) in sorted(_cache.items())}
@@ -912,8 +923,16 @@ def threads_mm(
     was quiet: benchmarks/results/cpu_floor_cpu_202612.md), and a probe's minimum over
     a few rounds on small operands sees the quiet case only, within about 10% either
     way; so the probe keeps it unless the ATen way is clearly faster."""
-    key = f"threads_mm:{_dt(dtype)}:{ab}:{cls}:t{threads}" + (":gemm" if native_gemm else "")
+    key = threads_mm_key(dtype, ab, cls, threads, native_gemm)
     return decide(key, measure, default="native", margin=0.1, threads=True)
+
+
+def threads_mm_key(
+    dtype: torch.dtype, ab: str, cls: str, threads: int, native_gemm: bool = False
+) -> str:
+    """:func:`threads_mm`'s key: its default, ``"native"``, holds where none is
+    :func:`known`."""
+    return f"threads_mm:{_dt(dtype)}:{ab}:{cls}:t{threads}" + (":gemm" if native_gemm else "")
 
 
 GEMM_MAX = {"r": 512, "k": 4096, "n": 4096}  # gemm_kernel's classes stop here (an E8 expert)

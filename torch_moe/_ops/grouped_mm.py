@@ -506,12 +506,16 @@ def shares_upcast_groups(dtype: torch.dtype, rows: int, threads: int | None = No
     ``threads_mm`` for an expert's forward GEMM (x row-major, its weight column-major,
     the rows the smallest dim) at their shape class on these threads. ``grouped_swiglu``
     takes its whole-tensor path there, each of its grouped GEMMs asking its own
-    decision. ``threads``: the intra-op threads' (the memory model asks of others). Not
-    memoized (its callers' decisions are)."""
-    threads = torch.get_num_threads() if threads is None else threads
+    decision. ``threads``: the intra-op threads', or others (the memory model's question:
+    there the decision as forced or made, else its default, not timed on the caller's
+    threads). Not memoized (its callers' decisions are)."""
+    current = torch.get_num_threads()
+    threads = current if threads is None else threads
     if threads < 2 or rows <= _cpu_probe.FEW_ROWS or not upcasts_pieces(dtype):
         return False
     cls = _cpu_probe.shape_class(rows, rows + 1, rows + 1)  # m_small or m_large
+    if threads != current:
+        return _cpu_probe.known(_cpu_probe.threads_mm_key(dtype, "nt", cls, threads)) != "aten"
     measure = functools.partial(_measure_threaded, dtype, "nt", cls, False, False, False)
     return _cpu_probe.threads_mm(dtype, "nt", cls, threads, measure) == "native"
 

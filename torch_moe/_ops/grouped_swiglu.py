@@ -793,12 +793,17 @@ MOE_FORWARD, MOE_BACKWARD = (True, True), (False, False)
 
 
 def _whole_path(
-    dtype: torch.dtype, busy_groups: int, rows: int, col_major: tuple[bool | None, ...]
+    dtype: torch.dtype,
+    busy_groups: int,
+    rows: int,
+    col_major: tuple[bool | None, ...],
+    threads: int | None = None,
 ) -> bool:
     """Whether a direction of the CPU kernels takes the whole-tensor path for
     ``busy_groups`` non-empty groups of about ``rows`` rows, the weights of its two GEMMs
     of x @ w column-major per group where ``col_major`` says True, row-major where False,
-    neither where None (``MOE_FORWARD``, ``MOE_BACKWARD``). Where the CPU multiplies the
+    neither where None (``MOE_FORWARD``, ``MOE_BACKWARD``), on ``threads`` intra-op threads
+    (None: the caller's; the memory model asks of others). Where the CPU multiplies the
     dtype natively: both directions for two or more groups, as ``_cpu_probe.swiglu_path``
     measured. Where it upcasts half GEMMs to fp32: two or more groups whose grouped GEMMs
     share the groups out over two or more threads, each piece converted on its thread
@@ -810,7 +815,7 @@ def _whole_path(
     storage dtype, as where the CPU multiplies it natively; the loop keeps one group's
     in fp32."""
     if cpu_compute_dtype(dtype) != dtype:
-        if busy_groups > 1 and shares_upcast_groups(dtype, rows):
+        if busy_groups > 1 and shares_upcast_groups(dtype, rows, threads):
             return True
         return (
             busy_groups > 0

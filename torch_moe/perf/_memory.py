@@ -585,16 +585,17 @@ def _symmetric_wgrad(precision: str) -> bool:
     return symmetric(precision)
 
 
-def _swiglu_whole(w: MoEWorkload, groups: list[float], backward: bool) -> bool:
+def _swiglu_whole(w: MoEWorkload, groups: list[float], backward: bool, threads: int) -> bool:
     """Whether this CPU's ``grouped_swiglu`` kernels take their whole-tensor path for the
-    workload's forward or backward (the same measured decisions: ``swiglu_path`` where
-    the CPU multiplies bf16 natively, ``few_gemm`` where it upcasts)."""
+    workload's forward or backward on ``threads`` threads (the same measured decisions:
+    ``swiglu_path`` where the CPU multiplies bf16 natively, ``threads_mm`` or
+    ``few_gemm`` where it upcasts)."""
     from torch_moe._ops import grouped_swiglu as _gs
 
     busy = [g for g in groups if g >= 1]
     rows = -(-round(sum(busy)) // max(1, len(busy)))
     layout = _gs.MOE_BACKWARD if backward else _gs.MOE_FORWARD
-    return _gs._whole_path(w.dtype, len(busy), rows, layout)
+    return _gs._whole_path(w.dtype, len(busy), rows, layout, threads)
 
 
 def _upcast_pieces(w: MoEWorkload, groups: list[float], threads: int) -> bool:
@@ -724,7 +725,7 @@ def _inference_bf16_experts(
     [M, 2F], freed before A [M, F] and Y [M, D]; on the loop path h and Y with one group's
     gathered rows, activation buffer and fp32 chunk."""
     D, F, b = w.dim, w.hidden_dim, w.element_size
-    whole = _swiglu_whole(w, groups, backward=False)
+    whole = _swiglu_whole(w, groups, backward=False, threads=threads)
     r = min(m if not whole else M, _act_chunk_rows(w, threads))
     fp32 = _act_fp32_bytes(w, r, backward=False)  # one chunk's fp32 copy of h (ATen ops)
     # where the GEMMs upcast (c != b), each group's GEMM on the loop path converts its
@@ -948,7 +949,7 @@ def memory(
         C, rows_grad = w.num_chunks, local_rows * D * b
         before = max((C - 2) / C * expert_grads + rows_grad, (C - 1) / C * expert_grads)
         with_own = max((C - 1) / C * expert_grads + rows_grad, expert_grads)
-    if w.precision == "bf16" and cpu and _swiglu_whole(w, groups, backward=True):
+    if w.precision == "bf16" and cpu and _swiglu_whole(w, groups, backward=True, threads=threads):
         # the whole-tensor path: dA, A and dH over all M rows in the layer dtype, the
         # activation's fp32 temporaries one chunk at a time; then dW2, dX, dW13, the
         # weight gradients' first operands (dY [M, D], dH [M, 2F]) copied row-major
