@@ -340,16 +340,13 @@ def _gemm_phase(
     chunk = min(chunk, max(group_rows, in_chunk * m / experts))
     b_chunk = n_b * in_chunk / experts
     conv = 4 if _native_fp8() else 8  # fp32 values (and ATen's table's int32 codes)
-    # past the first chunk, the previous chunk's A rows and fp32 product are live until
-    # the new ones replace them (the loop's names rebind after the new values exist)
-    a_prev = 4 * chunk * k if chunk < m else 0.0
-    prod_prev = 4 * chunk * n if chunk < m else 0.0
+    # (each chunk's A rows and product are freed before the next chunk's exist)
     # MX's E8M0 scales of the chunk's experts, converted to fp32 with them
     b_scales = 4 * b_chunk / 32 if kinds[1].startswith("mx") else 0.0
     per_chunk = max(
-        conv * chunk * k + a_prev + prod_prev,  # A's rows converted
-        4 * chunk * k + conv * b_chunk + b_scales + prod_prev,  # then the chunk's experts of B
-        4 * chunk * (k + n) + 4 * b_chunk + prod_prev,  # then the chunk's product
+        conv * chunk * k,  # A's rows converted
+        4 * chunk * k + conv * b_chunk + b_scales,  # then the chunk's experts of B
+        4 * chunk * (k + n) + 4 * b_chunk,  # then the chunk's product
     )
     return max(quantize, n_a + n_b + b * n_out + per_chunk)
 

@@ -808,6 +808,7 @@ def _scaled_grouped_mm_cpu(
         del b_f
         if not direct:
             out[c0:c1].copy_(prod)
+        del a_f, prod  # (freed before the next chunk's values exist)
     out[ends[-1] if ends else 0 :].zero_()
     return out
 
