@@ -74,7 +74,7 @@ benchmarks/results/ops_cpu_202612.md):
   rounded once (:func:`upcasts_pieces`): the loop's math with each GEMM on one thread,
   where the loop splits every expert's fp32 GEMM over all threads (MKL's two-thread
   split of the 64-expert layer's GEMMs gained 1.0-1.2x on the Zen 3 EPYC measured; the
-  layer step on two threads 4% / 11% / 14% faster at E8 / E32 / E64), and
+  layer step on two threads 4-10% / 11-12% / 14-21% faster at E8 / E32 / E64), and
   ``grouped_swiglu`` then takes its whole-tensor path (``shares_upcast_groups``).
 * the GEMM itself (bf16 on AVX512-BF16 CPUs): the threaded kernels' pieces run the native
   packed GEMM ``csrc/gemm_bf16_cpu.cpp`` instead of oneDNN's where the probe's
@@ -488,9 +488,10 @@ def upcasts_pieces(dtype: torch.dtype) -> bool:
     slower than its upcast (``cpu_compute_dtype``), as the per-group loop does, each
     group's GEMM then one fp32 GEMM on one thread (MKL's two-thread split of an expert's
     fp32 GEMM gained 1.0-1.2x at the 64-expert layer's shapes on the Zen 3 EPYC measured:
-    benchmarks/results/cpu_floor_cpu_202612.md). Its bits are the one-thread loop's
-    whatever the thread count (the same fp32 products of the same converted values, each
-    rounded once). Where the kernels are built."""
+    benchmarks/results/cpu_floor_cpu_202612.md). The same fp32 products of the same
+    converted values, each rounded once: on that machine the one-thread loop's bits on
+    1-3 threads (MKL's sums of a row alike for any column block there; not assumed
+    elsewhere). Where the kernels are built."""
     return cpu_compute_dtype(dtype) != dtype and _threaded_takes(dtype)
 
 
