@@ -694,12 +694,17 @@ class TestMemory(TestCase):
         if not _native.available():
             self.skipTest("the native CPU kernels did not build here")
         forced = dict(half_gemm="fp32", threads_mm="native", layout="as_is", act_chunk="32768")
-        spy = mock.patch.object(
-            grouped_swiglu_module, "_backward_whole", wraps=grouped_swiglu_module._backward_whole
-        )
-        with intra_op_threads(2), spy as whole:
+        # which path ran, counted without keeping the calls' tensors (a mock's call_args)
+        calls, backward_whole = [], grouped_swiglu_module._backward_whole
+
+        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(None)
+            return backward_whole(*args, **kwargs)
+
+        spy = mock.patch.object(grouped_swiglu_module, "_backward_whole", counting)
+        with intra_op_threads(2), spy:
             measured, predicted = _measured_and_predicted_peak(*shape, probe=forced)
-        self.assertTrue(whole.called)  # (the loop's on one thread)
+        self.assertTrue(calls)  # (the loop's on one thread)
         self.assertGreater(predicted / measured - 1, -0.015, msg=f"{predicted} vs {measured}")
         self.assertLess(predicted / measured - 1, 0.12, msg=f"{predicted} vs {measured}")
 
