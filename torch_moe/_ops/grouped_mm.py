@@ -454,8 +454,7 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     dtype = a.dtype
     if b.dtype != dtype or not _threaded_takes(dtype):
         return False
-    upcast = upcasts_pieces(dtype)
-    if cpu_compute_dtype(dtype) != dtype and not (upcast and threads >= 2):
+    if cpu_compute_dtype(dtype) != dtype and threads < 2:  # (upcast pieces: two or more)
         return False
     split = _row_split_on(dtype)  # (asked here, not inside threads_mm's measurement)
     gemm = native_gemm_for(a, b, ends, wgrad)

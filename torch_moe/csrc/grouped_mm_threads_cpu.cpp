@@ -448,6 +448,7 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       " bool native_gemm=False, Tensor? a_index=None, Tensor? dy_index=None,"
       " bool transpose_a=False, bool stream_out=False, bool upcast=False) -> ()");
   m.def("row_split_parts(int rows) -> int", &row_split_parts);
+  m.def("upcast_cols() -> int", []() -> int64_t { return kUpcastCols; });
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {

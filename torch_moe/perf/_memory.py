@@ -607,10 +607,13 @@ def _upcast_piece_bytes(c: int, m: float, k: float, n: float, threads: int) -> f
     """The fp32 copies the threads' upcast pieces of a grouped GEMM hold at once: each
     thread's piece (at most a group of ``m`` rows) converts its [m, k] operand (a weight
     gradient's [k, m]), then one block of the other operand's columns ([k, B] or [m, B],
-    B = the kernel's 512 columns or fewer) and the block's product ([m, B] or [k, B])
-    before rounding it into the output: c * (m*k + B*(k + m)) per thread. Fresh tensors
-    of the allocator's, freed with the piece."""
-    cols = min(512.0, n)
+    B = the kernel's block, ``upcast_cols()`` columns, or fewer) and the block's product
+    ([m, B] or [k, B]) before rounding it into the output: c * (m*k + B*(k + m)) per
+    thread. Fresh tensors of the allocator's, freed with the piece. Asked where the
+    pieces run (the kernels built)."""
+    from torch_moe._ops import grouped_mm as _gm
+
+    cols = min(float(_gm._threaded_kernels().upcast_cols()), n)
     return threads * c * (m * k + cols * (k + m))
 
 
@@ -967,8 +970,8 @@ def memory(
         up_dx = 0.0
         if c != b and _upcast_pieces(w, groups, threads):  # the threads' upcast pieces
             up2 = _upcast_piece_bytes(c, m, D, F, threads)
-            up13 = _upcast_piece_bytes(c, m, 2 * F, D, threads)
-            up_dx = _upcast_piece_bytes(c, m, 2 * F, D, threads)
+            # dW13 (dH^T [2F, m] @ x [m, D]) and dX (dH [m, 2F] @ w13 [2F, D]): alike
+            up13 = up_dx = _upcast_piece_bytes(c, m, 2 * F, D, threads)
         # and where a GEMM takes the per-group loop (its measured ways, or forced), the
         # largest group's operand copied into the other layout (``mm_into``)
         chunk = [g * Mc / M for g in groups] if M else groups
