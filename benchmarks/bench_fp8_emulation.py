@@ -4,12 +4,15 @@ For each recipe and shape: one ``MoE`` layer step (forward + backward, bf16 laye
 ``precision=<recipe>``) on the CPU, timed three ways in the same process, rounds
 alternated: ``aten`` (the e4m3 casts, dequantization and quantize_fp8's block maxima by
 ATen's ops, the scaled GEMMs in fp32: the emulation before the native kernels),
-``native`` (csrc/fp8_cpu.cpp's conversions and quantizer) and ``native + bf16 GEMMs``
+``native`` (csrc/fp8_cpu.cpp's conversions and quantizer; where this CPU has no native
+bf16 GEMMs, on two or more threads, also the fp32 GEMMs by the native kernels' pieces,
+``scaled_grouped_mm.dequantizes_pieces``) and ``native + bf16 GEMMs``
 (also, where this CPU has native bf16 GEMMs, MX operands multiplied by the bf16 grouped
 GEMM, ``scaled_grouped_mm._mx_in_bf16``, and the FP8 codes multiplied in bf16 with the
 scales applied per k block inside the GEMM's tiles, ``_blocks_in_bf16``, and with scales
 constant along the reduction repeated per block, ``_codes_in_bf16``). The first two give
-the same bits; the third the same math in another
+the same bits but where the pieces run (the same math, each piece's GEMM on one thread:
+the fp32 GEMM's summation order may differ); the third the same math in another
 rounding order (its largest difference from the fp32 form is printed).
 Shapes are ``benchmarks/bench_perf_model.py``'s precision configs (prec1 / prec2 / prec3).
 ``--vs-bf16``: instead, each recipe's step (every native route on) against the bf16

@@ -12,6 +12,7 @@ whose answer is known; invalid input. Timing accuracy is the benchmark's job
 
 import contextlib
 import functools
+import importlib
 import io
 import math
 import os
@@ -707,6 +708,53 @@ class TestMemory(TestCase):
         self.assertTrue(calls)  # (the loop's on one thread)
         self.assertGreater(predicted / measured - 1, -0.015, msg=f"{predicted} vs {measured}")
         self.assertLess(predicted / measured - 1, 0.12, msg=f"{predicted} vs {measured}")
+
+    @parametrize(
+        "precision, shape",
+        [
+            ("fp8_rowwise", (512, 256, 128, 64, 4)),
+            ("mxfp8", (2048, 256, 256, 16, 2)),
+            ("fp8_blockwise", (256, 512, 512, 16, 2)),
+        ],
+        name_fn=lambda precision, shape: f"{precision}_E{shape[3]}",
+    )
+    def test_peak_memory_of_the_recipes_dequantized_pieces(self, precision, shape):
+        # a CPU without native bf16 GEMMs, on two threads: the scaled GEMMs' fp32 form by
+        # the native pieces (each piece's fp32 copies in its thread's scratch, outside the
+        # allocator; the output written once) in training and in inference, against the
+        # allocator's peak within the benchmark's 5%; the ops took the pieces (counted)
+        forced = dict(half_gemm="fp32", threads_mm="native")
+        calls = []
+        mod = _native.kernels()
+        if mod is None or not hasattr(mod, "fp8_dequantized_mm"):
+            self.skipTest("the native CPU kernels did not build here")
+
+        class Counting:  # the kernels' calls counted, no call's tensors kept
+            def __getattr__(self, name):  # type: ignore[no-untyped-def]
+                attr = getattr(mod, name)
+                if not name.startswith("fp8_dequantized_mm"):
+                    return attr
+
+                def counted(*args):  # type: ignore[no-untyped-def]
+                    calls.append(name)
+                    return attr(*args)
+
+                return counted
+
+        S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
+        counting = Counting()
+        spy = mock.patch.object(S._native, "kernels", lambda: counting)
+        with intra_op_threads(2), spy:
+            measured, predicted = _measured_and_predicted_peak(
+                *shape, probe=forced, precision=precision
+            )
+            self.assertEqual(set(calls), {"fp8_dequantized_mm", "fp8_dequantized_mm_wgrad"})
+            calls.clear()
+            T, D, Fh, E, K = shape
+            inf = _inference_peaks(T, D, Fh, E, K, forced, precision)
+            self.assertEqual(set(calls), {"fp8_dequantized_mm"})
+        self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
+        self.assertLess(abs(inf[1] / inf[0] - 1), 0.05, msg=f"inference: {inf[1]} vs {inf[0]}")
 
     @parametrize("few_gemm", ["aten", "native"])
     def test_inference_peak_memory_where_half_gemms_upcast(self, few_gemm):

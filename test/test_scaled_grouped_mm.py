@@ -10,16 +10,18 @@ shifted row or a 1% scale error fails.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import naive
 import tolerances
 import torch
-from test_cpu_probe import intra_op_threads
+from test_cpu_probe import assert_gemm_within, intra_op_threads
 from torch.library import opcheck
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -30,6 +32,7 @@ from torch.testing._internal.common_utils import (
 
 import torch_moe  # noqa: F401
 from torch_moe._ops import _cpu_probe as P
+from torch_moe._ops import _native
 from torch_moe.quantization import (
     RECIPES,
     get_recipe,
@@ -37,6 +40,7 @@ from torch_moe.quantization import (
     quantize_jagged_reference,
     quantize_mx_reference,
 )
+from torch_moe.quantization import quantize as Q
 
 S = importlib.import_module("torch_moe.quantization.scaled_grouped_mm")
 ops = torch.ops.torch_moe
@@ -116,13 +120,13 @@ class TestScaledGroupedMMCPUKernels(TestCase):
     by group; it must equal the whole-operand form (dequantize all of a and b, then the
     grouped GEMM) bit for bit, across chunk boundaries, empty groups, a group larger than a
     chunk and rows past the last group. (Where this CPU multiplies bf16 natively, bf16
-    outputs take the codes' bf16 GEMMs instead: tested on their own.)"""
+    outputs take the codes' bf16 GEMMs instead; where it does not, on two or more threads,
+    the fp32 form's native pieces: each tested on its own.)"""
 
     CASES = ([7, 0, 33, 1, 0, 50], [0, 0, 0], [120], [1, 1, 1, 1, 1, 1, 1, 1, 90])
 
     @parametrize("recipe", [r for r in RECIPES if RECIPES[r].forward.lhs is not None])
     def test_forward_and_dgrad_equal_whole_operands(self, recipe):
-        from unittest import mock
 
         gen = torch.Generator().manual_seed(5)
         for sizes in self.CASES:
@@ -142,6 +146,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                             mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
                             mock.patch.object(S, "_codes_in_bf16", lambda *a: False),
                             mock.patch.object(S, "_blocks_in_bf16", lambda *a: False),
+                            mock.patch.object(S, "dequantizes_pieces", lambda *a: False),
                         ):
                             got = ops.scaled_grouped_mm(
                                 qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, out_dtype
@@ -151,7 +156,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
 
     @parametrize("recipe", [r for r in RECIPES if RECIPES[r].wgrad.lhs is not None])
     def test_wgrad_equals_whole_operands(self, recipe):
-        from unittest import mock
 
         g = RECIPES[recipe].wgrad
         gen = torch.Generator().manual_seed(6)
@@ -171,6 +175,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
                         mock.patch.object(S, "_CPU_CHUNK_ELEMS", chunk),
                         mock.patch.object(S, "_wgrad_codes_in_bf16", lambda *a: False),
                         mock.patch.object(S, "_blocks_in_bf16", lambda *a: False),
+                        mock.patch.object(S, "dequantizes_pieces", lambda *a: False),
                     ):
                         got = ops.scaled_grouped_mm_wgrad(
                             qx, qdy, sx, sdy, offs, g.lhs.inner, out_dtype
@@ -184,7 +189,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         per-tensor and 1 x 128 activations, row- and column-major weights in 128 x 128 or
         per-column blocks, MX's powers of two, and the jagged wgrad operands through the
         ops, where the kernel runs (spied)."""
-        from unittest import mock
 
         Qm = importlib.import_module("torch_moe.quantization.quantize")
         mod = Qm._fp8_kernels(torch.empty(0))
@@ -236,7 +240,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         blocks, MX's along k) dequantize in one native call for all experts, into fp32 and
         bf16, with the per-expert calls' bits; other layouts (a strided slice of experts)
         take the per-expert calls."""
-        from unittest import mock
 
         Qm = importlib.import_module("torch_moe.quantization.quantize")
         mod = Qm._fp8_kernels(torch.empty(0))
@@ -276,7 +279,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         bit for bit), where this CPU multiplies bf16 natively; the fp32 form otherwise and
         for an fp32 output. (Here by bf16 copies of the operands: the pieces that the
         native GEMM's route converts in cache instead are the next test's.)"""
-        from unittest import mock
 
         r = RECIPES["mxfp8"]
         gen = torch.Generator().manual_seed(9)
@@ -355,7 +357,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         that have rows, their scales included (the whole stack was 100x a T=1 step's
         GEMMs), and no grouped GEMM kernel reads the others' memory: with every new
         buffer filled with NaN first, bit for bit the whole stack's product."""
-        from unittest import mock
 
         bf = torch.bfloat16
         if S.cpu_compute_dtype(bf) != bf or not S.Q.native_fp8_conversions():
@@ -444,7 +445,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         and two threads; where
         ``grouped_mm`` takes another route (``threads_mm=aten``), the copies and its bits.
         The kernels refuse operands they do not take, leaving the output as it was."""
-        from unittest import mock
 
         from torch_moe._ops import _cpu_probe, _native
 
@@ -525,7 +525,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         ``_wgrad``) write a bf16 output past this core's L2 by non-temporal stores where
         asked (``stream_out``, the probe's ``out_stream``): the same bits as plain stores,
         a ragged last line and rows past the last group included."""
-        from torch_moe._ops import _native
 
         mod = _native.kernels()
         bf = torch.bfloat16
@@ -580,9 +579,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         ones, a ragged column block, rows past the last group zero) on one and two
         threads; exact on exact sums over several blocks (K and a group past 512); the fp32
         form elsewhere (no native GEMM, an fp32 output, scales along K, MX)."""
-        from unittest import mock
-
-        from torch_moe._ops import _native
 
         bf = torch.bfloat16
         gen = torch.Generator().manual_seed(13)
@@ -709,9 +705,6 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         scales, K's last block shorter, ragged column blocks, groups over several row
         blocks, empty groups, rows past the last group zero; the same bits on one and two
         threads; within the GEMM bound of the float64 product on random operands."""
-        from unittest import mock
-
-        from torch_moe._ops import _native
 
         bf = torch.bfloat16
         gen = torch.Generator().manual_seed(14)
@@ -812,6 +805,179 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         )
         self.assertEqual(S._chunks_of_groups([0, 0], 8), [(0, 0, [0, 1])])
         self.assertEqual(S._chunks_of_groups([], 8), [])
+
+
+class TestDequantizedPieces(TestCase):
+    """The fp32 form by the native kernels' pieces (``fp8_dequantized_mm`` / ``_wgrad``,
+    which CPUs without native bf16 GEMMs take on two or more threads): each piece's
+    operands dequantized on its thread, its fp32 GEMM on that thread. Their values are the
+    dequantized operands' grouped GEMM within the fp32 GEMM's rounding bound (not the
+    per-group loop's bits: a GEMM library may sum another split of the rows or columns in
+    another order, and the loop sends groups of a few rows to the few-rows kernel), on 1-3
+    threads, for every recipe, both weight layouts, fp32 and bf16 outputs, empty and
+    one-row groups, rows past the last group, N past the pieces' 256 columns; repeated
+    calls give the same bits."""
+
+    CASES = ([7, 0, 33, 1, 0, 50], [0, 0, 0], [300], [40, 280, 0, 5])
+
+    def setUp(self):
+        if not Q.native_fp8_conversions():
+            self.skipTest("the native e4m3 kernels did not build here")
+        self.mod = _native.kernels()
+
+    @parametrize("recipe", [r for r in RECIPES if RECIPES[r].forward.lhs is not None])
+    def test_forward_and_dgrad_within_the_fp32_bound(self, recipe):
+        gen = torch.Generator().manual_seed(11)
+        k, n = 96, 288  # N: a 256-column piece and 32 (MX's and blockwise's blocks tile both)
+        for sizes in self.CASES:
+            offs = make_offs(sizes)
+            m = int(offs[-1]) + 3
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(4).exp()
+            for name in ("forward", "dgrad"):
+                g = getattr(RECIPES[recipe], name)
+                w = torch.randn(len(sizes), k, n, generator=gen)
+                for w_l in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):
+                    qa, sa = S.quantize_lhs(x, g.lhs)
+                    qb, sb = S.quantize_rhs(w_l, g.rhs)
+                    a_f, b_f = S._dequantize_operands(qa, qb, sa, sb, g.lhs.inner, g.rhs.outer)
+                    args = (qa, qb, S._fp32_scales(sa).contiguous())
+                    args += (S._fp32_scales(sb).contiguous(), offs, g.lhs.inner, g.rhs.outer)
+                    for threads, out_dtype in itertools.product((1, 2, 3), (F32, torch.bfloat16)):
+                        msg = f"{recipe} {name} {sizes} {w_l.stride()} {threads} {out_dtype}"
+                        out = torch.full((m, n), float("nan"), dtype=out_dtype)
+                        with intra_op_threads(threads):
+                            self.assertTrue(self.mod.fp8_dequantized_mm(*args, out), msg=msg)
+                            again = torch.empty_like(out)
+                            self.assertTrue(self.mod.fp8_dequantized_mm(*args, again))
+                        assert_gemm_within(self, out, a_f, b_f, offs, msg)
+                        self.assertEqual(again, out, atol=0, rtol=0, msg=msg)
+
+    @parametrize("recipe", [r for r in RECIPES if RECIPES[r].wgrad.lhs is not None])
+    def test_wgrad_within_the_fp32_bound(self, recipe):
+        g = RECIPES[recipe].wgrad
+        gen = torch.Generator().manual_seed(12)
+        k, n = 288, 64
+        for sizes in self.CASES:
+            offs = make_offs(sizes)
+            m = int(offs[-1]) + 2
+            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
+            dy = torch.randn(m, n, generator=gen)
+            qx, sx = S.quantize_wgrad_operand(x, offs, g.lhs)
+            qdy, sdy = S.quantize_wgrad_operand(dy, offs, g.rhs)
+            a_f = S._dequantize_wgrad_operand(qx, sx, offs, g.lhs.inner)
+            b_f = S._dequantize_wgrad_operand(qdy, sdy, offs, g.lhs.inner)
+            per_tensor = list(sx.shape) == [1, 1]
+            index = None if per_tensor else Q.jagged_block_index(offs, m, g.lhs.inner)[0]
+            args = (qx, qdy, S._fp32_scales(sx).contiguous(), S._fp32_scales(sdy).contiguous())
+            for threads, out_dtype in itertools.product((1, 2, 3), (F32, torch.bfloat16)):
+                msg = f"{recipe} {sizes} {threads} {out_dtype}"
+                out = torch.full((len(sizes), k, n), float("nan"), dtype=out_dtype)
+                with intra_op_threads(threads):
+                    self.assertTrue(self.mod.fp8_dequantized_mm_wgrad(*args, index, offs, out))
+                assert_gemm_within(self, out, a_f, b_f, offs, msg, wgrad=True)
+
+    def test_refusals_leave_out_untouched(self):
+        # what the kernels do not take: they return False, out as it was, the caller's
+        # Python form runs
+        g = RECIPES["fp8_rowwise"].forward
+        offs = make_offs([5, 0, 7])
+        x, w = torch.randn(12, 64), torch.randn(3, 64, 96)
+        qa, sa = S.quantize_lhs(x, g.lhs)
+        qb, sb = S.quantize_rhs(w, g.rhs)
+        sa, sb = sa.contiguous(), sb.contiguous()
+        blocks = (g.lhs.inner, g.rhs.outer)
+        out = torch.full((12, 96), 7.0)
+        bad = {
+            "bf16 a": (qa.to(torch.bfloat16), qb, sa, sb, offs, *blocks, out),
+            "fp16 out": (qa, qb, sa, sb, offs, *blocks, out.half()),
+            "int64 offs": (qa, qb, sa, sb, offs.long(), *blocks, out),
+            "offs past M": (qa, qb, sa, sb, offs + 1, *blocks, out),
+            "scale_a rows": (qa, qb, sa[:5], sb, offs, *blocks, out),
+            "scale_b blocks": (qa, qb, sa, sb.expand(3, 2, 96).contiguous(), offs, *blocks, out),
+            "strided a": (qa.t().contiguous().t(), qb, sa, sb, offs, *blocks, out),
+            "block_n of 96": (qa, qb, sa, torch.ones(3, 1, 2), offs, -1, 48, out),
+        }
+        for name, args in bad.items():
+            self.assertFalse(self.mod.fp8_dequantized_mm(*args), msg=name)
+            self.assertTrue(bool((args[-1] == 7.0).all()), msg=name)
+        gw = RECIPES["fp8_rowwise"].wgrad
+        dy = torch.randn(12, 40)
+        qx, sx = S.quantize_wgrad_operand(x, offs, gw.lhs)
+        qdy, sdy = S.quantize_wgrad_operand(dy, offs, gw.rhs)
+        index = Q.jagged_block_index(offs, 12, gw.lhs.inner)[0]
+        dw = torch.full((3, 64, 40), 7.0)
+        bad_w = {
+            "no index": (qx, qdy, sx, sdy, None, offs, dw),
+            "index past the scales": (qx, qdy, sx, sdy, index + 5, offs, dw),
+            "out [E, N, K]": (qx, qdy, sx, sdy, index, offs, dw.transpose(1, 2)),
+            "int64 offs": (qx, qdy, sx, sdy, index, offs.long(), dw),
+        }
+        for name, args in bad_w.items():
+            self.assertFalse(self.mod.fp8_dequantized_mm_wgrad(*args), msg=name)
+            self.assertTrue(bool((dw == 7.0).all()), msg=name)
+
+    def test_the_ops_take_the_pieces_where_decided(self):
+        # decided where bf16 GEMMs upcast, on two or more threads, with the threads_mm
+        # decision at the rows' class (FEW_ROWS rows or fewer: the loop); the ops then
+        # return the kernels' outputs, else the loop's
+        bf = torch.bfloat16
+        with P.force(half_gemm="fp32", threads_mm="native"):
+            with intra_op_threads(2):
+                self.assertTrue(S.dequantizes_pieces(64))
+                self.assertFalse(S.dequantizes_pieces(P.FEW_ROWS))
+                self.assertFalse(S.dequantizes_pieces(64, threads=1))
+            with intra_op_threads(1):
+                self.assertFalse(S.dequantizes_pieces(64))
+                self.assertTrue(S.dequantizes_pieces(64, threads=2))
+        with P.force(half_gemm="fp32", threads_mm="aten"), intra_op_threads(2):
+            self.assertFalse(S.dequantizes_pieces(64))
+        with P.force(half_gemm="native", threads_mm="native"), intra_op_threads(2):
+            self.assertFalse(S.dequantizes_pieces(64))
+        gen = torch.Generator().manual_seed(13)
+        offs = make_offs([40, 0, 70])
+        x, w, dy = torch.randn(113, 64, generator=gen), torch.randn(3, 64, 96), torch.randn(113, 32)
+        for recipe in ("fp8_tensorwise", "fp8_blockwise", "mxfp8"):
+            g, gw = RECIPES[recipe].forward, RECIPES[recipe].wgrad
+            qa, sa = S.quantize_lhs(x, g.lhs)
+            qb, sb = S.quantize_rhs(w, g.rhs)
+            qx, sx = S.quantize_wgrad_operand(x, offs, gw.lhs)
+            qdy, sdy = S.quantize_wgrad_operand(dy, offs, gw.rhs)
+            per_tensor = list(sx.shape) == [1, 1]
+            index = None if per_tensor else Q.jagged_block_index(offs, 113, gw.lhs.inner)[0]
+            want = torch.empty(113, 96, dtype=bf)
+            want_w = torch.empty(3, 64, 32, dtype=bf)
+            args = (qa, qb, S._fp32_scales(sa).contiguous(), S._fp32_scales(sb).contiguous(), offs)
+            wargs = (qx, qdy, S._fp32_scales(sx).contiguous(), S._fp32_scales(sdy).contiguous())
+            routes = [
+                mock.patch.object(S, r, lambda *a: False)
+                for r in (
+                    "_codes_in_bf16",
+                    "_blocks_in_bf16",
+                    "_mx_in_bf16",
+                    "_wgrad_codes_in_bf16",
+                )
+            ]
+            with intra_op_threads(2), contextlib.ExitStack() as stack:
+                for r in routes:
+                    stack.enter_context(r)
+                self.assertTrue(self.mod.fp8_dequantized_mm(*args, g.lhs.inner, g.rhs.outer, want))
+                self.assertTrue(self.mod.fp8_dequantized_mm_wgrad(*wargs, index, offs, want_w))
+                for pieces in (True, False):
+                    with mock.patch.object(S, "dequantizes_pieces", lambda *a, p=pieces: p):
+                        got = ops.scaled_grouped_mm(
+                            qa, qb, sa, sb, offs, g.lhs.inner, g.rhs.outer, bf
+                        )
+                        got_w = ops.scaled_grouped_mm_wgrad(
+                            qx, qdy, sx, sdy, offs, gw.lhs.inner, bf
+                        )
+                    if pieces:
+                        self.assertEqual(got, want, atol=0, rtol=0, msg=recipe)
+                        self.assertEqual(got_w, want_w, atol=0, rtol=0, msg=recipe)
+                    else:  # the loop: the same values within bf16's rounding
+                        self.assertEqual(
+                            got.float(), want.float(), atol=1e-5, rtol=2**-7, msg=recipe
+                        )
+                        self.assertEqual(got_w.float(), want_w.float(), atol=1e-5, rtol=2**-7)
 
 
 class TestScaledGroupedMM(TestCase):
@@ -1160,6 +1326,7 @@ class TestScaledChecks(TestCase):
 
 instantiate_parametrized_tests(TestScaledGroupedMM)
 instantiate_parametrized_tests(TestScaledGroupedMMCPUKernels)
+instantiate_parametrized_tests(TestDequantizedPieces)
 
 if __name__ == "__main__":
     run_tests()

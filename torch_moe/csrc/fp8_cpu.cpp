@@ -49,6 +49,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
@@ -605,6 +606,37 @@ inline void store8(uint16_t* o, __m256 v) { store8_u16(o, round8_bf16(v)); }
 inline void store1(float* o, float v) { *o = v; }
 inline void store1(uint16_t* o, float v) { *o = std::isnan(v) ? 0xFFFF : c10::BFloat16(v).x; }
 
+// One row of `cols` codes s times their scales into o (fp32, ATen's product's bits; or
+// that product rounded to bf16 as ATen's vectorized copy rounds it): column j's scale
+// srow[j] where bc is 1, else its block's srow[(j / bc) * ss] (blocks of bc columns from
+// column 0): dequantize_row with AVX-512, else 8 codes a step (values8).
+template <class Out>
+inline void dequantize_codes(const uint8_t* s, int64_t cols, const float* srow, int64_t bc,
+                             int64_t ss, Out* o) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const Bf16Codes bf16_codes;
+  dequantize_row(bf16_codes, s, cols, srow, bc, ss, o);
+#else
+  const float* table = fp8_values().data();  // (the rows' tails)
+  if (bc == 1) {  // a scale per column: 8 of them a step
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) {
+      store8(o + j, _mm256_mul_ps(values8(s + j), _mm256_loadu_ps(srow + j)));
+    }
+    for (; j < cols; ++j) store1(o + j, table[s[j]] * srow[j]);
+    return;
+  }
+  for (int64_t j0 = 0; j0 < cols; j0 += bc) {
+    const int64_t j1 = std::min(cols, j0 + bc);
+    const float f = srow[(j0 / bc) * ss];
+    const __m256 fv = _mm256_set1_ps(f);
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) store8(o + j, _mm256_mul_ps(values8(s + j), fv));
+    for (; j < j1; ++j) store1(o + j, table[s[j]] * f);
+  }
+#endif
+}
+
 // out [R, C] = q.float() * scale[row's scale row, c / bc] (fp32, ATen's product's bits;
 // or bf16: that product rounded as ATen's vectorized copy rounds it): row r's scale row is index[r]
 // (int64) where given, else r / br; q and out row-major (any row strides), scale [*,
@@ -635,40 +667,13 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
     if (sr < 0 || sr >= scale_rows) return false;
   }
   if (q.numel() == 0) return true;
-#if defined(CPU_CAPABILITY_AVX512)
-  static const Bf16Codes bf16_codes;
-#else
-  const float* table = fp8_values().data();  // (the rows' tails)
-#endif
   const float* sp = scale.const_data_ptr<float>();
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
   const int64_t ldq = q.stride(0), ldo = out.stride(0);
   auto run = [&](auto* op) {
-    using Out = std::remove_pointer_t<decltype(op)>;
     for_rows(rows, cols, [&](int64_t r) {
-      const uint8_t* s = qp + r * ldq;
-      Out* o = op + r * ldo;
       const float* srow = sp + (idx != nullptr ? idx[r] : r / br) * nc;
-#if defined(CPU_CAPABILITY_AVX512)
-      dequantize_row(bf16_codes, s, cols, srow, bc, 1, o);
-#else
-      if (bc == 1) {  // a scale per column: 8 of them a step
-        int64_t j = 0;
-        for (; j + 8 <= cols; j += 8) {
-          store8(o + j, _mm256_mul_ps(values8(s + j), _mm256_loadu_ps(srow + j)));
-        }
-        for (; j < cols; ++j) store1(o + j, table[s[j]] * srow[j]);
-        return;
-      }
-      for (int64_t j0 = 0; j0 < cols; j0 += bc) {
-        const int64_t j1 = std::min(cols, j0 + bc);
-        const float f = srow[j0 / bc];
-        const __m256 fv = _mm256_set1_ps(f);
-        int64_t j = j0;
-        for (; j + 8 <= j1; j += 8) store8(o + j, _mm256_mul_ps(values8(s + j), fv));
-        for (; j < j1; ++j) store1(o + j, table[s[j]] * f);
-      }
-#endif
+      dequantize_codes(qp + r * ldq, cols, srow, bc, 1, op + r * ldo);
     });
   };
   if (bf16_out) {
@@ -1237,19 +1242,20 @@ bool operands_apply(const at::Tensor& a, const at::Tensor& b) {
   return a.scalar_type() == at::kBFloat16;
 }
 
-// A thread's bf16 copy of one piece of codes, kept for the next piece of the same op call
-// that reads the same rows (key): the pieces of a group's rows by columns, which
-// at::parallel_for hands a thread in order.
+// A thread's copy of one piece of codes (bf16 bits, or fp32 values: T), kept for the next
+// piece of the same op call that reads the same rows (key): the pieces of a group's rows by
+// columns, which at::parallel_for hands a thread in order.
+template <class T = uint16_t>
 struct PieceCopy {
-  std::vector<uint16_t> buf;
+  std::vector<T> buf;
   uint64_t call = 0;
   int64_t key = -1;
   // The copy's [rows, cols] (row stride cols) for (call, key), converted by fill(data)
   // unless it holds them already.
   template <class F>
-  uint16_t* get(uint64_t c, int64_t k, int64_t rows, int64_t cols, const F& fill) {
+  T* get(uint64_t c, int64_t k, int64_t rows, int64_t cols, const F& fill) {
     const bool held = call == c && key == k;
-    uint16_t* data = torch_moe_cpu::aligned_scratch(buf, rows * cols);
+    T* data = torch_moe_cpu::aligned_scratch(buf, rows * cols);
     if (!held) {
       fill(data);
       call = c;
@@ -1300,15 +1306,17 @@ struct RowPiece {
   int64_t g, start, rows, c0, c1;
 };
 
-// Each group's rows (ends) in pieces of at most `most` rows by 256 output columns.
+// The output columns of a forward piece (row_pieces).
+constexpr int64_t kPieceCols = 256;
+
+// Each group's rows (ends) in pieces of at most `most` rows by kPieceCols output columns.
 std::vector<RowPiece> row_pieces(const int32_t* ends, int64_t E, int64_t most, int64_t N) {
-  constexpr int64_t kCols = 256;
   std::vector<RowPiece> pieces;
   for (int64_t g = 0, start = 0; g < E; start = ends[g], ++g) {
     for (int64_t r0 = start; r0 < ends[g]; r0 += most) {
       const int64_t rows = std::min<int64_t>(most, ends[g] - r0);
-      for (int64_t c0 = 0; c0 < N; c0 += kCols) {
-        pieces.push_back({g, r0, rows, c0, std::min(N, c0 + kCols)});
+      for (int64_t c0 = 0; c0 < N; c0 += kPieceCols) {
+        pieces.push_back({g, r0, rows, c0, std::min(N, c0 + kPieceCols)});
       }
     }
   }
@@ -1781,7 +1789,7 @@ bool fp8_block_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
       return torch_moe_cpu::bf16_gemm_scaled(o, a_m.row_range(p.start, p.rows),
                                              bg.col_range(p.c0, cols), &sc, {}, {}, stream);
     }
-    thread_local PieceCopy a_copy;
+    thread_local PieceCopy<> a_copy;
     thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
     // a's rows in bf16, zero past K (the few-rows form reads whole pairs; the GEMM K)
     const int64_t lda = padded_k(K);
@@ -1865,7 +1873,7 @@ bool fp8_block_scaled_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
       return torch_moe_cpu::bf16_gemm_scaled(o, a_t, b_m.row_range(p.start, p.rows), &sc, {}, {},
                                              stream);
     }
-    thread_local PieceCopy b_copy;
+    thread_local PieceCopy<> b_copy;
     thread_local std::vector<uint16_t> a_buf;  // each piece its own columns of a
     uint16_t* bh = b_copy.get(call, p.start, p.rows, N, [&](uint16_t* d) {
       copy_codes(b_m.data, b_m.row_stride, p.start, p.rows, 0, N, d);
@@ -1921,7 +1929,7 @@ bool fp8_mx_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_s
   const bool b_rows = b.stride(2) == 1;  // each expert row-major (else column-major)
   const Matrix out_m = Matrix::of(out);
   run_pieces(pieces, "fp8_mx_mm", [&](const RowPiece& p) {
-    thread_local PieceCopy a_copy;
+    thread_local PieceCopy<> a_copy;
     thread_local std::vector<uint16_t> b_buf;  // each piece its own columns of b[g]
     uint16_t* ah = a_copy.get(call, p.start, p.rows, K, [&](uint16_t* d) {
       for (int64_t r = 0; r < p.rows; ++r) {
@@ -2119,7 +2127,7 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   const bool stream = out_streams(out, stream_out);
   run_pieces(pieces, "fp8_mx_mm_wgrad", [&](const KPiece& p) {
     const auto block_row = [&](int64_t r) { return first[p.g] + r / block; };  // r: from start
-    thread_local PieceCopy b_copy;
+    thread_local PieceCopy<> b_copy;
     thread_local std::vector<uint16_t> a_buf;  // each piece its own columns of a
     uint16_t* bh = b_copy.get(call, p.start, p.rows, N, [&](uint16_t* d) {
       ScaleRowSteps steps;  // (a scale row per block of rows)
@@ -2147,6 +2155,221 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 #endif
 }
 
+
+// ---- The fp32 form by pieces ----
+//
+// Where this CPU does not multiply bf16 natively (AVX2 without AVX512-BF16: the CPU probe's
+// half_gemm upcasts) the scaled GEMMs multiply the dequantized fp32 values. The Python
+// form dequantizes a chunk of whole groups into fp32 tensors (each operand written to
+// memory by one pass, read back by the GEMM) and runs each group's GEMM by ATen, which MKL
+// splits over all threads: an expert's GEMM of a few dozen rows gains little from that
+// split, and the loop's Python costs ~20 us a group (on the Zen 3 EPYC measured the
+// 64-expert forward of benchmarks/bench_fp8_emulation.py's prec3 ran its fp32 GEMMs at 38
+// GFLOP/s on two threads, 62 one thread per group). These kernels run each piece (a
+// group's rows by 256 output columns; the weight gradient's by output rows, k_pieces) on
+// one thread: the piece's rows of a and its block of b[g] dequantized into the thread's
+// scratch (dequantize_codes: fp8_dequantize_scaled's products, so the same fp32 operands),
+// ATen's fp32 GEMM on them on that thread alone, one rounding into out. The math is the
+// Python form's but for the GEMM's summation order, which a GEMM library may choose per
+// shape and thread count (MKL's for a few rows differs between one thread and two): the
+// tests hold the values to the fp32 GEMM's rounding bound; for a given thread count they
+// are deterministic. The pool's threads take the caller's thread-local state (inference
+// mode, grad mode) for ATen's GEMM.
+
+// A dequantized piece's fp32 rows: a's rows are taken at most this many bytes at a time.
+int64_t fp32_rows(int64_t K) {
+  return std::max<int64_t>(64, kCodeRowsBytes / (4 * std::max<int64_t>(K, 1)));
+}
+
+// `rows` x `cols` fp32 scratch of this thread as a tensor (valid until the slot's next use).
+at::Tensor fp32_scratch(std::vector<float>& buf, int64_t rows, int64_t cols) {
+  float* p = torch_moe_cpu::aligned_scratch(buf, std::max<int64_t>(rows * cols, 1));
+  return at::from_blob(p, {rows, cols}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// o = a_f @ b_f by ATen's fp32 GEMM on this thread: into o where it is fp32, else into
+// fp32 scratch rounded once into o (ATen's copy).
+void mm_fp32_into(at::Tensor o, const at::Tensor& a_f, const at::Tensor& b_f) {
+  if (o.scalar_type() == at::kFloat) {
+    at::mm_out(o, a_f, b_f);
+    return;
+  }
+  thread_local std::vector<float> prod;
+  auto p = fp32_scratch(prod, o.size(0), o.size(1));
+  at::mm_out(p, a_f, b_f);
+  o.copy_(p);
+}
+
+// Scale-block sizes of a dim of `size` elements with `blocks` scales along it: the dim
+// whole where one (block -1, or a block past the dim), else `block`; 0 where the count
+// is not ceil(size / block).
+int64_t scale_block(int64_t blocks, int64_t block, int64_t size) {
+  if (blocks == 1) return std::max<int64_t>(size, 1);
+  if (block < 1 || blocks != (size + block - 1) / block) return 0;
+  return block;
+}
+
+// out [M, N] (fp32 or bf16, contiguous) = for the rows of group g (offs' ends) a's rows
+// times b[g], each operand dequantized: a's element (m, k) times row_scale[m (0 where one
+// row), k / bka], b[g]'s (k, n) times col_scale[g, k / bkb, n / bn] (bka, bkb, bn: the
+// scale blocks, block_k / block_n or the whole dim where one scale spans it); rows past
+// the last group zero. a [M, K] row-major, b [E, K, N] e4m3fn (each expert row- or
+// column-major), row_scale [1 or M, KSa] and col_scale [E, KSb, NS] contiguous fp32, NS
+// one or its blocks whole multiples of the pieces' 256 columns' divisor. False without
+// touching out where the operands are not these.
+bool fp8_dequantized_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& row_scale,
+                        const at::Tensor& col_scale, const at::Tensor& offs, int64_t block_k,
+                        int64_t block_n, at::Tensor& out) {
+  if (a.scalar_type() != at::kFloat8_e4m3fn || b.scalar_type() != at::kFloat8_e4m3fn ||
+      a.dim() != 2 || b.dim() != 3 || out.dim() != 2 || !out.is_contiguous() ||
+      (out.scalar_type() != at::kFloat && out.scalar_type() != at::kBFloat16) ||
+      row_scale.scalar_type() != at::kFloat || !row_scale.is_contiguous() ||
+      row_scale.dim() != 2 || col_scale.scalar_type() != at::kFloat ||
+      !col_scale.is_contiguous() || col_scale.dim() != 3) {
+    return false;
+  }
+  const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(2);
+  if (b.size(1) != K || out.size(0) != M || out.size(1) != N || offs.dim() != 1 ||
+      offs.size(0) != E || (a.stride(1) != 1 && K > 1) ||
+      (row_scale.size(0) != 1 && row_scale.size(0) != M) || col_scale.size(0) != E) {
+    return false;
+  }
+  // b[g] walked by rows (its columns contiguous) or by columns (its K codes contiguous)
+  const bool b_rows = b.stride(2) == 1 || N <= 1;
+  if (!b_rows && b.stride(1) != 1 && K > 1) return false;
+  const int64_t KSa = row_scale.size(1), KSb = col_scale.size(1), NS = col_scale.size(2);
+  const int64_t bka = scale_block(KSa, block_k, K), bkb = scale_block(KSb, block_k, K);
+  const int64_t bn = scale_block(NS, block_n, N);
+  // every piece's columns start on a scale block; a column's k blocks are strided scales
+  if (bka == 0 || bkb == 0 || bn == 0 || (NS > 1 && kPieceCols % bn != 0) ||
+      (!b_rows && bkb == 1 && KSb > 1)) {
+    return false;
+  }
+  const int32_t* ends = group_ends(offs, M);
+  if (ends == nullptr) return false;
+  const auto pieces = row_pieces(ends, E, fp32_rows(K), N);
+  const float* rs = row_scale.const_data_ptr<float>();
+  const float* cs = col_scale.const_data_ptr<float>();
+  const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
+  const auto* bp = static_cast<const uint8_t*>(b.const_data_ptr());
+  const int64_t lda = a.stride(0), row_scales = row_scale.size(0);
+  const uint64_t call = next_call();
+  const at::ThreadLocalState state;
+  run_pieces(pieces, "fp8_dequantized_mm", [&](const RowPiece& p) {
+    const at::ThreadLocalStateGuard guard(state);
+    thread_local PieceCopy<float> a_copy;
+    thread_local std::vector<float> b_buf;  // each piece its own columns of b[g]
+    const float* af = a_copy.get(call, p.start, p.rows, K, [&](float* d) {
+      for (int64_t r = 0; r < p.rows; ++r) {
+        const int64_t m = p.start + r;
+        dequantize_codes(ap + m * lda, K, rs + (row_scales == 1 ? 0 : m) * KSa, bka, 1, d + r * K);
+      }
+    });
+    const int64_t cols = p.c1 - p.c0;
+    const uint8_t* bg = bp + p.g * b.stride(0);
+    const float* sg = cs + p.g * KSb * NS;  // b[g]'s scales [KSb, NS]
+    const int64_t sc0 = NS == 1 ? 0 : p.c0 / bn;
+    at::Tensor b_f;
+    if (b_rows) {  // b[g]'s rows k, columns [c0, c1): their scales along the row
+      b_f = fp32_scratch(b_buf, K, cols);
+      float* d = b_f.data_ptr<float>();
+      for (int64_t k = 0; k < K; ++k) {
+        dequantize_codes(bg + k * b.stride(1) + p.c0, cols, sg + (k / bkb) * NS + sc0,
+                         NS == 1 ? cols : bn, 1, d + k * cols);
+      }
+    } else {  // b[g]'s columns n in [c0, c1), K codes each: a scale per k block (stride NS)
+      b_f = fp32_scratch(b_buf, cols, K);
+      float* d = b_f.data_ptr<float>();
+      for (int64_t n = 0; n < cols; ++n) {
+        const int64_t c = p.c0 + n;
+        dequantize_codes(bg + c * b.stride(2), K, sg + (NS == 1 ? 0 : c / bn), bkb, NS, d + n * K);
+      }
+      b_f = b_f.t();
+    }
+    const auto a_f = at::from_blob(const_cast<float*>(af), {p.rows, K},
+                                   at::TensorOptions().dtype(at::kFloat));
+    mm_fp32_into(out.narrow(0, p.start, p.rows).narrow(1, p.c0, cols), a_f, b_f);
+    return true;
+  });
+  zero_past_groups(out, ends, E);
+  return true;
+}
+
+// out [E, K, N] (fp32 or bf16, contiguous): the weight gradients of dequantized operands,
+// out[g] = a[rows of g]^T @ b[rows of g], a's (m, k) times row_scale[s(m), k] and b's (m,
+// n) times col_scale[s(m), n] (s(m) = index[m], or 0 without an index; a scale row of one
+// element spans the row); empty groups zero. a [M, K] and b [M, N] row-major e4m3fn,
+// row_scale [R, K or 1] and col_scale [R, N or 1] contiguous fp32 (one row where no
+// index: per tensor), index [M] int64 in [0, R). k_pieces' pieces shared out over the
+// threads. False without touching out where the operands are not these.
+bool fp8_dequantized_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
+                              const at::Tensor& row_scale, const at::Tensor& col_scale,
+                              const std::optional<at::Tensor>& index, const at::Tensor& offs,
+                              at::Tensor& out) {
+  if (a.scalar_type() != at::kFloat8_e4m3fn || b.scalar_type() != at::kFloat8_e4m3fn ||
+      a.dim() != 2 || b.dim() != 2 || out.dim() != 3 || !out.is_contiguous() ||
+      (out.scalar_type() != at::kFloat && out.scalar_type() != at::kBFloat16) ||
+      row_scale.scalar_type() != at::kFloat || !row_scale.is_contiguous() ||
+      row_scale.dim() != 2 || col_scale.scalar_type() != at::kFloat ||
+      !col_scale.is_contiguous() || col_scale.dim() != 2 || offs.dim() != 1) {
+    return false;
+  }
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1), E = offs.size(0);
+  const int64_t R = row_scale.size(0), KS = row_scale.size(1), NS = col_scale.size(1);
+  if (b.size(0) != M || out.size(0) != E || out.size(1) != K || out.size(2) != N ||
+      (a.stride(1) != 1 && K > 1) || (b.stride(1) != 1 && N > 1) || col_scale.size(0) != R ||
+      (KS != 1 && KS != K) || (NS != 1 && NS != N) || R < 1) {
+    return false;
+  }
+  const int64_t* idx = nullptr;
+  if (index.has_value()) {
+    if (index->scalar_type() != at::kLong || index->dim() != 1 || index->size(0) != M ||
+        !index->is_contiguous()) {
+      return false;
+    }
+    idx = index->const_data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      if (idx[m] < 0 || idx[m] >= R) return false;
+    }
+  } else if (R != 1) {
+    return false;
+  }
+  const int32_t* ends = group_ends(offs, M);
+  if (ends == nullptr) return false;
+  const auto pieces = k_pieces(ends, E, K, out);
+  const float* rs = row_scale.const_data_ptr<float>();
+  const float* cs = col_scale.const_data_ptr<float>();
+  const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
+  const auto* bp = static_cast<const uint8_t*>(b.const_data_ptr());
+  const uint64_t call = next_call();
+  const at::ThreadLocalState state;
+  const auto srow = [&](int64_t m) { return idx != nullptr ? idx[m] : 0; };
+  run_pieces(pieces, "fp8_dequantized_mm_wgrad", [&](const KPiece& p) {
+    const at::ThreadLocalStateGuard guard(state);
+    thread_local PieceCopy<float> b_copy;
+    thread_local std::vector<float> a_buf;  // each piece its own columns of a
+    const float* bf = b_copy.get(call, p.start, p.rows, N, [&](float* d) {
+      for (int64_t r = 0; r < p.rows; ++r) {
+        const int64_t m = p.start + r;
+        dequantize_codes(bp + m * b.stride(0), N, cs + srow(m) * NS, NS == 1 ? N : 1, 1, d + r * N);
+      }
+    });
+    const int64_t kw = p.k1 - p.k0;
+    auto a_f = fp32_scratch(a_buf, p.rows, kw);
+    float* d = a_f.data_ptr<float>();
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const int64_t m = p.start + r;
+      dequantize_codes(ap + m * a.stride(0) + p.k0, kw, rs + srow(m) * KS + (KS == 1 ? 0 : p.k0),
+                       KS == 1 ? kw : 1, 1, d + r * kw);
+    }
+    const auto b_f = at::from_blob(const_cast<float*>(bf), {p.rows, N},
+                                   at::TensorOptions().dtype(at::kFloat));
+    mm_fp32_into(out[p.g].narrow(0, p.k0, kw), a_f.t(), b_f);
+    return true;
+  });
+  return true;
+}
+
 #else  // no AVX2 vectors: every op refuses, the caller runs ATen
 
 bool fp8_dequantize_scaled(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -2161,6 +2384,15 @@ bool fp8_quantize_jagged(const at::Tensor&, const at::Tensor&, int64_t, at::Tens
   return false;
 }
 bool fp8_from_float(const at::Tensor&, at::Tensor&) { return false; }
+bool fp8_dequantized_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, int64_t, int64_t, at::Tensor&) {
+  return false;
+}
+bool fp8_dequantized_mm_wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const std::optional<at::Tensor>&,
+                              const at::Tensor&, at::Tensor&) {
+  return false;
+}
 bool fp8_to_float(const at::Tensor&, at::Tensor&) { return false; }
 bool fp8_block_scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, bool,
@@ -2208,6 +2440,12 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       " int block, Tensor(a!) out, bool stream_out=False) -> bool");
   m.def("fp8_mx_few_rows_mm(Tensor x, Tensor b, Tensor scale, Tensor offs, Tensor(a!) out) -> bool");
   m.def(
+      "fp8_dequantized_mm(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale, Tensor offs,"
+      " int block_k, int block_n, Tensor(a!) out) -> bool");
+  m.def(
+      "fp8_dequantized_mm_wgrad(Tensor a, Tensor b, Tensor row_scale, Tensor col_scale,"
+      " Tensor? index, Tensor offs, Tensor(a!) out) -> bool");
+  m.def(
       "fp8_quantize_rows(Tensor x, int block_rows, int block, Tensor(a!) q, Tensor(b!) scale,"
       " int rule=0) -> bool");
   m.def(
@@ -2223,6 +2461,8 @@ TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {
   m.impl("fp8_mx_mm", &fp8_mx_mm);
   m.impl("fp8_mx_mm_wgrad", &fp8_mx_mm_wgrad);
   m.impl("fp8_mx_few_rows_mm", &fp8_mx_few_rows_mm);
+  m.impl("fp8_dequantized_mm", &fp8_dequantized_mm);
+  m.impl("fp8_dequantized_mm_wgrad", &fp8_dequantized_mm_wgrad);
   m.impl("fp8_dequantize_scaled", &fp8_dequantize_scaled);
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_jagged", &fp8_quantize_jagged);

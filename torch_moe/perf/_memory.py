@@ -76,8 +76,10 @@ experts' backward holds the most:
   where it runs them (``_gemm_phase``, ``_mx_bf16_phase``, ``_mx_pieces_here``), and the
   FP8 recipes' codes, where torch_moe's native bf16 GEMM runs, are multiplied in bf16
   piece by piece (no whole copies) with the scales applied per k block inside the GEMM
-  (``_codes_bf16_here``, ``_blocks_bf16_phase``). Weights are quantized whole every
-  call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
+  (``_codes_bf16_here``, ``_blocks_bf16_phase``); where bf16 GEMMs are not native, on
+  two or more threads the fp32 form runs piece by piece in the native kernels (each
+  piece's fp32 copies in its thread's scratch: ``_dequantizes_pieces``). Weights are
+  quantized whole every call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 Inference (``backward=False``; bf16 experts on a CPU without EP, ``_inference_bytes``):
 the largest of the router's phase (its fp32 copy of x, the logits), a shared expert's
@@ -288,6 +290,7 @@ def _gemm_phase(
     quantized: bool = True,
     busy: float | None = None,
     b_rows: bool = False,
+    pieces: bool = False,
 ) -> float:
     """Peak bytes of one quantized GEMM above what was live before it: quantize A, then B
     (``_FQ_TRANSIENT`` bytes per element of each operand's kind), then the scaled GEMM. A
@@ -304,7 +307,11 @@ def _gemm_phase(
     ``quantized=False``: both operands are codes already (the inference path's), only the
     scaled GEMM's phase; ``busy``: the experts with rows, None for all (MX's copies of B
     come from one stacked call where all have, else the busy ones': :func:`_mx_bf16_phase`);
-    ``b_rows``: B's codes row-major (a dgrad's weight; else column-major, K-major)."""
+    ``b_rows``: B's codes row-major (a dgrad's weight; else column-major, K-major).
+    ``pieces``: the fp32 form runs by the native kernels' pieces instead of the chunks
+    (:func:`_dequantizes_pieces`): each piece's fp32 operands and product in its thread's
+    scratch, outside the allocator (as the GEMM libraries' own), the output written once;
+    MX's E8M0 scales converted to fp32 first, and a jagged wgrad's scale row per row."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -320,6 +327,10 @@ def _gemm_phase(
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
         mx = _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad, busy, b_rows)
         return max(quantize, mx)
+    if pieces:
+        scales = 4 * (n_a + n_b) / 32 if kinds[1].startswith("mx") else 0.0
+        per_row = 8 * rows if wgrad and kinds[0].endswith("_jagged") else 0.0
+        return max(quantize, n_a + n_b + per_row + scales + b * n_out)
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
     if wgrad:  # out [E, K, N]; one group's fp32 product [K, N]
         groups = max(1.0, n_out / max(k * n, 1.0))
@@ -495,11 +506,19 @@ def _mx_bf16_phase(
 
 
 def _whole_tensor_phases(
-    w: MoEWorkload, cpu: bool, M: float, base: float, c: int, m: float = 0.0, threads: int = 1
+    w: MoEWorkload,
+    cpu: bool,
+    M: float,
+    base: float,
+    c: int,
+    m: float = 0.0,
+    threads: int = 1,
+    pieces: bool = False,
 ) -> float:
     """The backward phases of the experts computed over all M rows at once (recipes on a
     CPU, every path on a GPU): dgrad / wgrad of the second GEMM, the SwiGLU backward,
-    dgrad / wgrad of the first GEMM, each on top of what is live then."""
+    dgrad / wgrad of the first GEMM, each on top of what is live then (``pieces``: the
+    recipes' fp32 form by the native pieces, :func:`_dequantizes_pieces`)."""
     D, F, El, b = w.dim, w.hidden_dim, w.local_experts, w.element_size
     recipe = w.precision != "bf16"
     w2, w13 = El * D * F, El * 2 * F * D
@@ -528,7 +547,17 @@ def _whole_tensor_phases(
     phases = [
         base
         + _gemm_phase(
-            dgrad, M * D, w2, M * F, b, emu, rows=M, group_rows=m, codes=codes, b_rows=True
+            dgrad,
+            M * D,
+            w2,
+            M * F,
+            b,
+            emu,
+            rows=M,
+            group_rows=m,
+            codes=codes,
+            b_rows=True,
+            pieces=pieces,
         ),
         base
         + M * F * b
@@ -543,6 +572,7 @@ def _whole_tensor_phases(
             group_rows=m,
             wgrad=True,
             codes=codes,
+            pieces=pieces,
         ),
         base - dy + M * F * b + w2 * (b + copy),  # accumulated after its GEMM's backward
         # the SwiGLU backward: dA [M, F] and dH [M, 2F]; its fp32 temporaries over all M
@@ -553,7 +583,17 @@ def _whole_tensor_phases(
     phases += [
         after
         + _gemm_phase(
-            dgrad, M * 2 * F, w13, M * D, b, emu, rows=M, group_rows=m, codes=codes, b_rows=True
+            dgrad,
+            M * 2 * F,
+            w13,
+            M * D,
+            b,
+            emu,
+            rows=M,
+            group_rows=m,
+            codes=codes,
+            b_rows=True,
+            pieces=pieces,
         ),
         after
         + M * D * b
@@ -568,6 +608,7 @@ def _whole_tensor_phases(
             group_rows=m,
             wgrad=True,
             codes=codes,
+            pieces=pieces,
         ),
         # its weight gradient accumulated once its backward has returned: dH freed
         after - M * 2 * F * b + M * D * b + w13 * (b + copy),
@@ -601,6 +642,17 @@ def _upcast_pieces(w: MoEWorkload, groups: list[float], threads: int) -> bool:
     from torch_moe._ops import grouped_mm as _gm
 
     return _gm.shares_upcast_groups(w.dtype, _rows_per_busy_group(groups), threads)
+
+
+def _dequantizes_pieces(w: MoEWorkload, groups: list[float], threads: int) -> bool:
+    """Whether a recipe's scaled GEMMs on this CPU run their fp32 form by the native
+    kernels' pieces (``scaled_grouped_mm.dequantizes_pieces``, the kernels' own decision
+    at ``threads``; they write bf16 or fp32 outputs) where no bf16 route applies."""
+    from torch_moe.quantization.scaled_grouped_mm import dequantizes_pieces
+
+    if w.precision == "bf16" or w.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return dequantizes_pieces(_rows_per_busy_group(groups), threads)
 
 
 def _upcast_piece_bytes(c: int, m: float, k: float, n: float, threads: int) -> float:
@@ -811,7 +863,7 @@ def _inference_recipe_experts(
         n_a, n_b = M * K, w.local_experts * K * N
         phase = _gemm_phase(
             kinds, n_a, n_b, M * N, b, True, rows=M, group_rows=m, quantized=False,
-            busy=busy,
+            busy=busy, pieces=_dequantizes_pieces(w, groups, threads),
         )  # fmt: skip
         return phase - n_a - n_b  # B's codes are the cache's, A's counted by the caller
 
@@ -893,13 +945,15 @@ def memory(
             act = M * (D + 2 * F + D) * b + m * (2 * F * 4 + F * 4 + F * c)
             if w.precision != "bf16":
                 q = _operand_kinds(w.precision, cpu)
+                pieces = cpu and _dequantizes_pieces(w, groups, threads)
                 fwd1 = _gemm_phase(
                     q["forward"], M * D, El * D * 2 * F, M * 2 * F, b, cpu, rows=M,
                     group_rows=m, codes=cpu and _codes_bf16_here(w.precision, b),
+                    pieces=pieces,
                 )  # fmt: skip
                 fwd2 = _gemm_phase(
                     q["forward"], M * F, El * F * D, M * D, b, cpu, rows=M, group_rows=m,
-                    codes=cpu and _codes_bf16_here(w.precision, b),
+                    codes=cpu and _codes_bf16_here(w.precision, b), pieces=pieces,
                 )  # fmt: skip
                 act = M * D * b + max(fwd1, M * 3 * F * b + fwd2)
             dyn = act + T * D * (4 + b) + y + comm
@@ -1005,7 +1059,8 @@ def memory(
         ]
         dyn = max(phase - _act_fp32_bytes(w, r) + max(copies), phase, side_phase)
     else:
-        dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m, threads), side_phase)
+        pieces = cpu and _dequantizes_pieces(w, groups, threads)
+        dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m, threads, pieces), side_phase)
     if w.ep > 1 and w.num_chunks > 1:
         # after the last chunk, each weight's split backward (``split_weights``)
         # concatenates its chunks' gradients: the chunks' and the concatenation are live

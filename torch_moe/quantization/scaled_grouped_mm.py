@@ -86,6 +86,8 @@ from torch_moe._ops.grouped_mm import (
     mm_into,
     native_gemm_for,
     native_gemm_ready,
+    rows_per_busy_group,
+    shares_upcast_groups,
     streams_outputs,
     wgrad_way,
     whole_way,
@@ -405,6 +407,7 @@ def _scaled_grouped_mm(
 # rows dequantized per chunk by the CPU kernels: fp32 [rows, K] and [rows, N] blocks of
 # ~1 MiB, which stay in a core's cache (whole groups; a larger group is its own chunk)
 _CPU_CHUNK_ELEMS = 2**18
+_EXP_THREADS = [False]
 
 
 def _chunks_of_groups(
@@ -714,6 +717,23 @@ def _dequantized_bf16(q: Tensor, rows: int, dequantize: Callable[[int, int], Ten
     return out
 
 
+def dequantizes_pieces(rows: int, threads: int | None = None) -> bool:
+    """Whether the scaled GEMMs' fp32 form (the CPU kernels' where no bf16 route applies:
+    every recipe on a CPU without native bf16 GEMMs) runs by the native kernels' pieces
+    (``fp8_dequantized_mm`` / ``fp8_dequantized_mm_wgrad``, csrc/fp8_cpu.cpp: each piece's
+    rows and block of the weight dequantized on its thread, its fp32 GEMM on that thread
+    alone) instead of chunks of dequantized groups, each group's GEMM split by ATen over
+    all threads: where the bf16 layer's grouped GEMMs share their groups out as upcast
+    pieces at ``rows`` rows per busy group (``grouped_mm.shares_upcast_groups``: a CPU
+    that upcasts bf16, two or more threads, more than ``FEW_ROWS`` rows, the probe's
+    ``threads_mm``; the same fp32 GEMMs on the threads) and the native e4m3 kernels run.
+    ``threads``: the intra-op threads', or others (the memory model's question)."""
+    mod = _native.kernels()
+    if mod is None or not hasattr(mod, "fp8_dequantized_mm") or not Q.native_fp8_conversions():
+        return False
+    return shares_upcast_groups(torch.bfloat16, rows, threads)
+
+
 @_scaled_grouped_mm.register_kernel("cpu")
 def _scaled_grouped_mm_cpu(
     a: Tensor,
@@ -733,7 +753,9 @@ def _scaled_grouped_mm_cpu(
     allocates an fp32 [E, K, N] (and its int32 codes) that a large layer's weights fault
     in page by page. The values are the whole-operand form's: the same dequantized
     operands, the same per-group GEMM primitive as the CPU grouped GEMM's loop
-    (``mm_into``)."""
+    (``mm_into``). Where :func:`dequantizes_pieces` holds, the native kernel runs this form
+    piece by piece instead, each piece's GEMM on one thread (the values within the fp32
+    GEMM's rounding of these)."""
     _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
     ends = check_offs_values("scaled_grouped_mm", offs, a.shape[0])
     if ends is None:  # pragma: no cover (CPU offs)
@@ -788,6 +810,11 @@ def _scaled_grouped_mm_cpu(
             )
         return grouped_mm(a_h, b_h, offs)
     out = torch.empty((M, N), dtype=out_dtype)
+    if dequantizes_pieces(rows_per_busy_group(ends)[1]) and _native.kernels().fp8_dequantized_mm(
+        a, b, _fp32_scales(scale_a).contiguous(), _fp32_scales(scale_b).contiguous(), offs,
+        block_k, block_n, out,
+    ):  # fmt: skip
+        return out
     direct = out_dtype == torch.float32
     # a chunk's rows of a and its experts of b each within about _CPU_CHUNK_ELEMS
     experts = max(1, _CPU_CHUNK_ELEMS // max(K * N, 1))
@@ -799,12 +826,16 @@ def _scaled_grouped_mm_cpu(
         g0, g1 = gs[0], gs[-1] + 1
         b_f = _dequantize_rhs(b[g0:g1], scale_b[g0:g1], block_k, block_n)
         prod = out[c0:c1] if direct else a_f.new_empty((c1 - c0, N))
-        start = c0
-        for g in gs:
-            end = ends[g]
-            if end > start:
-                mm_into(a_f[start - c0 : end - c0], b_f[g - g0], prod[start - c0 : end - c0])
-            start = end
+        if _EXP_THREADS[0] and torch.get_num_threads() > 1:
+            offs_c = torch.tensor([ends[g] - c0 for g in gs], dtype=torch.int32)
+            _native.kernels().threaded_grouped_mm(a_f, b_f, offs_c, prod, upcast=True)
+        else:
+            start = c0
+            for g in gs:
+                end = ends[g]
+                if end > start:
+                    mm_into(a_f[start - c0 : end - c0], b_f[g - g0], prod[start - c0 : end - c0])
+                start = end
         del b_f
         if not direct:
             out[c0:c1].copy_(prod)
@@ -915,7 +946,8 @@ def _scaled_grouped_mm_wgrad_cpu(
     """Both token-order operands dequantized in chunks of whole groups (each row times its
     jagged block's scale, or the tensor's), one fp32 GEMM per group rounded into the
     output: as the whole-operand form computes it (the same products, ``mm_into`` per
-    group), without its [M, K] and [M, N] fp32 operands and full-size scale tensors."""
+    group), without its [M, K] and [M, N] fp32 operands and full-size scale tensors; by
+    the native kernel's pieces where :func:`dequantizes_pieces` holds."""
     _check_scaled_wgrad(a, b, scale_a, scale_b, offs, block, out_dtype)
     ends = check_offs_values("scaled_grouped_mm_wgrad", offs, a.shape[0])
     if ends is None:  # pragma: no cover (CPU offs)
@@ -964,6 +996,10 @@ def _scaled_grouped_mm_wgrad_cpu(
             bf16.append(h)
         return grouped_mm_wgrad(bf16[0], bf16[1], offs)
     out = torch.empty((len(ends), K, N), dtype=out_dtype)
+    if dequantizes_pieces(rows_per_busy_group(ends)[1]) and _native.kernels().fp8_dequantized_mm_wgrad(
+        a, b, sa.contiguous(), sb.contiguous(), row_block, offs, out
+    ):  # fmt: skip
+        return out
     direct = out_dtype == torch.float32
     prod = None if direct else torch.empty((K, N), dtype=torch.float32)
 
