@@ -5,7 +5,7 @@ For each recipe and shape: one ``MoE`` layer step (forward + backward, bf16 laye
 alternated: ``aten`` (the e4m3 casts, dequantization and quantize_fp8's block maxima by
 ATen's ops, the scaled GEMMs in fp32: the emulation before the native kernels),
 ``native`` (csrc/fp8_cpu.cpp's conversions and quantizer; where this CPU has no native
-bf16 GEMMs, on two or more threads, also the fp32 GEMMs by the native kernels' pieces,
+bf16 GEMMs, also the fp32 GEMMs by the native kernels' pieces,
 ``scaled_grouped_mm.dequantizes_pieces``) and ``native + bf16 GEMMs``
 (also, where this CPU has native bf16 GEMMs, MX operands multiplied by the bf16 grouped
 GEMM, ``scaled_grouped_mm._mx_in_bf16``, and the FP8 codes multiplied in bf16 with the

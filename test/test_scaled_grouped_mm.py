@@ -120,8 +120,8 @@ class TestScaledGroupedMMCPUKernels(TestCase):
     by group; it must equal the whole-operand form (dequantize all of a and b, then the
     grouped GEMM) bit for bit, across chunk boundaries, empty groups, a group larger than a
     chunk and rows past the last group. (Where this CPU multiplies bf16 natively, bf16
-    outputs take the codes' bf16 GEMMs instead; where it does not, on two or more threads,
-    the fp32 form's native pieces: each tested on its own.)"""
+    outputs take the codes' bf16 GEMMs instead; where it does not, the fp32 form's native
+    pieces: each tested on its own.)"""
 
     CASES = ([7, 0, 33, 1, 0, 50], [0, 0, 0], [120], [1, 1, 1, 1, 1, 1, 1, 1, 90])
 
@@ -809,7 +809,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
 
 class TestDequantizedPieces(TestCase):
     """The fp32 form by the native kernels' pieces (``fp8_dequantized_mm`` / ``_wgrad``,
-    which CPUs without native bf16 GEMMs take on two or more threads): each piece's
+    which CPUs without native bf16 GEMMs take: ``dequantizes_pieces``): each piece's
     operands dequantized on its thread, its fp32 GEMM on that thread. Their values are the
     dequantized operands' grouped GEMM within the fp32 GEMM's rounding bound (not the
     per-group loop's bits: a GEMM library may sum another split of the rows or columns in
@@ -917,22 +917,27 @@ class TestDequantizedPieces(TestCase):
             self.assertTrue(bool((dw == 7.0).all()), msg=name)
 
     def test_the_ops_take_the_pieces_where_decided(self):
-        # decided where bf16 GEMMs upcast, on two or more threads, with the threads_mm
-        # decision at the rows' class (FEW_ROWS rows or fewer: the loop); the ops then
-        # return the kernels' outputs, else the loop's
+        # decided where bf16 GEMMs upcast, over FEW_ROWS rows (fewer: the loop), on one
+        # thread or with the threads_mm decision at the rows' class; the ops then return
+        # the kernels' outputs, else the loop's
         bf = torch.bfloat16
         with P.force(half_gemm="fp32", threads_mm="native"):
             with intra_op_threads(2):
                 self.assertTrue(S.dequantizes_pieces(64))
                 self.assertFalse(S.dequantizes_pieces(P.FEW_ROWS))
-                self.assertFalse(S.dequantizes_pieces(64, threads=1))
+                self.assertTrue(S.dequantizes_pieces(64, threads=1))
             with intra_op_threads(1):
+                self.assertTrue(S.dequantizes_pieces(64))
+                self.assertFalse(S.dequantizes_pieces(P.FEW_ROWS))
+                self.assertTrue(S.dequantizes_pieces(64, threads=3))
+        with P.force(half_gemm="fp32", threads_mm="aten"):
+            with intra_op_threads(2):
                 self.assertFalse(S.dequantizes_pieces(64))
-                self.assertTrue(S.dequantizes_pieces(64, threads=2))
-        with P.force(half_gemm="fp32", threads_mm="aten"), intra_op_threads(2):
-            self.assertFalse(S.dequantizes_pieces(64))
-        with P.force(half_gemm="native", threads_mm="native"), intra_op_threads(2):
-            self.assertFalse(S.dequantizes_pieces(64))
+            with intra_op_threads(1):
+                self.assertTrue(S.dequantizes_pieces(64))
+        for threads in (1, 2):
+            with P.force(half_gemm="native", threads_mm="native"), intra_op_threads(threads):
+                self.assertFalse(S.dequantizes_pieces(64))
         gen = torch.Generator().manual_seed(13)
         offs = make_offs([40, 0, 70])
         x, w, dy = torch.randn(113, 64, generator=gen), torch.randn(3, 64, 96), torch.randn(113, 32)

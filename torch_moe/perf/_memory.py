@@ -76,9 +76,9 @@ experts' backward holds the most:
   where it runs them (``_gemm_phase``, ``_mx_bf16_phase``, ``_mx_pieces_here``), and the
   FP8 recipes' codes, where torch_moe's native bf16 GEMM runs, are multiplied in bf16
   piece by piece (no whole copies) with the scales applied per k block inside the GEMM
-  (``_codes_bf16_here``, ``_blocks_bf16_phase``); where bf16 GEMMs are not native, on
-  two or more threads the fp32 form runs piece by piece in the native kernels (each
-  piece's fp32 copies in its thread's scratch: ``_dequantizes_pieces``). Weights are
+  (``_codes_bf16_here``, ``_blocks_bf16_phase``); where bf16 GEMMs are not native, the
+  fp32 form runs piece by piece in the native kernels (each piece's fp32 copies in its
+  thread's scratch: ``_dequantizes_pieces``). Weights are
   quantized whole every call, so ``nB = El*2F*D`` for the first GEMM's forward and dgrad.
 
 Inference (``backward=False``; bf16 experts on a CPU without EP, ``_inference_bytes``):
@@ -311,7 +311,8 @@ def _gemm_phase(
     ``pieces``: the fp32 form runs by the native kernels' pieces instead of the chunks
     (:func:`_dequantizes_pieces`): each piece's fp32 operands and product in its thread's
     scratch, outside the allocator (as the GEMM libraries' own), the output written once;
-    MX's E8M0 scales converted to fp32 first, and a jagged wgrad's scale row per row."""
+    MX's E8M0 scales converted to fp32 first (``e8m0_to_float``: their int32 codes, then
+    the values), and a jagged wgrad's scale row per row."""
     if not cpu:
         qa, qb = _FQ_TRANSIENT[kinds[0]], _FQ_TRANSIENT[kinds[1]]
         return max(qa * n_a, n_a + qb * n_b, n_a + n_b + b * n_out)
@@ -327,8 +328,8 @@ def _gemm_phase(
     if b == 2 and all(kd.startswith("mx") for kd in kinds) and _mx_in_bf16_here():
         mx = _mx_bf16_phase(n_a, n_b, n_out, m, k, n, group_rows, wgrad, busy, b_rows)
         return max(quantize, mx)
-    if pieces:
-        scales = 4 * (n_a + n_b) / 32 if kinds[1].startswith("mx") else 0.0
+    if pieces:  # (B's E8M0 scales to fp32 through their int32 codes: 8 bytes at once)
+        scales = (4 * n_a + 8 * n_b) / 32 if kinds[1].startswith("mx") else 0.0
         per_row = 8 * rows if wgrad and kinds[0].endswith("_jagged") else 0.0
         return max(quantize, n_a + n_b + per_row + scales + b * n_out)
     chunk = min(max(_CPU_CHUNK_ELEMS // max(k, n, 1.0), group_rows), m)  # rows per chunk
