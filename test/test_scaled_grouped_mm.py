@@ -54,6 +54,20 @@ def make_offs(sizes):
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
+def _wgrad_operands(g, offs, k, n, gen):
+    """A weight gradient's operands for recipe GEMM ``g`` (x [M, k] with rows of varied
+    magnitude, dy [M, n]; M = offs' last end + 2): their codes and scales, and the
+    dequantized fp32 values (qx, sx, qdy, sdy, x_f, dy_f)."""
+    m = int(offs[-1]) + 2
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
+    dy = torch.randn(m, n, generator=gen)
+    qx, sx = S.quantize_wgrad_operand(x, offs, g.lhs)
+    qdy, sdy = S.quantize_wgrad_operand(dy, offs, g.rhs)
+    x_f = S._dequantize_wgrad_operand(qx, sx, offs, g.lhs.inner)
+    dy_f = S._dequantize_wgrad_operand(qdy, sdy, offs, g.lhs.inner)
+    return qx, sx, qdy, sdy, x_f, dy_f
+
+
 def _quantize_ref(t, op, along_rows):
     """Reference quantization of t's last two dims, blocks along rows (B) or columns (A)."""
     if op.fmt == "mx":
@@ -161,13 +175,7 @@ class TestScaledGroupedMMCPUKernels(TestCase):
         gen = torch.Generator().manual_seed(6)
         for sizes in self.CASES:
             offs = make_offs(sizes)
-            m, k, n = int(offs[-1]) + 2, 32, 64
-            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
-            dy = torch.randn(m, n, generator=gen)
-            qx, sx = S.quantize_wgrad_operand(x, offs, g.lhs)
-            qdy, sdy = S.quantize_wgrad_operand(dy, offs, g.rhs)
-            a_f = S._dequantize_wgrad_operand(qx, sx, offs, g.lhs.inner)
-            b_f = S._dequantize_wgrad_operand(qdy, sdy, offs, g.lhs.inner)
+            qx, sx, qdy, sdy, a_f, b_f = _wgrad_operands(g, offs, 32, 64, gen)
             for out_dtype in (F32, torch.bfloat16):
                 want = S.grouped_mm_wgrad(a_f, b_f, offs).to(out_dtype)
                 for chunk in (1, 64 * 64, 2**18):
@@ -860,12 +868,7 @@ class TestDequantizedPieces(TestCase):
         for sizes in self.CASES:
             offs = make_offs(sizes)
             m = int(offs[-1]) + 2
-            x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(3).exp()
-            dy = torch.randn(m, n, generator=gen)
-            qx, sx = S.quantize_wgrad_operand(x, offs, g.lhs)
-            qdy, sdy = S.quantize_wgrad_operand(dy, offs, g.rhs)
-            a_f = S._dequantize_wgrad_operand(qx, sx, offs, g.lhs.inner)
-            b_f = S._dequantize_wgrad_operand(qdy, sdy, offs, g.lhs.inner)
+            qx, sx, qdy, sdy, a_f, b_f = _wgrad_operands(g, offs, k, n, gen)
             per_tensor = list(sx.shape) == [1, 1]
             index = None if per_tensor else Q.jagged_block_index(offs, m, g.lhs.inner)[0]
             args = (qx, qdy, S._fp32_scales(sx).contiguous(), S._fp32_scales(sdy).contiguous())

@@ -637,6 +637,24 @@ inline void dequantize_codes(const uint8_t* s, int64_t cols, const float* srow, 
 #endif
 }
 
+// A row index (int64, 1-D, contiguous, `rows` entries, each in [0, bound)) as a pointer
+// into idx (nullptr without one); false where it is not that.
+bool read_index(const std::optional<at::Tensor>& index, int64_t rows, int64_t bound,
+                const int64_t*& idx) {
+  idx = nullptr;
+  if (!index.has_value()) return true;
+  if (index->scalar_type() != at::kLong || index->dim() != 1 || index->size(0) != rows ||
+      !index->is_contiguous()) {
+    return false;
+  }
+  const int64_t* p = index->const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (p[r] < 0 || p[r] >= bound) return false;
+  }
+  idx = p;
+  return true;
+}
+
 // out [R, C] = q.float() * scale[row's scale row, c / bc] (fp32, ATen's product's bits;
 // or bf16: that product rounded as ATen's vectorized copy rounds it): row r's scale row is index[r]
 // (int64) where given, else r / br; q and out row-major (any row strides), scale [*,
@@ -653,19 +671,9 @@ bool fp8_dequantize_scaled(const at::Tensor& q, const at::Tensor& scale,
   }
   const int64_t rows = q.size(0), cols = q.size(1), nc = (cols + bc - 1) / bc;
   if (scale.size(1) != nc) return false;
-  const int64_t* idx = nullptr;
-  if (index.has_value()) {
-    if (index->scalar_type() != at::kLong || index->dim() != 1 || index->size(0) != rows ||
-        !index->is_contiguous()) {
-      return false;
-    }
-    idx = index->const_data_ptr<int64_t>();
-  }
-  const int64_t scale_rows = scale.size(0);
-  for (int64_t r = 0; r < rows; ++r) {  // every scale row read is one of scale's
-    const int64_t sr = idx != nullptr ? idx[r] : r / br;
-    if (sr < 0 || sr >= scale_rows) return false;
-  }
+  const int64_t* idx = nullptr;  // every scale row read is one of scale's
+  if (!read_index(index, rows, scale.size(0), idx)) return false;
+  if (idx == nullptr && rows > 0 && (rows - 1) / br >= scale.size(0)) return false;
   if (q.numel() == 0) return true;
   const float* sp = scale.const_data_ptr<float>();
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
@@ -2322,18 +2330,7 @@ bool fp8_dequantized_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
     return false;
   }
   const int64_t* idx = nullptr;
-  if (index.has_value()) {
-    if (index->scalar_type() != at::kLong || index->dim() != 1 || index->size(0) != M ||
-        !index->is_contiguous()) {
-      return false;
-    }
-    idx = index->const_data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) {
-      if (idx[m] < 0 || idx[m] >= R) return false;
-    }
-  } else if (R != 1) {
-    return false;
-  }
+  if (!read_index(index, M, R, idx) || (idx == nullptr && R != 1)) return false;
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
   const auto pieces = k_pieces(ends, E, K, out);
