@@ -715,14 +715,17 @@ class TestMemory(TestCase):
             ("fp8_rowwise", (512, 256, 128, 64, 4)),
             ("mxfp8", (2048, 256, 256, 16, 2)),
             ("fp8_blockwise", (256, 512, 512, 16, 2)),
+            ("mxfp8", (256, 512, 128, 16, 2)),
         ],
-        name_fn=lambda precision, shape: f"{precision}_E{shape[3]}",
+        name_fn=lambda precision, shape: f"{precision}_T{shape[0]}_E{shape[3]}",
     )
     def test_peak_memory_of_the_recipes_dequantized_pieces(self, precision, shape):
         # a CPU without native bf16 GEMMs, on two threads: the scaled GEMMs' fp32 form by
         # the native pieces (each piece's fp32 copies in its thread's scratch, outside the
         # allocator; the output written once) in training and in inference, against the
-        # allocator's peak within the benchmark's 5%; the ops took the pieces (counted)
+        # allocator's peak within the benchmark's 5%; the ops took the pieces (counted).
+        # MX at D > 3F: its inference peak is the second GEMM's scale conversion (the
+        # E8M0 scales' int32 codes, which a first model missed: 23% under)
         forced = dict(half_gemm="fp32", threads_mm="native")
         calls = []
         mod = _native.kernels()

@@ -912,6 +912,7 @@ class TestDequantizedPieces(TestCase):
         bad_w = {
             "no index": (qx, qdy, sx, sdy, None, offs, dw),
             "index past the scales": (qx, qdy, sx, sdy, index + 5, offs, dw),
+            "index one past": (qx, qdy, sx, sdy, index.clamp_min(sx.shape[0] - 1) + 1, offs, dw),
             "out [E, N, K]": (qx, qdy, sx, sdy, index, offs, dw.transpose(1, 2)),
             "int64 offs": (qx, qdy, sx, sdy, index, offs.long(), dw),
         }
