@@ -408,7 +408,6 @@ def _scaled_grouped_mm(
 # rows dequantized per chunk by the CPU kernels: fp32 [rows, K] and [rows, N] blocks of
 # ~1 MiB, which stay in a core's cache (whole groups; a larger group is its own chunk)
 _CPU_CHUNK_ELEMS = 2**18
-_EXP_THREADS = [False]
 
 
 def _chunks_of_groups(
@@ -833,16 +832,12 @@ def _scaled_grouped_mm_cpu(
         g0, g1 = gs[0], gs[-1] + 1
         b_f = _dequantize_rhs(b[g0:g1], scale_b[g0:g1], block_k, block_n)
         prod = out[c0:c1] if direct else a_f.new_empty((c1 - c0, N))
-        if _EXP_THREADS[0] and torch.get_num_threads() > 1:
-            offs_c = torch.tensor([ends[g] - c0 for g in gs], dtype=torch.int32)
-            _native.kernels().threaded_grouped_mm(a_f, b_f, offs_c, prod, upcast=True)
-        else:
-            start = c0
-            for g in gs:
-                end = ends[g]
-                if end > start:
-                    mm_into(a_f[start - c0 : end - c0], b_f[g - g0], prod[start - c0 : end - c0])
-                start = end
+        start = c0
+        for g in gs:
+            end = ends[g]
+            if end > start:
+                mm_into(a_f[start - c0 : end - c0], b_f[g - g0], prod[start - c0 : end - c0])
+            start = end
         del b_f
         if not direct:
             out[c0:c1].copy_(prod)
