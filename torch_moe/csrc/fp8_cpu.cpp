@@ -1304,9 +1304,10 @@ bool out_streams(const at::Tensor& out, bool stream_out) {
          torch_moe_cpu::bf16_gemm_streams(out.nbytes());
 }
 
-// The rows of a's pieces where a holds codes of K columns (kCodeRowsBytes as bf16).
-int64_t code_rows(int64_t K) {
-  return std::max<int64_t>(64, kCodeRowsBytes / (2 * std::max<int64_t>(K, 1)));
+// The rows of a's pieces where a holds codes of K columns (kCodeRowsBytes converted to
+// elements of `bytes` each: bf16, or the fp32 form's dequantized values).
+int64_t code_rows(int64_t K, int64_t bytes = 2) {
+  return std::max<int64_t>(64, kCodeRowsBytes / (bytes * std::max<int64_t>(K, 1)));
 }
 
 // A forward / dgrad piece: rows [start, start + rows) of group g, output columns [c0, c1).
@@ -2184,11 +2185,6 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 // are deterministic. The pool's threads take the caller's thread-local state (inference
 // mode, grad mode) for ATen's GEMM.
 
-// A dequantized piece's fp32 rows: a's rows are taken at most this many bytes at a time.
-int64_t fp32_rows(int64_t K) {
-  return std::max<int64_t>(64, kCodeRowsBytes / (4 * std::max<int64_t>(K, 1)));
-}
-
 // `rows` x `cols` fp32 scratch of this thread as a tensor (valid until the slot's next use).
 at::Tensor fp32_scratch(std::vector<float>& buf, int64_t rows, int64_t cols) {
   float* p = torch_moe_cpu::aligned_scratch(buf, std::max<int64_t>(rows * cols, 1));
@@ -2255,7 +2251,7 @@ bool fp8_dequantized_mm(const at::Tensor& a, const at::Tensor& b, const at::Tens
   }
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
-  const auto pieces = row_pieces(ends, E, fp32_rows(K), N);
+  const auto pieces = row_pieces(ends, E, code_rows(K, sizeof(float)), N);  // fp32 rows
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
