@@ -446,7 +446,8 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     bf16 / fp16 GEMMs where this CPU multiplies it natively, else, on two or more
     threads, its fp32 upcast: :func:`upcasts_pieces`; fp32 operands themselves stay with
     the loop, whose MKL GEMMs sum a product of a few rows in another order on one thread
-    than on two, and the emulated recipes' kernels must give fp32 ``grouped_mm``'s bits),
+    than on two, and whose bits the emulated recipes' chunked fp32 form is held to: their
+    native pieces, ``scaled_grouped_mm.dequantizes_pieces``, only to its rounding bound),
     the operands multiplied in their own layouts (the ``layout`` decision, at the dtype
     the GEMMs run in, keeps both) and, forward, more than ``FEW_ROWS`` rows per busy
     group (fewer take the few-rows ways); then the probe's ``threads_mm`` at the dtype,
