@@ -351,16 +351,18 @@ class TestExpertParallel2(_EPClass):
         x = torch.randn(2, 5 + self.rank, DIM)  # a [B, S, D] input
         self.assertEqual(moe(x), local(x))  # the unparallelized layer on this rank's tokens
         self.assertEqual(moe.last_losses, local.last_losses)
-        # bf16 parameters: same result as the unparallelized layer on this rank's tokens
+        # bf16 parameters: same result as the unparallelized layer on this rank's tokens.
+        # This rank's experts run fewer groups than the local layer's, whose kernels a CPU
+        # that upcasts bf16 picks by separate measured decisions (few_gemm, keyed by the
+        # busy groups): forced alike here and below, as the two would otherwise differ by
+        # where the activation is rounded to bf16, not by the parallelism under test
         moe16 = make_moe(dtype=torch.bfloat16)
         local16 = copy.deepcopy(moe16)
         parallelize_module(moe16, self.mesh(), ExpertParallel())
-        self.assertEqual(moe16(x.bfloat16()), local16(x.bfloat16()))
-        # fp32 parameters under bf16 autocast (rows sent in bf16), chunked: the same too.
-        # The chunks' grouped GEMMs run fewer groups than the local layer's, whose kernels
-        # a CPU that upcasts bf16 picks by separate measured decisions (few_gemm, keyed by
-        # the busy groups): forced alike, as the two would otherwise differ by where the
-        # activation is rounded to bf16, not by the parallelism under test
+        with _cpu_probe.force(few_gemm="aten"):
+            self.assertEqual(moe16(x.bfloat16()), local16(x.bfloat16()))
+        # fp32 parameters under bf16 autocast (rows sent in bf16), chunked: the same too
+        # (the chunks' grouped GEMMs run fewer groups still)
         moe32 = make_moe(shared_hidden_dim=8)
         local32 = copy.deepcopy(moe32)
         parallelize_module(moe32, self.mesh(), ExpertParallel(num_chunks=2))
