@@ -479,11 +479,12 @@ class TestQuantizeFP8CPUKernel(TestCase):
         self.assertEqual(calls, [], msg="the kernel fell back to the reference")
 
     def test_every_bf16_value(self):
-        # bf16 x takes its own AVX-512 form (32 values a step, unpacked and permuted back,
-        # an MX block's exact reciprocal): every finite bf16 value, rows of neighbouring
-        # magnitudes (their codes across the top binades, subnormal codes and divisors)
-        # shuffled within each row, rows of 100 (a 4-value tail past 96) and of 61; rows
-        # with an inf (FP8: an inf divisor, ATen's default NaN), a NaN, -0, all zeros
+        # bf16 x takes its own form (AVX-512: 32 values a step, unpacked and permuted back;
+        # AVX2: 16, unpacked and packed back; an MX block's exact reciprocal): every finite
+        # bf16 value, rows of neighbouring magnitudes (their codes across the top binades,
+        # subnormal codes and divisors) shuffled within each row, rows of 100 (a 4-value
+        # tail past 96) and of 61 (13 past 48); rows with an inf (FP8: an inf divisor,
+        # ATen's default NaN), a NaN, -0, all zeros
         Qm = importlib.import_module("torch_moe.quantization.quantize")
         gen = torch.Generator().manual_seed(17)
         bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)

@@ -859,12 +859,20 @@ class Bf16Quantizer {
     lanes_lo_ = _mm512_load_si512(first);
     lanes_hi_ = _mm512_load_si512(second);
   }
+  static constexpr int64_t kWidth = 32;  // values a step
+  using F = __m512;
   // Element i's lane among the 32 of [lo, hi].
   static int unpacked_lane(int i) { return 4 * (i / 8) + i % 4 + (i % 8 >= 4 ? 16 : 0); }
   // 32 bf16 values (the first n, zeros past them where n < 32).
   static __m512i load(const c10::BFloat16* p, int64_t n) {
     return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(Bf16Codes::first(n), p);
   }
+  // m, the magnitudes of a step, into out: with `merge` the larger of m and out's
+  static void store_maxima(uint16_t* out, __m512i m, bool merge) {
+    _mm512_storeu_si512(out, merge ? _mm512_max_epu16(_mm512_loadu_si512(out), m) : m);
+  }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   // 32 floats, one per element, into their unpacked lanes (o: lo's 16, then hi's).
   void unpack_lanes(const float* v, float* o) const {
     const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
@@ -989,9 +997,122 @@ bool mx_reciprocals(const uint32_t* bits, int64_t nb, int rule, uint8_t* s, floa
   return denormal_divisor == 0;
 }
 
+#else  // AVX2
+// The bf16 quantizer's codes with AVX2, 16 elements a step: the AVX-512 form's arithmetic
+// in 256-bit vectors. _mm256_unpack{lo,hi}_epi16 with zeros below give, within each
+// 128-bit lane, the lane's first four elements (lo: elements 0-3 and 8-11) and its next
+// four (hi: 4-7 and 12-15) as fp32; each sum's code is formed in its 32-bit lane as its
+// high bits shifted right by 20 (E * 8) plus its low 16 bits (k), and one
+// _mm256_packus_epi32 of lo's and hi's brings the 16 back to the elements' order (per
+// 128-bit lane: lo's four, then hi's); then the bias, the cap, x's sign and one pack to
+// bytes. On one core of the Zen 3 EPYC measured (AVX2 only) the general form (cast8's 8
+// lanes a step, each code formed and packed in its 32-bit lane, the maxima in 32-bit
+// lanes) quantized a bf16 weight rowwise at 0.8-1.3 G elements/s, per column at 1.1-1.7,
+// MX's 32-element blocks at 1.0-1.1; this form at 2.0-2.1, 2.4-2.5 and 1.5-1.7
+// (benchmarks/results/cpu_floor_cpu_202612.md).
+class Bf16Quantizer {
+ public:
+  static constexpr int64_t kWidth = 16;
+  using F = __m256;
+  // 16 bf16 values (the first n, zeros past them where n < 16).
+  static __m256i load(const c10::BFloat16* p, int64_t n) {
+    if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    alignas(32) uint16_t v[16] = {};
+    std::memcpy(v, p, n * sizeof(uint16_t));
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(v));
+  }
+  static __m256i magnitudes(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi16(0x7FFF)); }
+  static void store_maxima(uint16_t* out, __m256i m, bool merge) {
+    auto* o = reinterpret_cast<__m256i*>(out);
+    _mm256_storeu_si256(o, merge ? _mm256_max_epu16(_mm256_loadu_si256(o), m) : m);
+  }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  // 16 floats, one per element, into their unpacked lanes (o: lo's 8, then hi's).
+  void unpack_lanes(const float* v, float* o) const {
+    const __m256 a = _mm256_loadu_ps(v), b = _mm256_loadu_ps(v + 8);
+    _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  // The codes of x / d (kMul: x * d, d the divisor's exact reciprocal), d in the unpacked
+  // lanes (d_lo, d_hi), the first n stored at o.
+  template <bool kMul>
+  void store(uint8_t* o, __m256i x, __m256 d_lo, __m256 d_hi, int64_t n) const {
+    const __m256i mag = magnitudes(x);
+    __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), mag));
+    __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), mag));
+    if constexpr (kMul) {
+      lo = _mm256_mul_ps(lo, d_lo);
+      hi = _mm256_mul_ps(hi, d_hi);
+    } else {
+      lo = _mm256_div_ps(lo, d_lo);
+      hi = _mm256_div_ps(hi, d_hi);
+    }
+    const __m256i code = _mm256_min_epu16(  // (a NaN's sum past 65535: saturated, capped)
+        _mm256_subs_epu16(_mm256_packus_epi32(biased(lo), biased(hi)), _mm256_set1_epi16(1128)),
+        _mm256_set1_epi16(0x7F));
+    const __m256i signed_code = _mm256_or_si256(
+        code, _mm256_and_si256(_mm256_srli_epi16(x, 8), _mm256_set1_epi16(0x80)));
+    const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(signed_code),
+                                           _mm256_extracti128_si256(signed_code, 1));
+    if (n >= 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), bytes);
+    } else {
+      alignas(16) uint8_t b[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(b), bytes);
+      std::memcpy(o, b, n);
+    }
+  }
+
+ private:
+  // A magnitude's (or NaN's) code plus 1128: its sum's (cast8's: the magnitude clamped to
+  // 448 plus 2^(e+20)) E * 8 + k, as a 32-bit lane.
+  static __m256i biased(__m256 v) {
+    const __m256 mag = _mm256_min_ps(_mm256_set1_ps(kMax), v);
+    const __m256i binade = _mm256_max_epi32(
+        _mm256_and_si256(_mm256_castps_si256(mag), _mm256_set1_epi32(0x7F800000)),
+        _mm256_set1_epi32(121 << 23));
+    const __m256i magic = _mm256_add_epi32(binade, _mm256_set1_epi32(20 << 23));
+    const __m256i sum = _mm256_castps_si256(_mm256_add_ps(mag, _mm256_castsi256_ps(magic)));
+    return _mm256_add_epi32(_mm256_srli_epi32(sum, 20),
+                            _mm256_and_si256(sum, _mm256_set1_epi32(0xFFFF)));
+  }
+};
+
+// Each block's largest of the columns' maxima (16-bit magnitudes, zeros past cols), blocks
+// of `block` columns that start on whole vectors, as fp32 bits into bmax.
+void block_maxima(const uint16_t* cmax, int64_t cols, int64_t block, uint32_t* bmax) {
+  for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t j = j0; j < std::min(cols, j0 + block); j += 16) {
+      m = _mm256_max_epu16(m, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cmax + j)));
+    }
+    __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epu16(h, _mm_srli_si128(h, 8));
+    h = _mm_max_epu16(h, _mm_srli_si128(h, 4));
+    h = _mm_max_epu16(h, _mm_srli_si128(h, 2));
+    bmax[b] = static_cast<uint32_t>(_mm_extract_epi16(h, 0)) << 16;
+  }
+}
+
+// MX blocks' scales (block_divisor's rules 1 and 2) into s, and their divisors' exact
+// reciprocals into recip; false where a divisor is 2^-127 (no normal reciprocal).
+bool mx_reciprocals(const uint32_t* bits, int64_t nb, int rule, uint8_t* s, float* recip) {
+  for (int64_t b = 0; b < nb; ++b) {
+    float amax;
+    std::memcpy(&amax, &bits[b], sizeof(amax));
+    const float d = block_divisor(amax, bits[b] > 0x7F800000u, rule, s, b);
+    if (d < 0x1p-126f) return false;
+    recip[b] = 1.0f / d;  // (a power of two at most 2^120 from bf16: exact, normal)
+  }
+  return true;
+}
+#endif
+
 // quantize_block_row for bf16 x by Bf16Quantizer: the columns' maxima in 16-bit lanes (a
 // bf16 magnitude's bits order as its value, NaN's above inf's), then each block's divisor
-// (block_divisor) and the codes 32 a step, by the divisor's reciprocal where that is exact
+// (block_divisor) and the codes a Bf16Quantizer step at a time (32 with AVX-512, 16 with
+// AVX2), by the divisor's reciprocal where that is exact
 // (MX: a power of two, at most 2^120 from a bf16 block, whose reciprocal is a normal fp32
 // number: the same bits as a division, with or without flush-to-zero). False, its scales
 // written but no code, where a divisor is inf (FP8, an inf in the block) or an fp32
@@ -1004,7 +1125,8 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
   thread_local std::vector<uint16_t> col_max;
   thread_local std::vector<uint32_t> block_max;
   thread_local std::vector<float> col_div, divisors;
-  const int64_t padded = (cols + 31) / 32 * 32, nb = (cols + block - 1) / block;
+  constexpr int64_t W = Bf16Quantizer::kWidth;
+  const int64_t padded = (cols + W - 1) / W * W, nb = (cols + block - 1) / block;
   uint16_t* const cmax = torch_moe_cpu::aligned_scratch(col_max, padded);
   uint32_t* const bmax = torch_moe_cpu::aligned_scratch(block_max, padded);
   float* const divisor = torch_moe_cpu::aligned_scratch(divisors, padded);
@@ -1012,19 +1134,16 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
   column_maxima(br, padded, grain, cmax, [&](int64_t r0, int64_t r1, uint16_t* out) {
     for (int64_t r = r0; r < r1; ++r) {  // (loads zero-fill past cols: padded lanes 0)
       const c10::BFloat16* xr = x + r * cols;
-      for (int64_t j = 0; j < cols; j += 32) {
-        const __m512i m = Bf16Quantizer::magnitudes(Bf16Quantizer::load(xr + j, cols - j));
-        _mm512_storeu_si512(out + j, r > r0 ? _mm512_max_epu16(_mm512_loadu_si512(out + j), m) : m);
+      for (int64_t j = 0; j < cols; j += W) {
+        Bf16Quantizer::store_maxima(
+            out + j, Bf16Quantizer::magnitudes(Bf16Quantizer::load(xr + j, cols - j)), r > r0);
       }
     }
   });
   // Each block's largest magnitude as fp32 bits.
-  const bool whole = block % 32 == 0 || nb == 1;  // a step's 32 columns in one block
+  const bool whole = block % W == 0 || nb == 1;  // a step's columns in one block
   if (block == 1) {
-    for (int64_t j = 0; j < cols; j += 16) {
-      const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cmax + j));
-      _mm512_storeu_si512(bmax + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(m), 16));
-    }
+    for (int64_t j = 0; j < cols; ++j) bmax[j] = uint32_t{cmax[j]} << 16;
   } else if (whole) {
     block_maxima(cmax, cols, block, bmax);
   } else {
@@ -1062,7 +1181,7 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
       }
     }
     std::fill(in_order + cols, in_order + padded, 1.0f);
-    for (int64_t j = 0; j < cols; j += 32) quantizer.unpack_lanes(in_order + j, cdiv + j);
+    for (int64_t j = 0; j < cols; j += W) quantizer.unpack_lanes(in_order + j, cdiv + j);
   }
   auto codes = [&](auto mul, int64_t r0, int64_t r1) {
     constexpr bool kMul = decltype(mul)::value;
@@ -1070,17 +1189,17 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
       const c10::BFloat16* xr = x + r * cols;
       uint8_t* orow = o + r * cols;
       if (!whole) {
-        for (int64_t j = 0; j < cols; j += 32) {
+        for (int64_t j = 0; j < cols; j += W) {
           quantizer.store<kMul>(orow + j, Bf16Quantizer::load(xr + j, cols - j),
-                                _mm512_loadu_ps(cdiv + j), _mm512_loadu_ps(cdiv + j + 16),
-                                cols - j);
+                                Bf16Quantizer::loadf(cdiv + j),
+                                Bf16Quantizer::loadf(cdiv + j + W / 2), cols - j);
         }
         continue;
       }
       for (int64_t j0 = 0, b = 0; j0 < cols; j0 += block, ++b) {
         const int64_t j1 = std::min(cols, j0 + block);
-        const __m512 d = _mm512_set1_ps(divisor[b]);
-        for (int64_t j = j0; j < j1; j += 32) {
+        const auto d = Bf16Quantizer::set1(divisor[b]);
+        for (int64_t j = j0; j < j1; j += W) {
           quantizer.store<kMul>(orow + j, Bf16Quantizer::load(xr + j, j1 - j), d, d, j1 - j);
         }
       }
@@ -1095,7 +1214,6 @@ bool quantize_block_row_bf16(const c10::BFloat16* x, int64_t br, int64_t cols, i
   });
   return true;
 }
-#endif
 
 // Whether x, q and scale are what the quantizers take: x [rows, cols] contiguous fp32 /
 // bf16 / fp16, q e4m3fn of x's shape, scale contiguous 2-D fp32 (rule 0) or uint8 (MX).
@@ -1134,14 +1252,12 @@ void quantize_block_rows(const at::Tensor& x, int64_t block, at::Tensor& q, at::
       BlockRow b = task(i);
       const int64_t cols = flat ? b.rows * width : width;
       if (flat) b.rows = 1;
-#if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (quantize_block_row_bf16(xp + b.r0 * width, b.rows, cols, block, o + b.r0 * width,
                                     s + b.srow * scale_row, r)) {
           return;
         }
       }
-#endif
       quantize_block_row(xp + b.r0 * width, b.rows, cols, block, o + b.r0 * width,
                          s + b.srow * scale_row, r);
     });
