@@ -920,6 +920,55 @@ class TestDequantizedPieces(TestCase):
             self.assertFalse(self.mod.fp8_dequantized_mm_wgrad(*args), msg=name)
             self.assertTrue(bool((dw == 7.0).all()), msg=name)
 
+    def test_blas_route_equals_atens(self):
+        # each piece's fp32 GEMM by BLAS's sgemm_ on the thread's buffers (csrc/sgemm_cpu.h)
+        # where ATen's fp32 matmuls are IEEE, else ATen's GEMM on views of them (here forced
+        # by the "high" matmul precision): within the fp32 bound either way, and the same
+        # bits where "high" leaves ATen's CPU GEMM IEEE (no AMX-FP16, whose tf32 it takes)
+        exact = "amx_fp16" not in P._cpuinfo()[1]
+        gen = torch.Generator().manual_seed(14)
+        offs = make_offs([37, 0, 300, 5])
+        m, k = int(offs[-1]) + 2, 96
+        x = torch.randn(m, k, generator=gen)
+        before = torch.get_float32_matmul_precision()
+        # N past a 256-column piece: rowwise by 35 (a bf16 row's 3-value tail), the others
+        # by whole 32-column blocks
+        for recipe, n in (("fp8_rowwise", 291), ("fp8_blockwise", 288), ("mxfp8", 288)):
+            g, gw = RECIPES[recipe].forward, RECIPES[recipe].wgrad
+            w = torch.randn(4, k, n, generator=gen)
+            qx, sx, qdy, sdy, x_f, dy_f = _wgrad_operands(gw, offs, k, n, gen)
+            per_tensor = list(sx.shape) == [1, 1]
+            index = None if per_tensor else Q.jagged_block_index(offs, m, gw.lhs.inner)[0]
+            wargs = (qx, qdy, S._fp32_scales(sx).contiguous(), S._fp32_scales(sdy).contiguous())
+            for w_l in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):
+                qa, sa = S.quantize_lhs(x, g.lhs)
+                qb, sb = S.quantize_rhs(w_l, g.rhs)
+                a_f, b_f = S._dequantize_operands(qa, qb, sa, sb, g.lhs.inner, g.rhs.outer)
+                args = (qa, qb, S._fp32_scales(sa).contiguous(), S._fp32_scales(sb).contiguous())
+                args += (offs, g.lhs.inner, g.rhs.outer)
+                for threads, dt in itertools.product((1, 2), (F32, torch.bfloat16)):
+                    msg = f"{recipe} {w_l.stride()} {threads} {dt}"
+                    outs = []
+                    for precision in ("highest", "high"):
+                        out = torch.full((m, n), float("nan"), dtype=dt)
+                        dw = torch.full((4, k, n), float("nan"), dtype=dt)
+                        try:
+                            torch.set_float32_matmul_precision(precision)
+                            with intra_op_threads(threads):
+                                self.assertTrue(self.mod.fp8_dequantized_mm(*args, out))
+                                self.assertTrue(
+                                    self.mod.fp8_dequantized_mm_wgrad(*wargs, index, offs, dw)
+                                )
+                        finally:
+                            torch.set_float32_matmul_precision(before)
+                        assert_gemm_within(self, out, a_f, b_f, offs, f"{msg} {precision}")
+                        assert_gemm_within(
+                            self, dw, x_f, dy_f, offs, f"{msg} {precision}", wgrad=True
+                        )
+                        outs.append((out, dw))
+                    if exact:
+                        self.assertEqual(outs[0], outs[1], atol=0, rtol=0, msg=msg)
+
     def test_the_ops_take_the_pieces_where_decided(self):
         # decided where bf16 GEMMs upcast, over FEW_ROWS rows (fewer: the loop), on one
         # thread or with the threads_mm decision at the rows' class; the ops then return

@@ -46,6 +46,7 @@
 // vectors): the caller runs ATen.
 
 #include "gemm_bf16_cpu.h"
+#include "sgemm_cpu.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -2294,30 +2295,58 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 // group's rows by 256 output columns; the weight gradient's by output rows, k_pieces) on
 // one thread: the piece's rows of a and its block of b[g] dequantized into the thread's
 // scratch (dequantize_codes: fp8_dequantize_scaled's products, so the same fp32 operands),
-// ATen's fp32 GEMM on them on that thread alone, one rounding into out. The math is the
+// the fp32 GEMM on them on that thread alone (BLAS's sgemm_, which ATen's calls, on the
+// buffers themselves: piece_mm), one rounding into out. The math is the
 // Python form's but for the GEMM's summation order, which a GEMM library may choose per
 // shape and thread count (MKL's for a few rows differs between one thread and two): the
 // tests hold the values to the fp32 GEMM's rounding bound; for a given thread count they
 // are deterministic. The pool's threads take the caller's thread-local state (inference
 // mode, grad mode) for ATen's GEMM.
 
-// `rows` x `cols` fp32 scratch of this thread as a tensor (valid until the slot's next use).
-at::Tensor fp32_scratch(std::vector<float>& buf, int64_t rows, int64_t cols) {
-  float* p = torch_moe_cpu::aligned_scratch(buf, std::max<int64_t>(rows * cols, 1));
-  return at::from_blob(p, {rows, cols}, at::TensorOptions().dtype(at::kFloat));
-}
-
-// o = a_f @ b_f by ATen's fp32 GEMM on this thread: into o where it is fp32, else into
-// fp32 scratch rounded once into o (ATen's copy).
+// o = a_f @ b_f by ATen's fp32 GEMM on this thread: into o where it is fp32, else
+// rounded once into o (ATen's copy).
 void mm_fp32_into(at::Tensor o, const at::Tensor& a_f, const at::Tensor& b_f) {
   if (o.scalar_type() == at::kFloat) {
     at::mm_out(o, a_f, b_f);
     return;
   }
-  thread_local std::vector<float> prod;
-  auto p = fp32_scratch(prod, o.size(0), o.size(1));
-  at::mm_out(p, a_f, b_f);
-  o.copy_(p);
+  o.copy_(at::mm(a_f, b_f));
+}
+
+// o [rows, cols] (row stride ldo; fp32, or with bf16 the products rounded once, as ATen's
+// copy rounds them) = a @ b for fp32 operands in the thread's buffers (a [rows, k] and b
+// [k, cols], each row- or column-major: fp32_gemm's layouts), on this thread: by
+// fp32_gemm (sgemm_cpu.h: a bf16 o through fp32 scratch), else by ATen's GEMM on views of
+// the buffers.
+void piece_mm(void* o, int64_t ldo, bool bf16, int64_t rows, int64_t cols, int64_t k,
+              const float* a, int64_t lda, bool a_cols, const float* b, int64_t ldb,
+              bool b_cols) {
+  if (!bf16) {
+    if (torch_moe_cpu::fp32_gemm(rows, cols, k, a, lda, a_cols, b, ldb, b_cols,
+                                 static_cast<float*>(o), ldo)) {
+      return;
+    }
+  } else {
+    thread_local std::vector<float> prod;
+    float* p = torch_moe_cpu::aligned_scratch(prod, std::max<int64_t>(rows * cols, 1));
+    if (torch_moe_cpu::fp32_gemm(rows, cols, k, a, lda, a_cols, b, ldb, b_cols, p, cols)) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* pr = p + r * cols;
+        uint16_t* orow = static_cast<uint16_t*>(o) + r * ldo;
+        int64_t j = 0;
+        for (; j + 8 <= cols; j += 8) store8(orow + j, _mm256_loadu_ps(pr + j));
+        for (; j < cols; ++j) store1(orow + j, pr[j]);
+      }
+      return;
+    }
+  }
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const auto view = [&](const float* q, int64_t r, int64_t c, int64_t ld, bool by_cols) {
+    return at::from_blob(const_cast<float*>(q), {r, c},
+                         by_cols ? at::IntArrayRef{1, ld} : at::IntArrayRef{ld, 1}, f32);
+  };
+  mm_fp32_into(at::from_blob(o, {rows, cols}, {ldo, 1}, f32.dtype(bf16 ? at::kBFloat16 : at::kFloat)),
+               view(a, rows, k, lda, a_cols), view(b, k, cols, ldb, b_cols));
 }
 
 // Scale-block sizes of a dim of `size` elements with `blocks` scales along it: the dim
@@ -2368,6 +2397,7 @@ bool fp8_dequantized_mm(const at::Tensor& a, const at::Tensor& b, const at::Tens
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
   const auto pieces = row_pieces(ends, E, code_rows(K, sizeof(float)), N);  // fp32 rows
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
@@ -2389,26 +2419,20 @@ bool fp8_dequantized_mm(const at::Tensor& a, const at::Tensor& b, const at::Tens
     const uint8_t* bg = bp + p.g * b.stride(0);
     const float* sg = cs + p.g * KSb * NS;  // b[g]'s scales [KSb, NS]
     const int64_t sc0 = NS == 1 ? 0 : p.c0 / bn;
-    at::Tensor b_f;
+    float* d = torch_moe_cpu::aligned_scratch(b_buf, std::max<int64_t>(K * cols, 1));
     if (b_rows) {  // b[g]'s rows k, columns [c0, c1): their scales along the row
-      b_f = fp32_scratch(b_buf, K, cols);
-      float* d = b_f.data_ptr<float>();
       for (int64_t k = 0; k < K; ++k) {
         dequantize_codes(bg + k * b.stride(1) + p.c0, cols, sg + (k / bkb) * NS + sc0,
                          NS == 1 ? cols : bn, 1, d + k * cols);
       }
     } else {  // b[g]'s columns n in [c0, c1), K codes each: a scale per k block (stride NS)
-      b_f = fp32_scratch(b_buf, cols, K);
-      float* d = b_f.data_ptr<float>();
       for (int64_t n = 0; n < cols; ++n) {
         const int64_t c = p.c0 + n;
         dequantize_codes(bg + c * b.stride(2), K, sg + (NS == 1 ? 0 : c / bn), bkb, NS, d + n * K);
       }
-      b_f = b_f.t();
     }
-    const auto a_f = at::from_blob(const_cast<float*>(af), {p.rows, K},
-                                   at::TensorOptions().dtype(at::kFloat));
-    mm_fp32_into(out.narrow(0, p.start, p.rows).narrow(1, p.c0, cols), a_f, b_f);
+    piece_mm(static_cast<char*>(out.mutable_data_ptr()) + (p.start * N + p.c0) * out.element_size(),
+             N, bf16_out, p.rows, cols, K, af, K, false, d, b_rows ? cols : K, !b_rows);
     return true;
   });
   zero_past_groups(out, ends, E);
@@ -2446,6 +2470,7 @@ bool fp8_dequantized_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
   const int32_t* ends = group_ends(offs, M);
   if (ends == nullptr) return false;
   const auto pieces = k_pieces(ends, E, K, out);
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
@@ -2464,16 +2489,15 @@ bool fp8_dequantized_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
       }
     });
     const int64_t kw = p.k1 - p.k0;
-    auto a_f = fp32_scratch(a_buf, p.rows, kw);
-    float* d = a_f.data_ptr<float>();
+    float* d = torch_moe_cpu::aligned_scratch(a_buf, std::max<int64_t>(p.rows * kw, 1));
     for (int64_t r = 0; r < p.rows; ++r) {
       const int64_t m = p.start + r;
       dequantize_codes(ap + m * a.stride(0) + p.k0, kw, rs + srow(m) * KS + (KS == 1 ? 0 : p.k0),
                        KS == 1 ? kw : 1, 1, d + r * kw);
     }
-    const auto b_f = at::from_blob(const_cast<float*>(bf), {p.rows, N},
-                                   at::TensorOptions().dtype(at::kFloat));
-    mm_fp32_into(out[p.g].narrow(0, p.k0, kw), a_f.t(), b_f);
+    // out[g]'s rows [k0, k1) = (a's piece)^T @ b's rows: a^T column-major in the scratch
+    piece_mm(static_cast<char*>(out.mutable_data_ptr()) + (p.g * K + p.k0) * N * out.element_size(),
+             N, bf16_out, kw, N, p.rows, d, kw, true, bf, N, false);
     return true;
   });
   return true;
