@@ -2315,18 +2315,18 @@ void mm_fp32_into(at::Tensor o, const at::Tensor& a_f, const at::Tensor& b_f) {
 
 // o [rows, cols] (row stride ldo; fp32, or with bf16 the products rounded once, as ATen's
 // copy rounds them) = a @ b for fp32 operands in the thread's buffers (a [rows, k] and b
-// [k, cols], each row- or column-major: fp32_gemm's layouts), on this thread: by
-// fp32_gemm (sgemm_cpu.h: a bf16 o through fp32 scratch), else by ATen's GEMM on views of
-// the buffers.
-void piece_mm(void* o, int64_t ldo, bool bf16, int64_t rows, int64_t cols, int64_t k,
-              const float* a, int64_t lda, bool a_cols, const float* b, int64_t ldb,
+// [k, cols], each row- or column-major: fp32_gemm's layouts), on this thread: with
+// `direct` (the op's one reading of fp32_gemm_available) by fp32_gemm (sgemm_cpu.h: a bf16
+// o through fp32 scratch), else by ATen's GEMM on views of the buffers.
+void piece_mm(bool direct, void* o, int64_t ldo, bool bf16, int64_t rows, int64_t cols,
+              int64_t k, const float* a, int64_t lda, bool a_cols, const float* b, int64_t ldb,
               bool b_cols) {
-  if (!bf16) {
+  if (direct && !bf16) {
     if (torch_moe_cpu::fp32_gemm(rows, cols, k, a, lda, a_cols, b, ldb, b_cols,
                                  static_cast<float*>(o), ldo)) {
       return;
     }
-  } else {
+  } else if (direct) {
     thread_local std::vector<float> prod;
     float* p = torch_moe_cpu::aligned_scratch(prod, std::max<int64_t>(rows * cols, 1));
     if (torch_moe_cpu::fp32_gemm(rows, cols, k, a, lda, a_cols, b, ldb, b_cols, p, cols)) {
@@ -2398,6 +2398,9 @@ bool fp8_dequantized_mm(const at::Tensor& a, const at::Tensor& b, const at::Tens
   if (ends == nullptr) return false;
   const auto pieces = row_pieces(ends, E, code_rows(K, sizeof(float)), N);  // fp32 rows
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
+  const bool direct = torch_moe_cpu::fp32_gemm_available();
+  char* const outp = static_cast<char*>(out.mutable_data_ptr());
+  const int64_t item = out.element_size();
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
@@ -2431,8 +2434,8 @@ bool fp8_dequantized_mm(const at::Tensor& a, const at::Tensor& b, const at::Tens
         dequantize_codes(bg + c * b.stride(2), K, sg + (NS == 1 ? 0 : c / bn), bkb, NS, d + n * K);
       }
     }
-    piece_mm(static_cast<char*>(out.mutable_data_ptr()) + (p.start * N + p.c0) * out.element_size(),
-             N, bf16_out, p.rows, cols, K, af, K, false, d, b_rows ? cols : K, !b_rows);
+    piece_mm(direct, outp + (p.start * N + p.c0) * item, N, bf16_out, p.rows, cols, K, af, K,
+             false, d, b_rows ? cols : K, !b_rows);
     return true;
   });
   zero_past_groups(out, ends, E);
@@ -2471,6 +2474,9 @@ bool fp8_dequantized_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
   if (ends == nullptr) return false;
   const auto pieces = k_pieces(ends, E, K, out);
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
+  const bool direct = torch_moe_cpu::fp32_gemm_available();
+  char* const outp = static_cast<char*>(out.mutable_data_ptr());
+  const int64_t item = out.element_size();
   const float* rs = row_scale.const_data_ptr<float>();
   const float* cs = col_scale.const_data_ptr<float>();
   const auto* ap = static_cast<const uint8_t*>(a.const_data_ptr());
@@ -2496,8 +2502,8 @@ bool fp8_dequantized_mm_wgrad(const at::Tensor& a, const at::Tensor& b,
                        KS == 1 ? kw : 1, 1, d + r * kw);
     }
     // out[g]'s rows [k0, k1) = (a's piece)^T @ b's rows: a^T column-major in the scratch
-    piece_mm(static_cast<char*>(out.mutable_data_ptr()) + (p.g * K + p.k0) * N * out.element_size(),
-             N, bf16_out, kw, N, p.rows, d, kw, true, bf, N, false);
+    piece_mm(direct, outp + (p.g * K + p.k0) * N * item, N, bf16_out, kw, N, p.rows, d, kw,
+             true, bf, N, false);
     return true;
   });
   return true;

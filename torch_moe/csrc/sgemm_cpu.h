@@ -47,14 +47,15 @@ inline bool fp32_gemm_available() {
 // c [m, n] (row-major, row stride ldc) = a @ b for a [m, k] and b [k, n], fp32: a row-major
 // (row stride lda) or, with a_cols, column-major (column stride lda: a^T stored row-major);
 // b likewise (ldb, b_cols). The row-major product is the column-major c^T = b^T a^T: b's
-// rows are b^T's columns. False without touching c where fp32_gemm_available() is false
-// or a size or stride is past BLAS's 32-bit integers.
+// rows are b^T's columns. The caller asks fp32_gemm_available() once per op call, so that
+// every piece of the call takes one route. False without touching c where sgemm_ is not
+// linked or a size or stride is past BLAS's 32-bit integers.
 inline bool fp32_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, bool a_cols,
                       const float* b, int64_t ldb, bool b_cols, float* c, int64_t ldc) {
   for (const int64_t v : {m, n, k, lda, ldb, ldc}) {
     if (v < 0 || v > INT_MAX) return false;
   }
-  if (!fp32_gemm_available()) return false;
+  if (sgemm_ == nullptr) return false;
   if (m == 0 || n == 0) return true;
   // BLAS asks a leading dimension of at least max(1, the column-major view's rows), which
   // a stride of a single stored row or column need not be
