@@ -1555,6 +1555,42 @@ class TestNativeThreadedGroupedMM(TestCase):
                         if size == 0:
                             self.assertTrue((dw[g_] == 0).all())
 
+    def test_upcast_blas_route_equals_atens(self):
+        # the upcast pieces' fp32 GEMMs by BLAS's sgemm_ on the thread's buffers (where
+        # ATen's fp32 matmuls are IEEE), else ATen's GEMM on fp32 copies (here forced by the
+        # "high" matmul precision): within the fp32 bound either way, the same bits where
+        # "high" leaves ATen's CPU GEMM IEEE (no AMX-FP16); row- and column-major weights,
+        # N past a 512-column block with a tail, half and fp32 outputs, 1-2 threads
+        exact = "amx_fp16" not in P._cpuinfo()[1]
+        g = torch.Generator().manual_seed(10)
+        mod = _native.kernels()
+        sizes, n = _THREADED_SIZES[3], 603
+        offs = _offs_of(sizes)
+        end = int(offs[-1])
+        x = torch.randn(end + 3, 40, generator=g).to(BF16)
+        dy = torch.randn(end + 3, n, generator=g).to(BF16)
+        before = torch.get_float32_matmul_precision()
+        for layout, threads, out_dtype in itertools.product(("row", "col"), (1, 2), (BF16, F32)):
+            w = _few_weight(len(sizes), 40, n, BF16, layout, g)
+            outs = []
+            for precision in ("highest", "high"):
+                got = torch.full((end + 3, n), float("nan"), dtype=out_dtype)
+                dw = torch.full((len(sizes), 40, n), float("nan"), dtype=out_dtype)
+                try:
+                    torch.set_float32_matmul_precision(precision)
+                    with intra_op_threads(threads):
+                        mod.threaded_grouped_mm(x, w, offs, got, False, False, None, False, True)
+                        args = (False, None, None, False, False, True)
+                        mod.threaded_grouped_mm_wgrad(x.t(), dy, offs, dw, *args)
+                finally:
+                    torch.set_float32_matmul_precision(before)
+                msg = f"{layout} {threads} {out_dtype} {precision}"
+                assert_gemm_within(self, got, x, w, offs, msg)
+                assert_gemm_within(self, dw, x, dy, offs, msg, wgrad=True)
+                outs.append((got, dw))
+            if exact:
+                self.assertEqual(outs[0], outs[1], atol=0, rtol=0, msg=f"{layout} {threads}")
+
     def test_wgrad_transposing_pads_with_zeros(self):
         # the thread's scratch is reused: a piece with an odd row count after one whose
         # values were NaN must not read them past its rows (oneDNN's AMX GEMM reads the

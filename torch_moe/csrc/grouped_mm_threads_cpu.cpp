@@ -71,6 +71,8 @@
 #include <torch/library.h>
 
 #include "gemm_bf16_cpu.h"
+#include "sgemm_cpu.h"
+#include "vec_convert.h"
 
 #include <algorithm>
 #include <cstring>
@@ -128,7 +130,11 @@ void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool spl
 // upcast (CPUs that multiply a half dtype slower than its fp32 upcast: the CPU probe's
 // half_gemm): each piece's operands are converted to fp32 on its thread, the product is
 // ATen's fp32 GEMM on that thread alone, rounded once into out (the math of the per-group
-// loop, which converts each group's operands and rounds each product once). The weight
+// loop, which converts each group's operands and rounds each product once): where ATen's
+// fp32 matmuls are IEEE, BLAS's sgemm_ (the routine ATen's calls) on the thread's
+// buffers, without a tensor per operand and product (sgemm_cpu.h; the bf16 layer steps
+// of benchmarks/bench_fp8_emulation.py's shapes 1-7% faster so on two threads of the Zen
+// 3, the same bits), else at::mm on fp32 tensor copies. The weight
 // operand and the product are converted kUpcastCols columns at a time, so a piece's fp32
 // copies stay a few MiB (one block of an expert's weight, not all of it) and the weight's
 // block is read by the GEMM from the caches it was just written to. On the Zen 3 EPYC
@@ -157,9 +163,109 @@ at::Tensor upcast_copy(const at::Tensor& t) {
   return f;
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// n values of T (fp32 or a 16-bit float) at src as fp32 at dst, exactly.
+template <class T>
+void upcast_line(const T* src, int64_t n, float* dst) {
+  using V = at::vec::Vectorized<T>;
+  using F = at::vec::Vectorized<float>;
+  for (int64_t j = 0; j < n; j += V::size()) {
+    const int64_t m = std::min<int64_t>(V::size(), n - j);
+    const auto [lo, hi] = torch_moe_cpu::to_float(V::loadu(src + j, m));
+    lo.store(dst + j, std::min<int64_t>(m, F::size()));
+    if (m > F::size()) hi.store(dst + j + F::size(), m - F::size());
+  }
+}
+
+// n fp32 values at src rounded once into dst (T a 16-bit float), as ATen's vectorized copy
+// rounds them.
+template <class T>
+void round_line(const float* src, int64_t n, T* dst) {
+  using V = at::vec::Vectorized<T>;
+  using F = at::vec::Vectorized<float>;
+  for (int64_t j = 0; j < n; j += V::size()) {
+    const int64_t m = std::min<int64_t>(V::size(), n - j);
+    const auto lo = F::loadu(src + j, std::min<int64_t>(m, F::size()));
+    const auto hi = m > F::size() ? F::loadu(src + j + F::size(), m - F::size()) : F(0.0f);
+    torch_moe_cpu::from_float<T>(lo, hi).store(dst + j, m);
+  }
+}
+
+// A 2-D operand as fp32 in its own layout for fp32_gemm: its rows (by_cols false) or, where
+// its rows are contiguous instead, the rows of its transpose (by_cols true), ld elements
+// apart; an fp32 t read in place, a 16-bit one converted into buf. nullptr where neither
+// dim is contiguous.
+const float* upcast_operand(const at::Tensor& t, std::vector<float>& buf, bool& by_cols,
+                            int64_t& ld) {
+  const int64_t r = t.size(0), c = t.size(1);
+  by_cols = !(t.stride(1) == 1 || c <= 1);
+  if (by_cols && t.stride(0) != 1 && r > 1) return nullptr;
+  const int64_t lines = by_cols ? c : r, len = by_cols ? r : c;
+  const int64_t step = by_cols ? t.stride(1) : t.stride(0);
+  if (t.scalar_type() == at::kFloat) {
+    ld = step;
+    return t.const_data_ptr<float>();
+  }
+  float* d = torch_moe_cpu::aligned_scratch(buf, std::max<int64_t>(lines * len, 1));
+  ld = len;
+  const auto* base = static_cast<const char*>(t.const_data_ptr());
+  for (int64_t i = 0; i < lines; ++i) {
+    const void* src = base + i * step * t.element_size();
+    if (t.scalar_type() == at::kBFloat16) {
+      upcast_line(static_cast<const at::BFloat16*>(src), len, d + i * len);
+    } else {
+      upcast_line(static_cast<const at::Half*>(src), len, d + i * len);
+    }
+  }
+  return d;
+}
+
+// mm_upcast by fp32_gemm (sgemm_cpu.h) on the operands' fp32 copies in the thread's
+// buffers, b's and the product's kUpcastCols columns at a time, the product rounded by
+// round_line: the tensor form's math without its per-piece tensors (an at::empty and a
+// copy per operand, a product tensor and its copy). False, out untouched, where an
+// operand has no contiguous dim or out's columns are not contiguous.
+bool mm_upcast_direct(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  thread_local std::vector<float> a_buf, b_buf, prod;
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  if (out.stride(1) != 1 && n > 1) return false;
+  bool a_cols = false, b_cols = false;
+  int64_t lda = 0, ldb = 0;
+  const float* af = upcast_operand(a, a_buf, a_cols, lda);
+  if (af == nullptr) return false;
+  for (int64_t c0 = 0; c0 < n; c0 += kUpcastCols) {
+    const int64_t cols = std::min(kUpcastCols, n - c0);
+    const float* bf = upcast_operand(b.narrow(1, c0, cols), b_buf, b_cols, ldb);
+    if (bf == nullptr) return false;  // (b's layout is one for all its columns: at c0 = 0)
+    const bool fp32_out = out.scalar_type() == at::kFloat;
+    float* p = fp32_out ? out.mutable_data_ptr<float>() + c0
+                        : torch_moe_cpu::aligned_scratch(prod, std::max<int64_t>(m * cols, 1));
+    const int64_t ldp = fp32_out ? out.stride(0) : cols;
+    if (!torch_moe_cpu::fp32_gemm(m, cols, k, af, lda, a_cols, bf, ldb, b_cols, p, ldp)) {
+      return false;  // (sizes past int32, at c0 = 0: out untouched)
+    }
+    if (fp32_out) continue;
+    auto* o = static_cast<char*>(out.mutable_data_ptr()) + c0 * out.element_size();
+    for (int64_t i = 0; i < m; ++i) {
+      void* row = o + i * out.stride(0) * out.element_size();
+      if (out.scalar_type() == at::kBFloat16) {
+        round_line(p + i * cols, cols, static_cast<at::BFloat16*>(row));
+      } else {
+        round_line(p + i * cols, cols, static_cast<at::Half*>(row));
+      }
+    }
+  }
+  return true;
+}
+#else
+bool mm_upcast_direct(at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
+#endif
+
 // out = a @ b on this thread by ATen's fp32 GEMM on fp32 copies of half operands (a's
-// whole, b's and the product's kUpcastCols columns at a time), rounded once into out.
-void mm_upcast(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+// whole, b's and the product's kUpcastCols columns at a time), rounded once into out; by
+// mm_upcast_direct where `direct` (the op's one reading of fp32_gemm_available).
+void mm_upcast(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool direct) {
+  if (direct && mm_upcast_direct(out, a, b)) return;
   const auto a_f = upcast_copy(a);
   const int64_t n = b.size(1);
   for (int64_t c0 = 0; c0 < n; c0 += kUpcastCols) {
@@ -340,6 +446,7 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
   // the native GEMM streams its output where asked (the CPU probe's out_stream) and all of
   // it is past the L2
   const bool stream = stream_out && native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
+  const bool direct = upcast && torch_moe_cpu::fp32_gemm_available();
   using torch_moe_cpu::Matrix;
   const Matrix out_m = Matrix::of(out), x_m = Matrix::of(x);
   split_groups(
@@ -358,7 +465,7 @@ void threaded_grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Ten
         const auto w_g = w[g].narrow(1, lo, hi - lo);
         if (upcast) {
           mm_upcast(o, index ? gathered(x, index + start, rows, 0) : x.narrow(0, start, rows),
-                    w_g);
+                    w_g, direct);
         } else if (index == nullptr) {  // (ATen's GEMM in one piece where the native one was asked)
           mm_rows(o, x.narrow(0, start, rows), w_g, split_rows && !native_gemm);
         } else {
@@ -401,6 +508,7 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
               "dtype, got strides ", a.strides(), " and ", a.scalar_type());
   const int64_t k = a.size(0);
   const bool stream = stream_out && native_gemm && torch_moe_cpu::bf16_gemm_streams(out.nbytes());
+  const bool direct = upcast && torch_moe_cpu::fp32_gemm_available();
   using torch_moe_cpu::Matrix;
   const Matrix a_m = Matrix::of(a), dy_m = Matrix::of(dy);
   split_groups(
@@ -423,7 +531,7 @@ void threaded_grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& dy,
         const auto dy_g = dy_idx ? dy : dy.narrow(0, start, rows);
         if (upcast) {
           mm_upcast(o, a_idx ? gathered(a_lo.t(), a_idx + start, rows, 0).t() : a_g,
-                    dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g);
+                    dy_idx ? gathered(dy, dy_idx + start, rows, 1) : dy_g, direct);
         } else if (a_idx == nullptr && dy_idx == nullptr && !transpose_a) {
           at::mm_out(o, a_g, dy_g);
         } else {
