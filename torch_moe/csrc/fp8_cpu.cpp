@@ -2303,14 +2303,19 @@ bool fp8_mx_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 // are deterministic. The pool's threads take the caller's thread-local state (inference
 // mode, grad mode) for ATen's GEMM.
 
-// o = a_f @ b_f by ATen's fp32 GEMM on this thread: into o where it is fp32, else
-// rounded once into o (ATen's copy).
+// o = a_f @ b_f by ATen's fp32 GEMM on this thread: into o where it is fp32, else into
+// fp32 scratch (outside the allocator, as the direct route's) rounded once into o (ATen's
+// copy).
 void mm_fp32_into(at::Tensor o, const at::Tensor& a_f, const at::Tensor& b_f) {
   if (o.scalar_type() == at::kFloat) {
     at::mm_out(o, a_f, b_f);
     return;
   }
-  o.copy_(at::mm(a_f, b_f));
+  thread_local std::vector<float> prod;
+  float* p = torch_moe_cpu::aligned_scratch(prod, std::max<int64_t>(o.numel(), 1));
+  auto product = at::from_blob(p, {o.size(0), o.size(1)}, at::TensorOptions().dtype(at::kFloat));
+  at::mm_out(product, a_f, b_f);
+  o.copy_(product);
 }
 
 // o [rows, cols] (row stride ldo; fp32, or with bf16 the products rounded once, as ATen's

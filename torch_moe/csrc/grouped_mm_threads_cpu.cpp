@@ -257,9 +257,15 @@ bool mm_upcast_direct(at::Tensor& out, const at::Tensor& a, const at::Tensor& b)
   }
   return true;
 }
+constexpr bool kUpcastDirect = true;
 #else
 bool mm_upcast_direct(at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
+constexpr bool kUpcastDirect = false;
 #endif
+
+// Whether the upcast pieces now take mm_upcast_direct, their fp32 copies in the threads'
+// scratch (outside the allocator: the memory model counts them there only otherwise).
+bool upcast_in_scratch() { return kUpcastDirect && torch_moe_cpu::fp32_gemm_available(); }
 
 // out = a @ b on this thread by ATen's fp32 GEMM on fp32 copies of half operands (a's
 // whole, b's and the product's kUpcastCols columns at a time), rounded once into out; by
@@ -557,6 +563,7 @@ TORCH_LIBRARY_FRAGMENT(torch_moe_cpu, m) {
       " bool transpose_a=False, bool stream_out=False, bool upcast=False) -> ()");
   m.def("row_split_parts(int rows) -> int", &row_split_parts);
   m.def("upcast_cols() -> int", []() -> int64_t { return kUpcastCols; });
+  m.def("upcast_in_scratch() -> bool", &upcast_in_scratch);
 }
 
 TORCH_LIBRARY_IMPL(torch_moe_cpu, CPU, m) {

@@ -662,11 +662,17 @@ def _upcast_piece_bytes(c: int, m: float, k: float, n: float, threads: int) -> f
     gradient's [k, m]), then one block of the other operand's columns ([k, B] or [m, B],
     B = the kernel's block, ``upcast_cols()`` columns, or fewer) and the block's product
     ([m, B] or [k, B]) before rounding it into the output: c * (m*k + B*(k + m)) per
-    thread. Fresh tensors of the allocator's, freed with the piece. Asked where the
-    pieces run (the kernels built)."""
+    thread, fresh tensors of the allocator's, freed with the piece; none of the
+    allocator's where the pieces multiply by BLAS's sgemm_ in the threads' scratch
+    (``upcast_in_scratch``: ATen's fp32 matmuls IEEE; the scratch, a few MiB a thread,
+    stays with the thread, as oneDNN's and MKL's own buffers). Asked where the pieces
+    run (the kernels built)."""
     from torch_moe._ops import grouped_mm as _gm
 
-    cols = min(float(_gm._threaded_kernels().upcast_cols()), n)
+    kernels = _gm._threaded_kernels()
+    if kernels.upcast_in_scratch():
+        return 0.0
+    cols = min(float(kernels.upcast_cols()), n)
     return threads * c * (m * k + cols * (k + m))
 
 
