@@ -164,7 +164,7 @@ at::Tensor upcast_copy(const at::Tensor& t) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// n values of T (fp32 or a 16-bit float) at src as fp32 at dst, exactly.
+// n values of T (a 16-bit float) at src as fp32 at dst, exactly.
 template <class T>
 void upcast_line(const T* src, int64_t n, float* dst) {
   using V = at::vec::Vectorized<T>;
