@@ -1591,6 +1591,44 @@ class TestNativeThreadedGroupedMM(TestCase):
             if exact:
                 self.assertEqual(outs[0], outs[1], atol=0, rtol=0, msg=f"{layout} {threads}")
 
+    def test_upcast_route_follows_the_fp32_precision(self):
+        # the sgemm_ route (upcast_in_scratch) where ATen's CPU fp32 matmuls are IEEE as
+        # ATen resolves them (the new API at each of its levels, the legacy setter), the
+        # at::mm one where tf32 or bf16; no setting makes the kernels raise (the legacy
+        # getter, which raises once the two APIs were mixed, is not asked)
+        mod = _native.kernels()
+        g = torch.Generator().manual_seed(11)
+        offs = _offs_of([30, 0, 40])
+        x = torch.randn(72, 40, generator=g).to(BF16)
+        w = _few_weight(3, 40, 24, BF16, "row", g)
+        levels = [torch.backends, torch.backends.mkldnn, torch.backends.mkldnn.matmul]
+        before = [level.fp32_precision for level in levels]
+        legacy = torch.get_float32_matmul_precision()
+        cases = [(0, "tf32", False), (1, "bf16", False), (2, "tf32", False), (2, "ieee", True)]
+        cases += [(None, "high", False), (None, "medium", False), (None, "highest", True)]
+        # (the test harness locks torch.backends' flags outside its context manager)
+        mutable = getattr(torch.backends, "__allow_nonbracketed_mutation")
+        for level, value, direct in cases:
+            try:
+                if level is None:
+                    torch.set_float32_matmul_precision(value)
+                else:  # (the levels below it inheriting: a level's own setting wins)
+                    with mutable():
+                        for lv in levels:
+                            lv.fp32_precision = "none"
+                        levels[level].fp32_precision = value
+                in_scratch = mod.upcast_in_scratch()
+                got = torch.full((72, 24), float("nan"), dtype=BF16)
+                with intra_op_threads(2):
+                    mod.threaded_grouped_mm(x, w, offs, got, False, False, None, False, True)
+            finally:
+                torch.set_float32_matmul_precision(legacy)
+                with mutable():
+                    for lv, b in zip(levels, before):
+                        lv.fp32_precision = b
+            self.assertEqual(in_scratch, direct, msg=f"{level} {value}")
+            assert_gemm_within(self, got, x, w, offs, f"{level} {value}")
+
     def test_wgrad_transposing_pads_with_zeros(self):
         # the thread's scratch is reused: a piece with an odd row count after one whose
         # values were NaN must not read them past its rows (oneDNN's AMX GEMM reads the

@@ -11,12 +11,16 @@
 // routine at::mm reaches for fp32 tensors, so the same math (the same bits on the machine
 // measured); on the Zen 3 EPYC measured the FP8 emulation's dequantized forward (M = 2048,
 // K = N = 256, 64 experts) ran 5-12% faster so and its weight gradient 12-19%
-// (benchmarks/results/cpu_floor_cpu_202612.md). It applies where the process has sgemm_ (a weak reference: a torch build without
-// an external BLAS leaves it null) and where ATen would call it: its fp32 matmuls in IEEE
-// precision (torch.backends.mkldnn.matmul.fp32_precision and
-// torch.set_float32_matmul_precision at their defaults; otherwise ATen may take oneDNN's
-// bf16 or tf32 forms, and the callers run at::mm). BLAS runs a call inside an OpenMP
-// parallel region on the calling thread, as at::mm there.
+// (benchmarks/results/cpu_floor_cpu_202612.md).
+//
+// It applies where the process has sgemm_ (a weak reference: a torch build without an
+// external BLAS leaves it null) and where ATen would call it: its CPU fp32 matmuls in IEEE
+// precision, as ATen resolves torch.backends.mkldnn.matmul.fp32_precision (its own
+// setting, else torch.backends.mkldnn's, else torch.backends'; the legacy
+// torch.set_float32_matmul_precision sets it too: "high" as tf32, "medium" as bf16). Where
+// it is tf32 or bf16 ATen may take oneDNN's reduced-precision forms, and the callers run
+// at::mm. (The legacy getter is not asked: it raises where the two APIs were mixed.) BLAS
+// runs a call inside an OpenMP parallel region on the calling thread, as at::mm there.
 
 #pragma once
 
@@ -35,13 +39,13 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace torch_moe_cpu {
 
-// Whether fp32_gemm runs here now: sgemm_ linked, ATen's fp32 matmuls in IEEE precision.
+// Whether fp32_gemm runs here now: sgemm_ linked, ATen's CPU fp32 matmuls in IEEE
+// precision (neither tf32 nor bf16).
 inline bool fp32_gemm_available() {
   if (sgemm_ == nullptr) return false;
-  const auto& ctx = at::globalContext();
-  const auto mkldnn = ctx.float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL);
-  return ctx.float32MatmulPrecision() == at::Float32MatmulPrecision::HIGHEST &&
-         (mkldnn == at::Float32Precision::IEEE || mkldnn == at::Float32Precision::NONE);
+  const auto p = at::globalContext().float32Precision(at::Float32Backend::MKLDNN,
+                                                      at::Float32Op::MATMUL);
+  return p != at::Float32Precision::TF32 && p != at::Float32Precision::BF16;
 }
 
 // c [m, n] (row-major, row stride ldc) = a @ b for a [m, k] and b [k, n], fp32: a row-major
