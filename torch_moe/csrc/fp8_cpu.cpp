@@ -2321,29 +2321,14 @@ void mm_fp32_into(at::Tensor o, const at::Tensor& a_f, const at::Tensor& b_f) {
 // o [rows, cols] (row stride ldo; fp32, or with bf16 the products rounded once, as ATen's
 // copy rounds them) = a @ b for fp32 operands in the thread's buffers (a [rows, k] and b
 // [k, cols], each row- or column-major: fp32_gemm's layouts), on this thread: with
-// `direct` (the op's one reading of fp32_gemm_available) by fp32_gemm (sgemm_cpu.h: a bf16
-// o through fp32 scratch), else by ATen's GEMM on views of the buffers.
+// `direct` (the op's one reading of fp32_gemm_available) by fp32_gemm_into (sgemm_cpu.h),
+// else by ATen's GEMM on views of the buffers.
 void piece_mm(bool direct, void* o, int64_t ldo, bool bf16, int64_t rows, int64_t cols,
               int64_t k, const float* a, int64_t lda, bool a_cols, const float* b, int64_t ldb,
               bool b_cols) {
-  if (direct && !bf16) {
-    if (torch_moe_cpu::fp32_gemm(rows, cols, k, a, lda, a_cols, b, ldb, b_cols,
-                                 static_cast<float*>(o), ldo)) {
-      return;
-    }
-  } else if (direct) {
-    thread_local std::vector<float> prod;
-    float* p = torch_moe_cpu::aligned_scratch(prod, std::max<int64_t>(rows * cols, 1));
-    if (torch_moe_cpu::fp32_gemm(rows, cols, k, a, lda, a_cols, b, ldb, b_cols, p, cols)) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* pr = p + r * cols;
-        uint16_t* orow = static_cast<uint16_t*>(o) + r * ldo;
-        int64_t j = 0;
-        for (; j + 8 <= cols; j += 8) store8(orow + j, _mm256_loadu_ps(pr + j));
-        for (; j < cols; ++j) store1(orow + j, pr[j]);
-      }
-      return;
-    }
+  if (direct && torch_moe_cpu::fp32_gemm_into(bf16 ? at::kBFloat16 : at::kFloat, o, ldo, rows,
+                                              cols, k, a, lda, a_cols, b, ldb, b_cols)) {
+    return;
   }
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const auto view = [&](const float* q, int64_t r, int64_t c, int64_t ld, bool by_cols) {

@@ -72,7 +72,6 @@
 
 #include "gemm_bf16_cpu.h"
 #include "sgemm_cpu.h"
-#include "vec_convert.h"
 
 #include <algorithm>
 #include <cstring>
@@ -163,34 +162,6 @@ at::Tensor upcast_copy(const at::Tensor& t) {
   return f;
 }
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// n values of T (a 16-bit float) at src as fp32 at dst, exactly.
-template <class T>
-void upcast_line(const T* src, int64_t n, float* dst) {
-  using V = at::vec::Vectorized<T>;
-  using F = at::vec::Vectorized<float>;
-  for (int64_t j = 0; j < n; j += V::size()) {
-    const int64_t m = std::min<int64_t>(V::size(), n - j);
-    const auto [lo, hi] = torch_moe_cpu::to_float(V::loadu(src + j, m));
-    lo.store(dst + j, std::min<int64_t>(m, F::size()));
-    if (m > F::size()) hi.store(dst + j + F::size(), m - F::size());
-  }
-}
-
-// n fp32 values at src rounded once into dst (T a 16-bit float), as ATen's vectorized copy
-// rounds them.
-template <class T>
-void round_line(const float* src, int64_t n, T* dst) {
-  using V = at::vec::Vectorized<T>;
-  using F = at::vec::Vectorized<float>;
-  for (int64_t j = 0; j < n; j += V::size()) {
-    const int64_t m = std::min<int64_t>(V::size(), n - j);
-    const auto lo = F::loadu(src + j, std::min<int64_t>(m, F::size()));
-    const auto hi = m > F::size() ? F::loadu(src + j + F::size(), m - F::size()) : F(0.0f);
-    torch_moe_cpu::from_float<T>(lo, hi).store(dst + j, m);
-  }
-}
-
 // A 2-D operand as fp32 in its own layout for fp32_gemm: its rows (by_cols false) or, where
 // its rows are contiguous instead, the rows of its transpose (by_cols true), ld elements
 // apart; an fp32 t read in place, a 16-bit one converted into buf. nullptr where neither
@@ -209,24 +180,24 @@ const float* upcast_operand(const at::Tensor& t, std::vector<float>& buf, bool& 
   float* d = torch_moe_cpu::aligned_scratch(buf, std::max<int64_t>(lines * len, 1));
   ld = len;
   const auto* base = static_cast<const char*>(t.const_data_ptr());
-  for (int64_t i = 0; i < lines; ++i) {
+  for (int64_t i = 0; i < lines; ++i) {  // (exact: at::vec::convert, as a tensor copy)
     const void* src = base + i * step * t.element_size();
     if (t.scalar_type() == at::kBFloat16) {
-      upcast_line(static_cast<const at::BFloat16*>(src), len, d + i * len);
+      at::vec::convert(static_cast<const at::BFloat16*>(src), d + i * len, len);
     } else {
-      upcast_line(static_cast<const at::Half*>(src), len, d + i * len);
+      at::vec::convert(static_cast<const at::Half*>(src), d + i * len, len);
     }
   }
   return d;
 }
 
-// mm_upcast by fp32_gemm (sgemm_cpu.h) on the operands' fp32 copies in the thread's
-// buffers, b's and the product's kUpcastCols columns at a time, the product rounded by
-// round_line: the tensor form's math without its per-piece tensors (an at::empty and a
-// copy per operand, a product tensor and its copy). False, out untouched, where an
-// operand has no contiguous dim or out's columns are not contiguous.
+// mm_upcast by fp32_gemm_into (sgemm_cpu.h) on the operands' fp32 copies in the thread's
+// buffers, b's and the product's kUpcastCols columns at a time: the tensor form's math
+// without its per-piece tensors (an at::empty and a copy per operand, a product tensor
+// and its copy). False, out untouched, where an operand has no contiguous dim or out's
+// columns are not contiguous.
 bool mm_upcast_direct(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  thread_local std::vector<float> a_buf, b_buf, prod;
+  thread_local std::vector<float> a_buf, b_buf;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   if (out.stride(1) != 1 && n > 1) return false;
   bool a_cols = false, b_cols = false;
@@ -237,35 +208,18 @@ bool mm_upcast_direct(at::Tensor& out, const at::Tensor& a, const at::Tensor& b)
     const int64_t cols = std::min(kUpcastCols, n - c0);
     const float* bf = upcast_operand(b.narrow(1, c0, cols), b_buf, b_cols, ldb);
     if (bf == nullptr) return false;  // (b's layout is one for all its columns: at c0 = 0)
-    const bool fp32_out = out.scalar_type() == at::kFloat;
-    float* p = fp32_out ? out.mutable_data_ptr<float>() + c0
-                        : torch_moe_cpu::aligned_scratch(prod, std::max<int64_t>(m * cols, 1));
-    const int64_t ldp = fp32_out ? out.stride(0) : cols;
-    if (!torch_moe_cpu::fp32_gemm(m, cols, k, af, lda, a_cols, bf, ldb, b_cols, p, ldp)) {
-      return false;  // (sizes past int32, at c0 = 0: out untouched)
-    }
-    if (fp32_out) continue;
     auto* o = static_cast<char*>(out.mutable_data_ptr()) + c0 * out.element_size();
-    for (int64_t i = 0; i < m; ++i) {
-      void* row = o + i * out.stride(0) * out.element_size();
-      if (out.scalar_type() == at::kBFloat16) {
-        round_line(p + i * cols, cols, static_cast<at::BFloat16*>(row));
-      } else {
-        round_line(p + i * cols, cols, static_cast<at::Half*>(row));
-      }
+    if (!torch_moe_cpu::fp32_gemm_into(out.scalar_type(), o, out.stride(0), m, cols, k, af, lda,
+                                       a_cols, bf, ldb, b_cols)) {
+      return false;  // (sizes past int32, at c0 = 0: out untouched)
     }
   }
   return true;
 }
-constexpr bool kUpcastDirect = true;
-#else
-bool mm_upcast_direct(at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
-constexpr bool kUpcastDirect = false;
-#endif
 
 // Whether the upcast pieces now take mm_upcast_direct, their fp32 copies in the threads'
 // scratch (outside the allocator: the memory model counts them there only otherwise).
-bool upcast_in_scratch() { return kUpcastDirect && torch_moe_cpu::fp32_gemm_available(); }
+bool upcast_in_scratch() { return torch_moe_cpu::fp32_gemm_available(); }
 
 // out = a @ b on this thread by ATen's fp32 GEMM on fp32 copies of half operands (a's
 // whole, b's and the product's kUpcastCols columns at a time), rounded once into out; by

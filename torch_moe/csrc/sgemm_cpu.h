@@ -24,11 +24,15 @@
 
 #pragma once
 
+#include "gemm_bf16_cpu.h"
+
 #include <ATen/Context.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <vector>
 
 // BLAS's fp32 GEMM (column-major, Fortran calling convention, 32-bit integers: ATen's own
 // declaration of it in BlasKernel.cpp).
@@ -69,6 +73,30 @@ inline bool fp32_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t l
   const float one = 1.0f, zero = 0.0f;
   const char tb = b_cols ? 'T' : 'N', ta = a_cols ? 'T' : 'N';
   sgemm_(&tb, &ta, &M, &N, &K, &one, b, &ldb_, a, &lda_, &zero, c, &ldc_);
+  return true;
+}
+
+// fp32_gemm into c of `dtype` (row stride ldc in its elements): an fp32 c written by the
+// GEMM, a bf16 / fp16 one through this thread's fp32 scratch, each row rounded once by
+// at::vec::convert (to nearest even, as a tensor copy rounds). False without touching c
+// where fp32_gemm is, or for another dtype.
+inline bool fp32_gemm_into(at::ScalarType dtype, void* c, int64_t ldc, int64_t m, int64_t n,
+                           int64_t k, const float* a, int64_t lda, bool a_cols, const float* b,
+                           int64_t ldb, bool b_cols) {
+  if (dtype == at::kFloat) {
+    return fp32_gemm(m, n, k, a, lda, a_cols, b, ldb, b_cols, static_cast<float*>(c), ldc);
+  }
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  thread_local std::vector<float> prod;
+  float* p = aligned_scratch(prod, std::max<int64_t>(m * n, 1));
+  if (!fp32_gemm(m, n, k, a, lda, a_cols, b, ldb, b_cols, p, n)) return false;
+  for (int64_t i = 0; i < m; ++i) {
+    if (dtype == at::kBFloat16) {
+      at::vec::convert(p + i * n, static_cast<at::BFloat16*>(c) + i * ldc, n);
+    } else {
+      at::vec::convert(p + i * n, static_cast<at::Half*>(c) + i * ldc, n);
+    }
+  }
   return true;
 }
 
