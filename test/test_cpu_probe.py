@@ -392,6 +392,33 @@ class TestCpuProbe(TestCase):
                 assert_gemm_within(self, out, x, w, offs, kernel)
                 assert_gemm_within(self, dw, x, dy, offs, kernel, wgrad=True)
 
+    @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
+    def test_upcast_takes_the_threaded_kernel_on_one_thread(self):
+        # where half GEMMs upcast, the threaded kernel's upcast pieces are a candidate on
+        # one thread too, forward and weight gradient: threads_mm measured there under
+        # the one thread's key; forced either way, the products within the fp32 bound
+        # (each piece one group's whole GEMM on one thread: the loop's bits as measured on
+        # the Zen 3 EPYC, not asserted); over FEW_ROWS rows per group only
+        x, w = torch.randn(160, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
+        dy = torch.randn(160, 24).bfloat16()
+        offs = _offs([100, 60])
+        with P.force(half_gemm="fp32", layout="as_is"), intra_op_threads(1):
+            grouped_mm(x, w, offs)
+            grouped_mm_wgrad(x, dy, offs)
+            keys = sorted(k for k in P.decisions() if k.startswith("threads_mm:"))
+            self.assertEqual(len(keys), 2, msg=str(P.decisions()))
+            self.assertTrue(all(k.startswith("threads_mm:bf16:") for k in keys), keys)
+            self.assertTrue(all(k.endswith(":t1") for k in keys), keys)
+            for way in ("native", "aten"):
+                with self.subTest(way=way), P.force(threads_mm=way):
+                    assert_gemm_within(self, grouped_mm(x, w, offs), x, w, offs, way)
+                    dw = grouped_mm_wgrad(x, dy, offs)
+                    assert_gemm_within(self, dw, x, dy, offs, way, wgrad=True)
+            P.reset(env=False)
+            few = _offs([P.FEW_ROWS, P.FEW_ROWS])
+            grouped_mm(x[: 2 * P.FEW_ROWS], w, few)  # (the few-rows ways: not asked)
+            self.assertFalse([k for k in P.decisions() if k.startswith("threads_mm:")])
+
     def test_gemm_kernel_near_ties_go_native(self):
         # oneDNN's GEMM only where it measures over 5% faster: a near-tie (which the probe
         # ranks either way from one measurement to the next) takes the native GEMM, which
@@ -658,7 +685,7 @@ class TestCpuProbe(TestCase):
 
     @unittest.skipUnless(_native.available(), "the native CPU kernels did not build here")
     def test_upcast_pieces_take_the_swiglu_whole_path(self):
-        # where half GEMMs upcast: the whole-tensor path on two or more threads where the
+        # where half GEMMs upcast: the whole-tensor path on any number of threads where the
         # threads_mm decision keeps the threaded kernel (its upcast pieces) at the rows'
         # class, over FEW_ROWS rows and two busy groups; the loop otherwise. Asked about
         # other threads than the caller's (the memory model), the decision as forced or
@@ -667,15 +694,24 @@ class TestCpuProbe(TestCase):
         layout = grouped_swiglu_module.MOE_BACKWARD
         bf16 = torch.bfloat16
         with P.force(half_gemm="fp32", threads_mm="native"):
-            with intra_op_threads(2):
-                self.assertTrue(whole(bf16, 8, 200, layout))
-                self.assertFalse(whole(bf16, 1, 200, layout))  # one busy group
-                self.assertFalse(whole(bf16, 8, 200, layout, threads=1))
+            for threads in (1, 2):
+                with intra_op_threads(threads):
+                    self.assertTrue(whole(bf16, 8, 200, layout))
+                    self.assertFalse(whole(bf16, 1, 200, layout))  # one busy group
+                    self.assertTrue(whole(bf16, 8, 200, layout, threads=3 - threads))
+        for threads in (1, 2):
+            with P.force(half_gemm="fp32", threads_mm="aten"), intra_op_threads(threads):
+                self.assertFalse(whole(bf16, 8, 200, layout))
+        # each thread count its own decision (its key names the threads)
+        cls = P.shape_class(200, 201, 201)
+        t1, t2 = (P.threads_mm_key(bf16, "nt", cls, t) for t in (1, 2))
+        with P.force({t1: "aten", t2: "native"}, half_gemm="fp32"):
             with intra_op_threads(1):
                 self.assertFalse(whole(bf16, 8, 200, layout))
                 self.assertTrue(whole(bf16, 8, 200, layout, threads=2))
-        with P.force(half_gemm="fp32", threads_mm="aten"), intra_op_threads(2):
-            self.assertFalse(whole(bf16, 8, 200, layout))
+            with intra_op_threads(2):
+                self.assertTrue(whole(bf16, 8, 200, layout))
+                self.assertFalse(whole(bf16, 8, 200, layout, threads=1))
         with P.force(half_gemm="fp32", few_gemm="aten"), intra_op_threads(2):
             self.assertFalse(whole(bf16, 8, P.FEW_ROWS, layout))  # the few-rows ways
         P.reset()

@@ -879,7 +879,9 @@ class TestMemory(TestCase):
 
         def peak(path: str, chunks: int) -> float:
             w = MoEWorkload(T, D, Fh, E, K, ep=2, num_chunks=chunks)
-            with _cpu_probe.force(swiglu_path=path):
+            # (where the CPU upcasts bf16 GEMMs, the threads_mm decision picks the path)
+            pieces = "native" if path == "whole" else "aten"
+            with _cpu_probe.force(swiglu_path=path, threads_mm=pieces):
                 return memory(w, hw, N, N, groups)["peak"]
 
         grads, rows_grad = (E // 2) * 3 * Fh * D * b, N * D * b  # N local rows too

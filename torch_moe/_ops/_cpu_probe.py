@@ -23,8 +23,10 @@ oneDNN splits each small GEMM by itself, and gains little from a second thread a
 rows): they are timed on the caller's threads, in wall time (the minimum over rounds),
 so that a two-thread process does not take a one-thread ranking (at 16 rows per expert
 they differ); ``threads_mm`` is asked on one thread only where the threaded kernel splits
-rows (``row_split``, below) or runs the native GEMM (``gemm_kernel``), and its key names
-the threads (and ends in ``:gemm`` with the native GEMM).
+rows (``row_split``, below), runs the native GEMM (``gemm_kernel``) or upcasts a half
+dtype in its threads' scratch (``half_gemm`` ``fp32``: the loop converts each group's
+operands into new tensors), and its key names the threads (and ends in ``:gemm`` with
+the native GEMM).
 
 ``row_split`` is the one decision about a library's internals: whether the threaded
 kernel runs a group's forward GEMM as several GEMMs of at most 256 rows where oneDNN would
@@ -62,8 +64,9 @@ key                             choices               margin  used by
                                                               ``grouped_mm_wgrad`` (CPU
                                                               kernels, >= 2 threads, or
                                                               one where ``row_split``
-                                                              splits; the key ends in
-                                                              ``:t<t>``)
+                                                              splits, the native GEMM
+                                                              or the upcast runs; the
+                                                              key ends in ``:t<t>``)
 ``row_split:<dt>``              **one**, split        10%     the threaded kernel's
                                                               forward GEMMs (CPU)
 ``gemm_kernel:<dt>:<kind>:``     aten, **native**      5%      the threaded kernel's

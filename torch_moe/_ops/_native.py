@@ -16,7 +16,8 @@ faster than ``torch._grouped_mm`` (not ATen's bits: fp32 sums in another order),
 on two or more threads a grouped GEMM that gives each thread an equal share of the
 groups' work as one-thread ATen GEMMs (``csrc/grouped_mm_threads_cpu.cpp``) instead of
 every group's GEMM split over all threads, unless the probe's ``threads_mm`` measured
-that slower.
+that slower (on one thread too where it runs a half dtype's fp32 upcast, its operands
+converted in the thread's scratch, or the native bf16 GEMM).
 They are prototypes of ATen kernels; until those exist they are built here, once per
 machine and CPU capability, into torch's extensions directory (``TORCH_EXTENSIONS_DIR``)
 as one library of plain ``torch.ops.torch_moe_cpu`` ops, which takes 10-20 s with a C++

@@ -69,13 +69,15 @@ benchmarks/results/ops_cpu_202612.md):
   same math; where the GEMM library orders a product's sums alike for any split of its
   rows and columns (oneDNN's bf16, as measured here) the same bits. Half dtypes only:
   fp32 GEMMs (MKL) of a few rows sum in another order on one thread than on several.
-  Where the CPU upcasts a half dtype (``half_gemm``), on two or more threads the kernel
-  takes it too, each piece's operands converted to fp32 on its thread and its product
-  rounded once (:func:`upcasts_pieces`): the loop's math with each GEMM on one thread,
-  where the loop splits every expert's fp32 GEMM over all threads (MKL's two-thread
-  split of the 64-expert layer's GEMMs gained 1.0-1.2x on the Zen 3 EPYC measured; the
-  layer step on two threads 4-10% / 11-12% / 14-21% faster at E8 / E32 / E64), and
-  ``grouped_swiglu`` then takes its whole-tensor path (``shares_upcast_groups``).
+  Where the CPU upcasts a half dtype (``half_gemm``), the kernel takes it too, on any
+  number of threads, each piece's operands converted to fp32 in the thread's scratch and
+  its product rounded once (:func:`upcasts_pieces`): the loop's math with each GEMM on
+  one thread, where the loop splits every expert's fp32 GEMM over all threads (MKL's
+  two-thread split of the 64-expert layer's GEMMs gained 1.0-1.2x on the Zen 3 EPYC
+  measured; the layer step on two threads 4-10% / 11-12% / 14-21% faster at E8 / E32 /
+  E64) and, on one thread, converts each group's operands into new tensors (the layer
+  step 1-2% / 4% / 7% faster by the pieces there), and ``grouped_swiglu`` then takes
+  its whole-tensor path (``shares_upcast_groups``).
 * the GEMM itself (bf16 on AVX512-BF16 CPUs): the threaded kernels' pieces run the native
   packed GEMM ``csrc/gemm_bf16_cpu.cpp`` instead of oneDNN's where the probe's
   ``gemm_kernel`` found it faster (each operand packed once per call, rows of ``a`` kept
@@ -412,14 +414,17 @@ def _decide_torch_grouped_mm(a: Tensor, b: Tensor, ends: list[int], wgrad: bool)
 def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
     """Whether the native threaded kernel runs ``a @ b`` per group (``wgrad``: a [K, M] x b
     [M, N] per group's rows, else a [M, K] x b [E, K, N]): the kernels built, two or more
-    threads (or one, where :func:`native_gemm_for` holds, or forward where
-    :func:`_row_split_on` and :func:`splits_rows` do), and :func:`_decide_threaded`.
+    threads (or one, where :func:`upcasts_pieces` or :func:`native_gemm_for` holds, or
+    forward where :func:`_row_split_on` and :func:`splits_rows` do), and
+    :func:`_decide_threaded`.
     Memoized on what it reads (the probe's decisions aside), the threads included."""
     threads = torch.get_num_threads()
     if not ends or ends[-1] == 0 or not _native.enabled():
         return False
-    one_thread_gain = native_gemm_for(a, b, ends, wgrad) or (
-        not wgrad and splits_rows(a.dtype, ends)
+    one_thread_gain = (
+        upcasts_pieces(a.dtype)
+        or native_gemm_for(a, b, ends, wgrad)
+        or (not wgrad and splits_rows(a.dtype, ends))
     )
     if threads < 2 and not one_thread_gain:
         return False
@@ -443,8 +448,8 @@ def _threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool) -> bool:
 
 def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads: int) -> bool:
     """Where the threaded kernel computes what the loop computes: a half dtype (oneDNN's
-    bf16 / fp16 GEMMs where this CPU multiplies it natively, else, on two or more
-    threads, its fp32 upcast: :func:`upcasts_pieces`; fp32 operands themselves stay with
+    bf16 / fp16 GEMMs where this CPU multiplies it natively, else its fp32 upcast:
+    :func:`upcasts_pieces`, on one thread too; fp32 operands themselves stay with
     the loop, whose MKL GEMMs sum a product of a few rows in another order on one thread
     than on two, and whose bits the emulated recipes' chunked fp32 form is held to: their
     native pieces, ``scaled_grouped_mm.dequantizes_pieces``, only to its rounding bound),
@@ -455,11 +460,9 @@ def _decide_threaded(a: Tensor, b: Tensor, ends: list[int], wgrad: bool, threads
     dtype = a.dtype
     if b.dtype != dtype or not _threaded_takes(dtype):
         return False
-    if cpu_compute_dtype(dtype) != dtype and threads < 2:  # (upcast pieces: two or more)
-        return False
     split = _row_split_on(dtype)  # (asked here, not inside threads_mm's measurement)
     gemm = native_gemm_for(a, b, ends, wgrad)
-    if threads < 2 and not split and not gemm:
+    if threads < 2 and not (split or gemm or upcasts_pieces(dtype)):
         return False
     _, rows = rows_per_busy_group(ends)
     if wgrad:  # out[g] [K, N] = a[:, rows of g] @ b[rows of g]
@@ -503,7 +506,7 @@ def _threaded_kernels() -> Any:
 def shares_upcast_groups(dtype: torch.dtype, rows: int, threads: int | None = None) -> bool:
     """Whether this CPU's grouped GEMMs of ``dtype`` share their groups out over the
     threads as upcast pieces (:func:`upcasts_pieces`) at about ``rows`` rows per busy
-    group: two or more threads, more than ``FEW_ROWS`` rows, and the probe's
+    group (on one thread, one piece per group): more than ``FEW_ROWS`` rows, and the probe's
     ``threads_mm`` for an expert's forward GEMM (x row-major, its weight column-major,
     the rows the smallest dim) at their shape class on these threads. ``grouped_swiglu``
     takes its whole-tensor path there, each of its grouped GEMMs asking its own
@@ -512,7 +515,7 @@ def shares_upcast_groups(dtype: torch.dtype, rows: int, threads: int | None = No
     threads). Not memoized (its callers' decisions are)."""
     current = torch.get_num_threads()
     threads = current if threads is None else threads
-    if threads < 2 or rows <= _cpu_probe.FEW_ROWS or not upcasts_pieces(dtype):
+    if rows <= _cpu_probe.FEW_ROWS or not upcasts_pieces(dtype):
         return False
     cls = _cpu_probe.shape_class(rows, rows + 1, rows + 1)  # m_small or m_large
     if threads != current:

@@ -806,9 +806,9 @@ def _whole_path(
     (None: the caller's; the memory model asks of others). Where the CPU multiplies the
     dtype natively: both directions for two or more groups, as ``_cpu_probe.swiglu_path``
     measured. Where it upcasts half GEMMs to fp32: two or more groups whose grouped GEMMs
-    share the groups out over two or more threads, each piece converted on its thread
+    share the groups out over the threads, each piece converted in its thread's scratch
     (``shares_upcast_groups``), where the loop splits each group's fp32 GEMM over all
-    threads; or where both GEMMs take the native few-rows kernel (``few_gemm_class``),
+    threads and converts each group's operands into new tensors; or where both GEMMs take the native few-rows kernel (``few_gemm_class``),
     which converts the weights in registers, where the loop would convert each group's
     whole weights to fp32 (each direction on its own: an inference forward needs only
     its own GEMMs' kernel). The whole path keeps the activation and its gradient in the
