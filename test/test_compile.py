@@ -126,6 +126,15 @@ class TestMoECompile(_CompileChecks):
         with _cpu_probe.force(half_gemm=half_gemm):
             self._check("bf16", steps=2, autocast=True, dynamic=True)
 
+    @parametrize("half_gemm", ["fp32", "native"])
+    def test_fullgraph_bf16_parameters_both_cpu_gemm_dtypes(self, half_gemm):
+        # bf16 parameters: the shared expert's GEMMs by the grouped GEMM op where the CPU
+        # upcasts (a decision the compiler takes as a constant), F.linear where it does not
+        from torch_moe._ops import _cpu_probe
+
+        with _cpu_probe.force(half_gemm=half_gemm):
+            self._check("bf16", steps=2, dynamic=True, dtype=torch.bfloat16)
+
     @parametrize("precision", ["bf16", "mxfp8"])
     def test_fullgraph_activation_checkpointing(self, precision):
         self._check(precision, steps=8, ckpt=True, dynamic=True)

@@ -868,6 +868,98 @@ class TestMoECompile(TestCase):
         ).run(bwd)
 
 
+class TestSharedExpertsDense(TestCase):
+    """The shared expert's two GEMMs (``moe._dense``): where the CPU multiplies a half dtype
+    by its fp32 upcast, by the grouped GEMM op as one group (the routed experts' math: fp32
+    sums, one rounding), not oneDNN's emulated half GEMM; elsewhere ``F.linear`` itself."""
+
+    def _case(self, shape, n, dtype=torch.bfloat16, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+        w = (torch.randn(n, shape[-1], generator=g) / 8).to(dtype).requires_grad_()
+        dy = torch.randn(*shape[:-1], n, generator=g).to(dtype)
+        return x, w, dy
+
+    def _bound_check(self, got, a, b, msg):
+        # got = a @ b (2-D) within the fp32-accumulated GEMM's rounding bound into got's dtype
+        exact = a.double() @ b.double()
+        products = a.double().abs() @ b.double().abs()
+        bound = tolerances.gemm_bound(products, a.shape[1], exact, torch.float32, got.dtype)
+        tolerances.assert_within(self, got, exact, bound, msg)
+
+    def test_upcast_runs_the_grouped_gemm_within_the_fp32_bound(self):
+        from torch_moe._ops import _cpu_probe
+        from torch_moe.nn.modules import moe as moe_module
+
+        for shape, n in (((37, 24), 40), ((2, 5, 24), 16), ((0, 24), 8)):
+            x, w, dy = self._case(shape, n)
+            with self.subTest(shape=shape), _cpu_probe.force(half_gemm="fp32"):
+                spy = unittest.mock.patch.object(moe_module.ops, "grouped_mm", wraps=ops.grouped_mm)
+                with spy as grouped:
+                    y = moe_module._dense(x, w)
+                self.assertEqual(grouped.call_count, 1)
+                self.assertEqual(y.shape, (*shape[:-1], n))
+                self.assertEqual(y.dtype, torch.bfloat16)
+                y.backward(dy)
+                rows, dy2 = x.detach().reshape(-1, shape[-1]), dy.reshape(-1, n)
+                self._bound_check(y.detach().reshape(-1, n), rows, w.detach().t(), "y")
+                self._bound_check(x.grad.reshape(-1, shape[-1]), dy2, w.detach(), "dx")
+                self._bound_check(w.grad, dy2.t(), rows, "dw")
+
+    def test_elsewhere_f_linear_itself(self):
+        # a CPU with native half GEMMs, fp32, autocast's mixed dtypes: F.linear's bits and
+        # no grouped GEMM
+        from torch_moe._ops import _cpu_probe
+        from torch_moe.nn.modules import moe as moe_module
+
+        x, w, _ = self._case((9, 24), 16)
+        cases = [
+            ("native", x, w),
+            ("fp32", x.float(), w.float()),
+            ("fp32", x, w.float()),
+        ]
+        for half_gemm, a, b in cases:
+            with self.subTest(half_gemm=half_gemm, x=str(a.dtype), w=str(b.dtype)):
+                with _cpu_probe.force(half_gemm=half_gemm):
+                    spy = unittest.mock.patch.object(moe_module.ops, "grouped_mm")
+                    with spy as grouped:
+                        if a.dtype != b.dtype:
+                            with torch.autocast("cpu", torch.bfloat16):
+                                got, want = moe_module._dense(a, b), F.linear(a, b)
+                        else:
+                            got, want = moe_module._dense(a, b), F.linear(a, b)
+                    grouped.assert_not_called()
+                    self.assertEqual(got, want, atol=0, rtol=0)
+
+    def test_layer_with_shared_expert_where_half_gemms_upcast(self):
+        # the layer's shared expert through _dense (both GEMMs, forward): its output within
+        # the bound of the fp32 upcast's per GEMM, so the layers agree to bf16's rounding
+        # of the two GEMMs and the activation
+        from torch_moe._ops import _cpu_probe
+
+        torch.manual_seed(0)
+        moe = MoE(24, 16, 4, 2, shared_hidden_dim=32, dtype=torch.bfloat16)
+        x = torch.randn(19, 24, dtype=torch.bfloat16)
+        shared = moe.shared_experts
+        calls = []
+        real = ops.grouped_mm
+
+        def counting(*args):
+            calls.append(args[1].shape)
+            return real(*args)
+
+        with _cpu_probe.force(half_gemm="fp32"), torch.no_grad():
+            with unittest.mock.patch.object(torch_moe.nn.modules.moe.ops, "grouped_mm", counting):
+                got = shared(x)
+            h = (x.float() @ shared.w13.float().t()).bfloat16()
+            gate, up = h.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+            want = (a.float() @ shared.w2.float().t()).bfloat16()
+        self.assertEqual(calls, [(1, 24, 64), (1, 32, 24)])
+        # (each GEMM's fp32 sums in another order than torch.mm's: one bf16 ulp at most)
+        self.assertEqual(got, want, atol=0, rtol=2**-7)
+
+
 class TestMoEDeterminism(TestCase):
     def test_bitwise_repeatable(self):
         for dtype in (torch.float32, torch.bfloat16):

@@ -18,12 +18,15 @@ Saved for the backward (``torch_moe.nn.MoE``'s documented formula, extended):
 * the permuted input [M, D] (``M*D*b``) where the experts do not gather their rows
   from the tokens themselves: a recipe (which also saves the activation ``a`` [M, F],
   ``M*F*b``) and EP (the received rows);
-* a shared expert saves ``T * 4*Fs*b`` (its gate/up output, silu(gate) and the product).
+* a shared expert saves ``T * 4*Fs*b`` (its gate/up output, silu(gate) and the product;
+  on a CPU that upcasts the half dtype also its two one-group GEMMs' int32 offsets).
   The layer runs it before the routed experts, so autograd runs its backward after
   theirs (of two ready nodes the one created later runs first): its saved tensors are
   live through the routed experts' backward, and its own backward is a phase of its own
   (the routed experts' saved tensors freed, their weight gradients live, with its
-  ``2*T*Fs*b`` of gradients and its down projection's weight gradient at its largest);
+  ``2*T*Fs*b`` of gradients and its down projection's weight gradient at its largest;
+  where the CPU upcasts, its GEMMs' fp32 copies where they take the loop:
+  ``_shared_upcast_bytes``);
 * EP: the experts' tensors are over the N received rows, plus the received routing
   weights (``N*4``).
 
@@ -216,6 +219,11 @@ def saved_bytes(w: MoEWorkload, hw: Hardware, rows_recv: float | None = None) ->
         m = _static_rows(w, align)
         total += T * K * 16 + m * (per_row + 8 + 8 + 1 + 4) + _dump_row_bytes(hw)
     total += T * 4 * w.shared_hidden_dim * b
+    if w.shared_hidden_dim and hw.kind == "cpu":
+        from torch_moe._ops.grouped_mm import cpu_compute_dtype
+
+        if cpu_compute_dtype(w.dtype) != w.dtype:  # its GEMMs' one-group offs (int32)
+            total += 2 * 4
     return float(total)
 
 
@@ -676,6 +684,32 @@ def _upcast_piece_bytes(c: int, m: float, k: float, n: float, threads: int) -> f
     return threads * c * (m * k + cols * (k + m))
 
 
+def _shared_upcast_bytes(w: MoEWorkload, c: int, threads: int) -> tuple[float, float, float]:
+    """fp32 bytes a shared expert's GEMMs hold at once beside their operands and outputs
+    where the CPU upcasts its half dtype (``c`` != the layer's bytes): (its gate / up
+    projection's forward, the down projection's backward GEMMs', the gate / up
+    projection's backward GEMMs'). It runs each GEMM as one group of all T rows
+    (``nn.modules.moe._dense``), so by the threaded kernel's upcast pieces
+    (:func:`_upcast_piece_bytes`: none of the allocator's in the threads' scratch) where
+    the kernels share that group out, else by the loop, whose GEMM converts both operands
+    and computes the product in fp32: [T, D], [2Fs, D] and [T, 2Fs] forward; dA's and
+    dW2's dY [T, D], w2 [D, Fs] or A [T, Fs] and a product of [T, Fs] or [D, Fs]; dX's and
+    dW13's dH [T, 2Fs], w13 [2Fs, D] or x [T, D] and a product of [T, D] or [2Fs, D]. All
+    0 without a shared expert or where the CPU multiplies the dtype as such."""
+    from torch_moe._ops import grouped_mm as _gm
+
+    Fs, T, D = float(w.shared_hidden_dim), float(w.tokens), float(w.dim)
+    if not Fs or c == w.element_size:
+        return 0.0, 0.0, 0.0
+    if _gm._threaded_kernels() is not None and _gm.shares_upcast_groups(w.dtype, w.tokens, threads):
+        up13 = _upcast_piece_bytes(c, T, D, 2 * Fs, threads)
+        return up13, _upcast_piece_bytes(c, T, Fs, D, threads), up13
+    fwd = c * (T * D + 2 * Fs * D + T * 2 * Fs)
+    w2 = c * (T * D + max(D * Fs + T * Fs, T * Fs + D * Fs))
+    w13 = c * (T * 2 * Fs + max(2 * Fs * D + T * D, T * D + 2 * Fs * D))
+    return fwd, w2, w13
+
+
 def _rows_per_busy_group(groups: list[float]) -> int:
     """Rows per expert that has any, as the CPU kernels count them (floor of the mean)."""
     busy = [g for g in groups if g >= 1]
@@ -771,6 +805,10 @@ def _inference_bytes(
     Fs = w.shared_hidden_dim
     if Fs:  # run before the experts; its output [T, D] lives to the final sum
         shared = T * 3 * Fs * b + T * D * b  # its gate/up output, silu and product, output
+        # where the CPU upcasts: the gate / up projection's fp32 transients with its output
+        # h (the layer's output counted in ``maps`` is not there yet)
+        up = _shared_upcast_bytes(w, c, threads)[0]
+        shared = max(shared, T * 2 * Fs * b + up - T * D * b)
         maps += T * D * b
         total = M * D * b + 2 * T * D * b  # Y, the routed output and the sum
     return max(router, shared, experts, combine, total) + maps
@@ -992,6 +1030,17 @@ def memory(
         # gradient (its gate/up's comes once those are freed)
         Fs = w.shared_hidden_dim
         side_phase = held - experts_saved + y + expert_grads + Fs * D * b + 2 * T * Fs * b
+        # where the CPU upcasts, its GEMMs' fp32 transients: the down projection's (dA
+        # [T, Fs] and dW2 its outputs), then the gate / up projection's (its saved [T,
+        # Fs]-rows freed; dH [T, 2Fs], dX [T, D] and dW13 [2Fs, D])
+        _, up2, up13 = _shared_upcast_bytes(w, c, threads)
+        if up2 or up13:
+            rest = held - experts_saved + y + expert_grads + Fs * D * b
+            side_phase = max(
+                side_phase,
+                rest + T * Fs * b + up2,
+                rest - 4 * T * Fs * b + 2 * T * Fs * b + T * D * b + 2 * Fs * D * b + up13,
+            )
     if w.ep > 1:
         # the exchanges' backward is a phase of its own: the combine backward holds the
         # local rows' gradient and the received one (the dispatch backward the same pair

@@ -869,16 +869,46 @@ class SharedExperts(nn.Module):
             nn.init.uniform_(self.gate, -(self.gate.shape[1] ** -0.5), self.gate.shape[1] ** -0.5)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.linear(x, self.w13)
+        h = _dense(x, self.w13)
         if self.activation == "swiglu" and self.swiglu_limit is None:
             gate, up = h.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
             a = _activate(self, h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
-        out = F.linear(a, self.w2)
+        out = _dense(a, self.w2)
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate))
         return out
+
+
+def _dense(x: Tensor, w: Tensor) -> Tensor:
+    """``F.linear(x, w)``; where the CPU multiplies x's half dtype by its fp32 upcast
+    (:func:`_cpu_upcasts`), the same product by torch_moe's grouped GEMM as one group of
+    all rows (x @ w^T, the weight read as the column-major [D, N] it is), which runs it as
+    the routed experts' GEMMs run there: fp32 sums, one rounding, on the threads' pieces or
+    ATen's fp32 GEMM (``torch_moe._ops.grouped_mm``), where ``F.linear`` would take
+    oneDNN's emulated half GEMM (~10 GFLOP/s on the AVX2-only Zen 3 measured against its
+    fp32 GEMM's 60-90: a 16-expert layer's step with a shared expert 25x the one without,
+    benchmarks/results/perf_model_cpu_202612.md). Elsewhere (a GPU, a CPU with native half
+    GEMMs, fp32 / fp64, autocast's mixed dtypes, a DTensor weight) ``F.linear`` itself."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != w.dtype
+        or isinstance(w, DTensor)
+        or not _cpu_upcasts(x.dtype)
+    ):
+        return F.linear(x, w)
+    rows = x.reshape(-1, x.shape[-1])
+    offs = torch.full((1,), rows.shape[0], dtype=torch.int32)
+    return ops.grouped_mm(rows, w.t().unsqueeze(0), offs).view(*x.shape[:-1], w.shape[0])
+
+
+@torch.compiler.assume_constant_result
+def _cpu_upcasts(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs ``dtype``'s GEMMs on its fp32 upcast (a half dtype it does not
+    multiply natively: ``grouped_mm.cpu_compute_dtype``, measured). A constant for the
+    compiler."""
+    return dtype in (torch.bfloat16, torch.float16) and _gmm.cpu_compute_dtype(dtype) != dtype
 
 
 def _row_weights(weights_TK: Tensor, row_to_slot: Tensor, no_padding: bool) -> Tensor:
