@@ -684,30 +684,25 @@ def _upcast_piece_bytes(c: int, m: float, k: float, n: float, threads: int) -> f
     return threads * c * (m * k + cols * (k + m))
 
 
-def _shared_upcast_bytes(w: MoEWorkload, c: int, threads: int) -> tuple[float, float, float]:
+def _shared_upcast_bytes(w: MoEWorkload, c: int, threads: int) -> tuple[float, float]:
     """fp32 bytes a shared expert's GEMMs hold at once beside their operands and outputs
     where the CPU upcasts its half dtype (``c`` != the layer's bytes): (its gate / up
-    projection's forward, the down projection's backward GEMMs', the gate / up
-    projection's backward GEMMs'). It runs each GEMM as one group of all T rows
-    (``nn.modules.moe._dense``), so by the threaded kernel's upcast pieces
-    (:func:`_upcast_piece_bytes`: none of the allocator's in the threads' scratch) where
-    the kernels share that group out, else by the loop, whose GEMM converts both operands
-    and computes the product in fp32: [T, D], [2Fs, D] and [T, 2Fs] forward; dA's and
-    dW2's dY [T, D], w2 [D, Fs] or A [T, Fs] and a product of [T, Fs] or [D, Fs]; dX's and
-    dW13's dH [T, 2Fs], w13 [2Fs, D] or x [T, D] and a product of [T, D] or [2Fs, D]. All
+    projection's, forward or backward; its down projection's, backward). It runs each
+    GEMM as one group of all T rows (``nn.modules.moe._dense``), so by the threaded
+    kernel's upcast pieces (:func:`_upcast_piece_bytes`: none of the allocator's in the
+    threads' scratch) where the kernels share that group out, else by the loop, whose
+    GEMM converts both operands and computes the product in fp32: of [T, D] and [D, N]
+    into [T, N] or, backward, the same three sizes in another order, N = 2Fs or Fs. Both
     0 without a shared expert or where the CPU multiplies the dtype as such."""
     from torch_moe._ops import grouped_mm as _gm
 
     Fs, T, D = float(w.shared_hidden_dim), float(w.tokens), float(w.dim)
     if not Fs or c == w.element_size:
-        return 0.0, 0.0, 0.0
-    if _gm._threaded_kernels() is not None and _gm.shares_upcast_groups(w.dtype, w.tokens, threads):
-        up13 = _upcast_piece_bytes(c, T, D, 2 * Fs, threads)
-        return up13, _upcast_piece_bytes(c, T, Fs, D, threads), up13
-    fwd = c * (T * D + 2 * Fs * D + T * 2 * Fs)
-    w2 = c * (T * D + max(D * Fs + T * Fs, T * Fs + D * Fs))
-    w13 = c * (T * 2 * Fs + max(2 * Fs * D + T * D, T * D + 2 * Fs * D))
-    return fwd, w2, w13
+        return 0.0, 0.0
+    if _gm.shares_upcast_groups(w.dtype, w.tokens, threads):
+        pieces = _upcast_piece_bytes
+        return pieces(c, T, D, 2 * Fs, threads), pieces(c, T, Fs, D, threads)
+    return c * (T * D + 2 * Fs * (D + T)), c * (T * D + Fs * (D + T))
 
 
 def _rows_per_busy_group(groups: list[float]) -> int:
@@ -1033,7 +1028,7 @@ def memory(
         # where the CPU upcasts, its GEMMs' fp32 transients: the down projection's (dA
         # [T, Fs] and dW2 its outputs), then the gate / up projection's (its saved [T,
         # Fs]-rows freed; dH [T, 2Fs], dX [T, D] and dW13 [2Fs, D])
-        _, up2, up13 = _shared_upcast_bytes(w, c, threads)
+        up13, up2 = _shared_upcast_bytes(w, c, threads)
         if up2 or up13:
             rest = held - experts_saved + y + expert_grads + Fs * D * b
             side_phase = max(

@@ -908,7 +908,7 @@ def _cpu_upcasts(dtype: torch.dtype) -> bool:
     """Whether this CPU runs ``dtype``'s GEMMs on its fp32 upcast (a half dtype it does not
     multiply natively: ``grouped_mm.cpu_compute_dtype``, measured). A constant for the
     compiler."""
-    return dtype in (torch.bfloat16, torch.float16) and _gmm.cpu_compute_dtype(dtype) != dtype
+    return _gmm.cpu_compute_dtype(dtype) != dtype
 
 
 def _row_weights(weights_TK: Tensor, row_to_slot: Tensor, no_padding: bool) -> Tensor:
