@@ -376,35 +376,92 @@ class TestModelArithmetic(TestCase):
     def test_cpu_recipe_gemms_take_the_kernels_dtype(self):
         # the emulation's six GEMMs in the time model: the bf16 rate where the CPU kernels
         # multiply the FP8 codes in bf16 (no cast: the block-scaled kernel converts the
-        # codes piece by piece in cache and writes bf16), the fp32 rate and the output's
-        # cast otherwise
+        # codes piece by piece in cache and writes bf16); where the fp32 form runs by the
+        # native pieces and the hardware has their (e4m3) tables, those, at the layouts
+        # the kernels take (the forward's weight codes K-major), without a cast; else the
+        # fp32 rate and the output's cast. The quantizers: each with its dequantize, or
+        # alone where the pieces dequantize and the hardware measured them alone
         from torch_moe.perf import _memory as memory_module
         from torch_moe.perf import _model
 
         calls = []
+        tables = {}
         ctx = types.SimpleNamespace(
             cpu=True,
             key="bf16",
             b=2,
             w=None,
-            gemm=lambda comp, key, *a, **kw: calls.append(("gemm", key)),
+            threads=1,
+            hw=types.SimpleNamespace(
+                gemm_table=lambda t, key, layout: tables.get(key),
+                kernel_table=lambda t, name: tables.get(name.rpartition(":")[2]),
+            ),
+            gemm=lambda comp, key, layout, *a, **kw: calls.append(("gemm", key, layout)),
             kernel=lambda comp, name, elements, phase, *a: calls.append((name, elements)),
         )
-        for precision, route, casts in (
-            ("fp8_rowwise", True, 0),
-            ("fp8_blockwise", True, 0),
-            ("fp8_tensorwise", False, 6),
+        emulation = ["NN", "NN", "NN", "TN", "NN", "TN"]
+        by_pieces = ["NT", "NT", "NN", "TN", "NN", "TN"]
+        for precision, route, pieces, table, key, layouts, casts, alone in (
+            ("fp8_rowwise", True, False, False, "bf16", emulation, 0, False),
+            ("fp8_blockwise", True, True, True, "bf16", emulation, 0, False),
+            ("fp8_tensorwise", False, False, True, "fp32", emulation, 6, False),
+            ("fp8_blockwise", False, True, True, "e4m3", by_pieces, 0, True),
+            ("fp8_blockwise", False, True, False, "fp32", emulation, 6, False),  # no table
+            ("mxfp8", False, True, True, "e4m3", by_pieces, 0, True),
+            ("mxfp8", False, True, True, "e4m3", by_pieces, 0, False),  # no quantizer alone
         ):
             ctx.w = MoEWorkload(512, 256, 128, 16, 2, precision=precision)
+            tables.clear()
+            if table:
+                tables["e4m3"] = object()
+            if alone:
+                tables["alone"] = object()
             calls.clear()
             with (
                 mock.patch.object(memory_module, "_codes_bf16_here", lambda *a, r=route: r),
                 mock.patch.object(memory_module, "_mx_in_bf16_here", lambda: False),
+                mock.patch.object(memory_module, "_dequantizes_pieces", lambda *a, p=pieces: p),
             ):
                 _model._experts_recipe(ctx, "experts", [64.0] * 16, True)
-            keys = [c[1] for c in calls if c[0] == "gemm"]
-            self.assertEqual(keys, ["bf16" if route else "fp32"] * 6, msg=precision)
+            gemms = [c[1:] for c in calls if c[0] == "gemm"]
+            self.assertEqual(gemms, [(key, lay) for lay in layouts], msg=(precision, key))
             self.assertEqual(len([c for c in calls if c[0] == "cast.fp32_bf16"]), casts)
+            quantizers = [c[0] for c in calls if c[0].startswith(("q.", "qj."))]
+            self.assertEqual(len(quantizers), 12)
+            self.assertEqual({q.endswith(":alone") for q in quantizers}, {alone}, msg=precision)
+
+    def test_cpu_recipe_overhead_at_the_pieces_rows(self):
+        # a recipe's host cost per group: the ":pieces" probes' where its scaled GEMMs run
+        # the native pieces and the hardware has them, else the two-row probes' (the loop)
+        from torch_moe.perf import _memory as memory_module
+        from torch_moe.perf import _model
+
+        overheads = {
+            "1/fp8_blockwise.fwdbwd": (4e-3, 1e-4),
+            "1/fp8_blockwise:pieces.fwdbwd": (3e-3, 1e-5),
+        }
+        added = []
+        hw = types.SimpleNamespace(
+            overheads=overheads, overhead=lambda t, path: overheads.get(f"{t}/{path}", (0.0, 0.0))
+        )
+        ctx = types.SimpleNamespace(
+            cpu=True, threads=1, hw=hw, add=lambda comp, sec, *a: added.append(sec)
+        )
+        groups = [64.0] * 16  # every group busy
+        for precision, pieces, want in (
+            ("fp8_blockwise", True, 3e-3 + 16 * 1e-5),
+            ("fp8_blockwise", False, 4e-3 + 16 * 1e-4),
+        ):
+            ctx.w = MoEWorkload(512, 256, 128, 16, 2, precision=precision)
+            added.clear()
+            with mock.patch.object(memory_module, "_dequantizes_pieces", lambda *a, p=pieces: p):
+                _model._overheads(ctx, groups, True)
+            self.assertEqual(added, [want], msg=pieces)
+        del overheads["1/fp8_blockwise:pieces.fwdbwd"]  # not measured: the loop's
+        added.clear()
+        with mock.patch.object(memory_module, "_dequantizes_pieces", lambda *a: True):
+            _model._overheads(ctx, groups, True)
+        self.assertEqual(added, [4e-3 + 16 * 1e-4])
 
     def test_alignment_padding_on_gpu_recipes(self):
         w = MoEWorkload(512, 256, 128, 32, 2, precision="fp8_blockwise")
@@ -1231,6 +1288,99 @@ class TestCalibrationGemmCalls(TestCase):
         self.assertEqual(seen, ["nn" if wgrad_a == "transpose" else "tn"] * C._GROUPS)
 
 
+class TestCalibrationE4m3Pieces(TestCase):
+    """The ``e4m3`` tables: the recipes' scaled GEMM kernels measured where their fp32
+    form runs by the native pieces, at the operand layouts the layer passes them."""
+
+    def setUp(self):
+        from torch_moe.perf import _calibrate as C
+
+        if not C.fp8_pieces_here():
+            self.skipTest(
+                "the recipes' fp32 form runs by the native pieces only on a CPU "
+                "that upcasts bf16 GEMMs with the native e4m3 kernels built"
+            )
+
+    @parametrize("layout", ["NT", "NN", "TN"])
+    def test_call_runs_the_kernel_at_the_layers_layout(self, layout):
+        from torch_moe._ops import _native
+        from torch_moe.perf import _calibrate as C
+
+        kernels = _native.kernels()
+        seen = []
+        name = "fp8_dequantized_mm_wgrad" if layout == "TN" else "fp8_dequantized_mm"
+        real = getattr(kernels, name)
+
+        def spy(*args):  # (..., out)
+            seen.append((args[1], real(*args), args[-1]))
+            return seen[-1][1]
+
+        m, k, n = 48, 256, 160  # k: two 128-blocks of scales; n: a partial one
+        with mock.patch.object(kernels, name, spy):
+            C._fp8_pieces_call(layout, m, k, n)()
+        [(b, ok, out)] = seen
+        self.assertTrue(ok)
+        v = torch.tensor(0.01).to(FP8).float()  # every code; every scale 1
+        if layout == "TN":  # out [groups, m, n]: each group's rows summed
+            rows = torch.tensor(C._group_rows(k), dtype=torch.float32)
+            want = (v * v * rows).view(-1, 1, 1).expand(C._GROUPS, m, n)
+        else:  # the forward's weight K-major (the layer's codes of w^T), dgrad's row-major
+            self.assertEqual(b.stride(1) == 1, layout == "NT")
+            want = torch.full((sum(C._group_rows(m)), n), float(v * v * k))
+        self.assertEqual(out.float(), want.to(torch.bfloat16).float())
+
+    def test_quantizers_measured_alone(self):
+        from torch_moe.perf import _calibrate as C
+
+        f = C._kernel_factories(torch.bfloat16)
+        for kind in ("q.fp8_1x128", "q.fp8_128x128", "qj.fp8_128", "q.mx_row", "qj.mx_32"):
+            q, scale = f[f"{kind}:alone"](4096)()  # the codes and their scales
+            self.assertEqual(q.dtype, FP8, msg=kind)
+            self.assertTrue(scale.dtype.is_floating_point or scale.dtype == torch.uint8)
+            both = f[kind](4096)()  # with its dequantize: values again
+            self.assertTrue(both.dtype.is_floating_point and both.dtype != FP8, msg=kind)
+            self.assertEqual(both.shape, q.shape, msg=kind)
+
+    def test_pieces_probes_run_the_pieces(self):
+        # the ":pieces" overhead probes: each recipe at FEW_ROWS + 1 rows per expert, where
+        # its scaled GEMMs take the native pieces (at the plain probes' two rows they loop)
+        from torch_moe._ops import _native
+        from torch_moe.perf import _calibrate as C
+
+        names = {v[0] for v in C._probe_variants(False)}
+        self.assertTrue({f"{p}:pieces" for p in RECIPES} <= names)
+        self.assertFalse(any(":" in n for n in {v[0] for v in C._probe_variants(True)}))
+        kernels = _native.kernels()
+        real = kernels.fp8_dequantized_mm
+        calls = []
+
+        def spy(*args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+        for rows, runs in ((2, False), (_cpu_probe.FEW_ROWS + 1, True)):
+            calls.clear()
+            with mock.patch.object(kernels, "fp8_dequantized_mm", spy):
+                _, fwdbwd = C._probe_layer(
+                    "fp8_blockwise", 16, shared=False, capacity=False, rows=rows
+                )
+                fwdbwd()
+            self.assertEqual(bool(calls), runs, msg=rows)
+            self.assertTrue(all(m == 16 * rows for m in calls), msg=calls)
+
+    def test_calibration_measures_the_tables(self):
+        from torch_moe.perf import _calibrate as C
+
+        mins = C._Samples()
+        with (
+            mock.patch.object(C, "_ROWS_QUICK", (32,)),
+            mock.patch.object(C, "_COLS_QUICK", (128,)),
+        ):
+            for layout in ("NT", "NN", "TN"):
+                C._measure_gemms(mins, 1, layout, "e4m3", None, True)
+                self.assertGreater(C._gemm_table(mins, 1, layout, "e4m3", True).rate(), 0)
+
+
 class TestCalibrateDevice(TestCase):
     """``calibrate(device=...)``: an accelerator's rates measured with the library's own
     calls (``torch_moe.perf._calibrate_gpu``). The same code runs on a CPU device here; the
@@ -1547,6 +1697,7 @@ class TestCalibrateInGroup(GlooContinuousTest):
 instantiate_parametrized_tests(TestMoEWorkload)
 instantiate_parametrized_tests(TestMemory)
 instantiate_parametrized_tests(TestCalibrationGemmCalls)
+instantiate_parametrized_tests(TestCalibrationE4m3Pieces)
 instantiate_parametrized_tests(TestCalibrateDevice)
 
 if __name__ == "__main__":

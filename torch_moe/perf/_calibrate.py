@@ -24,6 +24,9 @@ What:
   grouped loop as the layer runs it (group sizes around m, activation rows sliced from one
   buffer, weights rotating out of cache; see ``_gemm_call``). Grid points above
   ``_FLOP_CAP`` are extrapolated from their smaller neighbour at a constant rate.
+* Where the recipes' scaled GEMMs run their fp32 form by the native kernels' pieces (a CPU
+  that upcasts bf16 GEMMs: ``fp8_pieces_here``), those kernels on the same grid and
+  layouts, e4m3 codes in, bf16 out (the ``e4m3`` tables, ``_fp8_pieces_call``).
 * The grouped SwiGLU expert op itself (``torch_moe.nn.functional.grouped_swiglu``, bf16,
   forward + backward) on a grid of rows per group (1..4096) x D x F
   (64..4096), measured like the GEMMs (four groups, weights out of cache): the library's
@@ -33,11 +36,17 @@ What:
   unpermute (forward / backward), the SwiGLU activation of the grouped kernels (forward /
   backward, ``torch_moe._ops.grouped_swiglu._act`` / ``_act_backward``), the dense SwiGLU of
   the shared expert, casts, adds, copies, and quantize + dequantize of every operand kind
-  the recipes use (``torch_moe.quantization.quantize_*`` / ``dequantize_*``).
+  the recipes use (``torch_moe.quantization.quantize_*`` / ``dequantize_*``; where the
+  ``e4m3`` tables are measured, each quantizer alone too: ``"<kind>:alone"``).
 * Overheads: the layer itself (``torch_moe.nn.MoE``, D = F = 32, two rows per expert,
   deterministic routing) forward and forward + backward with 1 and 16 experts, per
   precision, plus the extra of a shared expert and of a capacity: fixed seconds and
-  seconds per expert group, the host-side cost no rate above captures.
+  seconds per expert group, the host-side cost no rate above captures. Where the
+  ``e4m3`` tables are measured, each recipe also at ``FEW_ROWS + 1`` rows per expert
+  (``"<recipe>:pieces"``): at two rows its scaled GEMMs loop over the groups in Python
+  (the chunks' form), above ``FEW_ROWS`` they run the native pieces, whose per-group host
+  cost the two-row probe overstated 8x (119 against ~15 us a group, an FP8 step of 64
+  experts, the Zen 3 EPYC).
 * Memory bandwidth: a 64 MB copy.
 * Links, when ``torch.distributed`` is initialized with more than one rank (collective:
   every rank must call ``calibrate``): the per-message latency (1 MB to every peer in 64
@@ -78,7 +87,7 @@ from typing import Any, Literal
 
 import torch
 
-from torch_moe._ops._cpu_probe import _cpuinfo, package_sources, sources_digest
+from torch_moe._ops._cpu_probe import FEW_ROWS, _cpuinfo, package_sources, sources_digest
 from torch_moe.perf._hardware import LAYOUTS, GemmTable, Hardware, Link, RateTable
 
 __all__ = ["calibrate", "cpu_isa", "machine_fingerprint"]
@@ -385,6 +394,69 @@ def _gemm_call(layout: str, m: int, k: int, n: int, dtype: torch.dtype) -> Calla
     return call
 
 
+def fp8_pieces_here() -> bool:
+    """Whether this CPU's recipes run the fp32 form of their scaled GEMMs by the native
+    kernels' pieces (``scaled_grouped_mm.dequantizes_pieces`` at more than ``FEW_ROWS``
+    rows a group on one thread: a CPU that upcasts bf16 GEMMs, the native e4m3 kernels
+    built): the ``e4m3`` GEMM tables (:func:`_fp8_pieces_call`) are measured only here."""
+    from torch_moe.quantization.scaled_grouped_mm import dequantizes_pieces
+
+    return dequantizes_pieces(FEW_ROWS + 1, 1)
+
+
+def _fp8_pieces_call(layout: str, m: int, k: int, n: int) -> Callable[[], object]:
+    """The recipes' scaled GEMM kernels where :func:`fp8_pieces_here` holds (``e4m3``
+    tables): one call of ``fp8_dequantized_mm`` (NT: the forward's weight codes K-major;
+    NN: the dgrad's row-major) or ``fp8_dequantized_mm_wgrad`` (TN) on ``_GROUPS`` groups
+    of e4m3 codes, the group sizes, cold weights and layouts of :func:`_gemm_call`, a bf16
+    output: each piece's operands dequantized on its thread and multiplied in fp32 there,
+    the product rounded once, which ``mm_into``'s tables price as a loop of fp32 GEMMs
+    with the operands and the cast outside (37-48% over the measured steps of a 64-expert
+    layer on the Zen 3 EPYC). The scales of ``fp8_blockwise``: 1x128 along A's rows and
+    128x128 blocks of B, and for the weight gradient a row of scales per group (each
+    row's looked up by its index)."""
+    from torch_moe._ops import _native
+
+    kernels = _native.kernels()
+    fp8 = torch.float8_e4m3fn
+
+    def codes(*shape: int) -> torch.Tensor:
+        return torch.full(shape, 0.01).to(fp8)
+
+    rows = _group_rows(k if layout == "TN" else m)
+    offs = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if layout == "TN":  # x [k, m] (k = rows of the group) transposed @ dy [k, n] -> [m, n]
+        a, b = codes(sum(rows), m), codes(sum(rows), n)
+        index = torch.repeat_interleave(torch.arange(_GROUPS), torch.tensor(rows))
+        a_scale, b_scale = torch.ones(_GROUPS, m), torch.ones(_GROUPS, n)
+        pool = int(min(64, max(2, -(-_COLD_BYTES // max(1, _GROUPS * m * n * 2)))))
+        outs = [torch.empty(_GROUPS, m, n, dtype=torch.bfloat16) for _ in range(pool)]
+    else:
+        a = codes(sum(rows), k)
+        pool = int(min(64, max(2, -(-_COLD_BYTES // max(1, _GROUPS * k * n)))))
+        if layout == "NT":  # the forward's weight codes: each column's K contiguous
+            bs = [codes(_GROUPS, n, k).transpose(1, 2) for _ in range(pool)]
+        else:
+            bs = [codes(_GROUPS, k, n) for _ in range(pool)]
+        out = torch.empty(sum(rows), n, dtype=torch.bfloat16)
+        kb, nb = -(-k // 128), -(-n // 128)
+        a_scale, b_scale = torch.ones(sum(rows), kb), torch.ones(_GROUPS, kb, nb)
+    state = [0]
+
+    def call() -> None:
+        i = state[0] = state[0] + 1
+        if layout == "TN":
+            ok = kernels.fp8_dequantized_mm_wgrad(
+                a, b, a_scale, b_scale, index, offs, outs[i % pool]
+            )
+        else:
+            ok = kernels.fp8_dequantized_mm(a, bs[i % pool], a_scale, b_scale, offs, 128, 128, out)
+        if not ok:
+            raise RuntimeError(f"calibrate: the e4m3 pieces refused {layout} {m}x{k}x{n}")
+
+    return call
+
+
 _SW_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 _SW_DIMS = (64, 256, 1024, 4096)
 _SW_ROWS_QUICK = (1, 64)
@@ -475,8 +547,10 @@ def _gemm_axes(layout: str, quick: bool) -> tuple[tuple[int, ...], ...]:
 
 
 def _measure_gemms(
-    mins: _Samples, t: int, layout: str, key: str, dtype: torch.dtype, quick: bool
+    mins: _Samples, t: int, layout: str, key: str, dtype: torch.dtype | None, quick: bool
 ) -> None:
+    """``key``'s table at ``layout`` on ``t`` threads: ``mm_into`` of ``dtype``, or (``dtype``
+    None, key ``e4m3``) the recipes' scaled GEMM pieces."""
     ms, ks, ns = _gemm_axes(layout, quick)
     todo = [
         (i, j, kk)
@@ -487,7 +561,12 @@ def _measure_gemms(
     ]
     for idx in range(0, len(todo), 8):
         batch = todo[idx : idx + 8]
-        fns = [_gemm_call(layout, ms[i], ks[j], ns[kk], dtype) for i, j, kk in batch]
+        fns = [
+            _gemm_call(layout, ms[i], ks[j], ns[kk], dtype)
+            if dtype is not None
+            else _fp8_pieces_call(layout, ms[i], ks[j], ns[kk])
+            for i, j, kk in batch
+        ]
         first = _sample_times(fns, 1)
         for ijk, sec in zip(batch, _sample_times(fns, _reps_for(max(first)), warm=False)):
             mins.put(("gemm", t, key, layout, *ijk), sec / _GROUPS)
@@ -550,7 +629,9 @@ def _kernel_factories(
     On a CPU each kernel is the one the layer's CPU path runs; on an accelerator the
     activation is the dense SwiGLU formula (what the device-generic experts compute) and a
     quantize kernel quantizes only (its GEMM dequantizes in the kernel), where the CPU's
-    emulation also dequantizes."""
+    emulation also dequantizes; a CPU whose scaled GEMMs dequantize in their native
+    pieces (:func:`fp8_pieces_here`) also measures each quantizer alone
+    (``"<kind>:alone"``)."""
     import torch.nn.functional as F
 
     from torch_moe import ops
@@ -680,7 +761,7 @@ def _kernel_factories(
 
     cols = 256
 
-    def quant(kind: str) -> Callable[[int], Callable[[], object]]:
+    def quant(kind: str, alone: bool = False) -> Callable[[int], Callable[[], object]]:
         def make(n: int) -> Callable[[], object]:
             rows = max(128, (n // cols) // 128 * 128)
             x = torch.randn(rows, cols, dtype=bf16, device=device)
@@ -719,11 +800,13 @@ def _kernel_factories(
             if kind not in pairs:
                 raise ValueError(f"unknown quantize kind {kind!r}")
             quantize, dequantize = pairs[kind]()
-            if not on_cpu:
+            if not on_cpu or alone:
                 return quantize
             return lambda: dequantize(*quantize())
 
         return make
+
+    pieces = on_cpu and fp8_pieces_here()
 
     for kind in (
         "q.fp8_tensor",
@@ -738,6 +821,8 @@ def _kernel_factories(
         "qj.mx_32",
     ):
         f[kind] = quant(kind)
+        if pieces:  # the scaled GEMM's native pieces dequantize: the quantizer alone
+            f[f"{kind}:alone"] = quant(kind, alone=True)
     return f
 
 
@@ -776,20 +861,28 @@ def _kernel_tables(mins: _Samples, t: int, quick: bool) -> dict[str, RateTable]:
 # overheads: the layer at negligible sizes
 
 
-def _probe_shape(num_experts: int) -> tuple[int, int]:
-    """(tokens, D = F) of a probe layer (top-1): two rows per expert, D = ``_PROBE_DIM``
-    or more when the identity router needs D >= E."""
-    return 2 * num_experts, max(_PROBE_DIM, _PROBE_DIM * math.ceil(num_experts / _PROBE_DIM))
+def _probe_shape(num_experts: int, rows: int = 2) -> tuple[int, int]:
+    """(tokens, D = F) of a probe layer (top-1): ``rows`` rows per expert, D =
+    ``_PROBE_DIM`` or more when the identity router needs D >= E."""
+    d = max(_PROBE_DIM, _PROBE_DIM * math.ceil(num_experts / _PROBE_DIM))
+    return rows * num_experts, d
 
 
 def _probe_layer(
-    precision: str, num_experts: int, *, shared: bool, capacity: bool, parallelize: Any = None
+    precision: str,
+    num_experts: int,
+    *,
+    shared: bool,
+    capacity: bool,
+    parallelize: Any = None,
+    rows: int = 2,
 ) -> Any:
-    """The layer's forward and forward + backward closures at negligible sizes;
-    ``parallelize(moe)`` (e.g. ``ExpertParallel``) is applied before the first call."""
+    """The layer's forward and forward + backward closures at negligible sizes (``rows``
+    rows per expert); ``parallelize(moe)`` (e.g. ``ExpertParallel``) is applied before
+    the first call."""
     from torch_moe.nn import MoE
 
-    tokens, d = _probe_shape(num_experts)
+    tokens, d = _probe_shape(num_experts, rows)
     moe = MoE(
         d,
         d,
@@ -800,7 +893,7 @@ def _probe_layer(
         precision=precision,
         dtype=torch.bfloat16,
     )
-    with torch.no_grad():  # token t -> expert t % E: two rows per expert
+    with torch.no_grad():  # token t -> expert t % E: ``rows`` rows per expert
         moe.router.weight.zero_()
         moe.router.weight[:, :num_experts] = 8 * torch.eye(num_experts)
     if parallelize is not None:
@@ -826,6 +919,8 @@ def _probe_variants(quick: bool) -> list[tuple[str, int, bool, bool]]:
     from torch_moe.quantization import RECIPES
 
     precisions = ["bf16"] if quick else ["bf16", *sorted(RECIPES)]
+    if not quick and fp8_pieces_here():  # the recipes where their GEMMs run the pieces
+        precisions += [f"{p}:pieces" for p in sorted(RECIPES)]
     out = [(p, e, False, False) for p in precisions for e in (1, _PROBE_EXPERTS)]
     out += [
         ("bf16", 1, True, False),
@@ -842,7 +937,9 @@ def _measure_overheads(mins: _Samples, t: int, quick: bool) -> None:
             batch = variants[idx : idx + 4]
             fns = []
             for p, e, shared, cap in batch:
-                fns.extend(_probe_layer(p, e, shared=shared, capacity=cap))
+                precision, _, form = p.partition(":")
+                rows = FEW_ROWS + 1 if form == "pieces" else 2
+                fns.extend(_probe_layer(precision, e, shared=shared, capacity=cap, rows=rows))
             secs = _sample_times(fns, 3)
             for j, v in enumerate(batch):
                 for i, mode in enumerate(("fwd", "fwdbwd")):
@@ -1133,6 +1230,12 @@ def _measure_compute_with(
     cores = _cores()
     old = torch.get_num_threads()
     cdt = cpu_compute_dtype(torch.bfloat16)
+    gemm_keys: list[tuple[str, torch.dtype | None]] = [
+        ("bf16", torch.bfloat16),
+        ("fp32", torch.float32),
+    ]
+    if fp8_pieces_here():
+        gemm_keys.append(("e4m3", None))
     mins = _Samples()
     start = time.perf_counter()
     away = 0.0  # seconds spent in ``interleave``: not the calibration's budget
@@ -1144,7 +1247,7 @@ def _measure_compute_with(
                 torch.set_num_threads(t)
                 # the overhead probes are short and noise-sensitive: sampled after every
                 # table, so their minimum spans the whole pass
-                for key, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                for key, dtype in gemm_keys:
                     for layout in LAYOUTS:
                         _measure_gemms(mins, t, layout, key, dtype, quick)
                         if not quick:
@@ -1170,7 +1273,7 @@ def _measure_compute_with(
     gemm_tables = {
         f"{t}/{key}/{layout}": _gemm_table(mins, t, layout, key, quick)
         for t in threads
-        for key in ("bf16", "fp32")
+        for key, _ in gemm_keys
         for layout in LAYOUTS
     }
     for t in threads:
@@ -1206,6 +1309,7 @@ def _measure_compute_with(
         reference_probe=_GATE.best,
         sources={
             "gemm": f"measured: mm_into grid, threads {list(threads)}"
+            + (", the e4m3 pieces' grid" if len(gemm_keys) > 2 else "")
             + (" (quick)" if quick else "")
             + f", {statistic} over {done + 1} pass(es)"
             + (" interleaved with the caller's work" if interleave is not None else ""),

@@ -10,7 +10,9 @@ field ``measured``, ``datasheet`` or ``default``):
 * GEMMs: ``gemm_tables`` (measured by :func:`torch_moe.perf.calibrate`): seconds of one
   call of the library's CPU GEMM primitive (``torch_moe._ops.grouped_mm.mm_into``) on a
   log-spaced (m, k, n) grid per compute dtype, layout and thread count, interpolated
-  trilinearly in log-log space (:class:`GemmTable`); presets instead use a roofline, a
+  trilinearly in log-log space (:class:`GemmTable`; key ``e4m3``, where the CPU measured
+  it: the recipes' scaled GEMM kernels on e4m3 codes, whose fp32 form runs by native
+  pieces there, the calibration's ``_fp8_pieces_call``); presets instead use a roofline, a
   GEMM rate times the tile efficiency of the rows of each group (``tile_m`` rows per tile)
   or the weight bytes over the memory bandwidth, whichever is slower.
 * Elementwise kernels (routing, sort, permute, unpermute, SwiGLU activation, casts, FP8/MX

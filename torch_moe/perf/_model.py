@@ -15,7 +15,7 @@ what the library runs (``torch_moe.nn.MoE`` and ``ExpertParallel``):
     experts:   per group g: h = x_g W13_g^T, a = silu(h_gate) * h_up * w_row,
                y_g = a W2_g^T (bf16: ``grouped_swiglu``; recipes: quantize both operands of
                every GEMM, then the scaled GEMM; on a CPU the exact emulation: quantize ->
-               dequantize -> fp32 GEMM -> cast)
+               dequantize -> fp32 GEMM -> cast, or its native pieces: ``e4m3`` tables)
     [EP]       combine N rows back
     unpermute: the fp32 weighted sum of K rows per token; + shared expert (dense SwiGLU)
     backward:  the same in reverse, each GEMM twice (dgrad, wgrad): 3x the forward FLOPs
@@ -392,9 +392,30 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     M = sum(groups)
     kinds = recipe_operands(w.precision)
     gkey = "fp32" if c.cpu else None
-    from torch_moe.perf._memory import _codes_bf16_here, _mx_in_bf16_here, _mx_pieces_here
+    from torch_moe.perf._memory import (
+        _codes_bf16_here,
+        _dequantizes_pieces,
+        _mx_in_bf16_here,
+        _mx_pieces_here,
+    )
 
     mx_bf16 = c.cpu and c.key == "bf16" and w.precision.startswith("mx") and _mx_in_bf16_here()
+    # the fp32 form by the native kernels' pieces: priced by their own tables (each piece
+    # dequantized, multiplied and rounded on its thread: no cast of the output)
+    pieces = (
+        c.cpu
+        and not mx_bf16
+        and c.hw.gemm_table(c.threads, "e4m3", "NT") is not None
+        and _dequantizes_pieces(w, groups, c.threads)
+    )
+
+    def quantizer(kind: str, alone: bool) -> str:
+        """The CPU's quantize table: quantize + dequantize (the emulation's fp32 form
+        dequantizes the codes apart), or, where the scaled GEMM's pieces dequantize them
+        and the quantizer was measured alone, that."""
+        if alone and c.hw.kernel_table(c.threads, f"{kind}:alone") is not None:
+            return f"{kind}:alone"
+        return kind
 
     def gemm(
         gemm_name: str,
@@ -406,12 +427,15 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
         out_elems: float,
         phase: str,
     ) -> None:
-        lq, rq = kinds[gemm_name]
+        codes = c.cpu and c.key == "bf16" and _codes_bf16_here(w.precision, c.b)
+        lq, rq = (quantizer(q, pieces and not codes) for q in kinds[gemm_name])
         c.kernel(f"{comp}.quantize", lq, lhs_elems, phase)
         if phase_bwd:  # (inference: the layer quantizes each weight once per version)
             c.kernel(f"{comp}.quantize", rq, rhs_elems, phase)
-        codes = c.cpu and c.key == "bf16" and _codes_bf16_here(w.precision, c.b)
         key = "bf16" if mx_bf16 or codes else gkey or f"{w.precision}:{gemm_name}"
+        if pieces and not codes:
+            key = "e4m3"
+            layout = "NT" if gemm_name == "forward" else layout  # its weight's codes K-major
         c.gemm(
             f"{comp}.{'fwd' if gemm_name == 'forward' else gemm_name}",
             key,
@@ -426,10 +450,10 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
             # piece is dequantized in the GEMM's kernel
             if not _mx_pieces_here(El, M, k, n, gemm_name == "wgrad"):
                 c.kernel(f"{comp}.quantize", "cast.fp32_bf16", lhs_elems + rhs_elems, phase)
-        elif c.cpu and not codes:  # (codes: each piece converted in the GEMM's kernel)
+        elif c.cpu and not codes and not pieces:  # (codes, pieces: in the GEMM's kernel)
             c.kernel(f"{comp}.quantize", "cast.fp32_bf16", out_elems, phase)
 
-    fwd_layout = "NN" if c.cpu else "NT"  # the emulation dequantizes W^T contiguous
+    fwd_layout = "NN" if c.cpu else "NT"  # the emulation's chunks dequantize W^T contiguous
     gemm("forward", fwd_layout, D, 2 * F, M * D, El * D * 2 * F, M * 2 * F, "fwd")
     c.kernel(f"{comp}.act", "act.fwd", M * F, "fwd")
     gemm("forward", fwd_layout, F, D, M * F, El * F * D, M * D, "fwd")
@@ -467,7 +491,18 @@ def _overheads(c: _Ctx, groups: list[float], phase_bwd: bool) -> None:
     mode = "fwdbwd" if phase_bwd else "fwd"
     nonempty = sum(1.0 - math.exp(-g) if g < 30 else 1.0 for g in groups)
     if c.cpu:
-        fixed, per_group = c.hw.overhead(c.threads, f"{w.precision}.{mode}")
+        from torch_moe.perf._memory import _dequantizes_pieces
+
+        path = w.precision
+        # a recipe whose scaled GEMMs run the native pieces: the probes at their rows
+        pieces = f"{c.threads}/{path}:pieces.{mode}"
+        if (
+            path != "bf16"
+            and pieces in c.hw.overheads
+            and _dequantizes_pieces(w, groups, c.threads)
+        ):
+            path += ":pieces"
+        fixed, per_group = c.hw.overhead(c.threads, f"{path}.{mode}")
         sec = fixed + per_group * nonempty
         if w.shared_hidden_dim:
             sec += c.hw.overhead(c.threads, f"shared.{mode}")[0]
