@@ -1369,15 +1369,21 @@ class TestCalibrationE4m3Pieces(TestCase):
             calls.append(args[0].shape[0])
             return real(*args)
 
-        for rows, runs in ((2, False), (_cpu_probe.FEW_ROWS + 1, True)):
-            calls.clear()
-            with mock.patch.object(kernels, "fp8_dequantized_mm", spy):
-                _, fwdbwd = C._probe_layer(
-                    "fp8_blockwise", 16, shared=False, capacity=False, rows=rows
-                )
-                fwdbwd()
-            self.assertEqual(bool(calls), runs, msg=rows)
-            self.assertTrue(all(m == 16 * rows for m in calls), msg=calls)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the calibration's one-thread pass (on more threads
+        # the pieces also ask the probe's threads_mm)
+        try:
+            for rows, runs in ((2, False), (_cpu_probe.FEW_ROWS + 1, True)):
+                calls.clear()
+                with mock.patch.object(kernels, "fp8_dequantized_mm", spy):
+                    _, fwdbwd = C._probe_layer(
+                        "fp8_blockwise", 16, shared=False, capacity=False, rows=rows
+                    )
+                    fwdbwd()
+                self.assertEqual(bool(calls), runs, msg=rows)
+                self.assertTrue(all(m == 16 * rows for m in calls), msg=calls)
+        finally:
+            torch.set_num_threads(threads)
 
     def test_calibration_measures_the_tables(self):
         from torch_moe.perf import _calibrate as C

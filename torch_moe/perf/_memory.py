@@ -53,7 +53,8 @@ experts' backward holds the most:
 * bf16 on a CPU where ``grouped_swiglu`` takes its whole-tensor path (many small groups;
   a measured decision): ``4*M*F*b`` (dA, A, dH) plus one chunk's fp32 temporaries
   (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product, as on the loop), or
-  later dW2's phase (A and dH, ``3*M*F*b``), dW13's (A freed: dH and, where the experts
+  later dW2's phase (A and dH, ``3*M*F*b``, with dW2 only: each weight gradient is
+  allocated as the kernel computes it), dW13's (A freed: dH and, where the experts
   gather from the tokens, the input rows [M, D] gathered again) or dX's (dH and dX [M,
   D]), each with the weight gradients, whichever is largest, plus the row-major copy of
   that weight gradient's first operand (dY for dW2, dH for dW13) where the kernels
@@ -64,6 +65,10 @@ experts' backward holds the most:
   fp32 temporaries (``r*2F*4 + 4*r*F*4``: h, silu, dA, A and their product), or in their
   place the copy of dH for its weight gradient where the kernels make one, and where the
   experts gather from the tokens the group's input rows gathered again for its dW13;
+* then (CPU, one process) dX [M, D] summed into the tokens' gradient [T, D] with the
+  weight gradients live, and ``unpermute``'s fp32 chunk temporaries where the native
+  combine does not run (bf16: inside the experts' fused node, their saved tensors and
+  the rows' output gradient still live; a recipe's experts are done by then);
 * recipes on a CPU and every path on a GPU (whole-tensor ops): the largest of the phases
   dgrad / wgrad of the second GEMM, the SwiGLU backward (on a GPU ``M*2F*4 + 6*M*F*4`` of
   fp32 temporaries, on a CPU one row chunk's, as above), dgrad / wgrad of the first GEMM
@@ -1116,6 +1121,19 @@ def memory(
     else:
         pieces = cpu and _dequantizes_pieces(w, groups, threads)
         dyn = max(_whole_tensor_phases(w, cpu, Mc, base, c, m, threads, pieces), side_phase)
+    if cpu and w.ep == 1:
+        # after the routed experts' backward (their weight gradients live), the rows'
+        # input gradient dX [M, D] summed into the tokens' [T, D] by ``unpermute``'s kernel
+        # (its fp32 chunk temporaries where the native combine does not run: 15% over the
+        # model's other phases at T=1024 D=256 F=128 E=16 K=2 with a shared expert and no
+        # native kernels). bf16 experts do it in their fused node's backward, their saved
+        # tensors and the rows' output gradient still live; a recipe's experts are a node
+        # of their own, done by then
+        from torch_moe._ops.permute import combine_temporary_bytes
+
+        combine = expert_grads + M * D * b + T * D * b + combine_temporary_bytes(T, D, w.dtype)
+        live = base if w.precision == "bf16" else held - experts_saved + y
+        dyn = max(dyn, live + combine)
     if w.ep > 1 and w.num_chunks > 1:
         # after the last chunk, each weight's split backward (``split_weights``)
         # concatenates its chunks' gradients: the chunks' and the concatenation are live
