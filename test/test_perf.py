@@ -737,6 +737,26 @@ class TestMemory(TestCase):
             measured, predicted = _measured_and_predicted_peak(1024, 128, 512, 16, 2)
         self.assertLess(abs(predicted / measured - 1), 0.03, msg=f"{predicted} vs {measured}")
 
+    @parametrize("shared", [0, 128])
+    def test_peak_memory_where_the_combine_runs_by_aten(self, shared):
+        # without the native combine, the routed experts' backward ends in unpermute's
+        # ATen chunks (dX summed into the tokens' gradient, a chunk's fp32 sum and one k's
+        # rows converted) with the weight gradients, the saved tensors and the rows'
+        # output gradient live: the peak with a shared expert, which the model had no
+        # phase for (15% under)
+        from torch_moe._ops import grouped_swiglu as swiglu_module
+        from torch_moe._ops import permute as permute_module
+
+        forced = dict(half_gemm="fp32", threads_mm="aten", layout="as_is", act_chunk="32768")
+        with (
+            mock.patch.object(permute_module, "_native_combine", lambda dtype: None),
+            mock.patch.object(swiglu_module, "_native_combine", lambda dtype: None),
+        ):
+            measured, predicted = _measured_and_predicted_peak(
+                1024, 256, 128, 16, 2, probe=forced, shared_hidden_dim=shared
+            )
+        self.assertLess(abs(predicted / measured - 1), 0.05, msg=f"{predicted} vs {measured}")
+
     @parametrize("few_gemm", ["aten", "native"])
     @parametrize("shape", [(64, 256, 512, 8, 2), (32, 512, 256, 16, 2)])
     def test_peak_memory_where_half_gemms_upcast(self, few_gemm, shape):

@@ -45,8 +45,8 @@ What:
   ``e4m3`` tables are measured, each recipe also at ``FEW_ROWS + 1`` rows per expert
   (``"<recipe>:pieces"``): at two rows its scaled GEMMs loop over the groups in Python
   (the chunks' form), above ``FEW_ROWS`` they run the native pieces, whose per-group host
-  cost the two-row probe overstated 8x (119 against ~15 us a group, an FP8 step of 64
-  experts, the Zen 3 EPYC).
+  cost the two-row probe overstated 2-3x (109-119 against 34-50 us a group forward +
+  backward on the Zen 3 EPYC: 7.6 ms of a 64-expert FP8 step's 40).
 * Memory bandwidth: a 64 MB copy.
 * Links, when ``torch.distributed`` is initialized with more than one rank (collective:
   every rank must call ``calibrate``): the per-message latency (1 MB to every peer in 64
