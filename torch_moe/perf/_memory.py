@@ -1124,11 +1124,11 @@ def memory(
     if cpu and w.ep == 1:
         # after the routed experts' backward (their weight gradients live), the rows'
         # input gradient dX [M, D] summed into the tokens' [T, D] by ``unpermute``'s kernel
-        # (its fp32 chunk temporaries where the native combine does not run: 15% over the
-        # model's other phases at T=1024 D=256 F=128 E=16 K=2 with a shared expert and no
-        # native kernels). bf16 experts do it in their fused node's backward, their saved
-        # tensors and the rows' output gradient still live; a recipe's experts are a node
-        # of their own, done by then
+        # (its fp32 chunk temporaries where the native combine does not run: the peak
+        # there, 18-20% above the model's other phases at T=1024 D=256 F=128 E=16 K=2,
+        # with a shared expert or not). bf16 experts do it in their fused node's
+        # backward, their saved tensors and the rows' output gradient still live; a
+        # recipe's experts are a node of their own, done by then
         from torch_moe._ops.permute import combine_temporary_bytes
 
         combine = expert_grads + M * D * b + T * D * b + combine_temporary_bytes(T, D, w.dtype)

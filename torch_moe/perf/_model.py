@@ -495,10 +495,10 @@ def _overheads(c: _Ctx, groups: list[float], phase_bwd: bool) -> None:
 
         path = w.precision
         # a recipe whose scaled GEMMs run the native pieces: the probes at their rows
-        pieces = f"{c.threads}/{path}:pieces.{mode}"
+        measured = f"{c.threads}/{path}:pieces.{mode}"
         if (
             path != "bf16"
-            and pieces in c.hw.overheads
+            and measured in c.hw.overheads
             and _dequantizes_pieces(w, groups, c.threads)
         ):
             path += ":pieces"
