@@ -808,10 +808,10 @@ def _whole_path(
     measured. Where it upcasts half GEMMs to fp32: two or more groups whose grouped GEMMs
     share the groups out over the threads, each piece converted in its thread's scratch
     (``shares_upcast_groups``), where the loop splits each group's fp32 GEMM over all
-    threads and converts each group's operands into new tensors; or where both GEMMs take the native few-rows kernel (``few_gemm_class``),
-    which converts the weights in registers, where the loop would convert each group's
-    whole weights to fp32 (each direction on its own: an inference forward needs only
-    its own GEMMs' kernel). The whole path keeps the activation and its gradient in the
+    threads and converts each group's operands into new tensors; or where both GEMMs
+    take the native few-rows kernel (``few_gemm_class``), which converts the weights in
+    registers, where the loop would convert each group's whole weights to fp32 (each
+    direction on its own: an inference forward needs only its own GEMMs' kernel). The whole path keeps the activation and its gradient in the
     storage dtype, as where the CPU multiplies it natively; the loop keeps one group's
     in fp32."""
     if cpu_compute_dtype(dtype) != dtype:

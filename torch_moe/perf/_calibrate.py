@@ -346,6 +346,14 @@ class _Samples(dict):
 
 
 _COLD_BYTES = 16 * 2**20  # weights rotate through this many bytes: out of L2, as in a layer
+
+
+def _cold_pool(nbytes: int, most: int = 64) -> int:
+    """How many copies of an operand of ``nbytes`` to rotate through so that they span
+    ``_COLD_BYTES`` (2 to ``most``)."""
+    return int(min(most, max(2, -(-_COLD_BYTES // max(1, nbytes)))))
+
+
 _GROUPS = 4  # groups per measured call of the grouped loop
 
 
@@ -369,7 +377,7 @@ def _gemm_call(layout: str, m: int, k: int, n: int, dtype: torch.dtype) -> Calla
     elem = torch.empty((), dtype=dtype).element_size()
     rows = _group_rows(k if layout == "TN" else m)  # TN reduces over the group's rows
     starts = [sum(rows[:i]) for i in range(len(rows))]
-    pool = int(min(64, max(2, -(-_COLD_BYTES // max(1, k * n * elem)))))
+    pool = _cold_pool(k * n * elem)
     if layout == "NT":  # x [m, k] @ w[n, k]^T
         a, bs = full(sum(rows), k), [full(n, k).t() for _ in range(pool)]
         outs = [torch.empty(sum(rows), n, dtype=dtype)]
@@ -378,7 +386,7 @@ def _gemm_call(layout: str, m: int, k: int, n: int, dtype: torch.dtype) -> Calla
         outs = [torch.empty(sum(rows), n, dtype=dtype)]
     else:  # TN: x [k, m] (k = rows of the group) transposed @ dy [k, n] -> dW [m, n]
         a, bs = full(sum(rows), m), [full(sum(rows), n)]
-        pool = int(min(64, max(2, -(-_COLD_BYTES // max(1, m * n * elem)))))
+        pool = _cold_pool(m * n * elem)
         outs = [torch.empty(m, n, dtype=dtype) for _ in range(pool)]
     state = [0]
 
@@ -429,11 +437,11 @@ def _fp8_pieces_call(layout: str, m: int, k: int, n: int) -> Callable[[], object
         a, b = codes(sum(rows), m), codes(sum(rows), n)
         index = torch.repeat_interleave(torch.arange(_GROUPS), torch.tensor(rows))
         a_scale, b_scale = torch.ones(_GROUPS, m), torch.ones(_GROUPS, n)
-        pool = int(min(64, max(2, -(-_COLD_BYTES // max(1, _GROUPS * m * n * 2)))))
+        pool = _cold_pool(_GROUPS * m * n * 2)
         outs = [torch.empty(_GROUPS, m, n, dtype=torch.bfloat16) for _ in range(pool)]
     else:
         a = codes(sum(rows), k)
-        pool = int(min(64, max(2, -(-_COLD_BYTES // max(1, _GROUPS * k * n)))))
+        pool = _cold_pool(_GROUPS * k * n)
         if layout == "NT":  # the forward's weight codes: each column's K contiguous
             bs = [codes(_GROUPS, n, k).transpose(1, 2) for _ in range(pool)]
         else:
@@ -477,7 +485,7 @@ def _swiglu_call(m: int, d: int, f: int, backward: bool) -> Callable[[], object]
     x = torch.full((n, d), 0.01, dtype=dtype, requires_grad=backward)
     rw = torch.full((n,), 0.5, requires_grad=backward)
     stack = len(rows) * 3 * f * d * 2
-    pool = int(min(16, max(2, -(-_COLD_BYTES // max(1, stack)))))
+    pool = _cold_pool(stack, 16)
     w13s = [
         torch.full((len(rows), 2 * f, d), 0.01, dtype=dtype, requires_grad=backward)
         for _ in range(pool)

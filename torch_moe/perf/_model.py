@@ -400,20 +400,21 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
     )
 
     mx_bf16 = c.cpu and c.key == "bf16" and w.precision.startswith("mx") and _mx_in_bf16_here()
+    codes = c.cpu and c.key == "bf16" and _codes_bf16_here(w.precision, c.b)
     # the fp32 form by the native kernels' pieces: priced by their own tables (each piece
     # dequantized, multiplied and rounded on its thread: no cast of the output)
     pieces = (
         c.cpu
-        and not mx_bf16
+        and not (mx_bf16 or codes)
         and c.hw.gemm_table(c.threads, "e4m3", "NT") is not None
         and _dequantizes_pieces(w, groups, c.threads)
     )
 
-    def quantizer(kind: str, alone: bool) -> str:
+    def quantizer(kind: str) -> str:
         """The CPU's quantize table: quantize + dequantize (the emulation's fp32 form
         dequantizes the codes apart), or, where the scaled GEMM's pieces dequantize them
         and the quantizer was measured alone, that."""
-        if alone and c.hw.kernel_table(c.threads, f"{kind}:alone") is not None:
+        if pieces and c.hw.kernel_table(c.threads, f"{kind}:alone") is not None:
             return f"{kind}:alone"
         return kind
 
@@ -427,13 +428,12 @@ def _experts_recipe(c: _Ctx, comp: str, groups: list[float], phase_bwd: bool) ->
         out_elems: float,
         phase: str,
     ) -> None:
-        codes = c.cpu and c.key == "bf16" and _codes_bf16_here(w.precision, c.b)
-        lq, rq = (quantizer(q, pieces and not codes) for q in kinds[gemm_name])
+        lq, rq = (quantizer(q) for q in kinds[gemm_name])
         c.kernel(f"{comp}.quantize", lq, lhs_elems, phase)
         if phase_bwd:  # (inference: the layer quantizes each weight once per version)
             c.kernel(f"{comp}.quantize", rq, rhs_elems, phase)
         key = "bf16" if mx_bf16 or codes else gkey or f"{w.precision}:{gemm_name}"
-        if pieces and not codes:
+        if pieces:
             key = "e4m3"
             layout = "NT" if gemm_name == "forward" else layout  # its weight's codes K-major
         c.gemm(
