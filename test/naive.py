@@ -419,6 +419,8 @@ def dequantize_jagged(q: Tensor, scale: Tensor, offs: Tensor, block: int) -> Ten
     if list(scale.shape) == [1, 1]:
         return q.double() * float(s[0, 0])
     rows = jagged_scale_rows(offs, q.shape[0], block)
+    if not rows:
+        return q.double()
     return torch.stack([q[r].double() * s[rows[r]] for r in range(q.shape[0])])
 
 

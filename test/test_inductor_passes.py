@@ -230,6 +230,15 @@ class TestPasses(TestCase):
             # only h [M, 2F] is saved in high precision: not x_perm [M, D], not a [M, F]
             self.assertEqual(_float_rows(record["saved"], rows), [(rows, 2 * F)])
 
+    @parametrize("recipe", list(RECIPES))
+    def test_scaled_gemm_passes_without_tokens(self, recipe):
+        # a step of no tokens after another, compiled with the passes: eager's output
+        # and gradients (zeros), bit for bit; fp8_tensorwise's weight gradients, decomposed
+        # into quantize ops and scaled_grouped_mm_wgrad, once failed there (the per-tensor
+        # scale of no rows came out [0, 1], the op wants [1, 1])
+        record = _compare_steps(self, recipe, token_counts=(20, 0))
+        self.assertEqual(record["counts"]["decompose_scaled_gemms"], 6)
+
     def test_not_decomposable_stays_whole(self):
         """A recipe whose activation blocks span rows (128 x 128) is not expressible as
         scaled_grouped_mm over row scales: the op stays whole, and the result is eager's."""

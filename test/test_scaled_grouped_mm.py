@@ -1087,6 +1087,28 @@ class TestScaledGroupedMM(TestCase):
         tolerances.assert_within(self, got, exact, bound, recipe)
 
     @parametrize("recipe", list(RECIPES))
+    def test_wgrad_of_no_rows(self, recipe):
+        # M = 0: each operand's scales as the wgrad op takes them ([1, 1] per tensor: the
+        # scale of no elements; else the jagged blocks' count for no rows), zero weight
+        # gradients, as the undecomposed op gives them
+        g = RECIPES[recipe].wgrad
+        offs = torch.zeros(3, dtype=torch.int32)
+        x, dy = torch.randn(0, 32), torch.randn(0, 64)
+        (qx, sx), (qdy, sdy) = (
+            S.quantize_wgrad_operand(t, offs, op) for t, op in ((x, g.lhs), (dy, g.rhs))
+        )
+        self.assertEqual((qx.shape, qdy.shape), ((0, 32), (0, 64)))
+        if (g.lhs.outer, g.lhs.inner) == (-1, -1):
+            self.assertEqual((list(sx.shape), list(sdy.shape)), ([1, 1], [1, 1]))
+        else:
+            nb = Q.jagged_num_blocks(0, 3, g.lhs.inner)
+            self.assertEqual((list(sx.shape), list(sdy.shape)), ([nb, 32], [nb, 64]))
+        got = ops.scaled_grouped_mm_wgrad(qx, qdy, sx, sdy, offs, g.lhs.inner, F32)
+        self.assertTrue(torch.equal(got, torch.zeros(3, 32, 64)))
+        undecomposed = torch.ops.torch_moe.quantized_grouped_mm_wgrad(x, dy, offs, recipe)
+        self.assertTrue(torch.equal(undecomposed.float(), got))
+
+    @parametrize("recipe", list(RECIPES))
     def test_quantized_ops_equal_their_decomposition(self, recipe):
         """quantized_grouped_mm (+ dgrad, wgrad) == the quantize ops + scaled_grouped_mm
         (_wgrad), bit for bit on CPU: the decomposition the compiler passes rewrite is exact."""

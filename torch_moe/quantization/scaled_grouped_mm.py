@@ -33,7 +33,8 @@ Two layers of ops, so that the compiler can see as much as it can use:
   Python layers (:mod:`torch_moe._ops._eager`; the same functions, so the same bits).
 
 Numerics. Each GEMM quantizes its operands per the recipe, then multiplies the dequantized
-values (exact in fp32) with fp32 accumulation. The CPU kernels are that emulation,
+values (each ``q * scale`` rounded once to fp32: exact for MX's power-of-two scales, not
+for an FP8 scale of amax / 448) with fp32 accumulation. The CPU kernels are that emulation,
 literally (quantize ops -> dequantize -> fp32 ``grouped_mm``), except where the CPU
 multiplies bf16 natively and the output is bf16: MX operands go through the bf16 grouped
 GEMM (their dequantized elements are bf16 values: the same math in another summation
@@ -383,7 +384,7 @@ def scaled_grouped_mm_reference(
     block_n: int,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """The oracle: dequantize both operands (exact in fp32), per-group loop of fp32 mm."""
+    """The oracle: dequantize both operands to fp32, per-group loop of fp32 mm."""
     _check_scaled(a, b, scale_a, scale_b, offs, block_k, block_n, out_dtype)
     a_f, b_f = _dequantize_operands(a, b, scale_a, scale_b, block_k, block_n)
     return grouped_mm_reference(a_f, b_f, offs).to(out_dtype)
@@ -1129,6 +1130,11 @@ def quantize_wgrad_operand(t: Tensor, offs: Tensor, op: OperandQuant) -> tuple[T
     """A wgrad operand t [M, C] quantized along M in per-expert jagged blocks (a [1, 1]
     scale for a per-tensor operand): ``(q [M, C], scale [NB, C] or [1, 1])``."""
     if (op.outer, op.inner) == (-1, -1):  # one scale for the tensor: uniform across groups
+        if t.shape[0] == 0:
+            # no rows: quantize_fp8 gives a [0, 1] scale (no blocks of rows), the wgrad op
+            # wants the tensor's [1, 1]: the scale of no elements, an amax of 0
+            q, scale = quantize_fp8(t.new_zeros((1, max(t.shape[1], 1))))
+            return q[:0, : t.shape[1]], scale
         return quantize_fp8(t)
     return quantize_jagged(t, offs, block=op.inner, fmt=op.fmt, scale_rule=op.scale_rule)
 
