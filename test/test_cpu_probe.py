@@ -397,8 +397,8 @@ class TestCpuProbe(TestCase):
         # where half GEMMs upcast, the threaded kernel's upcast pieces are a candidate on
         # one thread too, forward and weight gradient: threads_mm measured there under
         # the one thread's key; forced either way, the products within the fp32 bound
-        # (each piece one group's whole GEMM on one thread: the loop's bits as measured on
-        # the Zen 3 EPYC, not asserted); over FEW_ROWS rows per group only
+        # (each piece a group's GEMM on one thread: not always the loop's bits, MKL's sums
+        # depend on a call's columns); over FEW_ROWS rows per group only
         x, w = torch.randn(160, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
         dy = torch.randn(160, 24).bfloat16()
         offs = _offs([100, 60])

@@ -492,9 +492,13 @@ def upcasts_pieces(dtype: torch.dtype) -> bool:
     group's GEMM then one fp32 GEMM on one thread (MKL's two-thread split of an expert's
     fp32 GEMM gained 1.0-1.2x at the 64-expert layer's shapes on the Zen 3 EPYC measured:
     benchmarks/results/cpu_floor_cpu_202612.md). The same fp32 products of the same
-    converted values, each rounded once: on that machine the one-thread loop's bits on
-    1-3 threads (MKL's sums of a row alike for any column block there; not assumed
-    elsewhere). Where the kernels are built."""
+    converted values, each rounded once, so within the fp32 GEMM's rounding bound of the
+    loop; not always its bits: MKL's sgemm orders a product's sums by the columns of the
+    call, so a piece narrower than the loop's GEMM (a group's last columns past the
+    kernel's blocks of 512, or an edge group's share of the columns on two threads) can differ
+    from it by an ulp (a differential fuzz on the Zen 3 EPYC: 107 of 4.1M elements at N =
+    521, one of a 17-column group cut over two threads), and the bits then depend on the
+    thread count, as the loop's fp32 GEMMs' do. Where the kernels are built."""
     return cpu_compute_dtype(dtype) != dtype and _threaded_takes(dtype)
 
 

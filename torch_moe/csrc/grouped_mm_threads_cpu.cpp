@@ -136,10 +136,12 @@ void mm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, bool spl
 // 3, the same bits), else at::mm on fp32 tensor copies. The weight
 // operand and the product are converted kUpcastCols columns at a time, so a piece's fp32
 // copies stay a few MiB (one block of an expert's weight, not all of it) and the weight's
-// block is read by the GEMM from the caches it was just written to. On the Zen 3 EPYC
-// measured (MKL's AVX2 sgemm) every element had the one-thread loop's bits on 1-3
-// threads, whatever the pieces' cuts and blocks; the tests hold the values to the fp32
-// GEMM's rounding bound, not to those bits.
+// block is read by the GEMM from the caches it was just written to. The values are
+// within the fp32 GEMM's rounding bound of the loop's (what the tests hold them to), not
+// always its bits: MKL's AVX2 sgemm orders a product's sums by the columns of the call,
+// so a piece narrower than the loop's GEMM (a block's last columns, an edge group's
+// share of the columns) can differ from it by an ulp, and so with the thread count
+// (a differential fuzz on the Zen 3 EPYC: benchmarks/results/cpu_floor_cpu_202612.md).
 constexpr int64_t kUpcastCols = 512;
 
 // What upcast takes: each tensor fp32 or a 16-bit float.

@@ -239,7 +239,7 @@ def dequantize_fp8(
     block: Sequence[int] = (-1, -1),
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """Inverse of :func:`quantize_fp8`: ``q * scale`` (exact in fp32), cast to ``dtype``."""
+    """Inverse of :func:`quantize_fp8`: ``q * scale`` (rounded once to fp32), cast to ``dtype``."""
     return torch.ops.torch_moe.dequantize_fp8(q, scale, list(block), dtype)
 
 
