@@ -420,6 +420,22 @@ class TestMoENaive(TestCase):
         moe = _randomize(MoE(**BASE, capacity_factor=0.75, shared_hidden_dim=5, dtype=F64))
         self._check(moe.train(), _x((2, 5, 8)), expect_drops=True)
 
+    @parametrize("option", list(OPTIONS))
+    def test_empty_input_every_option(self, option):
+        # no tokens, every option's layer: zeros, in training (and a backward) and at
+        # inference; a shared expert with another activation than plain SwiGLU once
+        # failed here (its activation's output viewed as [0, -1])
+        moe = _randomize(MoE(**{**BASE, **OPTIONS[option]}, dtype=F64))
+        for shape in ((0, 8), (2, 0, 8)):
+            x = _x(shape)
+            out = moe.train()(x)
+            self.assertEqual(out, torch.zeros(shape, dtype=F64), msg=str(shape))
+            out.sum().backward()
+            self.assertEqual(x.grad, torch.zeros(shape, dtype=F64), msg=str(shape))
+            with torch.inference_mode():
+                out = moe.eval()(x.detach())
+            self.assertEqual(out, torch.zeros(shape, dtype=F64), msg=str(shape))
+
     @parametrize("shape", [(0, 8), (2, 0, 8)])
     @parametrize("aux_loss", ["switch", "sequence"])
     def test_empty_input(self, shape, aux_loss):

@@ -874,7 +874,8 @@ class SharedExperts(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
-            a = _activate(self, h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+            # (the activation's width from w2: a view of no rows cannot infer it)
+            a = _activate(self, h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], self.w2.shape[1])
         out = _dense(a, self.w2)
         if self.gate is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate))
