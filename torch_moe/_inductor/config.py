@@ -40,8 +40,10 @@ inline_swiglu: bool = True
 
 # glu / glu_backward (the composed experts' activation: GPT-OSS's swigluoai, clamped
 # SwiGLU, relu2) on CPU ==> the op's own fp32 formulas in aten ops, fused by Inductor into
-# one loop per direction; the backward still keeps only h (and the row weights). Within one
-# rounding step of the op where the activation has an exp (Inductor's against ATen's).
+# one loop per direction; the backward still keeps only h (and the row weights). Within a
+# rounding step or two of the op where the activation has an exp (Inductor's against
+# ATen's) or the experts a bias (relu2 with experts_bias in bf16: 1-2 ulps, a fuzz found);
+# an fp8_tensorwise recipe after it can turn such an ulp into an FP8 step of a code.
 inline_glu: bool = True
 
 # quantize(w) of an expert weight (a 3D graph input, through views and casts) ==> a cached
