@@ -495,10 +495,10 @@ def upcasts_pieces(dtype: torch.dtype) -> bool:
     converted values, each rounded once, so within the fp32 GEMM's rounding bound of the
     loop; not always its bits: MKL's sgemm orders a product's sums by the columns of the
     call, so a piece narrower than the loop's GEMM (a group's last columns past the
-    kernel's blocks of 512, or an edge group's share of the columns on two threads) can differ
-    from it by an ulp (a differential fuzz on the Zen 3 EPYC: 107 of 4.1M elements at N =
-    521, one of a 17-column group cut over two threads), and the bits then depend on the
-    thread count, as the loop's fp32 GEMMs' do. Where the kernels are built."""
+    kernel's blocks of 512, or an edge group's share of the columns on two threads) can
+    differ from it by an ulp (a differential fuzz on the Zen 3 EPYC: 107 of 4.1M elements
+    at N = 521, one of a 17-column group cut over two threads), and the bits then depend
+    on the thread count, as the loop's fp32 GEMMs' do. Where the kernels are built."""
     return cpu_compute_dtype(dtype) != dtype and _threaded_takes(dtype)
 
 

@@ -811,9 +811,9 @@ def _whole_path(
     threads and converts each group's operands into new tensors; or where both GEMMs
     take the native few-rows kernel (``few_gemm_class``), which converts the weights in
     registers, where the loop would convert each group's whole weights to fp32 (each
-    direction on its own: an inference forward needs only its own GEMMs' kernel). The whole path keeps the activation and its gradient in the
-    storage dtype, as where the CPU multiplies it natively; the loop keeps one group's
-    in fp32."""
+    direction on its own: an inference forward needs only its own GEMMs' kernel). The
+    whole path keeps the activation and its gradient in the storage dtype, as where the
+    CPU multiplies it natively; the loop keeps one group's in fp32."""
     if cpu_compute_dtype(dtype) != dtype:
         if busy_groups > 1 and shares_upcast_groups(dtype, rows, threads):
             return True

@@ -372,7 +372,8 @@ def check_dequantize_fp8(q: Tensor, scale: Tensor, block: Sequence[int]) -> None
 def dequantize_fp8_reference(
     q: Tensor, scale: Tensor, block: tuple[int, int] = (-1, -1), dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """Inverse of :func:`quantize_fp8_reference`: ``q * scale`` (rounded once to fp32), cast to ``dtype``."""
+    """Inverse of :func:`quantize_fp8_reference`: ``q * scale`` (rounded once to fp32),
+    cast to ``dtype``."""
     check_dequantize_fp8(q, scale, block)
     r, c = q.shape[-2:]
     br, bc = _extent(block[0], r), _extent(block[1], c)
