@@ -1,6 +1,8 @@
 # Owner(s): ["module: moe"]
 """Tests for torch_moe::grouped_mm and grouped_mm_wgrad against a naive per-row loop."""
 
+import itertools
+
 import tolerances
 import torch
 from torch.testing._internal.common_device_type import (
@@ -473,6 +475,36 @@ class TestGatherGroupedMM(TestCase):
                 self._assert_same_as_two_ops(perm, x, w, grad)
                 reads = reads and gmm._threaded_kernels() is not None  # (the kernels built)
                 self.assertEqual((fwd.call_count, wgrad.call_count), (int(reads), int(reads)))
+
+    def test_no_tokens_only_padding_rows(self):
+        # no tokens routed with align > 1: every group empty, yet the permuted buffer has
+        # its padding rows (row_to_slot == -1); the weight gradient through the token
+        # index divided the rows by the busy groups (none: ZeroDivisionError) before
+        from test_eager import THREADS
+
+        from torch_moe import ops
+        from torch_moe._ops import _cpu_probe
+
+        g = torch.Generator().manual_seed(3)
+        perm = ops.permute_indices(torch.zeros(0, 2, dtype=torch.int64), 4, align=2)
+        self.assertEqual((perm.row_to_slot.shape[0], perm.offs.tolist()), (4, [0, 0, 0, 0]))
+        for dtype, transposed, decisions in itertools.product(
+            (torch.bfloat16, torch.float16, torch.float32),
+            (False, True),
+            ({}, {**THREADS, "row_split": "one"}),
+        ):
+            x = torch.randn(0, 16, generator=g).to(dtype)
+            w = torch.randn(4, 8, 16, generator=g).to(dtype).transpose(1, 2)
+            w = w if transposed else w.contiguous()
+            grad = torch.randn(4, 8, generator=g).to(dtype)
+            with self.subTest(dtype=dtype, transposed=transposed, forced=bool(decisions)):
+                with _cpu_probe.force(**decisions):
+                    self._assert_same_as_two_ops(perm, x, w, grad)
+                ww = w.detach().clone().requires_grad_()
+                torch.ops.torch_moe.gather_grouped_mm(
+                    x, ww, perm.offs, perm.row_to_slot, perm.slot_to_row
+                ).backward(grad)
+                self.assertTrue((ww.grad == 0).all())
 
     def test_saves_tokens_not_rows(self):
         perm, x, w, _ = self._case(torch.float32, 1, None, False)

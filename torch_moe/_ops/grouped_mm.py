@@ -1538,8 +1538,8 @@ def _gathered_wgrad(
             return None
         return gathered_grouped_mm_wgrad(a, x, offs_i, None, tokens).transpose(-2, -1)
     # grouped_mm_wgrad(rows, grad): a is rows^T, read in place only as the transposed view
-    busy = _busy_groups(ends)
-    if wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], grad.shape[1]):
+    busy = _busy_groups(ends)  # (none: padding rows only, e.g. no tokens aligned)
+    if not busy or wgrad_copies(x.dtype, ends[-1] // busy, x.shape[1], grad.shape[1]):
         return None
     if gather_way(whole_way(rows.t(), grad, ends, True), x.dtype) != "threads":
         return None
