@@ -221,6 +221,38 @@ class TestInference(TestCase):
                 moe(torch.randn(4, D))
             self.assertEqual(weight_cache_stats(), {"misses": 3, "hits": 3}, msg=str(kw))
 
+    @parametrize("precision", ["fp8_rowwise", "mxfp8"])
+    def test_weights_requantized_after_a_new_storage(self, precision):
+        # a parameter given another storage keeps its version counter (p.data = ...,
+        # module.to(dtype), whose round trip here also rounds the weights to bf16): the
+        # cache notices the storage, not the version; a write through p.data bypasses
+        # both, as documented, and clear_weight_cache() is the way out
+        x = torch.randn(3, D, generator=torch.Generator().manual_seed(1))
+
+        def fresh(m):
+            with torch.inference_mode():
+                return copy.deepcopy(m)(x)  # new parameters: no cache entries
+
+        for change in ("assign", "to_dtype"):
+            clear_weight_cache()
+            moe = _layer(precision).eval()
+            with torch.inference_mode():
+                moe(x)
+            if change == "assign":
+                moe.experts.w13.data = -2 * moe.experts.w13.detach()
+            else:
+                moe.to(torch.bfloat16).to(torch.float32)
+            with torch.inference_mode():
+                got = moe(x)
+            self.assertEqual(got, fresh(moe), **EXACT, msg=change)
+            self.assertEqual(weight_cache_stats()["misses"], 2 + (2 if change == "to_dtype" else 1))
+        moe.experts.w13.data.mul_(-2.0)  # not seen
+        with torch.inference_mode():
+            self.assertNotEqual(moe(x), fresh(moe))
+        clear_weight_cache()
+        with torch.inference_mode():
+            self.assertEqual(moe(x), fresh(moe), **EXACT)
+
     @parametrize("precision", list(RECIPES))
     def test_experts_forward_caches_weights_in_inference(self, precision):
         # GroupedExperts.forward on permuted rows (what the expert-parallel layer's training

@@ -23,8 +23,12 @@ Legend: T tokens, K top-k, D / C columns, M expert-sorted rows, E experts.
   ``x`` computed from ``source`` (an expert weight, through views and casts): the result
   is cached per ``source`` tensor and recomputed only when ``source``'s version counter
   moves (an optimizer step, a ``load_state_dict``, any in-place write), so with gradient
-  accumulation a weight is quantized once per step, not once per micro-batch and GEMM.
-  The cache holds weak references to the sources (an entry dies with its weight) and
+  accumulation a weight is quantized once per step, not once per micro-batch and GEMM,
+  or when ``source`` holds another storage (``p.data = ...``, ``module.to(dtype)``:
+  the parameter's version counter stays where it was). A write through ``p.data``
+  (``p.data.copy_(...)``) bypasses the version counter, as it does autograd's checks:
+  call ``clear_weight_cache()`` after one. The cache holds weak references to the
+  sources and their storages (an entry dies with its weight, holds no old storage) and
   ``clear_weight_cache()`` empties it.
 
 The kernels here are compositions of the quantize ops (the same results by construction);
@@ -39,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from torch_moe._ops import permute as _perm
 from torch_moe._ops._dtypes import FP8
@@ -217,10 +222,13 @@ def _(
 # --------------------------------------------------------------------------------------
 # the weights' quantization, cached per version of the weight
 
-# id(source) -> (weak reference to source, {(how x derives from it, the quantization):
-# (source version, q, scale)}); tensors compare elementwise, so they are not dict keys
+# id(source) -> (weak reference to source, weak reference to its storage, {(how x derives
+# from it, the quantization): (source version, q, scale)}); tensors compare elementwise,
+# so they are not dict keys. The storage's weak reference keeps its StorageImpl allocated
+# (not its memory), so no later storage can take its address while the entry lives: the
+# same address and not expired is the same storage.
 _Entries = dict[Any, tuple[int, Tensor, Tensor]]
-_WEIGHT_CACHE: dict[int, tuple[weakref.ref[Tensor], _Entries]] = {}
+_WEIGHT_CACHE: dict[int, tuple[weakref.ref[Tensor], StorageWeakRef, _Entries]] = {}
 _STATS = {"hits": 0, "misses": 0}
 
 
@@ -231,11 +239,17 @@ def _forget(key: int, _ref: object) -> None:
 def _entries(source: Tensor) -> _Entries:
     key = id(source)
     held = _WEIGHT_CACHE.get(key)
-    if held is None or held[0]() is not source:  # new, or an id reused after a free
+    storage = source.untyped_storage()
+    if (
+        held is None
+        or held[0]() is not source  # new, or an id reused after a free
+        or held[1].cdata != storage._cdata  # another storage (.data =, module.to(dtype))
+        or held[1].expired()
+    ):
         ref = weakref.ref(source, functools.partial(_forget, key))
-        held = (ref, {})
+        held = (ref, StorageWeakRef(storage), {})
         _WEIGHT_CACHE[key] = held
-    return held[1]
+    return held[2]
 
 
 def clear_weight_cache() -> None:
