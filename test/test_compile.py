@@ -139,6 +139,28 @@ class TestMoECompile(_CompileChecks):
     def test_fullgraph_activation_checkpointing(self, precision):
         self._check(precision, steps=8, ckpt=True, dynamic=True)
 
+    def test_checkpoint_of_a_compiled_layer_counts_once(self):
+        # checkpointing outside the compiled layer reruns the compiled graph to recompute
+        # (the other way round, inside, the graph has the recomputation): the load counts
+        # must not be added again there, as in eager, where the layer's counting op asks
+        # the autograd engine at run time
+        torch._dynamo.reset()
+        eager = _layer("bf16", capacity_factor=0.5)
+        moe = copy.deepcopy(eager)
+        compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(2):
+            x = torch.randn(10, D, generator=gen)
+            ref = checkpoint(eager, x.detach().clone().requires_grad_(), use_reentrant=False)
+            got = checkpoint(compiled, x.detach().clone().requires_grad_(), use_reentrant=False)
+            ref.sum().backward()
+            got.sum().backward()
+            self.assertEqual(got, ref, **EXACT)
+        self.assertEqual(int(eager.tokens_per_expert.sum()), 2 * 10 * 2)
+        self.assertEqual(moe.tokens_per_expert, eager.tokens_per_expert)
+        self.assertGreater(int(eager.dropped_assignments), 0)
+        self.assertEqual(moe.dropped_assignments, eager.dropped_assignments)
+
     def test_fullgraph_capacity_and_group_limited_routing(self):
         self._check(
             "fp8_blockwise",

@@ -36,6 +36,12 @@ class TestOpSchemas(TestCase):
         for name in registered_ops():
             self.assertEqual(getattr(ops, name).overloads(), ["default"], msg=name)
 
+    def test_schema_add_load_counts(self):
+        self.assertExpectedInline(
+            schema("add_load_counts"),
+            """torch_moe::add_load_counts(Tensor(a0!) tokens_per_expert, Tensor(a1!) dropped, Tensor counts, Tensor num_dropped) -> ()""",
+        )
+
     def test_schema_dequantize_fp8(self):
         self.assertExpectedInline(
             schema("dequantize_fp8"),

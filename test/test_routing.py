@@ -346,6 +346,39 @@ class TestTopKRoute(TestCase):
         _routing._check_values(torch.empty(0, experts, dtype=dtype), None)  # no tokens
 
 
+class TestAddLoadCounts(TestCase):
+    """``torch_moe::add_load_counts``: the layer's load statistics, added in place except
+    inside a backward pass (activation checkpointing recomputing a forward)."""
+
+    def test_adds_outside_a_backward_only(self):
+        tokens, dropped = torch.zeros(4, dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        counts, num_dropped = torch.tensor([3, 0, 1, 2]), torch.tensor(5)
+        for add in (_routing.add_load_counts, torch.ops.torch_moe.add_load_counts):
+            add(tokens, dropped, counts, num_dropped)
+        self.assertEqual(tokens, 2 * counts)
+        self.assertEqual(dropped, torch.tensor(10))
+
+        class InBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                for add in (_routing.add_load_counts, torch.ops.torch_moe.add_load_counts):
+                    add(tokens, dropped, counts, num_dropped)
+                return grad
+
+        InBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        self.assertEqual(tokens, 2 * counts)  # not counted in the backward
+        self.assertEqual(dropped, torch.tensor(10))
+
+    def test_opcheck(self):
+        args = (torch.zeros(4, dtype=torch.int64), torch.zeros((), dtype=torch.int64))
+        args += (torch.tensor([3, 0, 1, 2]), torch.tensor(5))
+        torch.library.opcheck(torch.ops.torch_moe.add_load_counts.default, args)
+
+
 instantiate_parametrized_tests(TestTopKRoute)
 
 if __name__ == "__main__":

@@ -350,3 +350,42 @@ topk_route.register_autograd(_backward, setup_context=_setup_context)
 # routing is one call per layer, but at a few tokens its layers cost more than its math
 topk_route = direct_calls(topk_route, topk_route_reference, _setup_context, _backward)
 topk_route_backward = direct_calls(topk_route_backward, _topk_route_backward_impl)
+
+
+# --------------------------------------------------------------------------------------
+# the layer's load statistics
+
+
+def _add_load_counts_impl(
+    tokens_per_expert: Tensor, dropped: Tensor, counts: Tensor, num_dropped: Tensor
+) -> None:
+    if torch._C._current_graph_task_id() != -1:  # a backward: checkpointing recomputes
+        return
+    with torch.no_grad():
+        tokens_per_expert.add_(counts)
+        dropped.add_(num_dropped)
+
+
+@torch.library.custom_op(
+    "torch_moe::add_load_counts", mutates_args=("tokens_per_expert", "dropped")
+)
+def add_load_counts(
+    tokens_per_expert: Tensor, dropped: Tensor, counts: Tensor, num_dropped: Tensor
+) -> None:
+    """Adds a forward's routed assignments per expert (``counts`` [E]) and its dropped
+    assignments (``num_dropped`` []) to the running statistics ``tokens_per_expert`` and
+    ``dropped`` in place, except inside a backward pass, where activation checkpointing
+    recomputes the forward (the same routing, counted once already). An op rather than a
+    Python check in the layer so that compiled code asks at run time: a graph traced with
+    the update (``torch.compile`` of the layer, then checkpointed) would otherwise repeat
+    it in the recomputation, and a graph traced without it would never count."""
+    _add_load_counts_impl(tokens_per_expert, dropped, counts, num_dropped)
+
+
+@add_load_counts.register_fake
+def _(tokens_per_expert: Tensor, dropped: Tensor, counts: Tensor, num_dropped: Tensor) -> None:
+    return None
+
+
+# (eager calls skip the op's layers where nothing traces them: _eager.py)
+add_load_counts = direct_calls(add_load_counts, _add_load_counts_impl)

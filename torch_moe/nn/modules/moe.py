@@ -939,13 +939,6 @@ def _in_expert_dtype(x: Tensor, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor
     return as_dt(x), as_dt(w13), as_dt(w2)
 
 
-def _recomputing() -> bool:
-    """True inside a backward pass, i.e. when activation checkpointing recomputes a forward."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
-
-
 class MoE(nn.Module):
     r"""Mixture-of-Experts feed-forward layer (dropless by default).
 
@@ -1182,10 +1175,10 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared
 
-        if self.training and not _recomputing():
-            with torch.no_grad():
-                self.tokens_per_expert.add_(counts_E)
-                self.dropped_assignments.add_(perm.num_dropped)
+        if self.training:  # (not again where checkpointing recomputes: the op asks)
+            _routing.add_load_counts(
+                self.tokens_per_expert, self.dropped_assignments, counts_E, perm.num_dropped
+            )
         out = self._attach_losses(out, logits_TE, ids_TK, counts_E, shape)
         return out.view(*shape[:-1], self.dim)
 
