@@ -256,6 +256,19 @@ class TestPermute(TestCase):
             ops.permute_indices(ids, 0)
         with self.assertRaisesRegex(RuntimeError, r"expert_ids must lie in \[0, num_experts=3\)"):
             ops.permute_indices(ids, 3)
+        # an align past the int32 group ends: once silently wrong maps (int64 overflow of
+        # the row count), now refused; a huge capacity is no capacity (it once crashed)
+        msg = r"4 x 2 assignments over num_experts=4 with align=4611686018427387904 and "
+        msg += r"capacity=None make \d+ permuted rows, past the int32 group ends' 2147483647"
+        with self.assertRaisesRegex(ValueError, msg):
+            ops.permute_indices(ids, 4, align=2**62)
+        with self.assertRaisesRegex(ValueError, r"align=536870912 and capacity=2 make"):
+            ops.permute_indices(ids, 4, align=2**29, capacity=2)
+        for align in (1, 3):
+            with self.subTest(align=align):
+                huge = ops.permute_indices(ids, 4, align=align, capacity=2**62)
+                for got, want in zip(huge, ops.permute_indices(ids, 4, align=align), strict=True):
+                    self.assertEqual(got, want, atol=0, rtol=0)
         with self.assertRaisesRegex(ValueError, r"permute: expected x to have 4 rows, got 5"):
             ops.permute(torch.randn(5, 3), ids, 4)
         perm = ops.permute_indices(ids, 4)

@@ -85,6 +85,9 @@ def token_of_rows(row_to_slot: Tensor, slot_to_row: Tensor) -> Tensor:
     return row_to_slot if top_k == 1 else torch.div(row_to_slot, top_k, rounding_mode="floor")
 
 
+_MAX_ROWS = 2**31 - 1  # the group ends (offs) are int32
+
+
 def _num_rows(
     num_tokens: int, top_k: int, num_experts: int, align: int, capacity: int | None
 ) -> int:
@@ -108,6 +111,14 @@ def _check_index_inputs(
         raise ValueError(f"permute_indices: align must be >= 1, got {align}")
     if capacity is not None and capacity < 0:
         raise ValueError(f"permute_indices: capacity must be >= 0 or None, got {capacity}")
+    num_tokens, top_k = expert_ids.shape
+    rows = _num_rows(num_tokens, top_k, num_experts, align, capacity)
+    if isinstance(rows, int) and rows > _MAX_ROWS:  # (symbolic sizes: no guard on them)
+        raise ValueError(
+            f"permute_indices: {num_tokens} x {top_k} assignments over num_experts="
+            f"{num_experts} with align={align} and capacity={capacity} make {rows} "
+            f"permuted rows, past the int32 group ends' {_MAX_ROWS}"
+        )
 
 
 def permute_indices_reference(

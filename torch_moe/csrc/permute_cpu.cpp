@@ -53,8 +53,10 @@ int64_t num_rows(int64_t tokens, int64_t top_k, int64_t experts, int64_t align, 
   if (!cap.has_value()) {
     return bound;
   }
-  const int64_t per_expert = (*cap + align - 1) / align * align;
-  return std::min(experts * per_expert, bound);
+  // (a capacity past the bound keeps every row: clamped first, so that nothing below
+  // overflows; the bound itself fits the int32 group ends, checked by the caller)
+  const int64_t per_expert = (std::min(*cap, bound) + align - 1) / align * align;
+  return per_expert > bound / experts ? bound : std::min(experts * per_expert, bound);
 }
 
 template <typename I>
@@ -68,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_indices_impl(
     const int64_t x = static_cast<int64_t>(e[s]);
     TORCH_CHECK(
         x >= 0 && x < experts, "permute_indices: expert_ids must lie in [0, num_experts=",
-        experts, ")");
+        experts, "), got ", x);
     ++counts[x];
   }
   const int64_t m = num_rows(tokens, top_k, experts, align, cap);
