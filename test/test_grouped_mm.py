@@ -118,6 +118,27 @@ class TestGroupedMM(TestCase):
         assert_gemm_close(self, w.grad, x, ones, offs, "dW", wgrad=True)
         self.assertEqual(w.grad[1], torch.zeros(16, 8, dtype=dtype))
 
+    @parametrize("dtype", [torch.float32, torch.bfloat16])
+    @parametrize("way", ["torch", "loop"])
+    def test_broadcast_operands(self, dtype, way):
+        # an x broadcast over its rows (strides (0, 1)) and a weight broadcast over its K
+        # rows: torch._grouped_mm refuses both ("Invalid strides/sizes"), so its way
+        # (forced here, measured on some machines) must not be given them
+        from torch_moe._ops import _cpu_probe
+
+        offs, m = make_offs([8, 0, 8])
+        x = torch.randn(1, 32, dtype=dtype).expand(m, 32)
+        w = torch.randn(3, 1, 16, dtype=dtype).expand(3, 32, 16)
+        for xx, ww in ((x, w.contiguous()), (x.contiguous(), w)):
+            xl, wl = xx.detach().requires_grad_(), ww.detach().requires_grad_()
+            with _cpu_probe.force(grouped_mm=way, half_gemm="native"):
+                y = grouped_mm(xl, wl, offs)
+                y.backward(torch.ones_like(y))
+            assert_gemm_close(self, y, xx, ww, offs, "y")
+            ones = torch.ones(m, 16, dtype=dtype)
+            assert_gemm_close(self, xl.grad, ones, ww.transpose(1, 2), offs, "dX")
+            assert_gemm_close(self, wl.grad, xx, ones, offs, "dW", wgrad=True)
+
     @parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
     @parametrize("w_layout", ["EKN", "ENK_transposed"])
     def test_empty_dims(self, dtype, w_layout):

@@ -314,13 +314,19 @@ def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
 
 
 def _aligned(t: Tensor) -> bool:
-    """What ``torch._grouped_mm`` takes: row- or column-major in the last two dims, every
-    other stride and the data pointer 16-byte aligned."""
+    """What ``torch._grouped_mm`` takes: row- or column-major in the last two dims, rows
+    (columns) apart by at least their length (not broadcast: a stride of 0 is refused),
+    every other stride and the data pointer 16-byte aligned."""
     row_stride, col_stride = t.stride()[-2:]
+    rows, cols = t.shape[-2:]
     if col_stride == 1:
         lead = row_stride
+        if lead < max(cols, 1):
+            return False
     elif row_stride == 1:
         lead = col_stride
+        if lead < max(rows, 1):
+            return False
     else:
         return False
     size = t.element_size()
