@@ -4,6 +4,7 @@ activation (gated, or Nemotron-H's ungated relu2). The forward against its formu
 written-out derivatives against autograd through ``glu_reference``, the CPU kernels' row
 chunks against one chunk, the registrations (``opcheck``) and the argument checks."""
 
+import itertools
 from unittest import mock
 
 import torch
@@ -160,6 +161,30 @@ class TestGlu(TestCase):
         self.assertEqual(got_h.grad, want_h.grad, **(tol or {}))
         if weighted:
             self.assertEqual(got_rw.grad, want_rw.grad, **(tol or {}))
+
+    @parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_backward_of_a_broadcast_or_overlapping_h(self, dtype):
+        # h with unit column stride but not dense: a row broadcast (strides (0, 1)) and
+        # overlapping rows (strides (1, 1)); dH once took the overlapping h's layout
+        # (column-major), which the native kernels refused with an internal error
+        g = torch.Generator().manual_seed(6)
+        rows, f = 7, 20
+        cases = {
+            "broadcast": torch.randn(1, 2 * f, generator=g).to(dtype).expand(rows, 2 * f),
+            "overlapping": torch.randn(rows + 2 * f, generator=g)
+            .to(dtype)
+            .as_strided((rows, 2 * f), (1, 1)),
+        }
+        grad = torch.randn(rows, f, generator=g).to(dtype)
+        for (name, h), activation in itertools.product(cases.items(), ("swiglu", "swigluoai")):
+            with self.subTest(name, activation=activation):
+                got_h, want_h = h.detach().requires_grad_(), h.detach().requires_grad_()
+                got = torch_moe.nn.functional.glu_activation(got_h, activation=activation)
+                want = glu_ops.glu_reference(want_h, None, activation, 1.702, None, False)
+                self.assertEqual(got, want)
+                got.backward(grad)
+                want.backward(grad)
+                self.assertEqual(got_h.grad, want_h.grad)
 
     def test_clamp_bounds_pass_the_gradient(self):
         # torch.clamp's rule, which the written-out backward follows: inputs equal to a

@@ -461,7 +461,11 @@ def _glu_cpu(
     interleaved: bool,
 ) -> Tensor:
     """Row chunks whose fp32 temporaries stay in cache: the same operations as
-    ``glu_reference`` row by row, hence the same bits."""
+    ``glu_reference`` row by row. Not always its bits: ATen's sigmoid and exp round some
+    fp32 results an ulp apart in a loop's vector body and its scalar tail, and the chunks
+    move the tails (an fp32 swigluoai of F = 8 in chunks of one row: 15 of 512 values an
+    ulp off), so fp32 results can depend on the measured chunk; in the half dtypes the
+    one rounding into h's dtype mostly hides it."""
     _check("glu", h, row_weights, activation, alpha, limit, interleaved)
     out = h.new_empty((h.shape[0], _width(h, activation)))
     step = _rows_per_chunk(h, activation)
@@ -518,7 +522,9 @@ def _glu_backward_cpu(
 ) -> tuple[Tensor, Tensor]:
     """The same formulas in row chunks: the same values row by row."""
     _check("glu_backward", h, row_weights, activation, alpha, limit, interleaved)
-    dh = torch.empty_like(h)
+    # row-major whatever h's strides (the native kernels write rows; empty_like would give
+    # an overlapping h's layout another order)
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
     step = _rows_per_chunk(h, activation)
     mod = _native_kernels(activation, h, grad_a)
     if mod is not None:
