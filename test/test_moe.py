@@ -565,6 +565,47 @@ class TestMoELosses(TestCase):
         logits = torch.tensor([[0.0, 0.0], [LN3, 0.0]])
         self.assertEqual(router_z_loss(logits), torch.tensor((LN2**2 + (2 * LN2) ** 2) / 2))
 
+    def test_losses_refuse_bad_arguments(self):
+        logits, counts, ids = torch.zeros(4, 3), torch.tensor([2, 1, 1]), torch.zeros(4, 1).long()
+        cases = [
+            (
+                lambda: switch_aux_loss(logits, counts, 0),
+                r"switch_aux_loss: top_k must be a positive integer, got 0",
+            ),
+            (
+                lambda: switch_aux_loss(logits, counts, 1.5),
+                r"top_k must be a positive integer, got 1.5",
+            ),
+            (
+                lambda: switch_aux_loss(logits, counts, 1, score_func="softplus"),
+                r"switch_aux_loss: unknown score_func 'softplus'; expected one of",
+            ),
+            (
+                lambda: switch_aux_loss(logits, counts[:2], 1),
+                r"expected tokens_per_expert of shape \[3\] \(E of the logits\), got \[2\]",
+            ),
+            (
+                lambda: sequence_aux_loss(logits, ids, 1, 2, score_func="tanh"),
+                r"sequence_aux_loss: unknown score_func 'tanh'",
+            ),
+            (
+                lambda: sequence_aux_loss(logits, ids, 2, 2),
+                r"sequence_aux_loss: expected expert_ids of shape \[4, 2\] \(\[T, top_k\]\), got \[4, 1\]",
+            ),
+            (
+                lambda: router_z_loss(torch.zeros(4)),
+                r"router_z_loss: expected logits to be a 2D floating-point tensor \[T, E\], got 1D",
+            ),
+            (
+                lambda: router_z_loss(torch.zeros(4, 3, dtype=torch.int64)),
+                r"got 2D torch.int64",
+            ),
+            (lambda: ops.topk_route(logits, 2.0), r"topk_route: k must be an integer, got 2.0"),
+        ]
+        for i, (call, message) in enumerate(cases):
+            with self.subTest(i), self.assertRaisesRegex(ValueError, message):
+                call()
+
     def test_balanced_is_one(self):
         logits = torch.zeros(8, 4)
         ids = torch.arange(16).remainder(4).view(8, 2)

@@ -91,6 +91,24 @@ def glu_activation(
     return _glu.glu(h, row_weights, activation, alpha, limit, interleaved)
 
 
+def _check_loss_inputs(
+    name: str, logits: Tensor, top_k: int | None = None, score_func: str | None = None
+) -> None:
+    """The load-balancing losses' checks: logits [T, E] of a floating dtype, a positive
+    integer top_k, a known score_func (each named, with its value, in the message)."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"{name}: expected logits to be a 2D floating-point tensor [T, E], "
+            f"got {logits.dim()}D {logits.dtype}"
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"{name}: top_k must be a positive integer, got {top_k!r}")
+    if score_func is not None and score_func not in _routing.SCORE_FUNCS:
+        raise ValueError(
+            f"{name}: unknown score_func {score_func!r}; expected one of {_routing.SCORE_FUNCS}"
+        )
+
+
 def _router_probs(logits: Tensor, score_func: str) -> Tensor:
     """Router probabilities over all E experts (sigmoid scores are normalized per token)."""
     logits = logits.to(acc_dtype(logits.dtype))
@@ -109,7 +127,13 @@ def switch_aux_loss(
     ``P_e`` the mean router probability of expert e; the loss is 1.0 when both are
     uniform. Differentiable in ``logits`` [T, E] (f is a count). fp32.
     """
+    _check_loss_inputs("switch_aux_loss", logits, top_k, score_func)
     num_tokens, num_experts = logits.shape
+    if tokens_per_expert.shape != (num_experts,):
+        raise ValueError(
+            f"switch_aux_loss: expected tokens_per_expert of shape [{num_experts}] (E of the "
+            f"logits), got {list(tokens_per_expert.shape)}"
+        )
     if num_tokens == 0:
         return logits.new_zeros((), dtype=torch.float32)
     frac = tokens_per_expert.to(torch.float32) / (num_tokens * top_k)
@@ -125,7 +149,13 @@ def sequence_aux_loss(
     ``f_i = E / (K * S) * #{t : i in topk(t)}``, ``P_i = mean_t s'_{t,i}`` with ``s'`` the
     scores normalized over experts, loss ``sum_i f_i * P_i`` (1.0 when balanced).
     """
+    _check_loss_inputs("sequence_aux_loss", logits, top_k, score_func)
     num_tokens, num_experts = logits.shape
+    if expert_ids.shape != (num_tokens, top_k):
+        raise ValueError(
+            f"sequence_aux_loss: expected expert_ids of shape [{num_tokens}, {top_k}] "
+            f"([T, top_k]), got {list(expert_ids.shape)}"
+        )
     if num_tokens == 0:
         return logits.new_zeros((), dtype=torch.float32)
     if seq_len < 1 or num_tokens % seq_len != 0:
@@ -143,6 +173,7 @@ def sequence_aux_loss(
 
 def router_z_loss(logits: Tensor) -> Tensor:
     r"""ST-MoE router z-loss ``mean_t logsumexp(logits_t)^2`` (fp32): keeps logits small."""
+    _check_loss_inputs("router_z_loss", logits)
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)
     lf = logits.to(acc_dtype(logits.dtype))
