@@ -31,7 +31,11 @@ NaN/Inf rule: logits may hold ``-inf`` (an expert that may not be chosen) but no
 and no ``+inf``, and every row needs at least one finite logit; ``expert_bias`` must be
 finite; otherwise the op raises a RuntimeError. The check is ``torch._assert_async``:
 immediate on CPU, without a host sync on CUDA (where it surfaces as a device-side
-assert).
+assert). A row with fewer than ``k`` experts to choose from (a finite logit and, with
+group-limited routing, in a kept group) takes its last picks among the others, tied at
+``-inf``, in ``torch.topk``'s order (not specified), each with its own weight (an expert
+of a dropped group its full score, as HF's DeepSeek-V3 code gives it, which masks to 0
+instead): a router that needs defined results gives every row ``k`` eligible experts.
 
 Gradients flow to ``logits`` through the weights only (ids and counts are integer
 outputs); the backward is analytic (``torch_moe::topk_route_backward``), so it needs
@@ -77,6 +81,8 @@ def _check_inputs(
         raise ValueError(
             f"topk_route: logits must have at least one expert column, got E={num_experts}"
         )
+    if isinstance(k, bool) or not isinstance(k, (int, torch.SymInt)):
+        raise ValueError(f"topk_route: k must be an integer, got {k!r}")
     if not 1 <= k <= num_experts:
         raise ValueError(f"topk_route: k ({k}) must be in [1, num_experts={num_experts}]")
     if score_func not in SCORE_FUNCS:
