@@ -163,7 +163,7 @@ def _inference_peaks(T, D, Fh, E, K, probe, precision="bf16", shared=0, patch=No
         m = memory(w, _cpu_hardware(), T * K, T * K, groups, torch.get_num_threads())
     cached = sum(  # (while the layer lives: its entries go with its weights)
         t.numel() * t.element_size()
-        for _, entries in _fused._WEIGHT_CACHE.values()
+        for *_, entries in _fused._WEIGHT_CACHE.values()
         for _, *tensors in entries.values()
         for t in tensors
     )
@@ -211,7 +211,14 @@ class TestMoEWorkload(TestCase):
                 dict(routing_skew=[1.0, 2.0]),
                 r"routing_skew as a load vector must have num_experts=8",
             ),
-            (dict(capacity_factor=0.0), r"capacity_factor must be > 0 or None, got 0.0"),
+            (
+                dict(capacity_factor=0.0),
+                r"capacity_factor must be finite and > 0, or None, got 0.0",
+            ),
+            (
+                dict(capacity_factor=math.inf),
+                r"capacity_factor must be finite and > 0, or None, got inf",
+            ),
             (dict(hierarchical=True), r"hierarchical=True is an all_to_all exchange"),
             (dict(dispatch_dtype=torch.float16), r"dispatch_dtype must be None or"),
         ],
@@ -1162,6 +1169,33 @@ class TestHardware(TestCase):
             overheads={"1/bf16.fwd": (1e-3, 2e-5)},
         )
         self.assertEqual(Hardware.from_json(hw.to_json()), hw)
+
+    def test_bad_rates_and_sizes_named(self):
+        # each once went through: a NaN latency gave a step 50x too short, a negative
+        # launch overhead a negative step, tile_m=0 or a zero GEMM rate a ZeroDivisionError
+        link_cases = [
+            (dict(latency=math.nan), r"Link: latencies must be finite and >= 0, got latency=nan"),
+            (dict(collective_latency=-1.0), r"collective_latency=-1.0"),
+            (dict(bandwidth=math.inf), r"Link: bandwidth must be finite and > 0 bytes/s, got inf"),
+        ]
+        for kw, message in link_cases:
+            with self.subTest(**kw), self.assertRaisesRegex(ValueError, message):
+                Link(**{**dict(bandwidth=1e9, latency=1e-6, collective_latency=2e-6), **kw})
+        hw_cases = [
+            (dict(launch_overhead=-1.0), r"launch_overhead must be finite and >= 0, got -1.0"),
+            (dict(launch_overhead=math.nan), r"launch_overhead must be finite and >= 0, got nan"),
+            (dict(memory_capacity=0.0), r"memory_capacity must be finite and > 0, got 0.0"),
+            (dict(tile_m=0), r"tile_m must be a positive integer, got 0"),
+            (
+                dict(gemm_rate={"bf16": 0.0}),
+                r"gemm_rate values must be finite and > 0, got \{'bf16': 0.0\}",
+            ),
+            (dict(kernel_rates={"copy": -1.0}), r"kernel_rates values must be finite and > 0"),
+        ]
+        for kw, message in hw_cases:
+            with self.subTest(**{k: str(v) for k, v in kw.items()}):
+                with self.assertRaisesRegex(ValueError, "Hardware: " + message):
+                    Hardware.preset("h200", **kw)
 
     def test_link_exchange_overhead_checked_and_serialized(self):
         with self.assertRaisesRegex(
