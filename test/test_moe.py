@@ -600,11 +600,17 @@ class TestMoELosses(TestCase):
                 lambda: router_z_loss(torch.zeros(4, 3, dtype=torch.int64)),
                 r"got 2D torch.int64",
             ),
-            (lambda: ops.topk_route(logits, 2.0), r"topk_route: k must be an integer, got 2.0"),
         ]
         for i, (call, message) in enumerate(cases):
             with self.subTest(i), self.assertRaisesRegex(ValueError, message):
                 call()
+        # the op's schema says it first where the call goes through the op
+        # (TORCH_MOE_DIRECT_OPS=0)
+        with self.assertRaisesRegex(
+            (ValueError, RuntimeError),
+            r"topk_route: k must be an integer, got 2.0|Expected a value of type 'int' for argument 'k'",
+        ):
+            ops.topk_route(logits, 2.0)
 
     def test_balanced_is_one(self):
         logits = torch.zeros(8, 4)
@@ -1092,11 +1098,42 @@ class TestMoEErrors(TestCase):
             MoE.from_preset("gpt-5", dim=8)
 
     def test_bad_capacity_factor(self):
-        for bad in (0, -1.5):
+        for bad in (0, -1.5, math.inf, math.nan):  # inf once failed in the forward
             with self.assertRaisesRegex(
-                ValueError, rf"capacity_factor must be > 0 or None, got {bad}"
+                ValueError, rf"capacity_factor must be finite and > 0, or None, got {bad}"
             ):
                 MoE(**BASE, capacity_factor=bad)
+
+    def test_bad_sizes_and_coefficients(self):
+        cases = [
+            (dict(dim=True), r"MoE: dim must be a positive integer, got True"),
+            (dict(top_k=True), r"MoE: top_k must be in \[1, num_experts=4\], got True"),
+            (dict(shared_hidden_dim=2.5), r"shared_hidden_dim must be an integer >= 0, got 2.5"),
+            (
+                dict(aux_loss_coeff=math.nan),
+                r"loss coefficients must be finite and >= 0, got aux_loss_coeff=nan",
+            ),
+            (
+                dict(z_loss_coeff=math.inf),
+                r"must be finite and >= 0, got aux_loss_coeff=0.0, z_loss_coeff=inf",
+            ),
+        ]
+        for kw, message in cases:
+            with self.subTest(**kw), self.assertRaisesRegex(ValueError, message):
+                MoE(**{**BASE, **kw})
+
+    def test_bad_bias_rate(self):
+        # a NaN or inf rate made the bias NaN, after which every forward refused it
+        moe = MoE(**BASE, expert_bias=True)
+        for bad in (math.nan, math.inf, -1e-3, "1e-3", True):
+            with (
+                self.subTest(rate=bad),
+                self.assertRaisesRegex(
+                    ValueError, rf"update_expert_bias: rate must be finite and >= 0, got {bad!r}"
+                ),
+            ):
+                moe.update_expert_bias(bad)
+        self.assertTrue(torch.isfinite(moe.router.expert_bias).all())
 
     def test_bad_input_dim(self):
         moe = MoE(**BASE)

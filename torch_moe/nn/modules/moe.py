@@ -207,7 +207,7 @@ def _precision_name(recipe: Recipe | None) -> str:
 
 
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
 
 
@@ -1037,20 +1037,28 @@ class MoE(nn.Module):
         _check_interleaved("MoE", activation, gate_up_interleaved)
         for name, value in [("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)]:
             _check_positive(name, value)
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k must be in [1, num_experts={num_experts}], got {top_k!r}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {capacity_factor}")
-        if shared_hidden_dim < 0:
-            raise ValueError(f"MoE: shared_hidden_dim must be >= 0, got {shared_hidden_dim}")
+        if capacity_factor is not None and not 0 < capacity_factor < math.inf:
+            raise ValueError(
+                f"MoE: capacity_factor must be finite and > 0, or None, got {capacity_factor}"
+            )
+        if (
+            isinstance(shared_hidden_dim, bool)
+            or not isinstance(shared_hidden_dim, int)
+            or shared_hidden_dim < 0
+        ):
+            raise ValueError(
+                f"MoE: shared_hidden_dim must be an integer >= 0, got {shared_hidden_dim!r}"
+            )
         if shared_gate and shared_hidden_dim == 0:
             raise ValueError("MoE: shared_gate=True needs shared_hidden_dim > 0")
         if aux_loss not in _AUX_LOSSES:
             raise ValueError(f"MoE: aux_loss must be one of {_AUX_LOSSES}, got {aux_loss!r}")
-        if aux_loss_coeff < 0 or z_loss_coeff < 0:
+        if not (0 <= aux_loss_coeff < math.inf and 0 <= z_loss_coeff < math.inf):
             raise ValueError(
-                f"MoE: loss coefficients must be >= 0, got aux_loss_coeff={aux_loss_coeff}, "
-                f"z_loss_coeff={z_loss_coeff}"
+                "MoE: loss coefficients must be finite and >= 0, got "
+                f"aux_loss_coeff={aux_loss_coeff}, z_loss_coeff={z_loss_coeff}"
             )
         self.dim, self.hidden_dim, self.num_experts, self.top_k = (
             dim,
@@ -1390,6 +1398,9 @@ class MoE(nn.Module):
             raise RuntimeError(
                 "MoE.update_expert_bias: this layer was built with expert_bias=False"
             )
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < math.inf:
+            # (a NaN or inf rate made the bias NaN, and every later forward refuse it)
+            raise ValueError(f"MoE.update_expert_bias: rate must be finite and >= 0, got {rate!r}")
         load = self.tokens_per_expert.to(torch.float32)
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
