@@ -93,11 +93,14 @@ class Link:
                 f"seconds >= 0, got {self.exchange_overhead}"
             )
         object.__setattr__(self, "exchange_overhead", fixed)
-        if not self.bandwidth > 0:
-            raise ValueError(f"Link: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
-        if self.latency < 0 or self.collective_latency < 0:
+        if not 0 < self.bandwidth < math.inf:
             raise ValueError(
-                f"Link: latencies must be >= 0, got latency={self.latency}, "
+                f"Link: bandwidth must be finite and > 0 bytes/s, got {self.bandwidth}"
+            )
+        if not (0 <= self.latency < math.inf and 0 <= self.collective_latency < math.inf):
+            # (a NaN latency once went through: the prediction 50x too small, no warning)
+            raise ValueError(
+                f"Link: latencies must be finite and >= 0, got latency={self.latency}, "
                 f"collective_latency={self.collective_latency}"
             )
 
@@ -306,6 +309,24 @@ class Hardware:
             raise ValueError(f"Hardware: kind must be 'cpu' or 'gpu', got {self.kind!r}")
         if not self.mem_bandwidth > 0:
             raise ValueError(f"Hardware: mem_bandwidth must be > 0, got {self.mem_bandwidth}")
+        for name in ("mem_bandwidth", "memory_capacity"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"Hardware: {name} must be finite and > 0, got {value}")
+        for name in ("launch_overhead", "reference_probe"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"Hardware: {name} must be finite and >= 0, got {value}")
+        bad = {k: v for k, v in self.gemm_rate.items() if not 0 < v < math.inf}
+        if bad:
+            raise ValueError(f"Hardware: gemm_rate values must be finite and > 0, got {bad}")
+        bad = {k: v for k, v in self.kernel_rates.items() if not 0 < v < math.inf}
+        if bad:
+            raise ValueError(f"Hardware: kernel_rates values must be finite and > 0, got {bad}")
+        for name in ("tile_m", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Hardware: {name} must be a positive integer, got {value!r}")
         if not 0 <= self.comm_compute_share <= 1:
             raise ValueError(
                 f"Hardware: comm_compute_share must be in [0, 1], got {self.comm_compute_share}"

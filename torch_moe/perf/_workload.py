@@ -158,9 +158,10 @@ class MoEWorkload:
                 "MoEWorkload: hierarchical=True is an all_to_all exchange, got "
                 f"exchange={self.exchange!r}"
             )
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
             raise ValueError(
-                f"MoEWorkload: capacity_factor must be > 0 or None, got {self.capacity_factor!r}"
+                "MoEWorkload: capacity_factor must be finite and > 0, or None, got "
+                f"{self.capacity_factor!r}"
             )
         if self.dispatch_dtype not in (None, torch.float8_e4m3fn):
             raise ValueError(
