@@ -1103,6 +1103,32 @@ class TestAdvisor(TestCase):
         a = advise(self.w, hw, world_size=8, gpus_per_node=8, precisions=["bf16"])
         self.assertEqual(a.best.strategy.ep, 8)  # per-rank batches: DP=8 would sync all experts
 
+    def test_bad_space_and_memory_limit_named(self):
+        # an unknown field, an empty list and a value a field does not take were once
+        # dropped in silence (the error then blamed the expert count), num_chunks=0 a
+        # ZeroDivisionError, memory_limit=0 or negative no limit
+        hw = Hardware.preset("h200")
+        cases = [
+            (dict(space={"bogus": [1]}), r"space has an unknown field 'bogus'; valid: \['ep'"),
+            (dict(space={"ep": []}), r"space\['ep'\] must be a non-empty list, got \[\]"),
+            (
+                dict(space={"precision": ["fp7"]}),
+                r"space\['precision'\] holds a value the field does not take: 'fp7'",
+            ),
+            (dict(space={"exchange": ["ring"]}), r"space\['exchange'\] holds a value .*'ring'"),
+            (dict(space={"num_chunks": [0]}), r"space\['num_chunks'\] holds a value .*: 0"),
+            (
+                dict(memory_limit=0),
+                r"memory_limit must be > 0 bytes \(math.inf: no limit\) or None, got 0",
+            ),
+            (dict(memory_limit=math.nan), r"memory_limit must be > 0 bytes .*got nan"),
+        ]
+        for kw, message in cases:
+            with self.subTest(str(kw)), self.assertRaisesRegex(ValueError, "advise: " + message):
+                advise(self.w, hw, world_size=8, precisions=["bf16"], **kw)
+        a = advise(self.w, hw, world_size=8, precisions=["bf16"], memory_limit=math.inf)
+        self.assertTrue(all(c.fits for c in a.candidates))
+
     def test_memory_limit_excludes_ep1(self):
         hw = Hardware.preset("h200")
         unlimited = advise(
@@ -1184,7 +1210,7 @@ class TestHardware(TestCase):
         hw_cases = [
             (dict(launch_overhead=-1.0), r"launch_overhead must be finite and >= 0, got -1.0"),
             (dict(launch_overhead=math.nan), r"launch_overhead must be finite and >= 0, got nan"),
-            (dict(memory_capacity=0.0), r"memory_capacity must be finite and > 0, got 0.0"),
+            (dict(memory_capacity=-1.0), r"memory_capacity must be finite and >= 0, got -1.0"),
             (dict(tile_m=0), r"tile_m must be a positive integer, got 0"),
             (
                 dict(gemm_rate={"bf16": 0.0}),
@@ -1712,6 +1738,20 @@ class TestCLI(TestCase):
         text = out.getvalue()
         self.assertIn("| component | ms | share | GFLOP | MB |", text)
         self.assertIn("| rank | strategy | step ms |", text)
+
+    def test_cli_errors_of_the_advice_too(self):
+        # advise's errors once escaped as tracebacks (exit code 1), the others' one line
+        from torch_moe.perf.__main__ import main
+
+        for argv, message in (
+            (["--gpus", "0"], "world_size must be a positive integer, got 0"),
+            (["--memory-limit-gib", "-1"], "memory_limit must be > 0 bytes"),
+        ):
+            err = io.StringIO()
+            with self.subTest(argv=argv), contextlib.redirect_stderr(err):
+                rc = main(["--preset", "mixtral", "--hardware", "h100", *argv])
+                self.assertEqual(rc, 2)
+                self.assertIn("error: advise: " + message, err.getvalue())
 
     def test_cli_unknown_hardware(self):
         from torch_moe.perf.__main__ import main

@@ -98,22 +98,22 @@ def _hardware(name: str) -> Hardware:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
+    limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib else None
+    try:  # (every argument's error as one line and exit code 2, the advice's too)
         w = _workload(args)
         hw = _hardware(args.hardware)
+        advice = advise(
+            w,
+            hw,
+            world_size=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            memory_limit=limit,
+            precisions=args.precisions,
+            allow_drop=args.allow_drop,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib else None
-    advice = advise(
-        w,
-        hw,
-        world_size=args.gpus,
-        gpus_per_node=args.gpus_per_node,
-        memory_limit=limit,
-        precisions=args.precisions,
-        allow_drop=args.allow_drop,
-    )
     best = advice.best
     print(f"# workload: {w}")
     print(f"# hardware: {hw.summary()}")

@@ -23,6 +23,7 @@ from the runner-up and from the simplest strategy (EP = 1 or the smallest, bf16,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 
 from torch_moe.perf._hardware import Hardware
 from torch_moe.perf._model import Prediction, predict
-from torch_moe.perf._workload import MoEWorkload
+from torch_moe.perf._workload import _EXCHANGES, MoEWorkload
 
 __all__ = ["Advice", "Candidate", "Strategy", "advise"]
 
@@ -199,6 +200,37 @@ def _explain(best: Candidate, others: list[Candidate], simplest: Candidate | Non
     return reasons
 
 
+def _check_space(space: dict[str, list[Any]], precisions: list[str]) -> None:
+    """Each key of ``advise``'s ``space`` a strategy field, each value a non-empty list of
+    values that field takes (a key unknown, an empty list or a value the workload would
+    refuse was once dropped in silence, and the advice then blamed the expert count)."""
+    fields = [f.name for f in dataclasses.fields(Strategy)]
+    for key, values in space.items():
+        if key not in fields:
+            raise ValueError(f"advise: space has an unknown field {key!r}; valid: {fields}")
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ValueError(f"advise: space[{key!r}] must be a non-empty list, got {values!r}")
+        for v in values:
+            if key in ("ep", "num_chunks"):
+                ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            elif key == "num_redundant":
+                ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            elif key == "exchange":
+                ok = v in _EXCHANGES
+            elif key == "hierarchical":
+                ok = isinstance(v, bool)
+            elif key == "dispatch_dtype":
+                ok = v is None or v == _FP8
+            elif key == "precision":
+                ok = v in precisions
+            else:  # capacity_factor
+                ok = v is None or (isinstance(v, (int, float)) and 0 < v < math.inf)
+            if not ok:
+                raise ValueError(
+                    f"advise: space[{key!r}] holds a value the field does not take: {v!r}"
+                )
+
+
 def advise(
     workload: MoEWorkload,
     hardware: Hardware,
@@ -217,7 +249,8 @@ def advise(
         workload: the layer and its tokens per rank (its own strategy fields are ignored).
         world_size: ranks available (the EP degree ranges over its divisors).
         gpus_per_node: ranks per node (default: the hardware's).
-        memory_limit: bytes per rank (default: the hardware's memory capacity).
+        memory_limit: bytes per rank (default: the hardware's memory capacity; none where
+            that is 0, unknown); ``math.inf``: no limit.
         precisions: the recipes to consider (default: bf16 and every recipe).
         allow_drop: also consider capacity factors 1.0 and 1.25 (drops tokens).
         split_tokens: ``workload.tokens`` is a global batch split over the R ranks of each
@@ -232,9 +265,11 @@ def advise(
     gpn = gpus_per_node if gpus_per_node is not None else hardware.gpus_per_node
     if not isinstance(gpn, int) or gpn < 1:
         raise ValueError(f"advise: gpus_per_node must be a positive integer, got {gpn!r}")
-    limit = memory_limit if memory_limit is not None else hardware.memory_capacity
-    if limit is None or limit <= 0:
-        limit = math.inf
+    if memory_limit is not None and not memory_limit > 0:  # (NaN too)
+        raise ValueError(
+            f"advise: memory_limit must be > 0 bytes (math.inf: no limit) or None, got {memory_limit}"
+        )
+    limit = memory_limit if memory_limit is not None else hardware.memory_capacity or math.inf
     precs = precisions if precisions is not None else ["bf16", *sorted(RECIPES)]
     for p in precs:
         if p != "bf16" and p not in RECIPES:
@@ -242,6 +277,7 @@ def advise(
                 f"advise: unknown precision {p!r}; valid: {['bf16', *sorted(RECIPES)]}"
             )
     space = dict(space or {})
+    _check_space(space, precisions=["bf16", *sorted(RECIPES)])
     candidates: list[Candidate] = []
     for strategy, nodes in _strategies(workload, world_size, gpn, precs, allow_drop, space):
         tokens = workload.tokens

@@ -309,11 +309,10 @@ class Hardware:
             raise ValueError(f"Hardware: kind must be 'cpu' or 'gpu', got {self.kind!r}")
         if not self.mem_bandwidth > 0:
             raise ValueError(f"Hardware: mem_bandwidth must be > 0, got {self.mem_bandwidth}")
-        for name in ("mem_bandwidth", "memory_capacity"):
-            value = getattr(self, name)
-            if not 0 < value < math.inf:
-                raise ValueError(f"Hardware: {name} must be finite and > 0, got {value}")
-        for name in ("launch_overhead", "reference_probe"):
+        if not 0 < self.mem_bandwidth < math.inf:
+            raise ValueError(f"Hardware: mem_bandwidth must be finite, got {self.mem_bandwidth}")
+        # (a memory_capacity of 0: unknown, no limit)
+        for name in ("memory_capacity", "launch_overhead", "reference_probe"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"Hardware: {name} must be finite and >= 0, got {value}")
