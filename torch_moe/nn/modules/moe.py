@@ -982,7 +982,8 @@ class MoE(nn.Module):
             weight with the rest of the expert's output.
         gate_up_interleaved: ``experts.w13`` (and ``b13``) hold gate and up rows
             alternating (row 2f: gate f, row 2f + 1: up f; GPT-OSS's ``gate_up_proj``)
-            instead of all gate rows first.
+            instead of all gate rows first. A state dict does not say which (the shapes
+            are the same): load one only into a layer of its layout (``config``).
             Experts with any of these (beyond plain SwiGLU) run as grouped GEMMs around
             the activation (``GroupedExperts.composed``; the first GEMM gathers its rows
             from the tokens, ``gather_grouped_mm``): they also save the weighted
