@@ -334,19 +334,39 @@ def _config_fingerprint(moe: Any, style: ExpertParallel) -> dict[str, Any]:
     return fields
 
 
-def _check_same_config(moe: Any, group: dist.ProcessGroup, style: ExpertParallel) -> None:
-    fields = _config_fingerprint(moe, style)
+def _check_same_config(
+    moe: Any, group: dist.ProcessGroup, style: ExpertParallel, local: Exception | None = None
+) -> None:
+    """Every rank's config fingerprint and its own checks' failure (``local``) gathered:
+    a rank whose checks failed raises that, the others name it and its message. (A rank
+    that raised before the collective left the others waiting in it until the process
+    group's timeout, then a bare timeout.)"""
+    fields: dict[str, Any] = {}
+    if local is None:
+        try:
+            fields = _config_fingerprint(moe, style)
+        except Exception as e:
+            local = e
+    failure = None if local is None else f"{type(local).__name__}: {local}"
     digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()
     ranks = dist.get_process_group_ranks(group)
     gathered: list[Any] = [None] * len(ranks)
     _call(
         group,
         "config fingerprint all_gather_object",
-        lambda: dist.all_gather_object(gathered, (digest, fields), group=group),
+        lambda: dist.all_gather_object(gathered, (digest, fields, failure), group=group),
     )
-    ref_digest, ref_fields = gathered[0]
+    if local is not None:
+        raise local
+    failed = [f"rank {ranks[i]}: {f}" for i, (_, _, f) in enumerate(gathered) if f is not None]
+    if failed:
+        raise ValueError(
+            "ExpertParallel: the layer was refused on other expert-parallel ranks of "
+            f"{ranks}: " + "; ".join(failed)
+        )
+    ref_digest, ref_fields, _ = gathered[0]
     diffs = []
-    for i, (d, f) in enumerate(gathered):
+    for i, (d, f, _) in enumerate(gathered):
         if d == ref_digest:
             continue
         keys = sorted(set(f) | set(ref_fields), key=str)
@@ -520,7 +540,12 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(pname, nn.Parameter(local, requires_grad=p.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        experts, num_experts = self._check(module, device_mesh)
+        try:
+            experts, num_experts = self._check(module, device_mesh)
+        except Exception as e:  # every rank learns of it, then it raises (a mesh of
+            if device_mesh.ndim == 1:  # another shape fails alike everywhere: no group)
+                _check_same_config(module, device_mesh.get_group(), self, e)
+            raise
         group = device_mesh.get_group()
         _check_same_config(module, group, self)
         distribute_module(experts, device_mesh, partition_fn=self._partition)
