@@ -83,7 +83,32 @@ class TestEPCompose(DTensorTestBase):
     def test_fsdp2_2d_and_dcp_resharding(self):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
         self.check_fsdp2_2d(mesh)
+        self.check_fsdp2_refuses_what_it_cannot_gather(mesh)
         self.check_dcp_resharding(mesh)
+
+    def check_fsdp2_refuses_what_it_cannot_gather(self, mesh):
+        # chunks' weights split before the experts' forward, and the low-latency exchange's
+        # forward_tokens: FSDP2 gathers nothing there, and the shard's shapes failed
+        # further in ("split_weights: chunks must ... cover the 1 local experts")
+        x = _batch(self.world_size)[0][:T]
+        for style, what in (
+            (ExpertParallel(num_chunks=2), "num_chunks=2"),
+            (ExpertParallel(mode="low_latency", max_tokens_per_rank=T), "mode='low_latency'"),
+        ):
+            net = Net(seed=0)
+            parallelize_module(net.moe, mesh["ep"], style)
+            fully_shard(net.moe.experts, mesh=mesh["dp"])
+            if what != "num_chunks=2":
+                net.eval()
+            with (
+                self.subTest(what),
+                torch.inference_mode(what != "num_chunks=2"),
+                self.assertRaisesRegex(
+                    NotImplementedError,
+                    rf"MoE: ExpertParallel\({what}\) with fully_shard on the experts",
+                ),
+            ):
+                net(x)
 
     def check_fsdp2_2d(self, mesh):
         ref = Net(seed=0)

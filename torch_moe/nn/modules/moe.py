@@ -76,6 +76,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torch_moe import ops
@@ -774,6 +775,18 @@ def _row_bias(y: Tensor, b: Tensor, experts: Tensor, w: Tensor) -> Tensor:
     return (y.to(acc) + term).to(y.dtype)
 
 
+def _check_not_fully_sharded(experts: nn.Module, what: str) -> None:
+    """These expert-parallel paths read the experts' weights outside the experts' own
+    forward (split into chunks before it; ``forward_tokens``), where FSDP2's hooks do not
+    gather them: a clear error instead of the shard's shapes failing further in."""
+    if isinstance(experts, FSDPModule):
+        raise NotImplementedError(
+            f"MoE: ExpertParallel({what}) with fully_shard on the experts is not supported "
+            "(FSDP2 gathers their weights in their forward, which this path does not call); "
+            "use num_chunks=1 and mode='training' there"
+        )
+
+
 def _storage_owner(p: Tensor) -> Tensor:
     """The tensor whose identity and version counter key a cached weight quantization: the
     parameter, or for a DTensor parameter its local shard (the same object every call)."""
@@ -1250,6 +1263,7 @@ class MoE(nn.Module):
                 out = out + shared
             return out.view(*shape[:-1], self.dim)
         if getattr(dispatcher, "mode", "training") == "low_latency":
+            _check_not_fully_sharded(self.experts, "mode='low_latency'")
             y_perm = dispatcher.run_low_latency(  # type: ignore[operator]
                 self.experts, x_TD, ids_TK, perm, row_w
             )
@@ -1336,7 +1350,10 @@ class MoE(nn.Module):
         chunks: list[tuple[int, int]] = list(dispatcher.chunks)  # type: ignore[arg-type]
         # several chunks: the local weights split once (``split_weights``); one chunk keeps
         # its expert_range slice, which the compiler's chunk pass re-bounds per chunk
-        split = self.experts.split_weights(chunks) if len(chunks) > 1 else None
+        split = None
+        if len(chunks) > 1:
+            _check_not_fully_sharded(self.experts, f"num_chunks={len(chunks)}")
+            split = self.experts.split_weights(chunks)
         for c, chunk in enumerate(chunks):
             x_c, w_c, offs_c = dispatcher.dispatch(x_perm, row_w, counts, chunk)  # type: ignore[operator]
             if c == 0 and with_shared:
