@@ -298,6 +298,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
+    error: BaseException | None = None
     try:
         msd, osd = get_state_dict(model, opt)
         with _single_process_dcp():
@@ -311,10 +312,22 @@ def save_checkpoint(
                 json.dump(run, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-    except BaseException:
+    except BaseException as e:
+        error = e
+    # rank 0's own writes can fail alone: every rank learns whether any failed before the
+    # checkpoint replaces the last one (a rank that returned while rank 0 raised went on
+    # to the next step's collectives against rank 0's handler's)
+    failed = [None if error is None else repr(error)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, None if error is None else repr(error))
+    if error is not None or any(failed):
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if error is not None:
+            raise error
+        others = "; ".join(f"rank {r}: {f}" for r, f in enumerate(failed) if f)
+        raise RuntimeError(f"save_checkpoint: the save failed on another rank ({others})")
     if rank0:
         if final.exists():
             shutil.rmtree(prev, ignore_errors=True)

@@ -19,7 +19,9 @@ EP=1 (plain tensors, ``no_dist=True``) and at EP=4, and a forward there gives th
 outputs of the original model.
 """
 
+import contextlib
 import copy
+import json
 
 import torch
 import torch.distributed as dist
@@ -206,6 +208,59 @@ class TestEPCompose(DTensorTestBase):
             self.assertTrue(torch.equal(got, expected), msg=key)
         with torch.no_grad():
             self.assertTrue(torch.equal(net1(x_all), out_ref))
+
+
+class TestCheckpointEP(DTensorTestBase):
+    """The training example's checkpoint at EP=2: a failure of rank 0's own writes (after
+    every rank's DCP shards) raises on every rank and keeps the previous checkpoint."""
+
+    @property
+    def world_size(self):
+        return 2
+
+    def _spawn_processes(self):
+        self._start_processes(worker_context().Process)
+
+    @with_comms
+    @with_temp_dir
+    def test_rank0_failure_raises_everywhere(self):
+        import sys
+        from pathlib import Path
+        from unittest import mock
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        import train_moe_lm
+
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(0)
+        moe = MoE(D, F, E, K)
+        parallelize_module(moe, mesh, ExpertParallel())
+        opt = torch.optim.SGD(moe.parameters(), lr=0.1)
+        out = Path(self.temp_dir)
+        first = train_moe_lm.save_checkpoint(out, moe, opt, {"step": 1}, {"run": 1})
+
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        # (rank 0 alone writes config.json; a rank that returned while it raised went on to
+        # the next step's collectives against rank 0's error handling)
+        with (
+            mock.patch.object(train_moe_lm.json, "dump", full_disk)
+            if self.rank == 0
+            else (contextlib.nullcontext())
+        ):
+            with self.assertRaisesRegex(
+                OSError if self.rank == 0 else RuntimeError,
+                "No space left on device"
+                if self.rank == 0
+                else r"the save failed on another rank \(rank 0: OSError\(28",
+            ):
+                train_moe_lm.save_checkpoint(out, moe, opt, {"step": 2}, {"run": 2})
+        dist.barrier()
+        names = sorted(p.name for p in out.iterdir() if "checkpoint" in p.name)
+        self.assertEqual(names, ["checkpoint"])
+        self.assertEqual(json.loads((first / "config.json").read_text()), {"run": 1})
+        dist.barrier()  # (with_temp_dir removes the directory as each rank leaves)
 
 
 if __name__ == "__main__":
