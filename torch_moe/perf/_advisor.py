@@ -267,7 +267,8 @@ def advise(
         raise ValueError(f"advise: gpus_per_node must be a positive integer, got {gpn!r}")
     if memory_limit is not None and not memory_limit > 0:  # (NaN too)
         raise ValueError(
-            f"advise: memory_limit must be > 0 bytes (math.inf: no limit) or None, got {memory_limit}"
+            "advise: memory_limit must be > 0 bytes (math.inf: no limit) or None, got "
+            f"{memory_limit}"
         )
     limit = memory_limit if memory_limit is not None else hardware.memory_capacity or math.inf
     precs = precisions if precisions is not None else ["bf16", *sorted(RECIPES)]
