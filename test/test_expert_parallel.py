@@ -284,6 +284,15 @@ class TestExpertParallel2(_EPClass):
             load = moe.update_expert_bias(0.01)
         self.assertEqual(comm.get_total_counts(), 0)
         self.assertEqual(load, local)
+        # a group without this rank: refused (torch's all_reduce only warned, and the bias
+        # moved by this rank's own load)
+        groups = [dist.new_group([r]) for r in range(self.world_size)]  # (collective)
+        not_mine = groups[1 - self.rank]
+        moe(torch.randn(4, DIM))
+        with self.assertRaisesRegex(
+            ValueError, rf"update_expert_bias: this rank \({self.rank}\) is not in group"
+        ):
+            moe.update_expert_bias(0.01, group=not_mine)
 
     def test_chunks_p2p(self):
         self.check_matches_single_process(
@@ -626,6 +635,12 @@ class TestExpertParallel2(_EPClass):
         style = ExpertParallel(exchange="all_to_all" if self.rank else "p2p")
         with self.assertRaisesRegex(
             ValueError, r"rank 1: ExpertParallel.exchange='all_to_all' \(rank 0: 'p2p'\)"
+        ):
+            parallelize_module(make_moe(), mesh, style)
+        # or weights from rank 0 on one rank, their own on the other
+        style = ExpertParallel(src_data_rank=None if self.rank else 0)
+        with self.assertRaisesRegex(
+            ValueError, r"rank 1: ExpertParallel.src_data_rank='None' \(rank 0: '0'\)"
         ):
             parallelize_module(make_moe(), mesh, style)
         with self.assertRaisesRegex(ValueError, r"num_chunks \(5\) must be at most .* = 4"):

@@ -329,6 +329,7 @@ def _config_fingerprint(moe: Any, style: ExpertParallel) -> dict[str, Any]:
         "mode",
         "max_tokens_per_rank",
         "microbatches",
+        "src_data_rank",  # (where the weights come from: one rank's, or each rank's own)
     ):
         fields[f"ExpertParallel.{name}"] = str(getattr(style, name))
     return fields

@@ -1421,6 +1421,13 @@ class MoE(nn.Module):
             raise ValueError(f"MoE.update_expert_bias: rate must be finite and >= 0, got {rate!r}")
         load = self.tokens_per_expert.to(torch.float32)
         if group is not None:
+            # (not a member: torch's all_reduce only warns, and the bias would move by
+            # this rank's own load, apart from the group's)
+            if torch.distributed.get_rank(group) < 0:
+                raise ValueError(
+                    f"MoE.update_expert_bias: this rank ({torch.distributed.get_rank()}) is "
+                    f"not in group {group}"
+                )
             torch.distributed.all_reduce(load, group=group)
         bias = self.router.expert_bias
         bias += rate * torch.sign(load.mean() - load)
