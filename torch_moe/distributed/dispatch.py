@@ -714,20 +714,3 @@ def _(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -> list
     else:
         rows = num_rows
     return [t.new_empty((rows, *t.shape[1:])) for t in like]
-
-
-# Every exchange is a collective: the other ranks wait for this rank's part whether or not
-# this rank uses what it receives. Marked side-effectful (torch.fx.node.has_side_effect),
-# so that no dead-code elimination drops one: a rank of no tokens, compiled by Inductor for
-# that size, ran none of its exchanges, and the other ranks waited in theirs until the
-# process group's timeout.
-EXCHANGE_OPS = (
-    "ep_dispatch",
-    "ep_dispatch_backward",
-    "ep_combine",
-    "ep_combine_backward",
-    "ep_start",
-    "ep_wait",
-)
-for _name in EXCHANGE_OPS:
-    torch.fx.node.has_side_effect(getattr(torch.ops.torch_moe, _name).default)
