@@ -179,7 +179,7 @@ class TestEPCompose(DTensorTestBase):
         # load at EP=4 into a differently initialized model: bitwise equal, same outputs
         net4 = Net(seed=4)
         mesh4 = init_device_mesh("cpu", (self.world_size,))
-        parallelize_module(net4.moe, mesh4, ExpertParallel(src_data_rank=None))
+        parallelize_module(net4.moe, mesh4, ExpertParallel(), src_data_rank=None)
         sd4 = net4.state_dict()
         self.assertFalse(torch.equal(sd4["moe.experts.w2"].full_tensor(), ref_sd["moe.experts.w2"]))
         dcp.load(sd4, checkpoint_id=self.temp_dir)

@@ -637,12 +637,13 @@ class TestExpertParallel2(_EPClass):
             ValueError, r"rank 1: ExpertParallel.exchange='all_to_all' \(rank 0: 'p2p'\)"
         ):
             parallelize_module(make_moe(), mesh, style)
-        # or weights from rank 0 on one rank, their own on the other
-        style = ExpertParallel(src_data_rank=None if self.rank else 0)
+        # or weights from rank 0 on one rank, their own on the other (parallelize_module
+        # sets the style's src_data_rank from its own argument)
         with self.assertRaisesRegex(
             ValueError, r"rank 1: ExpertParallel.src_data_rank='None' \(rank 0: '0'\)"
         ):
-            parallelize_module(make_moe(), mesh, style)
+            src = None if self.rank else 0
+            parallelize_module(make_moe(), mesh, ExpertParallel(), src_data_rank=src)
         with self.assertRaisesRegex(ValueError, r"num_chunks \(5\) must be at most .* = 4"):
             parallelize_module(make_moe(), mesh, ExpertParallel(num_chunks=5))
         with self.assertRaisesRegex(ValueError, r"node_size \(3\) must divide .* \(2\)"):

@@ -403,6 +403,8 @@ class ExpertParallel(ParallelStyle):
             all-to-all; must divide the EP degree; ``exchange="all_to_all"``).
         src_data_rank: the rank whose full expert weights are scattered to the shards
             (default 0); None keeps each rank's own slice (no communication).
+            ``parallelize_module`` sets it from its own ``src_data_rank=`` argument (0 by
+            default), as for torch's styles: pass it there.
         exchange: ``"p2p"`` (the default without ``node_size``) or ``"all_to_all"``.
         mode: ``"training"`` (the exchanges above, everywhere) or ``"low_latency"``: in eval
             mode without autograd the layer exchanges fixed-size buffers of
