@@ -518,7 +518,7 @@ class TestGatherGroupedMM(TestCase):
             w = torch.randn(4, 8, 16, generator=g).to(dtype).transpose(1, 2)
             w = w if transposed else w.contiguous()
             grad = torch.randn(4, 8, generator=g).to(dtype)
-            with self.subTest(dtype=dtype, transposed=transposed, forced=bool(decisions)):
+            with self.subTest(dtype=str(dtype), transposed=transposed, forced=bool(decisions)):
                 with _cpu_probe.force(**decisions):
                     self._assert_same_as_two_ops(perm, x, w, grad)
                 ww = w.detach().clone().requires_grad_()
