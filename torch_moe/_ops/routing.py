@@ -59,6 +59,15 @@ SIGMOID_SCORES = ("sigmoid", "sigmoid_topk")  # the weights are the chosen logit
 GROUP_SCORES = ("top2_sum", "max")
 
 
+def check_logits(where: str, logits: Tensor) -> None:
+    """Router logits [T, E] of a floating dtype (``topk_route`` and the layer's losses)."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"{where}: expected logits to be a 2D floating-point tensor [T, E], "
+            f"got {logits.dim()}D {logits.dtype}"
+        )
+
+
 def _check_inputs(
     logits: Tensor,
     k: int,
@@ -71,11 +80,7 @@ def _check_inputs(
     route_norm_eps: float,
 ) -> None:
     """Shape/dtype/config checks shared by the real and the fake kernel."""
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(
-            "topk_route: expected logits to be a 2D floating-point tensor [T, E], "
-            f"got {logits.dim()}D {logits.dtype}"
-        )
+    check_logits("topk_route", logits)
     num_experts = logits.shape[1]
     if num_experts < 1:
         raise ValueError(

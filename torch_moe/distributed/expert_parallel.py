@@ -545,8 +545,10 @@ class ExpertParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         try:
             experts, num_experts = self._check(module, device_mesh)
-        except Exception as e:  # every rank learns of it, then it raises (a mesh of
-            if device_mesh.ndim == 1:  # another shape fails alike everywhere: no group)
+        except Exception as e:
+            # every rank learns of it, then it raises (a mesh of another shape fails alike
+            # on every rank, and has no one group)
+            if device_mesh.ndim == 1:
                 _check_same_config(module, device_mesh.get_group(), self, e)
             raise
         group = device_mesh.get_group()

@@ -96,11 +96,7 @@ def _check_loss_inputs(
 ) -> None:
     """The load-balancing losses' checks: logits [T, E] of a floating dtype, a positive
     integer top_k, a known score_func (each named, with its value, in the message)."""
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(
-            f"{name}: expected logits to be a 2D floating-point tensor [T, E], "
-            f"got {logits.dim()}D {logits.dtype}"
-        )
+    _routing.check_logits(name, logits)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"{name}: top_k must be a positive integer, got {top_k!r}")
     if score_func is not None and score_func not in _routing.SCORE_FUNCS:

@@ -271,14 +271,13 @@ def advise(
             f"{memory_limit}"
         )
     limit = memory_limit if memory_limit is not None else hardware.memory_capacity or math.inf
-    precs = precisions if precisions is not None else ["bf16", *sorted(RECIPES)]
+    valid = ["bf16", *sorted(RECIPES)]
+    precs = precisions if precisions is not None else valid
     for p in precs:
-        if p != "bf16" and p not in RECIPES:
-            raise ValueError(
-                f"advise: unknown precision {p!r}; valid: {['bf16', *sorted(RECIPES)]}"
-            )
+        if p not in valid:
+            raise ValueError(f"advise: unknown precision {p!r}; valid: {valid}")
     space = dict(space or {})
-    _check_space(space, precisions=["bf16", *sorted(RECIPES)])
+    _check_space(space, precisions=valid)
     candidates: list[Candidate] = []
     for strategy, nodes in _strategies(workload, world_size, gpn, precs, allow_drop, space):
         tokens = workload.tokens

@@ -307,10 +307,10 @@ class Hardware:
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "gpu"):
             raise ValueError(f"Hardware: kind must be 'cpu' or 'gpu', got {self.kind!r}")
-        if not self.mem_bandwidth > 0:
-            raise ValueError(f"Hardware: mem_bandwidth must be > 0, got {self.mem_bandwidth}")
         if not 0 < self.mem_bandwidth < math.inf:
-            raise ValueError(f"Hardware: mem_bandwidth must be finite, got {self.mem_bandwidth}")
+            raise ValueError(
+                f"Hardware: mem_bandwidth must be finite and > 0, got {self.mem_bandwidth}"
+            )
         # (a memory_capacity of 0: unknown, no limit)
         for name in ("memory_capacity", "launch_overhead", "reference_probe"):
             value = getattr(self, name)
