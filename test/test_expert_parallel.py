@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -459,6 +460,40 @@ class TestExpertParallel2(_EPClass):
         parallelize_module(eager, self.mesh(), ExpertParallel(num_chunks=2))
         self.assertEqual(got, eager(x), atol=1e-6, rtol=1e-5)
 
+    def test_compile_inductor_rank_without_tokens(self):
+        """Inductor end to end with a rank that holds no tokens (the other rank's tokens
+        still reach its experts), once with the passes and two chunks and once plain: on
+        that rank every output and input gradient is empty, so Inductor read none of the
+        backward dispatch's outputs and dropped the exchange, and the peer waited for it
+        until the group's timeout. Now each step completes and equals eager EP (to
+        Inductor's rounding of the router and the shared expert)."""
+        for options, chunks in ((TI.options(ep_chunks=2), 2), (None, 1)):
+            torch._dynamo.reset()
+            base = make_moe(shared_hidden_dim=8)
+            moe, eager = copy.deepcopy(base), copy.deepcopy(base)
+            parallelize_module(moe, self.mesh(), ExpertParallel())
+            parallelize_module(eager, self.mesh(), ExpertParallel(num_chunks=chunks))
+            compiled = torch.compile(moe, fullgraph=True, options=options)
+            gen = torch.Generator().manual_seed(11 + self.rank)
+            # the FX graph cache could serve code lowered before the fix: compile afresh
+            no_graph_cache = inductor_config.patch(fx_graph_cache=False)
+            with no_graph_cache, functorch_config.patch(enable_autograd_cache=False):
+                for step, tokens in enumerate(((7, 0), (0, 6))):
+                    msg = f"options={options is not None} step {step} tokens {tokens}"
+                    xs = [torch.randn(tokens[self.rank], DIM, generator=gen)] * 2
+                    xs = [x.clone().requires_grad_() for x in xs]
+                    got, ref = compiled(xs[0]), eager(xs[1])
+                    self.assertEqual(got, ref, atol=1e-6, rtol=1e-5, msg=msg)
+                    got.pow(2).sum().backward()
+                    ref.pow(2).sum().backward()
+                    self.assertEqual(xs[0].grad, xs[1].grad, atol=1e-6, rtol=1e-5, msg=msg)
+                    for (name, p), q in zip(
+                        moe.named_parameters(), eager.parameters(), strict=True
+                    ):
+                        self.assertEqual(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=f"{msg} {name}")
+                    moe.zero_grad()
+                    eager.zero_grad()
+
     def test_compile_overlap_schedule(self):
         """The EP overlap pass on the post-grad graphs of a layer traced with two chunks."""
         self.check_overlap_schedule(style_chunks=2, pass_chunks=1)
@@ -811,6 +846,52 @@ class TestExpertParallelDevice(TestCase):
                             self.assertGreater(sqnr.item(), 25.0)
             finally:
                 dist.destroy_process_group()
+
+
+class TestExchangeLowering(TestCase):
+    def test_fake_kernels_register_exchange_lowerings(self):
+        """A plain torch.compile (no torch_moe._inductor.options) gets the exchanges'
+        side-effecting lowerings too: their fake kernels register them once Inductor's
+        lowering module is loaded, and not before (a fresh process)."""
+        script = """if True:
+            import sys, torch
+            import torch_moe.distributed.dispatch
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            ops = torch.ops.torch_moe
+            with FakeTensorMode():  # Inductor not loaded: nothing registered
+                ops.ep_start([torch.empty(4, 8)], torch.zeros(4, dtype=torch.int64), "0",
+                             4, 0, 2, "p2p", 0, "dispatch", False, -1)
+            assert "torch_moe._inductor.lowering" not in sys.modules
+            import torch._inductor.lowering as L
+            from torch_moe._inductor.lowering import EXCHANGE_OPS
+            assert not any(op in L.lowerings for op in EXCHANGE_OPS)
+            with FakeTensorMode():
+                ops.ep_start([torch.empty(4, 8)], torch.zeros(4, dtype=torch.int64), "0",
+                             4, 0, 2, "p2p", 0, "dispatch", False, -1)
+            assert all(op in L.lowerings for op in EXCHANGE_OPS), "not registered"
+            print("ok")
+        """
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(out.returncode, 0, msg=out.stderr[-3000:])
+        self.assertEqual(out.stdout.strip(), "ok")
+
+    def test_exchange_kernel_has_side_effects(self):
+        """The exchanges lower to ExchangeKernel, which the scheduler never drops."""
+        import torch._inductor.lowering as L
+
+        from torch_moe._inductor.lowering import (
+            EXCHANGE_OPS,
+            ExchangeKernel,
+            register_lowerings,
+        )
+
+        register_lowerings()
+        self.assertTrue(ExchangeKernel.has_side_effects(object.__new__(ExchangeKernel)))
+        for op in EXCHANGE_OPS:
+            self.assertIn(op, L.lowerings, msg=str(op))
+            self.assertFalse(getattr(L.lowerings[op], "_is_fallback_handler", False), msg=str(op))
 
 
 class TestLaunchRetry(TestCase):

@@ -8,6 +8,20 @@ implicit fallback for custom ops) keeps its source in :class:`~torch_moe._induct
 MoEGraphPass`'s ``uuid()``, so the FX graph cache never serves code lowered by an older
 version.
 
+The expert-parallel exchanges (``torch_moe::ep_dispatch``, ``ep_combine``, their backwards,
+``ep_start`` and ``ep_wait``) lower to :class:`ExchangeKernel`, the same extern call marked as
+having side effects. Inductor's scheduler drops an extern kernel none of whose outputs is
+read, and on a rank that holds no tokens every output of an exchange back to the tokens is
+empty: the zero-size gradient of the input is computed without reading anything, so the
+exchange that would produce it (``dispatch backward``) looked dead and was dropped, and the
+peers waited for it forever. A collective is never dead code on one rank only. (Marking
+the ops side-effectful for every FX pass instead, ``torch.fx.node.has_side_effect``, makes
+AOTAutograd's partitioner treat them as impure and keep the forward's exchanges in the
+backward graph too.) These lowerings are registered with the grouped GEMMs' and, for a
+``torch.compile`` that does not use :func:`torch_moe._inductor.options`, by the exchanges'
+fake kernels as soon as Inductor's lowering module is loaded (that is, before the graph
+they trace for an Inductor compile is lowered).
+
 NB (CUDA templates): Triton templates of the persistent grouped GEMM, offered next to
 torch's ``tuned_grouped_mm`` and the extern kernel through ``autotune_select_algorithm``,
 need a CUDA device to render and benchmark; they are not part of this module yet (see
@@ -16,10 +30,23 @@ RFC-0003 for where they plug into ``_tuned_grouped_mm_common``).
 
 from __future__ import annotations
 
-import torch
-from torch._inductor import lowering as L
+from typing import Any
 
-__all__ = ["LOWERED_OPS", "register_lowerings"]
+import torch
+import torch.utils._pytree as pytree
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._library.utils import get_layout_constraint_tag
+
+import torch_moe.distributed.dispatch  # noqa: F401  (defines the exchange ops)
+
+__all__ = [
+    "EXCHANGE_OPS",
+    "LOWERED_OPS",
+    "ExchangeKernel",
+    "register_exchange_lowerings",
+    "register_lowerings",
+]
 
 _ops = torch.ops.torch_moe
 
@@ -30,12 +57,57 @@ LOWERED_OPS = (
     _ops.scaled_grouped_mm_wgrad.default,
 )
 
+EXCHANGE_OPS = (
+    _ops.ep_dispatch.default,
+    _ops.ep_dispatch_backward.default,
+    _ops.ep_combine.default,
+    _ops.ep_combine_backward.default,
+    _ops.ep_start.default,
+    _ops.ep_wait.default,
+)
+
 _registered = False
+_exchanges_registered = False
+
+
+class ExchangeKernel(ir.FallbackKernel):
+    """The extern call of an expert-parallel exchange, kept by the scheduler even where no
+    output is read (module doc): every rank of the group must take part."""
+
+    def has_side_effects(self) -> bool:
+        return True
+
+
+def _exchange_handler(op: torch._ops.OpOverload) -> Any:
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        out = ExchangeKernel.create(op, *args, **kwargs)
+        return pytree.tree_map(
+            lambda x: x.wrap_for_lowering() if isinstance(x, ir.IRNode) else x, out
+        )
+
+    return handler
+
+
+def register_exchange_lowerings() -> None:
+    """Lower the expert-parallel exchanges to :class:`ExchangeKernel` (idempotent)."""
+    global _exchanges_registered
+    if _exchanges_registered:
+        return
+    for op in EXCHANGE_OPS:
+        # as Inductor's implicit fallback would: inputs realized, the op's (default) layout
+        # constraint kept
+        L.add_needs_realized_inputs(op)
+        constraint = L.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        if constraint is not None:
+            L.add_layout_constraint(op, constraint)
+        L.register_lowering(op, type_promotion_kind=None)(_exchange_handler(op))
+    _exchanges_registered = True
 
 
 def register_lowerings() -> None:
     """Register the lowerings (idempotent)."""
     global _registered
+    register_exchange_lowerings()
     if _registered:
         return
     for op in LOWERED_OPS:

@@ -40,6 +40,7 @@ rank and the group.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -318,6 +319,26 @@ def _wire(t: Tensor) -> Tensor:
 # the ops
 
 
+_LOWERED = [False]
+
+
+def _lower_as_collective() -> None:
+    """Called by the exchanges' fake kernels: in a process where Inductor is loaded (so the
+    graph being traced may be lowered by it), lower the exchanges as kernels with side
+    effects (:mod:`torch_moe._inductor.lowering`) so that no rank's compiled code drops one
+    whose outputs it does not read. Imports with every dispatch mode (fake, proxy)
+    disabled."""
+    if _LOWERED[0] or "torch._inductor.lowering" not in sys.modules:
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        from torch_moe._inductor.lowering import register_exchange_lowerings
+
+        register_exchange_lowerings()
+    _LOWERED[0] = True
+
+
 def _check(
     name: str,
     x: Tensor,
@@ -389,6 +410,7 @@ def _(
     node_size: int,
     fp8: bool,
 ) -> tuple[Tensor, Tensor]:
+    _lower_as_collective()
     _check("ep_dispatch", x, counts, num_experts, chunk_start, chunk_end, exchange, node_size)
     rows = torch.library.get_ctx().new_dynamic_size()  # N: known only from the counts
     w = x.new_empty((0,)) if row_weights is None else row_weights.new_empty((rows,))
@@ -432,6 +454,7 @@ def _(
     node_size: int,
     num_rows: int,
 ) -> tuple[Tensor, Tensor]:
+    _lower_as_collective()
     _check(
         "ep_dispatch_backward",
         grad_x,
@@ -476,6 +499,7 @@ def _(
     node_size: int,
     num_rows: int,
 ) -> Tensor:
+    _lower_as_collective()
     _check("ep_combine", y, counts, num_experts, chunk_start, chunk_end, exchange, node_size)
     return y.new_empty((num_rows, y.shape[1]))
 
@@ -519,6 +543,7 @@ def _(
     node_size: int,
     num_recv: int,
 ) -> Tensor:
+    _lower_as_collective()
     _check(
         "ep_combine_backward",
         grad,
@@ -683,6 +708,7 @@ def _(
     fp8: bool,
     num_rows: int,
 ) -> Tensor:
+    _lower_as_collective()
     _check("ep_start", tensors[0], counts, num_experts, chunk_start, chunk_end, exchange, node_size)
     return counts.new_empty((1,))
 
@@ -709,6 +735,7 @@ def ep_wait(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -
 
 @ep_wait.register_fake
 def _(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -> list[Tensor]:
+    _lower_as_collective()
     if _DIRECTION_TO_OWNERS.get(direction, False):
         rows = torch.library.get_ctx().new_dynamic_size() if num_rows < 0 else num_rows
     else:
