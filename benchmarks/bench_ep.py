@@ -190,7 +190,8 @@ def ep_dispatch_combine(
     dispatcher = make_ep_moe(dim, 16, num_experts, k, dtype, **style).dispatcher
 
     def fwd(x: Tensor, offs: Tensor, row_weights: Tensor | None = None) -> Tensor:
-        counts = dispatcher.plan(offs)
+        grads = x.requires_grad or (row_weights is not None and row_weights.requires_grad)
+        counts = dispatcher.plan(offs, x, torch.is_grad_enabled() and grads)
         y = None
         for chunk in dispatcher.chunks:
             x_c, _w_c, _offs_c = dispatcher.dispatch(x, row_weights, counts, chunk)

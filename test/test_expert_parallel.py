@@ -688,6 +688,33 @@ class TestExpertParallel2(_EPClass):
         with self.assertRaisesRegex(ValueError, "already parallelized"):
             parallelize_module(moe, mesh, ExpertParallel())
 
+    def test_ranks_in_different_modes(self):
+        """Rank 1 under bf16 autocast (its rows travel in bf16: gloo aborted the process on
+        the size mismatch) or under no_grad (the peer then waited in a backward exchange
+        that never came): every rank raises at the first dispatch, naming each rank's mode,
+        and the group stays usable (no row moved)."""
+        moe = make_moe()
+        parallelize_module(moe, self.mesh(), ExpertParallel())
+        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(self.rank))
+        for on_rank_1, want in (
+            (torch.autocast("cpu", torch.bfloat16), r"rank 1: bfloat16 rows, autograd recording"),
+            (torch.no_grad(), r"rank 1: float32 rows, no autograd"),
+        ):
+            ctx = on_rank_1 if self.rank == 1 else contextlib.nullcontext()
+            with (
+                self.assertRaisesRegex(
+                    RuntimeError,
+                    r"different modes \(rank 0: float32 rows, autograd recording; " + want + r"\)",
+                ),
+                ctx,
+            ):
+                moe(x)
+        # the same mode on both: a step runs (and its backward's exchanges)
+        with torch.autocast("cpu", torch.bfloat16):
+            y = moe(x)
+        y.float().sum().backward()
+        self.assertIsNotNone(moe.experts.w13.grad)
+
 
 class TestExpertParallel4(_EPClass):
     world_size = 4

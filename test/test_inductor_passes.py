@@ -732,8 +732,9 @@ class TestEPChunkPass(TestCase):
             self.assertEqual(TI.counters()["ep_chunk_skipped"], skipped, msg=kwargs)
 
     def test_chunk_offsets_op(self):
-        counts = torch.tensor([3, 1, 0, 2, 4, 0, 1, 1, 2, 0, 5, 1, 3, 1, 0, 2])  # E=8, R=2
-        recv = counts[8:].view(2, 4)
+        # E=8, R=2: send_E [8], recv_RL [2, 4], the two ranks' modes (not read here)
+        counts = torch.tensor([3, 1, 0, 2, 4, 0, 1, 1, 2, 0, 5, 1, 3, 1, 0, 2, 257, 257])
+        recv = counts[8:16].view(2, 4)
         for l0, l1 in ((0, 4), (1, 3), (3, 4)):
             want = recv[:, l0:l1].sum(0).cumsum(0).to(torch.int32)
             self.assertEqual(chunk_offsets(counts, 8, 2, l0, l1), want, **EXACT)
@@ -745,9 +746,11 @@ class TestEPChunkPass(TestCase):
         ):
             chunk_offsets(counts, 8, 3, 0, 1)
         with self.assertRaisesRegex(
-            ValueError, r"expected counts to be 1D int64 \[2 \* num_experts = 8\]"
+            ValueError, r"expected counts to be 1D int64 \[2 \* num_experts \+ world = 10\]"
         ):
             chunk_offsets(counts, 4, 2, 0, 1)
+        with self.assertRaisesRegex(ValueError, r"\[2 \* num_experts \+ world = 18\].*\[16\]"):
+            chunk_offsets(counts[:16], 8, 2, 0, 1)
 
     def test_uuid_and_enable(self):
         import torch._inductor.config as inductor_config

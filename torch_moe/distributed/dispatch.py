@@ -6,12 +6,17 @@ Legend: R expert-parallel ranks, E experts, El = E / R local experts, M rows of 
 permuted buffer (sorted by global expert), N rows this rank receives for a chunk of its
 local experts, D model dim.
 
-``counts`` (int64 [E + R*El], on the host) is the plan of one forward: this rank's rows per
-global expert (``send_E``, the group sizes of its permuted buffer), then the rows each
-source rank sends for each of this rank's local experts (``recv_RL``). The layer gets it
-from one all-to-all of ``send_E`` (``torch.distributed._functional_collectives``, traced
-like any collective) and one copy to the host; every op below reads its segment tables
-from it, so no op synchronizes with the device again.
+``counts`` (int64 [E + R*El + R], on the host) is the plan of one forward: this rank's rows
+per global expert (``send_E``, the group sizes of its permuted buffer), then the rows each
+source rank sends for each of this rank's local experts (``recv_RL``), then each rank's
+call mode (:func:`mode_word`: the dtype its dispatch sends and whether autograd records
+the exchanges). The layer gets it from one all-to-all of ``send_E`` and the mode
+(``torch.distributed._functional_collectives``, traced like any collective) and one copy
+to the host; every op below reads its segment tables from it, so no op synchronizes with
+the device again, and refuses a plan whose modes differ: every rank raises, naming each
+rank's mode, before any row moves (ranks in different autocast or grad modes would
+otherwise exchange rows of different sizes, which gloo aborts the process on, or leave
+the peers waiting for a backward that never comes).
 
 * ``ep_dispatch(x [M, D], row_weights [M]?, counts, ..., chunk [l0, l1)) -> (x_recv [N, D],
   w_recv [N])``: the rows of this rank's tokens for the local experts l0..l1-1 of every
@@ -81,8 +86,40 @@ class ChunkPlan:
     recv_counts: list[list[int]]  # [s][j]: rows from rank s for local expert l0 + j
 
 
+# the dtypes a mode word names (0: another)
+_MODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MODE_GRAD = 1 << 8
+
+
+def mode_word(dtype: torch.dtype, records_grad: bool) -> int:
+    """A rank's call mode in the plan: the dtype its dispatch sends the rows in and whether
+    autograd records the exchanges (so that their backwards will run)."""
+    code = _MODE_DTYPES.index(dtype) + 1 if dtype in _MODE_DTYPES else 0
+    return code | (_MODE_GRAD if records_grad else 0)
+
+
+def _describe_mode(word: int) -> str:
+    code = word & (_MODE_GRAD - 1)
+    dtype = str(_MODE_DTYPES[code - 1]).removeprefix("torch.") if code else "another dtype"
+    return f"{dtype} rows, " + ("autograd recording" if word & _MODE_GRAD else "no autograd")
+
+
+def _check_modes(modes: list[int], group: dist.ProcessGroup) -> None:
+    """Every rank of ``group`` called the layer in the same mode (the plan's tail)."""
+    if len(set(modes)) == 1:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    each = "; ".join(f"rank {r}: {_describe_mode(m)}" for r, m in zip(ranks, modes, strict=True))
+    raise RuntimeError(
+        f"ExpertParallel: the ranks called the layer in different modes ({each}); every rank "
+        "of the expert-parallel group must call it under the same autocast and grad mode "
+        "(the rows' sizes and the backward's exchanges follow them)"
+    )
+
+
 def chunk_plan(counts: Sequence[int], num_experts: int, world: int, l0: int, l1: int) -> ChunkPlan:
-    """The segment tables of chunk [l0, l1) from the plan ``counts`` (module doc)."""
+    """The segment tables of chunk [l0, l1) from the plan ``counts`` (module doc; the modes
+    at its end are not read here)."""
     El = num_experts // world
     send_E = list(counts[:num_experts])
     recv = [list(counts[num_experts + s * El : num_experts + (s + 1) * El]) for s in range(world)]
@@ -133,11 +170,11 @@ def _check_offsets_args(counts: Tensor, num_experts: int, world: int, l0: int, l
             f"ep_chunk_offsets: bad chunk [{l0}, {l1}) of {El} local experts "
             f"(num_experts={num_experts}, world={world})"
         )
-    if counts.dim() != 1 or counts.dtype != torch.int64 or counts.shape[0] != 2 * num_experts:
+    n = 2 * num_experts + world
+    if counts.dim() != 1 or counts.dtype != torch.int64 or counts.shape[0] != n:
         raise ValueError(
-            f"ep_chunk_offsets: expected counts to be 1D int64 [2 * num_experts = "
-            f"{2 * num_experts}] (the plan), got {counts.dim()}D {counts.dtype} "
-            f"{list(counts.shape)}"
+            f"ep_chunk_offsets: expected counts to be 1D int64 [2 * num_experts + world = "
+            f"{n}] (the plan), got {counts.dim()}D {counts.dtype} {list(counts.shape)}"
         )
 
 
@@ -145,7 +182,7 @@ def _check_offsets_args(counts: Tensor, num_experts: int, world: int, l0: int, l
 def ep_chunk_offsets(counts: Tensor, num_experts: int, world: int, l0: int, l1: int) -> Tensor:
     """:func:`chunk_offsets` (the op)."""
     _check_offsets_args(counts, num_experts, world, l0, l1)
-    recv_RL = counts[num_experts:].view(world, num_experts // world)
+    recv_RL = counts[num_experts : 2 * num_experts].view(world, num_experts // world)
     return recv_RL[:, l0:l1].sum(0).cumsum(0).to(torch.int32)
 
 
@@ -192,7 +229,14 @@ def _setup(
 ) -> _Setup:
     group = _resolve_process_group(group_name)  # type: ignore[arg-type]
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = chunk_plan(counts.tolist(), num_experts, world, l0, l1)
+    values = counts.tolist()
+    if len(values) != 2 * num_experts + world:
+        raise ValueError(
+            f"ExpertParallel: expected counts of 2 * num_experts + world = "
+            f"{2 * num_experts + world} values (the plan), got {len(values)}"
+        )
+    _check_modes(values[2 * num_experts :], group)
+    plan = chunk_plan(values, num_experts, world, l0, l1)
     return _Setup(group, world, rank, plan, l0, exchange, node_size)
 
 

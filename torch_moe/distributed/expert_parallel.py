@@ -53,8 +53,11 @@ order set by all the indices; a GEMM whose kernel the CPU probe picks per shape 
 
 Faults: ``num_experts`` not divisible by the EP degree raises before any collective; ranks
 whose configs differ (a fingerprint compared with ``all_gather_object``) raise on every rank
-naming the ranks and fields; a collective that fails or times out raises ``RuntimeError``
-naming the rank and the operation.
+naming the ranks and fields; ranks that call the layer in different modes (autocast dtype,
+grad mode: the plan carries each rank's) raise ``RuntimeError`` on every rank at the first
+exchange, naming each rank's mode (the training exchange; the low-latency one has no
+plan); a collective that fails or times out raises ``RuntimeError`` naming the rank and
+the operation.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torch_moe.distributed import dispatch as _dispatch  # noqa: F401  (registers the ops)
-from torch_moe.distributed.dispatch import chunk_bounds, chunk_offsets
+from torch_moe.distributed.dispatch import chunk_bounds, chunk_offsets, mode_word
 from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
 __all__ = ["ExpertParallel", "ExpertParallelDispatcher"]
@@ -92,7 +95,7 @@ class ExpertParallelDispatcher(nn.Module):
 
     The layer calls, per forward::
 
-        counts = dispatcher.plan(offs)                        # [E + R*El] int64, host
+        counts = dispatcher.plan(offs, x_perm, records_grad)  # [E + R*El + R] int64, host
         for l0, l1 in dispatcher.chunks:                      # local experts per chunk
             x_c, w_c, offs_c = dispatcher.dispatch(x_perm, row_w, counts, (l0, l1))
             y_c = experts(x_c, offs_c, w_c, expert_range=(l0, l1))
@@ -125,16 +128,32 @@ class ExpertParallelDispatcher(nn.Module):
         self.node_size = node_size or 0
         self.chunks = chunk_bounds(0, self.num_local, num_chunks)
 
-    def plan(self, offs: Tensor) -> Tensor:
+    def plan(self, offs: Tensor, x: Tensor, records_grad: bool) -> Tensor:
         """Rows per global expert on this rank, then rows per (source rank, local expert)
-        received: one all-to-all of E int64 and one copy to the host (the only sync)."""
+        received, then every rank's call mode (the dtype :meth:`dispatch` sends ``x`` in and
+        ``records_grad``: whether autograd records the exchanges): one all-to-all of E + R
+        int64 and one copy to the host (the only sync). The exchanges refuse a plan whose
+        modes differ (``dispatch.py``'s module doc)."""
+        R, El = self.world, self.num_local
         send_E = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
-        El = [self.num_local] * self.world
+        mode = mode_word(self._send_dtype(x), records_grad)
+        send = torch.cat([send_E.view(R, El), send_E.new_full((R, 1), mode)], 1).reshape(-1)
+        splits = [El + 1] * R
         recv = self._collective(
             "counts all_to_all",
-            lambda: funcol.wait_tensor(funcol.all_to_all_single(send_E, El, El, self.group_name)),
-        )
-        return torch.cat([send_E, recv]).cpu()
+            lambda: funcol.wait_tensor(
+                funcol.all_to_all_single(send, splits, splits, self.group_name)
+            ),
+        ).view(R, El + 1)
+        return torch.cat([send_E, recv[:, :El].reshape(-1), recv[:, El]]).cpu()
+
+    @staticmethod
+    def _send_dtype(x: Tensor) -> torch.dtype:
+        """The dtype :meth:`dispatch` sends ``x`` in: under autocast the experts compute in
+        the autocast dtype, so that is sent (the backward follows it)."""
+        if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
 
     def _collective(self, op: str, fn):  # type: ignore[no-untyped-def]
         """``fn()``, a collective of the group; in eager a failure or a timeout names this
@@ -151,9 +170,7 @@ class ExpertParallelDispatcher(nn.Module):
         """This rank's rows for the chunk's experts of every rank, and the rows received for
         its own: ``(x [N, D], row_weights [N] or None, offs [l1 - l0] int32)``."""
         l0, l1 = chunk
-        if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
-            # the experts compute in the autocast dtype: send that (the backward does too)
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        x = x.to(self._send_dtype(x))
         x_recv, w_recv = _ops.ep_dispatch(
             x, row_weights, counts, self.group_name, self.num_experts, l0, l1,
             self.exchange, self.node_size, self.fp8,

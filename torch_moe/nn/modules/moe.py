@@ -934,6 +934,18 @@ def _row_weights(weights_TK: Tensor, row_to_slot: Tensor, no_padding: bool) -> T
     return torch.where(row_to_slot >= 0, row_w, 0)
 
 
+def _records_grad(x_perm: Tensor, row_w: Tensor, experts: nn.Module) -> bool:
+    """Whether autograd records this forward's exchanges (so that their backwards run): the
+    expert-parallel plan carries it, and every rank must agree."""
+    if not torch.is_grad_enabled():
+        return False
+    return (
+        x_perm.requires_grad
+        or row_w.requires_grad
+        or any(p.requires_grad for p in experts.parameters())
+    )
+
+
 def _expert_dtype(x: Tensor, param: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -1307,7 +1319,7 @@ class MoE(nn.Module):
             perm = ops.permute_indices(ids_TK[rows], self.num_experts, align=align)
             x_perm = _perm.permute(x_TD[rows], perm.row_to_slot, perm.slot_to_row)
             row_w = _row_weights(weights_TK[rows], perm.row_to_slot, align == 1)
-            counts = d.plan(perm.offs)
+            counts = d.plan(perm.offs, x_perm, _records_grad(x_perm, row_w, self.experts))
             handle = d.dispatch_start(x_perm, row_w, counts, chunk)
             parts.append((perm, x_perm, row_w, counts, handle))
         combines = []
@@ -1344,7 +1356,8 @@ class MoE(nn.Module):
             maps = (perm.row_to_slot, perm.slot_to_row)
             return self.experts(x_TD, perm.offs, row_w, permutation=maps, combine=True), shared
         x_perm = _perm.permute(x_TD, perm.row_to_slot, perm.slot_to_row)
-        counts = dispatcher.plan(perm.offs)  # type: ignore[operator]
+        records = _records_grad(x_perm, row_w, self.experts)
+        counts = dispatcher.plan(perm.offs, x_perm, records)  # type: ignore[operator]
         y_perm: Tensor | None = None  # type: ignore[no-redef]
         shared = None
         chunks: list[tuple[int, int]] = list(dispatcher.chunks)  # type: ignore[arg-type]
