@@ -494,6 +494,29 @@ class TestExpertParallel2(_EPClass):
                     moe.zero_grad()
                     eager.zero_grad()
 
+    def test_compile_inductor_fp8_experts(self):
+        """FP8 experts under Inductor with the passes (options()): the received rows' count
+        is an unbacked SymInt, which the decomposition of the scaled GEMMs met in two
+        checks: rowwise's scale-row check asked "== 1" of it first (a data-dependent
+        guard: the compile failed), now decomposed; tensorwise's one whole-dim scale row
+        (none for no rows) is data-dependent indeed: its GEMMs stay extern calls
+        (``data_dependent_skipped``). Values equal eager EP (rank 1 holds no tokens)."""
+        for recipe, decomposed in (("fp8_rowwise", True), ("fp8_tensorwise", False)):
+            torch._dynamo.reset()
+            TI.reset_counters()
+            base = make_moe(precision=recipe)
+            moe, eager = copy.deepcopy(base), copy.deepcopy(base)
+            parallelize_module(moe, self.mesh(), ExpertParallel())
+            parallelize_module(eager, self.mesh(), ExpertParallel())
+            compiled = torch.compile(moe, fullgraph=True, options=TI.options())
+            x = torch.randn((6, 0)[self.rank], DIM, generator=torch.Generator().manual_seed(2))
+            no_graph_cache = inductor_config.patch(fx_graph_cache=False)
+            with no_graph_cache, functorch_config.patch(enable_autograd_cache=False):
+                self.check_step_bitwise(compiled, eager, (moe, eager), x, msg=recipe)
+            counts = TI.counters()
+            self.assertEqual(counts["decompose_scaled_gemms"] > 0, decomposed, msg=counts)
+            self.assertEqual(counts["data_dependent_skipped"] > 0, not decomposed, msg=counts)
+
     def test_compile_overlap_schedule(self):
         """The EP overlap pass on the post-grad graphs of a layer traced with two chunks."""
         self.check_overlap_schedule(style_chunks=2, pass_chunks=1)

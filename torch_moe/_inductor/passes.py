@@ -14,7 +14,9 @@ compositions of the originals):
    and wgrad ops in the backward) become the quantize ops and ``scaled_grouped_mm``
    (``_wgrad``) over quantized operands, for the GEMMs ``decomposable`` accepts (see
    :mod:`torch_moe.quantization.scaled_grouped_mm`; others stay whole: never a wrong
-   result).
+   result), and where the decomposition's shapes would depend on data (tensorwise's one
+   scale row, or none, over an expert-parallel layer's received rows, whose count is an
+   unbacked SymInt): those stay whole too (counter ``data_dependent_skipped``).
 2. ``cache_weight_quantization``: a quantization of an expert weight (a 3D graph input,
    through views and casts) becomes ``quantize_*_cached(weight, ...)``, recomputed only when
    the weight's version counter moves, i.e. once per optimizer step.
@@ -98,6 +100,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import insert_traced, is_op, val
@@ -156,6 +159,21 @@ def _replace(graph: fx.Graph, node: fx.Node, fn: Callable[..., Any], inputs: lis
     graph.erase_node(node)
 
 
+def _try_replace(
+    graph: fx.Graph, node: fx.Node, fn: Callable[..., Any], inputs: list[fx.Node]
+) -> bool:
+    """:func:`_replace`, or False (the graph untouched: the trace comes before any insert)
+    where tracing ``fn`` needs a data-dependent decision, e.g. the scale count of a
+    whole-dim quantization block over an expert-parallel layer's received rows (an unbacked
+    SymInt: one scale row, or none for no rows). The op then stays an extern call."""
+    try:
+        _replace(graph, node, fn, inputs)
+    except GuardOnDataDependentSymNode:
+        _COUNTERS["data_dependent_skipped"] += 1
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------------------
 # 1. decompose the high-precision scaled GEMM ops
 
@@ -169,24 +187,21 @@ def decompose_scaled_gemms(graph: fx.Graph) -> int:
             if decomposable(g):
                 dt = val(x).dtype
                 fn = functools.partial(_gemm, g=g, out_dtype=dt, transpose_b=False)
-                _replace(graph, node, fn, [x, w, offs])
-                count += 1
+                count += _try_replace(graph, node, fn, [x, w, offs])
         elif is_op(node, _ops.quantized_grouped_mm_dgrad):
             dy, w, offs, recipe = node.args
             g = get_recipe(recipe).dgrad
             if decomposable(g):
                 dt = val(dy).dtype
                 fn = functools.partial(_gemm, g=g, out_dtype=dt, transpose_b=True)
-                _replace(graph, node, fn, [dy, w, offs])
-                count += 1
+                count += _try_replace(graph, node, fn, [dy, w, offs])
         elif is_op(node, _ops.quantized_grouped_mm_wgrad):
             x, dy, offs, recipe = node.args
             g = get_recipe(recipe).wgrad
             if decomposable_wgrad(g):
                 dt = val(x).dtype
                 fn = functools.partial(_wgrad, g=g, out_dtype=dt)
-                _replace(graph, node, fn, [x, dy, offs])
-                count += 1
+                count += _try_replace(graph, node, fn, [x, dy, offs])
     return count
 
 
@@ -670,6 +685,7 @@ _COUNTERS: dict[str, int] = {
     "inline_glu": 0,
     "ep_chunks": 0,  # expert-parallel layers split into chunks (ep_chunk.py)
     "ep_chunk_skipped": 0,  # one-chunk layers that pass could not split
+    "data_dependent_skipped": 0,  # scaled GEMMs left whole (_try_replace)
 }
 
 

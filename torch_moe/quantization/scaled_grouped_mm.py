@@ -71,6 +71,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FP8, KERNEL_DTYPES
@@ -159,7 +160,14 @@ def _check_scaled(
         )
     ks = _block_count(fn, "block_k", block_k, K)
     ns = _block_count(fn, "block_n", block_n, N)
-    if scale_a.dim() != 2 or scale_a.shape[0] not in (1, M) or scale_a.shape[1] != ks:
+    # M may be an unbacked SymInt (expert-parallel rows): ask "== M" first, which a shared
+    # symbol answers without a guard (``in (1, M)`` asks "== 1" of it first)
+    rows = scale_a.shape[0] if scale_a.dim() == 2 else -1
+    if (
+        scale_a.dim() != 2
+        or not (guard_or_false(rows == M) or guard_or_false(rows == 1))
+        or (scale_a.shape[1] != ks)
+    ):
         raise ValueError(
             f"{fn}: block_k={block_k} needs scale_a [M={M} or 1, {ks}], got {list(scale_a.shape)}"
         )
