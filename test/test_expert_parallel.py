@@ -141,20 +141,23 @@ class _Checks:
         self.assertEqual(counts, ref.tokens_per_expert)
         return moe, ref
 
-    def check_step_bitwise(self, run, ref_run, modules, x, msg=""):
+    def check_step_bitwise(self, run, ref_run, modules, x, msg="", tol=None, grad_tol=None):
         """One step (forward, ``pow(2).sum()`` backward) of ``run`` and ``ref_run`` on
         copies of ``x``: the outputs, the input gradients and every parameter gradient of
-        ``modules`` (the two layers) bitwise equal; the gradients are then zeroed. Returns
-        ``run``'s output."""
+        ``modules`` (the two layers) bitwise equal (or within ``tol``, the parameters'
+        gradients within ``grad_tol``: assertEqual's atol / rtol); the gradients are then
+        zeroed. Returns ``run``'s output."""
+        tol = tol or dict(atol=0, rtol=0)
+        grad_tol = grad_tol or tol
         xs = [x.clone().requires_grad_() for _ in range(2)]
         got, ref = run(xs[0]), ref_run(xs[1])
-        self.assertEqual(got, ref, atol=0, rtol=0, msg=msg)
+        self.assertEqual(got, ref, **tol, msg=msg)
         got.pow(2).sum().backward()
         ref.pow(2).sum().backward()
-        self.assertEqual(xs[0].grad, xs[1].grad, atol=0, rtol=0, msg=msg)
+        self.assertEqual(xs[0].grad, xs[1].grad, **tol, msg=msg)
         mod, ref_mod = modules
         for (name, p), q in zip(mod.named_parameters(), ref_mod.parameters(), strict=True):
-            self.assertEqual(p.grad, q.grad, atol=0, rtol=0, msg=f"{msg}: {name}")
+            self.assertEqual(p.grad, q.grad, **grad_tol, msg=f"{msg}: {name}")
         mod.zero_grad()
         ref_mod.zero_grad()
         return got
@@ -480,19 +483,11 @@ class TestExpertParallel2(_EPClass):
             with no_graph_cache, functorch_config.patch(enable_autograd_cache=False):
                 for step, tokens in enumerate(((7, 0), (0, 6))):
                     msg = f"options={options is not None} step {step} tokens {tokens}"
-                    xs = [torch.randn(tokens[self.rank], DIM, generator=gen)] * 2
-                    xs = [x.clone().requires_grad_() for x in xs]
-                    got, ref = compiled(xs[0]), eager(xs[1])
-                    self.assertEqual(got, ref, atol=1e-6, rtol=1e-5, msg=msg)
-                    got.pow(2).sum().backward()
-                    ref.pow(2).sum().backward()
-                    self.assertEqual(xs[0].grad, xs[1].grad, atol=1e-6, rtol=1e-5, msg=msg)
-                    for (name, p), q in zip(
-                        moe.named_parameters(), eager.parameters(), strict=True
-                    ):
-                        self.assertEqual(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=f"{msg} {name}")
-                    moe.zero_grad()
-                    eager.zero_grad()
+                    x = torch.randn(tokens[self.rank], DIM, generator=gen)
+                    self.check_step_bitwise(
+                        compiled, eager, (moe, eager), x, msg,
+                        tol=dict(atol=1e-6, rtol=1e-5), grad_tol=dict(atol=1e-5, rtol=1e-5),
+                    )  # fmt: skip
 
     def test_compile_inductor_fp8_experts(self):
         """FP8 experts under Inductor with the passes (options()): the received rows' count

@@ -316,12 +316,10 @@ class Hardware:
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"Hardware: {name} must be finite and >= 0, got {value}")
-        bad = {k: v for k, v in self.gemm_rate.items() if not 0 < v < math.inf}
-        if bad:
-            raise ValueError(f"Hardware: gemm_rate values must be finite and > 0, got {bad}")
-        bad = {k: v for k, v in self.kernel_rates.items() if not 0 < v < math.inf}
-        if bad:
-            raise ValueError(f"Hardware: kernel_rates values must be finite and > 0, got {bad}")
+        for name in ("gemm_rate", "kernel_rates"):
+            bad = {k: v for k, v in getattr(self, name).items() if not 0 < v < math.inf}
+            if bad:
+                raise ValueError(f"Hardware: {name} values must be finite and > 0, got {bad}")
         for name in ("tile_m", "gpus_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

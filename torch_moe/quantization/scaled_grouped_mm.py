@@ -162,11 +162,10 @@ def _check_scaled(
     ns = _block_count(fn, "block_n", block_n, N)
     # M may be an unbacked SymInt (expert-parallel rows): ask "== M" first, which a shared
     # symbol answers without a guard (``in (1, M)`` asks "== 1" of it first)
-    rows = scale_a.shape[0] if scale_a.dim() == 2 else -1
     if (
         scale_a.dim() != 2
-        or not (guard_or_false(rows == M) or guard_or_false(rows == 1))
-        or (scale_a.shape[1] != ks)
+        or scale_a.shape[1] != ks
+        or not (guard_or_false(scale_a.shape[0] == M) or guard_or_false(scale_a.shape[0] == 1))
     ):
         raise ValueError(
             f"{fn}: block_k={block_k} needs scale_a [M={M} or 1, {ks}], got {list(scale_a.shape)}"
