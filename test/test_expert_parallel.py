@@ -603,7 +603,8 @@ class TestExpertParallel2(_EPClass):
                     with OpCounter() as ops:
                         got = low(x)
                 self.assertEqual(got, ref, atol=0, rtol=0, msg=precision)
-                # no ep_* op (no counts exchange, no host plan): three equal all-to-alls each way
+                # no ep_* op (no counts exchange, no host plan): the header, the slots' experts
+                # and weights, the rows out and back: equal all-to-alls
                 self.assertEqual(
                     ops.counts, {"all_to_all_single": 4 + (dispatch_dtype is not None)}
                 )
@@ -732,6 +733,51 @@ class TestExpertParallel2(_EPClass):
             y = moe(x)
         y.float().sum().backward()
         self.assertIsNotNone(moe.experts.w13.grad)
+
+    def test_low_latency_ranks_in_different_modes(self):
+        """mode="low_latency" (no plan): rank 0 over max_tokens_per_rank (its peer waited in
+        the first exchange), rank 1 under bf16 autocast, or rank 1 with autograd, taking
+        the training exchange (gloo aborted the process on the buffers' sizes): the header,
+        shaped as the training plan, makes every rank raise before a row moves, in eager
+        naming each rank's mode, compiled through ``_assert_async`` after the header; the
+        group stays usable and the outputs are the training exchange's."""
+        base = make_moe().eval()
+        low, ref = copy.deepcopy(base), copy.deepcopy(base)
+        style = ExpertParallel(mode="low_latency", max_tokens_per_rank=8)
+        parallelize_module(low, self.mesh(), style)
+        parallelize_module(ref, self.mesh(), ExpertParallel())
+        x = torch.randn(5 + self.rank, DIM, generator=torch.Generator().manual_seed(self.rank))
+        ll = "float32 rows, no autograd, the low-latency exchange"
+        named = {
+            "over budget": f"rank 0: {ll}, more tokens than max_tokens_per_rank; rank 1: {ll}",
+            "autocast": f"rank 0: {ll}; rank 1: bfloat16 rows, no autograd, the low-latency",
+            "training": f"rank 0: {ll}; rank 1: float32 rows, autograd recording",
+        }
+        over = "this rank has 9 tokens, more than max_tokens_per_rank=8"
+        for layer in (low, torch.compile(low, fullgraph=True)):
+            eager = layer is low
+            with torch.inference_mode():
+                self.assertEqual(layer(x), ref(x), atol=0, rtol=0)
+            for case, names in named.items():
+                run, inputs, ctx = layer, x, contextlib.ExitStack()
+                if not (case == "training" and self.rank == 1):
+                    ctx.enter_context(torch.inference_mode())
+                if case == "autocast" and self.rank == 1:
+                    ctx.enter_context(torch.autocast("cpu", torch.bfloat16))
+                if case == "training" and self.rank == 1:
+                    run = low  # (eager: the training exchange's check names the modes)
+                want = (RuntimeError, "different modes" + (r" \(" + names if eager else ";"))
+                if case == "training" and self.rank == 1:
+                    want = (RuntimeError, r"different modes \(" + names)
+                if case == "over budget" and self.rank == 0:
+                    inputs, want = (
+                        torch.randn(9, DIM),
+                        (ValueError if eager else RuntimeError, over),
+                    )
+                with self.subTest(case=case, eager=eager), self.assertRaisesRegex(*want), ctx:
+                    run(inputs)
+            with torch.inference_mode():  # (no row moved: the next calls pair up)
+                self.assertEqual(layer(x), ref(x), atol=0, rtol=0)
 
 
 class TestExpertParallel4(_EPClass):

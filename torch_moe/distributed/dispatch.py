@@ -89,19 +89,43 @@ class ChunkPlan:
 # the dtypes a mode word names (0: another)
 _MODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MODE_GRAD = 1 << 8
+_MODE_LOW_LATENCY = 1 << 9  # the header of mode="low_latency" (it has no plan)
+_MODE_OVER_BUDGET = 1 << 10  # ... from a rank of more than max_tokens_per_rank tokens
 
 
-def mode_word(dtype: torch.dtype, records_grad: bool) -> int:
+def mode_word(
+    dtype: torch.dtype, records_grad: bool, *, low_latency: bool = False, over_budget: bool = False
+) -> int:
     """A rank's call mode in the plan: the dtype its dispatch sends the rows in and whether
-    autograd records the exchanges (so that their backwards will run)."""
+    autograd records the exchanges (so that their backwards will run); for the header of
+    ``mode="low_latency"`` (which has the plan's shape, so that a rank taking the training
+    exchange meets it), that it is one and whether the rank has more tokens than its
+    ``max_tokens_per_rank``."""
     code = _MODE_DTYPES.index(dtype) + 1 if dtype in _MODE_DTYPES else 0
-    return code | (_MODE_GRAD if records_grad else 0)
+    return (
+        code
+        | (_MODE_GRAD if records_grad else 0)
+        | (_MODE_LOW_LATENCY if low_latency else 0)
+        | (_MODE_OVER_BUDGET if over_budget else 0)
+    )
 
 
 def _describe_mode(word: int) -> str:
     code = word & (_MODE_GRAD - 1)
     dtype = str(_MODE_DTYPES[code - 1]).removeprefix("torch.") if code else "another dtype"
-    return f"{dtype} rows, " + ("autograd recording" if word & _MODE_GRAD else "no autograd")
+    out = f"{dtype} rows, " + ("autograd recording" if word & _MODE_GRAD else "no autograd")
+    if word & _MODE_LOW_LATENCY:
+        out += ", the low-latency exchange"
+    if word & _MODE_OVER_BUDGET:
+        out += ", more tokens than max_tokens_per_rank"
+    return out
+
+
+MODES_DIFFER = (
+    "every rank of the expert-parallel group must call it under the same autocast and grad "
+    "mode (with mode='low_latency': in eval mode without autograd on every rank or on none, "
+    "each within max_tokens_per_rank); the rows' sizes and the exchanges follow them"
+)
 
 
 def _check_modes(modes: list[int], group: dist.ProcessGroup) -> None:
@@ -111,9 +135,7 @@ def _check_modes(modes: list[int], group: dist.ProcessGroup) -> None:
     ranks = dist.get_process_group_ranks(group)
     each = "; ".join(f"rank {r}: {_describe_mode(m)}" for r, m in zip(ranks, modes, strict=True))
     raise RuntimeError(
-        f"ExpertParallel: the ranks called the layer in different modes ({each}); every rank "
-        "of the expert-parallel group must call it under the same autocast and grad mode "
-        "(the rows' sizes and the backward's exchanges follow them)"
+        f"ExpertParallel: the ranks called the layer in different modes ({each}); {MODES_DIFFER}"
     )
 
 

@@ -55,9 +55,10 @@ Faults: ``num_experts`` not divisible by the EP degree raises before any collect
 whose configs differ (a fingerprint compared with ``all_gather_object``) raise on every rank
 naming the ranks and fields; ranks that call the layer in different modes (autocast dtype,
 grad mode: the plan carries each rank's) raise ``RuntimeError`` on every rank at the first
-exchange, naming each rank's mode (the training exchange; the low-latency one has no
-plan); a collective that fails or times out raises ``RuntimeError`` naming the rank and
-the operation.
+exchange, naming each rank's mode (the low-latency exchange's first all-to-all, a header
+of the plan's shape, carries the modes too, and whether a rank is over
+``max_tokens_per_rank``); a collective that fails or times out raises ``RuntimeError``
+naming the rank and the operation.
 """
 
 from __future__ import annotations
@@ -76,7 +77,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torch_moe.distributed import dispatch as _dispatch  # noqa: F401  (registers the ops)
-from torch_moe.distributed.dispatch import chunk_bounds, chunk_offsets, mode_word
+from torch_moe.distributed.dispatch import (
+    MODES_DIFFER,
+    _check_modes,
+    chunk_bounds,
+    chunk_offsets,
+    mode_word,
+)
 from torch_moe.quantization import dequantize_fp8, quantize_fp8
 
 __all__ = ["ExpertParallel", "ExpertParallelDispatcher"]
@@ -238,16 +245,33 @@ class ExpertParallelDispatcher(nn.Module):
         by local expert (stable: by source rank, then the sender's order, as the training
         exchange delivers them), so every expert sees the same rows in the same order as in
         training: the same outputs. Returns this rank's rows [M, D] in its permuted order.
+
+        The first all-to-all is a header of the training plan's shape carrying each rank's
+        mode word (:meth:`_check_header`): ranks in different autocast modes, a rank that
+        took the training exchange, or one over its token budget raise on every rank
+        before a row moves (they would exchange buffers of different sizes, which gloo
+        aborts the process on, or leave the peers waiting).
         """
         T = x.shape[0]
         K = ids_TK.shape[1]
         cap = self.max_tokens_per_rank
-        if cap is None or T > cap:
-            raise ValueError(
+        assert cap is not None  # (the style's constructor requires it with this mode)
+        R, El, E = self.world, self.num_local, self.num_experts
+        dtype = self._send_dtype(x)  # the experts' dtype under autocast, as in training
+        word = mode_word(dtype, False, low_latency=True, over_budget=T > cap)
+        words = self._exchange_header(word, x.device)
+        if T > cap:  # (after the header: the peers raise too, naming this rank)
+            msg = (
                 f"ExpertParallel(mode='low_latency'): this rank has {T} tokens, more than "
                 f"max_tokens_per_rank={cap}; raise max_tokens_per_rank (nothing is dropped)"
             )
-        R, El, E = self.world, self.num_local, self.num_experts
+            if not torch.compiler.is_compiling():
+                raise ValueError(msg)
+            # a traced graph raises when it runs (after the header, as its peers do)
+            torch._assert_async(torch.zeros((), dtype=torch.bool, device=x.device), msg)
+            return x.new_zeros(perm.row_to_slot.shape[0], x.shape[1])
+        self._check_words(words, word)
+        x = x.to(dtype)
         B = cap * K  # slots per destination rank
         row_to_slot, offs = perm.row_to_slot, perm.offs
         M = row_to_slot.shape[0]
@@ -264,6 +288,7 @@ class ExpertParallelDispatcher(nn.Module):
         local_expert = torch.where(valid, expert % El, -1).to(torch.int32)
         send_e = local_expert.new_full((R * B + 1,), -1).index_copy_(0, slot, local_expert)
         send_w = row_weights.new_zeros(R * B + 1).index_copy_(0, slot, row_weights)
+        recv_e, recv_w = self._exchange_slots(send_e[: R * B], send_w[: R * B])
         splits = [B] * R
         # each send slot's token (T: an unused slot, which reads an appended zero row): one
         # gather of the send buffer, no zero-fill and scatter of [R*B, D]
@@ -277,8 +302,6 @@ class ExpertParallelDispatcher(nn.Module):
             recv_x = dequantize_fp8(recv_q, self._all_to_all(send_s, splits), _FP8_BLOCK, x.dtype)
         else:
             recv_x = self._all_to_all(self._pad_row(x).index_select(0, send_tok), splits)
-        recv_e = self._all_to_all(send_e[: R * B], splits)
-        recv_w = self._all_to_all(send_w[: R * B], splits)
         # by local expert (unused slots last: expert El); K = 1 per received row
         key = torch.where(recv_e >= 0, recv_e, El).to(torch.int64)[:, None]
         perm2 = torch.ops.torch_moe.permute_indices(key, El + 1, 1, None)
@@ -289,6 +312,49 @@ class ExpertParallelDispatcher(nn.Module):
         back = self._all_to_all(y_recv, splits)
         y = back.index_select(0, torch.where(valid, slot, 0))
         return torch.where(valid[:, None], y, 0)
+
+    def _exchange_header(self, word: int, device: torch.device) -> Tensor:
+        """The low-latency exchange's first all-to-all: ``[R * (El + 1)]`` int64 as the
+        training plan (zeros, then this rank's mode word per destination), so that a peer
+        that took the training exchange reads it as a plan and raises at its mode check.
+        Returns every rank's word [R]."""
+        R, El = self.world, self.num_local
+        send = torch.zeros(R, El + 1, dtype=torch.int64, device=device)
+        send[:, El] = word
+        splits = [El + 1] * R
+        recv = self._collective(
+            "low-latency header all_to_all",
+            lambda: funcol.wait_tensor(
+                funcol.all_to_all_single(send.reshape(-1), splits, splits, self.group_name)
+            ),
+        )
+        return recv.view(R, El + 1)[:, El]
+
+    def _check_words(self, words: Tensor, word: int) -> None:
+        """Every rank's mode word equals this rank's: in eager on the CPU a mismatch raises
+        naming each rank's mode; compiled or on a GPU (no host sync) through
+        ``torch._assert_async``."""
+        if torch.compiler.is_compiling() or words.device.type != "cpu":
+            torch._assert_async(
+                (words == word).all(),
+                f"ExpertParallel: the ranks called the layer in different modes; {MODES_DIFFER}",
+            )
+        else:
+            _check_modes(words.tolist(), _resolve_process_group(self.group_name))
+
+    def _exchange_slots(self, send_e: Tensor, send_w: Tensor) -> tuple[Tensor, Tensor]:
+        """The slots' local experts (int32) and routing weights, [R * B] each, in one
+        all-to-all: the weights travel as their int32 words beside the experts (fp32 bits;
+        a 16-bit dtype widened to fp32, exactly)."""
+        R = self.world
+        w = send_w if send_w.element_size() >= 4 else send_w.float()
+        both = torch.cat([send_e.view(R, -1), w.view(torch.int32).view(R, -1)], 1)
+        per_rank = both.shape[1]
+        recv = self._all_to_all(both.reshape(-1), [per_rank] * R).view(R, per_rank)
+        B = send_e.shape[0] // R
+        recv_e = recv[:, :B].reshape(-1)
+        recv_w = recv[:, B:].reshape(-1).view(w.dtype).to(send_w.dtype)
+        return recv_e, recv_w
 
     @staticmethod
     def _pad_row(t: Tensor) -> Tensor:
