@@ -734,6 +734,25 @@ class TestExpertParallel2(_EPClass):
         y.float().sum().backward()
         self.assertIsNotNone(moe.experts.w13.grad)
 
+    def test_microbatch_ranks_in_different_modes(self):
+        """microbatches=2: rank 1 in eval mode (two micro-batches' plans and exchanges in
+        flight), rank 0 in train mode under no_grad (one batch's): rank 0 waited in its
+        combine until the timeout; the plans carry the schedule, so both raise at once,
+        and the group stays usable."""
+        moe, one = make_moe(), make_moe()
+        parallelize_module(moe, self.mesh(), ExpertParallel(microbatches=2))
+        parallelize_module(one, self.mesh(), ExpertParallel())
+        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(self.rank))
+        moe.train(self.rank == 0)
+        plain = "float32 rows, no autograd"
+        want = rf"different modes \(rank 0: {plain}; rank 1: {plain}, two micro-batches\)"
+        with torch.no_grad(), self.assertRaisesRegex(RuntimeError, want):
+            moe(x)
+        moe.eval()
+        one.eval()
+        with torch.no_grad():
+            self.assertEqual(moe(x), one(x))
+
     def test_low_latency_ranks_in_different_modes(self):
         """mode="low_latency" (no plan): rank 0 over max_tokens_per_rank (its peer waited in
         the first exchange), rank 1 under bf16 autocast, or rank 1 with autograd, taking

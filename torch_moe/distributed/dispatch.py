@@ -9,8 +9,8 @@ local experts, D model dim.
 ``counts`` (int64 [E + R*El + R], on the host) is the plan of one forward: this rank's rows
 per global expert (``send_E``, the group sizes of its permuted buffer), then the rows each
 source rank sends for each of this rank's local experts (``recv_RL``), then each rank's
-call mode (:func:`mode_word`: the dtype its dispatch sends and whether autograd records
-the exchanges). The layer gets it from one all-to-all of ``send_E`` and the mode
+call mode (:func:`mode_word`: the dtype its dispatch sends, whether autograd records the
+exchanges, and whether it runs the two micro-batches' schedule). The layer gets it from one all-to-all of ``send_E`` and the mode
 (``torch.distributed._functional_collectives``, traced like any collective) and one copy
 to the host; every op below reads its segment tables from it, so no op synchronizes with
 the device again, and refuses a plan whose modes differ: every rank raises, naming each
@@ -91,22 +91,30 @@ _MODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MODE_GRAD = 1 << 8
 _MODE_LOW_LATENCY = 1 << 9  # the header of mode="low_latency" (it has no plan)
 _MODE_OVER_BUDGET = 1 << 10  # ... from a rank of more than max_tokens_per_rank tokens
+_MODE_MICROBATCHES = 1 << 11  # a plan of microbatches=2 (two plans, exchanges in flight)
 
 
 def mode_word(
-    dtype: torch.dtype, records_grad: bool, *, low_latency: bool = False, over_budget: bool = False
+    dtype: torch.dtype,
+    records_grad: bool,
+    *,
+    low_latency: bool = False,
+    over_budget: bool = False,
+    microbatches: bool = False,
 ) -> int:
-    """A rank's call mode in the plan: the dtype its dispatch sends the rows in and whether
-    autograd records the exchanges (so that their backwards will run); for the header of
-    ``mode="low_latency"`` (which has the plan's shape, so that a rank taking the training
-    exchange meets it), that it is one and whether the rank has more tokens than its
-    ``max_tokens_per_rank``."""
+    """A rank's call mode in the plan: the dtype its dispatch sends the rows in, whether
+    autograd records the exchanges (so that their backwards will run) and whether the
+    batch runs as two micro-batches (``microbatches=2`` in inference: another sequence of
+    exchanges); for the header of ``mode="low_latency"`` (which has the plan's shape, so
+    that a rank taking the training exchange meets it), that it is one and whether the
+    rank has more tokens than its ``max_tokens_per_rank``."""
     code = _MODE_DTYPES.index(dtype) + 1 if dtype in _MODE_DTYPES else 0
     return (
         code
         | (_MODE_GRAD if records_grad else 0)
         | (_MODE_LOW_LATENCY if low_latency else 0)
         | (_MODE_OVER_BUDGET if over_budget else 0)
+        | (_MODE_MICROBATCHES if microbatches else 0)
     )
 
 
@@ -118,13 +126,16 @@ def _describe_mode(word: int) -> str:
         out += ", the low-latency exchange"
     if word & _MODE_OVER_BUDGET:
         out += ", more tokens than max_tokens_per_rank"
+    if word & _MODE_MICROBATCHES:
+        out += ", two micro-batches"
     return out
 
 
 MODES_DIFFER = (
     "every rank of the expert-parallel group must call it under the same autocast and grad "
-    "mode (with mode='low_latency': in eval mode without autograd on every rank or on none, "
-    "each within max_tokens_per_rank); the rows' sizes and the exchanges follow them"
+    "mode and, with mode='low_latency' or microbatches=2, in eval mode without autograd on "
+    "every rank or on none (low latency: each within max_tokens_per_rank); the rows' sizes "
+    "and the exchanges follow them"
 )
 
 

@@ -54,11 +54,11 @@ order set by all the indices; a GEMM whose kernel the CPU probe picks per shape 
 Faults: ``num_experts`` not divisible by the EP degree raises before any collective; ranks
 whose configs differ (a fingerprint compared with ``all_gather_object``) raise on every rank
 naming the ranks and fields; ranks that call the layer in different modes (autocast dtype,
-grad mode: the plan carries each rank's) raise ``RuntimeError`` on every rank at the first
-exchange, naming each rank's mode (the low-latency exchange's first all-to-all, a header
-of the plan's shape, carries the modes too, and whether a rank is over
-``max_tokens_per_rank``); a collective that fails or times out raises ``RuntimeError``
-naming the rank and the operation.
+grad mode, ``microbatches=2``'s schedule in eval mode: the plan carries each rank's) raise
+``RuntimeError`` on every rank at the first exchange, naming each rank's mode (the
+low-latency exchange's first all-to-all, a header of the plan's shape, carries the modes
+too, and whether a rank is over ``max_tokens_per_rank``); a collective that fails or
+times out raises ``RuntimeError`` naming the rank and the operation.
 """
 
 from __future__ import annotations
@@ -135,15 +135,18 @@ class ExpertParallelDispatcher(nn.Module):
         self.node_size = node_size or 0
         self.chunks = chunk_bounds(0, self.num_local, num_chunks)
 
-    def plan(self, offs: Tensor, x: Tensor, records_grad: bool) -> Tensor:
+    def plan(
+        self, offs: Tensor, x: Tensor, records_grad: bool, microbatches: bool = False
+    ) -> Tensor:
         """Rows per global expert on this rank, then rows per (source rank, local expert)
-        received, then every rank's call mode (the dtype :meth:`dispatch` sends ``x`` in and
-        ``records_grad``: whether autograd records the exchanges): one all-to-all of E + R
+        received, then every rank's call mode (the dtype :meth:`dispatch` sends ``x`` in,
+        ``records_grad``: whether autograd records the exchanges, and ``microbatches``:
+        whether it is a plan of the two micro-batches' schedule): one all-to-all of E + R
         int64 and one copy to the host (the only sync). The exchanges refuse a plan whose
         modes differ (``dispatch.py``'s module doc)."""
         R, El = self.world, self.num_local
         send_E = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
-        mode = mode_word(self._send_dtype(x), records_grad)
+        mode = mode_word(self._send_dtype(x), records_grad, microbatches=microbatches)
         send = torch.cat([send_E.view(R, El), send_E.new_full((R, 1), mode)], 1).reshape(-1)
         splits = [El + 1] * R
         recv = self._collective(

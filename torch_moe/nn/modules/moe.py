@@ -1319,7 +1319,8 @@ class MoE(nn.Module):
             perm = ops.permute_indices(ids_TK[rows], self.num_experts, align=align)
             x_perm = _perm.permute(x_TD[rows], perm.row_to_slot, perm.slot_to_row)
             row_w = _row_weights(weights_TK[rows], perm.row_to_slot, align == 1)
-            counts = d.plan(perm.offs, x_perm, _records_grad(x_perm, row_w, self.experts))
+            records = _records_grad(x_perm, row_w, self.experts)
+            counts = d.plan(perm.offs, x_perm, records, microbatches=True)
             handle = d.dispatch_start(x_perm, row_w, counts, chunk)
             parts.append((perm, x_perm, row_w, counts, handle))
         combines = []
