@@ -962,9 +962,12 @@ class TestExchangeLowering(TestCase):
     def test_fake_kernels_register_exchange_lowerings(self):
         """A plain torch.compile (no torch_moe._inductor.options) gets the exchanges'
         side-effecting lowerings too: their fake kernels register them once Inductor's
-        lowering module is loaded, and not before (a fresh process)."""
+        lowering module is loaded, and not before (a fresh process); the FX graph cache's
+        key then holds the lowerings' hash (after the user's own tag), so an upgrade never
+        serves code an older torch_moe lowered."""
         script = """if True:
             import sys, torch
+            torch.compiler.config.cache_key_tag = "mine"
             import torch_moe.distributed.dispatch
             from torch._subclasses.fake_tensor import FakeTensorMode
             ops = torch.ops.torch_moe
@@ -975,10 +978,16 @@ class TestExchangeLowering(TestCase):
             import torch._inductor.lowering as L
             from torch_moe._inductor.lowering import EXCHANGE_OPS
             assert not any(op in L.lowerings for op in EXCHANGE_OPS)
+            assert torch.compiler.config.cache_key_tag == "mine"
             with FakeTensorMode():
                 ops.ep_start([torch.empty(4, 8)], torch.zeros(4, dtype=torch.int64), "0",
                              4, 0, 2, "p2p", 0, "dispatch", False, -1)
             assert all(op in L.lowerings for op in EXCHANGE_OPS), "not registered"
+            from torch_moe._inductor.lowering import LOWERING_TAG, register_lowerings
+            register_lowerings()  # (again: the tag is not repeated)
+            tag = torch.compiler.config.cache_key_tag
+            assert tag == "mine;" + LOWERING_TAG, tag
+            assert len(LOWERING_TAG) == len("torch_moe.lowering=") + 16, LOWERING_TAG
             print("ok")
         """
         out = subprocess.run(

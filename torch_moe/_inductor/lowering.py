@@ -22,6 +22,14 @@ backward graph too.) These lowerings are registered with the grouped GEMMs' and,
 fake kernels as soon as Inductor's lowering module is loaded (that is, before the graph
 they trace for an Inductor compile is lowered).
 
+The FX graph cache keys a compiled graph by the graph, Inductor's config and torch's own
+sources, not by the lowerings registered for custom ops: code lowered by an older
+torch_moe (one whose exchange a rank could drop) would be served again after an upgrade.
+With :func:`torch_moe._inductor.options` the passes' ``uuid()`` covers this file; a plain
+``torch.compile`` gets it through ``torch.compiler.config.cache_key_tag``, to which
+registering the exchanges' lowerings appends ``torch_moe.lowering=<hash of this file>``
+(a tag the user set is kept).
+
 NB (CUDA templates): Triton templates of the persistent grouped GEMM, offered next to
 torch's ``tuned_grouped_mm`` and the extern kernel through ``autotune_select_algorithm``,
 need a CUDA device to render and benchmark; they are not part of this module yet (see
@@ -30,6 +38,8 @@ RFC-0003 for where they plug into ``_tuned_grouped_mm_common``).
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,9 +98,24 @@ def _exchange_handler(op: torch._ops.OpOverload) -> Any:
     return handler
 
 
+LOWERING_TAG = "torch_moe.lowering=" + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _tag_cache_key() -> None:
+    """Add :data:`LOWERING_TAG` to ``torch.compiler.config.cache_key_tag`` (module doc), after
+    any tag already there."""
+    current = torch.compiler.config.cache_key_tag
+    if LOWERING_TAG not in current.split(";"):
+        torch.compiler.config.cache_key_tag = (
+            f"{current};{LOWERING_TAG}" if current else LOWERING_TAG
+        )
+
+
 def register_exchange_lowerings() -> None:
-    """Lower the expert-parallel exchanges to :class:`ExchangeKernel` (idempotent)."""
+    """Lower the expert-parallel exchanges to :class:`ExchangeKernel` (idempotent), and key
+    the FX graph cache by this file (:func:`_tag_cache_key`)."""
     global _exchanges_registered
+    _tag_cache_key()
     if _exchanges_registered:
         return
     for op in EXCHANGE_OPS:
