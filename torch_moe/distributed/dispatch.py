@@ -10,13 +10,13 @@ local experts, D model dim.
 per global expert (``send_E``, the group sizes of its permuted buffer), then the rows each
 source rank sends for each of this rank's local experts (``recv_RL``), then each rank's
 call mode (:func:`mode_word`: the dtype its dispatch sends, whether autograd records the
-exchanges, and whether it runs the two micro-batches' schedule). The layer gets it from one all-to-all of ``send_E`` and the mode
-(``torch.distributed._functional_collectives``, traced like any collective) and one copy
-to the host; every op below reads its segment tables from it, so no op synchronizes with
-the device again, and refuses a plan whose modes differ: every rank raises, naming each
-rank's mode, before any row moves (ranks in different autocast or grad modes would
-otherwise exchange rows of different sizes, which gloo aborts the process on, or leave
-the peers waiting for a backward that never comes).
+exchanges, and whether it runs the two micro-batches' schedule). The layer gets it from
+one all-to-all of ``send_E`` and the mode (``torch.distributed._functional_collectives``,
+traced like any collective) and one copy to the host; every op below reads its segment
+tables from it, so no op synchronizes with the device again, and refuses a plan whose
+modes differ: every rank raises, naming each rank's mode, before any row moves (ranks in
+different autocast or grad modes would otherwise exchange rows of different sizes, which
+gloo aborts the process on, or leave the peers waiting for a backward that never comes).
 
 * ``ep_dispatch(x [M, D], row_weights [M]?, counts, ..., chunk [l0, l1)) -> (x_recv [N, D],
   w_recv [N])``: the rows of this rank's tokens for the local experts l0..l1-1 of every
@@ -131,7 +131,7 @@ def _describe_mode(word: int) -> str:
     return out
 
 
-MODES_DIFFER = (
+_MODES_DIFFER = (
     "every rank of the expert-parallel group must call it under the same autocast and grad "
     "mode and, with mode='low_latency' or microbatches=2, in eval mode without autograd on "
     "every rank or on none (low latency: each within max_tokens_per_rank); the rows' sizes "
@@ -146,7 +146,7 @@ def _check_modes(modes: list[int], group: dist.ProcessGroup) -> None:
     ranks = dist.get_process_group_ranks(group)
     each = "; ".join(f"rank {r}: {_describe_mode(m)}" for r, m in zip(ranks, modes, strict=True))
     raise RuntimeError(
-        f"ExpertParallel: the ranks called the layer in different modes ({each}); {MODES_DIFFER}"
+        f"ExpertParallel: the ranks called the layer in different modes ({each}); {_MODES_DIFFER}"
     )
 
 

@@ -78,7 +78,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torch_moe.distributed import dispatch as _dispatch  # noqa: F401  (registers the ops)
 from torch_moe.distributed.dispatch import (
-    MODES_DIFFER,
+    _MODES_DIFFER,
     _check_modes,
     chunk_bounds,
     chunk_offsets,
@@ -250,7 +250,7 @@ class ExpertParallelDispatcher(nn.Module):
         training: the same outputs. Returns this rank's rows [M, D] in its permuted order.
 
         The first all-to-all is a header of the training plan's shape carrying each rank's
-        mode word (:meth:`_check_header`): ranks in different autocast modes, a rank that
+        mode word (:meth:`_exchange_header`): ranks in different autocast modes, a rank that
         took the training exchange, or one over its token budget raise on every rank
         before a row moves (they would exchange buffers of different sizes, which gloo
         aborts the process on, or leave the peers waiting).
@@ -340,15 +340,15 @@ class ExpertParallelDispatcher(nn.Module):
         if torch.compiler.is_compiling() or words.device.type != "cpu":
             torch._assert_async(
                 (words == word).all(),
-                f"ExpertParallel: the ranks called the layer in different modes; {MODES_DIFFER}",
+                f"ExpertParallel: the ranks called the layer in different modes; {_MODES_DIFFER}",
             )
         else:
             _check_modes(words.tolist(), _resolve_process_group(self.group_name))
 
     def _exchange_slots(self, send_e: Tensor, send_w: Tensor) -> tuple[Tensor, Tensor]:
         """The slots' local experts (int32) and routing weights, [R * B] each, in one
-        all-to-all: the weights travel as their int32 words beside the experts (fp32 bits;
-        a 16-bit dtype widened to fp32, exactly)."""
+        all-to-all: the weights travel as their int32 words beside the experts (fp32 or fp64
+        bits; a 16-bit dtype widened to fp32, exactly)."""
         R = self.world
         w = send_w if send_w.element_size() >= 4 else send_w.float()
         both = torch.cat([send_e.view(R, -1), w.view(torch.int32).view(R, -1)], 1)
