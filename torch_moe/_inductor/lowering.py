@@ -28,7 +28,8 @@ torch_moe (one whose exchange a rank could drop) would be served again after an 
 With :func:`torch_moe._inductor.options` the passes' ``uuid()`` covers this file; a plain
 ``torch.compile`` gets it through ``torch.compiler.config.cache_key_tag``, to which
 registering the exchanges' lowerings appends ``torch_moe.lowering=<hash of this file>``
-(a tag the user set is kept).
+(a tag the user set is kept), until the cache keys on out-of-tree lowerings itself
+(``upstream_patches/0006-inductor-fx-graph-cache-lowerings``).
 
 NB (CUDA templates): Triton templates of the persistent grouped GEMM, offered next to
 torch's ``tuned_grouped_mm`` and the extern kernel through ``autotune_select_algorithm``,
