@@ -734,6 +734,21 @@ class TestExpertParallel2(_EPClass):
         y.float().sum().backward()
         self.assertIsNotNone(moe.experts.w13.grad)
 
+    def test_compile_two_microbatches_ranks_of_other_sizes(self):
+        """microbatches=2 compiled by Inductor where the ranks' token counts differ (each
+        rank's graph specialized to its own): the scheduler had put the exchanges and the
+        plans' all-to-alls in a different order on each rank, and (7, 0) and (5, 6) hung
+        until the timeout; the exchanges now keep the graph's order (ordering edges in
+        their lowering). The outputs are eager's (Inductor fuses the shared expert's add:
+        fp32 rounding)."""
+        base = make_moe(shared_hidden_dim=8).eval()
+        parallelize_module(base, self.mesh(), ExpertParallel(microbatches=2))
+        compiled = torch.compile(base, fullgraph=True)
+        for tokens in ((7, 0), (5, 6), (0, 3)):
+            x = torch.randn(tokens[self.rank], DIM)
+            with torch.inference_mode():
+                self.assertEqual(compiled(x), base(x), msg=str(tokens))
+
     def test_microbatch_ranks_in_different_modes(self):
         """microbatches=2: rank 1 in eval mode (two micro-batches' plans and exchanges in
         flight), rank 0 in train mode under no_grad (one batch's): rank 0 waited in its

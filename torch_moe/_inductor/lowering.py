@@ -14,7 +14,16 @@ having side effects. Inductor's scheduler drops an extern kernel none of whose o
 read, and on a rank that holds no tokens every output of an exchange back to the tokens is
 empty: the zero-size gradient of the input is computed without reading anything, so the
 exchange that would produce it (``dispatch backward``) looked dead and was dropped, and the
-peers waited for it forever. A collective is never dead code on one rank only. (Marking
+peers waited for it forever. A collective is never dead code on one rank only. Each
+exchange also runs after the graph's previous exchange and after the collectives lowered
+before it (a plan's all-to-all): ordering edges, ``V.graph.additional_buffer_deps``. The
+scheduler otherwise orders independent extern kernels by its own heuristics, whose
+choices differ between ranks whose graphs differ (each rank's token count is its own
+static shape), and a blocking wait on one rank then faced a peer that had issued its
+exchanges in another order: two micro-batches in inference hung with 7 and 0 tokens
+(rank 0 waited in a combine its peer would issue only after a dispatch rank 0 had not
+issued yet) and with 5 and 6 (one rank's plan all-to-all after its first dispatch's
+wait, the other's before). (Marking
 the ops side-effectful for every FX pass instead, ``torch.fx.node.has_side_effect``, makes
 AOTAutograd's partitioner treat them as impure and keep the forward's exchanges in the
 backward graph too.) These lowerings are registered with the grouped GEMMs' and, for a
@@ -40,6 +49,7 @@ RFC-0003 for where they plug into ``_tuned_grouped_mm_common``).
 from __future__ import annotations
 
 import hashlib
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +57,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._inductor import ir
 from torch._inductor import lowering as L
+from torch._inductor.virtualized import V
 from torch._library.utils import get_layout_constraint_tag
 
 import torch_moe.distributed.dispatch  # noqa: F401  (defines the exchange ops)
@@ -83,15 +94,32 @@ _exchanges_registered = False
 
 class ExchangeKernel(ir.FallbackKernel):
     """The extern call of an expert-parallel exchange, kept by the scheduler even where no
-    output is read (module doc): every rank of the group must take part."""
+    output is read, and run after the graph's previous exchange (module doc): every rank
+    of the group must take part, in the same order."""
 
     def has_side_effects(self) -> bool:
         return True
 
 
+# per graph being lowered: its last exchange so far and how far its operations were read
+_order: weakref.WeakKeyDictionary[Any, tuple[ir.Operation | None, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _exchange_handler(op: torch._ops.OpOverload) -> Any:
     def handler(*args: Any, **kwargs: Any) -> Any:
+        prev, read = _order.get(V.graph, (None, 0))
+        # the collectives lowered since the previous exchange (a plan's all-to-all)
+        before = [o for o in V.graph.operations[read:] if isinstance(o, ir._CollectiveKernel)]
+        first = len(V.graph.operations)
         out = ExchangeKernel.create(op, *args, **kwargs)
+        for new in V.graph.operations[first:]:
+            if isinstance(new, ExchangeKernel):  # ordering edges only (nothing kept alive)
+                deps = V.graph.additional_buffer_deps[new.get_operation_name()]
+                deps.update(o.get_name() for o in ([prev] if prev else []) + before)
+                prev, before = new, []
+        _order[V.graph] = (prev, len(V.graph.operations))
         return pytree.tree_map(
             lambda x: x.wrap_for_lowering() if isinstance(x, ir.IRNode) else x, out
         )
