@@ -253,7 +253,10 @@ class ExpertParallelDispatcher(nn.Module):
         mode word (:meth:`_exchange_header`): ranks in different autocast modes, a rank that
         took the training exchange, or one over its token budget raise on every rank
         before a row moves (they would exchange buffers of different sizes, which gloo
-        aborts the process on, or leave the peers waiting).
+        aborts the process on, or leave the peers waiting). Then one all-to-all carries
+        each slot's row (e4m3 codes and scales with FP8 dispatch), local expert and weight
+        as bytes, and one brings the results back: three in all, each reading the one
+        before, so no compiler can issue them in another order on another rank.
         """
         T = x.shape[0]
         K = ids_TK.shape[1]
@@ -273,7 +276,7 @@ class ExpertParallelDispatcher(nn.Module):
             # a traced graph raises when it runs (after the header, as its peers do)
             torch._assert_async(torch.zeros((), dtype=torch.bool, device=x.device), msg)
             return x.new_zeros(perm.row_to_slot.shape[0], x.shape[1])
-        self._check_words(words, word)
+        ok = self._check_words(words, word)
         x = x.to(dtype)
         B = cap * K  # slots per destination rank
         row_to_slot, offs = perm.row_to_slot, perm.offs
@@ -289,9 +292,11 @@ class ExpertParallelDispatcher(nn.Module):
         slot = torch.where(valid, dest * B + rows - dest_start[dest], R * B)  # R*B: dump row
         tokens = torch.where(valid, row_to_slot // K, 0)
         local_expert = torch.where(valid, expert % El, -1).to(torch.int32)
+        # (the slots read the header's check: the rows' all-to-all cannot be issued before
+        # the header's on any rank, whatever order a compiler gives independent collectives)
+        local_expert = torch.where(ok, local_expert, -1)
         send_e = local_expert.new_full((R * B + 1,), -1).index_copy_(0, slot, local_expert)
         send_w = row_weights.new_zeros(R * B + 1).index_copy_(0, slot, row_weights)
-        recv_e, recv_w = self._exchange_slots(send_e[: R * B], send_w[: R * B])
         splits = [B] * R
         # each send slot's token (T: an unused slot, which reads an appended zero row): one
         # gather of the send buffer, no zero-fill and scatter of [R*B, D]
@@ -299,12 +304,19 @@ class ExpertParallelDispatcher(nn.Module):
         send_tok = send_tok.index_copy_(0, slot, torch.where(valid, tokens, T))[: R * B]
         if self.fp8:  # the T tokens quantized once (1x128 blocks); e4m3 rows and scales travel
             q, scale = quantize_fp8(x, _FP8_BLOCK)
-            send_q = self._pad_row(q.view(torch.uint8)).index_select(0, send_tok)
-            send_s = self._pad_row(scale).index_select(0, send_tok)
-            recv_q = self._all_to_all(send_q, splits).view(torch.float8_e4m3fn)
-            recv_x = dequantize_fp8(recv_q, self._all_to_all(send_s, splits), _FP8_BLOCK, x.dtype)
+            rows_parts = [q.view(torch.uint8), scale]
         else:
-            recv_x = self._all_to_all(self._pad_row(x).index_select(0, send_tok), splits)
+            rows_parts = [x]
+        # one all-to-all of every slot's bytes: its row (and scales), local expert, weight
+        parts = [self._pad_row(p).index_select(0, send_tok) for p in rows_parts]
+        parts += [send_e[: R * B, None], send_w[: R * B, None]]
+        recv_parts = self._exchange_packed(parts, splits)
+        recv_e, recv_w = recv_parts[-2].view(-1), recv_parts[-1].view(-1)
+        if self.fp8:
+            recv_q = recv_parts[0].view(torch.float8_e4m3fn)
+            recv_x = dequantize_fp8(recv_q, recv_parts[1], _FP8_BLOCK, x.dtype)
+        else:
+            recv_x = recv_parts[0]
         # by local expert (unused slots last: expert El); K = 1 per received row
         key = torch.where(recv_e >= 0, recv_e, El).to(torch.int64)[:, None]
         perm2 = torch.ops.torch_moe.permute_indices(key, El + 1, 1, None)
@@ -333,31 +345,33 @@ class ExpertParallelDispatcher(nn.Module):
         )
         return recv.view(R, El + 1)[:, El]
 
-    def _check_words(self, words: Tensor, word: int) -> None:
+    def _check_words(self, words: Tensor, word: int) -> Tensor:
         """Every rank's mode word equals this rank's: in eager on the CPU a mismatch raises
         naming each rank's mode; compiled or on a GPU (no host sync) through
-        ``torch._assert_async``."""
+        ``torch._assert_async``. Returns the check (a bool tensor) for the exchange's
+        buffers to read."""
+        ok = (words == word).all()
         if torch.compiler.is_compiling() or words.device.type != "cpu":
             torch._assert_async(
-                (words == word).all(),
+                ok,
                 f"ExpertParallel: the ranks called the layer in different modes; {_MODES_DIFFER}",
             )
         else:
             _check_modes(words.tolist(), _resolve_process_group(self.group_name))
+        return ok
 
-    def _exchange_slots(self, send_e: Tensor, send_w: Tensor) -> tuple[Tensor, Tensor]:
-        """The slots' local experts (int32) and routing weights, [R * B] each, in one
-        all-to-all: the weights travel as their int32 words beside the experts (fp32 or fp64
-        bits; a 16-bit dtype widened to fp32, exactly)."""
-        R = self.world
-        w = send_w if send_w.element_size() >= 4 else send_w.float()
-        both = torch.cat([send_e.view(R, -1), w.view(torch.int32).view(R, -1)], 1)
-        per_rank = both.shape[1]
-        recv = self._all_to_all(both.reshape(-1), [per_rank] * R).view(R, per_rank)
-        B = send_e.shape[0] // R
-        recv_e = recv[:, :B].reshape(-1)
-        recv_w = recv[:, B:].reshape(-1).view(w.dtype).to(send_w.dtype)
-        return recv_e, recv_w
+    def _exchange_packed(self, parts: list[Tensor], splits: list[int]) -> list[Tensor]:
+        """Tensors [N, c_i] of any dtypes, N = sum(splits), sent as one all-to-all of their
+        bytes side by side ([N, sum of the rows' bytes] uint8); returns them received, in
+        their dtypes."""
+        send = torch.cat([p.contiguous().view(torch.uint8) for p in parts], 1)
+        recv = self._all_to_all(send, splits)
+        out, col = [], 0
+        for p in parts:
+            width = p.shape[1] * p.element_size()
+            out.append(recv[:, col : col + width].contiguous().view(p.dtype))
+            col += width
+        return out
 
     @staticmethod
     def _pad_row(t: Tensor) -> Tensor:
