@@ -605,9 +605,7 @@ class TestExpertParallel2(_EPClass):
                 self.assertEqual(got, ref, atol=0, rtol=0, msg=precision)
                 # no ep_* op (no counts exchange, no host plan): the header, the slots' rows
                 # with their experts and weights, the results back: equal all-to-alls
-                self.assertEqual(
-                    ops.counts, {"all_to_all_single": 3}
-                )
+                self.assertEqual(ops.counts, {"all_to_all_single": 3})
         with (
             torch.inference_mode(),
             self.assertRaisesRegex(

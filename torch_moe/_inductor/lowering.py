@@ -102,7 +102,7 @@ class ExchangeKernel(ir.FallbackKernel):
 
 
 # per graph being lowered: its last exchange so far and how far its operations were read
-_order: weakref.WeakKeyDictionary[Any, tuple[ir.Operation | None, int]] = (
+_order: weakref.WeakKeyDictionary[Any, tuple[ExchangeKernel | None, int]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -111,13 +111,15 @@ def _exchange_handler(op: torch._ops.OpOverload) -> Any:
     def handler(*args: Any, **kwargs: Any) -> Any:
         prev, read = _order.get(V.graph, (None, 0))
         # the collectives lowered since the previous exchange (a plan's all-to-all)
-        before = [o for o in V.graph.operations[read:] if isinstance(o, ir._CollectiveKernel)]
+        before: list[ir.Buffer] = [
+            o for o in V.graph.operations[read:] if isinstance(o, ir._CollectiveKernel)
+        ]
         first = len(V.graph.operations)
         out = ExchangeKernel.create(op, *args, **kwargs)
         for new in V.graph.operations[first:]:
             if isinstance(new, ExchangeKernel):  # ordering edges only (nothing kept alive)
                 deps = V.graph.additional_buffer_deps[new.get_operation_name()]
-                deps.update(o.get_name() for o in ([prev] if prev else []) + before)
+                deps.update(o.get_name() for o in ([prev] if prev is not None else []) + before)
                 prev, before = new, []
         _order[V.graph] = (prev, len(V.graph.operations))
         return pytree.tree_map(
