@@ -147,15 +147,22 @@ class ExpertParallelDispatcher(nn.Module):
         R, El = self.world, self.num_local
         send_E = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
         mode = mode_word(self._send_dtype(x), records_grad, microbatches=microbatches)
-        send = torch.cat([send_E.view(R, El), send_E.new_full((R, 1), mode)], 1).reshape(-1)
+        recv = self._plan_all_to_all(send_E.view(R, El), mode, "counts all_to_all")
+        return torch.cat([send_E, recv[:, :El].reshape(-1), recv[:, El]]).cpu()
+
+    def _plan_all_to_all(self, counts_RL: Tensor, mode: int, op: str) -> Tensor:
+        """The plan's all-to-all: to each rank d its row ``counts_RL[d]`` (int64 [El]) and
+        ``mode``; returns the rows received [R, El + 1]. The low-latency header goes the
+        same way, so that a rank on the training exchange meets it as a plan."""
+        R, El = self.world, self.num_local
+        send = torch.cat([counts_RL, counts_RL.new_full((R, 1), mode)], 1).reshape(-1)
         splits = [El + 1] * R
-        recv = self._collective(
-            "counts all_to_all",
+        return self._collective(
+            op,
             lambda: funcol.wait_tensor(
                 funcol.all_to_all_single(send, splits, splits, self.group_name)
             ),
         ).view(R, El + 1)
-        return torch.cat([send_E, recv[:, :El].reshape(-1), recv[:, El]]).cpu()
 
     @staticmethod
     def _send_dtype(x: Tensor) -> torch.dtype:
@@ -291,10 +298,9 @@ class ExpertParallelDispatcher(nn.Module):
         dest_start = torch.cat([ends.new_zeros(1), ends[:-1]])
         slot = torch.where(valid, dest * B + rows - dest_start[dest], R * B)  # R*B: dump row
         tokens = torch.where(valid, row_to_slot // K, 0)
-        local_expert = torch.where(valid, expert % El, -1).to(torch.int32)
         # (the slots read the header's check: the rows' all-to-all cannot be issued before
         # the header's on any rank, whatever order a compiler gives independent collectives)
-        local_expert = torch.where(ok, local_expert, -1)
+        local_expert = torch.where(valid & ok, expert % El, -1).to(torch.int32)
         send_e = local_expert.new_full((R * B + 1,), -1).index_copy_(0, slot, local_expert)
         send_w = row_weights.new_zeros(R * B + 1).index_copy_(0, slot, row_weights)
         splits = [B] * R
@@ -329,21 +335,12 @@ class ExpertParallelDispatcher(nn.Module):
         return torch.where(valid[:, None], y, 0)
 
     def _exchange_header(self, word: int, device: torch.device) -> Tensor:
-        """The low-latency exchange's first all-to-all: ``[R * (El + 1)]`` int64 as the
-        training plan (zeros, then this rank's mode word per destination), so that a peer
+        """The low-latency exchange's first all-to-all: the training plan's
+        (:meth:`_plan_all_to_all`, zero counts and this rank's mode word), so that a peer
         that took the training exchange reads it as a plan and raises at its mode check.
         Returns every rank's word [R]."""
-        R, El = self.world, self.num_local
-        send = torch.zeros(R, El + 1, dtype=torch.int64, device=device)
-        send[:, El] = word
-        splits = [El + 1] * R
-        recv = self._collective(
-            "low-latency header all_to_all",
-            lambda: funcol.wait_tensor(
-                funcol.all_to_all_single(send.reshape(-1), splits, splits, self.group_name)
-            ),
-        )
-        return recv.view(R, El + 1)[:, El]
+        zeros = torch.zeros(self.world, self.num_local, dtype=torch.int64, device=device)
+        return self._plan_all_to_all(zeros, word, "low-latency header all_to_all")[:, -1]
 
     def _check_words(self, words: Tensor, word: int) -> Tensor:
         """Every rank's mode word equals this rank's: in eager on the CPU a mismatch raises
