@@ -38,6 +38,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -634,9 +635,11 @@ class TestExpertParallel2(_EPClass):
                     with OpCounter() as ops:
                         got = two(x)
                     self.assertEqual(got, one(x), msg=f"{precision} {exchange} T={num_tokens}")
-                # two plans, and each exchange split into issue and wait
+                # two plans, and each exchange split into issue and wait; an issued p2p
+                # exchange is in c10d's work registry until its wait
                 self.assertEqual(ops.counts["all_to_all_single"], 2)
                 self.assertEqual(ops.counts["ep_start"], 4)
+                self.assertEqual(torch._C._distributed_c10d._get_work_registry_size(), 0)
         with self.assertRaisesRegex(ValueError, "microbatches must be 1 or 2, got 3"):
             ExpertParallel(microbatches=3)
 
@@ -738,14 +741,27 @@ class TestExpertParallel2(_EPClass):
         plans' all-to-alls in a different order on each rank, and (7, 0) and (5, 6) hung
         until the timeout; the exchanges now keep the graph's order (ordering edges in
         their lowering). The outputs are eager's (Inductor fuses the shared expert's add:
-        fp32 rounding)."""
+        fp32 rounding). The compiled code keeps the schedule: Inductor's locality reordering
+        had moved each start to its wait (issue, wait, issue, wait: no overlap); the handles
+        now pass through ``wait_tensor``, which it leaves apart from its producer."""
         base = make_moe(shared_hidden_dim=8).eval()
         parallelize_module(base, self.mesh(), ExpertParallel(microbatches=2))
         compiled = torch.compile(base, fullgraph=True)
+        start = "torch.ops.torch_moe.ep_start.default("
+        wait = "torch.ops.torch_moe.ep_wait.default("
         for tokens in ((7, 0), (5, 6), (0, 3)):
             x = torch.randn(tokens[self.rank], DIM)
             with torch.inference_mode():
-                self.assertEqual(compiled(x), base(x), msg=str(tokens))
+                got, codes = run_and_get_code(compiled, x)
+                self.assertEqual(got, base(x), msg=str(tokens))
+            # both dispatches issued, A's experts, A's combine issued, B's experts, then
+            # the combines waited
+            FileCheck().check(start).check("'dispatch'").check_not(wait).check(start).check(
+                "'dispatch'"
+            ).check(wait).check_not(wait).check(start).check("'combine'").check(wait).check(
+                start
+            ).check("'combine'").check(wait).check(wait).run("\n".join(codes))
+            self.assertEqual(torch._C._distributed_c10d._get_work_registry_size(), 0)
 
     def test_microbatch_ranks_in_different_modes(self):
         """microbatches=2: rank 1 in eval mode (two micro-batches' plans and exchanges in

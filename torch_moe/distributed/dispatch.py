@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C import _distributed_c10d as _c10d
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torch_moe.distributed.exchange import all_to_all_segments
@@ -693,6 +694,15 @@ ep_combine.register_autograd(_combine_backward, setup_context=_setup_combine)
 # a combine only where its result is used. They are used in graphs after autograd (no
 # autograd of their own). The outputs are allocated by ep_start and first returned by
 # ep_wait, so no op output aliases an input.
+#
+# An exchange in flight is also registered with c10d's work registry under its handle (a
+# PythonCallbackWork), the way the functional collectives register theirs: then
+# torch.ops._c10d_functional.wait_tensor(handle) waits for it, and a graph that passes the
+# handle through wait_tensor before ep_wait keeps the issue where it was written. Inductor's
+# locality reordering (inference graphs) moves every producer next to its first consumer,
+# except a collective's into its wait_tensor: without that, a schedule written to overlap
+# (MoE's two micro-batches: both dispatches issued, then the first one's experts) compiles
+# to issue-wait pairs. ep_wait pops the registry itself, so either form waits exactly once.
 
 _DIRECTION_TO_OWNERS = {"dispatch": True, "combine backward": True}
 _INFLIGHT: dict[int, tuple[object, list[Tensor], object, list[Tensor]]] = {}
@@ -768,7 +778,26 @@ def ep_start(
     handle = _NEXT_HANDLE[0]
     _NEXT_HANDLE[0] += 1
     _INFLIGHT[handle] = (work, outs, finish, keep)
-    return torch.tensor([handle], dtype=torch.int64)
+    out = torch.tensor([handle], dtype=torch.int64)
+    if work is not None:
+        _register(out, work, direction)
+    return out
+
+
+def _register(handle: Tensor, work: object, direction: str) -> None:
+    """Register ``work`` with c10d's work registry under ``handle`` (see above)."""
+
+    def wait(timeout: object) -> bool:
+        try:
+            work.wait()  # type: ignore[attr-defined]
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"ExpertParallel: {direction} all_to_all_segments (wait) failed on rank "
+                f"{dist.get_rank()}: {e}"
+            ) from e
+        return True
+
+    _c10d._register_work(handle, _c10d.PythonCallbackWork(wait))
 
 
 @ep_start.register_fake
@@ -798,15 +827,9 @@ def ep_wait(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -
     entry = _INFLIGHT.pop(int(handle[0]), None)
     if entry is None:
         raise RuntimeError(f"ep_wait: no exchange in flight for handle {int(handle[0])}")
-    work, outs, finish, _keep = entry
-    if work is not None:
-        try:
-            work.wait()  # type: ignore[attr-defined]
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"ExpertParallel: {direction} all_to_all_segments (wait) failed on rank "
-                f"{dist.get_rank()}: {e}"
-            ) from e
+    _work, outs, finish, _keep = entry
+    # waits unless a wait_tensor of the handle has (a no-op for an unregistered tensor)
+    torch.ops._c10d_functional.wait_tensor(handle)
     return list(finish() if finish is not None else outs)  # type: ignore[operator]
 
 

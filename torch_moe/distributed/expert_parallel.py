@@ -224,9 +224,12 @@ class ExpertParallelDispatcher(nn.Module):
         counts: Tensor,
         chunk: tuple[int, int],
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Complete a :meth:`dispatch_start`: what :meth:`dispatch` returns."""
+        """Complete a :meth:`dispatch_start`: what :meth:`dispatch` returns. The handle goes
+        through ``wait_tensor``, which waits for the exchange (registered with c10d's
+        work registry by ``ep_start``) and which Inductor does not move a collective next
+        to: a compiled graph keeps the start where the schedule issued it."""
         tensors = [x] if row_weights is None else [x, row_weights]
-        outs = _ops.ep_wait(handle, tensors, "dispatch", -1)
+        outs = _ops.ep_wait(funcol.wait_tensor(handle), tensors, "dispatch", -1)
         offs = chunk_offsets(counts, self.num_experts, self.world, *chunk).to(outs[0].device)
         return outs[0], (outs[1] if row_weights is not None else None), offs
 
@@ -241,7 +244,7 @@ class ExpertParallelDispatcher(nn.Module):
 
     def combine_wait(self, handle: Tensor, y: Tensor, num_rows: int) -> Tensor:
         """Complete a :meth:`combine_start`: what :meth:`combine` returns."""
-        return _ops.ep_wait(handle, [y], "combine", num_rows)[0]
+        return _ops.ep_wait(funcol.wait_tensor(handle), [y], "combine", num_rows)[0]
 
     def run_low_latency(
         self, experts: nn.Module, x: Tensor, ids_TK: Tensor, perm: Any, row_weights: Tensor
