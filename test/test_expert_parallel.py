@@ -464,6 +464,30 @@ class TestExpertParallel2(_EPClass):
         parallelize_module(eager, self.mesh(), ExpertParallel(num_chunks=2))
         self.assertEqual(got, eager(x), atol=1e-6, rtol=1e-5)
 
+    def test_compile_ranks_with_different_ep_chunks(self):
+        """Ranks compiled with different ``ep_chunks`` (rank 0 split into two chunks by the
+        pass, rank 1 whole) exchanged rows of different chunks: each waited for the other's
+        until the group's timeout. The pass writes the chunks into the plan's mode word, so
+        both raise at the first exchange naming each rank's, and the group stays usable."""
+        torch._dynamo.reset()
+        TI.reset_counters()
+        moe = make_moe()
+        parallelize_module(moe, self.mesh(), ExpertParallel())
+        chunks = 2 if self.rank == 0 else 1
+        compiled = torch.compile(moe, fullgraph=True, options=TI.options(ep_chunks=chunks))
+        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(self.rank))
+        mode = "float32 rows, autograd recording"
+        want = rf"different modes \(rank 0: {mode}, 2 chunks of local experts; rank 1: {mode}\)"
+        no_graph_cache = inductor_config.patch(fx_graph_cache=False)  # (the pass runs)
+        with no_graph_cache, functorch_config.patch(enable_autograd_cache=False):
+            with self.assertRaisesRegex(RuntimeError, want):
+                compiled(x)
+        self.assertEqual(TI.counters()["ep_chunks"], int(self.rank == 0))
+        self.assertEqual(TI.counters()["ep_chunk_word_missing"], 0)
+        one = make_moe()
+        parallelize_module(one, self.mesh(), ExpertParallel())
+        self.assertEqual(moe(x), one(x))
+
     def test_compile_inductor_rank_without_tokens(self):
         """Inductor end to end with a rank that holds no tokens (the other rank's tokens
         still reach its experts), once with the passes and two chunks and once plain: on
@@ -985,6 +1009,29 @@ class TestExpertParallelDevice(TestCase):
                             self.assertGreater(sqnr.item(), 25.0)
             finally:
                 dist.destroy_process_group()
+
+
+class TestModeWord(TestCase):
+    def test_chunks(self):
+        """The plan's mode word carries the chunks of local experts (``with_chunks``
+        rewrites only that field, which the chunk pass uses), and names them when ranks
+        differ; out-of-range chunk counts are refused by value."""
+        base = dispatch_module.mode_word(torch.bfloat16, True, microbatches=True)
+        three = dispatch_module.mode_word(torch.bfloat16, True, microbatches=True, chunks=3)
+        self.assertNotEqual(base, three)
+        self.assertEqual(dispatch_module.with_chunks(three, 1), base)
+        self.assertEqual(dispatch_module.with_chunks(base, 3), three)
+        self.assertEqual(dispatch_module.with_chunks(three, 3), three)
+        big = dispatch_module.with_chunks(base, 2**20)
+        self.assertEqual(dispatch_module.with_chunks(big, 1), base)
+        self.assertEqual(
+            dispatch_module._describe_mode(three),
+            "bfloat16 rows, autograd recording, two micro-batches, 3 chunks of local experts",
+        )
+        self.assertNotIn("chunks", dispatch_module._describe_mode(base))
+        for bad in (0, 2**20 + 1, True, 2.0):
+            with self.assertRaisesRegex(ValueError, rf"chunks must be an int .*got {bad!r}"):
+                dispatch_module.with_chunks(base, bad)
 
 
 class TestExchangeLowering(TestCase):

@@ -20,6 +20,13 @@ weights, ``GroupedExperts.split_weights``, where the pass keeps a slice per chun
 values; the slices' backward scatters each chunk's weight gradient into a zero-filled
 gradient of all local experts, which the split avoids in eager.)
 
+The plan's mode word (the ranks' modes, compared by every exchange) says the chunks too:
+the pass writes C into the word the layer's plan sends (the ``new_full`` fill of the plan's
+all-to-all input), so that ranks compiled with different ``ep_chunks`` raise at their
+first exchange, naming each rank's chunks, instead of waiting for rows of another chunk
+until the group's timeout. (A plan it cannot find is left as traced, and counted in
+``counters()["ep_chunk_word_missing"]``.)
+
 It runs on the pre-grad graph (Inductor's ``pre_grad_custom_pass``, Dynamo's Torch IR)
 because there the region is forward code only: AOTAutograd then derives the chunked
 backward (each chunk's ``ep_combine_backward`` -> experts' backward ->
@@ -55,7 +62,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import is_op
 from torch_moe._inductor.passes import _COUNTERS
-from torch_moe.distributed.dispatch import chunk_bounds  # (and registers the ep ops)
+from torch_moe.distributed.dispatch import (
+    chunk_bounds,  # (and registers the ep ops)
+    with_chunks,
+)
 
 __all__ = ["EPChunkPass", "split_layers"]
 
@@ -246,11 +256,53 @@ def _split(graph: fx.Graph, dispatch: fx.Node, num_chunks: int) -> str:
                 total = graph.call_function(operator.add, (total, part))
         else:
             total = part
+    counts = dispatch.args[2]  # (before the dispatch is erased)
     combine.replace_all_uses_with(total)  # type: ignore[arg-type]
     graph.erase_node(combine)
     for node in reversed(region):
         graph.erase_node(node)
+    if not _mark_plan(counts, C):
+        _COUNTERS["ep_chunk_word_missing"] += 1
     return "split"
+
+
+_SEARCH = 64  # nodes visited upstream, per search
+
+
+def _upstream(node: Any, match: Any) -> fx.Node | None:
+    """The nearest node at or above ``node`` (breadth first, at most ``_SEARCH``) that
+    ``match``es, else None."""
+    seen: set[fx.Node] = set()
+    queue = [node] if isinstance(node, fx.Node) else []
+    while queue and len(seen) < _SEARCH:
+        n = queue.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        if match(n):
+            return n
+        queue.extend(n.all_input_nodes)
+    return None
+
+
+def _mark_plan(counts: Any, num_chunks: int) -> bool:
+    """Write ``num_chunks`` into the mode word of the plan ``counts`` (the dispatcher's
+    ``plan``: ``cat([counts_RL, counts_RL.new_full((R, 1), word)], 1)`` through one
+    ``all_to_all_single``); whether it was found."""
+    a2a = _upstream(counts, lambda n: is_op(n, torch.ops._c10d_functional.all_to_all_single))
+    if a2a is None or not a2a.args:
+        return False
+    word = _upstream(a2a.args[0], lambda n: n.op == "call_method" and n.target == "new_full")
+    if word is None:
+        return False
+    if len(word.args) > 2 and isinstance(word.args[2], int):
+        word.args = (*word.args[:2], with_chunks(word.args[2], num_chunks), *word.args[3:])
+        return True
+    fill = word.kwargs.get("fill_value")
+    if isinstance(fill, int):
+        word.kwargs = {**word.kwargs, "fill_value": with_chunks(fill, num_chunks)}
+        return True
+    return False
 
 
 def _covers_all_local_experts(dispatch: fx.Node) -> bool:

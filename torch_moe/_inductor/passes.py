@@ -685,6 +685,7 @@ _COUNTERS: dict[str, int] = {
     "inline_glu": 0,
     "ep_chunks": 0,  # expert-parallel layers split into chunks (ep_chunk.py)
     "ep_chunk_skipped": 0,  # one-chunk layers that pass could not split
+    "ep_chunk_word_missing": 0,  # layers it split whose plan's mode word it did not find
     "data_dependent_skipped": 0,  # scaled GEMMs left whole (_try_replace)
 }
 

@@ -93,6 +93,8 @@ _MODE_GRAD = 1 << 8
 _MODE_LOW_LATENCY = 1 << 9  # the header of mode="low_latency" (it has no plan)
 _MODE_OVER_BUDGET = 1 << 10  # ... from a rank of more than max_tokens_per_rank tokens
 _MODE_MICROBATCHES = 1 << 11  # a plan of microbatches=2 (two plans, exchanges in flight)
+_MODE_CHUNKS_SHIFT = 12  # bits 12-31: the chunks of local experts the exchanges run in, - 1
+_MODE_CHUNKS_MAX = 1 << 20
 
 
 def mode_word(
@@ -102,21 +104,37 @@ def mode_word(
     low_latency: bool = False,
     over_budget: bool = False,
     microbatches: bool = False,
+    chunks: int = 1,
 ) -> int:
     """A rank's call mode in the plan: the dtype its dispatch sends the rows in, whether
-    autograd records the exchanges (so that their backwards will run) and whether the
-    batch runs as two micro-batches (``microbatches=2`` in inference: another sequence of
-    exchanges); for the header of ``mode="low_latency"`` (which has the plan's shape, so
-    that a rank taking the training exchange meets it), that it is one and whether the
-    rank has more tokens than its ``max_tokens_per_rank``."""
+    autograd records the exchanges (so that their backwards will run), whether the batch
+    runs as two micro-batches (``microbatches=2`` in inference: another sequence of
+    exchanges) and in how many chunks of local experts (``num_chunks``, or the compiler's
+    ``ep_chunks``, which rewrites the word: :func:`with_chunks`); for the header of
+    ``mode="low_latency"`` (which has the plan's shape, so that a rank taking the training
+    exchange meets it), that it is one and whether the rank has more tokens than its
+    ``max_tokens_per_rank``."""
     code = _MODE_DTYPES.index(dtype) + 1 if dtype in _MODE_DTYPES else 0
-    return (
+    return with_chunks(
         code
         | (_MODE_GRAD if records_grad else 0)
         | (_MODE_LOW_LATENCY if low_latency else 0)
         | (_MODE_OVER_BUDGET if over_budget else 0)
-        | (_MODE_MICROBATCHES if microbatches else 0)
+        | (_MODE_MICROBATCHES if microbatches else 0),
+        chunks,
     )
+
+
+def with_chunks(word: int, chunks: int) -> int:
+    """``word`` (a :func:`mode_word`) saying ``chunks`` chunks of local experts."""
+    if (
+        isinstance(chunks, bool)
+        or not isinstance(chunks, int)
+        or not 0 < chunks <= _MODE_CHUNKS_MAX
+    ):
+        raise ValueError(f"mode_word: chunks must be an int in [1, 2**20], got {chunks!r}")
+    field = (_MODE_CHUNKS_MAX - 1) << _MODE_CHUNKS_SHIFT
+    return (word & ~field) | ((chunks - 1) << _MODE_CHUNKS_SHIFT)
 
 
 def _describe_mode(word: int) -> str:
@@ -129,14 +147,17 @@ def _describe_mode(word: int) -> str:
         out += ", more tokens than max_tokens_per_rank"
     if word & _MODE_MICROBATCHES:
         out += ", two micro-batches"
+    chunks = ((word >> _MODE_CHUNKS_SHIFT) & (_MODE_CHUNKS_MAX - 1)) + 1
+    if chunks > 1:
+        out += f", {chunks} chunks of local experts"
     return out
 
 
 _MODES_DIFFER = (
     "every rank of the expert-parallel group must call it under the same autocast and grad "
     "mode and, with mode='low_latency' or microbatches=2, in eval mode without autograd on "
-    "every rank or on none (low latency: each within max_tokens_per_rank); the rows' sizes "
-    "and the exchanges follow them"
+    "every rank or on none (low latency: each within max_tokens_per_rank), and compiled "
+    "with the same ep_chunks; the rows' sizes and the exchanges follow them"
 )
 
 

@@ -146,7 +146,10 @@ class ExpertParallelDispatcher(nn.Module):
         modes differ (``dispatch.py``'s module doc)."""
         R, El = self.world, self.num_local
         send_E = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
-        mode = mode_word(self._send_dtype(x), records_grad, microbatches=microbatches)
+        chunks = 1 if microbatches else len(self.chunks)  # (the micro-batches: one each)
+        mode = mode_word(
+            self._send_dtype(x), records_grad, microbatches=microbatches, chunks=chunks
+        )
         recv = self._plan_all_to_all(send_E.view(R, El), mode, "counts all_to_all")
         return torch.cat([send_E, recv[:, :El].reshape(-1), recv[:, El]]).cpu()
 
