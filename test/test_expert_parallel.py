@@ -767,17 +767,27 @@ class TestExpertParallel2(_EPClass):
         their lowering). The outputs are eager's (Inductor fuses the shared expert's add:
         fp32 rounding). The compiled code keeps the schedule: Inductor's locality reordering
         had moved each start to its wait (issue, wait, issue, wait: no overlap); the handles
-        now pass through ``wait_tensor``, which it leaves apart from its producer."""
-        base = make_moe(shared_hidden_dim=8).eval()
-        parallelize_module(base, self.mesh(), ExpertParallel(microbatches=2))
-        compiled = torch.compile(base, fullgraph=True)
+        now pass through ``wait_tensor``, which it leaves apart from its producer. With
+        ``exchange="all_to_all"`` and (7, 1) tokens gloo aborted the process: one rank
+        issued the second plan's all-to-all before the first dispatch, the other after it
+        (a plan's all-to-all now also runs after the exchange lowered before it)."""
         start = "torch.ops.torch_moe.ep_start.default("
         wait = "torch.ops.torch_moe.ep_wait.default("
-        for tokens in ((7, 0), (5, 6), (0, 3)):
+        for exchange, tokens in (
+            ("p2p", (7, 0)),
+            ("p2p", (5, 6)),
+            ("p2p", (0, 3)),
+            ("all_to_all", (7, 1)),
+            ("all_to_all", (1, 6)),
+        ):
+            torch._dynamo.reset()  # (a module compiled anew: each rank its own graphs)
+            base = make_moe(shared_hidden_dim=8, top_k=1).eval()
+            parallelize_module(base, self.mesh(), ExpertParallel(microbatches=2, exchange=exchange))
+            compiled = torch.compile(base, fullgraph=True)
             x = torch.randn(tokens[self.rank], DIM)
             with torch.inference_mode():
                 got, codes = run_and_get_code(compiled, x)
-                self.assertEqual(got, base(x), msg=str(tokens))
+                self.assertEqual(got, base(x), msg=f"{exchange} {tokens}")
             # both dispatches issued, A's experts, A's combine issued, B's experts, then
             # the combines waited
             FileCheck().check(start).check("'dispatch'").check_not(wait).check(start).check(
@@ -785,7 +795,10 @@ class TestExpertParallel2(_EPClass):
             ).check(wait).check_not(wait).check(start).check("'combine'").check(wait).check(
                 start
             ).check("'combine'").check(wait).check(wait).run("\n".join(codes))
+            # every exchange waited (a micro-batch of no rows: its combine's wait had been
+            # dropped as dead code, the exchange left in flight)
             self.assertEqual(torch._C._distributed_c10d._get_work_registry_size(), 0)
+            self.assertEqual(dispatch_module._INFLIGHT, {})
 
     def test_microbatch_ranks_in_different_modes(self):
         """microbatches=2: rank 1 in eval mode (two micro-batches' plans and exchanges in

@@ -23,7 +23,11 @@ static shape), and a blocking wait on one rank then faced a peer that had issued
 exchanges in another order: two micro-batches in inference hung with 7 and 0 tokens
 (rank 0 waited in a combine its peer would issue only after a dispatch rank 0 had not
 issued yet) and with 5 and 6 (one rank's plan all-to-all after its first dispatch's
-wait, the other's before). (Marking
+wait, the other's before), and with ``exchange="all_to_all"`` (7 and 1 tokens) one rank
+issued the second micro-batch's plan all-to-all before the first one's dispatch and the
+other after it: a collective lowered between two exchanges also runs after the first.
+(Collectives lowered after a graph's last exchange get no edge: none in the MoE layer's
+graphs.) (Marking
 the ops side-effectful for every FX pass instead, ``torch.fx.node.has_side_effect``, makes
 AOTAutograd's partitioner treat them as impure and keep the forward's exchanges in the
 backward graph too.) These lowerings are registered with the grouped GEMMs' and, for a
@@ -110,10 +114,14 @@ _order: weakref.WeakKeyDictionary[Any, tuple[ExchangeKernel | None, int]] = (
 def _exchange_handler(op: torch._ops.OpOverload) -> Any:
     def handler(*args: Any, **kwargs: Any) -> Any:
         prev, read = _order.get(V.graph, (None, 0))
-        # the collectives lowered since the previous exchange (a plan's all-to-all)
+        # the collectives lowered since the previous exchange (a plan's all-to-all): after
+        # it, and before this one
         before: list[ir.Buffer] = [
             o for o in V.graph.operations[read:] if isinstance(o, ir._CollectiveKernel)
         ]
+        if prev is not None:
+            for o in before:
+                V.graph.additional_buffer_deps[o.get_operation_name()].add(prev.get_name())
         first = len(V.graph.operations)
         out = ExchangeKernel.create(op, *args, **kwargs)
         for new in V.graph.operations[first:]:

@@ -854,6 +854,16 @@ def ep_wait(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -
     return list(finish() if finish is not None else outs)  # type: ignore[operator]
 
 
+# A graph must keep every wait even where its rows are not read (a micro-batch of no rows
+# on this rank: its combine's output is empty): FX's dead-code elimination dropped it, and
+# the exchange stayed in _INFLIGHT (and its p2p work unwaited) for good. ep_start and
+# ep_wait only appear after autograd (inference graphs, or the post-grad overlap pass), so
+# marking them does not make the partitioner keep forward exchanges in a backward graph,
+# which marking the synchronous exchanges did (torch_moe._inductor.lowering).
+torch.fx.node.has_side_effect(torch.ops.torch_moe.ep_start.default)
+torch.fx.node.has_side_effect(torch.ops.torch_moe.ep_wait.default)
+
+
 @ep_wait.register_fake
 def _(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -> list[Tensor]:
     _lower_as_collective()
