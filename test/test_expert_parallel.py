@@ -664,6 +664,11 @@ class TestExpertParallel2(_EPClass):
                 self.assertEqual(ops.counts["all_to_all_single"], 2)
                 self.assertEqual(ops.counts["ep_start"], 4)
                 self.assertEqual(torch._C._distributed_c10d._get_work_registry_size(), 0)
+                # a torch without PythonCallbackWork: nothing registered, ep_wait waits
+                with mock.patch.object(dispatch_module._c10d, "PythonCallbackWork", None):
+                    with torch.inference_mode():
+                        self.assertEqual(two(x), got, atol=0, rtol=0)
+                self.assertEqual(dispatch_module._INFLIGHT, {})
         with self.assertRaisesRegex(ValueError, "microbatches must be 1 or 2, got 3"):
             ExpertParallel(microbatches=3)
 

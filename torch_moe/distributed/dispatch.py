@@ -805,20 +805,24 @@ def ep_start(
     return out
 
 
+def _wait(work: object, direction: str) -> bool:
+    """Wait for an exchange's work (a no-op once waited), naming it if it fails."""
+    try:
+        work.wait()  # type: ignore[attr-defined]
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"ExpertParallel: {direction} all_to_all_segments (wait) failed on rank "
+            f"{dist.get_rank()}: {e}"
+        ) from e
+    return True
+
+
 def _register(handle: Tensor, work: object, direction: str) -> None:
-    """Register ``work`` with c10d's work registry under ``handle`` (see above)."""
-
-    def wait(timeout: object) -> bool:
-        try:
-            work.wait()  # type: ignore[attr-defined]
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"ExpertParallel: {direction} all_to_all_segments (wait) failed on rank "
-                f"{dist.get_rank()}: {e}"
-            ) from e
-        return True
-
-    _c10d._register_work(handle, _c10d.PythonCallbackWork(wait))
+    """Register ``work`` with c10d's work registry under ``handle`` (see above; a torch
+    without ``PythonCallbackWork`` keeps the order all the same, and ``ep_wait`` waits)."""
+    callback_work = getattr(_c10d, "PythonCallbackWork", None)
+    if callback_work is not None and hasattr(_c10d, "_register_work"):
+        _c10d._register_work(handle, callback_work(lambda timeout: _wait(work, direction)))
 
 
 @ep_start.register_fake
@@ -848,9 +852,12 @@ def ep_wait(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -
     entry = _INFLIGHT.pop(int(handle[0]), None)
     if entry is None:
         raise RuntimeError(f"ep_wait: no exchange in flight for handle {int(handle[0])}")
-    _work, outs, finish, _keep = entry
-    # waits unless a wait_tensor of the handle has (a no-op for an unregistered tensor)
+    work, outs, finish, _keep = entry
+    # pops the handle's registration (waits unless a wait_tensor of the handle has; a no-op
+    # for a tensor not registered), then waits if nothing has
     torch.ops._c10d_functional.wait_tensor(handle)
+    if work is not None:
+        _wait(work, direction)
     return list(finish() if finish is not None else outs)  # type: ignore[operator]
 
 
