@@ -62,10 +62,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch_moe._inductor import config
 from torch_moe._inductor._fx import is_op
 from torch_moe._inductor.passes import _COUNTERS
-from torch_moe.distributed.dispatch import (
-    chunk_bounds,  # (and registers the ep ops)
-    with_chunks,
-)
+from torch_moe.distributed import dispatch as _dispatch  # (registers the ep ops)
+from torch_moe.distributed.dispatch import chunk_bounds, with_chunks
 
 __all__ = ["EPChunkPass", "split_layers"]
 
@@ -336,7 +334,7 @@ def split_layers(graph: fx.Graph, num_chunks: int) -> int:
 
 class EPChunkPass(CustomGraphPass):
     """The pass as Inductor's ``pre_grad_custom_pass`` (``uuid()`` hashes this file, the
-    FX helpers and the chunk count).
+    FX helpers, the exchanges' module and the chunk count).
 
     ``num_chunks``: None reads ``config.ep_chunks`` when a graph compiles; an int fixes it
     for the compiles this instance is passed to (``torch_moe._inductor.options(
@@ -360,5 +358,7 @@ class EPChunkPass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         here = os.path.dirname(__file__)
-        digest = get_hash_for_files((__file__, os.path.join(here, "_fx.py")))
+        # (dispatch.py: the mode word's layout, which the pass writes into the plan)
+        files = (__file__, os.path.join(here, "_fx.py"), _dispatch.__file__)
+        digest = get_hash_for_files(files)
         return hashlib.sha256(digest + repr(self.chunks()).encode()).digest()
