@@ -10,13 +10,14 @@ local experts, D model dim.
 per global expert (``send_E``, the group sizes of its permuted buffer), then the rows each
 source rank sends for each of this rank's local experts (``recv_RL``), then each rank's
 call mode (:func:`mode_word`: the dtype its dispatch sends, whether autograd records the
-exchanges, and whether it runs the two micro-batches' schedule). The layer gets it from
-one all-to-all of ``send_E`` and the mode (``torch.distributed._functional_collectives``,
-traced like any collective) and one copy to the host; every op below reads its segment
-tables from it, so no op synchronizes with the device again, and refuses a plan whose
-modes differ: every rank raises, naming each rank's mode, before any row moves (ranks in
-different autocast or grad modes would otherwise exchange rows of different sizes, which
-gloo aborts the process on, or leave the peers waiting for a backward that never comes).
+exchanges, whether it runs the two micro-batches' schedule and in how many chunks of local
+experts). The layer gets it from one all-to-all of ``send_E`` and the mode
+(``torch.distributed._functional_collectives``, traced like any collective) and one copy
+to the host; every op below reads its segment tables from it, so no op synchronizes with
+the device again, and refuses a plan whose modes differ: every rank raises, naming each
+rank's mode, before any row moves (ranks in different autocast or grad modes would
+otherwise exchange rows of different sizes, which gloo aborts the process on, or leave
+the peers waiting for a backward that never comes).
 
 * ``ep_dispatch(x [M, D], row_weights [M]?, counts, ..., chunk [l0, l1)) -> (x_recv [N, D],
   w_recv [N])``: the rows of this rank's tokens for the local experts l0..l1-1 of every
@@ -853,10 +854,10 @@ def ep_wait(handle: Tensor, like: list[Tensor], direction: str, num_rows: int) -
     if entry is None:
         raise RuntimeError(f"ep_wait: no exchange in flight for handle {int(handle[0])}")
     work, outs, finish, _keep = entry
-    # pops the handle's registration (waits unless a wait_tensor of the handle has; a no-op
-    # for a tensor not registered), then waits if nothing has
-    torch.ops._c10d_functional.wait_tensor(handle)
-    if work is not None:
+    if work is not None:  # (an all-to-all exchange completed in ep_start: nothing registered)
+        # pops the handle's registration (waits unless a wait_tensor of the handle has; a
+        # no-op where nothing was registered), then waits if nothing has
+        torch.ops._c10d_functional.wait_tensor(handle)
         _wait(work, direction)
     return list(finish() if finish is not None else outs)  # type: ignore[operator]
 
