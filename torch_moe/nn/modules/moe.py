@@ -1391,13 +1391,13 @@ class MoE(nn.Module):
             else:
                 seq_len = shape[-2] if len(shape) >= 3 else logits.shape[0]
                 loss = sequence_aux_loss(logits, ids, self.top_k, seq_len, score_func=score_func)
-            with torch.no_grad():
-                self.last_aux_loss.copy_(loss)
+            # (a detached copy, not a no_grad block: torch.export keeps such a block as a
+            # subgraph of no outputs, which its serializer cannot load back)
+            self.last_aux_loss.copy_(loss.detach())
             total = self.aux_loss_coeff * loss
         if self.z_loss_coeff > 0:
             z = router_z_loss(logits)
-            with torch.no_grad():
-                self.last_z_loss.copy_(z)
+            self.last_z_loss.copy_(z.detach())
             total = self.z_loss_coeff * z if total is None else total + self.z_loss_coeff * z
         if total is None or not torch.is_grad_enabled():
             return out
