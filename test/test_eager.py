@@ -11,6 +11,7 @@ tensor subclasses, other devices, ``ENABLED = False``. A profiler still sees eac
 name; keyword and defaulted arguments bind as the op binds them."""
 
 import contextlib
+import copy
 import importlib
 import os
 import subprocess
@@ -24,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_probe import intra_op_threads
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.common_utils import (
     TestCase,
     instantiate_parametrized_tests,
@@ -1648,6 +1650,137 @@ class TestFewStep(TestCase):
         self.assertTrue(torch.equal(out_int32, ref))
 
 
+class TestRoutedSwiGLU(TestCase):
+    """``torch_moe::routed_swiglu``: a decode step's routed SwiGLU experts as one op of a
+    traced graph, whose CPU kernel chooses eager's path when the graph runs (the one
+    native call where the plan has it, else the Python path): the reference's values bit
+    for bit at every size, its registrations and messages, and a compiled layer taking it
+    (and the one call) where eager takes the one call."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.enterContext(mock.patch.object(_eager, "ENABLED", True))
+
+    @staticmethod
+    def _inputs(tokens: int, top_k: int, dtype: torch.dtype, seed: int, skew: bool) -> tuple:
+        """(x, w13, w2, expert_ids, weights): 6 experts, D = 32, F = 16; ``skew`` sends
+        every token to expert 0 (other experts empty)."""
+        g = torch.Generator().manual_seed(seed)
+        experts, dim, hidden = 6, 32, 16
+        logits = torch.randn(tokens, experts, generator=g)
+        if skew:
+            logits[:, 0] += 8
+        return (
+            torch.randn(tokens, dim, generator=g).to(dtype),
+            (torch.randn(experts, 2 * hidden, dim, generator=g) * 0.3).to(dtype),
+            (torch.randn(experts, dim, hidden, generator=g) * 0.3).to(dtype),
+            logits.topk(top_k, dim=-1).indices,
+            torch.rand(tokens, top_k, generator=g),
+        )
+
+    @contextlib.contextmanager
+    def _one_calls(self) -> Iterator[list[bool]]:
+        """Whether each ``few_moe_step`` the op's kernel asks ran the one native call."""
+        answers: list[bool] = []
+        real = gs.few_moe_step
+
+        def spy(*args: Any) -> Any:
+            out = real(*args)
+            answers.append(out is not None)
+            return out
+
+        with mock.patch.object(gs, "few_moe_step", spy):
+            yield answers
+
+    @parametrize("dtype", [BF16, F32, torch.float16])
+    def test_equals_the_reference(self, dtype: torch.dtype) -> None:
+        op = torch.ops.torch_moe.routed_swiglu.default
+        # (tokens, top-k, skew): no tokens, one, one of top-1, skewed, and 80 rows (more
+        # than the one call takes: the Python path every time)
+        cases = [(0, 2, False), (1, 2, False), (1, 1, False), (3, 2, True), (8, 2, False)]
+        took: list[bool] = []
+        for tokens, top_k, skew in [*cases, (40, 2, True)]:
+            args = self._inputs(tokens, top_k, dtype, seed=tokens + top_k, skew=skew)
+            with self.subTest(tokens=tokens, top_k=top_k), torch.inference_mode():
+                with op_path():  # the reference's ops, each through the dispatcher
+                    ref = gs._routed_swiglu_ops(*args)
+                with _cpu_probe.force(**FEW_GEMM), self._one_calls() as answers:
+                    # the first call of a count of busy experts decides it (Python path)
+                    got = [op(*args) for _ in range(3)]
+                for out in got:
+                    self.assertEqual(
+                        (out.dtype, out.shape, out.stride()), (ref.dtype, ref.shape, ref.stride())
+                    )
+                    self.assertTrue(torch.equal(out, ref), "differs from the reference")
+                self.assertEqual(len(answers), 3)
+                if 0 < tokens * top_k <= gs._FEW_STEP_ROWS:
+                    took += answers
+                else:  # no tokens or too many rows: never asked of the native kernel
+                    self.assertNotIn(True, answers)
+        if dtype != F32 and _native.available():  # (the few-rows kernels' dtypes)
+            self.assertIn(True, took, "the kernel never took the one call")
+
+    def test_opcheck(self) -> None:
+        for tokens in (0, 3):
+            args = self._inputs(tokens, 2, BF16, seed=1, skew=False)
+            torch.library.opcheck(torch.ops.torch_moe.routed_swiglu.default, args)
+
+    def test_messages(self) -> None:
+        op = torch.ops.torch_moe.routed_swiglu.default
+        x, w13, w2, ids, w = self._inputs(3, 2, BF16, seed=0, skew=False)
+        cases = [
+            ((x[None], w13, w2, ids, w), r"x must be \[T, D\], w13 \[E, 2F, D\].*\[1, 3, 32\]"),
+            ((x, w13, w2.float(), ids, w), r"share a dtype.*torch.bfloat16, torch.float32"),
+            ((x, w13, w2, ids[:2], w), r"expert_ids must be \[T, K\] with T = x.shape\[0\] = 3"),
+            ((x, w13, w2, ids, w[:, :1]), r"weights must be floating \[T, K\].*\[3, 1\]"),
+            ((x, w13, w2, ids, ids), r"weights must be floating .*torch.int64"),
+        ]
+        for args, msg in cases:
+            with self.subTest(msg=msg):
+                with self.assertRaisesRegex(ValueError, msg):
+                    op(*args)
+                with FakeTensorMode() as mode, self.assertRaisesRegex(ValueError, msg):
+                    op(*(mode.from_tensor(a) for a in args))
+        bad = ids.clone()
+        bad[1, 0] = 6
+        with self.assertRaisesRegex(RuntimeError, "expert_ids must lie in .*got 6"):
+            op(x, w13, w2, bad, w)
+
+    @parametrize("autocast", [False, True])
+    def test_compiled_layer_takes_the_op(self, autocast: bool) -> None:
+        """A compiled bf16 layer (fp32 under bf16 autocast) in inference calls the op, whose
+        kernel takes the one call once the plan has the count, and equals eager bit for
+        bit at decode and prefill sizes; with autograd the graph keeps the ops."""
+        torch.manual_seed(0)
+        moe = MoE(32, 16, 6, 2, dtype=F32 if autocast else BF16, shared_hidden_dim=8).eval()
+        graphs: list[torch.fx.GraphModule] = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend=backend)
+        gen = torch.Generator().manual_seed(1)
+        amp = torch.autocast("cpu", BF16, enabled=autocast)
+        with _cpu_probe.force(**FEW_GEMM), amp, self._one_calls() as answers:
+            for tokens in (1, 1, 3, 40):
+                x = torch.randn(tokens, 32, generator=gen).to(moe.experts.w13.dtype)
+                with torch.inference_mode():
+                    want, got = moe(x), compiled(x)
+                self.assertTrue(torch.equal(got, want), f"{tokens} tokens")
+        targets = {n.target for gm in graphs for n in gm.graph.nodes}
+        self.assertIn(torch.ops.torch_moe.routed_swiglu.default, targets)
+        if _native.available() and not autocast:  # (no one call under CPU autocast)
+            self.assertIn(True, answers[1:])
+        graphs.clear()
+        training = torch.compile(copy.deepcopy(moe).train(), fullgraph=True, backend=backend)
+        with amp:
+            training(torch.randn(3, 32).to(moe.experts.w13.dtype))
+        targets = {n.target for n in graphs[-1].graph.nodes}
+        self.assertNotIn(torch.ops.torch_moe.routed_swiglu.default, targets)
+        self.assertIn(torch.ops.torch_moe.grouped_swiglu.default, targets)
+
+
 def _assert_same_as_ops(test: TestCase, got: tuple, ref: tuple) -> None:
     """``_run``'s outputs and gradients, bit for bit, with dtypes, shapes and strides."""
     for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
@@ -1664,6 +1797,7 @@ def _fill(args: list, present: tuple) -> list:
 instantiate_parametrized_tests(TestDirectCalls)
 instantiate_parametrized_tests(TestSwiGLUCombine)
 instantiate_parametrized_tests(TestFewStep)
+instantiate_parametrized_tests(TestRoutedSwiGLU)
 instantiate_parametrized_tests(TestGLUCombine)
 instantiate_parametrized_tests(TestExpertsNodesFuzz)
 instantiate_parametrized_tests(TestMoELayerNode)

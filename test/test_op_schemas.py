@@ -216,6 +216,12 @@ class TestOpSchemas(TestCase):
             """torch_moe::router_logits_backward(Tensor grad, Tensor x, Tensor weight, bool need_x, bool need_weight) -> (Tensor, Tensor)""",
         )
 
+    def test_schema_routed_swiglu(self):
+        self.assertExpectedInline(
+            schema("routed_swiglu"),
+            """torch_moe::routed_swiglu(Tensor x, Tensor w13, Tensor w2, Tensor expert_ids, Tensor weights) -> Tensor""",
+        )
+
     def test_schema_scaled_grouped_mm(self):
         self.assertExpectedInline(
             schema("scaled_grouped_mm"),

@@ -80,6 +80,7 @@ from torch_moe._ops.permute import (
     check_map_values,
     gather_rows,
     permute,
+    permute_indices,
     token_of_rows,
     unpermute,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "grouped_swiglu",
     "grouped_swiglu_backward",
     "grouped_swiglu_combine",
+    "routed_swiglu",
     "swiglu",
     "swiglu_backward",
     "swiglu_reference",
@@ -1359,6 +1361,76 @@ def few_moe_step(
     path then raises). For a layer's decode step (``MoE`` in eval mode without autograd),
     whose own calls of the Python path decide the plan."""
     return _one_call(x, w13, w2, weights, expert_ids.numel(), "moe_few", expert_ids, weights)
+
+
+def _check_routed(x: Tensor, w13: Tensor, w2: Tensor, expert_ids: Tensor, weights: Tensor) -> None:
+    where = "routed_swiglu"
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"{where}: x must be [T, D], w13 [E, 2F, D] and w2 [E, D, F], got x "
+            f"{list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)}"
+        )
+    if not (x.dtype == w13.dtype == w2.dtype):
+        raise ValueError(
+            f"{where}: x, w13 and w2 must share a dtype (the experts' dtype), got "
+            f"{x.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{where}: expert_ids must be [T, K] with T = x.shape[0] = {x.shape[0]}, got "
+            f"{list(expert_ids.shape)}"
+        )
+    if weights.shape != expert_ids.shape or not weights.is_floating_point():
+        raise ValueError(
+            f"{where}: weights must be floating [T, K] like expert_ids "
+            f"{list(expert_ids.shape)}, got {weights.dtype} {list(weights.shape)}"
+        )
+
+
+def _routed_swiglu_ops(
+    x: Tensor, w13: Tensor, w2: Tensor, expert_ids: Tensor, weights: Tensor
+) -> Tensor:
+    row_to_slot, slot_to_row, offs, _ = permute_indices(expert_ids, w13.shape[0])
+    row_weights = weights.reshape(-1).index_select(0, row_to_slot)
+    return grouped_swiglu_combine(x, w13, w2, offs, row_weights, row_to_slot, slot_to_row)
+
+
+@torch.library.custom_op("torch_moe::routed_swiglu", mutates_args=())
+def routed_swiglu(
+    x: Tensor, w13: Tensor, w2: Tensor, expert_ids: Tensor, weights: Tensor
+) -> Tensor:
+    """Inference (no autograd formula): the SwiGLU experts of tokens x [T, D] routed to
+    ``expert_ids`` [T, K] with ``weights`` [T, K], summed back to the tokens: [T, D] in
+    x's dtype, which the weights share. The values of ``permute_indices(expert_ids, E)``
+    (no padding, no capacity), the rows' weights ``weights.reshape(-1)[row_to_slot]`` and
+    :func:`grouped_swiglu_combine` on them, which is what this reference runs.
+
+    Design note. A layer's decode step in eager mode runs those as one native call
+    (:func:`few_moe_step`) or as their eager forms, chosen per call by the rows and by
+    what earlier calls learned (``_FEW_STEP_ROWS``, the plan). A traced graph cannot make
+    that choice without guarding on its token count, and its two ops (``grouped_swiglu``,
+    ``unpermute``) and their glue run from cold caches after each expert GEMM has streamed
+    the weights through them: a compiled Qwen3-sized decode step on a Zen 2 EPYC took 1.1
+    ms against eager's 0.6. This op is the eager step as one extern call of a graph
+    (``MoE``'s inference on plain CPU tensors when traced): its CPU kernel makes the
+    choice at run time, as eager does, with eager's kernels (the same bits)."""
+    _check_routed(x, w13, w2, expert_ids, weights)
+    return _routed_swiglu_ops(x, w13, w2, expert_ids, weights)
+
+
+@routed_swiglu.register_kernel("cpu")
+def _routed_swiglu_cpu(
+    x: Tensor, w13: Tensor, w2: Tensor, expert_ids: Tensor, weights: Tensor
+) -> Tensor:
+    _check_routed(x, w13, w2, expert_ids, weights)
+    out = few_moe_step(x, w13, w2, expert_ids, weights)
+    return out if out is not None else _routed_swiglu_ops(x, w13, w2, expert_ids, weights)
+
+
+@routed_swiglu.register_fake
+def _(x: Tensor, w13: Tensor, w2: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+    _check_routed(x, w13, w2, expert_ids, weights)
+    return x.new_empty((x.shape[0], w2.shape[1]))
 
 
 def _one_call(

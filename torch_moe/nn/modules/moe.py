@@ -78,6 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_moe import ops
 from torch_moe._ops import _eager
@@ -88,7 +89,12 @@ from torch_moe._ops import routing as _routing
 from torch_moe._ops._dtypes import acc_dtype
 from torch_moe._ops.fused_experts import DECODE_MAX_ROWS, decode_block_m
 from torch_moe._ops.glu import gated
-from torch_moe._ops.grouped_swiglu import few_moe_step, grouped_swiglu_combine, swiglu
+from torch_moe._ops.grouped_swiglu import (
+    few_moe_step,
+    grouped_swiglu_combine,
+    routed_swiglu,
+    swiglu,
+)
 from torch_moe.nn.functional import (
     check_activation,
     glu_activation,
@@ -601,16 +607,25 @@ class GroupedExperts(nn.Module):
         (``grouped_swiglu.few_moe_step``: the same values), where it runs: SwiGLU experts
         without a recipe, plain CPU tensors in eager, a decode-sized call whose count of
         busy experts this module's earlier calls have decided; else None (the caller then
-        takes the Python path, which decides it)."""
+        takes the Python path, which decides it). Traced (``torch.compile``, export) on CPU
+        tensors of no subclass: the op ``torch_moe::routed_swiglu``, whose kernel makes
+        that choice when the graph runs (a graph cannot without guarding on its token
+        count), so a compiled decode step runs as eager's does."""
         if self.recipe is not None or self.composed:
             return None
         w13, w2 = self._local_weights()
-        if not _eager.direct((x, w13, w2, expert_ids, weights)):
+        args = (x, w13, w2, expert_ids, weights)
+        eager = _eager.direct(args)
+        if not eager and not all(
+            t.device.type == "cpu" and not is_traceable_wrapper_subclass(t) for t in args
+        ):
             return None
         x, w13, w2 = _in_expert_dtype(x, w13, w2)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, weights)):
             return None
-        return few_moe_step(x, w13, w2, expert_ids, weights)
+        if eager:
+            return few_moe_step(x, w13, w2, expert_ids, weights)
+        return routed_swiglu(x, w13, w2, expert_ids, weights)
 
     def forward_tokens(
         self,
