@@ -511,6 +511,32 @@ class TestExpertsBackend(_OneThread, TestCase):
         for n in ref[2]:
             self.assertEqual(got[2][n], ref[2][n], atol=0, rtol=0, msg=n)
 
+    @parametrize("family", ["qwen3_moe", "gpt_oss"])
+    def test_compiled_inference(self, family):
+        """Compiled without autograd, a fused-layout block's experts are one op
+        (``torch_moe::routed_swiglu``: the eager step when the graph runs) and a composed
+        one's keep their ops; both equal eager bit for bit, a one-token step included."""
+        model = tiny_model(family, dtype=torch.bfloat16, impl="torch_moe")
+        block = model.model.layers[0].mlp
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True, backend=backend)
+        gen = torch.Generator().manual_seed(0)
+        for tokens in (1, 1, 6):
+            x = torch.randn(2, tokens, 32, generator=gen).to(torch.bfloat16)
+            with torch.inference_mode():
+                want, got = block(x), compiled(x)
+            want, got = (o[0] if isinstance(o, tuple) else o for o in (want, got))
+            self.assertEqual(got, want, atol=0, rtol=0, msg=f"{tokens} tokens")
+        targets = {n.target for gm in graphs for n in gm.graph.nodes}
+        routed = torch.ops.torch_moe.routed_swiglu.default
+        self.assertEqual(routed in targets, family == "qwen3_moe")
+
     def test_precision(self):
         """set_precision runs the experts' GEMMs through scaled_grouped_mm per recipe."""
         import torch_moe.integrations.transformers as tmt

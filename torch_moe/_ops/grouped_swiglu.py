@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.autograd.profiler as _profiler
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_moe._ops import _cpu_probe, _native
 from torch_moe._ops._dtypes import FLOAT_DTYPES, acc_dtype, no_cpu_autocast
@@ -1416,6 +1417,19 @@ def routed_swiglu(
     choice at run time, as eager does, with eager's kernels (the same bits)."""
     _check_routed(x, w13, w2, expert_ids, weights)
     return _routed_swiglu_ops(x, w13, w2, expert_ids, weights)
+
+
+def traced_routed_step(tensors: tuple[Tensor, ...]) -> bool:
+    """Whether a SwiGLU step on ``tensors`` (x, w13, w2, expert_ids, weights) should call
+    :func:`routed_swiglu`: a graph is being traced (an eager call on plain CPU tensors
+    takes :func:`few_moe_step` or the Python path itself), every tensor is on the CPU and
+    of no wrapper subclass (a DTensor's ops have their sharding rules), and there is no
+    gradient to record (the op has no autograd formula)."""
+    if direct(tensors):
+        return False
+    if not all(t.device.type == "cpu" and not is_traceable_wrapper_subclass(t) for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 @routed_swiglu.register_kernel("cpu")

@@ -76,7 +76,11 @@ from torch_moe._ops import glu as _glu
 from torch_moe._ops import grouped_mm as _gmm
 from torch_moe._ops import permute as _perm
 from torch_moe._ops._dtypes import acc_dtype
-from torch_moe._ops.grouped_swiglu import grouped_swiglu_combine
+from torch_moe._ops.grouped_swiglu import (
+    grouped_swiglu_combine,
+    routed_swiglu,
+    traced_routed_step,
+)
 from torch_moe.quantization import Recipe, scaled_grouped_mm
 
 # transformers' symbols the layout checks compare against, imported once (an import
@@ -396,6 +400,13 @@ def experts_forward(
     groups = num_experts + 1 if sentinel else num_experts
     align = _SCALED_GROUP_ALIGN if recipe is not None and hidden_states.is_cuda else 1
     x_TD = hidden_states.to(dt)
+    if layout.fused and recipe is None and not sentinel:
+        # traced on CPU without a gradient: the step as one op, which takes the eager
+        # step's path when the graph runs (the one native call at a few tokens)
+        w13, w2 = up_EDN.transpose(-2, -1), down_EFD.transpose(-2, -1)
+        routed = (x_TD, w13, w2, ids_TK, top_k_weights)
+        if traced_routed_step(routed):
+            return routed_swiglu(*routed).to(hidden_states.dtype)
     perm = ops.permute_indices(ids_TK, groups, align=align)
     offs = perm.offs[:num_experts] if sentinel else perm.offs
     weights_TK = top_k_weights

@@ -78,7 +78,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torch_moe import ops
 from torch_moe._ops import _eager
@@ -94,6 +93,7 @@ from torch_moe._ops.grouped_swiglu import (
     grouped_swiglu_combine,
     routed_swiglu,
     swiglu,
+    traced_routed_step,
 )
 from torch_moe.nn.functional import (
     check_activation,
@@ -615,16 +615,14 @@ class GroupedExperts(nn.Module):
             return None
         w13, w2 = self._local_weights()
         args = (x, w13, w2, expert_ids, weights)
-        eager = _eager.direct(args)
-        if not eager and not all(
-            t.device.type == "cpu" and not is_traceable_wrapper_subclass(t) for t in args
-        ):
+        if _eager.direct(args):
+            x, w13, w2 = _in_expert_dtype(x, w13, w2)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, weights)):
+                return None
+            return few_moe_step(x, w13, w2, expert_ids, weights)
+        if not traced_routed_step(args):
             return None
         x, w13, w2 = _in_expert_dtype(x, w13, w2)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, weights)):
-            return None
-        if eager:
-            return few_moe_step(x, w13, w2, expert_ids, weights)
         return routed_swiglu(x, w13, w2, expert_ids, weights)
 
     def forward_tokens(
