@@ -525,6 +525,7 @@ class TestExpertsBackend(_OneThread, TestCase):
             return gm.forward
 
         torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
         compiled = torch.compile(block, fullgraph=True, backend=backend)
         gen = torch.Generator().manual_seed(0)
         for tokens in (1, 1, 6):

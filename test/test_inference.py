@@ -419,7 +419,7 @@ class TestGenerateExample(TestCase):
         """examples/generate.py on a (barely trained, so diverse) checkpoint of
         train_moe_lm.py: batched prompts of different lengths with the KV cache give the
         bytes of decoding each prompt alone without a cache; under torchrun --ep 2 (the
-        low-latency expert-parallel path) the same bytes."""
+        low-latency expert-parallel path) the same bytes, and with the MoE layers compiled."""
         sys.path.insert(0, str(EXAMPLES))
         import generate
         import train_moe_lm
@@ -438,6 +438,14 @@ class TestGenerateExample(TestCase):
                 )
             self.assertTrue(one["checked"])
             self.assertGreater(len(set(one["outputs"])), 2)  # the prompts differ in output
+            # the MoE layers compiled: the same bytes
+            torch._dynamo.reset()
+            self.addCleanup(torch._dynamo.reset)
+            with contextlib.redirect_stdout(io.StringIO()):
+                compiled = generate.main(
+                    ["--ckpt", tmp, "--max-new-bytes", "10", "--no-progress", "--compile"]
+                )
+            self.assertEqual(compiled["outputs"], one["outputs"])
             env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
             env["OMP_NUM_THREADS"] = "1"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]

@@ -1421,10 +1421,11 @@ def routed_swiglu(
 
 def traced_routed_step(tensors: tuple[Tensor, ...]) -> bool:
     """Whether a SwiGLU step on ``tensors`` (x, w13, w2, expert_ids, weights) should call
-    :func:`routed_swiglu`: a graph is being traced (an eager call on plain CPU tensors
-    takes :func:`few_moe_step` or the Python path itself), every tensor is on the CPU and
-    of no wrapper subclass (a DTensor's ops have their sharding rules), and there is no
-    gradient to record (the op has no autograd formula)."""
+    :func:`routed_swiglu`: not a direct eager call (:func:`direct`, which takes
+    :func:`few_moe_step` or the Python path itself) but a graph being traced, a mode or
+    ``TORCH_MOE_DIRECT_OPS=0``; every tensor on the CPU and of no wrapper subclass (a
+    DTensor's ops have their sharding rules); no gradient to record (the op has no
+    autograd formula)."""
     if direct(tensors):
         return False
     if not all(t.device.type == "cpu" and not is_traceable_wrapper_subclass(t) for t in tensors):
