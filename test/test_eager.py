@@ -1731,6 +1731,9 @@ class TestRoutedSwiGLU(TestCase):
         cases = [
             ((x[None], w13, w2, ids, w), r"x must be \[T, D\], w13 \[E, 2F, D\].*\[1, 3, 32\]"),
             ((x, w13, w2.float(), ids, w), r"share a dtype.*torch.bfloat16, torch.float32"),
+            ((x[:, :16], w13, w2, ids, w), r"disagree: x \[3, 16\], w13 \[6, 32, 32\]"),
+            ((x, w13[:, :30], w2, ids, w), r"disagree: .*w13 \[6, 30, 32\], w2 \[6, 32, 16\]"),
+            ((x, w13, w2[:5], ids, w), r"disagree: .*w2 \[5, 32, 16\]"),
             ((x, w13, w2, ids[:2], w), r"expert_ids must be \[T, K\] with T = x.shape\[0\] = 3"),
             ((x, w13, w2, ids, w[:, :1]), r"weights must be floating \[T, K\].*\[3, 1\]"),
             ((x, w13, w2, ids, ids), r"weights must be floating .*torch.int64"),

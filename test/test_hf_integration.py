@@ -538,6 +538,37 @@ class TestExpertsBackend(_OneThread, TestCase):
         routed = torch.ops.torch_moe.routed_swiglu.default
         self.assertEqual(routed in targets, family == "qwen3_moe")
 
+    @parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+    def test_export(self, family):
+        """A whole model on the backend exports (``torch.export``, the sequence length a
+        ``Dim``; transformers' own ``eager`` experts loop over the experts a token count
+        chose, which export cannot trace) and its program equals the model bit for bit at
+        another length; the fused layout's experts are one op there (no autograd)."""
+
+        class Logits(torch.nn.Module):
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
+
+            def forward(self, ids):
+                return self.model(ids, use_cache=False).logits
+
+        model = Logits(tiny_model(family, impl="torch_moe"))
+        seq = torch.export.Dim("seq", min=2, max=64)
+        with torch.no_grad():
+            ep = torch.export.export(model, (_ids(),), dynamic_shapes=({1: seq},))
+            ids = _ids(seed=2, shape=(2, 13))
+            self.assertEqual(ep.module()(ids), model(ids), atol=0, rtol=0)
+        targets = {
+            str(n.target)
+            for m in ep.graph_module.modules()
+            if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes
+        }
+        routed = "torch_moe.routed_swiglu.default" in targets
+        self.assertEqual(routed, family != "gpt_oss")
+        self.assertEqual("torch_moe.glu.default" in targets, family == "gpt_oss")
+
     def test_precision(self):
         """set_precision runs the experts' GEMMs through scaled_grouped_mm per recipe."""
         import torch_moe.integrations.transformers as tmt

@@ -1371,6 +1371,12 @@ def _check_routed(x: Tensor, w13: Tensor, w2: Tensor, expert_ids: Tensor, weight
             f"{where}: x must be [T, D], w13 [E, 2F, D] and w2 [E, D, F], got x "
             f"{list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)}"
         )
+    E, two_f, D = w13.shape
+    if w2.shape[0] != E or x.shape[1] != D or w2.shape[1] != D or two_f != 2 * w2.shape[2]:
+        raise ValueError(
+            f"{where}: x [T, D], w13 [E, 2F, D] and w2 [E, D, F] disagree: x "
+            f"{list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)}"
+        )
     if not (x.dtype == w13.dtype == w2.dtype):
         raise ValueError(
             f"{where}: x, w13 and w2 must share a dtype (the experts' dtype), got "
@@ -1411,10 +1417,11 @@ def routed_swiglu(
     what earlier calls learned (``_FEW_STEP_ROWS``, the plan). A traced graph cannot make
     that choice without guarding on its token count, and its two ops (``grouped_swiglu``,
     ``unpermute``) and their glue run from cold caches after each expert GEMM has streamed
-    the weights through them: a compiled Qwen3-sized decode step on a Zen 2 EPYC took 1.1
-    ms against eager's 0.6. This op is the eager step as one extern call of a graph
-    (``MoE``'s inference on plain CPU tensors when traced): its CPU kernel makes the
-    choice at run time, as eager does, with eager's kernels (the same bits)."""
+    the weights through them (a compiled one-token step's cost over eager's:
+    benchmarks/results/compiled_decode_cpu_202612.md). This op is the eager step as one
+    extern call of a graph (``MoE``'s and the HF backend's inference on plain CPU tensors
+    when traced: :func:`traced_routed_step`): its CPU kernel makes the choice at run time,
+    as eager does, with eager's kernels (the same bits)."""
     _check_routed(x, w13, w2, expert_ids, weights)
     return _routed_swiglu_ops(x, w13, w2, expert_ids, weights)
 
