@@ -312,6 +312,7 @@ class TestInference(TestCase):
         self.assertEqual(weight_cache_stats(), {"misses": 0, "hits": 0})
         # a range of experts compiles with fullgraph in inference (the view test is
         # eager's: it once broke the graph), the same values
+        torch._dynamo.reset()  # (the suite's other compiled layers count as recompiles)
         compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
         with torch.no_grad():
             for r in ((0, 4), (4, 8)):
@@ -329,6 +330,7 @@ class TestInference(TestCase):
     )
     def test_compiles_fullgraph(self, precision, kw):
         moe = _layer(precision, **kw)
+        torch._dynamo.reset()  # (the suite's other compiled layers count as recompiles)
         compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend="aot_eager")
         for num_tokens in (3, 8, 5):
             x = torch.randn(num_tokens, D)
@@ -360,6 +362,7 @@ class TestInference(TestCase):
         self.assertIsNone(
             MoE(D, F, E, K, precision="fp8_rowwise").experts.decode_block_m(4, x.device)
         )
+        torch._dynamo.reset()  # (the suite's other compiled layers count as recompiles)
         compiled = torch.compile(copy.deepcopy(fused), fullgraph=True, backend="aot_eager")
         with torch.inference_mode():
             self.assertEqual(compiled(x), moe(x), **EXACT)
