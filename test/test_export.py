@@ -21,6 +21,7 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
+import naive
 import torch
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -44,20 +45,9 @@ CONFIGS = {
         "deepseek-v3", dim=D, hidden_dim=32, num_experts=16, expert_bias=True
     ),
     # GPT-OSS's block: swigluoai, interleaved gate / up rows, expert and router biases
-    "gpt-oss": lambda: MoE(
-        D,
-        32,
-        8,
-        2,
-        activation="swigluoai",
-        swiglu_alpha=1.702,
-        swiglu_limit=7.0,
-        experts_bias=True,
-        gate_up_interleaved=True,
-        router_bias=True,
-        score_func="softmax_topk",
-    ),
-    "relu2": lambda: MoE(D, 32, 8, 2, activation="relu2"),
+    "gpt-oss": lambda: MoE(D, 32, 8, 2, **naive.GPT_OSS),
+    # Nemotron-H's: ungated squared ReLU with biases
+    "relu2": lambda: MoE(D, 32, 8, 2, **naive.NEMOTRON_H),
     "capacity": lambda: MoE(D, 32, 8, 2, capacity_factor=1.0),
     "losses": lambda: MoE(D, 32, 8, 2, aux_loss="sequence", aux_loss_coeff=0.01, z_loss_coeff=1e-3),
     "fp8_rowwise": lambda: MoE(128, 128, 8, 2, precision="fp8_rowwise"),
