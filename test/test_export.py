@@ -7,9 +7,10 @@ with autograd, and under ``no_grad`` (the inference path); it saves and loads
 compiles ahead of time (``aoti_compile_and_package``) with torch_moe's Inductor passes.
 
 Exact comparisons: an exported program runs the same op kernels as eager; AOTInductor's
-code differs from eager only where the passes inline the combine, which keeps the CPU
-kernel's sum order (``torch_moe/_inductor/passes.py``), and the tests check that the
-SwiGLU, the one rewrite that is not bit for bit, was not inlined in those graphs.
+code differs from eager only where the passes inline the combine (a recipe's graph; without
+one the routed experts are one op, ``routed_swiglu``), which keeps the CPU kernel's sum
+order (``torch_moe/_inductor/passes.py``), and the tests check that the SwiGLU, the one
+rewrite that is not bit for bit, was not inlined in those graphs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch_moe._inductor as TI
 from torch_moe.nn import MoE
 
 EXACT = dict(atol=0, rtol=0)
-D = 64  # a multiple of the MX block (32) and of the FP8 blockwise recipe's 1x128 / 2
+D = 64  # the layers without a recipe (the recipes' take 128: the FP8 blockwise blocks)
 TRACED_T, CHECKED_T = 24, (1, 7, 33)  # the token counts run are not the traced one
 
 # name -> layer factory; each exercises a different router / experts / precision path
