@@ -1,5 +1,5 @@
-"""torch.export and AOTInductor of the MoE layer: the exported program of every expert kind
-and precision equals the eager layer bit for bit at token counts it was not traced at
+"""torch.export (non-strict; strict for one layer) and AOTInductor of the MoE layer: the
+exported program of every expert kind and precision equals the eager layer bit for bit at token counts it was not traced at
 (its token dim a ``Dim``), in training (the load statistics counted the same), in eval
 with autograd, and under ``no_grad`` (the inference path); it saves and loads
 (``torch.export.save`` / ``load``), keeps the ``torch_moe::`` ops whole through
@@ -68,12 +68,14 @@ def _grad_mode(mode: str):
     return torch.no_grad() if mode == "no_grad" else nullcontext()
 
 
-def _export(moe: MoE, mode: str, tokens_dim: int = 1) -> torch.export.ExportedProgram:
+def _export(
+    moe: MoE, mode: str, tokens_dim: int = 1, strict: bool = False
+) -> torch.export.ExportedProgram:
     shape = [2, TRACED_T, moe.dim] if tokens_dim == 1 else [TRACED_T, moe.dim]
     x = torch.randn(shape)
     tokens = torch.export.Dim("tokens", min=1, max=1 << 16)
     with _grad_mode(mode):
-        return torch.export.export(moe, (x,), dynamic_shapes=({tokens_dim: tokens},))
+        return torch.export.export(moe, (x,), dynamic_shapes=({tokens_dim: tokens},), strict=strict)
 
 
 def _inputs(dim: int, seed: int, tokens_dim: int = 1):
@@ -110,9 +112,13 @@ class TestExport(TestCase):
                 got = run(x)
             self.assertEqual(got, want, **EXACT, msg=f"call {i}, {list(x.shape)}")
             if got_buffers is not None:
+                # the program's buffers: every one of the layer's (a strict export lifts
+                # only those its graph reads)
                 buffers = got_buffers()
-                for name, b in ref.named_buffers():
-                    self.assertEqual(buffers[name], b, **EXACT, msg=f"call {i}: {name}")
+                want_buffers = dict(ref.named_buffers())
+                self.assertLessEqual(set(buffers), set(want_buffers))
+                for name, b in buffers.items():
+                    self.assertEqual(b, want_buffers[name], **EXACT, msg=f"call {i}: {name}")
 
     @parametrize("mode", MODES)
     @parametrize("name", list(CONFIGS))
@@ -123,8 +129,20 @@ class TestExport(TestCase):
         self.assertIn("torch_moe.router_logits.default", _torch_moe_ops(ep.graph_module))
         module = ep.module()
         # the exported module updates its own buffers (the layer's, lifted) as eager does
+        self.assertEqual(set(dict(module.named_buffers())), set(dict(ref.named_buffers())))
         self._check_runs(module, ref, mode, lambda: dict(module.named_buffers()))
         if mode == "train":
+            self.assertGreater(int(ref.tokens_per_expert.sum()), 0)
+
+    @parametrize("mode", ("train", "no_grad"))
+    def test_strict(self, mode):
+        """``strict=True`` (Dynamo traces the layer, as ``torch.compile`` does) too."""
+        moe = _layer("deepseek-v3", mode)
+        ref = copy.deepcopy(moe)
+        module = _export(moe, mode, strict=True).module()
+        self._check_runs(module, ref, mode, lambda: dict(module.named_buffers()))
+        if mode == "train":  # the statistics are counted in the program
+            self.assertIn("tokens_per_expert", dict(module.named_buffers()))
             self.assertGreater(int(ref.tokens_per_expert.sum()), 0)
 
     def test_tokens_first_input(self):
