@@ -25,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_probe import intra_op_threads
+from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.common_utils import (
     TestCase,
@@ -1758,12 +1759,7 @@ class TestRoutedSwiGLU(TestCase):
         self.addCleanup(torch._dynamo.reset)
         torch.manual_seed(0)
         moe = MoE(32, 16, 6, 2, dtype=F32 if autocast else BF16, shared_hidden_dim=8).eval()
-        graphs: list[torch.fx.GraphModule] = []
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-            graphs.append(gm)
-            return gm.forward
-
+        backend = EagerAndRecordGraphs()
         compiled = torch.compile(copy.deepcopy(moe), fullgraph=True, backend=backend)
         gen = torch.Generator().manual_seed(1)
         amp = torch.autocast("cpu", BF16, enabled=autocast)
@@ -1773,15 +1769,15 @@ class TestRoutedSwiGLU(TestCase):
                 with torch.inference_mode():
                     want, got = moe(x), compiled(x)
                 self.assertTrue(torch.equal(got, want), f"{tokens} tokens")
-        targets = {n.target for gm in graphs for n in gm.graph.nodes}
+        targets = {n.target for gm in backend.graphs for n in gm.graph.nodes}
         self.assertIn(torch.ops.torch_moe.routed_swiglu.default, targets)
         if _native.available() and not autocast:  # (no one call under CPU autocast)
             self.assertIn(True, answers[1:])
-        graphs.clear()
+        backend.graphs.clear()
         training = torch.compile(copy.deepcopy(moe).train(), fullgraph=True, backend=backend)
         with amp:
             training(torch.randn(3, 32).to(moe.experts.w13.dtype))
-        targets = {n.target for n in graphs[-1].graph.nodes}
+        targets = {n.target for n in backend.graphs[-1].graph.nodes}
         self.assertNotIn(torch.ops.torch_moe.routed_swiglu.default, targets)
         self.assertIn(torch.ops.torch_moe.grouped_swiglu.default, targets)
 

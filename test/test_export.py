@@ -84,7 +84,7 @@ def _inputs(dim: int, seed: int, tokens_dim: int = 1):
         yield torch.randn([2, t, dim] if tokens_dim == 1 else [t, dim], generator=gen)
 
 
-def _torch_moe_ops(gm: torch.fx.GraphModule) -> set[str]:
+def torch_moe_ops(gm: torch.fx.GraphModule) -> set[str]:
     """The torch_moe ops called anywhere in ``gm`` (submodules of higher-order ops too; a
     mutating op by the ``auto_functionalized`` node that functionalization wraps it in)."""
     found = set()
@@ -126,7 +126,7 @@ class TestExport(TestCase):
         moe = _layer(name, mode)
         ref = copy.deepcopy(moe)
         ep = _export(moe, mode)
-        self.assertIn("torch_moe.router_logits.default", _torch_moe_ops(ep.graph_module))
+        self.assertIn("torch_moe.router_logits.default", torch_moe_ops(ep.graph_module))
         module = ep.module()
         # the exported module updates its own buffers (the layer's, lifted) as eager does
         self.assertEqual(set(dict(module.named_buffers())), set(dict(ref.named_buffers())))
@@ -163,7 +163,7 @@ class TestExport(TestCase):
         torch.export.save(_export(moe, mode), buf)
         buf.seek(0)
         loaded = torch.export.load(buf)
-        self.assertIn("torch_moe.topk_route.default", _torch_moe_ops(loaded.graph_module))
+        self.assertIn("torch_moe.topk_route.default", torch_moe_ops(loaded.graph_module))
         module = loaded.module()
         self._check_runs(module, ref, mode, lambda: dict(module.named_buffers()))
 
@@ -174,7 +174,7 @@ class TestExport(TestCase):
         moe = _layer("losses", "train")
         ref = copy.deepcopy(moe)
         ep = _export(moe, "train").run_decompositions()
-        ops = _torch_moe_ops(ep.graph_module)
+        ops = torch_moe_ops(ep.graph_module)
         for op in ("router_logits", "topk_route", "permute_indices", "add_load_counts"):
             self.assertIn(f"torch_moe.{op}.default", ops)
         mutated = set(ep.graph_signature.buffers_to_mutate.values())
@@ -216,7 +216,7 @@ class TestAOTInductor(TestCase):
             )
             compiled = torch._inductor.aoti_load_package(path)
         counts = TI.counters()
-        one_op = "torch_moe.routed_swiglu.default" in _torch_moe_ops(ep.graph_module)
+        one_op = "torch_moe.routed_swiglu.default" in torch_moe_ops(ep.graph_module)
         self.assertEqual(one_op, precision == "bf16")
         self.assertEqual(counts["inline_combine"], 0 if one_op else 1)
         self.assertEqual(counts["inline_swiglu"], 0)

@@ -20,6 +20,8 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_export import torch_moe_ops
+from torch._dynamo.testing import EagerAndRecordGraphs
 from torch.testing._internal.common_device_type import instantiate_device_type_tests, onlyCUDA
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.common_utils import (
@@ -518,12 +520,7 @@ class TestExpertsBackend(_OneThread, TestCase):
         one's keep their ops; both equal eager bit for bit, a one-token step included."""
         model = tiny_model(family, dtype=torch.bfloat16, impl="torch_moe")
         block = model.model.layers[0].mlp
-        graphs = []
-
-        def backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
+        backend = EagerAndRecordGraphs()
         torch._dynamo.reset()
         self.addCleanup(torch._dynamo.reset)
         compiled = torch.compile(block, fullgraph=True, backend=backend)
@@ -534,7 +531,7 @@ class TestExpertsBackend(_OneThread, TestCase):
                 want, got = block(x), compiled(x)
             want, got = (o[0] if isinstance(o, tuple) else o for o in (want, got))
             self.assertEqual(got, want, atol=0, rtol=0, msg=f"{tokens} tokens")
-        targets = {n.target for gm in graphs for n in gm.graph.nodes}
+        targets = {n.target for gm in backend.graphs for n in gm.graph.nodes}
         routed = torch.ops.torch_moe.routed_swiglu.default
         self.assertEqual(routed in targets, family == "qwen3_moe")
 
@@ -559,15 +556,9 @@ class TestExpertsBackend(_OneThread, TestCase):
             ep = torch.export.export(model, (_ids(),), dynamic_shapes=({1: seq},))
             ids = _ids(seed=2, shape=(2, 13))
             self.assertEqual(ep.module()(ids), model(ids), atol=0, rtol=0)
-        targets = {
-            str(n.target)
-            for m in ep.graph_module.modules()
-            if isinstance(m, torch.fx.GraphModule)
-            for n in m.graph.nodes
-        }
-        routed = "torch_moe.routed_swiglu.default" in targets
-        self.assertEqual(routed, family != "gpt_oss")
-        self.assertEqual("torch_moe.glu.default" in targets, family == "gpt_oss")
+        ops = torch_moe_ops(ep.graph_module)
+        self.assertEqual("torch_moe.routed_swiglu.default" in ops, family != "gpt_oss")
+        self.assertEqual("torch_moe.glu.default" in ops, family == "gpt_oss")
 
     def test_precision(self):
         """set_precision runs the experts' GEMMs through scaled_grouped_mm per recipe."""

@@ -96,6 +96,7 @@ _MODE_OVER_BUDGET = 1 << 10  # ... from a rank of more than max_tokens_per_rank 
 _MODE_MICROBATCHES = 1 << 11  # a plan of microbatches=2 (two plans, exchanges in flight)
 _MODE_CHUNKS_SHIFT = 12  # bits 12-31: the chunks of local experts the exchanges run in, - 1
 _MODE_CHUNKS_MAX = 1 << 20
+_MODE_CHUNKS_FIELD = (_MODE_CHUNKS_MAX - 1) << _MODE_CHUNKS_SHIFT
 
 
 def mode_word(
@@ -134,8 +135,7 @@ def with_chunks(word: int, chunks: int) -> int:
         or not 0 < chunks <= _MODE_CHUNKS_MAX
     ):
         raise ValueError(f"mode_word: chunks must be an int in [1, 2**20], got {chunks!r}")
-    field = (_MODE_CHUNKS_MAX - 1) << _MODE_CHUNKS_SHIFT
-    return (word & ~field) | ((chunks - 1) << _MODE_CHUNKS_SHIFT)
+    return (word & ~_MODE_CHUNKS_FIELD) | ((chunks - 1) << _MODE_CHUNKS_SHIFT)
 
 
 def _describe_mode(word: int) -> str:
@@ -148,7 +148,7 @@ def _describe_mode(word: int) -> str:
         out += ", more tokens than max_tokens_per_rank"
     if word & _MODE_MICROBATCHES:
         out += ", two micro-batches"
-    chunks = ((word >> _MODE_CHUNKS_SHIFT) & (_MODE_CHUNKS_MAX - 1)) + 1
+    chunks = ((word & _MODE_CHUNKS_FIELD) >> _MODE_CHUNKS_SHIFT) + 1
     if chunks > 1:
         out += f", {chunks} chunks of local experts"
     return out
